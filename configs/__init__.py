@@ -1,0 +1,1 @@
+"""Shipped data files (hardware specs, catalogs, health policy, manifests)."""

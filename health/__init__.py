@@ -1,0 +1,4 @@
+"""Health monitoring: telemetry, detectors and recovery policy.
+
+Never imports ``orchestrator``; the orchestrator calls in.
+"""

@@ -1,0 +1,252 @@
+"""The node agent: one per node, it runs setup once and the workers (under torchrun) on command.
+
+It polls the controller (each poll is also its heartbeat) for what the node should be doing,
+starts or stops torchrun accordingly, ships output lines to the job log, and reports how each
+attempt ended, retrying until the controller has it. A controller that is down only delays
+reports: the workers keep training.
+
+Started by a provider as `python -m orchestrator.agent` with TFSN_CONTROLLER_URL, TFSN_TOKEN,
+TFSN_JOB_ID and TFSN_NODE_ID in its environment.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
+
+HEARTBEAT_S = 1.0
+TICK_S = 0.2
+STOP_GRACE_S = 10.0
+ORPHAN_EXIT_S = 3600.0   # give up on an unreachable controller after this long with nothing running
+TAIL_LINES = 200
+_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
+
+
+class LogShipper:
+    """Collects output lines and posts them to the controller in batches, off the hot path."""
+
+    def __init__(self, client: ControllerClient, max_buffer: int = 20000) -> None:
+        self.client = client
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
+        self._lock = threading.Lock()
+        threading.Thread(target=self._loop, name="tfsn-logs", daemon=True).start()
+
+    def add(self, line: str) -> None:
+        line = line.rstrip("\n")
+        print(line, flush=True)
+        with self._lock:
+            self.tail.append(line)
+            self._pending.append(line)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            lines = list(self._pending)
+        if not lines:
+            return
+        try:
+            self.client.post("/logs", {"lines": lines}, timeout=timeout)
+        except (ControllerUnavailable, ControllerRejected):
+            return
+        with self._lock:
+            for _ in range(min(len(lines), len(self._pending))):
+                self._pending.popleft()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(0.5)
+            self.flush()
+
+
+def _env_with_python(extra: dict[str, str]) -> dict[str, str]:
+    """The node's environment plus `extra`, with this interpreter's directory first on PATH, so that
+    `python` in the job's commands is the one tfsn runs under (its virtualenv, with torch)."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return {**os.environ, **extra, "PATH": path}
+
+
+def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]:
+    """The user-facing error of a failed run and the signal that killed the first worker, if any.
+
+    torchrun prints a "Root Cause (first observed failure)" block whose `exitcode` is negative when
+    a signal killed the worker; the error is the last `SomethingError: ...` line the workers printed.
+    """
+    sig = None
+    for i, line in enumerate(lines):
+        if "Root Cause" in line:
+            match = next((m for m in map(_EXITCODE.search, lines[i:]) if m), None)
+            if match and int(match.group(1)) < 0:
+                sig = -int(match.group(1))
+    error = next((line for line in reversed(lines) if _ERROR_LINE.search(line) and "ChildFailedError" not in line
+                  and "torch.distributed.elastic" not in line), "")
+    if sig is not None:
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        return f"a worker was killed by {name}" + (f" ({error.strip()})" if error else ""), sig
+    return (error.strip() or f"workers exited with code {returncode}"), None
+
+
+class Agent:
+    def __init__(self, client: ControllerClient, node_id: str) -> None:
+        self.client = client
+        self.node_id = node_id
+        self.logs = LogShipper(client)
+        self.state = "starting"           # starting -> setup -> ready
+        self.proc: subprocess.Popen | None = None
+        self.attempt = 0                  # the attempt `proc` runs
+        self.done: set[int] = set()       # attempts that ended here (reported or queued)
+        self.reports: list[dict[str, Any]] = []
+        self._stopping = False
+
+    # ---- workers ------------------------------------------------------------------------------
+    def _start(self, cmd: dict[str, Any]) -> None:
+        torchrun = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(cmd["nnodes"]), "--node-rank", str(cmd["node_rank"]),
+            "--nproc-per-node", str(cmd["nproc_per_node"]),
+            "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),
+            "--max-restarts", "0", "--monitor-interval", "0.2", "--tee", "3",
+            "--no-python", "bash", "-c", cmd["run"]]
+        env = _env_with_python({**cmd["env"], "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "})
+        self.logs.add(f"[tfsn] node {self.node_id}: starting attempt {cmd['attempt']} as node rank "
+                      f"{cmd['node_rank']} of {cmd['nnodes']}")
+        self.proc = subprocess.Popen(torchrun, cwd=cmd["workdir"], env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.attempt = cmd["attempt"]
+        self._stopping = False
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
+
+    def _pump(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            if not self._stopping:  # torchrun's traceback for the SIGTERM we sent is noise
+                self.logs.add(line)
+
+    def _stop(self) -> None:
+        """Stop the running workers: torchrun forwards SIGTERM to them; SIGKILL after a grace period."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self._stopping = True
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _collect(self) -> None:
+        """If the workers ended, queue the attempt's report."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        rc = self.proc.returncode
+        time.sleep(0.1)  # let the pump drain the last lines
+        summary, sig = failure_summary(list(self.logs.tail), rc) if rc != 0 else ("", None)
+        self.reports.append({"attempt": self.attempt, "returncode": rc, "signal": sig,
+                             "stopped": self._stopping, "summary": summary})
+        self.logs.add(f"[tfsn] node {self.node_id}: attempt {self.attempt} ended with code {rc}"
+                      + (" (stopped by the controller)" if self._stopping else ""))
+        self.done.add(self.attempt)
+        self.proc = None
+
+    # ---- setup --------------------------------------------------------------------------------
+    def _setup(self, script: str, workdir: str) -> None:
+        self.state = "setup"
+
+        def run() -> None:
+            if script.strip():
+                self.logs.add(f"[tfsn] node {self.node_id}: running setup")
+                proc = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=_env_with_python({}),
+                                        stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for line in proc.stdout:
+                    self.logs.add(f"[setup] {line}")
+                if proc.wait() != 0:
+                    tail = [line for line in self.logs.tail if line.startswith("[setup]")][-5:]
+                    self.reports.append({"attempt": 0, "returncode": proc.returncode, "signal": None,
+                                         "stopped": False, "summary": " | ".join(tail) or
+                                         f"setup exited with code {proc.returncode}"})
+                    self.state = "setup-failed"
+                    return
+            self.state = "ready"
+
+        threading.Thread(target=run, name="tfsn-setup", daemon=True).start()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _send_reports(self) -> None:
+        while self.reports:
+            self.client.post(f"/nodes/{self.node_id}/result", self.reports[0])
+            self.reports.pop(0)
+
+    def _obey(self, cmd: dict[str, Any]) -> bool:
+        """Act on the controller's command; False when the agent must exit."""
+        action = cmd.get("action")
+        if action == "exit":
+            return False
+        if action == "setup" and self.state == "starting":
+            self._setup(cmd.get("setup", ""), cmd.get("workdir", "."))
+        elif action == "idle":
+            self._stop()
+        elif action == "run" and cmd["attempt"] not in self.done:
+            if self.proc is not None and self.attempt != cmd["attempt"]:
+                self._stop()
+                self._collect()
+            if self.proc is None:
+                self._start(cmd)
+        return True
+
+    def run(self) -> int:
+        last_heartbeat = 0.0
+        unreachable_since: float | None = None
+        while True:
+            self._collect()
+            now = time.monotonic()
+            if now - last_heartbeat >= HEARTBEAT_S or self.reports:
+                try:
+                    self._send_reports()
+                    cmd = self.client.post(f"/nodes/{self.node_id}/heartbeat",
+                                           {"state": self.state, "attempt": self.attempt if self.proc else None})
+                    unreachable_since = None
+                    last_heartbeat = now
+                    if not self._obey(cmd):
+                        break
+                except ControllerUnavailable:
+                    unreachable_since = unreachable_since or now
+                    last_heartbeat = now  # back off to the heartbeat interval
+                    if self.proc is None and now - unreachable_since > ORPHAN_EXIT_S:
+                        self.logs.add(f"[tfsn] node {self.node_id}: controller unreachable, exiting")
+                        break
+                except ControllerRejected as err:  # the job is gone or the token is wrong
+                    self.logs.add(f"[tfsn] node {self.node_id}: {err}; exiting")
+                    break
+            time.sleep(TICK_S)
+        self._stop()
+        self._collect()
+        self.logs.flush()
+        return 0
+
+
+def main() -> int:
+    client = ControllerClient.from_env()
+    node_id = os.environ.get("TFSN_NODE_ID")
+    if client is None or not node_id:
+        print("tfsn agent: error: TFSN_CONTROLLER_URL, TFSN_TOKEN, TFSN_JOB_ID and TFSN_NODE_ID must be set; "
+              "the agent is started by a provider, not by hand", file=sys.stderr)
+        return 2
+    # A SIGTERM from the provider stops the workers before the agent goes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    agent = Agent(client, node_id)
+    try:
+        return agent.run()
+    finally:
+        agent._stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

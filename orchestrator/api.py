@@ -1,0 +1,116 @@
+"""The controller's HTTP API: what agents and the SDK call, on 127.0.0.1 only.
+
+Routing, size limits and the per-job secret token live here; what a request means is the
+controller's business (`Handlers`). A request without the job's token is refused with 401.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Protocol
+
+from orchestrator.client import TOKEN_HEADER
+from orchestrator.store import Store, StoreError
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class Handlers(Protocol):
+    """The controller's side of each endpoint; each returns the JSON answer."""
+
+    def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    def logs(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
+    def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
+    def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+_ROUTES: list[tuple[re.Pattern[str], Callable[[Handlers, int, dict[str, str], dict[str, Any]], dict[str, Any]]]] = [
+    (re.compile(r"/v1/jobs/(?P<job>\d+)/nodes/(?P<node>[\w.-]+)/heartbeat"),
+     lambda h, job, m, body: h.heartbeat(job, m["node"], body)),
+    (re.compile(r"/v1/jobs/(?P<job>\d+)/nodes/(?P<node>[\w.-]+)/result"),
+     lambda h, job, m, body: h.result(job, m["node"], body)),
+    (re.compile(r"/v1/jobs/(?P<job>\d+)/logs"), lambda h, job, m, body: h.logs(job, body)),
+    (re.compile(r"/v1/jobs/(?P<job>\d+)/telemetry"), lambda h, job, m, body: h.telemetry(job, body)),
+    (re.compile(r"/v1/jobs/(?P<job>\d+)/checkpoint"), lambda h, job, m, body: h.checkpoint(job, body)),
+]
+
+
+class ApiServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True  # a restarted controller takes its old port back at once
+
+    def __init__(self, port: int, store: Store, handlers: Handlers) -> None:
+        super().__init__(("127.0.0.1", port), _RequestHandler)
+        self.store = store
+        self.handlers = handlers
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="tfsn-api", daemon=True)
+        thread.start()
+        return thread
+
+
+class _RequestHandler(BaseHTTPRequestHandler):
+    server: ApiServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: agents poll every second
+        pass
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/healthz":
+            self._reply(200, {"ok": True})
+        else:
+            self._reply(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        for pattern, call in _ROUTES:
+            match = pattern.fullmatch(self.path)
+            if match:
+                break
+        else:
+            self._reply(404, {"error": "not found"})
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            self._reply(413, {"error": f"body over {MAX_BODY_BYTES} bytes"})
+            self.close_connection = True
+            return
+        raw = self.rfile.read(length)
+        job_id = int(match["job"])
+        try:
+            token = self.server.store.job(job_id).token
+        except StoreError:
+            self._reply(404, {"error": f"no job {job_id}"})
+            return
+        given = self.headers.get(TOKEN_HEADER, "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            self._reply(401, {"error": "missing or wrong job token"})
+            return
+        try:
+            body = json.loads(raw or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as err:
+            self._reply(400, {"error": f"bad JSON: {err}"})
+            return
+        try:
+            self._reply(200, call(self.server.handlers, job_id, match.groupdict(), body))
+        except (KeyError, TypeError, ValueError, StoreError) as err:
+            self._reply(400, {"error": f"bad request: {err!r}"})

@@ -1,0 +1,355 @@
+"""The controller: drives every job through its state machine, from the store.
+
+PENDING -> PROVISIONING -> RUNNING -> (RECOVERING -> RUNNING)* -> SUCCEEDED | FAILED | STOPPED
+
+`reconcile(job)` is a pure function of what the store holds and what providers see, so the
+controller can be killed at any point and started again: it re-reads its jobs and carries on.
+Agents poll the controller (heartbeat) and get back what their node should be doing now.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from orchestrator.home import job_dir
+from orchestrator.spec import JobSpec
+from orchestrator.store import Job, JobState, Node, NodeState, Store
+from providers.base import NodeHandle, NodeRequest, NodeStatus, Provider, ProviderError
+
+STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node to report before deciding
+STARTING_TIMEOUT_MIN_S = 60.0  # a new node gets at least this long to send its first heartbeat
+# A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
+NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
+
+
+def requested_cpus(spec: JobSpec) -> int | None:
+    """The vCPUs each node asks for (None: the provider's default)."""
+    return int(spec.resources.cpus.count) if spec.resources.cpus else None
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for the workers' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Controller:
+    """Reconciles active jobs; serves as the API's `Handlers`."""
+
+    def __init__(self, store: Store, home: Path, providers: dict[str, Provider], url: str = "") -> None:
+        self.store = store
+        self.home = home
+        self.providers = providers
+        self.url = url                      # set once the API server listens
+        self.wake = threading.Event()       # set by the API when something happened
+        self._log_lock = threading.Lock()
+
+    # ---- API handlers -------------------------------------------------------------------------
+    def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        node = self._node_of(job_id, node_id)
+        changes: dict[str, Any] = {"heartbeat_at": time.time(), "agent_state": str(body.get("state", ""))}
+        if body.get("state") == "ready" and node.state == NodeState.STARTING:
+            changes["state"] = NodeState.READY
+            self._event(job_id, "node", f"node {node_id} ready" + (f" (rank {node.rank})" if node.rank is not None
+                                                                      else " (spare)"))
+            self.wake.set()
+        self.store.update_node(node_id, **changes)
+        return self.command(self.store.job(job_id), self.store.node(node_id))
+
+    def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._node_of(job_id, node_id)
+        signal = body.get("signal")
+        self.store.record_result(job_id, node_id, int(body["attempt"]), int(body["returncode"]),
+                                 None if signal is None else int(signal), bool(body.get("stopped")),
+                                 str(body.get("summary", ""))[-4000:])
+        self.wake.set()
+        return {}
+
+    def logs(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        lines = [str(line) for line in body.get("lines", [])]
+        self._append_log(job_id, lines)
+        return {}
+
+    def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        self.store.record_steps(job_id, int(body["attempt"]), int(body["rank"]), list(body["records"]))
+        return {}
+
+    def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        step, path = int(body["step"]), str(body["path"])
+        if body.get("restored"):
+            self.store.update_job(job_id, restored_step=step)
+            self._event(job_id, "checkpoint", f"restored step {step} from {path}")
+        else:
+            self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path)
+            self._event(job_id, "checkpoint", f"saved step {step} in {body.get('seconds', 0):.2f}s to {path}")
+        return {}
+
+    def command(self, job: Job, node: Node) -> dict[str, Any]:
+        """What `node`'s agent must do now: setup, idle, run an attempt, or exit."""
+        if job.state.terminal or not node.state.active:
+            return {"action": "exit"}
+        spec = JobSpec.model_validate(job.spec)
+        if node.state == NodeState.STARTING:
+            return {"action": "setup", "setup": spec.setup or "", "workdir": spec.workdir}
+        if node.rank is None or job.state != JobState.RUNNING or job.attempt_state != "running":
+            return {"action": "idle"}
+        return {"action": "run", "attempt": job.attempt, "run": spec.run, "workdir": spec.workdir,
+                "nnodes": spec.num_nodes, "node_rank": node.rank, "nproc_per_node": spec.nprocs(),
+                "master_addr": "127.0.0.1", "master_port": job.master_port, "env": self._worker_env(job, spec)}
+
+    def _worker_env(self, job: Job, spec: JobSpec) -> dict[str, str]:
+        ckpt = spec.checkpoint
+        env = {**spec.envs, "TFSN_ATTEMPT": str(job.attempt), "TFSN_NUM_NODES": str(spec.num_nodes),
+               "TFSN_CHECKPOINT_DIR": ckpt.dir or str(job_dir(job.id, self.home) / "checkpoints"),
+               "TFSN_JOB_NAME": job.name}
+        # The spec overrides the script's own settings only where the user wrote them down.
+        if "interval" in ckpt.model_fields_set:
+            env["TFSN_CHECKPOINT_INTERVAL"] = str(ckpt.interval)
+        if "keep" in ckpt.model_fields_set:
+            env["TFSN_CHECKPOINT_KEEP"] = str(ckpt.keep)
+        if spec.steps is not None:
+            env["TFSN_STEPS"] = str(spec.steps)
+        provider = self._provider(self._provider_name(spec))
+        if getattr(provider, "shares_host", False) and "OMP_NUM_THREADS" not in spec.envs:
+            # Nodes that share this machine split its cores instead of each taking all of them.
+            cpus = requested_cpus(spec) or max(1, (os.cpu_count() or 1) // spec.num_nodes)
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // spec.nprocs()))
+        return env
+
+    def _node_of(self, job_id: int, node_id: str) -> Node:
+        node = self.store.node(node_id)
+        if node.job_id != job_id:
+            raise ValueError(f"node {node_id} is not part of job {job_id}")
+        return node
+
+    # ---- logs and events ----------------------------------------------------------------------
+    def _append_log(self, job_id: int, lines: list[str]) -> None:
+        if not lines:
+            return
+        with self._log_lock, open(job_dir(job_id, self.home) / "job.log", "a") as log:
+            log.write("".join(line.rstrip("\n") + "\n" for line in lines))
+
+    def _event(self, job_id: int, kind: str, message: str) -> None:
+        self.store.add_event(job_id, kind, message)
+        self._append_log(job_id, [f"[tfsn] {message}"])
+
+    def _transition(self, job: Job, new: JobState, message: str = "", **changes: Any) -> None:
+        self.store.transition(job.id, new, message, **changes)
+        self._append_log(job.id, [f"[tfsn] job {job.id} {new.value}" + (f": {message}" if message else "")])
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run_forever(self, stop: threading.Event, idle_exit_s: float) -> None:
+        """Reconcile every active job until `stop` is set or nothing was active for `idle_exit_s`."""
+        self.reconcile_intents()
+        idle_since = time.monotonic()
+        while not stop.is_set():
+            self.wake.clear()
+            active = self.store.jobs(active_only=True)
+            for job in active:
+                try:
+                    self.reconcile(job.id)
+                except Exception:  # one broken job must not stop the others
+                    print(f"job {job.id}: reconcile failed\n{traceback.format_exc()}", flush=True)
+            if active:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > idle_exit_s:
+                return
+            self.wake.wait(0.5)
+
+    def reconcile_intents(self) -> None:
+        """Nodes recorded but maybe never created (a crash between the two): make sure none leaks."""
+        for job in self.store.jobs(active_only=True):
+            for node in self.store.nodes(job.id, active_only=True):
+                if node.state == NodeState.REQUESTED:
+                    self._terminate(node)
+                    self.store.update_node(node.id, state=NodeState.TERMINATED,
+                                           failure="controller restarted before the node was confirmed")
+
+    def reconcile(self, job_id: int) -> None:
+        """One step of the job's state machine."""
+        job = self.store.job(job_id)
+        if job.stop_requested:
+            self._teardown(job)
+            self._transition(job, JobState.STOPPED, "stopped by the user")
+            return
+        spec = JobSpec.model_validate(job.spec)
+        if job.state == JobState.PENDING:
+            self._transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {self._provider_name(spec)}")
+            job = self.store.job(job_id)
+        self._check_nodes(job, spec)
+        if job.state in (JobState.PROVISIONING, JobState.RECOVERING):
+            self._provision(self.store.job(job_id), spec)
+        elif job.state == JobState.RUNNING:
+            self._watch_attempt(self.store.job(job_id), spec)
+
+    # ---- nodes --------------------------------------------------------------------------------
+    @staticmethod
+    def _provider_name(spec: JobSpec) -> str:
+        return (spec.resources.infra or ["local"])[0]
+
+    def _provider(self, name: str) -> Provider:
+        return self.providers[name]
+
+    def _check_nodes(self, job: Job, spec: JobSpec) -> None:
+        """Fail every node whose agent is gone or silent."""
+        now = time.time()
+        timeout = spec.health.heartbeat_timeout
+        for node in self.store.nodes(job.id, active_only=True):
+            if node.handle is None:
+                continue
+            status = self._provider(node.provider).status(NodeHandle(**node.handle))
+            if status == NodeStatus.TERMINATED:
+                self._fail_node(job, node, "the node's agent exited")
+            elif node.heartbeat_at is None and now - node.created_at > max(timeout, STARTING_TIMEOUT_MIN_S):
+                self._fail_node(job, node, f"no heartbeat within {max(timeout, STARTING_TIMEOUT_MIN_S):.0f}s of start")
+            elif node.heartbeat_at is not None and now - node.heartbeat_at > timeout:
+                self._fail_node(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
+
+    def _fail_node(self, job: Job, node: Node, reason: str) -> None:
+        self.store.update_node(node.id, state=NodeState.FAILED, failure=reason)
+        self._event(job.id, "node", f"node {node.id} failed: {reason}")
+        self._terminate(node)
+
+    def _terminate(self, node: Node) -> None:
+        handle = NodeHandle(**node.handle) if node.handle else NodeHandle(node.provider, node.id)
+        self._provider(node.provider).terminate(handle)
+
+    def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
+        """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes)."""
+        provider = self._provider(self._provider_name(spec))
+        node_id = f"{job.name}-{job.id}-n{len(self.store.nodes(job.id))}"
+        self.store.add_node(node_id, job.id, rank, provider.name)
+        log = job_dir(job.id, self.home) / f"{node_id}.log"
+        request = NodeRequest(
+            job_id=str(job.id), node_id=node_id, workdir=spec.workdir, log_path=str(log),
+            command=agent_command(), cpus=requested_cpus(spec),
+            env=agent_env(self.url, job, node_id))
+        try:
+            handle = provider.provision(request)
+        except ProviderError as err:
+            self.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
+            self._event(job.id, "node", f"node {node_id} could not be created: {err}")
+            if not err.retryable:
+                self._teardown(job)
+                self._transition(job, JobState.FAILED, str(err), error=str(err))
+            return
+        self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__)
+        role = f"rank {rank}" if rank is not None else "spare"
+        self._event(job.id, "node", f"node {node_id} provisioned on {provider.name} ({role})")
+
+    def _provision(self, job: Job, spec: JobSpec) -> None:
+        """Give every rank a node (a spare first), keep the spares topped up, then start an attempt."""
+        failed = [n for n in self.store.nodes(job.id) if n.state == NodeState.FAILED]
+        budget = spec.num_nodes + spec.recovery.spares + spec.recovery.max_restarts + 2
+        if len(failed) > budget:
+            reason = f"{len(failed)} nodes failed to start; last: {failed[-1].failure}"
+            self._teardown(job)
+            self._transition(job, JobState.FAILED, reason, error=reason)
+            return
+        setup_failure = next((r for r in self.store.results(job.id, 0) if r.returncode != 0), None)
+        if setup_failure is not None:
+            reason = f"setup failed on node {setup_failure.node_id}: {setup_failure.summary}"
+            self._teardown(job)
+            self._transition(job, JobState.FAILED, reason, error=reason)
+            return
+        nodes = self.store.nodes(job.id, active_only=True)
+        ranked = {n.rank: n for n in nodes if n.rank is not None}
+        spares = [n for n in nodes if n.rank is None]
+        for rank in range(spec.num_nodes):
+            if rank in ranked:
+                continue
+            spare = next((s for s in sorted(spares, key=lambda s: s.state != NodeState.READY)), None)
+            if spare is not None:
+                spares.remove(spare)
+                self.store.update_node(spare.id, rank=rank)
+                self._event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
+            else:
+                self._create_node(job, spec, rank)
+        for _ in range(spec.recovery.spares - len(spares)):
+            self._create_node(job, spec, None)
+        if self.store.job(job.id).state.terminal:
+            return
+        nodes = self.store.nodes(job.id, active_only=True)
+        ready = [n for n in nodes if n.rank is not None and n.state == NodeState.READY]
+        if len(ready) == spec.num_nodes:
+            attempt = job.attempt + 1
+            self._transition(job, JobState.RUNNING, f"attempt {attempt} on " + ", ".join(
+                n.id for n in sorted(ready, key=lambda n: n.rank)), attempt=attempt, attempt_state="running",
+                attempt_changed_at=time.time(), attempt_started_at=time.time(), master_port=free_port())
+            self.wake.set()
+
+    # ---- attempts -----------------------------------------------------------------------------
+    def _watch_attempt(self, job: Job, spec: JobSpec) -> None:
+        nodes = {n.id: n for n in self.store.nodes(job.id)}
+        ranked = [n for n in nodes.values() if n.rank is not None and n.state.active]
+        results = self.store.results(job.id, job.attempt)
+        by_node = {r.node_id: r for r in results}
+        if job.attempt_state == "running":
+            failures = [r for r in results if r.returncode != 0]
+            if len(ranked) < spec.num_nodes or failures:
+                what = failures[0].summary if failures else "a node failed"
+                self.store.update_job(job.id, attempt_state="stopping", attempt_changed_at=time.time())
+                self._event(job.id, "attempt", f"attempt {job.attempt} failed: {what}; stopping all ranks")
+                self.wake.set()
+            elif len(ranked) == spec.num_nodes and all(by_node.get(n.id) for n in ranked):
+                self._teardown(job)
+                self._transition(job, JobState.SUCCEEDED, f"all {spec.num_nodes} node(s) finished")
+            return
+        # stopping: wait until every live ranked node reported (or the grace ran out), then decide
+        waiting = [n for n in ranked if n.id not in by_node]
+        if waiting and time.time() - job.attempt_changed_at < STOP_GRACE_S:
+            return
+        self._recover(job, spec, nodes, results)
+
+    def _recover(self, job: Job, spec: JobSpec, nodes: dict[str, Node], results: list[Any]) -> None:
+        """Blame nodes, replace them, and restart every rank from the checkpoint (or give up)."""
+        first_failures = [r for r in results if r.returncode != 0 and not r.stopped]
+        blamed = [r for r in first_failures if r.signal in NODE_FAULT_SIGNALS]
+        for r in blamed:
+            node = nodes[r.node_id]
+            if node.state.active:
+                self._fail_node(job, node, f"a worker was killed by signal {r.signal}")
+        dead = [n for n in nodes.values() if n.state == NodeState.FAILED and n.updated_at >= job.attempt_started_at]
+        infra = bool(blamed) or bool(dead) or not first_failures
+        summary = first_failures[0].summary if first_failures else "; ".join(
+            f"{n.id}: {n.failure}" for n in dead) or "a node was lost"
+        signature = f"{'node' if infra else summary}|{job.checkpoint_step}"
+        if not infra and signature == job.last_failure:
+            reason = f"failed the same way twice with no progress in between: {summary}"
+            self._teardown(job)
+            self._transition(job, JobState.FAILED, reason, error=reason)
+            return
+        if job.restarts >= spec.recovery.max_restarts:
+            reason = f"gave up after {job.restarts} restart(s) (recovery.max_restarts); last failure: {summary}"
+            self._teardown(job)
+            self._transition(job, JobState.FAILED, reason, error=reason)
+            return
+        self._transition(job, JobState.RECOVERING, f"restart {job.restarts + 1} of {spec.recovery.max_restarts}"
+                         f" from the checkpoint at step {job.checkpoint_step or 0}: {summary}",
+                         restarts=job.restarts + 1, attempt_state="idle", attempt_changed_at=time.time(),
+                         last_failure=signature)
+        self.wake.set()
+
+    def _teardown(self, job: Job) -> None:
+        for node in self.store.nodes(job.id, active_only=True):
+            self._terminate(node)
+            self.store.update_node(node.id, state=NodeState.TERMINATED)
+
+
+def agent_command() -> list[str]:
+    """How a node starts its agent."""
+    return [sys.executable, "-m", "orchestrator.agent"]
+
+
+def agent_env(url: str, job: Job, node_id: str) -> dict[str, str]:
+    """The agent's whole environment: the controller's address and the job's secret."""
+    keep = {k: v for k, v in os.environ.items() if not k.startswith("TFSN_")}
+    return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": job.token, "TFSN_JOB_ID": str(job.id),
+            "TFSN_NODE_ID": node_id}

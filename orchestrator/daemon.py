@@ -1,0 +1,115 @@
+"""The controller as a background process: one per `$TFSN_HOME`, started on demand.
+
+`ensure_controller()` is what the CLI calls: it returns the URL of the running controller, starting
+one if none answers. The controller takes its previous port back when restarted, so agents and
+workers that kept running while it was down find it again.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from orchestrator.api import ApiServer
+from orchestrator.controller import Controller
+from orchestrator.home import atomic_write_text, tfsn_home
+from orchestrator.store import Store
+from providers.local import LocalProvider
+
+START_TIMEOUT_S = 30.0
+
+
+class ControllerStartError(Exception):
+    """The controller process did not come up."""
+
+
+def store_path(home: Path) -> Path:
+    return home / "tfsn.db"
+
+
+def info_path(home: Path) -> Path:
+    return home / "controller.json"
+
+
+def read_info(home: Path) -> dict | None:
+    """The running controller's pid and URL, if it answers."""
+    try:
+        info = json.loads(info_path(home).read_text())
+        with urllib.request.urlopen(f"{info['url']}/healthz", timeout=2) as response:
+            if json.loads(response.read()).get("ok"):
+                return info
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+def ensure_controller(home: Path | None = None) -> dict:
+    """The running controller's info; starts the controller in the background if none answers."""
+    home = home or tfsn_home()
+    info = read_info(home)
+    if info is not None:
+        return info
+    log = open(home / "controller.log", "ab")
+    subprocess.Popen([sys.executable, "-m", "orchestrator.daemon"], env={**os.environ, "TFSN_HOME": str(home)},
+                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        info = read_info(home)
+        if info is not None:
+            return info
+        time.sleep(0.1)
+    raise ControllerStartError(f"the controller did not start within {START_TIMEOUT_S:.0f}s. "
+                               f"To fix: read {home / 'controller.log'}")
+
+
+def stop_controller(home: Path | None = None) -> bool:
+    """SIGTERM the running controller; jobs keep running and are picked up by the next one."""
+    info = read_info(home or tfsn_home())
+    if info is None:
+        return False
+    os.kill(info["pid"], signal.SIGTERM)
+    return True
+
+
+def serve(home: Path) -> int:
+    """Run the controller in this process until SIGTERM or idle."""
+    lock = open(home / "controller.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("another controller already runs for this TFSN_HOME", flush=True)
+        return 0
+    try:
+        previous = json.loads(info_path(home).read_text()).get("port", 0)
+    except (OSError, ValueError):
+        previous = 0
+    store = Store(store_path(home))
+    controller = Controller(store, home, {"local": LocalProvider()})
+    try:
+        server = ApiServer(previous, store, controller)
+    except OSError:  # the old port is taken by someone else now
+        server = ApiServer(0, store, controller)
+    controller.url = server.url
+    server.start()
+    atomic_write_text(info_path(home), json.dumps({"pid": os.getpid(), "port": server.server_address[1],
+                                                   "url": server.url, "started_at": time.time()}))
+    print(f"controller {os.getpid()} listening on {server.url}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    controller.run_forever(stop, idle_exit_s=float(os.environ.get("TFSN_CONTROLLER_IDLE_S", 300)))
+    server.shutdown()
+    print("controller exiting", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(tfsn_home()))

@@ -1,0 +1,641 @@
+"""The job spec: train.yaml as pydantic models, and a loader whose errors name file, line and field.
+
+train.yaml feels like a SkyPilot task (`run`, `setup`, `envs`, `num_nodes`,
+`resources.accelerators: H100:8`, `use_spot`). Flexible user forms (`H100:8` or a list or a
+mapping, `16+`, `1h30m`) are normalized by before-validators into one stored form, so a loaded
+spec round-trips through JSON (the job store keeps it as JSON) and each bad field gives exactly one
+message. `load_spec` never lets anything but `SpecError` escape, whatever the file holds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import reprlib
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      ValidationError, ValidationInfo, field_validator, model_validator)
+
+PROVIDERS = ("local", "aws", "gcp", "azure", "kubernetes", "skypilot")
+MAX_FILE_BYTES = 4 << 20        # a train.yaml is a few KiB; refuse to parse anything huge
+
+_NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ACC_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+_DURATION_RE = re.compile(r"(?:\s*(?:\d+(?:\.\d+)?|\.\d+)\s*(?:ms|s|m|h|d))+\s*")
+_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_FIX = "To fix: use seconds (30) or a number with a unit s, m, h or d, e.g. '30s', '10m', '1h30m'"
+
+_repr = reprlib.Repr()   # short, one-line and safe on deep or self-referencing values
+_repr.maxstring = _repr.maxother = 40
+_repr.maxlevel, _repr.maxlist, _repr.maxdict = 2, 4, 4
+
+
+def _show(value: Any) -> str:
+    try:
+        return _repr.repr(value)
+    except Exception:                               # e.g. an int too long to print
+        return f"<{type(value).__name__}>"
+
+
+def parse_duration(value: str | int | float) -> float:
+    """Seconds in `value` ("30s", "10m", "1h30m", "250ms", "2d", or a plain number of seconds).
+
+    One grammar for every duration in the spec, so `interval` and `heartbeat_timeout` agree.
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{_show(value)} is not a duration. {_DURATION_FIX}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if _NUMBER_RE.fullmatch(text):
+            seconds = float(text)
+        elif _DURATION_RE.fullmatch(text):
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART_RE.findall(text))
+        else:
+            raise ValueError(f"invalid duration {_show(value)}. {_DURATION_FIX}")
+    else:
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"duration {_show(value)} must be a finite number >= 0. {_DURATION_FIX}")
+    return seconds
+
+
+class AcceleratorRequest(BaseModel):
+    """One accelerator choice: `count` devices of type `name` per node (name as the user wrote it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    count: int = Field(1, ge=1, strict=True)
+
+    def matches(self, name: str) -> bool:
+        """Accelerator names compare case-insensitively (h100 == H100), as in SkyPilot."""
+        return self.name.casefold() == name.casefold()
+
+
+class Amount(BaseModel):
+    """A resource quantity: exactly `count`, or at least `count` when the user wrote "N+"."""
+
+    model_config = ConfigDict(extra="forbid")
+    count: float = Field(gt=0, allow_inf_nan=False, strict=True)
+    at_least: bool = Field(False, strict=True)
+
+    def __str__(self) -> str:
+        return f"{self.count:g}{'+' if self.at_least else ''}"
+
+
+def _parse_accelerator(text: Any) -> tuple[str, int]:
+    fix = "To fix: write it like 'H100:8' (NAME:COUNT, COUNT a whole number >= 1)"
+    if not isinstance(text, str):
+        raise ValueError(f"{_show(text)} is not an accelerator. {fix}")
+    name, sep, count = (part.strip() for part in text.strip().partition(":"))
+    if not _ACC_NAME_RE.fullmatch(name):
+        raise ValueError(f"accelerator name {name!r} in {_show(text)} is not valid. {fix}")
+    if not sep:
+        return name, 1
+    if re.fullmatch(r"\d{1,6}", count) and int(count) >= 1:
+        return name, int(count)
+    if re.fullmatch(r"\d*\.\d+", count):
+        raise ValueError(f"fractional accelerator count {count!r} is not supported. {fix}")
+    raise ValueError(f"accelerator count {count!r} in {_show(text)} is not a whole number >= 1. {fix}")
+
+
+def _parse_amount(value: Any, whole: bool) -> Any:
+    fix = "To fix: write a number, or 'N+' for at least N, e.g. " + ("'4+'" if whole else "'16+'")
+    if value is None or isinstance(value, dict):    # dict: the stored form, or an error for Amount
+        return value
+    at_least, count = False, None
+    if isinstance(value, str):
+        text = value.strip()
+        at_least = text.endswith("+")
+        text = text.removesuffix("+").strip()
+        if _NUMBER_RE.fullmatch(text):
+            count = float(text)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        count = float(value) if not isinstance(value, int) or value.bit_length() < 1000 else math.inf
+    if count is None or not math.isfinite(count) or count <= 0:
+        raise ValueError(f"{_show(value)} is not a positive amount. {fix}")
+    if whole and count != int(count):
+        raise ValueError(f"{_show(value)} is not a whole number of CPUs. {fix}")
+    return {"count": count, "at_least": at_least}
+
+
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+class Resources(BaseModel):
+    """What each node needs. `accelerators` keeps the user's shape (str, list = ordered preference,
+    mapping = any of them, the cheapest run wins), normalized to "NAME:COUNT" / {NAME: COUNT}."""
+
+    model_config = ConfigDict(extra="forbid")
+    accelerators: str | list[str] | dict[str, int] | None = None
+    cpus: Amount | None = None                    # count is a whole number
+    memory: Amount | None = None                  # GiB
+    use_spot: bool = Field(False, strict=True)
+    infra: list[str] | None = None                # allowed providers, normalized to lower case
+    regions: list[str] | None = None
+    max_hourly_cost: float | None = Field(None, gt=0, allow_inf_nan=False, strict=True)
+
+    @field_validator("accelerators", mode="before")
+    @classmethod
+    def _accelerators(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return "%s:%d" % _parse_accelerator(value)
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("empty list. To fix: list accelerators like [H100:8, A100:8], "
+                                 "or remove the field for CPU only")
+            return ["%s:%d" % _parse_accelerator(item) for item in value]
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError("empty mapping. To fix: write {H100: 8, A100: 8}, "
+                                 "or remove the field for CPU only")
+            out = {}
+            for name, count in value.items():
+                if count is None:                  # SkyPilot's set form {H100, A100}: one each
+                    count = 1
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise ValueError(f"count {_show(count)} for {_show(name)} is not a whole number"
+                                     " >= 1. To fix: write it like {H100: 8}")
+                name, _ = _parse_accelerator(name)
+                out[name] = count
+            return out
+        raise ValueError(f"{_show(value)} is not an accelerator request. To fix: write 'H100:8', "
+                         "a list [H100:8, A100:8] (ordered preference) or {H100: 8, A100: 8} (any)")
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus(cls, value: Any) -> Any:
+        return _parse_amount(value, whole=True)
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory(cls, value: Any) -> Any:
+        return _parse_amount(value, whole=False)
+
+    @field_validator("infra", mode="before")
+    @classmethod
+    def _infra(cls, value: Any) -> Any:
+        value = _as_list(value)
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise ValueError("empty list. To fix: name providers like [aws, gcp], or remove the "
+                             "field to allow all")
+        out = []
+        for item in value:
+            name = item.strip().lower() if isinstance(item, str) else item
+            if name not in PROVIDERS:
+                close = difflib.get_close_matches(str(name), PROVIDERS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"unknown provider {_show(item)}; {hint}To fix: use one of "
+                                 + ", ".join(PROVIDERS))
+            out.append(name)
+        return out
+
+    @field_validator("regions", mode="before")
+    @classmethod
+    def _regions(cls, value: Any) -> Any:
+        value = _as_list(value)
+        if isinstance(value, list) and any(isinstance(r, str) and not r.strip() for r in value):
+            raise ValueError("empty region name. To fix: write regions like [us-east-1]")
+        return value
+
+    @field_validator("cpus")
+    @classmethod
+    def _whole_cpus(cls, value: Amount | None) -> Amount | None:
+        if value is not None and value.count != int(value.count):
+            raise ValueError(f"{value.count:g} is not a whole number of CPUs. To fix: write e.g. '4+'")
+        return value
+
+    @property
+    def accelerators_any_of(self) -> bool:
+        """True for the mapping form (any of them, cheapest run wins); False for str/list (ordered)."""
+        return isinstance(self.accelerators, dict)
+
+    def accelerator_choices(self) -> list[AcceleratorRequest]:
+        """The choices in the user's order; empty when the job runs on CPUs only."""
+        acc = self.accelerators
+        if acc is None:
+            return []
+        if isinstance(acc, dict):
+            return [AcceleratorRequest(name=n, count=c) for n, c in acc.items()]
+        pairs = [_parse_accelerator(a) for a in _as_list(acc)]
+        return [AcceleratorRequest(name=n, count=c) for n, c in pairs]
+
+
+class CheckpointSpec(BaseModel):
+    """Where and how often to checkpoint: every N steps (int), every duration ("10m"), or "auto"."""
+
+    model_config = ConfigDict(extra="forbid")
+    dir: str | None = Field(None, strict=True)    # absolute once loaded (relative to workdir)
+    interval: int | str = "auto"
+    keep: int = Field(3, ge=1, strict=True)
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _interval(cls, value: Any) -> Any:
+        fix = "To fix: write steps as a whole number (500), a time with a unit ('10m'), or 'auto'"
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str) and re.fullmatch(r"\s*\d{1,18}\s*", value):
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"interval {value} must be >= 1 step. {fix}")
+            return value
+        if not isinstance(value, str) or _NUMBER_RE.fullmatch(value.strip()):
+            raise ValueError(f"{_show(value)} is not a checkpoint interval. {fix}")
+        if parse_duration(value) <= 0:
+            raise ValueError(f"interval {value!r} must be longer than zero. {fix}")
+        return value.strip()
+
+    @property
+    def is_auto(self) -> bool:
+        return self.interval == "auto"
+
+    @property
+    def interval_steps(self) -> int | None:
+        return self.interval if isinstance(self.interval, int) else None
+
+    @property
+    def interval_seconds(self) -> float | None:
+        if isinstance(self.interval, str) and not self.is_auto:
+            return parse_duration(self.interval)
+        return None
+
+
+class RecoverySpec(BaseModel):
+    """How many times to restart after a fault, and how many standby nodes to keep provisioned."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_restarts: int = Field(3, ge=0, strict=True)
+    spares: int = Field(0, ge=0, strict=True)
+
+
+class HealthSpec(BaseModel):
+    """Health knobs set per job; the rest of the policy lives in configs/."""
+
+    model_config = ConfigDict(extra="forbid")
+    heartbeat_timeout: float = 30.0               # seconds
+
+    @field_validator("heartbeat_timeout", mode="before")
+    @classmethod
+    def _timeout(cls, value: Any) -> float:
+        seconds = parse_duration(value)
+        if seconds <= 0:
+            raise ValueError(f"heartbeat_timeout must be longer than zero. {_DURATION_FIX}")
+        return seconds
+
+
+def _env_name(key: str) -> str:
+    if not _ENV_RE.fullmatch(key):
+        raise ValueError(f"{_show(key)} is not a valid environment variable name. To fix: use "
+                         "letters, digits and '_', not starting with a digit")
+    return key
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value) if value.bit_length() < 4000 else _show(value)
+    if not isinstance(value, str):
+        raise ValueError(f"value {_show(value)} is not text, a number or a bool. To fix: quote "
+                         "it here, or pass it with --env NAME=VALUE")
+    return value
+
+
+EnvName = Annotated[str, Field(strict=True), AfterValidator(_env_name)]
+EnvValue = Annotated[str, BeforeValidator(_env_value)]
+
+
+class JobSpec(BaseModel):
+    """A whole train.yaml. Paths are absolute str once loaded by `load_spec`."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(strict=True)                # load_spec defaults it to the file's stem
+    num_nodes: int = Field(1, ge=1, strict=True)
+    nproc_per_node: int | Literal["auto"] = "auto"
+    workdir: str = Field(".", strict=True)
+    setup: str | None = Field(None, strict=True)
+    run: str = Field(strict=True)
+    envs: dict[EnvName, EnvValue] = Field(default_factory=dict)
+    steps: int | None = Field(None, ge=1, strict=True)
+    resources: Resources = Field(default_factory=Resources)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME_RE.fullmatch(value):
+            raise ValueError(f"{_show(value)} is not a valid job name. To fix: use 1-63 letters, "
+                             "digits, '.', '_' or '-', starting with a letter or digit")
+        return value
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the command is empty. To fix: write e.g. 'run: python train.py'")
+        return value
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        raise ValueError(f"{_show(value)} is not a process count. To fix: write a whole number "
+                         ">= 1 or 'auto' (one per accelerator)")
+
+    @field_validator("envs", mode="before")
+    @classmethod
+    def _envs(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{_show(value)} is not a mapping. To fix: write e.g. 'envs: {{SEED: 1}}'")
+        return value or {}
+
+    @field_validator("resources", "checkpoint", "recovery", "health", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any) -> Any:
+        return {} if value is None else value        # `resources:` with nothing under it
+
+    @model_validator(mode="after")
+    def _resolve_paths(self, info: ValidationInfo) -> JobSpec:
+        base = (info.context or {}).get("base_dir") if isinstance(info.context, dict) else None
+        if base is not None:
+            self.workdir = os.path.abspath(os.path.join(base, os.path.expanduser(self.workdir)))
+            if self.checkpoint.dir is not None:
+                self.checkpoint.dir = os.path.abspath(
+                    os.path.join(self.workdir, os.path.expanduser(self.checkpoint.dir)))
+        return self
+
+    def nprocs(self, accelerator: AcceleratorRequest | None = None) -> int:
+        """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerator`,
+        else the first choice), or 1 on CPU-only jobs."""
+        if self.nproc_per_node != "auto":
+            return self.nproc_per_node
+        if accelerator is None:
+            choices = self.resources.accelerator_choices()
+            accelerator = choices[0] if choices else None
+        return accelerator.count if accelerator is not None else 1
+
+
+class SpecError(Exception):
+    """A train.yaml is wrong; each message is one line 'FILE:LINE: FIELD: what. To fix: how'."""
+
+    def __init__(self, messages: list[str]) -> None:
+        self.messages = [" ".join(m.splitlines()) or "?" for m in messages]
+        super().__init__("\n".join(self.messages))
+
+    def __str__(self) -> str:
+        return "\n".join(self.messages)
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_SECTIONS = ("resources", "checkpoint", "recovery", "health")
+_EXAMPLES = {
+    "name": "tiny-gpt", "num_nodes": "2", "nproc_per_node": "auto", "workdir": ".",
+    "setup": "pip install -r requirements.txt", "run": "python train.py", "steps": "300",
+    "use_spot": "true", "max_hourly_cost": "30.0", "dir": "checkpoints", "keep": "3",
+    "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true",
+}
+
+
+def _user_path(data: Any, loc: tuple, missing: bool) -> tuple:
+    """The part of a pydantic loc the user wrote: drops union tags like 'int' or '[key]'."""
+    out, cur = [], data
+    for i, part in enumerate(loc):
+        if isinstance(cur, dict) and part in cur:
+            out.append(part)
+            cur = cur[part]
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            out.append(part)
+            cur = cur[part]
+        elif missing and i == len(loc) - 1:
+            out.append(part)
+    return tuple(out)
+
+
+def _dotted(path: tuple) -> str:
+    text = ""
+    for part in path:
+        if isinstance(part, str) and not re.fullmatch(r"[A-Za-z0-9_-]+", part):
+            part = repr(part)                       # '' or 'a b' or 'a.b' stay unambiguous
+        elif isinstance(part, str):
+            text += f".{part}" if text else part
+            continue
+        text += f"[{part}]"
+    return text
+
+
+def _line(root: yaml.Node, path: tuple) -> int:
+    """1-based line of the key (or list item) at `path`, or of the deepest part that exists."""
+    node, line = root, 1
+    for part in path:
+        found = None
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            for key, value in node.value:          # the last one wins, as after a merge ('<<')
+                if isinstance(key, yaml.ScalarNode) and key.value == part:
+                    found = (key.start_mark.line + 1, value)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            found = (node.value[part].start_mark.line + 1, node.value[part])
+        if found is None:
+            break
+        line, node = found
+    return line
+
+
+def _model_at(path: tuple) -> type[BaseModel] | None:
+    model: Any = JobSpec
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        model = next((t for t in (field.annotation, *get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _key_problems(root: yaml.Node) -> list[tuple[int, str]]:
+    """Duplicate and non-text keys, which safe_load would silently accept or crash on."""
+    problems, seen, stack = [], set(), [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:                        # aliases share nodes; they may even loop
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, path + (i,)) for i, item in enumerate(node.value))
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            if key.tag == _MERGE_TAG:
+                stack.append((value, path))
+            elif not isinstance(key, yaml.ScalarNode):
+                problems.append((line, f"{_dotted(path) or 'key'}: a key must be text, not a "
+                                       "list or mapping. To fix: use a plain name as the key"))
+            elif key.tag != _STR_TAG:
+                kind = key.tag.rsplit(":", 1)[-1]
+                where = _dotted(path) + ": " if path else ""
+                problems.append((line, f"{where}key {key.value!r} is read by YAML as {kind}, not "
+                                       f"text. To fix: quote it, e.g. \"{key.value}\":"))
+            elif key.value in first:
+                problems.append((line, f"{_dotted(path + (key.value,))}: duplicate key (first on "
+                                       f"line {first[key.value]}). To fix: keep only one"))
+            else:
+                first[key.value] = line
+                stack.append((value, path + (key.value,)))
+    return sorted(problems)
+
+
+def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark or err.context_mark
+        what = err.problem or err.context or "malformed YAML"
+        if err.context and err.problem and err.context_mark is not None:
+            what = f"{what} ({err.context} on line {err.context_mark.line + 1})"
+        return (mark.line + 1 if mark else 1), f"invalid YAML: {what}"
+    if isinstance(err, yaml.reader.ReaderError):
+        return text[:err.position].count("\n") + 1, (
+            f"invalid YAML: character U+{err.character:04X} is not allowed. To fix: remove it"
+            if isinstance(err.character, int) else f"invalid YAML: {err.reason}")
+    if isinstance(err, RecursionError):
+        return 1, "invalid YAML: nested too deeply"
+    return 1, f"invalid YAML value: {str(err).split(';')[0]}"
+
+
+def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
+    kind = err["type"]
+    path = _user_path(data, tuple(err["loc"]), missing=kind == "missing")
+    leaf = path[-1] if path else ""
+    if kind == "missing":
+        line = _line(root, path[:-1]) if len(path) > 1 else 1
+        example = _EXAMPLES.get(leaf, "...")
+        what = f"required field is missing. To fix: add '{leaf}: {example}'"
+    elif kind == "extra_forbidden":
+        line = _line(root, path)
+        model = _model_at(path[:-1])
+        fields = list(model.model_fields) if model else []
+        close = difflib.get_close_matches(str(leaf).lower(), fields, n=1)
+        what = f"unknown field {leaf!r}"
+        what += (f"; did you mean {close[0]!r}? To fix: rename it" if close
+                 else f". To fix: use one of {', '.join(fields)}")
+    else:
+        line = _line(root, path)
+        if kind == "value_error":
+            what = str(err.get("ctx", {}).get("error", err["msg"]))
+        elif kind == "model_type" or (kind == "dict_type" and leaf in _SECTIONS):
+            what = f"expected a mapping of fields, got {_show(err.get('input'))}"
+            model = _model_at(path)
+            if model:
+                what += f". To fix: indent fields under it, one of {', '.join(model.model_fields)}"
+        else:
+            msg = err["msg"]
+            what = f"{msg[:1].lower()}{msg[1:]}, got {_show(err.get('input'))}"
+            if leaf in _EXAMPLES:
+                what += f". To fix: write it like '{leaf}: {_EXAMPLES[leaf]}'"
+    return path, line, f"{_dotted(path)}: {what}" if path else what
+
+
+def _default_name(path: str) -> str:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:63]
+    return name or "job"
+
+
+def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) -> JobSpec:
+    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`.
+
+    Raises SpecError, and only SpecError, with one 'FILE:LINE: FIELD: what. To fix: how' line
+    per problem, whatever the file holds.
+    """
+    shown = os.fsdecode(os.fspath(path))
+
+    def fail(problems: list[tuple[int, str]]) -> SpecError:
+        return SpecError([f"{shown}:{line}: {what}" for line, what in problems])
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise fail([(1, "file not found. To fix: check the path")]) from None
+    except IsADirectoryError:
+        raise fail([(1, "is a directory, not a file. To fix: give the path of the train.yaml")]) from None
+    except (OSError, ValueError) as e:
+        raise fail([(1, f"cannot read the file: {e.strerror if isinstance(e, OSError) else e}")]) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise fail([(1, f"file is larger than {MAX_FILE_BYTES >> 20} MiB; not a job spec")])
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise fail([(raw[:e.start].count(b"\n") + 1,
+                     f"not UTF-8 text (byte {raw[e.start]:#04x}). To fix: save the file as UTF-8")]) from None
+
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)    # the reader rejects control characters right here
+        root = loader.get_single_node()
+        problems = _key_problems(root) if root is not None else []
+        if problems:
+            raise fail(problems)
+        data = loader.construct_document(root) if root is not None else None
+    except SpecError:
+        raise
+    except Exception as e:        # YAMLError, and ValueError/RecursionError from odd tags or depth
+        raise fail([_yaml_error(e, text)]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+    if data is None:
+        raise fail([(1, "the file is empty. To fix: write at least 'run: python train.py'")])
+    if not isinstance(data, dict):
+        kind = "a list" if isinstance(data, list) else f"a single value {_show(data)}"
+        raise fail([(root.start_mark.line + 1, f"the top level must be a mapping of fields, not "
+                                               f"{kind}. To fix: write e.g. 'run: python train.py'")])
+    data.setdefault("name", _default_name(shown))
+    if overrides:
+        for key in overrides:
+            if not isinstance(key, str) or not _ENV_RE.fullmatch(key):
+                raise fail([(1, f"--env {_show(key)}: not a valid environment variable name. "
+                                "To fix: use letters, digits and '_', not starting with a digit")])
+        envs = data.get("envs")
+        if envs is None or isinstance(envs, dict):
+            data["envs"] = {**(envs or {}), **overrides}
+
+    base_dir = os.path.dirname(os.path.abspath(shown))
+    try:
+        return JobSpec.model_validate(data, context={"base_dir": base_dir})
+    except ValidationError as e:
+        by_path: dict[tuple, tuple[int, str]] = {}
+        for err in e.errors():
+            p, line, what = _message(err, data, root)
+            by_path.setdefault(p, (line, what))   # one message per field, not one per union arm
+        raise fail(sorted(by_path.values())) from None
+    except Exception as e:        # a validator bug must still come out as a one-line SpecError
+        raise fail([(1, f"cannot validate the spec: {type(e).__name__}: {e}")]) from None

@@ -1,0 +1,375 @@
+"""The job store: SQLite under `$TFSN_HOME`, the single source of truth for jobs and nodes.
+
+The controller keeps no state that matters in memory: everything it decides is written here
+first, so a controller killed with `kill -9` and started again picks up where it was. The CLI
+reads the store directly and writes only requests (a new job, a stop) that the controller acts on.
+Every node is recorded (state REQUESTED) before the provider is asked for it, so a crash between
+the two never leaks a node: the controller reconciles REQUESTED nodes on start.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+import statistics
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"
+    PROVISIONING = "PROVISIONING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED)
+
+
+_TRANSITIONS = {
+    JobState.PENDING: {JobState.PROVISIONING, JobState.FAILED, JobState.STOPPED},
+    JobState.PROVISIONING: {JobState.RUNNING, JobState.FAILED, JobState.STOPPED},
+    JobState.RUNNING: {JobState.RECOVERING, JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED},
+    JobState.RECOVERING: {JobState.RUNNING, JobState.FAILED, JobState.STOPPED},
+}
+
+
+class NodeState(str, enum.Enum):
+    REQUESTED = "REQUESTED"    # recorded; the provider may or may not have been asked yet
+    STARTING = "STARTING"      # the provider created it; its agent has not reported ready
+    READY = "READY"            # the agent ran setup and takes commands
+    FAILED = "FAILED"          # blamed for a failure; being or been terminated
+    TERMINATED = "TERMINATED"  # torn down
+
+    @property
+    def active(self) -> bool:
+        return self in (NodeState.REQUESTED, NodeState.STARTING, NodeState.READY)
+
+
+class StoreError(Exception):
+    """An invalid request to the store (unknown job, forbidden transition)."""
+
+
+@dataclass
+class Job:
+    id: int
+    name: str
+    state: JobState
+    spec: dict[str, Any]          # the validated JobSpec as JSON
+    spec_path: str
+    token: str                    # secret shared with the job's agents and SDK
+    created_at: float
+    updated_at: float
+    attempt: int = 0              # number of times the workers were started
+    attempt_state: str = "idle"   # idle | running | stopping
+    attempt_changed_at: float = 0.0
+    attempt_started_at: float = 0.0
+    master_port: int = 0
+    restarts: int = 0
+    stop_requested: int = 0
+    error: str = ""
+    last_failure: str = ""        # signature of the previous attempt's failure
+    step: int = 0                 # newest step reported by rank 0
+    loss: float | None = None
+    step_time: float | None = None
+    restored_step: int | None = None
+    checkpoint_step: int | None = None
+    checkpoint_path: str = ""
+    finished_at: float | None = None
+
+
+@dataclass
+class Node:
+    id: str
+    job_id: int
+    rank: int | None              # None for a spare
+    provider: str
+    state: NodeState
+    handle: dict[str, Any] | None
+    created_at: float
+    updated_at: float
+    heartbeat_at: float | None = None
+    agent_state: str = ""         # what the agent last said it is doing
+    failure: str = ""
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL, state TEXT NOT NULL, spec TEXT NOT NULL, spec_path TEXT NOT NULL,
+    token TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    attempt INTEGER NOT NULL DEFAULT 0, attempt_state TEXT NOT NULL DEFAULT 'idle',
+    attempt_changed_at REAL NOT NULL DEFAULT 0, attempt_started_at REAL NOT NULL DEFAULT 0, master_port INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0, stop_requested INTEGER NOT NULL DEFAULT 0,
+    error TEXT NOT NULL DEFAULT '', last_failure TEXT NOT NULL DEFAULT '',
+    step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL, restored_step INTEGER,
+    checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '', finished_at REAL
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    id TEXT PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES jobs(id), rank INTEGER,
+    provider TEXT NOT NULL, state TEXT NOT NULL, handle TEXT, created_at REAL NOT NULL,
+    updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
+    failure TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
+CREATE TABLE IF NOT EXISTS results (
+    job_id INTEGER NOT NULL, node_id TEXT NOT NULL, attempt INTEGER NOT NULL,
+    returncode INTEGER NOT NULL, signal INTEGER, stopped INTEGER NOT NULL, summary TEXT NOT NULL,
+    reported_at REAL NOT NULL,
+    PRIMARY KEY (job_id, node_id, attempt)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id INTEGER NOT NULL, at REAL NOT NULL,
+    kind TEXT NOT NULL, message TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS steps (
+    job_id INTEGER NOT NULL, attempt INTEGER NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL,
+    at REAL NOT NULL, step_time REAL NOT NULL, metrics TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS steps_job ON steps(job_id, attempt, step);
+CREATE TABLE IF NOT EXISTS ranks (
+    job_id INTEGER NOT NULL, rank INTEGER NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL,
+    at REAL NOT NULL, step_time REAL NOT NULL, PRIMARY KEY (job_id, rank)
+);
+"""
+
+
+@dataclass(frozen=True)
+class Result:
+    node_id: str
+    attempt: int
+    returncode: int
+    signal: int | None    # the signal that killed the first failing worker, if one did
+    stopped: bool         # the agent stopped the workers because the controller said so
+    summary: str          # the last lines of output, for the error shown to the user
+    reported_at: float
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    job_id: int
+    at: float
+    kind: str
+    message: str
+
+
+def _first(rows: list[sqlite3.Row]) -> sqlite3.Row | None:
+    return rows[0] if rows else None
+
+
+def _json_or_none(value: str | None) -> Any:
+    return None if value is None else json.loads(value)
+
+
+class Store:
+    """Thread-safe access to the SQLite store (WAL mode, so the CLI reads while the controller writes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _tx(self) -> "_Transaction":
+        return _Transaction(self._db, self._lock)
+
+    def _query(self, sql: str, args: tuple | list = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # ---- jobs -----------------------------------------------------------------------------------
+    def create_job(self, name: str, spec: dict[str, Any], spec_path: str, token: str) -> Job:
+        now = time.time()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO jobs (name, state, spec, spec_path, token, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (name, JobState.PENDING.value, json.dumps(spec), spec_path, token, now, now))
+            job_id = cur.lastrowid
+            db.execute("INSERT INTO events (job_id, at, kind, message) VALUES (?, ?, 'state', 'PENDING')",
+                       (job_id, now))
+        return self.job(job_id)
+
+    def job(self, job_id: int) -> Job:
+        row = _first(self._query("SELECT * FROM jobs WHERE id = ?", (job_id,)))
+        if row is None:
+            raise StoreError(f"no job with id {job_id}")
+        return self._job(row)
+
+    def find_job(self, ref: str) -> Job:
+        """A job by id, or the newest job with that name."""
+        if ref.isdigit():
+            return self.job(int(ref))
+        row = _first(self._query("SELECT * FROM jobs WHERE name = ? ORDER BY id DESC LIMIT 1", (ref,)))
+        if row is None:
+            raise StoreError(f"no job with id or name '{ref}'. To fix: run `tfsn ls` to see the jobs")
+        return self._job(row)
+
+    def jobs(self, active_only: bool = False) -> list[Job]:
+        rows = self._query("SELECT * FROM jobs ORDER BY id")
+        jobs = [self._job(r) for r in rows]
+        return [j for j in jobs if not j.state.terminal] if active_only else jobs
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> Job:
+        values = dict(row)
+        values["state"] = JobState(values["state"])
+        values["spec"] = json.loads(values["spec"])
+        return Job(**{f.name: values[f.name] for f in fields(Job)})
+
+    def update_job(self, job_id: int, **changes: Any) -> None:
+        if not changes:
+            return
+        allowed = {f.name for f in fields(Job)} - {"id", "state", "created_at", "spec", "token"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise StoreError(f"cannot update job fields {sorted(unknown)}")
+        changes["updated_at"] = time.time()
+        cols = ", ".join(f"{k} = ?" for k in changes)
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*changes.values(), job_id))
+
+    def transition(self, job_id: int, new: JobState, message: str = "", **changes: Any) -> None:
+        """Move a job to `new` (with other field changes in the same transaction), logging an event."""
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no job with id {job_id}")
+            old = JobState(row["state"])
+            if old == new:
+                return
+            if new not in _TRANSITIONS.get(old, set()):
+                raise StoreError(f"job {job_id}: forbidden transition {old.value} -> {new.value}")
+            changes.update(state=new.value, updated_at=now)
+            if new.terminal:
+                changes["finished_at"] = now
+            cols = ", ".join(f"{k} = ?" for k in changes)
+            db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*changes.values(), job_id))
+            text = new.value + (f": {message}" if message else "")
+            db.execute("INSERT INTO events (job_id, at, kind, message) VALUES (?, ?, 'state', ?)",
+                       (job_id, now, text))
+
+    def request_stop(self, job_id: int) -> None:
+        self.update_job(job_id, stop_requested=1)
+
+    # ---- nodes ----------------------------------------------------------------------------------
+    def add_node(self, node_id: str, job_id: int, rank: int | None, provider: str) -> Node:
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (node_id, job_id, rank, provider, NodeState.REQUESTED.value, now, now))
+        return self.node(node_id)
+
+    def node(self, node_id: str) -> Node:
+        row = _first(self._query("SELECT * FROM nodes WHERE id = ?", (node_id,)))
+        if row is None:
+            raise StoreError(f"no node with id {node_id}")
+        return self._node(row)
+
+    def nodes(self, job_id: int, active_only: bool = False) -> list[Node]:
+        rows = self._query("SELECT * FROM nodes WHERE job_id = ? ORDER BY created_at, id", (job_id,))
+        nodes = [self._node(r) for r in rows]
+        return [n for n in nodes if n.state.active] if active_only else nodes
+
+    @staticmethod
+    def _node(row: sqlite3.Row) -> Node:
+        values = dict(row)
+        values["state"] = NodeState(values["state"])
+        values["handle"] = _json_or_none(values["handle"])
+        return Node(**values)
+
+    def update_node(self, node_id: str, **changes: Any) -> None:
+        if "state" in changes:
+            changes["state"] = NodeState(changes["state"]).value
+        if "handle" in changes:
+            changes["handle"] = json.dumps(changes["handle"])
+        changes["updated_at"] = time.time()
+        cols = ", ".join(f"{k} = ?" for k in changes)
+        with self._tx() as db:
+            db.execute(f"UPDATE nodes SET {cols} WHERE id = ?", (*changes.values(), node_id))
+
+    # ---- results, events, telemetry ---------------------------------------------------------------
+    def record_result(self, job_id: int, node_id: str, attempt: int, returncode: int,
+                      signal: int | None, stopped: bool, summary: str) -> None:
+        """A node's workers exited; idempotent for retried reports."""
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (job_id, node_id, attempt, returncode, signal, int(stopped), summary, time.time()))
+
+    def results(self, job_id: int, attempt: int) -> list[Result]:
+        rows = self._query("SELECT node_id, attempt, returncode, signal, stopped, summary, reported_at FROM results "
+                           "WHERE job_id = ? AND attempt = ? ORDER BY reported_at", (job_id, attempt))
+        return [Result(**{**dict(r), "stopped": bool(r["stopped"])}) for r in rows]
+
+    def add_event(self, job_id: int, kind: str, message: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO events (job_id, at, kind, message) VALUES (?, ?, ?, ?)",
+                       (job_id, time.time(), kind, message))
+
+    def events(self, job_id: int, after_id: int = 0) -> list[Event]:
+        rows = self._query("SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id", (job_id, after_id))
+        return [Event(**dict(r)) for r in rows]
+
+    def record_steps(self, job_id: int, attempt: int, rank: int, records: list[dict[str, Any]]) -> None:
+        """Step records from one rank: rank 0's are kept in full, every rank's newest in `ranks`."""
+        if not records:
+            return
+        last = records[-1]
+        with self._tx() as db:
+            if rank == 0:
+                db.executemany(
+                    "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [(job_id, attempt, rank, r["step"], r["at"], r["step_time"], json.dumps(r.get("metrics", {})))
+                     for r in records])
+                loss = last.get("metrics", {}).get("loss")
+                step_time = statistics.median(r["step_time"] for r in records)  # not one slow step
+                db.execute("UPDATE jobs SET step = ?, step_time = ?, loss = COALESCE(?, loss), updated_at = ? "
+                           "WHERE id = ?", (last["step"], step_time, loss, time.time(), job_id))
+            db.execute("INSERT OR REPLACE INTO ranks VALUES (?, ?, ?, ?, ?, ?)",
+                       (job_id, rank, attempt, last["step"], last["at"], last["step_time"]))
+
+    def steps(self, job_id: int, attempt: int | None = None) -> list[dict[str, Any]]:
+        """Rank 0's step records, oldest first."""
+        query, args = "SELECT * FROM steps WHERE job_id = ?", [job_id]
+        if attempt is not None:
+            query, args = query + " AND attempt = ?", [job_id, attempt]
+        rows = self._query(query + " ORDER BY at", args)
+        return [{**dict(r), "metrics": json.loads(r["metrics"])} for r in rows]
+
+
+class _Transaction:
+    """`with` block = one IMMEDIATE transaction under the store's lock."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
+        self.db, self.lock = db, lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.lock.acquire()
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self.lock.release()
+
+

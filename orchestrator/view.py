@@ -1,0 +1,137 @@
+"""What the CLI shows of a job: the live view of `tfsn launch`, and `tfsn status`."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from orchestrator.store import Job, JobState, Node, Store
+
+_STATE_STYLE = {JobState.SUCCEEDED: "green", JobState.FAILED: "red", JobState.STOPPED: "yellow",
+                JobState.RECOVERING: "magenta", JobState.RUNNING: "cyan"}
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
+def progress(job: Job) -> dict[str, Any]:
+    """The figures a user watches: step, loss, step time, throughput, ETA."""
+    total = job.spec.get("steps")
+    done = job.step + 1 if job.step_time is not None else 0
+    eta = (total - done) * job.step_time if total and job.step_time else None
+    return {"step": done, "total_steps": total, "loss": job.loss, "step_time_s": job.step_time,
+            "steps_per_s": 1 / job.step_time if job.step_time else None, "eta_s": eta}
+
+
+def job_summary(store: Store, job: Job) -> dict[str, Any]:
+    """Everything `tfsn status JOB --json` prints."""
+    end = job.finished_at or time.time()
+    return {
+        "id": job.id, "name": job.name, "state": job.state.value, "spec_path": job.spec_path,
+        "num_nodes": job.spec.get("num_nodes"), "attempt": job.attempt, "restarts": job.restarts,
+        **progress(job), "restored_step": job.restored_step,
+        "checkpoint": {"step": job.checkpoint_step, "path": job.checkpoint_path} if job.checkpoint_step else None,
+        "error": job.error or None, "created_at": job.created_at, "finished_at": job.finished_at,
+        "duration_s": end - job.created_at,
+        "nodes": [{"id": n.id, "rank": n.rank, "provider": n.provider, "state": n.state.value,
+                   "heartbeat_age_s": None if n.heartbeat_at is None else time.time() - n.heartbeat_at,
+                   "failure": n.failure or None} for n in store.nodes(job.id)],
+        "events": [{"at": e.at, "kind": e.kind, "message": e.message} for e in store.events(job.id)][-50:],
+    }
+
+
+def jobs_table(jobs: list[Job]) -> Table:
+    table = Table(box=None, header_style="bold")
+    for column in ("ID", "NAME", "STATE", "NODES", "STEP", "LOSS", "RESTARTS", "AGE"):
+        table.add_column(column)
+    for job in jobs:
+        p = progress(job)
+        step = f"{p['step']}/{p['total_steps']}" if p["total_steps"] else str(p["step"])
+        table.add_row(str(job.id), job.name, Text(job.state.value, style=_STATE_STYLE.get(job.state, "")),
+                      str(job.spec.get("num_nodes")), step, "-" if job.loss is None else f"{job.loss:.4f}",
+                      str(job.restarts), _age(time.time() - job.created_at))
+    return table
+
+
+def _nodes_table(nodes: list[Node]) -> Table:
+    table = Table(box=None, header_style="bold", padding=(0, 2, 0, 0))
+    for column in ("NODE", "RANK", "STATE", "HEARTBEAT", "NOTE"):
+        table.add_column(column)
+    now = time.time()
+    for n in nodes:
+        table.add_row(n.id, "spare" if n.rank is None else str(n.rank), n.state.value,
+                      _age(None if n.heartbeat_at is None else now - n.heartbeat_at), n.failure)
+    return table
+
+
+def job_panel(store: Store, job: Job, log_tail: list[str]) -> Panel:
+    p = progress(job)
+    head = Text.assemble(
+        (f"job {job.id} ", "bold"), (job.name, "bold"), "  ",
+        (job.state.value, _STATE_STYLE.get(job.state, "")),
+        f"  attempt {job.attempt}  restarts {job.restarts}  {_age((job.finished_at or time.time()) - job.created_at)}")
+    figures = Text(
+        f"step {p['step']}" + (f"/{p['total_steps']}" if p["total_steps"] else "")
+        + ("" if job.loss is None else f"   loss {job.loss:.4f}")
+        + ("" if p["step_time_s"] is None else f"   {p['step_time_s'] * 1000:.0f} ms/step   "
+           f"{p['steps_per_s']:.1f} steps/s")
+        + ("" if p["eta_s"] is None or job.state.terminal else f"   ETA {_age(p['eta_s'])}")
+        + ("" if job.checkpoint_step is None else f"   checkpoint @ step {job.checkpoint_step}"))
+    parts: list[Any] = [head, figures, _nodes_table(store.nodes(job.id, active_only=not job.state.terminal))]
+    if job.error:
+        parts.append(Text(f"error: {job.error}", style="red"))
+    if log_tail:
+        parts.append(Text("\n".join(log_tail), style="dim"))
+    return Panel(Group(*parts), title="tfsn", expand=True)
+
+
+def _read_new(log: Path, offset: int) -> tuple[list[str], int]:
+    if not log.exists():
+        return [], offset
+    with open(log, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1   # only whole lines
+    return data[:end].decode(errors="replace").splitlines(), offset + end
+
+
+def follow(store: Store, job_id: int, log: Path, console: Console, poll_s: float = 0.5) -> Job:
+    """Show the job until it ends: a live panel on a terminal, plain lines otherwise."""
+    tail: deque[str] = deque(maxlen=8)
+    offset = 0
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            while True:
+                lines, offset = _read_new(log, offset)
+                tail.extend(line[:console.width - 6] for line in lines)
+                job = store.job(job_id)
+                live.update(job_panel(store, job, list(tail)))
+                if job.state.terminal:
+                    return job
+                time.sleep(poll_s)
+    while True:  # not a terminal: stream the job log as it grows
+        lines, offset = _read_new(log, offset)
+        for line in lines:
+            console.print(line, markup=False, highlight=False)
+        job = store.job(job_id)
+        if job.state.terminal:
+            lines, offset = _read_new(log, offset)
+            for line in lines:
+                console.print(line, markup=False, highlight=False)
+            return job
+        time.sleep(poll_s)

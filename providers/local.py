@@ -1,0 +1,113 @@
+"""The local provider: a node is a process tree on this machine.
+
+The embedded default: N nodes are N agent processes, each in its own session, all tagged with
+the environment variable `TFSN_LOCAL_NODE=<node_id>`. The tag is what makes a local node a unit
+of failure and replacement: torchrun starts its workers in new sessions and a killed agent leaves
+orphans behind, so terminating a node kills every process that carries its tag, wherever it was
+reparented to.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from providers.base import InvalidRequestError, NodeHandle, NodeRequest, NodeStatus
+
+NODE_TAG = "TFSN_LOCAL_NODE"
+TERMINATE_GRACE_S = 5.0
+
+
+def _start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), so a reused pid is not mistaken."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields[0] == "Z":  # a zombie has exited
+        return None
+    return int(fields[19])
+
+
+def tagged_pids(node_id: str) -> list[int]:
+    """Every live process on this machine that belongs to the local node `node_id`."""
+    tag = f"{NODE_TAG}={node_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes()
+        except OSError:
+            continue
+        if tag in environ.split(b"\0") and _start_time(int(entry.name)) is not None:
+            found.append(int(entry.name))
+    return found
+
+
+class LocalProvider:
+    """Nodes as process trees on this machine (see the module docstring)."""
+
+    name = "local"
+    shares_host = True   # every node runs on this one machine: the controller splits its cores
+
+    def __init__(self) -> None:
+        # Children started by this process, reaped on status() so they do not linger as zombies.
+        self._children: dict[str, subprocess.Popen] = {}
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        host_cpus = os.cpu_count() or 1
+        if request.cpus is not None and request.cpus > host_cpus:
+            raise InvalidRequestError(
+                f"a local node cannot have {request.cpus} CPUs: this machine has {host_cpus}. "
+                "To fix: lower resources.cpus or pick a cloud in resources.infra.", provider=self.name)
+        existing = self._children.get(request.node_id)
+        if existing is not None and existing.poll() is None:  # idempotent: already running
+            return self._handle(request.node_id, existing.pid)
+        env = {**request.env, NODE_TAG: request.node_id}
+        log = open(request.log_path, "ab") if request.log_path else subprocess.DEVNULL
+        try:
+            proc = subprocess.Popen(request.command, cwd=request.workdir, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        self._children[request.node_id] = proc
+        return self._handle(request.node_id, proc.pid)
+
+    def _handle(self, node_id: str, pid: int) -> NodeHandle:
+        return NodeHandle(provider=self.name, node_id=node_id, data={"pid": pid, "start_time": _start_time(pid)})
+
+    def status(self, handle: NodeHandle) -> NodeStatus:
+        child = self._children.get(handle.node_id)
+        if child is not None and child.poll() is not None:
+            return NodeStatus.TERMINATED
+        pid, started = handle.data.get("pid"), handle.data.get("start_time")
+        if pid is None or started is None or _start_time(pid) != started:
+            return NodeStatus.TERMINATED
+        return NodeStatus.RUNNING
+
+    def terminate(self, handle: NodeHandle) -> None:
+        """SIGTERM the whole tagged tree, then SIGKILL what is left after a grace period."""
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        sig = signal.SIGTERM
+        while True:
+            pids = tagged_pids(handle.node_id)
+            if self.status(handle) is NodeStatus.RUNNING:
+                pids.append(handle.data["pid"])
+            if not pids:
+                break
+            if time.monotonic() > deadline:
+                sig = signal.SIGKILL
+            for pid in set(pids):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        child = self._children.pop(handle.node_id, None)
+        if child is not None:
+            child.wait()

@@ -1,0 +1,329 @@
+"""Checkpoints: bit-exact resume, pruning, corruption fallback, atomicity, and a 2-rank gloo run."""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator import checkpoint
+from orchestrator.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
+
+TOTAL_STEPS = 8
+
+
+def make_objects(seed: int, *, fresh: bool = False, ddp: bool = False) -> dict[str, object]:
+    """Model (with dropout), AdamW and an LR scheduler; RNGs seeded afterwards from ``seed``.
+
+    ``fresh`` stands for a restarted process: other weights until restore overwrites them.
+    """
+    torch.manual_seed(0)
+    model: torch.nn.Module = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+    )
+    if ddp:
+        model = DistributedDataParallel(model)
+    if fresh:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def train(objects: dict[str, object], start: int, stop: int, rank: int = 0) -> None:
+    """Steps ``start..stop-1``; the loss uses torch (dropout), python and numpy randomness."""
+    model, optimizer, scheduler = objects["model"], objects["optimizer"], objects["scheduler"]
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y) * (1 + 0.1 * random.random() + 0.1 * np.random.rand())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def assert_same_state(a: dict[str, object], b: dict[str, object]) -> None:
+    def flat(obj: object, prefix: str = "") -> dict[str, object]:
+        if isinstance(obj, dict):
+            return {k: v for key, val in obj.items() for k, v in flat(val, f"{prefix}{key}.").items()}
+        if isinstance(obj, (list, tuple)):
+            return {k: v for i, val in enumerate(obj) for k, v in flat(val, f"{prefix}{i}.").items()}
+        return {prefix: obj}
+
+    for name in a:
+        fa, fb = flat(a[name].state_dict()), flat(b[name].state_dict())
+        assert fa.keys() == fb.keys(), name
+        for key, va in fa.items():
+            if isinstance(va, torch.Tensor):
+                assert torch.equal(va, fb[key]), f"{name}: {key}"
+            else:
+                assert va == fb[key], f"{name}: {key}"
+
+
+def test_restore_resumes_bit_exact(tmp_path: Path) -> None:
+    reference = make_objects(0)
+    assert restore(tmp_path, reference) is None  # fresh start
+    train(reference, 0, 4)
+    saved = save(tmp_path, 4, reference)
+    train(reference, 4, TOTAL_STEPS)
+
+    resumed = make_objects(123, fresh=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no DCP noise without a process group
+        info = restore(tmp_path, resumed)
+    assert info is not None and info.step == 4 and info.path == saved.path
+    train(resumed, info.step, TOTAL_STEPS)
+    assert_same_state(reference, resumed)
+
+    assert saved.bytes > 0 and saved.seconds > 0
+    assert list_checkpoints(tmp_path) == [info]
+    tensors = load_tensors(saved.path)
+    assert "model.0.weight" in tensors and "optimizer.state.0.weight.exp_avg" in tensors
+
+
+def test_restore_into_ddp_free_model_and_plain_stateful(tmp_path: Path) -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.n = state["n"]
+
+    model, counter = torch.nn.Linear(3, 2), Counter()
+    counter.n = 7
+    save(tmp_path, 1, {"model": model, "counter": counter})
+    model2, counter2 = torch.nn.Linear(3, 2), Counter()
+    assert restore(tmp_path, {"model": model2, "counter": counter2}).step == 1
+    assert counter2.n == 7 and torch.equal(model.weight, model2.weight)
+
+
+def test_optimizer_needs_exactly_one_module(tmp_path: Path) -> None:
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(a.parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="exactly one module"):
+        save(tmp_path, 1, {"a": a, "b": b, "opt": opt})
+    with pytest.raises(CheckpointError, match="exactly one module"):
+        save(tmp_path, 1, {"opt": opt})
+
+
+def test_restore_with_other_objects_names_the_problem(tmp_path: Path) -> None:
+    save(tmp_path, 1, {"model": torch.nn.Linear(2, 2)})
+    with pytest.raises(CheckpointError, match=r"step_000000001.*Missing key.*other\.weight.*same objects"):
+        restore(tmp_path, {"other": torch.nn.Linear(2, 2)})
+
+
+def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
+    objects = make_objects(0)
+    for step in range(1, 6):
+        train(objects, step - 1, step)
+        save(tmp_path, step, objects, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000004", "step_000000005"]
+    assert [i.step for i in list_checkpoints(tmp_path)] == [5, 4]
+
+
+def test_resaving_same_step_replaces_it(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    save(tmp_path, 3, {"model": model})
+    with torch.no_grad():
+        model.weight.add_(1)
+    save(tmp_path, 3, {"model": model})
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000000003"]
+    assert torch.equal(load_tensors(tmp_path / "step_000000003")["model.weight"], model.weight)
+
+
+def _save_three(tmp_path: Path) -> torch.nn.Linear:
+    """Checkpoints at steps 1, 2, 3 whose weights are filled with 1, 2, 3."""
+    model = torch.nn.Linear(4, 4)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save(tmp_path, step, {"model": model}, keep=5)
+    return model
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "flipped data bytes": lambda d: _flip_bytes(next(d.glob("*.distcp"))),
+    "truncated manifest": lambda d: (d / checkpoint.MANIFEST).write_text((d / checkpoint.MANIFEST).read_text()[:30]),
+    "missing manifest": lambda d: (d / checkpoint.MANIFEST).unlink(),
+    "missing data file": lambda d: next(d.glob("*.distcp")).unlink(),
+    "missing .metadata": lambda d: (d / ".metadata").unlink(),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_latest_falls_back_to_previous(tmp_path: Path, corruption: str) -> None:
+    _save_three(tmp_path)
+    CORRUPTIONS[corruption](tmp_path / "step_000000003")
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="step_000000003"):
+        info = restore(tmp_path, {"model": model})
+    assert info is not None and info.step == 2
+    assert torch.equal(model.weight, torch.full((4, 4), 2.0))
+    assert [i.step for i in list_checkpoints(tmp_path)] == [2, 1]
+    assert (tmp_path / "step_000000003").exists()  # restore never deletes
+    with pytest.raises(CheckpointError, match="step_000000003"):
+        load_tensors(tmp_path / "step_000000003")
+
+
+def test_all_corrupt_means_fresh_start(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    save(tmp_path, 1, {"model": model})
+    (tmp_path / "step_000000001" / checkpoint.MANIFEST).unlink()
+    with pytest.warns(UserWarning, match="step_000000001"):
+        assert restore(tmp_path, {"model": model}) is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_leftover_tmp_dir_is_ignored_then_cleaned(tmp_path: Path) -> None:
+    _save_three(tmp_path)
+    # A complete-looking DCP write of a newer step whose rename never happened.
+    stale = tmp_path / ".tmp-step_000000009-deadbeef"
+    torch.distributed.checkpoint.save({"model": {"weight": torch.zeros(4, 4)}}, checkpoint_id=stale, no_dist=True)
+    model = torch.nn.Linear(4, 4)
+    assert restore(tmp_path, {"model": model}).step == 3
+    save(tmp_path, 4, {"model": model}, keep=5)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+class _Crash(BaseException):
+    """Stands in for the process being killed: nothing in save gets to clean up."""
+
+
+def test_save_killed_before_rename_leaves_earlier_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_three(tmp_path)
+
+    def crash(*args: object) -> None:
+        raise _Crash
+
+    monkeypatch.setattr(checkpoint, "_commit", crash)
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(4)
+    with pytest.raises(_Crash):
+        save(tmp_path, 4, {"model": model})
+    assert len(list(tmp_path.glob(".tmp-step_000000004-*"))) == 1  # DCP files written, never renamed
+    monkeypatch.undo()
+
+    fresh = torch.nn.Linear(4, 4)
+    assert restore(tmp_path, {"model": fresh}).step == 3
+    assert torch.equal(fresh.weight, torch.full((4, 4), 3.0))
+    assert [i.step for i in list_checkpoints(tmp_path)] == [3, 2, 1]
+
+
+def test_failed_save_raises_checkpoint_error_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_three(tmp_path)
+
+    class Exploding:
+        def state_dict(self) -> dict[str, object]:
+            raise RuntimeError("boom")
+
+        def load_state_dict(self, state: dict[str, object]) -> None:
+            pass
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="boom"):
+        save(tmp_path, 4, {"model": model, "bad": Exploding()})
+
+    def no_disk(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_fsync_dir", no_disk)  # fails after the manifest, before the rename
+    with pytest.raises(CheckpointError, match="step_000000004.*earlier checkpoints are untouched"):
+        save(tmp_path, 4, {"model": model})
+    monkeypatch.undo()
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000001", "step_000000002", "step_000000003"]
+    assert restore(tmp_path, {"model": model}).step == 3
+
+
+def test_manifest_lists_every_file_with_sha256(tmp_path: Path) -> None:
+    info = save(tmp_path, 12, {"model": torch.nn.Linear(2, 2)})
+    manifest = json.loads((info.path / checkpoint.MANIFEST).read_text())
+    on_disk = {p.name for p in info.path.iterdir()} - {checkpoint.MANIFEST}
+    assert manifest["step"] == 12 and manifest["world_size"] == 1 and manifest["format"] == 1
+    assert set(manifest["files"]) == on_disk and ".metadata" in on_disk
+    assert all(len(h) == 64 for h in manifest["files"].values())
+
+
+# --- two ranks, gloo ------------------------------------------------------------------------
+
+
+def _dist_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        reference = make_objects(10 + rank, ddp=True)  # per-rank dropout / python / numpy streams
+        assert restore(ckpt_dir, reference) is None
+        train(reference, 0, 3, rank)
+        save(ckpt_dir, 3, reference)
+        rand_after_save = torch.rand(4)
+        train(reference, 3, 6, rank)
+
+        resumed = make_objects(500 + rank, fresh=True, ddp=True)
+        info = restore(ckpt_dir, resumed)
+        assert info is not None and info.step == 3
+        rand_after_restore = torch.rand(4)
+        train(resumed, 3, 6, rank)
+        torch.save(
+            {
+                "rand_after_save": rand_after_save,
+                "rand_after_restore": rand_after_restore,
+                "reference": {k: v.detach() for k, v in reference["model"].module.state_dict().items()},
+                "resumed": {k: v.detach() for k, v in resumed["model"].module.state_dict().items()},
+                "optim_reference": reference["optimizer"].state_dict(),
+                "optim_resumed": resumed["optimizer"].state_dict(),
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_ddp_gloo(tmp_path: Path) -> None:
+    ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2, join=True)
+    results = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+
+    for r in results:
+        assert torch.equal(r["rand_after_save"], r["rand_after_restore"])  # per-rank RNG restored
+        for key, value in r["reference"].items():
+            assert torch.equal(value, r["resumed"][key]), key
+        for pid, state in r["optim_reference"]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, r["optim_resumed"]["state"][pid][key]), (pid, key)
+    assert not torch.equal(results[0]["rand_after_save"], results[1]["rand_after_save"])
+    for key, value in results[0]["resumed"].items():  # DDP keeps replicas identical
+        assert torch.equal(value, results[1]["resumed"][key]), key
+
+    (info,) = list_checkpoints(ckpt_dir)
+    manifest = json.loads((info.path / checkpoint.MANIFEST).read_text())
+    assert manifest["world_size"] == 2
+    assert not list(ckpt_dir.glob(".tmp-*"))
+    # Without a process group the checkpoint reads back as plain tensors, without the DDP prefix.
+    tensors = load_tensors(info.path)
+    assert "model.0.weight" in tensors and not any(k.startswith("model.module.") for k in tensors)

@@ -1,0 +1,434 @@
+"""Tests for orchestrator/spec.py: good specs load, bad ones say FILE:LINE: FIELD and how to fix."""
+
+import re
+import textwrap
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.spec import (AcceleratorRequest, JobSpec, SpecError, load_spec,
+                               parse_duration)
+
+FULL = """\
+name: tiny-gpt
+num_nodes: 2
+nproc_per_node: auto
+workdir: src
+setup: |
+  pip install -r requirements.txt
+run: python train.py
+envs:
+  SEED: 1
+  DEBUG: true
+  LR: 0.5
+  MODE: fast
+steps: 300
+resources:
+  accelerators: H100:8
+  cpus: 4+
+  memory: 16+
+  use_spot: true
+  infra: [aws, gcp]
+  regions: us-east-1
+  max_hourly_cost: 30.0
+checkpoint:
+  dir: ckpt
+  interval: 10m
+  keep: 5
+recovery:
+  max_restarts: 4
+  spares: 1
+health:
+  heartbeat_timeout: 1m30s
+"""
+
+
+def write(tmp_path, text, name="train.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def errors(path, overrides=None):
+    """The messages of the SpecError that loading `path` must raise; each checked to be one line."""
+    with pytest.raises(SpecError) as info:
+        load_spec(path, overrides)
+    msgs = info.value.messages
+    assert msgs and str(info.value) == "\n".join(msgs)
+    for m in msgs:
+        assert len(m.splitlines()) == 1, m
+        assert m.startswith(f"{path}:"), m
+    return msgs
+
+
+def one(path, line, field, *needles):
+    """Exactly the message for `field` at `line`, containing each needle."""
+    prefix = f"{path}:{line}: {field}: " if field else f"{path}:{line}: "
+    found = [m for m in errors(path) if m.startswith(prefix)]
+    assert len(found) == 1, (prefix, errors(path))
+    for needle in needles:
+        assert needle in found[0], (needle, found[0])
+    return found[0]
+
+
+# --- good files --------------------------------------------------------------------------------
+
+def test_full_example(tmp_path):
+    spec = load_spec(write(tmp_path, FULL))
+    assert spec.name == "tiny-gpt" and spec.num_nodes == 2 and spec.steps == 300
+    assert spec.workdir == str(tmp_path / "src")
+    assert spec.setup == "pip install -r requirements.txt\n"
+    assert spec.run == "python train.py"
+    assert spec.envs == {"SEED": "1", "DEBUG": "true", "LR": "0.5", "MODE": "fast"}
+    r = spec.resources
+    assert r.accelerator_choices() == [AcceleratorRequest(name="H100", count=8)]
+    assert not r.accelerators_any_of
+    assert (r.cpus.count, r.cpus.at_least, str(r.cpus)) == (4, True, "4+")
+    assert (r.memory.count, r.memory.at_least) == (16, True)
+    assert r.use_spot and r.infra == ["aws", "gcp"] and r.regions == ["us-east-1"]
+    assert r.max_hourly_cost == 30.0
+    assert spec.checkpoint.dir == str(tmp_path / "src" / "ckpt")
+    assert spec.checkpoint.interval_seconds == 600 and spec.checkpoint.interval_steps is None
+    assert not spec.checkpoint.is_auto and spec.checkpoint.keep == 5
+    assert (spec.recovery.max_restarts, spec.recovery.spares) == (4, 1)
+    assert spec.health.heartbeat_timeout == 90.0
+    assert spec.nprocs() == 8
+
+
+def test_minimal(tmp_path):
+    spec = load_spec(write(tmp_path, "run: python train.py\n", name="my-job.yaml"))
+    assert spec.name == "my-job"                       # the file's stem
+    assert spec.workdir == str(tmp_path)
+    assert (spec.num_nodes, spec.nproc_per_node, spec.nprocs()) == (1, "auto", 1)
+    assert spec.envs == {} and spec.steps is None and spec.setup is None
+    assert spec.resources.accelerator_choices() == [] and not spec.resources.use_spot
+    assert spec.checkpoint.is_auto and spec.checkpoint.dir is None and spec.checkpoint.keep == 3
+    assert spec.checkpoint.interval_steps is None and spec.checkpoint.interval_seconds is None
+    assert (spec.recovery.max_restarts, spec.recovery.spares) == (3, 0)
+    assert spec.health.heartbeat_timeout == 30.0
+
+
+def test_stem_that_is_not_a_valid_name(tmp_path):
+    assert load_spec(write(tmp_path, "run: x\n", name="_my job!.yaml")).name == "my-job-"
+
+
+def test_accelerator_list_is_ordered_preference(tmp_path):
+    spec = load_spec(write(tmp_path, "run: x\nresources:\n  accelerators: [H100:8, a100]\n"))
+    assert spec.resources.accelerators == ["H100:8", "a100:1"]
+    assert not spec.resources.accelerators_any_of
+    choices = spec.resources.accelerator_choices()
+    assert [(c.name, c.count) for c in choices] == [("H100", 8), ("a100", 1)]
+    assert choices[1].matches("A100")
+    assert spec.nprocs() == 8 and spec.nprocs(choices[1]) == 1
+
+
+def test_accelerator_mapping_is_any_of(tmp_path):
+    spec = load_spec(write(tmp_path, "run: x\nresources:\n  accelerators: {H100: 8, L4: 2, T4}\n"))
+    assert spec.resources.accelerators_any_of
+    assert [(c.name, c.count) for c in spec.resources.accelerator_choices()] == [
+        ("H100", 8), ("L4", 2), ("T4", 1)]
+
+
+def test_explicit_nproc_and_steps_interval(tmp_path):
+    spec = load_spec(write(tmp_path, """\
+        run: x
+        nproc_per_node: 3
+        resources: {accelerators: H100:8}
+        checkpoint: {interval: 500}
+        """))
+    assert spec.nprocs() == 3
+    assert spec.checkpoint.interval_steps == 500 and spec.checkpoint.interval_seconds is None
+
+
+@pytest.mark.parametrize("text,seconds", [
+    ("30s", 30), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("1h 30m", 5400), ("2d", 172800),
+    ("250ms", 0.25), ("45", 45), ("1.5m", 90), (12, 12), (0.5, 0.5), ("  10M ", 600),
+])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "10 parsecs", "-5s", "s", "1h-30m", True, None, -1,
+                                  float("nan"), float("inf"), "9" * 400 + "s"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError, match="To fix"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("value,seconds", [("10s", 10), (5, 5), (2.5, 2.5), ("1h", 3600)])
+def test_heartbeat_durations(tmp_path, value, seconds):
+    path = write(tmp_path, f"run: x\nhealth:\n  heartbeat_timeout: {value}\n")
+    assert load_spec(path).health.heartbeat_timeout == seconds
+
+
+def test_paths_resolve_against_file_and_workdir(tmp_path):
+    (tmp_path / "jobs").mkdir()
+    path = write(tmp_path, "run: x\nworkdir: ../code\ncheckpoint:\n  dir: out/ckpt\n",
+                 name="jobs/train.yaml")
+    spec = load_spec(path)
+    assert spec.workdir == str(tmp_path / "code")
+    assert spec.checkpoint.dir == str(tmp_path / "code" / "out" / "ckpt")
+    abs_dir = str(tmp_path / "elsewhere")
+    spec = load_spec(write(tmp_path, f"run: x\nworkdir: {abs_dir}\ncheckpoint: {{dir: /ck}}\n"))
+    assert spec.workdir == abs_dir and spec.checkpoint.dir == "/ck"
+
+
+def test_env_overrides(tmp_path):
+    path = write(tmp_path, "run: x\nenvs:\n  SEED: 1\n  TOKEN:\n")
+    msgs = errors(path)                                 # TOKEN: null must come from --env
+    assert len(msgs) == 1 and msgs[0].startswith(f"{path}:4: envs.TOKEN: ") and "--env" in msgs[0]
+    spec = load_spec(path, {"SEED": "7", "TOKEN": "abc", "NEW": "x=y"})
+    assert spec.envs == {"SEED": "7", "TOKEN": "abc", "NEW": "x=y"}
+    assert load_spec(write(tmp_path, "run: x\n"), {"A": "1"}).envs == {"A": "1"}
+    msgs = errors(path, {"BAD-NAME": "1"})
+    assert msgs == [f"{path}:1: --env 'BAD-NAME': not a valid environment variable name. "
+                    "To fix: use letters, digits and '_', not starting with a digit"]
+
+
+def test_json_round_trip(tmp_path):
+    for text in (FULL, "run: x\n", "run: x\nresources:\n  accelerators: {H100: 8, A100: 8}\n",
+                 "run: x\nresources: {accelerators: [H100:8, L4]}\ncheckpoint: {interval: 50}\n"):
+        spec = load_spec(write(tmp_path, text))
+        dumped = spec.model_dump(mode="json")
+        again = JobSpec.model_validate(dumped)
+        assert again == spec
+        assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+        assert again.resources.accelerator_choices() == spec.resources.accelerator_choices()
+
+
+def test_merge_keys_and_anchors(tmp_path):
+    spec = load_spec(write(tmp_path, """\
+        run: x
+        recovery: &r {max_restarts: 1, spares: 2}
+        health:
+          heartbeat_timeout: 10s
+        checkpoint:
+          keep: 4
+        """))
+    assert spec.recovery.spares == 2
+    path = write(tmp_path, "run: x\nrecovery: &r\n  spares: 2\nhealth:\n  <<: *r\n")
+    one(path, 3, "health.spares", "unknown field 'spares'", "heartbeat_timeout")
+
+
+# --- bad files ---------------------------------------------------------------------------------
+
+def test_unknown_top_level_key(tmp_path):
+    path = write(tmp_path, "run: x\nnum_node: 2\n")
+    one(path, 2, "num_node", "unknown field 'num_node'; did you mean 'num_nodes'?")
+
+
+def test_unknown_nested_key(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  use_spot: true\n  acelerators: H100:8\n")
+    one(path, 4, "resources.acelerators",
+        "unknown field 'acelerators'; did you mean 'accelerators'?")
+
+
+def test_unknown_key_without_close_match_lists_fields(tmp_path):
+    path = write(tmp_path, "run: x\ncheckpoint:\n  zzzzz: 1\n")
+    one(path, 3, "checkpoint.zzzzz", "unknown field 'zzzzz'", "dir, interval, keep")
+
+
+def test_wrong_type(tmp_path):
+    path = write(tmp_path, "run: x\nsteps: many\n")
+    one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")
+    path = write(tmp_path, "run: x\nresources: 5\n")
+    one(path, 2, "resources", "expected a mapping", "accelerators")
+
+
+def test_negative_num_nodes(tmp_path):
+    path = write(tmp_path, "# my job\nrun: x\nnum_nodes: -1\n")
+    one(path, 3, "num_nodes", "greater than or equal to 1", "-1")
+
+
+def test_bad_accelerator(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  accelerators: H100:zero\n")
+    one(path, 3, "resources.accelerators", "'zero'", "whole number", "To fix")
+    path = write(tmp_path, "run: x\nresources:\n  accelerators: H100:0.5\n")
+    one(path, 3, "resources.accelerators", "fractional")
+
+
+def test_bad_duration(tmp_path):
+    path = write(tmp_path, "run: x\nhealth:\n\n  heartbeat_timeout: soon\n")
+    one(path, 4, "health.heartbeat_timeout", "invalid duration 'soon'", "'30s'")
+    path = write(tmp_path, "run: x\ncheckpoint:\n  interval: 0s\n")
+    one(path, 3, "checkpoint.interval", "longer than zero")
+
+
+def test_bad_provider(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  infra: [aws, gpc]\n")
+    one(path, 3, "resources.infra", "unknown provider 'gpc'; did you mean 'gcp'?", "kubernetes")
+
+
+def test_missing_run(tmp_path):
+    path = write(tmp_path, "name: job\nnum_nodes: 2\n")
+    one(path, 1, "run", "required field is missing", "run: python train.py")
+
+
+def test_missing_nested_field(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  cpus: {at_least: true}\n")
+    one(path, 3, "resources.cpus.count", "required field is missing")
+
+
+def test_yaml_syntax_error(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  accelerators: [H100:8\nsteps: 3\n")
+    msgs = errors(path)
+    assert len(msgs) == 1 and re.match(rf"{re.escape(str(path))}:\d+: invalid YAML: ", msgs[0])
+    path = write(tmp_path, "run: x\n\tsteps: 3\n")
+    assert errors(path) == [f"{path}:2: invalid YAML: found character '\\t' that cannot start any token"]
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n", "~\n"])
+def test_empty_file(tmp_path, text):
+    path = write(tmp_path, text)
+    assert errors(path) == [f"{path}:1: the file is empty. To fix: write at least 'run: python train.py'"]
+
+
+def test_top_level_list(tmp_path):
+    path = write(tmp_path, "- run: x\n")
+    one(path, 1, "", "top level must be a mapping", "not a list")
+    path = write(tmp_path, "hello\n")
+    one(path, 1, "", "top level must be a mapping", "'hello'")
+
+
+def test_duplicate_key(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  cpus: 4\n  use_spot: true\n  cpus: 8\n")
+    one(path, 5, "resources.cpus", "duplicate key (first on line 3)")
+
+
+def test_non_text_key(tmp_path):
+    path = write(tmp_path, "run: x\nenvs:\n  on: 1\n")
+    one(path, 3, "envs", "key 'on' is read by YAML as bool", "quote it")
+
+
+def test_missing_file_and_directory(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    assert errors(missing) == [f"{missing}:1: file not found. To fix: check the path"]
+    assert errors(tmp_path)[0].startswith(f"{tmp_path}:1: is a directory")
+    assert errors(str(missing)) == [f"{missing}:1: file not found. To fix: check the path"]
+
+
+def test_binary_and_undecodable(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_bytes(b"run: x\n\xff\xfe\n")
+    assert errors(path) == [f"{path}:2: not UTF-8 text (byte 0xff). To fix: save the file as UTF-8"]
+    path.write_bytes(b"run: x\nsteps: \x00\n")
+    one(path, 2, "", "invalid YAML")
+
+
+def test_hostile_yaml(tmp_path):
+    cases = [
+        "run: " + "[" * 3000 + "]" * 3000,                 # deeper than the parser's recursion
+        "run: x\nresources:\n  regions: &r [*r]\n",        # a self-referencing list
+        "run: x\nnum_nodes: " + "9" * 5000 + "\n",         # an int too long to convert
+        "run: !!python/object/apply:os.system [echo]\n",   # no arbitrary objects
+        "run: !!int nope\n",
+        "run: x\n---\nrun: y\n",
+        "run: x\n? [a, b]\n: c\n",
+        "run: x\nhealth: {heartbeat_timeout: " + "9" * 400 + "}\n",
+    ]
+    for text in cases:
+        errors(write(tmp_path, text))
+
+
+def test_many_errors_one_message_per_field(tmp_path):
+    path = write(tmp_path, """\
+        nme: job
+        num_nodes: 0
+        nproc_per_node: lots
+        resources:
+          accelerators: [H100:8, 7]
+          memory: -3
+          max_hourly_cost: 0
+        envs:
+          9LIVES: 1
+        """)
+    msgs = errors(path)
+    fields = [m.split(": ", 2)[1] for m in msgs]
+    assert fields == ["nme", "run", "num_nodes", "nproc_per_node", "resources.accelerators",
+                      "resources.memory", "resources.max_hourly_cost", "envs.9LIVES"]
+    assert [int(m.split(":")[1]) for m in msgs] == [1, 1, 2, 3, 5, 6, 7, 9]
+
+
+# --- fuzzing -----------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=200, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def check_outcome(path):
+    """Loading anything gives a JobSpec or a SpecError of one-line 'FILE:LINE: ...' messages."""
+    try:
+        spec = load_spec(path)
+    except SpecError as err:
+        assert err.messages
+        for m in err.messages:
+            assert len(m.splitlines()) == 1, m
+            assert re.match(rf"{re.escape(str(path))}:[1-9]\d*: \S", m), m
+        return None
+    assert isinstance(spec, JobSpec)
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec
+    return spec
+
+
+@FUZZ
+@given(text=st.text(max_size=300))
+def test_fuzz_text(tmp_path, text):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(text, encoding="utf-8")
+    check_outcome(path)
+
+
+@FUZZ
+@given(data=st.binary(max_size=300))
+def test_fuzz_bytes(tmp_path, data):
+    path = tmp_path / "fuzz.yaml"
+    path.write_bytes(data)
+    check_outcome(path)
+
+
+FIELDS = ["name", "num_nodes", "nproc_per_node", "workdir", "setup", "run", "envs", "steps",
+          "resources", "accelerators", "cpus", "memory", "use_spot", "infra", "regions",
+          "max_hourly_cost", "checkpoint", "dir", "interval", "keep", "recovery", "max_restarts",
+          "spares", "health", "heartbeat_timeout", "count", "at_least", "SEED"]
+WORDS = ["H100:8", "A100", "H100:zero", "auto", "30s", "1h30m", "soon", "4+", "16+", "aws", "gcp",
+         "gpc", "us-east-1", "python train.py", "", "tiny-gpt", "bad name!", "-1", "0"]
+scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats()
+           | st.sampled_from(WORDS) | st.text(max_size=12))
+keys = st.sampled_from(FIELDS) | st.text(max_size=10)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=5),
+    max_leaves=25)
+
+
+@FUZZ
+@given(doc=st.dictionaries(keys, values, max_size=8), with_run=st.booleans(),
+       flow=st.booleans())
+def test_fuzz_structured(tmp_path, doc, with_run, flow):
+    if with_run:
+        doc.setdefault("run", "python train.py")
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False, default_flow_style=flow,
+                                   allow_unicode=True), encoding="utf-8")
+    spec = check_outcome(path)
+    if spec is not None:
+        assert spec.run == doc["run"]
+
+
+@FUZZ
+@given(doc=st.fixed_dictionaries(
+    {"run": st.just("python train.py")},
+    optional={"num_nodes": scalars, "nproc_per_node": scalars, "steps": scalars,
+              "envs": st.dictionaries(st.sampled_from(["SEED", "A_B", "1X", "x-y"]), scalars),
+              "resources": st.fixed_dictionaries({}, optional={
+                  f: values for f in ["accelerators", "cpus", "memory", "use_spot", "infra",
+                                      "regions", "max_hourly_cost"]}),
+              "checkpoint": st.fixed_dictionaries({}, optional={
+                  f: values for f in ["dir", "interval", "keep"]}),
+              "health": st.fixed_dictionaries({}, optional={"heartbeat_timeout": values})}))
+def test_fuzz_near_valid(tmp_path, doc):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    check_outcome(path)

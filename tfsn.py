@@ -12,14 +12,22 @@ This module only wires the packages together; the logic lives in `orchestrator/`
 """
 from __future__ import annotations
 
-from orchestrator.sdk import Run, init
+from typing import Any
 
 __all__ = ["Run", "init", "main"]
 
 
+def __getattr__(name: str) -> Any:
+    """The SDK is imported on first use: the CLI must not pay for importing torch."""
+    if name in ("Run", "init"):
+        from orchestrator import sdk
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'tfsn' has no attribute {name!r}")
+
+
 def main() -> None:
     """The `tfsn` console script."""
-    from orchestrator.cli import main as cli_main  # the CLI's imports are not needed by training scripts
+    from orchestrator.cli import main as cli_main
     cli_main()
 
 

@@ -114,7 +114,9 @@ class Agent:
             "--nproc-per-node", str(cmd["nproc_per_node"]),
             "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),
             "--max-restarts", "0", "--monitor-interval", "0.2", "--tee", "3",
-            "--no-python", "bash", "-c", cmd["run"]]
+            # torchrun expands its ${local_rank} macro with string.Template, which turns "$$" into "$":
+            # escaping every "$" hands bash the user's command verbatim.
+            "--no-python", "bash", "-c", cmd["run"].replace("$", "$$")]
         env = _env_with_python({**cmd["env"], "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "})
         self.logs.add(f"[tfsn] node {self.node_id}: starting attempt {cmd['attempt']} as node rank "
                       f"{cmd['node_rank']} of {cmd['nnodes']}")

@@ -9,6 +9,8 @@ Agents poll the controller (heartbeat) and get back what their node should be do
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import socket
 import sys
 import threading
@@ -26,6 +28,7 @@ STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node t
 STARTING_TIMEOUT_MIN_S = 60.0  # a new node gets at least this long to send its first heartbeat
 # A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
 NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def requested_cpus(spec: JobSpec) -> int | None:
@@ -224,7 +227,8 @@ class Controller:
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes)."""
         provider = self._provider(self._provider_name(spec))
-        node_id = f"{job.name}-{job.id}-n{len(self.store.nodes(job.id))}"
+        # Unique beyond this store: the local provider finds a node's processes by its id.
+        node_id = f"{job.name}-{job.id}-n{len(self.store.nodes(job.id))}-{secrets.token_hex(2)}"
         self.store.add_node(node_id, job.id, rank, provider.name)
         log = job_dir(job.id, self.home) / f"{node_id}.log"
         request = NodeRequest(
@@ -320,7 +324,8 @@ class Controller:
         infra = bool(blamed) or bool(dead) or not first_failures
         summary = first_failures[0].summary if first_failures else "; ".join(
             f"{n.id}: {n.failure}" for n in dead) or "a node was lost"
-        signature = f"{'node' if infra else summary}|{job.checkpoint_step}"
+        # The same error on another rank is still the same error.
+        signature = f"{'node' if infra else _RANK_PREFIX.sub('', summary)}|{job.checkpoint_step}"
         if not infra and signature == job.last_failure:
             reason = f"failed the same way twice with no progress in between: {summary}"
             self._teardown(job)

@@ -39,12 +39,20 @@ NODE_MTBF_H = 6000.0        # `auto`: mean time between failures of one 8-GPU no
 
 
 class TelemetryReporter:
-    """Batches step records and posts them from a daemon thread; bounded, never blocks the caller."""
+    """Batches step records and events and posts them from a daemon thread.
+
+    Bounded and never blocking the caller; what the controller did not take is kept and sent
+    again, so a controller restarting mid-run loses nothing. At exit it keeps trying for
+    EXIT_FLUSH_S, so the last steps of a run still reach a controller that is coming back.
+    """
+
+    EXIT_FLUSH_S = 30.0
 
     def __init__(self, client: ControllerClient, rank: int, attempt: int, flush_s: float = 1.0,
                  max_buffer: int = 10000) -> None:
         self.client, self.rank, self.attempt, self.flush_s = client, rank, attempt, flush_s
         self._records: deque[dict[str, Any]] = deque(maxlen=max_buffer)
+        self._events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=1000)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -55,42 +63,51 @@ class TelemetryReporter:
         with self._lock:
             self._records.append(record)
 
-    def send(self, path: str, body: dict[str, Any]) -> None:
-        """A one-off message (checkpoint saved); best effort, from the background thread."""
-        threading.Thread(target=self._post_quietly, args=(path, body), daemon=True).start()
-
-    def _post_quietly(self, path: str, body: dict[str, Any]) -> None:
-        try:
-            self.client.post(path, body)
-        except (ControllerUnavailable, ControllerRejected):
-            pass
-
-    def flush(self, timeout: float = 5.0) -> None:
+    def event(self, path: str, body: dict[str, Any]) -> None:
+        """A message that must arrive in order (checkpoint saved or restored)."""
         with self._lock:
-            batch = list(self._records)
-        if not batch:
-            return
-        for record in batch:  # tensors were kept as they are; converting here keeps the step free
-            record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
+            self._events.append((path, body))
+        self._wake.set()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Send what is pending; True when nothing is left."""
         try:
-            self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch},
-                             timeout=timeout)
-        except (ControllerUnavailable, ControllerRejected):
-            return  # keep them; the buffer is bounded
-        with self._lock:
-            for _ in range(min(len(batch), len(self._records))):
-                self._records.popleft()
+            while self._events:
+                path, body = self._events[0]
+                self.client.post(path, body, timeout=timeout)
+                with self._lock:
+                    self._events.popleft()
+            with self._lock:
+                batch = list(self._records)
+            if batch:
+                for record in batch:  # tensors were kept as they are: converting here keeps the step free
+                    record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
+                self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch},
+                                 timeout=timeout)
+                with self._lock:
+                    for _ in range(min(len(batch), len(self._records))):
+                        self._records.popleft()
+        except ControllerUnavailable:
+            return False
+        except ControllerRejected:  # the job is gone: nobody will ever take these
+            with self._lock:
+                self._events.clear()
+                self._records.clear()
+        return True
 
     def _loop(self) -> None:
         while not self._closed:
             self._wake.wait(self.flush_s)
+            self._wake.clear()
             self.flush()
 
     def close(self) -> None:
         self._closed = True
         self._wake.set()
-        self._thread.join(timeout=2)
-        self.flush(timeout=2)
+        self._thread.join(timeout=5)
+        deadline = time.monotonic() + self.EXIT_FLUSH_S
+        while not self.flush(timeout=2) and time.monotonic() < deadline:
+            time.sleep(1)
 
 
 class Run:
@@ -161,7 +178,7 @@ class Run:
         self.last_checkpoint = info
         self._save_cost = self._last_save - started
         if self._telemetry is not None and self.rank == 0:
-            self._telemetry.send("/checkpoint", {"step": completed, "path": str(info.path), "seconds": info.seconds})
+            self._telemetry.event("/checkpoint", {"step": completed, "path": str(info.path), "seconds": info.seconds})
         return info
 
     def restore(self, **objects: Any) -> int:
@@ -171,7 +188,7 @@ class Run:
             return 0
         self.last_checkpoint = info
         if self._telemetry is not None and self.rank == 0:
-            self._telemetry.send("/checkpoint", {"step": info.step, "path": str(info.path), "restored": True})
+            self._telemetry.event("/checkpoint", {"step": info.step, "path": str(info.path), "restored": True})
         return info.step
 
     def _due(self, completed: int) -> bool:

@@ -1,0 +1,99 @@
+"""Shared fixtures: an isolated TFSN_HOME per test and a way to run the real `tfsn` command."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "tiny-gpt"
+# A smaller model than the example's default, so an e2e job takes seconds, not minutes.
+FAST_MODEL = {"N_LAYER": "1", "N_EMBD": "32", "N_HEAD": "2", "BLOCK_SIZE": "32", "BATCH_SIZE": "8",
+              "CORPUS_CHARS": "20000", "LOG_INTERVAL": "5"}
+
+
+class Tfsn:
+    """Runs `python tfsn.py ...` as a user would, against one TFSN_HOME."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.env = {**os.environ, "TFSN_HOME": str(home), "TFSN_CONTROLLER_IDLE_S": "20"}
+
+    def __call__(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, str(ROOT / "tfsn.py"), *args], env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"tfsn {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def status(self, job: int | str) -> dict:
+        return json.loads(self("status", str(job), "--json").stdout)
+
+    def wait(self, job: int | str, until, timeout: float = 240, what: str = "") -> dict:
+        """Poll `tfsn status --json` until `until(status)` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status(job)
+            if until(st):
+                return st
+            if time.monotonic() > deadline:
+                log = (self.home / "jobs" / str(st["id"]) / "job.log")
+                raise AssertionError(f"timed out waiting for {what or until}: {st['state']}\n"
+                                     f"{log.read_text()[-4000:] if log.exists() else ''}")
+            time.sleep(0.5)
+
+    def wait_done(self, job: int | str, timeout: float = 240) -> dict:
+        return self.wait(job, lambda s: s["state"] in ("SUCCEEDED", "FAILED", "STOPPED"), timeout, "the job to end")
+
+
+@pytest.fixture
+def tfsn(tmp_path: Path):
+    home = tmp_path / "home"
+    home.mkdir()
+    runner = Tfsn(home)
+    yield runner
+    info = home / "controller.json"
+    if info.exists():  # leave nothing running behind
+        pid = json.loads(info.read_text())["pid"]
+        for job in json.loads(runner("status", "--json", check=False).stdout or "[]"):
+            if job["state"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
+                runner("stop", str(job["id"]), check=False)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def write_job(path: Path, steps: int, interval: int = 10, envs: dict | None = None, fast: bool = True,
+              **fields) -> Path:
+    """A copy of the example's train.yaml (with a smaller model when `fast`), pointing at its code."""
+    spec = yaml.safe_load((EXAMPLE / "train.yaml").read_text())
+    spec.update(workdir=str(EXAMPLE), steps=steps, checkpoint={"interval": interval, "keep": 3,
+                                                               "dir": str(path.parent / f"{path.stem}-ckpt")})
+    spec["envs"] = {**spec.get("envs", {}), **(FAST_MODEL if fast else {}), **(envs or {})}
+    spec.update(fields)
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def processes_with_env(**wanted: str) -> list[int]:
+    """Pids whose environment holds every KEY=VALUE given (how a test finds a worker to kill)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError):
+            continue
+        if state != "Z" and all(env.get(k) == v for k, v in wanted.items()):
+            pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,127 @@
+"""End to end on the local provider: real controller, agents, torchrun workers, DCP checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.checkpoint import list_checkpoints, load_tensors
+from tests.conftest import EXAMPLE, processes_with_env, write_job
+
+pytestmark = pytest.mark.e2e
+
+
+def final_tensors(spec: Path, steps: int) -> dict[str, torch.Tensor]:
+    ckpts = list_checkpoints(spec.parent / f"{spec.stem}-ckpt")
+    assert ckpts and ckpts[0].step == steps, f"no final checkpoint at step {steps}: {ckpts}"
+    return load_tensors(ckpts[0].path)
+
+
+def worker_pid(tfsn, job: int, rank: int) -> int:
+    node = next(n for n in tfsn.status(job)["nodes"] if n["rank"] == rank and n["state"] == "READY")
+    pids = processes_with_env(TFSN_NODE_ID=node["id"], RANK=str(rank), TFSN_JOB_ID=str(job))
+    workers = [p for p in pids if "train.py" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(workers) == 1, f"expected one worker of rank {rank}, found {workers}"
+    return workers[0]
+
+
+def test_example_runs_to_succeeded(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=12, interval=5)
+    out = tfsn("launch", str(spec), timeout=300)
+    assert "SUCCEEDED" in out.stdout
+    st = tfsn.status(1)
+    assert st["state"] == "SUCCEEDED" and st["restarts"] == 0
+    assert st["step"] == 12 and st["checkpoint"]["step"] == 12
+    assert st["loss"] is not None
+    assert {n["state"] for n in st["nodes"]} == {"TERMINATED"} and len(st["nodes"]) == 2
+    log = tfsn("logs", "1").stdout
+    assert "[rank0]: step 10: loss" in log and "SUCCEEDED" in log
+    # the nodes' processes are gone
+    assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
+
+
+def test_killed_worker_resumes_bit_for_bit(tfsn, tmp_path):
+    steps = 80  # the example's own model: slow enough to kill a worker mid-run
+    reference = write_job(tmp_path / "reference.yaml", steps=steps, interval=10, fast=False)
+    victim = write_job(tmp_path / "victim.yaml", steps=steps, interval=10, fast=False)
+    tfsn("launch", str(reference), "--detach", "--name", "reference")
+    tfsn("launch", str(victim), "--detach", "--name", "victim")
+    st = tfsn.wait("victim", lambda s: (s["checkpoint"] or {}).get("step", 0) >= 20 and s["step"] > 22,
+                   what="a checkpoint and progress past it")
+    os.kill(worker_pid(tfsn, st["id"], rank=1), signal.SIGKILL)
+    done = tfsn.wait_done("victim", timeout=300)
+    assert done["state"] == "SUCCEEDED", done
+    assert done["restarts"] == 1
+    assert done["restored_step"] >= 20
+    failed = [n for n in done["nodes"] if n["state"] == "FAILED"]
+    assert len(failed) == 1 and failed[0]["rank"] == 1, done["nodes"]
+    assert len(done["nodes"]) == 3  # the failed node was replaced, the healthy one kept
+    assert tfsn.wait_done("reference", timeout=300)["state"] == "SUCCEEDED"
+    ref, got = final_tensors(reference, steps), final_tensors(victim, steps)
+    assert ref.keys() == got.keys() and any(k.startswith("optimizer") for k in ref)
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), f"{key} differs after the restart"
+
+
+def test_controller_kill_and_restart_keeps_the_job(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=60, interval=25, fast=False)
+    tfsn("launch", str(spec), "--detach")
+    tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 5, what="training to start")
+    info = json.loads((tfsn.home / "controller.json").read_text())
+    os.kill(info["pid"], signal.SIGKILL)
+    time.sleep(2)  # the workers keep training while no controller runs
+    tfsn("controller", "start")
+    restarted = json.loads((tfsn.home / "controller.json").read_text())
+    assert restarted["pid"] != info["pid"] and restarted["url"] == info["url"]
+    done = tfsn.wait_done(1, timeout=300)
+    assert done["state"] == "SUCCEEDED" and done["restarts"] == 0, done
+    assert done["step"] == 60, "telemetry sent while the controller was down was lost"
+
+
+def test_application_error_fails_without_looping(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=10, run="python -c \"raise ValueError('bad learning rate')\"")
+    out = tfsn("launch", str(spec), timeout=300, check=False)
+    assert out.returncode == 1
+    st = tfsn.status(1)
+    assert st["state"] == "FAILED"
+    assert "ValueError: bad learning rate" in st["error"]
+    assert st["restarts"] <= 1, "the same error must not be retried in a loop"
+    assert "ValueError: bad learning rate" in out.stderr
+
+
+def test_restarts_are_bounded(tfsn, tmp_path):
+    # Every attempt's worker dies by a signal (a node fault each time): max_restarts ends it.
+    spec = write_job(tmp_path / "job.yaml", steps=10, run="kill -9 $$", recovery={"max_restarts": 1})
+    out = tfsn("launch", str(spec), timeout=300, check=False)
+    assert out.returncode == 1
+    st = tfsn.status(1)
+    assert st["state"] == "FAILED" and st["restarts"] == 1
+    assert "max_restarts" in st["error"]
+
+
+def test_killed_agent_is_replaced_and_stop_tears_down(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20)
+    tfsn("launch", str(spec), "--detach")
+    st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
+    node = next(n for n in st["nodes"] if n["rank"] == 0)
+    agent = [p for p in processes_with_env(TFSN_NODE_ID=node["id"])
+             if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(agent) == 1
+    os.kill(agent[0], signal.SIGKILL)
+    st = tfsn.wait(1, lambda s: s["restarts"] == 1 and s["state"] == "RUNNING" and s["step"] >= 3,
+                   what="the replacement node to train")
+    assert any(n["id"] == node["id"] and n["state"] == "FAILED" for n in st["nodes"])
+    tfsn("stop", "1")
+    st = tfsn.status(1)
+    assert st["state"] == "STOPPED"
+    assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
+
+
+def test_example_spec_is_valid(tfsn):
+    out = tfsn("validate", str(EXAMPLE / "train.yaml"))
+    assert "valid job 'tiny-gpt'" in out.stdout

@@ -1,0 +1,115 @@
+"""The SDK inside a training script: standalone runs, resume, corrupt checkpoints, telemetry."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator import sdk
+from orchestrator.checkpoint import MANIFEST, list_checkpoints, load_tensors
+from tests.conftest import EXAMPLE, FAST_MODEL
+
+
+def run_example(ckpt_dir: Path, steps: int, interval: int = 10, wait: bool = True, **extra: str):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFSN_")}
+    env.update(FAST_MODEL, STEPS=str(steps), OMP_NUM_THREADS="1", **extra)
+    # the script's own init() arguments would put checkpoints in ./checkpoints; point them elsewhere
+    env.update(TFSN_CHECKPOINT_DIR=str(ckpt_dir), TFSN_CHECKPOINT_INTERVAL=str(interval))
+    proc = subprocess.Popen([sys.executable, "train.py"], cwd=EXAMPLE, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if wait:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+        return out
+    return proc
+
+
+def test_standalone_run_trains_and_checkpoints(tmp_path):
+    out = run_example(tmp_path / "ckpt", steps=30, interval=10)
+    assert "starting at step 0 of 30" in out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert losses[-1] < losses[0] - 0.5, f"loss did not fall: {losses}"
+    assert [c.step for c in list_checkpoints(tmp_path / "ckpt")] == [30, 20, 10]
+
+
+def test_standalone_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    run_example(tmp_path / "ref", steps=40, interval=10)
+    proc = run_example(tmp_path / "cut", steps=40, interval=10, wait=False)
+    deadline = time.monotonic() + 120
+    while not [c for c in list_checkpoints(tmp_path / "cut") if c.step >= 20] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run_example(tmp_path / "cut", steps=40, interval=10)
+    start = int(re.search(r"starting at step (\d+)", resumed).group(1))
+    assert start >= 20
+    ref = load_tensors(list_checkpoints(tmp_path / "ref")[0].path)
+    got = load_tensors(list_checkpoints(tmp_path / "cut")[0].path)
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
+    run_example(tmp_path / "ckpt", steps=20, interval=10)
+    newest = list_checkpoints(tmp_path / "ckpt")[0]
+    assert newest.step == 20
+    victim = next(p for p in newest.path.iterdir() if p.name.endswith(".distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = run_example(tmp_path / "ckpt", steps=25, interval=10)
+    assert "starting at step 10 of 25" in out
+    assert (newest.path / MANIFEST).exists(), "restore must never delete a checkpoint"
+
+
+def _make_run(tmp_path, interval, total=None) -> sdk.Run:
+    return sdk.Run(checkpoint_dir=tmp_path, checkpoint_interval=interval, keep=2, total_steps=total)
+
+
+def test_checkpoint_is_due_every_interval_and_after_the_last_step(tmp_path):
+    run = _make_run(tmp_path, 4)
+    model = torch.nn.Linear(2, 2)
+    saved = [step + 1 for step in run.steps(0, 10) if run.checkpoint(model=model)]
+    assert saved == [4, 8, 10]
+
+
+def test_time_based_interval_is_decided_at_sync_points(tmp_path, monkeypatch):
+    run = _make_run(tmp_path, "1h", total=100)
+    model = torch.nn.Linear(2, 2)
+    clock = [0.0]
+    monkeypatch.setattr(sdk.time, "monotonic", lambda: clock[0])
+    run._last_save = 0.0
+    saved = []
+    for step in run.steps(0, 100):
+        clock[0] += 200.0  # each step "takes" 200 s: the hour passes during step 18
+        if run.checkpoint(model=model):
+            saved.append(step + 1)
+    assert saved[0] == 20, "time-based saves happen at the first sync point after the interval"
+    assert saved[-1] == 100
+
+
+def test_telemetry_never_blocks_a_step_when_the_controller_hangs(tmp_path, monkeypatch):
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # accepts connections, never answers
+    monkeypatch.setenv("TFSN_CONTROLLER_URL", f"http://127.0.0.1:{hung.getsockname()[1]}")
+    monkeypatch.setenv("TFSN_TOKEN", "t")
+    monkeypatch.setenv("TFSN_JOB_ID", "1")
+    run = _make_run(tmp_path, 1000)
+    assert run.managed
+    run._telemetry.EXIT_FLUSH_S = 0
+    started = time.monotonic()
+    for step in run.steps(0, 200):
+        run.log(loss=torch.tensor(1.0))
+    assert time.monotonic() - started < 2.0, "steps waited on the network"
+    threading.Thread(target=run.finish, daemon=True).start()
+    hung.close()

@@ -131,7 +131,7 @@ class Agent:
             if not self._stopping:  # torchrun's traceback for the SIGTERM we sent is noise
                 self.logs.add(line)
 
-    def _stop(self) -> None:
+    def stop_workers(self) -> None:
         """Stop the running workers: torchrun forwards SIGTERM to them; SIGKILL after a grace period."""
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -194,10 +194,10 @@ class Agent:
         if action == "setup" and self.state == "starting":
             self._setup(cmd.get("setup", ""), cmd.get("workdir", "."))
         elif action == "idle":
-            self._stop()
+            self.stop_workers()
         elif action == "run" and cmd["attempt"] not in self.done:
             if self.proc is not None and self.attempt != cmd["attempt"]:
-                self._stop()
+                self.stop_workers()
                 self._collect()
             if self.proc is None:
                 self._start(cmd)
@@ -228,7 +228,7 @@ class Agent:
                     self.logs.add(f"[tfsn] node {self.node_id}: {err}; exiting")
                     break
             time.sleep(TICK_S)
-        self._stop()
+        self.stop_workers()
         self._collect()
         self.logs.flush()
         return 0
@@ -247,7 +247,7 @@ def main() -> int:
     try:
         return agent.run()
     finally:
-        agent._stop()
+        agent.stop_workers()
 
 
 if __name__ == "__main__":

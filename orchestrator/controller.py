@@ -51,6 +51,7 @@ class Controller:
         self.home = home
         self.providers = providers
         self.url = url                      # set once the API server listens
+        self.started_at = time.time()       # no node is blamed for silence while no controller listened
         self.wake = threading.Event()       # set by the API when something happened
         self._log_lock = threading.Lock()
 
@@ -204,15 +205,16 @@ class Controller:
         """Fail every node whose agent is gone or silent."""
         now = time.time()
         timeout = spec.health.heartbeat_timeout
+        first_timeout = max(timeout, STARTING_TIMEOUT_MIN_S)
         for node in self.store.nodes(job.id, active_only=True):
             if node.handle is None:
                 continue
             status = self._provider(node.provider).status(NodeHandle(**node.handle))
             if status == NodeStatus.TERMINATED:
                 self._fail_node(job, node, "the node's agent exited")
-            elif node.heartbeat_at is None and now - node.created_at > max(timeout, STARTING_TIMEOUT_MIN_S):
-                self._fail_node(job, node, f"no heartbeat within {max(timeout, STARTING_TIMEOUT_MIN_S):.0f}s of start")
-            elif node.heartbeat_at is not None and now - node.heartbeat_at > timeout:
+            elif node.heartbeat_at is None and now - max(node.created_at, self.started_at) > first_timeout:
+                self._fail_node(job, node, f"no heartbeat within {first_timeout:.0f}s of start")
+            elif node.heartbeat_at is not None and now - max(node.heartbeat_at, self.started_at) > timeout:
                 self._fail_node(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
 
     def _fail_node(self, job: Job, node: Node, reason: str) -> None:

@@ -40,8 +40,9 @@ class Tfsn:
         """Poll `tfsn status --json` until `until(status)` holds."""
         deadline = time.monotonic() + timeout
         while True:
-            st = self.status(job)
-            if until(st):
+            proc = self("status", str(job), "--json", check=False)  # the job may not be submitted yet
+            st = json.loads(proc.stdout) if proc.returncode == 0 else {"state": "not submitted", "id": job}
+            if proc.returncode == 0 and until(st):
                 return st
             if time.monotonic() > deadline:
                 log = (self.home / "jobs" / str(st["id"]) / "job.log")

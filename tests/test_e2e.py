@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from orchestrator.checkpoint import list_checkpoints, load_tensors
-from tests.conftest import EXAMPLE, processes_with_env, write_job
+from tests.conftest import EXAMPLE, ROOT, processes_with_env, write_job
 
 pytestmark = pytest.mark.e2e
 
@@ -41,6 +43,7 @@ def test_example_runs_to_succeeded(tfsn, tmp_path):
     assert {n["state"] for n in st["nodes"]} == {"TERMINATED"} and len(st["nodes"]) == 2
     log = tfsn("logs", "1").stdout
     assert "[rank0]: step 10: loss" in log and "SUCCEEDED" in log
+    assert tfsn("logs", "1", "--follow").stdout.strip() == log.strip()  # returns once the job has ended
     # the nodes' processes are gone
     assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
 
@@ -69,18 +72,20 @@ def test_killed_worker_resumes_bit_for_bit(tfsn, tmp_path):
 
 
 def test_controller_kill_and_restart_keeps_the_job(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=60, interval=25, fast=False)
+    spec = write_job(tmp_path / "job.yaml", steps=100, interval=25, fast=False, health={"heartbeat_timeout": "3s"})
     tfsn("launch", str(spec), "--detach")
     tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 5, what="training to start")
     info = json.loads((tfsn.home / "controller.json").read_text())
     os.kill(info["pid"], signal.SIGKILL)
-    time.sleep(2)  # the workers keep training while no controller runs
+    # The workers keep training while no controller runs, for longer than the heartbeat timeout:
+    # the new controller must not blame the nodes for the silence it caused.
+    time.sleep(5)
     tfsn("controller", "start")
     restarted = json.loads((tfsn.home / "controller.json").read_text())
     assert restarted["pid"] != info["pid"] and restarted["url"] == info["url"]
     done = tfsn.wait_done(1, timeout=300)
     assert done["state"] == "SUCCEEDED" and done["restarts"] == 0, done
-    assert done["step"] == 60, "telemetry sent while the controller was down was lost"
+    assert done["step"] == 100, "telemetry sent while the controller was down was lost"
 
 
 def test_application_error_fails_without_looping(tfsn, tmp_path):
@@ -104,10 +109,11 @@ def test_restarts_are_bounded(tfsn, tmp_path):
     assert "max_restarts" in st["error"]
 
 
-def test_killed_agent_is_replaced_and_stop_tears_down(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20)
+def test_killed_agent_is_replaced_by_a_spare_and_stop_tears_down(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, recovery={"spares": 1})
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
+    spare = next(n for n in st["nodes"] if n["rank"] is None)
     node = next(n for n in st["nodes"] if n["rank"] == 0)
     agent = [p for p in processes_with_env(TFSN_NODE_ID=node["id"])
              if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
@@ -116,7 +122,39 @@ def test_killed_agent_is_replaced_and_stop_tears_down(tfsn, tmp_path):
     st = tfsn.wait(1, lambda s: s["restarts"] == 1 and s["state"] == "RUNNING" and s["step"] >= 3,
                    what="the replacement node to train")
     assert any(n["id"] == node["id"] and n["state"] == "FAILED" for n in st["nodes"])
+    assert any(n["id"] == spare["id"] and n["rank"] == 0 for n in st["nodes"]), "the spare took rank 0"
+    assert any(e["message"] == f"spare node {spare['id']} takes rank 0" for e in st["events"])
+    tfsn.wait(1, lambda s: sum(n["rank"] is None and n["state"] == "READY" for n in s["nodes"]) == 1,
+              what="a new spare")
     tfsn("stop", "1")
+    st = tfsn.status(1)
+    assert st["state"] == "STOPPED"
+    assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
+
+
+def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, health={"heartbeat_timeout": "3s"})
+    tfsn("launch", str(spec), "--detach")
+    st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
+    node = next(n for n in st["nodes"] if n["rank"] == 1)
+    agent = [p for p in processes_with_env(TFSN_NODE_ID=node["id"])
+             if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
+    os.kill(agent[0], signal.SIGSTOP)  # alive but silent
+    st = tfsn.wait(1, lambda s: s["restarts"] == 1 and s["state"] == "RUNNING", what="the silent node's replacement")
+    failed = next(n for n in st["nodes"] if n["id"] == node["id"])
+    assert failed["state"] == "FAILED" and "no heartbeat" in failed["failure"]
+    assert not processes_with_env(TFSN_NODE_ID=node["id"]), "the silent node's processes were not killed"
+    tfsn("stop", "1")
+
+
+def test_ctrl_c_on_launch_stops_the_job(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20)
+    launch = subprocess.Popen([sys.executable, str(ROOT / "tfsn.py"), "launch", str(spec)], env=tfsn.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
+    launch.send_signal(signal.SIGINT)
+    out, _ = launch.communicate(timeout=120)
+    assert launch.returncode == 1 and "STOPPED" in out
     st = tfsn.status(1)
     assert st["state"] == "STOPPED"
     assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])

@@ -1,0 +1,220 @@
+"""Seconds from a worker's `kill -9` to training again, and the steps redone, on the real local stack.
+
+    python benchmarks/recovery.py [--json] [--repeats 3] [--steps 200] [--interval 25] [--kill-after 12]
+
+Each repeat launches examples/tiny-gpt (its default model, 2 nodes x 1 worker on the local provider)
+with `python tfsn.py launch <spec> --detach` in a fresh TFSN_HOME, waits until a checkpoint exists and
+rank 0 reported `--kill-after` steps past it, SIGKILLs rank 1's worker and waits for SUCCEEDED. The
+store's events and rank 0's step records then time each phase, in seconds after the kill:
+  noticed          the controller saw the failure (first 'attempt ... failed' or 'node ... failed' event)
+  recovering       the job went RECOVERING
+  node ready       the replacement node's agent reported ready
+  running          attempt 2 started (RUNNING)
+  workers started  the later of attempt 2's two worker processes started (the kernel's start time)
+  step start       the first step of attempt 2 began (its record's time minus its step time)
+  step done        that step completed
+and steps redone = last step completed in attempt 1 + 1 - first step of attempt 2.
+Why: recovering from a dead node with little lost work is what tfsn's "heal" promises; the phases
+show where the time goes. Figures are medians over repeats (the machine is shared and noisy).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from _common import print_table
+from orchestrator import daemon
+from orchestrator.store import Event, Job, JobState, NodeState, Store
+from providers.local import tagged_pids
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "tiny-gpt"
+PHASES: dict[str, Callable[[Event], bool]] = {
+    "noticed": lambda e: e.kind in ("attempt", "node") and " failed: " in e.message,
+    "recovering": lambda e: e.kind == "state" and e.message.startswith("RECOVERING"),
+    "node ready": lambda e: e.kind == "node" and " ready (rank " in e.message,
+    "running": lambda e: e.kind == "state" and e.message.startswith("RUNNING"),
+}
+
+
+def write_spec(path: Path, name: str, steps: int, interval: int) -> Path:
+    """The example's train.yaml with its workdir pointing at the example, like tests/conftest.py:write_job."""
+    spec = yaml.safe_load((EXAMPLE / "train.yaml").read_text())
+    spec.update(name=name, workdir=str(EXAMPLE), steps=steps,
+                checkpoint={"interval": interval, "keep": 3, "dir": str(path.parent / f"{name}-ckpt")})
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def job_log_tail(home: Path, job_id: int) -> str:
+    log = home / "jobs" / str(job_id) / "job.log"
+    return log.read_text(errors="replace")[-3000:] if log.exists() else "(no job log)"
+
+
+def wait_for(store: Store, home: Path, job_id: int, until: Callable[[Job], bool], what: str,
+             poll: Callable[[Job], None] = lambda job: None, timeout: float = 300.0) -> Job:
+    """The job once `until(job)` holds, calling `poll(job)` every 0.1 s meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = store.job(job_id)
+        if until(job):
+            return job
+        poll(job)
+        if job.state.terminal or time.monotonic() > deadline:
+            raise RuntimeError(f"job {job_id} is {job.state.value} while waiting for {what} {job.error}\n"
+                               + job_log_tail(home, job_id))
+        time.sleep(0.1)
+
+
+def workers(node_id: str, **env: str) -> dict[int, float]:
+    """Training processes of local node `node_id` whose environment holds every KEY=VALUE in `env`
+    (found as tests/test_e2e.py finds them), each with the time.time() it started."""
+    wanted = {f"{k}={v}".encode() for k, v in env.items()}
+    found = {}
+    for pid in tagged_pids(node_id):
+        try:
+            environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+            uptime = float(Path("/proc/uptime").read_text().split()[0])
+        except OSError:
+            continue
+        if wanted <= environ and b"train.py" in cmdline:
+            found[pid] = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def one_recovery(store: Store, home: Path, env: dict[str, str], spec: Path, kill_after: int) -> dict[str, float]:
+    """Launch, kill rank 1's worker past a checkpoint, wait for SUCCEEDED; the phases in seconds after the kill."""
+    subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "launch", str(spec), "--detach"], env=env, cwd=ROOT,
+                   check=True, capture_output=True, timeout=120)
+    job_id = store.find_job(yaml.safe_load(spec.read_text())["name"]).id
+    wait_for(store, home, job_id, lambda j: j.checkpoint_step is not None and j.attempt == 1
+             and j.step + 1 - j.checkpoint_step >= kill_after, f"a checkpoint and {kill_after} steps past it")
+    node = next(n for n in store.nodes(job_id) if n.rank == 1 and n.state == NodeState.READY)
+    victim = list(workers(node.id, RANK="1"))
+    if len(victim) != 1:
+        raise RuntimeError(f"expected one worker of rank 1 on node {node.id}, found {victim}")
+    killed_at = time.time()
+    os.kill(victim[0], signal.SIGKILL)
+    started: dict[int, float] = {}  # attempt 2's workers and when they started
+
+    def watch(job: Job) -> None:
+        if job.attempt == 2 and len(started) < job.spec["num_nodes"]:
+            for n in store.nodes(job_id, active_only=True):
+                started.update(workers(n.id, RANK=str(n.rank), TFSN_ATTEMPT="2"))
+
+    job = wait_for(store, home, job_id, lambda j: j.state.terminal, "the job to end", poll=watch)
+    if job.state != JobState.SUCCEEDED or job.restarts != 1 or len(started) != job.spec["num_nodes"]:
+        raise RuntimeError(f"job {job_id} ended {job.state.value} after {job.restarts} restart(s), "
+                           f"{len(started)} worker(s) of attempt 2 seen: {job.error}\n" + job_log_tail(home, job_id))
+    events = [e for e in store.events(job_id) if e.at >= killed_at]
+    figures = {}
+    for name, matches in PHASES.items():
+        event = next((e for e in events if matches(e)), None)
+        if event is None:
+            raise RuntimeError(f"job {job_id}: no '{name}' event after the kill\n" + job_log_tail(home, job_id))
+        figures[name] = event.at - killed_at
+    figures["workers started"] = max(started.values()) - killed_at
+    first = store.steps(job_id, attempt=2)[0]
+    figures["step start"] = first["at"] - first["step_time"] - killed_at
+    figures["step done"] = first["at"] - killed_at
+    before = store.steps(job_id, attempt=1)
+    figures["steps redone"] = max(r["step"] for r in before) + 1 - first["step"]
+    figures["step ms"] = statistics.median(r["step_time"] for r in before) * 1000
+    figures["restored from"] = first["step"]
+    return figures
+
+
+def shut_down(store: Store, home: Path) -> list[int]:
+    """Stop unfinished jobs and the controller; kill (and return) any process of our nodes still alive."""
+    for job in store.jobs(active_only=True):
+        store.request_stop(job.id)
+    info = daemon.read_info(home)
+    if info is not None:
+        deadline = time.monotonic() + 60
+        while store.jobs(active_only=True) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        daemon.stop_controller(home)
+        deadline = time.monotonic() + 30
+        while alive(info["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    leftovers = [pid for job in store.jobs() for node in store.nodes(job.id) for pid in tagged_pids(node.id)]
+    if info is not None and alive(info["pid"]):
+        leftovers.append(info["pid"])
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return leftovers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="jobs launched and killed (default 3)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps of each job (default 200)")
+    parser.add_argument("--interval", type=int, default=25, help="checkpoint interval in steps (default 25)")
+    parser.add_argument("--kill-after", type=int, default=12, help="steps past a checkpoint, as rank 0 reported "
+                        "them, before the kill (default 12; the report lags up to a second behind)")
+    parser.add_argument("--json", action="store_true", help="end with one line of JSON")
+    args = parser.parse_args()
+    if min(args.repeats, args.steps, args.interval, args.kill_after) < 1:
+        parser.error("every option must be >= 1")
+
+    began = time.monotonic()
+    runs: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="tfsn-recovery-") as tmp:
+        home = Path(tmp) / "home"
+        home.mkdir()
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TFSN_")},
+               "TFSN_HOME": str(home), "TFSN_CONTROLLER_IDLE_S": "60"}
+        store = Store(daemon.store_path(home))
+        try:
+            for i in range(args.repeats):
+                spec = write_spec(Path(tmp) / f"bench-{i}.yaml", f"bench-{i}", args.steps, args.interval)
+                runs.append(one_recovery(store, home, env, spec, args.kill_after))
+                print(f"repeat {i + 1}/{args.repeats}: first step of attempt 2 done "
+                      f"{runs[-1]['step done']:.1f}s after the kill", flush=True)
+        finally:
+            leftovers = shut_down(store, home)
+            store.close()
+    if leftovers:
+        print(f"error: processes were left behind and killed: {leftovers}", file=sys.stderr)
+
+    medians = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    print(f"\n{args.repeats} repeat(s), {args.steps} steps, checkpoint every {args.interval}, kill of rank 1 "
+          f"{args.kill_after}+ steps past a checkpoint; {time.monotonic() - began:.0f}s in all")
+    rows = [[name, f"{medians[name]:.2f}", f"{min(r[name] for r in runs):.2f}", f"{max(r[name] for r in runs):.2f}"]
+            for name in [*PHASES, "workers started", "step start", "step done"]]
+    print_table(["seconds after kill -9", "median", "min", "max"], rows)
+    print(f"steps redone: median {medians['steps redone']:g} (each: {', '.join(str(r['steps redone']) for r in runs)});"
+          f" attempt 2 restarted from step {', '.join(str(r['restored from']) for r in runs)};"
+          f" median step before the kill {medians['step ms']:.0f} ms")
+    if args.json:
+        print(json.dumps({"benchmark": "recovery", "repeats": args.repeats, "steps": args.steps,
+                          "interval": args.interval, "kill_after": args.kill_after, "median": medians,
+                          "runs": runs, "leftover_processes": leftovers}))
+    return 1 if leftovers else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

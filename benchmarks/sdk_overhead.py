@@ -1,0 +1,213 @@
+"""What the tfsn SDK costs a training loop, with telemetry on and checkpointing never due.
+
+    python benchmarks/sdk_overhead.py [--json] [--rounds 7] [--steps 50]
+
+Measures the median time per training step of a small GPT (the size of examples/tiny-gpt's default
+model) in two loops run side by side in this process:
+  plain  the training step alone;
+  sdk    the same step written as a user writes it with tfsn: `tfsn.init()`, `run.steps()`,
+         `run.log(loss=...)` and `run.checkpoint(model=..., optimizer=...)` every step, with the
+         telemetry posted over HTTP to a real controller API (ApiServer, Store and Controller on
+         127.0.0.1). The checkpoint interval is longer than the run and each round's total is one
+         step past its end, so `run.checkpoint` decides every step but never saves.
+Why: the SDK promises that a step never waits for the network; the target is < 1% overhead.
+The loops alternate in rounds (plain, sdk, plain, sdk, ...) on one torch thread, so drift on a
+noisy machine hits both alike; figures are medians over rounds, with the spread of the per-round
+ratio as the confidence hint. Between rounds (untimed) the benchmark waits until the store holds
+every step record, so the SDK's background sends never land in a plain round. The API server's
+own work (HTTP, JSON, SQLite) runs in this process too: the figure is an upper bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tfsn
+from _common import print_table, quartiles
+from orchestrator.api import ApiServer
+from orchestrator.controller import Controller
+from orchestrator.sdk import Run
+from orchestrator.spec import JobSpec
+from orchestrator.store import Store
+
+# examples/tiny-gpt/train.py's defaults (its corpus has 43 distinct characters)
+VOCAB, N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE, BATCH_SIZE = 43, 2, 4, 128, 64, 16
+NEVER = 10**9          # a checkpoint interval, in steps, longer than any run here
+TARGET_PCT = 1.0
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP, as in the example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(N_EMBD), nn.Linear(N_EMBD, 3 * N_EMBD), nn.Linear(N_EMBD, N_EMBD)
+        self.ln2 = nn.LayerNorm(N_EMBD)
+        self.mlp = nn.Sequential(nn.Linear(N_EMBD, 4 * N_EMBD), nn.GELU(), nn.Linear(4 * N_EMBD, N_EMBD))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, N_HEAD, C // N_HEAD).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, N_EMBD), nn.Embedding(BLOCK_SIZE, N_EMBD)
+        self.blocks = nn.Sequential(*[Block() for _ in range(N_LAYER)])
+        self.ln_f = nn.LayerNorm(N_EMBD)
+        self.head = nn.Linear(N_EMBD, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        logits = self.head(self.ln_f(self.blocks(x)))
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+def train_step(model: GPT, opt: torch.optim.Optimizer, data: torch.Tensor, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    starts = torch.randint(len(data) - BLOCK_SIZE - 1, (BATCH_SIZE,), generator=g).tolist()
+    x = torch.stack([data[s:s + BLOCK_SIZE] for s in starts])
+    y = torch.stack([data[s + 1:s + BLOCK_SIZE + 1] for s in starts])
+    loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def plain_round(model: GPT, opt: torch.optim.Optimizer, data: torch.Tensor, start: int, n: int) -> float:
+    """Seconds per step of `n` plain steps."""
+    began = time.perf_counter()
+    for step in range(start, start + n):
+        train_step(model, opt, data, step)
+    return (time.perf_counter() - began) / n
+
+
+def sdk_round(run: Run, model: GPT, opt: torch.optim.Optimizer, data: torch.Tensor, start: int, n: int) -> float:
+    """Seconds per step of `n` steps under the SDK. The total is one step past the round, so the save
+    after the last step is never due; leaving at the top of that extra step records step start+n-1."""
+    began = time.perf_counter()
+    for step in run.steps(start, start + n + 1):
+        if step == start + n:
+            break
+        loss = train_step(model, opt, data, step)
+        run.log(loss=loss)
+        run.checkpoint(model=model, optimizer=opt)
+    return (time.perf_counter() - began) / n
+
+
+@contextmanager
+def controller_api(home: Path) -> Iterator[tuple[Store, int]]:
+    """A real controller API on 127.0.0.1 with one job, and this process's TFSN_* variables pointing at it."""
+    store = Store(home / "tfsn.db")
+    spec = JobSpec.model_validate({"name": "bench", "run": "true"}).model_dump(mode="json")
+    job = store.create_job("bench", spec, str(home / "train.yaml"), secrets.token_urlsafe(32))
+    server = ApiServer(0, store, Controller(store, home, providers={}))
+    server.start()
+    for key in [k for k in os.environ if k.startswith("TFSN_")]:  # e.g. a TFSN_CHECKPOINT_INTERVAL would win
+        del os.environ[key]
+    os.environ.update(TFSN_CONTROLLER_URL=server.url, TFSN_TOKEN=job.token, TFSN_JOB_ID=str(job.id))
+    try:
+        yield store, job.id
+    finally:
+        server.shutdown()
+        server.server_close()
+        store.close()
+
+
+def wait_for_records(store: Store, job_id: int, count: int, timeout: float = 15.0) -> int:
+    """How many step records the store holds once it has `count` (or the timeout ran out)."""
+    deadline = time.monotonic() + timeout
+    while (got := len(store.steps(job_id))) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each loop (default 7)")
+    parser.add_argument("--steps", type=int, default=50, help="steps per round (default 50)")
+    parser.add_argument("--json", action="store_true", help="end with one line of JSON")
+    args = parser.parse_args()
+    if min(args.rounds, args.steps) < 1:
+        parser.error("--rounds and --steps must be >= 1")
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    data = torch.randint(VOCAB, (200_000,))
+    n = args.steps
+    plain: list[float] = []
+    sdk: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="tfsn-bench-") as tmp, controller_api(Path(tmp)) as (store, job_id):
+        ckpt_dir = Path(tmp) / "checkpoints"
+        run = tfsn.init(checkpoint_dir=ckpt_dir, checkpoint_interval=NEVER)
+        assert run.managed, "the SDK did not pick up the controller from the environment"
+        step = sent = 0
+        for i in range(args.rounds + 2):  # a warm-up pair, then plain, sdk, plain, ..., sdk, plain
+            seconds = plain_round(model, opt, data, step, n)
+            step += n
+            if i > 0:
+                plain.append(seconds)
+            if i > args.rounds:
+                break
+            seconds = sdk_round(run, model, opt, data, step, n)
+            step, sent = step + n, sent + n
+            if wait_for_records(store, job_id, sent) < sent:  # untimed: no send is left for a plain round
+                print(f"error: the controller's store has fewer than the {sent} step records sent", file=sys.stderr)
+                return 1
+            if i > 0:
+                sdk.append(seconds)
+        run.finish()
+        received = len(store.steps(job_id))
+        with_loss = sum("loss" in r["metrics"] for r in store.steps(job_id))
+        saved = run.last_checkpoint is not None or ckpt_dir.exists()
+
+    p25, plain_med, p75 = quartiles(plain)
+    s25, sdk_med, s75 = quartiles(sdk)
+    overhead = (sdk_med / plain_med - 1) * 100
+    # each sdk round against the mean of the plain rounds either side of it: a linear drift cancels
+    pairs = [(b / ((plain[i] + plain[i + 1]) / 2) - 1) * 100 for i, b in enumerate(sdk)]
+    pair_lo, pair_med, pair_hi = quartiles(pairs)
+    met = overhead < TARGET_PCT
+    conclusive = pair_hi < TARGET_PCT or pair_lo > TARGET_PCT  # the middle half of the pairs on one side
+    print(f"{args.rounds} sdk rounds between {args.rounds + 1} plain ones, {n} steps each; 1 torch thread; tiny-gpt model")
+    print_table(["loop", "median ms/step", "IQR ms/step"],
+                [["plain", f"{plain_med * 1e3:.2f}", f"{p25 * 1e3:.2f}-{p75 * 1e3:.2f}"],
+                 ["tfsn SDK", f"{sdk_med * 1e3:.2f}", f"{s25 * 1e3:.2f}-{s75 * 1e3:.2f}"]])
+    print(f"overhead: {overhead:+.2f}% (median sdk / median plain - 1); per-round pairs: "
+          f"median {pair_med:+.2f}%, IQR {pair_lo:+.2f}% .. {pair_hi:+.2f}%")
+    print(f"target < {TARGET_PCT:g}%: {'met' if met else 'NOT met'}" + ("" if conclusive else
+          " (inconclusive: the middle half of the per-round pairs straddles it; use more rounds or a quieter machine)"))
+    print(f"telemetry: {received} step records in the controller's store ({with_loss} with a loss) "
+          f"of {sent} sent; checkpoints saved: {'yes (wrong)' if saved else 'none'}")
+    if args.json:
+        print(json.dumps({"benchmark": "sdk_overhead", "rounds": args.rounds, "steps_per_round": n,
+                          "plain_ms": plain_med * 1e3, "sdk_ms": sdk_med * 1e3, "overhead_pct": overhead,
+                          "paired_overhead_pct": pair_med, "paired_overhead_iqr_pct": [pair_lo, pair_hi],
+                          "target_pct": TARGET_PCT, "target_met": met, "conclusive": conclusive, "records_sent": sent,
+                          "records_received": received, "checkpoint_saved": saved}))
+    return 0 if received == sent == with_loss and not saved else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

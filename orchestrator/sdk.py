@@ -26,8 +26,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator import checkpoint as ckpt
+from orchestrator import commtimer
 from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from orchestrator.spec import parse_duration
 
@@ -56,6 +58,9 @@ class TelemetryReporter:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self.step = -1                      # the step running now, sent with every heartbeat
+        self.checkpoint_request = 0.0       # id (a time) of the controller's newest "checkpoint now"
+        self.checkpoint_honoured = 0.0      # id of the newest request a save has answered
         self._thread = threading.Thread(target=self._loop, name="tfsn-telemetry", daemon=True)
         self._thread.start()
 
@@ -79,14 +84,16 @@ class TelemetryReporter:
                     self._events.popleft()
             with self._lock:
                 batch = list(self._records)
-            if batch:
-                for record in batch:  # tensors were kept as they are: converting here keeps the step free
-                    record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
-                self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch},
-                                 timeout=timeout)
-                with self._lock:
-                    for _ in range(min(len(batch), len(self._records))):
-                        self._records.popleft()
+            for record in batch:  # tensors were kept as they are: converting here keeps the step free
+                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
+            # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
+            # rank blocked in a collective, which keeps heartbeating from this thread.
+            answer = self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch,
+                                                     "heartbeat": time.time(), "step": self.step}, timeout=timeout)
+            self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
+            with self._lock:
+                for _ in range(min(len(batch), len(self._records))):
+                    self._records.popleft()
         except ControllerUnavailable:
             return False
         except ControllerRejected:  # the job is gone: nobody will ever take these
@@ -129,6 +136,7 @@ class Run:
         self._metrics: dict[str, Any] = {}
         self._last_save = time.monotonic()
         self._save_cost: float | None = None   # seconds the last save took, for `auto`
+        self._comm_timer: commtimer.CommTimer | None = None
         client = ControllerClient.from_env()
         self._telemetry = TelemetryReporter(client, self.rank, self.attempt) if client else None
         atexit.register(self.finish)
@@ -147,6 +155,8 @@ class Run:
         self.total_steps = total
         for step in range(start, total):
             self.step = step
+            if self._telemetry is not None:
+                self._telemetry.step = step
             began = time.perf_counter()
             yield step
             self._record(step, time.perf_counter() - began)
@@ -158,8 +168,19 @@ class Run:
 
     def _record(self, step: int, seconds: float) -> None:
         metrics, self._metrics = self._metrics, {}
+        wait = self._comm_timer.take_wait() if self._comm_timer is not None else None
         if self._telemetry is not None:
-            self._telemetry.add({"step": step, "at": time.time(), "step_time": seconds, "metrics": metrics})
+            record = {"step": step, "at": time.time(), "step_time": seconds, "metrics": metrics}
+            if wait is not None:
+                record["compute_time"] = max(0.0, seconds - wait)
+            self._telemetry.add(record)
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Measure this rank's wait in `model`'s gradient all-reduce, so that a slow rank can be told
+        from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model;
+        call it yourself before the first backward pass if you do not restore."""
+        if isinstance(model, DistributedDataParallel) and self._comm_timer is None and self.managed:
+            self._comm_timer = commtimer.install(model)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | None:
@@ -183,6 +204,9 @@ class Run:
 
     def restore(self, **objects: Any) -> int:
         """Load the newest valid checkpoint into `objects`; returns the step to start from (0 if none)."""
+        for value in objects.values():
+            if isinstance(value, DistributedDataParallel):
+                self.watch(value)
         info = ckpt.restore(self.checkpoint_dir, objects)
         if info is None:
             return 0
@@ -192,18 +216,35 @@ class Run:
         return info.step
 
     def _due(self, completed: int) -> bool:
+        """Whether to save after `completed` steps; the same answer on every rank, or the save hangs.
+
+        Step intervals and the last step need no agreement. Time-based intervals, and the
+        controller's "checkpoint now" (seen by each rank at a different moment), are decided by a
+        MAX all-reduce: every step under a controller, so a request is honoured at the next step,
+        else every SYNC_EVERY steps.
+        """
         if self.total_steps is not None and completed >= self.total_steps:
             return True
-        if self.interval_steps is not None:
-            return completed % self.interval_steps == 0
-        if completed % SYNC_EVERY != 0:
+        if self.interval_steps is not None and completed % self.interval_steps == 0:
+            return True
+        telemetry = self._telemetry
+        request = telemetry.checkpoint_request if telemetry is not None else 0.0
+        requested = telemetry is not None and request > telemetry.checkpoint_honoured
+        if self.managed:
+            vote = requested or (self.interval_steps is None
+                                 and time.monotonic() - self._last_save >= self._interval_seconds())
+        elif self.interval_steps is None and completed % SYNC_EVERY == 0:
+            vote = time.monotonic() - self._last_save >= self._interval_seconds()
+        else:
             return False
-        due = time.monotonic() - self._last_save >= self._interval_seconds()
-        if dist.is_initialized():  # every rank must agree, or the collective save would hang
-            flag = torch.tensor([1.0 if due else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            due = bool(flag.item())
-        return due
+        if dist.is_initialized() and self.world_size > 1:
+            # with the newest request any rank has seen, so that all ranks count it as answered
+            flags = torch.tensor([1.0 if vote else 0.0, request], dtype=torch.float64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            vote, request = bool(flags[0].item()), float(flags[1].item())
+        if vote and telemetry is not None:
+            telemetry.checkpoint_honoured = max(telemetry.checkpoint_honoured, request)
+        return vote
 
     def _interval_seconds(self) -> float:
         """The fixed interval, or for `auto` Young's optimum sqrt(2 * save cost * MTBF of the job)."""

@@ -105,6 +105,7 @@ class LocalProvider:
             for pid in set(pids):
                 try:
                     os.kill(pid, sig)
+                    os.kill(pid, signal.SIGCONT)  # a stopped (hung) process acts on SIGTERM only once resumed
                 except ProcessLookupError:
                     pass
             time.sleep(0.1)

@@ -104,8 +104,10 @@ def alive(pid: int) -> bool:
 
 def one_recovery(store: Store, home: Path, env: dict[str, str], spec: Path, kill_after: int) -> dict[str, float]:
     """Launch, kill rank 1's worker past a checkpoint, wait for SUCCEEDED; the phases in seconds after the kill."""
-    subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "launch", str(spec), "--detach"], env=env, cwd=ROOT,
-                   check=True, capture_output=True, timeout=120)
+    launch = subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "launch", str(spec), "--detach"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if launch.returncode != 0:
+        raise RuntimeError(f"tfsn launch exited {launch.returncode}: {launch.stderr}")
     job_id = store.find_job(yaml.safe_load(spec.read_text())["name"]).id
     wait_for(store, home, job_id, lambda j: j.checkpoint_step is not None and j.attempt == 1
              and j.step + 1 - j.checkpoint_step >= kill_after, f"a checkpoint and {kill_after} steps past it")

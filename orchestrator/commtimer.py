@@ -7,10 +7,9 @@ the slow rank arrives last and hardly waits. `compute time = step time - exposed
 therefore the per-rank signal the straggler detector needs.
 
 The hook does what DDP's default does (divide by the world size, then all-reduce the bucket),
-so installing it changes no result.
+so installing it changes no result. (No `from __future__ import annotations` here: DDP checks
+the hook's annotations against the real types.)
 """
-from __future__ import annotations
-
 import time
 
 import torch
@@ -36,7 +35,7 @@ class CommTimer:
 
         return future.then(done)
 
-    def take_wait(self) -> float | None:
+    def take_wait(self) -> "float | None":
         """The exposed wait of the step that just ended (None if no all-reduce ran), then reset."""
         wait = self._last_done - self._last_ready if self._last_done >= self._last_ready > 0 else None
         self._last_ready = self._last_done = 0.0

@@ -28,7 +28,7 @@ STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node t
 STARTING_TIMEOUT_MIN_S = 60.0  # a new node gets at least this long to send its first heartbeat
 # A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
 NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
 
 
 def requested_cpus(spec: JobSpec) -> int | None:

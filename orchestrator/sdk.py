@@ -53,7 +53,8 @@ class TelemetryReporter:
     def __init__(self, client: ControllerClient, rank: int, attempt: int, flush_s: float = 1.0,
                  max_buffer: int = 10000) -> None:
         self.client, self.rank, self.attempt, self.flush_s = client, rank, attempt, flush_s
-        self._records: deque[dict[str, Any]] = deque(maxlen=max_buffer)
+        self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max_buffer)  # (sequence, record)
+        self._sequence = 0
         self._events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=1000)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -66,7 +67,8 @@ class TelemetryReporter:
 
     def add(self, record: dict[str, Any]) -> None:
         with self._lock:
-            self._records.append(record)
+            self._sequence += 1
+            self._records.append((self._sequence, record))
 
     def event(self, path: str, body: dict[str, Any]) -> None:
         """A message that must arrive in order (checkpoint saved or restored)."""
@@ -83,7 +85,8 @@ class TelemetryReporter:
                 with self._lock:
                     self._events.popleft()
             with self._lock:
-                batch = list(self._records)
+                pending = list(self._records)
+            batch = [record for _, record in pending]
             for record in batch:  # tensors were kept as they are: converting here keeps the step free
                 record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
@@ -91,8 +94,8 @@ class TelemetryReporter:
             answer = self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch,
                                                      "heartbeat": time.time(), "step": self.step}, timeout=timeout)
             self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
-            with self._lock:
-                for _ in range(min(len(batch), len(self._records))):
+            with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
+                while pending and self._records and self._records[0][0] <= pending[-1][0]:
                     self._records.popleft()
         except ControllerUnavailable:
             return False

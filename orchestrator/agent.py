@@ -11,6 +11,7 @@ TFSN_JOB_ID and TFSN_NODE_ID in its environment.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 import signal
@@ -20,9 +21,13 @@ import threading
 import time
 from typing import Any
 
+from health.metrics import Metrics
+from health.telemetry import DcgmSource, NvmlSource, TelemetryError
 from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
 
 HEARTBEAT_S = 1.0
+IDLE_POLL_S = 0.25       # polled faster while no workers run, so a restart starts without delay
+GPU_SAMPLE_S = 5.0       # NVML / DCGM sampling period
 TICK_S = 0.2
 STOP_GRACE_S = 10.0
 ORPHAN_EXIT_S = 3600.0   # give up on an unreachable controller after this long with nothing running
@@ -74,6 +79,14 @@ def _env_with_python(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra, "PATH": path}
 
 
+def gpu_source(node_id: str) -> NvmlSource | DcgmSource | None:
+    """NVML when this node has NVIDIA GPUs, else a dcgm-exporter at TFSN_DCGM_URL if set, else none."""
+    if NvmlSource.available():
+        return NvmlSource(node_id)
+    url = os.environ.get("TFSN_DCGM_URL")
+    return DcgmSource(url, node_id) if url else None
+
+
 def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]:
     """The user-facing error of a failed run and the signal that killed the first worker, if any.
 
@@ -105,6 +118,26 @@ class Agent:
         self.done: set[int] = set()       # attempts that ended here (reported or queued)
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
+        self.gpus = gpu_source(node_id)
+        # This node's GPU series for a Prometheus that scrapes nodes directly (the controller serves
+        # the whole job's): on TFSN_AGENT_METRICS_PORT when set.
+        self.metrics = Metrics()
+        port = os.environ.get("TFSN_AGENT_METRICS_PORT")
+        if port:
+            served = self.metrics.serve(int(port))
+            self.logs.add(f"[tfsn] node {node_id}: metrics on http://127.0.0.1:{served}/metrics")
+
+    def _sample_gpus(self) -> None:
+        """Send this node's GPU clocks, throttle reasons, ECC and Xid events to the controller."""
+        try:
+            samples = self.gpus.sample()
+        except TelemetryError as err:
+            self.logs.add(f"[tfsn] node {self.node_id}: GPU telemetry stopped: {err}")
+            self.gpus = None
+            return
+        for sample in samples:
+            self.metrics.observe(os.environ.get("TFSN_JOB_ID", ""), sample)
+        self.client.post(f"/nodes/{self.node_id}/samples", {"samples": [dataclasses.asdict(s) for s in samples]})
 
     # ---- workers ------------------------------------------------------------------------------
     def _start(self, cmd: dict[str, Any]) -> None:
@@ -204,12 +237,13 @@ class Agent:
         return True
 
     def run(self) -> int:
-        last_heartbeat = 0.0
+        last_heartbeat = last_gpu_sample = 0.0
         unreachable_since: float | None = None
         while True:
             self._collect()
             now = time.monotonic()
-            if now - last_heartbeat >= HEARTBEAT_S or self.reports:
+            period = HEARTBEAT_S if self.proc is not None else IDLE_POLL_S
+            if now - last_heartbeat >= period or self.reports:
                 try:
                     self._send_reports()
                     cmd = self.client.post(f"/nodes/{self.node_id}/heartbeat",
@@ -218,6 +252,9 @@ class Agent:
                     last_heartbeat = now
                     if not self._obey(cmd):
                         break
+                    if self.gpus is not None and now - last_gpu_sample >= GPU_SAMPLE_S:
+                        last_gpu_sample = now
+                        self._sample_gpus()
                 except ControllerUnavailable:
                     unreachable_since = unreachable_since or now
                     last_heartbeat = now  # back off to the heartbeat interval

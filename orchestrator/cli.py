@@ -27,6 +27,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
 controller_app = typer.Typer(no_args_is_help=True, help="Manage the background controller.")
 app.add_typer(controller_app, name="controller")
+health_app = typer.Typer(no_args_is_help=True, help="The health monitor: simulate it on a virtual cluster.")
+app.add_typer(health_app, name="health")
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
@@ -207,7 +209,21 @@ def controller_stop() -> None:
 def controller_status() -> None:
     """Is the controller running?"""
     info = daemon.read_info(tfsn_home())
-    console.print(f"controller {info['pid']} on {info['url']}" if info else "no controller running")
+    console.print(f"controller {info['pid']} on {info['url']}, Prometheus metrics on {info['metrics_url']}"
+                  if info else "no controller running")
+
+
+@health_app.command("simulate")
+def health_simulate(ranks: int = typer.Option(512, "--ranks", help="ranks in the simulated job"),
+                    steps: int = typer.Option(300, "--steps", help="training steps to simulate"),
+                    throttle_rank: Optional[int] = typer.Option(None, "--throttle-rank", help="rank to slow down"),
+                    slowdown: float = typer.Option(0.2, "--slowdown", help="0.10 = that rank is 10% slower"),
+                    onset: int = typer.Option(100, "--onset", help="step at which the slowdown starts"),
+                    seed: int = typer.Option(0, "--seed", help="random seed (same seed, same run)"),
+                    as_json: bool = typer.Option(False, "--json", help="end with one JSON line")) -> None:
+    """Run the detectors and policy on a simulated cluster: detection delay, false positives, ETTR."""
+    from health.sim import simulate_command
+    raise typer.Exit(simulate_command(ranks, steps, throttle_rank, slowdown, onset, seed, as_json))
 
 
 def main() -> None:

@@ -19,13 +19,20 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from health.detectors import FindingKind
+from health.metrics import Metrics
+from health.policy import Action
+from health.telemetry import Sample
 from orchestrator.home import job_dir
 from orchestrator.spec import JobSpec
 from orchestrator.store import Job, JobState, Node, NodeState, Store
+from orchestrator.watch import JobWatch, health_config
 from providers.base import NodeHandle, NodeRequest, NodeStatus, Provider, ProviderError
 
 STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node to report before deciding
 STARTING_TIMEOUT_MIN_S = 60.0  # a new node gets at least this long to send its first heartbeat
+# A node to be replaced waits this long for the checkpoint asked of the job first (or 30 steps).
+REPLACE_CHECKPOINT_WAIT_S = 60.0
 # A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
 NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
 _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
@@ -53,6 +60,8 @@ class Controller:
         self.url = url                      # set once the API server listens
         self.started_at = time.time()       # no node is blamed for silence while no controller listened
         self.wake = threading.Event()       # set by the API when something happened
+        self.metrics = Metrics()            # tfsn_* series, served by the daemon
+        self._watches: dict[int, JobWatch] = {}
         self._log_lock = threading.Lock()
 
     # ---- API handlers -------------------------------------------------------------------------
@@ -82,7 +91,24 @@ class Controller:
         return {}
 
     def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
-        self.store.record_steps(job_id, int(body["attempt"]), int(body["rank"]), list(body["records"]))
+        """Step records and heartbeats of one rank; the answer asks for a checkpoint when one is wanted."""
+        attempt, rank, records = int(body["attempt"]), int(body["rank"]), list(body["records"])
+        self.store.record_steps(job_id, attempt, rank, records)
+        watch = self._watches.get(job_id)
+        if watch is not None:
+            heartbeat = body.get("heartbeat")
+            watch.observe(attempt, rank, records, None if heartbeat is None else float(heartbeat))
+        job = self.store.job(job_id)
+        return {"checkpoint": job.checkpoint_request} if job.checkpoint_request > job.checkpoint_at else {}
+
+    def samples(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """GPU samples (NVML, DCGM) from a node's agent."""
+        self._node_of(job_id, node_id)
+        watch = self._watches.get(job_id)
+        for raw in body.get("samples", []):
+            sample = Sample(**{**raw, "node": node_id})
+            if watch is not None:
+                watch.observe_device(sample)
         return {}
 
     def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +117,7 @@ class Controller:
             self.store.update_job(job_id, restored_step=step)
             self._event(job_id, "checkpoint", f"restored step {step} from {path}")
         else:
-            self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path)
+            self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
             self._event(job_id, "checkpoint", f"saved step {step} in {body.get('seconds', 0):.2f}s to {path}")
         return {}
 
@@ -146,6 +172,8 @@ class Controller:
 
     def _transition(self, job: Job, new: JobState, message: str = "", **changes: Any) -> None:
         self.store.transition(job.id, new, message, **changes)
+        if new.terminal and self._watches.pop(job.id, None) is not None:
+            self.metrics.forget(str(job.id))
         self._append_log(job.id, [f"[tfsn] job {job.id} {new.value}" + (f": {message}" if message else "")])
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -286,10 +314,65 @@ class Controller:
         ready = [n for n in nodes if n.rank is not None and n.state == NodeState.READY]
         if len(ready) == spec.num_nodes:
             attempt = job.attempt + 1
+            self._watch(job, spec).start_attempt(attempt, self._rank_nodes(ready, spec))
             self._transition(job, JobState.RUNNING, f"attempt {attempt} on " + ", ".join(
                 n.id for n in sorted(ready, key=lambda n: n.rank)), attempt=attempt, attempt_state="running",
                 attempt_changed_at=time.time(), attempt_started_at=time.time(), master_port=free_port())
             self.wake.set()
+
+    # ---- health -------------------------------------------------------------------------------
+    def _watch(self, job: Job, spec: JobSpec) -> JobWatch:
+        watch = self._watches.get(job.id)
+        if watch is None:
+            watch = self._watches[job.id] = JobWatch(job.id, health_config(spec.health.model_dump()), self.metrics)
+        return watch
+
+    @staticmethod
+    def _rank_nodes(nodes: list[Node], spec: JobSpec) -> list[str]:
+        """The node of every global rank: torchrun numbers ranks node by node."""
+        by_rank = {n.rank: n.id for n in nodes}
+        return [by_rank[r // spec.nprocs()] for r in range(spec.num_nodes * spec.nprocs())]
+
+    def _act_on_health(self, job: Job, spec: JobSpec) -> None:
+        """Findings become events; decisions become checkpoints, node replacements or a failed attempt."""
+        watch = self._watch(job, spec)
+        ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
+        if len(ranked) == spec.num_nodes:  # e.g. after a controller restart
+            watch.start_attempt(job.attempt, self._rank_nodes(ranked, spec))
+        now = time.time()
+        findings, decisions = watch.check(now)
+        for finding in findings:
+            self._event(job.id, "finding", f"{finding.kind.value} ({finding.severity.value}) on "
+                        f"{finding.node or 'the job'}: {finding.evidence}")
+        nodes = {n.id: n for n in ranked}
+        for decision in decisions:
+            if decision.action == Action.CHECKPOINT:
+                self.store.update_job(job.id, checkpoint_request=now)
+                self._event(job.id, "health", f"checkpoint requested: {decision.reason}")
+            elif decision.action == Action.FAIL:
+                self.store.update_job(job.id, attempt_state="stopping", attempt_changed_at=now,
+                                      pending_reason=decision.reason)
+                self._event(job.id, "health", f"failing attempt {job.attempt}: {decision.reason}")
+            elif decision.action == Action.REPLACE_NODE and decision.node in nodes:
+                watch.policy.exclude(decision.node)
+                if decision.finding.kind == FindingKind.HANG:  # a stuck rank cannot take part in a save
+                    self._fail_node(job, nodes[decision.node], decision.reason)
+                else:
+                    self.store.update_job(job.id, checkpoint_request=now, pending_replace=decision.node,
+                                          pending_reason=decision.reason)
+                    self._event(job.id, "health", f"checkpointing, then replacing {decision.node}: {decision.reason}")
+        job = self.store.job(job.id)
+        if job.pending_replace:
+            waited = now - job.checkpoint_request
+            saved = job.checkpoint_at >= job.checkpoint_request
+            if saved or waited > max(REPLACE_CHECKPOINT_WAIT_S, 30 * (job.step_time or 0)):
+                node = nodes.get(job.pending_replace)
+                self.store.update_job(job.id, pending_replace="")
+                if node is not None:
+                    self._fail_node(job, node, job.pending_reason + ("" if saved else " (no checkpoint in time)"))
+        if job.step_time:
+            done = job.step + 1 - (job.restored_step or 0)
+            self.metrics.goodput(watch.label, min(1.0, done * job.step_time / max(1e-9, now - job.attempt_started_at)))
 
     # ---- attempts -----------------------------------------------------------------------------
     def _watch_attempt(self, job: Job, spec: JobSpec) -> None:
@@ -298,9 +381,13 @@ class Controller:
         results = self.store.results(job.id, job.attempt)
         by_node = {r.node_id: r for r in results}
         if job.attempt_state == "running":
+            self._act_on_health(job, spec)
+            job = self.store.job(job.id)
+            nodes = {n.id: n for n in self.store.nodes(job.id)}
+            ranked = [n for n in nodes.values() if n.rank is not None and n.state.active]
             failures = [r for r in results if r.returncode != 0]
-            if len(ranked) < spec.num_nodes or failures:
-                what = failures[0].summary if failures else "a node failed"
+            if len(ranked) < spec.num_nodes or failures or job.attempt_state == "stopping":
+                what = failures[0].summary if failures else job.pending_reason or "a node failed"
                 self.store.update_job(job.id, attempt_state="stopping", attempt_changed_at=time.time())
                 self._event(job.id, "attempt", f"attempt {job.attempt} failed: {what}; stopping all ranks")
                 self.wake.set()
@@ -325,7 +412,7 @@ class Controller:
         dead = [n for n in nodes.values() if n.state == NodeState.FAILED and n.updated_at >= job.attempt_started_at]
         infra = bool(blamed) or bool(dead) or not first_failures
         summary = first_failures[0].summary if first_failures else "; ".join(
-            f"{n.id}: {n.failure}" for n in dead) or "a node was lost"
+            f"{n.id}: {n.failure}" for n in dead) or job.pending_reason or "a node was lost"
         # The same error on another rank is still the same error.
         signature = f"{'node' if infra else _RANK_PREFIX.sub('', summary)}|{job.checkpoint_step}"
         if not infra and signature == job.last_failure:
@@ -341,7 +428,8 @@ class Controller:
         self._transition(job, JobState.RECOVERING, f"restart {job.restarts + 1} of {spec.recovery.max_restarts}"
                          f" from the checkpoint at step {job.checkpoint_step or 0}: {summary}",
                          restarts=job.restarts + 1, attempt_state="idle", attempt_changed_at=time.time(),
-                         last_failure=signature)
+                         last_failure=signature, pending_replace="", pending_reason="")
+        self.metrics.restart(str(job.id))
         self.wake.set()
 
     def _teardown(self, job: Job) -> None:

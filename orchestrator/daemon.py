@@ -99,8 +99,10 @@ def serve(home: Path) -> int:
         server = ApiServer(0, store, controller)
     controller.url = server.url
     server.start()
-    atomic_write_text(info_path(home), json.dumps({"pid": os.getpid(), "port": server.server_address[1],
-                                                   "url": server.url, "started_at": time.time()}))
+    metrics_port = controller.metrics.serve(int(os.environ.get("TFSN_METRICS_PORT", 0)))
+    atomic_write_text(info_path(home), json.dumps({
+        "pid": os.getpid(), "port": server.server_address[1], "url": server.url, "started_at": time.time(),
+        "metrics_url": f"http://127.0.0.1:{metrics_port}/metrics"}))
     print(f"controller {os.getpid()} listening on {server.url}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -140,6 +140,7 @@ class Run:
         self._last_save = time.monotonic()
         self._save_cost: float | None = None   # seconds the last save took, for `auto`
         self._comm_timer: commtimer.CommTimer | None = None
+        self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
         client = ControllerClient.from_env()
         self._telemetry = TelemetryReporter(client, self.rank, self.attempt) if client else None
         atexit.register(self.finish)
@@ -171,7 +172,10 @@ class Run:
 
     def _record(self, step: int, seconds: float) -> None:
         metrics, self._metrics = self._metrics, {}
+        # Time waiting for other ranks is not this rank's work: in DDP's all-reduce and in the vote.
         wait = self._comm_timer.take_wait() if self._comm_timer is not None else None
+        if self._sync_wait:
+            wait, self._sync_wait = (wait or 0.0) + self._sync_wait, 0.0
         if self._telemetry is not None:
             record = {"step": step, "at": time.time(), "step_time": seconds, "metrics": metrics}
             if wait is not None:
@@ -243,7 +247,9 @@ class Run:
         if dist.is_initialized() and self.world_size > 1:
             # with the newest request any rank has seen, so that all ranks count it as answered
             flags = torch.tensor([1.0 if vote else 0.0, request], dtype=torch.float64)
+            began = time.perf_counter()
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            self._sync_wait += time.perf_counter() - began
             vote, request = bool(flags[0].item()), float(flags[1].item())
         if vote and telemetry is not None:
             telemetry.checkpoint_honoured = max(telemetry.checkpoint_honoured, request)

@@ -289,6 +289,19 @@ class HealthSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     heartbeat_timeout: float = 30.0               # seconds
+    thresholds: dict[str, float] = {}             # overrides of configs/health.yaml's thresholds
+    actions: dict[str, str] = {}                  # finding kind -> ignore|warn|checkpoint|replace_node|fail
+
+    @field_validator("thresholds", "actions")
+    @classmethod
+    def _policy(cls, value: dict, info: ValidationInfo) -> dict:
+        """Checked against the health policy's own schema, so the two never drift apart."""
+        from health.config import HealthConfig
+        try:
+            HealthConfig.load({info.field_name: value})
+        except ValueError as err:
+            raise ValueError(str(err).removeprefix(f"health.{info.field_name}").lstrip(".: ")) from None
+        return value
 
     @field_validator("heartbeat_timeout", mode="before")
     @classmethod

@@ -83,6 +83,10 @@ class Job:
     checkpoint_step: int | None = None
     checkpoint_path: str = ""
     finished_at: float | None = None
+    checkpoint_at: float = 0.0     # when the newest checkpoint was reported saved
+    checkpoint_request: float = 0.0  # when the controller last asked for a checkpoint now
+    pending_replace: str = ""      # node to replace once the requested checkpoint is saved
+    pending_reason: str = ""
 
 
 @dataclass
@@ -110,7 +114,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     restarts INTEGER NOT NULL DEFAULT 0, stop_requested INTEGER NOT NULL DEFAULT 0,
     error TEXT NOT NULL DEFAULT '', last_failure TEXT NOT NULL DEFAULT '',
     step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL, restored_step INTEGER,
-    checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '', finished_at REAL
+    checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '', finished_at REAL,
+    checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
+    pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES jobs(id), rank INTEGER,

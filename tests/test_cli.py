@@ -53,3 +53,20 @@ def test_missing_file_and_bad_env_pair(tfsn, tmp_path):
 def test_unknown_job_in_status_logs_stop(tfsn):
     for command in ("status", "logs", "stop"):
         assert_one_line_error(tfsn(command, "ghost", check=False), "ghost", "tfsn ls")
+
+
+def test_bad_health_policy_names_line_and_suggests(tfsn, tmp_path):
+    bad = tmp_path / "train.yaml"
+    bad.write_text("run: python train.py\nhealth:\n  thresholds:\n    straggler_min_slowdwn: 0.1\n"
+                   "  actions:\n    straggler: explode\n")
+    proc = tfsn("validate", str(bad), check=False)
+    assert_one_line_error(proc, f"{bad}:3: health.thresholds", "did you mean 'straggler_min_slowdown'",
+                          f"{bad}:5: health.actions", "explode")
+
+
+def test_health_simulate_reports_detection_as_json(tfsn):
+    out = tfsn("health", "simulate", "--ranks", "64", "--steps", "150", "--throttle-rank", "5",
+               "--slowdown", "0.3", "--onset", "90", "--seed", "1", "--json")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["detected"] and result["blamed"] == [5] and result["false_positives"] == 0
+    assert 0 < result["detection_delay_steps"] <= 20 and 0 < result["ettr"] <= 1

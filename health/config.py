@@ -1,0 +1,111 @@
+"""Health thresholds and actions: shipped defaults (configs/health.yaml) overlaid by a job's `health:`.
+
+The defaults live in data, not code, so an operator can read every number with the reason for it
+next to it; this module only knows their names and types and refuses what it does not know.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.resources import files
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from health.detectors import FindingKind
+from health.policy import Action
+
+SHIPPED = "health.yaml"
+_RATIOS = {"straggler_min_slowdown", "throttle_clock_ratio"}   # must lie strictly between 0 and 1
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Every threshold of the detectors and the policy (meanings in configs/health.yaml)."""
+
+    straggler_window: int
+    straggler_baseline: int
+    straggler_warmup_steps: int
+    straggler_min_slowdown: float
+    straggler_cusum_k: float
+    straggler_false_alarm_steps: float
+    straggler_clip: float
+    straggler_noise_floor: float
+    straggler_min_ranks: int
+    straggler_learn_steps: int
+    gather_steps: int
+    gather_s: float
+    throttle_clock_ratio: float
+    throttle_samples: int
+    ecc_sbe_per_hour: int
+    hang_min_s: float
+    hang_step_factor: float
+    heartbeat_timeout_s: float
+    replace_after_checks: int
+    cooldown_steps: int
+    cooldown_s: float
+    max_replacements: int
+    replacement_window_s: float
+    actions: Mapping[FindingKind, Action]
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any] | None = None) -> HealthConfig:
+        """The shipped defaults with a job's `health:` mapping ({thresholds: ..., actions: ...}) on top."""
+        shipped = yaml.safe_load(files("configs").joinpath(SHIPPED).read_text())
+        values = _thresholds(shipped.get("thresholds") or {}, f"configs/{SHIPPED}: thresholds")
+        actions = _actions(shipped.get("actions") or {}, f"configs/{SHIPPED}: actions")
+        missing = ({f.name for f in dataclasses.fields(cls)} - {"actions"}) - set(values)
+        if missing or set(actions) != set(FindingKind):
+            absent = sorted(missing) + sorted(k.value for k in set(FindingKind) - set(actions))
+            raise ValueError(f"configs/{SHIPPED} lacks {', '.join(absent)}. To fix: restore the shipped file")
+        if overrides:
+            if not isinstance(overrides, Mapping):
+                raise ValueError(f"health: expected a mapping with 'thresholds' and 'actions', got {overrides!r}")
+            for key in overrides:
+                if key not in ("thresholds", "actions"):
+                    raise ValueError(f"health: unknown key {key!r}{_did_you_mean(key, ['thresholds', 'actions'])}")
+            values.update(_thresholds(overrides.get("thresholds") or {}, "health.thresholds"))
+            actions.update(_actions(overrides.get("actions") or {}, "health.actions"))
+        return cls(**values, actions=MappingProxyType(actions))
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(str(word), choices, n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(choices)}"
+
+
+def _thresholds(raw: Any, where: str) -> dict[str, int | float]:
+    """Names checked against HealthConfig, values coerced to its types and range-checked."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping of name -> number, got {raw!r}")
+    types = {f.name: f.type for f in dataclasses.fields(HealthConfig) if f.name != "actions"}
+    out: dict[str, int | float] = {}
+    for name, value in raw.items():
+        if name not in types:
+            raise ValueError(f"{where}: unknown threshold {name!r}{_did_you_mean(name, sorted(types))}")
+        whole = types[name] == "int"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and value != int(value)):
+            kind = "a whole number" if whole else "a number"
+            raise ValueError(f"{where}.{name}: expected {kind}, got {value!r}")
+        if not value > 0 or (name in _RATIOS and not value < 1):
+            bound = "between 0 and 1" if name in _RATIOS else "greater than 0"
+            raise ValueError(f"{where}.{name}: must be {bound}, got {value!r}")
+        out[name] = int(value) if whole else float(value)
+    return out
+
+
+def _actions(raw: Any, where: str) -> dict[FindingKind, Action]:
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping of finding kind -> action, got {raw!r}")
+    kinds, names = [k.value for k in FindingKind], [a.value for a in Action]
+    out: dict[FindingKind, Action] = {}
+    for kind, action in raw.items():
+        if kind not in kinds:
+            raise ValueError(f"{where}: unknown finding kind {kind!r}{_did_you_mean(kind, kinds)}")
+        if action not in names:
+            raise ValueError(f"{where}.{kind}: unknown action {action!r}{_did_you_mean(action, names)}")
+        out[FindingKind(kind)] = Action(action)
+    return out

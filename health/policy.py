@@ -1,0 +1,149 @@
+"""Policy: what to do about findings, with the hysteresis that keeps noise from replacing nodes.
+
+Pure logic over (findings, now): no I/O, no clock of its own, so every rule is unit-tested.
+Rules, in order, for each finding:
+  1. a node already decided for replacement is left alone until `forget(node)`;
+  2. the action is the configured one for the finding's kind; an info finding only warns;
+  3. a warning whose ranks were replaced within the cooldown only warns (the new node is warming up);
+  4. replace_node: critical replaces at once; a warning first checkpoints ("save now, don't
+     replace") and replaces once it held for `replace_after_checks` consecutive checks; a replaced
+     node is excluded from provisioning; a finding with no node to blame (a deadlock) fails the
+     attempt instead;
+  5. more than `max_replacements` in `replacement_window_s` escalates to warn and says so: the cause
+     is not one node, and replacing in a loop would only burn time;
+  6. warn, checkpoint and fail are said once per episode (until the finding goes away).
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from health.detectors import Finding, FindingKind, Severity
+
+if TYPE_CHECKING:
+    from health.config import HealthConfig
+
+
+class Action(str, enum.Enum):
+    IGNORE = "ignore"
+    WARN = "warn"                  # log and raise the metric; nothing else
+    CHECKPOINT = "checkpoint"      # save now, don't replace
+    REPLACE_NODE = "replace_node"  # checkpoint if the job still runs, replace the node, restart from the checkpoint
+    FAIL = "fail"                  # end this attempt as failed; the controller's restart rules decide what follows
+
+
+_ORDER = list(Action)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One thing to do now, and why."""
+
+    action: Action
+    node: str                      # "" for the whole job
+    finding: Finding
+    reason: str
+
+
+class Policy:
+    """Turns the findings of each check into decisions; one per job, kept across its attempts."""
+
+    def __init__(self, config: HealthConfig) -> None:
+        self.config = config
+        self._streak: dict[tuple[str, FindingKind], int] = {}    # consecutive checks a finding held
+        self._said: set[tuple[str, FindingKind, Action]] = set()  # once-per-episode decisions already made
+        self._replacing: set[str] = set()                         # nodes decided, until forget()
+        self._cooldown: dict[int, tuple[float, int | None]] = {}  # rank -> (time, step) of its replacement
+        self._replaced_at: deque[float] = deque()
+        self._excluded: set[str] = set()
+
+    def decide(self, findings: Iterable[Finding], now: float) -> list[Decision]:
+        """Decisions for one check's findings (findings that hold now, as Monitor.check returns them)."""
+        held: dict[tuple[str, FindingKind], Finding] = {}
+        for finding in findings:                 # the most severe finding per (node, kind)
+            key = (finding.node, finding.kind)
+            if key not in held or _rank(finding.severity) > _rank(held[key].severity):
+                held[key] = finding
+        self._streak = {key: self._streak.get(key, 0) + 1 for key in held}
+        self._said = {said for said in self._said if said[:2] in held}
+        decisions = []
+        for key, finding in held.items():
+            decision = self._decide(finding, self._streak[key], now)
+            if decision is not None:
+                decisions.append(decision)
+        return decisions
+
+    def forget(self, node: str) -> None:
+        """The node left the job (replaced or released): it may be decided about again."""
+        self._replacing.discard(node)
+        self._streak = {key: n for key, n in self._streak.items() if key[0] != node}
+        self._said = {said for said in self._said if said[0] != node}
+
+    def exclude(self, node_id_or_host: str) -> None:
+        """Never provision this node (or host) again for the job."""
+        self._excluded.add(node_id_or_host)
+
+    def is_excluded(self, node_id_or_host: str) -> bool:
+        """Asked by the provisioner before it takes a node."""
+        return node_id_or_host in self._excluded
+
+    # ---- rules ----------------------------------------------------------------------------------
+    def _decide(self, finding: Finding, streak: int, now: float) -> Decision | None:
+        cfg, node = self.config, finding.node
+        if node in self._replacing:
+            return None
+        action = cfg.actions[finding.kind]
+        if finding.severity == Severity.INFO and _ORDER.index(action) > _ORDER.index(Action.WARN):
+            return self._once(Action.WARN, finding, f"{finding.severity.value}: {finding.kind.value} needs no "
+                                                    f"action on the node (configured: {action.value})")
+        if action != Action.REPLACE_NODE:
+            if action == Action.IGNORE:
+                return None
+            return self._once(action, finding, f"configured for {finding.kind.value}")
+        if not node:
+            return self._once(Action.FAIL, finding, "no single node to blame: fail the attempt so that it "
+                                                    "restarts from the last checkpoint")
+        cooling = [r for r in finding.ranks if self._cooling(r, finding, now)]
+        if cooling and finding.severity != Severity.CRITICAL:
+            return self._once(Action.WARN, finding, f"rank(s) {cooling[:4]} replaced recently "
+                                                    f"(cooldown {cfg.cooldown_steps} steps / {cfg.cooldown_s:.0f}s)")
+        if finding.severity != Severity.CRITICAL and streak < cfg.replace_after_checks:
+            return self._once(Action.CHECKPOINT, finding, f"save now; replace {node} if this holds for "
+                                                          f"{cfg.replace_after_checks} checks")
+        while self._replaced_at and now - self._replaced_at[0] > cfg.replacement_window_s:
+            self._replaced_at.popleft()
+        if len(self._replaced_at) >= cfg.max_replacements:
+            return self._once(Action.WARN, finding, f"not replacing {node}: {len(self._replaced_at)} nodes replaced "
+                                                    f"in the last {cfg.replacement_window_s:.0f}s (max "
+                                                    f"{cfg.max_replacements}); the cause is likely not one node. "
+                                                    "To fix: look for what the nodes share, or raise "
+                                                    "health.thresholds.max_replacements")
+        self._replacing.add(node)
+        self.exclude(node)
+        self._replaced_at.append(now)
+        for rank in finding.ranks:
+            self._cooldown[rank] = (now, finding.step)
+        why = "critical" if finding.severity == Severity.CRITICAL else f"held for {streak} checks"
+        return Decision(Action.REPLACE_NODE, node, finding, f"{why}: {finding.kind.value} on {node}")
+
+    def _cooling(self, rank: int, finding: Finding, now: float) -> bool:
+        """Within the cooldown of the rank's last replacement, in seconds or in steps (whichever ends last)."""
+        if rank not in self._cooldown:
+            return False
+        at, step = self._cooldown[rank]
+        in_steps = step is not None and finding.step is not None and finding.step - step < self.config.cooldown_steps
+        return now - at < self.config.cooldown_s or in_steps
+
+    def _once(self, action: Action, finding: Finding, reason: str) -> Decision | None:
+        key = (finding.node, finding.kind, action)
+        if key in self._said:
+            return None
+        self._said.add(key)
+        return Decision(action, finding.node, finding, reason)
+
+
+def _rank(severity: Severity) -> int:
+    return list(Severity).index(severity)

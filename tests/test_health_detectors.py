@@ -1,0 +1,253 @@
+"""Detectors on synthetic telemetry: the right node is blamed, noise never is."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from health.config import HealthConfig
+from health.detectors import FindingKind, Monitor, Severity, classify_xid, cusum_limit
+from health.telemetry import ClockReason, Sample
+
+CONFIG = HealthConfig.load()
+GPUS = 8
+
+
+def nodes(ranks: int) -> list[str]:
+    return [f"n{r // GPUS}" for r in range(ranks)]
+
+
+def compute_times(rng: np.random.Generator, ranks: int, steps: int) -> np.ndarray:
+    """(steps, ranks): lognormal noise of 3-5% per rank, 1% chip spread, shared jitter, 0.1% 2-3x outliers."""
+    sigma = rng.uniform(0.03, 0.05, ranks)
+    x = sigma * rng.standard_normal((steps, ranks)) + 0.02 * rng.standard_normal((steps, 1))
+    x += 0.01 * rng.standard_normal(ranks)
+    outliers = rng.random((steps, ranks)) < 1e-3
+    x[outliers] += np.log(rng.uniform(2, 3, outliers.sum()))
+    return 0.5 * np.exp(x)
+
+
+def run(monitor: Monitor, times: np.ndarray, step_s: float = 1.0, first: int = 0) -> dict[int, list]:
+    """Feed every step and check after each; the findings by step."""
+    out = {}
+    for i, row in enumerate(times):
+        step = first + i
+        monitor.observe_step(step, row, step * step_s)
+        findings = monitor.check(step * step_s)
+        if findings:
+            out[step] = findings
+    return out
+
+
+def test_cusum_limit_solves_siegmunds_approximation():
+    assert cusum_limit(1.0, 1e9) == pytest.approx(9.54, abs=0.01)
+    assert cusum_limit(1.0, 1e6) < cusum_limit(1.0, 1e9) < cusum_limit(0.5, 1e9)
+
+
+@pytest.mark.parametrize("slowdown, within", [(0.2, 10), (0.5, 10)])
+def test_a_slowed_rank_is_found_and_its_node_blamed(slowdown, within):
+    rng = np.random.default_rng(7)
+    times = compute_times(rng, 512, 160)
+    times[100:, 37] *= 1 + slowdown
+    monitor = Monitor(CONFIG, nodes(512))
+    found = run(monitor, times)
+    first = min(found)
+    assert 100 <= first <= 100 + within, found
+    (finding,) = found[first]
+    assert (finding.kind, finding.severity, finding.node, finding.gpu, finding.ranks) == \
+        (FindingKind.STRAGGLER, Severity.WARNING, "n4", None, (37,))
+    assert "rank 37" in finding.evidence and "\n" not in finding.evidence
+    scores = monitor.scores()
+    assert scores[37] < 1 / (1 + slowdown / 2) and np.all(np.abs(np.delete(scores, 37) - 1) < 0.2)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_noisy_healthy_cluster_is_never_flagged(seed):
+    rng = np.random.default_rng(seed)
+    assert run(Monitor(CONFIG, nodes(512)), compute_times(rng, 512, 500)) == {}
+
+
+def test_outlier_steps_do_not_trigger():
+    rng = np.random.default_rng(5)
+    times = compute_times(rng, 256, 200)
+    times[100:103, 3] *= 3.0          # three GC pauses in a row
+    times[150::10, 4] *= 2.5          # one rank with an outlier every 10 steps
+    assert run(Monitor(CONFIG, nodes(256)), times) == {}
+
+
+def test_a_rank_always_a_little_slower_is_not_a_straggler():
+    rng = np.random.default_rng(6)
+    times = compute_times(rng, 256, 400)
+    times[:, 9] *= 1.03               # a slower chip: below straggler_min_slowdown
+    assert run(Monitor(CONFIG, nodes(256)), times) == {}
+
+
+def test_a_small_job_compares_each_rank_with_its_own_past():
+    rng = np.random.default_rng(8)
+    times = compute_times(rng, 2, 200)
+    slowed = times.copy()
+    slowed[120:, 1] *= 1.3
+    found = run(Monitor(CONFIG, ["a", "b"]), slowed)
+    assert found and {f.ranks for fs in found.values() for f in fs} == {(1,)}
+    both = times.copy()
+    both[120:] *= 1.3                 # the whole job slowed: no node to blame
+    assert run(Monitor(CONFIG, ["a", "b"]), both) == {}
+
+
+def test_samples_gathered_per_step_feed_the_same_detector():
+    rng = np.random.default_rng(9)
+    times = compute_times(rng, 16, 120)
+    times[80:, 5] *= 1.5
+    monitor, first = Monitor(CONFIG, nodes(16)), None
+    for step, row in enumerate(times):
+        for rank in range(16):        # step_time stands in when compute_time is missing
+            kind = {"compute_time": row[rank]} if rank % 2 else {"step_time": row[rank]}
+            monitor.observe(Sample(time=step + rank / 100, node=f"n{rank // GPUS}", rank=rank, step=step, **kind))
+        if first is None and monitor.check(step + 1):
+            first = step
+    assert first is not None and 80 <= first <= 90
+    assert monitor.check(121)[0].ranks == (5,)
+
+
+def test_a_step_missing_a_rank_waits_for_gather_steps_and_seconds():
+    monitor = Monitor(CONFIG, nodes(4))
+    def post(step: float, at: float, ranks=range(3)) -> None:   # rank 3 is late
+        for rank in ranks:
+            monitor.observe(Sample(time=at, node="n0", rank=rank, step=step, compute_time=1.0))
+    for step in range(CONFIG.gather_steps + 1):                   # fast steps: a batch behind is seconds, not steps
+        post(step, step * 0.1)
+    assert monitor._step is None
+    post(CONFIG.gather_steps + 1, CONFIG.gather_s + 1)
+    assert monitor._step == 1         # steps 0 and 1 closed without rank 3; the later ones still wait
+    post(0, 0.0, ranks=[3])           # too late for step 0: ignored
+    post(2, 0.2, ranks=[3])           # in time for step 2, which is now complete
+    assert monitor._step == 2
+
+
+def test_throttle_needs_a_throttling_reason_and_persistence():
+    def feed(monitor, gpu, reasons, count, clock=1300.0):
+        for i in range(count):
+            monitor.observe(Sample(time=i, node="n0", gpu=gpu, sm_clock_mhz=clock, max_sm_clock_mhz=1980.0,
+                                   clock_event_reasons=int(reasons)))
+    monitor = Monitor(CONFIG, nodes(8))
+    feed(monitor, 0, ClockReason.GPU_IDLE, 5)                     # idle is not throttling
+    feed(monitor, 1, ClockReason.HW_SLOWDOWN, CONFIG.throttle_samples - 1)
+    feed(monitor, 2, ClockReason.HW_THERMAL, 5, clock=1900.0)     # 96% of max: fine
+    assert monitor.check(10) == []
+    feed(monitor, 1, ClockReason.HW_SLOWDOWN | ClockReason.HW_THERMAL, 1)
+    (finding,) = monitor.check(11)
+    assert (finding.kind, finding.severity, finding.node, finding.gpu) == \
+        (FindingKind.THROTTLE, Severity.WARNING, "n0", 1)
+    assert "1300/1980 MHz" in finding.evidence and "HW_SLOWDOWN" in finding.evidence
+    other = Monitor(CONFIG, nodes(8))
+    feed(other, 3, ClockReason.SW_POWER_CAP, 5)                   # a power cap alone: report, no fault
+    assert [f.severity for f in other.check(5)] == [Severity.INFO]
+    feed(other, 3, ClockReason.HW_SLOWDOWN, 1, clock=1980.0)      # back to full clocks: gone
+    assert other.check(6) == []
+
+
+def test_a_straggler_on_a_throttled_gpu_is_one_critical_finding():
+    rng = np.random.default_rng(11)
+    times = compute_times(rng, 64, 140)
+    times[100:, 19] *= 1.4
+    monitor, findings = Monitor(CONFIG, nodes(64)), []
+    for step, row in enumerate(times):
+        monitor.observe_step(step, row, float(step))
+        if step >= 100:
+            monitor.observe(Sample(time=step, node="n2", gpu=3, sm_clock_mhz=1414.0, max_sm_clock_mhz=1980.0,
+                                   clock_event_reasons=int(ClockReason.HW_SLOWDOWN | ClockReason.HW_POWER_BRAKE)))
+        findings = monitor.check(float(step))
+    (finding,) = findings
+    assert (finding.kind, finding.severity, finding.node, finding.gpu, finding.ranks) == \
+        (FindingKind.THROTTLE, Severity.CRITICAL, "n2", 3, (19,))
+    assert "rank 19" in finding.evidence and "GPU 3 SM clock" in finding.evidence
+
+
+@pytest.mark.parametrize("code, fault, severity, drain", [
+    (13, "application", Severity.INFO, False), (31, "application", Severity.INFO, False),
+    (43, "application", Severity.INFO, False), (48, "hardware", Severity.CRITICAL, True),
+    (63, "hardware", Severity.WARNING, False), (74, "hardware", Severity.CRITICAL, True),
+    (79, "hardware", Severity.CRITICAL, True), (95, "hardware", Severity.CRITICAL, True),
+    (119, "driver", Severity.CRITICAL, False), (12345, "unknown", Severity.WARNING, False),
+])
+def test_xid_classification(code, fault, severity, drain):
+    xid = classify_xid(code)
+    assert (xid.fault, xid.severity, xid.drain) == (fault, severity, drain)
+    assert xid.reset or not xid.drain and xid.description
+
+
+def test_an_xid_is_reported_once_on_its_gpu():
+    monitor = Monitor(CONFIG, nodes(16))
+    monitor.observe(Sample(time=5.0, node="n1", gpu=6, xid=79))
+    (finding,) = monitor.check(6.0)
+    assert (finding.kind, finding.severity, finding.node, finding.gpu) == (FindingKind.XID, Severity.CRITICAL, "n1", 6)
+    assert "Xid 79" in finding.evidence and "fallen off the bus" in finding.evidence
+    assert monitor.check(7.0) == []
+
+
+def hung_job(beating: list[int], ranks: int = 16) -> tuple[Monitor, float]:
+    """20 steps of 2 s, then every rank blocks; the `beating` ranks keep sending heartbeats."""
+    monitor = Monitor(CONFIG, nodes(ranks))
+    for step in range(CONFIG.straggler_warmup_steps + 20):
+        monitor.observe_step(step, np.full(ranks, 1.9), 2.0 * step)
+        for rank in range(ranks):
+            monitor.observe(Sample(time=2.0 * step + 1, node=f"n{rank // GPUS}", rank=rank))
+    stop = 2.0 * step
+    for t in np.arange(stop + 5, stop + 300, 5.0):
+        for rank in beating:
+            monitor.observe(Sample(time=t, node=f"n{rank // GPUS}", rank=rank))
+    return monitor, stop
+
+
+def test_a_hang_blames_the_rank_that_stopped_heartbeating():
+    monitor, stop = hung_job([r for r in range(16) if r != 11])
+    assert monitor.check(stop + CONFIG.hang_min_s - 5) == []
+    (finding,) = monitor.check(stop + 290)
+    assert (finding.kind, finding.severity, finding.node, finding.ranks) == \
+        (FindingKind.HANG, Severity.CRITICAL, "n1", (11,))
+    assert "rank(s) 11 silent" in finding.evidence
+
+
+def test_a_hang_with_every_rank_beating_is_a_deadlock_of_the_job():
+    monitor, stop = hung_job(list(range(16)))
+    (finding,) = monitor.check(stop + 290)
+    assert (finding.kind, finding.node, finding.ranks) == (FindingKind.HANG, "", tuple(range(16)))
+    assert "deadlock" in finding.evidence
+
+
+def test_the_hang_timeout_grows_with_the_step_time():
+    monitor = Monitor(CONFIG, nodes(8))
+    for step in range(CONFIG.straggler_warmup_steps + 10):
+        monitor.observe_step(step, np.full(8, 55.0), 60.0 * step)
+    last = 60.0 * step
+    assert monitor.check(last + 300) == []                      # 5 steps' time: still fine
+    assert monitor.check(last + CONFIG.hang_step_factor * 60 + 1)[0].kind == FindingKind.HANG
+
+
+def test_ecc_findings():
+    monitor = Monitor(CONFIG, nodes(32))
+    monitor.observe(Sample(time=0, node="n0", gpu=0, ecc_dbe_volatile=2))
+    monitor.observe(Sample(time=0, node="n1", gpu=1, remapped_rows_failure=True))
+    monitor.observe(Sample(time=0, node="n2", gpu=2, remapped_rows_pending=True))
+    monitor.observe(Sample(time=0, node="n3", gpu=3, ecc_sbe_volatile=10))
+    monitor.observe(Sample(time=1800, node="n3", gpu=3, ecc_sbe_volatile=10 + CONFIG.ecc_sbe_per_hour))
+    monitor.observe(Sample(time=0, node="n3", gpu=4, ecc_sbe_volatile=0))
+    monitor.observe(Sample(time=1800, node="n3", gpu=4, ecc_sbe_volatile=CONFIG.ecc_sbe_per_hour - 1))
+    found = {(f.node, f.gpu): f for f in monitor.check(1800)}
+    assert set(found) == {("n0", 0), ("n1", 1), ("n2", 2), ("n3", 3)}
+    assert [found[k].severity for k in sorted(found)] == [Severity.CRITICAL, Severity.CRITICAL, Severity.WARNING,
+                                                         Severity.WARNING]
+    assert all(f.kind == FindingKind.ECC for f in found.values())
+    assert "needs a reset" in found["n2", 2].evidence
+    monitor.observe(Sample(time=1900, node="n2", gpu=2, remapped_rows_pending=False))   # reset done
+    assert ("n2", 2) not in {(f.node, f.gpu) for f in monitor.check(1900)}
+
+
+def test_bad_input_is_refused():
+    monitor = Monitor(CONFIG, nodes(8))
+    with pytest.raises(ValueError, match="expected 8"):
+        monitor.observe_step(0, np.ones(7), 0.0)
+    monitor.observe_step(3, np.ones(8), 0.0)
+    with pytest.raises(ValueError, match="steps must increase"):
+        monitor.observe_step(3, np.ones(8), 1.0)
+    with pytest.raises(ValueError, match="rank 9"):
+        monitor.observe(Sample(time=0, node="n0", rank=9))

@@ -33,6 +33,9 @@ from typing import Callable
 
 import yaml
 
+# This folder holds health.py, which would shadow the `health` package: the repo root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from _common import print_table
 from orchestrator import daemon
 from orchestrator.store import Event, Job, JobState, NodeState, Store

@@ -79,6 +79,21 @@ def _env_with_python(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra, "PATH": path}
 
 
+def attempt_pids(node_id: str, attempt: int) -> list[int]:
+    """Live processes started for `attempt` on this node (found by the environment they inherit)."""
+    wanted = {f"TFSN_NODE_ID={node_id}".encode(), f"TFSN_ATTEMPT={attempt}".encode()}
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                environ = set(open(os.path.join(entry.path, "environ"), "rb").read().split(b"\0"))
+            except OSError:
+                continue
+            if wanted <= environ:
+                found.append(int(entry.name))
+    return found
+
+
 def gpu_source(node_id: str) -> NvmlSource | DcgmSource | None:
     """NVML when this node has NVIDIA GPUs, else a dcgm-exporter at TFSN_DCGM_URL if set, else none."""
     if NvmlSource.available():
@@ -114,6 +129,7 @@ class Agent:
         self.logs = LogShipper(client)
         self.state = "starting"           # starting -> setup -> ready
         self.proc: subprocess.Popen | None = None
+        self._pump_thread: threading.Thread | None = None
         self.attempt = 0                  # the attempt `proc` runs
         self.done: set[int] = set()       # attempts that ended here (reported or queued)
         self.reports: list[dict[str, Any]] = []
@@ -157,7 +173,8 @@ class Agent:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.attempt = cmd["attempt"]
         self._stopping = False
-        threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
+        self._pump_thread.start()
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -175,13 +192,20 @@ class Agent:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        # torchrun starts workers in sessions of their own: any it left behind would hold on to
+        # memory and keep reporting as this attempt.
+        for pid in attempt_pids(self.node_id, self.attempt):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _collect(self) -> None:
         """If the workers ended, queue the attempt's report."""
         if self.proc is None or self.proc.poll() is None:
             return
         rc = self.proc.returncode
-        time.sleep(0.1)  # let the pump drain the last lines
+        self._pump_thread.join(timeout=5)  # torchrun's root-cause block comes last: read it all
         summary, sig = failure_summary(list(self.logs.tail), rc) if rc != 0 else ("", None)
         self.reports.append({"attempt": self.attempt, "returncode": rc, "signal": sig,
                              "stopped": self._stopping, "summary": summary})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,7 +79,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/healthz":
-            self._reply(200, {"ok": True})
+            self._reply(200, {"ok": True, "pid": os.getpid()})
         else:
             self._reply(404, {"error": "not found"})
 
@@ -90,9 +91,12 @@ class _RequestHandler(BaseHTTPRequestHandler):
         else:
             self._reply(404, {"error": "not found"})
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            self._reply(413, {"error": f"body over {MAX_BODY_BYTES} bytes"})
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self._reply(413, {"error": f"Content-Length must be 0 to {MAX_BODY_BYTES} bytes"})
             self.close_connection = True
             return
         raw = self.rfile.read(length)

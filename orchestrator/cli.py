@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from orchestrator import daemon
@@ -53,6 +54,8 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def placement_error(spec: JobSpec) -> str | None:
     """Why no enabled provider can run `spec`, or None. (The planner of cloud offers comes later.)"""
+    if not Path(spec.workdir).is_dir():
+        return f"workdir {spec.workdir} is not a directory. To fix: point workdir at the folder of your script"
     infra = spec.resources.infra or ["local"]
     if "local" not in infra:
         return (f"resources.infra {infra}: tfsn has no driver for these providers yet. "
@@ -83,7 +86,11 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
     """Launch a job and follow it (Ctrl-C stops it; use --detach to leave it running)."""
     spec = load_spec(file, overrides=_env_pairs(env))
     if name:
-        spec = JobSpec.model_validate({**spec.model_dump(mode="json"), "name": name})
+        try:
+            spec = JobSpec.model_validate({**spec.model_dump(mode="json"), "name": name})
+        except ValidationError:
+            raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 63), "
+                             "starting with a letter or digit") from None
     problem = placement_error(spec)
     if problem:
         raise UsageError(f"{file}: {problem}")

@@ -67,13 +67,12 @@ class Controller:
     # ---- API handlers -------------------------------------------------------------------------
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         node = self._node_of(job_id, node_id)
-        changes: dict[str, Any] = {"heartbeat_at": time.time(), "agent_state": str(body.get("state", ""))}
-        if body.get("state") == "ready" and node.state == NodeState.STARTING:
-            changes["state"] = NodeState.READY
+        self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")))
+        # Only a STARTING node becomes READY: the loop may have failed it meanwhile.
+        if body.get("state") == "ready" and self.store.promote_node(node_id, NodeState.STARTING, NodeState.READY):
             self._event(job_id, "node", f"node {node_id} ready" + (f" (rank {node.rank})" if node.rank is not None
                                                                       else " (spare)"))
             self.wake.set()
-        self.store.update_node(node_id, **changes)
         return self.command(self.store.job(job_id), self.store.node(node_id))
 
     def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -252,7 +251,10 @@ class Controller:
 
     def _terminate(self, node: Node) -> None:
         handle = NodeHandle(**node.handle) if node.handle else NodeHandle(node.provider, node.id)
-        self._provider(node.provider).terminate(handle)
+        try:
+            self._provider(node.provider).terminate(handle)
+        except ProviderError as err:  # recorded; the job goes on without that node either way
+            self._event(node.job_id, "node", f"node {node.id} could not be fully terminated: {err}")
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes)."""
@@ -267,7 +269,9 @@ class Controller:
             env=agent_env(self.url, job, node_id))
         try:
             handle = provider.provision(request)
-        except ProviderError as err:
+        except Exception as err:  # a provider bug or an OS error must not leave the node REQUESTED
+            if not isinstance(err, ProviderError):
+                err = ProviderError(f"{type(err).__name__}: {err}", provider=provider.name)
             self.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
             self._event(job.id, "node", f"node {node_id} could not be created: {err}")
             if not err.retryable:
@@ -306,10 +310,12 @@ class Controller:
                 self._event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
             else:
                 self._create_node(job, spec, rank)
+            if self.store.job(job.id).state.terminal:
+                return
         for _ in range(spec.recovery.spares - len(spares)):
             self._create_node(job, spec, None)
-        if self.store.job(job.id).state.terminal:
-            return
+            if self.store.job(job.id).state.terminal:
+                return
         nodes = self.store.nodes(job.id, active_only=True)
         ready = [n for n in nodes if n.rank is not None and n.state == NodeState.READY]
         if len(ready) == spec.num_nodes:
@@ -445,6 +451,7 @@ def agent_command() -> list[str]:
 
 def agent_env(url: str, job: Job, node_id: str) -> dict[str, str]:
     """The agent's whole environment: the controller's address and the job's secret."""
-    keep = {k: v for k, v in os.environ.items() if not k.startswith("TFSN_")}
+    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME"}
+    keep = {k: v for k, v in os.environ.items() if k not in job_specific}
     return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": job.token, "TFSN_JOB_ID": str(job.id),
             "TFSN_NODE_ID": node_id}

@@ -43,7 +43,7 @@ def read_info(home: Path) -> dict | None:
     try:
         info = json.loads(info_path(home).read_text())
         with urllib.request.urlopen(f"{info['url']}/healthz", timeout=2) as response:
-            if json.loads(response.read()).get("ok"):
+            if json.loads(response.read()).get("pid") == info["pid"]:  # not another process on that port
                 return info
     except (OSError, ValueError, KeyError):
         pass
@@ -107,8 +107,14 @@ def serve(home: Path) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    controller.run_forever(stop, idle_exit_s=float(os.environ.get("TFSN_CONTROLLER_IDLE_S", 300)))
-    server.shutdown()
+    idle_exit_s = float(os.environ.get("TFSN_CONTROLLER_IDLE_S", 300))
+    while True:
+        controller.run_forever(stop, idle_exit_s)
+        server.shutdown()
+        # A launch may have slipped in while the loop decided to leave: then serve on.
+        if stop.is_set() or not store.jobs(active_only=True):
+            break
+        server.start()
     print("controller exiting", flush=True)
     return 0
 

@@ -8,7 +8,9 @@ from pathlib import Path
 def tfsn_home() -> Path:
     """The state directory, created on first use."""
     home = Path(os.environ.get("TFSN_HOME") or Path.home() / ".tfsn").expanduser().resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    if not home.exists():
+        home.mkdir(parents=True)
+        home.chmod(0o700)  # the store holds every job's secret token: this user only
     return home
 
 

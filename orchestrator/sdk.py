@@ -109,7 +109,10 @@ class TelemetryReporter:
         while not self._closed:
             self._wake.wait(self.flush_s)
             self._wake.clear()
-            self.flush()
+            try:
+                self.flush()
+            except Exception as err:  # this thread is the rank's heartbeat: it must not die
+                print(f"tfsn: telemetry error (continuing): {err!r}", flush=True)
 
     def close(self) -> None:
         self._closed = True
@@ -166,9 +169,15 @@ class Run:
             self._record(step, time.perf_counter() - began)
 
     def log(self, **metrics: Any) -> None:
-        """Attach metrics (floats or 0-d tensors) to the current step."""
+        """Attach metrics (numbers or one-element tensors) to the current step."""
         for key, value in metrics.items():
-            self._metrics[key] = value.detach() if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                self._metrics[key] = value.detach()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._metrics[key] = value
+            else:
+                raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, "
+                                f"got {type(value).__name__}")
 
     def _record(self, step: int, seconds: float) -> None:
         metrics, self._metrics = self._metrics, {}
@@ -292,7 +301,12 @@ def init(*, checkpoint_dir: str | Path = "checkpoints", checkpoint_interval: int
     arguments, so that `train.yaml` is the one place a launched job is configured.
     """
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            # One GPU per local rank; gloo too, for the SDK's small CPU collectives (the checkpoint vote).
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
     env = os.environ
     total = env.get("TFSN_STEPS")
     return Run(checkpoint_dir=env.get("TFSN_CHECKPOINT_DIR", checkpoint_dir),

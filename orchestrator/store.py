@@ -220,7 +220,7 @@ class Store:
 
     def find_job(self, ref: str) -> Job:
         """A job by id, or the newest job with that name."""
-        if ref.isdigit():
+        if ref.isascii() and ref.isdigit() and len(ref) < 18:
             return self.job(int(ref))
         row = _first(self._query("SELECT * FROM jobs WHERE name = ? ORDER BY id DESC LIMIT 1", (ref,)))
         if row is None:
@@ -312,6 +312,13 @@ class Store:
         with self._tx() as db:
             db.execute(f"UPDATE nodes SET {cols} WHERE id = ?", (*changes.values(), node_id))
 
+    def promote_node(self, node_id: str, expected: NodeState, new: NodeState) -> bool:
+        """Move a node from `expected` to `new` only if it is still in `expected` (compare-and-set)."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE nodes SET state = ?, updated_at = ? WHERE id = ? AND state = ?",
+                             (new.value, time.time(), node_id, expected.value))
+            return cur.rowcount == 1
+
     # ---- results, events, telemetry ---------------------------------------------------------------
     def record_result(self, job_id: int, node_id: str, attempt: int, returncode: int,
                       signal: int | None, stopped: bool, summary: str) -> None:
@@ -369,7 +376,11 @@ class _Transaction:
 
     def __enter__(self) -> sqlite3.Connection:
         self.lock.acquire()
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
         return self.db
 
     def __exit__(self, exc_type, exc, tb) -> None:

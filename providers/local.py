@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from providers.base import InvalidRequestError, NodeHandle, NodeRequest, NodeStatus
+from providers.base import InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, ProviderError
 
 NODE_TAG = "TFSN_LOCAL_NODE"
 TERMINATE_GRACE_S = 5.0
@@ -100,6 +100,12 @@ class LocalProvider:
                 pids.append(handle.data["pid"])
             if not pids:
                 break
+            if time.monotonic() > deadline + TERMINATE_GRACE_S:
+                # Only a process stuck in the kernel (D state) outlives SIGKILL; waiting longer
+                # would stall the controller for every job.
+                raise ProviderError(f"local node {handle.node_id}: processes {sorted(set(pids))} survive "
+                                    "SIGKILL (stuck in the kernel); they will go when the kernel lets them",
+                                    provider=self.name)
             if time.monotonic() > deadline:
                 sig = signal.SIGKILL
             for pid in set(pids):

@@ -72,3 +72,11 @@ def test_unreachable_controller_is_unavailable_not_rejected():
         port = s.getsockname()[1]
     with pytest.raises(ControllerUnavailable):
         ControllerClient(f"http://127.0.0.1:{port}", "t", 1, timeout=1).post("/logs", {"lines": []})
+
+
+def test_negative_content_length_is_refused_before_reading(server):
+    api, _, job = server
+    host, port = api.server_address
+    with socket.create_connection((host, port), timeout=5) as conn:
+        conn.sendall(f"POST /v1/jobs/{job.id}/logs HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n".encode())
+        assert b" 413 " in conn.recv(200).split(b"\r\n")[0] + b" "

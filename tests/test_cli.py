@@ -70,3 +70,16 @@ def test_health_simulate_reports_detection_as_json(tfsn):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["detected"] and result["blamed"] == [5] and result["false_positives"] == 0
     assert 0 < result["detection_delay_steps"] <= 20 and 0 < result["ettr"] <= 1
+
+
+def test_bad_name_and_job_refs_are_one_line_errors(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=1)
+    assert_one_line_error(tfsn("launch", str(spec), "--name", "bad name!", check=False), "--name")
+    for ref in ("99999999999999999999999", "²"):
+        assert_one_line_error(tfsn("status", ref, check=False), "no job")
+
+
+def test_missing_workdir_is_refused_before_anything_runs(tfsn, tmp_path):
+    spec = write_job(tmp_path / "job.yaml", steps=1, workdir=str(tmp_path / "nowhere"))
+    assert_one_line_error(tfsn("launch", str(spec), check=False), "nowhere", "To fix")
+    assert json.loads(tfsn("status", "--json").stdout) == []

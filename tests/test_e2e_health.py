@@ -29,13 +29,14 @@ def duty_cycle(pid: int, stopped_s: float, running_s: float, stop: threading.Eve
 def test_slowed_worker_is_found_checkpointed_and_replaced(tfsn, tmp_path):
     # Two ranks on a 2-core machine: the slow rank frees a core for the other, so its own time hardly
     # moves; its time against the other rank's, held against its own past, is what shows it.
-    spec = write_job(tmp_path / "job.yaml", steps=300, interval=1000, fast=False)
+    spec = write_job(tmp_path / "job.yaml", steps=450, interval=1000, fast=False)
     tfsn("launch", str(spec), "--detach")
-    st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 80, what="a baseline of steps")
+    st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 70, what="a baseline of steps")
     slow_node = next(n["id"] for n in st["nodes"] if n["rank"] == 1)
     stop = threading.Event()
-    # stopped 6 ms of every 20: ~30% of the time, so its steps take ~40% longer
-    cycler = threading.Thread(target=duty_cycle, args=(worker_pid(tfsn, 1, rank=1), 0.006, 0.014, stop), daemon=True)
+    # stopped 12 ms of every 40: 30% of the time, so its steps take ~40% longer (periods of tens of
+    # milliseconds, so that scheduling jitter on a loaded machine does not change the fraction much)
+    cycler = threading.Thread(target=duty_cycle, args=(worker_pid(tfsn, 1, rank=1), 0.012, 0.028, stop), daemon=True)
     cycler.start()
     try:
         st = tfsn.wait(1, lambda s: s["restarts"] >= 1, timeout=180, what="the slow node to be replaced")
@@ -49,7 +50,7 @@ def test_slowed_worker_is_found_checkpointed_and_replaced(tfsn, tmp_path):
     assert done["state"] == "SUCCEEDED", done
     failed = [n for n in done["nodes"] if n["state"] == "FAILED"]
     assert [n["id"] for n in failed] == [slow_node], "only the slow node is replaced"
-    assert done["restored_step"] > 80, "the restart resumed from the checkpoint taken for the replacement"
+    assert done["restored_step"] > 70, "the restart resumed from the checkpoint taken for the replacement"
     assert not any(m.startswith("straggler") and n["id"] in m for m in events
                    for n in done["nodes"] if n["id"] != slow_node and n["rank"] == 0)
 

@@ -60,3 +60,13 @@ def test_two_connections_see_each_others_writes(db):
     job = cli.create_job("a", {}, "p", "t")
     cli.request_stop(job.id)
     assert controller.job(job.id).stop_requested == 1
+
+
+def test_promote_node_only_from_the_expected_state(db):
+    store = Store(db)
+    job = store.create_job("a", {}, "p", "t")
+    store.add_node("n", job.id, 0, "local")
+    store.update_node("n", state=NodeState.STARTING)
+    store.update_node("n", state=NodeState.FAILED)       # the loop failed it...
+    assert not store.promote_node("n", NodeState.STARTING, NodeState.READY)  # ...a late heartbeat can't revive it
+    assert store.node("n").state == NodeState.FAILED

@@ -32,7 +32,7 @@ def _age(seconds: float | None) -> str:
 def progress(job: Job) -> dict[str, Any]:
     """The figures a user watches: step, loss, step time, throughput, ETA."""
     total = job.spec.get("steps")
-    done = job.step + 1 if job.step_time is not None else 0
+    done = max(job.step + 1 if job.step_time is not None else 0, job.restored_step or 0)
     eta = (total - done) * job.step_time if total and job.step_time else None
     return {"step": done, "total_steps": total, "loss": job.loss, "step_time_s": job.step_time,
             "steps_per_s": 1 / job.step_time if job.step_time else None, "eta_s": eta}

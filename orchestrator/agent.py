@@ -24,6 +24,7 @@ from typing import Any
 from health.metrics import Metrics
 from health.telemetry import DcgmSource, NvmlSource, TelemetryError
 from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from providers.local import pids_with_env
 
 HEARTBEAT_S = 1.0
 IDLE_POLL_S = 0.25       # polled faster while no workers run, so a restart starts without delay
@@ -77,21 +78,6 @@ def _env_with_python(extra: dict[str, str]) -> dict[str, str]:
     `python` in the job's commands is the one tfsn runs under (its virtualenv, with torch)."""
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     return {**os.environ, **extra, "PATH": path}
-
-
-def attempt_pids(node_id: str, attempt: int) -> list[int]:
-    """Live processes started for `attempt` on this node (found by the environment they inherit)."""
-    wanted = {f"TFSN_NODE_ID={node_id}".encode(), f"TFSN_ATTEMPT={attempt}".encode()}
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                environ = set(open(os.path.join(entry.path, "environ"), "rb").read().split(b"\0"))
-            except OSError:
-                continue
-            if wanted <= environ:
-                found.append(int(entry.name))
-    return found
 
 
 def gpu_source(node_id: str) -> NvmlSource | DcgmSource | None:
@@ -194,7 +180,7 @@ class Agent:
             self.proc.wait()
         # torchrun starts workers in sessions of their own: any it left behind would hold on to
         # memory and keep reporting as this attempt.
-        for pid in attempt_pids(self.node_id, self.attempt):
+        for pid in pids_with_env(TFSN_NODE_ID=self.node_id, TFSN_ATTEMPT=str(self.attempt)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

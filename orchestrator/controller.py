@@ -104,10 +104,9 @@ class Controller:
         """GPU samples (NVML, DCGM) from a node's agent."""
         self._node_of(job_id, node_id)
         watch = self._watches.get(job_id)
-        for raw in body.get("samples", []):
-            sample = Sample(**{**raw, "node": node_id})
-            if watch is not None:
-                watch.observe_device(sample)
+        if watch is not None:
+            for raw in body.get("samples", []):
+                watch.observe_device(Sample(**{**raw, "node": node_id}))
         return {}
 
     def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -382,15 +381,15 @@ class Controller:
 
     # ---- attempts -----------------------------------------------------------------------------
     def _watch_attempt(self, job: Job, spec: JobSpec) -> None:
+        running = job.attempt_state == "running"
+        if running:
+            self._act_on_health(job, spec)  # may fail a node or the attempt: read the state after it
+            job = self.store.job(job.id)
         nodes = {n.id: n for n in self.store.nodes(job.id)}
         ranked = [n for n in nodes.values() if n.rank is not None and n.state.active]
         results = self.store.results(job.id, job.attempt)
         by_node = {r.node_id: r for r in results}
-        if job.attempt_state == "running":
-            self._act_on_health(job, spec)
-            job = self.store.job(job.id)
-            nodes = {n.id: n for n in self.store.nodes(job.id)}
-            ranked = [n for n in nodes.values() if n.rank is not None and n.state.active]
+        if running:
             failures = [r for r in results if r.returncode != 0]
             if len(ranked) < spec.num_nodes or failures or job.attempt_state == "stopping":
                 what = failures[0].summary if failures else job.pending_reason or "a node failed"

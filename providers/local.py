@@ -32,9 +32,13 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-def tagged_pids(node_id: str) -> list[int]:
-    """Every live process on this machine that belongs to the local node `node_id`."""
-    tag = f"{NODE_TAG}={node_id}".encode()
+def pids_with_env(**wanted: str) -> list[int]:
+    """Every live process on this machine (but this one) whose environment holds each KEY=VALUE given.
+
+    Children inherit their environment wherever they are reparented, so this finds a process tree
+    even after its root was killed.
+    """
+    tags = {f"{key}={value}".encode() for key, value in wanted.items()}
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -43,9 +47,14 @@ def tagged_pids(node_id: str) -> list[int]:
             environ = Path(entry.path, "environ").read_bytes()
         except OSError:
             continue
-        if tag in environ.split(b"\0") and _start_time(int(entry.name)) is not None:
+        if tags <= set(environ.split(b"\0")) and _start_time(int(entry.name)) is not None:
             found.append(int(entry.name))
     return found
+
+
+def tagged_pids(node_id: str) -> list[int]:
+    """Every live process on this machine that belongs to the local node `node_id`."""
+    return pids_with_env(**{NODE_TAG: node_id})
 
 
 class LocalProvider:

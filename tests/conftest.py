@@ -82,19 +82,3 @@ def write_job(path: Path, steps: int, interval: int = 10, envs: dict | None = No
     spec.update(fields)
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-def processes_with_env(**wanted: str) -> list[int]:
-    """Pids whose environment holds every KEY=VALUE given (how a test finds a worker to kill)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = dict(item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item)
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, ValueError):
-            continue
-        if state != "Z" and all(env.get(k) == v for k, v in wanted.items()):
-            pids.append(int(entry.name))
-    return pids

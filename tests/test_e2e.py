@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from orchestrator.checkpoint import list_checkpoints, load_tensors
-from tests.conftest import EXAMPLE, ROOT, processes_with_env, write_job
+from providers.local import pids_with_env
+from tests.conftest import EXAMPLE, ROOT, write_job
 
 pytestmark = pytest.mark.e2e
 
@@ -26,7 +27,7 @@ def final_tensors(spec: Path, steps: int) -> dict[str, torch.Tensor]:
 
 def worker_pid(tfsn, job: int, rank: int) -> int:
     node = next(n for n in tfsn.status(job)["nodes"] if n["rank"] == rank and n["state"] == "READY")
-    pids = processes_with_env(TFSN_NODE_ID=node["id"], RANK=str(rank), TFSN_JOB_ID=str(job))
+    pids = pids_with_env(TFSN_NODE_ID=node["id"], RANK=str(rank), TFSN_JOB_ID=str(job))
     workers = [p for p in pids if "train.py" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 1, f"expected one worker of rank {rank}, found {workers}"
     return workers[0]
@@ -45,7 +46,7 @@ def test_example_runs_to_succeeded(tfsn, tmp_path):
     assert "[rank0]: step 10: loss" in log and "SUCCEEDED" in log
     assert tfsn("logs", "1", "--follow").stdout.strip() == log.strip()  # returns once the job has ended
     # the nodes' processes are gone
-    assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
+    assert not any(pids_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
 
 
 def test_killed_worker_resumes_bit_for_bit(tfsn, tmp_path):
@@ -115,7 +116,7 @@ def test_killed_agent_is_replaced_by_a_spare_and_stop_tears_down(tfsn, tmp_path)
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     spare = next(n for n in st["nodes"] if n["rank"] is None)
     node = next(n for n in st["nodes"] if n["rank"] == 0)
-    agent = [p for p in processes_with_env(TFSN_NODE_ID=node["id"])
+    agent = [p for p in pids_with_env(TFSN_NODE_ID=node["id"])
              if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(agent) == 1
     os.kill(agent[0], signal.SIGKILL)
@@ -129,7 +130,7 @@ def test_killed_agent_is_replaced_by_a_spare_and_stop_tears_down(tfsn, tmp_path)
     tfsn("stop", "1")
     st = tfsn.status(1)
     assert st["state"] == "STOPPED"
-    assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
+    assert not any(pids_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
 
 
 def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
@@ -137,13 +138,13 @@ def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     node = next(n for n in st["nodes"] if n["rank"] == 1)
-    agent = [p for p in processes_with_env(TFSN_NODE_ID=node["id"])
+    agent = [p for p in pids_with_env(TFSN_NODE_ID=node["id"])
              if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
     os.kill(agent[0], signal.SIGSTOP)  # alive but silent
     st = tfsn.wait(1, lambda s: s["restarts"] == 1 and s["state"] == "RUNNING", what="the silent node's replacement")
     failed = next(n for n in st["nodes"] if n["id"] == node["id"])
     assert failed["state"] == "FAILED" and "no heartbeat" in failed["failure"]
-    assert not processes_with_env(TFSN_NODE_ID=node["id"]), "the silent node's processes were not killed"
+    assert not pids_with_env(TFSN_NODE_ID=node["id"]), "the silent node's processes were not killed"
     tfsn("stop", "1")
 
 
@@ -157,7 +158,7 @@ def test_ctrl_c_on_launch_stops_the_job(tfsn, tmp_path):
     assert launch.returncode == 1 and "STOPPED" in out
     st = tfsn.status(1)
     assert st["state"] == "STOPPED"
-    assert not any(processes_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
+    assert not any(pids_with_env(TFSN_NODE_ID=n["id"]) for n in st["nodes"])
 
 
 def test_example_spec_is_valid(tfsn):

@@ -21,6 +21,33 @@ class NodeStatus(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Offer:
+    """One kind of node a provider can give, at a price: a row of the catalog (SkyPilot's vms.csv).
+
+    Prices are per node-hour in USD; `spot_price` is None where the offer has no spot market.
+    `zone` is None when the catalog knows only the region (the provider picks the zone).
+    """
+
+    provider: str                     # provider name: "aws", "gcp", "azure", "kubernetes", "local", ...
+    region: str
+    zone: str | None
+    instance_type: str
+    accelerator: str | None           # canonical accelerator name ("H100", "A100-80GB"), None for CPU-only
+    accelerator_count: int            # accelerators per node (0 for CPU-only)
+    accelerator_memory_gib: float     # memory of one accelerator
+    vcpus: float
+    memory_gib: float
+    price: float                      # on-demand $/node-hour
+    spot_price: float | None = None   # spot $/node-hour, None if not offered
+    interconnect: str | None = None   # e.g. "EFA 3200 Gbps", "NVLink"; None if unknown
+    arch: str = "x86_64"
+
+    def hourly(self, spot: bool) -> float | None:
+        """The node-hour price on the chosen market, or None if that market does not exist."""
+        return self.spot_price if spot else self.price
+
+
+@dataclass(frozen=True)
 class NodeRequest:
     """One node to create."""
 
@@ -32,6 +59,8 @@ class NodeRequest:
     log_path: str | None = None       # where the provider keeps the command's output, if local
     cpus: int | None = None           # requested vCPUs (None: the provider's default)
     memory_gib: float | None = None   # requested memory (None: the provider's default)
+    offer: Offer | None = None        # the planned offer (cloud providers); None: the provider's default
+    spot: bool = False                # request the spot / preemptible market of the offer
 
 
 @dataclass(frozen=True)
@@ -44,27 +73,46 @@ class NodeHandle:
 
 
 class ProviderError(Exception):
-    """Base of all provider errors; `retryable` says whether the same request may succeed later."""
+    """Base of all provider errors.
+
+    `retryable` says whether the same request may succeed later; `scope` says how much a failover
+    should block after it: "offer" (this instance type in this zone), "zone", "region" or
+    "provider". Each subclass has the usual scope of its cause; a driver passes another when it
+    knows better (an AWS capacity error is about one zone, a quota about one region).
+    """
 
     retryable = False
+    scope = "offer"
 
-    def __init__(self, message: str, *, provider: str = "") -> None:
+    def __init__(self, message: str, *, provider: str = "", scope: str | None = None) -> None:
         super().__init__(message)
         self.provider = provider
+        if scope is not None:
+            if scope not in SCOPES:
+                raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
+            self.scope = scope
+
+
+SCOPES = ("offer", "zone", "region", "provider")
 
 
 class CapacityError(ProviderError):
     """The provider has no capacity for this request now; try elsewhere or later."""
 
     retryable = True
+    scope = "zone"
 
 
 class QuotaError(ProviderError):
     """The account's quota forbids the request. To fix: raise the quota or pick another provider."""
 
+    scope = "region"
+
 
 class AuthError(ProviderError):
     """Credentials are missing or refused. To fix: configure the provider's SDK credentials."""
+
+    scope = "provider"
 
 
 class NotFoundError(ProviderError):
@@ -81,6 +129,10 @@ class Provider(Protocol):
 
     name: str
 
+    def offers(self) -> list[Offer]:
+        """Every kind of node this provider can give (from its catalog or its cluster), with prices."""
+        ...
+
     def provision(self, request: NodeRequest) -> NodeHandle:
         """Create and start the node; return at once without waiting for its agent."""
         ...
@@ -92,3 +144,21 @@ class Provider(Protocol):
     def terminate(self, handle: NodeHandle) -> None:
         """Stop and delete the node and everything on it; a missing node is not an error."""
         ...
+
+
+class MissingExtraError(ProviderError):
+    """The provider's SDK is not installed. To fix: install the extra the message names."""
+
+    scope = "provider"
+
+
+def import_sdk(module: str, *, provider: str, extra: str) -> Any:
+    """Import a cloud SDK lazily, so that tfsn without the extra still imports and runs locally."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingExtraError(
+            f"the {provider} provider needs {module.split('.')[0]} ({err}). "
+            f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from providers.base import InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, ProviderError
+from providers.base import InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError
 
 NODE_TAG = "TFSN_LOCAL_NODE"
 TERMINATE_GRACE_S = 5.0
@@ -30,6 +30,16 @@ def _start_time(pid: int) -> int | None:
     if fields[0] == "Z":  # a zombie has exited
         return None
     return int(fields[19])
+
+
+def _host_memory_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
 
 
 def pids_with_env(**wanted: str) -> list[int]:
@@ -66,6 +76,12 @@ class LocalProvider:
     def __init__(self) -> None:
         # Children started by this process, reaped on status() so they do not linger as zombies.
         self._children: dict[str, subprocess.Popen] = {}
+
+    def offers(self) -> list[Offer]:
+        """This machine, free: CPU only (GPUs here are used by the job but not priced or planned)."""
+        return [Offer(provider=self.name, region="local", zone=None, instance_type="local",
+                      accelerator=None, accelerator_count=0, accelerator_memory_gib=0.0,
+                      vcpus=float(os.cpu_count() or 1), memory_gib=_host_memory_gib(), price=0.0)]
 
     def provision(self, request: NodeRequest) -> NodeHandle:
         host_cpus = os.cpu_count() or 1

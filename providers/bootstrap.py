@@ -1,0 +1,35 @@
+"""The first thing a cloud node runs: a shell script that installs tfsn and starts its agent.
+
+Every VM driver (AWS user-data, GCP startup-script metadata, Azure custom data) passes the same
+script, so what a node does at boot is written once. The script is idempotent: a VM that reboots
+runs it again and ends in the same state.
+"""
+from __future__ import annotations
+
+import shlex
+
+from providers.base import NodeRequest
+
+# What `pip install` gets on the node; a site with a wheel mirror sets TFSN_INSTALL_SPEC in the job's envs.
+DEFAULT_INSTALL_SPEC = "tfsn"
+
+
+def startup_script(request: NodeRequest) -> str:
+    """A bash script that exports the request's environment, installs tfsn and runs its command."""
+    install = request.env.get("TFSN_INSTALL_SPEC", DEFAULT_INSTALL_SPEC)
+    exports = "\n".join(f"export {name}={shlex.quote(value)}" for name, value in sorted(request.env.items())
+                        if name.isidentifier())
+    command = " ".join(shlex.quote(part) for part in request.command)
+    workdir = shlex.quote(request.workdir)
+    return f"""#!/bin/bash
+# tfsn node {request.node_id} of job {request.job_id}
+set -euo pipefail
+exec >>/var/log/tfsn-node.log 2>&1
+{exports}
+mkdir -p {workdir}
+cd {workdir}
+if ! command -v tfsn >/dev/null 2>&1; then
+  python3 -m pip install --quiet {shlex.quote(install)}
+fi
+exec {command}
+"""

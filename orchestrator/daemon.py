@@ -17,11 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from orchestrator.api import ApiServer
-from orchestrator.controller import Controller
 from orchestrator.home import atomic_write_text, tfsn_home
 from orchestrator.store import Store
-from providers.local import LocalProvider
 
 START_TIMEOUT_S = 30.0
 
@@ -91,6 +88,10 @@ def serve(home: Path) -> int:
         previous = json.loads(info_path(home).read_text()).get("port", 0)
     except (OSError, ValueError):
         previous = 0
+    from orchestrator.api import ApiServer          # the controller's own process only: the CLI stays light
+    from orchestrator.controller import Controller
+    from providers.local import LocalProvider
+
     store = Store(store_path(home))
     controller = Controller(store, home, {"local": LocalProvider()})
     try:

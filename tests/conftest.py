@@ -48,7 +48,7 @@ class Tfsn:
                 log = (self.home / "jobs" / str(st["id"]) / "job.log")
                 raise AssertionError(f"timed out waiting for {what or until}: {st['state']}\n"
                                      f"{log.read_text()[-4000:] if log.exists() else ''}")
-            time.sleep(0.5)
+            time.sleep(1.0)  # each poll is a Python start (~0.3 s of CPU): more often would slow the job it watches
 
     def wait_done(self, job: int | str, timeout: float = 240) -> dict:
         return self.wait(job, lambda s: s["state"] in ("SUCCEEDED", "FAILED", "STOPPED"), timeout, "the job to end")

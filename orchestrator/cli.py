@@ -6,7 +6,6 @@ controller is running to act on it. Bad input ends with one line on stderr and e
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sys
 import time
@@ -18,7 +17,6 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from orchestrator import daemon
-from orchestrator.controller import requested_cpus
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from orchestrator.store import Job, JobState, Store, StoreError
@@ -30,6 +28,8 @@ controller_app = typer.Typer(no_args_is_help=True, help="Manage the background c
 app.add_typer(controller_app, name="controller")
 health_app = typer.Typer(no_args_is_help=True, help="The health monitor: simulate it on a virtual cluster.")
 app.add_typer(health_app, name="health")
+catalog_app = typer.Typer(no_args_is_help=True, help="The instance catalog: list offers, refresh their prices.")
+app.add_typer(catalog_app, name="catalog")
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
@@ -53,20 +53,18 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def placement_error(spec: JobSpec) -> str | None:
-    """Why no enabled provider can run `spec`, or None. (The planner of cloud offers comes later.)"""
+    """Why the job cannot be placed anywhere it may run (the planner's reason), or None."""
     if not Path(spec.workdir).is_dir():
         return f"workdir {spec.workdir} is not a directory. To fix: point workdir at the folder of your script"
-    infra = spec.resources.infra or ["local"]
-    if "local" not in infra:
-        return (f"resources.infra {infra}: tfsn has no driver for these providers yet. "
-                "To fix: use infra: [local] (or remove infra) to run on this machine")
-    if spec.resources.accelerators is not None:
-        wanted = ", ".join(f"{a.name}:{a.count}" for a in spec.resources.accelerator_choices())
-        return (f"resources.accelerators {wanted}: this machine has no such accelerator and no cloud is enabled. "
-                "To fix: remove resources.accelerators to run on this machine's CPUs")
-    cpus = requested_cpus(spec)
-    if cpus is not None and cpus > (os.cpu_count() or 1):
-        return f"resources.cpus {cpus}: this machine has {os.cpu_count()} CPUs. To fix: lower resources.cpus"
+    from orchestrator.placement import plan_for
+    from orchestrator.planner import PlanError
+    from providers.base import ProviderError
+    from providers.catalog import CatalogError
+
+    try:
+        plan_for(spec)
+    except (PlanError, ProviderError, CatalogError) as err:
+        return str(err)
     return None
 
 
@@ -231,6 +229,155 @@ def health_simulate(ranks: int = typer.Option(512, "--ranks", help="ranks in the
     """Run the detectors and policy on a simulated cluster: detection delay, false positives, ETTR."""
     from health.sim import simulate_command
     raise typer.Exit(simulate_command(ranks, steps, throttle_rank, slowdown, onset, seed, as_json))
+
+
+@app.command("plan")
+def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
+                 catalog: Optional[Path] = typer.Option(None, "--catalog", help="a vms.csv file or folder "
+                                                        "(default: refreshed, SkyPilot's, or the shipped snapshot)"),
+                 as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+                 limit: int = typer.Option(15, "--limit", min=1, help="rows of the ranked table")) -> None:
+    """Rank every capable offer by the predicted cost of the whole run; show the choice and the naive one."""
+    from orchestrator.placement import plan_for
+    from orchestrator.planner import PlanError
+    from optimizer.predict import memory_gib_needed
+    from providers.base import ProviderError
+    from providers.catalog import CatalogError
+
+    spec = load_spec(file)
+    try:
+        result = plan_for(spec, catalog=catalog, planning_only=True)
+    except (CatalogError, PlanError, ProviderError) as err:
+        raise UsageError(f"{file}: {err}" if isinstance(err, PlanError) else str(err)) from None
+    need = memory_gib_needed(result.workload)
+    if as_json:
+        print(json.dumps({"offers": [c.to_dict() for c in result], "chosen": result.chosen.to_dict(),
+                          "naive": result.naive.to_dict(), "steps": result.steps, "nodes": result.nodes,
+                          "workload": vars(result.workload), "reference_workload": result.reference_workload,
+                          "memory_gib_per_device": None if result.reference_workload else round(need, 3)}))
+        return
+    console.print(_plan_table(result, limit))
+    w = result.workload
+    about = ("the reference workload (GPT-3 XL: add a `model:` section to describe yours)"
+             if result.reference_workload else "the spec's model")
+    assumed = " (no `steps:` in the spec: assumed)" if spec.steps is None else ""
+    memory = "no memory check" if result.reference_workload else f"{need:.1f} GiB per device"
+    console.print(f"{result.steps} steps{assumed} of {w.params / 1e9:g}B params, {w.batch_size} x {w.seq_len} tokens, "
+                  f"{w.dtype}: {about}; {memory}; {len(result)} capable offer(s)", highlight=False)
+    chosen, naive = result.chosen, result.naive
+    console.print(f"[bold]chosen[/]: {_describe(chosen)}", highlight=False)
+    console.print(f"naive (cheapest per hour): {_describe(naive)}", highlight=False)
+    if naive.cost > chosen.cost:
+        console.print(f"tfsn's plan costs ${naive.cost - chosen.cost:,.2f} less ({1 - chosen.cost / naive.cost:.0%}) "
+                      "than the naive plan", highlight=False)
+
+
+def _describe(candidate) -> str:
+    o = candidate.offer
+    market = "spot" if candidate.spot else "on-demand"
+    return (f"{o.provider} {o.zone or o.region} {o.instance_type} ({o.accelerator or 'CPU'} x{o.accelerator_count}, "
+            f"{market}) x{candidate.nodes} node(s): ${candidate.price_per_hour:,.2f}/node-h, "
+            f"{candidate.hours:,.2f} h, ${candidate.cost:,.2f} for the run")
+
+
+def _plan_table(result, limit: int):
+    from rich.table import Table
+
+    table = Table(title=f"capable offers by predicted cost of the run ({result.nodes} node(s), "
+                        f"{'spot' if result.spot else 'on-demand'})", box=None, pad_edge=False)
+    for column in ("#", "provider", "zone/region", "instance", "accel.", "$/node-h", "step s", "hours", "$ run"):
+        table.add_column(column, no_wrap=True, justify="left" if column in ("provider", "zone/region", "instance",
+                                                                             "accel.") else "right")
+    naive = result.naive.offer
+    for rank, c in enumerate(result.ranked(limit), start=1):
+        o = c.offer
+        table.add_row(f"{rank}{'*' if o is naive else ''}", o.provider, o.zone or o.region, o.instance_type,
+                      f"{o.accelerator or 'CPU'}x{o.accelerator_count}", f"{c.price_per_hour:,.2f}",
+                      f"{c.step_seconds:,.2f}", f"{c.hours:,.2f}", f"{c.cost:,.2f}")
+    table.caption = "* the naive plan (cheapest per hour)" + (
+        f"; {len(result) - limit} more: --limit N, or --json for all" if len(result) > limit else "")
+    return table
+
+
+@catalog_app.command("ls")
+def catalog_ls(accelerator: Optional[str] = typer.Option(None, "--accelerator", help="e.g. H100 (any case)"),
+               provider: Optional[str] = typer.Option(None, "--provider", help="aws, gcp or azure"),
+               catalog: Optional[Path] = typer.Option(None, "--catalog", help="a vms.csv file or folder"),
+               as_json: bool = typer.Option(False, "--json", help="print one JSON list")) -> None:
+    """List the offers of the catalog, cheapest first per accelerator."""
+    from providers.catalog import CatalogError, catalog_sources, load_offers
+
+    try:
+        offers = load_offers(path=catalog)
+    except CatalogError as err:
+        raise UsageError(str(err)) from None
+    known = sorted({o.provider for o in offers})
+    if provider and provider.lower() not in known:
+        raise UsageError(f"--provider {provider}: the catalog has no offers of it. "
+                         f"To fix: use one of {', '.join(known)}")
+    if provider:
+        offers = [o for o in offers if o.provider == provider.lower()]
+    if accelerator:
+        names = sorted({o.accelerator for o in offers if o.accelerator})
+        offers = [o for o in offers if (o.accelerator or "").casefold() == accelerator.casefold()]
+        if not offers:
+            raise UsageError(f"--accelerator {accelerator}: no such accelerator in the catalog. To fix: use one of "
+                             + ", ".join(names))
+    offers.sort(key=lambda o: (o.accelerator or "", o.accelerator_count, o.price, o.provider, o.region, o.zone or ""))
+    if as_json:
+        print(json.dumps([vars(o) for o in offers]))
+        return
+    rows = [("provider", "zone/region", "instance", "accel.", "GiB/acc", "vCPUs", "GiB", "$/h", "spot $/h")]
+    rows += [(o.provider, o.zone or o.region, o.instance_type, f"{o.accelerator or 'CPU'}x{o.accelerator_count}",
+              f"{o.accelerator_memory_gib:g}", f"{o.vcpus:g}", f"{o.memory_gib:g}", f"{o.price:,.2f}",
+              "-" if o.spot_price is None else f"{o.spot_price:,.2f}") for o in offers]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:       # plain aligned text: a table of 200+ rows must not be squeezed to the terminal
+        print("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    print(f"{len(offers)} offer(s)")
+    if catalog is None:
+        for name, path in catalog_sources(provider).items():
+            console.print(f"{name}: {path}", highlight=False)
+
+
+@catalog_app.command("refresh")
+def catalog_refresh(providers: Optional[list[str]] = typer.Argument(None, help="aws, gcp and/or azure (default: all)")
+                    ) -> None:
+    """Fetch instance types and prices from the clouds' own APIs into the local catalog cache."""
+    import importlib
+
+    from providers.base import ProviderError
+    from providers.catalog import CATALOG_PROVIDERS, cache_dir, write_offers
+
+    names = [p.lower() for p in providers] if providers else list(CATALOG_PROVIDERS)
+    unknown = [p for p in names if p not in CATALOG_PROVIDERS]
+    if unknown:
+        raise UsageError(f"catalog refresh {unknown[0]}: not a catalog provider. To fix: use "
+                         + ", ".join(CATALOG_PROVIDERS))
+    failed = False
+    for name in names:
+        try:
+            module = importlib.import_module(f"providers.{name}")
+            offers = module.fetch_offers()
+        except ModuleNotFoundError as err:
+            failed = True
+            missing = "its driver" if err.name == f"providers.{name}" else err.name
+            err_console.print(f"tfsn: error: catalog refresh {name}: cannot import {missing}. "
+                              f"To fix: pip install 'tfsn[{name}]'", highlight=False, markup=False)
+            continue
+        except ProviderError as err:
+            failed = True
+            err_console.print(f"tfsn: error: catalog refresh {name}: {err}", highlight=False, markup=False)
+            continue
+        if not offers:
+            failed = True
+            err_console.print(f"tfsn: error: catalog refresh {name}: the API returned no offers; the cache "
+                              "was not changed. To fix: check the account's regions and permissions",
+                              highlight=False, markup=False)
+            continue
+        path = write_offers(cache_dir() / f"{name}.csv", offers)
+        console.print(f"{name}: {len(offers)} offers written to {path}", highlight=False)
+    raise typer.Exit(1 if failed else 0)
 
 
 def main() -> None:

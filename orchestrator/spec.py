@@ -312,6 +312,41 @@ class HealthSpec(BaseModel):
         return seconds
 
 
+_PARAMS_RE = re.compile(r"((?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT]?)")
+_PARAMS_UNIT = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+class ModelSpec(BaseModel):
+    """The model being trained, for the planner's step-time and memory estimates.
+
+    A decoder-only transformer trained with Adam; `batch_size` is sequences per optimizer step, all
+    ranks together. Without this section the planner assumes its documented reference workload.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    params: float = Field(gt=0, allow_inf_nan=False)  # parameters: 1.3e9, or "1.3B", "350M"
+    layers: int = Field(ge=1, strict=True)
+    hidden: int = Field(ge=1, strict=True)
+    seq_len: int = Field(ge=1, strict=True)
+    batch_size: int = Field(ge=1, strict=True)
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _params(cls, value: Any) -> Any:
+        fix = "To fix: write a count like 1.3e9 or with a unit: '350M', '1.3B', '70B'"
+        if isinstance(value, bool):
+            raise ValueError(f"{_show(value)} is not a parameter count. {fix}")
+        if isinstance(value, str):
+            match = _PARAMS_RE.fullmatch(value.strip())
+            if not match:
+                raise ValueError(f"{_show(value)} is not a parameter count. {fix}")
+            return float(match.group(1)) * _PARAMS_UNIT[match.group(2).lower()]
+        if isinstance(value, int) and value.bit_length() >= 1000:
+            raise ValueError(f"{_show(value)} is too large a parameter count. {fix}")
+        return value
+
+
 def _env_name(key: str) -> str:
     if not _ENV_RE.fullmatch(key):
         raise ValueError(f"{_show(key)} is not a valid environment variable name. To fix: use "
@@ -352,6 +387,7 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
+    model: ModelSpec | None = None                # None: the planner's reference workload
 
     @field_validator("name")
     @classmethod
@@ -426,12 +462,13 @@ class SpecError(Exception):
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-_SECTIONS = ("resources", "checkpoint", "recovery", "health")
+_SECTIONS = ("resources", "checkpoint", "recovery", "health", "model")
 _EXAMPLES = {
     "name": "tiny-gpt", "num_nodes": "2", "nproc_per_node": "auto", "workdir": ".",
     "setup": "pip install -r requirements.txt", "run": "python train.py", "steps": "300",
     "use_spot": "true", "max_hourly_cost": "30.0", "dir": "checkpoints", "keep": "3",
     "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true",
+    "params": "1.3B", "layers": "24", "hidden": "2048", "seq_len": "2048", "batch_size": "256", "dtype": "bf16",
 }
 
 

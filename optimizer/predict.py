@@ -1,0 +1,172 @@
+"""Step-time and memory prediction for a transformer training step on a hardware spec.
+
+This is the first-order model the planner needs before the full analytical cost model exists: a
+roofline over the whole step, plus the data-parallel gradient all-reduce. Every assumption is a named
+constant below with its unit and source, and every function is vectorized over hardware so that the
+planner prices 100k offers at once.
+
+Model of one optimizer step (synchronous data parallelism, one replica per accelerator):
+
+- FLOPs = tokens x (6 x params + 12 x layers x seq_len x hidden): 6N per token for the dense layers'
+  forward and backward (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1) plus
+  the attention score and value products, 2 x 2 x seq x hidden per token and layer forward, x3 with the
+  backward (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM", eq. 3).
+- compute time = FLOPs / (devices x peak(dtype) x ACHIEVABLE_FRACTION).
+- memory time = HBM bytes moved per device / HBM bandwidth (weights read forward and backward,
+  gradients written and read, optimizer state read and written, activations written and read back).
+- step time = max(compute, memory) + all-reduce of the gradients + kernel launches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from optimizer.hardware import HardwareSpec
+
+BYTES_PER_ELEMENT = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+TRAIN_DTYPES = ("bf16", "fp16", "fp32")
+
+# Fraction of the dtype's dense peak a well-tuned training step sustains (model FLOPs utilization).
+# GPUs: 0.45, between Megatron-LM's 44-52% on A100 (Narayanan et al. 2021, Table 1) and PaLM's 46.2%
+# (Chowdhery et al. 2022, Table 3). CPUs: 0.30, an assumption (framework kernels are far less tuned).
+ACHIEVABLE_FRACTION = {"gpu": 0.45, "cpu": 0.30}
+
+# Bytes of training state per parameter with Adam: weights + gradients in the training dtype, plus an
+# fp32 master copy (mixed precision only) and two fp32 moments. 2+2+4+4+4 = 16 for bf16/fp16 (Rajbhandari
+# et al. 2020, "ZeRO", sec. 3.1); 4+4+4+4 = 16 for fp32.
+ADAM_MOMENT_BYTES = 8
+
+# Activation bytes kept for the backward pass, per token, layer and hidden unit, in a 16-bit dtype:
+# 34 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1,
+# without the 5·heads·seq/hidden attention-matrix term, which fused (flash) attention does not store).
+ACTIVATION_BYTES_16BIT = 34.0
+
+# CUDA context, allocator fragmentation and workspace per device, GiB (assumption).
+FRAMEWORK_OVERHEAD_GIB = 1.0
+
+# Kernels launched per layer per step (forward + backward + optimizer), for the launch-overhead term
+# (assumption: ~15 forward, ~25 backward kernels per transformer block in eager PyTorch).
+KERNELS_PER_LAYER = 40
+
+# Network between nodes when the catalog does not say: 100 Gbps = 12.5 GB/s per node (assumption; the
+# common baseline NIC on GPU instances without EFA / RDMA).
+DEFAULT_INTER_NODE_GBS = 12.5
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A decoder-only transformer trained with Adam; the unit of `batch_size` is sequences per step (global)."""
+
+    params: float            # trainable parameters (count)
+    layers: int              # transformer blocks
+    hidden: int              # model width (d_model)
+    seq_len: int             # tokens per sequence
+    batch_size: int          # sequences per optimizer step, all ranks together
+    dtype: str = "bf16"      # training dtype: bf16 | fp16 | fp32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(TRAIN_DTYPES)}")
+        for name in ("params", "layers", "hidden", "seq_len", "batch_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+    @property
+    def tokens_per_step(self) -> float:
+        return float(self.batch_size) * self.seq_len
+
+    @property
+    def flops_per_step(self) -> float:
+        """Forward + backward FLOPs of one step (see the module docstring)."""
+        per_token = 6.0 * self.params + 12.0 * self.layers * self.seq_len * self.hidden
+        return self.tokens_per_step * per_token
+
+    @property
+    def element_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.dtype]
+
+    def activation_bytes_per_token(self) -> float:
+        """Activations kept for backward, per token (all layers), in the training dtype."""
+        return ACTIVATION_BYTES_16BIT * (self.element_bytes / 2) * self.layers * self.hidden
+
+
+# The reference workload used when a job spec describes no model: GPT-3 XL (1.3B parameters, 24 layers,
+# d_model 2048, context 2048, batch 0.5M tokens = 256 sequences), from Brown et al. 2020, "Language Models
+# are Few-Shot Learners", Table 2.1; trained in bf16.
+REFERENCE_WORKLOAD = Workload(params=1.3e9, layers=24, hidden=2048, seq_len=2048, batch_size=256, dtype="bf16")
+
+
+def state_bytes_per_param(workload: Workload) -> float:
+    """Weights + gradients + Adam state per parameter (16 bytes for every training dtype here)."""
+    master = 4 if workload.dtype != "fp32" else 0
+    return 2 * workload.element_bytes + master + ADAM_MOMENT_BYTES
+
+
+def memory_gib_needed(workload: Workload) -> float:
+    """GiB of accelerator memory one data-parallel replica needs, at its smallest.
+
+    Full training state (weights, gradients, Adam) plus the activations of one sequence (gradient
+    accumulation makes up the global batch), plus FRAMEWORK_OVERHEAD_GIB. A device with less memory
+    cannot train the model without sharding, which this planner does not assume.
+    """
+    state = state_bytes_per_param(workload) * workload.params
+    activations = workload.activation_bytes_per_token() * workload.seq_len
+    return (state + activations) / 2**30 + FRAMEWORK_OVERHEAD_GIB
+
+
+def _traffic_bytes_per_device(workload: Workload, devices: np.ndarray) -> np.ndarray:
+    """HBM bytes each device moves per step: a lower bound (perfect reuse inside each kernel).
+
+    Weights read in forward and backward, gradients written then read by the optimizer (4 x element
+    bytes per parameter), fp32 master and moments read and written (2 x 12 bytes, 2 x 8 in fp32), and
+    each stored activation written once and read once.
+    """
+    optimizer_state = state_bytes_per_param(workload) - 2 * workload.element_bytes
+    per_param = 4 * workload.element_bytes + 2 * optimizer_state
+    tokens = workload.tokens_per_step / devices
+    return workload.params * per_param + 2 * workload.activation_bytes_per_token() * tokens
+
+
+def step_seconds_many(workload: Workload, hardware: Sequence[HardwareSpec], counts: Sequence[int] | np.ndarray,
+                      nodes: int = 1, inter_node_gbs: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+    """Predicted seconds per optimizer step for each (hardware[i], counts[i] accelerators per node).
+
+    `nodes` nodes of the same kind train together; `inter_node_gbs[i]` is the network bandwidth of a
+    node in GB/s (default DEFAULT_INTER_NODE_GBS). A count of 0 means a CPU-only node (one replica).
+    The gradient all-reduce is a ring: inside a node over the accelerator link, 2(g-1)/g x gradient bytes
+    per device; across nodes, 2(n-1)/n x gradient bytes through each node's NIC (hierarchical all-reduce).
+    It is assumed not to overlap the backward pass (an upper bound on its cost).
+    """
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    g = np.maximum(np.asarray(counts, dtype=float), 1.0)
+    n = float(nodes)
+    kind = np.array([h.kind for h in hardware])
+    frac = np.where(kind == "gpu", ACHIEVABLE_FRACTION["gpu"], ACHIEVABLE_FRACTION["cpu"])
+    peak = np.array([h.peak_flops(workload.dtype) for h in hardware])
+    mem_bw = np.array([h.main_memory.bandwidth_gbs for h in hardware]) * 1e9
+    link = np.array([h.interconnect_gbs for h in hardware]) * 1e9
+    launch = np.array([h.launch_overhead_us for h in hardware]) * 1e-6
+    net = (np.full(len(hardware), DEFAULT_INTER_NODE_GBS) if inter_node_gbs is None
+           else np.asarray(inter_node_gbs, dtype=float)) * 1e9
+
+    devices = g * n
+    compute = workload.flops_per_step / (devices * peak * frac)
+    memory = _traffic_bytes_per_device(workload, devices) / mem_bw
+    grad_bytes = workload.params * workload.element_bytes
+    intra = 2.0 * (g - 1.0) / g * grad_bytes / link
+    inter = 2.0 * (n - 1.0) / n * grad_bytes / net
+    launches = workload.layers * KERNELS_PER_LAYER * launch
+    return np.maximum(compute, memory) + intra + inter + launches
+
+
+def predict_step_seconds(workload: Workload, hardware: HardwareSpec, count: int, nodes: int = 1,
+                         inter_node_gbs: float | None = None) -> float:
+    """Seconds per step of `workload` on `nodes` nodes of `count` x `hardware` (see step_seconds_many)."""
+    net = None if inter_node_gbs is None else [inter_node_gbs]
+    return float(step_seconds_many(workload, [hardware], [count], nodes, net)[0])

@@ -1,0 +1,59 @@
+"""Which providers a job may use, and what they offer: the planner's input, for launch and for `tfsn plan`.
+
+A launch uses a cloud only when the job names it in `resources.infra` or the user enabled it in
+`TFSN_CLOUDS` (e.g. `aws,gcp`): asking a cloud for nodes costs money, and probing every SDK's
+credential chain on each launch is slow and noisy. `tfsn plan` only reads catalogs, so it prices
+every cloud of the catalog unless the job's `infra` says otherwise.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from orchestrator.planner import Plan, PlanError, plan_job
+from orchestrator.spec import JobSpec
+from providers.base import Offer, Provider
+from providers.registry import load_provider
+
+# Clouds whose offers are rows of the instance catalog (configs/catalog, or a refreshed copy).
+CATALOG_PROVIDERS = ("aws", "gcp", "azure")
+
+
+def enabled_clouds() -> list[str]:
+    """The clouds the user enabled for jobs that name no `infra` (TFSN_CLOUDS, comma separated)."""
+    return [name.strip().lower() for name in os.environ.get("TFSN_CLOUDS", "").split(",") if name.strip()]
+
+
+def allowed_providers(spec: JobSpec, planning_only: bool = False) -> list[str]:
+    """The job's `infra`; without one, this machine plus the enabled clouds (every catalog cloud when
+    only planning)."""
+    if spec.resources.infra:
+        return list(spec.resources.infra)
+    clouds = list(CATALOG_PROVIDERS) if planning_only else enabled_clouds()
+    return ["local"] + [name for name in clouds if name != "local"]
+
+
+def offers_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalog: Path | None = None,
+               planning_only: bool = False) -> list[Offer]:
+    """Every offer of every provider the job may use. A `catalog` file stands in for the clouds' catalog:
+    all its rows count (the planner still applies `infra`)."""
+    from providers.catalog import load_offers
+
+    offers: list[Offer] = load_offers(path=catalog) if catalog is not None else []
+    for name in allowed_providers(spec, planning_only):
+        if catalog is None or name not in CATALOG_PROVIDERS:
+            offers.extend(((providers or {}).get(name) or load_provider(name)).offers())
+    return offers
+
+
+def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalog: Path | None = None,
+             planning_only: bool = False) -> Plan:
+    """The job's offers ranked by predicted run cost (planner.PlanError says why none is capable)."""
+    allowed = allowed_providers(spec, planning_only)
+    if spec.resources.accelerators is not None and allowed == ["local"]:
+        wanted = ", ".join(f"{a.name}:{a.count}" for a in spec.resources.accelerator_choices())
+        raise PlanError(f"no capable offer: resources.accelerators {wanted}: this machine's GPUs are not planned "
+                        "and no cloud is enabled for this job. To fix: name clouds in resources.infra (e.g. "
+                        "infra: [aws, gcp]) or set TFSN_CLOUDS=aws,gcp; or remove resources.accelerators to run "
+                        "on this machine's CPUs")
+    return plan_job(spec, offers_for(spec, providers, catalog, planning_only))

@@ -1,0 +1,373 @@
+"""The planner: rank every capable offer by the predicted cost of the whole run, not by its hourly price.
+
+    plan = plan_job(spec, offers)                  # pure: no I/O
+    blocked = Blocklist()
+    while (candidate := plan.next(blocked)) is not None:
+        try:
+            return provision(candidate)
+        except ProviderError as err:
+            blocked.record(candidate, err)         # blocks the offer, zone, region or provider
+    raise NoCapacityError(blocked.history)
+
+An offer is capable when it meets the accelerator request (type and count; any of a mapping, or one of
+an ordered list), has accelerator memory for the spec's `model:` (optimizer.predict.memory_gib_needed; a
+spec without one is priced with the reference workload, which says nothing of its size), meets
+`cpus` / `memory`, is in `infra` and `regions`, is sold on the requested market (`use_spot`) and costs at
+most `max_hourly_cost` per node-hour. Its predicted cost is
+
+    price per node-hour x num_nodes x predicted hours,
+    predicted hours = STARTUP_SECONDS + steps x predicted step seconds  (and, on spot, the expected
+                      restarts: see expected_spot_hours)
+
+where the step time comes from the optimizer's predictor for that accelerator, count and node count.
+A mapping of accelerators (any of them) is ranked by cost alone; an ordered list keeps the user's
+preference first and ranks by cost within each choice. The planner knows no provider by name.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from optimizer.hardware import HardwareSpec, find_hardware
+from optimizer.predict import (DEFAULT_INTER_NODE_GBS, REFERENCE_WORKLOAD, Workload, memory_gib_needed,
+                               step_seconds_many)
+from orchestrator.spec import JobSpec
+from providers.base import SCOPES, Offer, ProviderError
+
+# Steps assumed when the spec has no `steps` (so that a plan still compares whole runs).
+DEFAULT_STEPS = 1000
+# Provisioning, boot, image pull, `setup` and first compile, per (re)start, seconds (assumption: SkyPilot
+# reports a few minutes to launch a GPU VM; we add setup and warm-up).
+STARTUP_SECONDS = 600.0
+# Spot preemptions per node-hour (assumption; AWS Spot Instance Advisor's lowest bucket, "<5%" of
+# instances interrupted per month, is far lower, but GPU spot capacity is reclaimed much more often).
+SPOT_PREEMPTIONS_PER_NODE_HOUR = 0.05
+# Time to write one checkpoint, seconds, for the `auto` interval (assumption).
+CHECKPOINT_SAVE_SECONDS = 60.0
+# A spot run whose expected restarts would take this share of its time or more is not planned.
+MAX_SPOT_LOSS = 0.9
+
+Predictor = Callable[[Workload, Sequence[HardwareSpec], np.ndarray, int, np.ndarray], np.ndarray]
+
+
+class PlanError(ValueError):
+    """No capable offer; the message says which constraint removed the last ones and how to relax it."""
+
+
+class NoCapacityError(Exception):
+    """Every capable offer failed to provision; `history` says what was tried and why it failed."""
+
+    def __init__(self, history: list[FailedAttempt]) -> None:
+        self.history = history
+        lines = "; ".join(f"{h.offer.provider}/{h.offer.region}/{h.offer.instance_type}: {h.error}"
+                          for h in history[-5:])
+        super().__init__(f"no capable offer could be provisioned after {len(history)} attempt(s): {lines}. "
+                         "To fix: allow more providers, regions or accelerators, or try again later")
+
+
+@dataclass(frozen=True)
+class PlannedOffer:
+    """One candidate: an offer on one market, with its predicted step time, run time and run cost."""
+
+    offer: Offer
+    spot: bool
+    nodes: int
+    price_per_hour: float      # USD per node-hour on this market
+    step_seconds: float        # predicted seconds per optimizer step
+    hours: float               # predicted wall-clock hours of the run, startup and restarts included
+    cost: float                # predicted USD for the run: price_per_hour x nodes x hours
+
+    def to_dict(self) -> dict:
+        o = self.offer
+        return {"provider": o.provider, "region": o.region, "zone": o.zone, "instance_type": o.instance_type,
+                "accelerator": o.accelerator, "accelerator_count": o.accelerator_count, "spot": self.spot,
+                "nodes": self.nodes, "price_per_hour": round(self.price_per_hour, 6),
+                "step_seconds": round(self.step_seconds, 6), "predicted_hours": round(self.hours, 6),
+                "predicted_cost": round(self.cost, 4)}
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    """A provisioning attempt that failed, and what the failure blocked."""
+
+    offer: Offer
+    spot: bool
+    error: str
+    scope: str
+
+
+@dataclass
+class Blocklist:
+    """What failover has ruled out: offers, zones, regions or whole providers, from errors' scopes."""
+
+    keys: set[tuple] = field(default_factory=set)
+    history: list[FailedAttempt] = field(default_factory=list)
+
+    def block(self, offer: Offer, scope: str) -> None:
+        """Rule out `offer` and everything else in `scope` ("offer", "zone", "region" or "provider")."""
+        if scope not in SCOPES:
+            raise ValueError(f"scope {scope!r} is not one of {SCOPES}")
+        if scope == "zone" and offer.zone is None:       # a region-level offer: its zone is the region
+            scope = "region"
+        self.keys.add(_key(offer, scope))
+
+    def record(self, candidate: PlannedOffer, error: ProviderError) -> None:
+        """Block what a provider error implies (its `scope`) and remember the attempt."""
+        self.block(candidate.offer, error.scope)
+        self.history.append(FailedAttempt(candidate.offer, candidate.spot, str(error), error.scope))
+
+    def blocks(self, offer: Offer) -> bool:
+        return any(_key(offer, scope) in self.keys for scope in SCOPES)
+
+
+def _key(offer: Offer, scope: str) -> tuple:
+    if scope == "provider":
+        return (scope, offer.provider)
+    if scope == "region":
+        return (scope, offer.provider, offer.region)
+    if scope == "zone":
+        return (scope, offer.provider, offer.region, offer.zone)
+    return (scope, offer.provider, offer.region, offer.zone, offer.instance_type)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Capable offers ranked by predicted run cost (cheapest first), and the naive choice beside them.
+
+    Candidates are built on demand from columns, so a plan over 100k offers stays cheap.
+    """
+
+    offers: Sequence[Offer]
+    order: np.ndarray          # indices into `offers`, best first
+    spot: bool
+    nodes: int
+    price: np.ndarray          # per offer index, USD per node-hour on the market
+    step_seconds: np.ndarray
+    hours: np.ndarray
+    cost: np.ndarray
+    naive_index: int           # the cheapest capable offer per hour
+    workload: Workload
+    reference_workload: bool   # True when the spec named no model
+    steps: int
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def candidate(self, index: int) -> PlannedOffer:
+        """The candidate for offer `index` (an index into `offers`)."""
+        return PlannedOffer(self.offers[index], self.spot, self.nodes, float(self.price[index]),
+                            float(self.step_seconds[index]), float(self.hours[index]), float(self.cost[index]))
+
+    def __iter__(self) -> Iterator[PlannedOffer]:
+        return (self.candidate(int(i)) for i in self.order)
+
+    def ranked(self, limit: int | None = None) -> list[PlannedOffer]:
+        return [self.candidate(int(i)) for i in self.order[:limit]]
+
+    @property
+    def chosen(self) -> PlannedOffer:
+        return self.candidate(int(self.order[0]))
+
+    @property
+    def naive(self) -> PlannedOffer:
+        return self.candidate(self.naive_index)
+
+    def next(self, blocked: Blocklist) -> PlannedOffer | None:
+        """The best candidate that `blocked` does not rule out, or None when none is left."""
+        for i in self.order:
+            if not blocked.blocks(self.offers[int(i)]):
+                return self.candidate(int(i))
+        return None
+
+
+def workload_of(spec: JobSpec) -> tuple[Workload, bool]:
+    """The spec's model as a Workload, or the reference workload (second value True)."""
+    m = spec.model
+    if m is None:
+        return REFERENCE_WORKLOAD, True
+    return Workload(params=m.params, layers=m.layers, hidden=m.hidden, seq_len=m.seq_len,
+                    batch_size=m.batch_size, dtype=m.dtype), False
+
+
+def expected_spot_hours(run_hours: np.ndarray, nodes: int, interval_hours: np.ndarray) -> np.ndarray:
+    """Expected wall-clock hours of a spot run of `run_hours` hours without preemptions.
+
+    Preemptions arrive at SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes per hour; each costs a restart
+    (STARTUP_SECONDS) plus half a checkpoint interval of lost work on average, and restarts can be
+    preempted too, so the expected time is run_hours / (1 - rate x loss). Runs whose expected loss
+    reaches MAX_SPOT_LOSS get infinite hours (they would never finish).
+    """
+    rate = SPOT_PREEMPTIONS_PER_NODE_HOUR * nodes
+    loss = rate * (STARTUP_SECONDS / 3600 + interval_hours / 2)
+    with np.errstate(divide="ignore"):
+        return np.where(loss < MAX_SPOT_LOSS, run_hours / np.maximum(1.0 - loss, 1e-9), np.inf)
+
+
+def _checkpoint_interval_hours(spec: JobSpec, step_seconds: np.ndarray, nodes: int) -> np.ndarray:
+    ckpt = spec.checkpoint
+    if ckpt.interval_steps is not None:
+        return ckpt.interval_steps * step_seconds / 3600
+    if ckpt.interval_seconds is not None:
+        return np.full_like(step_seconds, ckpt.interval_seconds / 3600)
+    mtbf_s = 3600 / (SPOT_PREEMPTIONS_PER_NODE_HOUR * nodes)          # Young's formula, as `auto` does
+    return np.full_like(step_seconds, min(max(math.sqrt(2 * CHECKPOINT_SAVE_SECONDS * mtbf_s), 30), 1800) / 3600)
+
+
+def _inter_node_gbs(interconnect: str | None) -> float:
+    """Node network bandwidth in GB/s from a catalog's interconnect text ("EFA 3200 Gbps"), else the default."""
+    if interconnect:
+        words = interconnect.lower().replace("gbps", " gbps").split()
+        for number, unit in zip(words, words[1:]):
+            try:
+                if unit == "gbps":
+                    return float(number) / 8
+            except ValueError:
+                continue
+    return DEFAULT_INTER_NODE_GBS
+
+
+class _Filter:
+    """Applies constraints in order and remembers which one removed the last offers."""
+
+    def __init__(self, n: int) -> None:
+        self.mask = np.ones(n, dtype=bool)
+        self.emptied_by: tuple[str, str] | None = None
+        self.before: np.ndarray | None = None
+
+    def apply(self, keep: np.ndarray, what: str, fix: str) -> None:
+        if self.emptied_by is not None:
+            return
+        new = self.mask & keep
+        if self.mask.any() and not new.any():
+            self.emptied_by, self.before = (what, fix), self.mask.copy()
+        self.mask = new
+
+
+def _codes(values: Sequence) -> tuple[np.ndarray, list]:
+    """Small integer codes for a column of hashable values, and the distinct values in code order."""
+    distinct = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(distinct)}
+    return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), distinct
+
+
+def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = step_seconds_many,
+             steps: int | None = None) -> Plan:
+    """Rank the capable `offers` for `spec` by predicted run cost. Pure; raises PlanError if none is capable."""
+    res = spec.resources
+    workload, is_reference = workload_of(spec)
+    steps = steps or spec.steps or DEFAULT_STEPS
+    nodes = spec.num_nodes
+    n = len(offers)
+    if n == 0:
+        raise PlanError("the catalog has no offers. To fix: run `tfsn catalog refresh` or pass --catalog PATH")
+
+    prov_code, prov_names = _codes([o.provider for o in offers])     # one comprehension per column: the
+    region_code, region_names = _codes([o.region for o in offers])   # fastest way out of 100k dataclasses
+    acc_code, acc_raw = _codes([o.accelerator for o in offers])
+    acc_names = [(a or "").casefold() for a in acc_raw]
+    count = np.array([o.accelerator_count for o in offers], dtype=np.int64)
+    acc_mem = np.array([o.accelerator_memory_gib for o in offers], dtype=float)
+    vcpus = np.array([o.vcpus for o in offers], dtype=float)
+    mem = np.array([o.memory_gib for o in offers], dtype=float)
+    market = np.array([o.spot_price for o in offers] if res.use_spot else [o.price for o in offers],
+                      dtype=float)                                     # None (no spot market) -> nan
+
+    f = _Filter(n)
+    if res.infra:
+        allowed = [i for i, p in enumerate(prov_names) if p in res.infra]
+        f.apply(np.isin(prov_code, allowed), f"resources.infra {res.infra}",
+                f"add providers to infra (the catalog has {', '.join(sorted(prov_names))})")
+    if res.regions:
+        allowed = [i for i, r in enumerate(region_names) if r in res.regions]
+        f.apply(np.isin(region_code, allowed), f"resources.regions {res.regions}",
+                "add regions, or remove regions to allow all")
+
+    choices = res.accelerator_choices()
+    preference = np.zeros(n, dtype=np.int64)
+    if choices:
+        rank = np.full(n, -1, dtype=np.int64)
+        for i, choice in enumerate(choices):
+            codes = [c for c, name in enumerate(acc_names) if name == choice.name.casefold()]
+            rank[np.isin(acc_code, codes) & (count == choice.count) & (rank < 0)] = i
+        wanted = ", ".join(f"{c.name}:{c.count}" for c in choices)
+        f.apply(rank >= 0, f"resources.accelerators {wanted}",
+                "ask for another accelerator or count (see `tfsn catalog ls`)")
+        preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
+    else:
+        f.apply(count == 0, "resources.accelerators (none: a CPU-only job)",
+                "name accelerators, e.g. 'accelerators: H100:8', or add CPU offers to the catalog")
+
+    hardware = [find_hardware(name or None) for name in acc_raw]
+    has_spec = np.array([h is not None for h in hardware])[acc_code]
+    missing = sorted({acc_raw[c] for c in np.unique(acc_code[f.mask]) if hardware[c] is None})
+    f.apply(has_spec, f"hardware specs (none for {', '.join(missing) or '-'})",
+            "add a configs/hardware/*.yaml spec (or an alias) for the accelerator")
+
+    if not is_reference:   # the reference workload prices offers; it says nothing of the user's model size
+        need = memory_gib_needed(workload)
+        device_mem = np.where(count > 0, acc_mem, mem)
+        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
+                "choose accelerators with more memory, or a smaller model / seq_len")
+    if res.cpus is not None:
+        f.apply(vcpus >= res.cpus.count if res.cpus.at_least else vcpus == res.cpus.count,
+                f"resources.cpus {res.cpus}", "write cpus as 'N+' (at least N), or lower it")
+    if res.memory is not None:
+        f.apply(mem >= res.memory.count if res.memory.at_least else mem == res.memory.count,
+                f"resources.memory {res.memory}", "write memory as 'N+' (at least N GiB), or lower it")
+    f.apply(~np.isnan(market), "resources.use_spot true (no spot price)", "set use_spot: false")
+    if res.max_hourly_cost is not None:
+        cheapest = float(np.nanmin(np.where(f.mask, market, np.nan))) if f.mask.any() else math.nan
+        f.apply(market <= res.max_hourly_cost, f"resources.max_hourly_cost {res.max_hourly_cost:g}",
+                f"raise max_hourly_cost to at least {cheapest:.2f}")
+
+    capable = np.flatnonzero(f.mask)
+    if f.emptied_by is not None or not capable.size:
+        what, fix = f.emptied_by or ("the constraints", "relax the resources")
+        left = int(f.before.sum()) if f.before is not None else 0
+        raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {n}. To fix: {fix}")
+
+    # Step time for each distinct (accelerator, count, network) among capable offers, then broadcast.
+    link_code, link_names = _codes([o.interconnect for o in offers])
+    link_gbs = np.array([_inter_node_gbs(text) for text in link_names])
+    key = (acc_code[capable] * (int(count.max()) + 1) + count[capable]) * len(link_names) + link_code[capable]
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    picked = capable[first]
+    step_unique = predictor(workload, [hardware[int(a)] for a in acc_code[picked]], count[picked], nodes,
+                            link_gbs[link_code[picked]])
+    step = np.full(n, np.nan)
+    step[capable] = np.asarray(step_unique, dtype=float)[inverse.ravel()]
+
+    run_hours = steps * step / 3600
+    if res.use_spot:
+        run_hours = expected_spot_hours(run_hours, nodes, _checkpoint_interval_hours(spec, step, nodes))
+    hours = STARTUP_SECONDS / 3600 + run_hours
+    cost = market * nodes * hours
+    finite = capable[np.isfinite(cost[capable])]
+    if not finite.size:
+        raise PlanError(f"no capable offer: expected spot preemptions on {nodes} node(s) would never let the run "
+                        "finish. To fix: set use_spot: false, or checkpoint more often")
+    order = finite[np.lexsort((finite, market[finite], cost[finite], preference[finite]))]
+    cheapest = finite[market[finite] == market[finite].min()]
+    naive = int(cheapest[np.argmin(cost[cheapest])])
+    return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, price=market, step_seconds=step,
+                hours=hours, cost=cost, naive_index=naive, workload=workload,
+                reference_workload=is_reference, steps=steps)
+
+
+def provision_with_failover(plan: Plan, attempt: Callable[[PlannedOffer], object],
+                            blocked: Blocklist | None = None) -> tuple[object, Blocklist]:
+    """Try candidates best first until `attempt` succeeds; each ProviderError blocks what its scope says.
+
+    Returns the attempt's result and the blocklist (its `history` lists the failures). Raises
+    NoCapacityError when every candidate is ruled out.
+    """
+    blocked = blocked if blocked is not None else Blocklist()
+    while (candidate := plan.next(blocked)) is not None:
+        try:
+            return attempt(candidate), blocked
+        except ProviderError as err:
+            blocked.record(candidate, err)
+    raise NoCapacityError(blocked.history)

@@ -1,0 +1,132 @@
+"""`tfsn plan` and `tfsn catalog` through the real command line."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from providers.base import MissingExtraError, Offer
+from providers.catalog import load_offers, write_offers
+
+SPEC = """\
+name: plan-me
+run: python train.py
+steps: 2000
+resources:
+  accelerators: {T4: 4, H100: 8, A100-80GB: 8}
+model:
+  params: 350M
+  layers: 24
+  hidden: 1024
+  seq_len: 2048
+  batch_size: 512
+"""
+
+
+@pytest.fixture
+def cli(tfsn, tmp_path):
+    """The real `tfsn` command, isolated from any local catalog cache or SkyPilot catalog."""
+    tfsn.env.update(TFSN_CACHE=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
+    return tfsn
+
+
+def _spec(tmp_path: Path, text: str = SPEC) -> Path:
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_plan_json_ranks_the_shipped_catalog_by_predicted_cost(cli, tmp_path):
+    out = cli("plan", str(_spec(tmp_path)), "--json")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    offers = result["offers"]
+    keys = {"provider", "region", "instance_type", "accelerator", "accelerator_count", "spot", "price_per_hour",
+            "predicted_hours", "predicted_cost"}
+    assert offers and all(keys <= set(o) for o in offers)
+    assert [o["predicted_cost"] for o in offers] == sorted(o["predicted_cost"] for o in offers)
+    assert result["chosen"] == offers[0]
+    assert result["naive"]["price_per_hour"] == min(o["price_per_hour"] for o in offers)
+    assert {o["accelerator"] for o in offers} <= {"T4", "H100", "A100-80GB"}
+    assert all(o["predicted_cost"] == pytest.approx(o["price_per_hour"] * o["predicted_hours"], rel=1e-4)
+               for o in offers)
+    assert result["steps"] == 2000 and result["reference_workload"] is False
+
+
+def test_plan_prints_the_table_the_choice_and_the_naive_plan(cli, tmp_path):
+    catalog = tmp_path / "mine.csv"
+    write_offers(catalog, [Offer("cloudA", "r1", "z1", "t4-box", "T4", 4, 16.0, 48, 192, 3.912),
+                           Offer("cloudB", "r2", None, "h100-box", "H100", 8, 80.0, 192, 2048, 98.32)])
+    out = cli("plan", str(_spec(tmp_path)), "--catalog", str(catalog)).stdout
+    assert "h100-box" in out and "t4-box" in out
+    chosen = next(line for line in out.splitlines() if line.startswith("chosen"))
+    naive = next(line for line in out.splitlines() if line.startswith("naive"))
+    assert "h100-box" in chosen and "t4-box" in naive
+    assert "less" in out and "than the naive plan" in out
+
+
+def test_plan_of_a_bad_file_is_one_line_naming_file_line_and_field(cli, tmp_path):
+    path = _spec(tmp_path, SPEC.replace("params: 350M", "params: lots"))
+    out = cli("plan", str(path), check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (f"tfsn: error: {path}:7: model.params: 'lots' is not a parameter count. "
+                                  "To fix: write a count like 1.3e9 or with a unit: '350M', '1.3B', '70B'")
+
+
+def test_plan_without_a_capable_offer_says_which_constraint_and_how_to_relax_it(cli, tmp_path):
+    path = _spec(tmp_path, SPEC.replace("steps: 2000", "steps: 2000\nnum_nodes: 1").replace(
+        "accelerators: {T4: 4, H100: 8, A100-80GB: 8}", "accelerators: H100:8\n  max_hourly_cost: 10"))
+    out = cli("plan", str(path), check=False)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "resources.max_hourly_cost 10 removed the last" in out.stderr
+    assert "To fix: raise max_hourly_cost to at least" in out.stderr
+
+
+def test_plan_with_a_missing_catalog_is_a_one_line_error(cli, tmp_path):
+    out = cli("plan", str(_spec(tmp_path)), "--catalog", str(tmp_path / "nope.csv"), check=False)
+    assert out.returncode == 2 and "no such file or folder" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_catalog_ls_filters_by_accelerator_and_provider(cli):
+    rows = json.loads(cli("catalog", "ls", "--accelerator", "h100", "--provider", "gcp", "--json").stdout)
+    assert rows and {(r["provider"], r["accelerator"]) for r in rows} == {("gcp", "H100")}
+    out = cli("catalog", "ls", "--accelerator", "H1000", check=False)
+    assert out.returncode == 2 and "no such accelerator" in out.stderr and "H100" in out.stderr
+
+
+def _driver(fetch) -> types.ModuleType:
+    """A provider module as the catalog refresh sees it: something with fetch_offers()."""
+    module = types.ModuleType("providers.gcp")
+    module.fetch_offers = fetch
+    return module
+
+
+def test_catalog_refresh_writes_the_cache_that_later_plans_read(tmp_path, monkeypatch):
+    from orchestrator.cli import app
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    fetched = [Offer("gcp", "us-central1", "us-central1-a", "a3-highgpu-8g", "H100", 8, 80.0, 208, 1872, 88.5, 20.0)]
+    monkeypatch.setitem(sys.modules, "providers.gcp", _driver(lambda regions=None: fetched))
+    result = CliRunner().invoke(app, ["catalog", "refresh", "gcp"])
+    assert result.exit_code == 0, result.output
+    assert load_offers("gcp") == fetched
+    assert (tmp_path / "cache" / "catalog" / "gcp.csv").is_file()
+
+
+def test_catalog_refresh_without_the_sdk_shows_the_one_line_error_and_exits_1(tmp_path, monkeypatch):
+    from orchestrator.cli import app
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+
+    def fetch(regions=None):
+        raise MissingExtraError("the gcp provider needs google (No module named 'google'). "
+                                "To fix: pip install 'tfsn[gcp]'", provider="gcp")
+
+    monkeypatch.setitem(sys.modules, "providers.gcp", _driver(fetch))
+    result = CliRunner().invoke(app, ["catalog", "refresh", "gcp"])
+    assert result.exit_code == 1
+    assert "catalog refresh gcp: the gcp provider needs google" in result.output
+    assert not (tmp_path / "cache").exists()

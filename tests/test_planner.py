@@ -1,0 +1,335 @@
+"""The planner: capability, cost of the run, spot expected cost, optimality and failover."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from optimizer.hardware import find_hardware
+from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
+from orchestrator.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, plan_job,
+                                  provision_with_failover, workload_of)
+from orchestrator.spec import JobSpec, SpecError, load_spec
+from providers.base import AuthError, CapacityError, Offer, QuotaError
+
+ACC_MEMORY = {"H100": 80.0, "A100": 40.0, "A100-80GB": 80.0, "L4": 22.35, "T4": 16.0, "L40S": 48.0, "K80": 12.0}
+
+
+def spec(resources=None, **fields) -> JobSpec:
+    return JobSpec.model_validate({"name": "t", "run": "python train.py", "resources": resources or {}, **fields})
+
+
+def offer(provider="cloudA", region="r1", zone="z1", instance="big", accelerator="H100", count=8, price=10.0,
+          spot=None, vcpus=96.0, memory=1024.0, interconnect=None) -> Offer:
+    gib = ACC_MEMORY.get(accelerator, 0.0) if accelerator else 0.0
+    return Offer(provider, region, zone, instance, accelerator, count if accelerator else 0, gib, vcpus, memory,
+                 price, spot, interconnect)
+
+
+def run_hours(accelerator, count, nodes=1, steps=1000, workload=REFERENCE_WORKLOAD):
+    step = predict_step_seconds(workload, find_hardware(accelerator), count, nodes)
+    return STARTUP_SECONDS / 3600 + steps * step / 3600
+
+
+def test_cost_is_price_times_nodes_times_predicted_hours():
+    plan = plan_job(spec({"accelerators": "H100:8"}, num_nodes=2, steps=500), [offer(price=98.32)])
+    c = plan.chosen
+    assert c.hours == pytest.approx(run_hours("H100", 8, nodes=2, steps=500))
+    assert c.cost == pytest.approx(98.32 * 2 * c.hours)
+    assert (plan.steps, plan.nodes, plan.reference_workload) == (500, 2, True)
+
+
+def test_the_slow_cheap_offer_loses_to_the_fast_expensive_one():
+    slow = offer(instance="t4", accelerator="T4", count=4, price=3.912)
+    fast = offer(instance="p5", accelerator="H100", count=8, price=98.32)
+    big = Workload(params=3e8, layers=24, hidden=1024, seq_len=2048, batch_size=512)
+    plan = plan_job(spec({"accelerators": {"T4": 4, "H100": 8}},
+                         model=dict(params=3e8, layers=24, hidden=1024, seq_len=2048, batch_size=512)), [slow, fast])
+    assert plan.naive.offer is slow and plan.chosen.offer is fast
+    assert plan.chosen.cost < plan.naive.cost
+    assert plan.chosen.hours == pytest.approx(run_hours("H100", 8, workload=big))
+    assert not plan.reference_workload
+
+
+def test_an_ordered_list_keeps_the_users_preference_before_cost():
+    cheap_run = offer(instance="p5", accelerator="H100", count=8, price=98.32)
+    dear_run = offer(instance="t4", accelerator="T4", count=4, price=3.912)
+    model = dict(params=3e8, layers=24, hidden=1024, seq_len=2048, batch_size=512)
+    ordered = plan_job(spec({"accelerators": ["T4:4", "H100:8"]}, model=model), [cheap_run, dear_run])
+    assert [c.offer.instance_type for c in ordered] == ["t4", "p5"]
+    any_of = plan_job(spec({"accelerators": {"T4": 4, "H100": 8}}, model=model), [cheap_run, dear_run])
+    assert [c.offer.instance_type for c in any_of] == ["p5", "t4"]
+
+
+@pytest.mark.parametrize("resources, offers, expected, message", [
+    ({"accelerators": "h100:8", "infra": ["aws"]},
+     [offer(provider="aws"), offer(provider="gcp", price=1)], {"aws"}, "resources.infra ['aws']"),
+    ({"accelerators": "H100:8", "regions": ["r2"]},
+     [offer(region="r1", price=1), offer(region="r2")], {"r2"}, "resources.regions ['r2']"),
+    ({"accelerators": "H100:8"},
+     [offer(count=4, price=1), offer(accelerator="A100", price=1), offer(instance="ok")], {"ok"},
+     "resources.accelerators H100:8"),
+    ({"accelerators": "H100:8", "cpus": "100+"},
+     [offer(vcpus=96, price=1), offer(instance="ok", vcpus=192)], {"ok"}, "resources.cpus 100+"),
+    ({"accelerators": "H100:8", "cpus": 96},
+     [offer(vcpus=192, price=1), offer(instance="ok", vcpus=96)], {"ok"}, "resources.cpus 96"),
+    ({"accelerators": "H100:8", "memory": "2000+"},
+     [offer(memory=1024, price=1), offer(instance="ok", memory=2048)], {"ok"}, "resources.memory 2000+"),
+    ({"accelerators": "H100:8", "use_spot": True},
+     [offer(spot=None, price=1), offer(instance="ok", spot=30.0)], {"ok"}, "resources.use_spot true"),
+    ({"accelerators": "H100:8", "max_hourly_cost": 50},
+     [offer(price=60), offer(instance="ok", price=40)], {"ok"}, "resources.max_hourly_cost 50"),
+    ({"accelerators": "K80:8"}, [offer(accelerator="K80", price=1)], set(), "hardware specs (none for K80)"),
+])
+def test_each_constraint_filters_offers_and_names_itself_when_it_removes_the_last(resources, offers, expected, message):
+    field = "provider" if "infra" in resources else "region" if "regions" in resources else "instance_type"
+    if expected:
+        plan = plan_job(spec(resources), offers)
+        assert {getattr(c.offer, field) for c in plan} == expected
+    survivors = [o for o in offers if getattr(o, field) not in expected]
+    with pytest.raises(PlanError) as err:
+        plan_job(spec(resources), survivors)
+    assert message in str(err.value) and "To fix:" in str(err.value)
+    assert f"removed the last {len(survivors)} offer(s)" in str(err.value)
+
+
+GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)
+
+
+def test_the_described_model_must_fit_in_accelerator_memory():
+    small = offer(instance="l4", accelerator="L4", count=1, price=0.1)      # 22.35 GiB
+    large = offer(instance="a100", accelerator="A100-80GB", count=1)
+    job = spec({"accelerators": {"L4": 1, "A100-80GB": 1}}, model=GPT3_XL)
+    assert [c.offer.instance_type for c in plan_job(job, [small, large])] == ["a100"]
+    with pytest.raises(PlanError) as err:
+        plan_job(job, [small])
+    assert "memory for the model (23.6 GiB per device needed) removed the last 1 offer(s)" in str(err.value)
+    # without a model section the reference workload only prices offers: it says nothing of the model's size
+    assert {c.offer.instance_type for c in plan_job(spec({"accelerators": {"L4": 1, "A100-80GB": 1}}),
+                                                    [small, large])} == {"l4", "a100"}
+
+
+def test_the_max_hourly_cost_message_says_how_far_to_raise_it():
+    with pytest.raises(PlanError, match=r"raise max_hourly_cost to at least 60\.00"):
+        plan_job(spec({"accelerators": "H100:8", "max_hourly_cost": 50}), [offer(price=60), offer(price=75)])
+
+
+def test_a_cpu_only_job_plans_on_cpu_offers():
+    plan = plan_job(spec({"cpus": "8+"}, model=dict(params=1e7, layers=4, hidden=256, seq_len=256, batch_size=8)),
+                    [offer(), offer(instance="c8", accelerator=None, vcpus=8, memory=32, price=0.4)])
+    assert [c.offer.instance_type for c in plan] == ["c8"]
+
+
+def expected_spot_hours_by_hand(run_hours_no_startup, nodes, interval_hours):
+    rate = 0.05 * nodes                                   # SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes
+    loss = rate * (600 / 3600 + interval_hours / 2)       # restart + half an interval per preemption
+    return run_hours_no_startup / (1 - loss)
+
+
+def test_spot_cost_includes_the_expected_preemptions_and_restarts():
+    o = offer(price=98.32, spot=30.0)
+    on_demand = plan_job(spec({"accelerators": "H100:8"}, num_nodes=2), [o]).chosen
+    spot = plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=2,
+                         checkpoint={"interval": "10m"}), [o]).chosen
+    work = on_demand.hours - STARTUP_SECONDS / 3600
+    assert spot.hours == pytest.approx(STARTUP_SECONDS / 3600 + expected_spot_hours_by_hand(work, 2, 10 / 60))
+    assert spot.hours > on_demand.hours and spot.cost == pytest.approx(30.0 * 2 * spot.hours)
+    by_steps = plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=2,
+                             checkpoint={"interval": 100}), [o]).chosen
+    interval = 100 * by_steps.step_seconds / 3600
+    assert by_steps.hours == pytest.approx(STARTUP_SECONDS / 3600 + expected_spot_hours_by_hand(work, 2, interval))
+
+
+def test_spot_on_too_many_nodes_never_finishes_and_is_not_planned():
+    with pytest.raises(PlanError, match="expected spot preemptions on 40 node"):
+        plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=40, checkpoint={"interval": "1h"}),
+                 [offer(spot=30.0)])
+
+
+def test_blocklist_scopes():
+    a1 = offer(provider="A", region="r1", zone="z1", instance="i1")
+    a1b = offer(provider="A", region="r1", zone="z1", instance="i2")
+    a2 = offer(provider="A", region="r1", zone="z2", instance="i1")
+    a3 = offer(provider="A", region="r2", zone="z3", instance="i1")
+    b1 = offer(provider="B", region="r1", zone="z1", instance="i1")
+    az = offer(provider="C", region="east", zone=None, instance="i1")
+    az_other = offer(provider="C", region="west", zone=None, instance="i1")
+    every = [a1, a1b, a2, a3, b1, az, az_other]
+
+    def blocked_by(o, scope):
+        bl = Blocklist()
+        bl.block(o, scope)
+        return [x for x in every if bl.blocks(x)]
+
+    assert blocked_by(a1, "offer") == [a1]
+    assert blocked_by(a1, "zone") == [a1, a1b]
+    assert blocked_by(a1, "region") == [a1, a1b, a2]
+    assert blocked_by(a1, "provider") == [a1, a1b, a2, a3]
+    assert blocked_by(az, "zone") == [az]                      # no zone: the region is the zone
+    with pytest.raises(ValueError):
+        Blocklist().block(a1, "planet")
+
+
+def test_failover_walks_down_the_ranking_blocking_what_each_error_implies():
+    offers = [offer(provider="A", zone="z1", instance="i1", price=1.0),
+              offer(provider="A", zone="z1", instance="i2", price=2.0),
+              offer(provider="A", region="r2", zone="z9", instance="i1", price=3.0),
+              offer(provider="B", zone="z1", instance="i1", price=4.0),
+              offer(provider="B", region="r3", instance="i1", price=5.0),
+              offer(provider="C", zone="z1", instance="i1", price=6.0)]
+    plan = plan_job(spec({"accelerators": "H100:8"}), offers)
+    errors = iter([CapacityError("no capacity", scope="zone"), QuotaError("quota"), AuthError("no credentials")])
+    tried = []
+
+    def attempt(candidate):
+        tried.append((candidate.offer.provider, candidate.offer.region, candidate.offer.instance_type))
+        error = next(errors, None)
+        if error is not None:
+            raise error
+        return "node"
+
+    result, blocked = provision_with_failover(plan, attempt)
+    # zone z1 of A blocked (A/z1/i2 skipped), then region r2 of A (quota), then provider B (auth: B/r3 skipped)
+    assert tried == [("A", "r1", "i1"), ("A", "r2", "i1"), ("B", "r1", "i1"), ("C", "r1", "i1")]
+    assert result == "node"
+    assert [h.scope for h in blocked.history] == ["zone", "region", "provider"]
+
+
+def test_failover_succeeds_on_the_first_candidate_not_blocked():
+    offers = [offer(zone="z1", instance="i1", price=1.0), offer(zone="z2", instance="i1", price=2.0)]
+    plan = plan_job(spec({"accelerators": "H100:8"}), offers)
+    calls = []
+
+    def attempt(candidate):
+        calls.append(candidate.offer.zone)
+        if candidate.offer.zone == "z1":
+            raise CapacityError("InsufficientInstanceCapacity", scope="zone")
+        return candidate
+
+    result, blocked = provision_with_failover(plan, attempt)
+    assert calls == ["z1", "z2"] and result.offer.zone == "z2"
+    assert "InsufficientInstanceCapacity" in blocked.history[0].error
+
+
+def test_failover_ends_with_the_history_when_everything_fails():
+    plan = plan_job(spec({"accelerators": "H100:8"}), [offer(zone="z1"), offer(zone="z2")])
+
+    def attempt(candidate):
+        raise CapacityError(f"no capacity in {candidate.offer.zone}", scope="zone")
+
+    with pytest.raises(NoCapacityError) as err:
+        provision_with_failover(plan, attempt)
+    assert len(err.value.history) == 2 and "no capacity in z2" in str(err.value)
+
+
+# --- brute force: the plan's choice is the cheapest capable offer, over random catalogs -------------------
+
+NAMES = ["H100", "A100", "A100-80GB", "L4", "T4", "L40S", "K80", None]
+offers_strategy = st.lists(st.builds(
+    offer, provider=st.sampled_from(["p1", "p2", "p3"]), region=st.sampled_from(["r1", "r2"]),
+    zone=st.sampled_from([None, "z1", "z2"]), instance=st.sampled_from(["i1", "i2", "i3", "i4"]),
+    accelerator=st.sampled_from(NAMES), count=st.sampled_from([1, 8]),
+    price=st.floats(0.05, 150, allow_nan=False), spot=st.none() | st.floats(0.01, 100, allow_nan=False),
+    vcpus=st.sampled_from([4.0, 8.0, 96.0]), memory=st.sampled_from([16.0, 64.0, 1024.0]),
+    interconnect=st.sampled_from([None, "EFA 400 Gbps"])), min_size=1, max_size=60)
+spec_strategy = st.fixed_dictionaries({
+    "accelerators": st.one_of(
+        st.dictionaries(st.sampled_from(NAMES[:-1]), st.sampled_from([1, 8]), min_size=2, max_size=6),
+        st.lists(st.sampled_from(["H100:8", "A100:8", "L4:1", "T4:8", "L40S:1", "A100-80GB:8", "H100:1"]),
+                 min_size=2, max_size=5, unique=True),
+        st.dictionaries(st.sampled_from(NAMES[:-1]), st.sampled_from([1, 8]), min_size=3, max_size=6),
+        st.none()),
+    "use_spot": st.booleans(), "infra": st.sampled_from([None, None, ["aws"]]),
+    "regions": st.sampled_from([None, None, ["r1"], ["r1", "r2"]]),
+    "max_hourly_cost": st.sampled_from([None, None, 20.0, 80.0])})
+model_strategy = st.none() | st.builds(dict, params=st.sampled_from([1e8, 3e8, 1.3e9, 7e9]), layers=st.just(24),
+                                       hidden=st.just(2048), seq_len=st.sampled_from([512, 2048]),
+                                       batch_size=st.sampled_from([16, 256]))
+
+
+def oracle(job: JobSpec, offers: list[Offer], providers_allowed):
+    """Capability and cost written out offer by offer, independently of the planner's arrays."""
+    res, nodes, steps = job.resources, job.num_nodes, job.steps or 1000
+    m = job.model
+    workload = REFERENCE_WORKLOAD if m is None else Workload(m.params, m.layers, m.hidden, m.seq_len, m.batch_size)
+    need = memory_gib_needed(workload) if m is not None else 0.0     # the reference workload only prices
+    choices = res.accelerator_choices()
+    best = None
+    for o in offers:
+        if providers_allowed is not None and o.provider not in providers_allowed:
+            continue
+        if res.regions and o.region not in res.regions:
+            continue
+        prefs = [i for i, c in enumerate(choices) if o.accelerator and c.name.casefold() == o.accelerator.casefold()
+                 and c.count == o.accelerator_count]
+        if (choices and not prefs) or (not choices and o.accelerator):
+            continue
+        hw = find_hardware(o.accelerator)
+        if hw is None or (o.accelerator_memory_gib if o.accelerator else o.memory_gib) < need:
+            continue
+        price = o.spot_price if res.use_spot else o.price
+        if price is None or (res.max_hourly_cost is not None and price > res.max_hourly_cost):
+            continue
+        net = 50.0 if o.interconnect else 12.5
+        work = steps * predict_step_seconds(workload, hw, o.accelerator_count, nodes, net) / 3600
+        if res.use_spot:
+            interval = min(max(math.sqrt(2 * 60 * 3600 / (0.05 * nodes)), 30), 1800) / 3600
+            work = expected_spot_hours_by_hand(work, nodes, interval)
+        cost = price * nodes * (STARTUP_SECONDS / 3600 + work)
+        pref = 0 if res.accelerators_any_of else prefs[0] if prefs else 0
+        if best is None or (pref, cost) < best:
+            best = (pref, cost)
+    return best
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(offers=offers_strategy, resources=spec_strategy, model=model_strategy,
+       nodes=st.integers(1, 3), steps=st.integers(1, 20000))
+def test_the_chosen_offer_is_the_cheapest_capable_one(offers, resources, model, nodes, steps):
+    resources = {k: v for k, v in resources.items() if v is not None}
+    if resources.get("infra"):
+        resources["infra"] = ["aws"]
+        offers = [o if o.provider != "p1" else o.__class__(**{**o.__dict__, "provider": "aws"}) for o in offers]
+    job = spec(resources, num_nodes=nodes, steps=steps, **({"model": model} if model else {}))
+    best = oracle(job, offers, resources.get("infra"))
+    event("no capable offer" if best is None else "planned")
+    if best is None:
+        with pytest.raises(PlanError):
+            plan_job(job, offers)
+        return
+    plan = plan_job(job, offers)
+    assert plan.chosen.cost == pytest.approx(best[1], rel=1e-9)
+    costs = [c.cost for c in plan]
+    if job.resources.accelerators_any_of or not job.resources.accelerator_choices():
+        assert costs == sorted(costs)
+    hourly = [c.price_per_hour for c in plan]
+    assert plan.naive.price_per_hour == min(hourly)
+
+
+def test_a_faster_node_network_from_the_catalog_shortens_multi_node_steps():
+    efa = offer(instance="efa", interconnect="EFA 3200 Gbps")
+    plain = offer(instance="plain")
+    plan = plan_job(spec({"accelerators": "H100:8"}, num_nodes=4), [plain, efa])
+    assert [c.offer.instance_type for c in plan] == ["efa", "plain"]
+    h100 = find_hardware("H100")
+    assert plan.chosen.step_seconds == pytest.approx(predict_step_seconds(REFERENCE_WORKLOAD, h100, 8, 4, 400.0))
+
+
+@pytest.mark.parametrize("params, expected", [("350M", 3.5e8), ("1.3B", 1.3e9), (7000000000, 7e9), ("2.5e9", 2.5e9)])
+def test_the_model_section_becomes_the_workload(params, expected):
+    job = spec(model=dict(params=params, layers=2, hidden=64, seq_len=128, batch_size=4, dtype="fp16"))
+    workload, reference = workload_of(job)
+    assert workload == Workload(expected, 2, 64, 128, 4, "fp16") and not reference
+    assert workload_of(spec()) == (REFERENCE_WORKLOAD, True)
+
+
+def test_a_bad_model_section_is_a_spec_error_naming_line_and_field(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("run: python train.py\nmodel:\n  params: 1.3B\n  layers: 0\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert (f"{path}:4: model.layers: input should be greater than or equal to 1, got 0. "
+            "To fix: write it like 'layers: 24'") in err.value.messages
+    assert f"{path}:2: model.hidden: required field is missing. To fix: add 'hidden: 2048'" in err.value.messages

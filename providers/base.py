@@ -160,5 +160,5 @@ def import_sdk(module: str, *, provider: str, extra: str) -> Any:
         return importlib.import_module(module)
     except ImportError as err:
         raise MissingExtraError(
-            f"the {provider} provider needs {module.split('.')[0]} ({err}). "
+            f"the {provider} provider needs the Python module {module} ({err}). "
             f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None

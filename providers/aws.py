@@ -1,0 +1,379 @@
+"""The AWS provider: a node is one EC2 instance, created through boto3.
+
+The instance boots the tfsn startup script from its user-data, carries the `tfsn-job` and
+`tfsn-node` tags (so a sweep finds leaks), and terminates itself when that script's agent shuts
+the machine down. Credentials come only from boto3's own chain (env, profile, instance role) and
+are never read or logged here. EC2 error codes map to the typed errors of `providers.base`, with
+the scope the planner needs for failover: no capacity blocks one zone, a quota one region.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk)
+from providers.bootstrap import startup_script
+from providers.naming import NODE_TAG, node_tags
+
+NAME = "aws"
+EXTRA = "aws"
+CONNECT_TIMEOUT_S = 5
+READ_TIMEOUT_S = 60
+SDK_ATTEMPTS = 5               # botocore's own bounded attempts (standard mode) for every call but RunInstances
+RUN_ATTEMPTS = 4               # RunInstances: retried here, on throttling and 5xx only, never on capacity
+BACKOFF_S = 0.5                # first RunInstances backoff; doubles per attempt, with jitter
+CONSISTENCY_S = 120            # EC2 may not know a new instance id for this long after RunInstances
+PRICING_REGION = "us-east-1"   # the Price List API answers from us-east-1 for every region
+# The Deep Learning Base AMI (NVIDIA driver, CUDA, Docker) of each region, published by AWS in SSM.
+AMI_PARAMETER = "/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+ZONE_ID = re.compile(r"^[a-z]{2,5}\d+-az\d+$")  # "use1-az1": the catalog's zones (the same place in every account)
+LIVE_STATES = ("pending", "running", "stopping", "stopped")
+STATES = {"pending": NodeStatus.PENDING, "running": NodeStatus.RUNNING, "shutting-down": NodeStatus.TERMINATED,
+          "terminated": NodeStatus.TERMINATED, "stopping": NodeStatus.TERMINATED, "stopped": NodeStatus.TERMINATED}
+
+
+@dataclass(frozen=True)
+class _Fault:
+    """How one EC2 error code maps to a provider error: its type, how much to block, what to do."""
+
+    error: type[ProviderError]
+    scope: str
+    fix: str
+
+
+_CAPACITY = _Fault(CapacityError, "zone", "try another zone or instance type, or wait")
+_QUOTA = _Fault(QuotaError, "region", "ask AWS for a higher quota in this region (Service Quotas console)")
+_AUTH = _Fault(AuthError, "provider", "configure AWS credentials (aws configure, AWS_PROFILE or an instance "
+               "role) with ec2:RunInstances, ec2:DescribeInstances, ec2:TerminateInstances, ec2:CreateTags")
+# EC2 error codes: https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html
+FAULTS: dict[str, _Fault] = {
+    "InsufficientInstanceCapacity": _CAPACITY,
+    "InsufficientHostCapacity": _CAPACITY,
+    "InsufficientCapacity": _CAPACITY,
+    "SpotMaxPriceTooLow": _Fault(CapacityError, "offer", "use the on-demand market or another offer"),
+    "InstanceLimitExceeded": _QUOTA,
+    "VcpuLimitExceeded": _QUOTA,
+    "MaxSpotInstanceCountExceeded": _QUOTA,
+    "AuthFailure": _AUTH,
+    "UnauthorizedOperation": _AUTH,
+    "InvalidClientTokenId": _AUTH,
+    "SignatureDoesNotMatch": _AUTH,
+    "ExpiredToken": _AUTH,
+    "RequestExpired": _AUTH,
+    "OptInRequired": _Fault(AuthError, "region", "enable this region for the account, or pick another"),
+    "Unsupported": _Fault(InvalidRequestError, "offer", "pick another zone for this instance type"),
+    "InvalidAMIID.NotFound": _Fault(NotFoundError, "region", "set TFSN_AWS_AMI to an AMI of this region"),
+    "InvalidAMIID.Malformed": _Fault(InvalidRequestError, "provider", "set TFSN_AWS_AMI to an id like ami-0abc..."),
+    "ParameterNotFound": _Fault(NotFoundError, "region", "set TFSN_AWS_AMI to an AMI of this region"),
+    "InvalidParameterValue": _Fault(InvalidRequestError, "offer", "check the offer's instance type and zone"),
+    "InvalidParameterCombination": _Fault(InvalidRequestError, "offer", "check the offer's instance type and zone"),
+}
+THROTTLING = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
+              "ServiceUnavailable", "Unavailable"}
+NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+# Catalog names where AWS reports one name for two memory sizes (SkyPilot's names).
+BY_MEMORY = {("A100", 81920): "A100-80GB", ("V100", 32768): "V100-32GB"}
+
+
+def _botocore() -> Any:
+    import_sdk("boto3", provider=NAME, extra=EXTRA)
+    return import_sdk("botocore.exceptions", provider=NAME, extra=EXTRA)
+
+
+def _session() -> Any:
+    """A boto3 session: one per provider (creating one parses the SDK's service models, ~0.3 s)."""
+    return import_sdk("boto3", provider=NAME, extra=EXTRA).session.Session()
+
+
+def _client(session: Any, service: str, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
+    """A boto3 client with timeouts and bounded retries; the endpoint (AWS_ENDPOINT_URL) and credentials
+    come from boto3's own configuration chain."""
+    config = import_sdk("botocore.config", provider=NAME, extra=EXTRA)
+    return session.client(service, region_name=region, config=config.Config(
+        connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+        retries={"mode": "standard", "total_max_attempts": attempts}))
+
+
+def _code(err: Exception) -> str:
+    return getattr(err, "response", {}).get("Error", {}).get("Code", "")
+
+
+def _provider_error(err: Exception, what: str) -> ProviderError:
+    """The typed error for a botocore exception, keeping EC2's code and message."""
+    if isinstance(err, ProviderError):  # already typed (e.g. the SDK is missing)
+        return err
+    exc = _botocore()
+    if isinstance(err, exc.NoCredentialsError | exc.PartialCredentialsError):
+        return AuthError(f"{what}: no AWS credentials found ({err}). To fix: {_AUTH.fix}", provider=NAME)
+    if isinstance(err, exc.ClientError):
+        code = _code(err)
+        message = err.response.get("Error", {}).get("Message", "")
+        fault = FAULTS.get(code)
+        if fault is not None:
+            return fault.error(f"{what}: {code}: {message}. To fix: {fault.fix}", provider=NAME, scope=fault.scope)
+        failure = ProviderError(f"{what}: {code}: {message}", provider=NAME)
+        failure.retryable = code in THROTTLING
+        return failure
+    failure = ProviderError(f"{what}: cannot reach EC2 ({type(err).__name__}: {err}). To fix: check the network "
+                            "and AWS_ENDPOINT_URL", provider=NAME)
+    failure.retryable = True
+    return failure
+
+
+def client_token(node_id: str) -> str:
+    """EC2's idempotency token for the node: the node id itself, or its digest where it exceeds 64 chars."""
+    return node_id if len(node_id) <= 64 and node_id.isascii() else hashlib.sha256(node_id.encode()).hexdigest()
+
+
+def canonical_accelerator(name: str, memory_mib: int) -> str:
+    """The catalog's name of an accelerator from EC2's GpuInfo (e.g. A100 with 80 GiB is "A100-80GB")."""
+    return BY_MEMORY.get((name, memory_mib), name.replace(" ", "-"))
+
+
+class AwsProvider:
+    """EC2 instances as nodes (see the module docstring)."""
+
+    name = NAME
+
+    def __init__(self, default_region: str | None = None) -> None:
+        # Where to look for a node whose handle lost its region (a crash right after the request).
+        self.default_region = default_region or os.environ.get("AWS_REGION") or os.environ.get(
+            "AWS_DEFAULT_REGION") or "us-east-1"
+        self._session: Any = None
+        self._clients: dict[tuple[str, str, int], Any] = {}
+        self._zone_names: dict[str, str] = {}
+
+    def _client(self, service: str, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
+        key = (service, region, attempts)
+        if key not in self._clients:
+            self._session = self._session or _session()
+            self._clients[key] = _client(self._session, service, region, attempts)
+        return self._clients[key]
+
+    def _ec2(self, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
+        return self._client("ec2", region, attempts)
+
+    def offers(self) -> list[Offer]:
+        from providers.catalog import load_offers
+        return load_offers(self.name)
+
+    def image(self, region: str, arch: str) -> str:
+        """The AMI to boot: TFSN_AWS_AMI if set, else the region's latest Deep Learning Base AMI from SSM."""
+        if os.environ.get("TFSN_AWS_AMI"):
+            return os.environ["TFSN_AWS_AMI"]
+        name = AMI_PARAMETER.format(arch=arch)
+        try:
+            return self._client("ssm", region).get_parameter(Name=name)["Parameter"]["Value"]
+        except Exception as err:
+            raise _provider_error(err, f"cannot look up the AMI {name} in {region}") from None
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        offer = request.offer
+        if offer is None or offer.provider != self.name:
+            raise InvalidRequestError(f"aws node {request.node_id}: the request has no AWS offer. To fix: plan the "
+                                      "job on an offer of the aws catalog", provider=self.name)
+        if request.spot and offer.spot_price is None:
+            raise InvalidRequestError(f"{offer.instance_type} in {offer.zone or offer.region} has no spot market. "
+                                      "To fix: set use_spot: false or pick another offer", provider=self.name)
+        existing = self._find(offer.region, request.node_id)
+        if existing is not None:  # idempotent: the node was created before (even by another controller)
+            return self._handle(request.node_id, offer.region, existing, request.spot)
+        params = self._run_params(request, offer)
+        reservation = self._run_instances(offer.region, params, f"cannot start {offer.instance_type} in "
+                                          f"{offer.zone or offer.region} for node {request.node_id}")
+        return self._handle(request.node_id, offer.region, reservation["Instances"][0], request.spot)
+
+    def zone_name(self, region: str, zone: str) -> str:
+        """The account's name of a zone ("us-east-1a"); the catalog gives zone ids ("use1-az1"), which name
+        the same data center in every account while the names are shuffled per account."""
+        if not ZONE_ID.match(zone):
+            return zone
+        if zone not in self._zone_names:
+            try:
+                reply = self._ec2(region).describe_availability_zones(ZoneIds=[zone])
+            except Exception as err:
+                raise _provider_error(err, f"cannot look up zone {zone} in {region}") from None
+            self._zone_names[zone] = reply["AvailabilityZones"][0]["ZoneName"]
+        return self._zone_names[zone]
+
+    def _run_params(self, request: NodeRequest, offer: Offer) -> dict[str, Any]:
+        tags = [{"Key": key, "Value": value} for key, value in node_tags(request).items()]
+        tags.append({"Key": "Name", "Value": f"tfsn-{request.node_id}"})
+        params: dict[str, Any] = {
+            "ImageId": self.image(offer.region, offer.arch),
+            "InstanceType": offer.instance_type,
+            "MinCount": 1, "MaxCount": 1,
+            "ClientToken": client_token(request.node_id),
+            "UserData": startup_script(request),
+            # The agent powers the machine off when its job is over: that must not leave a stopped disk.
+            "InstanceInitiatedShutdownBehavior": "terminate",
+            "TagSpecifications": [{"ResourceType": kind, "Tags": tags} for kind in ("instance", "volume")],
+        }
+        if offer.zone:
+            params["Placement"] = {"AvailabilityZone": self.zone_name(offer.region, offer.zone)}
+        if request.spot:
+            params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        return params
+
+    def _run_instances(self, region: str, params: dict[str, Any], what: str) -> dict[str, Any]:
+        """RunInstances with our own bounded backoff: botocore would retry a capacity error (HTTP 500) four
+        times, which only delays the failover to another zone. The ClientToken makes a retry safe."""
+        ec2 = self._ec2(region, attempts=1)
+        attempt = 0
+        while True:
+            try:
+                return ec2.run_instances(**params)
+            except Exception as err:
+                failure = _provider_error(err, what)
+            transient = failure.retryable and type(failure) is ProviderError  # throttled, 5xx, network
+            attempt += 1
+            if not transient or attempt == RUN_ATTEMPTS:
+                raise failure
+            time.sleep(BACKOFF_S * 2 ** attempt * (0.5 + random.random()))
+
+    def _find(self, region: str, node_id: str) -> dict[str, Any] | None:
+        """The live instance tagged with this node id, if any."""
+        try:
+            pages = self._ec2(region).get_paginator("describe_instances").paginate(Filters=[
+                {"Name": f"tag:{NODE_TAG}", "Values": [node_id]},
+                {"Name": "instance-state-name", "Values": list(LIVE_STATES)}])
+            return next((i for page in pages for r in page["Reservations"] for i in r["Instances"]), None)
+        except Exception as err:
+            raise _provider_error(err, f"cannot look up node {node_id} in {region}") from None
+
+    def _handle(self, node_id: str, region: str, instance: dict[str, Any], spot: bool) -> NodeHandle:
+        return NodeHandle(provider=self.name, node_id=node_id, data={
+            "region": region, "zone": instance.get("Placement", {}).get("AvailabilityZone"),
+            "instance_id": instance["InstanceId"], "spot": spot, "requested_at": time.time()})
+
+    def status(self, handle: NodeHandle) -> NodeStatus:
+        region = handle.data.get("region", self.default_region)
+        instance_id = handle.data.get("instance_id")
+        exc = _botocore()
+        try:
+            if instance_id is None:
+                found = self._find(region, handle.node_id)
+                return STATES.get(found["State"]["Name"], NodeStatus.UNKNOWN) if found else NodeStatus.TERMINATED
+            reply = self._ec2(region).describe_instances(InstanceIds=[instance_id])
+        except exc.ClientError as err:
+            if _code(err) not in NOT_FOUND:
+                return NodeStatus.UNKNOWN
+            # EC2 is eventually consistent: a fresh instance id can be unknown for a while.
+            young = time.time() - handle.data.get("requested_at", 0) < CONSISTENCY_S
+            return NodeStatus.UNKNOWN if young else NodeStatus.TERMINATED
+        except (exc.BotoCoreError, ProviderError):
+            return NodeStatus.UNKNOWN
+        instances = [i for r in reply["Reservations"] for i in r["Instances"]]
+        if not instances:
+            return NodeStatus.TERMINATED
+        return STATES.get(instances[0]["State"]["Name"], NodeStatus.UNKNOWN)
+
+    def terminate(self, handle: NodeHandle) -> None:
+        region = handle.data.get("region", self.default_region)
+        instance_id = handle.data.get("instance_id")
+        if instance_id is None:  # the controller stopped before recording the instance: find it by its tag
+            found = self._find(region, handle.node_id)
+            if found is None:
+                return
+            instance_id = found["InstanceId"]
+        try:
+            self._ec2(region).terminate_instances(InstanceIds=[instance_id])
+        except Exception as err:
+            if _code(err) in NOT_FOUND:
+                return
+            raise _provider_error(err, f"cannot terminate node {handle.node_id} ({instance_id})") from None
+
+
+def fetch_offers(regions: list[str] | None = None) -> list[Offer]:
+    """Every GPU instance type of each region (default: the account's enabled regions), one offer per zone,
+    priced from the Price List API (on-demand) and the spot price history (spot)."""
+    try:
+        session = _session()
+        if regions is None:
+            regions = sorted(r["RegionName"] for r in _client(session, "ec2", PRICING_REGION).describe_regions()[
+                "Regions"])
+        offers: list[Offer] = []
+        for region in regions:
+            offers.extend(_region_offers(session, region))
+        return offers
+    except Exception as err:
+        raise _provider_error(err, "cannot refresh the AWS catalog") from None
+
+
+def _region_offers(session: Any, region: str) -> list[Offer]:
+    ec2 = _client(session, "ec2", region)
+    types = {t["InstanceType"]: t for page in ec2.get_paginator("describe_instance_types").paginate()
+             for t in page["InstanceTypes"] if t.get("GpuInfo", {}).get("Gpus")}
+    if not types:
+        return []
+    zones: dict[str, list[str]] = defaultdict(list)  # zone ids, as SkyPilot's catalog has them
+    for page in ec2.get_paginator("describe_instance_type_offerings").paginate(
+            LocationType="availability-zone-id", Filters=[{"Name": "instance-type", "Values": sorted(types)}]):
+        for row in page["InstanceTypeOfferings"]:
+            zones[row["InstanceType"]].append(row["Location"])
+    prices = on_demand_prices(_client(session, "pricing", PRICING_REGION), region)
+    zone_ids = {z["ZoneName"]: z["ZoneId"] for z in ec2.describe_availability_zones()["AvailabilityZones"]}
+    spot = {(name, zone_ids.get(zone, zone)): price for (name, zone), price in spot_prices(ec2, sorted(types)).items()}
+    offers = []
+    for name, info in sorted(types.items()):
+        if name not in prices:  # no Linux on-demand price: not a market tfsn can plan on
+            continue
+        gpu = info["GpuInfo"]["Gpus"][0]
+        network = info.get("NetworkInfo", {})
+        for zone in sorted(zones.get(name, [])):
+            offers.append(Offer(
+                provider=NAME, region=region, zone=zone, instance_type=name,
+                accelerator=canonical_accelerator(gpu["Name"], gpu["MemoryInfo"]["SizeInMiB"]),
+                accelerator_count=sum(g["Count"] for g in info["GpuInfo"]["Gpus"]),
+                accelerator_memory_gib=gpu["MemoryInfo"]["SizeInMiB"] / 1024,
+                vcpus=float(info["VCpuInfo"]["DefaultVCpus"]), memory_gib=info["MemoryInfo"]["SizeInMiB"] / 1024,
+                price=prices[name], spot_price=spot.get((name, zone)),
+                interconnect=f"EFA {network.get('NetworkPerformance', '')}".strip() if network.get(
+                    "EfaSupported") else None,
+                arch=info.get("ProcessorInfo", {}).get("SupportedArchitectures", ["x86_64"])[0]))
+    return offers
+
+
+def on_demand_prices(pricing: Any, region: str) -> dict[str, float]:
+    """$/hour of each instance type in the region: Linux, shared tenancy, no pre-installed software."""
+    filters = [{"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in (
+        ("regionCode", region), ("operatingSystem", "Linux"), ("tenancy", "Shared"), ("preInstalledSw", "NA"),
+        ("capacitystatus", "Used"))]
+    prices: dict[str, float] = {}
+    pages = pricing.get_paginator("get_products").paginate(
+        ServiceCode="AmazonEC2", Filters=filters)
+    for page in pages:
+        for item in page["PriceList"]:
+            product = json.loads(item)
+            for term in product.get("terms", {}).get("OnDemand", {}).values():
+                for dimension in term["priceDimensions"].values():
+                    usd = float(dimension["pricePerUnit"].get("USD", 0))
+                    if dimension.get("unit") == "Hrs" and usd > 0:
+                        prices[product["product"]["attributes"]["instanceType"]] = usd
+    return prices
+
+
+def spot_prices(ec2: Any, instance_types: list[str]) -> dict[tuple[str, str], float]:
+    """The latest Linux spot price of each (instance type, zone)."""
+    latest: dict[tuple[str, str], tuple[datetime, float]] = {}
+    pages = ec2.get_paginator("describe_spot_price_history").paginate(
+        InstanceTypes=instance_types, ProductDescriptions=["Linux/UNIX"], StartTime=datetime.now(timezone.utc))
+    for page in pages:
+        for row in page["SpotPriceHistory"]:
+            if not row["ProductDescription"].startswith("Linux/UNIX"):
+                continue
+            key = (row["InstanceType"], row["AvailabilityZone"])
+            if key not in latest or row["Timestamp"] > latest[key][0]:
+                latest[key] = (row["Timestamp"], float(row["SpotPrice"]))
+    return {key: price for key, (_, price) in latest.items()}
+

@@ -1,0 +1,400 @@
+"""The Azure provider: one VM (and its NIC) per node, through azure-mgmt-compute and azure-mgmt-network.
+
+Every node lives in one resource group (TFSN_AZURE_RESOURCE_GROUP, default "tfsn", which must
+exist) on a tfsn virtual network per region, created on first use. The VM is named after its node
+id (the name is the idempotency key: a second provision finds the first VM), tagged `tfsn-job` /
+`tfsn-node`, and runs `providers.bootstrap.startup_script` from its custom data (cloud-init runs a
+`#!` script). Its NIC and OS disk have deleteOption Delete, so deleting the VM deletes them.
+
+Creation is a long-running ARM operation that provision waits for (with a deadline): allocation
+failures show only at its end, and they must reach the planner as CapacityErrors so that it fails
+over. A VM left in a Failed state is deleted before the error is raised; nothing is left behind.
+
+Credentials come only from azure-identity's DefaultAzureCredential (or the `credential` a caller
+passes); nothing here logs them.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk)
+from providers.bootstrap import startup_script
+from providers.naming import dns_label, node_tags
+
+log = logging.getLogger(__name__)
+
+PROVIDER = "azure"
+SUBSCRIPTION_ENV = "AZURE_SUBSCRIPTION_ID"      # the SDKs' own variable for the subscription
+RESOURCE_GROUP_ENV = "TFSN_AZURE_RESOURCE_GROUP"
+DEFAULT_RESOURCE_GROUP = "tfsn"
+# publisher:offer:sku:version of the boot image; the default is the Ubuntu HPC image with NVIDIA drivers.
+IMAGE_ENV = "TFSN_AZURE_IMAGE"
+DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
+SSH_KEY_ENV = "TFSN_AZURE_SSH_PUBLIC_KEY"       # lets a user log in; otherwise no one can (nodes are cattle)
+ADMIN_USER = "tfsn"
+OS_DISK_GB = 200
+ADDRESS_SPACE = "10.200.0.0/16"
+PRICES_URL = "https://prices.azure.com/api/retail/prices"
+CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
+                  "OverconstrainedZonalAllocationRequest"}
+AUTH_CODES = {"AuthorizationFailed", "InvalidAuthenticationToken", "AuthenticationFailed", "LinkedAuthorizationFailed"}
+# VM size name pattern -> canonical accelerator name, first match wins (memory per device: providers.catalog).
+GPU_SIZES = [(r"H200", "H200"), (r"H100", "H100"), (r"A100_v4$", "A100-80GB"), (r"ND96asr_v4$", "A100"),
+             (r"ND40rs_v2$", "V100-32GB"), (r"^Standard_NC\d+r?s_v3$", "V100"), (r"T4_v3$", "T4"),
+             (r"MI300X", "MI300X")]   # NV*_A10_v5 sizes hold fractions of a GPU: not offered
+
+
+class AzureProvider:
+    """Azure VMs (see the module docstring)."""
+
+    name = PROVIDER
+
+    def __init__(self, subscription_id: str | None = None, *, credential: Any = None,
+                 resource_group: str | None = None, base_url: str | None = None,
+                 connection_verify: str | bool = True, rpc_timeout_s: float = 60.0,
+                 operation_timeout_s: float = 900.0, poll_interval_s: float = 5.0) -> None:
+        self._subscription = subscription_id or os.environ.get(SUBSCRIPTION_ENV)
+        self._credential = credential
+        self.resource_group = resource_group or os.environ.get(RESOURCE_GROUP_ENV, DEFAULT_RESOURCE_GROUP)
+        self._base_url = base_url                    # tests: an emulator's https URL
+        self._verify = connection_verify             # tests: the emulator's CA file
+        self.rpc_timeout_s = rpc_timeout_s           # one HTTP read
+        self.operation_timeout_s = operation_timeout_s   # one long-running operation, end to end
+        self.poll_interval_s = poll_interval_s       # between polls when the service suggests none
+        self._clients: dict[str, Any] = {}
+        self._networks: set[str] = set()             # regions whose vnet is known to exist
+        self._ssh_key: str | None = None
+
+    # -- SDK plumbing --------------------------------------------------------------------------
+
+    def _client(self, kind: str) -> Any:
+        """The compute or network management client, made on first use."""
+        if kind not in self._clients:
+            module, cls = {"compute": ("azure.mgmt.compute", "ComputeManagementClient"),
+                           "network": ("azure.mgmt.network", "NetworkManagementClient")}[kind]
+            sdk = import_sdk(module, provider=PROVIDER, extra="azure")
+            if not self._subscription:
+                raise InvalidRequestError(f"no Azure subscription configured. To fix: export {SUBSCRIPTION_ENV}=<id>",
+                                          provider=PROVIDER, scope="provider")
+            if self._credential is None:
+                identity = import_sdk("azure.identity", provider=PROVIDER, extra="azure")
+                quiet = logging.getLogger("azure.identity")
+                if quiet.level == logging.NOTSET:  # its failure is in the error raised; a log of it repeats it
+                    quiet.setLevel(logging.ERROR)
+                self._credential = identity.DefaultAzureCredential()
+            options: dict[str, Any] = {"base_url": self._base_url} if self._base_url else {}
+            # Timeouts on every call; bounded retries (azure-core honours Retry-After on 429).
+            self._clients[kind] = getattr(sdk, cls)(
+                self._credential, self._subscription, connection_verify=self._verify, connection_timeout=10,
+                read_timeout=self.rpc_timeout_s, retry_total=4, retry_backoff_factor=1.0, retry_backoff_max=30,
+                polling_interval=self.poll_interval_s, **options)
+        return self._clients[kind]
+
+    def _finish(self, poller: Any) -> Any:
+        """Wait for a long-running operation; TimeoutError at the deadline."""
+        result = poller.result(timeout=self.operation_timeout_s)
+        if not poller.done():
+            raise TimeoutError(f"not done within {self.operation_timeout_s:.0f}s")
+        return result
+
+    def _id(self, kind: str, name: str) -> str:
+        return (f"/subscriptions/{self._subscription}/resourceGroups/{self.resource_group}/providers/{kind}/{name}")
+
+    # -- the Provider protocol -----------------------------------------------------------------
+
+    def offers(self) -> list[Offer]:
+        from providers.catalog import load_offers
+        return load_offers(self.name)
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        offer = request.offer
+        if offer is None or offer.provider != PROVIDER:
+            raise InvalidRequestError(f"node {request.node_id}: the azure provider needs a planned azure offer, got "
+                                      f"{offer and offer.provider!r}. To fix: plan the job with infra: [azure]",
+                                      provider=PROVIDER)
+        from azure.core.exceptions import ResourceNotFoundError
+        compute, zonal = self._client("compute"), offer.zone is not None
+        vm = dns_label(f"tfsn-{request.node_id}")  # also a valid Linux host name
+        nic = f"{vm}-nic"
+        handle = NodeHandle(PROVIDER, request.node_id, {"subscription": self._subscription, "region": offer.region,
+                                                        "resource_group": self.resource_group, "vm": vm, "nic": nic})
+        doing = f"creating {vm} ({offer.instance_type}) in {offer.region}{f' zone {offer.zone}' if zonal else ''}"
+        try:
+            compute.virtual_machines.get(self.resource_group, vm)
+            return handle  # made by an earlier call for this node: the name is the key
+        except ResourceNotFoundError as err:
+            if _code(err) == "ResourceGroupNotFound":
+                raise _error(err, doing, zonal) from None
+        except Exception as err:
+            raise _error(err, doing, zonal) from None
+        try:
+            self._ensure_network(offer.region)
+            self._finish(self._client("network").network_interfaces.begin_create_or_update(
+                self.resource_group, nic, self._nic(request, offer)))
+            poller = compute.virtual_machines.begin_create_or_update(self.resource_group, vm,
+                                                                     self._vm(request, offer, vm, nic))
+        except Exception as err:
+            self._delete_quietly("network", nic)  # the VM was refused: its NIC would be left behind
+            raise _error(err, doing, zonal) from None
+        try:
+            self._finish(poller)
+        except TimeoutError:
+            self._delete_quietly("compute", vm)  # its NIC and disk go with it (deleteOption Delete)
+            raise CapacityError(f"azure: {doing}: not done within {self.operation_timeout_s:.0f}s; deleting it. "
+                                "To fix: retry later or in another region", provider=PROVIDER,
+                                scope="zone" if zonal else "region") from None
+        except Exception as err:
+            self._delete_quietly("compute", vm)  # a Failed VM still exists (and its NIC and disk)
+            raise _error(err, doing, zonal) from None
+        return handle
+
+    def status(self, handle: NodeHandle) -> NodeStatus:
+        from azure.core.exceptions import ResourceNotFoundError
+        data = handle.data
+        try:
+            vm = self._client("compute").virtual_machines.get(data["resource_group"], data["vm"], expand="instanceView")
+        except ResourceNotFoundError:  # deleted, or a spot VM evicted (evictionPolicy Delete)
+            return NodeStatus.TERMINATED
+        except Exception as err:  # noqa: BLE001 - any API or network failure: the provider cannot tell now
+            log.warning("azure: status of %s: %s", data["vm"], err)
+            return NodeStatus.UNKNOWN
+        return _node_status(vm)
+
+    def terminate(self, handle: NodeHandle) -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+        data = handle.data
+        if not data.get("vm"):  # provision never reached the cloud
+            return
+        # The VM first: a NIC in use cannot be deleted (its deleteOption usually deletes it with the VM).
+        for kind, name in (("compute", data["vm"]), ("network", data["nic"])):
+            try:
+                self._finish(self._begin_delete(kind, name, data["resource_group"]))
+            except ResourceNotFoundError:  # its resource group is gone, and the node with it
+                continue
+            except TimeoutError:
+                raise ProviderError(f"azure: {name} is still being deleted after {self.operation_timeout_s:.0f}s; "
+                                    "terminate again later to confirm", provider=PROVIDER) from None
+            except Exception as err:
+                raise _error(err, f"deleting {name}", zonal=False) from None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _begin_delete(self, kind: str, name: str, resource_group: str) -> Any:
+        """Start deleting a VM or NIC; ARM answers 204 for one that does not exist, so missing is done."""
+        if kind == "compute":
+            return self._client("compute").virtual_machines.begin_delete(resource_group, name)
+        return self._client("network").network_interfaces.begin_delete(resource_group, name)
+
+    def _delete_quietly(self, kind: str, name: str) -> None:
+        try:
+            self._begin_delete(kind, name, self.resource_group)
+        except Exception as err:  # noqa: BLE001 - best effort after a failure that is what gets reported
+            log.warning("azure: could not delete %s after a failed create: %s", name, err)
+
+    def _ensure_network(self, region: str) -> None:
+        """The region's tfsn vnet with one subnet that keeps default outbound access (nodes pip install)."""
+        from azure.core.exceptions import ResourceNotFoundError
+        if region in self._networks:
+            return
+        network, name = self._client("network"), f"tfsn-{region}"
+        try:
+            network.virtual_networks.get(self.resource_group, name)
+        except ResourceNotFoundError as err:
+            if _code(err) == "ResourceGroupNotFound":
+                raise
+            self._finish(network.virtual_networks.begin_create_or_update(self.resource_group, name, {
+                "location": region, "tags": {"tfsn": "network"},
+                "properties": {"addressSpace": {"addressPrefixes": [ADDRESS_SPACE]},
+                               "subnets": [{"name": "nodes", "properties": {"addressPrefix": ADDRESS_SPACE,
+                                                                            "defaultOutboundAccess": True}}]}}))
+        self._networks.add(region)
+
+    def _nic(self, request: NodeRequest, offer: Offer) -> dict:
+        subnet = self._id("Microsoft.Network", f"virtualNetworks/tfsn-{offer.region}/subnets/nodes")
+        return {"location": offer.region, "tags": node_tags(request),
+                "properties": {"ipConfigurations": [{"name": "primary", "properties": {
+                    "subnet": {"id": subnet}, "privateIPAllocationMethod": "Dynamic"}}]}}
+
+    def _vm(self, request: NodeRequest, offer: Offer, name: str, nic: str) -> dict:
+        """The VM resource: size, image, spot, custom data, tags; NIC and disk deleted with it."""
+        publisher, image_offer, sku, version = os.environ.get(IMAGE_ENV, DEFAULT_IMAGE).split(":")
+        properties: dict[str, Any] = {
+            "hardwareProfile": {"vmSize": offer.instance_type},
+            "storageProfile": {
+                "imageReference": {"publisher": publisher, "offer": image_offer, "sku": sku, "version": version},
+                "osDisk": {"createOption": "FromImage", "deleteOption": "Delete", "diskSizeGB": OS_DISK_GB,
+                           "managedDisk": {"storageAccountType": "Premium_LRS"}}},
+            "osProfile": {
+                "computerName": name, "adminUsername": ADMIN_USER,
+                "customData": base64.b64encode(startup_script(request).encode()).decode(),
+                "linuxConfiguration": {"disablePasswordAuthentication": True, "ssh": {"publicKeys": [
+                    {"path": f"/home/{ADMIN_USER}/.ssh/authorized_keys", "keyData": self._public_key()}]}}},
+            "networkProfile": {"networkInterfaces": [
+                {"id": self._id("Microsoft.Network", f"networkInterfaces/{nic}"),
+                 "properties": {"primary": True, "deleteOption": "Delete"}}]},
+        }
+        if request.spot:  # evicted spot VMs are deleted, not kept deallocated (and billed for disk)
+            properties.update(priority="Spot", evictionPolicy="Delete", billingProfile={"maxPrice": -1})
+        body = {"location": offer.region, "tags": node_tags(request), "properties": properties}
+        if offer.zone:
+            body["zones"] = [offer.zone]
+        return body
+
+    def _public_key(self) -> str:
+        """The user's SSH key if given; else the public half of a throwaway key (Azure requires one)."""
+        if self._ssh_key is None:
+            self._ssh_key = os.environ.get(SSH_KEY_ENV) or _throwaway_public_key()
+        return self._ssh_key
+
+
+def _throwaway_public_key() -> str:
+    rsa = import_sdk("cryptography.hazmat.primitives.asymmetric.rsa", provider=PROVIDER, extra="azure")
+    from cryptography.hazmat.primitives import serialization
+    key = rsa.generate_private_key(public_exponent=65537, key_size=3072)
+    return key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                         serialization.PublicFormat.OpenSSH).decode()
+
+
+def _node_status(vm: Any) -> NodeStatus:
+    """Provisioning state first (Failed, Deleting), then the power state of the instance view."""
+    state = (vm.properties.provisioning_state or "").lower()
+    if state in ("failed", "deleting"):
+        return NodeStatus.TERMINATED
+    view = vm.properties.instance_view
+    codes = [s.code for s in (view.statuses if view and view.statuses else []) if s.code]
+    power = next((c.split("/", 1)[1] for c in codes if c.startswith("PowerState/")), None)
+    if power == "running":
+        return NodeStatus.RUNNING
+    if power in ("stopping", "stopped", "deallocating", "deallocated"):
+        return NodeStatus.TERMINATED
+    return NodeStatus.PENDING
+
+
+def _code(err: Exception) -> str | None:
+    error = getattr(err, "error", None)
+    return getattr(error, "code", None)
+
+
+def _error(err: Exception, doing: str, zonal: bool) -> ProviderError:
+    """One error type per cause, with the failover scope it implies and Azure's own code in the text."""
+    from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
+    if isinstance(err, ProviderError):
+        return err
+    code, status = _code(err), getattr(err, "status_code", None)
+    message = (getattr(getattr(err, "error", None), "message", None) or str(err).splitlines()[0]).rstrip(". ")
+    text = f"azure: {doing}: {code or status or type(err).__name__}: {message}"
+    place = "zone" if zonal or code in ("ZonalAllocationFailed", "OverconstrainedZonalAllocationRequest") else "region"
+    if code in CAPACITY_CODES:
+        return CapacityError(f"{text}. To fix: tfsn fails over to another {place}; or retry later",
+                             provider=PROVIDER, scope=place)
+    if code == "QuotaExceeded" or (code == "OperationNotAllowed" and "quota" in message.lower()):
+        return QuotaError(f"{text}. To fix: request more vCPU quota for this VM family and region in the Azure "
+                          "portal (Subscriptions > Usage + quotas)", provider=PROVIDER, scope="region")
+    if isinstance(err, ClientAuthenticationError) or code in AUTH_CODES or status in (401, 403):
+        return AuthError(f"{text}. To fix: 'az login', or give the identity the Contributor role on the resource "
+                         "group", provider=PROVIDER)
+    if code == "ResourceGroupNotFound":
+        return NotFoundError(f"{text}. To fix: az group create --name <group> --location <region>, or set "
+                             f"{RESOURCE_GROUP_ENV}", provider=PROVIDER, scope="provider")
+    if status == 404:
+        return NotFoundError(text, provider=PROVIDER)
+    if status == 400 or (isinstance(err, HttpResponseError) and code in ("InvalidParameter", "BadRequest")):
+        return InvalidRequestError(f"{text}. To fix: check the offer's VM size and the image ({IMAGE_ENV})",
+                                   provider=PROVIDER)
+    return ProviderError(text, provider=PROVIDER)
+
+
+def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | None = None,
+                 prices_url: str = PRICES_URL) -> list[Offer]:
+    """Every VM size offered to the subscription in `regions` (all if None), priced from the Retail Prices API.
+
+    Sizes come from resource SKUs (vCPUs, memory, GPUs; sizes restricted for the subscription are
+    left out); Linux on-demand and spot prices from the public retail price list. A size with no
+    on-demand price is left out.
+    """
+    provider = provider or AzureProvider()
+    compute = provider._client("compute")
+    sizes: dict[tuple[str, str], Any] = {}
+    try:
+        for sku in compute.resource_skus.list():
+            if sku.resource_type != "virtualMachines":
+                continue
+            restricted = {loc for r in sku.restrictions or [] if r.type == "Location"
+                          for loc in r.values_property or []}
+            for location in sku.locations or []:
+                if location not in restricted and (not regions or location in regions):
+                    sizes[(sku.name, location)] = sku
+    except Exception as err:
+        raise _error(err, "listing resource SKUs", zonal=False) from None
+    offers = []
+    for region in sorted({region for _, region in sizes}):
+        prices = _retail_prices(region, prices_url, provider._verify, provider.rpc_timeout_s)
+        for (name, location), sku in sorted(sizes.items()):
+            if location != region or (name, False) not in prices:
+                continue
+            caps = {c.name: c.value for c in sku.capabilities or []}
+            gpus = int(float(caps.get("GPUs", 0)))
+            accelerator, memory = _gpu(name) if gpus else (None, 0.0)
+            if gpus and accelerator is None:  # a GPU tfsn cannot name would be planned as a CPU VM
+                continue
+            offers.append(Offer(provider=PROVIDER, region=region, zone=None, instance_type=name,
+                                accelerator=accelerator, accelerator_count=gpus,
+                                accelerator_memory_gib=float(memory), vcpus=float(caps.get("vCPUs", 0)),
+                                memory_gib=float(caps.get("MemoryGB", 0)), price=prices[(name, False)],
+                                spot_price=prices.get((name, True))))
+    return offers
+
+
+def _gpu(size: str) -> tuple[str | None, float]:
+    from providers.catalog import ACCELERATOR_MEMORY_GIB
+    for pattern, accelerator in GPU_SIZES:
+        if re.search(pattern, size):
+            return accelerator, ACCELERATOR_MEMORY_GIB.get(accelerator, 0.0)
+    return None, 0.0
+
+
+def _retail_prices(region: str, url: str, verify: str | bool, timeout: float) -> dict[tuple[str, bool], float]:
+    """(size, spot) -> $/hour of Linux VMs in one region, following NextPageLink."""
+    requests = import_sdk("requests", provider=PROVIDER, extra="azure")
+    query = {"$filter": f"serviceName eq 'Virtual Machines' and priceType eq 'Consumption' "
+                        f"and armRegionName eq '{region}'"}
+    prices: dict[tuple[str, bool], float] = {}
+    next_url: str | None = url
+    while next_url:
+        page = _get_json(requests, next_url, query if next_url == url else None, verify, timeout)
+        for item in page.get("Items", []):
+            sku_name = item.get("skuName", "")
+            if ("Windows" in item.get("productName", "") or "Low Priority" in sku_name
+                    or item.get("type") != "Consumption" or item.get("unitOfMeasure") != "1 Hour"):
+                continue
+            prices[(item["armSkuName"], sku_name.endswith(" Spot"))] = float(item["retailPrice"])
+        next_url = page.get("NextPageLink")
+    return prices
+
+
+def _get_json(requests: Any, url: str, params: dict | None, verify: str | bool, timeout: float,
+              attempts: int = 5) -> dict:
+    """GET with a timeout and bounded retries (with backoff, honouring Retry-After) on 429 and 5xx."""
+    problem = ""
+    for attempt in range(attempts):
+        delay = min(2.0 ** attempt, 30.0)
+        try:
+            response = requests.get(url, params=params, verify=verify, timeout=(10, timeout))
+        except requests.RequestException as err:
+            problem = f"{type(err).__name__}: {err}"
+        else:
+            if response.status_code == 200:
+                return response.json()
+            problem = f"HTTP {response.status_code}: {response.text[:200]}"
+            if response.status_code != 429 and response.status_code < 500:
+                break
+            delay = max(delay, float(response.headers.get("Retry-After") or 0))
+        if attempt + 1 < attempts:
+            time.sleep(delay)
+    raise ProviderError(f"azure: retail prices from {url}: {problem}. To fix: retry later", provider=PROVIDER)

@@ -1,0 +1,275 @@
+"""The Kubernetes provider: a node is one pod on a cluster, created through the kubernetes client.
+
+The pod (`restartPolicy: Never`: a failed node is replaced by the controller, not restarted in
+place) runs the agent command with the request's environment, asks for the offer's GPUs as
+`nvidia.com/gpu` limits and lands on the offer's GPU type through a node selector. Offers are the
+cluster's own GPU types, read from node labels (NVIDIA GPU feature discovery, GKE); the cluster is
+free unless a node carries a price annotation. The cluster and its credentials come from the
+kubeconfig (or the pod's service account), never from tfsn's own settings.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from providers.base import (AuthError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,
+                            Offer, ProviderError, QuotaError, import_sdk)
+from providers.bootstrap import DEFAULT_INSTALL_SPEC
+from providers.naming import dns_label, node_tags
+
+NAME = "kubernetes"
+EXTRA = "k8s"
+TIMEOUT_S = (5, 30)             # (connect, read) of every API call
+RETRIES = 3                     # urllib3's bounded retries on 429/5xx and broken connections
+BACKOFF_S = 0.5                 # urllib3 backoff factor: 0.5 s, 1 s, 2 s
+DELETE_GRACE_S = 30             # SIGTERM to SIGKILL when a node's pod is deleted
+# A CUDA image with torch; the pod installs tfsn on start if the image lacks it. TFSN_K8S_IMAGE overrides.
+DEFAULT_IMAGE = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
+GPU = "nvidia.com/gpu"
+# Node labels that name a node's GPU model, most specific first.
+GPU_LABELS = ("nvidia.com/gpu.product", "cloud.google.com/gke-accelerator")
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"   # MiB, set by GPU feature discovery
+PRICE_ANNOTATION = "tfsn.dev/price-per-hour"  # $/node-hour, set by the cluster's owner
+CPU_INSTANCE = "cpu"            # the offer of nodes without GPUs: no node selector
+NODE_ANNOTATION = "tfsn.dev/node-id"          # the exact node id (labels and names must be shortened)
+# Models sold in two memory sizes, named apart in the catalog (SkyPilot's names).
+MEMORY_VARIANTS = {("A100", "80GB"): "A100-80GB", ("V100", "32GB"): "V100-32GB"}
+PHASES = {"Pending": NodeStatus.PENDING, "Running": NodeStatus.RUNNING, "Succeeded": NodeStatus.TERMINATED,
+          "Failed": NodeStatus.TERMINATED, "Unknown": NodeStatus.UNKNOWN}
+# Runs the request's command as is, after installing tfsn where the image lacks it.
+ENTRYPOINT = ["/bin/sh", "-c", 'command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet '
+              '"${TFSN_INSTALL_SPEC:-' + DEFAULT_INSTALL_SPEC + '}"; exec "$@"', "tfsn-node"]
+
+
+def canonical_accelerator(product: str) -> str:
+    """The catalog's accelerator name of a node label value: NVIDIA-A100-SXM4-80GB and nvidia-a100-80gb
+    are "A100-80GB", NVIDIA-H100-80GB-HBM3 is "H100", nvidia-tesla-t4 is "T4"."""
+    words = [w for w in re.split(r"[-_ ]+", product.upper()) if w and w not in ("NVIDIA", "TESLA", "GEFORCE")]
+    model = words[0] if words else product
+    return next((name for (base, size), name in MEMORY_VARIANTS.items() if base == model and size in words), model)
+
+
+def _quantity(value: str) -> float:
+    """A Kubernetes quantity ("96", "500m", "1000Gi", "512000Ki") as a number (bytes for memory)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
+    for suffix, factor in units.items():
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * factor
+    return float(value)
+
+
+def _price(node: Any) -> float:
+    """The node-hour price its owner annotated, 0 (already paid for) without one."""
+    text = (node.metadata.annotations or {}).get(PRICE_ANNOTATION, "0")
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidRequestError(f"node {node.metadata.name}: annotation {PRICE_ANNOTATION}={text!r} is not a "
+                                  "number. To fix: set it to the node-hour price in USD, e.g. '2.5'",
+                                  provider=NAME) from None
+
+
+class KubernetesProvider:
+    """Pods as nodes (see the module docstring)."""
+
+    name = NAME
+
+    def __init__(self, context: str | None = None, namespace: str | None = None) -> None:
+        self.context = context or os.environ.get("TFSN_K8S_CONTEXT") or None
+        self._namespace = namespace or os.environ.get("TFSN_K8S_NAMESPACE") or None
+        self._api: Any = None
+
+    def _core(self) -> Any:
+        """CoreV1Api on the kubeconfig's cluster (or the pod's service account), with bounded retries."""
+        if self._api is None:
+            kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
+            retry = import_sdk("urllib3.util.retry", provider=NAME, extra=EXTRA)
+            configuration = kubernetes.client.Configuration()
+            try:
+                if os.environ.get("KUBERNETES_SERVICE_HOST") and not (
+                        os.environ.get("KUBECONFIG") or Path("~/.kube/config").expanduser().exists()):
+                    kubernetes.config.load_incluster_config(client_configuration=configuration)
+                    self._namespace = self._namespace or Path(
+                        "/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip()
+                else:
+                    # The client reads KUBECONFIG once, at import: read it now, where the caller set it.
+                    path = os.environ.get("KUBECONFIG") or None
+                    kubernetes.config.load_kube_config(path, context=self.context, client_configuration=configuration)
+                    contexts, active = kubernetes.config.list_kube_config_contexts(path)
+                    chosen = next((c for c in contexts if c["name"] == self.context), active)
+                    self.context = chosen["name"]
+                    self._namespace = self._namespace or chosen.get("context", {}).get("namespace")
+            except (kubernetes.config.ConfigException, OSError) as err:
+                raise AuthError(f"no Kubernetes cluster configured ({err}). To fix: set KUBECONFIG or "
+                                "TFSN_K8S_CONTEXT to a kubeconfig context of the cluster", provider=NAME) from None
+            configuration.retries = retry.Retry(
+                total=RETRIES, backoff_factor=BACKOFF_S, status_forcelist=(429, 500, 502, 503, 504),
+                allowed_methods=None, raise_on_status=False, respect_retry_after_header=True)
+            self._api = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
+        return self._api
+
+    @property
+    def namespace(self) -> str:
+        self._core()
+        return self._namespace or "default"
+
+    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One API call with the timeout, its errors turned into provider errors."""
+        api = self._core()
+        try:
+            return getattr(api, method)(*args, _request_timeout=TIMEOUT_S, **kwargs)
+        except Exception as err:
+            raise _provider_error(err, what, self.namespace) from None
+
+    def offers(self) -> list[Offer]:
+        """One offer per GPU model on the cluster's nodes (the largest node of each), plus CPU-only nodes."""
+        from providers.catalog import ACCELERATOR_MEMORY_GIB
+
+        nodes = self._call("cannot list the cluster's nodes", "list_node").items
+        best: dict[str, Offer] = {}
+        for node in nodes:
+            if node.spec and node.spec.unschedulable:
+                continue
+            labels = node.metadata.labels or {}
+            allocatable = (node.status.allocatable if node.status else None) or {}
+            gpus = int(_quantity(allocatable.get(GPU, "0")))
+            key = next((k for k in GPU_LABELS if labels.get(k)), None)
+            price = _price(node)
+            if gpus and key:
+                product = labels[key]
+                selector, accelerator = f"{key}={product}", canonical_accelerator(product)
+                memory_gib = (float(labels[GPU_MEMORY_LABEL]) / 1024 if labels.get(GPU_MEMORY_LABEL)
+                              else float(ACCELERATOR_MEMORY_GIB.get(accelerator.upper(), 0.0)))
+            else:
+                selector, accelerator, memory_gib, gpus = CPU_INSTANCE, None, 0.0, 0
+            candidate = Offer(provider=NAME, region=self.context or "in-cluster", zone=None, instance_type=selector,
+                              accelerator=accelerator, accelerator_count=gpus, accelerator_memory_gib=memory_gib,
+                              vcpus=_quantity(allocatable.get("cpu", "0")),
+                              memory_gib=_quantity(allocatable.get("memory", "0")) / 2**30, price=price)
+            current = best.get(selector)
+            if current is None or (candidate.accelerator_count, candidate.vcpus) > (current.accelerator_count,
+                                                                                     current.vcpus):
+                best[selector] = candidate
+        return sorted(best.values(), key=lambda o: o.instance_type)
+
+    def pod(self, request: NodeRequest) -> dict[str, Any]:
+        """The pod manifest of a node."""
+        offer = request.offer
+        limits: dict[str, str] = {}
+        requests: dict[str, str] = {}
+        if request.cpus:
+            requests["cpu"] = str(request.cpus)
+        if request.memory_gib:
+            requests["memory"] = f"{int(request.memory_gib * 1024)}Mi"
+        spec: dict[str, Any] = {"restartPolicy": "Never", "terminationGracePeriodSeconds": DELETE_GRACE_S}
+        if offer is not None and offer.instance_type != CPU_INSTANCE:
+            key, _, value = offer.instance_type.partition("=")
+            spec["nodeSelector"] = {key: value}
+        if offer is not None and offer.accelerator_count:
+            limits[GPU] = str(offer.accelerator_count)
+            spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+        spec["containers"] = [{
+            "name": "agent",
+            "image": os.environ.get("TFSN_K8S_IMAGE") or DEFAULT_IMAGE,
+            "command": ENTRYPOINT + list(request.command),
+            "env": [{"name": k, "value": v} for k, v in sorted(request.env.items())],
+            "workingDir": request.workdir,
+            "resources": {k: v for k, v in (("limits", limits), ("requests", requests)) if v},
+        }]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": dns_label(request.node_id),
+            "labels": {**node_tags(request, label_safe=True), "app.kubernetes.io/managed-by": "tfsn"},
+            "annotations": {NODE_ANNOTATION: request.node_id, "tfsn.dev/job-id": request.job_id}}, "spec": spec}
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        if request.offer is not None and request.offer.provider != NAME:
+            raise InvalidRequestError(f"kubernetes node {request.node_id}: the offer is of {request.offer.provider}. "
+                                      "To fix: plan the job on an offer of the kubernetes provider", provider=NAME)
+        if request.spot:
+            raise InvalidRequestError("a Kubernetes cluster has no spot market. To fix: set use_spot: false",
+                                      provider=NAME)
+        manifest = self.pod(request)
+        name = manifest["metadata"]["name"]
+        what = f"cannot create pod {name} in namespace {self.namespace}"
+        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
+        try:
+            self._core().create_namespaced_pod(self.namespace, manifest, _request_timeout=TIMEOUT_S)
+        except kubernetes.client.ApiException as err:
+            if err.status != 409:
+                raise _provider_error(err, what, self.namespace) from None
+            # Idempotent: the pod exists. It is this node's if it carries this node id.
+            existing = self._call(what, "read_namespaced_pod", name, self.namespace)
+            if (existing.metadata.annotations or {}).get(NODE_ANNOTATION) != request.node_id:
+                raise InvalidRequestError(f"{what}: a pod of that name belongs to something else. To fix: delete "
+                                          "it or use another namespace (TFSN_K8S_NAMESPACE)", provider=NAME) from None
+        except Exception as err:
+            raise _provider_error(err, what, self.namespace) from None
+        return NodeHandle(provider=NAME, node_id=request.node_id,
+                          data={"namespace": self.namespace, "pod": name, "context": self.context})
+
+    def _where(self, handle: NodeHandle) -> tuple[str, str]:
+        return handle.data.get("pod") or dns_label(handle.node_id), handle.data.get("namespace") or self.namespace
+
+    def status(self, handle: NodeHandle) -> NodeStatus:
+        name, namespace = self._where(handle)
+        try:
+            pod = self._call(f"cannot read pod {name}", "read_namespaced_pod", name, namespace)
+        except NotFoundError:
+            return NodeStatus.TERMINATED
+        except ProviderError:
+            return NodeStatus.UNKNOWN
+        if pod.metadata.deletion_timestamp:
+            return NodeStatus.TERMINATED
+        return PHASES.get(pod.status.phase if pod.status else None, NodeStatus.PENDING)
+
+    def terminate(self, handle: NodeHandle) -> None:
+        name, namespace = self._where(handle)
+        try:
+            self._call(f"cannot delete pod {name}", "delete_namespaced_pod", name, namespace,
+                       grace_period_seconds=DELETE_GRACE_S, propagation_policy="Background")
+        except NotFoundError:
+            pass
+
+
+def _provider_error(err: Exception, what: str, namespace: str) -> ProviderError:
+    """The typed error for a kubernetes client exception, keeping the API's status and reason."""
+    kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
+    if isinstance(err, ProviderError):
+        return err
+    if not isinstance(err, kubernetes.client.ApiException):
+        failure = ProviderError(f"{what}: cannot reach the Kubernetes API ({type(err).__name__}: {err}). "
+                                "To fix: check the cluster's address in the kubeconfig and the network", provider=NAME)
+        failure.retryable = True
+        return failure
+    reason = _reason(err)
+    detail = f"{what}: {err.status} {reason}"
+    if err.status == 401:
+        return AuthError(f"{detail}. To fix: refresh the kubeconfig's credentials", provider=NAME)
+    if err.status == 403 and "exceeded quota" in reason:
+        return QuotaError(f"{detail}. To fix: raise the ResourceQuota of namespace {namespace}", provider=NAME)
+    if err.status == 403:
+        return AuthError(f"{detail}. To fix: grant the kubeconfig's user get/create/delete on pods and list on "
+                         f"nodes in namespace {namespace} (a Role and RoleBinding)", provider=NAME)
+    if err.status == 404:
+        return NotFoundError(f"{detail}. To fix: create namespace {namespace} or set TFSN_K8S_NAMESPACE",
+                             provider=NAME, scope="provider")
+    if err.status in (400, 422):
+        return InvalidRequestError(f"{detail}. To fix: check TFSN_K8S_IMAGE and the offer", provider=NAME)
+    failure = ProviderError(detail, provider=NAME)
+    failure.retryable = err.status in (429, 500, 502, 503, 504)
+    return failure
+
+
+def _reason(err: Any) -> str:
+    """The API server's message of an ApiException (its Status body), else the HTTP reason."""
+    import json
+
+    try:
+        body = json.loads(err.body or "{}")
+        body = body if isinstance(body, dict) else {}
+        text = f"{body.get('reason', err.reason)}: {body.get('message', '')}".rstrip(": ")
+    except ValueError:
+        text = str(err.reason)
+    return " ".join(text.split())  # one line

@@ -1,0 +1,264 @@
+"""The AWS driver through real boto3 over HTTP: moto's server, behind a proxy that injects real EC2 faults."""
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+
+import boto3  # noqa: E402
+from moto.server import ThreadedMotoServer  # noqa: E402
+
+import providers.aws as aws  # noqa: E402
+from providers.base import (AuthError, CapacityError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,  # noqa: E402
+                            Offer, ProviderError, QuotaError)
+from providers.bootstrap import startup_script  # noqa: E402
+from tests.awsfaults import FaultProxy, free_port, price_list_item  # noqa: E402
+
+REGION = "us-east-1"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
+
+
+@pytest.fixture(scope="module")
+def aws_server():
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    proxy = FaultProxy("127.0.0.1", port)
+    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=f"http://127.0.0.1:{port}",
+                       aws_access_key_id="testing", aws_secret_access_key="testing")
+    # One of moto's own x86_64 AMIs (the same after every reset; listing them is slow, so once).
+    image = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"]
+                 if i.get("Architecture") == "x86_64")
+    yield proxy, f"http://127.0.0.1:{port}", image
+    proxy.close()
+    server.stop()
+
+
+@pytest.fixture
+def cloud(aws_server, monkeypatch, tmp_path):
+    """A fresh moto account reached only through AWS_ENDPOINT_URL, with fake credentials and a moto AMI."""
+    proxy, moto_url, image = aws_server
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "TFSN_AWS_AMI"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": proxy.url, "AWS_DEFAULT_REGION": REGION,
+                        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+                        "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(name, value)
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"), timeout=10).read()
+    proxy.rules.clear()
+    proxy.calls.clear()
+    ec2 = boto3.client("ec2", region_name=REGION)
+    monkeypatch.setenv("TFSN_AWS_AMI", image)
+    monkeypatch.setattr(aws, "BACKOFF_S", 0.01)  # our own backoff constant, so throttling tests stay fast
+    return proxy, ec2, image
+
+
+def offer(zone: str = "use1-az6", instance_type: str = "p4d.24xlarge", spot_price: float | None = 9.8) -> Offer:
+    return Offer(provider="aws", region=REGION, zone=zone, instance_type=instance_type, accelerator="A100",
+                 accelerator_count=8, accelerator_memory_gib=40, vcpus=96, memory_gib=1152, price=32.77,
+                 spot_price=spot_price)
+
+
+def request(node_id: str = "train-1-n0-ab12", spot: bool = False, **kw) -> NodeRequest:
+    return NodeRequest(job_id="1", node_id=node_id, command=["python", "-m", "orchestrator.agent"],
+                       env={"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"},
+                       workdir="/opt/job", offer=kw.pop("offer", offer()), spot=spot, **kw)
+
+
+def instances(ec2, node_id: str) -> list[dict]:
+    reply = ec2.describe_instances(Filters=[{"Name": "tag:tfsn-node", "Values": [node_id]}])
+    return [i for r in reply["Reservations"] for i in r["Instances"]]
+
+
+def test_provision_starts_a_tagged_instance_that_boots_the_agent(cloud):
+    _, ec2, image = cloud
+    req = request()
+    handle = aws.AwsProvider().provision(req)
+    [instance] = instances(ec2, req.node_id)
+    assert handle.data["instance_id"] == instance["InstanceId"]
+    # The catalog's zone id is this account's us-east-1a (moto's mapping, from EC2's own answer).
+    [zone] = ec2.describe_availability_zones(ZoneIds=["use1-az6"])["AvailabilityZones"]
+    assert (instance["InstanceType"], instance["Placement"]["AvailabilityZone"]) == ("p4d.24xlarge", zone["ZoneName"])
+    assert instance["ImageId"] == image
+    assert "InstanceLifecycle" not in instance  # on-demand
+    tags = {t["Key"]: t["Value"] for t in instance["Tags"]}
+    assert tags["tfsn-job"] == "1" and tags["tfsn-node"] == req.node_id
+    user_data = ec2.describe_instance_attribute(InstanceId=instance["InstanceId"], Attribute="userData")
+    assert base64.b64decode(user_data["UserData"]["Value"]).decode() == startup_script(req)
+    assert aws.AwsProvider().status(handle) is NodeStatus.RUNNING
+
+
+def test_spot_request_gets_a_spot_instance(cloud):
+    _, ec2, _ = cloud
+    req = request(spot=True)
+    aws.AwsProvider().provision(req)
+    [instance] = instances(ec2, req.node_id)
+    assert instance["InstanceLifecycle"] == "spot"
+
+
+def test_spot_on_an_offer_without_spot_market_is_refused_before_any_call(cloud):
+    proxy, _, _ = cloud
+    with pytest.raises(ProviderError, match="no spot market"):
+        aws.AwsProvider().provision(request(spot=True, offer=offer(spot_price=None)))
+    assert not [c for c in proxy.calls if c.action == "RunInstances"]
+
+
+def test_same_node_twice_is_one_instance_and_survives_a_controller_restart(cloud):
+    proxy, ec2, _ = cloud
+    req = request()
+    first = aws.AwsProvider().provision(req)
+    second = aws.AwsProvider().provision(req)
+    assert second.data["instance_id"] == first.data["instance_id"]
+    assert len(instances(ec2, req.node_id)) == 1
+    sent = [c.params for c in proxy.calls if c.action == "RunInstances"]
+    assert [p["ClientToken"] for p in sent] == [req.node_id]  # EC2's own idempotency token on the one request
+    # A new controller rebuilds the handle from the JSON it stored.
+    restored = NodeHandle(**json.loads(json.dumps(first.__dict__)))
+    assert aws.AwsProvider().status(restored) is NodeStatus.RUNNING
+    aws.AwsProvider().terminate(restored)
+    assert aws.AwsProvider().status(restored) is NodeStatus.TERMINATED
+    aws.AwsProvider().terminate(restored)  # a node already gone is not an error
+
+
+def test_terminate_finds_an_unrecorded_instance_by_its_tag(cloud):
+    """A controller that stopped between the request and recording the handle still cleans up."""
+    _, ec2, _ = cloud
+    req = request()
+    aws.AwsProvider().provision(req)
+    bare = NodeHandle(provider="aws", node_id=req.node_id)
+    assert aws.AwsProvider().status(bare) is NodeStatus.RUNNING
+    aws.AwsProvider().terminate(bare)
+    assert [i["State"]["Name"] for i in instances(ec2, req.node_id)] == ["terminated"]
+    assert aws.AwsProvider().status(bare) is NodeStatus.TERMINATED
+
+
+def test_unknown_instance_is_unknown_while_ec2_may_lag_then_terminated(cloud):
+    handle = NodeHandle(provider="aws", node_id="x", data={"region": REGION, "instance_id": "i-0123456789abcdef0"})
+    young = NodeHandle(provider="aws", node_id="x", data={**handle.data, "requested_at": time.time()})
+    assert aws.AwsProvider().status(young) is NodeStatus.UNKNOWN
+    assert aws.AwsProvider().status(handle) is NodeStatus.TERMINATED
+
+
+def test_no_capacity_in_a_zone_fails_over_to_the_next_zone(cloud):
+    proxy, ec2, _ = cloud
+    rule = proxy.fail_ec2("RunInstances", "InsufficientInstanceCapacity",
+                          "We currently do not have sufficient p4d.24xlarge capacity in the Availability Zone you "
+                          "requested (us-east-1a).", **{"Placement.AvailabilityZone": "us-east-1a"})
+    provider, req = aws.AwsProvider(), request()
+    with pytest.raises(CapacityError) as caught:
+        provider.provision(req)
+    assert caught.value.scope == "zone" and caught.value.retryable
+    assert "InsufficientInstanceCapacity" in str(caught.value) and "\n" not in str(caught.value)
+    assert len(rule.hits) == 1  # no retries of a capacity error: failover is faster
+
+    # The planner's failover (orchestrator.planner): down the ranked offers, skipping what an error's scope
+    # blocked. The second offer is another instance type in the zone that had no capacity.
+    ranked = [offer("use1-az6"), offer("use1-az6", instance_type="p4de.24xlarge"), offer("use1-az1")]
+    blocked, handle = set(), None
+    for candidate in ranked:
+        if (candidate.region, candidate.zone) in blocked:
+            continue
+        try:
+            handle = provider.provision(request(offer=candidate))
+            break
+        except CapacityError as err:
+            assert err.scope == "zone"
+            blocked.add((candidate.region, candidate.zone))
+    assert handle is not None and handle.data["zone"] == "us-east-1b"  # use1-az1 in this account
+    assert len(rule.hits) == 2  # the zone without capacity was not asked again for another type
+    assert [i["Placement"]["AvailabilityZone"] for i in instances(ec2, req.node_id)] == ["us-east-1b"]
+
+
+@pytest.mark.parametrize("code,status,error,scope", [
+    ("VcpuLimitExceeded", 400, QuotaError, "region"),
+    ("MaxSpotInstanceCountExceeded", 400, QuotaError, "region"),
+    ("UnauthorizedOperation", 403, AuthError, "provider"),
+    ("InvalidAMIID.NotFound", 400, NotFoundError, "region"),
+])
+def test_ec2_errors_map_to_typed_errors_with_their_scope(cloud, code, status, error, scope):
+    proxy, ec2, _ = cloud
+    proxy.fail_ec2("RunInstances", code, "refused by the test", status=status)
+    with pytest.raises(error) as caught:
+        aws.AwsProvider().provision(request())
+    assert caught.value.scope == scope and code in str(caught.value) and "To fix:" in str(caught.value)
+    assert not instances(ec2, request().node_id)
+
+
+def test_throttling_is_retried_with_backoff_then_succeeds(cloud):
+    proxy, ec2, _ = cloud
+    rule = proxy.fail_ec2("RunInstances", "RequestLimitExceeded", "Request limit exceeded.", status=503, times=2)
+    aws.AwsProvider().provision(request())
+    assert len(rule.hits) == 2 and len(instances(ec2, request().node_id)) == 1
+
+
+def test_throttling_that_never_ends_gives_up_after_bounded_attempts(cloud):
+    proxy, _, _ = cloud
+    rule = proxy.fail_ec2("RunInstances", "RequestLimitExceeded", "Request limit exceeded.", status=503)
+    with pytest.raises(ProviderError, match="RequestLimitExceeded") as caught:
+        aws.AwsProvider().provision(request())
+    assert caught.value.retryable and len(rule.hits) == aws.RUN_ATTEMPTS
+
+
+def test_missing_credentials_is_an_auth_error_naming_the_fix(cloud, monkeypatch):
+    for name in CREDENTIALS:
+        monkeypatch.delenv(name)
+    with pytest.raises(AuthError, match="no AWS credentials found.*To fix: configure AWS credentials") as caught:
+        aws.AwsProvider().provision(request())
+    assert caught.value.scope == "provider"
+
+
+def test_default_ami_comes_from_the_deep_learning_ami_ssm_parameter(cloud, monkeypatch):
+    proxy, ec2, image = cloud
+    monkeypatch.delenv("TFSN_AWS_AMI")
+    name = aws.AMI_PARAMETER.format(arch="x86_64")
+    proxy.answer_json("AmazonSSM.GetParameter", {"Parameter": {
+        "Name": name, "Type": "String", "Value": image, "Version": 42, "DataType": "aws:ec2:image",
+        "ARN": f"arn:aws:ssm:{REGION}::parameter{name}", "LastModifiedDate": 1.7e9}})
+    req = request()
+    aws.AwsProvider().provision(req)
+    [lookup] = [c for c in proxy.calls if c.target == "AmazonSSM.GetParameter"]
+    assert json.loads(lookup.body)["Name"] == name
+    assert instances(ec2, req.node_id)[0]["ImageId"] == image
+
+
+def test_fetch_offers_prices_every_gpu_type_per_zone(cloud):
+    proxy, ec2, _ = cloud
+    # moto has no Price List API: the proxy answers GetProducts with AWS's document shape.
+    proxy.answer_json("AWSPriceListService.GetProducts", {"FormatVersion": "aws_v1", "PriceList": [
+        price_list_item("p4d.24xlarge", REGION, 32.7726), price_list_item("p4de.24xlarge", REGION, 40.9657),
+        price_list_item("g5.xlarge", REGION, 1.006), price_list_item("m5.large", REGION, 0.096)]})
+    offers = aws.fetch_offers([REGION])
+    by_type: dict[str, list[Offer]] = {}
+    for o in offers:
+        by_type.setdefault(o.instance_type, []).append(o)
+    assert set(by_type) == {"p4d.24xlarge", "p4de.24xlarge", "g5.xlarge"}  # GPU types that have a price
+    zones = {row["Location"] for row in ec2.describe_instance_type_offerings(
+        LocationType="availability-zone-id",
+        Filters=[{"Name": "instance-type", "Values": ["p4d.24xlarge"]}])["InstanceTypeOfferings"]}
+    assert {o.zone for o in by_type["p4d.24xlarge"]} == zones
+    p4d = by_type["p4d.24xlarge"][0]
+    assert (p4d.accelerator, p4d.accelerator_count, p4d.accelerator_memory_gib) == ("A100", 8, 40)
+    assert (p4d.vcpus, p4d.price, p4d.arch) == (96, 32.7726, "x86_64") and p4d.interconnect.startswith("EFA")
+    assert by_type["p4de.24xlarge"][0].accelerator == "A100-80GB"
+    assert by_type["g5.xlarge"][0].interconnect is None
+    history = ec2.describe_spot_price_history(InstanceTypes=["g5.xlarge"])["SpotPriceHistory"]
+    ids = {z["ZoneName"]: z["ZoneId"] for z in ec2.describe_availability_zones()["AvailabilityZones"]}
+    spot = {ids[row["AvailabilityZone"]]: float(row["SpotPrice"]) for row in history}
+    assert {o.zone: o.spot_price for o in by_type["g5.xlarge"]} == spot
+    [pricing] = [c for c in proxy.calls if c.target == "AWSPriceListService.GetProducts"]
+    filters = {f["Field"]: f["Value"] for f in json.loads(pricing.body)["Filters"]}
+    assert filters["regionCode"] == REGION and filters["operatingSystem"] == "Linux"
+
+
+def test_fetch_offers_with_refused_credentials_is_an_auth_error(cloud):
+    proxy, _, _ = cloud
+    proxy.fail_ec2("DescribeInstanceTypes", "AuthFailure", "AWS was not able to validate the provided access "
+                   "credentials", status=401)
+    with pytest.raises(AuthError, match="AuthFailure"):
+        aws.fetch_offers([REGION])

@@ -82,6 +82,19 @@ class Policy:
         self._streak = {key: n for key, n in self._streak.items() if key[0] != node}
         self._said = {said for said in self._said if said[0] != node}
 
+    def state(self) -> dict:
+        """What must outlive the controller process (JSON-safe): cooldowns, the replacement window and
+        exclusions. Streaks and once-per-episode notes are rebuilt by the next checks."""
+        return {"cooldown": {str(r): list(v) for r, v in self._cooldown.items()},
+                "replaced_at": list(self._replaced_at), "excluded": sorted(self._excluded)}
+
+    def restore(self, state: dict) -> None:
+        """Take back what `state()` saved (a restarted controller, the same job)."""
+        self._cooldown = {int(r): (float(at), None if step is None else int(step))
+                          for r, (at, step) in state.get("cooldown", {}).items()}
+        self._replaced_at = deque(sorted(float(t) for t in state.get("replaced_at", [])))
+        self._excluded = set(state.get("excluded", []))
+
     def exclude(self, node_id_or_host: str) -> None:
         """Never provision this node (or host) again for the job."""
         self._excluded.add(node_id_or_host)

@@ -15,10 +15,12 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 from health.metrics import Metrics
@@ -108,6 +110,17 @@ def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]
     return (error.strip() or f"workers exited with code {returncode}"), None
 
 
+def route_address(url: str) -> str:
+    """This machine's address on the route to `url` (a UDP connect sends nothing); '' if unknown."""
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return ""
+
+
 class Agent:
     def __init__(self, client: ControllerClient, node_id: str) -> None:
         self.client = client
@@ -121,6 +134,7 @@ class Agent:
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
         self.gpus = gpu_source(node_id)
+        self.addr = route_address(client.url)   # where the other nodes' workers reach this one
         # This node's GPU series for a Prometheus that scrapes nodes directly (the controller serves
         # the whole job's): on TFSN_AGENT_METRICS_PORT when set.
         self.metrics = Metrics()
@@ -257,7 +271,8 @@ class Agent:
                 try:
                     self._send_reports()
                     cmd = self.client.post(f"/nodes/{self.node_id}/heartbeat",
-                                           {"state": self.state, "attempt": self.attempt if self.proc else None})
+                                           {"state": self.state, "attempt": self.attempt if self.proc else None,
+                                            "addr": self.addr})
                     unreachable_since = None
                     last_heartbeat = now
                     if not self._obey(cmd):

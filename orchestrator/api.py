@@ -1,4 +1,4 @@
-"""The controller's HTTP API: what agents and the SDK call, on 127.0.0.1 only.
+"""The controller's HTTP API: what agents and the SDK call, on 127.0.0.1 unless TFSN_API_HOST opens it.
 
 Routing, size limits and the per-job secret token live here; what a request means is the
 controller's business (`Handlers`). A request without the job's token is refused with 401.
@@ -47,14 +47,16 @@ class ApiServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True  # a restarted controller takes its old port back at once
 
-    def __init__(self, port: int, store: Store, handlers: Handlers) -> None:
-        super().__init__(("127.0.0.1", port), _RequestHandler)
+    def __init__(self, port: int, store: Store, handlers: Handlers, host: str = "127.0.0.1",
+                 advertise: str = "") -> None:
+        super().__init__((host, port), _RequestHandler)
         self.store = store
         self.handlers = handlers
+        self.advertise = advertise   # the address nodes reach this server at, when not the bound one
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        return f"http://{self.advertise or self.server_address[0]}:{self.server_address[1]}"
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="tfsn-api", daemon=True)

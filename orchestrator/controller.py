@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,13 @@ from health.metrics import Metrics
 from health.policy import Action
 from health.telemetry import Sample
 from orchestrator.home import job_dir
+from orchestrator.placement import plan_for
+from orchestrator.planner import Blocklist, FailedAttempt, NoCapacityError, PlanError, PlannedOffer
 from orchestrator.spec import JobSpec
 from orchestrator.store import Job, JobState, Node, NodeState, Store
 from orchestrator.watch import JobWatch, health_config
-from providers.base import NodeHandle, NodeRequest, NodeStatus, Provider, ProviderError
+from providers.base import NodeHandle, NodeRequest, NodeStatus, Offer, Provider, ProviderError
+from providers.registry import load_provider
 
 STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node to report before deciding
 STARTING_TIMEOUT_MIN_S = 60.0  # a new node gets at least this long to send its first heartbeat
@@ -36,6 +40,8 @@ REPLACE_CHECKPOINT_WAIT_S = 60.0
 # A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
 NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
 _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
+DEFAULT_STATUS_POLL_S = 10.0  # how often a provider is asked about a node unless it says otherwise
+PLAN_KEEP = 50                # ranked candidates kept in the store for failover
 
 
 def requested_cpus(spec: JobSpec) -> int | None:
@@ -62,12 +68,14 @@ class Controller:
         self.wake = threading.Event()       # set by the API when something happened
         self.metrics = Metrics()            # tfsn_* series, served by the daemon
         self._watches: dict[int, JobWatch] = {}
+        self._seen: dict[str, tuple[float, NodeStatus]] = {}   # node id -> (when, provider status)
         self._log_lock = threading.Lock()
 
     # ---- API handlers -------------------------------------------------------------------------
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         node = self._node_of(job_id, node_id)
-        self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")))
+        self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")),
+                               addr=str(body.get("addr") or node.addr))
         # Only a STARTING node becomes READY: the loop may have failed it meanwhile.
         if body.get("state") == "ready" and self.store.promote_node(node_id, NodeState.STARTING, NodeState.READY):
             self._event(job_id, "node", f"node {node_id} ready" + (f" (rank {node.rank})" if node.rank is not None
@@ -130,7 +138,15 @@ class Controller:
             return {"action": "idle"}
         return {"action": "run", "attempt": job.attempt, "run": spec.run, "workdir": spec.workdir,
                 "nnodes": spec.num_nodes, "node_rank": node.rank, "nproc_per_node": spec.nprocs(),
-                "master_addr": "127.0.0.1", "master_port": job.master_port, "env": self._worker_env(job, spec)}
+                "master_addr": self._master_addr(job), "master_port": job.master_port,
+                "env": self._worker_env(job, spec)}
+
+    def _master_addr(self, job: Job) -> str:
+        """Where the workers meet: rank 0's node, as its agent reported it (loopback on one machine)."""
+        first = next((n for n in self.store.nodes(job.id, active_only=True) if n.rank == 0), None)
+        if first is None or getattr(self._provider(first.provider), "shares_host", False) or not first.addr:
+            return "127.0.0.1"
+        return first.addr
 
     def _worker_env(self, job: Job, spec: JobSpec) -> dict[str, str]:
         ckpt = spec.checkpoint
@@ -144,8 +160,9 @@ class Controller:
             env["TFSN_CHECKPOINT_KEEP"] = str(ckpt.keep)
         if spec.steps is not None:
             env["TFSN_STEPS"] = str(spec.steps)
-        provider = self._provider(self._provider_name(spec))
-        if getattr(provider, "shares_host", False) and "OMP_NUM_THREADS" not in spec.envs:
+        ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
+        shared = ranked and all(getattr(self._provider(n.provider), "shares_host", False) for n in ranked)
+        if shared and "OMP_NUM_THREADS" not in spec.envs:
             # Nodes that share this machine split its cores instead of each taking all of them.
             cpus = requested_cpus(spec) or max(1, (os.cpu_count() or 1) // spec.num_nodes)
             env["OMP_NUM_THREADS"] = str(max(1, cpus // spec.nprocs()))
@@ -211,7 +228,16 @@ class Controller:
             return
         spec = JobSpec.model_validate(job.spec)
         if job.state == JobState.PENDING:
-            self._transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {self._provider_name(spec)}")
+            try:
+                plan = plan_for(spec, self.providers)
+            except (PlanError, ProviderError) as err:
+                self._transition(job, JobState.FAILED, str(err), error=str(err))
+                return
+            candidates = [{"offer": asdict(c.offer), **c.to_dict()} for c in plan.ranked(PLAN_KEEP)]
+            self._transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_describe(plan.chosen)}"
+                             + ("" if plan.chosen == plan.naive else
+                                f" (the cheapest per hour, {_describe(plan.naive)}, would cost "
+                                f"${plan.naive.cost:,.2f})"), plan=candidates)
             job = self.store.job(job_id)
         self._check_nodes(job, spec)
         if job.state in (JobState.PROVISIONING, JobState.RECOVERING):
@@ -220,11 +246,9 @@ class Controller:
             self._watch_attempt(self.store.job(job_id), spec)
 
     # ---- nodes --------------------------------------------------------------------------------
-    @staticmethod
-    def _provider_name(spec: JobSpec) -> str:
-        return (spec.resources.infra or ["local"])[0]
-
     def _provider(self, name: str) -> Provider:
+        if name not in self.providers:
+            self.providers[name] = load_provider(name)
         return self.providers[name]
 
     def _check_nodes(self, job: Job, spec: JobSpec) -> None:
@@ -235,7 +259,7 @@ class Controller:
         for node in self.store.nodes(job.id, active_only=True):
             if node.handle is None:
                 continue
-            status = self._provider(node.provider).status(NodeHandle(**node.handle))
+            status = self._status(node, now)
             if status == NodeStatus.TERMINATED:
                 self._fail_node(job, node, "the node's agent exited")
             elif node.heartbeat_at is None and now - max(node.created_at, self.started_at) > first_timeout:
@@ -243,47 +267,100 @@ class Controller:
             elif node.heartbeat_at is not None and now - max(node.heartbeat_at, self.started_at) > timeout:
                 self._fail_node(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
 
+    def _status(self, node: Node, now: float) -> NodeStatus:
+        """The provider's view of a node, asked at most every `status_poll_s` (cloud APIs are rate limited)."""
+        provider = self._provider(node.provider)
+        seen = self._seen.get(node.id)
+        if seen is not None and now - seen[0] < getattr(provider, "status_poll_s", DEFAULT_STATUS_POLL_S):
+            return seen[1]
+        try:
+            status = provider.status(NodeHandle(**node.handle))
+        except ProviderError as err:   # transient: the heartbeat timeout still catches a dead node
+            print(f"node {node.id}: status failed: {err}", flush=True)
+            status = NodeStatus.UNKNOWN
+        self._seen[node.id] = (now, status)
+        return status
+
     def _fail_node(self, job: Job, node: Node, reason: str) -> None:
         self.store.update_node(node.id, state=NodeState.FAILED, failure=reason)
         self._event(job.id, "node", f"node {node.id} failed: {reason}")
         self._terminate(node)
 
     def _terminate(self, node: Node) -> None:
-        handle = NodeHandle(**node.handle) if node.handle else NodeHandle(node.provider, node.id)
+        self._seen.pop(node.id, None)
+        handle = NodeHandle(**node.handle) if node.handle else _intended_handle(node)
         try:
             self._provider(node.provider).terminate(handle)
         except ProviderError as err:  # recorded; the job goes on without that node either way
             self._event(node.job_id, "node", f"node {node.id} could not be fully terminated: {err}")
 
+    def _candidate(self, job: Job) -> PlannedOffer | None:
+        """The best planned offer that no provisioning failure has ruled out."""
+        blocked = _blocklist(job)
+        for entry in job.plan:
+            offer = Offer(**entry["offer"])
+            if not blocked.blocks(offer):
+                return PlannedOffer(offer, entry["spot"], entry["nodes"], entry["price_per_hour"],
+                                    entry["step_seconds"], entry["predicted_hours"], entry["predicted_cost"])
+        return None
+
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
-        """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes)."""
-        provider = self._provider(self._provider_name(spec))
+        """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes).
+
+        A provisioning error blocks what its scope says (the offer, zone, region or provider) and the
+        next node goes to the next candidate of the plan; nodes already placed elsewhere follow it,
+        since one job's nodes must share a zone.
+        """
+        candidate = self._candidate(job)
+        if candidate is None:
+            reason = str(NoCapacityError(_blocklist(job).history))
+            self._teardown(job)
+            self._transition(job, JobState.FAILED, reason, error=reason)
+            return
+        offer = candidate.offer
+        self._gather(job, offer)
+        provider = self._provider(offer.provider)
         # Unique beyond this store: the local provider finds a node's processes by its id.
         node_id = f"{job.name}-{job.id}-n{len(self.store.nodes(job.id))}-{secrets.token_hex(2)}"
-        self.store.add_node(node_id, job.id, rank, provider.name)
+        self.store.add_node(node_id, job.id, rank, provider.name, offer=asdict(offer), spot=candidate.spot)
         log = job_dir(job.id, self.home) / f"{node_id}.log"
         request = NodeRequest(
             job_id=str(job.id), node_id=node_id, workdir=spec.workdir, log_path=str(log),
             command=agent_command(), cpus=requested_cpus(spec),
-            env=agent_env(self.url, job, node_id))
+            env=agent_env(self.url, job, node_id), offer=offer, spot=candidate.spot)
         try:
             handle = provider.provision(request)
         except Exception as err:  # a provider bug or an OS error must not leave the node REQUESTED
             if not isinstance(err, ProviderError):
                 err = ProviderError(f"{type(err).__name__}: {err}", provider=provider.name)
             self.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
-            self._event(job.id, "node", f"node {node_id} could not be created: {err}")
-            if not err.retryable:
-                self._teardown(job)
-                self._transition(job, JobState.FAILED, str(err), error=str(err))
+            blocked = job.blocked + [{"offer": asdict(offer), "spot": candidate.spot, "error": str(err),
+                                      "scope": err.scope}]
+            self.store.update_job(job.id, blocked=blocked)
+            following = self._candidate(self.store.job(job.id))
+            self._event(job.id, "node", f"node {node_id} could not be created on {_describe(candidate)}: {err} "
+                        f"(blocked this {err.scope}; " + (f"next: {_describe(following)})" if following
+                                                          else "no candidate left)"))
             return
         self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__)
         role = f"rank {rank}" if rank is not None else "spare"
-        self._event(job.id, "node", f"node {node_id} provisioned on {provider.name} ({role})")
+        self._event(job.id, "node", f"node {node_id} provisioned on {_describe(candidate)} ({role})")
+
+    def _gather(self, job: Job, offer: Offer) -> None:
+        """Release the job's nodes that are not where its next node goes (they are recreated there)."""
+        here = _site(asdict(offer))
+        for node in self.store.nodes(job.id, active_only=True):
+            if node.offer is not None and _site(node.offer) != here:
+                self._terminate(node)
+                self.store.update_node(node.id, state=NodeState.TERMINATED,
+                                       failure=f"moved with the job to {offer.provider}/{offer.zone or offer.region}")
+                self._event(job.id, "node", f"node {node.id} released: the job moves to "
+                            f"{offer.provider}/{offer.zone or offer.region}")
 
     def _provision(self, job: Job, spec: JobSpec) -> None:
         """Give every rank a node (a spare first), keep the spares topped up, then start an attempt."""
-        failed = [n for n in self.store.nodes(job.id) if n.state == NodeState.FAILED]
+        # Nodes that never came up are failover's business (the plan's candidates bound it), not this budget's.
+        failed = [n for n in self.store.nodes(job.id) if n.state == NodeState.FAILED and n.handle is not None]
         budget = spec.num_nodes + spec.recovery.spares + spec.recovery.max_restarts + 2
         if len(failed) > budget:
             reason = f"{len(failed)} nodes failed to start; last: {failed[-1].failure}"
@@ -330,6 +407,7 @@ class Controller:
         watch = self._watches.get(job.id)
         if watch is None:
             watch = self._watches[job.id] = JobWatch(job.id, health_config(spec.health.model_dump()), self.metrics)
+            watch.policy.restore(job.health)   # cooldowns and exclusions outlive a controller restart
         return watch
 
     @staticmethod
@@ -360,6 +438,7 @@ class Controller:
                 self._event(job.id, "health", f"failing attempt {job.attempt}: {decision.reason}")
             elif decision.action == Action.REPLACE_NODE and decision.node in nodes:
                 watch.policy.exclude(decision.node)
+                self.store.update_job(job.id, health=watch.policy.state())
                 if decision.finding.kind == FindingKind.HANG:  # a stuck rank cannot take part in a save
                     self._fail_node(job, nodes[decision.node], decision.reason)
                 else:
@@ -441,6 +520,36 @@ class Controller:
         for node in self.store.nodes(job.id, active_only=True):
             self._terminate(node)
             self.store.update_node(node.id, state=NodeState.TERMINATED)
+
+
+def _describe(candidate: PlannedOffer) -> str:
+    offer = candidate.offer
+    where = offer.zone or offer.region
+    what = offer.instance_type + (f" ({offer.accelerator_count}x {offer.accelerator})" if offer.accelerator else "")
+    parts = [offer.provider + ("" if where == offer.provider else f"/{where}")]
+    parts += [what] if what != offer.provider else []
+    return " ".join(parts + (["spot"] if candidate.spot else []))
+
+
+def _site(offer: dict[str, Any]) -> tuple:
+    """Where a node runs, as far as placing a job's nodes together is concerned."""
+    return offer["provider"], offer["region"], offer["zone"]
+
+
+def _intended_handle(node: Node) -> NodeHandle:
+    """How to find a node that was recorded but never confirmed: its id, and where it was asked for."""
+    where = {k: node.offer[k] for k in ("region", "zone") if node.offer and node.offer.get(k)}
+    return NodeHandle(node.provider, node.id, data=where)
+
+
+def _blocklist(job: Job) -> Blocklist:
+    """What the job's failed provisioning attempts rule out (rebuilt from the store)."""
+    blocked = Blocklist()
+    for entry in job.blocked:
+        offer = Offer(**entry["offer"])
+        blocked.block(offer, entry["scope"])
+        blocked.history.append(FailedAttempt(offer, entry["spot"], entry["error"], entry["scope"]))
+    return blocked
 
 
 def agent_command() -> list[str]:

@@ -94,10 +94,13 @@ def serve(home: Path) -> int:
 
     store = Store(store_path(home))
     controller = Controller(store, home, {"local": LocalProvider()})
+    # Loopback unless the user opens the API to cloud nodes (they must be able to reach it; every call
+    # still needs the job's token).
+    host, advertise = os.environ.get("TFSN_API_HOST", "127.0.0.1"), os.environ.get("TFSN_API_ADVERTISE", "")
     try:
-        server = ApiServer(previous, store, controller)
+        server = ApiServer(previous, store, controller, host, advertise)
     except OSError:  # the old port is taken by someone else now
-        server = ApiServer(0, store, controller)
+        server = ApiServer(0, store, controller, host, advertise)
     controller.url = server.url
     server.start()
     metrics_port = controller.metrics.serve(int(os.environ.get("TFSN_METRICS_PORT", 0)))

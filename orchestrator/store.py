@@ -14,7 +14,7 @@ import sqlite3
 import statistics
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,9 @@ class Job:
     checkpoint_request: float = 0.0  # when the controller last asked for a checkpoint now
     pending_replace: str = ""      # node to replace once the requested checkpoint is saved
     pending_reason: str = ""
+    plan: list[dict[str, Any]] = field(default_factory=list)     # ranked candidates (planner.PlannedOffer.to_dict)
+    blocked: list[dict[str, Any]] = field(default_factory=list)  # failed provisioning attempts: what they blocked
+    health: dict[str, Any] = field(default_factory=dict)         # the health policy's state (Policy.state())
 
 
 @dataclass
@@ -102,6 +105,9 @@ class Node:
     heartbeat_at: float | None = None
     agent_state: str = ""         # what the agent last said it is doing
     failure: str = ""
+    offer: dict[str, Any] | None = None  # the planned offer it was requested on (providers.base.Offer fields)
+    spot: bool = False
+    addr: str = ""                # the address its agent reported (rank 0's is the workers' rendezvous)
 
 
 _SCHEMA = """
@@ -116,13 +122,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL, restored_step INTEGER,
     checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '', finished_at REAL,
     checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
-    pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT ''
+    pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT '',
+    plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]', health TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES jobs(id), rank INTEGER,
     provider TEXT NOT NULL, state TEXT NOT NULL, handle TEXT, created_at REAL NOT NULL,
     updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
-    failure TEXT NOT NULL DEFAULT ''
+    failure TEXT NOT NULL DEFAULT '', offer TEXT, spot INTEGER NOT NULL DEFAULT 0,
+    addr TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
 CREATE TABLE IF NOT EXISTS results (
@@ -146,6 +154,15 @@ CREATE TABLE IF NOT EXISTS ranks (
     at REAL NOT NULL, step_time REAL NOT NULL, PRIMARY KEY (job_id, rank)
 );
 """
+
+_JSON_FIELDS = ("spec", "plan", "blocked", "health")   # job fields stored as JSON text
+# Columns added after the first release of the schema, for stores made before them.
+_ADDED_COLUMNS = {
+    "jobs": {"plan": "plan TEXT NOT NULL DEFAULT '[]'", "blocked": "blocked TEXT NOT NULL DEFAULT '[]'",
+             "health": "health TEXT NOT NULL DEFAULT '{}'"},
+    "nodes": {"offer": "offer TEXT", "spot": "spot INTEGER NOT NULL DEFAULT 0",
+              "addr": "addr TEXT NOT NULL DEFAULT ''"},
+}
 
 
 @dataclass(frozen=True)
@@ -172,6 +189,11 @@ def _first(rows: list[sqlite3.Row]) -> sqlite3.Row | None:
     return rows[0] if rows else None
 
 
+def _encoded(changes: dict[str, Any]) -> dict[str, Any]:
+    """Job field changes as SQLite values (the list fields are stored as JSON)."""
+    return {k: json.dumps(v) if k in _JSON_FIELDS else v for k, v in changes.items()}
+
+
 def _json_or_none(value: str | None) -> Any:
     return None if value is None else json.loads(value)
 
@@ -188,6 +210,15 @@ class Store:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the columns that a store made by an older tfsn lacks, so upgrading never loses its jobs."""
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, definition in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {definition}")
 
     def close(self) -> None:
         self._db.close()
@@ -236,7 +267,8 @@ class Store:
     def _job(row: sqlite3.Row) -> Job:
         values = dict(row)
         values["state"] = JobState(values["state"])
-        values["spec"] = json.loads(values["spec"])
+        for name in _JSON_FIELDS:
+            values[name] = json.loads(values[name])
         return Job(**{f.name: values[f.name] for f in fields(Job)})
 
     def update_job(self, job_id: int, **changes: Any) -> None:
@@ -246,6 +278,7 @@ class Store:
         unknown = set(changes) - allowed
         if unknown:
             raise StoreError(f"cannot update job fields {sorted(unknown)}")
+        changes = _encoded(changes)
         changes["updated_at"] = time.time()
         cols = ", ".join(f"{k} = ?" for k in changes)
         with self._tx() as db:
@@ -263,6 +296,7 @@ class Store:
                 return
             if new not in _TRANSITIONS.get(old, set()):
                 raise StoreError(f"job {job_id}: forbidden transition {old.value} -> {new.value}")
+            changes = _encoded(changes)
             changes.update(state=new.value, updated_at=now)
             if new.terminal:
                 changes["finished_at"] = now
@@ -276,12 +310,15 @@ class Store:
         self.update_job(job_id, stop_requested=1)
 
     # ---- nodes ----------------------------------------------------------------------------------
-    def add_node(self, node_id: str, job_id: int, rank: int | None, provider: str) -> Node:
+    def add_node(self, node_id: str, job_id: int, rank: int | None, provider: str,
+                 offer: dict[str, Any] | None = None, spot: bool = False) -> Node:
+        """Record a node before it is requested (the intent that a restarted controller reconciles)."""
         now = time.time()
         with self._tx() as db:
-            db.execute("INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (node_id, job_id, rank, provider, NodeState.REQUESTED.value, now, now))
+            db.execute("INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at, offer, spot) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (node_id, job_id, rank, provider, NodeState.REQUESTED.value, now, now,
+                        None if offer is None else json.dumps(offer), int(spot)))
         return self.node(node_id)
 
     def node(self, node_id: str) -> Node:
@@ -300,6 +337,8 @@ class Store:
         values = dict(row)
         values["state"] = NodeState(values["state"])
         values["handle"] = _json_or_none(values["handle"])
+        values["offer"] = _json_or_none(values["offer"])
+        values["spot"] = bool(values["spot"])
         return Node(**values)
 
     def update_node(self, node_id: str, **changes: Any) -> None:

@@ -87,6 +87,28 @@ def test_replacements_are_capped_per_window_and_the_decision_says_so():
     assert actions(policy, [crit[-1]], CONFIG.replacement_window_s + 10) == [(Action.REPLACE_NODE, crit[-1].node)]
 
 
+def test_cooldowns_caps_and_exclusions_survive_a_restart_through_their_saved_state():
+    import json
+
+    policy = Policy(CONFIG)
+    crit = [finding(node=f"n{i}", kind=FindingKind.XID, severity=Severity.CRITICAL, ranks=(i,))
+            for i in range(CONFIG.max_replacements)]
+    for i, f in enumerate(crit):
+        assert actions(policy, [f], float(i)) == [(Action.REPLACE_NODE, f.node)]
+    saved = json.loads(json.dumps(policy.state()))     # what the controller keeps in its store
+
+    again = Policy(CONFIG)                               # a restarted controller
+    again.restore(saved)
+    assert again.is_excluded("n0") and not again.is_excluded("m0")
+    new = finding(node="n0-new", ranks=(0,), step=150)
+    (decision,) = again.decide([new], 30.0)
+    assert decision.action == Action.WARN and "cooldown" in decision.reason
+    one_more = finding(node="m", kind=FindingKind.XID, severity=Severity.CRITICAL, ranks=())
+    (decision,) = again.decide([one_more], 40.0)
+    assert decision.action == Action.WARN and "max_replacements" in decision.reason
+    assert Policy(CONFIG).decide([one_more], 40.0)[0].action == Action.REPLACE_NODE, "without the state it would"
+
+
 def test_configured_actions_apply_per_kind():
     config = HealthConfig.load({"actions": {"straggler": "warn", "ecc": "ignore", "hang": "checkpoint"}})
     policy = Policy(config)

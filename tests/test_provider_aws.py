@@ -262,3 +262,40 @@ def test_fetch_offers_with_refused_credentials_is_an_auth_error(cloud):
                    "credentials", status=401)
     with pytest.raises(AuthError, match="AuthFailure"):
         aws.fetch_offers([REGION])
+
+
+def test_a_job_launched_on_aws_fails_over_to_the_next_zone_and_is_torn_down(cloud, tmp_path, monkeypatch):
+    """The whole path: the catalog's offers, the planner's ranking, the controller's failover and
+    teardown, the real driver and boto3, and EC2's own capacity error for the cheapest zone."""
+    from orchestrator.controller import Controller
+    from orchestrator.spec import JobSpec
+    from orchestrator.store import JobState, NodeState, Store
+    from providers.catalog import write_offers
+
+    proxy, ec2, _ = cloud
+    rule = proxy.fail_ec2("RunInstances", "InsufficientInstanceCapacity", "We currently do not have sufficient "
+                          "capacity in the Availability Zone you requested (us-east-1a).",
+                          **{"Placement.AvailabilityZone": "us-east-1a"})
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))   # the refreshed catalog `tfsn catalog refresh` writes
+    write_offers(tmp_path / "cache" / "catalog" / "aws.csv",
+                 [offer("use1-az6"), Offer(**{**offer("use1-az1").__dict__, "price": 33.0})])
+    store = Store(tmp_path / "tfsn.db")
+    spec = JobSpec.model_validate({"name": "big", "run": "python train.py", "workdir": str(tmp_path), "steps": 100,
+                                   "resources": {"accelerators": "A100:8", "infra": ["aws"]}})
+    job = store.create_job("big", spec.model_dump(mode="json"), "train.yaml", "t")
+    controller = Controller(store, tmp_path, {})
+    for _ in range(3):
+        controller.reconcile(job.id)
+
+    (node,) = store.nodes(job.id, active_only=True)
+    assert node.state == NodeState.STARTING and node.offer["zone"] == "use1-az1"
+    assert [i["Placement"]["AvailabilityZone"] for i in instances(ec2, node.id)] == ["us-east-1b"]
+    assert len(rule.hits) == 1 and store.job(job.id).blocked[0]["scope"] == "zone"
+    events = [e.message for e in store.events(job.id)]
+    assert any("could not be created on aws/use1-az6" in m and "InsufficientInstanceCapacity" in m
+               and "next: aws/use1-az1" in m for m in events), events
+
+    store.request_stop(job.id)
+    controller.reconcile(job.id)
+    assert store.job(job.id).state == JobState.STOPPED
+    assert [i["State"]["Name"] for i in instances(ec2, node.id)] in (["shutting-down"], ["terminated"])

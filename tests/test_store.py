@@ -70,3 +70,39 @@ def test_promote_node_only_from_the_expected_state(db):
     store.update_node("n", state=NodeState.FAILED)       # the loop failed it...
     assert not store.promote_node("n", NodeState.STARTING, NodeState.READY)  # ...a late heartbeat can't revive it
     assert store.node("n").state == NodeState.FAILED
+
+
+def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
+    import sqlite3
+
+    old = sqlite3.connect(db)
+    old.executescript("""
+        CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, state TEXT NOT NULL,
+            spec TEXT NOT NULL, spec_path TEXT NOT NULL, token TEXT NOT NULL, created_at REAL NOT NULL,
+            updated_at REAL NOT NULL, attempt INTEGER NOT NULL DEFAULT 0, attempt_state TEXT NOT NULL DEFAULT 'idle',
+            attempt_changed_at REAL NOT NULL DEFAULT 0, attempt_started_at REAL NOT NULL DEFAULT 0,
+            master_port INTEGER NOT NULL DEFAULT 0, restarts INTEGER NOT NULL DEFAULT 0,
+            stop_requested INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
+            last_failure TEXT NOT NULL DEFAULT '', step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL,
+            restored_step INTEGER, checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '',
+            finished_at REAL, checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
+            pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT '');
+        CREATE TABLE nodes (id TEXT PRIMARY KEY, job_id INTEGER NOT NULL, rank INTEGER, provider TEXT NOT NULL,
+            state TEXT NOT NULL, handle TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+            heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '', failure TEXT NOT NULL DEFAULT '');
+        INSERT INTO jobs (name, state, spec, spec_path, token, created_at, updated_at)
+            VALUES ('old', 'RUNNING', '{"name": "old"}', '/x.yaml', 't', 1, 1);
+        INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at)
+            VALUES ('old-1-n0', 1, 0, 'local', 'READY', 1, 1);
+    """)
+    old.commit()
+    old.close()
+    store = Store(db)
+    job = store.job(1)
+    assert job.state == JobState.RUNNING and job.plan == [] and job.blocked == []
+    node = store.nodes(1)[0]
+    assert node.state == NodeState.READY and node.offer is None and node.spot is False
+    store.update_job(1, blocked=[{"scope": "zone", "zone": "us-east-1a"}])
+    store.add_node("old-1-n1", 1, 1, "aws", offer={"zone": "us-east-1b"}, spot=True)
+    assert store.job(1).blocked == [{"scope": "zone", "zone": "us-east-1a"}]
+    assert store.node("old-1-n1").offer == {"zone": "us-east-1b"} and store.node("old-1-n1").spot is True

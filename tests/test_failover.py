@@ -1,0 +1,121 @@
+"""Provisioning with failover: the controller walks the plan down when a provider refuses a node.
+
+The providers here are scripted stand-ins for the Provider protocol (no cloud SDK involved): the
+drivers' own error mapping is tested against their emulators; this is the controller's side.
+"""
+from __future__ import annotations
+
+from orchestrator.controller import Controller
+from orchestrator.spec import JobSpec
+from orchestrator.store import JobState, NodeState, Store
+from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError, QuotaError
+
+
+def h100(provider: str, region: str, zone: str, price: float) -> Offer:
+    return Offer(provider=provider, region=region, zone=zone, instance_type="gpu8", accelerator="H100",
+                 accelerator_count=8, accelerator_memory_gib=80.0, vcpus=192.0, memory_gib=2048.0, price=price)
+
+
+class ScriptedProvider:
+    """Offers what it is given; refuses provisioning in the zones it is told to, with the given error."""
+
+    shares_host = False
+    status_poll_s = 0.0
+
+    def __init__(self, name: str, offers: list[Offer], refuse: dict[str, ProviderError] | None = None,
+                 room: dict[str, int] | None = None) -> None:
+        self.name = name
+        self._offers = offers
+        self.refuse = refuse or {}    # zone -> the error every request there gets
+        self.room = room or {}        # zone -> nodes it grants before it answers with a capacity error
+        self.created: dict[str, Offer] = {}
+        self.terminated: list[str] = []
+        self.asked: list[str] = []
+
+    def offers(self) -> list[Offer]:
+        return list(self._offers)
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        self.asked.append(request.offer.zone)
+        zone = request.offer.zone
+        if zone in self.refuse:
+            raise self.refuse[zone]
+        if zone in self.room:
+            if self.room[zone] == 0:
+                raise CapacityError(f"InsufficientInstanceCapacity in {zone}", provider=self.name)
+            self.room[zone] -= 1
+        self.created[request.node_id] = request.offer
+        return NodeHandle(self.name, request.node_id, {"zone": request.offer.zone})
+
+    def status(self, handle: NodeHandle) -> NodeStatus:
+        return NodeStatus.TERMINATED if handle.node_id in self.terminated else NodeStatus.RUNNING
+
+    def terminate(self, handle: NodeHandle) -> None:
+        self.terminated.append(handle.node_id)
+
+
+def submit(store: Store, tmp_path, num_nodes: int) -> int:
+    spec = JobSpec.model_validate({"name": "big", "run": "true", "workdir": str(tmp_path), "num_nodes": num_nodes,
+                                   "steps": 1000, "resources": {"accelerators": "H100:8", "infra": ["aws", "gcp"]}})
+    return store.create_job("big", spec.model_dump(mode="json"), "train.yaml", "t").id
+
+
+def reconcile(controller: Controller, job_id: int, times: int = 4) -> None:
+    for _ in range(times):
+        if controller.store.job(job_id).state.terminal:
+            return
+        controller.reconcile(job_id)
+
+
+def test_capacity_error_moves_the_job_to_the_next_zone_with_all_its_nodes(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    # us-east-1a is the cheapest; it gives one node, then runs out
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
+                                   h100("aws", "us-east-1", "us-east-1b", 95.0)], room={"us-east-1a": 1})
+    gcp = ScriptedProvider("gcp", [h100("gcp", "us-central1", "us-central1-a", 99.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp})
+    job_id = submit(store, tmp_path, num_nodes=2)
+    reconcile(controller, job_id)
+
+    active = store.nodes(job_id, active_only=True)
+    assert {n.offer["zone"] for n in active} == {"us-east-1b"} and len(active) == 2
+    first = store.nodes(job_id)[0]
+    assert first.state == NodeState.TERMINATED and first.id in aws.terminated, "moved with the job, not leaked"
+    assert store.job(job_id).blocked[0]["scope"] == "zone"
+    events = [e.message for e in store.events(job_id)]
+    assert any("could not be created on aws/us-east-1a" in m and "next: aws/us-east-1b" in m for m in events), events
+    assert gcp.asked == [], "a zone out of capacity does not rule out the rest of its region"
+
+
+def test_quota_blocks_the_region_and_no_candidate_left_fails_the_job_with_the_history(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
+                                   h100("aws", "us-east-1", "us-east-1b", 91.0)],
+                           refuse={"us-east-1a": QuotaError("VcpuLimitExceeded", provider="aws")})
+    gcp = ScriptedProvider("gcp", [h100("gcp", "us-central1", "us-central1-a", 99.0)],
+                           refuse={"us-central1-a": CapacityError("ZONE_RESOURCE_POOL_EXHAUSTED", provider="gcp")})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp})
+    job_id = submit(store, tmp_path, num_nodes=1)
+    reconcile(controller, job_id, times=6)
+
+    job = store.job(job_id)
+    assert job.state == JobState.FAILED
+    assert aws.asked == ["us-east-1a"], "a quota error rules out the whole region, us-east-1b included"
+    assert gcp.asked == ["us-central1-a"]
+    assert "VcpuLimitExceeded" in job.error and "ZONE_RESOURCE_POOL_EXHAUSTED" in job.error
+    assert "To fix" in job.error
+
+
+def test_the_plan_and_blocks_survive_a_controller_restart(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    offers = [h100("aws", "us-east-1", "us-east-1a", 90.0), h100("aws", "us-east-1", "us-east-1b", 95.0)]
+    aws = ScriptedProvider("aws", offers, refuse={"us-east-1a": CapacityError("no capacity", provider="aws")})
+    job_id = submit(store, tmp_path, num_nodes=1)
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}).reconcile(job_id)
+    assert store.job(job_id).state == JobState.PROVISIONING
+
+    again = ScriptedProvider("aws", offers)   # a new controller; us-east-1a would have capacity again
+    controller = Controller(store, tmp_path, {"aws": again, "gcp": ScriptedProvider("gcp", [])})
+    reconcile(controller, job_id)
+    assert again.asked == ["us-east-1b"], "the block recorded before the restart still holds"
+    assert store.job(job_id).plan[0]["zone"] == "us-east-1a", "the plan is the one made at submission"

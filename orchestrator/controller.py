@@ -34,7 +34,7 @@ from providers.base import NodeHandle, NodeRequest, NodeStatus, Offer, Provider,
 from providers.registry import load_provider
 
 STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node to report before deciding
-STARTING_TIMEOUT_MIN_S = 60.0  # a new node gets at least this long to send its first heartbeat
+DEFAULT_START_TIMEOUT_S = 900.0  # a new node gets this long to send its first heartbeat, unless its provider says
 # A node to be replaced waits this long for the checkpoint asked of the job first (or 30 steps).
 REPLACE_CHECKPOINT_WAIT_S = 60.0
 # A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
@@ -255,14 +255,20 @@ class Controller:
         """Fail every node whose agent is gone or silent."""
         now = time.time()
         timeout = spec.health.heartbeat_timeout
-        first_timeout = max(timeout, STARTING_TIMEOUT_MIN_S)
         for node in self.store.nodes(job.id, active_only=True):
             if node.handle is None:
                 continue
             status = self._status(node, now)
+            # A VM boots and installs tfsn before its agent speaks; a local process speaks at once.
+            start_timeout = getattr(self._provider(node.provider), "start_timeout_s", DEFAULT_START_TIMEOUT_S)
+            first_timeout = max(timeout, start_timeout)
             if status == NodeStatus.TERMINATED:
                 self._fail_node(job, node, "the node's agent exited")
             elif node.heartbeat_at is None and now - max(node.created_at, self.started_at) > first_timeout:
+                if status == NodeStatus.PENDING and node.offer is not None:
+                    # never scheduled (a Kubernetes pod with no room, a VM stuck in a queue): no capacity there
+                    self._block(job, node.offer, node.spot, f"node {node.id} still pending after "
+                                f"{first_timeout:.0f}s", "zone")
                 self._fail_node(job, node, f"no heartbeat within {first_timeout:.0f}s of start")
             elif node.heartbeat_at is not None and now - max(node.heartbeat_at, self.started_at) > timeout:
                 self._fail_node(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
@@ -334,9 +340,7 @@ class Controller:
             if not isinstance(err, ProviderError):
                 err = ProviderError(f"{type(err).__name__}: {err}", provider=provider.name)
             self.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
-            blocked = job.blocked + [{"offer": asdict(offer), "spot": candidate.spot, "error": str(err),
-                                      "scope": err.scope}]
-            self.store.update_job(job.id, blocked=blocked)
+            self._block(job, asdict(offer), candidate.spot, str(err), err.scope)
             following = self._candidate(self.store.job(job.id))
             self._event(job.id, "node", f"node {node_id} could not be created on {_describe(candidate)}: {err} "
                         f"(blocked this {err.scope}; " + (f"next: {_describe(following)})" if following
@@ -345,6 +349,12 @@ class Controller:
         self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__)
         role = f"rank {rank}" if rank is not None else "spare"
         self._event(job.id, "node", f"node {node_id} provisioned on {_describe(candidate)} ({role})")
+
+    def _block(self, job: Job, offer: dict[str, Any], spot: bool, error: str, scope: str) -> None:
+        """Rule out `scope` around `offer` for the rest of the job (kept in the store, read by _candidate)."""
+        blocked = self.store.job(job.id).blocked
+        self.store.update_job(job.id, blocked=blocked + [{"offer": offer, "spot": spot, "error": error,
+                                                          "scope": scope}])
 
     def _gather(self, job: Job, offer: Offer) -> None:
         """Release the job's nodes that are not where its next node goes (they are recreated there)."""

@@ -73,6 +73,7 @@ class LocalProvider:
     name = "local"
     shares_host = True   # every node runs on this one machine: the controller splits its cores
     status_poll_s = 0.0  # asking costs a /proc read: every reconcile
+    start_timeout_s = 60.0  # an agent process sends its first heartbeat within seconds
 
     def __init__(self) -> None:
         # Children started by this process, reaped on status() so they do not linger as zombies.

@@ -5,6 +5,8 @@ drivers' own error mapping is tested against their emulators; this is the contro
 """
 from __future__ import annotations
 
+import time
+
 from orchestrator.controller import Controller
 from orchestrator.spec import JobSpec
 from orchestrator.store import JobState, NodeState, Store
@@ -21,6 +23,7 @@ class ScriptedProvider:
 
     shares_host = False
     status_poll_s = 0.0
+    start_timeout_s = 0.0          # the job's heartbeat_timeout decides
 
     def __init__(self, name: str, offers: list[Offer], refuse: dict[str, ProviderError] | None = None,
                  room: dict[str, int] | None = None) -> None:
@@ -31,6 +34,7 @@ class ScriptedProvider:
         self.created: dict[str, Offer] = {}
         self.terminated: list[str] = []
         self.asked: list[str] = []
+        self.pending_zones: set[str] = set()   # nodes created there are never scheduled
 
     def offers(self) -> list[Offer]:
         return list(self._offers)
@@ -48,15 +52,18 @@ class ScriptedProvider:
         return NodeHandle(self.name, request.node_id, {"zone": request.offer.zone})
 
     def status(self, handle: NodeHandle) -> NodeStatus:
-        return NodeStatus.TERMINATED if handle.node_id in self.terminated else NodeStatus.RUNNING
+        if handle.node_id in self.terminated:
+            return NodeStatus.TERMINATED
+        return NodeStatus.PENDING if handle.data["zone"] in self.pending_zones else NodeStatus.RUNNING
 
     def terminate(self, handle: NodeHandle) -> None:
         self.terminated.append(handle.node_id)
 
 
-def submit(store: Store, tmp_path, num_nodes: int) -> int:
+def submit(store: Store, tmp_path, num_nodes: int, **fields) -> int:
     spec = JobSpec.model_validate({"name": "big", "run": "true", "workdir": str(tmp_path), "num_nodes": num_nodes,
-                                   "steps": 1000, "resources": {"accelerators": "H100:8", "infra": ["aws", "gcp"]}})
+                                   "steps": 1000, "resources": {"accelerators": "H100:8", "infra": ["aws", "gcp"]},
+                                   **fields})
     return store.create_job("big", spec.model_dump(mode="json"), "train.yaml", "t").id
 
 
@@ -119,3 +126,20 @@ def test_the_plan_and_blocks_survive_a_controller_restart(tmp_path):
     reconcile(controller, job_id)
     assert again.asked == ["us-east-1b"], "the block recorded before the restart still holds"
     assert store.job(job_id).plan[0]["zone"] == "us-east-1a", "the plan is the one made at submission"
+
+
+def test_a_node_that_is_never_scheduled_counts_as_no_capacity_there(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
+                                   h100("aws", "us-east-1", "us-east-1b", 95.0)])
+    aws.pending_zones.add("us-east-1a")        # e.g. a Kubernetes pool with no free GPUs: the pod stays Pending
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])})
+    job_id = submit(store, tmp_path, num_nodes=1, health={"heartbeat_timeout": "1s"})
+    controller.reconcile(job_id)
+    time.sleep(1.2)
+    reconcile(controller, job_id)
+
+    first, second = store.nodes(job_id)
+    assert first.state == NodeState.FAILED and "no heartbeat within" in first.failure
+    assert store.job(job_id).blocked[0]["scope"] == "zone" and "still pending" in store.job(job_id).blocked[0]["error"]
+    assert second.state == NodeState.STARTING and second.offer["zone"] == "us-east-1b"

@@ -299,3 +299,24 @@ def test_a_job_launched_on_aws_fails_over_to_the_next_zone_and_is_torn_down(clou
     controller.reconcile(job.id)
     assert store.job(job.id).state == JobState.STOPPED
     assert [i["State"]["Name"] for i in instances(ec2, node.id)] in (["shutting-down"], ["terminated"])
+
+
+def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_and_terminated(cloud, tmp_path):
+    from orchestrator.controller import Controller
+    from orchestrator.spec import JobSpec
+    from orchestrator.store import JobState, NodeState, Store
+
+    _, ec2, _ = cloud
+    store = Store(tmp_path / "tfsn.db")
+    spec = JobSpec.model_validate({"name": "big", "run": "true", "resources": {"infra": ["aws"]}})
+    job = store.create_job("big", spec.model_dump(mode="json"), "train.yaml", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    # recorded, requested from EC2, then the controller died before it wrote the instance id down
+    store.add_node("big-1-n0-dead", job.id, 0, "aws", offer=offer("use1-az1").__dict__)
+    aws.AwsProvider().provision(request("big-1-n0-dead", offer=offer("use1-az1")))
+    assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] == ["running"]
+
+    Controller(store, tmp_path, {}).reconcile_intents()   # what a new controller does first
+
+    assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] in (["shutting-down"], ["terminated"])
+    assert store.node("big-1-n0-dead").state == NodeState.TERMINATED

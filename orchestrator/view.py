@@ -48,11 +48,26 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
         "checkpoint": {"step": job.checkpoint_step, "path": job.checkpoint_path} if job.checkpoint_step else None,
         "error": job.error or None, "created_at": job.created_at, "finished_at": job.finished_at,
         "duration_s": end - job.created_at,
-        "nodes": [{"id": n.id, "rank": n.rank, "provider": n.provider, "state": n.state.value,
+        "nodes": [{"id": n.id, "rank": n.rank, "provider": n.provider, "where": _where(n), "spot": n.spot,
+                   "state": n.state.value,
                    "heartbeat_age_s": None if n.heartbeat_at is None else time.time() - n.heartbeat_at,
                    "failure": n.failure or None} for n in store.nodes(job.id)],
+        # the planner's best candidates (what failover walks down) and what provisioning errors ruled out
+        "plan": [{k: v for k, v in c.items() if k != "offer"} for c in job.plan[:5]],
+        "blocked": [{"provider": b["offer"]["provider"], "region": b["offer"]["region"], "zone": b["offer"]["zone"],
+                     "instance_type": b["offer"]["instance_type"], "scope": b["scope"], "error": b["error"]}
+                    for b in job.blocked],
         "events": [{"at": e.at, "kind": e.kind, "message": e.message} for e in store.events(job.id)][-50:],
     }
+
+
+def _where(node: Node) -> str:
+    """Where a node runs: provider, zone (or region) and instance type, as far as the plan said."""
+    if not node.offer:
+        return node.provider
+    o = node.offer
+    place = o["zone"] or o["region"]
+    return "/".join(dict.fromkeys([o["provider"], place, o["instance_type"]]))
 
 
 def jobs_table(jobs: list[Job]) -> Table:
@@ -70,11 +85,11 @@ def jobs_table(jobs: list[Job]) -> Table:
 
 def _nodes_table(nodes: list[Node]) -> Table:
     table = Table(box=None, header_style="bold", padding=(0, 2, 0, 0))
-    for column in ("NODE", "RANK", "STATE", "HEARTBEAT", "NOTE"):
+    for column in ("NODE", "RANK", "WHERE", "STATE", "HEARTBEAT", "NOTE"):
         table.add_column(column)
     now = time.time()
     for n in nodes:
-        table.add_row(n.id, "spare" if n.rank is None else str(n.rank), n.state.value,
+        table.add_row(n.id, "spare" if n.rank is None else str(n.rank), _where(n), n.state.value,
                       _age(None if n.heartbeat_at is None else now - n.heartbeat_at), n.failure)
     return table
 

@@ -135,6 +135,9 @@ class Agent:
         self._stopping = False
         self.gpus = gpu_source(node_id)
         self.addr = route_address(client.url)   # where the other nodes' workers reach this one
+        # The machine under this node, for the health policy's exclusions: a provider that runs nodes
+        # inside something (a pod on a Kubernetes node) sets TFSN_HOST_NAME to that something's name.
+        self.host = os.environ.get("TFSN_HOST_NAME") or socket.gethostname()
         # This node's GPU series for a Prometheus that scrapes nodes directly (the controller serves
         # the whole job's): on TFSN_AGENT_METRICS_PORT when set.
         self.metrics = Metrics()
@@ -272,7 +275,7 @@ class Agent:
                     self._send_reports()
                     cmd = self.client.post(f"/nodes/{self.node_id}/heartbeat",
                                            {"state": self.state, "attempt": self.attempt if self.proc else None,
-                                            "addr": self.addr})
+                                            "addr": self.addr, "host": self.host})
                     unreachable_since = None
                     last_heartbeat = now
                     if not self._obey(cmd):

@@ -75,7 +75,7 @@ class Controller:
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         node = self._node_of(job_id, node_id)
         self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")),
-                               addr=str(body.get("addr") or node.addr))
+                               addr=str(body.get("addr") or node.addr), host=str(body.get("host") or node.host))
         # Only a STARTING node becomes READY: the loop may have failed it meanwhile.
         if body.get("state") == "ready" and self.store.promote_node(node_id, NodeState.STARTING, NodeState.READY):
             self._event(job_id, "node", f"node {node_id} ready" + (f" (rank {node.rank})" if node.rank is not None
@@ -333,7 +333,8 @@ class Controller:
         request = NodeRequest(
             job_id=str(job.id), node_id=node_id, workdir=spec.workdir, log_path=str(log),
             command=agent_command(), cpus=requested_cpus(spec),
-            env=agent_env(self.url, job, node_id), offer=offer, spot=candidate.spot)
+            env=agent_env(self.url, job, node_id), offer=offer, spot=candidate.spot,
+            avoid_hosts=self._excluded_hosts(job, spec))
         try:
             handle = provider.provision(request)
         except Exception as err:  # a provider bug or an OS error must not leave the node REQUESTED
@@ -349,6 +350,11 @@ class Controller:
         self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__)
         role = f"rank {rank}" if rank is not None else "spare"
         self._event(job.id, "node", f"node {node_id} provisioned on {_describe(candidate)} ({role})")
+
+    def _excluded_hosts(self, job: Job, spec: JobSpec) -> tuple[str, ...]:
+        """The machines under the nodes the health policy replaced: a new node must not land there."""
+        policy = self._watch(job, spec).policy
+        return tuple(sorted({n.host for n in self.store.nodes(job.id) if n.host and policy.is_excluded(n.id)}))
 
     def _block(self, job: Job, offer: dict[str, Any], spot: bool, error: str, scope: str) -> None:
         """Rule out `scope` around `offer` for the rest of the job (kept in the store, read by _candidate)."""
@@ -447,8 +453,7 @@ class Controller:
                                       pending_reason=decision.reason)
                 self._event(job.id, "health", f"failing attempt {job.attempt}: {decision.reason}")
             elif decision.action == Action.REPLACE_NODE and decision.node in nodes:
-                watch.policy.exclude(decision.node)
-                self.store.update_job(job.id, health=watch.policy.state())
+                self.store.update_job(job.id, health=watch.policy.state())   # it excluded the node
                 if decision.finding.kind == FindingKind.HANG:  # a stuck rank cannot take part in a save
                     self._fail_node(job, nodes[decision.node], decision.reason)
                 else:

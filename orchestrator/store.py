@@ -108,6 +108,7 @@ class Node:
     offer: dict[str, Any] | None = None  # the planned offer it was requested on (providers.base.Offer fields)
     spot: bool = False
     addr: str = ""                # the address its agent reported (rank 0's is the workers' rendezvous)
+    host: str = ""                # the machine under it, as its agent reported (a Kubernetes node, ...)
 
 
 _SCHEMA = """
@@ -130,7 +131,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     provider TEXT NOT NULL, state TEXT NOT NULL, handle TEXT, created_at REAL NOT NULL,
     updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
     failure TEXT NOT NULL DEFAULT '', offer TEXT, spot INTEGER NOT NULL DEFAULT 0,
-    addr TEXT NOT NULL DEFAULT ''
+    addr TEXT NOT NULL DEFAULT '', host TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
 CREATE TABLE IF NOT EXISTS results (
@@ -161,7 +162,7 @@ _ADDED_COLUMNS = {
     "jobs": {"plan": "plan TEXT NOT NULL DEFAULT '[]'", "blocked": "blocked TEXT NOT NULL DEFAULT '[]'",
              "health": "health TEXT NOT NULL DEFAULT '{}'"},
     "nodes": {"offer": "offer TEXT", "spot": "spot INTEGER NOT NULL DEFAULT 0",
-              "addr": "addr TEXT NOT NULL DEFAULT ''"},
+              "addr": "addr TEXT NOT NULL DEFAULT ''", "host": "host TEXT NOT NULL DEFAULT ''"},
 }
 
 

@@ -61,6 +61,8 @@ class NodeRequest:
     memory_gib: float | None = None   # requested memory (None: the provider's default)
     offer: Offer | None = None        # the planned offer (cloud providers); None: the provider's default
     spot: bool = False                # request the spot / preemptible market of the offer
+    avoid_hosts: tuple[str, ...] = ()  # machines the health policy took out of the job (a provider that can
+                                       # choose the machine, such as Kubernetes, keeps off them)
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,13 @@ class ScriptedProvider:
         self.terminated: list[str] = []
         self.asked: list[str] = []
         self.pending_zones: set[str] = set()   # nodes created there are never scheduled
+        self.requests: list[NodeRequest] = []
 
     def offers(self) -> list[Offer]:
         return list(self._offers)
 
     def provision(self, request: NodeRequest) -> NodeHandle:
+        self.requests.append(request)
         self.asked.append(request.offer.zone)
         zone = request.offer.zone
         if zone in self.refuse:
@@ -143,3 +145,18 @@ def test_a_node_that_is_never_scheduled_counts_as_no_capacity_there(tmp_path):
     assert first.state == NodeState.FAILED and "no heartbeat within" in first.failure
     assert store.job(job_id).blocked[0]["scope"] == "zone" and "still pending" in store.job(job_id).blocked[0]["error"]
     assert second.state == NodeState.STARTING and second.offer["zone"] == "us-east-1b"
+
+
+def test_a_node_replaced_by_the_health_policy_keeps_its_machine_out_of_the_job(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    job_id = submit(store, tmp_path, num_nodes=1)
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}).reconcile(job_id)
+    (node,) = store.nodes(job_id)
+    assert aws.requests[0].avoid_hosts == ()
+    # its agent said which machine it is on; the policy replaced it (a straggler), then the controller restarted
+    store.update_node(node.id, host="gpu-host-7", state=NodeState.FAILED, failure="straggler")
+    store.update_job(job_id, health={"excluded": [node.id]})
+
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}).reconcile(job_id)
+    assert len(aws.requests) == 2 and aws.requests[1].avoid_hosts == ("gpu-host-7",)

@@ -8,6 +8,7 @@ Agents poll the controller (heartbeat) and get back what their node should be do
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,9 @@ REPLACE_CHECKPOINT_WAIT_S = 60.0
 NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
 _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
 DEFAULT_STATUS_POLL_S = 10.0  # how often a provider is asked about a node unless it says otherwise
+# What a remote node's agent is given from this machine's environment (how to install tfsn there).
+REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
+RELEASE_RETRY_S = 30.0        # how often a node whose termination failed is terminated again
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
 
 
@@ -69,6 +74,7 @@ class Controller:
         self.metrics = Metrics()            # tfsn_* series, served by the daemon
         self._watches: dict[int, JobWatch] = {}
         self._seen: dict[str, tuple[float, NodeStatus]] = {}   # node id -> (when, provider status)
+        self._release_tried: dict[str, float] = {}              # node id -> when a terminate last failed
         self._log_lock = threading.Lock()
 
     # ---- API handlers -------------------------------------------------------------------------
@@ -204,7 +210,8 @@ class Controller:
                     self.reconcile(job.id)
                 except Exception:  # one broken job must not stop the others
                     print(f"job {job.id}: reconcile failed\n{traceback.format_exc()}", flush=True)
-            if active:
+            self.sweep_releases()
+            if active or self.store.unreleased_nodes():
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since > idle_exit_s:
                 return
@@ -215,7 +222,10 @@ class Controller:
         for job in self.store.jobs(active_only=True):
             for node in self.store.nodes(job.id, active_only=True):
                 if node.state == NodeState.REQUESTED:
-                    self._terminate(node)
+                    try:
+                        self._terminate(node)
+                    except Exception:  # a provider bug must not keep the controller from starting
+                        print(f"node {node.id}: terminate failed\n{traceback.format_exc()}", flush=True)
                     self.store.update_node(node.id, state=NodeState.TERMINATED,
                                            failure="controller restarted before the node was confirmed")
 
@@ -233,7 +243,7 @@ class Controller:
             except (PlanError, ProviderError) as err:
                 self._transition(job, JobState.FAILED, str(err), error=str(err))
                 return
-            candidates = [{"offer": asdict(c.offer), **c.to_dict()} for c in plan.ranked(PLAN_KEEP)]
+            candidates = [c.to_record() for c in plan.ranked(PLAN_KEEP)]
             self._transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_describe(plan.chosen)}"
                              + ("" if plan.chosen == plan.naive else
                                 f" (the cheapest per hour, {_describe(plan.naive)}, would cost "
@@ -264,11 +274,13 @@ class Controller:
             first_timeout = max(timeout, start_timeout)
             if status == NodeStatus.TERMINATED:
                 self._fail_node(job, node, "the node's agent exited")
-            elif node.heartbeat_at is None and now - max(node.created_at, self.started_at) > first_timeout:
+            elif node.heartbeat_at is None and now - max(node.provisioned_at or node.created_at,
+                                                         self.started_at) > first_timeout:
                 if status == NodeStatus.PENDING and node.offer is not None:
-                    # never scheduled (a Kubernetes pod with no room, a VM stuck in a queue): no capacity there
+                    # never scheduled (a Kubernetes pod with no room, a VM stuck in a queue): no room for this
+                    # offer (Kubernetes offers have no zone: a wider block would take the whole cluster)
                     self._block(job, node.offer, node.spot, f"node {node.id} still pending after "
-                                f"{first_timeout:.0f}s", "zone")
+                                f"{first_timeout:.0f}s", "offer")
                 self._fail_node(job, node, f"no heartbeat within {first_timeout:.0f}s of start")
             elif node.heartbeat_at is not None and now - max(node.heartbeat_at, self.started_at) > timeout:
                 self._fail_node(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
@@ -293,22 +305,45 @@ class Controller:
         self._terminate(node)
 
     def _terminate(self, node: Node) -> None:
+        """Ask the provider to delete the node; until it confirms, `released` stays 0 and the loop asks again."""
         self._seen.pop(node.id, None)
         handle = NodeHandle(**node.handle) if node.handle else _intended_handle(node)
         try:
             self._provider(node.provider).terminate(handle)
-        except ProviderError as err:  # recorded; the job goes on without that node either way
-            self._event(node.job_id, "node", f"node {node.id} could not be fully terminated: {err}")
+        except ProviderError as err:  # the job goes on without that node either way; the sweep retries
+            if node.id not in self._release_tried:
+                self._event(node.job_id, "node", f"node {node.id} could not be terminated yet: {err}")
+            self._release_tried[node.id] = time.monotonic()
+            return
+        self._release_tried.pop(node.id, None)
+        self.store.update_node(node.id, released=True)
 
-    def _candidate(self, job: Job) -> PlannedOffer | None:
-        """The best planned offer that no provisioning failure has ruled out."""
+    def sweep_releases(self) -> None:
+        """Terminate again the nodes whose termination the provider has not confirmed (every RELEASE_RETRY_S)."""
+        for node in self.store.unreleased_nodes():
+            if time.monotonic() - self._release_tried.get(node.id, -math.inf) > RELEASE_RETRY_S:
+                try:
+                    self._terminate(node)
+                except Exception:   # a provider bug must not stop the loop
+                    print(f"node {node.id}: terminate failed\n{traceback.format_exc()}", flush=True)
+
+    def _candidate(self, job: Job, spec: JobSpec) -> PlannedOffer | None:
+        """The best planned offer that no provisioning failure has ruled out. The store keeps the plan's
+        best PLAN_KEEP; when blocks used them all up (or the job predates plans), plan again."""
         blocked = _blocklist(job)
-        for entry in job.plan:
-            offer = Offer(**entry["offer"])
-            if not blocked.blocks(offer):
-                return PlannedOffer(offer, entry["spot"], entry["nodes"], entry["price_per_hour"],
-                                    entry["step_seconds"], entry["predicted_hours"], entry["predicted_cost"])
-        return None
+        for record in job.plan:
+            candidate = PlannedOffer.from_record(record)
+            if not blocked.blocks(candidate.offer):
+                return candidate
+        try:
+            plan = plan_for(spec, self.providers)
+        except (PlanError, ProviderError):
+            return None
+        fresh = [c for c in plan.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
+        if not fresh:
+            return None
+        self.store.update_job(job.id, plan=[c.to_record() for c in fresh])
+        return fresh[0]
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes).
@@ -317,23 +352,33 @@ class Controller:
         next node goes to the next candidate of the plan; nodes already placed elsewhere follow it,
         since one job's nodes must share a zone.
         """
-        candidate = self._candidate(job)
+        candidate = self._candidate(job, spec)
         if candidate is None:
             reason = str(NoCapacityError(_blocklist(job).history))
             self._teardown(job)
             self._transition(job, JobState.FAILED, reason, error=reason)
             return
         offer = candidate.offer
-        self._gather(job, offer)
         provider = self._provider(offer.provider)
+        local = getattr(provider, "shares_host", False)
+        unreachable = None if local else _unreachable(self.url)
+        if unreachable:
+            self._teardown(job)
+            self._transition(job, JobState.FAILED, unreachable, error=unreachable)
+            return
+        ranked_sites = {_site(n.offer) for n in self.store.nodes(job.id, active_only=True)
+                        if n.rank is not None and n.offer is not None}
+        if rank is None and ranked_sites and ranked_sites != {_site(asdict(offer))}:
+            return   # a spare serves only where the ranks are: none while its site there is blocked
+        self._gather(job, offer)
         # Unique beyond this store: the local provider finds a node's processes by its id.
         node_id = f"{job.name}-{job.id}-n{len(self.store.nodes(job.id))}-{secrets.token_hex(2)}"
         self.store.add_node(node_id, job.id, rank, provider.name, offer=asdict(offer), spot=candidate.spot)
         log = job_dir(job.id, self.home) / f"{node_id}.log"
         request = NodeRequest(
             job_id=str(job.id), node_id=node_id, workdir=spec.workdir, log_path=str(log),
-            command=agent_command(), cpus=requested_cpus(spec),
-            env=agent_env(self.url, job, node_id), offer=offer, spot=candidate.spot,
+            command=agent_command(local), cpus=requested_cpus(spec),
+            env=agent_env(self.url, job, node_id, local), offer=offer, spot=candidate.spot,
             avoid_hosts=self._excluded_hosts(job, spec))
         try:
             handle = provider.provision(request)
@@ -341,13 +386,16 @@ class Controller:
             if not isinstance(err, ProviderError):
                 err = ProviderError(f"{type(err).__name__}: {err}", provider=provider.name)
             self.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
+            # The cloud may have taken the request before the error (a timeout after EC2 accepted the
+            # ClientToken, an operation that failed half-way): make sure nothing is left running.
+            self._terminate(self.store.node(node_id))
             self._block(job, asdict(offer), candidate.spot, str(err), err.scope)
-            following = self._candidate(self.store.job(job.id))
+            following = self._candidate(self.store.job(job.id), spec)
             self._event(job.id, "node", f"node {node_id} could not be created on {_describe(candidate)}: {err} "
                         f"(blocked this {err.scope}; " + (f"next: {_describe(following)})" if following
                                                           else "no candidate left)"))
             return
-        self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__)
+        self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__, provisioned_at=time.time())
         role = f"rank {rank}" if rank is not None else "spare"
         self._event(job.id, "node", f"node {node_id} provisioned on {_describe(candidate)} ({role})")
 
@@ -375,8 +423,10 @@ class Controller:
 
     def _provision(self, job: Job, spec: JobSpec) -> None:
         """Give every rank a node (a spare first), keep the spares topped up, then start an attempt."""
-        # Nodes that never came up are failover's business (the plan's candidates bound it), not this budget's.
-        failed = [n for n in self.store.nodes(job.id) if n.state == NodeState.FAILED and n.handle is not None]
+        # Nodes created that never came up (no heartbeat). Refused requests are failover's business (the
+        # plan's candidates bound them); nodes lost after they ran are charged to max_restarts.
+        failed = [n for n in self.store.nodes(job.id)
+                  if n.state == NodeState.FAILED and n.handle is not None and n.heartbeat_at is None]
         budget = spec.num_nodes + spec.recovery.spares + spec.recovery.max_restarts + 2
         if len(failed) > budget:
             reason = f"{len(failed)} nodes failed to start; last: {failed[-1].failure}"
@@ -547,14 +597,24 @@ def _describe(candidate: PlannedOffer) -> str:
 
 
 def _site(offer: dict[str, Any]) -> tuple:
-    """Where a node runs, as far as placing a job's nodes together is concerned."""
-    return offer["provider"], offer["region"], offer["zone"]
+    """Where and on what a node runs, as far as keeping a job's nodes alike and together is concerned."""
+    return offer["provider"], offer["region"], offer["zone"], offer["instance_type"]
 
 
 def _intended_handle(node: Node) -> NodeHandle:
     """How to find a node that was recorded but never confirmed: its id, and where it was asked for."""
     where = {k: node.offer[k] for k in ("region", "zone") if node.offer and node.offer.get(k)}
     return NodeHandle(node.provider, node.id, data=where)
+
+
+def _unreachable(url: str) -> str | None:
+    """Why nodes elsewhere could not reach the controller at `url`, or None."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host in ("", "0.0.0.0", "::") or host == "localhost" or host.startswith("127.") or host == "::1":
+        return (f"cloud nodes could not reach this controller at {url or 'an unset address'}. To fix: restart it "
+                "with TFSN_API_HOST=0.0.0.0 and TFSN_API_ADVERTISE=<an address the nodes reach> (and TFSN_API_PORT "
+                "for a fixed port): `tfsn controller stop`, then launch again")
+    return None
 
 
 def _blocklist(job: Job) -> Blocklist:
@@ -567,14 +627,17 @@ def _blocklist(job: Job) -> Blocklist:
     return blocked
 
 
-def agent_command() -> list[str]:
-    """How a node starts its agent."""
-    return [sys.executable, "-m", "orchestrator.agent"]
+def agent_command(local: bool = True) -> list[str]:
+    """How a node starts its agent: with this very Python here, with the node's own Python elsewhere."""
+    return [sys.executable if local else "python3", "-m", "orchestrator.agent"]
 
 
-def agent_env(url: str, job: Job, node_id: str) -> dict[str, str]:
-    """The agent's whole environment: the controller's address and the job's secret."""
+def agent_env(url: str, job: Job, node_id: str, local: bool = True) -> dict[str, str]:
+    """The agent's environment: the controller's address and the job's secret. A local node inherits
+    this process's environment; a remote one gets only tfsn's settings (never this machine's credentials,
+    paths or devices: they would end up in the VM's metadata)."""
     job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME"}
-    keep = {k: v for k, v in os.environ.items() if k not in job_specific}
+    keep = {k: v for k, v in os.environ.items()
+            if k not in job_specific and (local or k in REMOTE_SETTINGS)}
     return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": job.token, "TFSN_JOB_ID": str(job.id),
             "TFSN_NODE_ID": node_id}

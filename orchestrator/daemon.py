@@ -85,9 +85,9 @@ def serve(home: Path) -> int:
         print("another controller already runs for this TFSN_HOME", flush=True)
         return 0
     try:
-        previous = json.loads(info_path(home).read_text()).get("port", 0)
+        previous = int(os.environ.get("TFSN_API_PORT") or json.loads(info_path(home).read_text()).get("port", 0))
     except (OSError, ValueError):
-        previous = 0
+        previous = int(os.environ.get("TFSN_API_PORT") or 0)
     from orchestrator.api import ApiServer          # the controller's own process only: the CLI stays light
     from orchestrator.controller import Controller
     from providers.local import LocalProvider

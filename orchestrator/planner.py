@@ -2,12 +2,12 @@
 
     plan = plan_job(spec, offers)                  # pure: no I/O
     blocked = Blocklist()
-    while (candidate := plan.next(blocked)) is not None:
-        try:
-            return provision(candidate)
-        except ProviderError as err:
-            blocked.record(candidate, err)         # blocks the offer, zone, region or provider
-    raise NoCapacityError(blocked.history)
+    candidate = plan.next(blocked)                 # the best offer nothing has ruled out
+    ... provisioning fails with a ProviderError:
+    blocked.record(candidate, err)                 # blocks the offer, zone, region or provider
+    ... and the next candidate is plan.next(blocked); none left: NoCapacityError(blocked.history)
+
+(the controller walks this loop one node at a time, keeping the candidates and the blocks in its store)
 
 An offer is capable when it meets the accelerator request (type and count; any of a mapping, or one of
 an ordered list), has accelerator memory for the spec's `model:` (optimizer.predict.memory_gib_needed; a
@@ -26,7 +26,7 @@ preference first and ranks by cost within each choice. The planner knows no prov
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -79,6 +79,15 @@ class PlannedOffer:
     step_seconds: float        # predicted seconds per optimizer step
     hours: float               # predicted wall-clock hours of the run, startup and restarts included
     cost: float                # predicted USD for the run: price_per_hour x nodes x hours
+
+    def to_record(self) -> dict:
+        """JSON-safe, with the whole offer (for the controller's store); `from_record` reads it back."""
+        return {"offer": asdict(self.offer), **self.to_dict()}
+
+    @classmethod
+    def from_record(cls, record: dict) -> PlannedOffer:
+        return cls(Offer(**record["offer"]), record["spot"], record["nodes"], record["price_per_hour"],
+                   record["step_seconds"], record["predicted_hours"], record["predicted_cost"])
 
     def to_dict(self) -> dict:
         o = self.offer
@@ -355,19 +364,3 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, price=market, step_seconds=step,
                 hours=hours, cost=cost, naive_index=naive, workload=workload,
                 reference_workload=is_reference, steps=steps)
-
-
-def provision_with_failover(plan: Plan, attempt: Callable[[PlannedOffer], object],
-                            blocked: Blocklist | None = None) -> tuple[object, Blocklist]:
-    """Try candidates best first until `attempt` succeeds; each ProviderError blocks what its scope says.
-
-    Returns the attempt's result and the blocklist (its `history` lists the failures). Raises
-    NoCapacityError when every candidate is ruled out.
-    """
-    blocked = blocked if blocked is not None else Blocklist()
-    while (candidate := plan.next(blocked)) is not None:
-        try:
-            return attempt(candidate), blocked
-        except ProviderError as err:
-            blocked.record(candidate, err)
-    raise NoCapacityError(blocked.history)

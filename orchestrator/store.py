@@ -109,6 +109,8 @@ class Node:
     spot: bool = False
     addr: str = ""                # the address its agent reported (rank 0's is the workers' rendezvous)
     host: str = ""                # the machine under it, as its agent reported (a Kubernetes node, ...)
+    provisioned_at: float | None = None  # when the provider confirmed it (its start timeout counts from then)
+    released: bool = False        # the provider confirmed it is deleted (or it never existed)
 
 
 _SCHEMA = """
@@ -131,7 +133,8 @@ CREATE TABLE IF NOT EXISTS nodes (
     provider TEXT NOT NULL, state TEXT NOT NULL, handle TEXT, created_at REAL NOT NULL,
     updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
     failure TEXT NOT NULL DEFAULT '', offer TEXT, spot INTEGER NOT NULL DEFAULT 0,
-    addr TEXT NOT NULL DEFAULT '', host TEXT NOT NULL DEFAULT ''
+    addr TEXT NOT NULL DEFAULT '', host TEXT NOT NULL DEFAULT '', provisioned_at REAL,
+    released INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
 CREATE TABLE IF NOT EXISTS results (
@@ -162,7 +165,10 @@ _ADDED_COLUMNS = {
     "jobs": {"plan": "plan TEXT NOT NULL DEFAULT '[]'", "blocked": "blocked TEXT NOT NULL DEFAULT '[]'",
              "health": "health TEXT NOT NULL DEFAULT '{}'"},
     "nodes": {"offer": "offer TEXT", "spot": "spot INTEGER NOT NULL DEFAULT 0",
-              "addr": "addr TEXT NOT NULL DEFAULT ''", "host": "host TEXT NOT NULL DEFAULT ''"},
+              "addr": "addr TEXT NOT NULL DEFAULT ''", "host": "host TEXT NOT NULL DEFAULT ''",
+              "provisioned_at": "provisioned_at REAL",
+              # nodes of a store made before this column: their termination was taken as confirmed then
+              "released": "released INTEGER NOT NULL DEFAULT 1"},
 }
 
 
@@ -219,7 +225,11 @@ class Store:
             have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
             for name, definition in columns.items():
                 if name not in have:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {definition}")
+                    try:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {definition}")
+                    except sqlite3.OperationalError as err:   # another process added it just now
+                        if "duplicate column" not in str(err):
+                            raise
 
     def close(self) -> None:
         self._db.close()
@@ -316,8 +326,8 @@ class Store:
         """Record a node before it is requested (the intent that a restarted controller reconciles)."""
         now = time.time()
         with self._tx() as db:
-            db.execute("INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at, offer, spot) "
-                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            db.execute("INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at, offer, spot, "
+                       "released) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
                        (node_id, job_id, rank, provider, NodeState.REQUESTED.value, now, now,
                         None if offer is None else json.dumps(offer), int(spot)))
         return self.node(node_id)
@@ -340,6 +350,7 @@ class Store:
         values["handle"] = _json_or_none(values["handle"])
         values["offer"] = _json_or_none(values["offer"])
         values["spot"] = bool(values["spot"])
+        values["released"] = bool(values["released"])
         return Node(**values)
 
     def update_node(self, node_id: str, **changes: Any) -> None:
@@ -351,6 +362,12 @@ class Store:
         cols = ", ".join(f"{k} = ?" for k in changes)
         with self._tx() as db:
             db.execute(f"UPDATE nodes SET {cols} WHERE id = ?", (*changes.values(), node_id))
+
+    def unreleased_nodes(self) -> list[Node]:
+        """Nodes out of their job (failed or torn down) whose deletion the provider has not confirmed."""
+        rows = self._query("SELECT * FROM nodes WHERE released = 0 AND state IN (?, ?) ORDER BY created_at",
+                           (NodeState.FAILED.value, NodeState.TERMINATED.value))
+        return [self._node(r) for r in rows]
 
     def promote_node(self, node_id: str, expected: NodeState, new: NodeState) -> bool:
         """Move a node from `expected` to `new` only if it is still in `expected` (compare-and-set)."""

@@ -289,9 +289,12 @@ class AwsProvider:
         try:
             self._ec2(region).terminate_instances(InstanceIds=[instance_id])
         except Exception as err:
-            if _code(err) in NOT_FOUND:
-                return
-            raise _provider_error(err, f"cannot terminate node {handle.node_id} ({instance_id})") from None
+            if _code(err) not in NOT_FOUND:
+                raise _provider_error(err, f"cannot terminate node {handle.node_id} ({instance_id})") from None
+            # EC2 is eventually consistent: a fresh instance id can be unknown for a while, and gone it is not
+            if time.time() - handle.data.get("requested_at", 0) < CONSISTENCY_S:
+                raise ProviderError(f"aws: {instance_id} of node {handle.node_id} is not visible yet; "
+                                    "terminating again shortly", provider=self.name) from None
 
 
 def fetch_offers(regions: list[str] | None = None) -> list[Offer]:

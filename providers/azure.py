@@ -120,10 +120,8 @@ class AzureProvider:
                                       provider=PROVIDER)
         from azure.core.exceptions import ResourceNotFoundError
         compute, zonal = self._client("compute"), offer.zone is not None
-        vm = dns_label(f"tfsn-{request.node_id}")  # also a valid Linux host name
-        nic = f"{vm}-nic"
-        handle = NodeHandle(PROVIDER, request.node_id, {"subscription": self._subscription, "region": offer.region,
-                                                        "resource_group": self.resource_group, "vm": vm, "nic": nic})
+        handle = self._handle(request.node_id, offer.region)
+        vm, nic = handle.data["vm"], handle.data["nic"]
         doing = f"creating {vm} ({offer.instance_type}) in {offer.region}{f' zone {offer.zone}' if zonal else ''}"
         try:
             compute.virtual_machines.get(self.resource_group, vm)
@@ -169,8 +167,10 @@ class AzureProvider:
     def terminate(self, handle: NodeHandle) -> None:
         from azure.core.exceptions import ResourceNotFoundError
         data = handle.data
-        if not data.get("vm"):  # provision never reached the cloud
-            return
+        if not data.get("vm"):  # recorded, then the controller stopped before the answer: the name is the key
+            if not data.get("region"):
+                return            # never planned on a region: provision never reached the cloud
+            data = self._handle(handle.node_id, data["region"]).data
         # The VM first: a NIC in use cannot be deleted (its deleteOption usually deletes it with the VM).
         for kind, name in (("compute", data["vm"]), ("network", data["nic"])):
             try:
@@ -184,6 +184,12 @@ class AzureProvider:
                 raise _error(err, f"deleting {name}", zonal=False) from None
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _handle(self, node_id: str, region: str) -> NodeHandle:
+        """Where a node's VM and NIC are, from its id alone (names are the idempotency keys)."""
+        vm = dns_label(f"tfsn-{node_id}")  # also a valid Linux host name
+        return NodeHandle(PROVIDER, node_id, {"subscription": self._subscription, "region": region,
+                                              "resource_group": self.resource_group, "vm": vm, "nic": f"{vm}-nic"})
 
     def _begin_delete(self, kind: str, name: str, resource_group: str) -> Any:
         """Start deleting a VM or NIC; ARM answers 204 for one that does not exist, so missing is done."""

@@ -1,4 +1,4 @@
-"""The first thing a cloud node runs: a shell script that installs tfsn and starts its agent.
+"""The first thing a cloud node runs: a shell script that installs tfsn, runs its agent, then powers off.
 
 Every VM driver (AWS user-data, GCP startup-script metadata, Azure custom data) passes the same
 script, so what a node does at boot is written once. The script is idempotent: a VM that reboots
@@ -31,5 +31,8 @@ cd {workdir}
 if ! command -v tfsn >/dev/null 2>&1; then
   python3 -m pip install --quiet {shlex.quote(install)}
 fi
-exec {command}
+{command} || true
+# The agent exits when the job is over or its controller is gone for good: the machine goes too (AWS
+# terminates on shutdown; a GCP or Azure VM stops, and the controller deletes it when it can).
+shutdown -h now
 """

@@ -177,8 +177,11 @@ class GcpProvider:
     def terminate(self, handle: NodeHandle) -> None:
         from google.api_core import exceptions
         data = handle.data
-        if not data.get("name"):  # provision never reached the cloud
-            return
+        if not data.get("name"):  # recorded, then the controller stopped before the answer: the name is the key
+            if not (data.get("zone") or data.get("region")):
+                return            # never planned on a zone or region: provision never reached the cloud
+            data = {"project": self.project, "name": instance_name(handle.node_id),
+                    "zone": data.get("zone") or self._first_zone(data["region"])}
         try:
             operation = self._call("InstancesClient", "delete", project=data["project"], zone=data["zone"],
                                    instance=data["name"])

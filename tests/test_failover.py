@@ -13,6 +13,9 @@ from orchestrator.store import JobState, NodeState, Store
 from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError, QuotaError
 
 
+URL = "http://10.0.0.5:7000"   # the controller's API as cloud nodes would reach it
+
+
 def h100(provider: str, region: str, zone: str, price: float) -> Offer:
     return Offer(provider=provider, region=region, zone=zone, instance_type="gpu8", accelerator="H100",
                  accelerator_count=8, accelerator_memory_gib=80.0, vcpus=192.0, memory_gib=2048.0, price=price)
@@ -82,7 +85,7 @@ def test_capacity_error_moves_the_job_to_the_next_zone_with_all_its_nodes(tmp_pa
     aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
                                    h100("aws", "us-east-1", "us-east-1b", 95.0)], room={"us-east-1a": 1})
     gcp = ScriptedProvider("gcp", [h100("gcp", "us-central1", "us-central1-a", 99.0)])
-    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp}, url=URL)
     job_id = submit(store, tmp_path, num_nodes=2)
     reconcile(controller, job_id)
 
@@ -103,7 +106,7 @@ def test_quota_blocks_the_region_and_no_candidate_left_fails_the_job_with_the_hi
                            refuse={"us-east-1a": QuotaError("VcpuLimitExceeded", provider="aws")})
     gcp = ScriptedProvider("gcp", [h100("gcp", "us-central1", "us-central1-a", 99.0)],
                            refuse={"us-central1-a": CapacityError("ZONE_RESOURCE_POOL_EXHAUSTED", provider="gcp")})
-    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp}, url=URL)
     job_id = submit(store, tmp_path, num_nodes=1)
     reconcile(controller, job_id, times=6)
 
@@ -120,11 +123,11 @@ def test_the_plan_and_blocks_survive_a_controller_restart(tmp_path):
     offers = [h100("aws", "us-east-1", "us-east-1a", 90.0), h100("aws", "us-east-1", "us-east-1b", 95.0)]
     aws = ScriptedProvider("aws", offers, refuse={"us-east-1a": CapacityError("no capacity", provider="aws")})
     job_id = submit(store, tmp_path, num_nodes=1)
-    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}).reconcile(job_id)
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL).reconcile(job_id)
     assert store.job(job_id).state == JobState.PROVISIONING
 
     again = ScriptedProvider("aws", offers)   # a new controller; us-east-1a would have capacity again
-    controller = Controller(store, tmp_path, {"aws": again, "gcp": ScriptedProvider("gcp", [])})
+    controller = Controller(store, tmp_path, {"aws": again, "gcp": ScriptedProvider("gcp", [])}, url=URL)
     reconcile(controller, job_id)
     assert again.asked == ["us-east-1b"], "the block recorded before the restart still holds"
     assert store.job(job_id).plan[0]["zone"] == "us-east-1a", "the plan is the one made at submission"
@@ -135,7 +138,7 @@ def test_a_node_that_is_never_scheduled_counts_as_no_capacity_there(tmp_path):
     aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
                                    h100("aws", "us-east-1", "us-east-1b", 95.0)])
     aws.pending_zones.add("us-east-1a")        # e.g. a Kubernetes pool with no free GPUs: the pod stays Pending
-    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
     job_id = submit(store, tmp_path, num_nodes=1, health={"heartbeat_timeout": "1s"})
     controller.reconcile(job_id)
     time.sleep(1.2)
@@ -143,7 +146,7 @@ def test_a_node_that_is_never_scheduled_counts_as_no_capacity_there(tmp_path):
 
     first, second = store.nodes(job_id)
     assert first.state == NodeState.FAILED and "no heartbeat within" in first.failure
-    assert store.job(job_id).blocked[0]["scope"] == "zone" and "still pending" in store.job(job_id).blocked[0]["error"]
+    assert store.job(job_id).blocked[0]["scope"] == "offer" and "still pending" in store.job(job_id).blocked[0]["error"]
     assert second.state == NodeState.STARTING and second.offer["zone"] == "us-east-1b"
 
 
@@ -151,12 +154,76 @@ def test_a_node_replaced_by_the_health_policy_keeps_its_machine_out_of_the_job(t
     store = Store(tmp_path / "tfsn.db")
     aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
     job_id = submit(store, tmp_path, num_nodes=1)
-    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}).reconcile(job_id)
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL).reconcile(job_id)
     (node,) = store.nodes(job_id)
     assert aws.requests[0].avoid_hosts == ()
     # its agent said which machine it is on; the policy replaced it (a straggler), then the controller restarted
     store.update_node(node.id, host="gpu-host-7", state=NodeState.FAILED, failure="straggler")
     store.update_job(job_id, health={"excluded": [node.id]})
 
-    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}).reconcile(job_id)
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL).reconcile(job_id)
     assert len(aws.requests) == 2 and aws.requests[1].avoid_hosts == ("gpu-host-7",)
+
+
+def test_cloud_nodes_are_not_requested_while_the_controller_listens_on_loopback_only(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    job_id = submit(store, tmp_path, num_nodes=1)
+    reconcile(Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])},
+                         url="http://127.0.0.1:7000"), job_id)
+    job = store.job(job_id)
+    assert job.state == JobState.FAILED and aws.asked == []
+    assert "TFSN_API_HOST" in job.error and "127.0.0.1" in job.error
+
+
+def test_a_remote_node_gets_its_own_python_and_none_of_this_machines_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-ship")
+    monkeypatch.setenv("TFSN_INSTALL_SPEC", "tfsn==0.1.0")
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL).reconcile(
+        submit(store, tmp_path, num_nodes=1))
+    (request,) = aws.requests
+    assert request.command[0] == "python3" and "AWS_SECRET_ACCESS_KEY" not in request.env
+    assert "PATH" not in request.env and request.env["TFSN_INSTALL_SPEC"] == "tfsn==0.1.0"
+    assert request.env["TFSN_CONTROLLER_URL"] == URL and request.env["TFSN_TOKEN"]
+
+
+def test_a_spare_that_cannot_be_placed_with_the_ranks_does_not_move_them(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
+                                   h100("aws", "us-east-1", "us-east-1b", 95.0)], room={"us-east-1a": 2})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2, recovery={"spares": 1})
+    reconcile(controller, job_id)
+    ranked = [n for n in store.nodes(job_id, active_only=True) if n.rank is not None]
+    assert len(ranked) == 2 and {n.offer["zone"] for n in ranked} == {"us-east-1a"}
+    assert not [n for n in store.nodes(job_id, active_only=True) if n.rank is None], "no spare elsewhere"
+    assert not {n.id for n in ranked} & set(aws.terminated), "the ranks stay where they are"
+
+
+def test_a_node_whose_termination_failed_is_terminated_again_until_the_provider_confirms(tmp_path, monkeypatch):
+    import orchestrator.controller as controller_module
+
+    class FlakyDelete(ScriptedProvider):
+        def terminate(self, handle: NodeHandle) -> None:
+            if len(self.terminated) < 2:
+                self.terminated.append("refused")
+                raise ProviderError("RequestLimitExceeded", provider=self.name)
+            super().terminate(handle)
+
+    monkeypatch.setattr(controller_module, "RELEASE_RETRY_S", 0.0)
+    store = Store(tmp_path / "tfsn.db")
+    aws = FlakyDelete("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    store.request_stop(job_id)
+    controller.reconcile(job_id)                       # teardown: the delete is refused
+    (node,) = store.nodes(job_id)
+    assert node.state == NodeState.TERMINATED and not node.released
+    assert [n.id for n in store.unreleased_nodes()] == [node.id]
+    controller.sweep_releases()                        # refused again
+    controller.sweep_releases()                        # done
+    assert aws.terminated == ["refused", "refused", node.id] and store.node(node.id).released
+    assert store.unreleased_nodes() == []

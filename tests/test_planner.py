@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
 from orchestrator.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, plan_job,
-                                  provision_with_failover, workload_of)
+                                  workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
-from providers.base import AuthError, CapacityError, Offer, QuotaError
+from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
 
 ACC_MEMORY = {"H100": 80.0, "A100": 40.0, "A100-80GB": 80.0, "L4": 22.35, "T4": 16.0, "L40S": 48.0, "K80": 12.0}
 
@@ -222,6 +222,17 @@ def test_failover_ends_with_the_history_when_everything_fails():
     with pytest.raises(NoCapacityError) as err:
         provision_with_failover(plan, attempt)
     assert len(err.value.history) == 2 and "no capacity in z2" in str(err.value)
+
+
+def provision_with_failover(plan, attempt):
+    """The controller's walk down a plan (one node at a time there), as one loop."""
+    blocked = Blocklist()
+    while (candidate := plan.next(blocked)) is not None:
+        try:
+            return attempt(candidate), blocked
+        except ProviderError as err:
+            blocked.record(candidate, err)
+    raise NoCapacityError(blocked.history)
 
 
 # --- brute force: the plan's choice is the cheapest capable offer, over random catalogs -------------------

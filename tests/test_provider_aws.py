@@ -283,7 +283,7 @@ def test_a_job_launched_on_aws_fails_over_to_the_next_zone_and_is_torn_down(clou
     spec = JobSpec.model_validate({"name": "big", "run": "python train.py", "workdir": str(tmp_path), "steps": 100,
                                    "resources": {"accelerators": "A100:8", "infra": ["aws"]}})
     job = store.create_job("big", spec.model_dump(mode="json"), "train.yaml", "t")
-    controller = Controller(store, tmp_path, {})
+    controller = Controller(store, tmp_path, {}, url="http://10.0.0.5:7000")
     for _ in range(3):
         controller.reconcile(job.id)
 

@@ -78,7 +78,7 @@ def test_provision_creates_a_nic_and_a_tagged_vm_that_runs_the_startup_script(az
     assert nic["properties"]["ipConfigurations"][0]["properties"]["subnet"]["id"].endswith(
         "/virtualNetworks/tfsn-eastus/subnets/nodes")
     script = emulator.custom_data["tfsn-job-7-n0-ab12"]
-    assert script.startswith("#!/bin/bash") and "exec python3 -m orchestrator.agent" in script
+    assert script.startswith("#!/bin/bash") and "\npython3 -m orchestrator.agent || true\n" in script and script.rstrip().endswith("shutdown -h now")
     assert "priority" not in props
     ssh = props["osProfile"]["linuxConfiguration"]["ssh"]["publicKeys"]
     assert [k["keyData"] for k in ssh] == [os.environ[SSH_KEY_ENV]]
@@ -215,3 +215,10 @@ def test_fetch_offers_joins_resource_skus_with_retail_prices(azure, emulator):
 def test_provision_needs_an_azure_offer(azure):
     with pytest.raises(InvalidRequestError, match="needs a planned azure offer"):
         azure.provision(NodeRequest(job_id="7", node_id="n", command=["true"], env={}, workdir="/"))
+
+
+def test_a_vm_created_before_the_controller_recorded_it_is_found_by_its_name(azure, emulator):
+    azure.provision(request())                       # the answer never reached the store
+    recorded = NodeHandle("azure", "job-7-n0-ab12", {"region": offer().region})   # all the intent says
+    make_provider(emulator).terminate(recorded)
+    assert emulator.vms == {} and emulator.nics == {}

@@ -62,7 +62,7 @@ def test_provision_creates_a_labelled_gpu_vm_that_runs_the_startup_script(gcp, e
     assert body["scheduling"]["onHostMaintenance"] == "TERMINATE"
     assert body["labels"] == {"tfsn-job": "7", "tfsn-node": "job-7-n0-ab12"}
     script = metadata(body)["startup-script"]
-    assert script.startswith("#!/bin/bash") and "exec python3 -m orchestrator.agent" in script
+    assert script.startswith("#!/bin/bash") and "\npython3 -m orchestrator.agent || true\n" in script and script.rstrip().endswith("shutdown -h now")
     assert "export TFSN_NODE_ID=job-7-n0-ab12" in script
     assert gcp.status(handle) is NodeStatus.RUNNING
 
@@ -233,3 +233,11 @@ def test_fetch_offers_falls_back_to_the_snapshot_when_billing_is_unreachable(gcp
     # Prices are per region: the snapshot's row prices the offer in each zone of us-central1 with a T4.
     assert [(o.instance_type, o.accelerator, o.zone, o.price, o.spot_price) for o in offers] == [
         ("n1-standard-8", "T4", "us-central1-a", 0.73, 0.2), ("n1-standard-8", "T4", "us-central1-b", 0.73, 0.2)]
+
+
+def test_an_instance_created_before_the_controller_recorded_it_is_found_by_its_name(gcp, emulator):
+    created = gcp.provision(request())               # the answer never reached the store
+    assert instance(emulator, created)
+    recorded = NodeHandle("gcp", "job-7-n0-ab12", {"region": "us-central1", "zone": "us-central1-a"})
+    make_provider(emulator).terminate(recorded)
+    assert (PROJECT, created.data["zone"], created.data["name"]) not in emulator.instances

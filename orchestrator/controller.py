@@ -32,7 +32,7 @@ from orchestrator.planner import Blocklist, FailedAttempt, NoCapacityError, Plan
 from orchestrator.spec import JobSpec
 from orchestrator.store import Job, JobState, Node, NodeState, Store
 from orchestrator.watch import JobWatch, health_config
-from providers.base import NodeHandle, NodeRequest, NodeStatus, Offer, Provider, ProviderError
+from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, Provider, ProviderError
 from providers.registry import load_provider
 
 STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node to report before deciding
@@ -45,6 +45,7 @@ _RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
 DEFAULT_STATUS_POLL_S = 10.0  # how often a provider is asked about a node unless it says otherwise
 # What a remote node's agent is given from this machine's environment (how to install tfsn there).
 REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
+TRANSIENT_TRIES = 5           # a provisioning request that fails transiently this often in a row is blocked
 RELEASE_RETRY_S = 30.0        # how often a node whose termination failed is terminated again
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
 
@@ -75,6 +76,7 @@ class Controller:
         self._watches: dict[int, JobWatch] = {}
         self._seen: dict[str, tuple[float, NodeStatus]] = {}   # node id -> (when, provider status)
         self._release_tried: dict[str, float] = {}              # node id -> when a terminate last failed
+        self._backoff: dict[int, tuple[int, float]] = {}        # job id -> (transient failures in a row, retry at)
         self._log_lock = threading.Lock()
 
     # ---- API handlers -------------------------------------------------------------------------
@@ -352,6 +354,8 @@ class Controller:
         next node goes to the next candidate of the plan; nodes already placed elsewhere follow it,
         since one job's nodes must share a zone.
         """
+        if time.monotonic() < self._backoff.get(job.id, (0, 0.0))[1]:
+            return   # the last request hit a transient error (throttling, network): wait before the next
         candidate = self._candidate(job, spec)
         if candidate is None:
             reason = str(NoCapacityError(_blocklist(job).history))
@@ -389,12 +393,21 @@ class Controller:
             # The cloud may have taken the request before the error (a timeout after EC2 accepted the
             # ClientToken, an operation that failed half-way): make sure nothing is left running.
             self._terminate(self.store.node(node_id))
+            failures = self._backoff.get(job.id, (0, 0.0))[0] + 1
+            if err.retryable and not isinstance(err, CapacityError) and failures < TRANSIENT_TRIES:
+                # throttled or unreachable: the same request may well succeed; try it again, later
+                self._backoff[job.id] = (failures, time.monotonic() + min(60.0, 2.0 ** failures))
+                self._event(job.id, "node", f"node {node_id} could not be created on {_describe(candidate)}: {err} "
+                            f"(transient, attempt {failures} of {TRANSIENT_TRIES}; trying again)")
+                return
+            self._backoff.pop(job.id, None)
             self._block(job, asdict(offer), candidate.spot, str(err), err.scope)
             following = self._candidate(self.store.job(job.id), spec)
             self._event(job.id, "node", f"node {node_id} could not be created on {_describe(candidate)}: {err} "
                         f"(blocked this {err.scope}; " + (f"next: {_describe(following)})" if following
                                                           else "no candidate left)"))
             return
+        self._backoff.pop(job.id, None)
         self.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__, provisioned_at=time.time())
         role = f"rank {rank}" if rank is not None else "spare"
         self._event(job.id, "node", f"node {node_id} provisioned on {_describe(candidate)} ({role})")

@@ -227,3 +227,23 @@ def test_a_node_whose_termination_failed_is_terminated_again_until_the_provider_
     controller.sweep_releases()                        # done
     assert aws.terminated == ["refused", "refused", node.id] and store.node(node.id).released
     assert store.unreleased_nodes() == []
+
+
+def test_a_throttled_request_is_retried_after_a_backoff_not_blocked(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    throttled = ProviderError("RequestLimitExceeded: Request limit exceeded.", provider="aws")
+    throttled.retryable = True
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0),
+                                   h100("aws", "us-east-1", "us-east-1b", 95.0)],
+                           refuse={"us-east-1a": throttled})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    controller.reconcile(job_id)                       # within the backoff: no new request
+    assert aws.asked == ["us-east-1a"] and store.job(job_id).blocked == []
+    del aws.refuse["us-east-1a"]                       # the throttling is over
+    failures, _ = controller._backoff[job_id]
+    controller._backoff[job_id] = (failures, 0.0)      # the backoff has passed
+    controller.reconcile(job_id)
+    assert aws.asked == ["us-east-1a", "us-east-1a"]
+    assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1a"]

@@ -473,6 +473,12 @@ class Controller:
                 return
         nodes = self.store.nodes(job.id, active_only=True)
         ready = [n for n in nodes if n.rank is not None and n.state == NodeState.READY]
+        first = next((n for n in ready if n.rank == 0), None)
+        if (spec.num_nodes > 1 and first is not None and not first.addr
+                and not getattr(self._provider(first.provider), "shares_host", False)):
+            # the other nodes' workers would wait for a rendezvous on loopback until they time out
+            self._fail_node(job, first, "its agent reported no address the other nodes can reach")
+            return
         if len(ready) == spec.num_nodes:
             attempt = job.attempt + 1
             self._watch(job, spec).start_attempt(attempt, self._rank_nodes(ready, spec))

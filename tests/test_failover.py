@@ -247,3 +247,17 @@ def test_a_throttled_request_is_retried_after_a_backoff_not_blocked(tmp_path):
     controller.reconcile(job_id)
     assert aws.asked == ["us-east-1a", "us-east-1a"]
     assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1a"]
+
+
+def test_a_multi_node_cloud_job_does_not_start_without_rank_0s_address(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2)
+    controller.reconcile(job_id)
+    first, second = store.nodes(job_id)
+    controller.heartbeat(job_id, first.id, {"state": "ready"})                        # no address reported
+    controller.heartbeat(job_id, second.id, {"state": "ready", "addr": "10.0.1.7"})
+    controller.reconcile(job_id)
+    assert store.job(job_id).attempt == 0, "no attempt whose workers would meet on loopback"
+    assert store.node(first.id).state == NodeState.FAILED and "address" in store.node(first.id).failure

@@ -6,13 +6,18 @@ place) runs the agent command with the request's environment, asks for the offer
 cluster's own GPU types, read from node labels (NVIDIA GPU feature discovery, GKE); the cluster is
 free unless a node carries a price annotation. The cluster and its credentials come from the
 kubeconfig (or the pod's service account), never from tfsn's own settings.
+
+Run by the operator (a `TfsnJob`), a job's pods are also *bound* (`PodBinding`): owned by the TfsnJob
+so that deleting it deletes them, given the job token from a Secret instead of a plain value, the
+checkpoint volume, and a headless Service's subdomain for rendezvous.
 """
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from providers.base import (AuthError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,
                             Offer, ProviderError, QuotaError, import_sdk)
@@ -38,6 +43,8 @@ NODE_ANNOTATION = "tfsn.dev/node-id"          # the exact node id (labels and na
 MEMORY_VARIANTS = {("A100", "80GB"): "A100-80GB", ("V100", "32GB"): "V100-32GB"}
 PHASES = {"Pending": NodeStatus.PENDING, "Running": NodeStatus.RUNNING, "Succeeded": NodeStatus.TERMINATED,
           "Failed": NodeStatus.TERMINATED, "Unknown": NodeStatus.UNKNOWN}
+UNHEALTHY_TAINT = "tfsn.dev/unhealthy"       # on a Kubernetes node a bad GPU was found on: NoSchedule
+TOKEN_KEY = "token"                           # the key of the job token in a bound job's Secret
 # Runs the request's command as is, after installing tfsn where the image lacks it.
 ENTRYPOINT = ["/bin/sh", "-c", 'command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet '
               '"${TFSN_INSTALL_SPEC:-' + DEFAULT_INSTALL_SPEC + '}"; exec "$@"', "tfsn-node"]
@@ -71,6 +78,22 @@ def _price(node: Any) -> float:
                                   provider=NAME) from None
 
 
+@dataclass(frozen=True)
+class PodBinding:
+    """What the operator adds to every pod of one job (plain data; see the module docstring)."""
+
+    namespace: str                    # the TfsnJob's namespace: its pods live next to it
+    owner: dict[str, str]             # apiVersion, kind, name, uid of the TfsnJob
+    token_secret: str                 # Secret whose TOKEN_KEY is the job token (TFSN_TOKEN)
+    service: str                      # headless Service: pods are <pod>.<service>.<namespace>.svc
+    checkpoint_path: str              # where the checkpoint volume is mounted (spec.checkpoint.dir)
+    checkpoint_claim: str | None = None   # PersistentVolumeClaim of checkpoints; None: an emptyDir
+    checkpoint_sub_path: str = ""     # the job's folder on a shared claim
+    image: str | None = None          # None: TFSN_K8S_IMAGE or DEFAULT_IMAGE
+    command: tuple[str, ...] = ()     # replaces the request's command (the operator's python is not the pod's)
+    labels: dict[str, str] | None = None  # extra pod labels (the Service selects the job's pods by them)
+
+
 class KubernetesProvider:
     """Pods as nodes (see the module docstring)."""
 
@@ -80,6 +103,11 @@ class KubernetesProvider:
         self.context = context or os.environ.get("TFSN_K8S_CONTEXT") or None
         self._namespace = namespace or os.environ.get("TFSN_K8S_NAMESPACE") or None
         self._api: Any = None
+        self.bindings: dict[str, PodBinding] = {}   # job id -> what the operator adds to its pods
+        self.hosts: dict[str, str] = {}             # node id -> the Kubernetes node its pod was scheduled on
+        # Called with (node id, host) once a node's pod is deleted: the operator taints the host of a failed
+        # node there, before the controller asks for its replacement.
+        self.on_deleted: Callable[[str, str], None] | None = None
 
     def _core(self) -> Any:
         """CoreV1Api on the kubeconfig's cluster (or the pod's service account), with bounded retries."""
@@ -170,18 +198,31 @@ class KubernetesProvider:
         if offer is not None and offer.accelerator_count:
             limits[GPU] = str(offer.accelerator_count)
             spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
-        spec["containers"] = [{
+        if request.avoid_hosts:   # machines the health policy took out of this job
+            spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": list(request.avoid_hosts)}]}]}}}
+        name = dns_label(request.node_id)
+        binding = self.bindings.get(request.job_id)
+        container: dict[str, Any] = {
             "name": "agent",
-            "image": os.environ.get("TFSN_K8S_IMAGE") or DEFAULT_IMAGE,
-            "command": ENTRYPOINT + list(request.command),
+            "image": (binding and binding.image) or os.environ.get("TFSN_K8S_IMAGE") or DEFAULT_IMAGE,
+            "command": ENTRYPOINT + list((binding and binding.command) or request.command),
             "env": [{"name": k, "value": v} for k, v in sorted(request.env.items())],
-            "workingDir": request.workdir,
             "resources": {k: v for k, v in (("limits", limits), ("requests", requests)) if v},
-        }]
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": dns_label(request.node_id),
+        }
+        if os.path.isabs(request.workdir):   # a relative one means the image's own working directory
+            container["workingDir"] = request.workdir
+        metadata: dict[str, Any] = {
+            "name": name,
             "labels": {**node_tags(request, label_safe=True), "app.kubernetes.io/managed-by": "tfsn"},
-            "annotations": {NODE_ANNOTATION: request.node_id, "tfsn.dev/job-id": request.job_id}}, "spec": spec}
+            "annotations": {NODE_ANNOTATION: request.node_id, "tfsn.dev/job-id": request.job_id}}
+        if binding is not None:
+            _bind(binding, metadata, spec, container, name, request.env)
+        # the agent reports the Kubernetes node it runs on: what the health policy excludes when it replaces it
+        container["env"].append({"name": "TFSN_HOST_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+        spec["containers"] = [container]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
     def provision(self, request: NodeRequest) -> NodeHandle:
         if request.offer is not None and request.offer.provider != NAME:
@@ -192,22 +233,24 @@ class KubernetesProvider:
                                       provider=NAME)
         manifest = self.pod(request)
         name = manifest["metadata"]["name"]
-        what = f"cannot create pod {name} in namespace {self.namespace}"
+        binding = self.bindings.get(request.job_id)
+        namespace = binding.namespace if binding is not None else self.namespace
+        what = f"cannot create pod {name} in namespace {namespace}"
         kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
         try:
-            self._core().create_namespaced_pod(self.namespace, manifest, _request_timeout=TIMEOUT_S)
+            self._core().create_namespaced_pod(namespace, manifest, _request_timeout=TIMEOUT_S)
         except kubernetes.client.ApiException as err:
             if err.status != 409:
-                raise _provider_error(err, what, self.namespace) from None
+                raise _provider_error(err, what, namespace) from None
             # Idempotent: the pod exists. It is this node's if it carries this node id.
-            existing = self._call(what, "read_namespaced_pod", name, self.namespace)
+            existing = self._call(what, "read_namespaced_pod", name, namespace)
             if (existing.metadata.annotations or {}).get(NODE_ANNOTATION) != request.node_id:
                 raise InvalidRequestError(f"{what}: a pod of that name belongs to something else. To fix: delete "
                                           "it or use another namespace (TFSN_K8S_NAMESPACE)", provider=NAME) from None
         except Exception as err:
-            raise _provider_error(err, what, self.namespace) from None
+            raise _provider_error(err, what, namespace) from None
         return NodeHandle(provider=NAME, node_id=request.node_id,
-                          data={"namespace": self.namespace, "pod": name, "context": self.context})
+                          data={"namespace": namespace, "pod": name, "context": self.context})
 
     def _where(self, handle: NodeHandle) -> tuple[str, str]:
         return handle.data.get("pod") or dns_label(handle.node_id), handle.data.get("namespace") or self.namespace
@@ -220,6 +263,7 @@ class KubernetesProvider:
             return NodeStatus.TERMINATED
         except ProviderError:
             return NodeStatus.UNKNOWN
+        self._remember_host(handle, pod)
         if pod.metadata.deletion_timestamp:
             return NodeStatus.TERMINATED
         return PHASES.get(pod.status.phase if pod.status else None, NodeStatus.PENDING)
@@ -227,10 +271,84 @@ class KubernetesProvider:
     def terminate(self, handle: NodeHandle) -> None:
         name, namespace = self._where(handle)
         try:
-            self._call(f"cannot delete pod {name}", "delete_namespaced_pod", name, namespace,
-                       grace_period_seconds=DELETE_GRACE_S, propagation_policy="Background")
+            pod = self._call(f"cannot delete pod {name}", "delete_namespaced_pod", name, namespace,
+                             grace_period_seconds=DELETE_GRACE_S, propagation_policy="Background")
         except NotFoundError:
-            pass
+            return
+        self._remember_host(handle, pod)
+        if self.on_deleted is not None and handle.node_id in self.hosts:
+            self.on_deleted(handle.node_id, self.hosts[handle.node_id])
+
+    def _remember_host(self, handle: NodeHandle, pod: Any) -> None:
+        """Where the pod ran: a node failed for a bad GPU is tainted after its pod is gone."""
+        host = getattr(getattr(pod, "spec", None), "node_name", None)
+        if host:
+            self.hosts[handle.node_id] = host
+
+    # ---- what the operator needs besides pods ---------------------------------------------------
+    def apply(self, kind: str, namespace: str, manifest: dict[str, Any]) -> None:
+        """Create a Service or Secret; one that exists already is left as it is (idempotent)."""
+        method = {"Service": "create_namespaced_service", "Secret": "create_namespaced_secret"}[kind]
+        what = f"cannot create {kind} {manifest['metadata']['name']} in namespace {namespace}"
+        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
+        try:
+            getattr(self._core(), method)(namespace, manifest, _request_timeout=TIMEOUT_S)
+        except kubernetes.client.ApiException as err:
+            if err.status != 409:
+                raise _provider_error(err, what, namespace) from None
+        except Exception as err:
+            raise _provider_error(err, what, namespace) from None
+
+    def replace_secret_data(self, namespace: str, name: str, data: dict[str, str]) -> None:
+        """Point an existing Secret at new values (a job adopted by a new operator gets a new token)."""
+        self._call(f"cannot update Secret {name} in namespace {namespace}", "patch_namespaced_secret",
+                   name, namespace, {"stringData": data})
+
+    def pods_of(self, namespace: str, owner_uid: str) -> list[str]:
+        """The names of tfsn's pods in `namespace` owned by the object with `owner_uid`."""
+        pods = self._call(f"cannot list pods in namespace {namespace}", "list_namespaced_pod", namespace,
+                          label_selector="app.kubernetes.io/managed-by=tfsn").items
+        return [p.metadata.name for p in pods
+                if any(ref.uid == owner_uid for ref in (p.metadata.owner_references or []))]
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.terminate(NodeHandle(NAME, name, {"pod": name, "namespace": namespace}))
+
+    def taint(self, host: str, reason: str) -> bool:
+        """Keep the scheduler off Kubernetes node `host` (UNHEALTHY_TAINT:NoSchedule); False if it was already."""
+        node = self._call(f"cannot read node {host}", "read_node", host)
+        taints = [{k: v for k, v in (("key", t.key), ("value", t.value), ("effect", t.effect)) if v is not None}
+                  for t in ((node.spec.taints if node.spec else None) or [])]
+        if any(t["key"] == UNHEALTHY_TAINT for t in taints):
+            return False
+        taint = {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"}
+        self._call(f"cannot taint node {host}", "patch_node", host, {
+            "metadata": {"annotations": {UNHEALTHY_TAINT + "-reason": " ".join(reason.split())[:1000]}},
+            "spec": {"taints": taints + [taint]}})
+        return True
+
+
+def _bind(binding: PodBinding, metadata: dict[str, Any], spec: dict[str, Any], container: dict[str, Any],
+          name: str, env: dict[str, str]) -> None:
+    """Apply a job's PodBinding to its pod manifest (see PodBinding)."""
+    metadata["namespace"] = binding.namespace
+    metadata["labels"].update(binding.labels or {})
+    metadata["ownerReferences"] = [{**binding.owner, "controller": True, "blockOwnerDeletion": True}]
+    spec["hostname"], spec["subdomain"] = name, binding.service
+    # Only the agent's own settings: the operator's environment (its PATH, its cluster address) is not the pod's.
+    container["env"] = [{"name": k, "valueFrom": {"secretKeyRef": {"name": binding.token_secret, "key": TOKEN_KEY}}}
+                        if k == "TFSN_TOKEN" else {"name": k, "value": v}
+                        for k, v in sorted(env.items()) if k.startswith("TFSN_")]
+    volume: dict[str, Any] = {"name": "checkpoints"}
+    if binding.checkpoint_claim:
+        volume["persistentVolumeClaim"] = {"claimName": binding.checkpoint_claim}
+    else:
+        volume["emptyDir"] = {}
+    spec["volumes"] = [volume]
+    mount = {"name": "checkpoints", "mountPath": binding.checkpoint_path}
+    if binding.checkpoint_sub_path:
+        mount["subPath"] = binding.checkpoint_sub_path
+    container["volumeMounts"] = [mount]
 
 
 def _provider_error(err: Exception, what: str, namespace: str) -> ProviderError:

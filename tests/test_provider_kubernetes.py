@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import Iterator
 
 import pytest
 import yaml
@@ -17,7 +18,7 @@ kmock = pytest.importorskip("kmock")
 
 from providers.base import (AuthError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, Offer,  # noqa: E402
                             ProviderError, QuotaError)
-from providers.kubernetes import GPU, NODE_ANNOTATION, KubernetesProvider  # noqa: E402
+from providers.kubernetes import GPU, NODE_ANNOTATION, UNHEALTHY_TAINT, KubernetesProvider, PodBinding  # noqa: E402
 from providers.naming import dns_label  # noqa: E402
 from tests.awsfaults import free_port  # noqa: E402
 
@@ -70,9 +71,9 @@ class Cluster:
         self._thread.join(10)
 
 
-@pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """The emulator, and a kubeconfig whose current context points at it with namespace `ml`."""
+def running_cluster(tmp_path, monkeypatch) -> Iterator[Cluster]:
+    """The emulator, and a kubeconfig whose current context points at it with namespace `ml`
+    (shared with the operator's tests)."""
     cluster = Cluster()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
@@ -87,6 +88,11 @@ def cluster(tmp_path, monkeypatch):
     cluster.close()
 
 
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    yield from running_cluster(tmp_path, monkeypatch)
+
+
 def h100(count: int = 8) -> Offer:
     return Offer(provider="kubernetes", region="lab", zone=None,
                  instance_type="nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3", accelerator="H100",
@@ -94,8 +100,8 @@ def h100(count: int = 8) -> Offer:
 
 
 def request(node_id: str = "train-1-n0-ab12", offer: Offer | None = None, **kw) -> NodeRequest:
+    kw.setdefault("env", {"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"})
     return NodeRequest(job_id="1", node_id=node_id, command=["python", "-m", "orchestrator.agent"],
-                       env={"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"},
                        workdir="/workspace", offer=offer or h100(), **kw)
 
 
@@ -137,9 +143,20 @@ def test_provision_creates_a_gpu_pod_that_runs_the_agent(cluster):
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert container["resources"]["limits"] == {GPU: "8"}
     assert container["command"][-3:] == req.command and '"$@"' in container["command"][2]
-    assert {e["name"]: e["value"] for e in container["env"]} == req.env
+    assert {e["name"]: e["value"] for e in container["env"] if "value" in e} == req.env
+    assert {"name": "TFSN_HOST_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
+    assert "affinity" not in spec
     assert pod["metadata"]["labels"]["tfsn-job"] == "1" and pod["metadata"]["labels"]["tfsn-node"] == req.node_id
     assert pod["metadata"]["annotations"][NODE_ANNOTATION] == req.node_id
+
+
+def test_a_pod_keeps_off_the_machines_the_health_policy_took_out_of_the_job(cluster):
+    req = request(avoid_hosts=("gpu-node-3", "gpu-node-9"))
+    KubernetesProvider().provision(req)
+    terms = cluster.pod(req.node_id)["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                            "values": ["gpu-node-3", "gpu-node-9"]}]}]
 
 
 def test_cpu_offer_has_no_gpu_limit_nor_selector_and_namespace_can_be_overridden(cluster, monkeypatch):
@@ -252,3 +269,60 @@ def test_no_kubeconfig_is_a_one_line_auth_error(cluster, tmp_path, monkeypatch):
 def test_spot_is_refused(cluster):
     with pytest.raises(InvalidRequestError, match="no spot market"):
         KubernetesProvider().provision(request(spot=True))
+
+
+def binding(**kw) -> PodBinding:
+    return PodBinding(**{"namespace": "team-a", "owner": {"apiVersion": "tfsn.dev/v1alpha1", "kind": "TfsnJob",
+                                                          "name": "llm", "uid": "u-1"},
+                         "token_secret": "llm-token", "service": "llm-workers", "checkpoint_path": "/ckpt",
+                         "command": ("python3", "-m", "orchestrator.agent"), **kw})
+
+
+def test_a_bound_pod_is_owned_gets_its_token_from_a_secret_and_only_the_agents_settings(cluster):
+    provider = KubernetesProvider()
+    provider.bindings["1"] = binding()
+    req = request(env={"TFSN_TOKEN": "s3cret", "TFSN_NODE_ID": "train-1-n0-ab12", "PATH": "/operator/bin"})
+    handle = provider.provision(req)
+    assert handle.data["namespace"] == "team-a"   # next to its TfsnJob, not in the kubeconfig's namespace
+    pod = cluster.on_loop(lambda k: dict(k.objects[PODS, "team-a", handle.data["pod"]].raw))
+    [container] = pod["spec"]["containers"]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert container["env"] == [
+        {"name": "TFSN_NODE_ID", "value": "train-1-n0-ab12"},
+        {"name": "TFSN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "llm-token", "key": "token"}}},
+        {"name": "TFSN_HOST_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    assert container["command"][-3:] == ["python3", "-m", "orchestrator.agent"]
+    assert pod["spec"]["volumes"] == [{"name": "checkpoints", "emptyDir": {}}]  # no claim named
+    assert container["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/ckpt"}]
+    assert "s3cret" not in json.dumps(pod)
+
+
+def test_taint_keeps_the_nodes_other_taints_and_happens_once(cluster):
+    cluster.add_node("gpu-a", {}, {GPU: "8"})
+    cluster.on_loop(lambda k: k.objects[NODES, None, "gpu-a"].patch({"spec": {"taints": [
+        {"key": GPU, "value": "present", "effect": "NoSchedule"}]}}))
+    provider = KubernetesProvider()
+    assert provider.taint("gpu-a", "Xid 79 on GPU 3") is True
+    node = cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-a"].raw))
+    assert node["spec"]["taints"] == [{"key": GPU, "value": "present", "effect": "NoSchedule"},
+                                      {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"}]
+    assert node["metadata"]["annotations"][UNHEALTHY_TAINT + "-reason"] == "Xid 79 on GPU 3"
+    assert provider.taint("gpu-a", "again") is False
+
+
+def test_the_host_of_a_deleted_pod_is_remembered(cluster):
+    provider = KubernetesProvider()
+    handle = provider.provision(request())
+    cluster.on_loop(lambda k: k.objects[PODS, NAMESPACE, handle.data["pod"]].patch({"spec": {"nodeName": "gpu-b"}}))
+    provider.terminate(handle)   # the delete's answer still names the node the pod ran on
+    assert provider.hosts == {handle.node_id: "gpu-b"}
+
+
+def test_services_and_secrets_are_created_once(cluster):
+    provider = KubernetesProvider()
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "t"}, "stringData": {"token": "a"}}
+    provider.apply("Secret", NAMESPACE, secret)
+    provider.apply("Secret", NAMESPACE, secret)   # 409 from the server: already there
+    provider.replace_secret_data(NAMESPACE, "t", {"token": "b"})
+    stored = cluster.on_loop(lambda k: dict(k.objects[kmock.resource("v1", "secrets"), NAMESPACE, "t"].raw))
+    assert stored["stringData"] == {"token": "b"}

@@ -1,0 +1,268 @@
+"""The Kubernetes manifests of the operator: the TfsnJob CRD, least-privilege RBAC and the Deployment.
+
+The CRD's `spec` schema is generated from `JobSpec` (train.yaml) and its `status` schema from
+`TfsnJobStatus`, so neither is written twice. The API server wants a *structural* OpenAPI v3 schema
+(no `$ref`, a type on every node, no `type` inside `anyOf`), so pydantic's JSON schema is converted by
+`structural_schema`. Where the model accepts forms its JSON schema does not show (a before-validator:
+`cpus: 16+`, `accelerators: H100:8` or a list or a mapping), the node is left open
+(`x-kubernetes-preserve-unknown-fields`) and the operator's validation with the model itself says
+what is wrong, in a status condition.
+"""
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from orchestrator.spec import JobSpec
+
+GROUP = "tfsn.dev"
+VERSION = "v1alpha1"
+KIND = "TfsnJob"
+PLURAL = "tfsnjobs"
+OPERATOR = "tfsn-operator"
+API_PORT = 8080                 # agents in worker pods report here, as to the local controller
+LIVENESS_PORT = 8081            # kopf's liveness endpoint (`tfsn operator run` serves it)
+DEFAULT_IMAGE = "python:3.11-slim"   # tfsn[k8s] is installed on start where the image lacks it
+# Like worker pods: a site with a prebuilt image or a wheel mirror sets --image or TFSN_INSTALL_SPEC.
+OPERATOR_COMMAND = ["/bin/sh", "-c", 'command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet '
+                    '"${TFSN_INSTALL_SPEC:-tfsn[k8s]}"; exec tfsn operator run']
+_KEEP = ("description", "minimum", "maximum", "enum", "pattern", "minLength", "maxLength", "minItems",
+         "maxItems", "format")
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Condition(_Status):
+    """One Kubernetes-style condition (kubectl describe shows them)."""
+
+    type: str
+    status: typing.Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str = ""
+
+
+class NodeStatus(_Status):
+    """One tfsn node of the job: its pod and the Kubernetes node the pod ran on."""
+
+    id: str
+    rank: int | None = None
+    state: str
+    pod: str = ""
+    host: str = ""
+    failure: str = ""
+    tainted: bool = False
+
+
+class CheckpointStatus(_Status):
+    step: int | None = None
+    path: str = ""
+
+
+class TfsnJobStatus(_Status):
+    """What the operator keeps true in `.status`: the controller's job, mirrored, and what a new
+    operator needs to adopt the job (job id, attempt, restarts, checkpoint)."""
+
+    phase: str = ""
+    job_id: int | None = None
+    attempt: int = 0
+    step: int = 0
+    restarts: int = 0
+    checkpoint: CheckpointStatus = Field(default_factory=CheckpointStatus)
+    nodes: list[NodeStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
+    message: str = ""
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (also `Model | None`), else None."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
+        typing.get_origin(annotation) is typing.Union else (annotation,)
+    models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+    others = [a for a in args if a is not type(None) and a not in models]
+    return models[0] if len(models) == 1 and not others else None
+
+
+def _before_validated(model: type[BaseModel]) -> set[str]:
+    """Fields of `model` that a mode='before' validator reads: they take more forms than their type."""
+    names: set[str] = set()
+    for decorator in model.__pydantic_decorators__.field_validators.values():
+        if decorator.info.mode in ("before", "wrap", "plain"):
+            names.update(decorator.info.fields)
+    return names
+
+
+def _node(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """One JSON-schema node as a structural OpenAPI node."""
+    if "$ref" in schema:
+        return _node(defs[schema["$ref"].rsplit("/", 1)[-1]], defs)
+    if "anyOf" in schema:
+        arms = [arm for arm in schema["anyOf"] if arm.get("type") != "null"]
+        nullable = len(arms) < len(schema["anyOf"])
+        if len(arms) == 1:
+            out = _node({**arms[0], **{k: v for k, v in schema.items() if k == "description"}}, defs)
+        elif {arm.get("type") for arm in arms} == {"integer", "string"}:
+            out = {"x-kubernetes-int-or-string": True}
+        else:                       # several shapes: the model decides
+            out = {"x-kubernetes-preserve-unknown-fields": True}
+        return {**out, "nullable": True} if nullable else out
+    out: dict[str, Any] = {k: schema[k] for k in _KEEP if k in schema}
+    if "const" in schema:
+        out["enum"] = [schema["const"]]
+    if "exclusiveMinimum" in schema:  # JSON Schema's number form; OpenAPI v3.0 has a flag
+        out.update(minimum=schema["exclusiveMinimum"], exclusiveMinimum=True)
+    kind = schema.get("type")
+    if kind == "object" and "properties" in schema:
+        out.update(type="object", properties={k: _node(v, defs) for k, v in schema["properties"].items()})
+        if schema.get("required"):
+            out["required"] = list(schema["required"])
+    elif kind == "object" and isinstance(schema.get("additionalProperties"), dict):
+        out.update(type="object", additionalProperties=_node(schema["additionalProperties"], defs))
+    elif kind == "object" or kind is None:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+        if kind:
+            out["type"] = kind
+    elif kind == "array":
+        out.update(type="array", items=_node(schema.get("items", {}), defs))
+    else:
+        out["type"] = kind
+    return out
+
+
+def structural_schema(model: type[BaseModel], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`model`'s validation schema as a structural OpenAPI v3 schema (see the module docstring);
+    `optional` fields are not required (the operator fills them in)."""
+    full = model.model_json_schema(by_alias=True)
+    defs = full.get("$defs", {})
+
+    def convert(cls: type[BaseModel], schema: dict[str, Any]) -> dict[str, Any]:
+        loose = _before_validated(cls)
+        properties = {}
+        for name, field in cls.model_fields.items():
+            key = field.alias or name
+            sub = schema["properties"][key]
+            inner = _model_of(field.annotation)
+            section = inner is not None and field.annotation is inner   # always there, never None
+            if section:        # its own fields carry the schema; a before-validator may only fill in an empty one
+                nullable = {"nullable": True} if name in loose else {}
+                properties[key] = {**convert(inner, _resolve(sub, defs)), **nullable}
+            elif name in loose:
+                properties[key] = {"x-kubernetes-preserve-unknown-fields": True}
+            elif inner is not None:
+                properties[key] = {**convert(inner, _resolve(sub, defs)), "nullable": True}
+            else:
+                properties[key] = _node(sub, defs)
+        out: dict[str, Any] = {"type": "object", "properties": properties}
+        if cls.__doc__:
+            out["description"] = " ".join(cls.__doc__.split("\n\n")[0].split())
+        required = [k for k in schema.get("required", []) if k not in optional or cls is not model]
+        if required:
+            out["required"] = required
+        return out
+
+    return convert(model, full)
+
+
+def _resolve(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """The object schema behind a `$ref` or an `anyOf: [$ref, null]`."""
+    if "$ref" in schema:
+        return defs[schema["$ref"].rsplit("/", 1)[-1]]
+    arm = next(a for a in schema.get("anyOf", []) if a.get("type") != "null")
+    return _resolve(arm, defs)
+
+
+def crd() -> dict[str, Any]:
+    """The TfsnJob CustomResourceDefinition: spec = train.yaml, a status subresource, printer columns."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP, "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": KIND.lower(), "shortNames": ["tj"],
+                      "categories": ["tfsn"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+                    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object", "description": "A tfsn training job (train.yaml as a Kubernetes resource).",
+                    "properties": {
+                        "spec": structural_schema(JobSpec, optional=("name",)),
+                        # kopf keeps its own progress notes under status.kopf: leave them unpruned.
+                        "status": {**structural_schema(TfsnJobStatus), "x-kubernetes-preserve-unknown-fields": True},
+                    },
+                    "required": ["spec"]}},
+            }],
+        },
+    }
+
+
+def rbac(namespace: str) -> list[dict[str, Any]]:
+    """The operator's ServiceAccount and the least it may do: TfsnJobs, their pods, Services, Secrets and
+    events, and read/taint nodes (cluster-scoped, hence a ClusterRole)."""
+    rules = [
+        {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"]},
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
+        # kopf watches for CRDs and namespaces appearing while it runs
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+         "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    ]
+    meta = {"name": OPERATOR, "labels": {"app.kubernetes.io/name": OPERATOR}}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {**meta, "namespace": namespace}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR},
+         "subjects": [{"kind": "ServiceAccount", "name": OPERATOR, "namespace": namespace}]},
+    ]
+
+
+def deployment(namespace: str, image: str = DEFAULT_IMAGE, checkpoint_claim: str = "") -> list[dict[str, Any]]:
+    """One operator replica (kopf runs one per cluster) and the Service agents report to."""
+    labels = {"app.kubernetes.io/name": OPERATOR}
+    env = [{"name": "TFSN_OPERATOR_ADVERTISE", "value": f"{OPERATOR}.{namespace}.svc"},
+           {"name": "TFSN_OPERATOR_PORT", "value": str(API_PORT)},
+           {"name": "TFSN_HOME", "value": "/var/lib/tfsn"}]
+    if checkpoint_claim:
+        env.append({"name": "TFSN_OPERATOR_CHECKPOINT_CLAIM", "value": checkpoint_claim})
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": {"name": OPERATOR, "namespace": namespace, "labels": labels},
+         "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
+                  "template": {"metadata": {"labels": labels}, "spec": {
+                      "serviceAccountName": OPERATOR,
+                      "containers": [{
+                          "name": "operator", "image": image, "command": OPERATOR_COMMAND,
+                          "env": env, "ports": [{"name": "api", "containerPort": API_PORT}],
+                          "livenessProbe": {"httpGet": {"path": "/healthz", "port": LIVENESS_PORT},
+                                            "periodSeconds": 30},
+                          "volumeMounts": [{"name": "home", "mountPath": "/var/lib/tfsn"}],
+                          "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}],
+                      # The job store is rebuilt from the TfsnJobs' status when this pod is replaced.
+                      "volumes": [{"name": "home", "emptyDir": {}}]}}}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": OPERATOR, "namespace": namespace, "labels": labels},
+         "spec": {"selector": labels, "ports": [{"name": "api", "port": API_PORT, "targetPort": API_PORT}]}},
+    ]
+
+
+def manifests(namespace: str = "tfsn-system", image: str = DEFAULT_IMAGE, checkpoint_claim: str = "") -> list[dict]:
+    """Everything `kubectl apply` needs to install the operator, in apply order."""
+    return [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}, crd(),
+            *rbac(namespace), *deployment(namespace, image, checkpoint_claim)]

@@ -1,0 +1,385 @@
+"""The operator's handlers' work (orchestrator.operator.Operator) against kmock's Kubernetes emulator.
+
+Everything goes through the real kubernetes client over HTTP and the real controller. kmock runs no
+scheduler, kubelet nor garbage collector: a test schedules and fails pods by writing their spec and
+status on the server, and plays the node agents by calling the controller's API handlers.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import yaml
+
+pytest.importorskip("kubernetes")
+kmock = pytest.importorskip("kmock")
+pytest.importorskip("kopf")
+
+from orchestrator import crd  # noqa: E402
+from orchestrator.operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
+from orchestrator.spec import JobSpec  # noqa: E402
+from orchestrator.store import JobState  # noqa: E402
+from providers.kubernetes import GPU, UNHEALTHY_TAINT  # noqa: E402
+from tests.test_provider_kubernetes import NAMESPACE, NODES, PODS, running_cluster  # noqa: E402
+
+PRODUCT = "NVIDIA-H100-80GB-HBM3"
+ADVERTISE = "tfsn-operator.tfsn-system.svc"   # never resolved: the tests play the agents
+SERVICES = kmock.resource("v1", "services")
+SECRETS = kmock.resource("v1", "secrets")
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    yield from running_cluster(tmp_path, monkeypatch)
+
+
+
+@pytest.fixture
+def operator(cluster, tmp_path):
+    for host in ("gpu-a", "gpu-b"):
+        cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
+    op = Operator(OperatorSettings(home=tmp_path / "operator", host="127.0.0.1", advertise=ADVERTISE,
+                                         pod_poll_s=0))
+    yield op
+    op.close()
+
+
+def tfsnjob(name: str = "llm", uid: str = "1b4e28ba-2fa1-11d2-883f-0016d3cca427", **spec) -> dict:
+    return {"apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND,
+            "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid,
+                         "annotations": {CLAIM_ANNOTATION: "checkpoints"}},
+            "spec": {"run": "python train.py", "resources": {"accelerators": "H100:8"},
+                     "checkpoint": {"dir": "/ckpt"}, **spec}}
+
+
+def objects(cluster, resource) -> dict[str, dict]:
+    """The objects of `resource` in the test namespace, by name, as the server holds them."""
+    return cluster.on_loop(lambda k: {name: dict(obj.raw) for (res, ns, name), obj in k.objects.items()
+                                      if res == resource and ns == NAMESPACE and not obj.deleted})
+
+
+def pods(cluster) -> dict[str, dict]:
+    return objects(cluster, PODS)
+
+
+def admitted(op: Operator, body: dict) -> tuple[dict, int]:
+    """The TfsnJob after the create handler, and its controller job id."""
+    body = {**body, "status": op.admit(body)}
+    return body, body["status"]["jobId"]
+
+
+def synced(op: Operator, body: dict) -> dict:
+    return {**body, "status": {**body.get("status", {}), **op.sync(body)}}
+
+
+def schedule(cluster, pod: str, host: str, phase: str = "Running") -> None:
+    cluster.on_loop(lambda k: k.objects[PODS, NAMESPACE, pod].patch({"spec": {"nodeName": host},
+                                                                     "status": {"phase": phase}}))
+
+
+def run_first_attempt(op: Operator, cluster, job_id: int) -> str:
+    """Provision, schedule on gpu-a, agent ready: the job RUNNING on one pod, whose name is returned."""
+    op.controller.reconcile(job_id)
+    [pod] = pods(cluster)
+    schedule(cluster, pod, "gpu-a")
+    [node] = op.store.nodes(job_id)
+    op.controller.heartbeat(job_id, node.id, {"state": "ready"})
+    op.controller.reconcile(job_id)
+    assert op.store.job(job_id).state == JobState.RUNNING
+    return pod
+
+
+def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_and_a_headless_service(
+        operator, cluster):
+    body, job_id = admitted(operator, tfsnjob(num_nodes=2))
+    assert body["status"]["phase"] == "Pending"
+    conditions = {c["type"]: c["status"] for c in body["status"]["conditions"]}
+    assert conditions == {"Valid": "True", "CheckpointsDurable": "True"}
+    operator.controller.reconcile(job_id)
+    assert operator.store.job(job_id).state == JobState.PROVISIONING, operator.store.job(job_id).error
+    made = pods(cluster)
+    assert len(made) == 2
+    token = operator.store.job(job_id).token
+    [service] = objects(cluster, SERVICES).values()
+    [secret] = objects(cluster, SECRETS).values()
+    assert secret["stringData"] == {"token": token}
+    assert service["spec"]["clusterIP"] == "None"
+    for name, pod in made.items():
+        meta, spec, [container] = pod["metadata"], pod["spec"], pod["spec"]["containers"]
+        [owner] = meta["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            crd.KIND, "llm", body["metadata"]["uid"], True)
+        assert container["resources"]["limits"] == {GPU: "8"}
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": PRODUCT}
+        assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["TFSN_TOKEN"] == {"name": "TFSN_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["metadata"]["name"], "key": "token"}}}
+        assert token not in json.dumps(pod)  # never a plain value
+        assert env["TFSN_CONTROLLER_URL"]["value"] == operator.server.url
+        assert all(k.startswith("TFSN_") for k in env)  # not the operator's own environment
+        assert spec["volumes"] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}]
+        assert container["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/ckpt", "subPath": "llm"}]
+        assert (spec["subdomain"], spec["hostname"]) == (service["metadata"]["name"], name)
+        assert service["spec"]["selector"].items() <= meta["labels"].items()  # the Service finds them
+
+
+def test_a_failed_pod_taints_its_node_and_the_job_restarts_on_a_new_pod(operator, cluster):
+    body, job_id = admitted(operator, tfsnjob())
+    first = run_first_attempt(operator, cluster, job_id)
+    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    schedule(cluster, first, "gpu-a", phase="Failed")  # e.g. the GPU fell off the bus and the agent died
+    operator.controller.reconcile(job_id)              # fails the node and deletes its pod
+    node = cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-a"].raw))
+    assert UNHEALTHY_TAINT in [t["key"] for t in node["spec"]["taints"]]   # before any replacement is asked for
+    for _ in range(2):                                 # recover, provision the replacement
+        operator.controller.reconcile(job_id)
+    job = operator.store.job(job_id)
+    assert (job.state, job.restarts) == (JobState.RECOVERING, 1)
+    body = synced(operator, body)
+    status = body["status"]
+    assert status["restarts"] == 1 and status["phase"] == "Recovering"
+    assert status["checkpoint"] == {"step": 40, "path": "/ckpt/step-40"}
+    failed = next(n for n in status["nodes"] if n["state"] == "FAILED")
+    assert (failed["host"], failed["tainted"], failed["pod"]) == ("gpu-a", True, first)
+    node = cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-a"].raw))
+    assert {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"} in node["spec"]["taints"]
+    assert "agent exited" in node["metadata"]["annotations"][UNHEALTHY_TAINT + "-reason"]
+    other = cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-b"].raw))
+    assert not other["spec"].get("taints")
+    [second] = pods(cluster)
+    assert second != first
+    assert "nodeName" not in pods(cluster)[second]["spec"]  # left to the scheduler, which the taint keeps off gpu-a
+    assert synced(operator, body)["status"] == status  # nothing new: the node is tainted once
+
+
+def test_a_gpu_health_finding_reported_by_the_agent_taints_the_node_and_replaces_the_pod(operator, cluster):
+    """The agent's NVML samples reach the operator's API as they reach a local controller: same policy."""
+    from orchestrator.client import ControllerClient
+
+    operator.start(reconcile=False)
+    body, job_id = admitted(operator, tfsnjob())
+    first = run_first_attempt(operator, cluster, job_id)
+    [node] = operator.store.nodes(job_id)
+    agent = ControllerClient(f"http://127.0.0.1:{operator.server.server_address[1]}",
+                             operator.store.job(job_id).token, job_id)
+    agent.post(f"/nodes/{node.id}/samples", {"samples": [{"time": time.time(), "node": node.id, "gpu": 3, "xid": 79}]})
+    operator.controller.reconcile(job_id)      # the policy: checkpoint first, then replace the node
+    job = operator.store.job(job_id)
+    assert job.pending_replace == node.id and job.checkpoint_request > 0
+    agent.post("/checkpoint", {"step": 120, "path": "/ckpt/step-120", "seconds": 0.5})  # the SDK saved it
+    for _ in range(3):
+        operator.controller.reconcile(job_id)
+    assert operator.store.job(job_id).restarts == 1
+    status = synced(operator, body)["status"]
+    failed = next(n for n in status["nodes"] if n["state"] == "FAILED")
+    assert failed["tainted"] and failed["host"] == "gpu-a" and "xid" in failed["failure"].lower()
+    assert status["checkpoint"]["step"] == 120
+    [second] = pods(cluster)
+    assert second != first
+
+
+def test_without_a_checkpoint_claim_the_job_runs_and_says_its_checkpoints_do_not_outlive_a_pod(operator, cluster):
+    job = tfsnjob()
+    del job["metadata"]["annotations"]
+    body, job_id = admitted(operator, job)
+    [condition] = [c for c in body["status"]["conditions"] if c["type"] == "CheckpointsDurable"]
+    assert condition["status"] == "False" and f"To fix: annotate the TfsnJob with {CLAIM_ANNOTATION}" in \
+        condition["message"]
+    operator.controller.reconcile(job_id)
+    [pod] = pods(cluster).values()
+    assert pod["spec"]["volumes"] == [{"name": "checkpoints", "emptyDir": {}}]
+    assert condition in synced(operator, body)["status"]["conditions"]   # kept by the status sync
+
+
+def test_a_create_handler_run_twice_makes_one_job_and_a_spec_change_is_reported_not_applied(
+        operator, cluster):
+    body, job_id = admitted(operator, tfsnjob())
+    assert operator.admit(body)["jobId"] == job_id   # kopf retries a handler whose progress it lost
+    assert len(operator.store.jobs()) == 1
+    body = synced(operator, {**body, "status": {**body["status"], **operator.spec_changed(body)}})
+    changed = next(c for c in body["status"]["conditions"] if c["type"] == "SpecApplied")
+    assert changed["status"] == "False" and "To fix: kubectl delete the TfsnJob" in changed["message"]
+    assert operator.store.job(job_id).spec["run"] == "python train.py"
+
+
+def test_max_restarts_is_honoured(operator, cluster):
+    body, job_id = admitted(operator, tfsnjob(recovery={"max_restarts": 0}))
+    first = run_first_attempt(operator, cluster, job_id)
+    schedule(cluster, first, "gpu-a", phase="Failed")
+    for _ in range(3):
+        operator.controller.reconcile(job_id)
+    status = synced(operator, body)["status"]
+    assert (status["phase"], status["restarts"]) == ("Failed", 0)
+    assert "recovery.max_restarts" in status["message"]
+    assert pods(cluster) == {}
+
+
+def test_deleting_a_tfsnjob_stops_the_job_and_deletes_its_pods(operator, cluster):
+    body, job_id = admitted(operator, tfsnjob(num_nodes=2))
+    operator.controller.reconcile(job_id)
+    assert len(pods(cluster)) == 2
+    assert operator.release(body) is False   # the finalizer stays until the controller has stopped it
+    operator.controller.reconcile(job_id)
+    assert operator.store.job(job_id).state == JobState.STOPPED
+    assert pods(cluster) == {}
+    assert operator.release(body) is True
+    assert str(job_id) not in operator.provider.bindings
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"num_nodes": 0}, r"spec\.num_nodes: Input should be greater than or equal to 1"),
+    ({"resources": {"accelerators": "H100:eight"}},
+     r"spec\.resources\.accelerators: accelerator count 'eight' .* To fix: write it like 'H100:8'"),
+    ({"nodes": 2}, r"spec\.nodes: unknown field"),
+    ({"resources": {"accelerators": "H100:8", "infra": ["aws"]}}, r"spec\.resources\.infra: .*To fix: remove"),
+    ({"checkpoint": {"dir": "ckpt"}}, r"spec\.checkpoint\.dir: 'ckpt' is relative.*To fix"),
+])
+def test_an_invalid_tfsnjob_gets_a_condition_that_says_what_to_fix_and_no_pods(operator, cluster, spec,
+                                                                                message):
+    status = operator.admit(tfsnjob(**spec))
+    [condition] = status["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == ("Valid", "False", "InvalidSpec")
+    assert re.search(message, condition["message"]) and "\n" not in condition["message"]
+    assert status["phase"] == "Failed" and status["jobId"] is None
+    assert operator.store.jobs() == [] and pods(cluster) == {}
+
+
+def test_a_new_operator_adopts_a_running_tfsnjob_from_its_status(operator, cluster, tmp_path):
+    body, job_id = admitted(operator, tfsnjob())
+    old_pod = run_first_attempt(operator, cluster, job_id)
+    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    body = synced(operator, body)
+    operator.close()
+    # The operator's pod is replaced; its store (an emptyDir) is gone.
+    successor = Operator(OperatorSettings(home=tmp_path / "new-operator", host="127.0.0.1",
+                                                  advertise=ADVERTISE, pod_poll_s=0))
+    try:
+        body = {**body, "status": {**body["status"], **successor.adopt(body)}}
+        assert old_pod not in pods(cluster)  # its agent reports to a controller that no longer exists
+        [job] = successor.store.jobs()
+        assert (job.checkpoint_step, job.checkpoint_path, job.attempt) == (40, "/ckpt/step-40", 1)
+        successor.controller.reconcile(job.id)
+        [pod] = pods(cluster)
+        env = {e["name"]: e.get("value") for e in pods(cluster)[pod]["spec"]["containers"][0]["env"]}
+        assert env["TFSN_JOB_ID"] == str(job.id) and env["TFSN_CONTROLLER_URL"] == successor.server.url
+        secret = next(iter(objects(cluster, SECRETS).values()))
+        assert secret["stringData"] == {"token": job.token}  # the new job's token reaches the pods
+        assert successor.adopt(body) == {}  # seen again: the same job, nothing new
+        assert len(successor.store.jobs()) == 1
+    finally:
+        successor.close()
+
+
+# ---- manifests ------------------------------------------------------------------------------------
+
+def _walk(node: dict, path: str = ""):
+    yield path, node
+    for key in ("properties", "additionalProperties"):
+        for name, child in (node.get(key) or {}).items() if key == "properties" else \
+                ([("*", node[key])] if isinstance(node.get(key), dict) else []):
+            yield from _walk(child, f"{path}.{name}")
+    if "items" in node:
+        yield from _walk(node["items"], f"{path}[]")
+
+
+def test_the_crd_schema_is_structural_and_generated_from_the_job_spec():
+    schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+    for path, node in _walk(schema):
+        assert "$ref" not in node and "anyOf" not in node and "allOf" not in node, path
+        assert node.get("type") or node.get("x-kubernetes-preserve-unknown-fields") or \
+            node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        assert node.get("additionalProperties") is not False, path
+    # every field of train.yaml is there, and the spec's name is optional (metadata.name stands in)
+    assert set(spec["properties"]) == set(JobSpec.model_fields)
+    assert spec["required"] == ["run"]
+    assert spec["properties"]["recovery"]["properties"]["max_restarts"] == {"minimum": 0, "type": "integer"}
+    # forms only the model reads (cpus: 16+, accelerators: H100:8) are left to it, not refused by the API server
+    resources = spec["properties"]["resources"]["properties"]
+    assert resources["accelerators"] == resources["cpus"] == {"x-kubernetes-preserve-unknown-fields": True}
+    status = schema["properties"]["status"]["properties"]
+    assert {"phase", "conditions", "nodes", "step", "restarts", "checkpoint", "jobId"} <= set(status)
+    columns = {c["name"]: c["jsonPath"] for c in crd.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Restarts": ".status.restarts",
+                       "Age": ".metadata.creationTimestamp"}
+
+
+def test_the_crd_is_accepted_by_the_client_and_served_by_the_emulator(cluster):
+    import os
+
+    import kubernetes
+
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(os.environ["KUBECONFIG"], client_configuration=configuration)
+    api = kubernetes.client.ApiextensionsV1Api(kubernetes.client.ApiClient(configuration))
+    made = api.create_custom_resource_definition(crd.crd(), _request_timeout=10)  # the client's own model of it
+    assert made.spec.names.kind == crd.KIND and made.spec.versions[0].subresources.status == {}
+    listed = api.list_custom_resource_definition(_request_timeout=10).items
+    assert [c.metadata.name for c in listed] == ["tfsnjobs.tfsn.dev"]
+
+
+def test_manifests_command_prints_every_object_to_apply(tmp_path):
+    from typer.testing import CliRunner
+
+    from orchestrator.operator_cli import operator_app
+
+    result = CliRunner().invoke(operator_app, ["manifests", "--namespace", "ml-ops", "--checkpoint-claim", "ckpt"])
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.output))
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                     "Deployment", "Service"]
+    role = docs[3]
+    assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"])  # least privilege
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]} in role["rules"]
+    [container] = docs[5]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["TFSN_OPERATOR_ADVERTISE"] == "tfsn-operator.ml-ops.svc"
+    assert env["TFSN_OPERATOR_CHECKPOINT_CLAIM"] == "ckpt"
+    assert docs[2]["metadata"]["namespace"] == "ml-ops"
+
+
+def test_manifests_command_refuses_a_bad_namespace_in_one_line():
+    from typer.testing import CliRunner
+
+    from orchestrator.operator_cli import operator_app
+
+    result = CliRunner().invoke(operator_app, ["manifests", "--namespace", "ML_Ops"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "--namespace 'ML_Ops'" in result.output and "To fix" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--namespace", "Team_A"], "--namespace 'Team_A' is not a valid Kubernetes name"),
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
+])
+def test_run_command_refuses_bad_options_before_starting_anything(args, message):
+    from typer.testing import CliRunner
+
+    from orchestrator.operator_cli import operator_app
+
+    result = CliRunner().invoke(operator_app, ["run", *args])
+    assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1
+
+
+def test_the_example_tfsnjob_is_a_valid_job_spec():
+    from pathlib import Path
+
+    docs = yaml.safe_load_all((Path(__file__).parent.parent / "examples" / "k8s" / "tfsnjob.yaml").read_text())
+    job = next(d for d in docs if d["kind"] == crd.KIND)
+    assert job["apiVersion"] == f"{crd.GROUP}/{crd.VERSION}"
+    spec = JobSpec.model_validate({"name": job["metadata"]["name"], **job["spec"]})
+    assert spec.checkpoint.dir and spec.checkpoint.dir.startswith("/")
+
+
+def test_the_shipped_manifests_are_the_generators_output():
+    from pathlib import Path
+
+    shipped = Path(__file__).parent.parent / "configs" / "k8s" / "tfsn-operator.yaml"
+    assert list(yaml.safe_load_all(shipped.read_text())) == crd.manifests(), (
+        "configs/k8s/tfsn-operator.yaml is stale. To fix: regenerate it with `tfsn operator manifests` "
+        "(keep its two comment lines)")

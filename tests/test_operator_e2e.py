@@ -1,0 +1,88 @@
+"""The operator end to end: kopf's own test runner runs `orchestrator.operator` against kmock's emulator.
+
+A TfsnJob created through the kubernetes client gets its pods and status from the running operator
+(kopf's watch, handlers, finalizer and status patches; the controller's loop in its thread); deleting
+it stops the job, deletes the pods and lets the TfsnJob go.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("kubernetes")
+kmock = pytest.importorskip("kmock")
+pytest.importorskip("kopf")
+
+from kopf.testing import KopfRunner  # noqa: E402
+
+from orchestrator import crd  # noqa: E402
+from providers.kubernetes import GPU  # noqa: E402
+from tests.test_provider_kubernetes import NAMESPACE, PODS, running_cluster  # noqa: E402
+
+TFSNJOBS = kmock.resource(crd.GROUP, crd.VERSION, crd.PLURAL)
+WAIT_S = 30.0       # generous: the machine may be loaded; every wait ends as soon as its condition holds
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    yield from running_cluster(tmp_path, monkeypatch)
+
+
+
+def wait_for(what: str, check):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_operator_runs_a_tfsnjob_and_cleans_up_after_its_deletion(cluster, tmp_path, monkeypatch):
+    import os
+
+    import kubernetes
+
+    cluster.add_node("gpu-a", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, {GPU: "8", "cpu": "96"})
+    # What a real API server's discovery shows: kopf waits for namespaces there before it watches anything.
+    cluster.on_loop(lambda k: k.resources.__setitem__(TFSNJOBS, kmock.ResourceInfo(
+        kind=crd.KIND, singular="tfsnjob", namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"})))
+    cluster.on_loop(lambda k: k.resources.__setitem__(kmock.resource("", "v1", "namespaces"), kmock.ResourceInfo(
+        kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"})))
+    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "operator"))
+    monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
+    monkeypatch.setenv("TFSN_OPERATOR_ADVERTISE", "tfsn-operator.test")   # the agents are not run here
+    monkeypatch.setenv("TFSN_OPERATOR_POD_POLL_S", "0.5")
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(os.environ["KUBECONFIG"], client_configuration=configuration)
+    api = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(configuration))
+
+    def job() -> dict | None:
+        return cluster.on_loop(lambda k: None if (TFSNJOBS, NAMESPACE, "e2e") not in k.objects
+                               or k.objects[TFSNJOBS, NAMESPACE, "e2e"].deleted
+                               else dict(k.objects[TFSNJOBS, NAMESPACE, "e2e"].raw))
+
+    def pods() -> list[str]:
+        return cluster.on_loop(lambda k: [name for (res, ns, name), obj in k.objects.items()
+                                          if res == PODS and not obj.deleted])
+
+    args = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.operator"]
+    with KopfRunner(args, timeout=60) as runner:
+        api.create_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, {
+            "apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND,
+            # kmock keeps what it is given: the uid and resourceVersion a real API server would assign
+            "metadata": {"name": "e2e", "namespace": NAMESPACE, "uid": "6f1c7a52-0d54-4f3a-9a8e-2b1f1d2c3e4f",
+                         "resourceVersion": "1"},
+            "spec": {"run": "python train.py", "resources": {"accelerators": "H100:8"}}}, _request_timeout=10)
+        [pod] = wait_for("the worker pod", pods)
+        status = wait_for("the status mirrored",
+                          lambda: (job() or {}).get("status", {}).get("nodes") and job()["status"])
+        assert (status["phase"], status["jobId"], status["nodes"][0]["pod"]) == ("Provisioning", 1, pod)
+        assert "kopf.zalando.org/KopfFinalizerMarker" in job()["metadata"]["finalizers"]
+        api.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, "e2e", _request_timeout=10)
+        wait_for("the TfsnJob to go", lambda: job() is None)
+        assert pods() == []
+    assert runner.exit_code == 0 and runner.exception is None

@@ -2,6 +2,7 @@
 
     import tfsn
     run = tfsn.init()
+    model = tfsn.optimize(model)             # = torch.compile(model, backend="tfsn")
     start = run.restore(model=model, optimizer=opt)
     for step in run.steps(start, total_steps):
         loss = train_step(...)
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Run", "init", "main"]
+__all__ = ["Run", "init", "main", "optimize"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +23,9 @@ def __getattr__(name: str) -> Any:
     if name in ("Run", "init"):
         from orchestrator import sdk
         return getattr(sdk, name)
+    if name == "optimize":
+        from optimizer.backend import optimize
+        return optimize
     raise AttributeError(f"module 'tfsn' has no attribute {name!r}")
 
 

@@ -1,0 +1,510 @@
+"""C/OpenMP source for one fused group: a loop nest over the group's domain, the members'
+expressions inlined into it, shaped by a Schedule.
+
+Three loop shapes: pointwise (outer loops in parallel, the last axis SIMD), row reduction (per
+row of kept indices: one pass per stage of reductions, then one pass for the pointwise members
+that use them, so LayerNorm or softmax reads its row from cache), and GEMM (BLAS sgemm on a block
+of rows, then the epilogue on that block while it is in cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Sequence
+
+from optimizer.codegen.c_ops import CTYPES, NONE, POINTWISE, Operand, literal
+from optimizer.ir import Graph, Kind, Node, Ref, add_terms, broadcast_index, mul, view_index
+from optimizer.schedule import Schedule
+
+PRELUDE = """#include <stdint.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <tgmath.h>
+/* exp for fp32, inline so it vectorizes with no call: Cody-Waite range reduction and a degree-6
+   polynomial (Cephes' coefficients, ~1 ulp). Why our own: libmvec's vector expf leaves the SIMD
+   path for a whole vector when one lane is out of range, and a causal mask makes half the lanes
+   -inf. Results below 2.5e-38 flush to 0 (ATen would give that tiny value or a denormal). */
+static inline float tfsn_expf(float x) {
+  const float hi = 88.72283935f, lo = -86.6f;
+  const float xc = x > hi ? hi : (x < lo ? lo : x);
+  const float n = rintf(xc * 1.44269504088896341f);
+  float r = fmaf(n, -0.693359375f, xc);
+  r = fmaf(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = fmaf(p, r, 1.3981999507e-3f);
+  p = fmaf(p, r, 8.3334519073e-3f);
+  p = fmaf(p, r, 4.1665795894e-2f);
+  p = fmaf(p, r, 1.6666665459e-1f);
+  p = fmaf(p, r, 5.0000001201e-1f);
+  p = fmaf(p, r * r, r) + 1.0f;
+  const int32_t bits = ((int32_t)n + 126) << 23;      /* 2^(n-1): 2^128 itself is no float */
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  float y = p * scale * 2.0f;
+  y = x < lo ? 0.0f : y;
+  y = x > hi ? INFINITY : y;
+  return x != x ? x : y;
+}
+typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*,
+                         const float*, const int*, const float*, const int*, const float*, float*, const int*);
+static sgemm_fn sgemm_;
+void tfsn_set_sgemm(void* fn) { sgemm_ = (sgemm_fn)fn; }
+"""
+# glibc's libmvec has SIMD versions of these; declaring them lets the vectorizer call them
+# without -ffast-math (whose finite-math assumption would break -inf masks in attention).
+SIMD_MATH = "".join(f"float {f}f(float) __attribute__((simd(\"notinbranch\")));\n"
+                    for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos"))
+
+
+class NotFusable(Exception):
+    """The group as given cannot be one loop nest (a member read at another index, ...)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One step of the program: a fused kernel, a GEMM with its epilogue, or one extern call.
+    This is the fusion decision as data: the search of the next issue rewrites lists of these."""
+    kind: str                        # "kernel" | "gemm" | "extern"
+    nodes: tuple[int, ...]           # members in topological order (a gemm's first is its matmul)
+    domain: tuple[int, ...] = ()     # the loop nest's shape
+    reduced: tuple[int, ...] = ()    # axes of the domain that reductions sum over (kernel only)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    source: str
+    params: tuple[int, ...]          # node indices whose buffers are the C function's arguments, in order
+    outputs: tuple[int, ...]         # the members this kernel writes
+
+
+def row_shapes(domain: tuple[int, ...], reduced: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a per-row value of a reduction group (reduced axes as 1, or dropped)."""
+    if not reduced:
+        return ()
+    return (tuple(1 if d in reduced else n for d, n in enumerate(domain)),
+            tuple(n for d, n in enumerate(domain) if d not in reduced))
+
+
+def _ctype(node: Node) -> str:
+    return CTYPES[node.type.dtype]
+
+
+def _offset(node: Node, idx: Sequence[str]) -> str:
+    t = node.type
+    return add_terms([mul(e, s) for e, s, n in zip(idx, t.strides, t.shape) if n != 1])
+
+
+def _pragma_simd(s: Schedule, clauses: str = "") -> str:
+    if s.unroll > 1 and not clauses:
+        # GCC takes no unroll pragma next to `omp simd`; ivdep keeps the vectorizer's licence
+        return f"#pragma GCC ivdep\n#pragma GCC unroll {s.unroll}"
+    simdlen = f" simdlen({s.vector_width})" if s.vector_width > 1 else ""
+    return f"#pragma omp simd{simdlen}{clauses}"
+
+
+class KernelWriter:
+    """Writes one group as a C function. Raises NotFusable when the group cannot be one loop nest."""
+
+    def __init__(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule, name: str) -> None:
+        self.g, self.group, self.buffers, self.s, self.name = graph, group, buffers, schedule, name
+        self.members = set(group.nodes)
+        self.params: dict[int, str] = {}
+        self.outputs: list[int] = []
+        self.lines: list[str] = []
+        self.cse: dict[tuple, str] = {}
+        self.locals: dict[int, str] = {}          # members already computed at the current index
+        self.row: dict[int, str] = {}             # per-row values (reductions, mean, rstd) of the current row
+        self.idx: tuple[str, ...] = tuple(f"i{d}" for d in range(len(group.domain)))
+        self.gemm_value: str | None = None
+        self.tmp = 0
+        self.prologue: list[str] = []             # loop-invariant values (scalars), computed once
+        self.hoisted: dict[tuple, str] = {}
+
+    # ---- values ----
+    def param(self, n: int, output: bool = False) -> str:
+        if n not in self.params:
+            self.params[n] = f"p{len(self.params)}"
+            if output:
+                self.outputs.append(n)
+        return self.params[n]
+
+    def emit(self, ctype: str, expr: str, hoist: bool = False) -> str:
+        self.tmp += 1
+        (self.prologue if hoist else self.lines).append(f"const {ctype} t{self.tmp} = {expr};")
+        return f"t{self.tmp}"
+
+    def is_row_value(self, node: Node) -> bool:
+        return node.type.shape != self.group.domain and \
+            node.type.shape in row_shapes(self.group.domain, self.group.reduced)
+
+    def row_index(self, node: Node) -> tuple[str, ...]:
+        """The index at which a per-row member's value belongs to the current row."""
+        red = self.group.reduced
+        if len(node.type.shape) == len(self.idx):
+            return tuple("0" if d in red else e for d, e in enumerate(self.idx))
+        return tuple(e for d, e in enumerate(self.idx) if d not in red)
+
+    def load(self, n: int, idx: tuple[str, ...]) -> str:
+        key = (n, idx)
+        if key in self.cse:
+            return self.cse[key]
+        if key in self.hoisted:
+            return self.hoisted[key]
+        node = self.g.nodes[n]
+        # An element at a constant index (a 0-d step count, beta ** step) is the same in every
+        # iteration: computed once before the loops, not per element.
+        hoist = n not in self.members and all(e.isdigit() for e in idx) and not (
+            node.kind in (Kind.POINTWISE, Kind.VIEW) and n not in self.buffers and self.reads(n))
+        if n in self.members:
+            if n in self.row and idx == self.row_index(node):
+                return self.row[n]
+            if node.kind == Kind.MATMUL and self.gemm_value is not None and idx == self.idx:
+                value = self.emit("float", self.gemm_value)
+            elif n in self.locals and idx == self.idx:
+                return self.locals[n]
+            else:
+                raise NotFusable(f"{node.name} is read at another index, or before it is computed")
+        elif n in self.buffers or node.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL, Kind.REDUCE):
+            value = self.emit(_ctype(node), f"{self.param(n)}[{_offset(node, idx)}]", hoist)
+        elif node.kind == Kind.VIEW:
+            base, base_idx = view_index(self.g, node, idx)
+            value = self.load(base, base_idx)
+        elif node.kind == Kind.POINTWISE:
+            value = self.emit(_ctype(node), self.expression(node, idx), hoist)
+        else:
+            raise NotFusable(f"{node.name} has no value to read")
+        (self.hoisted if hoist else self.cse)[key] = value
+        return value
+
+    def expression(self, node: Node, idx: tuple[str, ...]) -> str:
+        operands = []
+        for a in node.args:
+            if isinstance(a, Ref):
+                src = self.g.nodes[a.index].type
+                operands.append(Operand(self.load(a.index, broadcast_index(src.shape, node.type.shape, idx)),
+                                        src.dtype))
+            elif isinstance(a, (bool, int, float)):
+                operands.append(literal(a))
+            else:
+                operands.append(NONE)
+        return POINTWISE[node.op](operands, node.type.dtype, node.kwargs)
+
+    def compute_member(self, n: int) -> None:
+        """A pointwise member at the current index: its value, stored to its buffer if it has one."""
+        node = self.g.nodes[n]
+        value = self.emit(_ctype(node), self.expression(node, self.idx)) if node.kind == Kind.POINTWISE \
+            else self.load(n, self.idx)
+        self.locals[n] = value
+        if n in self.buffers:
+            self.lines.append(f"{self.param(n, output=True)}[{_offset(node, self.idx)}] = {value};")
+
+    # ---- loop nests ----
+    def body(self, members: Sequence[int]) -> list[str]:
+        self.lines, self.cse, self.locals = [], {}, {}
+        for n in members:
+            self.compute_member(n)
+        return self.lines
+
+    def decompose(self, dims: Sequence[int], flat: str) -> list[str]:
+        """Loop indices of `dims` from one flat outer index (row-major over those dims)."""
+        out, stride = [], prod(self.group.domain[d] for d in dims)
+        for k, d in enumerate(dims):
+            stride //= self.group.domain[d]
+            e = flat if stride == 1 else f"{flat} / {stride}"
+            out.append(f"const int64_t i{d} = {e if k == 0 else f'({e}) % {self.group.domain[d]}'};")
+        return out
+
+    def parallel(self, elements: int, outer: int) -> str:
+        s = self.s
+        if s.parallel_axis < 0 or elements < s.parallel_min_elements or outer < 2:
+            return ""
+        chunk = f", {s.chunk}" if s.chunk else ""
+        return f"#pragma omp parallel for schedule(static{chunk})"
+
+    def loops(self, dims: Sequence[int], inner: list[str], simd: str) -> list[str]:
+        """Nested loops over `dims` (the last one SIMD) around `inner`."""
+        code = inner
+        for k, d in enumerate(reversed(dims)):
+            head = [simd] if k == 0 and simd else []
+            code = head + [f"for (int64_t i{d} = 0; i{d} < {self.group.domain[d]}; i{d}++) {{"] + \
+                [f"  {line}" for line in code] + ["}"]
+        return code
+
+    def write(self) -> Kernel:
+        kind = self.group.kind
+        code = self.gemm() if kind == "gemm" else self.reduction() if self.group.reduced else self.pointwise()
+        code = self.prologue + code
+        args = ", ".join(f"{'' if n in self.outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
+                         for n, p in self.params.items())
+        source = f"void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
+        return Kernel(self.name, source, tuple(self.params), tuple(self.outputs))
+
+    def pointwise(self) -> list[str]:
+        dom = self.group.domain
+        inner = self.body(self.group.nodes)
+        if len(dom) == 0:
+            return inner
+        simd = _pragma_simd(self.s)
+        if len(dom) == 1:
+            par = self.parallel(dom[0], dom[0])
+            return self.loops([0], inner, par.replace("parallel for", "parallel for simd") if par else simd)
+        outer = prod(dom[:-1])
+        nest = self.loops([len(dom) - 1], inner, simd)
+        par = self.parallel(prod(dom), outer)
+        return ([par] if par else []) + [f"for (int64_t r = 0; r < {outer}; r++) {{"] + \
+            [f"  {line}" for line in self.decompose(range(len(dom) - 1), "r") + nest] + ["}"]
+
+    def reduction(self) -> list[str]:
+        """Per row of kept indices: passes of reductions over the reduced axes, the per-row values
+        between them (mean, rstd), then one pass for the members over the whole domain.
+
+        When the last axis is kept (a bias gradient: sum over rows), a "row" is a block of
+        `column_block` columns instead, its values are arrays, and SIMD runs across the columns."""
+        dom, reduced = self.group.domain, self.group.reduced
+        last = len(dom) - 1
+        column = last not in reduced
+        kept = [d for d in range(len(dom)) if d not in reduced]
+        count = prod(dom[d] for d in reduced)
+        simd = _pragma_simd(self.s)
+        if column:
+            jb = self.s.column_block
+            blocks = -(-dom[last] // jb)
+            outer = prod(dom[d] for d in kept[:-1]) * blocks
+            row = self.decompose(kept[:-1], f"(r / {blocks})") + [
+                f"const int64_t jb = (r % {blocks}) * {jb};",
+                f"const int64_t jn = {dom[last]} - jb < {jb} ? {dom[last]} - jb : {jb};"]
+
+            def per_row(lines: list[str]) -> list[str]:
+                return [simd, "for (int64_t j = 0; j < jn; j++) {", f"  const int64_t i{last} = jb + j;"] + \
+                    [f"  {line}" for line in lines] + ["}"]
+
+            def over_reduced(lines: list[str], clauses: str = "") -> list[str]:
+                return self.loops(reduced, per_row(lines), "")
+        else:
+            jb, outer = 1, prod(dom[d] for d in kept)
+            row = self.decompose(kept, "r") if kept else []
+
+            def per_row(lines: list[str]) -> list[str]:
+                return lines
+
+            def over_reduced(lines: list[str], clauses: str = "") -> list[str]:
+                return self.loops(reduced, lines, _pragma_simd(self.s, clauses))
+
+        def value(name: str, ctype: str) -> str:
+            """A per-row variable: a scalar, or one slot per column of the block."""
+            row.append(f"{ctype} {name}[{jb}];" if column else f"{ctype} {name};")
+            return f"{name}[j]" if column else name
+
+        self.row = {}
+        epilogue: list[int] = []
+        for kind, nodes in self.segments(epilogue):
+            self.lines, self.cse, self.locals = [], {}, {}
+            if kind == "row":
+                node = self.g.nodes[nodes[0]]
+                var = value(f"row{node.index}", _ctype(node))
+                self.lines.append(f"{var} = {self.expression(node, self.row_index(node))};")
+                if node.index in self.buffers:
+                    self.lines.append(f"{self.param(node.index, output=True)}"
+                                      f"[{_offset(node, self.row_index(node))}] = {var};")
+                row += per_row(self.lines)
+                self.row[node.index] = var
+                continue
+            clauses, finish = [], []
+            for n in nodes:
+                node = self.g.nodes[n]
+                op, ct = node.params["reduce"], _ctype(node)
+                init = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}[op]
+                acc = value(f"acc{n}", ct)
+                row += per_row([f"{acc} = {init};"])
+                v = self.load(node.args[0].index, self.idx)
+                if op in ("sum", "mean"):
+                    self.lines.append(f"{acc} += {v};")
+                else:
+                    self.lines.append(f"{acc} = ({v} {'>' if op == 'max' else '<'} {acc}) ? {v} : {acc};")
+                clauses.append(f" reduction({ {'sum': '+', 'mean': '+'}.get(op, op)}:{acc})")
+                red = value(f"red{n}", ct)
+                finish.append(f"{red} = {acc}{'' if op != 'mean' else f' / {count}'};")
+                finish.append(f"{self.param(n, output=True)}[{_offset(node, self.row_index(node))}] = {red};")
+                self.row[n] = red
+            row += over_reduced(self.lines, "".join(clauses))
+            row += per_row(finish)
+        if epilogue:
+            row += over_reduced(self.body(epilogue))
+        if not kept:
+            return row
+        par = self.parallel(prod(dom), outer)
+        return ([par] if par else []) + [f"for (int64_t r = 0; r < {outer}; r++) {{"] + \
+            [f"  {line}" for line in row] + ["}"]
+
+    def segments(self, epilogue: list[int]) -> list[tuple[str, list[int]]]:
+        """Members in order as row segments: ("pass", reductions sharing one pass over the row) or
+        ("row", [a per-row pointwise value]); members over the whole domain go to `epilogue`."""
+        out: list[tuple[str, list[int]]] = []
+        for n in self.group.nodes:
+            node = self.g.nodes[n]
+            if node.kind == Kind.REDUCE:
+                if out and out[-1][0] == "pass" and not self.reads(n) & set(out[-1][1]):
+                    out[-1][1].append(n)
+                else:
+                    out.append(("pass", [n]))
+            elif self.is_row_value(node):
+                out.append(("row", [n]))
+            else:
+                epilogue.append(n)
+        return out
+
+    def reads(self, n: int) -> set[int]:
+        """Members that node n's inlined expression reads."""
+        seen, todo, found = set(), list(self.g.nodes[n].inputs), set()
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m in self.members:
+                found.add(m)
+                continue
+            node = self.g.nodes[m]
+            if node.kind in (Kind.VIEW, Kind.POINTWISE) and m not in self.buffers:
+                todo += node.inputs
+        return found
+
+    def gemm(self) -> list[str]:
+        """C = A @ B by BLAS on blocks of rows, each followed by the epilogue on that block.
+        Row-major operands are column-major transposes, so sgemm computes C^T = B^T A^T."""
+        mm, *epilogue = self.group.nodes
+        node = self.g.nodes[mm]
+        a, b = (self.g.nodes[r.index] for r in node.args[:2])
+        batched = len(node.type.shape) == 3
+        M, N = node.type.shape[-2:]
+        K = a.type.shape[-1]
+        ta, lda = gemm_operand(a.type.strides[-2:], M, K)
+        tb, ldb = gemm_operand(b.type.strides[-2:], K, N)
+        br = self.s.gemm_block_rows
+        blocks = -(-M // br)
+        batch = node.type.shape[0] if batched else 1
+        pa, pb = self.param(a.index), self.param(b.index)
+        keep = mm in self.buffers
+        out = node.type.strides
+        sa = a.type.strides[0] if batched else 0
+        sb = b.type.strides[0] if batched else 0
+        if keep:
+            c_ptr = f"{self.param(mm, output=True)} + bi * {out[0] if batched else 0} + r0 * {out[-2]}"
+            ldc = out[-2]
+        else:
+            c_ptr, ldc = "scratch", N
+        i_row, i_col = self.idx[-2], self.idx[-1]
+        self.gemm_value = f"c[({i_row} - r0) * {ldc} + {i_col}]"
+        lines = self.body(epilogue) if epilogue else []
+        epi = self.loops([len(self.idx) - 1], lines, _pragma_simd(self.s))
+        # threads only for GEMMs worth a fork (multiply-adds, at 16 per element of a pointwise loop)
+        worth = batch * M * N * K >= 16 * self.s.parallel_min_elements
+        # ... and with blocks enough to share; else BLAS threads each block itself
+        par = "#pragma omp for schedule(static)" if batch * blocks >= 4 and self.s.parallel_axis >= 0 and worth else ""
+        code = [
+            # serial: no parallel region at all (MKL in an inactive region starts threads per call)
+            "#pragma omp parallel" if par else "", "{",
+            f"  float* scratch = {'NULL' if keep else f'(float*)malloc(sizeof(float) * {br * N})'};",
+            f"  const int n = {N}, k = {K}, lda = {lda}, ldb = {ldb}, ldc = {ldc};",
+            "  const float one = 1.0f, zero = 0.0f;",
+        ]
+        if par:
+            code.append(f"  {par}")
+        code += [
+            f"  for (int64_t blk = 0; blk < {batch * blocks}; blk++) {{",
+            f"    const int64_t bi = blk / {blocks}, r0 = (blk % {blocks}) * {br};",
+            f"    const int rows = {M} - r0 < {br} ? (int)({M} - r0) : {br};",
+            f"    float* c = {c_ptr};",
+        ]
+        if self.s.gemm == "generated":
+            code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}",
+                                                                 f"{pb} + bi * {sb}", a.type.strides[-2:],
+                                                                 b.type.strides[-2:], N, K)]
+        else:
+            code.append(f"    sgemm_(\"{tb}\", \"{ta}\", &n, &rows, &k, &one, {pb} + bi * {sb}, &ldb, "
+                        f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}, &lda, &zero, c, &ldc);")
+        if batched:
+            code.append(f"    const int64_t {self.idx[0]} = bi;")
+        code += [f"    for (int64_t {i_row} = r0; {i_row} < r0 + rows; {i_row}++) {{"] + \
+            [f"      {line}" for line in epi] + ["    }", "  }", "  free(scratch);", "}"]
+        return code
+
+
+    def micro_kernel(self, a: str, b: str, sa: Sequence[int], sb: Sequence[int], N: int, K: int) -> list[str]:
+        """Our own GEMM for one block of `rows` rows into c: cache tiles of depth kc, register
+        tiles of mr x nr accumulators (full tiles get compile-time bounds, so the accumulators
+        live in SIMD registers), SIMD across the nr columns."""
+        mr, nr, kc = self.s.gemm_mr, self.s.gemm_nr, self.s.gemm_kc
+
+        def tile(rows: str, cols: str) -> list[str]:
+            return [
+                f"float acc[{mr}][{nr}];",
+                f"for (int ii = 0; ii < {rows}; ii++) for (int jj = 0; jj < {cols}; jj++)",
+                "  acc[ii][jj] = kk == 0 ? 0.0f : c[(i + ii) * ldc + j + jj];",
+                "for (int64_t kq = kk; kq < kk + kn; kq++) {",
+                f"  #pragma GCC unroll {mr}",
+                f"  for (int ii = 0; ii < {rows}; ii++) {{",
+                f"    const float av = A[(i + ii) * {sa[0]} + kq * {sa[1]}];",
+                "    #pragma omp simd",
+                f"    for (int jj = 0; jj < {cols}; jj++) acc[ii][jj] += av * B[kq * {sb[0]} + (j + jj) * {sb[1]}];",
+                "  }", "}",
+                f"for (int ii = 0; ii < {rows}; ii++) for (int jj = 0; jj < {cols}; jj++)",
+                "  c[(i + ii) * ldc + j + jj] = acc[ii][jj];",
+            ]
+        full = tile(str(mr), str(nr))
+        edge = tile("mn", "nn")
+        return [
+            f"const float* restrict A = {a};", f"const float* restrict B = {b};",
+            f"for (int64_t kk = 0; kk < {K}; kk += {kc}) {{",
+            f"  const int64_t kn = {K} - kk < {kc} ? {K} - kk : {kc};",
+            f"  for (int64_t i = 0; i < rows; i += {mr}) {{",
+            f"    const int mn = rows - i < {mr} ? rows - i : {mr};",
+            f"    for (int64_t j = 0; j < {N}; j += {nr}) {{",
+            f"      const int nn = {N} - j < {nr} ? (int)({N} - j) : {nr};",
+            f"      if (mn == {mr} && nn == {nr}) {{",
+            *[f"        {line}" for line in full],
+            "      } else {",
+            *[f"        {line}" for line in edge],
+            "      }", "    }", "  }", "}",
+        ]
+
+
+def gemm_operand(strides: Sequence[int], rows: int, cols: int) -> tuple[str, int]:
+    """How BLAS reads a row-major (rows x cols) operand with these strides: ("N", ld) when rows are
+    contiguous, ("T", ld) when columns are. NotFusable otherwise (the GEMM stays an ATen call)."""
+    s_row, s_col = strides
+    if (s_col == 1 or cols == 1) and s_row >= max(cols, 1):
+        return "N", max(s_row, cols, 1)
+    if (s_row == 1 or rows == 1) and s_col >= max(rows, 1):
+        return "T", max(s_col, rows, 1)
+    raise NotFusable("GEMM operand with strides BLAS cannot read")
+
+
+def gemm_fits(graph: Graph, mm: int) -> bool:
+    node = graph.nodes[mm]
+    a, b = (graph.nodes[r.index] for r in node.args[:2])
+    if node.type.strides[-1] != 1 or node.type.strides[-2] < node.type.shape[-1]:
+        return False
+    M, N = node.type.shape[-2:]
+    K = a.type.shape[-1]
+    if min(M, N, K) == 0:
+        return False
+    try:
+        gemm_operand(a.type.strides[-2:], M, K)
+        gemm_operand(b.type.strides[-2:], K, N)
+    except NotFusable:
+        return False
+    return True
+
+
+def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int],
+                 schedules: Sequence[Schedule]) -> tuple[str, list[Kernel | None]]:
+    """One C file for a whole graph (one compile, one shared object); None for extern groups."""
+    kernels: list[Kernel | None] = []
+    for i, (group, schedule) in enumerate(zip(groups, schedules)):
+        kernels.append(None if group.kind == "extern" else
+                       KernelWriter(graph, group, buffers, schedule, f"k{i}").write())
+    source = PRELUDE + SIMD_MATH + "\n".join(k.source for k in kernels if k is not None)
+    return source, kernels

@@ -1,0 +1,211 @@
+"""The pointwise ATen ops the C generator covers, each as a C expression of its operands.
+
+Operands arrive already rendered (a C expression and the dtype it has); each entry returns the
+expression of the result in the node's output dtype. Anything not listed here stays an extern
+ATen call, so this table is the whole answer to "what does the generator fuse".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": "int32_t",
+          "int16": "int16_t", "int8": "int8_t", "uint8": "uint8_t",
+          "bool": "uint8_t"}   # torch bools are bytes of 0/1; GCC will not vectorize loads of _Bool
+FLOATS = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A rendered input: a C expression and its dtype ('float64'/'int64'/'bool' for Python scalars)."""
+    expr: str
+    dtype: str
+    scalar: bool = False
+    value: float | int | bool | None = None    # a Python scalar's own value, for special cases (x ** 2)
+
+
+def literal(value: float | int | bool) -> Operand:
+    """A Python scalar as a C literal; inf and nan spelled as C spells them."""
+    if isinstance(value, bool):
+        return Operand("1" if value else "0", "bool", True, value)
+    if isinstance(value, int):
+        return Operand(f"INT64_C({value})", "int64", True, value)
+    if math.isnan(value):
+        return Operand("NAN", "float64", True, value)
+    if math.isinf(value):
+        return Operand("INFINITY" if value > 0 else "(-INFINITY)", "float64", True, value)
+    return Operand(repr(float(value)), "float64", True, value)
+
+
+NONE = Operand("None", "none", True)   # an argument that is not a value (a size list, None)
+
+
+def cast(op: Operand, dtype: str) -> str:
+    """`op` as a C value of `dtype` (the compiler folds casts of literals)."""
+    return op.expr if op.dtype == dtype else f"(({CTYPES[dtype]})({op.expr}))"
+
+
+def compare_dtype(ops: list[Operand]) -> str:
+    """ATen's promotion for comparisons: a tensor's float type wins over a Python scalar's."""
+    tensors = [o.dtype for o in ops if not o.scalar]
+    if "float64" in tensors:
+        return "float64"
+    if "float32" in tensors:
+        return "float32"
+    if any(o.dtype in FLOATS for o in ops):
+        return "float64" if not tensors else "float32"
+    return "int64"
+
+
+Render = Callable[[list[Operand], str, dict], str]
+
+
+def _binary(fmt: str) -> Render:
+    def render(ops, out, kw):
+        a, b = (cast(o, out) for o in ops[:2])
+        return fmt.format(a=a, b=b)
+    return render
+
+
+def _alpha(sign: str, reverse: bool = False) -> Render:
+    def render(ops, out, kw):
+        a, b = (cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
+        alpha = kw.get("alpha", 1)
+        if alpha != 1:
+            b = f"({cast(literal(alpha), out)} * {b})"
+        return f"({a} {sign} {b})"
+    return render
+
+
+def _unary(fmt: str) -> Render:
+    def render(ops, out, kw):
+        return fmt.format(a=cast(ops[0], out), one=cast(literal(1.0), out) if out in FLOATS else "1")
+    return render
+
+
+def _exp(fmt: str) -> Render:
+    """exp through the prelude's vectorizable tfsn_expf for fp32, libm's otherwise."""
+    def render(ops, out, kw):
+        a = cast(ops[0], out)
+        e = (lambda v: f"tfsn_expf({v})") if out == "float32" else (lambda v: f"exp({v})")
+        one = cast(literal(1.0), out)
+        return fmt.format(a=a, exp=e(a), exp_neg=e(f"-{a}"), one=one)
+    return render
+
+
+def _compare(sign: str) -> Render:
+    def render(ops, out, kw):
+        t = compare_dtype(ops)
+        return f"({cast(ops[0], t)} {sign} {cast(ops[1], t)})"
+    return render
+
+
+def _pow(ops, out, kw):
+    base, exponent = ops
+    if exponent.scalar:
+        e = float(exponent.value)
+        b = cast(base, out)
+        if e == 2.0:
+            return f"({b} * {b})"
+        if e == 3.0:
+            return f"({b} * {b} * {b})"
+        if e == 0.5:
+            return f"sqrt({b})"
+        if e == 1.0:
+            return b
+        if e == -1.0:
+            return f"({cast(literal(1.0), out)} / {b})"
+    return f"pow({cast(base, out)}, {cast(exponent, out)})"
+
+
+def _clamp(ops, out, kw):
+    x = cast(ops[0], out)
+    lo = ops[1] if len(ops) > 1 else None
+    hi = ops[2] if len(ops) > 2 else None
+    if lo is not None and lo is not NONE:
+        x = f"({x} < {cast(lo, out)} ? {cast(lo, out)} : {x})"
+    if hi is not None and hi is not NONE:
+        x = f"({x} > {cast(hi, out)} ? {cast(hi, out)} : {x})"
+    return x
+
+
+def _where(ops, out, kw):
+    return f"({ops[0].expr} ? {cast(ops[1], out)} : {cast(ops[2], out)})"
+
+
+def _masked_fill(ops, out, kw):
+    return f"({ops[1].expr} ? {cast(ops[2], out)} : {cast(ops[0], out)})"
+
+
+def _identity(ops, out, kw):
+    return cast(ops[0], out)
+
+
+def _constant(index: int) -> Render:
+    """Ops whose value is one of their scalar arguments (full, fill, scalar_tensor)."""
+    def render(ops, out, kw):
+        return cast(ops[index], out)
+    return render
+
+
+def _copy(ops, out, kw):
+    return cast(ops[1], out)
+
+
+def _nan_max(sign: str) -> Render:
+    # torch.maximum/minimum propagate NaN; a plain comparison would drop it.
+    def render(ops, out, kw):
+        a, b = (cast(o, out) for o in ops)
+        return f"(({a} {sign} {b} || {a} != {a}) ? {a} : {b})"
+    return render
+
+
+POINTWISE: dict[str, Render] = {
+    "aten.add.Tensor": _alpha("+"), "aten.add.Scalar": _alpha("+"),
+    "aten.sub.Tensor": _alpha("-"), "aten.sub.Scalar": _alpha("-"), "aten.rsub.Scalar": _alpha("-", True),
+    "aten.rsub.Tensor": _alpha("-", True),
+    "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
+    "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
+    "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _unary("fabs({a})"),
+    "aten.exp.default": _exp("{exp}"), "aten.exp2.default": _unary("exp2({a})"),
+    "aten.expm1.default": _unary("expm1({a})"), "aten.log.default": _unary("log({a})"),
+    "aten.log2.default": _unary("log2({a})"), "aten.log1p.default": _unary("log1p({a})"),
+    "aten.sqrt.default": _unary("sqrt({a})"), "aten.rsqrt.default": _unary("({one} / sqrt({a}))"),
+    "aten.reciprocal.default": _unary("({one} / {a})"), "aten.sin.default": _unary("sin({a})"),
+    "aten.cos.default": _unary("cos({a})"), "aten.tanh.default": _unary("tanh({a})"),
+    "aten.erf.default": _unary("erf({a})"), "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
+    "aten.relu.default": _unary("({a} < 0 ? 0 : {a})"), "aten.floor.default": _unary("floor({a})"),
+    "aten.ceil.default": _unary("ceil({a})"), "aten.trunc.default": _unary("trunc({a})"),
+    "aten.round.default": _unary("nearbyint({a})"),
+    "aten.sign.default": _unary("(({a} > 0) - ({a} < 0))"),
+    "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
+    "prims.fma.default": lambda o, out, kw: f"({cast(o[0], out)} * {cast(o[1], out)} + {cast(o[2], out)})",
+    "aten.maximum.default": _nan_max(">"), "aten.minimum.default": _nan_max("<"),
+    "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
+    "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),
+    "aten.clamp.default": _clamp,
+    "aten.where.self": _where, "aten.masked_fill.Scalar": _masked_fill, "aten.masked_fill.Tensor": _masked_fill,
+    "aten.eq.Tensor": _compare("=="), "aten.eq.Scalar": _compare("=="),
+    "aten.ne.Tensor": _compare("!="), "aten.ne.Scalar": _compare("!="),
+    "aten.lt.Tensor": _compare("<"), "aten.lt.Scalar": _compare("<"),
+    "aten.le.Tensor": _compare("<="), "aten.le.Scalar": _compare("<="),
+    "aten.gt.Tensor": _compare(">"), "aten.gt.Scalar": _compare(">"),
+    "aten.ge.Tensor": _compare(">="), "aten.ge.Scalar": _compare(">="),
+    "aten.logical_not.default": lambda o, out, kw: f"(!{o[0].expr})",
+    "aten.logical_and.default": lambda o, out, kw: f"({o[0].expr} && {o[1].expr})",
+    "aten.logical_or.default": lambda o, out, kw: f"({o[0].expr} || {o[1].expr})",
+    "aten.bitwise_and.Tensor": lambda o, out, kw: f"({cast(o[0], out)} & {cast(o[1], out)})",
+    "aten.bitwise_or.Tensor": lambda o, out, kw: f"({cast(o[0], out)} | {cast(o[1], out)})",
+    "aten.bitwise_not.default": lambda o, out, kw: f"(!{o[0].expr})" if out == "bool" else f"(~{o[0].expr})",
+    "aten.isnan.default": lambda o, out, kw: f"({o[0].expr} != {o[0].expr})",
+    "aten._to_copy.default": _identity, "aten.clone.default": _identity,
+    "aten.lift_fresh_copy.default": _identity, "aten.copy.default": _copy,
+    "aten.fill.Scalar": _constant(1), "aten.full.default": _constant(1), "aten.full_like.default": _constant(1),
+    "aten.scalar_tensor.default": _constant(0),
+}
+
+EXPENSIVE = {"aten.exp.default", "aten.log.default", "aten.tanh.default", "aten.erf.default",
+             "aten.pow.Tensor_Tensor", "aten.sigmoid.default", "aten.sin.default", "aten.cos.default",
+             "aten.log1p.default", "aten.expm1.default", "aten.div.Tensor", "aten.sqrt.default",
+             "aten.rsqrt.default"}

@@ -1,0 +1,92 @@
+"""C source to a loaded shared object: gcc with flags for this host, through the compile cache.
+
+The generated code links no OpenMP runtime of its own choosing: `-fopenmp` names libgomp.so.1,
+and torch has already loaded its libgomp.so.1 into the process, so the loader reuses it (one
+thread pool, torch.set_num_threads applies to our kernels too).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+from optimizer.cache import atomic_write, content_key, get_or_build
+
+COMPILE_TIMEOUT_S = 300
+
+
+class CompileError(RuntimeError):
+    """gcc rejected generated code: a bug in the generator, never the user's."""
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_id() -> str:
+    cc = os.environ.get("CC", "gcc")
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.splitlines()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def hardware_id() -> str:
+    """The CPU model and its feature flags: what -march=native compiles for."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{model}|{flags}"
+
+
+@functools.lru_cache(maxsize=None)
+def host_flags() -> tuple[str, ...]:
+    """-march=native for this CPU's SIMD; libmvec (vector exp/log/tanh/erf) when glibc has it."""
+    flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11",
+             "-fno-math-errno", "-fno-trapping-math", "-fno-semantic-interposition"]
+    libs = ["-lmvec", "-lm"] if any(Path(d, "libmvec.so").exists() for d in
+                                    ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64",
+                                     "/lib64")) else ["-lm"]
+    return tuple(flags + libs)
+
+
+def build_library(source: str) -> Path:
+    """The shared object for `source`, compiled once per (source, compiler, flags, hardware)."""
+    key = content_key(source, compiler_id(), " ".join(host_flags()), hardware_id())
+
+    def compile_to(out: Path) -> None:
+        cc = os.environ.get("CC", "gcc")
+        flags = host_flags()
+        cmd = [cc, *[f for f in flags if not f.startswith("-l")], "-x", "c", "-", "-o", str(out),
+               *[f for f in flags if f.startswith("-l")]]
+        proc = subprocess.run(cmd, input=source, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise CompileError(f"gcc failed on generated code:\n{proc.stderr[-4000:]}")
+
+    path = get_or_build(key, ".so", compile_to)
+    if not path.with_suffix(".c").exists():        # beside the artifact, for people to read
+        atomic_write(path.with_suffix(".c"), source.encode())
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def sgemm_address() -> int | None:
+    """torch's own BLAS sgemm (Fortran ABI, 32-bit ints), or None on a build without one."""
+    import torch
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load a generated library and hand it the BLAS sgemm that torch itself uses (MKL here)."""
+    lib = ctypes.CDLL(str(path))
+    lib.tfsn_set_sgemm.argtypes = [ctypes.c_void_p]
+    lib.tfsn_set_sgemm(sgemm_address())
+    return lib

@@ -1,0 +1,214 @@
+"""Fusion: which values are written to memory, and which ops share one loop nest.
+
+The answer is data, a list of `Group`s in execution order, so that a search can rewrite it.
+The default here is greedy and local: a pointwise value is inlined into its readers unless it is
+needed as a tensor or is costly to recompute; a node joins an open group of the same loop
+domain when it reads one of its members or shares an input with them, and the C writer accepts
+the result as one loop nest. Reductions over the same axes share a row loop (LayerNorm, softmax,
+cross-entropy); pointwise ops on a GEMM's output become its epilogue.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from optimizer.codegen.c import Group, KernelWriter, NotFusable, gemm_fits, row_shapes
+from optimizer.codegen.c_ops import EXPENSIVE
+from optimizer.ir import Graph, Kind, Ref
+from optimizer.schedule import DEFAULT
+
+INLINE_MAX_COST = 12         # a value read several times is recomputed (not stored) up to this cost;
+                             # exp counts 4: softmax recomputes exp(x - max) rather than storing it
+
+
+@dataclass
+class Plan:
+    groups: list[Group]      # execution order
+    buffers: set[int]        # nodes whose value is written to memory by a kernel
+
+
+@dataclass
+class _Open:
+    kind: str
+    nodes: list[int]
+    domain: tuple[int, ...]
+    reduced: tuple[int, ...] = ()
+    reads: set[int] = field(default_factory=set)
+
+    def frozen(self) -> Group:
+        return Group(self.kind, tuple(self.nodes), self.domain, self.reduced)
+
+
+def needs_tensor(graph: Graph) -> set[int]:
+    """Values that must exist as tensors: graph outputs, extern arguments and GEMM operands
+    (and, through views, the bases of those)."""
+    need: set[int] = set()
+
+    def mark(i: int) -> None:
+        while i not in need:
+            need.add(i)
+            node = graph.nodes[i]
+            if node.kind != Kind.VIEW:
+                return
+            i = node.args[0].index
+
+    for node in graph.nodes:
+        if node.kind in (Kind.EXTERN, Kind.MATMUL):
+            for i in node.inputs:
+                mark(i)
+    for o in graph.outputs:
+        if isinstance(o, Ref):
+            mark(o.index)
+    return need
+
+
+def choose_buffers(graph: Graph, need: set[int]) -> set[int]:
+    """Which computed values are written to memory (the rest are inlined into their readers)."""
+    buffers = {n.index for n in graph.nodes if n.kind in (Kind.REDUCE, Kind.MATMUL)}
+    buffers |= {i for i in need if graph.nodes[i].kind == Kind.POINTWISE}
+    cost: dict[int, int] = {}
+    for node in graph.nodes:
+        if node.kind != Kind.POINTWISE:
+            continue
+        own = 4 if node.op in EXPENSIVE else 1
+        cost[node.index] = own + sum(cost.get(i, 0) for i in node.inputs if i not in buffers)
+    for node in reversed(graph.nodes):
+        if node.kind != Kind.POINTWISE or node.index in buffers:
+            continue
+        readers = compute_readers(graph, node.index)
+        broadcast = any(graph.nodes[r].type.numel > node.type.numel for r in readers if r >= 0)
+        if len(readers) > 1 and (cost[node.index] > INLINE_MAX_COST or broadcast and cost[node.index] > 1):
+            buffers.add(node.index)
+    return buffers
+
+
+def compute_readers(graph: Graph, n: int) -> set[int]:
+    """The non-view nodes that read n, directly or through views."""
+    found, todo = set(), list(graph.nodes[n].users)
+    while todo:
+        u = todo.pop()
+        if u >= 0 and graph.nodes[u].kind == Kind.VIEW:
+            todo += graph.nodes[u].users
+        else:
+            found.add(u)
+    return found
+
+
+def plan(graph: Graph, gemm: bool = True) -> Plan:
+    """The default fusion plan of a graph; `gemm=False` leaves every matmul to ATen."""
+    need = needs_tensor(graph)
+    buffers = choose_buffers(graph, need)
+
+    @lru_cache(maxsize=None)
+    def reads(n: int) -> frozenset[int]:
+        """Materialized values node n reads once its inlined inputs are expanded."""
+        out: set[int] = set()
+        for i in graph.nodes[n].inputs:
+            kind = graph.nodes[i].kind
+            if kind == Kind.VIEW or (kind == Kind.POINTWISE and i not in buffers):
+                out |= reads(i)
+            else:
+                out.add(i)
+        return frozenset(out)
+
+    groups: list[Group] = []
+    open_groups: list[_Open] = []
+    owner: dict[int, _Open] = {}
+
+    def close(group: _Open) -> None:
+        open_groups.remove(group)
+        if group.kind == "gemm" and len(group.nodes) == 1:   # nothing to fuse: the library's own mm
+            groups.append(Group("extern", tuple(group.nodes)))
+        else:
+            groups.append(group.frozen())
+        for n in group.nodes:
+            owner.pop(n, None)
+
+    def close_owners(deps, keep: _Open | None = None) -> None:
+        for g in list(open_groups):
+            if g is not keep and any(owner.get(d) is g for d in deps):
+                close(g)
+
+    def fits(group: _Open, n: int) -> bool:
+        trial = Group(group.kind, (*group.nodes, n), group.domain, group.reduced)
+        try:
+            KernelWriter(graph, trial, buffers, DEFAULT, "trial").write()
+        except NotFusable:
+            return False
+        return True
+
+    for node in graph.nodes:
+        n = node.index
+        if node.kind == Kind.INPUT or (node.kind == Kind.POINTWISE and n not in buffers):
+            continue
+        if node.kind == Kind.VIEW:
+            if n in need:        # a view some extern reads: a torch view of its base
+                close_owners(reads(n))
+                groups.append(Group("extern", (n,)))
+            continue
+        deps = reads(n)
+        if node.kind == Kind.EXTERN or (node.kind == Kind.MATMUL and not (gemm and gemm_fits(graph, n))):
+            close_owners(deps)
+            groups.append(Group("extern", (n,)))
+            continue
+        if node.kind == Kind.MATMUL:
+            close_owners(deps)
+            g = _Open("gemm", [n], node.type.shape, reads=set(deps))
+            open_groups.append(g)
+            owner[n] = g
+            continue
+        if node.kind == Kind.REDUCE:
+            domain = graph.nodes[node.args[0].index].type.shape
+            reduced = node.params["dims"]
+        else:
+            domain, reduced = node.type.shape, None
+        joined = None
+        for g in reversed(open_groups):
+            same = g.domain == domain and (reduced is None or (g.kind == "kernel" and g.reduced == reduced)) \
+                or reduced is None and g.kind == "kernel" and domain in row_shapes(g.domain, g.reduced)
+            related = any(owner.get(d) is g for d in deps) or bool(g.reads & deps)
+            if same and related and fits(g, n):
+                joined = g
+                break
+        close_owners(deps, keep=joined)
+        if joined is None:
+            joined = _Open("kernel", [], domain, reduced or ())
+            open_groups.append(joined)
+        joined.nodes.append(n)
+        joined.reads |= {d for d in deps if owner.get(d) is not joined}
+        owner[n] = joined
+    for g in list(open_groups):
+        close(g)
+    result = Plan(groups, buffers)
+    for group in groups:        # a GEMM read only by its own epilogue needs no buffer
+        if group.kind == "gemm" and group.nodes[0] not in need:
+            mm = group.nodes[0]
+            readers = [g for g in groups if any(mm in graph.nodes[n].inputs for n in fused_nodes(graph, result, g))]
+            if readers == [group]:
+                buffers.discard(mm)
+    return result
+
+
+def fused_nodes(graph: Graph, plan: Plan, group: Group) -> list[int]:
+    """A group's members and the values inlined into them, in graph order."""
+    found, todo = set(group.nodes), list(group.nodes)
+    while todo:
+        for i in graph.nodes[todo.pop()].inputs:
+            node = graph.nodes[i]
+            if i not in found and (node.kind == Kind.VIEW or node.kind == Kind.POINTWISE and i not in plan.buffers):
+                found.add(i)
+                todo.append(i)
+    return sorted(found) if group.kind != "extern" else list(group.nodes)
+
+
+def describe(graph: Graph, plan: Plan) -> str:
+    """The plan, one line per group (members marked * are written to memory): what a person reads
+    to see what fused. Logged at DEBUG by the backend (logger "tfsn.optimizer")."""
+    lines = []
+    for i, g in enumerate(plan.groups):
+        ops = ", ".join(f"{graph.nodes[n].name}={graph.nodes[n].op.removeprefix('aten.')}"
+                        + ("*" if n in plan.buffers else "") for n in fused_nodes(graph, plan, g)
+                        if graph.nodes[n].kind != Kind.VIEW)
+        shape = f" domain={list(g.domain)}" + (f" reduce={list(g.reduced)}" if g.reduced else "")
+        lines.append(f"{i:3d} {g.kind:6s}{shape if g.kind != 'extern' else ''}  {ops}")
+    return "\n".join(lines)

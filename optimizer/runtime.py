@@ -1,0 +1,140 @@
+"""Runs a compiled graph: extern ATen calls and generated kernels over one slot per IR node.
+
+A kernel is one ctypes call on the tensors' data pointers; its outputs are allocated just before
+it with the strides the code was generated for. Tensors that reach a kernel from outside (graph
+inputs, extern results) are checked against those strides and copied to them when they differ,
+so a layout the compiler did not see costs a copy, never a wrong result.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from optimizer.codegen.c import Group, Kernel
+from optimizer.ir import Graph, Kind, Ref, TensorType
+
+Step = Callable[[list], None]
+
+
+def _resolve(a: Any, env: list) -> Any:
+    if isinstance(a, Ref):
+        return env[a.index]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_resolve(x, env) for x in a)
+    return a
+
+
+def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
+    if tuple(t.shape) != want.shape:
+        raise RuntimeError(f"tfsn: a tensor of shape {tuple(t.shape)} reached a kernel compiled for {want.shape}; "
+                           "this is a bug in tfsn's guards, please report it")
+    if tuple(t.stride()) == want.strides:
+        return t
+    return torch.empty_strided(want.shape, want.strides, dtype=t.dtype).copy_(t)
+
+
+class CompiledGraph:
+    """A callable with AOTAutograd's boxed convention (one list of inputs, cleared on entry)."""
+
+    def __init__(self, graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None],
+                 lib: ctypes.CDLL | None) -> None:
+        self._boxed_call = True     # on the instance: dynamo's wrappers copy __dict__, not class attributes
+        self.size = len(graph)
+        self.inputs = list(graph.inputs)
+        self.outputs = list(graph.outputs)
+        kernel_params = {p for k in kernels if k is not None for p in k.params}
+        from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
+        self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
+        self.input_checks = [(i, self.checked[i]) for i in self.inputs if i in self.checked]
+        self.steps: list[Step] = []
+        uses: list[set[int]] = []
+        for group, kernel in zip(groups, kernels):
+            if kernel is None:
+                node = graph.nodes[group.nodes[0]]
+                self.steps.append(self._extern(node.index, node.target, node.args, node.kwargs))
+                uses.append(set(node.inputs))
+            else:
+                self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name)))
+                uses.append(set(kernel.params))
+        if os.environ.get("TFSN_PROFILE"):
+            self.steps = [_profiled(step, describe(graph, group)) for step, group in zip(self.steps, groups)]
+        keep = {o.index for o in self.outputs if isinstance(o, Ref)}
+        last: dict[int, int] = {}
+        for step, used in enumerate(uses):
+            for slot in used:
+                last[slot] = step
+        self.free_after = [[] for _ in self.steps]
+        for slot, step in last.items():
+            if slot not in keep:
+                self.free_after[step].append(slot)
+
+    def _extern(self, n: int, target: Any, args: tuple, kwargs: dict) -> Step:
+        want = self.checked.get(n)
+
+        def step(env: list) -> None:
+            out = target(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+            env[n] = out if want is None else _conform(out, want)
+        return step
+
+    @staticmethod
+    def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any) -> Step:
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
+        allocs = [(n, graph.nodes[n].type.shape, graph.nodes[n].type.strides,
+                   getattr(torch, graph.nodes[n].type.dtype)) for n in kernel.outputs]
+        params = kernel.params
+        empty = any(d == 0 for d in group.domain)
+
+        def step(env: list) -> None:
+            for n, shape, strides, dtype in allocs:
+                env[n] = torch.empty_strided(shape, strides, dtype=dtype)
+            if not empty:
+                fn(*[env[p].data_ptr() for p in params])
+        return step
+
+    def __call__(self, args: list) -> list:
+        env: list = [None] * self.size
+        for slot, value in zip(self.inputs, args):
+            env[slot] = value
+        args.clear()
+        for slot, want in self.input_checks:
+            env[slot] = _conform(env[slot], want)
+        for step, free in zip(self.steps, self.free_after):
+            step(env)
+            for slot in free:
+                env[slot] = None
+        return [env[o.index] if isinstance(o, Ref) else o for o in self.outputs]
+
+
+PROFILE: dict[str, list[float]] = {}
+
+
+def describe(graph: Graph, group: Group) -> str:
+    ops = "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in group.nodes)
+    return f"{group.kind} {list(group.domain) if group.kind != 'extern' else ''} {ops}"[:120]
+
+
+def _profiled(step: Step, name: str) -> Step:
+    """TFSN_PROFILE=1: time every step; the totals print at exit, slowest first."""
+    record = PROFILE.setdefault(f"{len(PROFILE):4d} {name}", [0.0, 0])
+
+    def timed(env: list) -> None:
+        t0 = time.perf_counter()
+        step(env)
+        record[0] += time.perf_counter() - t0
+        record[1] += 1
+    return timed
+
+
+@atexit.register
+def _report() -> None:
+    if PROFILE:
+        total = sum(v[0] for v in PROFILE.values())
+        print(f"tfsn profile: {total * 1e3:.1f} ms in {len(PROFILE)} steps")
+        for name, (t, calls) in sorted(PROFILE.items(), key=lambda kv: -kv[1][0])[:25]:
+            print(f"  {t * 1e3:9.2f} ms {t / total:6.1%} {calls:5d} calls  {name}")

@@ -1,0 +1,115 @@
+"""The optimizer's suite: small models that cover what a training step is made of.
+
+Shared by the correctness tests and benchmarks/optimizer_vs_peers.py. Each entry builds a model
+and a batch; `loss(model, batch)` is the scalar a training step differentiates. Sizes are odd on
+purpose (not multiples of the SIMD width) and small enough for a 2-core CI machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 37, hidden: int = 83, d_out: int = 10) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """GPT-2 block: pre-norm causal self-attention and GELU MLP, with residuals."""
+
+    def __init__(self, n_embd: int = 48, n_head: int = 4) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        self.fc, self.out = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (k.size(-1) ** 0.5))
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).tril().logical_not(), float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """Embedding + blocks + LM head: the language-model step, cross-entropy included."""
+
+    def __init__(self, vocab: int = 67, n_embd: int = 48, n_layer: int = 2, block: int = 29) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, n_embd), nn.Embedding(block, n_embd)
+        self.blocks = nn.Sequential(*[Block(n_embd) for _ in range(n_layer)])
+        self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+class CNN(nn.Module):
+    """Convolutions (extern; no bias: BatchNorm follows) with BatchNorm and ReLU fused after them."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12)
+        self.c2, self.b2 = nn.Conv2d(12, 20, 3, padding=1, bias=False), nn.BatchNorm2d(20)
+        self.fc = nn.Linear(20, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.max_pool2d(x, 2)
+        x = F.relu(self.b2(self.c2(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], tuple]   # (input, target)
+    loss: Callable[[nn.Module, tuple], torch.Tensor]
+
+
+def _ce(model: nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _block_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+SIZES = {"small": 1, "bench": 4}
+
+
+def suite(size: str = "small") -> list[Case]:
+    """The suite at test size, or scaled up (`bench`) for the benchmark."""
+    k = SIZES[size]
+    vocab, seq, embd = 67, 29 * k, 48 * k
+    return [
+        Case("mlp", lambda: MLP(37 * k, 83 * k, 10),
+             lambda g: (torch.randn(19 * k, 37 * k, generator=g), torch.randint(0, 10, (19 * k,), generator=g)), _ce),
+        Case("gpt2_block", lambda: Block(embd, 4),
+             lambda g: (torch.randn(3 * k, seq, embd, generator=g), torch.randn(3 * k, seq, embd, generator=g)),
+             _block_loss),
+        Case("cnn", lambda: CNN(),
+             lambda g: (torch.randn(6 * k, 3, 13 * k, 13 * k, generator=g), torch.randint(0, 10, (6 * k,), generator=g)),
+             _ce),
+        Case("lm_head_ce", lambda: GPT(vocab, embd, 2, seq),
+             lambda g: (torch.randint(0, vocab, (3 * k, seq), generator=g),
+                        torch.randint(0, vocab, (3 * k, seq), generator=g)), _ce),
+    ]

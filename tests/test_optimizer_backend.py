@@ -1,0 +1,75 @@
+"""The ways a user reaches the optimizer: the backend callable, torch.compile(backend="tfsn")
+through the entry point, and optimize(model, **options)."""
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+
+import pytest
+import torch
+import torch.nn as nn
+
+from optimizer import backend
+from optimizer.backend import optimize, tfsn_backend
+from optimizer.schedule import Schedule
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path_factory.getbasetemp() / "tfsn-cache"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def model_and_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 17), nn.GELU(), nn.LayerNorm(17), nn.Linear(17, 3))
+    return model, torch.randn(5, 9)
+
+
+def check(compiled, eager, x) -> None:
+    """Forward and gradients of `compiled` (a compiled copy of `eager`) match eager's, and it ran kernels."""
+    before = backend.STATS["kernels"]
+    out = compiled(x)
+    out.square().sum().backward()
+    ref = eager(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    params = list(compiled.parameters()) if isinstance(compiled, nn.Module) else []
+    for p, q in zip(params, eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert backend.STATS["kernels"] > before, "no generated kernel ran"
+
+
+def test_backend_callable_with_torch_compile():
+    eager, x = model_and_input()
+    mine = copy.deepcopy(eager)
+    check(torch.compile(mine, backend=tfsn_backend), eager, x)
+
+
+def test_optimize_with_a_schedule():
+    eager, x = model_and_input()
+    mine = copy.deepcopy(eager)
+    check(optimize(mine, schedule=Schedule(vector_width=8, gemm_block_rows=2)), eager, x)
+
+
+def test_fuse_false_runs_the_captured_graphs_as_aten():
+    eager, x = model_and_input()
+    before = backend.STATS["aten_graphs"]
+    torch.testing.assert_close(optimize(copy.deepcopy(eager), fuse=False)(x), eager(x))
+    assert backend.STATS["aten_graphs"] > before
+
+
+def registered() -> bool:
+    return any(ep.name == "tfsn" for ep in importlib.metadata.entry_points(group="torch_dynamo_backends"))
+
+
+@pytest.mark.skipif(not registered(), reason="the tfsn entry point is not installed (pip install -e .)")
+def test_torch_compile_by_name():
+    eager, x = model_and_input()
+    mine = copy.deepcopy(eager)
+    compiled = torch.compile(mine, backend="tfsn")
+    before = backend.STATS["kernels"]
+    torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
+    assert backend.STATS["kernels"] > before

@@ -1,0 +1,261 @@
+"""IR, fusion, C generation and the compile cache, one graph at a time.
+
+Graphs are traced here with make_fx and the backend's own decompositions, so each test sees
+exactly the core-ATen graph AOTAutograd would hand the compiler, and checks both what fused
+(the plan is data) and that the generated code computes what eager does.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from optimizer import cache, fusion, ir
+from optimizer.backend import compile_graph, decompositions, make_backend
+from optimizer.codegen import c
+from optimizer.codegen.compiler import build_library, host_flags, load_library
+from optimizer.schedule import DEFAULT, Schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+
+
+def trace(fn, *inputs):
+    gm = make_fx(fn, decomposition_table=decompositions())(*inputs)
+    graph = ir.from_fx(gm)
+    return gm, graph, fusion.plan(graph)
+
+
+def kernels(graph, plan):
+    return [g for g in plan.groups if g.kind != "extern"]
+
+
+def ops(graph, plan, group) -> set[str]:
+    """The ATen ops one loop nest computes, inlined ones included."""
+    return {graph.nodes[n].op.split(".")[1] for n in fusion.fused_nodes(graph, plan, group)}
+
+
+def run(gm, inputs, **options):
+    out = compile_graph(gm, inputs, **options)(list(inputs))
+    return out[0] if len(out) == 1 else out
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def test_residual_add_and_layernorm_are_one_row_kernel():
+    x, r, w, b = torch.randn(5, 7, 19), torch.randn(5, 7, 19), torch.randn(19), torch.randn(19)
+    gm, graph, plan = trace(lambda x, r, w, b: layer_norm(x + r, w, b), x, r, w, b)
+    ks = kernels(graph, plan)
+    assert len(ks) == 1, fusion.describe(graph, plan)
+    assert ks[0].reduced == (2,) and {"sum", "rsqrt", "add", "mul"} <= ops(graph, plan, ks[0])
+    torch.testing.assert_close(run(gm, [x, r, w, b]), layer_norm(x + r, w, b), rtol=1e-4, atol=1e-5)
+
+
+def test_softmax_and_cross_entropy_rows_fuse():
+    x = torch.randn(6, 37)
+    gm, graph, plan = trace(lambda x: F.softmax(x, dim=-1), x)
+    assert len(kernels(graph, plan)) == 1, fusion.describe(graph, plan)
+    torch.testing.assert_close(run(gm, [x]), F.softmax(x, dim=-1))
+    y = torch.randint(0, 37, (6,))
+    gm, graph, plan = trace(lambda x, y: F.cross_entropy(x, y), x, y)
+    rows = [g for g in kernels(graph, plan) if g.reduced == (1,)]
+    assert len(rows) == 1 and {"amax", "exp", "sum", "log"} <= ops(graph, plan, rows[0]), fusion.describe(graph, plan)
+    torch.testing.assert_close(run(gm, [x, y]), F.cross_entropy(x, y))
+
+
+def test_bias_and_gelu_are_the_gemm_epilogue():
+    x, w, b = torch.randn(70, 33), torch.randn(45, 33), torch.randn(45)
+    gm, graph, plan = trace(lambda x, w, b: F.gelu(F.linear(x, w, b)), x, w, b)
+    gemms = [g for g in plan.groups if g.kind == "gemm"]
+    assert len(gemms) == 1 and {"mm", "add", "erf"} <= ops(graph, plan, gemms[0]), fusion.describe(graph, plan)
+    assert gemms[0].nodes[0] not in plan.buffers, "the GEMM's own output should stay in a per-block scratch"
+    assert len(plan.groups) == 2        # the weight's transpose (a view) and the fused GEMM
+    torch.testing.assert_close(run(gm, [x, w, b]), F.gelu(F.linear(x, w, b)), rtol=1e-4, atol=1e-5)
+
+
+def test_whole_tensor_reductions_feed_the_same_kernel():
+    x = torch.randn(101)
+
+    def centered(x):                     # the mean is a per-"row" value of a row with no kept axes
+        m = x.sum() / x.numel()
+        return x - m, ((x - m) * (x - m)).sum()
+    gm, graph, plan = trace(centered, x)
+    for a, e in zip(run(gm, [x]), centered(x)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_column_reduction_for_bias_gradients():
+    g = torch.randn(23, 41)
+    gm, graph, plan = trace(lambda g: (g.sum(0), (g * g).sum(0)), g, )
+    ks = kernels(graph, plan)
+    assert len(ks) == 1 and ks[0].reduced == (0,), fusion.describe(graph, plan)
+    s, s2 = run(gm, [g])
+    torch.testing.assert_close(s, g.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s2, (g * g).sum(0), rtol=1e-5, atol=1e-5)
+
+
+SCHEDULES = [DEFAULT, Schedule(vector_width=8, unroll=4), Schedule(parallel_axis=-1),
+             Schedule(parallel_min_elements=1, chunk=3, gemm_block_rows=7, column_block=5),
+             Schedule(vector_width=1, gemm_block_rows=1000),
+             Schedule(gemm="generated"), Schedule(gemm="generated", gemm_mr=3, gemm_nr=5, gemm_kc=4, gemm_block_rows=5)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=str)
+def test_every_schedule_computes_the_same_step(schedule):
+    torch.manual_seed(0)
+    x, w, b, lw, lb = torch.randn(37, 21), torch.randn(29, 21), torch.randn(29), torch.randn(29), torch.randn(29)
+
+    def step(x, w, b, lw, lb):
+        h = F.gelu(F.linear(x, w, b))
+        return layer_norm(h + h.sum(0), lw, lb), F.softmax(h, dim=-1).sum(0)
+    gm, graph, plan = trace(step, x, w, b, lw, lb)
+    out = run(gm, [x, w, b, lw, lb], schedule=schedule)
+    for a, e in zip(out, step(x, w, b, lw, lb)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_gemm_epilogue_for_attention_scores():
+    q, k = torch.randn(3, 11, 7), torch.randn(3, 13, 7)
+    mask = torch.ones(11, 13, dtype=torch.bool).tril()
+
+    def scores(q, k):                   # scale and causal mask: the bmm's epilogue
+        return (q @ k.transpose(1, 2) * 0.37).masked_fill(~mask, float("-inf"))
+
+    def attention(q, k):                # softmax then reads the bmm's output row by row
+        return torch.softmax(scores(q, k), dim=-1)
+    gm, graph, plan = trace(scores, q, k)
+    assert [g.kind for g in plan.groups].count("gemm") == 1, fusion.describe(graph, plan)
+    for fn in (scores, attention):
+        gm, graph, plan = trace(fn, q, k)
+        for schedule in (DEFAULT, Schedule(gemm="generated", gemm_block_rows=4)):
+            torch.testing.assert_close(run(gm, [q, k], schedule=schedule), fn(q, k), rtol=1e-4, atol=1e-5)
+
+
+def test_a_bad_schedule_is_one_clear_error():
+    with pytest.raises(ValueError, match="Schedule.gemm is 'mkl'; use 'library' or 'generated'"):
+        Schedule(gemm="mkl")
+    with pytest.raises(ValueError, match="Schedule.gemm_mr is 0; it must be at least 1"):
+        Schedule(gemm_mr=0)
+
+
+def test_schedule_knobs_reach_the_source():
+    x, w, b = torch.randn(8, 40), torch.randn(40), torch.randn(40)
+    gm, graph, plan = trace(layer_norm, x, w, b)
+    source = lambda s: c.write_source(graph, plan.groups, plan.buffers, [s] * len(plan.groups))[0]  # noqa: E731
+    assert "simdlen(16)" in source(DEFAULT) and "simdlen(8)" in source(Schedule(vector_width=8))
+    assert "GCC unroll 4" in source(Schedule(unroll=4))
+    assert "omp parallel for" in source(Schedule(parallel_min_elements=1))
+    assert "omp parallel for" not in source(Schedule(parallel_min_elements=1, parallel_axis=-1))
+
+
+@pytest.mark.parametrize("src,dst", [((4, 6), (24,)), ((2, 3, 4), (6, 4)), ((6, 4), (2, 3, 4)), ((6, 1, 4), (6, 4)),
+                                     ((2, 6), (3, 4)), ((1, 5), (5, 1)), ((3, 4, 5), (60,))])
+def test_reshape_index_map_matches_torch(src, dst):
+    base = torch.arange(int(torch.tensor(src).prod())).reshape(src)
+    viewed = base.reshape(dst)
+    names = [f"i{d}" for d in range(len(dst))]
+    exprs = ir.reshape_index(src, dst, names)
+    for idx in itertools.product(*(range(n) for n in dst)):
+        env = dict(zip(names, idx))
+        src_idx = tuple(eval(e.replace("/", "//"), {}, env) for e in exprs)   # C integer division
+        assert base[src_idx] == viewed[idx], f"{src}->{dst} at {idx}: {exprs}"
+
+
+def test_cache_compiles_once_and_leaves_no_temp_files(tmp_path):
+    source = c.PRELUDE + "int answer(void) { return 42; }\n"
+    builds = cache.STATS["builds"]
+    first = build_library(source)
+    second = build_library(source)
+    assert first == second and cache.STATS["builds"] == builds + 1
+    assert load_library(first).answer() == 42
+    assert first.with_suffix(".c").read_text() == source
+    assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]
+    assert Path(os.environ["TFSN_CACHE"]) in first.parents
+
+
+def test_cache_key_covers_the_source():
+    a = build_library(c.PRELUDE + "int f(void) { return 1; }\n")
+    b = build_library(c.PRELUDE + "int f(void) { return 2; }\n")
+    assert a != b and load_library(a).f() == 1 and load_library(b).f() == 2
+
+
+RUN_MODEL = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from optimizer import cache
+    from optimizer.backend import optimize
+    from tests.optimizer_models import suite
+    case = next(c for c in suite() if c.name == "gpt2_block")
+    torch.manual_seed(0)
+    model = optimize(case.build())
+    loss = case.loss(model, case.batch(torch.Generator().manual_seed(1)))
+    loss.backward()
+    print(json.dumps({{"builds": cache.STATS["builds"], "hits": cache.STATS["hits"], "loss": loss.item()}}))
+""")
+
+
+def run_model_processes(n: int, cache_dir: Path) -> list[dict]:
+    import json
+    env = {**os.environ, "TFSN_CACHE": str(cache_dir)}
+    code = RUN_MODEL.format(root=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(n)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def test_a_second_process_compiles_nothing_and_concurrent_ones_agree(tmp_path):
+    first, other = run_model_processes(2, tmp_path / "cache")           # two at once on an empty cache
+    assert first["builds"] > 0 and first["loss"] == other["loss"]
+    assert not [p for p in (tmp_path / "cache").rglob(".*")], "a temp file was left behind"
+    (again,) = run_model_processes(1, tmp_path / "cache")
+    assert again["builds"] == 0 and again["hits"] > 0 and again["loss"] == first["loss"]
+
+
+def test_generated_code_shares_torchs_openmp_runtime():
+    build = build_library(c.PRELUDE + "#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n")
+    lib = load_library(build)
+    assert "-fopenmp" in host_flags()
+    maps = Path("/proc/self/maps").read_text()
+    gomps = {line.split()[-1] for line in maps.splitlines() if re.search(r"libgomp[^/]*\.so", line)}
+    assert len(gomps) == 1, f"two OpenMP runtimes loaded: {gomps}"
+    assert lib.threads() == torch.get_num_threads()
+
+
+def test_bad_options_are_one_clear_error():
+    with pytest.raises(ValueError, match="unknown option 'fusion'; known options: schedule, fuse"):
+        make_backend(fusion=False)
+    with pytest.raises(ValueError, match="schedule must be an optimizer.schedule.Schedule"):
+        make_backend(schedule={"vector_width": 8})
+
+
+def test_generated_exp_is_accurate_and_handles_special_values():
+    x = torch.cat([torch.linspace(-100, 89, 100003),
+                   torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 88.72, 88.73])])
+    gm, graph, plan = trace(lambda x: torch.exp(x) + 0.0, x)
+    y, ref = run(gm, [x]), torch.exp(x)
+    normal = torch.isfinite(ref) & (ref > 2.6e-38)
+    rel = ((y - ref).abs() / ref)[normal]
+    assert rel.max().item() < 4 * 2**-23, "exp is off by more than 4 ulp"
+    assert (y[~normal & torch.isfinite(ref)] <= 2.6e-38).all(), "tiny results flush to (near) zero"
+    assert y[-7].item() == 0.0 and y[-6].item() == float("inf") and torch.isnan(y[-5])
+    assert y[-2].item() == pytest.approx(ref[-2].item(), rel=1e-6) and y[-1].item() == float("inf")

@@ -64,7 +64,7 @@ def run(namespace: Optional[str] = typer.Option(None, help="Watch TfsnJobs of th
                        ("TFSN_OPERATOR_CHECKPOINT_CLAIM", checkpoint_claim)):
         if value:
             os.environ[key] = value
-    import orchestrator.operator  # noqa: F401  (registers the handlers)
+    import orchestrator.k8s_operator  # noqa: F401  (registers the handlers)
     from orchestrator.crd import LIVENESS_PORT
 
     kopf.configure(verbose=verbose)

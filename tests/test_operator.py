@@ -1,4 +1,4 @@
-"""The operator's handlers' work (orchestrator.operator.Operator) against kmock's Kubernetes emulator.
+"""The operator's handlers' work (orchestrator.k8s_operator.Operator) against kmock's Kubernetes emulator.
 
 Everything goes through the real kubernetes client over HTTP and the real controller. kmock runs no
 scheduler, kubelet nor garbage collector: a test schedules and fails pods by writing their spec and
@@ -18,7 +18,7 @@ kmock = pytest.importorskip("kmock")
 pytest.importorskip("kopf")
 
 from orchestrator import crd  # noqa: E402
-from orchestrator.operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
+from orchestrator.k8s_operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
 from orchestrator.store import JobState  # noqa: E402
 from providers.kubernetes import GPU, UNHEALTHY_TAINT  # noqa: E402

@@ -1,4 +1,4 @@
-"""The operator end to end: kopf's own test runner runs `orchestrator.operator` against kmock's emulator.
+"""The operator end to end: kopf's own test runner runs `orchestrator.k8s_operator` against kmock's emulator.
 
 A TfsnJob created through the kubernetes client gets its pods and status from the running operator
 (kopf's watch, handlers, finalizer and status patches; the controller's loop in its thread); deleting
@@ -69,7 +69,7 @@ def test_the_operator_runs_a_tfsnjob_and_cleans_up_after_its_deletion(cluster, t
         return cluster.on_loop(lambda k: [name for (res, ns, name), obj in k.objects.items()
                                           if res == PODS and not obj.deleted])
 
-    args = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.operator"]
+    args = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.k8s_operator"]
     with KopfRunner(args, timeout=60) as runner:
         api.create_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, {
             "apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND,

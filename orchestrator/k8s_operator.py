@@ -19,7 +19,7 @@ The Kubernetes node of every node the controller fails (a failed pod, a silent a
 is tainted as its pod is deleted, before the replacement is asked for, so that the scheduler never puts
 the replacement there (the timer tries again should that be refused).
 
-Run it with `tfsn operator run` (or `kopf run -m orchestrator.operator`); settings come from
+Run it with `tfsn operator run` (or `kopf run -m orchestrator.k8s_operator`); settings come from
 TFSN_OPERATOR_* variables (see `OperatorSettings`).
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk)
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
 from providers.bootstrap import startup_script
 from providers.naming import NODE_TAG, node_tags
 
@@ -177,10 +177,7 @@ class AwsProvider:
             raise _provider_error(err, f"cannot look up the AMI {name} in {region}") from None
 
     def provision(self, request: NodeRequest) -> NodeHandle:
-        offer = request.offer
-        if offer is None or offer.provider != self.name:
-            raise InvalidRequestError(f"aws node {request.node_id}: the request has no AWS offer. To fix: plan the "
-                                      "job on an offer of the aws catalog", provider=self.name)
+        offer = planned_offer(request, self.name)
         if request.spot and offer.spot_price is None:
             raise InvalidRequestError(f"{offer.instance_type} in {offer.zone or offer.region} has no spot market. "
                                       "To fix: set use_spot: false or pick another offer", provider=self.name)

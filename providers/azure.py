@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk)
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
 from providers.bootstrap import startup_script
 from providers.naming import dns_label, node_tags
 
@@ -113,11 +113,7 @@ class AzureProvider:
         return load_offers(self.name)
 
     def provision(self, request: NodeRequest) -> NodeHandle:
-        offer = request.offer
-        if offer is None or offer.provider != PROVIDER:
-            raise InvalidRequestError(f"node {request.node_id}: the azure provider needs a planned azure offer, got "
-                                      f"{offer and offer.provider!r}. To fix: plan the job with infra: [azure]",
-                                      provider=PROVIDER)
+        offer = planned_offer(request, PROVIDER)
         from azure.core.exceptions import ResourceNotFoundError
         compute, zonal = self._client("compute"), offer.zone is not None
         handle = self._handle(request.node_id, offer.region)

@@ -148,6 +148,16 @@ class Provider(Protocol):
         ...
 
 
+def planned_offer(request: NodeRequest, provider: str) -> Offer:
+    """The request's offer, which must be one of `provider`'s: a VM driver cannot guess an instance type."""
+    if request.offer is None or request.offer.provider != provider:
+        raise InvalidRequestError(
+            f"node {request.node_id}: the {provider} provider needs a planned {provider} offer, got "
+            f"{request.offer and request.offer.provider!r}. To fix: plan the job with infra: [{provider}]",
+            provider=provider)
+    return request.offer
+
+
 class MissingExtraError(ProviderError):
     """The provider's SDK is not installed. To fix: install the extra the message names."""
 

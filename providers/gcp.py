@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk)
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
 from providers.bootstrap import startup_script
 from providers.naming import dns_label, node_tags
 
@@ -133,11 +133,7 @@ class GcpProvider:
         return load_offers(self.name)
 
     def provision(self, request: NodeRequest) -> NodeHandle:
-        offer = request.offer
-        if offer is None or offer.provider != PROVIDER:
-            raise InvalidRequestError(f"node {request.node_id}: the gcp provider needs a planned gcp offer, got "
-                                      f"{offer and offer.provider!r}. To fix: plan the job with infra: [gcp]",
-                                      provider=PROVIDER)
+        offer = planned_offer(request, PROVIDER)
         from google.api_core import exceptions
         zone = offer.zone or self._first_zone(offer.region)
         name = instance_name(request.node_id)

@@ -298,6 +298,9 @@ def _dist_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_
             },
             Path(out_dir) / f"rank{rank}.pt",
         )
+        # Both ranks done before either tears the group down: a peer closing its sockets while the other
+        # still shuts down its gloo threads aborts that process ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

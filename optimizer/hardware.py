@@ -5,11 +5,15 @@ per dtype, the memory hierarchy, compute units, SIMD width, registers and shared
 overhead, and the per-direction bandwidth of the link between accelerators of one node. Catalogs name
 accelerators their own way ("H100", "A100-80GB"), so every spec lists the `aliases` it answers to.
 A bad file raises `HardwareSpecError` naming the file and field; nothing else escapes the loader.
+
+This machine's CPU has a second source: `tfsn calibrate` measures it and writes a spec of the same format
+under the cache folder (`host_spec_path`); `cpu_spec()` prefers that measured spec to the shipped generic one.
 """
 from __future__ import annotations
 
 import functools
 import math
+import platform
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -17,11 +21,17 @@ from typing import Any
 
 import yaml
 
+from optimizer.cache import cache_dir
+
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 KINDS = ("gpu", "cpu")
 _SCALARS = ("clock_ghz", "compute_units", "simd_width", "registers_per_unit_kib",
             "shared_memory_per_unit_kib", "launch_overhead_us", "interconnect_gbs")
 _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCALARS
+_OPTIONAL = ("call_overhead_us", "cpu_model", "threads")      # written by `tfsn calibrate`; defaults below
+_LEVEL_FIELDS = {"name", "size_mib", "bandwidth_gbs"}
+_LEVEL_OPTIONAL = {"core_bandwidth_gbs"}
+GENERIC_CPU = "cpu-generic"
 
 
 class HardwareSpecError(ValueError):
@@ -35,6 +45,7 @@ class MemoryLevel:
     name: str                 # "shared", "l2", "hbm", "dram", ...
     size_mib: float           # capacity summed over the chip, MiB
     bandwidth_gbs: float      # peak bandwidth summed over the chip, GB/s (1e9 bytes/s)
+    core_bandwidth_gbs: float | None = None   # one core's (one thread's) bandwidth, GB/s; None: not known
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,9 @@ class HardwareSpec:
     launch_overhead_us: float          # kernel launch (GPU) or parallel-region fork/join (CPU)
     interconnect_gbs: float            # accelerator-to-accelerator link inside a node, each way, GB/s
     memory: tuple[MemoryLevel, ...]    # fastest first; the last level is main memory (HBM / DRAM)
+    call_overhead_us: float = 2.0      # one call of a generated kernel from Python: ctypes + output allocation
+    cpu_model: str = ""                # the CPU a calibrated spec was measured on ("" for vendor specs)
+    threads: int = 0                   # threads used by that calibration (0 for vendor specs)
 
     @property
     def main_memory(self) -> MemoryLevel:
@@ -72,14 +86,42 @@ def _number(value: Any, where: str, *, minimum: float = 0.0) -> float:
     return float(value)
 
 
+def _level(level: Any, where: str) -> MemoryLevel:
+    if not isinstance(level, dict) or not _LEVEL_FIELDS <= set(level) <= _LEVEL_FIELDS | _LEVEL_OPTIONAL:
+        raise HardwareSpecError(f"{where}: must be {{name: ..., size_mib: ..., bandwidth_gbs: ...}}, "
+                                "optionally with core_bandwidth_gbs")
+    core = level.get("core_bandwidth_gbs")
+    return MemoryLevel(str(level["name"]), _number(level["size_mib"], f"{where}.size_mib"),
+                       _number(level["bandwidth_gbs"], f"{where}.bandwidth_gbs"),
+                       None if core is None else _number(core, f"{where}.core_bandwidth_gbs"))
+
+
+def _calibration_fields(data: dict, source: str) -> dict[str, Any]:
+    """The optional fields a calibrated spec carries, validated; absent ones keep their defaults."""
+    found: dict[str, Any] = {}
+    if "call_overhead_us" in data:
+        found["call_overhead_us"] = _number(data["call_overhead_us"], f"{source}: call_overhead_us")
+    if "cpu_model" in data:
+        if not isinstance(data["cpu_model"], str):
+            raise HardwareSpecError(f"{source}: cpu_model: must be a string, the CPU's model name")
+        found["cpu_model"] = data["cpu_model"]
+    if "threads" in data:
+        threads = data["threads"]
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise HardwareSpecError(f"{source}: threads: {threads!r} must be a whole number >= 1")
+        found["threads"] = threads
+    return found
+
+
 def parse_spec(data: Any, source: str) -> HardwareSpec:
     """Validate one spec's YAML data; `source` is the file name used in messages."""
     if not isinstance(data, dict):
         raise HardwareSpecError(f"{source}: the top level must be a mapping of fields")
-    unknown = sorted(set(data) - set(_FIELDS))
+    unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL))
     missing = [f for f in _FIELDS if f not in data]
     if unknown:
-        raise HardwareSpecError(f"{source}: unknown field {unknown[0]!r}. To fix: use only {', '.join(_FIELDS)}")
+        raise HardwareSpecError(f"{source}: unknown field {unknown[0]!r}. "
+                                f"To fix: use only {', '.join(_FIELDS + _OPTIONAL)}")
     if missing:
         raise HardwareSpecError(f"{source}: {missing[0]}: required field is missing")
     name, kind, vendor = data["name"], data["kind"], data["vendor"]
@@ -101,20 +143,14 @@ def parse_spec(data: Any, source: str) -> HardwareSpec:
     levels = data["memory"]
     if not isinstance(levels, list) or not levels:
         raise HardwareSpecError(f"{source}: memory: must be a list of levels, fastest first")
-    memory = []
-    for i, level in enumerate(levels):
-        where = f"{source}: memory[{i}]"
-        if not isinstance(level, dict) or set(level) != {"name", "size_mib", "bandwidth_gbs"}:
-            raise HardwareSpecError(f"{where}: must be {{name: ..., size_mib: ..., bandwidth_gbs: ...}}")
-        memory.append(MemoryLevel(str(level["name"]), _number(level["size_mib"], f"{where}.size_mib"),
-                                  _number(level["bandwidth_gbs"], f"{where}.bandwidth_gbs")))
+    memory = [_level(level, f"{source}: memory[{i}]") for i, level in enumerate(levels)]
     return HardwareSpec(
         name=name, aliases=tuple(dict.fromkeys([name, *aliases])), kind=kind, vendor=str(vendor),
         peak_tflops=peak, clock_ghz=scalars["clock_ghz"], compute_units=int(scalars["compute_units"]),
         simd_width=int(scalars["simd_width"]), registers_per_unit_kib=scalars["registers_per_unit_kib"],
         shared_memory_per_unit_kib=scalars["shared_memory_per_unit_kib"],
         launch_overhead_us=scalars["launch_overhead_us"], interconnect_gbs=scalars["interconnect_gbs"],
-        memory=tuple(memory))
+        memory=tuple(memory), **_calibration_fields(data, source))
 
 
 def load_spec_file(path: str | Path) -> HardwareSpec:
@@ -165,3 +201,65 @@ def find_hardware(accelerator: str | None, directory: str | None = None) -> Hard
         if any(alias.casefold() == wanted for alias in spec.aliases):
             return spec
     return None
+
+
+def cpuinfo(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo ("model name", "cpu MHz", ...), or "" where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, sep, value = line.partition(":")
+            if sep and name.strip() == key:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def host_cpu_model() -> str:
+    """This machine's CPU, what a calibrated spec is valid for: the model name, with family and model
+    numbers where x86 gives them (a VM may name a whole generation just "AMD EPYC")."""
+    name = cpuinfo("model name") or platform.processor() or platform.machine() or "unknown"
+    family, model = cpuinfo("cpu family"), cpuinfo("model")
+    return f"{name} (family {family}, model {model})" if family and model else name
+
+
+def host_spec_path() -> Path:
+    """Where `tfsn calibrate` writes this machine's measured spec."""
+    return cache_dir() / "hardware" / "host.yaml"
+
+
+def _load_host(path: Path) -> HardwareSpec | None:
+    if not path.exists():
+        return None
+    try:
+        spec = load_spec_file(path)
+    except (HardwareSpecError, UnicodeDecodeError) as err:
+        reason = str(err).removeprefix(f"{path.name}: ").split(". To fix")[0]
+        raise HardwareSpecError(f"{path}: corrupt calibrated spec: {reason}. "
+                                "To fix: run `tfsn calibrate` again") from None
+    return spec if spec.cpu_model == host_cpu_model() else None
+
+
+def load_host_spec() -> HardwareSpec | None:
+    """The calibrated spec of this machine, or None when there is none or it was measured on another CPU."""
+    return _load_host(host_spec_path())
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_spec(path: str, stamp: tuple[int, int, int] | None) -> HardwareSpec:
+    host = _load_host(Path(path)) if stamp else None
+    return host or load_all()[GENERIC_CPU]
+
+
+def cpu_spec() -> HardwareSpec:
+    """This machine's CPU: the calibrated spec if there is one for this CPU, else the shipped generic one.
+
+    Cached per process, keyed on the file's identity and mtime, so a new calibration is seen at once.
+    """
+    path = host_spec_path()
+    try:
+        st = path.stat()
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = None
+    return _cpu_spec(str(path), stamp)

@@ -19,6 +19,7 @@ from rich.console import Console
 from orchestrator import daemon
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.operator_cli import operator_app
+from orchestrator.optimizer_cli import register as register_optimizer_commands
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from orchestrator.store import Job, JobState, Store, StoreError
 from orchestrator.view import follow, job_panel, job_summary, jobs_table
@@ -32,6 +33,7 @@ app.add_typer(health_app, name="health")
 catalog_app = typer.Typer(no_args_is_help=True, help="The instance catalog: list offers, refresh their prices.")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(operator_app, name="operator")
+register_optimizer_commands(app)
 console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 

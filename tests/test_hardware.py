@@ -56,12 +56,32 @@ GOOD = {"name": "X1", "aliases": ["x1"], "kind": "gpu", "vendor": "v", "peak_tfl
     ({"memory": [{"name": "hbm", "size_mib": 1}]}, "memory[0]: must be {name"),
     ({"clock_ghz": "fast"}, "clock_ghz: 'fast' must be a number"),
     ({"colour": "red"}, "unknown field 'colour'"),
+    ({"memory": [{"name": "hbm", "size_mib": 1, "bandwidth_gbs": 1, "core_bandwidth_gbs": 0}]},
+     "memory[0].core_bandwidth_gbs: 0 must be a number > 0"),
+    ({"memory": [{"name": "hbm", "size_mib": 1, "bandwidth_gbs": 1, "ports": 2}]}, "memory[0]: must be {name"),
+    ({"call_overhead_us": "slow"}, "call_overhead_us: 'slow' must be a number > 0"),
+    ({"threads": 1.5}, "threads: 1.5 must be a whole number >= 1"),
+    ({"threads": 0}, "threads: 0 must be a whole number >= 1"),
+    ({"cpu_model": 7}, "cpu_model: must be a string"),
 ])
 def test_a_bad_spec_names_its_file_and_field(tmp_path, change, message):
     (tmp_path / "x1.yaml").write_text(yaml.safe_dump({**GOOD, **change}))
     with pytest.raises(HardwareSpecError) as err:
         load_spec_file(tmp_path / "x1.yaml")
     assert str(err.value).startswith("x1.yaml: ") and message in str(err.value)
+
+
+def test_the_optional_calibration_fields_load_and_default(tmp_path):
+    measured = {**GOOD, "call_overhead_us": 3.5, "cpu_model": "Some CPU", "threads": 4,
+                "memory": [{"name": "l1", "size_mib": 0.1, "bandwidth_gbs": 800, "core_bandwidth_gbs": 200},
+                           {"name": "dram", "size_mib": 1024, "bandwidth_gbs": 40}]}
+    (tmp_path / "x1.yaml").write_text(yaml.safe_dump(measured))
+    spec = load_spec_file(tmp_path / "x1.yaml")
+    assert (spec.call_overhead_us, spec.cpu_model, spec.threads) == (3.5, "Some CPU", 4)
+    assert [m.core_bandwidth_gbs for m in spec.memory] == [200.0, None]
+    generic = find_hardware("cpu")
+    assert (generic.call_overhead_us, generic.cpu_model, generic.threads) == (2.0, "", 0)
+    assert all(m.core_bandwidth_gbs is None for m in find_hardware("H100").memory)
 
 
 def test_a_missing_field_and_a_duplicate_alias_are_refused(tmp_path):

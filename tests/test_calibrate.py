@@ -1,0 +1,128 @@
+"""`tfsn calibrate`: measuring this machine, writing its spec, and the CPU cost model finding it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from optimizer import hardware
+from optimizer.calibrate import calibrate, host_spec, write_host_spec
+from optimizer.hardware import HardwareSpecError, cpu_spec, host_spec_path, load_host_spec
+from orchestrator.optimizer_cli import register
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One quick calibration for the whole module (its kernels compiled into a private cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TFSN_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return calibrate(quick=True)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_figures_are_plausible_for_a_cpu(measured):
+    bw = {level.name: level for level in measured.levels}
+    assert list(bw) == ["l1", "l2", "l3", "dram"]
+    # caches are faster than DRAM; L2 vs L3 may swap on a noisy shared machine, L1 vs DRAM never by this much
+    assert bw["l1"].core_gbs > bw["l2"].core_gbs > bw["dram"].core_gbs
+    assert bw["l1"].core_gbs > 2 * bw["dram"].core_gbs and bw["l1"].all_gbs > 2 * bw["dram"].all_gbs
+    assert bw["l1"].size_mib < bw["l2"].size_mib < bw["dram"].size_mib
+    assert 0 < measured.peak_gflops_core <= measured.peak_gflops_all * 1.2
+    assert 0 < measured.call_overhead_us < 1000 and 0 < measured.fork_join_us < 1000
+    assert measured.threads >= 1 and measured.simd_width in (4, 8, 16) and measured.clock_ghz > 0
+
+
+def test_the_written_spec_round_trips_and_is_what_cpu_spec_returns(measured):
+    path = write_host_spec(measured)
+    assert path == host_spec_path() and path.read_text().startswith("# This machine's CPU")
+    spec = load_host_spec()
+    assert spec is not None and spec.name == "host" and spec.kind == "cpu"
+    assert (spec.cpu_model, spec.threads, spec.compute_units) == (measured.cpu_model, measured.threads,
+                                                                  measured.threads)
+    assert [m.name for m in spec.memory] == ["l1", "l2", "l3", "dram"]
+    assert spec.memory[0].core_bandwidth_gbs == pytest.approx(measured.levels[0].core_gbs, abs=0.05)
+    assert spec.main_memory.bandwidth_gbs == pytest.approx(measured.levels[-1].all_gbs, abs=0.05)
+    assert spec.peak_flops("fp32") == pytest.approx(measured.peak_gflops_all * 1e9, rel=1e-3)
+    assert spec.peak_flops("bf16") == spec.peak_flops("fp32")
+    assert spec.call_overhead_us == pytest.approx(measured.call_overhead_us, abs=1e-3)
+    assert spec.launch_overhead_us == pytest.approx(measured.fork_join_us, abs=1e-3)
+    assert cpu_spec() == spec
+
+
+def test_cpu_spec_sees_a_new_calibration_and_falls_back_without_one(measured):
+    assert cpu_spec().name == hardware.GENERIC_CPU                 # nothing calibrated yet
+    write_host_spec(measured)
+    assert cpu_spec().name == "host"
+    faster = dataclasses.replace(measured, call_overhead_us=measured.call_overhead_us + 1.0)
+    write_host_spec(faster)
+    assert cpu_spec().call_overhead_us == pytest.approx(faster.call_overhead_us, abs=1e-3)
+    host_spec_path().unlink()
+    assert cpu_spec().name == hardware.GENERIC_CPU
+
+
+def test_a_spec_measured_on_another_cpu_is_ignored(measured):
+    write_host_spec(dataclasses.replace(measured, cpu_model="Some Other CPU 9000"))
+    assert load_host_spec() is None
+    assert cpu_spec().name == hardware.GENERIC_CPU
+
+
+@pytest.mark.parametrize("corrupt", [
+    "name: host\nkind: [unclosed\n",                                                     # not YAML
+    "just a string\n",                                                                   # not a mapping
+])
+def test_a_corrupt_host_spec_names_the_file_and_says_to_recalibrate(measured, corrupt):
+    path = host_spec_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(corrupt)
+    with pytest.raises(HardwareSpecError) as err:
+        load_host_spec()
+    message = str(err.value)
+    assert str(path) in message and "run `tfsn calibrate` again" in message and "\n" not in message
+
+
+def test_a_host_spec_with_a_bad_figure_is_corrupt_too(measured):
+    data = host_spec(measured)
+    data["memory"][0]["core_bandwidth_gbs"] = -5
+    host_spec_path().parent.mkdir(parents=True)
+    host_spec_path().write_text(yaml.safe_dump(data))
+    with pytest.raises(HardwareSpecError, match=r"memory\[0\]\.core_bandwidth_gbs: -5 must be a number > 0"):
+        cpu_spec()
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    register(app)
+
+    @app.command("version")      # a second command, so typer keeps `calibrate` a named subcommand
+    def version() -> None:
+        """Unused."""
+    return app
+
+
+def test_the_cli_measures_prints_and_writes_the_spec(cache):
+    result = CliRunner().invoke(_app(), ["calibrate", "--quick", "--json", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert any(line.startswith("l1 ") for line in lines) and any(line.startswith("dram ") for line in lines)
+    figures = json.loads(lines[-1])
+    assert {"levels", "peak_gflops_core", "peak_gflops_all", "call_overhead_us", "fork_join_us", "threads",
+            "path"} <= set(figures)
+    assert figures["threads"] == 1 and figures["path"] == str(cache / "hardware" / "host.yaml")
+    assert load_host_spec().threads == 1
+
+
+@pytest.mark.parametrize("threads", ["0", "100000"])
+def test_the_cli_refuses_a_bad_thread_count_in_one_line(cache, threads):
+    result = CliRunner().invoke(_app(), ["calibrate", "--quick", "--threads", threads])
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and f"--threads {threads}" in result.stderr
+    assert "Traceback" not in result.output and not host_spec_path().exists()

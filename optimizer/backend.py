@@ -6,13 +6,19 @@ core-ATen graphs; each graph is lowered to the IR, fused, generated as C, compil
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
-from typing import Any, Callable, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from optimizer.schedule import DEFAULT, Schedule
+from optimizer.schedule import Schedule
+
+if TYPE_CHECKING:
+    from optimizer.fusion import Plan
 
 log = logging.getLogger("tfsn.optimizer")
 aten = torch.ops.aten
@@ -20,8 +26,11 @@ aten = torch.ops.aten
 # What this process compiled: graphs lowered to kernels, generated kernels, graphs left to ATen.
 STATS = {"graphs": 0, "kernels": 0, "aten_graphs": 0}
 
-OPTIONS = {"schedule": "a Schedule applied to every kernel (default: optimizer.schedule.DEFAULT)",
-           "fuse": "False runs the captured ATen graphs as they are, without generated kernels"}
+OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion plan: no search",
+           "fuse": "False runs the captured ATen graphs as they are, without generated kernels",
+           "top_k": "schedules per kernel compiled and timed by the search (default 8, or $TFSN_TOP_K); "
+                    "1 keeps the cost model's pick untimed",
+           "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to"}
 
 # Decomposed further than core ATen, so that the generator sees their pointwise and reduction
 # parts (LayerNorm, softmax, GELU, BatchNorm, the optimizers' addcmul/lerp) and can fuse them.
@@ -71,10 +80,22 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
 
 
+def default_top_k() -> int:
+    from optimizer.search import TOP_K
+    value = os.environ.get("TFSN_TOP_K", "")
+    if not value:
+        return TOP_K
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TFSN_TOP_K is {value!r}; set it to a whole number >= 1 (1: no timing)")
+    return int(value)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
-                  schedule: Schedule = DEFAULT, fuse: bool = True) -> Callable:
+                  schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
+                  report: list | None = None) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
-    whatever the generator does not cover runs as ATen."""
+    whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
+    and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
     from torch._functorch.aot_autograd import make_boxed_func
 
     from optimizer import fusion, ir
@@ -90,10 +111,19 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
-    plan = fusion.plan(graph, gemm=compiler.sgemm_address() is not None)
+    gemm = compiler.sgemm_address() is not None
+    try:
+        if schedule is not None:
+            plan = fusion.plan(graph, gemm=gemm)
+            schedules = [schedule] * len(plan.groups)
+        else:
+            plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, report)
+    except (c.NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
+        log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
+        STATS["aten_graphs"] += 1
+        return make_boxed_func(gm.forward)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan:\n%s", fusion.describe(graph, plan))
-    schedules = [schedule] * len(plan.groups)
     try:
         source, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules)
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
@@ -106,14 +136,58 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     return CompiledGraph(graph, plan.groups, kernels, lib)
 
 
+SEARCH_VERSION = "1"      # bump when the search or the model changes what a cached result means
+
+
+def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[Plan, list[Schedule]]:
+    """The search's plan and schedules for this graph on this host, from the disk cache when this
+    graph was searched here before (same graph, host spec, compiler, threads and top_k)."""
+    from optimizer import fusion, search
+    from optimizer.cache import atomic_write, cache_dir, content_key
+    from optimizer.codegen import compiler
+    from optimizer.hardware import cpu_spec
+
+    spec, threads = cpu_spec(), torch.get_num_threads()
+    key = content_key(graph_signature(graph), repr(spec), compiler.compiler_id(), compiler.hardware_id(),
+                      SEARCH_VERSION, str(top_k), str(threads), str(gemm))
+    path = cache_dir() / "search" / f"{key}.json"
+    if path.exists() and report is None:
+        try:
+            saved = json.loads(path.read_text())
+            choice = fusion.Choice(**{k: frozenset(v) for k, v in saved["choice"].items()})
+            plan = fusion.plan(graph, gemm=gemm, choice=choice)
+            if len(plan.groups) == len(saved["schedules"]):
+                return plan, [Schedule(**s) for s in saved["schedules"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
+    result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
+    log.info("tfsn search: %d plans, %d candidates scored in %.3f s, %d timed; %.2f s in all",
+             result.plans_scored, result.scored, result.score_seconds, len(result.measured), result.seconds)
+    if report is not None:
+        report.append((graph, result))
+    choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
+    atomic_write(path, json.dumps({"choice": choice,
+                                   "schedules": [dataclasses.asdict(s) for s in result.schedules]}).encode())
+    return result.plan, result.schedules
+
+
+def graph_signature(graph) -> str:
+    """Everything that decides the code of a graph: ops, arguments, shapes, strides, dtypes."""
+    return repr([(n.op, n.kind.value, n.type, n.args, sorted(n.kwargs.items()), n.params) for n in graph.nodes]
+                + [graph.inputs, graph.outputs])
+
+
 def make_backend(**options: Any) -> Callable:
     """A torch.compile backend with these options (see OPTIONS)."""
     unknown = set(options) - set(OPTIONS)
     if unknown:
         raise ValueError(f"tfsn: unknown option {sorted(unknown)[0]!r}; known options: {', '.join(OPTIONS)}")
-    schedule = options.get("schedule", DEFAULT)
-    if not isinstance(schedule, Schedule):
+    schedule = options.get("schedule")
+    if schedule is not None and not isinstance(schedule, Schedule):
         raise ValueError(f"tfsn: schedule must be an optimizer.schedule.Schedule, not {type(schedule).__name__}")
+    top_k = options.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"tfsn: top_k must be a whole number >= 1, not {top_k!r}")
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = functools.partial(compile_graph, **options)

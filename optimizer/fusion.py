@@ -27,6 +27,40 @@ class Plan:
     buffers: set[int]        # nodes whose value is written to memory by a kernel
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The fusion decisions a search makes, as departures from the greedy heuristic's own."""
+    store: frozenset[int] = frozenset()        # pointwise values written once, though the heuristic recomputes them
+    recompute: frozenset[int] = frozenset()    # values the heuristic stores, recomputed in each reader instead
+    split: frozenset[int] = frozenset()        # GEMMs whose pointwise readers run as a kernel of their own
+
+
+DEFAULT_CHOICE = Choice()
+
+
+def decision_points(graph: Graph, gemm: bool = True) -> list[tuple[str, int]]:
+    """Every fusion decision of this graph the search may flip: ("store" | "recompute", node) for a
+    pointwise value read by several kernels, ("split", matmul) for a GEMM with an epilogue."""
+    need = needs_tensor(graph)
+    default = choose_buffers(graph, need)
+    points: list[tuple[str, int]] = []
+    for node in graph.nodes:
+        if node.kind == Kind.POINTWISE and node.index not in need and len(compute_readers(graph, node.index)) > 1:
+            points.append(("recompute" if node.index in default else "store", node.index))
+        elif node.kind == Kind.MATMUL and gemm and gemm_fits(graph, node.index) and any(
+                graph.nodes[r].kind == Kind.POINTWISE for r in compute_readers(graph, node.index) if r >= 0):
+            points.append(("split", node.index))
+    return points
+
+
+def choice_of(points: list[tuple[str, int]], flipped: tuple[bool, ...]) -> Choice:
+    """The Choice that flips the decision points marked True."""
+    picked = [p for p, f in zip(points, flipped) if f]
+    return Choice(store=frozenset(n for kind, n in picked if kind == "store"),
+                  recompute=frozenset(n for kind, n in picked if kind == "recompute"),
+                  split=frozenset(n for kind, n in picked if kind == "split"))
+
+
 @dataclass
 class _Open:
     kind: str
@@ -94,10 +128,11 @@ def compute_readers(graph: Graph, n: int) -> set[int]:
     return found
 
 
-def plan(graph: Graph, gemm: bool = True) -> Plan:
-    """The default fusion plan of a graph; `gemm=False` leaves every matmul to ATen."""
+def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Plan:
+    """The fusion plan of a graph under `choice` (default: the heuristic's); `gemm=False` leaves
+    every matmul to ATen."""
     need = needs_tensor(graph)
-    buffers = choose_buffers(graph, need)
+    buffers = (choose_buffers(graph, need) | choice.store) - (choice.recompute - need)
 
     @lru_cache(maxsize=None)
     def reads(n: int) -> frozenset[int]:
@@ -167,7 +202,8 @@ def plan(graph: Graph, gemm: bool = True) -> Plan:
             same = g.domain == domain and (reduced is None or (g.kind == "kernel" and g.reduced == reduced)) \
                 or reduced is None and g.kind == "kernel" and domain in row_shapes(g.domain, g.reduced)
             related = any(owner.get(d) is g for d in deps) or bool(g.reads & deps)
-            if same and related and fits(g, n):
+            split = g.kind == "gemm" and g.nodes[0] in choice.split
+            if same and related and not split and fits(g, n):
                 joined = g
                 break
         close_owners(deps, keep=joined)
@@ -183,19 +219,19 @@ def plan(graph: Graph, gemm: bool = True) -> Plan:
     for group in groups:        # a GEMM read only by its own epilogue needs no buffer
         if group.kind == "gemm" and group.nodes[0] not in need:
             mm = group.nodes[0]
-            readers = [g for g in groups if any(mm in graph.nodes[n].inputs for n in fused_nodes(graph, result, g))]
+            readers = [g for g in groups if any(mm in graph.nodes[n].inputs for n in fused_nodes(graph, result.buffers, g))]
             if readers == [group]:
                 buffers.discard(mm)
     return result
 
 
-def fused_nodes(graph: Graph, plan: Plan, group: Group) -> list[int]:
+def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:
     """A group's members and the values inlined into them, in graph order."""
     found, todo = set(group.nodes), list(group.nodes)
     while todo:
         for i in graph.nodes[todo.pop()].inputs:
             node = graph.nodes[i]
-            if i not in found and (node.kind == Kind.VIEW or node.kind == Kind.POINTWISE and i not in plan.buffers):
+            if i not in found and (node.kind == Kind.VIEW or node.kind == Kind.POINTWISE and i not in buffers):
                 found.add(i)
                 todo.append(i)
     return sorted(found) if group.kind != "extern" else list(group.nodes)
@@ -207,7 +243,7 @@ def describe(graph: Graph, plan: Plan) -> str:
     lines = []
     for i, g in enumerate(plan.groups):
         ops = ", ".join(f"{graph.nodes[n].name}={graph.nodes[n].op.removeprefix('aten.')}"
-                        + ("*" if n in plan.buffers else "") for n in fused_nodes(graph, plan, g)
+                        + ("*" if n in plan.buffers else "") for n in fused_nodes(graph, plan.buffers, g)
                         if graph.nodes[n].kind != Kind.VIEW)
         shape = f" domain={list(g.domain)}" + (f" reduce={list(g.reduced)}" if g.reduced else "")
         lines.append(f"{i:3d} {g.kind:6s}{shape if g.kind != 'extern' else ''}  {ops}")

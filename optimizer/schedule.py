@@ -8,10 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+VECTOR_WIDTHS = (1, 4, 8, 16)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """How one kernel is laid out in loops. The defaults are the hand-written heuristic."""
-    vector_width: int = 16            # SIMD lanes asked of the compiler (omp simd simdlen); 16 fp32 = AVX-512
+    vector_width: int = 16            # fp32 SIMD lanes: 1 = scalar (no vectorizer), 4/8/16 = 128/256/512-bit
+                                      # vectors (the function's preferred vector width and omp simd simdlen)
     unroll: int = 1                   # unroll of innermost non-reduction loops (GCC unroll + ivdep in place
                                       # of omp simd, which GCC will not combine with it); 1 = omp simd
     parallel_axis: int = 0            # loop level split across threads: 0 = the outer loop, -1 = serial
@@ -26,6 +30,8 @@ class Schedule:
     gemm_kc: int = 256                # generated GEMM: depth of a cache tile of A and B
 
     def __post_init__(self) -> None:
+        if self.vector_width not in VECTOR_WIDTHS:
+            raise ValueError(f"Schedule.vector_width is {self.vector_width}; use one of {VECTOR_WIDTHS}")
         if self.gemm not in ("library", "generated"):
             raise ValueError(f"Schedule.gemm is {self.gemm!r}; use 'library' or 'generated'")
         for knob in ("vector_width", "unroll", "gemm_block_rows", "gemm_mr", "gemm_nr", "gemm_kc", "column_block"):

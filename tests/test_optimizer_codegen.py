@@ -45,7 +45,7 @@ def kernels(graph, plan):
 
 def ops(graph, plan, group) -> set[str]:
     """The ATen ops one loop nest computes, inlined ones included."""
-    return {graph.nodes[n].op.split(".")[1] for n in fusion.fused_nodes(graph, plan, group)}
+    return {graph.nodes[n].op.split(".")[1] for n in fusion.fused_nodes(graph, plan.buffers, group)}
 
 
 def run(gm, inputs, **options):

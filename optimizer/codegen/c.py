@@ -8,7 +8,7 @@ of rows, then the epilogue on that block while it is in cache).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Sequence
 
@@ -97,11 +97,20 @@ def _offset(node: Node, idx: Sequence[str]) -> str:
 
 
 def _pragma_simd(s: Schedule, clauses: str = "") -> str:
+    if s.vector_width == 1:       # scalar: the function is compiled without the vectorizer
+        return f"#pragma GCC unroll {s.unroll}" if s.unroll > 1 and not clauses else ""
     if s.unroll > 1 and not clauses:
         # GCC takes no unroll pragma next to `omp simd`; ivdep keeps the vectorizer's licence
         return f"#pragma GCC ivdep\n#pragma GCC unroll {s.unroll}"
     simdlen = f" simdlen({s.vector_width})" if s.vector_width > 1 else ""
     return f"#pragma omp simd{simdlen}{clauses}"
+
+
+def _attributes(s: Schedule) -> str:
+    """The vector width as the function's own compile options: no vectorizer, or a preferred width."""
+    if s.vector_width == 1:
+        return '__attribute__((optimize("no-tree-vectorize"))) '
+    return f'__attribute__((target("prefer-vector-width={32 * s.vector_width}"))) '
 
 
 class KernelWriter:
@@ -121,6 +130,8 @@ class KernelWriter:
         self.tmp = 0
         self.prologue: list[str] = []             # loop-invariant values (scalars), computed once
         self.hoisted: dict[tuple, str] = {}
+        self.loads: list[tuple[int, str]] = []    # (buffer, offset expression) of every load: the cost model's
+                                                  # view of the access pattern
 
     # ---- values ----
     def param(self, n: int, output: bool = False) -> str:
@@ -167,7 +178,9 @@ class KernelWriter:
             else:
                 raise NotFusable(f"{node.name} is read at another index, or before it is computed")
         elif n in self.buffers or node.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL, Kind.REDUCE):
-            value = self.emit(_ctype(node), f"{self.param(n)}[{_offset(node, idx)}]", hoist)
+            offset = _offset(node, idx)
+            self.loads.append((n, offset))
+            value = self.emit(_ctype(node), f"{self.param(n)}[{offset}]", hoist)
         elif node.kind == Kind.VIEW:
             base, base_idx = view_index(self.g, node, idx)
             value = self.load(base, base_idx)
@@ -238,7 +251,7 @@ class KernelWriter:
         code = self.prologue + code
         args = ", ".join(f"{'' if n in self.outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
                          for n, p in self.params.items())
-        source = f"void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
+        source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
         return Kernel(self.name, source, tuple(self.params), tuple(self.outputs))
 
     def pointwise(self) -> list[str]:
@@ -437,6 +450,7 @@ class KernelWriter:
         tiles of mr x nr accumulators (full tiles get compile-time bounds, so the accumulators
         live in SIMD registers), SIMD across the nr columns."""
         mr, nr, kc = self.s.gemm_mr, self.s.gemm_nr, self.s.gemm_kc
+        simd = _pragma_simd(replace(self.s, unroll=1))
 
         def tile(rows: str, cols: str) -> list[str]:
             return [
@@ -447,7 +461,7 @@ class KernelWriter:
                 f"  #pragma GCC unroll {mr}",
                 f"  for (int ii = 0; ii < {rows}; ii++) {{",
                 f"    const float av = A[(i + ii) * {sa[0]} + kq * {sa[1]}];",
-                "    #pragma omp simd",
+                f"    {simd}",
                 f"    for (int jj = 0; jj < {cols}; jj++) acc[ii][jj] += av * B[kq * {sb[0]} + (j + jj) * {sb[1]}];",
                 "  }", "}",
                 f"for (int ii = 0; ii < {rows}; ii++) for (int jj = 0; jj < {cols}; jj++)",
@@ -500,11 +514,15 @@ def gemm_fits(graph: Graph, mm: int) -> bool:
 
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int],
-                 schedules: Sequence[Schedule]) -> tuple[str, list[Kernel | None]]:
+                 schedules: Sequence[Schedule], prefix: str = "k") -> tuple[str, list[Kernel | None]]:
     """One C file for a whole graph (one compile, one shared object); None for extern groups."""
     kernels: list[Kernel | None] = []
     for i, (group, schedule) in enumerate(zip(groups, schedules)):
         kernels.append(None if group.kind == "extern" else
-                       KernelWriter(graph, group, buffers, schedule, f"k{i}").write())
-    source = PRELUDE + SIMD_MATH + "\n".join(k.source for k in kernels if k is not None)
-    return source, kernels
+                       KernelWriter(graph, group, buffers, schedule, f"{prefix}{i}").write())
+    return library_source(kernels), kernels
+
+
+def library_source(kernels: Sequence[Kernel | None]) -> str:
+    """The C file of these kernels: the prelude once, then each function."""
+    return PRELUDE + SIMD_MATH + "\n".join(k.source for k in kernels if k is not None)

@@ -1,0 +1,316 @@
+"""The analytical cost model: the time of a generated kernel under a schedule, on a chip spec.
+
+Why analytical: the search scores millions of (kernel, schedule) candidates; only a handful are
+ever compiled. A candidate is one row of a table (`Candidates`); what a kernel does is extracted
+once (`KernelFeatures`) and broadcast to its rows, and every formula below is numpy over all rows
+at once, so that scoring costs well under a microsecond per candidate.
+
+Model of one CPU kernel (the C the generator writes; see optimizer/codegen/c.py):
+
+- threads: the outer loop split across `compute_units` threads in static chunks; the busiest
+  thread's share of the outer iterations sets the time (chunk quantization), plus a fork/join
+  (`launch_overhead_us`) when parallel, plus the Python-side call (`call_overhead_us`).
+- compute: per row, the innermost loop runs ceil(inner / lanes) vector iterations plus a scalar
+  remainder; each iteration issues its weighted arithmetic on two vector pipes, and a loop with a
+  reduction carried across iterations is bound by the add latency instead.
+- memory: bytes read and written, at the bandwidth of the smallest memory level that holds the
+  kernel's footprint (a level private to a core holds only the running threads' share), for the
+  running threads (`core_bandwidth_gbs` each, at most the level's total); an access strided along
+  the innermost loop moves a cache line per element unless those lines stay cached. A row read in
+  several passes (LayerNorm: mean, variance, normalize) is read again from where one row fits.
+- GEMM: the library (MKL) at a fixed fraction of peak on its block of rows, plus the packing of B
+  it redoes per call; or the generated micro-kernel: per step of depth, max of FMAs on two pipes,
+  loads on two ports and the FMA latency of one accumulator chain, with a spill penalty once the
+  accumulators and B vectors exceed the register file; edge tiles take the slow path; B panels
+  are re-read from the level where one panel fits. The epilogue is a pointwise kernel on the block.
+- the kernel time is max(compute, memory) plus overheads (roofline per level).
+
+Every constant below is a named assumption; the spec's numbers come from configs/hardware or from
+`tfsn calibrate` (optimizer/calibrate.py) of this very machine. Accuracy is measured by
+benchmarks/costmodel_accuracy.py, never assumed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+from optimizer.hardware import HardwareSpec
+from optimizer.schedule import Schedule
+
+POINTWISE, REDUCTION, GEMM = 0, 1, 2
+KIND_NAMES = {"pointwise": POINTWISE, "reduction": REDUCTION, "gemm": GEMM}
+
+LINE_BYTES = 64                 # cache line, bytes (x86-64, Arm Neoverse)
+VECTOR_PIPES = 2                # vector arithmetic issued per cycle (two FMA ports: Intel since Haswell, Zen 4)
+LOAD_PORTS = 2                  # vector loads per cycle (Intel Optimization Manual: 2 x 512-bit on SPR)
+ADD_LATENCY = 4                 # cycles of a dependent FP add/FMA (Intel Optimization Manual, Golden Cove)
+VECTOR_REGISTERS = 32           # zmm0-31 (AVX-512) / ymm0-31 with AVX-512VL
+LOOP_OVERHEAD = 1.0             # cycles of index arithmetic and branch per iteration of a pass (vector loops:
+                                # the compiler unrolls them anyway; scalar ones pay it per unrolled body)
+VECTOR_MATH_OPS = 20.0          # vector instructions of an inlined exp / libmvec erf, tanh, log (polynomials)
+SCALAR_MATH_CYCLES = 25.0       # cycles of a scalar libm call (expf, erff, tanhf) or our inline exp unvectorized
+ROW_OP_CYCLES = 8.0             # cycles of a per-row scalar value (mean, rstd: a divide or a sqrt)
+CHUNK_S = 0.1e-6                # seconds of OpenMP bookkeeping and lost prefetch per static chunk
+SCALAR_STRIDED = 0.5            # cycles per element loaded with a non-unit stride, scalar
+GATHER_PER_LANE = 0.6           # cycles per lane of a vector gather (Intel: ~1 load per lane, 2 ports)
+SPILL_FACTOR = 3.0              # slowdown of a micro-kernel whose accumulators spill to the stack
+EDGE_FACTOR = 3.0               # slowdown of an edge tile (runtime bounds: no register accumulators)
+LIBRARY_EFFICIENCY = 0.85       # fraction of peak MKL sustains on large fp32 GEMMs (measured ~370 GFLOP/s
+                                # per 2-core here vs 2 x 3.0 GHz x 64 FLOP/clk; an assumption elsewhere)
+LIBRARY_TILE_ROWS = 8           # rows per library micro-tile (edge waste below a multiple of it)
+LIBRARY_CALL_US = 1.0           # one BLAS call's own overhead, microseconds (argument checks, dispatch)
+PRIVATE_LEVELS = ("registers", "l1", "l2", "shared")    # per-core levels: a thread holds only its share
+
+
+@dataclass(frozen=True)
+class KernelFeatures:
+    """What one fused group does, independent of its schedule (extracted once, see features.py)."""
+
+    kind: int                  # POINTWISE | REDUCTION | GEMM
+    elements: float            # iterations of the loop nest over the group's domain
+    rows: float                # iterations of the outer loop (rows; for column reductions: rows of kept axes)
+    inner: float               # length of the innermost loop (the SIMD one)
+    ops: float                 # arithmetic per element, over all passes (add, mul, compare, select)
+    math: float = 0.0          # exp / log / tanh / erf / div / sqrt per element, over all passes
+    row_ops: float = 0.0       # arithmetic per row (per-row values of a reduction)
+    read_bytes: float = 0.0    # bytes of distinct buffers read
+    write_bytes: float = 0.0   # bytes written
+    strided_bytes: float = 0.0  # of read_bytes, read with a non-unit stride along the innermost loop
+    passes: float = 1.0        # passes over each row (reduction stages + final pass)
+    row_bytes: float = 0.0     # bytes one pass over one row reads
+    carried: float = 0.0       # passes whose innermost loop carries a reduction (latency-bound)
+    columns: float = 0.0       # column reductions (last axis kept): the columns blocked by column_block
+    m: float = 0.0             # GEMM: rows of C, columns of C, depth, batch
+    n: float = 0.0
+    k: float = 0.0
+    batch: float = 1.0
+    b_strided: float = 0.0     # GEMM: B's columns are not contiguous (a transposed operand)
+    keep_c: float = 1.0        # GEMM: the product itself is written to memory
+
+
+@dataclass
+class Candidates:
+    """A table of (kernel, schedule) rows: one numpy column per knob, `kernel` indexes the features."""
+
+    kernel: np.ndarray
+    vector_width: np.ndarray
+    unroll: np.ndarray
+    parallel: np.ndarray       # 1: outer loop across threads (forced, whatever its size), 0: serial
+    chunk: np.ndarray
+    column_block: np.ndarray
+    generated: np.ndarray      # GEMM: 1 generated micro-kernel, 0 library
+    block_rows: np.ndarray
+    mr: np.ndarray
+    nr: np.ndarray
+    kc: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.kernel)
+
+    @classmethod
+    def concat(cls, tables: Sequence[Candidates]) -> Candidates:
+        return cls(**{f.name: np.concatenate([getattr(t, f.name) for t in tables]) for f in fields(cls)})
+
+    def take(self, rows: np.ndarray) -> Candidates:
+        return Candidates(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def schedule(self, row: int) -> Schedule:
+        """The generator's Schedule of one row."""
+        parallel = bool(self.parallel[row])
+        return Schedule(vector_width=int(self.vector_width[row]), unroll=int(self.unroll[row]),
+                        parallel_axis=0 if parallel else -1, parallel_min_elements=0 if parallel else 65536,
+                        chunk=int(self.chunk[row]), column_block=int(self.column_block[row]),
+                        gemm="generated" if self.generated[row] else "library",
+                        gemm_block_rows=int(self.block_rows[row]), gemm_mr=int(self.mr[row]),
+                        gemm_nr=int(self.nr[row]), gemm_kc=int(self.kc[row]))
+
+    @classmethod
+    def of(cls, kernel: int, schedules: Sequence[Schedule]) -> Candidates:
+        """Rows for given schedules of one kernel (to score what the generator would get)."""
+        def col(f):
+            return np.array([f(s) for s in schedules], dtype=np.float64)
+        return cls(kernel=np.full(len(schedules), kernel, dtype=np.int64),
+                   vector_width=col(lambda s: s.vector_width), unroll=col(lambda s: s.unroll),
+                   parallel=col(lambda s: float(s.parallel_axis >= 0)), chunk=col(lambda s: s.chunk),
+                   column_block=col(lambda s: s.column_block), generated=col(lambda s: float(s.gemm == "generated")),
+                   block_rows=col(lambda s: s.gemm_block_rows), mr=col(lambda s: s.gemm_mr),
+                   nr=col(lambda s: s.gemm_nr), kc=col(lambda s: s.gemm_kc))
+
+
+class FeatureTable:
+    """Kernel features as numpy columns, so that candidate rows index them."""
+
+    def __init__(self, kernels: Sequence[KernelFeatures]) -> None:
+        self.kernels = list(kernels)
+        for f in fields(KernelFeatures):
+            setattr(self, f.name, np.array([getattr(k, f.name) for k in kernels], dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class _Chip:
+    """The spec reduced to the numbers the formulas use, in seconds, bytes and cycles."""
+
+    cores: float                       # threads the kernels run with (at most the chip's cores)
+    units: float                       # the chip's cores: private levels are split over these
+    clock: float                       # Hz, effective (see of)
+    lanes: float                       # fp32 lanes of the widest vector
+    peak_core: float                   # fp32 FLOP/s of one core
+    call_s: float
+    fork_s: float
+    sizes: np.ndarray                  # bytes per level, chip total
+    private: np.ndarray                # bool per level
+    bandwidth: np.ndarray              # bytes/s per level, chip total
+    core_bandwidth: np.ndarray         # bytes/s per level, one core
+
+    @classmethod
+    def of(cls, spec: HardwareSpec, threads: int | None = None) -> _Chip:
+        levels = spec.memory
+        cores = float(spec.compute_units)
+        core_bw = [(lv.core_bandwidth_gbs or lv.bandwidth_gbs / cores) * 1e9 for lv in levels]
+        # the issue rate that makes the spec's peak: 2 FLOP x lanes x pipes per cycle (a boost clock
+        # when the peak was measured by `tfsn calibrate`)
+        clock = spec.peak_flops("fp32") / cores / (2.0 * spec.simd_width * VECTOR_PIPES)
+        return cls(cores=float(min(threads or cores, cores)), units=cores, clock=clock, lanes=float(spec.simd_width),
+                   peak_core=spec.peak_flops("fp32") / cores, call_s=spec.call_overhead_us * 1e-6,
+                   fork_s=spec.launch_overhead_us * 1e-6,
+                   sizes=np.array([lv.size_mib * 2**20 for lv in levels]),
+                   private=np.array([lv.name.lower() in PRIVATE_LEVELS for lv in levels]),
+                   bandwidth=np.array([lv.bandwidth_gbs * 1e9 for lv in levels]),
+                   core_bandwidth=np.array(core_bw))
+
+    def level_bandwidth(self, footprint: np.ndarray, threads: np.ndarray) -> np.ndarray:
+        """Bandwidth (bytes/s) of the smallest level holding `footprint` bytes, for `threads` threads."""
+        share = np.where(self.private[None, :], self.sizes[None, :] * (threads[:, None] / self.units),
+                         self.sizes[None, :])
+        fits = footprint[:, None] <= share
+        fits[:, -1] = True
+        level = np.argmax(fits, axis=1)
+        return np.minimum(self.bandwidth[level], threads * self.core_bandwidth[level])
+
+
+def _busiest(rows: np.ndarray, threads: np.ndarray, chunk: np.ndarray) -> np.ndarray:
+    """Outer iterations of the busiest thread under OpenMP static scheduling."""
+    even = np.ceil(rows / threads)
+    c = np.maximum(chunk, 1)
+    chunked = c * np.ceil(np.ceil(rows / c) / threads)
+    return np.minimum(np.where(chunk > 0, chunked, even), rows)
+
+
+def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, threads: int | None = None) -> np.ndarray:
+    """Predicted seconds of every candidate row on `spec` (a CPU spec), running `threads` threads
+    (default: all of the spec's cores)."""
+    chip = _Chip.of(spec, threads)
+    k = cand.kernel
+    kind = features.kind[k]
+    elements, inner = features.elements[k], np.maximum(features.inner[k], 1)
+    lanes = cand.vector_width
+    column = (kind == REDUCTION) & (features.columns[k] > 0)
+    jb = np.minimum(cand.column_block, np.maximum(features.columns[k], 1))
+    rows = np.where(column, features.rows[k] * np.ceil(features.columns[k] / jb), features.rows[k])
+    # -- threads
+    parallel = (cand.parallel > 0) & (rows >= 2)
+    threads = np.where(parallel, np.minimum(chip.cores, rows), 1.0)
+    busiest = _busiest(rows, threads, cand.chunk)
+    overhead = chip.call_s + np.where(parallel, chip.fork_s, 0.0)
+    # -- compute: cycles per row of the innermost loop
+    slots = np.ceil(lanes / chip.lanes)               # issue slots per vector op (2 for 512-bit on a 256-bit datapath)
+    simd_len = np.where(column, jb, inner)
+    vector_iters = np.floor(simd_len / lanes) + np.mod(simd_len, lanes)
+    scalar = lanes <= 1
+    math_cycles = np.where(scalar, SCALAR_MATH_CYCLES, VECTOR_MATH_OPS * slots / VECTOR_PIPES)
+    per_iter = features.ops[k] * slots / VECTOR_PIPES + features.math[k] * math_cycles \
+        + features.passes[k] * LOOP_OVERHEAD / np.where(scalar, cand.unroll, 1.0)
+    strided_loads = features.strided_bytes[k] / np.maximum(features.read_bytes[k], 1)
+    per_iter += strided_loads * np.where(scalar, SCALAR_STRIDED, GATHER_PER_LANE * lanes)
+    per_iter = np.maximum(per_iter, features.carried[k] * ADD_LATENCY * np.where(scalar, 1.0, slots))
+    iters_per_row = elements / np.maximum(features.rows[k], 1) / simd_len   # runs of the SIMD loop per row
+    cycles_row = iters_per_row * vector_iters * per_iter + features.row_ops[k] * ROW_OP_CYCLES
+    row_share = busiest / np.maximum(rows, 1)
+    chunks = np.where(parallel & (cand.chunk > 0), busiest / np.maximum(cand.chunk, 1), 0.0)
+    compute = cycles_row * features.rows[k] * row_share / chip.clock + chunks * CHUNK_S
+    # -- memory
+    moved = features.read_bytes[k] + features.write_bytes[k]
+    line_waste = np.where(inner * LINE_BYTES > chip.sizes[0] / chip.units, LINE_BYTES / 4.0, 1.0)
+    moved = moved + features.strided_bytes[k] * (line_waste - 1)
+    memory = moved / chip.level_bandwidth(moved, threads) * row_share * threads
+    reread = features.row_bytes[k] * (features.passes[k] - 1) * rows
+    memory += reread / chip.level_bandwidth(features.row_bytes[k] * threads, threads) * row_share * threads
+    time = np.maximum(compute, memory) + overhead
+    if np.any(kind == GEMM):
+        gemm = kind == GEMM
+        time = np.where(gemm, _gemm(features, cand, chip, k, lanes, compute, memory), time)
+    return time
+
+
+def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: np.ndarray,
+          epi_compute: np.ndarray, epi_memory: np.ndarray) -> np.ndarray:
+    """GEMM rows: the product (library or generated) plus its epilogue on each block."""
+    m, n, depth, batch = np.maximum(f.m[k], 1), np.maximum(f.n[k], 1), np.maximum(f.k[k], 1), f.batch[k]
+    br = np.minimum(cand.block_rows, m)
+    blocks = batch * np.ceil(m / br)
+    flops = 2.0 * batch * m * n * depth
+    worth = batch * m * n * depth >= 16 * 65536
+    outer_par = (cand.parallel > 0) & (blocks >= 4) & worth
+    threads = np.where(outer_par, np.minimum(chip.cores, blocks), 1.0)
+    share = _busiest(blocks, threads, np.zeros_like(blocks)) / blocks
+    # library: per block a call that packs B again, at LIBRARY_EFFICIENCY of peak; serial blocks
+    # let the library thread each call itself
+    lib_threads = np.where(outer_par, 1.0, np.minimum(chip.cores, np.maximum(1.0, br * n * depth / 2**18)))
+    edge = np.ceil(br / LIBRARY_TILE_ROWS) * LIBRARY_TILE_ROWS / br
+    lib_compute = flops * edge / (LIBRARY_EFFICIENCY * chip.peak_core * lib_threads * threads)
+    pack = depth * n * 4.0 * 2
+    pack_s = pack / chip.level_bandwidth(np.full_like(m, 1.0) * depth * n * 4.0, lib_threads)
+    lib_calls = LIBRARY_CALL_US * 1e-6 + np.where(outer_par, 0.0, np.where(lib_threads > 1, chip.fork_s, 0.0))
+    library = blocks * share * (pack_s + lib_calls) + lib_compute
+    # generated micro-kernel: per depth step of one mr x nr tile
+    mr, nr, kc = cand.mr, cand.nr, np.minimum(cand.kc, depth)
+    b_vectors = np.ceil(nr / lanes)
+    acc = mr * b_vectors
+    slots = np.ceil(lanes / chip.lanes)
+    b_loads = np.where(f.b_strided[k] > 0, nr, b_vectors * slots)
+    step = np.maximum.reduce([acc * slots / VECTOR_PIPES, (b_loads + mr) / LOAD_PORTS,
+                              np.full_like(acc, ADD_LATENCY)])
+    step = np.where(acc + b_vectors + 1 > VECTOR_REGISTERS, step * SPILL_FACTOR, step)
+    full_m, full_n = np.floor(br / mr), np.floor(n / nr)
+    tiles_full = full_m * full_n
+    tiles_edge = np.ceil(br / mr) * np.ceil(n / nr) - tiles_full
+    # an edge tile runs its rows and columns with runtime bounds: scalar-ish per element
+    edge_step = EDGE_FACTOR * np.maximum(np.mod(br, mr) * np.ceil(np.mod(n, nr) / lanes) + 1, step)
+    cycles_block = depth * (tiles_full * step + tiles_edge * edge_step)
+    cycles_block += np.ceil(depth / kc) * np.ceil(br / mr) * np.ceil(n / nr) * mr * nr / lanes * 2  # C tile in/out
+    gen_compute = blocks * share * cycles_block / chip.clock
+    b_traffic = np.ceil(br / mr) * depth * n * 4.0 * blocks * share
+    b_panel = kc * n * 4.0
+    gen_memory = b_traffic / chip.level_bandwidth(b_panel * threads, threads) * threads
+    generated = np.maximum(gen_compute, gen_memory)
+    product = np.where(cand.generated > 0, generated, library)
+    # the epilogue: the pointwise part of the features, on blocks the product just left in cache
+    epilogue = np.maximum(epi_compute, epi_memory) * np.where(outer_par, 1.0, 1.0)
+    return product + epilogue + chip.call_s + np.where(outer_par, chip.fork_s, 0.0)
+
+
+def score(kernels: Sequence[KernelFeatures], cand: Candidates, spec: HardwareSpec) -> np.ndarray:
+    """Convenience: predict for kernels given as a list."""
+    return predict(FeatureTable(kernels), cand, spec)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation (average ranks for ties), for the accuracy benchmark and tests."""
+    ra, rb = _ranks(np.asarray(a, dtype=float)), _ranks(np.asarray(b, dtype=float))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / denom) if denom else 0.0
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    for value in np.unique(x):               # ties share their average rank
+        tie = x == value
+        if tie.sum() > 1:
+            ranks[tie] = ranks[tie].mean()
+    return ranks

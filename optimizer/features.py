@@ -1,0 +1,118 @@
+"""What a fused group does, as the cost model's `KernelFeatures`: read off the IR and the code the
+generator writes for it (its buffers and the offset of every load), so the model sees the same
+loop nest that will run.
+"""
+from __future__ import annotations
+
+from math import prod
+
+from optimizer.codegen.c import Group, KernelWriter
+from optimizer.codegen.c_ops import EXPENSIVE
+from optimizer.fusion import fused_nodes
+from optimizer.costmodel import GEMM, POINTWISE, REDUCTION, KernelFeatures
+from optimizer.ir import Graph, Kind
+from optimizer.schedule import DEFAULT
+
+ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def _itemsize(graph: Graph, n: int) -> int:
+    return ITEMSIZE.get(graph.nodes[n].type.dtype, 4)
+
+
+def _bytes(graph: Graph, n: int) -> float:
+    return float(graph.nodes[n].type.numel * _itemsize(graph, n))
+
+
+def _inner_stride(offset: str, var: str) -> int:
+    """How far one step of loop index `var` moves this load's offset (others at 0)."""
+    expr = offset.replace("/", "//")
+    try:
+        at = [eval(expr, {"__builtins__": {}}, _Zero(var, v)) for v in (0, 1)]   # our own C integer expressions
+    except Exception:          # an index the generator did not write with i-variables: assume strided
+        return 2
+    return int(at[1] - at[0])
+
+
+class _Zero(dict):
+    """Every loop index is 0 except `var`."""
+
+    def __init__(self, var: str, value: int) -> None:
+        super().__init__()
+        self.var, self.value = var, value
+
+    def __missing__(self, key: str) -> int:
+        return self.value if key == self.var else 0
+
+
+def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeatures:
+    """The features of one non-extern group."""
+    writer = KernelWriter(graph, group, buffers, DEFAULT, "features")
+    kernel = writer.write()
+    dom = group.domain
+    last = len(dom) - 1
+    members = set(fused_nodes(graph, buffers, group))
+    if group.kind == "gemm":
+        return _gemm_features(graph, group, buffers, writer, kernel, members)
+    reduced = group.reduced
+    column = bool(reduced) and last not in reduced
+    inner_axis = max(reduced) if reduced and not column else last
+    inner = dom[inner_axis] if dom else 1
+    elements = float(prod(dom))
+    if not reduced:
+        rows = float(prod(dom[:-1])) if len(dom) > 1 else max(elements / 16.0, 1.0)
+    else:
+        kept = [d for d in range(len(dom)) if d not in reduced]
+        rows = float(prod(dom[d] for d in (kept[:-1] if column else kept)))
+    ops = math = row_ops = 0.0
+    for n in members:
+        node = graph.nodes[n]
+        if node.kind not in (Kind.POINTWISE, Kind.REDUCE):
+            continue
+        if node.kind == Kind.POINTWISE and node.type.numel < elements and reduced:
+            row_ops += 1.0                     # a per-row value (mean, rstd)
+        elif node.op in EXPENSIVE:
+            math += 1.0
+        else:
+            ops += 1.0
+    reads = [p for p in kernel.params if p not in kernel.outputs]
+    read_bytes = sum(_bytes(graph, p) for p in reads)
+    write_bytes = sum(_bytes(graph, p) for p in kernel.outputs)
+    var = f"i{inner_axis}"
+    strided = set()
+    for n, offset in writer.loads:
+        if inner > 1 and _inner_stride(offset, var) not in (0, 1):
+            strided.add(n)
+    passes = carried = 1.0
+    if reduced:
+        carried = passes = float(sum(kind == "pass" for kind, _ in writer.segments([])))
+        passes += 1.0 if any(graph.nodes[n].kind == Kind.POINTWISE and graph.nodes[n].type.numel == elements
+                             for n in group.nodes) else 0.0
+    row_bytes = read_bytes / max(rows, 1.0) if reduced and not column else 0.0
+    return KernelFeatures(
+        kind=REDUCTION if reduced else POINTWISE, elements=elements, rows=rows, inner=float(inner),
+        ops=ops, math=math, row_ops=row_ops, read_bytes=read_bytes, write_bytes=write_bytes,
+        strided_bytes=sum(_bytes(graph, n) for n in strided), passes=passes, row_bytes=row_bytes,
+        carried=carried if reduced and not column else 0.0, columns=float(dom[last]) if column else 0.0)
+
+
+def _gemm_features(graph: Graph, group: Group, buffers: set[int], writer: KernelWriter, kernel,
+                   members: set[int]) -> KernelFeatures:
+    mm = graph.nodes[group.nodes[0]]
+    a, b = (graph.nodes[r.index] for r in mm.args[:2])
+    m, n = mm.type.shape[-2:]
+    depth = a.type.shape[-1]
+    batch = mm.type.shape[0] if len(mm.type.shape) == 3 else 1
+    pointwise = [graph.nodes[i] for i in members if graph.nodes[i].kind == Kind.POINTWISE]
+    math = float(sum(node.op in EXPENSIVE for node in pointwise))
+    epilogue_reads = [p for p in kernel.params if p not in kernel.outputs and p not in (a.index, b.index)]
+    strided = {i for i, off in writer.loads if i in epilogue_reads
+               and _inner_stride(off, f"i{len(group.domain) - 1}") not in (0, 1)}
+    return KernelFeatures(
+        kind=GEMM, elements=float(batch * m * n), rows=float(batch * m), inner=float(n),
+        ops=len(pointwise) - math, math=math,
+        read_bytes=sum(_bytes(graph, p) for p in epilogue_reads),
+        write_bytes=sum(_bytes(graph, p) for p in kernel.outputs),
+        strided_bytes=sum(_bytes(graph, i) for i in strided),
+        m=float(m), n=float(n), k=float(depth), batch=float(batch),
+        b_strided=0.0 if b.type.strides[-1] == 1 else 1.0, keep_c=float(mm.index in buffers))

@@ -1,0 +1,83 @@
+"""Timing of candidate kernels on this machine: the last step of the search, and the ground truth
+of the cost model's accuracy benchmark.
+
+All variants of a group go into one C file (one gcc run), are called through ctypes on buffers of
+the group's real shapes and strides filled with random values, and are timed round-robin (each
+round times every variant once) so that a burst of noise on a shared machine hits all of them alike.
+A variant's time is its best round: other processes only ever add time, and a parallel kernel whose
+second thread was descheduled by another process can take 10x longer in one round.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Sequence
+
+import torch
+
+from optimizer.codegen import compiler
+from optimizer.codegen.c import Group, Kernel, KernelWriter, library_source
+from optimizer.ir import Graph
+from optimizer.schedule import Schedule
+
+TARGET_BATCH_S = 0.002        # calls per timed batch: enough to last this long (timer resolution, noise)
+
+
+def _buffer(graph: Graph, n: int) -> torch.Tensor:
+    t = graph.nodes[n].type
+    out = torch.empty_strided(t.shape, t.strides, dtype=getattr(torch, t.dtype))
+    if out.is_floating_point():
+        out.normal_()
+    else:
+        out.zero_()           # an index or a mask of zeros is valid for any op that reads it
+    return out
+
+
+def build_variants(graph: Graph, group: Group, buffers: set[int], schedules: Sequence[Schedule],
+                   prefix: str = "v") -> tuple[list[Kernel], ctypes.CDLL]:
+    """The group written once per schedule, compiled as one library."""
+    return build_groups(graph, [(group, schedules)], buffers, prefix)[0]
+
+
+def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule]]], buffers: set[int],
+                 prefix: str = "v") -> list[tuple[list[Kernel], ctypes.CDLL]]:
+    """Several groups, each written once per schedule of its own, compiled as one library (one gcc run)."""
+    kernels = [[KernelWriter(graph, group, buffers, s, f"{prefix}{g}_{i}").write() for i, s in enumerate(schedules)]
+               for g, (group, schedules) in enumerate(variants)]
+    lib = compiler.load_library(compiler.build_library(library_source([k for ks in kernels for k in ks])))
+    return [(ks, lib) for ks in kernels]
+
+
+def time_variants(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int = 5,
+                  budget_s: float = 10.0) -> list[float]:
+    """Seconds per call of each kernel (same group, different schedules): the best of `rounds`."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
+        return _time(graph, kernels, lib, rounds, budget_s)
+
+
+def _time(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int, budget_s: float) -> list[float]:
+    tensors = {n: _buffer(graph, n) for k in kernels for n in k.params}
+    calls = []
+    round_s = 0.0
+    for k in kernels:
+        fn = getattr(lib, k.name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * len(k.params)
+        args = [tensors[p].data_ptr() for p in k.params]
+        fn(*args)                                                    # warm: page faults, caches
+        t0 = time.perf_counter()
+        fn(*args)
+        once = time.perf_counter() - t0
+        n = max(1, min(1000, int(TARGET_BATCH_S / max(once, 1e-7))))
+        calls.append((fn, args, n))
+        round_s += n * once
+    rounds = max(1, min(rounds, int(budget_s / max(round_s, 1e-9))))
+    samples: list[list[float]] = [[] for _ in kernels]
+    for _ in range(rounds):
+        for i, (fn, args, n) in enumerate(calls):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn(*args)
+            samples[i].append((time.perf_counter() - t0) / n)
+    return [min(s) for s in samples]

@@ -1,0 +1,226 @@
+"""The search: for one captured graph (a forward or a backward of the training step), the fusion
+plan and the schedule of every kernel, chosen by the cost model and settled by timing.
+
+The space is the product of the fusion decisions (store or recompute each value read by several
+kernels, fuse each GEMM's epilogue or not: `fusion.decision_points`) and, for every kernel of a
+plan, its schedule space (`space.kernel_space`: vector width, unroll, parallel axis and chunk,
+column blocks, library GEMM or a generated micro-kernel with its register and cache tiles).
+Kernels of one plan are independent given the plan, so a plan's cost is the sum of its kernels'
+best predictions; the plans themselves are searched exhaustively when there are few decisions,
+else by a beam search that flips one decision at a time. Then only the top k schedules of each
+kernel worth timing are compiled (one library) and timed here, and the fastest measured wins.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+import numpy as np
+
+from optimizer import costmodel, features, fusion, measure, space
+from optimizer.codegen.c import Group, NotFusable
+from optimizer.hardware import HardwareSpec
+from optimizer.ir import Graph, Kind
+from optimizer.schedule import DEFAULT, Schedule
+
+log = logging.getLogger("tfsn.optimizer")
+
+EXHAUSTIVE_MAX_DECISIONS = 6      # up to 2^6 plans: all of them
+BEAM_WIDTH = 4
+MAX_PLANS = 48                    # plans scored per graph at most (each costs a fusion pass in Python)
+MIN_TIMED_S = 20e-6               # kernels predicted faster than this are not worth timing: the model's pick
+TOP_K = 8
+
+
+@dataclass
+class KernelResult:
+    """One kernel of the chosen plan: its schedule and what the model and the clock said."""
+    group: int
+    predicted_s: float
+    measured_s: float | None
+    schedule: Schedule
+    timed: list[tuple[float, float]] = field(default_factory=list)   # (predicted, measured) of each timed candidate
+
+
+@dataclass
+class SearchResult:
+    plan: fusion.Plan
+    choice: fusion.Choice
+    schedules: list[Schedule]          # per group of the plan (DEFAULT for externs)
+    space_size: float                  # fusion plans x schedules of their kernels (the default plan's kernels)
+    plans_scored: int
+    scored: int                        # (kernel, schedule) candidates the model scored
+    score_seconds: float               # time spent scoring
+    seconds: float                     # the whole search, timing included
+    predicted_s: float                 # the chosen plan's predicted time (kernels the model can price)
+    kernels: list[KernelResult]
+
+    @property
+    def measured(self) -> list[dict]:
+        return [{"predicted_s": p, "measured_s": m} for k in self.kernels for p, m in k.timed]
+
+
+class _Scorer:
+    """Features and best predictions per distinct kernel, shared by every plan that contains it."""
+
+    def __init__(self, graph: Graph, spec: HardwareSpec, threads: int | None) -> None:
+        self.graph, self.spec, self.threads = graph, spec, threads
+        self.best: dict[tuple, tuple[float, int]] = {}       # kernel key -> (best predicted s, index)
+        self.features: list[costmodel.KernelFeatures] = []
+        self.tables: list[costmodel.Candidates] = []
+        self.predicted: list[np.ndarray] = []
+        self.index: dict[tuple, int] = {}
+        self.scored = 0
+        self.seconds = 0.0
+
+    def key(self, group: Group, buffers: set[int]) -> tuple:
+        fused = fusion.fused_nodes(self.graph, buffers, group)
+        return group, tuple(fused), frozenset(buffers.intersection(group.nodes))
+
+    def score_plan(self, plan: fusion.Plan) -> float:
+        """Sum of the best predicted time of each kernel; new kernels are scored in one batch."""
+        keys = [self.key(g, plan.buffers) if g.kind != "extern" else None for g in plan.groups]
+        new = [(g, k) for g, k in zip(plan.groups, keys) if k is not None and k not in self.index]
+        if new:
+            t0 = time.perf_counter()
+            start = len(self.features)
+            for g, k in new:
+                self.index[k] = len(self.features)
+                self.features.append(features.kernel_features(self.graph, g, plan.buffers))
+            table = costmodel.FeatureTable(self.features)
+            cands = costmodel.Candidates.concat([space.kernel_space(i, self.features[i])
+                                                 for i in range(start, len(self.features))])
+            predicted = costmodel.predict(table, cands, self.spec, threads=self.threads)
+            self.scored += len(cands)
+            bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
+            for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
+                self.tables.append(cands.take(rows))
+                self.predicted.append(preds)
+            self.seconds += time.perf_counter() - t0
+        total = 0.0
+        for g, k in zip(plan.groups, keys):
+            total += float(self.predicted[self.index[k]].min()) if k is not None else self.extern_s(g)
+        return total
+
+    def extern_s(self, group: Group) -> float:
+        """An ATen call the model can price: a matmul left to the library (others cost the same in
+        every plan and are left out)."""
+        node = self.graph.nodes[group.nodes[0]]
+        if node.kind != Kind.MATMUL or node.type is None:
+            return 0.0
+        a = self.graph.nodes[node.args[0].index]
+        m, n = node.type.shape[-2:]
+        batch = node.type.shape[0] if len(node.type.shape) == 3 else 1
+        flops = 2.0 * batch * m * n * a.type.shape[-1]
+        cores = min(self.spec.compute_units, self.threads or self.spec.compute_units)
+        peak = self.spec.peak_flops("fp32") / self.spec.compute_units * cores
+        return flops / (costmodel.LIBRARY_EFFICIENCY * peak) + self.spec.call_overhead_us * 1e-6
+
+    def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:
+        i = self.index[self.key(group, buffers)]
+        order = np.argsort(self.predicted[i], kind="stable")
+        return self.tables[i].take(order), self.predicted[i][order]
+
+
+def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: int = TOP_K,
+                 timing: bool = True, threads: int | None = None) -> SearchResult:
+    """The best plan and schedules for `graph` on `spec`; `timing=False` (hardware not present)
+    keeps the model's picks."""
+    t0 = time.perf_counter()
+    scorer = _Scorer(graph, spec, threads)
+    points = fusion.decision_points(graph, gemm)
+    costs: dict[tuple[bool, ...], float] = {}
+    plans: dict[tuple[bool, ...], fusion.Plan] = {}
+
+    def evaluate(flips: tuple[bool, ...]) -> float:
+        if flips not in costs:
+            try:
+                plans[flips] = fusion.plan(graph, gemm=gemm, choice=fusion.choice_of(points, flips))
+                costs[flips] = scorer.score_plan(plans[flips])
+            except NotFusable:
+                costs[flips] = math.inf
+        return costs[flips]
+
+    start = (False,) * len(points)
+    evaluate(start)
+    if len(points) <= EXHAUSTIVE_MAX_DECISIONS:
+        for flips in itertools.product((False, True), repeat=len(points)):
+            evaluate(flips)
+    else:
+        beam = [start]
+        while len(costs) < MAX_PLANS:
+            moves = {b[:i] + (not b[i],) + b[i + 1:] for b in beam for i in range(len(points))}
+            moves = sorted(m for m in moves if m not in costs)[:MAX_PLANS - len(costs)]
+            for m in moves:
+                evaluate(m)
+            best = sorted(costs, key=costs.get)[:BEAM_WIDTH]
+            if best == beam or not moves:
+                break
+            beam = best
+    flips = min(costs, key=costs.get)
+    plan = plans[flips]
+    kernels = _settle(graph, plan, scorer, top_k if timing else 1)
+    schedules = [DEFAULT] * len(plan.groups)
+    for k in kernels:
+        schedules[k.group] = k.schedule
+    default_plan = plans[start]
+    kernel_spaces = [float(len(scorer.tables[scorer.index[scorer.key(g, default_plan.buffers)]]))
+                     for g in default_plan.groups if g.kind != "extern"]
+    return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
+                        space_size=2.0 ** len(points) * math.prod(kernel_spaces), plans_scored=len(costs),
+                        scored=scorer.scored, score_seconds=scorer.seconds, seconds=time.perf_counter() - t0,
+                        predicted_s=costs[flips], kernels=kernels)
+
+
+def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> list[KernelResult]:
+    """Each kernel's schedule: the model's pick, or the fastest measured of its top k."""
+    results: list[KernelResult] = []
+    timed: list[tuple[KernelResult, list[Schedule], list[float]]] = []
+    for i, group in enumerate(plan.groups):
+        if group.kind == "extern":
+            continue
+        cands, predicted = scorer.ranked(group, plan.buffers)
+        result = KernelResult(i, float(predicted[0]), None, cands.schedule(0))
+        results.append(result)
+        if top_k > 1 and predicted[0] >= MIN_TIMED_S:
+            picks, preds, seen = [], [], set()
+            for r in range(len(cands)):
+                s = cands.schedule(r)
+                if s not in seen:
+                    seen.add(s)
+                    picks.append(s)
+                    preds.append(float(predicted[r]))
+                if len(picks) == top_k:
+                    break
+            timed.append((result, picks, preds))
+    if timed:
+        built = measure.build_groups(graph, [(plan.groups[r.group], s) for r, s, _ in timed], plan.buffers)
+        for (result, picks, preds), (kernels, lib) in zip(timed, built):
+            times = measure.time_variants(graph, kernels, lib, rounds=3, budget_s=2.0)
+            best = int(np.argmin(times))
+            result.schedule, result.measured_s = picks[best], times[best]
+            result.predicted_s = preds[best]
+            result.timed = list(zip(preds, times))
+    return results
+
+
+def describe(graph: Graph, result: SearchResult) -> str:
+    """The chosen plan, one line per kernel with its schedule and times: what `tfsn optimize` prints."""
+    lines = []
+    by_group = {k.group: k for k in result.kernels}
+    for i, g in enumerate(result.plan.groups):
+        ops = "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in g.nodes)[:60]
+        k = by_group.get(i)
+        if k is None:
+            lines.append(f"{i:3d} extern  {ops}")
+            continue
+        s = k.schedule
+        knobs = (f"gemm={s.gemm}" + (f" tile={s.gemm_mr}x{s.gemm_nr}x{s.gemm_kc}" if s.gemm == "generated" else "")
+                 + f" rows={s.gemm_block_rows} " if g.kind == "gemm" else "") + \
+            f"vw={s.vector_width} unroll={s.unroll} " + ("serial" if s.parallel_axis < 0 else f"parallel chunk={s.chunk}")
+        measured = f" measured {k.measured_s * 1e6:.1f} us" if k.measured_s is not None else ""
+        lines.append(f"{i:3d} {g.kind:7s} {ops}  [{knobs}]  predicted {k.predicted_s * 1e6:.1f} us{measured}")
+    return "\n".join(lines)
+

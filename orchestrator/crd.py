@@ -49,7 +49,8 @@ class Condition(_Status):
 
 
 class NodeStatus(_Status):
-    """One tfsn node of the job: its pod and the Kubernetes node the pod ran on."""
+    """One tfsn node of the job: its pod, the Kubernetes node the pod ran on, and what the controller
+    knows of it (a new operator re-creates the node from this and takes its agent's reports)."""
 
     id: str
     rank: int | None = None
@@ -58,6 +59,12 @@ class NodeStatus(_Status):
     host: str = ""
     failure: str = ""
     tainted: bool = False
+    addr: str = ""                          # the address its agent reported (rank 0's: the rendezvous)
+    offer: dict[str, Any] | None = None     # the planned offer its pod was asked for on
+    heard: bool = False                     # its agent has reported at least once
+    created_at: float = 0.0
+    provisioned_at: float | None = None     # when its pod was created
+    released: bool = False                  # its pod's deletion was confirmed
 
 
 class CheckpointStatus(_Status):
@@ -65,9 +72,32 @@ class CheckpointStatus(_Status):
     path: str = ""
 
 
+class JobRecord(_Status):
+    """The rest of the controller's job, for an operator that starts with an empty store."""
+
+    spec: dict[str, Any] = Field(default_factory=dict)            # the JobSpec it started with (as JSON)
+    attempt_state: str = "idle"             # idle | running | stopping
+    attempt_changed_at: float = 0.0
+    attempt_started_at: float = 0.0
+    master_port: int = 0
+    stop_requested: bool = False
+    last_failure: str = ""                  # signature of the previous attempt's failure
+    restored_step: int | None = None
+    step_time: float | None = None
+    checkpoint_at: float = 0.0
+    checkpoint_request: float = 0.0
+    pending_replace: str = ""               # node to replace once the requested checkpoint is saved
+    pending_reason: str = ""
+    plan: list[dict[str, Any]] = Field(default_factory=list)      # ranked candidates for failover
+    blocked: list[dict[str, Any]] = Field(default_factory=list)   # offers ruled out by failed requests
+    health: dict[str, Any] = Field(default_factory=dict)          # the health policy's state (Policy.state())
+    created_at: float = 0.0
+    finished_at: float | None = None
+
+
 class TfsnJobStatus(_Status):
-    """What the operator keeps true in `.status`: the controller's job, mirrored, and what a new
-    operator needs to adopt the job (job id, attempt, restarts, checkpoint)."""
+    """The durable store of the job: the controller's job and nodes, written by the operator whenever
+    they change, from which an operator with an empty store carries the job on."""
 
     phase: str = ""
     job_id: int | None = None
@@ -76,6 +106,7 @@ class TfsnJobStatus(_Status):
     restarts: int = 0
     checkpoint: CheckpointStatus = Field(default_factory=CheckpointStatus)
     nodes: list[NodeStatus] = Field(default_factory=list)
+    record: JobRecord | None = None
     conditions: list[Condition] = Field(default_factory=list)
     message: str = ""
 
@@ -193,6 +224,7 @@ def crd() -> dict[str, Any]:
                     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
                     {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
                     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+                    {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.checkpoint.step"},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}],
                 "schema": {"openAPIV3Schema": {
                     "type": "object", "description": "A tfsn training job (train.yaml as a Kubernetes resource).",
@@ -254,7 +286,8 @@ def deployment(namespace: str, image: str = DEFAULT_IMAGE, checkpoint_claim: str
                                             "periodSeconds": 30},
                           "volumeMounts": [{"name": "home", "mountPath": "/var/lib/tfsn"}],
                           "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}}],
-                      # The job store is rebuilt from the TfsnJobs' status when this pod is replaced.
+                      # The controller's working store: a cache, rebuilt from the TfsnJobs' status (the
+                      # durable store) when this pod is replaced.
                       "volumes": [{"name": "home", "emptyDir": {}}]}}}},
         {"apiVersion": "v1", "kind": "Service",
          "metadata": {"name": OPERATOR, "namespace": namespace, "labels": labels},

@@ -61,7 +61,8 @@ def run(namespace: Optional[str] = typer.Option(None, help="Watch TfsnJobs of th
         _fail(f"the operator needs kopf ({err}). To fix: pip install 'tfsn[k8s]'")
     # The handlers read their settings from the environment (kopf builds the operator, not us).
     for key, value in (("TFSN_OPERATOR_PORT", str(port)), ("TFSN_OPERATOR_ADVERTISE", advertise),
-                       ("TFSN_OPERATOR_CHECKPOINT_CLAIM", checkpoint_claim)):
+                       ("TFSN_OPERATOR_CHECKPOINT_CLAIM", checkpoint_claim),
+                       ("TFSN_OPERATOR_NAMESPACE", namespace or "")):
         if value:
             os.environ[key] = value
     import orchestrator.k8s_operator  # noqa: F401  (registers the handlers)

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class JobState(str, enum.Enum):
@@ -218,6 +218,9 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
         self._migrate()
+        # Called with a job's id after a write to the job or one of its nodes commits (not for telemetry):
+        # the Kubernetes operator copies the job into its TfsnJob's status, the store that outlives it.
+        self.on_change: Callable[[int], None] | None = None
 
     def _migrate(self) -> None:
         """Add the columns that a store made by an older tfsn lacks, so upgrading never loses its jobs."""
@@ -241,6 +244,18 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    def _changed(self, job_id: int | None) -> None:
+        """Tell the listener (outside the transaction: it may be slow or write again)."""
+        if self.on_change is not None and job_id is not None:
+            self.on_change(job_id)
+
+    def _job_of_node(self, db: sqlite3.Connection, node_id: str) -> int | None:
+        """The job of a node just written, when someone listens for changes."""
+        if self.on_change is None:
+            return None
+        row = db.execute("SELECT job_id FROM nodes WHERE id = ?", (node_id,)).fetchone()
+        return None if row is None else row["job_id"]
+
     # ---- jobs -----------------------------------------------------------------------------------
     def create_job(self, name: str, spec: dict[str, Any], spec_path: str, token: str) -> Job:
         now = time.time()
@@ -252,7 +267,29 @@ class Store:
             job_id = cur.lastrowid
             db.execute("INSERT INTO events (job_id, at, kind, message) VALUES (?, ?, 'state', 'PENDING')",
                        (job_id, now))
+        self._changed(job_id)
         return self.job(job_id)
+
+    def restore(self, job: Job, nodes: list[Node], message: str) -> bool:
+        """Insert a job and its nodes as recorded elsewhere (a TfsnJob's status), under their own ids, so
+        that the agents still running with those ids are recognized; False if the job id is taken."""
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job.id,)).fetchone() is not None:
+                return False
+            row = _encoded({f.name: getattr(job, f.name) for f in fields(Job)})
+            row["state"] = job.state.value
+            db.execute(f"INSERT INTO jobs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
+            for node in nodes:
+                values = {f.name: getattr(node, f.name) for f in fields(Node)}
+                values.update(state=node.state.value, handle=None if node.handle is None else json.dumps(node.handle),
+                              offer=None if node.offer is None else json.dumps(node.offer),
+                              spot=int(node.spot), released=int(node.released))
+                db.execute(f"INSERT INTO nodes ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                           tuple(values.values()))
+            db.execute("INSERT INTO events (job_id, at, kind, message) VALUES (?, ?, 'state', ?)",
+                       (job.id, time.time(), message))
+        self._changed(job.id)
+        return True
 
     def job(self, job_id: int) -> Job:
         row = _first(self._query("SELECT * FROM jobs WHERE id = ?", (job_id,)))
@@ -294,6 +331,7 @@ class Store:
         cols = ", ".join(f"{k} = ?" for k in changes)
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*changes.values(), job_id))
+        self._changed(job_id)
 
     def transition(self, job_id: int, new: JobState, message: str = "", **changes: Any) -> None:
         """Move a job to `new` (with other field changes in the same transaction), logging an event."""
@@ -316,6 +354,7 @@ class Store:
             text = new.value + (f": {message}" if message else "")
             db.execute("INSERT INTO events (job_id, at, kind, message) VALUES (?, ?, 'state', ?)",
                        (job_id, now, text))
+        self._changed(job_id)
 
     def request_stop(self, job_id: int) -> None:
         self.update_job(job_id, stop_requested=1)
@@ -330,6 +369,7 @@ class Store:
                        "released) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
                        (node_id, job_id, rank, provider, NodeState.REQUESTED.value, now, now,
                         None if offer is None else json.dumps(offer), int(spot)))
+        self._changed(job_id)
         return self.node(node_id)
 
     def node(self, node_id: str) -> Node:
@@ -362,6 +402,8 @@ class Store:
         cols = ", ".join(f"{k} = ?" for k in changes)
         with self._tx() as db:
             db.execute(f"UPDATE nodes SET {cols} WHERE id = ?", (*changes.values(), node_id))
+            job_id = self._job_of_node(db, node_id)
+        self._changed(job_id)
 
     def unreleased_nodes(self) -> list[Node]:
         """Nodes out of their job (failed or torn down) whose deletion the provider has not confirmed."""
@@ -374,7 +416,10 @@ class Store:
         with self._tx() as db:
             cur = db.execute("UPDATE nodes SET state = ?, updated_at = ? WHERE id = ? AND state = ?",
                              (new.value, time.time(), node_id, expected.value))
-            return cur.rowcount == 1
+            promoted, job_id = cur.rowcount == 1, self._job_of_node(db, node_id)
+        if promoted:
+            self._changed(job_id)
+        return promoted
 
     # ---- results, events, telemetry ---------------------------------------------------------------
     def record_result(self, job_id: int, node_id: str, attempt: int, returncode: int,

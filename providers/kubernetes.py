@@ -143,6 +143,18 @@ class KubernetesProvider:
         self._core()
         return self._namespace or "default"
 
+    def api_client(self) -> Any:
+        """The configured ApiClient (timeouts, retries, credentials), for other APIs of the same cluster."""
+        return self._core().api_client
+
+    def read_secret(self, namespace: str, name: str, key: str) -> str | None:
+        """One value of a Secret, None when the Secret or the key is missing (ProviderError if unreadable)."""
+        import base64
+        found = self._call(f"cannot read Secret {name}", "read_namespaced_secret", name, namespace)
+        if (found.data or {}).get(key):
+            return base64.b64decode(found.data[key]).decode()
+        return (found.string_data or {}).get(key) or None
+
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """One API call with the timeout, its errors turned into provider errors."""
         api = self._core()

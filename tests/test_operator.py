@@ -2,7 +2,8 @@
 
 Everything goes through the real kubernetes client over HTTP and the real controller. kmock runs no
 scheduler, kubelet nor garbage collector: a test schedules and fails pods by writing their spec and
-status on the server, and plays the node agents by calling the controller's API handlers.
+status on the server, plays kopf by writing what a handler returns into the TfsnJob's status, and plays
+the node agents by calling the controller's API (or its handlers).
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ kmock = pytest.importorskip("kmock")
 pytest.importorskip("kopf")
 
 from orchestrator import crd  # noqa: E402
-from orchestrator.k8s_operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
+from orchestrator.client import ControllerClient  # noqa: E402
+from orchestrator.k8s_operator import CLAIM_ANNOTATION, Operator, OperatorSettings, status_patch  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
-from orchestrator.store import JobState  # noqa: E402
+from orchestrator.store import JobState, NodeState  # noqa: E402
 from providers.kubernetes import GPU, UNHEALTHY_TAINT  # noqa: E402
 from tests.test_provider_kubernetes import NAMESPACE, NODES, PODS, running_cluster  # noqa: E402
 
@@ -28,20 +30,30 @@ PRODUCT = "NVIDIA-H100-80GB-HBM3"
 ADVERTISE = "tfsn-operator.tfsn-system.svc"   # never resolved: the tests play the agents
 SERVICES = kmock.resource("v1", "services")
 SECRETS = kmock.resource("v1", "secrets")
+TFSNJOBS = kmock.resource(crd.GROUP, crd.VERSION, crd.PLURAL)
+WAIT_S = 10.0       # every wait ends as soon as its condition holds
 
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
-    yield from running_cluster(tmp_path, monkeypatch)
+    clusters = running_cluster(tmp_path, monkeypatch)
+    cluster = next(clusters)
+    cluster.on_loop(lambda k: k.resources.__setitem__(TFSNJOBS, kmock.ResourceInfo(
+        kind=crd.KIND, singular="tfsnjob", namespaced=True, subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"})))
+    yield cluster
+    next(clusters, None)
 
+
+def new_operator(home) -> Operator:
+    return Operator(OperatorSettings(home=home, host="127.0.0.1", advertise=ADVERTISE, pod_poll_s=0))
 
 
 @pytest.fixture
 def operator(cluster, tmp_path):
     for host in ("gpu-a", "gpu-b"):
         cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
-    op = Operator(OperatorSettings(home=tmp_path / "operator", host="127.0.0.1", advertise=ADVERTISE,
-                                         pod_poll_s=0))
+    op = new_operator(tmp_path / "operator")
     yield op
     op.close()
 
@@ -64,14 +76,40 @@ def pods(cluster) -> dict[str, dict]:
     return objects(cluster, PODS)
 
 
-def admitted(op: Operator, body: dict) -> tuple[dict, int]:
-    """The TfsnJob after the create handler, and its controller job id."""
-    body = {**body, "status": op.admit(body)}
-    return body, body["status"]["jobId"]
+def on_server(cluster, body: dict) -> dict:
+    """The TfsnJob as the API server holds it (the status the operator wrote)."""
+    return json.loads(json.dumps(objects(cluster, TFSNJOBS)[body["metadata"]["name"]]))
 
 
-def synced(op: Operator, body: dict) -> dict:
-    return {**body, "status": {**body.get("status", {}), **op.sync(body)}}
+def kopf_writes(cluster, body: dict, changes: dict) -> dict:
+    """What kopf does with a handler's return: merge it into the TfsnJob's status."""
+    name = body["metadata"]["name"]
+    cluster.on_loop(lambda k: k.objects[TFSNJOBS, NAMESPACE, name].patch({"status": changes}))
+    return on_server(cluster, body)
+
+
+def admitted(op: Operator, cluster, body: dict) -> tuple[dict, int]:
+    """The TfsnJob created on the server and through the create handler, and its controller job id."""
+    cluster.on_loop(lambda k: k.objects.__setitem__((TFSNJOBS, NAMESPACE, body["metadata"]["name"]), body))
+    kopf_writes(cluster, body, op.admit(body))
+    [job] = [j for j in op.store.jobs() if j.spec_path.endswith(body["metadata"]["uid"])]
+    assert op.writer.write(job.id)
+    return on_server(cluster, body), job.id
+
+
+def synced(op: Operator, cluster, body: dict) -> dict:
+    """The timer handler run once: the status written again where needed, the conditions by kopf."""
+    return kopf_writes(cluster, body, op.sync(on_server(cluster, body)))
+
+
+def wait_for(what: str, check):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def schedule(cluster, pod: str, host: str, phase: str = "Running") -> None:
@@ -79,13 +117,13 @@ def schedule(cluster, pod: str, host: str, phase: str = "Running") -> None:
                                                                      "status": {"phase": phase}}))
 
 
-def run_first_attempt(op: Operator, cluster, job_id: int) -> str:
-    """Provision, schedule on gpu-a, agent ready: the job RUNNING on one pod, whose name is returned."""
+def run_first_attempt(op: Operator, cluster, job_id: int, host: str = "gpu-a") -> str:
+    """Provision, schedule on `host`, agent ready: the job RUNNING on one pod, whose name is returned."""
     op.controller.reconcile(job_id)
     [pod] = pods(cluster)
-    schedule(cluster, pod, "gpu-a")
-    [node] = op.store.nodes(job_id)
-    op.controller.heartbeat(job_id, node.id, {"state": "ready"})
+    schedule(cluster, pod, host)
+    [node] = op.store.nodes(job_id, active_only=True)
+    op.controller.heartbeat(job_id, node.id, {"state": "ready", "host": host})
     op.controller.reconcile(job_id)
     assert op.store.job(job_id).state == JobState.RUNNING
     return pod
@@ -93,8 +131,8 @@ def run_first_attempt(op: Operator, cluster, job_id: int) -> str:
 
 def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_and_a_headless_service(
         operator, cluster):
-    body, job_id = admitted(operator, tfsnjob(num_nodes=2))
-    assert body["status"]["phase"] == "Pending"
+    body, job_id = admitted(operator, cluster, tfsnjob(num_nodes=2))
+    assert (body["status"]["phase"], body["status"]["jobId"]) == ("Pending", job_id)
     conditions = {c["type"]: c["status"] for c in body["status"]["conditions"]}
     assert conditions == {"Valid": "True", "CheckpointsDurable": "True"}
     operator.controller.reconcile(job_id)
@@ -127,7 +165,7 @@ def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_
 
 
 def test_a_failed_pod_taints_its_node_and_the_job_restarts_on_a_new_pod(operator, cluster):
-    body, job_id = admitted(operator, tfsnjob())
+    body, job_id = admitted(operator, cluster, tfsnjob())
     first = run_first_attempt(operator, cluster, job_id)
     operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
     schedule(cluster, first, "gpu-a", phase="Failed")  # e.g. the GPU fell off the bus and the agent died
@@ -138,7 +176,7 @@ def test_a_failed_pod_taints_its_node_and_the_job_restarts_on_a_new_pod(operator
         operator.controller.reconcile(job_id)
     job = operator.store.job(job_id)
     assert (job.state, job.restarts) == (JobState.RECOVERING, 1)
-    body = synced(operator, body)
+    body = synced(operator, cluster, body)
     status = body["status"]
     assert status["restarts"] == 1 and status["phase"] == "Recovering"
     assert status["checkpoint"] == {"step": 40, "path": "/ckpt/step-40"}
@@ -152,15 +190,13 @@ def test_a_failed_pod_taints_its_node_and_the_job_restarts_on_a_new_pod(operator
     [second] = pods(cluster)
     assert second != first
     assert "nodeName" not in pods(cluster)[second]["spec"]  # left to the scheduler, which the taint keeps off gpu-a
-    assert synced(operator, body)["status"] == status  # nothing new: the node is tainted once
+    assert synced(operator, cluster, body)["status"] == status  # nothing new: the node is tainted once
 
 
 def test_a_gpu_health_finding_reported_by_the_agent_taints_the_node_and_replaces_the_pod(operator, cluster):
     """The agent's NVML samples reach the operator's API as they reach a local controller: same policy."""
-    from orchestrator.client import ControllerClient
-
     operator.start(reconcile=False)
-    body, job_id = admitted(operator, tfsnjob())
+    body, job_id = admitted(operator, cluster, tfsnjob())
     first = run_first_attempt(operator, cluster, job_id)
     [node] = operator.store.nodes(job_id)
     agent = ControllerClient(f"http://127.0.0.1:{operator.server.server_address[1]}",
@@ -173,7 +209,7 @@ def test_a_gpu_health_finding_reported_by_the_agent_taints_the_node_and_replaces
     for _ in range(3):
         operator.controller.reconcile(job_id)
     assert operator.store.job(job_id).restarts == 1
-    status = synced(operator, body)["status"]
+    status = synced(operator, cluster, body)["status"]
     failed = next(n for n in status["nodes"] if n["state"] == "FAILED")
     assert failed["tainted"] and failed["host"] == "gpu-a" and "xid" in failed["failure"].lower()
     assert status["checkpoint"]["step"] == 120
@@ -184,41 +220,42 @@ def test_a_gpu_health_finding_reported_by_the_agent_taints_the_node_and_replaces
 def test_without_a_checkpoint_claim_the_job_runs_and_says_its_checkpoints_do_not_outlive_a_pod(operator, cluster):
     job = tfsnjob()
     del job["metadata"]["annotations"]
-    body, job_id = admitted(operator, job)
+    body, job_id = admitted(operator, cluster, job)
     [condition] = [c for c in body["status"]["conditions"] if c["type"] == "CheckpointsDurable"]
     assert condition["status"] == "False" and f"To fix: annotate the TfsnJob with {CLAIM_ANNOTATION}" in \
         condition["message"]
     operator.controller.reconcile(job_id)
     [pod] = pods(cluster).values()
     assert pod["spec"]["volumes"] == [{"name": "checkpoints", "emptyDir": {}}]
-    assert condition in synced(operator, body)["status"]["conditions"]   # kept by the status sync
+    assert condition in synced(operator, cluster, body)["status"]["conditions"]   # kept by the status sync
 
 
 def test_a_create_handler_run_twice_makes_one_job_and_a_spec_change_is_reported_not_applied(
         operator, cluster):
-    body, job_id = admitted(operator, tfsnjob())
-    assert operator.admit(body)["jobId"] == job_id   # kopf retries a handler whose progress it lost
-    assert len(operator.store.jobs()) == 1
-    body = synced(operator, {**body, "status": {**body["status"], **operator.spec_changed(body)}})
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    assert operator.admit(body) == operator.admit(body)   # kopf retries a handler whose progress it lost
+    assert [j.id for j in operator.store.jobs()] == [job_id]
+    kopf_writes(cluster, body, operator.spec_changed(body))
+    body = synced(operator, cluster, body)
     changed = next(c for c in body["status"]["conditions"] if c["type"] == "SpecApplied")
     assert changed["status"] == "False" and "To fix: kubectl delete the TfsnJob" in changed["message"]
     assert operator.store.job(job_id).spec["run"] == "python train.py"
 
 
 def test_max_restarts_is_honoured(operator, cluster):
-    body, job_id = admitted(operator, tfsnjob(recovery={"max_restarts": 0}))
+    body, job_id = admitted(operator, cluster, tfsnjob(recovery={"max_restarts": 0}))
     first = run_first_attempt(operator, cluster, job_id)
     schedule(cluster, first, "gpu-a", phase="Failed")
     for _ in range(3):
         operator.controller.reconcile(job_id)
-    status = synced(operator, body)["status"]
+    status = synced(operator, cluster, body)["status"]
     assert (status["phase"], status["restarts"]) == ("Failed", 0)
     assert "recovery.max_restarts" in status["message"]
     assert pods(cluster) == {}
 
 
 def test_deleting_a_tfsnjob_stops_the_job_and_deletes_its_pods(operator, cluster):
-    body, job_id = admitted(operator, tfsnjob(num_nodes=2))
+    body, job_id = admitted(operator, cluster, tfsnjob(num_nodes=2))
     operator.controller.reconcile(job_id)
     assert len(pods(cluster)) == 2
     assert operator.release(body) is False   # the finalizer stays until the controller has stopped it
@@ -247,18 +284,162 @@ def test_an_invalid_tfsnjob_gets_a_condition_that_says_what_to_fix_and_no_pods(o
     assert operator.store.jobs() == [] and pods(cluster) == {}
 
 
-def test_a_new_operator_adopts_a_running_tfsnjob_from_its_status(operator, cluster, tmp_path):
-    body, job_id = admitted(operator, tfsnjob())
+def test_the_status_carries_the_jobs_nodes_and_counts_as_soon_as_they_change(operator, cluster):
+    """No timer runs here: the store's writes reach .status through the operator's status writer."""
+    operator.start(reconcile=False)
+    body, job_id = admitted(operator, cluster, tfsnjob(recovery={"max_restarts": 2}))
+    first = run_first_attempt(operator, cluster, job_id)
+
+    def status_where(check):
+        return wait_for("the status", lambda: check(on_server(cluster, body)["status"]) and
+                        on_server(cluster, body)["status"])
+
+    status = status_where(lambda s: s["phase"] == "Running" and s["nodes"] and s["nodes"][0]["state"] == "READY")
+    [node] = status["nodes"]
+    [stored] = operator.store.nodes(job_id)
+    assert (node["id"], node["rank"], node["pod"], node["host"], node["heard"]) == (stored.id, 0, first, "gpu-a", True)
+    assert (status["attempt"], status["restarts"], status["record"]["attemptState"]) == (1, 0, "running")
+    assert status["record"]["plan"] == operator.store.job(job_id).plan and status["record"]["plan"]
+    started_with = JobSpec.model_validate(operator.store.job(job_id).spec)
+    assert JobSpec.model_validate(status["record"]["spec"]) == started_with
+    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    assert status_where(lambda s: s["checkpoint"].get("step") == 40)["checkpoint"] == {"step": 40, "path": "/ckpt/step-40"}
+    schedule(cluster, first, "gpu-a", phase="Failed")
+    for _ in range(3):
+        operator.controller.reconcile(job_id)
+    status = status_where(lambda s: s["restarts"] == 1 and len(s["nodes"]) == 2)
+    assert status["phase"] == "Recovering"
+    failed = next(n for n in status["nodes"] if n["id"] == node["id"])
+    assert (failed["state"], failed["tainted"]) == ("FAILED", True)
+    assert status["record"]["lastFailure"] == operator.store.job(job_id).last_failure
+
+
+def test_a_status_write_sets_only_the_keys_that_changed_and_keeps_their_nulls():
+    old = {"phase": "Running", "checkpoint": {"step": 40, "path": "/ckpt/40"}, "conditions": [{"type": "Valid"}]}
+    new = {"phase": "Running", "checkpoint": {"step": None, "path": ""}, "jobId": 3}
+    assert status_patch(old, new) == [{"op": "add", "path": "/status/checkpoint", "value": {"step": None, "path": ""}},
+                                      {"op": "add", "path": "/status/jobId", "value": 3}]
+    assert status_patch(new, new) == []
+
+
+def fail_over_to_a_new_operator(operator: Operator, tmp_path, name: str = "new-operator") -> Operator:
+    """The operator's pod replaced: the old one stops, its store (an emptyDir) is gone, the new one starts."""
+    operator.close()
+    successor = new_operator(tmp_path / name)
+    successor.start(reconcile=False)
+    successor.adopt_all()
+    return successor
+
+
+def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_agents_reports(
+        operator, cluster, tmp_path):
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    pod = run_first_attempt(operator, cluster, job_id)
+    cluster.on_loop(lambda k: k.objects[PODS, NAMESPACE, pod].patch({"metadata": {"uid": "pod-uid-1"}}))
+    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    [node] = operator.store.nodes(job_id)
+    token = operator.store.job(job_id).token
+    assert operator.writer.write(job_id)
+    # a pod the status never recorded (made just before the old operator died): not the job's any more
+    stray = {**pods(cluster)[pod], "metadata": {**pods(cluster)[pod]["metadata"], "name": "llm-stray", "uid": "x"}}
+    cluster.on_loop(lambda k: k.objects.__setitem__((PODS, NAMESPACE, "llm-stray"), stray))
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        assert set(pods(cluster)) == {pod} and pods(cluster)[pod]["metadata"]["uid"] == "pod-uid-1"  # kept, as is
+        [job] = successor.store.jobs()
+        assert (job.id, job.state, job.attempt, job.restarts, job.token) == (job_id, JobState.RUNNING, 1, 0, token)
+        assert (job.checkpoint_step, job.checkpoint_path) == (40, "/ckpt/step-40")
+        [adopted] = successor.store.nodes(job.id)
+        assert (adopted.id, adopted.rank, adopted.state, adopted.host) == (node.id, 0, NodeState.READY, "gpu-a")
+        # the pod's agent, reporting with the token it was started with, to the new operator's API
+        agent = ControllerClient(f"http://127.0.0.1:{successor.server.server_address[1]}", token, job_id)
+        command = agent.post(f"/nodes/{node.id}/heartbeat", {"state": "running", "host": "gpu-a"})
+        assert (command["action"], command["attempt"], command["node_rank"]) == ("run", 1, 0)
+        agent.post("/checkpoint", {"step": 60, "path": "/ckpt/step-60", "seconds": 0.5})
+        successor.controller.reconcile(job.id)
+        assert successor.store.job(job.id).state == JobState.RUNNING and set(pods(cluster)) == {pod}
+        status = wait_for("the status", lambda: on_server(cluster, body)["status"]["checkpoint"].get("step") == 60
+                          and on_server(cluster, body)["status"])
+        assert (status["jobId"], status["attempt"], status["phase"]) == (job_id, 1, "Running")
+        assert successor.adopt(on_server(cluster, body)) == {}  # kopf's resume handler: the same job, nothing new
+        assert len(successor.store.jobs()) == 1
+    finally:
+        successor.close()
+
+
+def test_restarts_and_max_restarts_count_across_operator_restarts_and_a_tainted_node_stays_avoided(
+        operator, cluster, tmp_path):
+    body, job_id = admitted(operator, cluster, tfsnjob(recovery={"max_restarts": 1}))
+    first = run_first_attempt(operator, cluster, job_id)
+    schedule(cluster, first, "gpu-a", phase="Failed")
+    for _ in range(3):                     # fail the node (taint gpu-a), recover, ask for a replacement
+        operator.controller.reconcile(job_id)
+    assert operator.store.job(job_id).restarts == 1
+    [replacement] = pods(cluster)
+    assert operator.writer.write(job_id)
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        job = successor.store.job(job_id)
+        assert (job.state, job.restarts) == (JobState.RECOVERING, 1)
+        assert set(pods(cluster)) == {replacement}      # the replacement asked for before the restart is kept
+        status = on_server(cluster, body)["status"]
+        assert next(n for n in status["nodes"] if n["pod"] == first)["tainted"]
+        schedule(cluster, replacement, "gpu-b")
+        node = next(n for n in successor.store.nodes(job_id) if n.state == NodeState.STARTING)
+        successor.controller.heartbeat(job_id, node.id, {"state": "ready", "host": "gpu-b"})
+        successor.controller.reconcile(job_id)
+        assert (successor.store.job(job_id).state, successor.store.job(job_id).attempt) == (JobState.RUNNING, 2)
+        schedule(cluster, replacement, "gpu-b", phase="Failed")
+        for _ in range(3):
+            successor.controller.reconcile(job_id)
+        job = successor.store.job(job_id)
+        assert job.state == JobState.FAILED and "gave up after 1 restart(s)" in job.error
+        assert pods(cluster) == {}
+        status = wait_for("the status", lambda: on_server(cluster, body)["status"]["phase"] == "Failed"
+                          and on_server(cluster, body)["status"])
+        assert status["restarts"] == 1 and "recovery.max_restarts" in status["message"]
+        tainted = {n["host"] for n in status["nodes"] if n["tainted"]}
+        assert tainted == {"gpu-a", "gpu-b"}
+    finally:
+        successor.close()
+
+
+def test_a_tainted_hosts_exclusion_outlives_the_operator(operator, cluster, tmp_path):
+    """A node the health policy replaced keeps its machine out of the job after the operator is replaced."""
+    operator.start(reconcile=False)
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    run_first_attempt(operator, cluster, job_id)
+    [node] = operator.store.nodes(job_id)
+    agent = ControllerClient(f"http://127.0.0.1:{operator.server.server_address[1]}",
+                             operator.store.job(job_id).token, job_id)
+    agent.post(f"/nodes/{node.id}/samples", {"samples": [{"time": time.time(), "node": node.id, "gpu": 3, "xid": 79}]})
+    operator.controller.reconcile(job_id)
+    agent.post("/checkpoint", {"step": 120, "path": "/ckpt/step-120", "seconds": 0.5})
+    operator.controller.reconcile(job_id)      # fails the node, taints gpu-a
+    assert operator.store.job(job_id).health["excluded"] == [node.id]
+    assert pods(cluster) == {}
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        successor.controller.reconcile(job_id)     # recover, then ask for the replacement
+        successor.controller.reconcile(job_id)
+        [pod] = pods(cluster).values()
+        terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gpu-a"]
+        assert successor.store.job(job_id).checkpoint_step == 120
+    finally:
+        successor.close()
+
+
+def test_a_status_without_a_record_restarts_the_job_from_its_checkpoint(operator, cluster, tmp_path):
+    """An operator that kept no record (or a Secret gone) leaves a status to restart from, not to carry on."""
+    body, job_id = admitted(operator, cluster, tfsnjob())
     old_pod = run_first_attempt(operator, cluster, job_id)
     operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
-    body = synced(operator, body)
-    operator.close()
-    # The operator's pod is replaced; its store (an emptyDir) is gone.
-    successor = Operator(OperatorSettings(home=tmp_path / "new-operator", host="127.0.0.1",
-                                                  advertise=ADVERTISE, pod_poll_s=0))
+    assert operator.writer.write(job_id)
+    body = kopf_writes(cluster, body, {"record": None})
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
     try:
-        body = {**body, "status": {**body["status"], **successor.adopt(body)}}
-        assert old_pod not in pods(cluster)  # its agent reports to a controller that no longer exists
+        assert old_pod not in pods(cluster)  # its agent reports to a job that no longer exists
         [job] = successor.store.jobs()
         assert (job.checkpoint_step, job.checkpoint_path, job.attempt) == (40, "/ckpt/step-40", 1)
         successor.controller.reconcile(job.id)
@@ -267,7 +448,7 @@ def test_a_new_operator_adopts_a_running_tfsnjob_from_its_status(operator, clust
         assert env["TFSN_JOB_ID"] == str(job.id) and env["TFSN_CONTROLLER_URL"] == successor.server.url
         secret = next(iter(objects(cluster, SECRETS).values()))
         assert secret["stringData"] == {"token": job.token}  # the new job's token reaches the pods
-        assert successor.adopt(body) == {}  # seen again: the same job, nothing new
+        assert successor.adopt(on_server(cluster, body)) == {}  # seen again: the same job, nothing new
         assert len(successor.store.jobs()) == 1
     finally:
         successor.close()
@@ -305,7 +486,7 @@ def test_the_crd_schema_is_structural_and_generated_from_the_job_spec():
     assert {"phase", "conditions", "nodes", "step", "restarts", "checkpoint", "jobId"} <= set(status)
     columns = {c["name"]: c["jsonPath"] for c in crd.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Restarts": ".status.restarts",
-                       "Age": ".metadata.creationTimestamp"}
+                       "Checkpoint": ".status.checkpoint.step", "Age": ".metadata.creationTimestamp"}
 
 
 def test_the_crd_is_accepted_by_the_client_and_served_by_the_emulator(cluster):

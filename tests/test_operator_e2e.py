@@ -40,49 +40,92 @@ def wait_for(what: str, check):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_the_operator_runs_a_tfsnjob_and_cleans_up_after_its_deletion(cluster, tmp_path, monkeypatch):
-    import os
+class Lab:
+    """The emulator as a cluster with a GPU node and the TfsnJob resource, the operator's settings in the
+    environment, and the kubernetes client's CustomObjectsApi on it."""
 
-    import kubernetes
+    def __init__(self, cluster, tmp_path, monkeypatch) -> None:
+        import os
 
-    cluster.add_node("gpu-a", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, {GPU: "8", "cpu": "96"})
-    # What a real API server's discovery shows: kopf waits for namespaces there before it watches anything.
-    cluster.on_loop(lambda k: k.resources.__setitem__(TFSNJOBS, kmock.ResourceInfo(
-        kind=crd.KIND, singular="tfsnjob", namespaced=True, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"})))
-    cluster.on_loop(lambda k: k.resources.__setitem__(kmock.resource("", "v1", "namespaces"), kmock.ResourceInfo(
-        kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"})))
-    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "operator"))
-    monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
-    monkeypatch.setenv("TFSN_OPERATOR_ADVERTISE", "tfsn-operator.test")   # the agents are not run here
-    monkeypatch.setenv("TFSN_OPERATOR_POD_POLL_S", "0.5")
-    configuration = kubernetes.client.Configuration()
-    kubernetes.config.load_kube_config(os.environ["KUBECONFIG"], client_configuration=configuration)
-    api = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(configuration))
+        import kubernetes
 
-    def job() -> dict | None:
-        return cluster.on_loop(lambda k: None if (TFSNJOBS, NAMESPACE, "e2e") not in k.objects
-                               or k.objects[TFSNJOBS, NAMESPACE, "e2e"].deleted
-                               else dict(k.objects[TFSNJOBS, NAMESPACE, "e2e"].raw))
+        self.cluster = cluster
+        cluster.add_node("gpu-a", {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}, {GPU: "8", "cpu": "96"})
+        # What a real API server's discovery shows: kopf waits for namespaces there before it watches anything.
+        cluster.on_loop(lambda k: k.resources.__setitem__(TFSNJOBS, kmock.ResourceInfo(
+            kind=crd.KIND, singular="tfsnjob", namespaced=True, subresources={"status"},
+            verbs={"get", "list", "watch", "create", "patch", "update", "delete"})))
+        cluster.on_loop(lambda k: k.resources.__setitem__(kmock.resource("", "v1", "namespaces"), kmock.ResourceInfo(
+            kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"})))
+        monkeypatch.setenv("TFSN_HOME", str(tmp_path / "operator"))
+        monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
+        monkeypatch.setenv("TFSN_OPERATOR_ADVERTISE", "tfsn-operator.test")   # the agents are not run here
+        monkeypatch.setenv("TFSN_OPERATOR_POD_POLL_S", "0.5")
+        configuration = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(os.environ["KUBECONFIG"], client_configuration=configuration)
+        self.api = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(configuration))
 
-    def pods() -> list[str]:
-        return cluster.on_loop(lambda k: [name for (res, ns, name), obj in k.objects.items()
-                                          if res == PODS and not obj.deleted])
-
-    args = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.k8s_operator"]
-    with KopfRunner(args, timeout=60) as runner:
-        api.create_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, {
+    def create(self) -> None:
+        self.api.create_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, {
             "apiVersion": f"{crd.GROUP}/{crd.VERSION}", "kind": crd.KIND,
             # kmock keeps what it is given: the uid and resourceVersion a real API server would assign
             "metadata": {"name": "e2e", "namespace": NAMESPACE, "uid": "6f1c7a52-0d54-4f3a-9a8e-2b1f1d2c3e4f",
                          "resourceVersion": "1"},
             "spec": {"run": "python train.py", "resources": {"accelerators": "H100:8"}}}, _request_timeout=10)
-        [pod] = wait_for("the worker pod", pods)
-        status = wait_for("the status mirrored",
-                          lambda: (job() or {}).get("status", {}).get("nodes") and job()["status"])
+
+    def delete(self) -> None:
+        self.api.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, "e2e",
+                                                 _request_timeout=10)
+
+    def job(self) -> dict | None:
+        return self.cluster.on_loop(lambda k: None if (TFSNJOBS, NAMESPACE, "e2e") not in k.objects
+                                    or k.objects[TFSNJOBS, NAMESPACE, "e2e"].deleted
+                                    else dict(k.objects[TFSNJOBS, NAMESPACE, "e2e"].raw))
+
+    def pods(self, ever: bool = False) -> list[str]:
+        return self.cluster.on_loop(lambda k: [name for (res, ns, name), obj in k.objects.items()
+                                               if res == PODS and (ever or not obj.deleted)])
+
+    def mirrored(self) -> dict:
+        return wait_for("the status mirrored", lambda: (self.job() or {}).get("status", {}).get("nodes")
+                        and self.job()["status"])
+
+
+ARGS = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.k8s_operator"]
+
+
+def test_the_operator_runs_a_tfsnjob_and_cleans_up_after_its_deletion(cluster, tmp_path, monkeypatch):
+    lab = Lab(cluster, tmp_path, monkeypatch)
+    with KopfRunner(ARGS, timeout=60) as runner:
+        lab.create()
+        [pod] = wait_for("the worker pod", lab.pods)
+        # recorded (REQUESTED) before its pod was asked for, then STARTING with it
+        status = wait_for("the pod's node recorded", lambda: lab.mirrored()["nodes"][0]["pod"] and lab.mirrored())
         assert (status["phase"], status["jobId"], status["nodes"][0]["pod"]) == ("Provisioning", 1, pod)
-        assert "kopf.zalando.org/KopfFinalizerMarker" in job()["metadata"]["finalizers"]
-        api.delete_namespaced_custom_object(crd.GROUP, crd.VERSION, NAMESPACE, crd.PLURAL, "e2e", _request_timeout=10)
-        wait_for("the TfsnJob to go", lambda: job() is None)
-        assert pods() == []
+        assert "kopf.zalando.org/KopfFinalizerMarker" in lab.job()["metadata"]["finalizers"]
+        lab.delete()
+        wait_for("the TfsnJob to go", lambda: lab.job() is None)
+        assert lab.pods() == []
     assert runner.exit_code == 0 and runner.exception is None
+
+
+def test_an_operator_restarted_with_an_empty_home_carries_the_tfsnjob_on_with_its_pod(cluster, tmp_path,
+                                                                                        monkeypatch):
+    lab = Lab(cluster, tmp_path, monkeypatch)
+    with KopfRunner(ARGS, timeout=60) as first:
+        lab.create()
+        [pod] = wait_for("the worker pod", lab.pods)
+        wait_for("the pod's node recorded", lambda: lab.mirrored()["nodes"][0]["state"] == "STARTING")
+    assert first.exit_code == 0 and first.exception is None
+    before = lab.job()["status"]
+    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "replaced-operator"))   # the old pod's emptyDir is gone
+    with KopfRunner(ARGS, timeout=60) as second:
+        wait_for("the new operator's timer", lambda: lab.job()["status"].get("conditions", []) and any(
+            c["type"] == "Running" for c in lab.job()["status"]["conditions"]))
+        status = lab.job()["status"]
+        assert (status["jobId"], status["phase"], status["nodes"]) == (before["jobId"], "Provisioning", before["nodes"])
+        assert lab.pods() == [pod]
+        lab.delete()      # only an operator that adopted the job can stop it and delete its pod
+        wait_for("the TfsnJob to go", lambda: lab.job() is None)
+        assert lab.pods() == [] and lab.pods(ever=True) == [pod]   # never recreated
+    assert second.exit_code == 0 and second.exception is None

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tfsn.optimizer")
 aten = torch.ops.aten
 
-# What this process compiled: graphs lowered to kernels, generated kernels, graphs left to ATen.
-STATS = {"graphs": 0, "kernels": 0, "aten_graphs": 0}
+# What this process compiled: graphs lowered to kernels, generated kernels, graphs left to ATen, searches run.
+STATS = {"graphs": 0, "kernels": 0, "aten_graphs": 0, "searches": 0}
 
 OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion plan: no search",
            "fuse": "False runs the captured ATen graphs as they are, without generated kernels",
@@ -161,6 +161,7 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
     result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
+    STATS["searches"] += 1
     log.info("tfsn search: %d plans, %d candidates scored in %.3f s, %d timed; %.2f s in all",
              result.plans_scored, result.scored, result.score_seconds, len(result.measured), result.seconds)
     if report is not None:

@@ -22,7 +22,8 @@ Model of one CPU kernel (the C the generator writes; see optimizer/codegen/c.py)
   it redoes per call; or the generated micro-kernel: per step of depth, max of FMAs on two pipes,
   loads on two ports and the FMA latency of one accumulator chain, with a spill penalty once the
   accumulators and B vectors exceed the register file; edge tiles take the slow path; B panels
-  are re-read from the level where one panel fits. The epilogue is a pointwise kernel on the block.
+  are re-read from the level where one panel fits, a strided B is packed first. The epilogue is a
+  pointwise kernel on the block.
 - the kernel time is max(compute, memory) plus overheads (roofline per level).
 
 Every constant below is a named assumption; the spec's numbers come from configs/hardware or from
@@ -56,7 +57,8 @@ ROW_OP_CYCLES = 8.0             # cycles of a per-row scalar value (mean, rstd: 
 CHUNK_S = 0.1e-6                # seconds of OpenMP bookkeeping and lost prefetch per static chunk
 SCALAR_STRIDED = 0.5            # cycles per element loaded with a non-unit stride, scalar
 GATHER_PER_LANE = 0.6           # cycles per lane of a vector gather (Intel: ~1 load per lane, 2 ports)
-SPILL_FACTOR = 3.0              # slowdown of a micro-kernel whose accumulators spill to the stack
+SPILL_FACTOR = 1.6              # slowdown of a micro-kernel whose accumulators spill to the stack
+PACK_CYCLES = 1.0               # cycles per element copied into a packed B panel (a strided load and a store)
 EDGE_FACTOR = 3.0               # slowdown of an edge tile (runtime bounds: no register accumulators)
 LIBRARY_EFFICIENCY = 0.85       # fraction of peak MKL sustains on large fp32 GEMMs (measured ~370 GFLOP/s
                                 # per 2-core here vs 2 x 3.0 GHz x 64 FLOP/clk; an assumption elsewhere)
@@ -239,9 +241,10 @@ def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thread
     reread = features.row_bytes[k] * (features.passes[k] - 1) * rows
     memory += reread / chip.level_bandwidth(features.row_bytes[k] * threads, threads) * row_share * threads
     time = np.maximum(compute, memory) + overhead
-    if np.any(kind == GEMM):
-        gemm = kind == GEMM
-        time = np.where(gemm, _gemm(features, cand, chip, k, lanes, compute, memory), time)
+    rows_gemm = np.flatnonzero(kind == GEMM)
+    if len(rows_gemm):
+        time[rows_gemm] = _gemm(features, cand.take(rows_gemm), chip, k[rows_gemm], lanes[rows_gemm],
+                                compute[rows_gemm], memory[rows_gemm])
     return time
 
 
@@ -270,7 +273,7 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     b_vectors = np.ceil(nr / lanes)
     acc = mr * b_vectors
     slots = np.ceil(lanes / chip.lanes)
-    b_loads = np.where(f.b_strided[k] > 0, nr, b_vectors * slots)
+    b_loads = b_vectors * slots
     step = np.maximum.reduce([acc * slots / VECTOR_PIPES, (b_loads + mr) / LOAD_PORTS,
                               np.full_like(acc, ADD_LATENCY)])
     step = np.where(acc + b_vectors + 1 > VECTOR_REGISTERS, step * SPILL_FACTOR, step)
@@ -281,6 +284,8 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     edge_step = EDGE_FACTOR * np.maximum(np.mod(br, mr) * np.ceil(np.mod(n, nr) / lanes) + 1, step)
     cycles_block = depth * (tiles_full * step + tiles_edge * edge_step)
     cycles_block += np.ceil(depth / kc) * np.ceil(br / mr) * np.ceil(n / nr) * mr * nr / lanes * 2  # C tile in/out
+    # a strided B is packed into a contiguous panel, kc rows at a time, once per block of rows
+    cycles_block += f.b_strided[k] * depth * n * PACK_CYCLES
     gen_compute = blocks * share * cycles_block / chip.clock
     b_traffic = np.ceil(br / mr) * depth * n * 4.0 * blocks * share
     b_panel = kc * n * 4.0
@@ -292,9 +297,9 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     return product + epilogue + chip.call_s + np.where(outer_par, chip.fork_s, 0.0)
 
 
-def score(kernels: Sequence[KernelFeatures], cand: Candidates, spec: HardwareSpec) -> np.ndarray:
-    """Convenience: predict for kernels given as a list."""
-    return predict(FeatureTable(kernels), cand, spec)
+def predict_on(features: FeatureTable, cand: Candidates, spec: HardwareSpec, threads: int | None = None) -> np.ndarray:
+    """`predict` on a CPU spec, `predict_gpu` on a GPU one."""
+    return predict_gpu(features, cand, spec) if spec.kind == "gpu" else predict(features, cand, spec, threads)
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -314,3 +319,56 @@ def _ranks(x: np.ndarray) -> np.ndarray:
         if tie.sum() > 1:
             ranks[tie] = ranks[tie].mean()
     return ranks
+
+
+# ---- GPUs: predictions for hardware that is not present (the planner's and `tfsn optimize`'s view) ----
+# A GPU candidate reads the same table with GPU meanings: `chunk` = elements (pointwise) or rows
+# (reduction) per program, `mr` = warps per program, and for GEMMs `block_rows` x `nr` x `kc` = the
+# BM x BN x BK tile of a program. There is no GPU code generator yet: these only price kernels.
+GPU_STAGES = 3                  # software pipeline depth of a GEMM's shared-memory tiles (Triton's default)
+GPU_MAX_PROGRAMS_PER_UNIT = 32  # resident blocks per SM (CUDA compute capability 8.x/9.0 limit)
+GPU_THREADS_PER_UNIT = 2048     # resident threads per SM (CUDA 8.0/9.0); warps are 32 threads
+GPU_GEMM_DTYPE = "tf32"         # an fp32 graph's GEMMs run on tensor cores as TF32 (torch's "high" precision)
+GPU_FULL_TILE = 128 * 128       # a BM x BN tile this large reaches the tensor cores' peak; smaller ones less
+GPU_MATH_OPS = 8.0              # SFU-assisted exp/erf/tanh, in FMA-equivalents per element
+
+
+def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) -> np.ndarray:
+    """Predicted seconds of every candidate row on a GPU spec."""
+    k = cand.kernel
+    units = float(spec.compute_units)
+    launch = spec.launch_overhead_us * 1e-6
+    l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
+    hbm = spec.main_memory
+    kind = features.kind[k]
+    moved = features.read_bytes[k] + features.write_bytes[k]
+    bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, hbm.bandwidth_gbs) * 1e9
+    warps = np.maximum(cand.mr, 1)
+    resident = np.minimum(GPU_MAX_PROGRAMS_PER_UNIT, np.floor(GPU_THREADS_PER_UNIT / (32 * warps)))
+    # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs
+    per_program = np.maximum(cand.chunk, 1)
+    programs = np.where(kind == REDUCTION, np.ceil(features.rows[k] / per_program),
+                        np.ceil(features.elements[k] / per_program))
+    waves = np.ceil(programs / (units * resident))
+    fill = programs / np.maximum(waves * units * resident, 1)       # the last wave's idle SMs
+    lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) \
+        + features.rows[k] * features.row_ops[k]
+    compute = lane_ops / (spec.peak_flops("fp32") / 2)
+    loop = np.maximum(compute, moved / bandwidth) / np.maximum(fill, 1e-3) + launch
+    # GEMMs: BM x BN tiles in waves of the programs that fit an SM's shared memory
+    bm, bn, bk = cand.block_rows, cand.nr, cand.kc
+    m, n, depth, batch = features.m[k], features.n[k], features.k[k], features.batch[k]
+    tiles = batch * np.ceil(m / bm) * np.ceil(n / bn)
+    smem = (bm + bn) * bk * 4.0 * GPU_STAGES
+    per_unit = np.maximum(1.0, np.minimum(np.floor(spec.shared_memory_per_unit_kib * 1024 / smem), resident))
+    gemm_waves = np.ceil(tiles / (units * per_unit))
+    padded = batch * np.ceil(m / bm) * bm * np.ceil(n / bn) * bn * depth * 2.0
+    tile_eff = np.minimum(1.0, (bm * bn / GPU_FULL_TILE) ** 0.5)
+    quantized = gemm_waves * units * per_unit / np.maximum(tiles, 1)
+    gemm_compute = padded * quantized / (spec.peak_flops(GPU_GEMM_DTYPE) * tile_eff)
+    unique = batch * (m * depth + depth * n + m * n) * 4.0
+    reread = batch * (m * depth * (np.ceil(n / bn) - 1) + depth * n * (np.ceil(m / bm) - 1)) * 4.0
+    gemm_memory = unique / (hbm.bandwidth_gbs * 1e9) + reread / (l2.bandwidth_gbs * 1e9)
+    epilogue = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) / (spec.peak_flops("fp32") / 2)
+    gemm = np.maximum(gemm_compute, gemm_memory) + epilogue + launch
+    return np.where(kind == GEMM, gemm, loop)

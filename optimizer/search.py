@@ -90,9 +90,10 @@ class _Scorer:
                 self.index[k] = len(self.features)
                 self.features.append(features.kernel_features(self.graph, g, plan.buffers))
             table = costmodel.FeatureTable(self.features)
-            cands = costmodel.Candidates.concat([space.kernel_space(i, self.features[i])
+            kernel_space = space.space_for(self.spec.kind)
+            cands = costmodel.Candidates.concat([kernel_space(i, self.features[i])
                                                  for i in range(start, len(self.features))])
-            predicted = costmodel.predict(table, cands, self.spec, threads=self.threads)
+            predicted = costmodel.predict_on(table, cands, self.spec, threads=self.threads)
             self.scored += len(cands)
             bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
             for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
@@ -114,6 +115,8 @@ class _Scorer:
         m, n = node.type.shape[-2:]
         batch = node.type.shape[0] if len(node.type.shape) == 3 else 1
         flops = 2.0 * batch * m * n * a.type.shape[-1]
+        if self.spec.kind == "gpu":
+            return flops / self.spec.peak_flops(costmodel.GPU_GEMM_DTYPE) + self.spec.launch_overhead_us * 1e-6
         cores = min(self.spec.compute_units, self.threads or self.spec.compute_units)
         peak = self.spec.peak_flops("fp32") / self.spec.compute_units * cores
         return flops / (costmodel.LIBRARY_EFFICIENCY * peak) + self.spec.call_overhead_us * 1e-6
@@ -206,8 +209,9 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
     return results
 
 
-def describe(graph: Graph, result: SearchResult) -> str:
-    """The chosen plan, one line per kernel with its schedule and times: what `tfsn optimize` prints."""
+def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:
+    """The chosen plan, one line per kernel with its schedule and times: what `tfsn optimize` prints
+    (`gpu`: the schedule columns read as a GPU launch shape, see costmodel.predict_gpu)."""
     lines = []
     by_group = {k.group: k for k in result.kernels}
     for i, g in enumerate(result.plan.groups):
@@ -217,6 +221,11 @@ def describe(graph: Graph, result: SearchResult) -> str:
             lines.append(f"{i:3d} extern  {ops}")
             continue
         s = k.schedule
+        if gpu:
+            knobs = (f"tile={s.gemm_block_rows}x{s.gemm_nr}x{s.gemm_kc}" if g.kind == "gemm" else
+                     f"{'rows' if g.reduced else 'elements'}/program={s.chunk}") + f" warps={s.gemm_mr}"
+            lines.append(f"{i:3d} {g.kind:7s} {ops}  [{knobs}]  predicted {k.predicted_s * 1e6:.1f} us")
+            continue
         knobs = (f"gemm={s.gemm}" + (f" tile={s.gemm_mr}x{s.gemm_nr}x{s.gemm_kc}" if s.gemm == "generated" else "")
                  + f" rows={s.gemm_block_rows} " if g.kind == "gemm" else "") + \
             f"vw={s.vector_width} unroll={s.unroll} " + ("serial" if s.parallel_axis < 0 else f"parallel chunk={s.chunk}")

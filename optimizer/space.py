@@ -4,6 +4,8 @@ not apply to a kind is held at the default so that no two rows are the same kern
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -40,14 +42,53 @@ def _loops() -> list[dict]:
 
 def kernel_space(kernel: int, features: KernelFeatures) -> Candidates:
     """All candidate schedules of one kernel (index `kernel` in the feature table)."""
-    if features.kind == GEMM:
+    return _with_kernel(_cpu_template(features.kind, features.kind == REDUCTION and features.columns > 0), kernel)
+
+
+def _with_kernel(template: Candidates, kernel: int) -> Candidates:
+    return dataclasses.replace(template, kernel=np.full(len(template), kernel, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_template(kind: int, column: bool) -> Candidates:
+    """The space of a kind of kernel: the same for every kernel of that kind, so built once."""
+    if kind == GEMM:
         rows = [dict(generated=0, block_rows=b, parallel=p, vector_width=v, unroll=1)
                 for b, p, v in itertools.product(BLOCK_ROWS, (0, 1), VECTOR_WIDTHS)]
         rows += [dict(generated=1, mr=mr, nr=nr, kc=kc, block_rows=b, parallel=p, vector_width=v, unroll=1)
                  for mr, nr, kc, b, p, v in itertools.product(MRS, NRS, KCS, GEN_BLOCK_ROWS, (0, 1),
                                                               GEN_VECTOR_WIDTHS)]
-        return _table(kernel, rows)
+        return _table(0, rows)
     rows = _loops()
-    if features.kind == REDUCTION and features.columns > 0:
+    if column:
         rows = [dict(r, column_block=b) for r in rows for b in COLUMN_BLOCKS]
-    return _table(kernel, rows)
+    return _table(0, rows)
+
+
+GPU_TILES = (32, 64, 128, 256)
+GPU_DEPTHS = (16, 32, 64)
+GPU_WARPS = (1, 2, 4, 8, 16)
+GPU_ELEMENTS = (256, 512, 1024, 2048, 4096, 8192)
+GPU_ROWS = (1, 2, 4, 8, 16)
+
+
+def gpu_kernel_space(kernel: int, features: KernelFeatures) -> Candidates:
+    """Candidate launch shapes of one kernel on a GPU, in the columns costmodel.predict_gpu reads:
+    BM x BN x BK tiles and warps for GEMMs, elements or rows per program and warps otherwise."""
+    return _with_kernel(_gpu_template(features.kind), kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_template(kind: int) -> Candidates:
+    if kind == GEMM:
+        rows = [dict(block_rows=bm, nr=bn, kc=bk, mr=w) for bm, bn, bk, w in
+                itertools.product(GPU_TILES, GPU_TILES, GPU_DEPTHS, (2, 4, 8))]
+    else:
+        per = GPU_ROWS if kind == REDUCTION else GPU_ELEMENTS
+        rows = [dict(chunk=c, mr=w) for c, w in itertools.product(per, GPU_WARPS)]
+    return _table(0, rows)
+
+
+def space_for(spec_kind: str):
+    """The space function of a chip kind ("cpu" or "gpu")."""
+    return gpu_kernel_space if spec_kind == "gpu" else kernel_space

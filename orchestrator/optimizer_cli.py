@@ -1,4 +1,4 @@
-"""`tfsn calibrate` (and, later, the other optimizer commands): the optimizer's face on the command line.
+"""`tfsn calibrate` and `tfsn optimize`: the optimizer's face on the command line.
 
 Kept apart from the optimizer so that `tfsn` starts without torch or a compiler: both are reached only
 inside a command. Mounted on the main app by `register(app)`.
@@ -55,6 +55,90 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
         typer.echo(json.dumps({**cal.figures(), "path": str(path)}))
 
 
+def load_callable(ref: str, option: str):
+    """`MODULE:FN` (a dotted module importable from here, or a path to a .py file) to the function."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    module_name, sep, attr = ref.rpartition(":")
+    if not sep or not module_name or not attr:
+        _fail(f"{option} {ref!r}: expected MODULE:FN, e.g. examples/optimize_demo.py:gpt2_block or mypkg.models:build")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.is_file():
+                _fail(f"{option}: no file {module_name}. To fix: give the path of a Python file, or a module name")
+            spec = importlib.util.spec_from_file_location(f"tfsn_user_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except typer.Exit:
+        raise
+    except Exception as err:      # the user's module failed to import: say where, without a traceback
+        _fail(f"{option}: importing {module_name} failed: {type(err).__name__}: {err}", code=1)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        _fail(f"{option}: {module_name} has no function {attr!r}")
+    return fn
+
+
+def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN returning the model (an nn.Module)"),
+                     inputs: str = typer.Option(..., "--inputs", help="MODULE:FN returning a tuple of example inputs"),
+                     hardware: str = typer.Option("cpu", "--hardware", help="cpu (this machine: measured), or a "
+                                                  "chip of configs/hardware: h100, h200, a100-80gb, l4, a10g, mi300x, ..."),
+                     top_k: int = typer.Option(8, "--top-k", help="schedules per kernel compiled and timed (cpu only)"),
+                     json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the results.")) -> None:
+    """Search the training step (forward + backward) of a model: fusion plan and kernel schedules,
+    chosen by the cost model; on this machine the top k of each kernel are compiled and timed."""
+    if top_k < 1:
+        _fail(f"--top-k {top_k}: must be at least 1 (1: the cost model's pick, nothing timed)")
+    from optimizer.hardware import find_hardware, load_all
+
+    spec = None
+    if hardware.casefold() not in ("cpu", "host"):
+        spec = find_hardware(hardware)
+        if spec is None:
+            known = ", ".join(sorted(n.lower() for n in load_all()))
+            _fail(f"--hardware {hardware!r} is not a known chip. To fix: use cpu or one of {known}")
+        if spec.kind == "cpu":
+            spec = None if spec.name == "cpu-generic" else spec
+    build, make_inputs = load_callable(model, "--model"), load_callable(inputs, "--inputs")
+    try:
+        module, example = build(), make_inputs()
+    except Exception as err:
+        _fail(f"building the model or its inputs failed: {type(err).__name__}: {err}", code=1)
+    if not isinstance(example, tuple):
+        example = (example,)
+    from optimizer.step import optimize_step
+
+    try:
+        report = optimize_step(module, example, spec, top_k=top_k)
+    except Exception as err:     # the model failed under capture: one line, the cause
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        _fail(f"the training step failed under capture: {type(err).__name__}: {first}", code=1)
+    data = report.to_json()
+    typer.echo(f"hardware: {data['hardware']} ({'measured here' if report.measured_here else 'predicted only'})")
+    typer.echo(f"space: 1e{data['space_log10']} candidates over {data['graphs']} graph(s); scored {data['scored']:,} "
+               f"({data['plans_scored']} fusion plans) at {data['scored_per_s']:,} candidates/s; search "
+               f"{data['search_s']:.2f} s, whole step {data['seconds']:.1f} s")
+    typer.echo(f"predicted step: {data['predicted_step_s'] * 1e3:.3f} ms (the kernels the model prices)")
+    for i, chosen in enumerate(data["chosen"]):
+        typer.echo(f"graph {i} ({'forward' if i == 0 else 'backward' if i == 1 else 'graph'}):")
+        typer.echo(chosen)
+    if data["measured"]:
+        typer.echo("measured candidates (predicted -> measured, us):")
+        typer.echo("  " + ", ".join(f"{m['predicted_s'] * 1e6:.0f}->{m['measured_s'] * 1e6:.0f}"
+                                    for m in data["measured"][:64]))
+    if json_out:
+        typer.echo(json.dumps(data))
+
+
 def register(app: typer.Typer) -> None:
     """Add the optimizer's commands to `app` (the main `tfsn` app)."""
     app.command("calibrate")(calibrate_command)
+    app.command("optimize")(optimize_command)

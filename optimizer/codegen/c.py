@@ -448,9 +448,12 @@ class KernelWriter:
     def micro_kernel(self, a: str, b: str, sa: Sequence[int], sb: Sequence[int], N: int, K: int) -> list[str]:
         """Our own GEMM for one block of `rows` rows into c: cache tiles of depth kc, register
         tiles of mr x nr accumulators (full tiles get compile-time bounds, so the accumulators
-        live in SIMD registers), SIMD across the nr columns."""
+        live in SIMD registers), SIMD across the nr columns. A B whose columns are not contiguous
+        (a transposed weight) is first packed, kc rows at a time, into a contiguous panel."""
         mr, nr, kc = self.s.gemm_mr, self.s.gemm_nr, self.s.gemm_kc
         simd = _pragma_simd(replace(self.s, unroll=1))
+        packed = sb[1] != 1 and N > 1
+        b_at = f"bp[(kq - kk) * {N} + j + jj]" if packed else f"B[kq * {sb[0]} + (j + jj) * {sb[1]}]"
 
         def tile(rows: str, cols: str) -> list[str]:
             return [
@@ -462,17 +465,24 @@ class KernelWriter:
                 f"  for (int ii = 0; ii < {rows}; ii++) {{",
                 f"    const float av = A[(i + ii) * {sa[0]} + kq * {sa[1]}];",
                 f"    {simd}",
-                f"    for (int jj = 0; jj < {cols}; jj++) acc[ii][jj] += av * B[kq * {sb[0]} + (j + jj) * {sb[1]}];",
+                f"    for (int jj = 0; jj < {cols}; jj++) acc[ii][jj] += av * {b_at};",
                 "  }", "}",
                 f"for (int ii = 0; ii < {rows}; ii++) for (int jj = 0; jj < {cols}; jj++)",
                 "  c[(i + ii) * ldc + j + jj] = acc[ii][jj];",
             ]
         full = tile(str(mr), str(nr))
         edge = tile("mn", "nn")
+        # the panel is read along B's contiguous axis (its rows when sb[0] == 1)
+        pack = (["  for (int64_t jx = 0; jx < " f"{N}; jx++) for (int64_t kq = 0; kq < kn; kq++)",
+                 f"    bp[kq * {N} + jx] = B[(kk + kq) * {sb[0]} + jx * {sb[1]}];"] if sb[0] == 1 else
+                ["  for (int64_t kq = 0; kq < kn; kq++) for (int64_t jx = 0; jx < " f"{N}; jx++)",
+                 f"    bp[kq * {N} + jx] = B[(kk + kq) * {sb[0]} + jx * {sb[1]}];"]) if packed else []
         return [
             f"const float* restrict A = {a};", f"const float* restrict B = {b};",
+            *([f"float* restrict bp = (float*)malloc(sizeof(float) * {min(kc, K) * N});"] if packed else []),
             f"for (int64_t kk = 0; kk < {K}; kk += {kc}) {{",
             f"  const int64_t kn = {K} - kk < {kc} ? {K} - kk : {kc};",
+            *pack,
             f"  for (int64_t i = 0; i < rows; i += {mr}) {{",
             f"    const int mn = rows - i < {mr} ? rows - i : {mr};",
             f"    for (int64_t j = 0; j < {N}; j += {nr}) {{",
@@ -482,6 +492,7 @@ class KernelWriter:
             "      } else {",
             *[f"        {line}" for line in edge],
             "      }", "    }", "  }", "}",
+            *(["free(bp);"] if packed else []),
         ]
 
 

@@ -1,0 +1,102 @@
+"""The whole training step through the search, as one report: what `tfsn optimize` prints.
+
+The step is the model's forward on the example inputs and the backward of its loss (the output if
+it is a scalar, else the sum of the outputs), captured by AOTAutograd as a forward and a backward
+graph. On this machine (`hardware=None`) the graphs are compiled by the tfsn backend, so its search
+times the top k schedules of each kernel; on a spec of hardware that is not here, the same graphs
+are searched with the cost model only, and run as ATen so that the capture completes.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from optimizer.hardware import HardwareSpec
+
+
+@dataclass
+class StepReport:
+    hardware: str
+    measured_here: bool
+    graphs: list[tuple[Any, Any]] = field(default_factory=list)     # (ir.Graph, search.SearchResult)
+    seconds: float = 0.0                                               # capture + search + compile + one step
+
+    @property
+    def space_size(self) -> float:
+        return math.prod(r.space_size for _, r in self.graphs) if self.graphs else 0.0
+
+    @property
+    def scored(self) -> int:
+        return sum(r.scored for _, r in self.graphs)
+
+    @property
+    def scored_per_s(self) -> float:
+        seconds = sum(r.score_seconds for _, r in self.graphs)
+        return self.scored / seconds if seconds else 0.0
+
+    @property
+    def predicted_step_s(self) -> float:
+        return sum(r.predicted_s for _, r in self.graphs)
+
+    def to_json(self) -> dict:
+        from optimizer import search
+        return {"hardware": self.hardware, "measured_here": self.measured_here, "graphs": len(self.graphs),
+                "space_size": self.space_size, "space_log10": round(math.log10(self.space_size), 1)
+                if self.space_size else 0.0, "scored": self.scored, "scored_per_s": round(self.scored_per_s),
+                "plans_scored": sum(r.plans_scored for _, r in self.graphs),
+                "search_s": round(sum(r.seconds for _, r in self.graphs), 3), "seconds": round(self.seconds, 3),
+                "predicted_step_s": self.predicted_step_s,
+                "chosen": [search.describe(g, r, gpu=not self.measured_here) for g, r in self.graphs],
+                "measured": [m for _, r in self.graphs for m in r.measured]}
+
+
+def optimize_step(model: torch.nn.Module, inputs: Sequence[Any], spec: HardwareSpec | None = None,
+                  top_k: int | None = None) -> StepReport:
+    """Search the training step of `model` on `inputs` for `spec` (None: this machine, measured)."""
+    from optimizer.backend import make_backend
+
+    report = StepReport(hardware="this machine" if spec is None else spec.name, measured_here=spec is None)
+    backend = make_backend(top_k=top_k, report=report.graphs) if spec is None else _predicting_backend(spec, report)
+    t0 = time.perf_counter()
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(model, backend=backend, dynamic=False)(*inputs)
+        loss = out if isinstance(out, torch.Tensor) and out.dim() == 0 else _sum_outputs(out)
+        if loss.requires_grad:
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _sum_outputs(out: Any) -> torch.Tensor:
+    tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("the model returned no floating-point tensor to differentiate")
+    return sum(t.sum() for t in tensors)
+
+
+def _predicting_backend(spec: HardwareSpec, report: StepReport):
+    """AOTAutograd with our decompositions and partitioner whose compilers search each graph for
+    `spec` with the model alone and run it as ATen."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from optimizer import ir, search
+    from optimizer.backend import decompositions, partition
+
+    def compile_for_spec(gm: torch.fx.GraphModule, example_inputs):
+        try:
+            graph = ir.from_fx(gm)
+        except ir.Unsupported:
+            return make_boxed_func(gm.forward)
+        report.graphs.append((graph, search.search_graph(graph, spec, timing=False)))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compile_for_spec, bw_compiler=compile_for_spec, partition_fn=partition,
+                        decompositions=decompositions)

@@ -1,0 +1,116 @@
+"""The cost model: what it reads off a kernel, and that its predictions move with each knob the way
+the machine's time does (the figures themselves are measured by benchmarks/costmodel_accuracy.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from optimizer import costmodel, features, fusion, ir, space
+from optimizer.backend import decompositions
+from optimizer.costmodel import Candidates, FeatureTable, KernelFeatures, predict, predict_gpu, spearman
+from optimizer.hardware import find_hardware, load_all
+from optimizer.schedule import Schedule
+
+CPU = load_all()["cpu-generic"]
+
+
+def lowered(fn, *inputs):
+    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*inputs))
+    plan = fusion.plan(graph)
+    groups = [g for g in plan.groups if g.kind != "extern"]
+    return graph, plan, groups, [features.kernel_features(graph, g, plan.buffers) for g in groups]
+
+
+def times(kernel: KernelFeatures, schedules, spec=CPU, threads=None) -> np.ndarray:
+    return predict(FeatureTable([kernel]), Candidates.of(0, schedules), spec, threads)
+
+
+def test_spearman_of_known_orders():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)       # ties share their rank
+    assert spearman([1, 2, 3], [7, 7, 7]) == 0.0
+
+
+def test_features_of_softmax_layernorm_and_a_linear_layer():
+    x = torch.randn(64, 200)
+    _, _, groups, feats = lowered(lambda x: torch.softmax(x, dim=-1), x)
+    (soft,) = feats
+    assert soft.kind == costmodel.REDUCTION and soft.rows == 64 and soft.inner == 200
+    assert soft.passes == 3 and soft.carried == 2          # max, sum of exp, normalize; two carry a reduction
+    assert soft.math >= 1 and soft.read_bytes == 64 * 200 * 4
+    w, b = torch.randn(96, 200), torch.randn(96)
+    _, _, groups, feats = lowered(lambda x, w, b: F.gelu(F.linear(x, w, b)), x, w, b)
+    gemm = [f for f in feats if f.kind == costmodel.GEMM]
+    assert len(gemm) == 1
+    assert (gemm[0].m, gemm[0].n, gemm[0].k) == (64, 96, 200)
+    assert gemm[0].b_strided == 1                          # F.linear reads the weight transposed
+    assert gemm[0].math >= 1                               # GELU's erf runs in the epilogue
+
+
+def test_a_transposed_read_is_seen_as_strided():
+    x = torch.randn(300, 200)
+    _, _, _, (copy,) = lowered(lambda x: x.t() + 1.0, x)
+    assert copy.strided_bytes == copy.read_bytes > 0
+    _, _, _, (plain,) = lowered(lambda x: x + 1.0, x)
+    assert plain.strided_bytes == 0
+
+
+def test_predictions_move_with_each_knob_as_the_machine_does():
+    big = KernelFeatures(kind=costmodel.POINTWISE, elements=4e6, rows=2000, inner=2000, ops=4, math=2,
+                         read_bytes=16e6, write_bytes=16e6)
+    scalar, vector, serial = times(big, [Schedule(vector_width=1), Schedule(vector_width=16),
+                                         Schedule(vector_width=16, parallel_axis=-1)])
+    assert scalar > 2 * vector                             # vectorized math beats scalar calls
+    assert serial > 1.5 * vector                           # 16 cores split a large kernel
+    tiny = KernelFeatures(kind=costmodel.POINTWISE, elements=64, rows=4, inner=16, ops=1,
+                          read_bytes=256, write_bytes=256)
+    forked, alone = times(tiny, [Schedule(parallel_min_elements=0), Schedule(parallel_axis=-1)])
+    assert forked > alone                                  # the fork costs more than the work
+    two = times(big, [Schedule(vector_width=16)], threads=2)[0]
+    assert two > 4 * vector                                # 2 threads, not 16
+
+
+def test_gemm_register_tiles_and_library():
+    gemm = KernelFeatures(kind=costmodel.GEMM, elements=512 * 512, rows=512, inner=512, ops=1, m=512, n=512,
+                          k=512, write_bytes=512 * 512 * 4)
+    fits, spills, thin = times(gemm, [Schedule(gemm="generated", gemm_mr=4, gemm_nr=32),
+                                      Schedule(gemm="generated", gemm_mr=8, gemm_nr=64),   # 32 accumulators + B: spill
+                                      Schedule(gemm="generated", gemm_mr=1, gemm_nr=16)])  # latency-bound
+    assert fits < spills and fits < thin
+    library = times(gemm, [Schedule(gemm="library", gemm_block_rows=512)])[0]
+    assert library < thin
+
+
+def test_every_kernel_space_scores_and_round_trips_to_schedules():
+    kinds = [KernelFeatures(kind=costmodel.POINTWISE, elements=1e4, rows=100, inner=100, ops=1),
+             KernelFeatures(kind=costmodel.REDUCTION, elements=1e4, rows=100, inner=100, ops=1, passes=2, carried=1),
+             KernelFeatures(kind=costmodel.REDUCTION, elements=1e4, rows=1, inner=100, ops=1, columns=100),
+             KernelFeatures(kind=costmodel.GEMM, elements=1e4, rows=100, inner=100, ops=0, m=100, n=100, k=100)]
+    table = FeatureTable(kinds)
+    for make in (space.kernel_space, space.gpu_kernel_space):
+        cands = Candidates.concat([make(i, f) for i, f in enumerate(kinds)])
+        spec = CPU if make is space.kernel_space else find_hardware("H100")
+        predicted = predict(table, cands, spec) if spec.kind == "cpu" else predict_gpu(table, cands, spec)
+        assert len(predicted) == len(cands) and np.all(np.isfinite(predicted)) and np.all(predicted > 0)
+    cpu = space.kernel_space(0, kinds[0])
+    assert len({cpu.schedule(r) for r in range(len(cpu))}) == len(cpu)      # no two rows are one schedule
+
+
+def test_gpu_predictions_rank_chips_and_sizes():
+    small = KernelFeatures(kind=costmodel.GEMM, elements=1e6, rows=1000, inner=1000, ops=0, m=1024, n=1024, k=1024)
+    large = KernelFeatures(kind=costmodel.GEMM, elements=1.6e7, rows=4096, inner=4096, ops=0, m=4096, n=4096, k=4096)
+    table = FeatureTable([small, large])
+    cands = Candidates.concat([space.gpu_kernel_space(0, small), space.gpu_kernel_space(1, large)])
+    best = {}
+    for chip in ("H100", "A10G"):
+        t = predict_gpu(table, cands, find_hardware(chip))
+        best[chip] = (t[cands.kernel == 0].min(), t[cands.kernel == 1].min())
+    assert best["H100"][1] < best["A10G"][1]
+    assert best["H100"][0] < best["H100"][1]
+    # the large GEMM near the tensor cores' TF32 peak on an H100, never above it
+    flops = 2 * 4096 ** 3
+    assert 0.3 < flops / best["H100"][1] / find_hardware("H100").peak_flops("tf32") <= 1.0

@@ -1,0 +1,166 @@
+"""The search: plans from the fusion decisions, schedules from the cost model, the top k timed, the
+result cached; and `tfsn optimize` on top of it."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from optimizer import backend, fusion, ir, search
+from optimizer.backend import compile_graph, decompositions
+from optimizer.codegen.c import write_source
+from optimizer.codegen.compiler import build_library, load_library
+from optimizer.hardware import find_hardware, load_all
+from optimizer.runtime import CompiledGraph
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = load_all()["cpu-generic"]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+
+
+def mlp_step(x, w1, b1, w2, lw, lb):
+    h = F.gelu(F.linear(x, w1, b1))
+    y = F.layer_norm(h @ w2 + x, (x.shape[-1],), lw, lb)
+    return y, torch.softmax(y, dim=-1).sum(0)
+
+
+def inputs(rows=96, d=80, hidden=200):
+    torch.manual_seed(0)
+    return (torch.randn(rows, d), torch.randn(hidden, d), torch.randn(hidden), torch.randn(hidden, d),
+            torch.randn(d), torch.randn(d))
+
+
+def lowered(fn, args):
+    gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    return gm, ir.from_fx(gm)
+
+
+def run_plan(graph, plan, schedules, args):
+    source, kernels = write_source(graph, plan.groups, plan.buffers, schedules)
+    lib = load_library(build_library(source)) if any(kernels) else None
+    return CompiledGraph(graph, plan.groups, kernels, lib)(list(args))
+
+
+def test_searched_plan_computes_what_eager_does():
+    args = inputs()
+    _, graph = lowered(mlp_step, args)
+    result = search.search_graph(graph, HOST, top_k=3, threads=torch.get_num_threads())
+    assert result.scored > 1000 and result.plans_scored >= 1 and math.isfinite(result.predicted_s)
+    out = run_plan(graph, result.plan, result.schedules, args)
+    for got, want in zip(out, mlp_step(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_top_k_timing_keeps_the_fastest_measured():
+    args = inputs(rows=512, d=256, hidden=512)
+    _, graph = lowered(mlp_step, args)
+    result = search.search_graph(graph, HOST, top_k=3, threads=torch.get_num_threads())
+    timed = [k for k in result.kernels if k.timed]
+    assert timed, "no kernel was worth timing at this size"
+    for k in timed:
+        assert 1 <= len(k.timed) <= 3
+        assert k.measured_s == min(m for _, m in k.timed)
+    assert len(result.measured) == sum(len(k.timed) for k in timed)
+    untimed = search.search_graph(graph, HOST, timing=False)
+    assert untimed.measured == [] and all(k.measured_s is None for k in untimed.kernels)
+
+
+def test_few_decisions_are_searched_exhaustively_many_by_beam(monkeypatch):
+    args = inputs()
+    _, graph = lowered(mlp_step, args)
+    points = fusion.decision_points(graph)
+    assert points, "the step has no fusion decision to make"
+    monkeypatch.setattr(search, "EXHAUSTIVE_MAX_DECISIONS", len(points))
+    exhaustive = search.search_graph(graph, HOST, timing=False)
+    assert exhaustive.plans_scored == 2 ** len(points)
+    assert exhaustive.space_size >= 2 ** len(points) * 1e3
+    monkeypatch.setattr(search, "EXHAUSTIVE_MAX_DECISIONS", 0)
+    monkeypatch.setattr(search, "MAX_PLANS", 3)
+    beam = search.search_graph(graph, HOST, timing=False)
+    assert beam.plans_scored <= 3
+    assert beam.predicted_s >= exhaustive.predicted_s - 1e-12     # the exhaustive search found the best
+
+
+def test_fusion_choices_change_the_plan():
+    args = inputs()
+    _, graph = lowered(mlp_step, args)
+    default = fusion.plan(graph)
+    splits = [n for kind, n in fusion.decision_points(graph) if kind == "split"]
+    assert splits, "the GEMM with a GELU epilogue offers no split"
+    split = fusion.plan(graph, choice=fusion.Choice(split=frozenset(splits)))
+    gemm_groups = lambda p: [g for g in p.groups if g.kind == "gemm"]    # noqa: E731
+    assert len(gemm_groups(split)) < len(gemm_groups(default)) or \
+        sum(len(g.nodes) for g in gemm_groups(split)) < sum(len(g.nodes) for g in gemm_groups(default))
+    out = run_plan(graph, split, [search.DEFAULT] * len(split.groups), args)
+    for got, want in zip(out, mlp_step(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_backend_searches_once_then_reads_its_cache():
+    args = inputs()
+    gm, _ = lowered(mlp_step, args)
+    before = backend.STATS["searches"]
+    first = compile_graph(gm, args)(list(args))
+    assert backend.STATS["searches"] == before + 1
+    second = compile_graph(gm, args)(list(args))
+    assert backend.STATS["searches"] == before + 1, "the second compile searched again"
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
+
+
+def test_hardware_not_present_is_predicted_only():
+    args = inputs()
+    _, graph = lowered(mlp_step, args)
+    h100 = search.search_graph(graph, find_hardware("H100"), timing=False)
+    t4 = search.search_graph(graph, find_hardware("T4"), timing=False)
+    assert h100.measured == [] and 0 < h100.predicted_s < t4.predicted_s
+
+
+def tfsn(*argv: str, cache: Path) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, str(ROOT / "tfsn.py"), *argv], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "TFSN_CACHE": str(cache)})
+
+
+MODELS = "examples/optimize/models.py"
+
+
+def test_optimize_command_measures_here_and_predicts_elsewhere(tmp_path):
+    proc = tfsn("optimize", "--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--top-k", "2",
+                "--json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("space_size", "scored", "scored_per_s", "predicted_step_s", "chosen", "measured"):
+        assert key in data
+    assert data["graphs"] == 2 and data["scored"] > 0 and data["predicted_step_s"] > 0
+    assert data["measured"] and all(m["measured_s"] > 0 for m in data["measured"])
+    proc = tfsn("optimize", "--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--hardware", "h100",
+                "--json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["hardware"] == "H100-SXM" and data["measured"] == [] and data["predicted_step_s"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nowhere.py:mlp", "--inputs", f"{MODELS}:mlp_inputs"], "no file nowhere.py"),
+    (["--model", f"{MODELS}:missing", "--inputs", f"{MODELS}:mlp_inputs"], "has no function 'missing'"),
+    (["--model", f"{MODELS}", "--inputs", f"{MODELS}:mlp_inputs"], "expected MODULE:FN"),
+    (["--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--hardware", "tpu9"], "not a known chip"),
+    (["--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--top-k", "0"], "--top-k 0"),
+])
+def test_optimize_command_bad_input_is_one_line(tmp_path, argv, message):
+    proc = tfsn("optimize", *argv, cache=tmp_path)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -35,11 +35,10 @@ def block(x, s, t):
     return y, (torch.softmax(y, dim=-1) * y).sum(-1)
 
 
-def timed_plan(graph, plan, schedules, rounds):
-    """Seconds of a plan's kernels (each at its own schedule), summed."""
+def plan_kernels(graph, plan, schedules, prefix):
+    """The plan's kernels at their schedules, compiled: [(kernel, library)]."""
     groups = [(g, [s]) for g, s in zip(plan.groups, schedules) if g.kind != "extern"]
-    built = measure.build_groups(graph, groups, plan.buffers, prefix="final")
-    return sum(measure.time_variants(graph, ks, lib, rounds=rounds)[0] for ks, lib in built)
+    return [(ks[0], lib) for ks, lib in measure.build_groups(graph, groups, plan.buffers, prefix=prefix)]
 
 
 def main() -> None:
@@ -90,8 +89,11 @@ def main() -> None:
             best_plan, best_time, best_schedules = plan, total, chosen
     exhaustive_s = time.perf_counter() - t0
 
-    tfsn_time = timed_plan(graph, result.plan, result.schedules, args.rounds + 2)
-    exhaustive_time = timed_plan(graph, best_plan, best_schedules, args.rounds + 2)
+    # both plans' kernels timed in the same rounds, so that noise falls on both alike
+    mine = plan_kernels(graph, result.plan, result.schedules, "tfsn")
+    best = plan_kernels(graph, best_plan, best_schedules, "best")
+    final = measure.time_kernels(graph, mine + best, rounds=args.rounds + 4)
+    tfsn_time, exhaustive_time = sum(final[:len(mine)]), sum(final[len(mine):])
     quality = tfsn_time / exhaustive_time
     rows = [["tfsn search (model + top-k timing)", f"{tfsn_s:.1f}", result.scored,
              sum(len(k.timed) for k in result.kernels), f"{tfsn_time * 1e6:.1f}"],

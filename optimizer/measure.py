@@ -50,17 +50,23 @@ def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule
 
 def time_variants(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int = 5,
                   budget_s: float = 10.0) -> list[float]:
-    """Seconds per call of each kernel (same group, different schedules): the best of `rounds`."""
+    """Seconds per call of each kernel of one library (a group's schedules): the best of `rounds`."""
+    return time_kernels(graph, [(k, lib) for k in kernels], rounds, budget_s)
+
+
+def time_kernels(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int = 5,
+                 budget_s: float = 10.0) -> list[float]:
+    """Seconds per call of each (kernel, its library), timed in the same rounds: the best of `rounds`."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
-        return _time(graph, kernels, lib, rounds, budget_s)
+        return _time(graph, kernels, rounds, budget_s)
 
 
-def _time(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int, budget_s: float) -> list[float]:
-    tensors = {n: _buffer(graph, n) for k in kernels for n in k.params}
+def _time(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int, budget_s: float) -> list[float]:
+    tensors = {n: _buffer(graph, n) for k, _ in kernels for n in k.params}
     calls = []
     round_s = 0.0
-    for k in kernels:
+    for k, lib in kernels:
         fn = getattr(lib, k.name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * len(k.params)

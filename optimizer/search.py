@@ -32,6 +32,7 @@ BEAM_WIDTH = 4
 MAX_PLANS = 48                    # plans scored per graph at most (each costs a fusion pass in Python)
 MIN_TIMED_S = 20e-6               # kernels predicted faster than this are not worth timing: the model's pick
 TOP_K = 8
+NEAR_BEST = 1.5                   # candidates predicted within this factor of the best are close calls
 
 
 @dataclass
@@ -188,16 +189,8 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
         result = KernelResult(i, float(predicted[0]), None, cands.schedule(0))
         results.append(result)
         if top_k > 1 and predicted[0] >= MIN_TIMED_S:
-            picks, preds, seen = [], [], set()
-            for r in range(len(cands)):
-                s = cands.schedule(r)
-                if s not in seen:
-                    seen.add(s)
-                    picks.append(s)
-                    preds.append(float(predicted[r]))
-                if len(picks) == top_k:
-                    break
-            timed.append((result, picks, preds))
+            rows = _diverse_top(cands, predicted, top_k)
+            timed.append((result, [cands.schedule(r) for r in rows], [float(predicted[r]) for r in rows]))
     if timed:
         built = measure.build_groups(graph, [(plan.groups[r.group], s) for r, s, _ in timed], plan.buffers)
         for (result, picks, preds), (kernels, lib) in zip(timed, built):
@@ -207,6 +200,26 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
             result.predicted_s = preds[best]
             result.timed = list(zip(preds, times))
     return results
+
+
+def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int) -> list[int]:
+    """Rows to time (`cands` sorted by prediction): first the best of each vector width and GEMM
+    kind predicted within NEAR_BEST of the best, then the next best. Why: the model cannot tell a
+    512-bit vector run on 256-bit pipes from a native one, nor how well gcc vectorizes a loop of
+    mixed types; close calls between such classes are settled by the clock, not by the model."""
+    near = predicted <= predicted[0] * NEAR_BEST
+    picks, classes = [], set()
+    for r in np.flatnonzero(near):
+        cls = (cands.vector_width[r], cands.generated[r])
+        if cls not in classes:
+            classes.add(cls)
+            picks.append(int(r))
+    for r in range(len(cands)):
+        if len(picks) >= top_k:
+            break
+        if r not in picks:
+            picks.append(r)
+    return sorted(picks[:top_k], key=lambda r: predicted[r])
 
 
 def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:

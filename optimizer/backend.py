@@ -80,6 +80,32 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
 
 
+def searched_partition(spec=None) -> Callable:
+    """A partitioner that chooses between recomputing activations in the backward (min-cut) and
+    saving every one the backward reads (the default partition), by the cost model's prediction of
+    the forward and backward graphs each yields: the step's recompute-vs-store decision."""
+    def choose(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+        import copy
+
+        from torch._functorch.partitioners import default_partition
+
+        from optimizer import ir, search
+        from optimizer.hardware import cpu_spec
+
+        recompute = partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        try:
+            store = default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
+            cost = [sum(search.search_graph(ir.from_fx(gm), chip, timing=False, threads=threads).predicted_s
+                        for gm in pair) for pair in (recompute, store)]
+        except Exception as e:      # symbolic shapes, a graph the IR cannot take: keep the min-cut
+            log.info("tfsn: recompute-vs-store not searched (%s); recomputing", e)
+            return recompute
+        log.info("tfsn: recompute %.3f ms vs store %.3f ms predicted", cost[0] * 1e3, cost[1] * 1e3)
+        return recompute if cost[0] <= cost[1] else store
+    return choose
+
+
 def default_top_k() -> int:
     from optimizer.search import TOP_K
     value = os.environ.get("TFSN_TOP_K", "")
@@ -192,7 +218,8 @@ def make_backend(**options: Any) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = functools.partial(compile_graph, **options)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition,
+    partition_fn = partition if schedule is not None or options.get("fuse") is False else searched_partition()
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
                         decompositions=decompositions)
 
 

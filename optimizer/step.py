@@ -88,7 +88,7 @@ def _predicting_backend(spec: HardwareSpec, report: StepReport):
     from torch._functorch.aot_autograd import make_boxed_func
 
     from optimizer import ir, search
-    from optimizer.backend import decompositions, partition
+    from optimizer.backend import decompositions, searched_partition
 
     def compile_for_spec(gm: torch.fx.GraphModule, example_inputs):
         try:
@@ -98,5 +98,5 @@ def _predicting_backend(spec: HardwareSpec, report: StepReport):
         report.graphs.append((graph, search.search_graph(graph, spec, timing=False)))
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=compile_for_spec, bw_compiler=compile_for_spec, partition_fn=partition,
+    return aot_autograd(fw_compiler=compile_for_spec, bw_compiler=compile_for_spec, partition_fn=searched_partition(spec),
                         decompositions=decompositions)

@@ -53,7 +53,8 @@ class SearchResult:
     space_size: float                  # fusion plans x schedules of their kernels (the default plan's kernels)
     plans_scored: int
     scored: int                        # (kernel, schedule) candidates the model scored
-    score_seconds: float               # time spent scoring
+    score_seconds: float               # time in the cost model's scoring
+    feature_seconds: float             # time reading the kernels' features off the generator
     seconds: float                     # the whole search, timing included
     predicted_s: float                 # the chosen plan's predicted time (kernels the model can price)
     kernels: list[KernelResult]
@@ -74,37 +75,40 @@ class _Scorer:
         self.predicted: list[np.ndarray] = []
         self.index: dict[tuple, int] = {}
         self.scored = 0
-        self.seconds = 0.0
+        self.seconds = 0.0             # in the cost model's scoring
+        self.feature_seconds = 0.0     # reading kernels' features off the generator
 
     def key(self, group: Group, buffers: set[int]) -> tuple:
         fused = fusion.fused_nodes(self.graph, buffers, group)
         return group, tuple(fused), frozenset(buffers.intersection(group.nodes))
 
-    def score_plan(self, plan: fusion.Plan) -> float:
-        """Sum of the best predicted time of each kernel; new kernels are scored in one batch."""
-        keys = [self.key(g, plan.buffers) if g.kind != "extern" else None for g in plan.groups]
-        new = [(g, k) for g, k in zip(plan.groups, keys) if k is not None and k not in self.index]
-        if new:
-            t0 = time.perf_counter()
-            start = len(self.features)
-            for g, k in new:
-                self.index[k] = len(self.features)
-                self.features.append(features.kernel_features(self.graph, g, plan.buffers))
-            table = costmodel.FeatureTable(self.features)
+    def score_plans(self, plans: list[fusion.Plan]) -> list[float]:
+        """Each plan's sum of the best predicted time of its kernels; the kernels no plan scored
+        before are extracted, then scored together in one vectorized batch."""
+        keys = [[self.key(g, p.buffers) if g.kind != "extern" else None for g in p.groups] for p in plans]
+        t0 = time.perf_counter()
+        start = len(self.features)
+        for plan, plan_keys in zip(plans, keys):
+            for g, k in zip(plan.groups, plan_keys):
+                if k is not None and k not in self.index:
+                    self.index[k] = len(self.features)
+                    self.features.append(features.kernel_features(self.graph, g, plan.buffers))
+        self.feature_seconds += time.perf_counter() - t0
+        if len(self.features) > start:
             kernel_space = space.space_for(self.spec.kind)
             cands = costmodel.Candidates.concat([kernel_space(i, self.features[i])
                                                  for i in range(start, len(self.features))])
-            predicted = costmodel.predict_on(table, cands, self.spec, threads=self.threads)
+            t0 = time.perf_counter()
+            predicted = costmodel.predict_on(costmodel.FeatureTable(self.features), cands, self.spec,
+                                             threads=self.threads)
+            self.seconds += time.perf_counter() - t0
             self.scored += len(cands)
             bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
             for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
                 self.tables.append(cands.take(rows))
                 self.predicted.append(preds)
-            self.seconds += time.perf_counter() - t0
-        total = 0.0
-        for g, k in zip(plan.groups, keys):
-            total += float(self.predicted[self.index[k]].min()) if k is not None else self.extern_s(g)
-        return total
+        return [sum(float(self.predicted[self.index[k]].min()) if k is not None else self.extern_s(g)
+                    for g, k in zip(plan.groups, plan_keys)) for plan, plan_keys in zip(plans, keys)]
 
     def extern_s(self, group: Group) -> float:
         """An ATen call the model can price: a matmul left to the library (others cost the same in
@@ -138,27 +142,28 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
     costs: dict[tuple[bool, ...], float] = {}
     plans: dict[tuple[bool, ...], fusion.Plan] = {}
 
-    def evaluate(flips: tuple[bool, ...]) -> float:
-        if flips not in costs:
+    def evaluate(batch: list[tuple[bool, ...]]) -> None:
+        """Plan and score every new decision vector of `batch` (one scoring call for all)."""
+        built = []
+        for flips in dict.fromkeys(f for f in batch if f not in costs):
             try:
                 plans[flips] = fusion.plan(graph, gemm=gemm, choice=fusion.choice_of(points, flips))
-                costs[flips] = scorer.score_plan(plans[flips])
+                built.append(flips)
             except NotFusable:
                 costs[flips] = math.inf
-        return costs[flips]
+        for flips, cost in zip(built, scorer.score_plans([plans[f] for f in built])):
+            costs[flips] = cost
 
     start = (False,) * len(points)
-    evaluate(start)
     if len(points) <= EXHAUSTIVE_MAX_DECISIONS:
-        for flips in itertools.product((False, True), repeat=len(points)):
-            evaluate(flips)
+        evaluate(list(itertools.product((False, True), repeat=len(points))))
     else:
+        evaluate([start])
         beam = [start]
         while len(costs) < MAX_PLANS:
             moves = {b[:i] + (not b[i],) + b[i + 1:] for b in beam for i in range(len(points))}
             moves = sorted(m for m in moves if m not in costs)[:MAX_PLANS - len(costs)]
-            for m in moves:
-                evaluate(m)
+            evaluate(moves)
             best = sorted(costs, key=costs.get)[:BEAM_WIDTH]
             if best == beam or not moves:
                 break
@@ -174,7 +179,8 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
                      for g in default_plan.groups if g.kind != "extern"]
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=2.0 ** len(points) * math.prod(kernel_spaces), plans_scored=len(costs),
-                        scored=scorer.scored, score_seconds=scorer.seconds, seconds=time.perf_counter() - t0,
+                        scored=scorer.scored, score_seconds=scorer.seconds,
+                        feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
                         predicted_s=costs[flips], kernels=kernels)
 
 

@@ -48,6 +48,8 @@ class StepReport:
                 "space_size": self.space_size, "space_log10": round(math.log10(self.space_size), 1)
                 if self.space_size else 0.0, "scored": self.scored, "scored_per_s": round(self.scored_per_s),
                 "plans_scored": sum(r.plans_scored for _, r in self.graphs),
+                "score_s": round(sum(r.score_seconds for _, r in self.graphs), 4),
+                "features_s": round(sum(r.feature_seconds for _, r in self.graphs), 3),
                 "search_s": round(sum(r.seconds for _, r in self.graphs), 3), "seconds": round(self.seconds, 3),
                 "predicted_step_s": self.predicted_step_s,
                 "chosen": [search.describe(g, r, gpu=not self.measured_here) for g, r in self.graphs],

@@ -124,8 +124,9 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
     data = report.to_json()
     typer.echo(f"hardware: {data['hardware']} ({'measured here' if report.measured_here else 'predicted only'})")
     typer.echo(f"space: 1e{data['space_log10']} candidates over {data['graphs']} graph(s); scored {data['scored']:,} "
-               f"({data['plans_scored']} fusion plans) at {data['scored_per_s']:,} candidates/s; search "
-               f"{data['search_s']:.2f} s, whole step {data['seconds']:.1f} s")
+               f"({data['plans_scored']} fusion plans) at {data['scored_per_s']:,} candidates/s "
+               f"(+{data['features_s']:.2f} s reading kernels); search with timing {data['search_s']:.2f} s, "
+               f"whole step {data['seconds']:.1f} s")
     typer.echo(f"predicted step: {data['predicted_step_s'] * 1e3:.3f} ms (the kernels the model prices)")
     for i, chosen in enumerate(data["chosen"]):
         typer.echo(f"graph {i} ({'forward' if i == 0 else 'backward' if i == 1 else 'graph'}):")

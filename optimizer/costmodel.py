@@ -42,7 +42,6 @@ from optimizer.hardware import HardwareSpec
 from optimizer.schedule import Schedule
 
 POINTWISE, REDUCTION, GEMM = 0, 1, 2
-KIND_NAMES = {"pointwise": POINTWISE, "reduction": REDUCTION, "gemm": GEMM}
 
 LINE_BYTES = 64                 # cache line, bytes (x86-64, Arm Neoverse)
 VECTOR_PIPES = 2                # vector arithmetic issued per cycle (two FMA ports: Intel since Haswell, Zen 4)
@@ -90,7 +89,6 @@ class KernelFeatures:
     k: float = 0.0
     batch: float = 1.0
     b_strided: float = 0.0     # GEMM: B's columns are not contiguous (a transposed operand)
-    keep_c: float = 1.0        # GEMM: the product itself is written to memory
 
 
 @dataclass

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from math import prod
 
-from optimizer.codegen.c import Group, KernelWriter
+from optimizer.codegen.c import Group, Kernel, KernelWriter
 from optimizer.codegen.c_ops import EXPENSIVE
-from optimizer.fusion import fused_nodes
 from optimizer.costmodel import GEMM, POINTWISE, REDUCTION, KernelFeatures
+from optimizer.fusion import fused_nodes
 from optimizer.ir import Graph, Kind
 from optimizer.schedule import DEFAULT
 
@@ -53,7 +53,7 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
     last = len(dom) - 1
     members = set(fused_nodes(graph, buffers, group))
     if group.kind == "gemm":
-        return _gemm_features(graph, group, buffers, writer, kernel, members)
+        return _gemm_features(graph, group, writer, kernel, members)
     reduced = group.reduced
     column = bool(reduced) and last not in reduced
     inner_axis = max(reduced) if reduced and not column else last
@@ -96,7 +96,7 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
         carried=carried if reduced and not column else 0.0, columns=float(dom[last]) if column else 0.0)
 
 
-def _gemm_features(graph: Graph, group: Group, buffers: set[int], writer: KernelWriter, kernel,
+def _gemm_features(graph: Graph, group: Group, writer: KernelWriter, kernel: Kernel,
                    members: set[int]) -> KernelFeatures:
     mm = graph.nodes[group.nodes[0]]
     a, b = (graph.nodes[r.index] for r in mm.args[:2])
@@ -115,4 +115,4 @@ def _gemm_features(graph: Graph, group: Group, buffers: set[int], writer: Kernel
         write_bytes=sum(_bytes(graph, p) for p in kernel.outputs),
         strided_bytes=sum(_bytes(graph, i) for i in strided),
         m=float(m), n=float(n), k=float(depth), batch=float(batch),
-        b_strided=0.0 if b.type.strides[-1] == 1 else 1.0, keep_c=float(mm.index in buffers))
+        b_strided=0.0 if b.type.strides[-1] == 1 else 1.0)

@@ -63,6 +63,7 @@ class NodeStatus(_Status):
     offer: dict[str, Any] | None = None     # the planned offer its pod was asked for on
     heard: bool = False                     # its agent has reported at least once
     created_at: float = 0.0
+    updated_at: float = 0.0                 # its last change (the controller tells this attempt's failures by it)
     provisioned_at: float | None = None     # when its pod was created
     released: bool = False                  # its pod's deletion was confirmed
 
@@ -109,6 +110,26 @@ class TfsnJobStatus(_Status):
     record: JobRecord | None = None
     conditions: list[Condition] = Field(default_factory=list)
     message: str = ""
+
+
+def known_fields(model: type[BaseModel], data: Any) -> Any:
+    """`data` without the keys `model` has no field for, at every level: a status written by a newer
+    operator read by an older one (pydantic before 2.12 has no per-call `extra`)."""
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        if key not in data:
+            continue
+        annotation, value = field.annotation, data[key]
+        if typing.get_origin(annotation) is list and isinstance(value, list):
+            inner = _model_of(typing.get_args(annotation)[0])
+            out[key] = [known_fields(inner, v) for v in value] if inner else value
+        else:
+            inner = _model_of(annotation)
+            out[key] = known_fields(inner, value) if inner else value
+    return out
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

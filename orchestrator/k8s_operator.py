@@ -8,18 +8,21 @@ one controller job. The handlers only translate between the two.
 The TfsnJob's `.status` is the job's durable store; the operator's SQLite store is a working cache
 that may be lost with the operator's pod at any moment. Every write to a job or its nodes (a state
 transition, a node recorded, failed or ready, a checkpoint) is copied into `.status` at once by a
-`StatusWriter` thread (a failed write is retried by the next change or the timer), and an operator
-that starts with an empty store re-creates each job and its nodes from `.status` under their old ids
-(the token is in the job's Secret), so the worker pods' agents carry on reporting to it:
+`StatusWriter` thread (orchestrator.k8s_status; a failed write is tried again), and an operator that
+starts with an empty store re-creates each job and its nodes from `.status` under their old ids (the
+token is in the job's Secret), so the worker pods' agents carry on reporting to it:
 
-- startup: re-create every TfsnJob's controller job from its `.status` before any handler runs (a new
-  TfsnJob admitted meanwhile could take a job id a running one holds);
+- startup: list every TfsnJob, reserve the job ids their statuses hold (a job admitted meanwhile never
+  takes one), re-create their controller jobs, and only then restart those that cannot be carried on.
+  A TfsnJob that cannot be adopted now (its Secret unreadable, the API server refusing) is left to the
+  resume handler; a listing that fails fails the startup handler, which kopf runs again;
 - create: validate the spec with `JobSpec` (a bad one gets a status condition, and no pods), make the
   job's token Secret and headless Service, bind its pods to the TfsnJob (owner, Secret, checkpoint
   volume), and add the controller job;
 - resume: the same re-creation for a TfsnJob the startup listing missed; pods of the TfsnJob that the
-  status does not know are deleted;
-- timer: taint what a refused taint left, write `.status` again if a write failed, keep the conditions;
+  status does not know are deleted before the controller sees the job;
+- timer: taint what a refused taint left, have the writer check `.status`, keep the conditions, and
+  post a NodeTainted event for every host tainted since;
 - update of the spec: not applied to a job under way; a condition says so and how to apply it;
 - delete: stop the job; the controller deletes the pods, owner references the Secret and Service.
 
@@ -27,11 +30,19 @@ The Kubernetes node of every node the controller fails (a failed pod, a silent a
 is tainted as its pod is deleted, before the replacement is asked for, so that the scheduler never puts
 the replacement there (the timer tries again should that be refused).
 
-Run it with `tfsn operator run` (or `kopf run -m orchestrator.k8s_operator`); settings come from
-TFSN_OPERATOR_* variables (see `OperatorSettings`).
+Adoption lists the TfsnJobs of the namespaces the operator watches, and kopf does not tell its startup
+handler which those are, only whether it watches the whole cluster. So: TFSN_OPERATOR_NAMESPACE, when
+set, is the namespace listed (`tfsn operator run --namespace X` sets it and has kopf watch X alone);
+otherwise the whole cluster is listed, but only when kopf runs cluster-wide. An operator started with
+`kopf run --namespace X` and no TFSN_OPERATOR_NAMESPACE refuses to start (it would adopt the jobs of
+namespaces another operator runs) and says to set it.
+
+Run it with `tfsn operator run` (or `kopf run -m orchestrator.k8s_operator --all-namespaces`); settings
+come from TFSN_OPERATOR_* variables (see `OperatorSettings`).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -43,18 +54,19 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import kopf
 from pydantic import ValidationError
 
 from orchestrator.api import ApiServer
 from orchestrator.controller import Controller
-from orchestrator.crd import (GROUP, KIND, PLURAL, VERSION, Condition, JobRecord, NodeStatus, TfsnJobStatus)
+from orchestrator.crd import GROUP, KIND, PLURAL, VERSION, Condition, TfsnJobStatus
 from orchestrator.home import tfsn_home
+from orchestrator.k8s_status import StatusWriter, restored_job, status_record
 from orchestrator.spec import JobSpec, _dotted, _user_path
 from orchestrator.store import Job, JobState, Node, NodeState, Store, StoreError
-from providers.base import NodeHandle, ProviderError, import_sdk
+from providers.base import NotFoundError, ProviderError, import_sdk
 from providers.kubernetes import EXTRA, TIMEOUT_S, TOKEN_KEY, UNHEALTHY_TAINT, KubernetesProvider, PodBinding
 from providers.naming import dns_label
 
@@ -62,8 +74,10 @@ SYNC_S = float(os.environ.get("TFSN_OPERATOR_SYNC_S", 3))  # how often the timer
 CHECKPOINT_MOUNT = "/tfsn/checkpoints"     # checkpoint.dir of a TfsnJob that names none
 CLAIM_ANNOTATION = "tfsn.dev/checkpoint-claim"   # a TfsnJob's own PersistentVolumeClaim of checkpoints
 AGENT_COMMAND = ("python3", "-m", "orchestrator.agent")
-# .status keys the StatusWriter owns; the handlers own `conditions` (kopf writes them, and its own notes)
-RECORD_KEYS = tuple(f.alias or n for n, f in TfsnJobStatus.model_fields.items() if n != "conditions")
+LIST_TRIES = 3                  # listing the TfsnJobs at start, before the startup handler fails (kopf retries it)
+LIST_BACKOFF_S = 1.0            # 1 s, then 2 s between those tries
+RETRY_DELAY_S = 10.0            # when kopf runs a handler again after the API server refused it something
+FINAL_WRITE_WAIT_S = 10.0       # the delete handler's last status write waits no longer for another one
 log = logging.getLogger("tfsn.operator")
 
 
@@ -77,7 +91,7 @@ class OperatorSettings:
     advertise: str = ""                # the host pods reach the API at (the operator's Service; default: pod IP)
     checkpoint_claim: str = ""         # default PVC of checkpoints, in each job's namespace; "": emptyDir
     pod_poll_s: float = 5.0            # how often the controller reads a pod's phase
-    namespace: str = ""                # the only namespace watched; "": all
+    namespace: str = ""                # the namespace whose TfsnJobs are adopted at start (kopf's); "": all
 
     @classmethod
     def from_env(cls) -> OperatorSettings:
@@ -115,14 +129,6 @@ def spec_error(err: ValidationError, data: dict[str, Any]) -> str:
     return " ".join("; ".join(dict.fromkeys(parts)).split())
 
 
-def status_patch(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
-    """The JSON patch (RFC 6902) that sets the `.status` keys of `new` that differ from `old`, each whole.
-    Not a merge patch: that would drop the nulls the record holds (an offer's zone, a checkpoint's step);
-    not the whole status: the rest of it is kopf's."""
-    return [{"op": "add", "path": f"/status/{key}", "value": value} for key, value in new.items()
-            if key not in old or old[key] != value]
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -135,89 +141,8 @@ def _condition(previous: list[dict[str, Any]], type_: str, ok: bool, reason: str
     return Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=when)
 
 
-class StatusWriter:
-    """Copies controller jobs into their TfsnJobs' `.status` as soon as the store changes.
-
-    It runs in a thread of its own, so that a store write (an agent's heartbeat, the controller's loop)
-    never waits on the API server; each write sends only the keys that differ from what it wrote last (a
-    JSON patch, through the kubernetes client's timeout and bounded retries with backoff). A write that
-    fails is forgotten, not lost: the next change or the timer compares with the server and writes again.
-    """
-
-    def __init__(self, record_of: Callable[[int], tuple[str, str, dict[str, Any]] | None],
-                 api: Callable[[], Any]) -> None:
-        self._record_of = record_of     # job id -> (namespace, name, .status keys it owns), None: not ours
-        self._api = api                 # the CustomObjectsApi
-        self._due: set[int] = set()
-        self._wake = threading.Condition()
-        self._write_lock = threading.Lock()
-        self._written: dict[int, dict[str, Any]] = {}  # job id -> what .status holds of ours, as last written
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def changed(self, job_id: int) -> None:
-        """The store changed the job (Store.on_change): write it soon."""
-        with self._wake:
-            self._due.add(job_id)
-            self._wake.notify()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="tfsn-status", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Write what is due, then stop."""
-        self._stop.set()
-        with self._wake:
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(60)
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._due or self._stop.is_set(), timeout=1.0)
-                due, self._due = self._due, set()
-            for job_id in sorted(due):
-                self.write(job_id)
-            if self._stop.is_set() and not self._due:
-                return
-
-    def write(self, job_id: int) -> bool:
-        """Bring the TfsnJob's `.status` up to date with the store now; False if the API server refused."""
-        with self._write_lock:
-            target = self._record_of(job_id)
-            if target is None:
-                self._written.pop(job_id, None)
-                return True
-            namespace, name, record = target
-            api = self._api()
-            where = (GROUP, VERSION, namespace, PLURAL, name)
-            try:
-                old = self._written.get(job_id)
-                if old is None:     # after a start or a failed write: what the server holds now
-                    old = api.get_namespaced_custom_object_status(*where, _request_timeout=TIMEOUT_S).get("status")
-                    if old is None:   # a JSON patch needs the status there: made, leaving any kopf wrote since
-                        api.patch_namespaced_custom_object_status(*where, {"status": {}}, _request_timeout=TIMEOUT_S,
-                                                                  _content_type="application/merge-patch+json")
-                        old = {}
-                patch = status_patch(old, record)
-                if patch:
-                    api.patch_namespaced_custom_object_status(*where, patch, _request_timeout=TIMEOUT_S,
-                                                              _content_type="application/json-patch+json")
-            except Exception as err:  # ApiException, urllib3's errors after its retries: the timer tries again
-                self._written.pop(job_id, None)
-                if getattr(err, "status", None) == 404:   # the TfsnJob is gone: nothing to keep
-                    return True
-                log.warning("cannot write the status of %s %s/%s (tried again): %s", KIND, namespace, name,
-                            " ".join(str(err).split())[:300])
-                return False
-            self._written[job_id] = record
-            return True
-
-
 class Operator:
-    """The controller, its API server and the kubernetes provider, for every TfsnJob of the cluster."""
+    """The controller, its API server and the kubernetes provider, for every TfsnJob the operator watches."""
 
     def __init__(self, settings: OperatorSettings) -> None:
         self.settings = settings
@@ -237,10 +162,15 @@ class Operator:
         self._custom_api: Any = None
         self._job_ids: dict[str, int] = {}   # job_key -> controller job id
         self._tainted: set[str] = set()       # ids of failed nodes whose host is tainted (also in .status)
+        self._taint_news: dict[int, list[tuple[str, str]]] = {}   # job id -> (host, failure) not yet an event
+        self._news_lock = threading.Lock()
 
     def start(self, reconcile: bool = True) -> None:
         """Serve agents, write statuses and run the controller's loop in threads (kopf keeps the event loop);
-        without `reconcile` the caller drives `controller.reconcile` itself (tests)."""
+        without `reconcile` the caller drives `controller.reconcile` itself (tests). Once only: a second call
+        (kopf running a failed startup handler again) changes nothing."""
+        if self._serving:
+            return
         self.server.start()
         self._serving = True
         self.writer.start()
@@ -277,24 +207,14 @@ class Operator:
         status that says what to fix. Returns the conditions (kopf writes them).
 
         Idempotent: kopf runs a create handler again when it could not record that it ran."""
-        meta, data = body["metadata"], dict(body.get("spec") or {})
         job = self._job_of(body)
         if job is None and (body.get("status") or {}).get("jobId") is not None:
             return self.adopt(body)   # admitted before this operator started: its pods may be running
         if job is None:
-            data.setdefault("name", meta["name"])
-            try:
-                spec = JobSpec.model_validate(data)
-            except ValidationError as err:
-                return self._invalid(body, spec_error(err, data))
-            problem = _cluster_problem(spec)
-            if problem:
+            spec, problem = self._checked_spec(body, dict(body.get("spec") or {}))
+            if spec is None:
                 return self._invalid(body, problem)
-            spec.resources.infra = ["kubernetes"]
-            spec.checkpoint.dir = spec.checkpoint.dir or CHECKPOINT_MOUNT
-            job = self.store.create_job(spec.name, spec.model_dump(mode="json"), job_key(meta),
-                                        secrets.token_urlsafe(32))
-            self._job_ids[job_key(meta)] = job.id
+            job = self._create_job(body, spec)
         durable = self._prepare(body, job).checkpoint_claim is not None
         self.controller.wake.set()
         return {"conditions": [c.model_dump(by_alias=True) for c in (
@@ -302,6 +222,26 @@ class Operator:
             _condition([], "CheckpointsDurable", durable, "PersistentVolumeClaim" if durable else "EmptyDir",
                        "" if durable else "checkpoints are kept in each pod's emptyDir and lost with the pod. To "
                        f"fix: annotate the {KIND} with {CLAIM_ANNOTATION}: <a PersistentVolumeClaim>"))]}
+
+    def _checked_spec(self, body: dict[str, Any], data: dict[str, Any]) -> tuple[JobSpec | None, str]:
+        """`data` as the spec of a job on this cluster, or None and one line saying what to fix."""
+        data.setdefault("name", body["metadata"]["name"])
+        try:
+            spec = JobSpec.model_validate(data)
+        except ValidationError as err:
+            return None, spec_error(err, data)
+        problem = _cluster_problem(spec)
+        if problem:
+            return None, problem
+        spec.resources.infra = ["kubernetes"]
+        spec.checkpoint.dir = spec.checkpoint.dir or CHECKPOINT_MOUNT
+        return spec, ""
+
+    def _create_job(self, body: dict[str, Any], spec: JobSpec) -> Job:
+        key = job_key(body["metadata"])
+        job = self.store.create_job(spec.name, spec.model_dump(mode="json"), key, secrets.token_urlsafe(32))
+        self._job_ids[key] = job.id
+        return job
 
     def _invalid(self, body: dict[str, Any], message: str) -> dict[str, Any]:
         previous = (body.get("status") or {}).get("conditions", [])
@@ -343,10 +283,9 @@ class Operator:
             checkpoint_sub_path=dns_label(name) if claim else "", command=AGENT_COMMAND, labels=selector)
         return binding
 
-    # ---- .status: the store ---------------------------------------------------------------------
     def _record_of(self, job_id: int) -> tuple[str, str, dict[str, Any]] | None:
-        """The `.status` keys the writer owns, from the store: everything the controller needs to carry
-        the job on. None for a job no TfsnJob of this operator runs (any longer)."""
+        """(namespace, name, the `.status` keys the writer owns) of a job; None for a job no TfsnJob of this
+        operator runs (any longer)."""
         try:
             job = self.store.job(job_id)
         except StoreError:
@@ -354,90 +293,60 @@ class Operator:
         where = tfsnjob_of(job)
         if where is None or str(job.id) not in self.provider.bindings:   # released: its TfsnJob is going
             return None
-        nodes = []
-        for node in self.store.nodes(job.id):
-            data = (node.handle or {}).get("data", {})
-            nodes.append(NodeStatus(
-                id=node.id, rank=node.rank, state=node.state.value, pod=data.get("pod", ""),
-                host=self.provider.hosts.get(node.id) or node.host, failure=node.failure,
-                tainted=node.id in self._tainted, addr=node.addr, offer=node.offer,
-                heard=node.heartbeat_at is not None, created_at=node.created_at,
-                provisioned_at=node.provisioned_at, released=node.released))
-        status = TfsnJobStatus(
-            phase=job.state.value.title(), job_id=job.id, attempt=job.attempt, step=job.step, restarts=job.restarts,
-            checkpoint={"step": job.checkpoint_step, "path": job.checkpoint_path}, nodes=nodes, message=job.error,
-            record=JobRecord(
-                spec=job.spec, attempt_state=job.attempt_state, attempt_changed_at=job.attempt_changed_at,
-                attempt_started_at=job.attempt_started_at, master_port=job.master_port,
-                stop_requested=bool(job.stop_requested), last_failure=job.last_failure,
-                restored_step=job.restored_step, step_time=job.step_time, checkpoint_at=job.checkpoint_at,
-                checkpoint_request=job.checkpoint_request, pending_replace=job.pending_replace,
-                pending_reason=job.pending_reason, plan=job.plan, blocked=job.blocked, health=job.health,
-                created_at=job.created_at, finished_at=job.finished_at))
-        return (*where, status.model_dump(by_alias=True, exclude={"conditions"}))
-
-    def _restored(self, body: dict[str, Any], token: str) -> tuple[Job, list[Node]] | None:
-        """The controller job and nodes a TfsnJob's `.status` records; None if it records no job."""
-        meta, raw = body["metadata"], body.get("status") or {}
-        try:
-            status = TfsnJobStatus.model_validate({k: v for k, v in raw.items() if k in RECORD_KEYS})
-            state = JobState(status.phase.upper())
-            node_states = [NodeState(n.state) for n in status.nodes]
-        except (ValidationError, ValueError):   # not a record this operator wrote
-            return None
-        record = status.record
-        if record is None or status.job_id is None or not record.spec:
-            return None     # written by an operator that kept no record
-        now = time.time()
-        job = Job(id=status.job_id, name=str(record.spec.get("name") or meta["name"]), state=state,
-                  spec=record.spec, spec_path=job_key(meta), token=token, created_at=record.created_at or now,
-                  updated_at=now, attempt=status.attempt, attempt_state=record.attempt_state,
-                  attempt_changed_at=record.attempt_changed_at, attempt_started_at=record.attempt_started_at,
-                  master_port=record.master_port, restarts=status.restarts, stop_requested=int(record.stop_requested),
-                  error=status.message, last_failure=record.last_failure, step=status.step,
-                  step_time=record.step_time, restored_step=record.restored_step,
-                  checkpoint_step=status.checkpoint.step, checkpoint_path=status.checkpoint.path,
-                  finished_at=record.finished_at, checkpoint_at=record.checkpoint_at,
-                  checkpoint_request=record.checkpoint_request, pending_replace=record.pending_replace,
-                  pending_reason=record.pending_reason, plan=record.plan, blocked=record.blocked, health=record.health)
-        nodes = []
-        for n, state_ in zip(status.nodes, node_states):
-            pod, failure, released = n.pod, n.failure, n.released
-            if state_ == NodeState.REQUESTED:   # its pod may or may not exist: made sure it does not (the sweep)
-                pod, failure, released = dns_label(n.id), "the operator restarted before its pod was confirmed", False
-                state_ = NodeState.TERMINATED
-            handle = NodeHandle("kubernetes", n.id, {"namespace": meta["namespace"], "pod": pod,
-                                                     "context": self.provider.context}).__dict__ if pod else None
-            nodes.append(Node(id=n.id, job_id=job.id, rank=n.rank, provider="kubernetes", state=state_,
-                              handle=handle, created_at=n.created_at, updated_at=n.created_at,
-                              heartbeat_at=now if n.heard else None, failure=failure, offer=n.offer, addr=n.addr,
-                              host=n.host, provisioned_at=n.provisioned_at, released=released))
-        return job, nodes
+        return (*where, status_record(job, self.store.nodes(job.id), self.provider.hosts, self._tainted))
 
     # ---- start / resume -------------------------------------------------------------------------
     def adopt_all(self) -> None:
-        """At start, before any handler: every TfsnJob's controller job re-created from its `.status`."""
-        api = self._custom_objects()
-        try:
-            if self.settings.namespace:
-                listed = api.list_namespaced_custom_object(GROUP, VERSION, self.settings.namespace, PLURAL,
-                                                           _request_timeout=TIMEOUT_S)
-            else:
-                listed = api.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=TIMEOUT_S)
-        except Exception as err:   # the resume handlers adopt them one by one instead
-            log.warning("cannot list %ss to adopt them (each is adopted as kopf resumes it): %s", KIND, err)
-            return
-        for body in listed.get("items", []):
+        """At start, before any handler: every TfsnJob's controller job re-created from its `.status`.
+
+        The ids every status holds are reserved first and every job that can be carried on is restored
+        before any is restarted: a restart is a new job, which must not take an id a later TfsnJob holds.
+        A TfsnJob that cannot be adopted now is left to the resume handler; ProviderError if the TfsnJobs
+        cannot be listed (the startup handler fails, and kopf runs it again)."""
+        bodies = self._listed()
+        held = [(b.get("status") or {}).get("jobId") for b in bodies]   # terminal ones too
+        self.store.reserve_job_ids(max((i for i in held if isinstance(i, int)), default=0))
+        restarts = []
+        for body in bodies:
             status = body.get("status") or {}
-            if status.get("jobId") is not None and status.get("phase") not in _TERMINAL:
-                self.adopt(body)
+            if status.get("jobId") is None or status.get("phase") in _TERMINAL:
+                continue
+            with _adopting(body):
+                if self._job_of(body) is not None:
+                    self.adopt(body)
+                elif self._resume(body) is None:
+                    restarts.append(body)
+        for body in restarts:
+            with _adopting(body):
+                self._restart(body)
+
+    def _listed(self) -> list[dict[str, Any]]:
+        """The TfsnJobs of the namespace the operator watches (all, cluster-wide), tried LIST_TRIES times."""
+        api, namespace = self._custom_objects(), self.settings.namespace
+        for attempt in range(LIST_TRIES):
+            try:
+                if namespace:
+                    listed = api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                               _request_timeout=TIMEOUT_S)
+                else:
+                    listed = api.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=TIMEOUT_S)
+                return list(listed.get("items", []))
+            except Exception as err:   # ApiException, urllib3's errors after its own retries
+                failure = err
+                if attempt + 1 < LIST_TRIES:
+                    time.sleep(LIST_BACKOFF_S * 2 ** attempt)
+        where, why = f"namespace {namespace}" if namespace else "the cluster", " ".join(str(failure).split())[:300]
+        raise ProviderError(f"cannot list the {KIND}s of {where} to adopt them: {why}. To fix: let the operator's "
+                            f"service account list {PLURAL}.{GROUP}", provider="kubernetes")
 
     def adopt(self, body: dict[str, Any]) -> dict[str, Any]:
         """A TfsnJob seen at start: carry on with its controller job, re-created from `.status` if the store
-        lacks it. Returns the conditions to write, if any."""
+        lacks it. Returns the conditions to write, if any. ProviderError where the cluster refused something
+        it needs (the caller tries again later)."""
         status = body.get("status") or {}
         job = self._job_of(body)
-        if job is not None:
+        if job is not None:      # the store outlived the operator's container
+            self._remember(status)
             self._prepare(body, job)
             return {}
         if status.get("jobId") is None:          # never admitted (the operator stopped first), or invalid
@@ -449,62 +358,79 @@ class Operator:
             return self.admit(body)
         if status.get("phase") in _TERMINAL:
             return {}
-        job = self._resume(body)
-        if job is None:
+        if self._resume(body) is None:
             return self._restart(body)
         return {}
+
+    def _remember(self, status: dict[str, Any]) -> None:
+        """What only `.status` keeps of a job's nodes: the hosts tainted for them, and where each one ran."""
+        for node in status.get("nodes") or []:
+            if node.get("id") and node.get("tainted"):
+                self._tainted.add(node["id"])
+            if node.get("id") and node.get("host"):
+                self.provider.hosts.setdefault(node["id"], node["host"])
 
     def _resume(self, body: dict[str, Any]) -> Job | None:
         """Re-create the controller job and its nodes from `.status`, with the token from the job's Secret,
         and keep its pods: their agents go on reporting to this operator. None where that cannot be."""
         meta, status = body["metadata"], body.get("status") or {}
         token = self._token(meta["namespace"], _token_secret(meta["name"]))
-        restored = self._restored(body, token) if token else None
+        restored = restored_job(status, meta["name"], meta["namespace"], job_key(meta), token,
+                                self.provider.context) if token else None
         if restored is None:
             return None
         job, nodes = restored
         try:
             self.store.job(job.id)
-            return None   # the id is another job's (a TfsnJob admitted before this one was resumed)
+            return None   # the id is another job's (one whose status holds the same id)
         except StoreError:
             pass
         self._prepare(body, job)   # its pods' binding, before the controller's loop can see the job
+        try:   # all before the job is in the store: the controller's loop, running, may make a pod at once
+            self._remember(status)
+            self._delete_strangers(body, {n.handle["data"]["pod"] for n in nodes if n.handle})
+        except BaseException:
+            self.provider.bindings.pop(str(job.id), None)
+            raise
         message = (f"{job.state.value}: adopted {KIND} {meta['namespace']}/{meta['name']} from its status (attempt "
                    f"{job.attempt}, {job.restarts} restart(s), checkpoint at step {job.checkpoint_step or 0})")
         if not self.store.restore(job, nodes, message):
             self.provider.bindings.pop(str(job.id), None)
             return None
         self._job_ids[job_key(meta)] = job.id
-        self._tainted.update(n["id"] for n in status.get("nodes", []) if n.get("tainted"))
-        self.provider.hosts.update({n.id: n.host for n in nodes if n.host})
-        self._delete_strangers(body, {n.handle["data"]["pod"] for n in nodes if n.handle})
         self.controller.wake.set()
         return self.store.job(job.id)
 
     def _restart(self, body: dict[str, Any]) -> dict[str, Any]:
         """No record to carry the job on from (a status written by an older operator, the Secret gone, the
-        id taken): a new controller job restarts every rank from the checkpoint the status names."""
+        id taken): a new controller job restarts every rank from the checkpoint the status names, with the
+        spec the job ran with (the TfsnJob's own spec where the status has none this operator can read)."""
         meta, status = body["metadata"], body.get("status") or {}
+        recorded = (status.get("record") or {}).get("spec") if isinstance(status.get("record"), dict) else None
+        spec, problem = self._checked_spec(body, dict(recorded)) if isinstance(recorded, dict) and recorded \
+            else (None, "")
+        if spec is None:
+            spec, problem = self._checked_spec(body, dict(body.get("spec") or {}))
+        if spec is None:    # said before any pod is deleted
+            return self._invalid(body, problem)
         self._delete_strangers(body, set())
-        conditions = self.admit({**body, "status": {}})
-        job = self._job_of(body)
-        if job is None:
-            return conditions
-        checkpoint = status.get("checkpoint") or {}
+        job = self._create_job(body, spec)
+        checkpoint = status.get("checkpoint") or {}   # recorded before anything may fail: a retry finds it whole
         self.store.update_job(job.id, attempt=int(status.get("attempt", 0)), restarts=int(status.get("restarts", 0)),
                               checkpoint_step=checkpoint.get("step"), checkpoint_path=checkpoint.get("path", ""),
                               step=int(status.get("step", 0)))
         self.store.add_event(job.id, "operator", f"adopted {KIND} {meta['namespace']}/{meta['name']} (was job "
                              f"{status['jobId']}) without its record; restarting from the checkpoint at step "
                              f"{checkpoint.get('step') or 0}")
-        return conditions
+        return self.admit({**body, "status": {}})
 
     def _token(self, namespace: str, secret: str) -> str | None:
-        """The job token kept in the job's Secret (the agents of its pods present it), None if unreadable."""
+        """The job token kept in the job's Secret (the agents of its pods present it); None only when the
+        Secret or its key is absent. Any other failure (a 503, a timeout, a 403) is raised: a job is never
+        restarted, its pods deleted, because its Secret could not be read just now."""
         try:
             return self.provider.read_secret(namespace, secret, TOKEN_KEY)
-        except ProviderError as err:
-            log.warning("%s", err)
+        except NotFoundError:
             return None
 
     def _delete_strangers(self, body: dict[str, Any], known: set[str]) -> None:
@@ -516,8 +442,8 @@ class Operator:
 
     # ---- timer ----------------------------------------------------------------------------------
     def sync(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Taint the hosts of failed nodes whose taint was refused, write `.status` again where a write
-        failed, and return the conditions' changes (kopf writes them)."""
+        """Taint the hosts of failed nodes whose taint was refused, have the writer bring `.status` up to
+        date (in its thread), and return the conditions' changes (kopf writes them)."""
         job = self._job_of(body)
         if job is None:
             return {}
@@ -525,7 +451,7 @@ class Operator:
             host = self.provider.hosts.get(node.id) or node.host
             if node.state == NodeState.FAILED and host and node.id not in self._tainted:
                 self._taint(job, node, host)
-        self.writer.write(job.id)
+        self.writer.changed(job.id)
         previous = (body.get("status") or {}).get("conditions", [])
         phase = job.state.value.title()
         conditions = [c.model_dump(by_alias=True) for c in (
@@ -534,14 +460,14 @@ class Operator:
         conditions += [c for c in previous if c.get("type") not in ("Valid", "Running")]
         return {} if conditions == previous else {"conditions": conditions}
 
-    def newly_tainted(self, body: dict[str, Any]) -> list[tuple[str, str]]:
-        """(host, failure) of the nodes tainted since `body`'s status was written: a Kubernetes event each."""
+    def tainted_since(self, body: dict[str, Any]) -> list[tuple[str, str]]:
+        """(host, failure) of every host tainted for the TfsnJob since the last call: a Kubernetes event each.
+        Queued as each taint is made: the status says tainted long before the timer could compare."""
         job = self._job_of(body)
         if job is None:
             return []
-        was = {n.get("id") for n in (body.get("status") or {}).get("nodes", []) if n.get("tainted")}
-        return [(self.provider.hosts.get(n.id) or n.host, n.failure) for n in self.store.nodes(job.id)
-                if n.id in self._tainted and n.id not in was]
+        with self._news_lock:
+            return self._taint_news.pop(job.id, [])
 
     def _pod_deleted(self, node_id: str, host: str) -> None:
         """The controller deleted a pod. Deleted for a failure (the node is FAILED by then, its replacement not
@@ -561,6 +487,8 @@ class Operator:
             self.store.add_event(job.id, "node", f"could not taint Kubernetes node {host}: {err}")
             return False
         self._tainted.add(node.id)
+        with self._news_lock:
+            self._taint_news.setdefault(job.id, []).append((host, node.failure))
         self.store.add_event(job.id, "node", f"tainted Kubernetes node {host} ({UNHEALTHY_TAINT}): {node.failure}")
         self.writer.changed(job.id)
         return True
@@ -578,7 +506,8 @@ class Operator:
 
     # ---- delete ---------------------------------------------------------------------------------
     def release(self, body: dict[str, Any]) -> bool:
-        """Ask the controller to stop the job; True once it has (its pods are deleted, its status written)."""
+        """Ask the controller to stop the job; True once it has (its pods are deleted, its status written
+        unless the API server keeps refusing: the TfsnJob is going anyway)."""
         job = self._job_of(body)
         if job is None:
             return True
@@ -589,9 +518,23 @@ class Operator:
                 return True
             self.controller.wake.set()
             return False
-        self.writer.write(job.id)
+        self.writer.write(job.id, wait_s=FINAL_WRITE_WAIT_S)
         self.provider.bindings.pop(str(job.id), None)
+        with self._news_lock:
+            self._taint_news.pop(job.id, None)
         return True
+
+
+@contextlib.contextmanager
+def _adopting(body: dict[str, Any]) -> Iterator[None]:
+    """One TfsnJob's adoption at start: a failure is logged and left to kopf's resume handler for that
+    TfsnJob (which runs it again, with retries), never the end of the startup handler."""
+    try:
+        yield
+    except Exception as err:
+        meta = body["metadata"]
+        log.warning("cannot adopt %s %s/%s now (its resume handler tries again): %s", KIND, meta["namespace"],
+                    meta["name"], " ".join(str(err).split())[:300])
 
 
 _TERMINAL = {s.value.title() for s in JobState if s.terminal}
@@ -625,12 +568,37 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
+def _retried(handler: Callable[[dict[str, Any]], dict[str, Any]], body: kopf.Body) -> dict[str, Any]:
+    """A handler's work, a refusal of the API server (a 503, a timeout, RBAC) made a retry after a delay."""
+    try:
+        return handler(dict(body))
+    except ProviderError as err:
+        raise kopf.TemporaryError(f"{err} (tried again in {RETRY_DELAY_S:.0f}s)", delay=RETRY_DELAY_S) from None
+
+
+def adoption_namespace(clusterwide: bool, namespace: str) -> str:
+    """The namespace whose TfsnJobs are adopted at start ("": all); see the module docstring."""
+    if namespace or clusterwide:
+        return namespace
+    raise kopf.PermanentError(
+        f"kopf watches some namespaces only, and TFSN_OPERATOR_NAMESPACE does not say which: the operator would "
+        f"adopt the {KIND}s of every namespace. To fix: set TFSN_OPERATOR_NAMESPACE to the watched namespace, or "
+        "run `tfsn operator run --namespace NAME`")
+
+
 @kopf.on.startup()
 def start(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING   # Kubernetes events for problems, not for every handler run
-    memo.tfsn = Operator(OperatorSettings.from_env())
-    memo.tfsn.start()
-    memo.tfsn.adopt_all()
+    operator = getattr(memo, "tfsn", None)
+    if operator is None:     # not again when kopf retries this handler: one operator, one port for its API
+        ours = OperatorSettings.from_env()
+        adoption_namespace(settings.peering.clusterwide, ours.namespace)
+        operator = memo.tfsn = Operator(ours)
+    operator.start()
+    try:
+        operator.adopt_all()
+    except ProviderError as err:   # kopf runs no other handler before this one succeeds: none admits a job
+        raise kopf.TemporaryError(f"{err} (tried again in {RETRY_DELAY_S:.0f}s)", delay=RETRY_DELAY_S) from None
 
 
 @kopf.on.cleanup()
@@ -642,18 +610,18 @@ def stop(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.create(*RESOURCE)
 def create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    patch.status.update(memo.tfsn.admit(dict(body)))
+    patch.status.update(_retried(memo.tfsn.admit, body))
 
 
 @kopf.on.resume(*RESOURCE)
 def resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    patch.status.update(memo.tfsn.adopt(dict(body)))
+    patch.status.update(_retried(memo.tfsn.adopt, body))
 
 
 @kopf.timer(*RESOURCE, interval=SYNC_S)
 def sync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     patch.status.update(memo.tfsn.sync(dict(body)))
-    for host, failure in memo.tfsn.newly_tainted(dict(body)):
+    for host, failure in memo.tfsn.tainted_since(dict(body)):
         kopf.warn(body, reason="NodeTainted", message=f"{UNHEALTHY_TAINT} on {host}: {failure}")
 
 

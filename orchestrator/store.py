@@ -291,6 +291,14 @@ class Store:
         self._changed(job.id)
         return True
 
+    def reserve_job_ids(self, up_to: int) -> None:
+        """New jobs get ids above `up_to` from now on: ids held by jobs recorded elsewhere (TfsnJobs' status)
+        and restored later must never be given to a new job meanwhile."""
+        with self._tx() as db:   # sqlite_sequence holds the largest id AUTOINCREMENT has given out
+            db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'jobs'", (up_to,))
+            db.execute("INSERT INTO sqlite_sequence (name, seq) SELECT 'jobs', ? WHERE NOT EXISTS "
+                       "(SELECT 1 FROM sqlite_sequence WHERE name = 'jobs')", (up_to,))
+
     def job(self, job_id: int) -> Job:
         row = _first(self._query("SELECT * FROM jobs WHERE id = ?", (job_id,)))
         if row is None:

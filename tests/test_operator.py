@@ -7,8 +7,11 @@ the node agents by calling the controller's API (or its handlers).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import sqlite3
+import threading
 import time
 
 import pytest
@@ -16,14 +19,16 @@ import yaml
 
 pytest.importorskip("kubernetes")
 kmock = pytest.importorskip("kmock")
-pytest.importorskip("kopf")
+kopf = pytest.importorskip("kopf")
 
-from orchestrator import crd  # noqa: E402
+from orchestrator import crd, k8s_operator  # noqa: E402
 from orchestrator.client import ControllerClient  # noqa: E402
-from orchestrator.k8s_operator import CLAIM_ANNOTATION, Operator, OperatorSettings, status_patch  # noqa: E402
+from orchestrator.k8s_operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
+from orchestrator.k8s_status import StatusWriter, status_patch  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
 from orchestrator.store import JobState, NodeState  # noqa: E402
 from providers.kubernetes import GPU, UNHEALTHY_TAINT  # noqa: E402
+from tests.awsfaults import free_port  # noqa: E402
 from tests.test_provider_kubernetes import NAMESPACE, NODES, PODS, running_cluster  # noqa: E402
 
 PRODUCT = "NVIDIA-H100-80GB-HBM3"
@@ -97,9 +102,16 @@ def admitted(op: Operator, cluster, body: dict) -> tuple[dict, int]:
     return on_server(cluster, body), job.id
 
 
+def job_ids(op: Operator, body: dict) -> list[int]:
+    return [j.id for j in op.store.jobs() if j.spec_path.endswith(body["metadata"]["uid"])]
+
+
 def synced(op: Operator, cluster, body: dict) -> dict:
-    """The timer handler run once: the status written again where needed, the conditions by kopf."""
-    return kopf_writes(cluster, body, op.sync(on_server(cluster, body)))
+    """The timer handler run once, then what the status writer's thread does with it (not started here)."""
+    conditions = op.sync(on_server(cluster, body))
+    for job_id in job_ids(op, body):
+        assert op.writer.write(job_id)
+    return kopf_writes(cluster, body, conditions)
 
 
 def wait_for(what: str, check):
@@ -303,7 +315,8 @@ def test_the_status_carries_the_jobs_nodes_and_counts_as_soon_as_they_change(ope
     started_with = JobSpec.model_validate(operator.store.job(job_id).spec)
     assert JobSpec.model_validate(status["record"]["spec"]) == started_with
     operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
-    assert status_where(lambda s: s["checkpoint"].get("step") == 40)["checkpoint"] == {"step": 40, "path": "/ckpt/step-40"}
+    saved = status_where(lambda s: s["checkpoint"].get("step") == 40)["checkpoint"]
+    assert saved == {"step": 40, "path": "/ckpt/step-40"}
     schedule(cluster, first, "gpu-a", phase="Failed")
     for _ in range(3):
         operator.controller.reconcile(job_id)
@@ -564,3 +577,348 @@ def test_the_shipped_manifests_are_the_generators_output():
     assert list(yaml.safe_load_all(shipped.read_text())) == crd.manifests(), (
         "configs/k8s/tfsn-operator.yaml is stale. To fix: regenerate it with `tfsn operator manifests` "
         "(keep its two comment lines)")
+
+
+# ---- the review of the status store (issue 7): each test fails on the code before its fix ----------
+
+def refuse(cluster, route: str, status: int, reason: str) -> threading.Event:
+    """The API server answers `route` ("verb /path") with `status` while the returned flag is set (it is)."""
+    refusing = threading.Event()
+    refusing.set()
+    body = {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": reason, "code": status,
+            "message": f"{reason} (the test's refusal)"}
+    cluster.on_loop(lambda k: k[route][lambda: refusing.is_set()] << status << body)
+    return refusing
+
+
+def delay(cluster, route: str, seconds: float) -> None:
+    """The API server answers `route` after `seconds` (a loaded API server), serving other requests meanwhile."""
+    cluster.on_loop(lambda k: k[route] << (lambda: asyncio.sleep(seconds)))
+
+
+def running_job(op: Operator, cluster, name: str, uid: str, host: str = "gpu-a", **spec) -> tuple[dict, int, str]:
+    """A TfsnJob admitted and running on one pod, its status written: (body, job id, pod)."""
+    body = tfsnjob(name, uid=uid, **spec)
+    cluster.on_loop(lambda k: k.objects.__setitem__((TFSNJOBS, NAMESPACE, name), body))
+    kopf_writes(cluster, body, op.admit(body))
+    [job_id] = job_ids(op, body)
+    before = set(pods(cluster))
+    op.controller.reconcile(job_id)
+    [pod] = set(pods(cluster)) - before
+    schedule(cluster, pod, host)
+    [node] = op.store.nodes(job_id, active_only=True)
+    op.controller.heartbeat(job_id, node.id, {"state": "ready", "host": host})
+    op.controller.reconcile(job_id)
+    assert op.store.job(job_id).state == JobState.RUNNING
+    assert op.writer.write(job_id)
+    return on_server(cluster, body), job_id, pod
+
+
+def delete_secret(op: Operator, name: str) -> None:
+    import kubernetes
+    kubernetes.client.CoreV1Api(op.provider.api_client()).delete_namespaced_secret(name, NAMESPACE,
+                                                                                 _request_timeout=10)
+
+
+@pytest.mark.parametrize("status, reason", [(503, "ServiceUnavailable"), (403, "Forbidden")])
+def test_a_secret_unreadable_just_now_never_restarts_the_job_nor_deletes_its_pod(operator, cluster, tmp_path,
+                                                                                 monkeypatch, status, reason):
+    """Finding 1: only a Secret really absent (404) means the job cannot be carried on."""
+    monkeypatch.setattr("providers.kubernetes.BACKOFF_S", 0.01)
+    body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    refusing = refuse(cluster, f"get /api/v1/namespaces/{NAMESPACE}/secrets/llm-tfsn-token", status, reason)
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        assert successor.store.jobs() == [] and set(pods(cluster)) == {pod}   # left to the resume handler
+        memo = kopf.Memo(tfsn=successor)
+        with pytest.raises(kopf.TemporaryError, match=str(status)):          # which kopf runs again later
+            k8s_operator.resume(body=on_server(cluster, body), patch=kopf.Patch(), memo=memo)
+        assert successor.store.jobs() == [] and set(pods(cluster)) == {pod}
+        refusing.clear()
+        k8s_operator.resume(body=on_server(cluster, body), patch=kopf.Patch(), memo=memo)
+        [job] = successor.store.jobs()
+        assert (job.id, job.state, job.attempt) == (job_id, JobState.RUNNING, 1) and set(pods(cluster)) == {pod}
+    finally:
+        successor.close()
+
+
+def test_a_status_written_by_a_newer_operator_is_carried_on_by_an_older_one(operator, cluster, tmp_path):
+    """Finding 1: fields this operator does not know (a rollback) are ignored, never a reason to restart."""
+    body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    status = body["status"]
+    kopf_writes(cluster, body, {"nodes": [{**n, "gpuSerial": "1650"} for n in status["nodes"]],
+                                "record": {**status["record"], "queue": "research"},
+                                "checkpoint": {**status["checkpoint"], "sizeBytes": 10}})
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        [job] = successor.store.jobs()
+        assert (job.id, job.state) == (job_id, JobState.RUNNING) and set(pods(cluster)) == {pod}
+    finally:
+        successor.close()
+
+
+def test_a_job_restarted_at_start_never_takes_the_id_a_later_tfsnjob_holds(operator, cluster, tmp_path):
+    """Finding 2: b (job 1) runs on; a (job 2, its Secret gone) restarts as a new job above every listed id."""
+    a_uid, b_uid = "aaaaaaaa-0000-0000-0000-000000000001", "bbbbbbbb-0000-0000-0000-000000000002"
+    for name, uid in (("a", a_uid), ("b", b_uid)):   # listed a first
+        cluster.on_loop(lambda k, name=name, uid=uid: k.objects.__setitem__(
+            (TFSNJOBS, NAMESPACE, name), tfsnjob(name, uid=uid)))
+    b, b_id, b_pod = running_job(operator, cluster, "b", b_uid, host="gpu-b")
+    a, a_id, a_pod = running_job(operator, cluster, "a", a_uid)
+    assert (b_id, a_id) == (1, 2)
+    delete_secret(operator, "a-tfsn-token")
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        assert successor.store.job(b_id).spec_path.endswith(b_uid) and successor.store.job(b_id).state == \
+            JobState.RUNNING
+        assert b_pod in pods(cluster) and a_pod not in pods(cluster)
+        [restarted] = job_ids(successor, a)
+        assert restarted == 3
+    finally:
+        successor.close()
+
+
+def test_one_tfsnjob_that_cannot_be_adopted_leaves_the_others_adopted(operator, cluster, tmp_path):
+    """Finding 3: an error adopting one TfsnJob is left to its resume handler, not the end of the startup."""
+    a, a_id, a_pod = running_job(operator, cluster, "a", "aaaaaaaa-0000-0000-0000-000000000001")
+    b, b_id, b_pod = running_job(operator, cluster, "b", "bbbbbbbb-0000-0000-0000-000000000002", host="gpu-b")
+    refusing = refuse(cluster, f"patch /api/v1/namespaces/{NAMESPACE}/secrets/a-tfsn-token", 403, "Forbidden")
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        assert [j.id for j in successor.store.jobs()] == [b_id] and {a_pod, b_pod} <= set(pods(cluster))
+        refusing.clear()
+        assert successor.adopt(on_server(cluster, a)) == {}
+        assert sorted(j.id for j in successor.store.jobs()) == [a_id, b_id] and {a_pod, b_pod} <= set(pods(cluster))
+    finally:
+        successor.close()
+
+
+def test_the_startup_handler_run_again_after_a_failed_listing_builds_one_operator(operator, cluster, tmp_path,
+                                                                                  monkeypatch):
+    """Findings 2 and 3: a listing that fails is tried again (the handler fails; kopf runs it again), and
+    running it again neither builds a second operator (its API on the same port) nor skips the adoption."""
+    body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    operator.close()
+    monkeypatch.setattr("orchestrator.k8s_operator.LIST_BACKOFF_S", 0.01)
+    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "replaced"))
+    monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
+    monkeypatch.setenv("TFSN_OPERATOR_PORT", str(free_port()))   # fixed, as in the Deployment
+    monkeypatch.setenv("TFSN_OPERATOR_ADVERTISE", ADVERTISE)
+    monkeypatch.delenv("TFSN_OPERATOR_NAMESPACE", raising=False)
+    refusing = refuse(cluster, f"get /apis/{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}", 403, "Forbidden")
+    memo, settings = kopf.Memo(), kopf.OperatorSettings()
+    settings.peering.clusterwide = True
+    try:
+        with pytest.raises(kopf.TemporaryError, match="cannot list the TfsnJobs of the cluster"):
+            k8s_operator.start(memo=memo, settings=settings)
+        first = memo.tfsn
+        assert first.store.jobs() == []
+        refusing.clear()
+        k8s_operator.start(memo=memo, settings=settings)      # kopf's retry
+        assert memo.tfsn is first
+        [job] = first.store.jobs()
+        assert job.id == job_id and set(pods(cluster)) == {pod}
+    finally:
+        k8s_operator.stop(memo=memo)
+
+
+def test_a_replacement_pod_made_as_the_job_is_adopted_is_not_taken_for_a_stranger(operator, cluster, tmp_path):
+    """Finding 4: strangers are deleted before the running controller can see the job (a slow pod listing)."""
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    first = run_first_attempt(operator, cluster, job_id)
+    schedule(cluster, first, "gpu-a", phase="Failed")
+    for _ in range(2):                      # the node failed, its pod deleted, the job recovering
+        operator.controller.reconcile(job_id)
+    assert operator.writer.write(job_id) and pods(cluster) == {}
+    operator.close()
+    delay(cluster, f"get /api/v1/namespaces/{NAMESPACE}/pods", 1.0)
+    successor = new_operator(tmp_path / "new")
+    successor.start(reconcile=True)
+    try:
+        successor.adopt_all()
+        [replacement] = wait_for("the replacement pod", lambda: list(pods(cluster)))
+        time.sleep(1.5)                     # what a stranger sweep still under way would have deleted by now
+        assert list(pods(cluster)) == [replacement]
+        assert not any(n.state == NodeState.FAILED and n.heartbeat_at is None for n in successor.store.nodes(job_id))
+    finally:
+        successor.close()
+
+
+def test_every_taint_becomes_one_event_even_once_the_status_says_tainted(operator, cluster):
+    """Finding 5: the writer writes tainted:true long before the timer runs; the taint is queued instead."""
+    operator.start(reconcile=False)
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    first = run_first_attempt(operator, cluster, job_id)
+    schedule(cluster, first, "gpu-a", phase="Failed")
+    operator.controller.reconcile(job_id)
+    [failed] = wait_for("tainted in the status", lambda: [n for n in on_server(cluster, body)["status"]["nodes"]
+                                                          if n["tainted"]])
+    assert operator.tainted_since(on_server(cluster, body)) == [("gpu-a", failed["failure"])]
+    assert operator.tainted_since(on_server(cluster, body)) == []      # once
+
+
+def test_the_status_stays_small_however_long_the_job_runs(operator, cluster):
+    """Finding 6: settled nodes beyond the newest 16 are dropped, never those the controller reads; texts
+    and the blocked offers are bounded."""
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    store = operator.store
+    for i in range(60):                     # nodes that ran, failed and were deleted long ago
+        store.add_node(f"old-{i:02d}", job_id, 0, "kubernetes")
+        store.update_node(f"old-{i:02d}", state=NodeState.TERMINATED, released=1, heartbeat_at=1.0,
+                          failure="Traceback " + "x" * 5000)
+    store.add_node("never-started", job_id, 0, "kubernetes")   # counts against the start-failure budget
+    store.update_node("never-started", state=NodeState.FAILED, released=1, handle={"data": {"pod": "p"}})
+    store.add_node("excluded", job_id, 0, "kubernetes")        # its machine stays out of the job
+    store.update_node("excluded", state=NodeState.FAILED, released=1, heartbeat_at=1.0, host="gpu-a")
+    store.add_node("live", job_id, 0, "kubernetes")
+    store.update_job(job_id, health={"excluded": ["excluded"]}, error="E" * 5000,
+                     blocked=[{"offer": {"i": i}, "spot": False, "error": "no " * 1000, "scope": "offer"}
+                              for i in range(80)])
+    assert operator.writer.write(job_id)
+    status = on_server(cluster, body)["status"]
+    ids = [n["id"] for n in status["nodes"]]
+    assert {"never-started", "excluded", "live"} <= set(ids)
+    assert [i for i in ids if i.startswith("old-")] == [f"old-{i:02d}" for i in range(44, 60)]
+    assert all(len(n["failure"]) <= 300 for n in status["nodes"]) and len(status["message"]) <= 300
+    blocked = status["record"]["blocked"]
+    assert [b["offer"]["i"] for b in blocked] == list(range(30, 80)) and all(len(b["error"]) <= 300 for b in blocked)
+    assert len(json.dumps(status)) < 64_000
+
+
+def test_the_timer_and_the_delete_handler_never_wait_on_a_stuck_status_write(operator, cluster, monkeypatch):
+    """Finding 7: a status write held up by the API server holds up neither the timer nor a deletion."""
+    monkeypatch.setattr("orchestrator.k8s_operator.FINAL_WRITE_WAIT_S", 0.2)
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    stuck = threading.Event()
+
+    async def held():
+        while not stuck.is_set():
+            await asyncio.sleep(0.02)
+    cluster.on_loop(lambda k: k[f"patch /apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NAMESPACE}/{crd.PLURAL}/llm/"
+                                "status"] << held)
+    operator.start(reconcile=False)
+    try:
+        operator.store.update_job(job_id, step=5)          # the writer's thread is stuck writing it
+        operator.store.request_stop(job_id)
+        operator.controller.reconcile(job_id)
+        assert operator.store.job(job_id).state == JobState.STOPPED
+        done = threading.Event()
+
+        def timer_then_delete():
+            operator.sync(on_server(cluster, body))
+            assert operator.release(on_server(cluster, body))
+            done.set()
+        threading.Thread(target=timer_then_delete, daemon=True).start()
+        assert done.wait(WAIT_S)
+    finally:
+        stuck.set()
+
+
+def test_an_operator_restarted_with_its_store_keeps_the_taints_it_made_and_never_retaints(operator, cluster,
+                                                                                          tmp_path):
+    """Finding 8: a container restart keeps the store, not the memory of which hosts were tainted: an
+    admin's repair of the host must not be undone."""
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    first = run_first_attempt(operator, cluster, job_id)
+    schedule(cluster, first, "gpu-a", phase="Failed")
+    operator.controller.reconcile(job_id)                  # fails the node and taints gpu-a
+    assert operator.writer.write(job_id)
+    operator.close()
+    cluster.on_loop(lambda k: k.objects[NODES, None, "gpu-a"].patch({"spec": {"taints": []}}))  # repaired
+    restarted = new_operator(tmp_path / "operator")        # the same home
+    try:
+        assert restarted.adopt(on_server(cluster, body)) == {}
+        status = synced(restarted, cluster, body)["status"]
+        assert not cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-a"].raw))["spec"]["taints"]
+        assert next(n for n in status["nodes"] if n["pod"] == first)["tainted"]
+    finally:
+        restarted.close()
+
+
+def test_an_adopted_node_keeps_when_it_last_changed(operator, cluster, tmp_path):
+    """Finding 9: the controller tells a node failed in this attempt from older ones by its updated_at."""
+    body, job_id = admitted(operator, cluster, tfsnjob(num_nodes=2))
+    operator.controller.reconcile(job_id)
+    changed = {n.id: n.updated_at for n in operator.store.nodes(job_id)}
+    assert operator.writer.write(job_id)
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        assert {n.id: n.updated_at for n in successor.store.nodes(job_id)} == pytest.approx(changed)
+        assert all(n.updated_at > n.created_at for n in successor.store.nodes(job_id))
+    finally:
+        successor.close()
+
+
+def test_the_status_writer_outlives_a_broken_write_and_flushes_what_is_due_as_it_stops(operator, cluster):
+    """Finding 10: an error outside the API call (the store, the client's set-up) is retried, not fatal."""
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    failures = [sqlite3.OperationalError("database is locked")]
+
+    def record_of(job_id: int):
+        if failures:
+            raise failures.pop()
+        return operator._record_of(job_id)
+    writer = StatusWriter(record_of, operator._custom_objects)
+    writer.start()
+    operator.store.update_job(job_id, step=7)
+    writer.changed(job_id)
+    wait_for("the status written after the failure", lambda: on_server(cluster, body)["status"]["step"] == 7)
+    operator.store.update_job(job_id, step=9)
+    writer.changed(job_id)
+    writer.stop()
+    assert on_server(cluster, body)["status"]["step"] == 9
+
+
+def test_a_namespaced_kopf_without_the_namespace_refuses_to_start_and_with_it_adopts_only_there(
+        operator, cluster, tmp_path, monkeypatch):
+    """Finding 11: kopf does not tell which namespaces it watches; adopting the whole cluster's TfsnJobs
+    would take other operators' jobs."""
+    body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    elsewhere = {**body, "metadata": {**body["metadata"], "namespace": "team-b", "uid": "cccccccc-0000-0000-0000-3"}}
+    cluster.on_loop(lambda k: k.objects.__setitem__((TFSNJOBS, "team-b", "llm"), elsewhere))
+    operator.close()
+    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "replaced"))
+    monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
+    monkeypatch.setenv("TFSN_OPERATOR_ADVERTISE", ADVERTISE)
+    monkeypatch.delenv("TFSN_OPERATOR_NAMESPACE", raising=False)
+    memo, settings = kopf.Memo(), kopf.OperatorSettings()
+    settings.peering.clusterwide = False              # kopf run --namespace ml
+    with pytest.raises(kopf.PermanentError, match="To fix: set TFSN_OPERATOR_NAMESPACE"):
+        k8s_operator.start(memo=memo, settings=settings)
+    assert getattr(memo, "tfsn", None) is None
+    monkeypatch.setenv("TFSN_OPERATOR_NAMESPACE", NAMESPACE)
+    try:
+        k8s_operator.start(memo=memo, settings=settings)
+        [job] = memo.tfsn.store.jobs()
+        assert job.spec_path.startswith(f"tfsnjob://{NAMESPACE}/") and job.id == job_id
+    finally:
+        k8s_operator.stop(memo=memo)
+
+
+def test_a_restart_runs_the_spec_the_job_ran_with_and_a_bad_spec_deletes_no_pod(operator, cluster, tmp_path):
+    """Finding 12: an edited spec is not applied by a restart; nor are pods deleted for a job that cannot start."""
+    body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    cluster.on_loop(lambda k: k.objects[TFSNJOBS, NAMESPACE, "llm"].patch({"spec": {"run": "python edited.py"}}))
+    delete_secret(operator, "llm-tfsn-token")
+    successor = fail_over_to_a_new_operator(operator, tmp_path)
+    try:
+        [job] = successor.store.jobs()
+        assert job.spec["run"] == "python train.py"
+        assert job.id > job_id          # a new job, its id above those the TfsnJobs held
+    finally:
+        successor.close()
+
+
+def test_a_restart_whose_spec_is_invalid_says_so_and_keeps_the_pods(operator, cluster, tmp_path):
+    body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+    kopf_writes(cluster, body, {"record": None})            # an older operator's status: the spec is the TfsnJob's
+    cluster.on_loop(lambda k: k.objects[TFSNJOBS, NAMESPACE, "llm"].patch({"spec": {"num_nodes": 0}}))
+    operator.close()
+    successor = new_operator(tmp_path / "new")
+    try:
+        status = successor.adopt(on_server(cluster, body))
+        [valid] = status["conditions"]
+        assert (valid["type"], valid["status"]) == ("Valid", "False") and "spec.num_nodes" in valid["message"]
+        assert set(pods(cluster)) == {pod} and successor.store.jobs() == []
+    finally:
+        successor.close()

@@ -129,3 +129,30 @@ def test_an_operator_restarted_with_an_empty_home_carries_the_tfsnjob_on_with_it
         wait_for("the TfsnJob to go", lambda: lab.job() is None)
         assert lab.pods() == [] and lab.pods(ever=True) == [pod]   # never recreated
     assert second.exit_code == 0 and second.exception is None
+
+
+def test_a_failed_pod_taints_its_node_and_kopf_posts_one_node_tainted_event(cluster, tmp_path, monkeypatch):
+    """The NodeTainted event reaches the cluster although the status says tainted long before the timer runs
+    (the taint is queued for the timer, not found by comparing with the status)."""
+    lab = Lab(cluster, tmp_path, monkeypatch)
+    events = kmock.resource("", "v1", "events")   # in discovery: kopf posts events only once it sees them there
+    cluster.on_loop(lambda k: k.resources.__setitem__(events, kmock.ResourceInfo(
+        kind="Event", singular="event", namespaced=True, verbs={"get", "list", "create"})))
+
+    def tainted_events() -> list[dict]:
+        return cluster.on_loop(lambda k: [dict(o.raw) for (res, ns, name), o in k.objects.items()
+                                          if res == events and o.raw.get("reason") == "NodeTainted"])
+    with KopfRunner(ARGS, timeout=60) as runner:
+        lab.create()
+        [pod] = wait_for("the worker pod", lab.pods)
+        cluster.on_loop(lambda k: k.objects[PODS, NAMESPACE, pod].patch({"spec": {"nodeName": "gpu-a"},
+                                                                         "status": {"phase": "Failed"}}))
+        wait_for("tainted in the status", lambda: any(n["tainted"] for n in lab.mirrored()["nodes"]))
+        [event] = wait_for("the NodeTainted event", tainted_events)
+        assert "gpu-a" in event["message"] and event["type"] == "Warning"
+        assert event["involvedObject"]["name"] == "e2e"
+        time.sleep(3.5)                 # another timer run (every 3 s): still one event
+        assert len(tainted_events()) == 1
+        lab.delete()
+        wait_for("the TfsnJob to go", lambda: lab.job() is None)
+    assert runner.exit_code == 0 and runner.exception is None

@@ -106,3 +106,15 @@ def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
     store.add_node("old-1-n1", 1, 1, "aws", offer={"zone": "us-east-1b"}, spot=True)
     assert store.job(1).blocked == [{"scope": "zone", "zone": "us-east-1a"}]
     assert store.node("old-1-n1").offer == {"zone": "us-east-1b"} and store.node("old-1-n1").spot is True
+
+
+def test_reserved_job_ids_are_never_given_to_a_new_job_and_a_reservation_never_lowers_them(db):
+    """An operator restoring jobs from TfsnJobs reserves their ids first: a job admitted meanwhile
+    must not take an id a job still to be restored holds."""
+    store = Store(db)
+    store.reserve_job_ids(7)                   # an empty store: the first job would have been id 1
+    assert store.create_job("a", {}, "/a", "t").id == 8
+    store.reserve_job_ids(3)                   # below what was given out: no effect
+    assert store.create_job("b", {}, "/b", "t").id == 9
+    store.close()
+    assert Store(db).create_job("c", {}, "/c", "t").id == 10   # kept across a reopen

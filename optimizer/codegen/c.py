@@ -25,7 +25,7 @@ PRELUDE = """#include <stdint.h>
    polynomial (Cephes' coefficients, ~1 ulp). Why our own: libmvec's vector expf leaves the SIMD
    path for a whole vector when one lane is out of range, and a causal mask makes half the lanes
    -inf. Results below 2.5e-38 flush to 0 (ATen would give that tiny value or a denormal). */
-static inline float tfsn_expf(float x) {
+static inline __attribute__((always_inline)) float tfsn_expf(float x) {
   const float hi = 88.72283935f, lo = -86.6f;
   const float xc = x > hi ? hi : (x < lo ? lo : x);
   const float n = rintf(xc * 1.44269504088896341f);

@@ -6,7 +6,8 @@ For each kernel (GEMM in three shapes with a bias epilogue, LayerNorm, softmax, 
 attention as a whole graph: the scores' GEMM with its scale epilogue, the masked softmax, and the
 second GEMM as a library call), `--samples` schedules are drawn (seeded) from the kernel's schedule
 space (optimizer/space.py; attention: one schedule per kernel of its graph, summed), all of
-them compiled and timed here (optimizer/measure.py: round-robin rounds, medians), and compared with
+them compiled and timed here (optimizer/measure.py: round-robin rounds, the best round of each,
+since other processes only ever add time), and compared with
 the model's predictions on this host's spec (the calibrated one when `tfsn calibrate` has run,
 optimizer.hardware.cpu_spec):
   spearman      rank correlation of predicted vs measured times (target >= 0.8 for every kernel)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -86,15 +88,16 @@ def run_kernel(name: str, samples: int, rounds: int, rng: np.random.Generator, s
     if len(groups) == 1 or name != "attention":
         group = max(range(len(groups)), key=lambda i: feats[i].elements * (1 + (feats[i].kind == costmodel.GEMM)))
         cands = sample_rows(space.kernel_space(group, feats[group]), samples, rng)
-        predicted = costmodel.predict(table, cands, spec)
+        predicted = costmodel.predict(table, cands, spec, threads=torch.get_num_threads())
         schedules = [cands.schedule(r) for r in range(len(cands))]
         kernels, lib = measure.build_variants(graph, groups[group], plan.buffers, schedules)
         compile_s = time.perf_counter() - t0
         measured = measure.time_variants(graph, kernels, lib, rounds=rounds, budget_s=60)
         space_size = len(space.kernel_space(group, feats[group]))
     else:        # a whole graph: one schedule per kernel, predicted and measured as the sum
+        samples = min(samples, *(len(space.kernel_space(i, f)) for i, f in enumerate(feats)))
         picks = [sample_rows(space.kernel_space(i, f), samples, rng) for i, f in enumerate(feats)]
-        predicted = sum(costmodel.predict(table, p, spec) for p in picks)
+        predicted = sum(costmodel.predict(table, p, spec, threads=torch.get_num_threads()) for p in picks)
         measured = np.zeros(samples)
         compile_s = 0.0
         for i, p in enumerate(picks):
@@ -103,7 +106,7 @@ def run_kernel(name: str, samples: int, rounds: int, rng: np.random.Generator, s
                                                   [p.schedule(r) for r in range(len(p))], prefix=f"g{i}_")
             compile_s += time.perf_counter() - t1
             measured = measured + np.array(measure.time_variants(graph, kernels, lib, rounds=rounds, budget_s=30))
-        space_size = int(np.prod([float(len(space.kernel_space(i, f))) for i, f in enumerate(feats)]))
+        space_size = math.prod(len(space.kernel_space(i, f)) for i, f in enumerate(feats))
     predicted, measured = np.asarray(predicted), np.asarray(measured)
     order = np.argsort(predicted, kind="stable")
     best = measured.min()

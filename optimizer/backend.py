@@ -90,13 +90,15 @@ def searched_partition(spec=None) -> Callable:
         from torch._functorch.partitioners import default_partition
 
         from optimizer import ir, search
+        from optimizer.codegen import compiler
         from optimizer.hardware import cpu_spec
 
         recompute = partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         try:
             store = default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
-            cost = [sum(search.search_graph(ir.from_fx(gm), chip, timing=False, threads=threads).predicted_s
+            gemm = spec is not None or compiler.sgemm_address() is not None
+            cost = [sum(search.search_graph(ir.from_fx(gm), chip, gemm=gemm, timing=False, threads=threads).predicted_s
                         for gm in pair) for pair in (recompute, store)]
         except Exception as e:      # symbolic shapes, a graph the IR cannot take: keep the min-cut
             log.info("tfsn: recompute-vs-store not searched (%s); recomputing", e)

@@ -63,6 +63,7 @@ LIBRARY_EFFICIENCY = 0.85       # fraction of peak MKL sustains on large fp32 GE
                                 # per 2-core here vs 2 x 3.0 GHz x 64 FLOP/clk; an assumption elsewhere)
 LIBRARY_TILE_ROWS = 8           # rows per library micro-tile (edge waste below a multiple of it)
 LIBRARY_CALL_US = 1.0           # one BLAS call's own overhead, microseconds (argument checks, dispatch)
+FLAT_ROW = 16                   # elements a 1-D loop's "row" stands for (features.py)
 PRIVATE_LEVELS = ("registers", "l1", "l2", "shared")    # per-core levels: a thread holds only its share
 
 
@@ -89,6 +90,7 @@ class KernelFeatures:
     k: float = 0.0
     batch: float = 1.0
     b_strided: float = 0.0     # GEMM: B's columns are not contiguous (a transposed operand)
+    flat: float = 0.0          # a 1-D loop: its "rows" are FLAT_ROW elements, its chunks count elements
 
 
 @dataclass
@@ -213,7 +215,8 @@ def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thread
     # -- threads
     parallel = (cand.parallel > 0) & (rows >= 2)
     threads = np.where(parallel, np.minimum(chip.cores, rows), 1.0)
-    busiest = _busiest(rows, threads, cand.chunk)
+    chunk = np.where(features.flat[k] > 0, np.ceil(cand.chunk / FLAT_ROW), cand.chunk)
+    busiest = _busiest(rows, threads, chunk)
     overhead = chip.call_s + np.where(parallel, chip.fork_s, 0.0)
     # -- compute: cycles per row of the innermost loop
     slots = np.ceil(lanes / chip.lanes)               # issue slots per vector op (2 for 512-bit on a 256-bit datapath)
@@ -229,7 +232,7 @@ def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thread
     iters_per_row = elements / np.maximum(features.rows[k], 1) / simd_len   # runs of the SIMD loop per row
     cycles_row = iters_per_row * vector_iters * per_iter + features.row_ops[k] * ROW_OP_CYCLES
     row_share = busiest / np.maximum(rows, 1)
-    chunks = np.where(parallel & (cand.chunk > 0), busiest / np.maximum(cand.chunk, 1), 0.0)
+    chunks = np.where(parallel & (cand.chunk > 0), busiest / np.maximum(chunk, 1), 0.0)
     compute = cycles_row * features.rows[k] * row_share / chip.clock + chunks * CHUNK_S
     # -- memory
     moved = features.read_bytes[k] + features.write_bytes[k]
@@ -242,26 +245,27 @@ def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thread
     rows_gemm = np.flatnonzero(kind == GEMM)
     if len(rows_gemm):
         time[rows_gemm] = _gemm(features, cand.take(rows_gemm), chip, k[rows_gemm], lanes[rows_gemm],
-                                compute[rows_gemm], memory[rows_gemm])
+                                np.maximum(compute, memory)[rows_gemm] * threads[rows_gemm])
     return time
 
 
 def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: np.ndarray,
-          epi_compute: np.ndarray, epi_memory: np.ndarray) -> np.ndarray:
-    """GEMM rows: the product (library or generated) plus its epilogue on each block."""
+          epilogue_serial: np.ndarray) -> np.ndarray:
+    """GEMM rows: the product (library or generated) plus its epilogue (priced as a pointwise loop on
+    one thread, `epilogue_serial`) on each block, the blocks split over threads as the code does:
+    only when there are 4 or more of them."""
     m, n, depth, batch = np.maximum(f.m[k], 1), np.maximum(f.n[k], 1), np.maximum(f.k[k], 1), f.batch[k]
     br = np.minimum(cand.block_rows, m)
     blocks = batch * np.ceil(m / br)
     flops = 2.0 * batch * m * n * depth
-    worth = batch * m * n * depth >= 16 * 65536
-    outer_par = (cand.parallel > 0) & (blocks >= 4) & worth
+    outer_par = (cand.parallel > 0) & (blocks >= 4)
     threads = np.where(outer_par, np.minimum(chip.cores, blocks), 1.0)
     share = _busiest(blocks, threads, np.zeros_like(blocks)) / blocks
     # library: per block a call that packs B again, at LIBRARY_EFFICIENCY of peak; serial blocks
     # let the library thread each call itself
     lib_threads = np.where(outer_par, 1.0, np.minimum(chip.cores, np.maximum(1.0, br * n * depth / 2**18)))
     edge = np.ceil(br / LIBRARY_TILE_ROWS) * LIBRARY_TILE_ROWS / br
-    lib_compute = flops * edge / (LIBRARY_EFFICIENCY * chip.peak_core * lib_threads * threads)
+    lib_compute = flops * edge * share / (LIBRARY_EFFICIENCY * chip.peak_core * lib_threads)
     pack = depth * n * 4.0 * 2
     pack_s = pack / chip.level_bandwidth(np.full_like(m, 1.0) * depth * n * 4.0, lib_threads)
     lib_calls = LIBRARY_CALL_US * 1e-6 + np.where(outer_par, 0.0, np.where(lib_threads > 1, chip.fork_s, 0.0))
@@ -291,7 +295,7 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     generated = np.maximum(gen_compute, gen_memory)
     product = np.where(cand.generated > 0, generated, library)
     # the epilogue: the pointwise part of the features, on blocks the product just left in cache
-    epilogue = np.maximum(epi_compute, epi_memory) * np.where(outer_par, 1.0, 1.0)
+    epilogue = epilogue_serial * share
     return product + epilogue + chip.call_s + np.where(outer_par, chip.fork_s, 0.0)
 
 
@@ -328,6 +332,7 @@ GPU_MAX_PROGRAMS_PER_UNIT = 32  # resident blocks per SM (CUDA compute capabilit
 GPU_THREADS_PER_UNIT = 2048     # resident threads per SM (CUDA 8.0/9.0); warps are 32 threads
 GPU_GEMM_DTYPE = "tf32"         # an fp32 graph's GEMMs run on tensor cores as TF32 (torch's "high" precision)
 GPU_FULL_TILE = 128 * 128       # a BM x BN tile this large reaches the tensor cores' peak; smaller ones less
+GPU_COLUMNS_PER_PROGRAM = 32    # a column reduction (bias gradient): columns one program sums
 GPU_MATH_OPS = 8.0              # SFU-assisted exp/erf/tanh, in FMA-equivalents per element
 
 
@@ -345,10 +350,14 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     resident = np.minimum(GPU_MAX_PROGRAMS_PER_UNIT, np.floor(GPU_THREADS_PER_UNIT / (32 * warps)))
     # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs
     per_program = np.maximum(cand.chunk, 1)
-    programs = np.where(kind == REDUCTION, np.ceil(features.rows[k] / per_program),
-                        np.ceil(features.elements[k] / per_program))
+    column = (kind == REDUCTION) & (features.columns[k] > 0)
+    rows = np.where(column, features.rows[k] * np.ceil(features.columns[k] / GPU_COLUMNS_PER_PROGRAM),
+                    features.rows[k])
+    programs = np.where(kind == REDUCTION, np.ceil(rows / per_program), np.ceil(features.elements[k] / per_program))
     waves = np.ceil(programs / (units * resident))
-    fill = programs / np.maximum(waves * units * resident, 1)       # the last wave's idle SMs
+    # SMs in use: a launch of fewer programs than SMs leaves the rest idle; more waves than one
+    # leave the last one partly empty
+    fill = np.minimum(1.0, programs / units) * np.where(waves > 1, programs / (waves * units * resident), 1.0)
     lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) \
         + features.rows[k] * features.row_ops[k]
     compute = lane_ops / (spec.peak_flops("fp32") / 2)

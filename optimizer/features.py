@@ -8,7 +8,7 @@ from math import prod
 
 from optimizer.codegen.c import Group, Kernel, KernelWriter
 from optimizer.codegen.c_ops import EXPENSIVE
-from optimizer.costmodel import GEMM, POINTWISE, REDUCTION, KernelFeatures
+from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, REDUCTION, KernelFeatures
 from optimizer.fusion import fused_nodes
 from optimizer.ir import Graph, Kind
 from optimizer.schedule import DEFAULT
@@ -60,7 +60,7 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
     inner = dom[inner_axis] if dom else 1
     elements = float(prod(dom))
     if not reduced:
-        rows = float(prod(dom[:-1])) if len(dom) > 1 else max(elements / 16.0, 1.0)
+        rows = float(prod(dom[:-1])) if len(dom) > 1 else max(elements / FLAT_ROW, 1.0)
     else:
         kept = [d for d in range(len(dom)) if d not in reduced]
         rows = float(prod(dom[d] for d in (kept[:-1] if column else kept)))
@@ -93,7 +93,8 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
         kind=REDUCTION if reduced else POINTWISE, elements=elements, rows=rows, inner=float(inner),
         ops=ops, math=math, row_ops=row_ops, read_bytes=read_bytes, write_bytes=write_bytes,
         strided_bytes=sum(_bytes(graph, n) for n in strided), passes=passes, row_bytes=row_bytes,
-        carried=carried if reduced and not column else 0.0, columns=float(dom[last]) if column else 0.0)
+        carried=carried if reduced and not column else 0.0, columns=float(dom[last]) if column else 0.0,
+        flat=1.0 if len(dom) == 1 and not reduced else 0.0)
 
 
 def _gemm_features(graph: Graph, group: Group, writer: KernelWriter, kernel: Kernel,

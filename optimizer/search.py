@@ -12,6 +12,7 @@ kernel worth timing are compiled (one library) and timed here, and the fastest m
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -29,7 +30,7 @@ log = logging.getLogger("tfsn.optimizer")
 
 EXHAUSTIVE_MAX_DECISIONS = 6      # up to 2^6 plans: all of them
 BEAM_WIDTH = 4
-MAX_PLANS = 48                    # plans scored per graph at most (each costs a fusion pass in Python)
+MAX_PLANS = 48                    # plans a beam search scores per graph at most (each costs a fusion pass)
 MIN_TIMED_S = 20e-6               # kernels predicted faster than this are not worth timing: the model's pick
 TOP_K = 8
 NEAR_BEST = 1.5                   # candidates predicted within this factor of the best are close calls
@@ -50,13 +51,13 @@ class SearchResult:
     plan: fusion.Plan
     choice: fusion.Choice
     schedules: list[Schedule]          # per group of the plan (DEFAULT for externs)
-    space_size: float                  # fusion plans x schedules of their kernels (the default plan's kernels)
+    space_size: int                    # fusion plans x schedules of their kernels (the default plan's kernels), exact
     plans_scored: int
     scored: int                        # (kernel, schedule) candidates the model scored
     score_seconds: float               # time in the cost model's scoring
     feature_seconds: float             # time reading the kernels' features off the generator
     seconds: float                     # the whole search, timing included
-    predicted_s: float                 # the chosen plan's predicted time (kernels the model can price)
+    predicted_s: float                 # the chosen plan at its chosen schedules, predicted (what the model prices)
     kernels: list[KernelResult]
 
     @property
@@ -74,6 +75,7 @@ class _Scorer:
         self.tables: list[costmodel.Candidates] = []
         self.predicted: list[np.ndarray] = []
         self.index: dict[tuple, int] = {}
+        self.externs: dict[int, float] = {}
         self.scored = 0
         self.seconds = 0.0             # in the cost model's scoring
         self.feature_seconds = 0.0     # reading kernels' features off the generator
@@ -88,43 +90,53 @@ class _Scorer:
         keys = [[self.key(g, p.buffers) if g.kind != "extern" else None for g in p.groups] for p in plans]
         t0 = time.perf_counter()
         start = len(self.features)
-        for plan, plan_keys in zip(plans, keys):
+        broken = set()
+        for i, (plan, plan_keys) in enumerate(zip(plans, keys)):
             for g, k in zip(plan.groups, plan_keys):
                 if k is not None and k not in self.index:
+                    try:
+                        kernel = features.kernel_features(self.graph, g, plan.buffers)
+                    except NotFusable:          # a plan the generator cannot write: never chosen
+                        broken.add(i)
+                        continue
                     self.index[k] = len(self.features)
-                    self.features.append(features.kernel_features(self.graph, g, plan.buffers))
+                    self.features.append(kernel)
         self.feature_seconds += time.perf_counter() - t0
         if len(self.features) > start:
+            t0 = time.perf_counter()
             kernel_space = space.space_for(self.spec.kind)
             cands = costmodel.Candidates.concat([kernel_space(i, self.features[i])
                                                  for i in range(start, len(self.features))])
-            t0 = time.perf_counter()
             predicted = costmodel.predict_on(costmodel.FeatureTable(self.features), cands, self.spec,
                                              threads=self.threads)
-            self.seconds += time.perf_counter() - t0
-            self.scored += len(cands)
             bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
             for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
                 self.tables.append(cands.take(rows))
                 self.predicted.append(preds)
-        return [sum(float(self.predicted[self.index[k]].min()) if k is not None else self.extern_s(g)
-                    for g, k in zip(plan.groups, plan_keys)) for plan, plan_keys in zip(plans, keys)]
+            self.seconds += time.perf_counter() - t0
+            self.scored += len(cands)
+        return [math.inf if i in broken or any(k is not None and k not in self.index for k in plan_keys) else
+                sum(float(self.predicted[self.index[k]].min()) if k is not None else self.extern_s(g)
+                    for g, k in zip(plan.groups, plan_keys)) for i, (plan, plan_keys) in enumerate(zip(plans, keys))]
 
     def extern_s(self, group: Group) -> float:
-        """An ATen call the model can price: a matmul left to the library (others cost the same in
-        every plan and are left out)."""
+        """An ATen call the model can price: a matmul left to the library, priced as our library GEMM
+        of one block with no epilogue, so that fused and unfused plans compare alike (other externs
+        cost the same in every plan and are left out)."""
         node = self.graph.nodes[group.nodes[0]]
         if node.kind != Kind.MATMUL or node.type is None:
             return 0.0
-        a = self.graph.nodes[node.args[0].index]
-        m, n = node.type.shape[-2:]
-        batch = node.type.shape[0] if len(node.type.shape) == 3 else 1
-        flops = 2.0 * batch * m * n * a.type.shape[-1]
-        if self.spec.kind == "gpu":
-            return flops / self.spec.peak_flops(costmodel.GPU_GEMM_DTYPE) + self.spec.launch_overhead_us * 1e-6
-        cores = min(self.spec.compute_units, self.threads or self.spec.compute_units)
-        peak = self.spec.peak_flops("fp32") / self.spec.compute_units * cores
-        return flops / (costmodel.LIBRARY_EFFICIENCY * peak) + self.spec.call_overhead_us * 1e-6
+        if node.index not in self.externs:
+            a = self.graph.nodes[node.args[0].index]
+            m, n = node.type.shape[-2:]
+            batch = node.type.shape[0] if len(node.type.shape) == 3 else 1
+            kernel = costmodel.KernelFeatures(kind=costmodel.GEMM, elements=float(batch * m * n), rows=float(batch * m),
+                                              inner=float(n), ops=0.0, m=float(m), n=float(n),
+                                              k=float(a.type.shape[-1]), batch=float(batch))
+            one_call = dataclasses.replace(DEFAULT, gemm="library", gemm_block_rows=max(m, 1), parallel_axis=-1)
+            self.externs[node.index] = float(costmodel.predict_on(
+                costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.spec, self.threads)[0])
+        return self.externs[node.index]
 
     def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:
         i = self.index[self.key(group, buffers)]
@@ -144,13 +156,9 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
 
     def evaluate(batch: list[tuple[bool, ...]]) -> None:
         """Plan and score every new decision vector of `batch` (one scoring call for all)."""
-        built = []
-        for flips in dict.fromkeys(f for f in batch if f not in costs):
-            try:
-                plans[flips] = fusion.plan(graph, gemm=gemm, choice=fusion.choice_of(points, flips))
-                built.append(flips)
-            except NotFusable:
-                costs[flips] = math.inf
+        built = list(dict.fromkeys(f for f in batch if f not in costs))
+        for flips in built:
+            plans[flips] = fusion.plan(graph, gemm=gemm, choice=fusion.choice_of(points, flips))
         for flips, cost in zip(built, scorer.score_plans([plans[f] for f in built])):
             costs[flips] = cost
 
@@ -161,27 +169,29 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
         evaluate([start])
         beam = [start]
         while len(costs) < MAX_PLANS:
-            moves = {b[:i] + (not b[i],) + b[i + 1:] for b in beam for i in range(len(points))}
-            moves = sorted(m for m in moves if m not in costs)[:MAX_PLANS - len(costs)]
+            moves = [b[:i] + (not b[i],) + b[i + 1:] for b in beam for i in range(len(points))]   # best parent first
+            moves = [m for m in dict.fromkeys(moves) if m not in costs][:MAX_PLANS - len(costs)]
             evaluate(moves)
             best = sorted(costs, key=costs.get)[:BEAM_WIDTH]
             if best == beam or not moves:
                 break
             beam = best
     flips = min(costs, key=costs.get)
+    if math.isinf(costs[flips]):
+        raise NotFusable("no fusion plan of this graph can be generated")
     plan = plans[flips]
     kernels = _settle(graph, plan, scorer, top_k if timing else 1)
     schedules = [DEFAULT] * len(plan.groups)
     for k in kernels:
         schedules[k.group] = k.schedule
-    default_plan = plans[start]
-    kernel_spaces = [float(len(scorer.tables[scorer.index[scorer.key(g, default_plan.buffers)]]))
-                     for g in default_plan.groups if g.kind != "extern"]
+    keys = [scorer.key(g, plans[start].buffers) for g in plans[start].groups if g.kind != "extern"]
+    space_size = 2 ** len(points) * math.prod(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
+    predicted = sum(k.predicted_s for k in kernels) + sum(scorer.extern_s(g) for g in plan.groups if g.kind == "extern")
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
-                        space_size=2.0 ** len(points) * math.prod(kernel_spaces), plans_scored=len(costs),
+                        space_size=space_size, plans_scored=len(costs),
                         scored=scorer.scored, score_seconds=scorer.seconds,
                         feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
-                        predicted_s=costs[flips], kernels=kernels)
+                        predicted_s=predicted, kernels=kernels)
 
 
 def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> list[KernelResult]:

@@ -21,13 +21,14 @@ from optimizer.hardware import HardwareSpec
 @dataclass
 class StepReport:
     hardware: str
+    kind: str                       # "cpu" or "gpu": how the schedules read
     measured_here: bool
     graphs: list[tuple[Any, Any]] = field(default_factory=list)     # (ir.Graph, search.SearchResult)
     seconds: float = 0.0                                               # capture + search + compile + one step
 
     @property
-    def space_size(self) -> float:
-        return math.prod(r.space_size for _, r in self.graphs) if self.graphs else 0.0
+    def space_size(self) -> int:
+        return math.prod(r.space_size for _, r in self.graphs) if self.graphs else 0
 
     @property
     def scored(self) -> int:
@@ -52,7 +53,7 @@ class StepReport:
                 "features_s": round(sum(r.feature_seconds for _, r in self.graphs), 3),
                 "search_s": round(sum(r.seconds for _, r in self.graphs), 3), "seconds": round(self.seconds, 3),
                 "predicted_step_s": self.predicted_step_s,
-                "chosen": [search.describe(g, r, gpu=not self.measured_here) for g, r in self.graphs],
+                "chosen": [search.describe(g, r, gpu=self.kind == "gpu") for g, r in self.graphs],
                 "measured": [m for _, r in self.graphs for m in r.measured]}
 
 
@@ -61,7 +62,8 @@ def optimize_step(model: torch.nn.Module, inputs: Sequence[Any], spec: HardwareS
     """Search the training step of `model` on `inputs` for `spec` (None: this machine, measured)."""
     from optimizer.backend import make_backend
 
-    report = StepReport(hardware="this machine" if spec is None else spec.name, measured_here=spec is None)
+    report = StepReport(hardware="this machine" if spec is None else spec.name,
+                        kind="cpu" if spec is None else spec.kind, measured_here=spec is None)
     backend = make_backend(top_k=top_k, report=report.graphs) if spec is None else _predicting_backend(spec, report)
     t0 = time.perf_counter()
     torch._dynamo.reset()

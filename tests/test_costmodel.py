@@ -114,3 +114,22 @@ def test_gpu_predictions_rank_chips_and_sizes():
     # the large GEMM near the tensor cores' TF32 peak on an H100, never above it
     flops = 2 * 4096 ** 3
     assert 0.3 < flops / best["H100"][1] / find_hardware("H100").peak_flops("tf32") <= 1.0
+
+
+def test_gpu_bias_gradient_is_near_its_bandwidth_bound():
+    """A column reduction (one row of 768 columns over 4096 rows) runs as many programs, not one."""
+    h100 = find_hardware("H100")
+    bias_grad = KernelFeatures(kind=costmodel.REDUCTION, elements=4096 * 768, rows=1, inner=4096, ops=1,
+                               read_bytes=4096 * 768 * 4, write_bytes=768 * 4, columns=768)
+    t = predict_gpu(FeatureTable([bias_grad]), space.gpu_kernel_space(0, bias_grad), h100).min()
+    bound = bias_grad.read_bytes / (h100.main_memory.bandwidth_gbs * 1e9)
+    assert bound < t < 10 * bound + h100.launch_overhead_us * 1e-6
+
+
+def test_one_block_gemm_costs_the_same_serial_or_parallel():
+    """The generated code forks a GEMM only for 4 blocks or more: with one, both knobs are one kernel."""
+    gemm = KernelFeatures(kind=costmodel.GEMM, elements=128 * 3072, rows=128, inner=3072, ops=3, math=1,
+                          m=128, n=3072, k=768, write_bytes=128 * 3072 * 4)
+    serial, parallel = times(gemm, [Schedule(gemm_block_rows=256, parallel_axis=-1),
+                                    Schedule(gemm_block_rows=256, parallel_min_elements=0)])
+    assert serial == pytest.approx(parallel)

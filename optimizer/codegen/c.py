@@ -46,6 +46,11 @@ static inline __attribute__((always_inline)) float tfsn_expf(float x) {
   y = x > hi ? INFINITY : y;
   return x != x ? x : y;
 }
+#if defined(__x86_64__) || defined(__i386__)
+#define TFSN_WIDTH(bits) __attribute__((target("prefer-vector-width=" #bits)))
+#else
+#define TFSN_WIDTH(bits)
+#endif
 typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*,
                          const float*, const int*, const float*, const int*, const float*, float*, const int*);
 static sgemm_fn sgemm_;
@@ -107,10 +112,11 @@ def _pragma_simd(s: Schedule, clauses: str = "") -> str:
 
 
 def _attributes(s: Schedule) -> str:
-    """The vector width as the function's own compile options: no vectorizer, or a preferred width."""
+    """The vector width as the function's own compile options: no vectorizer, or a preferred width
+    (x86 only: TFSN_WIDTH is empty elsewhere, where simdlen alone asks for the width)."""
     if s.vector_width == 1:
         return '__attribute__((optimize("no-tree-vectorize"))) '
-    return f'__attribute__((target("prefer-vector-width={32 * s.vector_width}"))) '
+    return f"TFSN_WIDTH({32 * s.vector_width}) "
 
 
 class KernelWriter:
@@ -525,12 +531,12 @@ def gemm_fits(graph: Graph, mm: int) -> bool:
 
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int],
-                 schedules: Sequence[Schedule], prefix: str = "k") -> tuple[str, list[Kernel | None]]:
+                 schedules: Sequence[Schedule]) -> tuple[str, list[Kernel | None]]:
     """One C file for a whole graph (one compile, one shared object); None for extern groups."""
     kernels: list[Kernel | None] = []
     for i, (group, schedule) in enumerate(zip(groups, schedules)):
         kernels.append(None if group.kind == "extern" else
-                       KernelWriter(graph, group, buffers, schedule, f"{prefix}{i}").write())
+                       KernelWriter(graph, group, buffers, schedule, f"k{i}").write())
     return library_source(kernels), kernels
 
 

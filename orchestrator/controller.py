@@ -383,7 +383,7 @@ class Controller:
             job_id=str(job.id), node_id=node_id, workdir=spec.workdir, log_path=str(log),
             command=agent_command(local), cpus=requested_cpus(spec),
             env=agent_env(self.url, job, node_id, local), offer=offer, spot=candidate.spot,
-            avoid_hosts=self._excluded_hosts(job, spec))
+            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name))
         try:
             handle = provider.provision(request)
         except Exception as err:  # a provider bug or an OS error must not leave the node REQUESTED

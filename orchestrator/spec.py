@@ -312,6 +312,34 @@ class HealthSpec(BaseModel):
         return seconds
 
 
+class Toleration(BaseModel):
+    """A Kubernetes toleration, as in a pod spec (key, operator, value, effect)."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str | None = Field(None, strict=True)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = Field(None, strict=True)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no value. To fix: drop `value`, or use operator: Equal")
+        if self.operator == "Equal" and not self.key:
+            raise ValueError("operator Equal needs a key. To fix: add `key: <taint key>`, or use operator: Exists")
+        return self
+
+
+class KubernetesSpec(BaseModel):
+    """Where and how a job's pods run on Kubernetes (`infra: [kubernetes]`, or a TfsnJob): on top of
+    the GPU selector and toleration tfsn derives from the planned offer."""
+
+    model_config = ConfigDict(extra="forbid")
+    image: str | None = Field(None, strict=True, min_length=1)   # None: TFSN_K8S_IMAGE, else python:3.11-slim
+    node_selector: dict[str, str] = {}            # extra node labels every pod requires
+    tolerations: list[Toleration] = []            # extra taints every pod tolerates
+
+
 _PARAMS_RE = re.compile(r"((?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT]?)")
 _PARAMS_UNIT = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
@@ -388,6 +416,12 @@ class JobSpec(BaseModel):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
     model: ModelSpec | None = None                # None: the planner's reference workload
+    kubernetes: KubernetesSpec | None = None      # pod placement where the job runs on Kubernetes
+
+    def placement(self, provider: str) -> dict[str, Any]:
+        """The spec's own section for a provider (only `kubernetes` has one), as plain data."""
+        section = self.kubernetes if provider == "kubernetes" else None
+        return section.model_dump(exclude_none=True) if section is not None else {}
 
     @field_validator("name")
     @classmethod

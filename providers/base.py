@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 
 class NodeStatus(str, enum.Enum):
@@ -63,6 +63,8 @@ class NodeRequest:
     spot: bool = False                # request the spot / preemptible market of the offer
     avoid_hosts: tuple[str, ...] = ()  # machines the health policy took out of the job (a provider that can
                                        # choose the machine, such as Kubernetes, keeps off them)
+    placement: Mapping[str, Any] = field(default_factory=dict)  # the job spec's section named after the
+                                       # provider, as plain data (kubernetes: image, node_selector, tolerations)
 
 
 @dataclass(frozen=True)

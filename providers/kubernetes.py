@@ -210,6 +210,11 @@ class KubernetesProvider:
         if offer is not None and offer.accelerator_count:
             limits[GPU] = str(offer.accelerator_count)
             spec["tolerations"] = [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+        placement = request.placement
+        if placement.get("node_selector"):      # the job's own node labels, on top of the GPU's
+            spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **placement["node_selector"]}
+        if placement.get("tolerations"):
+            spec["tolerations"] = spec.get("tolerations", []) + [dict(t) for t in placement["tolerations"]]
         if request.avoid_hosts:   # machines the health policy took out of this job
             spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{"matchExpressions": [
@@ -218,7 +223,8 @@ class KubernetesProvider:
         binding = self.bindings.get(request.job_id)
         container: dict[str, Any] = {
             "name": "agent",
-            "image": (binding and binding.image) or os.environ.get("TFSN_K8S_IMAGE") or DEFAULT_IMAGE,
+            "image": (binding and binding.image) or placement.get("image") or os.environ.get("TFSN_K8S_IMAGE")
+            or DEFAULT_IMAGE,
             "command": ENTRYPOINT + list((binding and binding.command) or request.command),
             "env": [{"name": k, "value": v} for k, v in sorted(request.env.items())],
             "resources": {k: v for k, v in (("limits", limits), ("requests", requests)) if v},

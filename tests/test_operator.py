@@ -143,7 +143,8 @@ def run_first_attempt(op: Operator, cluster, job_id: int, host: str = "gpu-a") -
 
 def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_and_a_headless_service(
         operator, cluster):
-    body, job_id = admitted(operator, cluster, tfsnjob(num_nodes=2))
+    body, job_id = admitted(operator, cluster, tfsnjob(num_nodes=2, kubernetes={
+        "node_selector": {"pool": "training"}, "tolerations": [{"key": "lab/reserved", "operator": "Exists"}]}))
     assert (body["status"]["phase"], body["status"]["jobId"]) == ("Pending", job_id)
     conditions = {c["type"]: c["status"] for c in body["status"]["conditions"]}
     assert conditions == {"Valid": "True", "CheckpointsDurable": "True"}
@@ -162,8 +163,9 @@ def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_
         assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
             crd.KIND, "llm", body["metadata"]["uid"], True)
         assert container["resources"]["limits"] == {GPU: "8"}
-        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": PRODUCT}
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.product": PRODUCT, "pool": "training"}  # the spec's own too
         assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        assert {"key": "lab/reserved", "operator": "Exists"} in spec["tolerations"]
         env = {e["name"]: e for e in container["env"]}
         assert env["TFSN_TOKEN"] == {"name": "TFSN_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": secret["metadata"]["name"], "key": "token"}}}

@@ -150,6 +150,17 @@ def test_provision_creates_a_gpu_pod_that_runs_the_agent(cluster):
     assert pod["metadata"]["annotations"][NODE_ANNOTATION] == req.node_id
 
 
+def test_the_jobs_own_node_selector_tolerations_and_image_add_to_the_gpus(cluster):
+    req = request(placement={"image": "ghcr.io/lab/train:1", "node_selector": {"pool": "a100"},
+                             "tolerations": [{"key": "lab/reserved", "operator": "Exists", "effect": "NoSchedule"}]})
+    KubernetesProvider().provision(req)
+    spec = cluster.pod(req.node_id)["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "pool": "a100"}
+    assert spec["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
+                                   {"key": "lab/reserved", "operator": "Exists", "effect": "NoSchedule"}]
+    assert spec["containers"][0]["image"] == "ghcr.io/lab/train:1"
+
+
 def test_a_pod_keeps_off_the_machines_the_health_policy_took_out_of_the_job(cluster):
     req = request(avoid_hosts=("gpu-node-3", "gpu-node-9"))
     KubernetesProvider().provision(req)

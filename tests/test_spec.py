@@ -432,3 +432,17 @@ def test_fuzz_near_valid(tmp_path, doc):
     path = tmp_path / "fuzz.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     check_outcome(path)
+
+
+def test_kubernetes_section_and_its_bad_tolerations(tmp_path):
+    path = write(tmp_path, "run: x\nkubernetes:\n  image: ghcr.io/lab/train:1\n  node_selector: {pool: a100}\n"
+                           "  tolerations:\n    - {key: lab/reserved, operator: Exists, effect: NoSchedule}\n")
+    spec = load_spec(path)
+    assert spec.placement("kubernetes") == {
+        "image": "ghcr.io/lab/train:1", "node_selector": {"pool": "a100"},
+        "tolerations": [{"key": "lab/reserved", "operator": "Exists", "effect": "NoSchedule"}]}
+    assert spec.placement("aws") == {}
+    path = write(tmp_path, "run: x\nkubernetes:\n  tolerations:\n    - {key: a, operator: Exists, value: b}\n")
+    one(path, 4, "kubernetes.tolerations[0]", "operator Exists takes no value", "To fix")
+    path = write(tmp_path, "run: x\nkubernetes:\n  tolerations:\n    - {effect: Sometimes}\n")
+    one(path, 4, "kubernetes.tolerations[0].effect", "NoSchedule")

@@ -154,7 +154,15 @@ def test_ctrl_c_on_launch_stops_the_job(tfsn, tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     launch.send_signal(signal.SIGINT)
-    out, _ = launch.communicate(timeout=120)
+    try:
+        out, _ = launch.communicate(timeout=150)
+    except subprocess.TimeoutExpired:       # say where the stop got stuck, for the next person
+        launch.kill()
+        out, _ = launch.communicate()
+        controller_log = (tfsn.home / "controller.log")
+        raise AssertionError(f"launch did not exit after Ctrl-C.\nits output (end):\n{out[-3000:]}\n"
+                             f"status: {tfsn('status', '1', check=False).stdout[-3000:]}\ncontroller log (end):\n"
+                             f"{controller_log.read_text()[-4000:] if controller_log.exists() else '(none)'}") from None
     assert launch.returncode == 1 and "STOPPED" in out
     st = tfsn.status(1)
     assert st["state"] == "STOPPED"

@@ -8,6 +8,7 @@ of rows, then the epilogue on that block while it is in cache).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Sequence
@@ -94,6 +95,34 @@ def row_shapes(domain: tuple[int, ...], reduced: tuple[int, ...]) -> tuple[tuple
 
 def _ctype(node: Node) -> str:
     return CTYPES[node.type.dtype]
+
+
+_DEFINITION = re.compile(r"const [\w ]+ (t\d+) = (.*);")
+
+
+def _invariant(lines: list[str], var: str) -> tuple[list[str], list[str]]:
+    """Split a loop body into the definitions that do not depend on loop index `var` (nor on values
+    that do, nor on accumulators) and the rest. Why: gcc turns a load made only for one arm of a select
+    into a masked load, which it cannot vectorize when the address does not move along the loop
+    (BatchNorm's per-channel values in its backward): so such loads are made before the loop."""
+    hoisted, kept, varying = [], [], set()
+    index = re.compile(rf"\b{var}\b|\bacc\d+\b")
+    for line in lines:
+        m = _DEFINITION.fullmatch(line)
+        if m and not index.search(m.group(2)) and not set(re.findall(r"\bt\d+\b", m.group(2))) & varying:
+            hoisted.append(line)
+        else:
+            if m:
+                varying.add(m.group(1))
+            kept.append(line)
+    return hoisted, kept
+
+
+def _value_ctype(node: Node) -> str:
+    """The C type of a value computed in a loop: a bool computed here (a comparison) is a 32-bit int,
+    as wide as the floats around it. Why: a byte-sized temporary needs a vector of 8 bytes at 8 lanes,
+    which x86 has not, and gcc then gives up vectorizing the whole loop (ReLU's backward mask)."""
+    return "int32_t" if node.type.dtype == "bool" else _ctype(node)
 
 
 def _offset(node: Node, idx: Sequence[str]) -> str:
@@ -191,7 +220,7 @@ class KernelWriter:
             base, base_idx = view_index(self.g, node, idx)
             value = self.load(base, base_idx)
         elif node.kind == Kind.POINTWISE:
-            value = self.emit(_ctype(node), self.expression(node, idx), hoist)
+            value = self.emit(_value_ctype(node), self.expression(node, idx), hoist)
         else:
             raise NotFusable(f"{node.name} has no value to read")
         (self.hoisted if hoist else self.cse)[key] = value
@@ -213,7 +242,7 @@ class KernelWriter:
     def compute_member(self, n: int) -> None:
         """A pointwise member at the current index: its value, stored to its buffer if it has one."""
         node = self.g.nodes[n]
-        value = self.emit(_ctype(node), self.expression(node, self.idx)) if node.kind == Kind.POINTWISE \
+        value = self.emit(_value_ctype(node), self.expression(node, self.idx)) if node.kind == Kind.POINTWISE \
             else self.load(n, self.idx)
         self.locals[n] = value
         if n in self.buffers:
@@ -243,11 +272,13 @@ class KernelWriter:
         return f"#pragma omp parallel for schedule(static{chunk})"
 
     def loops(self, dims: Sequence[int], inner: list[str], simd: str) -> list[str]:
-        """Nested loops over `dims` (the last one SIMD) around `inner`."""
+        """Nested loops over `dims` (the last one SIMD) around `inner`; the values of `inner` that do
+        not change along the SIMD loop are computed once before it."""
         code = inner
         for k, d in enumerate(reversed(dims)):
             head = [simd] if k == 0 and simd else []
-            code = head + [f"for (int64_t i{d} = 0; i{d} < {self.group.domain[d]}; i{d}++) {{"] + \
+            before, code = _invariant(code, f"i{d}") if k == 0 and simd else ([], code)
+            code = before + head + [f"for (int64_t i{d} = 0; i{d} < {self.group.domain[d]}; i{d}++) {{"] + \
                 [f"  {line}" for line in code] + ["}"]
         return code
 

@@ -57,10 +57,10 @@ CHUNK_S = 0.1e-6                # seconds of OpenMP bookkeeping and lost prefetc
 SCALAR_STRIDED = 0.5            # cycles per element loaded with a non-unit stride, scalar
 GATHER_PER_LANE = 0.6           # cycles per lane of a vector gather (Intel: ~1 load per lane, 2 ports)
 SPILL_FACTOR = 1.6              # slowdown of a micro-kernel whose accumulators spill to the stack
-PACK_CYCLES = 1.0               # cycles per element copied into a packed B panel (a strided load and a store)
+PACK_CYCLES = 3.0               # cycles per element copied into a packed B panel: a transposing copy whose stores
+                                # stride by N (fitted to one gemm_c measurement of costmodel_accuracy)
 EDGE_FACTOR = 3.0               # slowdown of an edge tile (runtime bounds: no register accumulators)
-LIBRARY_EFFICIENCY = 0.85       # fraction of peak MKL sustains on large fp32 GEMMs (measured ~370 GFLOP/s
-                                # per 2-core here vs 2 x 3.0 GHz x 64 FLOP/clk; an assumption elsewhere)
+LIBRARY_EFFICIENCY = 0.85       # fraction of the FMA peak MKL's sgemm sustains on large fp32 GEMMs (assumption)
 LIBRARY_TILE_ROWS = 8           # rows per library micro-tile (edge waste below a multiple of it)
 LIBRARY_CALL_US = 1.0           # one BLAS call's own overhead, microseconds (argument checks, dispatch)
 FLAT_ROW = 16                   # elements a 1-D loop's "row" stands for (features.py)

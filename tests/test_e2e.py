@@ -150,8 +150,11 @@ def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
 
 def test_ctrl_c_on_launch_stops_the_job(tfsn, tmp_path):
     spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20)
+    # A terminal's Ctrl-C: SIGINT at its default disposition in the child even when this test runs in a
+    # background job (`cmd &` in a script), whose children inherit SIGINT ignored.
     launch = subprocess.Popen([sys.executable, str(ROOT / "tfsn.py"), "launch", str(spec)], env=tfsn.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     launch.send_signal(signal.SIGINT)
     try:

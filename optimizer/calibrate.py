@@ -73,41 +73,29 @@ double tfsn_read(const float* x, int64_t n, int64_t reps, int threads, float* si
   return now() - t0;
 }
 
-/* Every thread runs `iters` x CHAINS x LANES independent fused multiply-adds; the seconds it took. */
-double tfsn_fma(int64_t iters, int threads, float m, float c, float* sink) {
-  double t0 = now();
-  #pragma omp parallel num_threads(threads)
-  {
-    vec a[CHAINS];
-    for (int k = 0; k < CHAINS; k++) a[k] = (vec){0} + (float)k;
-    for (int64_t i = 0; i < iters; i++)
-      for (int k = 0; k < CHAINS; k++) a[k] = a[k] * m + c;
-    for (int k = 1; k < CHAINS; k++) a[0] += a[k];
-    float s = 0;
-    for (int l = 0; l < LANES; l++) s += a[0][l];
-    sink[omp_get_thread_num()] = s;
-  }
-  return now() - t0;
+/* Every thread runs `iters` x CHAINS x lanes independent fused multiply-adds of vectors of `type`
+   (`lanes` floats); the seconds it took. Defined at full width and at half: a core whose wide vectors
+   run as two halves (Zen 4's 512-bit ops on 256-bit pipes) reaches the same rate with both; one with
+   full-width pipes, twice. */
+#define FMA_KERNEL(name, type, lanes)                                             \
+double name(int64_t iters, int threads, float m, float c, float* sink) {          \
+  double t0 = now();                                                              \
+  _Pragma("omp parallel num_threads(threads)")                                    \
+  {                                                                               \
+    type a[CHAINS];                                                               \
+    for (int k = 0; k < CHAINS; k++) a[k] = (type){0} + (float)k;                 \
+    for (int64_t i = 0; i < iters; i++)                                           \
+      for (int k = 0; k < CHAINS; k++) a[k] = a[k] * m + c;                       \
+    for (int k = 1; k < CHAINS; k++) a[0] += a[k];                                \
+    float s = 0;                                                                  \
+    for (int l = 0; l < (lanes); l++) s += a[0][l];                               \
+    sink[omp_get_thread_num()] = s;                                               \
+  }                                                                               \
+  return now() - t0;                                                              \
 }
-
-/* The same at half the vector width: a core whose wide vectors run as two halves (Zen 4's 512-bit
-   ops on 256-bit pipes) reaches the same rate with both; one with full-width pipes, twice. */
 typedef float half_vec __attribute__((vector_size(2 * LANES), aligned(4)));
-double tfsn_fma_half(int64_t iters, int threads, float m, float c, float* sink) {
-  double t0 = now();
-  #pragma omp parallel num_threads(threads)
-  {
-    half_vec a[CHAINS];
-    for (int k = 0; k < CHAINS; k++) a[k] = (half_vec){0} + (float)k;
-    for (int64_t i = 0; i < iters; i++)
-      for (int k = 0; k < CHAINS; k++) a[k] = a[k] * m + c;
-    for (int k = 1; k < CHAINS; k++) a[0] += a[k];
-    float s = 0;
-    for (int l = 0; l < LANES / 2; l++) s += a[0][l];
-    sink[omp_get_thread_num()] = s;
-  }
-  return now() - t0;
-}
+FMA_KERNEL(tfsn_fma, vec, LANES)
+FMA_KERNEL(tfsn_fma_half, half_vec, LANES / 2)
 
 /* n empty parallel regions, each timed: the fork/join alone, no ctypes call in between. */
 void tfsn_fork_join(int64_t n, int threads, double* seconds) {

@@ -114,13 +114,14 @@ def synced(op: Operator, cluster, body: dict) -> dict:
     return kopf_writes(cluster, body, conditions)
 
 
-def wait_for(what: str, check):
-    deadline = time.monotonic() + WAIT_S
+def wait_for(what: str, check, timeout_s: float = WAIT_S, poll_s: float = 0.05):
+    """`check()`'s first truthy value, polled until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
-        time.sleep(0.05)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -18,6 +18,7 @@ from kopf.testing import KopfRunner  # noqa: E402
 
 from orchestrator import crd  # noqa: E402
 from providers.kubernetes import GPU  # noqa: E402
+from tests import test_operator as operator_tests  # noqa: E402
 from tests.test_provider_kubernetes import NAMESPACE, PODS, running_cluster  # noqa: E402
 
 TFSNJOBS = kmock.resource(crd.GROUP, crd.VERSION, crd.PLURAL)
@@ -31,13 +32,7 @@ def cluster(tmp_path, monkeypatch):
 
 
 def wait_for(what: str, check):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return operator_tests.wait_for(what, check, timeout_s=WAIT_S, poll_s=0.2)
 
 
 class Lab:

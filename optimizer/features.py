@@ -4,13 +4,14 @@ loop nest that will run.
 """
 from __future__ import annotations
 
+import dataclasses
 from math import prod
 
 from optimizer.codegen.c import Group, Kernel, KernelWriter
 from optimizer.codegen.c_ops import EXPENSIVE
 from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, REDUCTION, KernelFeatures
 from optimizer.fusion import fused_nodes
-from optimizer.ir import Graph, Kind
+from optimizer.ir import Graph, Kind, Node
 from optimizer.schedule import DEFAULT
 
 ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -97,23 +98,28 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
         flat=1.0 if len(dom) == 1 and not reduced else 0.0)
 
 
-def _gemm_features(graph: Graph, group: Group, writer: KernelWriter, kernel: Kernel,
-                   members: set[int]) -> KernelFeatures:
-    mm = graph.nodes[group.nodes[0]]
+def matmul_features(graph: Graph, mm: Node) -> KernelFeatures:
+    """The product of a matmul node alone (no epilogue): what a GEMM costs whoever runs it."""
     a, b = (graph.nodes[r.index] for r in mm.args[:2])
     m, n = mm.type.shape[-2:]
-    depth = a.type.shape[-1]
     batch = mm.type.shape[0] if len(mm.type.shape) == 3 else 1
+    return KernelFeatures(kind=GEMM, elements=float(batch * m * n), rows=float(batch * m), inner=float(n), ops=0.0,
+                          m=float(m), n=float(n), k=float(a.type.shape[-1]), batch=float(batch),
+                          b_strided=0.0 if b.type.strides[-1] == 1 else 1.0)
+
+
+def _gemm_features(graph: Graph, group: Group, writer: KernelWriter, kernel: Kernel,
+                   members: set[int]) -> KernelFeatures:
+    """The GEMM's product and its epilogue: the epilogue's arithmetic, reads and writes."""
+    mm = graph.nodes[group.nodes[0]]
+    operands = {r.index for r in mm.args[:2]}
     pointwise = [graph.nodes[i] for i in members if graph.nodes[i].kind == Kind.POINTWISE]
     math = float(sum(node.op in EXPENSIVE for node in pointwise))
-    epilogue_reads = [p for p in kernel.params if p not in kernel.outputs and p not in (a.index, b.index)]
+    epilogue_reads = [p for p in kernel.params if p not in kernel.outputs and p not in operands]
     strided = {i for i, off in writer.loads if i in epilogue_reads
                and _inner_stride(off, f"i{len(group.domain) - 1}") not in (0, 1)}
-    return KernelFeatures(
-        kind=GEMM, elements=float(batch * m * n), rows=float(batch * m), inner=float(n),
-        ops=len(pointwise) - math, math=math,
+    return dataclasses.replace(
+        matmul_features(graph, mm), ops=len(pointwise) - math, math=math,
         read_bytes=sum(_bytes(graph, p) for p in epilogue_reads),
         write_bytes=sum(_bytes(graph, p) for p in kernel.outputs),
-        strided_bytes=sum(_bytes(graph, i) for i in strided),
-        m=float(m), n=float(n), k=float(depth), batch=float(batch),
-        b_strided=0.0 if b.type.strides[-1] == 1 else 1.0)
+        strided_bytes=sum(_bytes(graph, i) for i in strided))

@@ -70,10 +70,10 @@ class _Scorer:
 
     def __init__(self, graph: Graph, spec: HardwareSpec, threads: int | None) -> None:
         self.graph, self.spec, self.threads = graph, spec, threads
-        self.best: dict[tuple, tuple[float, int]] = {}       # kernel key -> (best predicted s, index)
         self.features: list[costmodel.KernelFeatures] = []
-        self.tables: list[costmodel.Candidates] = []
+        self.tables: list[costmodel.Candidates] = []   # per kernel: its candidates, their predictions, the best
         self.predicted: list[np.ndarray] = []
+        self.best: list[float] = []
         self.index: dict[tuple, int] = {}
         self.externs: dict[int, float] = {}
         self.scored = 0
@@ -104,19 +104,20 @@ class _Scorer:
         self.feature_seconds += time.perf_counter() - t0
         if len(self.features) > start:
             t0 = time.perf_counter()
+            new_kernels = self.features[start:]      # rows index them from 0
             kernel_space = space.space_for(self.spec.kind)
-            cands = costmodel.Candidates.concat([kernel_space(i, self.features[i])
-                                                 for i in range(start, len(self.features))])
-            predicted = costmodel.predict_on(costmodel.FeatureTable(self.features), cands, self.spec,
+            cands = costmodel.Candidates.concat([kernel_space(i, f) for i, f in enumerate(new_kernels)])
+            predicted = costmodel.predict_on(costmodel.FeatureTable(new_kernels), cands, self.spec,
                                              threads=self.threads)
             bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
             for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
                 self.tables.append(cands.take(rows))
                 self.predicted.append(preds)
+                self.best.append(float(preds.min()))
             self.seconds += time.perf_counter() - t0
             self.scored += len(cands)
         return [math.inf if i in broken or any(k is not None and k not in self.index for k in plan_keys) else
-                sum(float(self.predicted[self.index[k]].min()) if k is not None else self.extern_s(g)
+                sum(self.best[self.index[k]] if k is not None else self.extern_s(g)
                     for g, k in zip(plan.groups, plan_keys)) for i, (plan, plan_keys) in enumerate(zip(plans, keys))]
 
     def extern_s(self, group: Group) -> float:
@@ -127,13 +128,9 @@ class _Scorer:
         if node.kind != Kind.MATMUL or node.type is None:
             return 0.0
         if node.index not in self.externs:
-            a = self.graph.nodes[node.args[0].index]
-            m, n = node.type.shape[-2:]
-            batch = node.type.shape[0] if len(node.type.shape) == 3 else 1
-            kernel = costmodel.KernelFeatures(kind=costmodel.GEMM, elements=float(batch * m * n), rows=float(batch * m),
-                                              inner=float(n), ops=0.0, m=float(m), n=float(n),
-                                              k=float(a.type.shape[-1]), batch=float(batch))
-            one_call = dataclasses.replace(DEFAULT, gemm="library", gemm_block_rows=max(m, 1), parallel_axis=-1)
+            kernel = features.matmul_features(self.graph, node)
+            one_call = dataclasses.replace(DEFAULT, gemm="library", gemm_block_rows=max(int(kernel.m), 1),
+                                           parallel_axis=-1)
             self.externs[node.index] = float(costmodel.predict_on(
                 costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.spec, self.threads)[0])
         return self.externs[node.index]

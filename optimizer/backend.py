@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -90,21 +91,33 @@ def searched_partition(spec=None) -> Callable:
         from torch._functorch.partitioners import default_partition
 
         from optimizer import ir, search
+        from optimizer.cache import atomic_write
         from optimizer.codegen import compiler
         from optimizer.hardware import cpu_spec
 
         recompute = partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        store = None
         try:
-            store = default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
             gemm = spec is not None or compiler.sgemm_address() is not None
-            cost = [sum(search.search_graph(ir.from_fx(gm), chip, gemm=gemm, timing=False, threads=threads).predicted_s
-                        for gm in pair) for pair in (recompute, store)]
+            path = search_cache_path(ir.from_fx(joint), chip, threads, gemm, str(num_fwd_outputs), suffix=".partition")
+            choice = path.read_text() if path.exists() else ""
+            if choice not in ("recompute", "store"):       # not decided here before
+                store = default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                          **kwargs)
+                cost = [sum(search.search_graph(ir.from_fx(gm), chip, gemm=gemm, timing=False,
+                                                threads=threads).predicted_s for gm in pair)
+                        for pair in (recompute, store)]
+                log.info("tfsn: recompute %.3f ms vs store %.3f ms predicted", cost[0] * 1e3, cost[1] * 1e3)
+                choice = "recompute" if cost[0] <= cost[1] else "store"
+                atomic_write(path, choice.encode())
         except Exception as e:      # symbolic shapes, a graph the IR cannot take: keep the min-cut
             log.info("tfsn: recompute-vs-store not searched (%s); recomputing", e)
             return recompute
-        log.info("tfsn: recompute %.3f ms vs store %.3f ms predicted", cost[0] * 1e3, cost[1] * 1e3)
-        return recompute if cost[0] <= cost[1] else store
+        if choice == "recompute":
+            return recompute
+        return store or default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                          **kwargs)
     return choose
 
 
@@ -171,14 +184,11 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
     """The search's plan and schedules for this graph on this host, from the disk cache when this
     graph was searched here before (same graph, host spec, compiler, threads and top_k)."""
     from optimizer import fusion, search
-    from optimizer.cache import atomic_write, cache_dir, content_key
-    from optimizer.codegen import compiler
+    from optimizer.cache import atomic_write
     from optimizer.hardware import cpu_spec
 
     spec, threads = cpu_spec(), torch.get_num_threads()
-    key = content_key(graph_signature(graph), repr(spec), compiler.compiler_id(), compiler.hardware_id(),
-                      SEARCH_VERSION, str(top_k), str(threads), str(gemm))
-    path = cache_dir() / "search" / f"{key}.json"
+    path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
     if path.exists() and report is None:
         try:
             saved = json.loads(path.read_text())
@@ -198,6 +208,16 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
     atomic_write(path, json.dumps({"choice": choice,
                                    "schedules": [dataclasses.asdict(s) for s in result.schedules]}).encode())
     return result.plan, result.schedules
+
+
+def search_cache_path(graph, spec, threads: int | None, gemm: bool, *extra: str, suffix: str) -> Path:
+    """Where a search decision about `graph` is kept: named by everything it depends on (the graph,
+    the chip spec, compiler, host, threads, whether BLAS is there, and the caller's own `extra`)."""
+    from optimizer.cache import cache_dir, content_key
+    from optimizer.codegen import compiler
+    key = content_key(graph_signature(graph), repr(spec), compiler.compiler_id(), compiler.hardware_id(),
+                      SEARCH_VERSION, str(threads), str(gemm), *extra)
+    return cache_dir() / "search" / f"{key}{suffix}"
 
 
 def graph_signature(graph) -> str:

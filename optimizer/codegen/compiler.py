@@ -31,16 +31,8 @@ def compiler_id() -> str:
 @functools.lru_cache(maxsize=None)
 def hardware_id() -> str:
     """The CPU model and its feature flags: what -march=native compiles for."""
-    model = flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{model}|{flags}"
+    from optimizer.hardware import cpuinfo
+    return f"{cpuinfo('model name')}|{cpuinfo('flags')}"
 
 
 @functools.lru_cache(maxsize=None)

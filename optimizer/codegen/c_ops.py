@@ -84,6 +84,14 @@ def _unary(fmt: str) -> Render:
     return render
 
 
+def _libm(name: str) -> Render:
+    """A libm function at the operand's precision: `tanhf` for fp32, which the prelude declares
+    SIMD (glibc's libmvec) so loops of it vectorize; `tanh` (double) for everything else."""
+    def render(ops, out, kw):
+        return f"{name}{'f' if out == 'float32' else ''}({cast(ops[0], out)})"
+    return render
+
+
 def _exp(fmt: str) -> Render:
     """exp through the prelude's vectorizable tfsn_expf for fp32, libm's otherwise."""
     def render(ops, out, kw):
@@ -169,12 +177,12 @@ POINTWISE: dict[str, Render] = {
     "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
     "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _unary("fabs({a})"),
     "aten.exp.default": _exp("{exp}"), "aten.exp2.default": _unary("exp2({a})"),
-    "aten.expm1.default": _unary("expm1({a})"), "aten.log.default": _unary("log({a})"),
-    "aten.log2.default": _unary("log2({a})"), "aten.log1p.default": _unary("log1p({a})"),
+    "aten.expm1.default": _libm("expm1"), "aten.log.default": _libm("log"),
+    "aten.log2.default": _unary("log2({a})"), "aten.log1p.default": _libm("log1p"),
     "aten.sqrt.default": _unary("sqrt({a})"), "aten.rsqrt.default": _unary("({one} / sqrt({a}))"),
-    "aten.reciprocal.default": _unary("({one} / {a})"), "aten.sin.default": _unary("sin({a})"),
-    "aten.cos.default": _unary("cos({a})"), "aten.tanh.default": _unary("tanh({a})"),
-    "aten.erf.default": _unary("erf({a})"), "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
+    "aten.reciprocal.default": _unary("({one} / {a})"), "aten.sin.default": _libm("sin"),
+    "aten.cos.default": _libm("cos"), "aten.tanh.default": _libm("tanh"),
+    "aten.erf.default": _libm("erf"), "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
     "aten.relu.default": _unary("({a} < 0 ? 0 : {a})"), "aten.floor.default": _unary("floor({a})"),
     "aten.ceil.default": _unary("ceil({a})"), "aten.trunc.default": _unary("trunc({a})"),
     "aten.round.default": _unary("nearbyint({a})"),

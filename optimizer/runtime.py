@@ -62,7 +62,9 @@ class CompiledGraph:
                 self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name)))
                 uses.append(set(kernel.params))
         if os.environ.get("TFSN_PROFILE"):
-            self.steps = [_profiled(step, describe(graph, group)) for step, group in zip(self.steps, groups)]
+            names = [f"{k.name} {lib._name}" if k is not None else "" for k in kernels]
+            self.steps = [_profiled(step, f"{describe(graph, group)} {name}")
+                          for step, group, name in zip(self.steps, groups, names)]
         keep = {o.index for o in self.outputs if isinstance(o, Ref)}
         last: dict[int, int] = {}
         for step, used in enumerate(uses):
@@ -116,7 +118,7 @@ PROFILE: dict[str, list[float]] = {}
 
 def describe(graph: Graph, group: Group) -> str:
     ops = "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in group.nodes)
-    return f"{group.kind} {list(group.domain) if group.kind != 'extern' else ''} {ops}"[:120]
+    return f"{group.kind} {list(group.domain) if group.kind != 'extern' else ''} {ops[:60]}"
 
 
 def _profiled(step: Step, name: str) -> Step:

@@ -140,6 +140,7 @@ class Calibration:
     levels: tuple[LevelFigures, ...]
     peak_gflops_core: float        # fp32 FMA rate, one thread
     peak_gflops_all: float         # fp32 FMA rate, all threads
+    library_gemm_efficiency: float  # torch.mm's (the BLAS sgemm's) GFLOP/s over the FMA rate, one thread
     call_overhead_us: float        # ctypes call of a 4-pointer kernel + torch.empty_strided of its output
     fork_join_us: float            # one empty OpenMP parallel region on all threads
     per_core_l2_kib: float         # one core's share of L2 (the spec's shared_memory_per_unit_kib)
@@ -222,6 +223,28 @@ def best_rates(probes: dict[str, Probe], target_s: float, repeats: int) -> dict[
     return {key: work * units[key] / fastest[key] for key, (_, work) in probes.items()}
 
 
+# GEMMs of a training step (tokens x width x width, and the weight gradient's long depth) on which
+# the library's sgemm is measured, one thread: the cost model weighs it against generated GEMMs
+LIBRARY_SHAPES = ((1024, 256, 768), (1024, 768, 256), (256, 1024, 768))
+
+
+def _library_gemm(torch, m: int, k: int, n: int) -> Probe:
+    """torch.mm (the BLAS sgemm that library GEMMs call) on one thread: (run, GFLOP per run)."""
+    a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+
+    def run(reps: int) -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b, out=out)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+    return run, 2.0 * m * k * n / 1e9
+
+
 def calibrate(threads: int | None = None, quick: bool = False) -> Calibration:
     """Measure this machine with `threads` threads (default: torch's, what generated kernels run with).
 
@@ -262,7 +285,8 @@ def calibrate(threads: int | None = None, quick: bool = False) -> Calibration:
         return (lambda iters: lib.tfsn_fma(iters, nthreads, 0.999, 0.001, sink)), nthreads * fma_flops / 1e9
 
     probes = {"peak 1": fma(1), f"peak {threads}": fma(threads),
-              "half 1": ((lambda iters: lib.tfsn_fma_half(iters, 1, 0.999, 0.001, sink)), fma_flops / 2e9)}
+              "half 1": ((lambda iters: lib.tfsn_fma_half(iters, 1, 0.999, 0.001, sink)), fma_flops / 2e9),
+              **{f"sgemm {m}x{k}x{n}": _library_gemm(torch, m, k, n) for m, k, n in LIBRARY_SHAPES}}
     sizes = {}
     for name, (size, sharing) in caches.items():
         # Half an instance per thread: fits with room for the code's own lines. Threads are assumed to be
@@ -295,6 +319,8 @@ def calibrate(threads: int | None = None, quick: bool = False) -> Calibration:
         simd_width=lanes if rates["peak 1"] >= FULL_WIDTH_GAIN * rates["half 1"] else lanes // 2,
         clock_ghz=clock_ghz, clock_source=clock_source, levels=levels,
         peak_gflops_core=rates["peak 1"], peak_gflops_all=rates[f"peak {threads}"],
+        library_gemm_efficiency=statistics.median(rates[f"sgemm {m}x{k}x{n}"] for m, k, n in LIBRARY_SHAPES)
+        / rates["peak 1"],
         call_overhead_us=_call_overhead_us(lib, torch, 20 if quick else 50, repeats),
         fork_join_us=_fork_join_us(lib, threads, 10 if quick else 30, 0.2 if quick else 1.0),
         per_core_l2_kib=caches["l2"][0] / 1024 / caches["l2"][1], quick=quick,
@@ -349,6 +375,7 @@ def host_spec(cal: Calibration) -> dict:
         "shared_memory_per_unit_kib": cal.per_core_l2_kib,                 # no scratchpad: the private L2
         "launch_overhead_us": round(cal.fork_join_us, 3),
         "call_overhead_us": round(cal.call_overhead_us, 3),
+        "library_gemm_efficiency": round(cal.library_gemm_efficiency, 3),
         "interconnect_gbs": generic.interconnect_gbs,                      # no accelerator link: as cpu-generic
         "memory": [{"name": lv.name, "size_mib": round(lv.size_mib, 4), "bandwidth_gbs": round(lv.all_gbs, 1),
                     "core_bandwidth_gbs": round(lv.core_gbs, 1)} for lv in cal.levels],
@@ -361,7 +388,8 @@ def write_host_spec(cal: Calibration) -> Path:
               f"at {cal.measured_at} with {cal.threads} thread(s), in {cal.seconds:.1f} s.\n"
               "# Bandwidths: best of several reads of a buffer half the size of each cache level (DRAM: at least\n"
               "# 4x L3); bandwidth_gbs with all threads, core_bandwidth_gbs with one. peak: a generated FMA kernel,\n"
-              "# all threads. Overheads: medians, best of several.\n"
+              "# all threads. library_gemm_efficiency: torch.mm over that peak, one thread, median of three\n"
+              "# shapes. Overheads: medians, best of several.\n"
               f"# clock_ghz from {cal.clock_source}.\n"
               + "".join(f"# note: {note}\n" for note in cal.notes))
     path = host_spec_path()

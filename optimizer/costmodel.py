@@ -18,12 +18,13 @@ Model of one CPU kernel (the C the generator writes; see optimizer/codegen/c.py)
   running threads (`core_bandwidth_gbs` each, at most the level's total); an access strided along
   the innermost loop moves a cache line per element unless those lines stay cached. A row read in
   several passes (LayerNorm: mean, variance, normalize) is read again from where one row fits.
-- GEMM: the library (MKL) at a fixed fraction of peak on its block of rows, plus the packing of B
-  it redoes per call; or the generated micro-kernel: per step of depth, max of FMAs on two pipes,
-  loads on two ports and the FMA latency of one accumulator chain, with a spill penalty once the
-  accumulators and B vectors exceed the register file; edge tiles take the slow path; B panels
-  are re-read from the level where one panel fits, a strided B is packed first. The epilogue is a
-  pointwise kernel on the block.
+- GEMM: the library (MKL) at the spec's fraction of peak (measured by `tfsn calibrate`) on its
+  block of rows, plus the packing of B it redoes per call (one call when there is no epilogue);
+  or the generated micro-kernel: per step of depth, max of FMAs on two pipes, loads on two ports
+  and the FMA latency of one accumulator chain, with a spill penalty once the accumulators and B
+  vectors exceed the register file; tiles past an edge run full-width on padding; B is packed
+  once per call into panels, each re-read per row tile from the level one panel fits in, the
+  block of A per panel. The epilogue is a pointwise kernel on the block.
 - the kernel time is max(compute, memory) plus overheads (roofline per level).
 
 Every constant below is a named assumption; the spec's numbers come from configs/hardware or from
@@ -60,7 +61,6 @@ SPILL_FACTOR = 1.6              # slowdown of a micro-kernel whose accumulators 
 PACK_CYCLES = 3.0               # cycles per element copied into a packed B panel: a transposing copy whose stores
                                 # stride by N (fitted to one gemm_c measurement of costmodel_accuracy)
 EDGE_FACTOR = 3.0               # slowdown of an edge tile (runtime bounds: no register accumulators)
-LIBRARY_EFFICIENCY = 0.85       # fraction of the FMA peak MKL's sgemm sustains on large fp32 GEMMs (assumption)
 LIBRARY_TILE_ROWS = 8           # rows per library micro-tile (edge waste below a multiple of it)
 LIBRARY_CALL_US = 1.0           # one BLAS call's own overhead, microseconds (argument checks, dispatch)
 FLAT_ROW = 16                   # elements a 1-D loop's "row" stands for (features.py)
@@ -160,6 +160,7 @@ class _Chip:
     clock: float                       # Hz, effective (see of)
     lanes: float                       # fp32 lanes of the widest vector
     peak_core: float                   # fp32 FLOP/s of one core
+    library: float                     # fraction of peak_core the BLAS sgemm reaches
     call_s: float
     fork_s: float
     sizes: np.ndarray                  # bytes per level, chip total
@@ -176,7 +177,8 @@ class _Chip:
         # when the peak was measured by `tfsn calibrate`)
         clock = spec.peak_flops("fp32") / cores / (2.0 * spec.simd_width * VECTOR_PIPES)
         return cls(cores=float(min(threads or cores, cores)), units=cores, clock=clock, lanes=float(spec.simd_width),
-                   peak_core=spec.peak_flops("fp32") / cores, call_s=spec.call_overhead_us * 1e-6,
+                   peak_core=spec.peak_flops("fp32") / cores, library=spec.library_gemm_efficiency,
+                   call_s=spec.call_overhead_us * 1e-6,
                    fork_s=spec.launch_overhead_us * 1e-6,
                    sizes=np.array([lv.size_mib * 2**20 for lv in levels]),
                    private=np.array([lv.name.lower() in PRIVATE_LEVELS for lv in levels]),
@@ -255,44 +257,45 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     one thread, `epilogue_serial`) on each block, the blocks split over threads as the code does:
     only when there are 4 or more of them."""
     m, n, depth, batch = np.maximum(f.m[k], 1), np.maximum(f.n[k], 1), np.maximum(f.k[k], 1), f.batch[k]
-    br = np.minimum(cand.block_rows, m)
+    lone = (f.ops[k] + f.math[k] == 0) & (cand.generated == 0)     # no epilogue: one library call
+    br = np.where(lone, m, np.minimum(cand.block_rows, m))
     blocks = batch * np.ceil(m / br)
     flops = 2.0 * batch * m * n * depth
     outer_par = (cand.parallel > 0) & (blocks >= 4)
     threads = np.where(outer_par, np.minimum(chip.cores, blocks), 1.0)
     share = _busiest(blocks, threads, np.zeros_like(blocks)) / blocks
-    # library: per block a call that packs B again, at LIBRARY_EFFICIENCY of peak; serial blocks
+    # library: per block a call that packs B again, at the spec's library efficiency; serial blocks
     # let the library thread each call itself
     lib_threads = np.where(outer_par, 1.0, np.minimum(chip.cores, np.maximum(1.0, br * n * depth / 2**18)))
     edge = np.ceil(br / LIBRARY_TILE_ROWS) * LIBRARY_TILE_ROWS / br
-    lib_compute = flops * edge * share / (LIBRARY_EFFICIENCY * chip.peak_core * lib_threads)
+    lib_compute = flops * edge * share / (chip.library * chip.peak_core * lib_threads)
     pack = depth * n * 4.0 * 2
     pack_s = pack / chip.level_bandwidth(np.full_like(m, 1.0) * depth * n * 4.0, lib_threads)
     lib_calls = LIBRARY_CALL_US * 1e-6 + np.where(outer_par, 0.0, np.where(lib_threads > 1, chip.fork_s, 0.0))
     library = blocks * share * (pack_s + lib_calls) + lib_compute
-    # generated micro-kernel: per depth step of one mr x nr tile
-    mr, nr, kc = cand.mr, cand.nr, np.minimum(cand.kc, depth)
-    b_vectors = np.ceil(nr / lanes)
+    # generated micro-kernel: per depth step of one mr x W tile (W: nr in whole vectors); tiles
+    # past the block's edge run the same full-vector code on padding, only their store is cut
+    mr, kc = cand.mr, np.minimum(cand.kc, depth)
+    b_vectors = np.ceil(cand.nr / lanes)
+    width = b_vectors * lanes
+    panels = np.ceil(n / width)
     acc = mr * b_vectors
     slots = np.ceil(lanes / chip.lanes)
-    b_loads = b_vectors * slots
-    step = np.maximum.reduce([acc * slots / VECTOR_PIPES, (b_loads + mr) / LOAD_PORTS,
+    step = np.maximum.reduce([acc * slots / VECTOR_PIPES, (b_vectors * slots + mr) / LOAD_PORTS,
                               np.full_like(acc, ADD_LATENCY)])
     step = np.where(acc + b_vectors + 1 > VECTOR_REGISTERS, step * SPILL_FACTOR, step)
-    full_m, full_n = np.floor(br / mr), np.floor(n / nr)
-    tiles_full = full_m * full_n
-    tiles_edge = np.ceil(br / mr) * np.ceil(n / nr) - tiles_full
-    # an edge tile runs its rows and columns with runtime bounds: scalar-ish per element
-    edge_step = EDGE_FACTOR * np.maximum(np.mod(br, mr) * np.ceil(np.mod(n, nr) / lanes) + 1, step)
-    cycles_block = depth * (tiles_full * step + tiles_edge * edge_step)
-    cycles_block += np.ceil(depth / kc) * np.ceil(br / mr) * np.ceil(n / nr) * mr * nr / lanes * 2  # C tile in/out
-    # a strided B is packed into a contiguous panel, kc rows at a time, once per block of rows
-    cycles_block += f.b_strided[k] * depth * n * PACK_CYCLES
+    tiles = np.ceil(br / mr) * panels
+    edge_elements = (np.mod(br, mr) > 0) * panels * mr * width + (np.mod(n, width) > 0) * np.ceil(br / mr) * mr * width
+    cycles_block = depth * tiles * step + np.ceil(depth / kc) * (tiles * acc * slots * 2 + edge_elements)
     gen_compute = blocks * share * cycles_block / chip.clock
-    b_traffic = np.ceil(br / mr) * depth * n * 4.0 * blocks * share
-    b_panel = kc * n * 4.0
-    gen_memory = b_traffic / chip.level_bandwidth(b_panel * threads, threads) * threads
-    generated = np.maximum(gen_compute, gen_memory)
+    # B is packed once per call into zero-padded panels, by all threads (a strided B: a transposing copy)
+    pack_cycles = batch * depth * panels * width * np.where(f.b_strided[k] > 0, PACK_CYCLES, 1.0) / threads
+    # per block: each B panel (kc x W) is streamed once per row tile, the block of A (rows x kc) once per panel
+    b_traffic = np.ceil(br / mr) * depth * panels * width * 4.0
+    a_traffic = panels * br * depth * 4.0
+    gen_memory = blocks * share * (b_traffic / chip.level_bandwidth(kc * width * 4.0, threads * 0 + 1.0)
+                                   + a_traffic / chip.level_bandwidth(br * kc * 4.0, threads * 0 + 1.0))
+    generated = np.maximum(gen_compute, gen_memory) + pack_cycles / chip.clock
     product = np.where(cand.generated > 0, generated, library)
     # the epilogue: the pointwise part of the features, on blocks the product just left in cache
     epilogue = epilogue_serial * share

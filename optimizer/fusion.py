@@ -152,10 +152,7 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
 
     def close(group: _Open) -> None:
         open_groups.remove(group)
-        if group.kind == "gemm" and len(group.nodes) == 1:   # nothing to fuse: the library's own mm
-            groups.append(Group("extern", tuple(group.nodes)))
-        else:
-            groups.append(group.frozen())
+        groups.append(group.frozen())     # a GEMM alone too: one library call, or our own micro-kernel
         for n in group.nodes:
             owner.pop(n, None)
 
@@ -216,12 +213,17 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
     for g in list(open_groups):
         close(g)
     result = Plan(groups, buffers)
-    for group in groups:        # a GEMM read only by its own epilogue needs no buffer
-        if group.kind == "gemm" and group.nodes[0] not in need:
-            mm = group.nodes[0]
-            readers = [g for g in groups if any(mm in graph.nodes[n].inputs for n in fused_nodes(graph, result.buffers, g))]
-            if readers == [group]:
-                buffers.discard(mm)
+    gemms = [(i, g) for i, g in enumerate(groups) if g.kind == "gemm" and g.nodes[0] not in need]
+    if gemms:                   # a GEMM read only by its own epilogue needs no buffer
+        readers: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            for n in fused_nodes(graph, buffers, g):
+                for r in graph.nodes[n].inputs:
+                    if not readers.get(r) or readers[r][-1] != i:
+                        readers.setdefault(r, []).append(i)
+        for i, g in gemms:
+            if readers.get(g.nodes[0], []) == [i]:
+                buffers.discard(g.nodes[0])
     return result
 
 

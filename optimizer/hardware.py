@@ -28,7 +28,7 @@ KINDS = ("gpu", "cpu")
 _SCALARS = ("clock_ghz", "compute_units", "simd_width", "registers_per_unit_kib",
             "shared_memory_per_unit_kib", "launch_overhead_us", "interconnect_gbs")
 _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCALARS
-_OPTIONAL = ("call_overhead_us", "cpu_model", "threads")      # written by `tfsn calibrate`; defaults below
+_OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads")      # written by `tfsn calibrate`; defaults below
 _LEVEL_FIELDS = {"name", "size_mib", "bandwidth_gbs"}
 _LEVEL_OPTIONAL = {"core_bandwidth_gbs"}
 GENERIC_CPU = "cpu-generic"
@@ -66,6 +66,7 @@ class HardwareSpec:
     interconnect_gbs: float            # accelerator-to-accelerator link inside a node, each way, GB/s
     memory: tuple[MemoryLevel, ...]    # fastest first; the last level is main memory (HBM / DRAM)
     call_overhead_us: float = 2.0      # one call of a generated kernel from Python: ctypes + output allocation
+    library_gemm_efficiency: float = 0.85  # fraction of the fp32 FMA peak the BLAS sgemm reaches (CPU)
     cpu_model: str = ""                # the CPU a calibrated spec was measured on ("" for vendor specs)
     threads: int = 0                   # threads used by that calibration (0 for vendor specs)
 
@@ -101,6 +102,12 @@ def _calibration_fields(data: dict, source: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if "call_overhead_us" in data:
         found["call_overhead_us"] = _number(data["call_overhead_us"], f"{source}: call_overhead_us")
+    if "library_gemm_efficiency" in data:
+        value = _number(data["library_gemm_efficiency"], f"{source}: library_gemm_efficiency")
+        if value > 1.5:
+            raise HardwareSpecError(f"{source}: library_gemm_efficiency: {value} is a fraction of the FMA peak; "
+                                    "To fix: write a number in (0, 1], e.g. 0.85")
+        found["library_gemm_efficiency"] = value
     if "cpu_model" in data:
         if not isinstance(data["cpu_model"], str):
             raise HardwareSpecError(f"{source}: cpu_model: must be a string, the CPU's model name")

@@ -57,7 +57,8 @@ def _cpu_template(kind: int, column: bool) -> Candidates:
                 for b, p, v in itertools.product(BLOCK_ROWS, (0, 1), VECTOR_WIDTHS)]
         rows += [dict(generated=1, mr=mr, nr=nr, kc=kc, block_rows=b, parallel=p, vector_width=v, unroll=1)
                  for mr, nr, kc, b, p, v in itertools.product(MRS, NRS, KCS, GEN_BLOCK_ROWS, (0, 1),
-                                                              GEN_VECTOR_WIDTHS)]
+                                                              GEN_VECTOR_WIDTHS)
+                 if nr % v == 0]        # the generator rounds nr up to whole vectors: one row per kernel
         return _table(0, rows)
     rows = _loops()
     if column:

@@ -46,7 +46,7 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
     for level in cal.levels:
         typer.echo(f"{level.name:<6} {_size(level.size_mib):>12} {level.core_gbs:>14.1f} {level.all_gbs:>16.1f}")
     typer.echo(f"peak fp32 GFLOP/s: {cal.peak_gflops_core:.1f} on 1 thread, {cal.peak_gflops_all:.1f} on "
-               f"{cal.threads}")
+               f"{cal.threads}; library sgemm at {cal.library_gemm_efficiency:.0%} of that on 1 thread")
     typer.echo(f"overheads: kernel call {cal.call_overhead_us:.2f} us, OpenMP fork/join {cal.fork_join_us:.2f} us")
     for note in cal.notes:
         typer.echo(f"note: {note}")

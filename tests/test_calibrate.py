@@ -38,6 +38,7 @@ def test_the_figures_are_plausible_for_a_cpu(measured):
     assert bw["l1"].size_mib < bw["l2"].size_mib < bw["dram"].size_mib
     assert 0 < measured.peak_gflops_core <= measured.peak_gflops_all * 1.2
     assert 0 < measured.call_overhead_us < 1000 and 0 < measured.fork_join_us < 1000
+    assert 0.05 < measured.library_gemm_efficiency < 1.5      # torch.mm over our FMA loop's rate, one thread
     assert measured.threads >= 1 and measured.simd_width in (4, 8, 16) and measured.clock_ghz > 0
 
 
@@ -54,6 +55,7 @@ def test_the_written_spec_round_trips_and_is_what_cpu_spec_returns(measured):
     assert spec.peak_flops("fp32") == pytest.approx(measured.peak_gflops_all * 1e9, rel=1e-3)
     assert spec.peak_flops("bf16") == spec.peak_flops("fp32")
     assert spec.call_overhead_us == pytest.approx(measured.call_overhead_us, abs=1e-3)
+    assert spec.library_gemm_efficiency == pytest.approx(measured.library_gemm_efficiency, abs=1e-3)
     assert spec.launch_overhead_us == pytest.approx(measured.fork_join_us, abs=1e-3)
     assert cpu_spec() == spec
 

@@ -2,6 +2,8 @@
 the machine's time does (the figures themselves are measured by benchmarks/costmodel_accuracy.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -83,6 +85,12 @@ def test_gemm_register_tiles_and_library():
     assert fits < spills and fits < thin
     library = times(gemm, [Schedule(gemm="library", gemm_block_rows=512)])[0]
     assert library < thin
+    # the library's measured efficiency (tfsn calibrate) is what the generated kernel competes with
+    slow_blas = dataclasses.replace(CPU, library_gemm_efficiency=0.4)
+    slow_library, same_fits = times(gemm, [Schedule(gemm="library", gemm_block_rows=512),
+                                           Schedule(gemm="generated", gemm_mr=4, gemm_nr=32)], spec=slow_blas)
+    assert slow_library > library * 1.5 and same_fits == pytest.approx(fits)
+    assert slow_library > same_fits
 
 
 def test_every_kernel_space_scores_and_round_trips_to_schedules():

@@ -63,6 +63,8 @@ GOOD = {"name": "X1", "aliases": ["x1"], "kind": "gpu", "vendor": "v", "peak_tfl
     ({"threads": 1.5}, "threads: 1.5 must be a whole number >= 1"),
     ({"threads": 0}, "threads: 0 must be a whole number >= 1"),
     ({"cpu_model": 7}, "cpu_model: must be a string"),
+    ({"library_gemm_efficiency": 85}, "library_gemm_efficiency: 85.0 is a fraction of the FMA peak"),
+    ({"library_gemm_efficiency": 0}, "library_gemm_efficiency: 0 must be a number > 0"),
 ])
 def test_a_bad_spec_names_its_file_and_field(tmp_path, change, message):
     (tmp_path / "x1.yaml").write_text(yaml.safe_dump({**GOOD, **change}))
@@ -72,15 +74,17 @@ def test_a_bad_spec_names_its_file_and_field(tmp_path, change, message):
 
 
 def test_the_optional_calibration_fields_load_and_default(tmp_path):
-    measured = {**GOOD, "call_overhead_us": 3.5, "cpu_model": "Some CPU", "threads": 4,
+    measured = {**GOOD, "call_overhead_us": 3.5, "cpu_model": "Some CPU", "threads": 4, "library_gemm_efficiency": 0.6,
                 "memory": [{"name": "l1", "size_mib": 0.1, "bandwidth_gbs": 800, "core_bandwidth_gbs": 200},
                            {"name": "dram", "size_mib": 1024, "bandwidth_gbs": 40}]}
     (tmp_path / "x1.yaml").write_text(yaml.safe_dump(measured))
     spec = load_spec_file(tmp_path / "x1.yaml")
-    assert (spec.call_overhead_us, spec.cpu_model, spec.threads) == (3.5, "Some CPU", 4)
+    assert (spec.call_overhead_us, spec.cpu_model, spec.threads, spec.library_gemm_efficiency) == \
+        (3.5, "Some CPU", 4, 0.6)
     assert [m.core_bandwidth_gbs for m in spec.memory] == [200.0, None]
     generic = find_hardware("cpu")
-    assert (generic.call_overhead_us, generic.cpu_model, generic.threads) == (2.0, "", 0)
+    assert (generic.call_overhead_us, generic.cpu_model, generic.threads, generic.library_gemm_efficiency) == \
+        (2.0, "", 0, 0.85)
     assert all(m.core_bandwidth_gbs is None for m in find_hardware("H100").memory)
 
 

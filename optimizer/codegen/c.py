@@ -52,6 +52,10 @@ static inline __attribute__((always_inline)) float tfsn_expf(float x) {
 #else
 #define TFSN_WIDTH(bits)
 #endif
+/* whole SIMD vectors for the generated GEMM's register tiles (unaligned, may alias floats) */
+typedef float tfsn_v4 __attribute__((vector_size(16), aligned(4), may_alias));
+typedef float tfsn_v8 __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float tfsn_v16 __attribute__((vector_size(64), aligned(4), may_alias));
 typedef void (*sgemm_fn)(const char*, const char*, const int*, const int*, const int*, const float*,
                          const float*, const int*, const float*, const int*, const float*, float*, const int*);
 static sgemm_fn sgemm_;
@@ -59,8 +63,10 @@ void tfsn_set_sgemm(void* fn) { sgemm_ = (sgemm_fn)fn; }
 """
 # glibc's libmvec has SIMD versions of these; declaring them lets the vectorizer call them
 # without -ffast-math (whose finite-math assumption would break -inf masks in attention).
-SIMD_MATH = "".join(f"float {f}f(float) __attribute__((simd(\"notinbranch\")));\n"
-                    for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos"))
+# The compiler defines TFSN_LIBMVEC only where it links libmvec.
+SIMD_MATH = "#ifdef TFSN_LIBMVEC\n" + "".join(
+    f"float {f}f(float) __attribute__((simd(\"notinbranch\")));\n"
+    for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos")) + "#endif\n"
 
 
 class NotFusable(Exception):
@@ -432,7 +438,10 @@ class KernelWriter:
         K = a.type.shape[-1]
         ta, lda = gemm_operand(a.type.strides[-2:], M, K)
         tb, ldb = gemm_operand(b.type.strides[-2:], K, N)
-        br = self.s.gemm_block_rows
+        generated = self.s.gemm == "generated"
+        # blocks of rows let the epilogue run on a block while it is in cache; a library GEMM with
+        # no epilogue is one call, as ATen would make it
+        br = self.s.gemm_block_rows if epilogue or generated else M
         blocks = -(-M // br)
         batch = node.type.shape[0] if batched else 1
         pa, pb = self.param(a.index), self.param(b.index)
@@ -453,13 +462,20 @@ class KernelWriter:
         worth = batch * M * N * K >= 16 * self.s.parallel_min_elements
         # ... and with blocks enough to share; else BLAS threads each block itself
         par = "#pragma omp for schedule(static)" if batch * blocks >= 4 and self.s.parallel_axis >= 0 and worth else ""
-        code = [
+        code = []
+        if generated:      # B's panels, shared by the threads: allocated before the parallel region
+            width = -(-self.s.gemm_nr // self.s.vector_width) * self.s.vector_width
+            floats = batch * -(-N // width) * width * K
+            code.append(f"float* restrict bp = (float*)aligned_alloc(64, {-(-floats // 16) * 64});")
+        code += [
             # serial: no parallel region at all (MKL in an inactive region starts threads per call)
             "#pragma omp parallel" if par else "", "{",
             f"  float* scratch = {'NULL' if keep else f'(float*)malloc(sizeof(float) * {br * N})'};",
             f"  const int n = {N}, k = {K}, lda = {lda}, ldb = {ldb}, ldc = {ldc};",
             "  const float one = 1.0f, zero = 0.0f;",
         ]
+        if generated:
+            code += [f"  {line}" for line in self.pack_b(pb, b.type.strides[-2:], sb, batch, N, K, par)]
         if par:
             code.append(f"  {par}")
         code += [
@@ -468,10 +484,11 @@ class KernelWriter:
             f"    const int rows = {M} - r0 < {br} ? (int)({M} - r0) : {br};",
             f"    float* c = {c_ptr};",
         ]
-        if self.s.gemm == "generated":
+        if generated:
+            panels = -(-N // width)
+            code.append(f"    const float* restrict bpb = bp + bi * {panels * K * width};")
             code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}",
-                                                                 f"{pb} + bi * {sb}", a.type.strides[-2:],
-                                                                 b.type.strides[-2:], N, K)]
+                                                                 a.type.strides[-2:], N, K)]
         else:
             code.append(f"    sgemm_(\"{tb}\", \"{ta}\", &n, &rows, &k, &one, {pb} + bi * {sb}, &ldb, "
                         f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}, &lda, &zero, c, &ldc);")
@@ -479,58 +496,72 @@ class KernelWriter:
             code.append(f"    const int64_t {self.idx[0]} = bi;")
         code += [f"    for (int64_t {i_row} = r0; {i_row} < r0 + rows; {i_row}++) {{"] + \
             [f"      {line}" for line in epi] + ["    }", "  }", "  free(scratch);", "}"]
-        return code
+        return code + (["free(bp);"] if generated else [])
 
 
-    def micro_kernel(self, a: str, b: str, sa: Sequence[int], sb: Sequence[int], N: int, K: int) -> list[str]:
-        """Our own GEMM for one block of `rows` rows into c: cache tiles of depth kc, register
-        tiles of mr x nr accumulators (full tiles get compile-time bounds, so the accumulators
-        live in SIMD registers), SIMD across the nr columns. A B whose columns are not contiguous
-        (a transposed weight) is first packed, kc rows at a time, into a contiguous panel."""
-        mr, nr, kc = self.s.gemm_mr, self.s.gemm_nr, self.s.gemm_kc
-        simd = _pragma_simd(replace(self.s, unroll=1))
-        packed = sb[1] != 1 and N > 1
-        b_at = f"bp[(kq - kk) * {N} + j + jj]" if packed else f"B[kq * {sb[0]} + (j + jj) * {sb[1]}]"
-
-        def tile(rows: str, cols: str) -> list[str]:
-            return [
-                f"float acc[{mr}][{nr}];",
-                f"for (int ii = 0; ii < {rows}; ii++) for (int jj = 0; jj < {cols}; jj++)",
-                "  acc[ii][jj] = kk == 0 ? 0.0f : c[(i + ii) * ldc + j + jj];",
-                "for (int64_t kq = kk; kq < kk + kn; kq++) {",
-                f"  #pragma GCC unroll {mr}",
-                f"  for (int ii = 0; ii < {rows}; ii++) {{",
-                f"    const float av = A[(i + ii) * {sa[0]} + kq * {sa[1]}];",
-                f"    {simd}",
-                f"    for (int jj = 0; jj < {cols}; jj++) acc[ii][jj] += av * {b_at};",
-                "  }", "}",
-                f"for (int ii = 0; ii < {rows}; ii++) for (int jj = 0; jj < {cols}; jj++)",
-                "  c[(i + ii) * ldc + j + jj] = acc[ii][jj];",
-            ]
-        full = tile(str(mr), str(nr))
-        edge = tile("mn", "nn")
-        # the panel is read along B's contiguous axis (its rows when sb[0] == 1)
-        pack = (["  for (int64_t jx = 0; jx < " f"{N}; jx++) for (int64_t kq = 0; kq < kn; kq++)",
-                 f"    bp[kq * {N} + jx] = B[(kk + kq) * {sb[0]} + jx * {sb[1]}];"] if sb[0] == 1 else
-                ["  for (int64_t kq = 0; kq < kn; kq++) for (int64_t jx = 0; jx < " f"{N}; jx++)",
-                 f"    bp[kq * {N} + jx] = B[(kk + kq) * {sb[0]} + jx * {sb[1]}];"]) if packed else []
+    def micro_kernel(self, a: str, sa: Sequence[int], N: int, K: int) -> list[str]:
+        """Our own GEMM for one block of `rows` rows of A into c, B already packed in `bp` (see
+        pack_b): for each cache tile of depth kc and each panel of W columns, register tiles of
+        mr rows x W columns, W = nr rounded up to whole vectors. The accumulators are named vector
+        variables (GCC vector extensions), so they live in registers and each depth step is mr
+        broadcasts, W / vw loads of B and mr * W / vw multiply-adds. A tile past the last row
+        repeats the last row and one past the last column reads B's zero padding: every tile runs
+        the same full-vector code, and only its store is cut to the block."""
+        mr, vw, kc = self.s.gemm_mr, self.s.vector_width, self.s.gemm_kc
+        nv = -(-self.s.gemm_nr // vw)
+        width, panels = nv * vw, -(-N // (nv * vw))
+        vec = f"tfsn_v{vw}"
+        accs = [f"c{ii}_{v}" for ii in range(mr) for v in range(nv)]
+        step = [f"      const {vec} b{v} = *(const {vec}*)(b + k * {width} + {v * vw});" for v in range(nv)]
+        for ii in range(mr):
+            step.append(f"      const float x{ii} = a{ii}[k * {sa[1]}];")
+            step += [f"      c{ii}_{v} += x{ii} * b{v};" for v in range(nv)]
+        store_full = [f"      {{ {vec}* o = ({vec}*)(c + (i + {ii}) * ldc + j + {v * vw}); "
+                      f"if (kk == 0) *o = c{ii}_{v}; else *o += c{ii}_{v}; }}" for ii in range(mr) for v in range(nv)]
+        store_edge = [f"      float t[{mr}][{width}];"] + \
+            [f"      *({vec}*)&t[{ii}][{v * vw}] = c{ii}_{v};" for ii in range(mr) for v in range(nv)] + \
+            ["      for (int ii = 0; ii < mn; ii++) for (int64_t jj = 0; jj < nn; jj++)",
+             "        c[(i + ii) * ldc + j + jj] = kk == 0 ? t[ii][jj] : c[(i + ii) * ldc + j + jj] + t[ii][jj];"]
         return [
-            f"const float* restrict A = {a};", f"const float* restrict B = {b};",
-            *([f"float* restrict bp = (float*)malloc(sizeof(float) * {min(kc, K) * N});"] if packed else []),
+            f"const float* restrict A = {a};",
             f"for (int64_t kk = 0; kk < {K}; kk += {kc}) {{",
             f"  const int64_t kn = {K} - kk < {kc} ? {K} - kk : {kc};",
-            *pack,
-            f"  for (int64_t i = 0; i < rows; i += {mr}) {{",
-            f"    const int mn = rows - i < {mr} ? rows - i : {mr};",
-            f"    for (int64_t j = 0; j < {N}; j += {nr}) {{",
-            f"      const int nn = {N} - j < {nr} ? (int)({N} - j) : {nr};",
-            f"      if (mn == {mr} && nn == {nr}) {{",
-            *[f"        {line}" for line in full],
+            f"  for (int64_t jp = 0; jp < {panels}; jp++) {{",
+            f"    const float* restrict b = bpb + (jp * {K} + kk) * {width};",
+            f"    const int64_t j = jp * {width}, nn = {N} - j < {width} ? {N} - j : {width};",
+            f"    for (int64_t i = 0; i < rows; i += {mr}) {{",
+            f"      const int mn = rows - i < {mr} ? (int)(rows - i) : {mr};",
+            *[f"      const float* restrict a{ii} = A + {f'(mn > {ii} ? i + {ii} : i)' if ii else 'i'} * {sa[0]}"
+              f" + kk * {sa[1]};" for ii in range(mr)],
+            f"      {vec} {' = {0}, '.join(accs)} = {{0}};",
+            "      for (int64_t k = 0; k < kn; k++) {",
+            *step,
+            "      }",
+            f"      if (mn == {mr} && nn == {width}) {{",
+            *store_full,
             "      } else {",
-            *[f"        {line}" for line in edge],
-            "      }", "    }", "  }", "}",
-            *(["free(bp);"] if packed else []),
+            *store_edge,
+            "      }",
+            "    }", "  }", "}",
         ]
+
+    def pack_b(self, b: str, sb: Sequence[int], sbatch: int, batch: int, N: int, K: int, par: str) -> list[str]:
+        """B of every batch into panels of W contiguous columns (W as in micro_kernel), zero past
+        the last column: the micro-kernel then reads B in one stream. Read along B's contiguous
+        axis (its rows when B is a transposed weight), the panels shared by all threads."""
+        vw = self.s.vector_width
+        width = -(-self.s.gemm_nr // vw) * vw
+        panels = -(-N // width)
+        src = f"{b}[bi * {sbatch} + kq * {sb[0]} + jx * {sb[1]}]"
+        dst = f"bp[((bi * {panels} + jp) * {K} + kq) * {width} + jj]"
+        inner = (["  for (int64_t jj = 0; jj < " f"{width}; jj++) for (int64_t kq = 0; kq < {K}; kq++) {{"]
+                 if sb[0] == 1 and sb[1] != 1 else
+                 [f"  for (int64_t kq = 0; kq < {K}; kq++) for (int64_t jj = 0; jj < {width}; jj++) {{"])
+        return ([par] if par else []) + (
+                [f"for (int64_t pj = 0; pj < {batch * panels}; pj++) {{",
+                 f"  const int64_t bi = pj / {panels}, jp = pj % {panels};"] + inner +
+                [f"    const int64_t jx = jp * {width} + jj;",
+                 f"    {dst} = jx < {N} ? {src} : 0.0f;", "  }", "}"])
 
 
 def gemm_operand(strides: Sequence[int], rows: int, cols: int) -> tuple[str, int]:

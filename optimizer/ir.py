@@ -67,8 +67,9 @@ class Node:
     params: dict = field(default_factory=dict)   # reductions: dims, keepdim, reduce
     users: list[int] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def inputs(self) -> list[int]:
+        """The nodes this one reads, once each (computed once: a node's args never change)."""
         found: list[int] = []
         torch.fx.node.map_aggregate((self.args, self.kwargs),
                                     lambda a: found.append(a.index) if isinstance(a, Ref) else None)

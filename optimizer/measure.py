@@ -1,7 +1,7 @@
 """Timing of candidate kernels on this machine: the last step of the search, and the ground truth
 of the cost model's accuracy benchmark.
 
-All variants of a group go into one C file (one gcc run), are called through ctypes on buffers of
+The variants are compiled by one gcc run per CPU at once (each a C file of whole groups), are called through ctypes on buffers of
 the group's real shapes and strides filled with random values, and are timed round-robin (each
 round times every variant once) so that a burst of noise on a shared machine hits all of them alike.
 A variant's time is its best round: other processes only ever add time, and a parallel kernel whose
@@ -10,7 +10,9 @@ second thread was descheduled by another process can take 10x longer in one roun
 from __future__ import annotations
 
 import ctypes
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -41,11 +43,21 @@ def build_variants(graph: Graph, group: Group, buffers: set[int], schedules: Seq
 
 def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule]]], buffers: set[int],
                  prefix: str = "v") -> list[tuple[list[Kernel], ctypes.CDLL]]:
-    """Several groups, each written once per schedule of its own, compiled as one library (one gcc run)."""
+    """Several groups, each written once per schedule of its own, compiled as one library per CPU
+    (gcc runs side by side, the groups split between them by source size)."""
     kernels = [[KernelWriter(graph, group, buffers, s, f"{prefix}{g}_{i}").write() for i, s in enumerate(schedules)]
                for g, (group, schedules) in enumerate(variants)]
-    lib = compiler.load_library(compiler.build_library(library_source([k for ks in kernels for k in ks])))
-    return [(ks, lib) for ks in kernels]
+    size = [sum(len(k.source) for k in ks) for ks in kernels]
+    chunks: list[list[int]] = [[] for _ in range(max(1, min(len(kernels), os.cpu_count() or 1)))]
+    for g in sorted(range(len(kernels)), key=lambda g: -size[g]):      # the largest into the lightest
+        min(chunks, key=lambda c: sum(size[i] for i in c)).append(g)
+    with ThreadPoolExecutor(len(chunks)) as pool:
+        paths = list(pool.map(lambda c: compiler.build_library(library_source([k for g in c for k in kernels[g]])),
+                              chunks))
+    libs: dict[int, ctypes.CDLL] = {}
+    for chunk, path in zip(chunks, paths):
+        libs.update(dict.fromkeys(chunk, compiler.load_library(path)))
+    return [(ks, libs[g]) for g, ks in enumerate(kernels)]
 
 
 def time_variants(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int = 5,

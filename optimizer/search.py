@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from optimizer import costmodel, features, fusion, measure, space
-from optimizer.codegen.c import Group, NotFusable
+from optimizer.codegen.c import Group, KernelWriter, NotFusable
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph, Kind
 from optimizer.schedule import DEFAULT, Schedule
@@ -195,12 +195,19 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
     """Each kernel's schedule: the model's pick, or the fastest measured of its top k."""
     results: list[KernelResult] = []
     timed: list[tuple[KernelResult, list[Schedule], list[float]]] = []
+    first: dict[str, KernelResult] = {}       # a kernel's code -> its first copy (layers repeat kernels)
+    copies: list[tuple[KernelResult, KernelResult]] = []
     for i, group in enumerate(plan.groups):
         if group.kind == "extern":
             continue
         cands, predicted = scorer.ranked(group, plan.buffers)
         result = KernelResult(i, float(predicted[0]), None, cands.schedule(0))
         results.append(result)
+        code = KernelWriter(graph, group, plan.buffers, DEFAULT, "k").write().source
+        if code in first:                     # the same loop nest on the same shapes: timed once
+            copies.append((result, first[code]))
+            continue
+        first[code] = result
         if top_k > 1 and predicted[0] >= MIN_TIMED_S:
             rows = _diverse_top(cands, predicted, top_k)
             timed.append((result, [cands.schedule(r) for r in rows], [float(predicted[r]) for r in rows]))
@@ -212,6 +219,8 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
             result.schedule, result.measured_s = picks[best], times[best]
             result.predicted_s = preds[best]
             result.timed = list(zip(preds, times))
+    for copy, original in copies:
+        copy.schedule, copy.measured_s, copy.predicted_s = original.schedule, original.measured_s, original.predicted_s
     return results
 
 

@@ -15,10 +15,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from optimizer import backend, fusion, ir, search
 from optimizer.backend import compile_graph, decompositions
-from optimizer.codegen.c import write_source
+from optimizer.codegen.c import KernelWriter, write_source
 from optimizer.codegen.compiler import build_library, load_library
 from optimizer.hardware import find_hardware, load_all
 from optimizer.runtime import CompiledGraph
+from optimizer.schedule import DEFAULT
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = load_all()["cpu-generic"]
@@ -59,6 +60,26 @@ def test_searched_plan_computes_what_eager_does():
     assert result.scored > 1000 and result.plans_scored >= 1 and math.isfinite(result.predicted_s)
     out = run_plan(graph, result.plan, result.schedules, args)
     for got, want in zip(out, mlp_step(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_kernel_repeated_by_layers_is_timed_once_and_shares_its_pick():
+    def two_layers(x, w1, w2):
+        return torch.tanh(x @ w1) @ w2, torch.tanh(x @ w2) @ w1      # the same GEMMs and tanh, twice
+    torch.manual_seed(0)
+    args = (torch.randn(256, 256), torch.randn(256, 256), torch.randn(256, 256))
+    _, graph = lowered(two_layers, args)
+    result = search.search_graph(graph, HOST, top_k=3, threads=torch.get_num_threads())
+    by_code = {}
+    for k in result.kernels:
+        code = KernelWriter(graph, result.plan.groups[k.group], result.plan.buffers, DEFAULT, "k").write().source
+        by_code.setdefault(code, []).append(k)
+    repeated = [ks for ks in by_code.values() if len(ks) > 1]
+    assert repeated, "the two layers share no kernel"
+    for ks in repeated:
+        assert sum(bool(k.timed) for k in ks) <= 1, "a repeated kernel was timed again"
+        assert len({k.schedule for k in ks}) == 1 and len({k.measured_s for k in ks}) == 1
+    for got, want in zip(run_plan(graph, result.plan, result.schedules, args), two_layers(*args)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -162,10 +162,20 @@ def _copy(ops, out, kw):
 
 
 def _nan_max(sign: str) -> Render:
-    # torch.maximum/minimum propagate NaN; a plain comparison would drop it.
+    # torch.maximum/minimum propagate NaN; a plain comparison would drop it. The two conditions
+    # are added, not ||-ed (a branch) nor |-ed: gcc 12 vectorizes neither of those in a chain of
+    # maxima (a 2x2 max pool ran scalar, mispredicting on random data)
     def render(ops, out, kw):
         a, b = (cast(o, out) for o in ops)
-        return f"(({a} {sign} {b} || {a} != {a}) ? {a} : {b})"
+        return f"((({a} {sign} {b}) + ({a} != {a})) ? {a} : {b})"
+    return render
+
+
+def _logical(sign: str) -> Render:
+    """and/or of truth values, both sides always evaluated (branch-free, as `_nan_max`)."""
+    def render(ops, out, kw):
+        a, b = (f"({o.expr} != 0)" for o in ops[:2])
+        return f"({a} {sign} {b})"
     return render
 
 
@@ -201,8 +211,7 @@ POINTWISE: dict[str, Render] = {
     "aten.gt.Tensor": _compare(">"), "aten.gt.Scalar": _compare(">"),
     "aten.ge.Tensor": _compare(">="), "aten.ge.Scalar": _compare(">="),
     "aten.logical_not.default": lambda o, out, kw: f"(!{o[0].expr})",
-    "aten.logical_and.default": lambda o, out, kw: f"({o[0].expr} && {o[1].expr})",
-    "aten.logical_or.default": lambda o, out, kw: f"({o[0].expr} || {o[1].expr})",
+    "aten.logical_and.default": _logical("&"), "aten.logical_or.default": _logical("|"),
     "aten.bitwise_and.Tensor": lambda o, out, kw: f"({cast(o[0], out)} & {cast(o[1], out)})",
     "aten.bitwise_or.Tensor": lambda o, out, kw: f"({cast(o[0], out)} | {cast(o[1], out)})",
     "aten.bitwise_not.default": lambda o, out, kw: f"(!{o[0].expr})" if out == "bool" else f"(~{o[0].expr})",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from optimizer import pooling
 from optimizer.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(EXTRA_DECOMPOSITIONS))
+    table.update(pooling.DECOMPOSITIONS)
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     return table

@@ -192,6 +192,42 @@ def test_fp32_math_calls_the_float_functions_and_matches_torch():
     torch.testing.assert_close(run(gm, [x]), fn(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel, shape", [((2, 2), (2, 3, 8, 10)), ((3, 3), (1, 2, 9, 6)), ((2, 1), (2, 2, 4, 5))])
+def test_tiling_max_pool_is_generated_and_exactly_atens(kernel, shape):
+    """Values and indices equal ATen's bit for bit: ties (a ReLU's zeros) keep the first maximum of
+    the window, a NaN wins (the last one of its window); the gradient through the indices too."""
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(shape))
+    x[0, 0, 0, 0] = x[0, 1, 1, 0] = x[-1, -1, -1, -1] = float("nan")
+
+    def pool(x):
+        return torch.ops.aten.max_pool2d_with_indices(x, list(kernel))
+    gm, graph, plan = trace(pool, x)
+    assert "max_pool2d_with_indices" not in {graph.nodes[n].op.split(".")[1] for g in plan.groups
+                                             if g.kind == "extern" for n in g.nodes}, fusion.describe(graph, plan)
+    values, indices = run(gm, [x])
+    want_values, want_indices = pool(x)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(indices, want_indices)
+
+    leaf = x.clone().requires_grad_()
+    eager = torch.nn.functional.max_pool2d(leaf, kernel)
+    grad = torch.randn(eager.shape)
+    want = torch.autograd.grad(eager, leaf, grad)[0]
+    leaf2 = x.clone().requires_grad_()
+    compiled = torch.compile(lambda t: torch.nn.functional.max_pool2d(t, kernel), backend=make_backend(top_k=1))
+    got = torch.autograd.grad(compiled(leaf2), leaf2, grad)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_overlapping_or_padded_max_pool_stays_aten():
+    x = torch.randn(2, 3, 9, 9)
+    for fn in (lambda x: F.max_pool2d(x, 3, stride=2), lambda x: F.max_pool2d(x, 2, padding=1)):
+        gm, graph, plan = trace(fn, x)
+        assert any("max_pool2d" in graph.nodes[n].op for g in plan.groups if g.kind == "extern" for n in g.nodes)
+        torch.testing.assert_close(run(gm, [x]), fn(x))
+
+
 def test_a_bad_schedule_is_one_clear_error():
     with pytest.raises(ValueError, match="Schedule.gemm is 'mkl'; use 'library' or 'generated'"):
         Schedule(gemm="mkl")

@@ -285,6 +285,71 @@ def reshape_index(src: Sequence[int], dst: Sequence[int], idx: Sequence[str]) ->
     return tuple(out)
 
 
+def _atomic(e: str) -> bool:
+    """An identifier, a number, or one parenthesized whole: safe to read as the L of `L/D`."""
+    if e.isidentifier() or e.isdigit():
+        return True
+    if not (e.startswith("(") and e.endswith(")")):
+        return False
+    depth = 0
+    for k, ch in enumerate(e):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return k == len(e) - 1
+    return False
+
+
+def _split(e: str) -> tuple[str, int, int | None] | None:
+    """(L, D, n) when index `e` is `(L/D)%n` as reshape_index writes it (D = 1: `(L)%n`; n = None:
+    the outermost `L/D`), else None."""
+    if e.endswith(")") or "%" not in e and "/" not in e:
+        return None
+    n = None
+    if "%" in e:
+        head, _, tail = e.rpartition("%")
+        if not tail.isdigit() or not _atomic(head):
+            return None
+        e, n = head[1:-1], int(tail)
+        if "/" not in e:
+            return (_paren(e), 1, n) if _atomic(_paren(e)) else None
+    head, _, tail = e.rpartition("/")
+    if not tail.isdigit() or not _atomic(head):
+        return (_paren(e), 1, n) if n is not None and _atomic(_paren(e)) else None
+    return head, int(tail), n
+
+
+def fold_splits(terms: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Index terms (index, stride) with the divisions of a reshape undone where the strides allow:
+    `(L/D)%n * s + (L/(D*n)) * (s*n)` is `(L/D) * s`. A [B, T, C] tensor read as [B*T, C] is then
+    `i0*C` again, not `(i0/T)*(T*C) + (i0%T)*C`: two divisions less per element (per row in a
+    column reduction, which ran 2 ms for a [1392, 768] bias gradient)."""
+    parts: list[list] = []
+    rest: list[tuple[str, int]] = []
+    for e, stride in terms:
+        form = _split(e)
+        if form is None:
+            rest.append((e, stride))
+        else:
+            parts.append([*form, stride])
+    merged = True
+    while merged:
+        merged = False
+        for a in parts:
+            for b in parts:
+                if a is not b and a[0] == b[0] and a[2] is not None and b[1] == a[1] * a[2] and b[3] == a[3] * a[2]:
+                    a[2] = None if b[2] is None else a[2] * b[2]
+                    parts.remove(b)
+                    merged = True
+                    break
+            if merged:
+                break
+    for L, D, n, stride in parts:
+        e = L if D == 1 else f"{L}/{D}"
+        rest.append((e if n is None else f"({e})%{n}", stride))
+    return rest
+
+
 def view_index(graph: Graph, node: Node, idx: Sequence[str]) -> tuple[int, tuple[str, ...]]:
     """The producer and the producer's index that `node`'s element `idx` reads."""
     base = node.args[0].index

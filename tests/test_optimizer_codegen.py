@@ -341,3 +341,30 @@ def test_generated_exp_is_accurate_and_handles_special_values():
     assert (y[~normal & torch.isfinite(ref)] <= 2.6e-38).all(), "tiny results flush to (near) zero"
     assert y[-7].item() == 0.0 and y[-6].item() == float("inf") and torch.isnan(y[-5])
     assert y[-2].item() == pytest.approx(ref[-2].item(), rel=1e-6) and y[-1].item() == float("inf")
+
+
+@pytest.mark.parametrize("shape, strides, want", [
+    ((12, 116, 768), (89088, 768, 1), "i0*768"),          # [B, T, C] read as [B*T, C]: contiguous, no division
+    ((12, 116, 768), (768, 9216, 1), "/116"),             # T and B swapped in memory: the division stays
+])
+def test_a_merged_view_of_contiguous_dims_indexes_without_division(shape, strides, want):
+    x = torch.empty_strided(shape, strides).normal_()
+
+    def fn(x):
+        return x.reshape(-1, shape[-1]).sum(0)
+    gm, graph, plan = trace(fn, x)
+    source, _ = c.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+    assert want in source, source
+    torch.testing.assert_close(run(gm, [x]), fn(x), rtol=1e-4, atol=1e-3)
+
+
+def test_fold_splits_undoes_only_divisions_the_strides_allow():
+    idx = ir.reshape_index((2, 3, 4, 5), (120,), ("r",))
+    assert ir.fold_splits(list(zip(idx, (60, 20, 5, 1)))) == [("r", 1)]
+    # dims 2 and 3 swapped in memory: only the outer pair folds
+    assert sorted(ir.fold_splits(list(zip(idx, (60, 20, 1, 4))))) == [("(r)%5", 4), ("(r/5)%4", 1), ("r/20", 20)]
+    values = {"r": 77}
+    for strides in ((60, 20, 5, 1), (60, 20, 1, 4), (1, 2, 6, 24)):
+        exact = sum(eval(e.replace("/", "//"), {}, values) * s for e, s in zip(idx, strides))
+        folded = sum(eval(e.replace("/", "//"), {}, values) * s for e, s in ir.fold_splits(list(zip(idx, strides))))
+        assert folded == exact

@@ -14,7 +14,7 @@ from math import prod
 from typing import Sequence
 
 from optimizer.codegen.c_ops import CTYPES, NONE, POINTWISE, Operand, literal
-from optimizer.ir import Graph, Kind, Node, Ref, add_terms, broadcast_index, mul, view_index
+from optimizer.ir import Graph, Kind, Node, Ref, add_terms, broadcast_index, fold_splits, mul, view_index
 from optimizer.schedule import Schedule
 
 PRELUDE = """#include <stdint.h>
@@ -133,7 +133,7 @@ def _value_ctype(node: Node) -> str:
 
 def _offset(node: Node, idx: Sequence[str]) -> str:
     t = node.type
-    return add_terms([mul(e, s) for e, s, n in zip(idx, t.strides, t.shape) if n != 1])
+    return add_terms([mul(e, s) for e, s in fold_splits([(e, s) for e, s, n in zip(idx, t.strides, t.shape) if n != 1])])
 
 
 def _pragma_simd(s: Schedule, clauses: str = "") -> str:

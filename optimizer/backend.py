@@ -179,7 +179,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     return CompiledGraph(graph, plan.groups, kernels, lib)
 
 
-SEARCH_VERSION = "2"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "3"      # bump when the search or the model changes what a cached result means
 
 
 def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[Plan, list[Schedule]]:

@@ -281,8 +281,10 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     panels = np.ceil(n / width)
     acc = mr * b_vectors
     slots = np.ceil(lanes / chip.lanes)
+    # + the loop's own step (counter, pointers, branch): hidden behind many accumulators, a quarter
+    # of a 4-accumulator tile's step, which runs at its latency bound with no slack
     step = np.maximum.reduce([acc * slots / VECTOR_PIPES, (b_vectors * slots + mr) / LOAD_PORTS,
-                              np.full_like(acc, ADD_LATENCY)])
+                              np.full_like(acc, ADD_LATENCY)]) + LOOP_OVERHEAD
     step = np.where(acc + b_vectors + 1 > VECTOR_REGISTERS, step * SPILL_FACTOR, step)
     tiles = np.ceil(br / mr) * panels
     edge_elements = (np.mod(br, mr) > 0) * panels * mr * width + (np.mod(n, width) > 0) * np.ceil(br / mr) * mr * width

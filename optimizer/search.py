@@ -226,13 +226,17 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
 
 def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int) -> list[int]:
     """Rows to time (`cands` sorted by prediction): first the best of each vector width and GEMM
-    kind predicted within NEAR_BEST of the best, then the next best. Why: the model cannot tell a
+    kind (and tile depth) predicted within NEAR_BEST of the best, then the next best. Why: the model cannot tell a
     512-bit vector run on 256-bit pipes from a native one, nor how well gcc vectorizes a loop of
     mixed types; close calls between such classes are settled by the clock, not by the model."""
     near = predicted <= predicted[0] * NEAR_BEST
     picks, classes = [], set()
+    # a generated GEMM's tiles also by how many accumulators they keep in flight (< 8, 8-15, 16+):
+    # the latency of a thin tile is as close a call as its vector width
+    chains = np.where(cands.generated > 0,
+                      np.minimum(cands.mr * np.ceil(cands.nr / cands.vector_width) // 8, 2), 0)
     for r in np.flatnonzero(near):
-        cls = (cands.vector_width[r], cands.generated[r])
+        cls = (cands.vector_width[r], cands.generated[r], chains[r])
         if cls not in classes:
             classes.add(cls)
             picks.append(int(r))

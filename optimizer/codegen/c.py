@@ -3,8 +3,8 @@ expressions inlined into it, shaped by a Schedule.
 
 Three loop shapes: pointwise (outer loops in parallel, the last axis SIMD), row reduction (per
 row of kept indices: one pass per stage of reductions, then one pass for the pointwise members
-that use them, so LayerNorm or softmax reads its row from cache), and GEMM (BLAS sgemm on a block
-of rows, then the epilogue on that block while it is in cache).
+that use them, so LayerNorm or softmax reads its row from cache), and GEMM (BLAS sgemm or our
+micro-kernel on a block of rows, then the epilogue on that block while it is in cache).
 """
 from __future__ import annotations
 
@@ -428,8 +428,9 @@ class KernelWriter:
         return found
 
     def gemm(self) -> list[str]:
-        """C = A @ B by BLAS on blocks of rows, each followed by the epilogue on that block.
-        Row-major operands are column-major transposes, so sgemm computes C^T = B^T A^T."""
+        """C = A @ B on blocks of rows (BLAS, or micro_kernel on B packed once), each followed by
+        the epilogue on that block. Row-major operands are column-major transposes, so sgemm
+        computes C^T = B^T A^T."""
         mm, *epilogue = self.group.nodes
         node = self.g.nodes[mm]
         a, b = (self.g.nodes[r.index] for r in node.args[:2])

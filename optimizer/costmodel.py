@@ -295,8 +295,9 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     # per block: each B panel (kc x W) is streamed once per row tile, the block of A (rows x kc) once per panel
     b_traffic = np.ceil(br / mr) * depth * panels * width * 4.0
     a_traffic = panels * br * depth * 4.0
-    gen_memory = blocks * share * (b_traffic / chip.level_bandwidth(kc * width * 4.0, threads * 0 + 1.0)
-                                   + a_traffic / chip.level_bandwidth(br * kc * 4.0, threads * 0 + 1.0))
+    one = np.ones_like(threads)            # the busiest thread's own traffic, at one core's bandwidth
+    gen_memory = blocks * share * (b_traffic / chip.level_bandwidth(kc * width * 4.0, one)
+                                   + a_traffic / chip.level_bandwidth(br * kc * 4.0, one))
     generated = np.maximum(gen_compute, gen_memory) + pack_cycles / chip.clock
     product = np.where(cand.generated > 0, generated, library)
     # the epilogue: the pointwise part of the features, on blocks the product just left in cache

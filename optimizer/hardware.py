@@ -105,8 +105,9 @@ def _calibration_fields(data: dict, source: str) -> dict[str, Any]:
     if "library_gemm_efficiency" in data:
         value = _number(data["library_gemm_efficiency"], f"{source}: library_gemm_efficiency")
         if value > 1.5:
-            raise HardwareSpecError(f"{source}: library_gemm_efficiency: {value} is a fraction of the FMA peak; "
-                                    "To fix: write a number in (0, 1], e.g. 0.85")
+            raise HardwareSpecError(f"{source}: library_gemm_efficiency: {value} is a fraction of the FMA peak "
+                                    "(above 1 only when the BLAS beats the calibrated FMA loop). "
+                                    "To fix: write a number in (0, 1.5], e.g. 0.85")
         found["library_gemm_efficiency"] = value
     if "cpu_model" in data:
         if not isinstance(data["cpu_model"], str):

@@ -48,7 +48,8 @@ def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule
     kernels = [[KernelWriter(graph, group, buffers, s, f"{prefix}{g}_{i}").write() for i, s in enumerate(schedules)]
                for g, (group, schedules) in enumerate(variants)]
     size = [sum(len(k.source) for k in ks) for ks in kernels]
-    chunks: list[list[int]] = [[] for _ in range(max(1, min(len(kernels), os.cpu_count() or 1)))]
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    chunks: list[list[int]] = [[] for _ in range(max(1, min(len(kernels), cpus)))]
     for g in sorted(range(len(kernels)), key=lambda g: -size[g]):      # the largest into the lightest
         min(chunks, key=lambda c: sum(size[i] for i in c)).append(g)
     with ThreadPoolExecutor(len(chunks)) as pool:

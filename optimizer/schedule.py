@@ -34,6 +34,9 @@ class Schedule:
             raise ValueError(f"Schedule.vector_width is {self.vector_width}; use one of {VECTOR_WIDTHS}")
         if self.gemm not in ("library", "generated"):
             raise ValueError(f"Schedule.gemm is {self.gemm!r}; use 'library' or 'generated'")
+        if self.gemm == "generated" and self.vector_width == 1:
+            raise ValueError("Schedule.vector_width is 1 with gemm='generated'; the generated GEMM's register "
+                             "tiles are SIMD vectors: use vector_width 4, 8 or 16")
         for knob in ("vector_width", "unroll", "gemm_block_rows", "gemm_mr", "gemm_nr", "gemm_kc", "column_block"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"Schedule.{knob} is {getattr(self, knob)}; it must be at least 1")

@@ -178,6 +178,16 @@ def test_generated_gemm_matches_torch_on_every_layout_and_edge(schedule, layout)
         torch.testing.assert_close(run(gm, [a, b, bias], schedule=schedule), fn(a, b, bias), rtol=1e-4, atol=1e-4)
 
 
+def test_maximum_and_minimum_keep_nan_and_the_first_operand_on_ties():
+    a = torch.tensor([-0.0, 0.0, float("nan"), 1.0, 2.0, -1.0])
+    b = torch.tensor([0.0, -0.0, 1.0, float("nan"), 1.0, 3.0])
+    for fn in (torch.maximum, torch.minimum):
+        gm, graph, plan = trace(lambda a, b: fn(a, b) * 1.0, a, b)
+        got, want = run(gm, [a, b]), fn(a, b)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 def test_fp32_math_calls_the_float_functions_and_matches_torch():
     """tanh/erf/log of a float tensor call tanhf/erff/logf (libmvec's SIMD versions where glibc has
     them), not the double ones: GELU's tanh was a scalar double call per element."""
@@ -199,6 +209,8 @@ def test_tiling_max_pool_is_generated_and_exactly_atens(kernel, shape):
     torch.manual_seed(0)
     x = torch.relu(torch.randn(shape))
     x[0, 0, 0, 0] = x[0, 1, 1, 0] = x[-1, -1, -1, -1] = float("nan")
+    x[-1, 0, :kernel[0], :kernel[1]] = 0.0
+    x[-1, 0, 0, 1 % kernel[1]] = -0.0        # a signed-zero tie: ATen keeps the first, +0.0
 
     def pool(x):
         return torch.ops.aten.max_pool2d_with_indices(x, list(kernel))
@@ -208,6 +220,7 @@ def test_tiling_max_pool_is_generated_and_exactly_atens(kernel, shape):
     values, indices = run(gm, [x])
     want_values, want_indices = pool(x)
     torch.testing.assert_close(values, want_values, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(values), torch.signbit(want_values))
     assert torch.equal(indices, want_indices)
 
     leaf = x.clone().requires_grad_()
@@ -233,6 +246,8 @@ def test_a_bad_schedule_is_one_clear_error():
         Schedule(gemm="mkl")
     with pytest.raises(ValueError, match="Schedule.gemm_mr is 0; it must be at least 1"):
         Schedule(gemm_mr=0)
+    with pytest.raises(ValueError, match="vector_width is 1 with gemm='generated'"):
+        Schedule(gemm="generated", vector_width=1)
 
 
 def test_schedule_knobs_reach_the_source():

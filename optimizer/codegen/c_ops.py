@@ -162,8 +162,9 @@ def _copy(ops, out, kw):
 
 
 def _nan_max(sign: str) -> Render:
-    # torch.maximum/minimum propagate NaN; a plain comparison would drop it. The two conditions
-    # are added, not ||-ed (a branch) nor |-ed: gcc 12 vectorizes neither of those in a chain of
+    # torch.maximum/minimum propagate NaN (a plain comparison would drop it) and return their
+    # first operand on a tie (-0.0 vs 0.0 keeps its sign), hence >= / <=. The two conditions are
+    # added, not ||-ed (a branch) nor |-ed: gcc 12 vectorizes neither of those in a chain of
     # maxima (a 2x2 max pool ran scalar, mispredicting on random data)
     def render(ops, out, kw):
         a, b = (cast(o, out) for o in ops)
@@ -199,7 +200,7 @@ POINTWISE: dict[str, Render] = {
     "aten.sign.default": _unary("(({a} > 0) - ({a} < 0))"),
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
     "prims.fma.default": lambda o, out, kw: f"({cast(o[0], out)} * {cast(o[1], out)} + {cast(o[2], out)})",
-    "aten.maximum.default": _nan_max(">"), "aten.minimum.default": _nan_max("<"),
+    "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),
     "aten.clamp.default": _clamp,

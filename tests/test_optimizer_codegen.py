@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optimizer import cache, fusion, ir
+from optimizer import backend, cache, fusion, ir
 from optimizer.backend import compile_graph, decompositions, make_backend
 from optimizer.codegen import c
 from optimizer.codegen.compiler import build_library, host_flags, load_library
@@ -49,7 +49,11 @@ def ops(graph, plan, group) -> set[str]:
 
 
 def run(gm, inputs, **options):
+    """The graph compiled and run; a graph whose generated code failed to build (and so ran as
+    ATen, right but silently unoptimized) fails the test instead."""
+    before = backend.STATS["aten_graphs"]
     out = compile_graph(gm, inputs, **options)(list(inputs))
+    assert backend.STATS["aten_graphs"] == before + (options.get("fuse") is False), "the graph ran as ATen"
     return out[0] if len(out) == 1 else out
 
 

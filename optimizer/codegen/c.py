@@ -18,6 +18,7 @@ from optimizer.ir import Graph, Kind, Node, Ref, add_terms, broadcast_index, fol
 from optimizer.schedule import Schedule
 
 PRELUDE = """#include <stdint.h>
+#include <stdio.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +53,23 @@ static inline __attribute__((always_inline)) float tfsn_expf(float x) {
 #else
 #define TFSN_WIDTH(bits)
 #endif
+/* The generated GEMM's packed B: one buffer per calling thread, kept and grown, never freed. Why
+   not malloc per call: a panel of a few hundred KiB is an mmap, and its page faults were paid
+   again on every call of the step. */
+static __thread float* tfsn_panel;
+static __thread size_t tfsn_panel_floats;
+static float* tfsn_panels(size_t floats) {
+  if (floats > tfsn_panel_floats) {
+    free(tfsn_panel);
+    tfsn_panel = (float*)aligned_alloc(64, (floats + 15) / 16 * 64);
+    if (tfsn_panel == NULL) {
+      fprintf(stderr, "tfsn: out of memory packing a GEMM operand (%zu floats)\\n", floats);
+      abort();
+    }
+    tfsn_panel_floats = floats;
+  }
+  return tfsn_panel;
+}
 /* whole SIMD vectors for the generated GEMM's register tiles (unaligned, may alias floats) */
 typedef float tfsn_v4 __attribute__((vector_size(16), aligned(4), may_alias));
 typedef float tfsn_v8 __attribute__((vector_size(32), aligned(4), may_alias));
@@ -467,7 +485,7 @@ class KernelWriter:
         if generated:      # B's panels, shared by the threads: allocated before the parallel region
             width = -(-self.s.gemm_nr // self.s.vector_width) * self.s.vector_width
             floats = batch * -(-N // width) * width * K
-            code.append(f"float* restrict bp = (float*)aligned_alloc(64, {-(-floats // 16) * 64});")
+            code.append(f"float* restrict bp = tfsn_panels({floats});")
         code += [
             # serial: no parallel region at all (MKL in an inactive region starts threads per call)
             "#pragma omp parallel" if par else "", "{",
@@ -497,7 +515,7 @@ class KernelWriter:
             code.append(f"    const int64_t {self.idx[0]} = bi;")
         code += [f"    for (int64_t {i_row} = r0; {i_row} < r0 + rows; {i_row}++) {{"] + \
             [f"      {line}" for line in epi] + ["    }", "  }", "  free(scratch);", "}"]
-        return code + (["free(bp);"] if generated else [])
+        return code
 
 
     def micro_kernel(self, a: str, sa: Sequence[int], N: int, K: int) -> list[str]:

@@ -160,16 +160,37 @@ CREATE TABLE IF NOT EXISTS ranks (
 """
 
 _JSON_FIELDS = ("spec", "plan", "blocked", "health")   # job fields stored as JSON text
-# Columns added after the first release of the schema, for stores made before them.
-_ADDED_COLUMNS = {
-    "jobs": {"plan": "plan TEXT NOT NULL DEFAULT '[]'", "blocked": "blocked TEXT NOT NULL DEFAULT '[]'",
-             "health": "health TEXT NOT NULL DEFAULT '{}'"},
-    "nodes": {"offer": "offer TEXT", "spot": "spot INTEGER NOT NULL DEFAULT 0",
-              "addr": "addr TEXT NOT NULL DEFAULT ''", "host": "host TEXT NOT NULL DEFAULT ''",
-              "provisioned_at": "provisioned_at REAL",
-              # nodes of a store made before this column: their termination was taken as confirmed then
-              "released": "released INTEGER NOT NULL DEFAULT 1"},
+# For a store made by an older tfsn, a column the schema has and the store lacks is added with its
+# definition in _SCHEMA (so a new column can never be forgotten here), except where an older
+# store needs another default than a new one.
+_OLD_STORE_DEFAULTS = {
+    # nodes of a store made before this column: their termination was taken as confirmed then
+    ("nodes", "released"): "released INTEGER NOT NULL DEFAULT 1",
 }
+
+
+def _schema_columns() -> dict[str, dict[str, str]]:
+    """Every table's column definitions in _SCHEMA, by name, in order."""
+    tables: dict[str, dict[str, str]] = {}
+    for statement in _SCHEMA.split(";"):
+        head, _, body = statement.partition("(")
+        words = head.split()
+        if words[:2] != ["CREATE", "TABLE"]:
+            continue
+        columns: dict[str, str] = {}
+        depth, part = 0, ""
+        for ch in body.rsplit(")", 1)[0] + ",":
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "," and depth == 0:
+                name = part.split()[0] if part.split() else ""
+                if name and name.upper() not in ("PRIMARY", "FOREIGN", "UNIQUE", "CHECK"):
+                    columns[name] = part.strip()
+                part = ""
+            else:
+                part += ch
+        tables[words[-1]] = columns
+    return tables
 
 
 @dataclass(frozen=True)
@@ -224,10 +245,11 @@ class Store:
 
     def _migrate(self) -> None:
         """Add the columns that a store made by an older tfsn lacks, so upgrading never loses its jobs."""
-        for table, columns in _ADDED_COLUMNS.items():
+        for table, columns in _schema_columns().items():
             have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
             for name, definition in columns.items():
                 if name not in have:
+                    definition = _OLD_STORE_DEFAULTS.get((table, name), definition)
                     try:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {definition}")
                     except sqlite3.OperationalError as err:   # another process added it just now

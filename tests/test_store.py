@@ -108,6 +108,36 @@ def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
     assert store.node("old-1-n1").offer == {"zone": "us-east-1b"} and store.node("old-1-n1").spot is True
 
 
+def test_a_store_from_before_checkpoint_requests_opens_and_launches(db):
+    """A store made before the checkpoint and replacement columns (one was on this very machine's
+    ~/.tfsn): every column of the schema it lacks is added, none listed by hand."""
+    import sqlite3
+
+    old = sqlite3.connect(db)
+    old.executescript("""
+        CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, state TEXT NOT NULL,
+            spec TEXT NOT NULL, spec_path TEXT NOT NULL, token TEXT NOT NULL, created_at REAL NOT NULL,
+            updated_at REAL NOT NULL, attempt INTEGER NOT NULL DEFAULT 0, attempt_state TEXT NOT NULL DEFAULT 'idle',
+            attempt_changed_at REAL NOT NULL DEFAULT 0, attempt_started_at REAL NOT NULL DEFAULT 0,
+            master_port INTEGER NOT NULL DEFAULT 0, restarts INTEGER NOT NULL DEFAULT 0,
+            stop_requested INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
+            last_failure TEXT NOT NULL DEFAULT '', step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL,
+            restored_step INTEGER, checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '',
+            finished_at REAL, plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]',
+            health TEXT NOT NULL DEFAULT '{}');
+        INSERT INTO jobs (name, state, spec, spec_path, token, created_at, updated_at)
+            VALUES ('old', 'SUCCEEDED', '{"name": "old"}', '/x.yaml', 't', 1, 1);
+    """)
+    old.commit()
+    old.close()
+    store = Store(db)
+    job = store.job(1)
+    assert job.state == JobState.SUCCEEDED and job.checkpoint_at == 0 and job.checkpoint_request == 0
+    new = store.create_job("new", {"name": "new"}, "/y.yaml", "t2")
+    store.update_job(new.id, checkpoint_at=5.0)
+    assert store.job(new.id).checkpoint_at == 5.0 and [j.name for j in store.jobs()] == ["old", "new"]
+
+
 def test_reserved_job_ids_are_never_given_to_a_new_job_and_a_reservation_never_lowers_them(db):
     """An operator restoring jobs from TfsnJobs reserves their ids first: a job admitted meanwhile
     must not take an id a job still to be restored holds."""

@@ -60,7 +60,6 @@ GATHER_PER_LANE = 0.6           # cycles per lane of a vector gather (Intel: ~1 
 SPILL_FACTOR = 1.6              # slowdown of a micro-kernel whose accumulators spill to the stack
 PACK_CYCLES = 3.0               # cycles per element copied into a packed B panel: a transposing copy whose stores
                                 # stride by N (fitted to one gemm_c measurement of costmodel_accuracy)
-EDGE_FACTOR = 3.0               # slowdown of an edge tile (runtime bounds: no register accumulators)
 LIBRARY_TILE_ROWS = 8           # rows per library micro-tile (edge waste below a multiple of it)
 LIBRARY_CALL_US = 1.0           # one BLAS call's own overhead, microseconds (argument checks, dispatch)
 FLAT_ROW = 16                   # elements a 1-D loop's "row" stands for (features.py)

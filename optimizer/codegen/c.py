@@ -9,7 +9,7 @@ micro-kernel on a block of rows, then the epilogue on that block while it is in 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
@@ -483,9 +483,8 @@ class KernelWriter:
         par = "#pragma omp for schedule(static)" if batch * blocks >= 4 and self.s.parallel_axis >= 0 and worth else ""
         code = []
         if generated:      # B's panels, shared by the threads: allocated before the parallel region
-            width = -(-self.s.gemm_nr // self.s.vector_width) * self.s.vector_width
-            floats = batch * -(-N // width) * width * K
-            code.append(f"float* restrict bp = tfsn_panels({floats});")
+            width, panels = self.panels(N)
+            code.append(f"float* restrict bp = tfsn_panels({batch * panels * width * K});")
         code += [
             # serial: no parallel region at all (MKL in an inactive region starts threads per call)
             "#pragma omp parallel" if par else "", "{",
@@ -504,7 +503,6 @@ class KernelWriter:
             f"    float* c = {c_ptr};",
         ]
         if generated:
-            panels = -(-N // width)
             code.append(f"    const float* restrict bpb = bp + bi * {panels * K * width};")
             code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}",
                                                                  a.type.strides[-2:], N, K)]
@@ -527,8 +525,8 @@ class KernelWriter:
         repeats the last row and one past the last column reads B's zero padding: every tile runs
         the same full-vector code, and only its store is cut to the block."""
         mr, vw, kc = self.s.gemm_mr, self.s.vector_width, self.s.gemm_kc
-        nv = -(-self.s.gemm_nr // vw)
-        width, panels = nv * vw, -(-N // (nv * vw))
+        width, panels = self.panels(N)
+        nv = width // vw
         vec = f"tfsn_v{vw}"
         accs = [f"c{ii}_{v}" for ii in range(mr) for v in range(nv)]
         step = [f"      const {vec} b{v} = *(const {vec}*)(b + k * {width} + {v * vw});" for v in range(nv)]
@@ -564,16 +562,21 @@ class KernelWriter:
             "    }", "  }", "}",
         ]
 
+    def panels(self, N: int) -> tuple[int, int]:
+        """The generated GEMM's B panels: their width W (gemm_nr rounded up to whole vectors) and
+        how many cover N columns."""
+        vw = self.s.vector_width
+        width = -(-self.s.gemm_nr // vw) * vw
+        return width, -(-N // width)
+
     def pack_b(self, b: str, sb: Sequence[int], sbatch: int, batch: int, N: int, K: int, par: str) -> list[str]:
         """B of every batch into panels of W contiguous columns (W as in micro_kernel), zero past
         the last column: the micro-kernel then reads B in one stream. Read along B's contiguous
         axis (its rows when B is a transposed weight), the panels shared by all threads."""
-        vw = self.s.vector_width
-        width = -(-self.s.gemm_nr // vw) * vw
-        panels = -(-N // width)
+        width, panels = self.panels(N)
         src = f"{b}[bi * {sbatch} + kq * {sb[0]} + jx * {sb[1]}]"
         dst = f"bp[((bi * {panels} + jp) * {K} + kq) * {width} + jj]"
-        inner = (["  for (int64_t jj = 0; jj < " f"{width}; jj++) for (int64_t kq = 0; kq < {K}; kq++) {{"]
+        inner = ([f"  for (int64_t jj = 0; jj < {width}; jj++) for (int64_t kq = 0; kq < {K}; kq++) {{"]
                  if sb[0] == 1 and sb[1] != 1 else
                  [f"  for (int64_t kq = 0; kq < {K}; kq++) for (int64_t jj = 0; jj < {width}; jj++) {{"])
         return ([par] if par else []) + (

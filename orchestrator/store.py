@@ -170,27 +170,19 @@ _OLD_STORE_DEFAULTS = {
 
 
 def _schema_columns() -> dict[str, dict[str, str]]:
-    """Every table's column definitions in _SCHEMA, by name, in order."""
-    tables: dict[str, dict[str, str]] = {}
-    for statement in _SCHEMA.split(";"):
-        head, _, body = statement.partition("(")
-        words = head.split()
-        if words[:2] != ["CREATE", "TABLE"]:
-            continue
-        columns: dict[str, str] = {}
-        depth, part = 0, ""
-        for ch in body.rsplit(")", 1)[0] + ",":
-            depth += ch == "("
-            depth -= ch == ")"
-            if ch == "," and depth == 0:
-                name = part.split()[0] if part.split() else ""
-                if name and name.upper() not in ("PRIMARY", "FOREIGN", "UNIQUE", "CHECK"):
-                    columns[name] = part.strip()
-                part = ""
-            else:
-                part += ch
-        tables[words[-1]] = columns
-    return tables
+    """Every table's column definitions in _SCHEMA, by name: SQLite itself reads the schema (into
+    a database in memory) and says each column's type, NOT NULL and default."""
+    db = sqlite3.connect(":memory:")
+    try:
+        db.executescript(_SCHEMA)
+        tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                  if not row[0].startswith("sqlite_")]
+        return {table: {name: f"{name} {ctype}" + (" NOT NULL" if notnull else "")
+                        + ("" if default is None else f" DEFAULT {default}")
+                        for _, name, ctype, notnull, default, _ in db.execute(f"PRAGMA table_info({table})")}
+                for table in tables}
+    finally:
+        db.close()
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,9 @@ def test_promote_node_only_from_the_expected_state(db):
     assert store.node("n").state == NodeState.FAILED
 
 
-def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
+def old_store(db, rest: str) -> None:
+    """A store as an older tfsn made it: the first release's jobs columns, then `rest` (the later
+    columns that older tfsn had, the closing parenthesis, other tables and rows)."""
     import sqlite3
 
     old = sqlite3.connect(db)
@@ -85,7 +87,13 @@ def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
             stop_requested INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
             last_failure TEXT NOT NULL DEFAULT '', step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL,
             restored_step INTEGER, checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '',
-            finished_at REAL, checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
+            finished_at REAL""" + rest)
+    old.commit()
+    old.close()
+
+
+def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
+    old_store(db, """, checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
             pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT '');
         CREATE TABLE nodes (id TEXT PRIMARY KEY, job_id INTEGER NOT NULL, rank INTEGER, provider TEXT NOT NULL,
             state TEXT NOT NULL, handle TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
@@ -95,8 +103,6 @@ def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
         INSERT INTO nodes (id, job_id, rank, provider, state, created_at, updated_at)
             VALUES ('old-1-n0', 1, 0, 'local', 'READY', 1, 1);
     """)
-    old.commit()
-    old.close()
     store = Store(db)
     job = store.job(1)
     assert job.state == JobState.RUNNING and job.plan == [] and job.blocked == []
@@ -111,25 +117,11 @@ def test_a_store_from_before_the_planner_opens_with_its_jobs_and_nodes(db):
 def test_a_store_from_before_checkpoint_requests_opens_and_launches(db):
     """A store made before the checkpoint and replacement columns (one was on this very machine's
     ~/.tfsn): every column of the schema it lacks is added, none listed by hand."""
-    import sqlite3
-
-    old = sqlite3.connect(db)
-    old.executescript("""
-        CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, state TEXT NOT NULL,
-            spec TEXT NOT NULL, spec_path TEXT NOT NULL, token TEXT NOT NULL, created_at REAL NOT NULL,
-            updated_at REAL NOT NULL, attempt INTEGER NOT NULL DEFAULT 0, attempt_state TEXT NOT NULL DEFAULT 'idle',
-            attempt_changed_at REAL NOT NULL DEFAULT 0, attempt_started_at REAL NOT NULL DEFAULT 0,
-            master_port INTEGER NOT NULL DEFAULT 0, restarts INTEGER NOT NULL DEFAULT 0,
-            stop_requested INTEGER NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '',
-            last_failure TEXT NOT NULL DEFAULT '', step INTEGER NOT NULL DEFAULT 0, loss REAL, step_time REAL,
-            restored_step INTEGER, checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '',
-            finished_at REAL, plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]',
+    old_store(db, """, plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]',
             health TEXT NOT NULL DEFAULT '{}');
         INSERT INTO jobs (name, state, spec, spec_path, token, created_at, updated_at)
             VALUES ('old', 'SUCCEEDED', '{"name": "old"}', '/x.yaml', 't', 1, 1);
     """)
-    old.commit()
-    old.close()
     store = Store(db)
     job = store.job(1)
     assert job.state == JobState.SUCCEEDED and job.checkpoint_at == 0 and job.checkpoint_request == 0

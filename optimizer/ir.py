@@ -331,20 +331,17 @@ def fold_splits(terms: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         if form is None:
             rest.append((e, stride))
         else:
-            parts.append([*form, stride])
-    merged = True
-    while merged:
-        merged = False
-        for a in parts:
-            for b in parts:
-                if a is not b and a[0] == b[0] and a[2] is not None and b[1] == a[1] * a[2] and b[3] == a[3] * a[2]:
-                    a[2] = None if b[2] is None else a[2] * b[2]
-                    parts.remove(b)
-                    merged = True
-                    break
-            if merged:
-                break
-    for L, D, n, stride in parts:
+            parts.append([*form, stride, len(parts)])
+    # a run's pieces of one L, by increasing D, each one's D the previous one's D * n: one pass
+    kept: list[list] = []
+    for part in sorted(parts, key=lambda p: (p[0], p[1])):
+        last = kept[-1] if kept else None
+        if last and last[0] == part[0] and last[2] is not None and part[1] == last[1] * last[2] \
+                and part[3] == last[3] * last[2]:
+            last[2] = None if part[2] is None else last[2] * part[2]
+        else:
+            kept.append(part)
+    for L, D, n, stride, _ in sorted(kept, key=lambda p: p[4]):        # in the order they came
         e = L if D == 1 else f"{L}/{D}"
         rest.append((e if n is None else f"({e})%{n}", stride))
     return rest

@@ -168,7 +168,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan:\n%s", fusion.describe(graph, plan))
     try:
-        source, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules)
+        source, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
     except (c.NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
@@ -176,10 +176,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         return make_boxed_func(gm.forward)
     STATS["graphs"] += 1
     STATS["kernels"] += sum(k is not None for k in kernels)
-    return CompiledGraph(graph, plan.groups, kernels, lib)
+    return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
 
 
-SEARCH_VERSION = "3"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "4"      # bump when the search or the model changes what a cached result means
 
 
 def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[Plan, list[Schedule]]:
@@ -243,8 +243,10 @@ def make_backend(**options: Any) -> Callable:
 
     compiler = functools.partial(compile_graph, **options)
     partition_fn = partition if schedule is not None or options.get("fuse") is False else searched_partition()
+    # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
+    # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
-                        decompositions=decompositions)
+                        decompositions=decompositions, keep_inference_input_mutations=True)
 
 
 def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

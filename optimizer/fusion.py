@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from optimizer.codegen.c import Group, KernelWriter, NotFusable, gemm_fits, row_shapes
 from optimizer.codegen.c_ops import EXPENSIVE
-from optimizer.ir import Graph, Kind, Ref
+from optimizer.ir import Graph, Kind, Node, Ref
 from optimizer.schedule import DEFAULT
 
 INLINE_MAX_COST = 12         # a value read several times is recomputed (not stored) up to this cost;
@@ -25,6 +25,7 @@ INLINE_MAX_COST = 12         # a value read several times is recomputed (not sto
 class Plan:
     groups: list[Group]      # execution order
     buffers: set[int]        # nodes whose value is written to memory by a kernel
+    inplace: dict[int, int] = field(default_factory=dict)   # value -> graph input it is written over
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,9 @@ def choose_buffers(graph: Graph, need: set[int]) -> set[int]:
         if node.kind != Kind.POINTWISE or node.index in buffers:
             continue
         readers = compute_readers(graph, node.index)
-        broadcast = any(graph.nodes[r].type.numel > node.type.numel for r in readers if r >= 0)
+        # a value broadcast to its readers is stored once rather than recomputed per element; not a
+        # single element: the C writer computes that once per kernel, before its loops
+        broadcast = node.type.numel > 1 and any(graph.nodes[r].type.numel > node.type.numel for r in readers if r >= 0)
         if len(readers) > 1 and (cost[node.index] > INLINE_MAX_COST or broadcast and cost[node.index] > 1):
             buffers.add(node.index)
     return buffers
@@ -156,9 +159,9 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
         for n in group.nodes:
             owner.pop(n, None)
 
-    def close_owners(deps, keep: _Open | None = None) -> None:
+    def close_owners(deps, keep: _Open | None = None, everything: bool = False) -> None:
         for g in list(open_groups):
-            if g is not keep and any(owner.get(d) is g for d in deps):
+            if g is not keep and (everything or any(owner.get(d) is g for d in deps)):
                 close(g)
 
     def fits(group: _Open, n: int) -> bool:
@@ -169,7 +172,7 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             return False
         return True
 
-    for node in graph.nodes:
+    for node in scalars_first(graph):
         n = node.index
         if node.kind == Kind.INPUT or (node.kind == Kind.POINTWISE and n not in buffers):
             continue
@@ -180,7 +183,9 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             continue
         deps = reads(n)
         if node.kind == Kind.EXTERN or (node.kind == Kind.MATMUL and not (gemm and gemm_fits(graph, n))):
-            close_owners(deps)
+            # an op that writes over a tensor (copy_ into an input) runs after every kernel before it,
+            # since one still open may read the old value
+            close_owners(deps, everything=_mutates(node))
             groups.append(Group("extern", (n,)))
             continue
         if node.kind == Kind.MATMUL:
@@ -198,7 +203,7 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
         for g in reversed(open_groups):
             same = g.domain == domain and (reduced is None or (g.kind == "kernel" and g.reduced == reduced)) \
                 or reduced is None and g.kind == "kernel" and domain in row_shapes(g.domain, g.reduced)
-            related = any(owner.get(d) is g for d in deps) or bool(g.reads & deps)
+            related = any(owner.get(d) is g for d in deps) or bool(g.reads & deps) or domain == ()
             split = g.kind == "gemm" and g.nodes[0] in choice.split
             if same and related and not split and fits(g, n):
                 joined = g
@@ -224,7 +229,95 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
         for i, g in gemms:
             if readers.get(g.nodes[0], []) == [i]:
                 buffers.discard(g.nodes[0])
+    result.inplace = in_place_writes(graph, groups, buffers)
     return result
+
+
+COPY_INTO = "aten.copy_.default"
+
+
+def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dict[int, int]:
+    """The input mutations (`copy_(input, value)` at the end of a graph: the optimizer's updates of
+    parameters and moments, BatchNorm's running stats) whose value the kernel computing it can
+    write straight over the input, with the copy_ steps so replaced removed from `groups`.
+
+    Why: a copy per mutated tensor per step, and a buffer allocated for each new value, cost as
+    much as the update itself on a small model. Safe only when no step after that kernel reads the
+    input's old value (directly or through a view), the kernel reads it only at the element it
+    writes, before writing it (KernelWriter checks that), and neither the input nor the value is
+    also a graph output."""
+    outputs = {o.index for o in graph.outputs if isinstance(o, Ref)}
+    step_of = {n: k for k, g in enumerate(groups) if g.kind != "extern" for n in g.nodes}
+    reads = [_base_reads(graph, buffers, g) for g in groups]
+    done: dict[int, int] = {}
+    removed: set[int] = set()
+    for copy in graph.nodes:
+        if copy.op != COPY_INTO or copy.kind != Kind.EXTERN or len(copy.args) < 2 or copy.users:
+            continue
+        dst, src = (a.index if isinstance(a, Ref) else None for a in copy.args[:2])
+        if dst is None or src is None or dst in done.values() or src in done or dst in outputs or src in outputs:
+            continue
+        target, value = graph.nodes[dst], graph.nodes[src]
+        k = step_of.get(src)
+        if target.kind != Kind.INPUT or value.kind != Kind.POINTWISE or value.type != target.type or k is None:
+            continue
+        group = groups[k]
+        if group.kind != "kernel" or group.reduced or group.domain != value.type.shape or src not in buffers:
+            continue
+        later = any(dst in reads[j] for j in range(k + 1, len(groups)) if groups[j].nodes != (copy.index,))
+        if later or _views_escape(graph, dst, outputs):
+            continue
+        trial = {**{v: t for v, t in done.items() if v in group.nodes}, src: dst}
+        try:
+            KernelWriter(graph, group, buffers, DEFAULT, "trial", trial).write()
+        except NotFusable:
+            continue
+        done[src] = dst
+        removed.add(copy.index)
+    groups[:] = [g for g in groups if not (g.kind == "extern" and g.nodes[0] in removed)]
+    return done
+
+
+def _base_reads(graph: Graph, buffers: set[int], group: Group) -> set[int]:
+    """Every value a step reads, and through views the values those views are of."""
+    found: set[int] = set()
+    todo = [i for n in fused_nodes(graph, buffers, group) for i in graph.nodes[n].inputs]
+    while todo:
+        i = todo.pop()
+        if i not in found:
+            found.add(i)
+            if graph.nodes[i].kind == Kind.VIEW:
+                todo += graph.nodes[i].inputs
+    return found
+
+
+def _views_escape(graph: Graph, n: int, outputs: set[int]) -> bool:
+    """Whether a view of n is a graph output (it would show the value written over n)."""
+    todo = list(graph.nodes[n].users)
+    while todo:
+        u = todo.pop()
+        if u < 0 or u in outputs:
+            return True
+        if graph.nodes[u].kind == Kind.VIEW:
+            todo += graph.nodes[u].users
+    return False
+
+
+def _mutates(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def scalars_first(graph: Graph) -> list[Node]:
+    """The nodes in an order that runs first every single-element pointwise value computed from inputs
+    alone (the optimizer's step counts and bias corrections, one set per parameter), so that they
+    share one kernel instead of a call each between the parameters' updates."""
+    scalar: set[int] = set()
+    for node in graph.nodes:
+        if node.kind == Kind.POINTWISE and node.type.shape == () and all(
+                graph.nodes[i].kind == Kind.INPUT or i in scalar for i in node.inputs):
+            scalar.add(node.index)
+    return [graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar]
 
 
 def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:

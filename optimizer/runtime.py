@@ -42,15 +42,17 @@ class CompiledGraph:
     """A callable with AOTAutograd's boxed convention (one list of inputs, cleared on entry)."""
 
     def __init__(self, graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None],
-                 lib: ctypes.CDLL | None) -> None:
+                 lib: ctypes.CDLL | None, inplace: dict[int, int] | None = None) -> None:
         self._boxed_call = True     # on the instance: dynamo's wrappers copy __dict__, not class attributes
         self.size = len(graph)
         self.inputs = list(graph.inputs)
         self.outputs = list(graph.outputs)
+        inplace = inplace or {}
         kernel_params = {p for k in kernels if k is not None for p in k.params}
         from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
         self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
-        self.input_checks = [(i, self.checked[i]) for i in self.inputs if i in self.checked]
+        # (slot, strides wanted, whether a kernel writes over it: then a copy made to conform is copied back)
+        self.input_checks = [(i, self.checked[i], i in inplace.values()) for i in self.inputs if i in self.checked]
         self.steps: list[Step] = []
         uses: list[set[int]] = []
         for group, kernel in zip(groups, kernels):
@@ -59,7 +61,7 @@ class CompiledGraph:
                 self.steps.append(self._extern(node.index, node.target, node.args, node.kwargs))
                 uses.append(set(node.inputs))
             else:
-                self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name)))
+                self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name), inplace))
                 uses.append(set(kernel.params))
         if os.environ.get("TFSN_PROFILE"):
             names = [f"{k.name} {lib._name}" if k is not None else "" for k in kernels]
@@ -84,11 +86,13 @@ class CompiledGraph:
         return step
 
     @staticmethod
-    def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any) -> Step:
+    def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any, inplace: dict[int, int]) -> Step:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
         allocs = [(n, graph.nodes[n].type.shape, graph.nodes[n].type.strides,
-                   getattr(torch, graph.nodes[n].type.dtype)) for n in kernel.outputs]
+                   getattr(torch, graph.nodes[n].type.dtype)) for n in kernel.outputs
+                  if graph.nodes[n].kind != Kind.INPUT]
+        aliases = [(n, i) for n, i in inplace.items() if n in group.nodes]   # a value now held by its input
         params = kernel.params
         empty = any(d == 0 for d in group.domain)
 
@@ -97,6 +101,8 @@ class CompiledGraph:
                 env[n] = torch.empty_strided(shape, strides, dtype=dtype)
             if not empty:
                 fn(*[env[p].data_ptr() for p in params])
+            for n, i in aliases:
+                env[n] = env[i]
         return step
 
     def __call__(self, args: list) -> list:
@@ -104,12 +110,18 @@ class CompiledGraph:
         for slot, value in zip(self.inputs, args):
             env[slot] = value
         args.clear()
-        for slot, want in self.input_checks:
-            env[slot] = _conform(env[slot], want)
+        write_back = []
+        for slot, want, written in self.input_checks:
+            given = env[slot]
+            env[slot] = _conform(given, want)
+            if written and env[slot] is not given:
+                write_back.append((given, env[slot]))
         for step, free in zip(self.steps, self.free_after):
             step(env)
             for slot in free:
                 env[slot] = None
+        for given, conformed in write_back:
+            given.copy_(conformed)
         return [env[o.index] if isinstance(o, Ref) else o for o in self.outputs]
 
 

@@ -387,3 +387,50 @@ def test_fold_splits_undoes_only_divisions_the_strides_allow():
         exact = sum(eval(e.replace("/", "//"), {}, values) * s for e, s in zip(idx, strides))
         folded = sum(eval(e.replace("/", "//"), {}, values) * s for e, s in ir.fold_splits(list(zip(idx, strides))))
         assert folded == exact
+
+
+def trace_mutation(fn, *inputs):
+    """fn's graph as AOTAutograd hands it over when it keeps input mutations: functional ops,
+    then one copy_ into each mutated input at the end."""
+    gm = make_fx(torch.func.functionalize(fn, remove="mutations"), decomposition_table=decompositions())(*inputs)
+    graph = ir.from_fx(gm)
+    return gm, graph, fusion.plan(graph)
+
+
+def copies(graph, plan) -> int:
+    return sum(g.kind == "extern" and graph.nodes[g.nodes[0]].op == fusion.COPY_INTO for g in plan.groups)
+
+
+def momentum_update(p, g, m):
+    m.mul_(0.9).add_(g, alpha=0.1)
+    p.sub_(m * 0.01 + p * 1e-3)
+
+
+def test_an_update_writes_over_its_inputs_with_no_copy():
+    p, g, m = torch.randn(7, 13), torch.randn(7, 13), torch.randn(7, 13)
+    gm, graph, plan = trace_mutation(momentum_update, p, g, m)
+    assert sorted(plan.inplace.values()) == graph.inputs[:1] + graph.inputs[2:] and copies(graph, plan) == 0, \
+        fusion.describe(graph, plan)
+    want_p, want_m = p.clone(), m.clone()
+    momentum_update(want_p, g, want_m)
+    # p arrives transposed-contiguous, not as traced: the kernel writes a conformed copy, copied back
+    p_t = p.t().contiguous().t()
+    run(gm, [p_t, g, m])
+    torch.testing.assert_close(p_t, want_p)
+    torch.testing.assert_close(m, want_m)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: (x.add(1), x.mul_(2))[0].sum(),     # the old x summed by a kernel after the one writing x
+    lambda x: (x.copy_(x.t() * 2), None)[1],      # x read at another element than the one written
+], ids=["read-later", "read-elsewhere"])
+def test_an_input_read_after_or_beside_its_write_keeps_its_copy(fn):
+    x = torch.randn(9, 9)
+    gm, graph, plan = trace_mutation(fn, x.clone())
+    assert plan.inplace == {} and copies(graph, plan) == 1, fusion.describe(graph, plan)
+    want_x = x.clone()
+    want = fn(want_x)
+    got = run(gm, [x])
+    torch.testing.assert_close(x, want_x)
+    if want is not None:
+        torch.testing.assert_close(got, want)

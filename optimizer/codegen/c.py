@@ -175,9 +175,13 @@ def _attributes(s: Schedule) -> str:
 class KernelWriter:
     """Writes one group as a C function. Raises NotFusable when the group cannot be one loop nest."""
 
-    def __init__(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule, name: str) -> None:
+    def __init__(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule, name: str,
+                 inplace: dict[int, int] | None = None) -> None:
         self.g, self.group, self.buffers, self.s, self.name = graph, group, buffers, schedule, name
+        self.inplace = inplace or {}              # member -> the graph input its value is written over
+        self.written: set[int] = set()            # inputs this body has already written over
         self.members = set(group.nodes)
+        self.targets = {i for n, i in self.inplace.items() if n in self.members}
         self.params: dict[int, str] = {}
         self.outputs: list[int] = []
         self.lines: list[str] = []
@@ -196,8 +200,8 @@ class KernelWriter:
     def param(self, n: int, output: bool = False) -> str:
         if n not in self.params:
             self.params[n] = f"p{len(self.params)}"
-            if output:
-                self.outputs.append(n)
+        if output and n not in self.outputs:
+            self.outputs.append(n)
         return self.params[n]
 
     def emit(self, ctype: str, expr: str, hoist: bool = False) -> str:
@@ -238,6 +242,8 @@ class KernelWriter:
                 raise NotFusable(f"{node.name} is read at another index, or before it is computed")
         elif n in self.buffers or node.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL, Kind.REDUCE):
             offset = _offset(node, idx)
+            if n in self.targets and (n in self.written or offset != _offset(node, self.idx)):
+                raise NotFusable(f"{node.name} is read after, or elsewhere than, where this kernel writes over it")
             self.loads.append((n, offset))
             value = self.emit(_ctype(node), f"{self.param(n)}[{offset}]", hoist)
         elif node.kind == Kind.VIEW:
@@ -270,7 +276,15 @@ class KernelWriter:
             else self.load(n, self.idx)
         self.locals[n] = value
         if n in self.buffers:
-            self.lines.append(f"{self.param(n, output=True)}[{_offset(node, self.idx)}] = {value};")
+            self.lines.append(self.store(n, self.idx, value))
+
+    def store(self, n: int, idx: tuple[str, ...], value: str) -> str:
+        """The C statement that writes member n's value at idx: to its own buffer, or over the graph
+        input it replaces (an in-place update: the optimizer's parameters, BatchNorm's running stats)."""
+        target = self.inplace.get(n, n)
+        if target != n:
+            self.written.add(target)
+        return f"{self.param(target, output=True)}[{_offset(self.g.nodes[target], idx)}] = {value};"
 
     # ---- loop nests ----
     def body(self, members: Sequence[int]) -> list[str]:
@@ -380,8 +394,7 @@ class KernelWriter:
                 var = value(f"row{node.index}", _ctype(node))
                 self.lines.append(f"{var} = {self.expression(node, self.row_index(node))};")
                 if node.index in self.buffers:
-                    self.lines.append(f"{self.param(node.index, output=True)}"
-                                      f"[{_offset(node, self.row_index(node))}] = {var};")
+                    self.lines.append(self.store(node.index, self.row_index(node), var))
                 row += per_row(self.lines)
                 self.row[node.index] = var
                 continue
@@ -400,7 +413,7 @@ class KernelWriter:
                 clauses.append(f" reduction({ {'sum': '+', 'mean': '+'}.get(op, op)}:{acc})")
                 red = value(f"red{n}", ct)
                 finish.append(f"{red} = {acc}{'' if op != 'mean' else f' / {count}'};")
-                finish.append(f"{self.param(n, output=True)}[{_offset(node, self.row_index(node))}] = {red};")
+                finish.append(self.store(n, self.row_index(node), red))
                 self.row[n] = red
             row += over_reduced(self.lines, "".join(clauses))
             row += per_row(finish)
@@ -614,13 +627,14 @@ def gemm_fits(graph: Graph, mm: int) -> bool:
     return True
 
 
-def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int],
-                 schedules: Sequence[Schedule]) -> tuple[str, list[Kernel | None]]:
-    """One C file for a whole graph (one compile, one shared object); None for extern groups."""
+def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],
+                 inplace: dict[int, int] | None = None) -> tuple[str, list[Kernel | None]]:
+    """One C file for a whole graph (one compile, one shared object); None for extern groups.
+    `inplace` (member -> graph input) are values written over an input instead of a buffer of their own."""
     kernels: list[Kernel | None] = []
     for i, (group, schedule) in enumerate(zip(groups, schedules)):
         kernels.append(None if group.kind == "extern" else
-                       KernelWriter(graph, group, buffers, schedule, f"k{i}").write())
+                       KernelWriter(graph, group, buffers, schedule, f"k{i}", inplace).write())
     return library_source(kernels), kernels
 
 

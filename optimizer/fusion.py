@@ -177,7 +177,7 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
         if node.kind == Kind.INPUT or (node.kind == Kind.POINTWISE and n not in buffers):
             continue
         if node.kind == Kind.VIEW:
-            if n in need:        # a view some extern reads: a torch view of its base
+            if n in need and not pointer_view(graph, n, gemm):   # a view some extern reads: a torch view of its base
                 close_owners(reads(n))
                 groups.append(Group("extern", (n,)))
             continue
@@ -303,6 +303,26 @@ def _views_escape(graph: Graph, n: int, outputs: set[int]) -> bool:
     return False
 
 
+# views that keep their base's first element (no slice or select), so a view's data pointer is its base's
+POINTER_VIEWS = {"aten.permute.default", "aten.t.default", "aten.transpose.int", "aten.view.default",
+                 "aten._unsafe_view.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+                 "aten.squeeze.default", "aten.expand.default", "aten.alias.default"}
+
+
+def pointer_view(graph: Graph, n: int, gemm: bool = True) -> bool:
+    """Whether view n (a transposed weight, a batch of rows seen as a matrix) needs no torch view at
+    run time: it starts where its base does and only kernels read it, the generated GEMMs from its
+    base's data pointer with the view's strides (see runtime.view_roots). Why: an ATen permute or view
+    call costs about as much as a small kernel, and the backward of a linear layer has several."""
+    root = graph.nodes[n]
+    while root.kind == Kind.VIEW:
+        if root.op not in POINTER_VIEWS:
+            return False
+        root = graph.nodes[root.args[0].index]
+    return all(r >= 0 and (graph.nodes[r].kind in (Kind.POINTWISE, Kind.REDUCE) or graph.nodes[r].kind == Kind.MATMUL
+                           and gemm and gemm_fits(graph, r)) for r in compute_readers(graph, n))
+
+
 def _mutates(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is not None and schema.is_mutable
@@ -339,7 +359,7 @@ def describe(graph: Graph, plan: Plan) -> str:
     for i, g in enumerate(plan.groups):
         ops = ", ".join(f"{graph.nodes[n].name}={graph.nodes[n].op.removeprefix('aten.')}"
                         + ("*" if n in plan.buffers else "") for n in fused_nodes(graph, plan.buffers, g)
-                        if graph.nodes[n].kind != Kind.VIEW)
+                        if graph.nodes[n].kind != Kind.VIEW or g.kind == "extern")
         shape = f" domain={list(g.domain)}" + (f" reduce={list(g.reduced)}" if g.reduced else "")
         lines.append(f"{i:3d} {g.kind:6s}{shape if g.kind != 'extern' else ''}  {ops}")
     return "\n".join(lines)

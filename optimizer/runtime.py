@@ -38,6 +38,19 @@ def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
     return torch.empty_strided(want.shape, want.strides, dtype=t.dtype).copy_(t)
 
 
+def view_roots(graph: Graph, kernels: Sequence[Kernel | None]) -> dict[int, int]:
+    """Kernel parameters that are views (fusion.pointer_view: no torch view is made of them) and the
+    tensor whose data pointer each is passed: its base, or its base's base."""
+    roots = {}
+    for p in {p for k in kernels if k is not None for p in k.params}:
+        root = p
+        while graph.nodes[root].kind == Kind.VIEW:
+            root = graph.nodes[root].args[0].index
+        if root != p:
+            roots[p] = root
+    return roots
+
+
 class CompiledGraph:
     """A callable with AOTAutograd's boxed convention (one list of inputs, cleared on entry)."""
 
@@ -48,7 +61,8 @@ class CompiledGraph:
         self.inputs = list(graph.inputs)
         self.outputs = list(graph.outputs)
         inplace = inplace or {}
-        kernel_params = {p for k in kernels if k is not None for p in k.params}
+        roots = view_roots(graph, kernels)
+        kernel_params = {roots.get(p, p) for k in kernels if k is not None for p in k.params}
         from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
         self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
         # (slot, strides wanted, whether a kernel writes over it: then a copy made to conform is copied back)
@@ -61,8 +75,8 @@ class CompiledGraph:
                 self.steps.append(self._extern(node.index, node.target, node.args, node.kwargs))
                 uses.append(set(node.inputs))
             else:
-                self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name), inplace))
-                uses.append(set(kernel.params))
+                self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name), inplace, roots))
+                uses.append({roots.get(p, p) for p in kernel.params})
         if os.environ.get("TFSN_PROFILE"):
             names = [f"{k.name} {lib._name}" if k is not None else "" for k in kernels]
             self.steps = [_profiled(step, f"{describe(graph, group)} {name}")
@@ -86,14 +100,15 @@ class CompiledGraph:
         return step
 
     @staticmethod
-    def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any, inplace: dict[int, int]) -> Step:
+    def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any, inplace: dict[int, int],
+                roots: dict[int, int]) -> Step:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
         allocs = [(n, graph.nodes[n].type.shape, graph.nodes[n].type.strides,
                    getattr(torch, graph.nodes[n].type.dtype)) for n in kernel.outputs
                   if graph.nodes[n].kind != Kind.INPUT]
         aliases = [(n, i) for n, i in inplace.items() if n in group.nodes]   # a value now held by its input
-        params = kernel.params
+        params = [roots.get(p, p) for p in kernel.params]
         empty = any(d == 0 for d in group.domain)
 
         def step(env: list) -> None:

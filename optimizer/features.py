@@ -51,19 +51,18 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
     writer = KernelWriter(graph, group, buffers, DEFAULT, "features")
     kernel = writer.write()
     dom = group.domain
-    last = len(dom) - 1
     members = set(fused_nodes(graph, buffers, group))
     if group.kind == "gemm":
         return _gemm_features(graph, group, writer, kernel, members)
     reduced = group.reduced
+    last = writer.order[-1] if dom else 0          # the axis innermost in memory
     column = bool(reduced) and last not in reduced
-    inner_axis = max(reduced) if reduced and not column else last
-    inner = dom[inner_axis] if dom else 1
+    var, inner = writer.inner_loop
     elements = float(prod(dom))
     if not reduced:
-        rows = float(prod(dom[:-1])) if len(dom) > 1 else max(elements / FLAT_ROW, 1.0)
+        rows = elements / inner if len(dom) > 1 else max(elements / FLAT_ROW, 1.0)
     else:
-        kept = [d for d in range(len(dom)) if d not in reduced]
+        kept = [d for d in writer.order if d not in reduced]
         rows = float(prod(dom[d] for d in (kept[:-1] if column else kept)))
     ops = math = row_ops = 0.0
     for n in members:
@@ -79,7 +78,6 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
     reads = [p for p in kernel.params if p not in kernel.outputs]
     read_bytes = sum(_bytes(graph, p) for p in reads)
     write_bytes = sum(_bytes(graph, p) for p in kernel.outputs)
-    var = f"i{inner_axis}"
     strided = set()
     for n, offset in writer.loads:
         if inner > 1 and _inner_stride(offset, var) not in (0, 1):

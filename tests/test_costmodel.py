@@ -54,11 +54,14 @@ def test_features_of_softmax_layernorm_and_a_linear_layer():
 
 
 def test_a_transposed_read_is_seen_as_strided():
-    x = torch.randn(300, 200)
-    _, _, _, (copy,) = lowered(lambda x: x.t() + 1.0, x)
-    assert copy.strided_bytes == copy.read_bytes > 0
+    x, y = torch.randn(300, 200), torch.randn(200, 300)
+    # the loops follow the output's layout (x's, transposed): y is the operand read across its rows
+    _, _, _, (mixed,) = lowered(lambda x, y: x.t() * y, x, y)
+    assert mixed.strided_bytes == y.numel() * 4 and mixed.read_bytes == 2 * y.numel() * 4
     _, _, _, (plain,) = lowered(lambda x: x + 1.0, x)
     assert plain.strided_bytes == 0
+    _, _, _, (transposed,) = lowered(lambda x: x.t() + 1.0, x)   # read and written in x's order
+    assert transposed.strided_bytes == 0
 
 
 def test_predictions_move_with_each_knob_as_the_machine_does():

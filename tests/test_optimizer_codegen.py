@@ -434,3 +434,25 @@ def test_an_input_read_after_or_beside_its_write_keeps_its_copy(fn):
     torch.testing.assert_close(x, want_x)
     if want is not None:
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "sliced"])
+def test_loops_follow_the_layout_and_merge_short_axes(layout):
+    x = torch.randn(4, 12, 26, 26)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced":
+        x = torch.randn(4, 12, 26, 30)[..., 2:28]
+
+    def fn(x):
+        return F.relu(x) * 2, (x * x).sum(dim=(0, 2, 3))
+    gm, graph, plan = trace(fn, x)
+    source, _ = c.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+    if layout == "contiguous":        # rows of 26 are contiguous: one loop of 26 x 26 per (batch, channel)
+        assert "m2 < 676;" in source and "m1 < 8112;" in source, source
+    elif layout == "channels_last":   # channels innermost, as they lie in memory
+        assert "const int64_t i1 = jb + j;" in source, source
+    else:                             # rows 30 apart: no merged loop, whose index would need a division
+        assert "m2" not in source and "i3 < 26;" in source, source
+    for got, want in zip(run(gm, [x]), fn(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -87,6 +87,10 @@ SIMD_MATH = "#ifdef TFSN_LIBMVEC\n" + "".join(
     for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos")) + "#endif\n"
 
 
+MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
+_UNFOLDED = re.compile(r"\bm\d+\)?[/%]")     # a merged loop's index still divided in some offset
+
+
 class NotFusable(Exception):
     """The group as given cannot be one loop nest (a member read at another index, ...)."""
 
@@ -179,16 +183,23 @@ class KernelWriter:
                  inplace: dict[int, int] | None = None) -> None:
         self.g, self.group, self.buffers, self.s, self.name = graph, group, buffers, schedule, name
         self.inplace = inplace or {}              # member -> the graph input its value is written over
-        self.written: set[int] = set()            # inputs this body has already written over
         self.members = set(group.nodes)
         self.targets = {i for n, i in self.inplace.items() if n in self.members}
+        self.order = self.memory_order()          # the domain's axes, outermost first, as loops nest them
+        self.merging = True
+        self.reset()
+
+    def reset(self) -> None:
+        """The state of one writing of the group (write() may write it twice, see there)."""
+        self.written: set[int] = set()            # inputs this body has already written over
+        self.runs: dict[int, tuple[int, ...]] = {}    # axes run by one loop: its outermost axis -> the axes
         self.params: dict[int, str] = {}
         self.outputs: list[int] = []
         self.lines: list[str] = []
         self.cse: dict[tuple, str] = {}
         self.locals: dict[int, str] = {}          # members already computed at the current index
         self.row: dict[int, str] = {}             # per-row values (reductions, mean, rstd) of the current row
-        self.idx: tuple[str, ...] = tuple(f"i{d}" for d in range(len(group.domain)))
+        self.idx: tuple[str, ...] = tuple(f"i{d}" for d in range(len(self.group.domain)))
         self.gemm_value: str | None = None
         self.tmp = 0
         self.prologue: list[str] = []             # loop-invariant values (scalars), computed once
@@ -311,26 +322,112 @@ class KernelWriter:
 
     def loops(self, dims: Sequence[int], inner: list[str], simd: str) -> list[str]:
         """Nested loops over `dims` (the last one SIMD) around `inner`; the values of `inner` that do
-        not change along the SIMD loop are computed once before it."""
+        not change along the SIMD loop are computed once before it. Axes merged by `merge` are one loop."""
+        merged = {d for run in self.runs.values() for d in run[1:]}
+        nest = [(f"m{d}", prod(self.group.domain[a] for a in self.runs[d])) if d in self.runs
+                else (f"i{d}", self.group.domain[d]) for d in dims if d not in merged]
         code = inner
-        for k, d in enumerate(reversed(dims)):
+        for k, (var, extent) in enumerate(reversed(nest)):
             head = [simd] if k == 0 and simd else []
-            before, code = _invariant(code, f"i{d}") if k == 0 and simd else ([], code)
-            code = before + head + [f"for (int64_t i{d} = 0; i{d} < {self.group.domain[d]}; i{d}++) {{"] + \
+            before, code = _invariant(code, var) if k == 0 and simd else ([], code)
+            code = before + head + [f"for (int64_t {var} = 0; {var} < {extent}; {var}++) {{"] + \
                 [f"  {line}" for line in code] + ["}"]
         return code
 
+    def merge(self, dims: Sequence[int], keep_outer: bool) -> None:
+        """Run the innermost of `dims` (outermost first) as one loop while the innermost loop is
+        shorter than MERGE_BELOW: a [24, 12, 52, 52] tensor's last two axes are one loop of 2704,
+        not 52 loops of 52 (each a SIMD remainder and a loop set-up). The axes' indices become
+        divisions of the merged index, which ir.fold_splits takes out of every offset where the
+        strides allow; write() checks that it did. `keep_outer`: leave one axis for the outer loop."""
+        dom = self.group.domain
+        if not self.merging or len(dims) < 2:
+            return
+        run = [dims[-1]]
+        while len(run) < len(dims) - keep_outer and prod(dom[d] for d in run) < MERGE_BELOW:
+            outer = dims[len(dims) - 1 - len(run)]
+            if self.order.index(outer) != self.order.index(run[0]) - 1:    # not next in memory
+                break
+            run.insert(0, outer)
+        if len(run) < 2:
+            return
+        var, inner, idx = f"m{run[0]}", 1, list(self.idx)
+        for k, d in enumerate(reversed(run)):
+            idx[d] = f"({var})%{dom[d]}" if k == 0 else f"{var}/{inner}" if k == len(run) - 1 else \
+                f"({var}/{inner})%{dom[d]}"
+            inner *= dom[d]
+        self.idx = tuple(idx)
+        self.runs[run[0]] = tuple(run)
+
+    def memory_order(self) -> tuple[int, ...]:
+        """The domain's axes by decreasing stride of the group's main tensor (its first stored member of
+        the domain's shape, else the first such tensor it reads), so that the innermost loop walks
+        memory: a channels-last activation runs with its channels innermost. The logical order when
+        that tensor is laid out in it (the usual case)."""
+        dom = self.group.domain
+        logical = tuple(range(len(dom)))
+        if self.group.kind == "gemm" or len(dom) < 2:
+            return logical
+        main = next((self.g.nodes[n] for n in self.group.nodes
+                     if n in self.buffers and self.g.nodes[n].type.shape == dom), None)
+        seen, todo = set(), list(self.group.nodes)
+        while main is None and todo:
+            node = self.g.nodes[todo.pop(0)]
+            for i in node.inputs:
+                src = self.g.nodes[i]
+                if i in seen or src.type is None:
+                    continue
+                seen.add(i)
+                stored = i in self.buffers or src.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)
+                if stored and src.type.shape == dom and i not in self.members:
+                    main = src
+                    break
+                if src.kind == Kind.POINTWISE and not stored:
+                    todo.append(i)
+        if main is None:
+            return logical
+        strides = [main.type.strides[d] if dom[d] != 1 else None for d in logical]
+        sized = [st for st in strides if st is not None]
+        if sized == sorted(sized, reverse=True):
+            return logical
+        return tuple(sorted(logical, key=lambda d: (strides[d] is not None, -(strides[d] or 0), d)))
+
     def write(self) -> Kernel:
-        kind = self.group.kind
-        code = self.gemm() if kind == "gemm" else self.reduction() if self.group.reduced else self.pointwise()
-        code = self.prologue + code
+        code = self.emit_code()
+        if self.runs and _UNFOLDED.search("\n".join(code)):    # a merged index still divided: unmerged
+            self.merging = False
+            self.reset()
+            code = self.emit_code()
         args = ", ".join(f"{'' if n in self.outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
                          for n, p in self.params.items())
         source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
         return Kernel(self.name, source, tuple(self.params), tuple(self.outputs))
 
+    @property
+    def inner_loop(self) -> tuple[str, int]:
+        """The innermost loop's index and length (the SIMD loop): what the cost model reads strides along."""
+        dom = self.group.domain
+        if not dom:
+            return "i0", 1
+        if self.group.kind == "gemm":
+            return f"i{len(dom) - 1}", dom[-1]
+        reduced = self.group.reduced
+        inner = self.order[-1] if not reduced or self.order[-1] not in reduced else \
+            [d for d in self.order if d in reduced][-1]
+        for first, run in self.runs.items():
+            if inner in run:
+                return f"m{first}", prod(dom[d] for d in run)
+        return f"i{inner}", dom[inner]
+
+    def emit_code(self) -> list[str]:
+        kind = self.group.kind
+        code = self.gemm() if kind == "gemm" else self.reduction() if self.group.reduced else self.pointwise()
+        return self.prologue + code
+
     def pointwise(self) -> list[str]:
         dom = self.group.domain
+        if len(dom) > 1:
+            self.merge(self.order, keep_outer=True)
         inner = self.body(self.group.nodes)
         if len(dom) == 0:
             return inner
@@ -338,11 +435,13 @@ class KernelWriter:
         if len(dom) == 1:
             par = self.parallel(dom[0], dom[0])
             return self.loops([0], inner, par.replace("parallel for", "parallel for simd") if par else simd)
-        outer = prod(dom[:-1])
-        nest = self.loops([len(dom) - 1], inner, simd)
+        merged = self.runs.get(next(iter(self.runs), None), (self.order[-1],))
+        outer_dims = [d for d in self.order if d not in merged]
+        outer = prod(dom[d] for d in outer_dims)
+        nest = self.loops(list(merged), inner, simd)
         par = self.parallel(prod(dom), outer)
         return ([par] if par else []) + [f"for (int64_t r = 0; r < {outer}; r++) {{"] + \
-            [f"  {line}" for line in self.decompose(range(len(dom) - 1), "r") + nest] + ["}"]
+            [f"  {line}" for line in self.decompose(outer_dims, "r") + nest] + ["}"]
 
     def reduction(self) -> list[str]:
         """Per row of kept indices: passes of reductions over the reduced axes, the per-row values
@@ -350,10 +449,13 @@ class KernelWriter:
 
         When the last axis is kept (a bias gradient: sum over rows), a "row" is a block of
         `column_block` columns instead, its values are arrays, and SIMD runs across the columns."""
-        dom, reduced = self.group.domain, self.group.reduced
-        last = len(dom) - 1
-        column = last not in reduced
-        kept = [d for d in range(len(dom)) if d not in reduced]
+        dom = self.group.domain
+        last = self.order[-1]
+        column = last not in self.group.reduced
+        kept = [d for d in self.order if d not in self.group.reduced]
+        reduced = [d for d in self.order if d in self.group.reduced]
+        if not column:
+            self.merge(reduced, keep_outer=False)
         count = prod(dom[d] for d in reduced)
         simd = _pragma_simd(self.s)
         if column:

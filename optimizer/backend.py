@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from optimizer import pooling
+from optimizer import layout, pooling
 from optimizer.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     backward instead of saving them: the min-cut partitioner under the cost rules of a fusing
     compiler, since our kernels recompute such values inside loops that run anyway."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    layout.channels_last_convolutions(joint)
     return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor",
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
 
@@ -97,6 +98,7 @@ def searched_partition(spec=None) -> Callable:
         from optimizer.codegen import compiler
         from optimizer.hardware import cpu_spec
 
+        layout.channels_last_convolutions(joint)       # before the two partitions: both see it
         recompute = partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         store = None
         try:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optimizer import backend, cache, fusion, ir
+from optimizer import backend, cache, fusion, ir, layout
 from optimizer.backend import compile_graph, decompositions, make_backend
 from optimizer.codegen import c
 from optimizer.codegen.compiler import build_library, host_flags, load_library
@@ -456,3 +456,32 @@ def test_loops_follow_the_layout_and_merge_short_axes(layout):
         assert "m2" not in source and "i3 < 26;" in source, source
     for got, want in zip(run(gm, [x]), fn(x)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def conv_chain(x, w1, w2):
+    return F.conv2d(F.relu(F.conv2d(x, w1, padding=1)), w2, padding=1)
+
+
+def test_convolutions_take_channels_last_activations_and_outputs_keep_their_layout():
+    x, w1, w2 = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3), torch.randn(5, 4, 3, 3)
+    gm = make_fx(conv_chain, tracing_mode="fake", decomposition_table=decompositions())(x, w1, w2)
+    assert layout.channels_last_convolutions(gm)
+    convs = [n for n in gm.graph.nodes if n.target == torch.ops.aten.convolution.default]
+    assert all(n.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last) for n in convs)
+    clones = [n for n in gm.graph.nodes if n.target == torch.ops.aten.clone.default]
+    # x is copied to NHWC; the ReLU between the convolutions is NHWC already; the result back to NCHW
+    assert [n.kwargs["memory_format"] for n in clones] == [torch.channels_last, torch.contiguous_format]
+    graph = ir.from_fx(gm)
+    assert graph.nodes[graph.outputs[0].index].type.strides == (5 * 81, 81, 9, 1)
+    torch.testing.assert_close(run(gm, [x, w1, w2]), conv_chain(x, w1, w2), rtol=1e-4, atol=1e-4)
+
+
+def test_a_view_that_needs_the_old_layout_keeps_it():
+    def flatten(x, w):
+        return F.conv2d(x, w).view(2, -1)
+    x, w = torch.randn(2, 3, 9, 9), torch.randn(4, 3, 3, 3)
+    gm = make_fx(flatten, tracing_mode="fake", decomposition_table=decompositions())(x, w)
+    code = gm.code
+    assert not layout.channels_last_convolutions(gm)
+    assert gm.code == code
+    torch.testing.assert_close(run(gm, [x, w]), flatten(x, w), rtol=1e-4, atol=1e-4)

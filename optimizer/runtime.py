@@ -38,13 +38,15 @@ def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
     return torch.empty_strided(want.shape, want.strides, dtype=t.dtype).copy_(t)
 
 
-def view_roots(graph: Graph, kernels: Sequence[Kernel | None]) -> dict[int, int]:
-    """Kernel parameters that are views (fusion.pointer_view: no torch view is made of them) and the
-    tensor whose data pointer each is passed: its base, or its base's base."""
+def view_roots(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None]) -> dict[int, int]:
+    """Kernel parameters that are views with no step of their own (fusion.pointer_view: no torch view
+    is made of them), and the tensor whose data pointer each is passed: the nearest base that is a
+    tensor at run time (a view with its own step, a slice say, is one)."""
+    made = {g.nodes[0] for g in groups if g.kind == "extern"}
     roots = {}
     for p in {p for k in kernels if k is not None for p in k.params}:
         root = p
-        while graph.nodes[root].kind == Kind.VIEW:
+        while graph.nodes[root].kind == Kind.VIEW and root not in made:
             root = graph.nodes[root].args[0].index
         if root != p:
             roots[p] = root
@@ -61,7 +63,7 @@ class CompiledGraph:
         self.inputs = list(graph.inputs)
         self.outputs = list(graph.outputs)
         inplace = inplace or {}
-        roots = view_roots(graph, kernels)
+        roots = view_roots(graph, groups, kernels)
         kernel_params = {roots.get(p, p) for k in kernels if k is not None for p in k.params}
         from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
         self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}

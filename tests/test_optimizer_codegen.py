@@ -485,3 +485,14 @@ def test_a_view_that_needs_the_old_layout_keeps_it():
     assert not layout.channels_last_convolutions(gm)
     assert gm.code == code
     torch.testing.assert_close(run(gm, [x, w]), flatten(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", [DEFAULT, Schedule(gemm="generated")], ids=["library", "generated"])
+def test_gemm_operands_that_are_views_read_the_right_memory(schedule):
+    x, w = torch.randn(21, 40), torch.randn(23, 37)
+
+    def fn(x, w):       # a slice starts past its base's first element; the transposes do not
+        return torch.relu(x[:, 3:] @ w.t()) + x[:, :23]
+    gm, graph, plan = trace(fn, x, w)
+    assert [g.kind for g in plan.groups].count("gemm") == 1, fusion.describe(graph, plan)
+    torch.testing.assert_close(run(gm, [x, w], schedule=schedule), fn(x, w), rtol=1e-4, atol=1e-4)

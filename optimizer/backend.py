@@ -84,6 +84,9 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
 
 
+PARTITION_PLANS = 8     # fusion plans per graph priced for the recompute-vs-store decision
+
+
 def searched_partition(spec=None) -> Callable:
     """A partitioner that chooses between recomputing activations in the backward (min-cut) and
     saving every one the backward reads (the default partition), by the cost model's prediction of
@@ -109,8 +112,10 @@ def searched_partition(spec=None) -> Callable:
             if choice not in ("recompute", "store"):       # not decided here before
                 store = default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                           **kwargs)
-                cost = [sum(search.search_graph(ir.from_fx(gm), chip, gemm=gemm, timing=False,
-                                                threads=threads).predicted_s for gm in pair)
+                # each side by the model alone, over a few fusion plans: the decision is between two
+                # graphs, and the full search of the chosen one follows
+                cost = [sum(search.search_graph(ir.from_fx(gm), chip, gemm=gemm, timing=False, threads=threads,
+                                                max_plans=PARTITION_PLANS).predicted_s for gm in pair)
                         for pair in (recompute, store)]
                 log.info("tfsn: recompute %.3f ms vs store %.3f ms predicted", cost[0] * 1e3, cost[1] * 1e3)
                 choice = "recompute" if cost[0] <= cost[1] else "store"

@@ -165,12 +165,17 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
                 close(g)
 
     def fits(group: _Open, n: int) -> bool:
+        """Whether the group with n is one loop nest: the C writer's answer, kept per kernel (the
+        members and what they inline decide it) for the other plans of a search."""
         trial = Group(group.kind, (*group.nodes, n), group.domain, group.reduced)
-        try:
-            KernelWriter(graph, trial, buffers, DEFAULT, "trial").write()
-        except NotFusable:
-            return False
-        return True
+        key = ("fits", trial, tuple(fused_nodes(graph, buffers, trial)), frozenset(buffers.intersection(trial.nodes)))
+        if key not in graph.memo:
+            try:
+                KernelWriter(graph, trial, buffers, DEFAULT, "trial").write()
+                graph.memo[key] = True
+            except NotFusable:
+                graph.memo[key] = False
+        return graph.memo[key]
 
     for node in scalars_first(graph):
         n = node.index
@@ -246,14 +251,16 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
     input's old value (directly or through a view), the kernel reads it only at the element it
     writes, before writing it (KernelWriter checks that), and neither the input nor the value is
     also a graph output."""
+    copies = [n for n in graph.nodes if n.op == COPY_INTO and n.kind == Kind.EXTERN and len(n.args) >= 2
+              and not n.users]
+    if not copies:
+        return {}
     outputs = {o.index for o in graph.outputs if isinstance(o, Ref)}
     step_of = {n: k for k, g in enumerate(groups) if g.kind != "extern" for n in g.nodes}
     reads = [_base_reads(graph, buffers, g) for g in groups]
     done: dict[int, int] = {}
     removed: set[int] = set()
-    for copy in graph.nodes:
-        if copy.op != COPY_INTO or copy.kind != Kind.EXTERN or len(copy.args) < 2 or copy.users:
-            continue
+    for copy in copies:
         dst, src = (a.index if isinstance(a, Ref) else None for a in copy.args[:2])
         if dst is None or src is None or dst in done.values() or src in done or dst in outputs or src in outputs:
             continue
@@ -268,9 +275,15 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
         if later or _views_escape(graph, dst, outputs):
             continue
         trial = {**{v: t for v, t in done.items() if v in group.nodes}, src: dst}
-        try:
-            KernelWriter(graph, group, buffers, DEFAULT, "trial", trial).write()
-        except NotFusable:
+        key = ("in place", group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes)),
+               tuple(sorted(trial.items())))
+        if key not in graph.memo:
+            try:
+                KernelWriter(graph, group, buffers, DEFAULT, "trial", trial).write()
+                graph.memo[key] = True
+            except NotFusable:
+                graph.memo[key] = False
+        if not graph.memo[key]:
             continue
         done[src] = dst
         removed.add(copy.index)

@@ -81,6 +81,8 @@ class Graph:
     nodes: list[Node]
     inputs: list[int]
     outputs: list                            # Ref or a literal, in the FX graph's output order
+    # answers the passes keep about this graph (fusion's trial writes: a search plans it ~50 times)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.nodes)

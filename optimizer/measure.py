@@ -22,7 +22,7 @@ from optimizer.codegen.c import Group, Kernel, KernelWriter, library_source
 from optimizer.ir import Graph
 from optimizer.schedule import Schedule
 
-TARGET_BATCH_S = 0.002        # calls per timed batch: enough to last this long (timer resolution, noise)
+TARGET_BATCH_S = 0.001        # calls per timed batch: enough to last this long (timer resolution, noise)
 
 
 def _buffer(graph: Graph, n: int) -> torch.Tensor:

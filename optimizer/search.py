@@ -142,9 +142,11 @@ class _Scorer:
 
 
 def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: int = TOP_K,
-                 timing: bool = True, threads: int | None = None) -> SearchResult:
+                 timing: bool = True, threads: int | None = None, max_plans: int | None = None) -> SearchResult:
     """The best plan and schedules for `graph` on `spec`; `timing=False` (hardware not present)
-    keeps the model's picks."""
+    keeps the model's picks; `max_plans` bounds the fusion plans scored (default MAX_PLANS)."""
+    bounded = max_plans is not None
+    max_plans = MAX_PLANS if max_plans is None else max_plans
     t0 = time.perf_counter()
     scorer = _Scorer(graph, spec, threads)
     points = fusion.decision_points(graph, gemm)
@@ -160,14 +162,15 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
             costs[flips] = cost
 
     start = (False,) * len(points)
-    if len(points) <= EXHAUSTIVE_MAX_DECISIONS:
+    # every plan when there are few decisions (up to 2^6 for a full search; a bounded one stays in its bound)
+    if len(points) <= EXHAUSTIVE_MAX_DECISIONS and (not bounded or 2 ** len(points) <= max_plans):
         evaluate(list(itertools.product((False, True), repeat=len(points))))
     else:
         evaluate([start])
         beam = [start]
-        while len(costs) < MAX_PLANS:
+        while len(costs) < max_plans:
             moves = [b[:i] + (not b[i],) + b[i + 1:] for b in beam for i in range(len(points))]   # best parent first
-            moves = [m for m in dict.fromkeys(moves) if m not in costs][:MAX_PLANS - len(costs)]
+            moves = [m for m in dict.fromkeys(moves) if m not in costs][:max_plans - len(costs)]
             evaluate(moves)
             best = sorted(costs, key=costs.get)[:BEAM_WIDTH]
             if best == beam or not moves:

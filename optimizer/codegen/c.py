@@ -386,7 +386,7 @@ class KernelWriter:
                     todo.append(i)
         if main is None:
             return logical
-        strides = [main.type.strides[d] if dom[d] != 1 else None for d in logical]
+        strides = [main.type.strides[d] if dom[d] != 1 and main.type.strides[d] != 0 else None for d in logical]
         sized = [st for st in strides if st is not None]
         if sized == sorted(sized, reverse=True):
             return logical

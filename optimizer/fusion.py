@@ -272,7 +272,7 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
         if group.kind != "kernel" or group.reduced or group.domain != value.type.shape or src not in buffers:
             continue
         later = any(dst in reads[j] for j in range(k + 1, len(groups)) if groups[j].nodes != (copy.index,))
-        if later or _views_escape(graph, dst, outputs):
+        if later or _views_escape(graph, dst, outputs) or _aliased_by_extern(graph, dst):
             continue
         trial = {**{v: t for v, t in done.items() if v in group.nodes}, src: dst}
         key = ("in place", group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes)),
@@ -316,6 +316,25 @@ def _views_escape(graph: Graph, n: int, outputs: set[int]) -> bool:
     return False
 
 
+def _aliased_by_extern(graph: Graph, n: int) -> bool:
+    """Whether an ATen call the IR does not see as a view (diagonal, split, chunk) returns an alias
+    of n: what reads it reads n's memory, out of sight of the in-place checks."""
+    todo = list(graph.nodes[n].users)
+    while todo:
+        u = todo.pop()
+        if u < 0:
+            continue
+        node = graph.nodes[u]
+        if node.kind == Kind.VIEW:
+            todo += node.users
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if node.kind == Kind.EXTERN and schema is not None and not schema.is_mutable and any(
+                r.alias_info is not None for r in schema.returns):
+            return True
+    return False
+
+
 # views that keep their base's first element (no slice or select), so a view's data pointer is its base's
 POINTER_VIEWS = {"aten.permute.default", "aten.t.default", "aten.transpose.int", "aten.view.default",
                  "aten._unsafe_view.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
@@ -332,6 +351,13 @@ def pointer_view(graph: Graph, n: int, gemm: bool = True) -> bool:
         if root.op not in POINTER_VIEWS:
             return False
         root = graph.nodes[root.args[0].index]
+    todo = list(graph.nodes[n].users)            # a slice of it (an ATen view at run time) reads it
+    while todo:
+        u = todo.pop()
+        if u >= 0 and graph.nodes[u].kind == Kind.VIEW:
+            if graph.nodes[u].op not in POINTER_VIEWS:
+                return False
+            todo += graph.nodes[u].users
     return all(r >= 0 and (graph.nodes[r].kind in (Kind.POINTWISE, Kind.REDUCE) or graph.nodes[r].kind == Kind.MATMUL
                            and gemm and gemm_fits(graph, r)) for r in compute_readers(graph, n))
 

@@ -27,6 +27,11 @@ aten = torch.ops.aten
 ACTIVATIONS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
 
 
+# ops that read or write memory by explicit strides: other strides upstream would change their result
+STRIDED = {aten.as_strided.default, aten.as_strided_.default, aten.as_strided_scatter.default,
+           aten.as_strided_copy.default}
+
+
 def _channels_last(val) -> bool:
     return val.dim() == 4 and val.is_contiguous(memory_format=torch.channels_last)
 
@@ -49,7 +54,7 @@ def channels_last_convolutions(joint: torch.fx.GraphModule) -> bool:
     recompute every node's fake value (strides) from there. Leaves the graph as it was and returns
     False when there is nothing to do or the rewrite does not hold (a view the new strides forbid)."""
     convs = [n for n in joint.graph.nodes if n.op == "call_function" and _wants(n)]
-    if not convs:
+    if not convs or any(n.target in STRIDED for n in joint.graph.nodes):
         return False
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp

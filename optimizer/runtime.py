@@ -67,8 +67,11 @@ class CompiledGraph:
         kernel_params = {roots.get(p, p) for k in kernels if k is not None for p in k.params}
         from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
         self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
-        # (slot, strides wanted, whether a kernel writes over it: then a copy made to conform is copied back)
-        self.input_checks = [(i, self.checked[i], i in inplace.values()) for i in self.inputs if i in self.checked]
+        # (slot, strides wanted, whether a step writes over it: then a copy made to conform is copied back)
+        written = set(inplace.values()) | {
+            n.args[0].index for n in graph.nodes if n.kind == Kind.EXTERN and n.args and isinstance(n.args[0], Ref)
+            and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable}
+        self.input_checks = [(i, self.checked[i], i in written) for i in self.inputs if i in self.checked]
         self.steps: list[Step] = []
         uses: list[set[int]] = []
         for group, kernel in zip(groups, kernels):

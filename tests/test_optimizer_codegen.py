@@ -496,3 +496,49 @@ def test_gemm_operands_that_are_views_read_the_right_memory(schedule):
     gm, graph, plan = trace(fn, x, w)
     assert [g.kind for g in plan.groups].count("gemm") == 1, fusion.describe(graph, plan)
     torch.testing.assert_close(run(gm, [x, w], schedule=schedule), fn(x, w), rtol=1e-4, atol=1e-4)
+
+
+def diagonal_then_update(x, y, w):
+    y.add_(x.diagonal())           # an alias of x from an op the IR does not see as a view
+    x.mul_(2)
+    w.copy_(torch.cumsum(x, 0))
+
+
+def test_an_input_aliased_by_an_aten_view_keeps_its_copy():
+    x, y, w = torch.randn(5, 5), torch.randn(5), torch.randn(5, 5)
+    gm, graph, plan = trace_mutation(diagonal_then_update, x.clone(), y.clone(), w.clone())
+    assert graph.inputs[0] not in plan.inplace.values(), fusion.describe(graph, plan)
+    want = [x.clone(), y.clone(), w.clone()]
+    diagonal_then_update(*want)
+    run(gm, [x, y, w])
+    for got, expected in zip((x, y, w), want):
+        torch.testing.assert_close(got, expected)
+
+
+def test_a_mutated_input_given_in_other_strides_is_still_mutated():
+    def fn(x):
+        return (x.add(1), x.mul_(2))[0].sum()
+    x = torch.randn(9, 9)
+    gm, graph, plan = trace_mutation(fn, x.clone())
+    given = x.t().contiguous().t()       # the traced strides' transpose: the kernels read a copy
+    want = x.clone()
+    total = fn(want)
+    torch.testing.assert_close(run(gm, [given]), total)
+    torch.testing.assert_close(given, want)
+
+
+def test_a_slice_of_a_transposed_gemm_operand_is_made():
+    x, w = torch.randn(4, 8), torch.randn(9, 8)
+
+    def fn(x, w):
+        return torch.relu(x @ w.t()[:, :5])
+    gm, graph, plan = trace(fn, x, w)
+    torch.testing.assert_close(run(gm, [x, w]), fn(x, w))
+
+
+def test_strided_ops_keep_the_convolutions_layout():
+    def fn(x, w):
+        return F.relu(F.conv2d(x, w)).as_strided((2, 4, 6), (144, 36, 6)).sum(-1)
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=decompositions())(x, w)
+    assert not layout.channels_last_convolutions(gm)

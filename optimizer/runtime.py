@@ -29,11 +29,15 @@ def _resolve(a: Any, env: list) -> Any:
     return a
 
 
+def _holds_ref(a: Any) -> bool:
+    return isinstance(a, Ref) or isinstance(a, (list, tuple)) and any(_holds_ref(x) for x in a)
+
+
 def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
-    if tuple(t.shape) != want.shape:
+    if t.shape != want.shape:
         raise RuntimeError(f"tfsn: a tensor of shape {tuple(t.shape)} reached a kernel compiled for {want.shape}; "
                            "this is a bug in tfsn's guards, please report it")
-    if tuple(t.stride()) == want.strides:
+    if t.stride() == want.strides:
         return t
     return torch.empty_strided(want.shape, want.strides, dtype=t.dtype).copy_(t)
 
@@ -98,11 +102,25 @@ class CompiledGraph:
 
     def _extern(self, n: int, target: Any, args: tuple, kwargs: dict) -> Step:
         want = self.checked.get(n)
+        nested = any(isinstance(a, (list, tuple)) and _holds_ref(a) for a in args)
+        if nested or any(_holds_ref(v) for v in kwargs.values()):
+            # a list of tensors (cat, stack) or a tensor keyword: the arguments resolved in full
+            def step(env: list) -> None:
+                out = target(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+                env[n] = out if want is None else _conform(out, want)
+            return step
+        # flat positional arguments (views, getitem, convolutions...): the node slots filled in place,
+        # a few microseconds less per call than walking the arguments
+        slots = [(i, a.index) for i, a in enumerate(args) if isinstance(a, Ref)]
+        template = list(args)
 
-        def step(env: list) -> None:
-            out = target(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
+        def flat_step(env: list) -> None:
+            call = template.copy()
+            for i, slot in slots:
+                call[i] = env[slot]
+            out = target(*call, **kwargs)
             env[n] = out if want is None else _conform(out, want)
-        return step
+        return flat_step
 
     @staticmethod
     def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any, inplace: dict[int, int],

@@ -165,17 +165,8 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
                 close(g)
 
     def fits(group: _Open, n: int) -> bool:
-        """Whether the group with n is one loop nest: the C writer's answer, kept per kernel (the
-        members and what they inline decide it) for the other plans of a search."""
-        trial = Group(group.kind, (*group.nodes, n), group.domain, group.reduced)
-        key = ("fits", trial, tuple(fused_nodes(graph, buffers, trial)), frozenset(buffers.intersection(trial.nodes)))
-        if key not in graph.memo:
-            try:
-                KernelWriter(graph, trial, buffers, DEFAULT, "trial").write()
-                graph.memo[key] = True
-            except NotFusable:
-                graph.memo[key] = False
-        return graph.memo[key]
+        """Whether the group with n is one loop nest."""
+        return writable(graph, Group(group.kind, (*group.nodes, n), group.domain, group.reduced), buffers)
 
     for node in scalars_first(graph):
         n = node.index
@@ -190,7 +181,7 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
         if node.kind == Kind.EXTERN or (node.kind == Kind.MATMUL and not (gemm and gemm_fits(graph, n))):
             # an op that writes over a tensor (copy_ into an input) runs after every kernel before it,
             # since one still open may read the old value
-            close_owners(deps, everything=_mutates(node))
+            close_owners(deps, everything=mutates(node))
             groups.append(Group("extern", (n,)))
             continue
         if node.kind == Kind.MATMUL:
@@ -274,21 +265,31 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
         later = any(dst in reads[j] for j in range(k + 1, len(groups)) if groups[j].nodes != (copy.index,))
         if later or _views_escape(graph, dst, outputs) or _aliased_by_extern(graph, dst):
             continue
-        trial = {**{v: t for v, t in done.items() if v in group.nodes}, src: dst}
-        key = ("in place", group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes)),
-               tuple(sorted(trial.items())))
-        if key not in graph.memo:
-            try:
-                KernelWriter(graph, group, buffers, DEFAULT, "trial", trial).write()
-                graph.memo[key] = True
-            except NotFusable:
-                graph.memo[key] = False
-        if not graph.memo[key]:
+        if not writable(graph, group, buffers, {**{v: t for v, t in done.items() if v in group.nodes}, src: dst}):
             continue
         done[src] = dst
         removed.add(copy.index)
     groups[:] = [g for g in groups if not (g.kind == "extern" and g.nodes[0] in removed)]
     return done
+
+
+def kernel_key(graph: Graph, buffers: set[int], group: Group) -> tuple:
+    """What decides a group's code: its members, the values they inline and which members are
+    stored (the same group under two plans is the same kernel when these agree)."""
+    return group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes))
+
+
+def writable(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None) -> bool:
+    """Whether the C writer takes the group as one loop nest (with these in-place writes): its
+    answer kept in graph.memo, since a search plans a graph ~50 times and most groups recur."""
+    key = (kernel_key(graph, buffers, group), tuple(sorted((inplace or {}).items())))
+    if key not in graph.memo:
+        try:
+            KernelWriter(graph, group, buffers, DEFAULT, "trial", inplace).write()
+            graph.memo[key] = True
+        except NotFusable:
+            graph.memo[key] = False
+    return graph.memo[key]
 
 
 def _base_reads(graph: Graph, buffers: set[int], group: Group) -> set[int]:
@@ -362,7 +363,8 @@ def pointer_view(graph: Graph, n: int, gemm: bool = True) -> bool:
                            and gemm and gemm_fits(graph, r)) for r in compute_readers(graph, n))
 
 
-def _mutates(node: Node) -> bool:
+def mutates(node: Node) -> bool:
+    """Whether the node's ATen op writes over one of its arguments (copy_ into an input)."""
     schema = getattr(node.target, "_schema", None)
     return schema is not None and schema.is_mutable
 

@@ -63,24 +63,23 @@ def channels_last_convolutions(joint: torch.fx.GraphModule) -> bool:
     mode = detect_fake_mode(placeholders)
     if mode is None:
         return False
+    todo = [(conv, i) for conv in convs for i in ACTIVATIONS[conv.target]
+            if not _channels_last(conv.args[i].meta["val"])]
+    if not todo:             # done already (the partitioners see the graph after searched_partition)
+        return False
     before = {n: n.meta.get("val") for n in joint.graph.nodes}
     output = next(iter(joint.graph.find_nodes(op="output")))
     saved_graph = torch.fx.Graph()
     mapping = saved_graph.graph_copy(joint.graph, {})
     saved_graph.output(mapping)
     made: dict[torch.fx.Node, torch.fx.Node] = {}
-    for conv in convs:
-        for i in ACTIVATIONS[conv.target]:
-            arg = conv.args[i]
-            if _channels_last(arg.meta["val"]):
-                continue
-            if arg not in made:
-                with joint.graph.inserting_after(arg):
-                    made[arg] = joint.graph.call_function(aten.clone.default, (arg,),
-                                                          {"memory_format": torch.channels_last})
-            conv.update_arg(i, made[arg])
-    if not made:
-        return False
+    for conv, i in todo:
+        arg = conv.args[i]
+        if arg not in made:
+            with joint.graph.inserting_after(arg):
+                made[arg] = joint.graph.call_function(aten.clone.default, (arg,),
+                                                      {"memory_format": torch.channels_last})
+        conv.update_arg(i, made[arg])
     # outputs back to the strides they had
     result = output.args[0]
     single = not isinstance(result, (list, tuple))

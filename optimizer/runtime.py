@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from optimizer.codegen.c import Group, Kernel
+from optimizer.fusion import mutates
 from optimizer.ir import Graph, Kind, Ref, TensorType
 
 Step = Callable[[list], None]
@@ -74,7 +75,7 @@ class CompiledGraph:
         # (slot, strides wanted, whether a step writes over it: then a copy made to conform is copied back)
         written = set(inplace.values()) | {
             n.args[0].index for n in graph.nodes if n.kind == Kind.EXTERN and n.args and isinstance(n.args[0], Ref)
-            and getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable}
+            and mutates(n)}
         self.input_checks = [(i, self.checked[i], i in written) for i in self.inputs if i in self.checked]
         self.steps: list[Step] = []
         uses: list[set[int]] = []

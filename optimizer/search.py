@@ -81,8 +81,7 @@ class _Scorer:
         self.feature_seconds = 0.0     # reading kernels' features off the generator
 
     def key(self, group: Group, buffers: set[int]) -> tuple:
-        fused = fusion.fused_nodes(self.graph, buffers, group)
-        return group, tuple(fused), frozenset(buffers.intersection(group.nodes))
+        return fusion.kernel_key(self.graph, buffers, group)
 
     def score_plans(self, plans: list[fusion.Plan]) -> list[float]:
         """Each plan's sum of the best predicted time of its kernels; the kernels no plan scored

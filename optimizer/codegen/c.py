@@ -447,8 +447,9 @@ class KernelWriter:
         """Per row of kept indices: passes of reductions over the reduced axes, the per-row values
         between them (mean, rstd), then one pass for the members over the whole domain.
 
-        When the last axis is kept (a bias gradient: sum over rows), a "row" is a block of
-        `column_block` columns instead, its values are arrays, and SIMD runs across the columns."""
+        When the axis innermost in memory is kept (a bias gradient: sum over rows; channels-last
+        BatchNorm statistics), a "row" is a block of `column_block` columns of it instead, its values
+        are arrays, and SIMD runs across the columns."""
         dom = self.group.domain
         last = self.order[-1]
         column = last not in self.group.reduced

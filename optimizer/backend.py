@@ -45,6 +45,14 @@ EXTRA_DECOMPOSITIONS = [
 ]
 
 
+# Kept as ATen calls although core ATen decomposes them. torch's decomposition of CPU flash attention
+# returns the attention probabilities where the op returns the log-sum-exp, and the backward that
+# autograd records is the flash backward, which reads that log-sum-exp: a decomposed forward with
+# an ATen backward gives wrong gradients upstream of every F.scaled_dot_product_attention (Inductor
+# excludes this decomposition for the same reason). Forward and backward stay one consistent pair.
+KEPT_WHOLE = [aten._scaled_dot_product_flash_attention_for_cpu.default]
+
+
 def _var_mean(x: torch.Tensor, dim=None, *, correction=None, keepdim: bool = False):
     """var_mean as two row reductions in ATen ops (torch's own goes to prims the generator skips)."""
     dims = list(range(x.dim())) if dim is None else [d % max(x.dim(), 1) for d in dim]
@@ -67,6 +75,8 @@ def _var(x: torch.Tensor, dim=None, *, correction=None, keepdim: bool = False):
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
     table = dict(core_aten_decompositions())
+    for op in KEPT_WHOLE:
+        table.pop(op, None)
     table.update(get_decompositions(EXTRA_DECOMPOSITIONS))
     table.update(pooling.DECOMPOSITIONS)
     table[aten.var_mean.correction] = _var_mean

@@ -509,13 +509,21 @@ class KernelWriter:
                 acc = value(f"acc{n}", ct)
                 row += per_row([f"{acc} = {init};"])
                 v = self.load(node.args[0].index, self.idx)
+                red = value(f"red{n}", ct)
                 if op in ("sum", "mean"):
                     self.lines.append(f"{acc} += {v};")
+                    finish.append(f"{red} = {acc}{'' if op != 'mean' else f' / {count}'};")
                 else:
+                    # torch's amax/amin propagate NaN, which a comparison drops: a flag or-ed along
+                    # the pass (vectorizes, unlike a NaN test in the comparison that OpenMP's max
+                    # reduction would drop again when it combines the SIMD lanes)
+                    nan = value(f"nan{n}", "int32_t")
+                    row += per_row([f"{nan} = 0;"])
                     self.lines.append(f"{acc} = ({v} {'>' if op == 'max' else '<'} {acc}) ? {v} : {acc};")
+                    self.lines.append(f"{nan} |= ({v} != {v});")
+                    clauses.append(f" reduction(|:{nan})")
+                    finish.append(f"{red} = {nan} ? NAN : {acc};")
                 clauses.append(f" reduction({ {'sum': '+', 'mean': '+'}.get(op, op)}:{acc})")
-                red = value(f"red{n}", ct)
-                finish.append(f"{red} = {acc}{'' if op != 'mean' else f' / {count}'};")
                 finish.append(self.store(n, self.row_index(node), red))
                 self.row[n] = red
             row += over_reduced(self.lines, "".join(clauses))

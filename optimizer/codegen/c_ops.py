@@ -42,8 +42,13 @@ NONE = Operand("None", "none", True)   # an argument that is not a value (a size
 
 
 def cast(op: Operand, dtype: str) -> str:
-    """`op` as a C value of `dtype` (the compiler folds casts of literals)."""
-    return op.expr if op.dtype == dtype else f"(({CTYPES[dtype]})({op.expr}))"
+    """`op` as a C value of `dtype` (the compiler folds casts of literals). To bool is a test against
+    zero, as torch casts: `(uint8_t)0.5` is 0 and `(uint8_t)256` is 0 where torch gives True."""
+    if op.dtype == dtype:
+        return op.expr
+    if dtype == "bool":
+        return f"(({op.expr}) != 0)"
+    return f"(({CTYPES[dtype]})({op.expr}))"
 
 
 def compare_dtype(ops: list[Operand]) -> str:

@@ -48,6 +48,15 @@ static inline __attribute__((always_inline)) float tfsn_expf(float x) {
   y = x > hi ? INFINITY : y;
   return x != x ? x : y;
 }
+/* integer power as torch's powi: exact, wrapping (the caller casts to the result's type, whose
+   wrapped product is the int64 one's low bits), 0 for a negative exponent unless the base is +-1 */
+static inline int64_t tfsn_ipow(int64_t a, int64_t b) {
+  if (b < 0) return a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;
+  int64_t r = 1;
+  for (; b; b >>= 1, a *= a)
+    if (b & 1) r *= a;
+  return r;
+}
 #if defined(__x86_64__) || defined(__i386__)
 #define TFSN_WIDTH(bits) __attribute__((target("prefer-vector-width=" #bits)))
 #else
@@ -283,8 +292,12 @@ class KernelWriter:
     def compute_member(self, n: int) -> None:
         """A pointwise member at the current index: its value, stored to its buffer if it has one."""
         node = self.g.nodes[n]
-        value = self.emit(_value_ctype(node), self.expression(node, self.idx)) if node.kind == Kind.POINTWISE \
-            else self.load(n, self.idx)
+        if node.kind == Kind.POINTWISE:
+            value = self.emit(_value_ctype(node), self.expression(node, self.idx))
+        elif node.kind == Kind.REDUCE and not node.params["dims"]:     # of a 0-d tensor: its one element
+            value = self.load(node.args[0].index, self.idx)
+        else:
+            value = self.load(n, self.idx)
         self.locals[n] = value
         if n in self.buffers:
             self.lines.append(self.store(n, self.idx, value))

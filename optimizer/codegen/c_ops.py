@@ -77,6 +77,10 @@ def _alpha(sign: str, reverse: bool = False) -> Render:
     def render(ops, out, kw):
         a, b = (cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
         alpha = kw.get("alpha", 1)
+        if alpha != 1 and out in FLOATS:
+            # one fused multiply-add, as ATen computes a + alpha * b: rounded once, so inf + alpha * -3e38
+            # stays inf where a separate product would overflow to -inf and the sum become NaN
+            return f"fma({cast(literal(alpha if sign == '+' else -alpha), out)}, {b}, {a})"
         if alpha != 1:
             b = f"({cast(literal(alpha), out)} * {b})"
         return f"({a} {sign} {b})"
@@ -116,6 +120,8 @@ def _compare(sign: str) -> Render:
 
 def _pow(ops, out, kw):
     base, exponent = ops
+    if out not in FLOATS:       # integers: exact, wrapping, as torch's powi (libm's pow is a double)
+        return f"(({CTYPES[out]})tfsn_ipow({cast(base, 'int64')}, {cast(exponent, 'int64')}))"
     if exponent.scalar:
         e = float(exponent.value)
         b = cast(base, out)
@@ -129,6 +135,12 @@ def _pow(ops, out, kw):
             return b
         if e == -1.0:
             return f"({cast(literal(1.0), out)} / {b})"
+        # ATen's own special cases too, whose values differ from pow's at -inf and -0.0
+        # (rsqrt(-inf) is NaN where pow(-inf, -0.5) is +0)
+        if e == -0.5:
+            return f"({cast(literal(1.0), out)} / sqrt({b}))"
+        if e == -2.0:
+            return f"({cast(literal(1.0), out)} / ({b} * {b}))"
     return f"pow({cast(base, out)}, {cast(exponent, out)})"
 
 
@@ -153,6 +165,19 @@ def _masked_fill(ops, out, kw):
 
 def _identity(ops, out, kw):
     return cast(ops[0], out)
+
+
+def _float_only(fmt: str) -> Render:
+    """A rounding function: itself on floats, the identity on integers (whose value it is already;
+    through a double it would lose an int64's low bits)."""
+    def render(ops, out, kw):
+        return fmt.format(a=cast(ops[0], out)) if out in FLOATS else cast(ops[0], out)
+    return render
+
+
+def _abs(ops, out, kw):
+    a = cast(ops[0], out)
+    return f"fabs({a})" if out in FLOATS else f"({a} < 0 ? -{a} : {a})"
 
 
 def _constant(index: int) -> Render:
@@ -191,7 +216,7 @@ POINTWISE: dict[str, Render] = {
     "aten.rsub.Tensor": _alpha("-", True),
     "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
     "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
-    "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _unary("fabs({a})"),
+    "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _abs,
     "aten.exp.default": _exp("{exp}"), "aten.exp2.default": _unary("exp2({a})"),
     "aten.expm1.default": _libm("expm1"), "aten.log.default": _libm("log"),
     "aten.log2.default": _unary("log2({a})"), "aten.log1p.default": _libm("log1p"),
@@ -199,12 +224,11 @@ POINTWISE: dict[str, Render] = {
     "aten.reciprocal.default": _unary("({one} / {a})"), "aten.sin.default": _libm("sin"),
     "aten.cos.default": _libm("cos"), "aten.tanh.default": _libm("tanh"),
     "aten.erf.default": _libm("erf"), "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
-    "aten.relu.default": _unary("({a} < 0 ? 0 : {a})"), "aten.floor.default": _unary("floor({a})"),
-    "aten.ceil.default": _unary("ceil({a})"), "aten.trunc.default": _unary("trunc({a})"),
-    "aten.round.default": _unary("nearbyint({a})"),
+    "aten.relu.default": _unary("({a} < 0 ? 0 : {a})"), "aten.floor.default": _float_only("floor({a})"),
+    "aten.ceil.default": _float_only("ceil({a})"), "aten.trunc.default": _float_only("trunc({a})"),
+    "aten.round.default": _float_only("nearbyint({a})"),
     "aten.sign.default": _unary("(({a} > 0) - ({a} < 0))"),
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
-    "prims.fma.default": lambda o, out, kw: f"({cast(o[0], out)} * {cast(o[1], out)} + {cast(o[2], out)})",
     "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),

@@ -39,7 +39,8 @@ def hardware_id() -> str:
 def host_flags() -> tuple[str, ...]:
     """-march=native for this CPU's SIMD; libmvec (vector exp/log/tanh/erf) when glibc has it."""
     flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11",
-             "-fno-math-errno", "-fno-trapping-math", "-fno-semantic-interposition"]
+             "-fno-math-errno", "-fno-trapping-math", "-fno-semantic-interposition",
+             "-fwrapv"]   # integers wrap on overflow, as torch's do (signed overflow is undefined in C)
     if any(Path(d, "libmvec.so").exists() for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
                                                     "/usr/lib64", "/lib64")):
         return tuple(flags + ["-DTFSN_LIBMVEC", "-lmvec", "-lm"])

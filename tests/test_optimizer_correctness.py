@@ -229,3 +229,49 @@ def test_dynamic_shapes_run_as_aten_and_stay_correct():
         x = torch.randn(rows, 13)
         close(compiled(x), model(x), f"{rows} rows, dynamic")
     assert backend.STATS["aten_graphs"] > before
+
+
+def test_cast_to_bool_is_a_test_against_zero():
+    """Regression: the generated cast was `(uint8_t)x`, so 0.5 and the int64 256 became False."""
+    def fn(x, n):
+        return (x * 0.5).bool(), (n * 2).bool(), (x * 0.5).to(torch.uint8)
+    x = torch.tensor([0.25, 1.0, 1.5, -0.0, float("nan"), -0.75, 0.0])
+    n = torch.tensor([128, 0, -1, 2 ** 40, 7, 0, 3])
+    before = backend.STATS["kernels"]
+    got = torch.compile(fn, backend=make_backend())(x, n)
+    assert backend.STATS["kernels"] > before
+    for g, w in zip(got, fn(x, n)):
+        assert torch.equal(g, w), f"{g} where eager gives {w}"
+
+
+def test_amax_and_amin_propagate_nan_as_torch_does():
+    """Regression: the max/min accumulators compared past NaN and dropped it, in rows and columns."""
+    def fn(x):
+        return x.amax(-1), x.amin(-1), x.amax(0), x.amin(0), torch.softmax(x, -1)
+    x = torch.randn(5, 37)
+    x[1, 20] = float("nan")
+    x[3, 0] = float("nan")
+    before = backend.STATS["kernels"]
+    got = torch.compile(fn, backend=make_backend())(x)
+    assert backend.STATS["kernels"] > before
+    for g, w in zip(got, fn(x)):
+        torch.testing.assert_close(g, w, equal_nan=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sdpa_gradients_match_eager(causal):
+    """Regression: the forward of F.scaled_dot_product_attention was decomposed while its backward
+    ran ATen's flash backward on the decomposition's probabilities in place of its log-sum-exp."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 11, 8, requires_grad=True) for _ in range(3))
+    mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q.tanh(), k, v * 2, is_causal=causal)
+    out = fn(q, k, v)
+    out.backward(torch.ones_like(out))
+    got = torch.compile(fn, backend=make_backend())(*mine)
+    got.backward(torch.ones_like(got))
+    close(got, out, "sdpa output")
+    for a, b, name in zip(mine, (q, k, v), "qkv"):
+        close(a.grad, b.grad, f"sdpa grad of {name}")

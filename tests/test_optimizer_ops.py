@@ -428,6 +428,14 @@ def test_reductions_and_their_readers_match_eager(name, case):
     # a sum reordered by SIMD lanes and threads: error bounded by eps x the sum of magnitudes
     scale = o.x.double().abs().nan_to_num(0, 0, 0).sum().item()
     eps = torch.finfo(o.x.dtype).eps if o.x.is_floating_point() else 0
+    if not exact:
+        # where the finite magnitudes alone can overflow, partial sums reach inf in some orders and
+        # not others (inf - inf is NaN): torch fixes no order, so those rows are not compared
+        finite = o.x.double().abs().nan_to_num(0, 0, 0)
+        magnitude = finite.sum() if kind.endswith("_all") else aten.sum.dim_IntList(finite, dims, keep)
+        overflow = magnitude > torch.finfo(o.x.dtype).max / 2
+        got = [g.masked_fill(overflow, 0) for g in got]
+        want = [w.masked_fill(overflow, 0) for w in want]
     for g, w, what in zip(got, want, ("reduction", "reader")):
         assert g.dtype == w.dtype and g.shape == w.shape, f"{kind}{dims} {what}: {g.shape} vs {w.shape}"
         torch.testing.assert_close(g, w, rtol=0 if exact else 8 * eps, atol=0 if exact else 8 * eps * scale,

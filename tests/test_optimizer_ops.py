@@ -10,7 +10,7 @@ Tolerances (documented, never loosened to pass):
 - integer and bool results, and ops exact in IEEE arithmetic (comparisons, selects, copies, casts,
   rounding, sign, abs, neg, max/min): exact, NaN equal to NaN;
 - one rounded operation (+ - * /, sqrt, reciprocal): 2 ulp relative;
-- a + alpha * b: 2 ulp of the largest operand (gcc may contract it into one fused multiply-add,
+- a + alpha * b and prims.fma: 2 ulp of the largest operand (gcc may contract it into one fused multiply-add,
   which rounds once where ATen may round twice: under cancellation the result's own ulp is no bound);
 - libm functions (exp, log, tanh, erf, sin, cos, pow, sigmoid, ...): rtol 1e-5 and atol 1e-6 for
   fp32 (the SIMD libm, SLEEF in ATen, and ours each promise a few ulp; tfsn_expf flushes results
@@ -143,6 +143,12 @@ class Recipe:
     grad: bool = False                             # differentiable in x: its backward is fuzzed too
 
 
+def _inductor_prims():
+    """torch.ops.prims with Inductor's prims registered (fma is one)."""
+    import torch._inductor.inductor_prims  # noqa: F401
+    return prims
+
+
 def _casts() -> list[Recipe]:
     return [Recipe("aten._to_copy.default", (lambda o, d=d: aten._to_copy.default(o.x, dtype=getattr(torch, d))))
             for d in DTYPES]
@@ -186,6 +192,7 @@ RECIPES: list[Recipe] = [
       for e in (2, 3, 0.5, 1.0, -1.0, -0.5, 1.7, 0, -2, -1.5)],
     Recipe("aten.pow.Tensor_Tensor", lambda o: aten.pow.Tensor_Tensor(o.x, o.y), LIBM, True),
     Recipe("aten.pow.Scalar", lambda o: aten.pow.Scalar(o.s, o.x), LIBM),
+    Recipe("prims.fma.default", lambda o: _inductor_prims().fma.default(o.x, o.x2, o.x), FUSED),
     Recipe("aten.maximum.default", lambda o: aten.maximum.default(o.x, o.y), EXACT, True),
     Recipe("aten.minimum.default", lambda o: aten.minimum.default(o.x, o.y), EXACT, True),
     Recipe("aten.clamp_min.default", lambda o: aten.clamp_min.default(o.x, o.s), EXACT, True),
@@ -260,8 +267,9 @@ def undefined_cast(recipe: Recipe, o: Operands) -> torch.Tensor | None:
 
 def magnitude(o: Operands) -> float:
     """The largest finite magnitude among the operands (alpha included)."""
-    finite = [t.double().abs().nan_to_num(0, 0, 0).max().item() for t in (o.x, o.y) if t.numel()]
-    return max(finite + [0.0]) * max(1.0, abs(float(o.s)))
+    finite = [t.double().abs().nan_to_num(0, 0, 0).max().item() for t in (o.x, o.x2, o.y) if t.numel()]
+    top = max(finite + [0.0])
+    return max(top * max(1.0, abs(float(o.s))), top * top)      # a product's magnitude too (fma)
 
 
 def same_layout(t: torch.Tensor) -> torch.Tensor:

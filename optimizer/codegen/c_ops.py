@@ -229,6 +229,9 @@ POINTWISE: dict[str, Render] = {
     "aten.round.default": _float_only("nearbyint({a})"),
     "aten.sign.default": _unary("(({a} > 0) - ({a} < 0))"),
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
+    # Inductor's prim (torch._inductor.inductor_prims), which its decompositions of lerp and addcmul
+    # use once Inductor is loaded: a * b + c rounded once, as C's fma
+    "prims.fma.default": lambda o, out, kw: f"fma({cast(o[0], out)}, {cast(o[1], out)}, {cast(o[2], out)})",
     "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),

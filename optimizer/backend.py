@@ -21,6 +21,7 @@ from optimizer.schedule import Schedule
 
 if TYPE_CHECKING:
     from optimizer.fusion import Plan
+    from optimizer.search import Tie
 
 log = logging.getLogger("tfsn.optimizer")
 aten = torch.ops.aten
@@ -196,12 +197,14 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
 
 
-SEARCH_VERSION = "4"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "5"      # bump when the search or the model changes what a cached result means
 
 
 def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[Plan, list[Schedule]]:
     """The search's plan and schedules for this graph on this host, from the disk cache when this
-    graph was searched here before (same graph, host spec, compiler, threads and top_k)."""
+    graph was searched here before (same graph, host spec, compiler, threads and top_k). A kernel
+    whose choice the search could not call (search.Tie) has its tied candidates timed again on each
+    of the next few runs, until one wins clearly or search.RETIMES is reached."""
     from optimizer import fusion, search
     from optimizer.cache import atomic_write
     from optimizer.hardware import cpu_spec
@@ -214,8 +217,14 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
             choice = fusion.Choice(**{k: frozenset(v) for k, v in saved["choice"].items()})
             plan = fusion.plan(graph, gemm=gemm, choice=choice)
             if len(plan.groups) == len(saved["schedules"]):
-                return plan, [Schedule(**s) for s in saved["schedules"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+                schedules = [Schedule(**s) for s in saved["schedules"]]
+                ties = [search.Tie(t["groups"], [Schedule(**s) for s in t["schedules"]], t["retimed"])
+                        for t in saved.get("unsettled", [])]
+                if ties:
+                    ties = _retime(graph, plan, schedules, ties)
+                    atomic_write(path, _search_entry(saved["choice"], schedules, ties))
+                return plan, schedules
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
             log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
     result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
     STATS["searches"] += 1
@@ -224,9 +233,33 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
     if report is not None:
         report.append((graph, result))
     choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
-    atomic_write(path, json.dumps({"choice": choice,
-                                   "schedules": [dataclasses.asdict(s) for s in result.schedules]}).encode())
+    atomic_write(path, _search_entry(choice, result.schedules, result.ties))
     return result.plan, result.schedules
+
+
+def _retime(graph, plan: Plan, schedules: list[Schedule], ties: list[Tie]) -> list[Tie]:
+    """`ties` (search.Tie) timed again, each one's winner written into `schedules`: the ties still open."""
+    from optimizer import search
+    from optimizer.codegen import c, compiler
+    try:
+        settled = search.retime(graph, plan, ties)
+    except (c.NotFusable, compiler.CompileError) as e:    # the cached choice still runs: keep it, settled
+        log.warning("tfsn: tied kernels not timed again, their code failed: %s", str(e)[:2000])
+        return []
+    for tie, (schedule, _) in zip(ties, settled):
+        for g in tie.groups:
+            schedules[g] = schedule
+    still = [tie for _, tie in settled if tie is not None]
+    log.info("tfsn search: %d tied kernels timed again, %d still tied", len(ties), len(still))
+    return still
+
+
+def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], ties: Sequence[Tie]) -> bytes:
+    """A search cache entry: the fusion choice, every group's schedule, and the kernels whose
+    choice is unsettled (search.Tie) with their tied candidates and re-timings so far."""
+    return json.dumps({"choice": choice, "schedules": [dataclasses.asdict(s) for s in schedules],
+                       "unsettled": [{"groups": t.groups, "schedules": [dataclasses.asdict(s) for s in t.schedules],
+                                      "retimed": t.retimed} for t in ties]}).encode()
 
 
 def search_cache_path(graph, spec, threads: int | None, gemm: bool, *extra: str, suffix: str) -> Path:

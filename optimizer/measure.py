@@ -5,14 +5,18 @@ The variants are compiled by one gcc run per CPU at once (each a C file of whole
 the group's real shapes and strides filled with random values, and are timed round-robin (each
 round times every variant once) so that a burst of noise on a shared machine hits all of them alike.
 A variant's time is its best round: other processes only ever add time, and a parallel kernel whose
-second thread was descheduled by another process can take 10x longer in one round.
+second thread was descheduled by another process can take 10x longer in one round; the spread of
+its rounds tells a win from a close call (search.Tie). A variant the search times has first given
+the same output as its group's reference schedule on the same inputs (`agree`).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -23,16 +27,61 @@ from optimizer.ir import Graph
 from optimizer.schedule import Schedule
 
 TARGET_BATCH_S = 0.001        # calls per timed batch: enough to last this long (timer resolution, noise)
+# A candidate's error allowed near zero, relative to its output's largest value: sums in another order
+# differ by ~eps x sqrt(length) x their terms, and a squashing epilogue keeps that error while it shrinks
+# the output (tanh(x @ w), K = 16384: 2e-4 between the library and the generated GEMM; 1e-5 failed K = 256).
+ABS_TOLERANCE = 1e-3
 
 
-def _buffer(graph: Graph, n: int) -> torch.Tensor:
+def _buffer(graph: Graph, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
     t = graph.nodes[n].type
     out = torch.empty_strided(t.shape, t.strides, dtype=getattr(torch, t.dtype))
     if out.is_floating_point():
-        out.normal_()
+        out.normal_(generator=generator)
     else:
         out.zero_()           # an index or a mask of zeros is valid for any op that reads it
     return out
+
+
+def agree(graph: Graph, reference: Kernel, candidates: Sequence[Kernel], lib: ctypes.CDLL) -> list[bool]:
+    """Whether each candidate (a schedule of the reference's group, in the same library) writes what
+    the reference writes from the same seeded inputs, each run on its own copy of every buffer (a
+    kernel may write over an input): floats to rtol 1e-4 and atol ABS_TOLERANCE x the largest finite
+    reference magnitude, NaN where the reference has NaN; integers and bools exactly. Why: a schedule
+    the generator gets wrong must never win on speed (tinygrad's BEAM_VALIDATE)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
+        generator = torch.Generator().manual_seed(0)
+        params = dict.fromkeys(p for k in (reference, *candidates) for p in k.params)
+        inputs = {n: _buffer(graph, n, generator) for n in params}
+
+        def run(kernel: Kernel) -> dict[int, torch.Tensor]:
+            buffers = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for n, t in inputs.items()}
+            for n, t in inputs.items():      # the whole storage: a kernel addresses it by the node's strides
+                buffers[n].untyped_storage().copy_(t.untyped_storage())
+            fn = getattr(lib, kernel.name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
+            fn(*[buffers[p].data_ptr() for p in kernel.params])
+            return {n: buffers[n] for n in kernel.outputs}
+
+        want = run(reference)
+        return [_same(run(k), want) for k in candidates]
+
+
+def _same(got: dict[int, torch.Tensor], want: dict[int, torch.Tensor]) -> bool:
+    if got.keys() != want.keys():
+        return False
+    for n, w in want.items():
+        if not w.is_floating_point():
+            if not torch.equal(got[n], w):
+                return False
+            continue
+        finite = w[torch.isfinite(w)]
+        scale = finite.abs().max().item() if finite.numel() else 0.0
+        if not torch.allclose(got[n], w, rtol=1e-4, atol=ABS_TOLERANCE * scale, equal_nan=True):
+            return False
+    return True
 
 
 def build_variants(graph: Graph, group: Group, buffers: set[int], schedules: Sequence[Schedule],
@@ -42,11 +91,12 @@ def build_variants(graph: Graph, group: Group, buffers: set[int], schedules: Seq
 
 
 def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule]]], buffers: set[int],
-                 prefix: str = "v") -> list[tuple[list[Kernel], ctypes.CDLL]]:
+                 prefix: str = "v", inplace: dict[int, int] | None = None) -> list[tuple[list[Kernel], ctypes.CDLL]]:
     """Several groups, each written once per schedule of its own, compiled as one library per CPU
-    (gcc runs side by side, the groups split between them by source size)."""
-    kernels = [[KernelWriter(graph, group, buffers, s, f"{prefix}{g}_{i}").write() for i, s in enumerate(schedules)]
-               for g, (group, schedules) in enumerate(variants)]
+    (gcc runs side by side, the groups split between them by source size); `inplace` as the plan's
+    (fusion.in_place_writes), so that what is timed and checked is the code that will run."""
+    kernels = [[KernelWriter(graph, group, buffers, s, f"{prefix}{g}_{i}", inplace).write()
+                for i, s in enumerate(schedules)] for g, (group, schedules) in enumerate(variants)]
     size = [sum(len(k.source) for k in ks) for ks in kernels]
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     chunks: list[list[int]] = [[] for _ in range(max(1, min(len(kernels), cpus)))]
@@ -61,21 +111,43 @@ def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule
     return [(ks, libs[g]) for g, ks in enumerate(kernels)]
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One kernel's seconds per call in each round."""
+    samples: tuple[float, ...]
+
+    @property
+    def best(self) -> float:
+        """The time the kernel takes: other processes only ever add time."""
+        return min(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """How far the machine's noise moved it (median - best): a winner by less than this is no winner."""
+        return statistics.median(self.samples) - self.best
+
+
 def time_variants(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int = 5,
                   budget_s: float = 10.0) -> list[float]:
     """Seconds per call of each kernel of one library (a group's schedules): the best of `rounds`."""
-    return time_kernels(graph, [(k, lib) for k in kernels], rounds, budget_s)
+    return [t.best for t in time_rounds(graph, [(k, lib) for k in kernels], rounds, budget_s)]
 
 
 def time_kernels(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int = 5,
                  budget_s: float = 10.0) -> list[float]:
     """Seconds per call of each (kernel, its library), timed in the same rounds: the best of `rounds`."""
+    return [t.best for t in time_rounds(graph, kernels, rounds, budget_s)]
+
+
+def time_rounds(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int = 5,
+                budget_s: float = 10.0) -> list[Timing]:
+    """Each (kernel, its library)'s seconds per call in each of the same `rounds`."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
         return _time(graph, kernels, rounds, budget_s)
 
 
-def _time(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int, budget_s: float) -> list[float]:
+def _time(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int, budget_s: float) -> list[Timing]:
     tensors = {n: _buffer(graph, n) for k, _ in kernels for n in k.params}
     calls = []
     round_s = 0.0
@@ -99,4 +171,4 @@ def _time(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: i
             for _ in range(n):
                 fn(*args)
             samples[i].append((time.perf_counter() - t0) / n)
-    return [min(s) for s in samples]
+    return [Timing(tuple(s)) for s in samples]

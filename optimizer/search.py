@@ -8,7 +8,9 @@ column blocks, library GEMM or a generated micro-kernel with its register and ca
 Kernels of one plan are independent given the plan, so a plan's cost is the sum of its kernels'
 best predictions; the plans themselves are searched exhaustively when there are few decisions,
 else by a beam search that flips one decision at a time. Then only the top k schedules of each
-kernel worth timing are compiled (one library) and timed here, and the fastest measured wins.
+kernel worth timing are compiled (one library), checked against the output of the kernel's default
+schedule on the same inputs (a candidate that computes something else is discarded), and timed
+here; the fastest measured wins. A win within the timing noise is a tie, timed again on later runs.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
+
 import numpy as np
 
 from optimizer import costmodel, features, fusion, measure, space
@@ -34,6 +38,7 @@ MAX_PLANS = 48                    # plans a beam search scores per graph at most
 MIN_TIMED_S = 20e-6               # kernels predicted faster than this are not worth timing: the model's pick
 TOP_K = 8
 NEAR_BEST = 1.5                   # candidates predicted within this factor of the best are close calls
+RETIMES = 3                       # later runs that time a tied kernel again, at most: then its choice stays
 
 
 @dataclass
@@ -44,6 +49,16 @@ class KernelResult:
     measured_s: float | None
     schedule: Schedule
     timed: list[tuple[float, float]] = field(default_factory=list)   # (predicted, measured) of each timed candidate
+
+
+@dataclass
+class Tie:
+    """A kernel whose fastest candidates were too close to call: the winner's best time plus its
+    spread reached another's best. Why: on a loaded machine either could have won; the choice is
+    timed again on later runs (backend.searched_plan, `retime`) instead of pinned for good."""
+    groups: list[int]              # the plan's groups that run this kernel (layers repeat kernels)
+    schedules: list[Schedule]      # the tied candidates, fastest measured first
+    retimed: int = 0               # re-timings so far, at most RETIMES
 
 
 @dataclass
@@ -59,6 +74,7 @@ class SearchResult:
     seconds: float                     # the whole search, timing included
     predicted_s: float                 # the chosen plan at its chosen schedules, predicted (what the model prices)
     kernels: list[KernelResult]
+    ties: list[Tie] = field(default_factory=list)     # kernels whose choice was too close to call
 
     @property
     def measured(self) -> list[dict]:
@@ -179,7 +195,7 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
     if math.isinf(costs[flips]):
         raise NotFusable("no fusion plan of this graph can be generated")
     plan = plans[flips]
-    kernels = _settle(graph, plan, scorer, top_k if timing else 1)
+    kernels, ties = _settle(graph, plan, scorer, top_k if timing else 1)
     schedules = [DEFAULT] * len(plan.groups)
     for k in kernels:
         schedules[k.group] = k.schedule
@@ -190,13 +206,14 @@ def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: 
                         space_size=space_size, plans_scored=len(costs),
                         scored=scorer.scored, score_seconds=scorer.seconds,
                         feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
-                        predicted_s=predicted, kernels=kernels)
+                        predicted_s=predicted, kernels=kernels, ties=ties)
 
 
-def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> list[KernelResult]:
-    """Each kernel's schedule: the model's pick, or the fastest measured of its top k."""
+def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tuple[list[KernelResult], list[Tie]]:
+    """Each kernel's schedule: the model's pick, or the fastest measured of its top k among those that
+    compute what its reference schedule does; and the kernels whose timings were too close to call."""
     results: list[KernelResult] = []
-    timed: list[tuple[KernelResult, list[Schedule], list[float]]] = []
+    timed: list[tuple[KernelResult, list[Schedule], list[float], Schedule]] = []
     first: dict[str, KernelResult] = {}       # a kernel's code -> its first copy (layers repeat kernels)
     copies: list[tuple[KernelResult, KernelResult]] = []
     for i, group in enumerate(plan.groups):
@@ -205,25 +222,97 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> lis
         cands, predicted = scorer.ranked(group, plan.buffers)
         result = KernelResult(i, float(predicted[0]), None, cands.schedule(0))
         results.append(result)
-        code = KernelWriter(graph, group, plan.buffers, DEFAULT, "k").write().source
+        reference, code = _reference(graph, plan, i, cands.schedule(0))
         if code in first:                     # the same loop nest on the same shapes: timed once
             copies.append((result, first[code]))
             continue
         first[code] = result
         if top_k > 1 and predicted[0] >= MIN_TIMED_S:
             rows = _diverse_top(cands, predicted, top_k)
-            timed.append((result, [cands.schedule(r) for r in rows], [float(predicted[r]) for r in rows]))
-    if timed:
-        built = measure.build_groups(graph, [(plan.groups[r.group], s) for r, s, _ in timed], plan.buffers)
-        for (result, picks, preds), (kernels, lib) in zip(timed, built):
-            times = measure.time_variants(graph, kernels, lib, rounds=3, budget_s=2.0)
-            best = int(np.argmin(times))
-            result.schedule, result.measured_s = picks[best], times[best]
-            result.predicted_s = preds[best]
-            result.timed = list(zip(preds, times))
+            timed.append((result, [cands.schedule(r) for r in rows], [float(predicted[r]) for r in rows], reference))
+    ties: dict[int, Tie] = {}                 # by the group of the kernel's first copy
+    measured = _checked_timings(graph, plan, [(r.group, picks, ref) for r, picks, _, ref in timed])
+    for (result, picks, preds, reference), runs in zip(timed, measured):
+        if not runs:                          # every candidate wrong: the reference runs, untimed
+            result.schedule = reference
+            continue
+        best, timing = min(runs, key=lambda run: run[1].best)
+        result.schedule, result.measured_s, result.predicted_s = picks[best], timing.best, preds[best]
+        result.timed = [(preds[i], t.best) for i, t in runs]
+        tied = _tied(picks, runs)
+        if tied:
+            ties[result.group] = Tie([result.group], tied)
     for copy, original in copies:
         copy.schedule, copy.measured_s, copy.predicted_s = original.schedule, original.measured_s, original.predicted_s
-    return results
+        if original.group in ties:
+            ties[original.group].groups.append(copy.group)
+    return results, list(ties.values())
+
+
+def retime(graph: Graph, plan: fusion.Plan, ties: list[Tie]) -> list[tuple[Schedule, Tie | None]]:
+    """The tied candidates of each kernel timed again (and checked again, as in the search): its
+    fastest, and the tie still open while they stay too close to call and RETIMES allows, else None."""
+    references = [_reference(graph, plan, t.groups[0], t.schedules[0])[0] for t in ties]
+    measured = _checked_timings(graph, plan, [(t.groups[0], t.schedules, r) for t, r in zip(ties, references)])
+    settled: list[tuple[Schedule, Tie | None]] = []
+    for tie, reference, runs in zip(ties, references, measured):
+        if not runs:
+            settled.append((reference, None))
+            continue
+        tied = _tied(tie.schedules, runs)
+        retimed = tie.retimed + 1
+        best = min(runs, key=lambda run: run[1].best)[0]
+        settled.append((tie.schedules[best], Tie(tie.groups, tied, retimed) if tied and retimed < RETIMES else None))
+    return settled
+
+
+def _reference(graph: Graph, plan: fusion.Plan, group: int, top: Schedule) -> tuple[Schedule, str]:
+    """The schedule a group's candidates must agree with, and its code: the hand-written default,
+    or the model's `top` candidate where the default cannot be written."""
+    def code(schedule: Schedule) -> str:
+        return KernelWriter(graph, plan.groups[group], plan.buffers, schedule, "k", plan.inplace).write().source
+    try:
+        return DEFAULT, code(DEFAULT)
+    except NotFusable:
+        return top, code(top)
+
+
+def _checked_timings(graph: Graph, plan: fusion.Plan, todo: list[tuple[int, list[Schedule], Schedule]]
+                     ) -> list[list[tuple[int, measure.Timing]]]:
+    """For each (group, candidates, reference): the candidates whose output matches the reference's
+    on the same inputs, as (index, timing); each other one is discarded with a warning. The
+    reference is built beside the candidates when it is not one of them, all as one library per CPU."""
+    if not todo:
+        return []
+    built = measure.build_groups(graph, [(plan.groups[g], picks if ref in picks else [*picks, ref])
+                                         for g, picks, ref in todo], plan.buffers, inplace=plan.inplace)
+    checked = []
+    for (g, picks, reference), (kernels, lib) in zip(todo, built):
+        valid = measure.agree(graph, kernels[picks.index(reference) if reference in picks else -1],
+                              kernels[:len(picks)], lib)
+        for schedule, ok in zip(picks, valid):
+            if not ok:
+                log.warning("tfsn search: discarded a candidate whose output differs from the %s schedule's "
+                            "(a generator bug; please report it): group %d (%s), %s",
+                            "default" if reference == DEFAULT else f"reference {reference}", g,
+                            _ops(graph, fusion.fused_nodes(graph, plan.buffers, plan.groups[g])), schedule)
+        keep = [i for i, ok in enumerate(valid) if ok]
+        timings = measure.time_rounds(graph, [(kernels[i], lib) for i in keep], rounds=3, budget_s=2.0)
+        checked.append(list(zip(keep, timings)))
+    return checked
+
+
+def _tied(picks: list[Schedule], runs: list[tuple[int, measure.Timing]]) -> list[Schedule]:
+    """The candidates whose best time is within the fastest one's best plus its spread, fastest
+    first; empty when the fastest won clearly."""
+    ranked = sorted(runs, key=lambda run: run[1].best)
+    winner = ranked[0][1]
+    close = [picks[i] for i, t in ranked if t.best <= winner.best + winner.spread]
+    return close if len(close) > 1 else []
+
+
+def _ops(graph: Graph, nodes: Sequence[int]) -> str:
+    return "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in nodes)
 
 
 def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int) -> list[int]:
@@ -256,7 +345,7 @@ def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:
     lines = []
     by_group = {k.group: k for k in result.kernels}
     for i, g in enumerate(result.plan.groups):
-        ops = "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in g.nodes)[:60]
+        ops = _ops(graph, g.nodes)[:60]
         k = by_group.get(i)
         if k is None:
             lines.append(f"{i:3d} extern  {ops}")

@@ -1,0 +1,217 @@
+"""Models written the way users write them (tests/user_models.py), compiled with the tfsn backend,
+against eager PyTorch: forward output, loss, input and parameter gradients, then three training
+steps with SGD (momentum) and with AdamW, the optimizer step compiled too; and
+F.scaled_dot_product_attention on its own, forward and backward, in the variants users call it.
+
+Tolerances. fp32: generated kernels sum in a different order than ATen, so values match to
+rtol=1e-4 and atol=1e-5 times the largest magnitude of the expected tensor, as in
+tests/test_optimizer_correctness.py. fp64: the same tolerance in units of the dtype's epsilon
+(2^-52 for 2^-23, so times 2^-29): an fp64 value computed anywhere in fp32 fails it.
+bf16 (autocast): bf16 keeps 8 significant bits, so one rounding of a value to bf16 moves it by up to
+2^-8 relative (half its epsilon, 2^-7). Where the compiled graph rounds a value to bf16 and eager
+does not, or the other way (a fused kernel keeps an fp32 intermediate; a bf16 GEMM accumulates in
+another order and its output rounds to the neighbouring bf16 value), the two differ by one such
+rounding, and these models chain a few (input Linear, two blocks of two Linears, head) between
+input and loss: rtol = atol factor = 2^-5, four bf16 roundings. (Measured: gradients up to 1.2e-2
+of their scale apart, about three roundings; outputs and loss equal.)
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from optimizer import backend
+from optimizer.backend import make_backend
+from tests.user_models import ATTENTION, Attention, Case, cases
+
+TOLERANCE = {                     # dtype of the compared values: (rtol, atol factor of the scale)
+    torch.float32: (1e-4, 1e-5),
+    torch.float64: (1e-4 * 2.0 ** -29, 1e-5 * 2.0 ** -29),
+    torch.bfloat16: (2.0 ** -5, 2.0 ** -5),
+}
+LOSS_RTOL = 1e-4                  # losses over training steps, fp32 (as the existing suite)
+TRAIN_STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path_factory, monkeypatch):
+    """A shared compile cache for this module, and no dynamo state carried between tests (its
+    recompile limit would otherwise send later models to eager without a word)."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path_factory.getbasetemp() / "tfsn-cache"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
+    """actual == expected within the tolerance of `dtype` (default: expected's own dtype)."""
+    rtol, atol = TOLERANCE[dtype or expected.dtype]
+    scale = expected.detach().abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=rtol, atol=atol * max(scale, 1e-3),
+                               check_dtype=True, msg=lambda m: f"{what}: {m}")
+
+
+def kernels() -> int:
+    return backend.STATS["kernels"]
+
+
+def leaves(inputs: tuple) -> tuple:
+    """The batch as fresh leaves, the floating ones requiring grad."""
+    return tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+
+
+def zero_grad_mask(case: Case, name: str, p: torch.Tensor) -> torch.Tensor:
+    """True at the elements of parameter `name` whose gradient is exactly zero in exact arithmetic."""
+    mask = torch.zeros_like(p, dtype=torch.bool)
+    for n, where in case.zero_grad:
+        if n == name:
+            mask[where] = True
+    return mask
+
+
+def compare_parameters(eager: nn.Module, mine: nn.Module, what: str, dtype: torch.dtype | None) -> None:
+    named = dict(mine.named_parameters())
+    for name, p in eager.named_parameters():
+        close(named[name], p, f"{what}: {name}", dtype)
+    buffers = dict(mine.named_buffers())
+    for name, b in eager.named_buffers():          # BatchNorm running stats and batch counts
+        if b.is_floating_point():
+            close(buffers[name], b, f"{what}: buffer {name}", dtype)
+        else:
+            assert torch.equal(buffers[name], b), f"{what}: buffer {name}"
+
+
+@pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
+def test_forward_and_gradients_match_eager(case):
+    torch.manual_seed(0)
+    eager = case.build()
+    mine = copy.deepcopy(eager)
+    inputs, target = case.batch(torch.Generator().manual_seed(1))
+    inputs_e, inputs_m = leaves(inputs), leaves(inputs)
+    out_e, loss_e = case.step(eager, inputs_e, target)
+    loss_e.backward()
+
+    compiled = torch.compile(mine, backend=make_backend())
+    before = kernels()
+    out_m, loss_m = case.step(compiled, inputs_m, target)
+    loss_m.backward()
+    assert kernels() > before, "the backend generated no kernel: the model ran as plain ATen"
+
+    dtype = torch.bfloat16 if case.bf16 else None
+    close(out_m, out_e, f"{case.name} output", dtype)
+    close(loss_m, loss_e, f"{case.name} loss", dtype)
+    for i, (a, b) in enumerate(zip(inputs_m, inputs_e)):
+        if b.grad is not None:
+            close(a.grad, b.grad, f"{case.name} grad of input {i}", dtype)
+    # All of the gradient's scale, for the elements whose gradient is zero in exact arithmetic: what
+    # either run has there is cancellation noise of terms of the size of the model's gradients.
+    grad_scale = max(p.grad.abs().max().item() for p in eager.parameters())
+    _, atol = TOLERANCE[dtype or torch.float32]
+    grads = dict(mine.named_parameters())
+    for name, p in eager.named_parameters():
+        zero = zero_grad_mask(case, name, p)
+        close(grads[name].grad[~zero], p.grad[~zero], f"{case.name} grad of {name}", dtype)
+        if zero.any():
+            for run, g in (("eager", p.grad), ("tfsn", grads[name].grad)):
+                noise = g[zero].abs().max().item()
+                assert noise <= atol * grad_scale, \
+                    f"{case.name} {run} grad of {name}: {noise} where exact arithmetic gives 0"
+    compare_parameters(eager, mine, f"{case.name} after one forward", dtype)     # BatchNorm's buffers
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+
+
+def train(model: nn.Module, case: Case, optimizer: str, compile_with=None) -> tuple[list[float], int]:
+    """TRAIN_STEPS steps on one batch, the optimizer step compiled too when a backend is given; the
+    losses, and how many kernels the compiled optimizer step generated."""
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    fwd = model if compile_with is None else torch.compile(model, backend=compile_with)
+    opt_step = opt.step if compile_with is None else torch.compile(opt.step, backend=compile_with)
+    inputs, target = case.batch(torch.Generator().manual_seed(1))
+    losses, step_kernels = [], 0
+    for _ in range(TRAIN_STEPS):
+        opt.zero_grad(set_to_none=True)
+        _, loss = case.step(fwd, inputs, target)
+        loss.backward()
+        before = kernels()
+        opt_step()
+        step_kernels += kernels() - before
+        losses.append(loss.item())
+    return losses, step_kernels
+
+
+# one of each kind (the SDPA path of nn.MultiheadAttention is trained inside the encoder layers)
+TRAINED = ["gpt", "mha_key_padding", "encoder_postnorm_relu", "encoder_prenorm_gelu", "convnet", "mixer",
+           "resmlp_bf16"]
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("case", [c for c in cases() if c.name in TRAINED], ids=lambda c: c.name)
+def test_training_steps_match_eager(case, optimizer):
+    """Three steps on one batch: the loss of each step against eager's; after SGD with momentum
+    also every parameter and buffer.
+
+    Parameters after AdamW are not compared. Adam's step is lr * m / sqrt(v), about lr * sign(g) at
+    first: it divides out the gradient's size, so an element's relative rounding error becomes an
+    absolute error of lr times it in the parameter. The gradient comparison only bounds that
+    relative error by rtol + atol * scale / |g|, which is large for small elements; measured here,
+    elements at 1e-3..3e-2 of their tensor's largest gradient end 2e-6..2e-5 apart after 3 steps
+    (fp32 tolerance of those parameters: 7e-7), elements whose gradient is 0 in exact arithmetic
+    (`case.zero_grad`: rounding noise in both runs) move by a full lr of either sign, and under bf16
+    autocast a few dozen elements at 1e-5..2e-2 of the largest flip sign (0.02 apart). The AdamW losses
+    are compared at every step (steps 2 and 3 run on the updated parameters), and the update itself,
+    given the same gradients, is compared exactly in test_optimizer_correctness.py
+    (test_adamw_step_alone_matches_eager_and_is_generated). SGD moves every element by lr times its
+    gradient, so its parameters carry the gradients' own tolerance: compared, zero-grad ones too."""
+    torch.manual_seed(0)
+    eager = case.build()
+    mine = copy.deepcopy(eager)
+    expected, _ = train(eager, case, optimizer)
+    before = kernels()
+    actual, step_kernels = train(mine, case, optimizer, make_backend(top_k=2))
+    assert kernels() > before, "the backend generated no kernel: the model ran as plain ATen"
+    assert step_kernels > 0, f"the {optimizer} step generated no kernel: it ran as plain ATen"
+    assert expected[-1] < expected[0], "the eager run should learn on one batch"
+
+    rtol = TOLERANCE[torch.bfloat16][0] if case.bf16 else LOSS_RTOL
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= rtol * max(1.0, abs(e)), f"{case.name} {optimizer} step {step}: tfsn loss {a} vs eager {e}"
+    if optimizer == "sgd":
+        compare_parameters(eager, mine, f"{case.name} after {TRAIN_STEPS} SGD steps",
+                           torch.bfloat16 if case.bf16 else None)
+
+
+@pytest.mark.parametrize("attn", ATTENTION, ids=lambda a: a.name)
+def test_scaled_dot_product_attention_matches_eager(attn: Attention):
+    """F.scaled_dot_product_attention between generated ops (so the graph has kernels and SDPA's
+    inputs and output gradient come from them): output, gradients of q, k, v and of a float mask
+    that requires grad. Catches a forward and backward that do not belong together (the decomposed
+    forward with ATen's flash backward gave wrong q, k, v gradients)."""
+    tensors = attn.inputs(torch.Generator().manual_seed(0))
+
+    def fn(q, k, v, *mask):
+        return attn(torch.tanh(q), k * 1.5, v + 0.5, *mask).sin()
+
+    def grad_leaves():
+        return [t.detach().clone().requires_grad_(i < 3 or attn.mask_grad) for i, t in enumerate(tensors)]
+    ref, mine = grad_leaves(), grad_leaves()
+    out = fn(*ref)
+    compiled = torch.compile(fn, backend=make_backend())
+    before = kernels()
+    got = compiled(*mine)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    out.backward(grad)
+    got.backward(grad)
+    assert kernels() > before, "the backend generated no kernel: the graph ran as plain ATen"
+    assert got.dtype == attn.dtype
+    close(got, out, f"sdpa {attn.name} output")
+    for a, b, name in zip(mine, ref, ("q", "k", "v", "mask")):
+        if b.requires_grad:
+            close(a.grad, b.grad, f"sdpa {attn.name} grad of {name}")

@@ -56,7 +56,8 @@ KEPT_WHOLE = [aten._scaled_dot_product_flash_attention_for_cpu.default]
 
 def _var_mean(x: torch.Tensor, dim=None, *, correction=None, keepdim: bool = False):
     """var_mean as two row reductions in ATen ops (torch's own goes to prims the generator skips)."""
-    dims = list(range(x.dim())) if dim is None else [d % max(x.dim(), 1) for d in dim]
+    # dim=[] reduces over every dim, as sum's does (an empty list counted 1 element and squeezed none)
+    dims = list(range(x.dim())) if not dim else [d % max(x.dim(), 1) for d in dim]
     n = 1
     for d in dims:
         n *= x.shape[d]

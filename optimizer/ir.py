@@ -217,12 +217,14 @@ def _reduce_dims(op: str, args: tuple, ndim: int) -> tuple[int, ...]:
     dims = args[1] if len(args) > 1 and op.endswith(("dim_IntList", "mean.dim")) else None
     if dims is None or len(dims) == 0:
         return tuple(range(ndim))
-    return tuple(sorted(d % ndim for d in dims))
+    return tuple(sorted({d % ndim for d in dims}))
 
 
 def reduce_params(op: str, args: tuple, kwargs: dict, nodes: list[Node]) -> dict:
     ndim = len(nodes[args[0].index].type.shape)
     keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
+    if ndim == 0:                   # a 0-d tensor reduced over dim 0 or -1 (or all): itself
+        return {"dims": (), "keepdim": keepdim, "reduce": REDUCTIONS[op]}
     if op in ("aten.amax.default", "aten.amin.default"):
         dims = tuple(sorted(d % ndim for d in args[1])) if len(args) > 1 and args[1] else tuple(range(ndim))
     else:

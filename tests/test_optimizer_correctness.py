@@ -275,3 +275,39 @@ def test_sdpa_gradients_match_eager(causal):
     close(got, out, "sdpa output")
     for a, b, name in zip(mine, (q, k, v), "qkv"):
         close(a.grad, b.grad, f"sdpa grad of {name}")
+
+
+def matches_eager(fn, *args) -> None:
+    """fn compiled by tfsn gives eager's results exactly (NaN equal to NaN), with kernels generated."""
+    torch._dynamo.reset()
+    before = backend.STATS["kernels"]
+    got = torch.compile(fn, backend=make_backend())(*args)
+    assert backend.STATS["kernels"] > before, "no kernel was generated"
+    for g, w in zip(got, fn(*args)):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1.3e-6, atol=1e-6)
+
+
+def test_comparisons_promote_as_aten_does():
+    """Regression (review): a 0-d fp64 operand (how dynamo passes a Python float after the first call)
+    made the comparison fp64 where eager compares in fp32; integers were always compared as int64,
+    where eager wraps the scalar into the tensor's type (uint8 > -1 is False)."""
+    x = torch.tensor([0.1, 0.2, 0.3])
+    for threshold in (0.1, 0.2):
+        matches_eager(lambda x, t: (x == t, x <= t, x > t), x, torch.tensor(threshold, dtype=torch.float64))
+    matches_eager(lambda u: (u + 0 > -1, u * 1 == 255), torch.tensor([0, 3, 255], dtype=torch.uint8))
+    matches_eager(lambda i: (i + 0 == 256, i * 1 < 2.5), torch.tensor([0, 1, -128], dtype=torch.int8))
+    matches_eager(lambda n, t: (n * 1 > t,), torch.tensor([16777216, 3]), torch.tensor(16777216.5, dtype=torch.float64))
+
+
+def test_nan_clamp_bounds_var_over_no_dims_and_0d_reductions():
+    """Regressions (review): a NaN clamp bound was ignored; var/var_mean with dim=[] counted one
+    element; a 0-d tensor reduced over dim 0 crashed the lowering; an integer prims.fma went
+    through a double."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
+    x = torch.randn(5, 7)
+    matches_eager(lambda x: ((x * 2).clamp(min=float("nan")), (x * 2).clamp(max=float("nan"))), x)
+    matches_eager(lambda x: (*torch.var_mean(x * 2, dim=[]), torch.var(x * 2, dim=[], correction=0)), x)
+    a = torch.tensor(3.0)
+    matches_eager(lambda a: ((a * 2).sum(dim=0), (a * 2).amax(dim=0, keepdim=True), (a * 2).mean(-1)), a)
+    i, j = torch.tensor(6, dtype=torch.int32), torch.tensor(2147483647, dtype=torch.int32)
+    matches_eager(lambda i, j: (torch.ops.prims.fma.default(i * 1, j, i),), i, j)

@@ -282,7 +282,7 @@ class KernelWriter:
             if isinstance(a, Ref):
                 src = self.g.nodes[a.index].type
                 operands.append(Operand(self.load(a.index, broadcast_index(src.shape, node.type.shape, idx)),
-                                        src.dtype))
+                                        src.dtype, zero_dim=not src.shape))
             elif isinstance(a, (bool, int, float)):
                 operands.append(literal(a))
             else:

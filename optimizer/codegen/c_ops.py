@@ -23,6 +23,7 @@ class Operand:
     dtype: str
     scalar: bool = False
     value: float | int | bool | None = None    # a Python scalar's own value, for special cases (x ** 2)
+    zero_dim: bool = False                     # a 0-d tensor: ranks below dimensioned ones in promotion
 
 
 def literal(value: float | int | bool) -> Operand:
@@ -52,15 +53,33 @@ def cast(op: Operand, dtype: str) -> str:
 
 
 def compare_dtype(ops: list[Operand]) -> str:
-    """ATen's promotion for comparisons: a tensor's float type wins over a Python scalar's."""
-    tensors = [o.dtype for o in ops if not o.scalar]
-    if "float64" in tensors:
-        return "float64"
-    if "float32" in tensors:
-        return "float32"
-    if any(o.dtype in FLOATS for o in ops):
-        return "float64" if not tensors else "float32"
-    return "int64"
+    """The dtype a comparison is made in: ATen's result_type. Dimensioned tensors decide, then 0-d
+    tensors, then Python scalars (a float one as the default float32); a lower rank counts only
+    where its category (bool < integer < float) is higher. So an fp32 tensor is compared with a
+    0-d fp64 threshold in fp32, and a uint8 tensor with -1 in uint8 (-1 wraps to 255), as eager does."""
+    import torch
+
+    def promoted(dtypes: list[str]):
+        out = None
+        for d in dtypes:
+            t = getattr(torch, d)
+            out = t if out is None else torch.promote_types(out, t)
+        return out
+
+    values = [o for o in ops if o.dtype != "none"]
+    dims = promoted([o.dtype for o in values if not o.scalar and not o.zero_dim])
+    zeros = promoted([o.dtype for o in values if o.zero_dim])
+    wrapped = promoted(["float32" if o.dtype in FLOATS else o.dtype for o in values if o.scalar])
+
+    def combine(higher, lower):
+        if higher is None or lower is None:
+            return higher or lower
+        if higher.is_floating_point:
+            return higher
+        if higher == torch.bool or lower.is_floating_point:
+            return torch.promote_types(higher, lower)
+        return higher
+    return str(combine(dims, combine(zeros, wrapped))).removeprefix("torch.")
 
 
 Render = Callable[[list[Operand], str, dict], str]
@@ -148,10 +167,13 @@ def _clamp(ops, out, kw):
     x = cast(ops[0], out)
     lo = ops[1] if len(ops) > 1 else None
     hi = ops[2] if len(ops) > 2 else None
+    # a NaN bound makes every result NaN in torch, which a comparison alone would skip
     if lo is not None and lo is not NONE:
-        x = f"({x} < {cast(lo, out)} ? {cast(lo, out)} : {x})"
+        b = cast(lo, out)
+        x = f"({x} < {b} || {b} != {b} ? {b} : {x})" if out in FLOATS else f"({x} < {b} ? {b} : {x})"
     if hi is not None and hi is not NONE:
-        x = f"({x} > {cast(hi, out)} ? {cast(hi, out)} : {x})"
+        b = cast(hi, out)
+        x = f"({x} > {b} || {b} != {b} ? {b} : {x})" if out in FLOATS else f"({x} > {b} ? {b} : {x})"
     return x
 
 
@@ -231,7 +253,9 @@ POINTWISE: dict[str, Render] = {
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
     # Inductor's prim (torch._inductor.inductor_prims), which its decompositions of lerp and addcmul
     # use once Inductor is loaded: a * b + c rounded once, as C's fma
-    "prims.fma.default": lambda o, out, kw: f"fma({cast(o[0], out)}, {cast(o[1], out)}, {cast(o[2], out)})",
+    "prims.fma.default": lambda o, out, kw: (f"fma({cast(o[0], out)}, {cast(o[1], out)}, {cast(o[2], out)})"
+                                             if out in FLOATS else  # integers wrap in their own type, not a double
+                                             f"({cast(o[0], out)} * {cast(o[1], out)} + {cast(o[2], out)})"),
     "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from optimizer import backend
 from optimizer.backend import make_backend
+from tests.test_optimizer_correctness import fresh  # noqa: F401  (autouse: a shared compile cache, no dynamo state)
 from tests.user_models import ATTENTION, Attention, Case, cases
 
 TOLERANCE = {                     # dtype of the compared values: (rtol, atol factor of the scale)
@@ -34,16 +35,6 @@ TOLERANCE = {                     # dtype of the compared values: (rtol, atol fa
 }
 LOSS_RTOL = 1e-4                  # losses over training steps, fp32 (as the existing suite)
 TRAIN_STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def fresh(tmp_path_factory, monkeypatch):
-    """A shared compile cache for this module, and no dynamo state carried between tests (its
-    recompile limit would otherwise send later models to eager without a word)."""
-    monkeypatch.setenv("TFSN_CACHE", str(tmp_path_factory.getbasetemp() / "tfsn-cache"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:

@@ -21,8 +21,8 @@ __all__ = ["Run", "init", "main", "optimize"]
 def __getattr__(name: str) -> Any:
     """The SDK is imported on first use: the CLI must not pay for importing torch."""
     if name in ("Run", "init"):
-        from orchestrator import sdk
-        return getattr(sdk, name)
+        from orchestrator.sdk import run
+        return getattr(run, name)
     if name == "optimize":
         from optimizer.backend import optimize
         return optimize
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> Any:
 
 def main() -> None:
     """The `tfsn` console script."""
-    from orchestrator.cli import main as cli_main
+    from orchestrator.cli.main import main as cli_main
     cli_main()
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/planner.py [--json] [--repeats 7] [--cases 200]
 
-  plan time   tfsn's vectorized planner (orchestrator.planner.plan_job) beside a brute-force planner that
+  plan time   tfsn's vectorized planner (orchestrator.planning.planner.plan_job) beside a brute-force planner that
               checks and prices offer by offer in Python, on catalogs of 10k and 100k offers (the shipped
               snapshot's rows repeated over synthetic zones, prices jittered +-20%, seeded); median of
               repeats. Target: 100k offers in < 200 ms.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import print_table  # noqa: E402
 from optimizer.hardware import find_hardware  # noqa: E402
 from optimizer.predict import memory_gib_needed, predict_step_seconds  # noqa: E402
-from orchestrator.planner import (STARTUP_SECONDS, PlanError, expected_spot_hours, plan_job,  # noqa: E402
+from orchestrator.planning.planner import (STARTUP_SECONDS, PlanError, expected_spot_hours, plan_job,  # noqa: E402
                                   workload_of)
 from orchestrator.spec import JobSpec  # noqa: E402
 from providers.catalog import load_offers  # noqa: E402

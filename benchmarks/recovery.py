@@ -37,8 +37,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import print_table
-from orchestrator import daemon
-from orchestrator.store import Event, Job, JobState, NodeState, Store
+from orchestrator.control import daemon
+from orchestrator.control.store import Event, Job, JobState, NodeState, Store
 from providers.local import tagged_pids
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -42,10 +42,10 @@ import torch.nn.functional as F
 
 import tfsn
 from _common import print_table
-from orchestrator.api import ApiServer
-from orchestrator.controller import Controller
+from orchestrator.control.api import ApiServer
+from orchestrator.control.controller import Controller
 from orchestrator.spec import JobSpec
-from orchestrator.store import Store
+from orchestrator.control.store import Store
 
 # examples/tiny-gpt/train.py's defaults (its corpus has 43 distinct characters)
 VOCAB, N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE, BATCH_SIZE = 43, 2, 4, 128, 64, 16

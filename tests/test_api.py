@@ -8,11 +8,11 @@ import urllib.request
 
 import pytest
 
-from orchestrator.api import ApiServer
-from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
-from orchestrator.controller import Controller
+from orchestrator.control.api import ApiServer
+from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from orchestrator.control.controller import Controller
 from orchestrator.spec import JobSpec
-from orchestrator.store import Store
+from orchestrator.control.store import Store
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from optimizer import hardware
 from optimizer.calibrate import calibrate, host_spec, write_host_spec
 from optimizer.hardware import HardwareSpecError, cpu_spec, host_spec_path, load_host_spec
-from orchestrator.optimizer_cli import register
+from orchestrator.cli.optimizer import register
 
 
 @pytest.fixture(scope="module")

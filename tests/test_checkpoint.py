@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator import checkpoint
-from orchestrator.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
+from orchestrator.sdk import checkpoint
+from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
 
 TOTAL_STEPS = 8
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.store import JobState, Store
+from orchestrator.control.store import JobState, Store
 from tests.conftest import EXAMPLE, write_job
 
 

@@ -5,9 +5,9 @@ import subprocess
 import sys
 import time
 
-from orchestrator.controller import Controller
+from orchestrator.control.controller import Controller
 from orchestrator.spec import JobSpec
-from orchestrator.store import JobState, NodeState, Store
+from orchestrator.control.store import JobState, NodeState, Store
 from providers.local import NODE_TAG, LocalProvider, tagged_pids
 
 

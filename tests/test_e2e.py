@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.checkpoint import list_checkpoints, load_tensors
+from orchestrator.sdk.checkpoint import list_checkpoints, load_tensors
 from providers.local import pids_with_env
 from tests.conftest import EXAMPLE, ROOT, write_job
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.controller import Controller
+from orchestrator.control.controller import Controller
 from orchestrator.spec import JobSpec
-from orchestrator.store import JobState, NodeState, Store
+from orchestrator.control.store import JobState, NodeState, Store
 from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError, QuotaError
 
 
@@ -203,7 +203,7 @@ def test_a_spare_that_cannot_be_placed_with_the_ranks_does_not_move_them(tmp_pat
 
 
 def test_a_node_whose_termination_failed_is_terminated_again_until_the_provider_confirms(tmp_path, monkeypatch):
-    import orchestrator.controller as controller_module
+    import orchestrator.control.controller as controller_module
 
     class FlakyDelete(ScriptedProvider):
         def terminate(self, handle: NodeHandle) -> None:

@@ -30,6 +30,6 @@ def test_peers_never_import_the_orchestrator_or_each_other():
 def test_the_cli_does_not_import_torch_on_start():
     import subprocess
     import sys
-    code = "import sys, orchestrator.cli; print('torch' in sys.modules)"
+    code = "import sys, orchestrator.cli.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", "the CLI must start fast: keep torch out of its imports"

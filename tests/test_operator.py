@@ -1,4 +1,4 @@
-"""The operator's handlers' work (orchestrator.k8s_operator.Operator) against kmock's Kubernetes emulator.
+"""The operator's handlers' work (orchestrator.k8s.operator.Operator) against kmock's Kubernetes emulator.
 
 Everything goes through the real kubernetes client over HTTP and the real controller. kmock runs no
 scheduler, kubelet nor garbage collector: a test schedules and fails pods by writing their spec and
@@ -21,12 +21,13 @@ pytest.importorskip("kubernetes")
 kmock = pytest.importorskip("kmock")
 kopf = pytest.importorskip("kopf")
 
-from orchestrator import crd, k8s_operator  # noqa: E402
-from orchestrator.client import ControllerClient  # noqa: E402
-from orchestrator.k8s_operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
-from orchestrator.k8s_status import StatusWriter, status_patch  # noqa: E402
+from orchestrator.k8s import crd
+from orchestrator.k8s import operator as k8s_operator  # noqa: E402
+from orchestrator.sdk.client import ControllerClient  # noqa: E402
+from orchestrator.k8s.operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
+from orchestrator.k8s.status import StatusWriter, status_patch  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
-from orchestrator.store import JobState, NodeState  # noqa: E402
+from orchestrator.control.store import JobState, NodeState  # noqa: E402
 from providers.kubernetes import GPU, UNHEALTHY_TAINT  # noqa: E402
 from tests.awsfaults import free_port  # noqa: E402
 from tests.test_provider_kubernetes import NAMESPACE, NODES, PODS, running_cluster  # noqa: E402
@@ -522,7 +523,7 @@ def test_the_crd_is_accepted_by_the_client_and_served_by_the_emulator(cluster):
 def test_manifests_command_prints_every_object_to_apply(tmp_path):
     from typer.testing import CliRunner
 
-    from orchestrator.operator_cli import operator_app
+    from orchestrator.cli.operator import operator_app
 
     result = CliRunner().invoke(operator_app, ["manifests", "--namespace", "ml-ops", "--checkpoint-claim", "ckpt"])
     assert result.exit_code == 0, result.output
@@ -543,7 +544,7 @@ def test_manifests_command_prints_every_object_to_apply(tmp_path):
 def test_manifests_command_refuses_a_bad_namespace_in_one_line():
     from typer.testing import CliRunner
 
-    from orchestrator.operator_cli import operator_app
+    from orchestrator.cli.operator import operator_app
 
     result = CliRunner().invoke(operator_app, ["manifests", "--namespace", "ML_Ops"])
     assert result.exit_code == 2
@@ -557,7 +558,7 @@ def test_manifests_command_refuses_a_bad_namespace_in_one_line():
 def test_run_command_refuses_bad_options_before_starting_anything(args, message):
     from typer.testing import CliRunner
 
-    from orchestrator.operator_cli import operator_app
+    from orchestrator.cli.operator import operator_app
 
     result = CliRunner().invoke(operator_app, ["run", *args])
     assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1
@@ -702,7 +703,7 @@ def test_the_startup_handler_run_again_after_a_failed_listing_builds_one_operato
     running it again neither builds a second operator (its API on the same port) nor skips the adoption."""
     body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
     operator.close()
-    monkeypatch.setattr("orchestrator.k8s_operator.LIST_BACKOFF_S", 0.01)
+    monkeypatch.setattr("orchestrator.k8s.operator.LIST_BACKOFF_S", 0.01)
     monkeypatch.setenv("TFSN_HOME", str(tmp_path / "replaced"))
     monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
     monkeypatch.setenv("TFSN_OPERATOR_PORT", str(free_port()))   # fixed, as in the Deployment
@@ -790,7 +791,7 @@ def test_the_status_stays_small_however_long_the_job_runs(operator, cluster):
 
 def test_the_timer_and_the_delete_handler_never_wait_on_a_stuck_status_write(operator, cluster, monkeypatch):
     """Finding 7: a status write held up by the API server holds up neither the timer nor a deletion."""
-    monkeypatch.setattr("orchestrator.k8s_operator.FINAL_WRITE_WAIT_S", 0.2)
+    monkeypatch.setattr("orchestrator.k8s.operator.FINAL_WRITE_WAIT_S", 0.2)
     body, job_id = admitted(operator, cluster, tfsnjob())
     stuck = threading.Event()
 

@@ -1,4 +1,4 @@
-"""The operator end to end: kopf's own test runner runs `orchestrator.k8s_operator` against kmock's emulator.
+"""The operator end to end: kopf's own test runner runs `orchestrator.k8s.operator` against kmock's emulator.
 
 A TfsnJob created through the kubernetes client gets its pods and status from the running operator
 (kopf's watch, handlers, finalizer and status patches; the controller's loop in its thread); deleting
@@ -16,7 +16,7 @@ pytest.importorskip("kopf")
 
 from kopf.testing import KopfRunner  # noqa: E402
 
-from orchestrator import crd  # noqa: E402
+from orchestrator.k8s import crd  # noqa: E402
 from providers.kubernetes import GPU  # noqa: E402
 from tests import test_operator as operator_tests  # noqa: E402
 from tests.test_provider_kubernetes import NAMESPACE, PODS, running_cluster  # noqa: E402
@@ -86,7 +86,7 @@ class Lab:
                         and self.job()["status"])
 
 
-ARGS = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.k8s_operator"]
+ARGS = ["run", "--standalone", "--all-namespaces", "-m", "orchestrator.k8s.operator"]
 
 
 def test_the_operator_runs_a_tfsnjob_and_cleans_up_after_its_deletion(cluster, tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ def _driver(fetch) -> types.ModuleType:
 
 
 def test_catalog_refresh_writes_the_cache_that_later_plans_read(tmp_path, monkeypatch):
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
     fetched = [Offer("gcp", "us-central1", "us-central1-a", "a3-highgpu-8g", "H100", 8, 80.0, 208, 1872, 88.5, 20.0)]
@@ -117,7 +117,7 @@ def test_catalog_refresh_writes_the_cache_that_later_plans_read(tmp_path, monkey
 
 
 def test_catalog_refresh_without_the_sdk_shows_the_one_line_error_and_exits_1(tmp_path, monkeypatch):
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
 

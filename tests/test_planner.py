@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
-from orchestrator.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, plan_job,
+from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, plan_job,
                                   workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError

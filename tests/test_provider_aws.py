@@ -157,7 +157,7 @@ def test_no_capacity_in_a_zone_fails_over_to_the_next_zone(cloud):
     assert "InsufficientInstanceCapacity" in str(caught.value) and "\n" not in str(caught.value)
     assert len(rule.hits) == 1  # no retries of a capacity error: failover is faster
 
-    # The planner's failover (orchestrator.planner): down the ranked offers, skipping what an error's scope
+    # The planner's failover (orchestrator.planning.planner): down the ranked offers, skipping what an error's scope
     # blocked. The second offer is another instance type in the zone that had no capacity.
     ranked = [offer("use1-az6"), offer("use1-az6", instance_type="p4de.24xlarge"), offer("use1-az1")]
     blocked, handle = set(), None
@@ -267,9 +267,9 @@ def test_fetch_offers_with_refused_credentials_is_an_auth_error(cloud):
 def test_a_job_launched_on_aws_fails_over_to_the_next_zone_and_is_torn_down(cloud, tmp_path, monkeypatch):
     """The whole path: the catalog's offers, the planner's ranking, the controller's failover and
     teardown, the real driver and boto3, and EC2's own capacity error for the cheapest zone."""
-    from orchestrator.controller import Controller
+    from orchestrator.control.controller import Controller
     from orchestrator.spec import JobSpec
-    from orchestrator.store import JobState, NodeState, Store
+    from orchestrator.control.store import JobState, NodeState, Store
     from providers.catalog import write_offers
 
     proxy, ec2, _ = cloud
@@ -302,9 +302,9 @@ def test_a_job_launched_on_aws_fails_over_to_the_next_zone_and_is_torn_down(clou
 
 
 def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_and_terminated(cloud, tmp_path):
-    from orchestrator.controller import Controller
+    from orchestrator.control.controller import Controller
     from orchestrator.spec import JobSpec
-    from orchestrator.store import JobState, NodeState, Store
+    from orchestrator.control.store import JobState, NodeState, Store
 
     _, ec2, _ = cloud
     store = Store(tmp_path / "tfsn.db")

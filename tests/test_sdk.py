@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from orchestrator import sdk
-from orchestrator.checkpoint import MANIFEST, list_checkpoints, load_tensors
+from orchestrator.sdk import run as sdk
+from orchestrator.sdk.checkpoint import MANIFEST, list_checkpoints, load_tensors
 from tests.conftest import EXAMPLE, FAST_MODEL
 
 

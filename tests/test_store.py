@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.store import JobState, NodeState, Store, StoreError
+from orchestrator.control.store import JobState, NodeState, Store, StoreError
 
 
 @pytest.fixture

@@ -27,11 +27,11 @@ from health.metrics import Metrics
 from health.policy import Action
 from health.telemetry import Sample
 from orchestrator.home import job_dir
-from orchestrator.placement import plan_for
-from orchestrator.planner import Blocklist, FailedAttempt, NoCapacityError, PlanError, PlannedOffer
+from orchestrator.planning.placement import plan_for
+from orchestrator.planning.planner import Blocklist, FailedAttempt, NoCapacityError, PlanError, PlannedOffer
 from orchestrator.spec import JobSpec
-from orchestrator.store import Job, JobState, Node, NodeState, Store
-from orchestrator.watch import JobWatch, health_config
+from orchestrator.control.store import Job, JobState, Node, NodeState, Store
+from orchestrator.control.health_watch import JobWatch, health_config
 from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, Provider, ProviderError
 from providers.registry import load_provider
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.planner import Plan, PlanError, plan_job
+from orchestrator.planning.planner import Plan, PlanError, plan_job
 from orchestrator.spec import JobSpec
 from providers.base import Offer, Provider
 from providers.registry import load_provider

@@ -16,13 +16,13 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from orchestrator import daemon
+from orchestrator.control import daemon
 from orchestrator.home import job_dir, tfsn_home
-from orchestrator.operator_cli import operator_app
-from orchestrator.optimizer_cli import register as register_optimizer_commands
+from orchestrator.cli.operator import operator_app
+from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.spec import JobSpec, SpecError, load_spec
-from orchestrator.store import Job, JobState, Store, StoreError
-from orchestrator.view import follow, job_panel, job_summary, jobs_table
+from orchestrator.control.store import Job, JobState, Store, StoreError
+from orchestrator.cli.view import follow, job_panel, job_summary, jobs_table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
@@ -60,8 +60,8 @@ def placement_error(spec: JobSpec) -> str | None:
     """Why the job cannot be placed anywhere it may run (the planner's reason), or None."""
     if not Path(spec.workdir).is_dir():
         return f"workdir {spec.workdir} is not a directory. To fix: point workdir at the folder of your script"
-    from orchestrator.placement import plan_for
-    from orchestrator.planner import PlanError
+    from orchestrator.planning.placement import plan_for
+    from orchestrator.planning.planner import PlanError
     from providers.base import ProviderError
     from providers.catalog import CatalogError
 
@@ -242,8 +242,8 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
                  as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
                  limit: int = typer.Option(15, "--limit", min=1, help="rows of the ranked table")) -> None:
     """Rank every capable offer by the predicted cost of the whole run; show the choice and the naive one."""
-    from orchestrator.placement import plan_for
-    from orchestrator.planner import PlanError
+    from orchestrator.planning.placement import plan_for
+    from orchestrator.planning.planner import PlanError
     from optimizer.predict import memory_gib_needed
     from providers.base import ProviderError
     from providers.catalog import CatalogError

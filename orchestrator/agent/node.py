@@ -25,7 +25,7 @@ from typing import Any
 
 from health.metrics import Metrics
 from health.telemetry import DcgmSource, NvmlSource, TelemetryError
-from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from providers.local import pids_with_env
 
 HEARTBEAT_S = 1.0
@@ -314,6 +314,3 @@ def main() -> int:
     finally:
         agent.stop_workers()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator import checkpoint as ckpt
-from orchestrator import commtimer
-from orchestrator.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from orchestrator.sdk import checkpoint as ckpt
+from orchestrator.sdk import commtimer
+from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from orchestrator.spec import parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often

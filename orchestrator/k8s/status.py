@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from orchestrator.crd import GROUP, KIND, PLURAL, VERSION, JobRecord, NodeStatus, TfsnJobStatus, known_fields
+from orchestrator.k8s.crd import GROUP, KIND, PLURAL, VERSION, JobRecord, NodeStatus, TfsnJobStatus, known_fields
 from orchestrator.spec import JobSpec
-from orchestrator.store import Job, JobState, Node, NodeState
+from orchestrator.control.store import Job, JobState, Node, NodeState
 from providers.base import NodeHandle
 from providers.kubernetes import TIMEOUT_S
 from providers.naming import dns_label

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from orchestrator.home import atomic_write_text, tfsn_home
-from orchestrator.store import Store
+from orchestrator.control.store import Store
 
 START_TIMEOUT_S = 30.0
 
@@ -54,7 +54,7 @@ def ensure_controller(home: Path | None = None) -> dict:
     if info is not None:
         return info
     log = open(home / "controller.log", "ab")
-    subprocess.Popen([sys.executable, "-m", "orchestrator.daemon"], env={**os.environ, "TFSN_HOME": str(home)},
+    subprocess.Popen([sys.executable, "-m", "orchestrator.control.daemon"], env={**os.environ, "TFSN_HOME": str(home)},
                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -88,8 +88,8 @@ def serve(home: Path) -> int:
         previous = int(os.environ.get("TFSN_API_PORT") or json.loads(info_path(home).read_text()).get("port", 0))
     except (OSError, ValueError):
         previous = int(os.environ.get("TFSN_API_PORT") or 0)
-    from orchestrator.api import ApiServer          # the controller's own process only: the CLI stays light
-    from orchestrator.controller import Controller
+    from orchestrator.control.api import ApiServer          # the controller's own process only: the CLI stays light
+    from orchestrator.control.controller import Controller
     from providers.local import LocalProvider
 
     store = Store(store_path(home))

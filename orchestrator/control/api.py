@@ -13,8 +13,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol
 
-from orchestrator.client import TOKEN_HEADER
-from orchestrator.store import Store, StoreError
+from orchestrator.sdk.client import TOKEN_HEADER
+from orchestrator.control.store import Store, StoreError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 

@@ -8,7 +8,7 @@ one controller job. The handlers only translate between the two.
 The TfsnJob's `.status` is the job's durable store; the operator's SQLite store is a working cache
 that may be lost with the operator's pod at any moment. Every write to a job or its nodes (a state
 transition, a node recorded, failed or ready, a checkpoint) is copied into `.status` at once by a
-`StatusWriter` thread (orchestrator.k8s_status; a failed write is tried again), and an operator that
+`StatusWriter` thread (orchestrator.k8s.status; a failed write is tried again), and an operator that
 starts with an empty store re-creates each job and its nodes from `.status` under their old ids (the
 token is in the job's Secret), so the worker pods' agents carry on reporting to it:
 
@@ -37,7 +37,7 @@ otherwise the whole cluster is listed, but only when kopf runs cluster-wide. An 
 `kopf run --namespace X` and no TFSN_OPERATOR_NAMESPACE refuses to start (it would adopt the jobs of
 namespaces another operator runs) and says to set it.
 
-Run it with `tfsn operator run` (or `kopf run -m orchestrator.k8s_operator --all-namespaces`); settings
+Run it with `tfsn operator run` (or `kopf run -m orchestrator.k8s.operator --all-namespaces`); settings
 come from TFSN_OPERATOR_* variables (see `OperatorSettings`).
 """
 from __future__ import annotations
@@ -59,13 +59,13 @@ from typing import Any, Callable, Iterator
 import kopf
 from pydantic import ValidationError
 
-from orchestrator.api import ApiServer
-from orchestrator.controller import Controller
-from orchestrator.crd import GROUP, KIND, PLURAL, VERSION, Condition, TfsnJobStatus
+from orchestrator.control.api import ApiServer
+from orchestrator.control.controller import Controller
+from orchestrator.k8s.crd import GROUP, KIND, PLURAL, VERSION, Condition, TfsnJobStatus
 from orchestrator.home import tfsn_home
-from orchestrator.k8s_status import StatusWriter, restored_job, status_record
+from orchestrator.k8s.status import StatusWriter, restored_job, status_record
 from orchestrator.spec import JobSpec, _dotted, _user_path
-from orchestrator.store import Job, JobState, Node, NodeState, Store, StoreError
+from orchestrator.control.store import Job, JobState, Node, NodeState, Store, StoreError
 from providers.base import NotFoundError, ProviderError, import_sdk
 from providers.kubernetes import EXTRA, TIMEOUT_S, TOKEN_KEY, UNHEALTHY_TAINT, KubernetesProvider, PodBinding
 from providers.naming import dns_label

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.store import Job, JobState, Node, Store
+from orchestrator.control.store import Job, JobState, Node, Store
 
 _STATE_STYLE = {JobState.SUCCEEDED: "green", JobState.FAILED: "red", JobState.STOPPED: "yellow",
                 JobState.RECOVERING: "magenta", JobState.RUNNING: "cyan"}

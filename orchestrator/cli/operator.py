@@ -36,7 +36,7 @@ def manifests(namespace: str = typer.Option("tfsn-system", help="Namespace the o
     """Print the CRD, least-privilege RBAC and the operator Deployment, for `kubectl apply -f -`."""
     import yaml
 
-    from orchestrator import crd
+    from orchestrator.k8s import crd
 
     _check_name("--namespace", namespace)
     _check_name("--checkpoint-claim", checkpoint_claim)
@@ -65,8 +65,8 @@ def run(namespace: Optional[str] = typer.Option(None, help="Watch TfsnJobs of th
                        ("TFSN_OPERATOR_NAMESPACE", namespace or "")):
         if value:
             os.environ[key] = value
-    import orchestrator.k8s_operator  # noqa: F401  (registers the handlers)
-    from orchestrator.crd import LIVENESS_PORT
+    import orchestrator.k8s.operator  # noqa: F401  (registers the handlers)
+    from orchestrator.k8s.crd import LIVENESS_PORT
 
     kopf.configure(verbose=verbose)
     kopf.run(standalone=True, clusterwide=namespace is None, namespaces=[namespace] if namespace else (),

@@ -1,0 +1,6 @@
+"""`python -m orchestrator.agent`: how every provider starts a node's agent."""
+import sys
+
+from orchestrator.agent.node import main
+
+sys.exit(main())

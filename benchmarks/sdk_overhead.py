@@ -161,7 +161,7 @@ def controller_api(home: Path) -> Iterator[tuple[Store, int]]:
     store = Store(home / "tfsn.db")
     spec = JobSpec.model_validate({"name": "bench", "run": "true"}).model_dump(mode="json")
     job = store.create_job("bench", spec, str(home / "train.yaml"), secrets.token_urlsafe(32))
-    server = ApiServer(0, store, Controller(store, home, providers={}))
+    server = ApiServer(0, store, Controller(store, home, providers={}).handlers)
     server.start()
     for key in [k for k in os.environ if k.startswith("TFSN_")]:  # e.g. a TFSN_CHECKPOINT_INTERVAL would win
         del os.environ[key]

@@ -20,7 +20,7 @@ def server(tmp_path):
     store = Store(tmp_path / "tfsn.db")
     spec = JobSpec.model_validate({"name": "t", "run": "true"}).model_dump(mode="json")
     job = store.create_job("t", spec, "p", "the-secret")
-    api = ApiServer(0, store, Controller(store, tmp_path, providers={}))
+    api = ApiServer(0, store, Controller(store, tmp_path, providers={}).handlers)
     api.start()
     yield api, store, job
     api.shutdown()

@@ -24,7 +24,7 @@ def test_a_node_recorded_but_unconfirmed_before_a_crash_is_not_leaked(tmp_path):
     while not tagged_pids("j-1-n0-leak") and time.monotonic() < deadline:
         time.sleep(0.05)
 
-    Controller(store, tmp_path, {"local": LocalProvider()}).reconcile_intents()  # what a new controller does
+    Controller(store, tmp_path, {"local": LocalProvider()}).nodes.reconcile_intents()  # what a new controller does
 
     assert leaked.wait(timeout=10) != 0
     assert tagged_pids("j-1-n0-leak") == []

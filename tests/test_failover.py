@@ -203,7 +203,7 @@ def test_a_spare_that_cannot_be_placed_with_the_ranks_does_not_move_them(tmp_pat
 
 
 def test_a_node_whose_termination_failed_is_terminated_again_until_the_provider_confirms(tmp_path, monkeypatch):
-    import orchestrator.control.controller as controller_module
+    import orchestrator.control.nodes as nodes_module
 
     class FlakyDelete(ScriptedProvider):
         def terminate(self, handle: NodeHandle) -> None:
@@ -212,7 +212,7 @@ def test_a_node_whose_termination_failed_is_terminated_again_until_the_provider_
                 raise ProviderError("RequestLimitExceeded", provider=self.name)
             super().terminate(handle)
 
-    monkeypatch.setattr(controller_module, "RELEASE_RETRY_S", 0.0)
+    monkeypatch.setattr(nodes_module, "RELEASE_RETRY_S", 0.0)
     store = Store(tmp_path / "tfsn.db")
     aws = FlakyDelete("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
     controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
@@ -223,8 +223,8 @@ def test_a_node_whose_termination_failed_is_terminated_again_until_the_provider_
     (node,) = store.nodes(job_id)
     assert node.state == NodeState.TERMINATED and not node.released
     assert [n.id for n in store.unreleased_nodes()] == [node.id]
-    controller.sweep_releases()                        # refused again
-    controller.sweep_releases()                        # done
+    controller.nodes.sweep_releases()                        # refused again
+    controller.nodes.sweep_releases()                        # done
     assert aws.terminated == ["refused", "refused", node.id] and store.node(node.id).released
     assert store.unreleased_nodes() == []
 
@@ -242,8 +242,8 @@ def test_a_throttled_request_is_retried_after_a_backoff_not_blocked(tmp_path):
     controller.reconcile(job_id)                       # within the backoff: no new request
     assert aws.asked == ["us-east-1a"] and store.job(job_id).blocked == []
     del aws.refuse["us-east-1a"]                       # the throttling is over
-    failures, _ = controller._backoff[job_id]
-    controller._backoff[job_id] = (failures, 0.0)      # the backoff has passed
+    failures, _ = controller.provisioner.backoff[job_id]
+    controller.provisioner.backoff[job_id] = (failures, 0.0)      # the backoff has passed
     controller.reconcile(job_id)
     assert aws.asked == ["us-east-1a", "us-east-1a"]
     assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1a"]
@@ -256,8 +256,8 @@ def test_a_multi_node_cloud_job_does_not_start_without_rank_0s_address(tmp_path)
     job_id = submit(store, tmp_path, num_nodes=2)
     controller.reconcile(job_id)
     first, second = store.nodes(job_id)
-    controller.heartbeat(job_id, first.id, {"state": "ready"})                        # no address reported
-    controller.heartbeat(job_id, second.id, {"state": "ready", "addr": "10.0.1.7"})
+    controller.handlers.heartbeat(job_id, first.id, {"state": "ready"})                        # no address reported
+    controller.handlers.heartbeat(job_id, second.id, {"state": "ready", "addr": "10.0.1.7"})
     controller.reconcile(job_id)
     assert store.job(job_id).attempt == 0, "no attempt whose workers would meet on loopback"
     assert store.node(first.id).state == NodeState.FAILED and "address" in store.node(first.id).failure

@@ -137,7 +137,7 @@ def run_first_attempt(op: Operator, cluster, job_id: int, host: str = "gpu-a") -
     [pod] = pods(cluster)
     schedule(cluster, pod, host)
     [node] = op.store.nodes(job_id, active_only=True)
-    op.controller.heartbeat(job_id, node.id, {"state": "ready", "host": host})
+    op.controller.handlers.heartbeat(job_id, node.id, {"state": "ready", "host": host})
     op.controller.reconcile(job_id)
     assert op.store.job(job_id).state == JobState.RUNNING
     return pod
@@ -183,7 +183,7 @@ def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_
 def test_a_failed_pod_taints_its_node_and_the_job_restarts_on_a_new_pod(operator, cluster):
     body, job_id = admitted(operator, cluster, tfsnjob())
     first = run_first_attempt(operator, cluster, job_id)
-    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    operator.controller.handlers.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
     schedule(cluster, first, "gpu-a", phase="Failed")  # e.g. the GPU fell off the bus and the agent died
     operator.controller.reconcile(job_id)              # fails the node and deletes its pod
     node = cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-a"].raw))
@@ -318,7 +318,7 @@ def test_the_status_carries_the_jobs_nodes_and_counts_as_soon_as_they_change(ope
     assert status["record"]["plan"] == operator.store.job(job_id).plan and status["record"]["plan"]
     started_with = JobSpec.model_validate(operator.store.job(job_id).spec)
     assert JobSpec.model_validate(status["record"]["spec"]) == started_with
-    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    operator.controller.handlers.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
     saved = status_where(lambda s: s["checkpoint"].get("step") == 40)["checkpoint"]
     assert saved == {"step": 40, "path": "/ckpt/step-40"}
     schedule(cluster, first, "gpu-a", phase="Failed")
@@ -353,7 +353,7 @@ def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_
     body, job_id = admitted(operator, cluster, tfsnjob())
     pod = run_first_attempt(operator, cluster, job_id)
     cluster.on_loop(lambda k: k.objects[PODS, NAMESPACE, pod].patch({"metadata": {"uid": "pod-uid-1"}}))
-    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    operator.controller.handlers.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
     [node] = operator.store.nodes(job_id)
     token = operator.store.job(job_id).token
     assert operator.writer.write(job_id)
@@ -403,7 +403,7 @@ def test_restarts_and_max_restarts_count_across_operator_restarts_and_a_tainted_
         assert next(n for n in status["nodes"] if n["pod"] == first)["tainted"]
         schedule(cluster, replacement, "gpu-b")
         node = next(n for n in successor.store.nodes(job_id) if n.state == NodeState.STARTING)
-        successor.controller.heartbeat(job_id, node.id, {"state": "ready", "host": "gpu-b"})
+        successor.controller.handlers.heartbeat(job_id, node.id, {"state": "ready", "host": "gpu-b"})
         successor.controller.reconcile(job_id)
         assert (successor.store.job(job_id).state, successor.store.job(job_id).attempt) == (JobState.RUNNING, 2)
         schedule(cluster, replacement, "gpu-b", phase="Failed")
@@ -451,7 +451,7 @@ def test_a_status_without_a_record_restarts_the_job_from_its_checkpoint(operator
     """An operator that kept no record (or a Secret gone) leaves a status to restart from, not to carry on."""
     body, job_id = admitted(operator, cluster, tfsnjob())
     old_pod = run_first_attempt(operator, cluster, job_id)
-    operator.controller.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
+    operator.controller.handlers.checkpoint(job_id, {"step": 40, "path": "/ckpt/step-40"})
     assert operator.writer.write(job_id)
     body = kopf_writes(cluster, body, {"record": None})
     successor = fail_over_to_a_new_operator(operator, tmp_path)
@@ -611,7 +611,7 @@ def running_job(op: Operator, cluster, name: str, uid: str, host: str = "gpu-a",
     [pod] = set(pods(cluster)) - before
     schedule(cluster, pod, host)
     [node] = op.store.nodes(job_id, active_only=True)
-    op.controller.heartbeat(job_id, node.id, {"state": "ready", "host": host})
+    op.controller.handlers.heartbeat(job_id, node.id, {"state": "ready", "host": host})
     op.controller.reconcile(job_id)
     assert op.store.job(job_id).state == JobState.RUNNING
     assert op.writer.write(job_id)

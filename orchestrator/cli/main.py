@@ -16,13 +16,14 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from orchestrator.control import daemon
-from orchestrator.home import job_dir, tfsn_home
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
-from orchestrator.spec import JobSpec, SpecError, load_spec
-from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.cli.view import follow, job_panel, job_summary, jobs_table
+from orchestrator.control import daemon
+from orchestrator.control.store import Job, JobState, Store, StoreError
+from orchestrator.home import job_dir, tfsn_home
+from orchestrator.planning.offers import candidate_text
+from orchestrator.spec import JobSpec, SpecError, load_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
@@ -269,19 +270,11 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
     console.print(f"{result.steps} steps{assumed} of {w.params / 1e9:g}B params, {w.batch_size} x {w.seq_len} tokens, "
                   f"{w.dtype}: {about}; {memory}; {len(result)} capable offer(s)", highlight=False)
     chosen, naive = result.chosen, result.naive
-    console.print(f"[bold]chosen[/]: {_describe(chosen)}", highlight=False)
-    console.print(f"naive (cheapest per hour): {_describe(naive)}", highlight=False)
+    console.print(f"[bold]chosen[/]: {candidate_text(chosen)}", highlight=False)
+    console.print(f"naive (cheapest per hour): {candidate_text(naive)}", highlight=False)
     if naive.cost > chosen.cost:
         console.print(f"tfsn's plan costs ${naive.cost - chosen.cost:,.2f} less ({1 - chosen.cost / naive.cost:.0%}) "
                       "than the naive plan", highlight=False)
-
-
-def _describe(candidate) -> str:
-    o = candidate.offer
-    market = "spot" if candidate.spot else "on-demand"
-    return (f"{o.provider} {o.zone or o.region} {o.instance_type} ({o.accelerator or 'CPU'} x{o.accelerator_count}, "
-            f"{market}) x{candidate.nodes} node(s): ${candidate.price_per_hour:,.2f}/node-h, "
-            f"{candidate.hours:,.2f} h, ${candidate.cost:,.2f} for the run")
 
 
 def _plan_table(result, limit: int):

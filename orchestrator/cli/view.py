@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.control.store import Job, JobState, Node, Store
+from orchestrator.planning.offers import offer_text
 
 _STATE_STYLE = {JobState.SUCCEEDED: "green", JobState.FAILED: "red", JobState.STOPPED: "yellow",
                 JobState.RECOVERING: "magenta", JobState.RUNNING: "cyan"}
@@ -62,12 +63,8 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
 
 
 def _where(node: Node) -> str:
-    """Where a node runs: provider, zone (or region) and instance type, as far as the plan said."""
-    if not node.offer:
-        return node.provider
-    o = node.offer
-    place = o["zone"] or o["region"]
-    return "/".join(dict.fromkeys([o["provider"], place, o["instance_type"]]))
+    """Where a node runs, as far as the plan said."""
+    return offer_text(node.offer, node.spot) if node.offer else node.provider
 
 
 def jobs_table(jobs: list[Job]) -> Table:

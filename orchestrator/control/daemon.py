@@ -98,9 +98,9 @@ def serve(home: Path) -> int:
     # still needs the job's token).
     host, advertise = os.environ.get("TFSN_API_HOST", "127.0.0.1"), os.environ.get("TFSN_API_ADVERTISE", "")
     try:
-        server = ApiServer(previous, store, controller, host, advertise)
+        server = ApiServer(previous, store, controller.handlers, host, advertise)
     except OSError:  # the old port is taken by someone else now
-        server = ApiServer(0, store, controller, host, advertise)
+        server = ApiServer(0, store, controller.handlers, host, advertise)
     controller.url = server.url
     server.start()
     metrics_port = controller.metrics.serve(int(os.environ.get("TFSN_METRICS_PORT", 0)))

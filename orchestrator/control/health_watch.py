@@ -8,14 +8,22 @@ hysteresis and cooldowns survive restarts). Metrics for Prometheus are updated o
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from health.config import HealthConfig
-from health.detectors import Finding, Monitor
+from health.detectors import Finding, FindingKind, Monitor
 from health.metrics import Metrics
-from health.policy import Decision, Policy
+from health.policy import Action, Decision, Policy
 from health.telemetry import Sample, sdk_sample
+from orchestrator.control.context import ControlContext
+from orchestrator.control.nodes import Nodes
+from orchestrator.control.store import Job, Node
+from orchestrator.spec import JobSpec
+
+# A node to be replaced waits this long for the checkpoint asked of the job first (or 30 steps).
+REPLACE_CHECKPOINT_WAIT_S = 60.0
 
 
 def health_config(health: Mapping[str, Any]) -> HealthConfig:
@@ -84,3 +92,85 @@ class JobWatch:
         for finding in new:
             self.metrics.finding(self.label, finding.kind.value, finding.severity.value)
         return new, self.policy.decide(findings, now)
+
+
+class HealthWatch:
+    """Every running job's JobWatch, and what the loop does with their decisions: events for findings,
+    checkpoints asked, nodes replaced (after a checkpoint, or at once for a hang), attempts failed."""
+
+    def __init__(self, ctx: ControlContext, nodes: Nodes) -> None:
+        self.ctx = ctx
+        self.nodes = nodes
+        self._watches: dict[int, JobWatch] = {}
+
+    def watch(self, job: Job, spec: JobSpec) -> JobWatch:
+        watch = self._watches.get(job.id)
+        if watch is None:
+            watch = self._watches[job.id] = JobWatch(job.id, health_config(spec.health.model_dump()),
+                                                     self.ctx.metrics)
+            watch.policy.restore(job.health)   # cooldowns and exclusions outlive a controller restart
+        return watch
+
+    def existing(self, job_id: int) -> JobWatch | None:
+        """The job's watch if its loop made one (telemetry of a job not watched yet is only stored)."""
+        return self._watches.get(job_id)
+
+    def forget(self, job_id: int) -> None:
+        """The job ended: drop its watch and its metric series."""
+        if self._watches.pop(job_id, None) is not None:
+            self.ctx.metrics.forget(str(job_id))
+
+    def act(self, job: Job, spec: JobSpec) -> None:
+        """Findings become events; decisions become checkpoints, node replacements or a failed attempt."""
+        watch = self.watch(job, spec)
+        ranked = [n for n in self.ctx.store.nodes(job.id, active_only=True) if n.rank is not None]
+        if len(ranked) == spec.num_nodes:  # e.g. after a controller restart
+            watch.start_attempt(job.attempt, rank_nodes(ranked, spec.nprocs()))
+        now = time.time()
+        findings, decisions = watch.check(now)
+        for finding in findings:
+            self.ctx.event(job.id, "finding", f"{finding.kind.value} ({finding.severity.value}) on "
+                           f"{finding.node or 'the job'}: {finding.evidence}")
+        nodes = {n.id: n for n in ranked}
+        for decision in decisions:
+            self._apply(job, watch, decision, nodes, now)
+        self._replace_when_saved(self.ctx.store.job(job.id), nodes, now)
+        job = self.ctx.store.job(job.id)
+        if job.step_time:
+            done = job.step + 1 - (job.restored_step or 0)
+            self.ctx.metrics.goodput(watch.label, min(1.0, done * job.step_time
+                                                      / max(1e-9, now - job.attempt_started_at)))
+
+    def _apply(self, job: Job, watch: JobWatch, decision: Decision, nodes: dict[str, Node], now: float) -> None:
+        store = self.ctx.store
+        if decision.action == Action.CHECKPOINT:
+            store.update_job(job.id, checkpoint_request=now)
+            self.ctx.event(job.id, "health", f"checkpoint requested: {decision.reason}")
+        elif decision.action == Action.FAIL:
+            store.update_job(job.id, attempt_state="stopping", attempt_changed_at=now, pending_reason=decision.reason)
+            self.ctx.event(job.id, "health", f"failing attempt {job.attempt}: {decision.reason}")
+        elif decision.action == Action.REPLACE_NODE and decision.node in nodes:
+            store.update_job(job.id, health=watch.policy.state())   # it excluded the node
+            if decision.finding.kind == FindingKind.HANG:  # a stuck rank cannot take part in a save
+                self.nodes.fail(job, nodes[decision.node], decision.reason)
+            else:
+                store.update_job(job.id, checkpoint_request=now, pending_replace=decision.node,
+                                 pending_reason=decision.reason)
+                self.ctx.event(job.id, "health", f"checkpointing, then replacing {decision.node}: {decision.reason}")
+
+    def _replace_when_saved(self, job: Job, nodes: dict[str, Node], now: float) -> None:
+        """Fail the node awaiting replacement once the checkpoint asked for it is saved (or waited too long)."""
+        if not job.pending_replace:
+            return
+        saved = job.checkpoint_at >= job.checkpoint_request
+        if saved or now - job.checkpoint_request > max(REPLACE_CHECKPOINT_WAIT_S, 30 * (job.step_time or 0)):
+            node = nodes.get(job.pending_replace)
+            self.ctx.store.update_job(job.id, pending_replace="")
+            if node is not None:
+                self.nodes.fail(job, node, job.pending_reason + ("" if saved else " (no checkpoint in time)"))
+
+
+def rank_nodes(nodes: list[Node], nprocs: int) -> list[str]:
+    """The node of every global rank: torchrun numbers ranks node by node."""
+    by_rank = {n.rank: n.id for n in nodes}
+    return [by_rank[r // nprocs] for r in range(len(nodes) * nprocs)]

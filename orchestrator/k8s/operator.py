@@ -152,7 +152,7 @@ class Operator:
         self.provider.status_poll_s = settings.pod_poll_s
         self.provider.on_deleted = self._pod_deleted
         self.controller = Controller(self.store, settings.home, {"kubernetes": self.provider})
-        self.server = ApiServer(settings.port, self.store, self.controller, settings.host, settings.advertise)
+        self.server = ApiServer(settings.port, self.store, self.controller.handlers, settings.host, settings.advertise)
         self.controller.url = self.server.url
         self.writer = StatusWriter(self._record_of, self._custom_objects)
         self.store.on_change = self.writer.changed

@@ -131,6 +131,21 @@ class Blocklist:
     def blocks(self, offer: Offer) -> bool:
         return any(_key(offer, scope) in self.keys for scope in SCOPES)
 
+    @classmethod
+    def from_records(cls, records: Sequence[dict]) -> Blocklist:
+        """The blocklist of a job's failed attempts as the store keeps them (see `blocked_record`)."""
+        blocked = cls()
+        for entry in records:
+            offer = Offer(**entry["offer"])
+            blocked.block(offer, entry["scope"])
+            blocked.history.append(FailedAttempt(offer, entry["spot"], entry["error"], entry["scope"]))
+        return blocked
+
+
+def blocked_record(offer: Offer, spot: bool, error: str, scope: str) -> dict:
+    """A failed provisioning attempt as the job's store keeps it (JSON)."""
+    return {"offer": asdict(offer), "spot": spot, "error": error, "scope": scope}
+
 
 def _key(offer: Offer, scope: str) -> tuple:
     if scope == "provider":

@@ -1,0 +1,50 @@
+"""What every part of the controller shares: the store, the job folders, the providers, the API's
+address, the loop's wake-up, the metrics, and the one way a job's log and events are written."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from health.metrics import Metrics
+from orchestrator.control.store import Job, JobState, Store
+from orchestrator.home import job_dir
+from providers.base import Provider
+from providers.registry import load_provider
+
+
+@dataclass
+class ControlContext:
+    store: Store
+    home: Path                                     # $TFSN_HOME: each job's folder (logs, local checkpoints)
+    providers: dict[str, Provider]                 # loaded on first use by name
+    url: str = ""                                  # where agents reach the API; set once the server listens
+    wake: threading.Event = field(default_factory=threading.Event)   # set when the loop should run now
+    metrics: Metrics = field(default_factory=Metrics)                 # tfsn_* series, served by the daemon
+    _log_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def provider(self, name: str) -> Provider:
+        if name not in self.providers:
+            self.providers[name] = load_provider(name)
+        return self.providers[name]
+
+    def shares_host(self, provider: str) -> bool:
+        """Whether the provider's nodes are processes of this machine (loopback reaches them)."""
+        return bool(getattr(self.provider(provider), "shares_host", False))
+
+    def log(self, job_id: int, lines: list[str]) -> None:
+        """Append lines to the job's log (agents' output and the controller's own lines share it)."""
+        if not lines:
+            return
+        with self._log_lock, open(job_dir(job_id, self.home) / "job.log", "a") as log:
+            log.write("".join(line.rstrip("\n") + "\n" for line in lines))
+
+    def event(self, job_id: int, kind: str, message: str) -> None:
+        """An event in the store (`tfsn status`), also a `[tfsn]` line in the job's log."""
+        self.store.add_event(job_id, kind, message)
+        self.log(job_id, [f"[tfsn] {message}"])
+
+    def transition(self, job: Job, new: JobState, message: str = "", **changes: Any) -> None:
+        self.store.transition(job.id, new, message, **changes)
+        self.log(job.id, [f"[tfsn] job {job.id} {new.value}" + (f": {message}" if message else "")])

@@ -1,0 +1,123 @@
+"""The controller's answers to agents and SDKs (the API's `Handlers`): heartbeats, results, logs,
+telemetry, GPU samples and checkpoints in; what a node must do now out. Runs on the API's threads, so
+it only records and wakes the loop; decisions are the loop's."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from health.telemetry import Sample
+from orchestrator.control.context import ControlContext
+from orchestrator.control.health_watch import HealthWatch
+from orchestrator.control.provisioning import requested_cpus
+from orchestrator.control.store import Job, JobState, Node, NodeState
+from orchestrator.home import job_dir
+from orchestrator.spec import JobSpec
+
+
+class ApiHandlers:
+    def __init__(self, ctx: ControlContext, health: HealthWatch) -> None:
+        self.ctx = ctx
+        self.store = ctx.store
+        self.health = health
+
+    def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        node = self._node_of(job_id, node_id)
+        self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")),
+                               addr=str(body.get("addr") or node.addr), host=str(body.get("host") or node.host))
+        # Only a STARTING node becomes READY: the loop may have failed it meanwhile.
+        if body.get("state") == "ready" and self.store.promote_node(node_id, NodeState.STARTING, NodeState.READY):
+            self.ctx.event(job_id, "node", f"node {node_id} ready" + (f" (rank {node.rank})" if node.rank is not None
+                                                                         else " (spare)"))
+            self.ctx.wake.set()
+        return self.command(self.store.job(job_id), self.store.node(node_id))
+
+    def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._node_of(job_id, node_id)
+        signal = body.get("signal")
+        self.store.record_result(job_id, node_id, int(body["attempt"]), int(body["returncode"]),
+                                 None if signal is None else int(signal), bool(body.get("stopped")),
+                                 str(body.get("summary", ""))[-4000:])
+        self.ctx.wake.set()
+        return {}
+
+    def logs(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        self.ctx.log(job_id, [str(line) for line in body.get("lines", [])])
+        return {}
+
+    def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        """Step records and heartbeats of one rank; the answer asks for a checkpoint when one is wanted."""
+        attempt, rank, records = int(body["attempt"]), int(body["rank"]), list(body["records"])
+        self.store.record_steps(job_id, attempt, rank, records)
+        watch = self.health.existing(job_id)
+        if watch is not None:
+            heartbeat = body.get("heartbeat")
+            watch.observe(attempt, rank, records, None if heartbeat is None else float(heartbeat))
+        job = self.store.job(job_id)
+        return {"checkpoint": job.checkpoint_request} if job.checkpoint_request > job.checkpoint_at else {}
+
+    def samples(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """GPU samples (NVML, DCGM) from a node's agent."""
+        self._node_of(job_id, node_id)
+        watch = self.health.existing(job_id)
+        if watch is not None:
+            for raw in body.get("samples", []):
+                watch.observe_device(Sample(**{**raw, "node": node_id}))
+        return {}
+
+    def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        step, path = int(body["step"]), str(body["path"])
+        if body.get("restored"):
+            self.store.update_job(job_id, restored_step=step)
+            self.ctx.event(job_id, "checkpoint", f"restored step {step} from {path}")
+        else:
+            self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
+            self.ctx.event(job_id, "checkpoint", f"saved step {step} in {body.get('seconds', 0):.2f}s to {path}")
+        return {}
+
+    def command(self, job: Job, node: Node) -> dict[str, Any]:
+        """What `node`'s agent must do now: setup, idle, run an attempt, or exit."""
+        if job.state.terminal or not node.state.active:
+            return {"action": "exit"}
+        spec = JobSpec.model_validate(job.spec)
+        if node.state == NodeState.STARTING:
+            return {"action": "setup", "setup": spec.setup or "", "workdir": spec.workdir}
+        if node.rank is None or job.state != JobState.RUNNING or job.attempt_state != "running":
+            return {"action": "idle"}
+        return {"action": "run", "attempt": job.attempt, "run": spec.run, "workdir": spec.workdir,
+                "nnodes": spec.num_nodes, "node_rank": node.rank, "nproc_per_node": spec.nprocs(),
+                "master_addr": self._master_addr(job), "master_port": job.master_port,
+                "env": self._worker_env(job, spec)}
+
+    def _master_addr(self, job: Job) -> str:
+        """Where the workers meet: rank 0's node, as its agent reported it (loopback on one machine)."""
+        first = next((n for n in self.store.nodes(job.id, active_only=True) if n.rank == 0), None)
+        if first is None or self.ctx.shares_host(first.provider) or not first.addr:
+            return "127.0.0.1"
+        return first.addr
+
+    def _worker_env(self, job: Job, spec: JobSpec) -> dict[str, str]:
+        ckpt = spec.checkpoint
+        env = {**spec.envs, "TFSN_ATTEMPT": str(job.attempt), "TFSN_NUM_NODES": str(spec.num_nodes),
+               "TFSN_CHECKPOINT_DIR": ckpt.dir or str(job_dir(job.id, self.ctx.home) / "checkpoints"),
+               "TFSN_JOB_NAME": job.name}
+        # The spec overrides the script's own settings only where the user wrote them down.
+        if "interval" in ckpt.model_fields_set:
+            env["TFSN_CHECKPOINT_INTERVAL"] = str(ckpt.interval)
+        if "keep" in ckpt.model_fields_set:
+            env["TFSN_CHECKPOINT_KEEP"] = str(ckpt.keep)
+        if spec.steps is not None:
+            env["TFSN_STEPS"] = str(spec.steps)
+        ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
+        if ranked and all(self.ctx.shares_host(n.provider) for n in ranked) and "OMP_NUM_THREADS" not in spec.envs:
+            # Nodes that share this machine split its cores instead of each taking all of them.
+            cpus = requested_cpus(spec) or max(1, (os.cpu_count() or 1) // spec.num_nodes)
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // spec.nprocs()))
+        return env
+
+    def _node_of(self, job_id: int, node_id: str) -> Node:
+        node = self.store.node(node_id)
+        if node.job_id != job_id:
+            raise ValueError(f"node {node_id} is not part of job {job_id}")
+        return node

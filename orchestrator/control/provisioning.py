@@ -1,0 +1,253 @@
+"""Provisioning: from the ranked plan to nodes for every rank, with failover, then an attempt started.
+
+A node is recorded in the store before its provider is asked for it (a crash never leaks a machine). A
+provisioning error blocks what its scope says (the offer, zone, region or provider) and the next node
+goes to the next candidate of the plan; nodes already placed elsewhere follow it, since one job's nodes
+must share a zone. A transient error (throttling, network) is retried on the same offer with backoff.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+import time
+import urllib.parse
+from dataclasses import asdict
+
+from orchestrator.control.context import ControlContext
+from orchestrator.control.health_watch import HealthWatch, rank_nodes
+from orchestrator.control.nodes import Nodes, site
+from orchestrator.control.store import Job, JobState, Node, NodeState
+from orchestrator.home import job_dir
+from orchestrator.planning.offers import offer_text
+from orchestrator.planning.placement import plan_for
+from orchestrator.planning.planner import Blocklist, NoCapacityError, PlanError, PlannedOffer
+from orchestrator.spec import JobSpec
+from providers.base import CapacityError, NodeRequest, ProviderError
+
+# What a remote node's agent is given from this machine's environment (how to install tfsn there).
+REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
+TRANSIENT_TRIES = 5           # a provisioning request that fails transiently this often in a row is blocked
+PLAN_KEEP = 50                # ranked candidates kept in the store for failover
+
+
+class Provisioner:
+    """Plans a job, creates its nodes (spares first), and starts an attempt once every rank is ready."""
+
+    def __init__(self, ctx: ControlContext, nodes: Nodes, health: HealthWatch) -> None:
+        self.ctx = ctx
+        self.nodes = nodes
+        self.health = health
+        self.backoff: dict[int, tuple[int, float]] = {}   # job id -> (transient failures in a row, retry at)
+
+    def plan(self, job: Job, spec: JobSpec) -> None:
+        """PENDING -> PROVISIONING with the plan's best candidates in the store, or FAILED if none is capable."""
+        try:
+            plan = plan_for(spec, self.ctx.providers)
+        except (PlanError, ProviderError) as err:
+            self.ctx.transition(job, JobState.FAILED, str(err), error=str(err))
+            return
+        chosen, naive = plan.chosen, plan.naive
+        self.ctx.transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_text(chosen)}" + (
+            "" if chosen == naive else f" (the cheapest per hour, {_text(naive)}, would cost ${naive.cost:,.2f})"),
+            plan=[c.to_record() for c in plan.ranked(PLAN_KEEP)])
+
+    def provision(self, job: Job, spec: JobSpec) -> None:
+        """Give every rank a node (a spare first), keep the spares topped up, then start an attempt."""
+        reason = self._hopeless(job, spec)
+        if reason:
+            self.nodes.give_up(job, reason)
+            return
+        if not self._fill(job, spec):
+            return
+        nodes = self.ctx.store.nodes(job.id, active_only=True)
+        ready = [n for n in nodes if n.rank is not None and n.state == NodeState.READY]
+        first = next((n for n in ready if n.rank == 0), None)
+        if spec.num_nodes > 1 and first is not None and not first.addr and not self.ctx.shares_host(first.provider):
+            # the other nodes' workers would wait for a rendezvous on loopback until they time out
+            self.nodes.fail(job, first, "its agent reported no address the other nodes can reach")
+            return
+        if len(ready) == spec.num_nodes:
+            self._start_attempt(job, spec, ready)
+
+    def _hopeless(self, job: Job, spec: JobSpec) -> str:
+        """Why provisioning should stop and the job fail, or "" to go on."""
+        # Nodes created that never came up (no heartbeat). Refused requests are failover's business (the
+        # plan's candidates bound them); nodes lost after they ran are charged to max_restarts.
+        failed = [n for n in self.ctx.store.nodes(job.id)
+                  if n.state == NodeState.FAILED and n.handle is not None and n.heartbeat_at is None]
+        if len(failed) > spec.num_nodes + spec.recovery.spares + spec.recovery.max_restarts + 2:
+            return f"{len(failed)} nodes failed to start; last: {failed[-1].failure}"
+        setup_failure = next((r for r in self.ctx.store.results(job.id, 0) if r.returncode != 0), None)
+        if setup_failure is not None:
+            return f"setup failed on node {setup_failure.node_id}: {setup_failure.summary}"
+        return ""
+
+    def _fill(self, job: Job, spec: JobSpec) -> bool:
+        """Every rank without a node gets a spare, else a new node; then the spares are topped up.
+        False if the job ended on the way (no capacity anywhere, an unreachable controller)."""
+        nodes = self.ctx.store.nodes(job.id, active_only=True)
+        ranked = {n.rank: n for n in nodes if n.rank is not None}
+        spares = sorted((n for n in nodes if n.rank is None), key=lambda s: s.state != NodeState.READY)
+        for rank in range(spec.num_nodes):
+            if rank in ranked:
+                continue
+            if spares:
+                spare = spares.pop(0)
+                self.ctx.store.update_node(spare.id, rank=rank)
+                self.ctx.event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
+            else:
+                self._create_node(job, spec, rank)
+            if self.ctx.store.job(job.id).state.terminal:
+                return False
+        for _ in range(spec.recovery.spares - len(spares)):
+            self._create_node(job, spec, None)
+            if self.ctx.store.job(job.id).state.terminal:
+                return False
+        return True
+
+    def _start_attempt(self, job: Job, spec: JobSpec, ready: list[Node]) -> None:
+        attempt = job.attempt + 1
+        self.health.watch(job, spec).start_attempt(attempt, rank_nodes(ready, spec.nprocs()))
+        self.ctx.transition(job, JobState.RUNNING, f"attempt {attempt} on " + ", ".join(
+            n.id for n in sorted(ready, key=lambda n: n.rank)), attempt=attempt, attempt_state="running",
+            attempt_changed_at=time.time(), attempt_started_at=time.time(), master_port=free_port())
+        self.ctx.wake.set()
+
+    def _candidate(self, job: Job, spec: JobSpec) -> PlannedOffer | None:
+        """The best planned offer that no provisioning failure has ruled out. The store keeps the plan's
+        best PLAN_KEEP; when blocks used them all up (or the job predates plans), plan again."""
+        blocked = Blocklist.from_records(job.blocked)
+        for record in job.plan:
+            candidate = PlannedOffer.from_record(record)
+            if not blocked.blocks(candidate.offer):
+                return candidate
+        try:
+            plan = plan_for(spec, self.ctx.providers)
+        except (PlanError, ProviderError):
+            return None
+        fresh = [c for c in plan.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
+        if not fresh:
+            return None
+        self.ctx.store.update_job(job.id, plan=[c.to_record() for c in fresh])
+        return fresh[0]
+
+    def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
+        """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes)."""
+        if time.monotonic() < self.backoff.get(job.id, (0, 0.0))[1]:
+            return   # the last request hit a transient error (throttling, network): wait before the next
+        candidate = self._candidate(job, spec)
+        if candidate is None:
+            self.nodes.give_up(job, str(NoCapacityError(Blocklist.from_records(job.blocked).history)))
+            return
+        offer = candidate.offer
+        provider = self.ctx.provider(offer.provider)
+        local = self.ctx.shares_host(provider.name)
+        unreachable = None if local else _unreachable(self.ctx.url)
+        if unreachable:
+            self.nodes.give_up(job, unreachable)
+            return
+        ranked_sites = {site(n.offer) for n in self.ctx.store.nodes(job.id, active_only=True)
+                        if n.rank is not None and n.offer is not None}
+        if rank is None and ranked_sites and ranked_sites != {site(offer)}:
+            return   # a spare serves only where the ranks are: none while its site there is blocked
+        self._gather(job, candidate)
+        # Unique beyond this store: the local provider finds a node's processes by its id.
+        node_id = f"{job.name}-{job.id}-n{len(self.ctx.store.nodes(job.id))}-{secrets.token_hex(2)}"
+        self.ctx.store.add_node(node_id, job.id, rank, provider.name, offer=asdict(offer), spot=candidate.spot)
+        request = NodeRequest(
+            job_id=str(job.id), node_id=node_id, workdir=spec.workdir,
+            log_path=str(job_dir(job.id, self.ctx.home) / f"{node_id}.log"),
+            command=agent_command(local), cpus=requested_cpus(spec),
+            env=agent_env(self.ctx.url, job, node_id, local), offer=offer, spot=candidate.spot,
+            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name))
+        try:
+            handle = provider.provision(request)
+        except Exception as err:  # a provider bug or an OS error must not leave the node REQUESTED
+            if not isinstance(err, ProviderError):
+                err = ProviderError(f"{type(err).__name__}: {err}", provider=provider.name)
+            self._refused(job, spec, node_id, candidate, err)
+            return
+        self.backoff.pop(job.id, None)
+        self.ctx.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__,
+                                   provisioned_at=time.time())
+        role = f"rank {rank}" if rank is not None else "spare"
+        self.ctx.event(job.id, "node", f"node {node_id} provisioned on {_text(candidate)} ({role})")
+
+    def _refused(self, job: Job, spec: JobSpec, node_id: str, candidate: PlannedOffer, err: ProviderError) -> None:
+        """A provider refused a node: try the same offer again later if the error is transient, else
+        block what the error's scope says (the next node goes to the next candidate)."""
+        self.ctx.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
+        # The cloud may have taken the request before the error (a timeout after EC2 accepted the
+        # ClientToken, an operation that failed half-way): make sure nothing is left running.
+        self.nodes.terminate(self.ctx.store.node(node_id))
+        failures = self.backoff.get(job.id, (0, 0.0))[0] + 1
+        if err.retryable and not isinstance(err, CapacityError) and failures < TRANSIENT_TRIES:
+            # throttled or unreachable: the same request may well succeed; try it again, later
+            self.backoff[job.id] = (failures, time.monotonic() + min(60.0, 2.0 ** failures))
+            self.ctx.event(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}: {err} "
+                           f"(transient, attempt {failures} of {TRANSIENT_TRIES}; trying again)")
+            return
+        self.backoff.pop(job.id, None)
+        self.nodes.block(job, asdict(candidate.offer), candidate.spot, str(err), err.scope)
+        following = self._candidate(self.ctx.store.job(job.id), spec)
+        self.ctx.event(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}: {err} "
+                       f"(blocked this {err.scope}; " + (f"next: {_text(following)})" if following
+                                                         else "no candidate left)"))
+
+    def _excluded_hosts(self, job: Job, spec: JobSpec) -> tuple[str, ...]:
+        """The machines under the nodes the health policy replaced: a new node must not land there."""
+        policy = self.health.watch(job, spec).policy
+        return tuple(sorted({n.host for n in self.ctx.store.nodes(job.id) if n.host and policy.is_excluded(n.id)}))
+
+    def _gather(self, job: Job, candidate: PlannedOffer) -> None:
+        """Release the job's nodes that are not where its next node goes (they are recreated there)."""
+        offer = candidate.offer
+        where = f"{offer.provider}/{offer.zone or offer.region}"
+        for node in self.ctx.store.nodes(job.id, active_only=True):
+            if node.offer is not None and site(node.offer) != site(offer):
+                self.nodes.release(node, failure=f"moved with the job to {where}")
+                self.ctx.event(job.id, "node", f"node {node.id} released: the job moves to {where}")
+
+
+def _text(candidate: PlannedOffer) -> str:
+    return offer_text(candidate.offer, candidate.spot)
+
+
+def requested_cpus(spec: JobSpec) -> int | None:
+    """The vCPUs each node asks for (None: the provider's default)."""
+    return int(spec.resources.cpus.count) if spec.resources.cpus else None
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for the workers' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unreachable(url: str) -> str | None:
+    """Why nodes elsewhere could not reach the controller at `url`, or None."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host in ("", "0.0.0.0", "::") or host == "localhost" or host.startswith("127.") or host == "::1":
+        return (f"cloud nodes could not reach this controller at {url or 'an unset address'}. To fix: restart it "
+                "with TFSN_API_HOST=0.0.0.0 and TFSN_API_ADVERTISE=<an address the nodes reach> (and TFSN_API_PORT "
+                "for a fixed port): `tfsn controller stop`, then launch again")
+    return None
+
+
+def agent_command(local: bool = True) -> list[str]:
+    """How a node starts its agent: with this very Python here, with the node's own Python elsewhere."""
+    return [sys.executable if local else "python3", "-m", "orchestrator.agent"]
+
+
+def agent_env(url: str, job: Job, node_id: str, local: bool = True) -> dict[str, str]:
+    """The agent's environment: the controller's address and the job's secret. A local node inherits
+    this process's environment; a remote one gets only tfsn's settings (never this machine's credentials,
+    paths or devices: they would end up in the VM's metadata)."""
+    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME"}
+    keep = {k: v for k, v in os.environ.items()
+            if k not in job_specific and (local or k in REMOTE_SETTINGS)}
+    return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": job.token, "TFSN_JOB_ID": str(job.id),
+            "TFSN_NODE_ID": node_id}

@@ -26,55 +26,20 @@ baseline. With 3-5% noise it finds a 10% slowdown in ~10 steps and a 20% one in 
 """
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from health.config import HealthConfig
+from health.findings import Finding, FindingKind, Severity
 from health.telemetry import ClockReason, Sample
-
-if TYPE_CHECKING:
-    from health.config import HealthConfig
 
 MAD_TO_SIGMA = 1.4826          # sigma of a normal distribution = 1.4826 x its median absolute deviation
 HW_THROTTLING = ClockReason.HW_SLOWDOWN | ClockReason.HW_THERMAL | ClockReason.HW_POWER_BRAKE
 SHOWN_RANKS = 8                # ranks spelled out in one line of evidence
-
-
-class FindingKind(str, enum.Enum):
-    STRAGGLER = "straggler"
-    THROTTLE = "throttle"
-    XID = "xid"
-    HANG = "hang"
-    ECC = "ecc"
-
-
-class Severity(str, enum.Enum):
-    INFO = "info"            # worth a line in the log; no action on the node
-    WARNING = "warning"      # a fault if it persists
-    CRITICAL = "critical"    # a fault now
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """One detector's verdict on one node (node "" = the whole job).
-
-    `ranks` are the ranks the step-time detectors blame; a device finding (Xid, ECC, a throttled GPU
-    with no slow rank) names the node and GPU and no ranks, since NVML's GPU index is not the rank's.
-    """
-
-    kind: FindingKind
-    severity: Severity
-    node: str
-    gpu: int | None
-    ranks: tuple[int, ...]
-    evidence: str            # one line, with the numbers that led to it
-    time: float
-    step: int | None
 
 
 # ---- Xid ----------------------------------------------------------------------------------------

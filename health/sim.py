@@ -39,8 +39,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from health.config import HealthConfig
-from health.detectors import Finding, Monitor, Severity
-from health.policy import Action, Decision, Policy
+from health.detectors import Monitor
+from health.findings import Action, Decision, Finding, Severity
+from health.policy import Policy
 from health.telemetry import ClockReason, Sample
 
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16_384)   # 1.97e-5

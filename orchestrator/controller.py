@@ -22,9 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from health.detectors import FindingKind
+from health.findings import Action, FindingKind
 from health.metrics import Metrics
-from health.policy import Action
 from health.telemetry import Sample
 from orchestrator.home import job_dir
 from orchestrator.placement import plan_for

@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from health.config import HealthConfig
-from health.detectors import Finding, Monitor
+from health.detectors import Monitor
+from health.findings import Decision, Finding
 from health.metrics import Metrics
-from health.policy import Decision, Policy
+from health.policy import Policy
 from health.telemetry import Sample, sdk_sample
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from health.config import HealthConfig
-from health.detectors import FindingKind, Monitor, Severity, classify_xid, cusum_limit
+from health.detectors import Monitor, classify_xid, cusum_limit
+from health.findings import FindingKind, Severity
 from health.telemetry import ClockReason, Sample
 
 CONFIG = HealthConfig.load()

@@ -1,12 +1,16 @@
 """The plain types of health: what a detector found, and what the policy decided about it.
 
 They sit apart from the code that makes and weighs them, and import nothing of health, so that the
-config, the policy and every detector can share them without importing each other.
+config, the policy and every detector can share them without importing each other. With them, how a
+finding's evidence names ranks, so that every detector names them the same way.
 """
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+SHOWN_RANKS = 8                # ranks spelled out in one line of evidence
 
 
 class FindingKind(str, enum.Enum):
@@ -58,3 +62,17 @@ class Decision:
     finding: Finding
     reason: str
 
+
+
+def ranks_by_node(rank_nodes: Sequence[str], ranks: Sequence[int]) -> dict[str, list[int]]:
+    """`ranks` grouped by the node each runs on: nodes in the order of their first rank, ranks in the given order."""
+    out: dict[str, list[int]] = {}
+    for rank in ranks:
+        out.setdefault(rank_nodes[rank], []).append(int(rank))
+    return out
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """The ranks for one line of evidence: the first few, and how many more."""
+    shown = ", ".join(str(r) for r in ranks[:SHOWN_RANKS])
+    return shown + (f" and {len(ranks) - SHOWN_RANKS} more" if len(ranks) > SHOWN_RANKS else "")

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from health.config import HealthConfig
-from health.detectors import Monitor
 from health.findings import Decision, Finding
 from health.metrics import Metrics
+from health.monitor import Monitor
 from health.policy import Policy
 from health.telemetry import Sample, sdk_sample
 

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from health.config import HealthConfig
-from health.detectors import Monitor, classify_xid, cusum_limit
+from health.device import classify_xid
 from health.findings import FindingKind, Severity
+from health.monitor import Monitor
+from health.straggler import cusum_limit
 from health.telemetry import ClockReason, Sample
 
 CONFIG = HealthConfig.load()

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import print_table  # noqa: E402
 from health.config import HealthConfig  # noqa: E402
-from health.detectors import Monitor  # noqa: E402
+from health.monitor import Monitor  # noqa: E402
 from health.sim import Mode, Scenario, simulate  # noqa: E402
 
 RANKS = 4096

@@ -15,8 +15,7 @@ from typing import Any
 
 import yaml
 
-from health.detectors import FindingKind
-from health.policy import Action
+from health.findings import Action, FindingKind
 
 SHIPPED = "health.yaml"
 _RATIOS = {"straggler_min_slowdown", "throttle_clock_ratio"}   # must lie strictly between 0 and 1

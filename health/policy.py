@@ -15,37 +15,13 @@ Rules, in order, for each finding:
 """
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from health.detectors import Finding, FindingKind, Severity
-
-if TYPE_CHECKING:
-    from health.config import HealthConfig
-
-
-class Action(str, enum.Enum):
-    IGNORE = "ignore"
-    WARN = "warn"                  # log and raise the metric; nothing else
-    CHECKPOINT = "checkpoint"      # save now, don't replace
-    REPLACE_NODE = "replace_node"  # checkpoint if the job still runs, replace the node, restart from the checkpoint
-    FAIL = "fail"                  # end this attempt as failed; the controller's restart rules decide what follows
-
+from health.config import HealthConfig
+from health.findings import Action, Decision, Finding, FindingKind, Severity
 
 _ORDER = list(Action)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """One thing to do now, and why."""
-
-    action: Action
-    node: str                      # "" for the whole job
-    finding: Finding
-    reason: str
 
 
 class Policy:

@@ -39,12 +39,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from health.config import HealthConfig
-from health.detectors import Finding, Monitor, Severity
-from health.policy import Action, Decision, Policy
+from health.findings import Action, Decision, Finding, Severity
+from health.monitor import Monitor
+from health.policy import Policy
 from health.telemetry import ClockReason, Sample
 
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16_384)   # 1.97e-5
-HARDWARE_XIDS = (79, 48, 74, 95, 64, 119, 140)              # what a crashed GPU reports (detectors.classify_xid)
+HARDWARE_XIDS = (79, 48, 74, 95, 64, 119, 140)              # what a crashed GPU reports (device.classify_xid)
 MAX_CLOCK_MHZ = 1980.0                                      # H100 SXM boost clock
 
 

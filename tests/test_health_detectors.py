@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 from health.config import HealthConfig
-from health.detectors import FindingKind, Monitor, Severity, classify_xid, cusum_limit
+from health.device import classify_xid
+from health.findings import FindingKind, Severity
+from health.monitor import Monitor
+from health.straggler import cusum_limit
 from health.telemetry import ClockReason, Sample
 
 CONFIG = HealthConfig.load()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from health.config import HealthConfig
-from health.detectors import Finding, FindingKind, Severity
-from health.policy import Action, Policy
+from health.findings import Action, Finding, FindingKind, Severity
+from health.policy import Policy
 
 CONFIG = HealthConfig.load()
 

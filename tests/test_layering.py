@@ -1,7 +1,9 @@
-"""The direction of imports between packages (DESIGN.md): orchestrator -> providers, health, optimizer."""
+"""The direction of imports between packages (DESIGN.md): orchestrator -> providers, health, optimizer;
+and within health, no cycle."""
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,3 +35,28 @@ def test_the_cli_does_not_import_torch_on_start():
     code = "import sys, orchestrator.cli.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", "the CLI must start fast: keep torch out of its imports"
+
+
+def imported_modules(package: str) -> dict[str, set[str]]:
+    """For each module of the package, the package's modules it imports (TYPE_CHECKING and local imports too)."""
+    modules = {path.stem for path in (ROOT / package).glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for module in modules:
+        path = ROOT / package / f"{module}.py"
+        names: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):   # `from health import x` and `from . import x` name modules too
+                base = ".".join([package] * bool(node.level) + [node.module] * bool(node.module))
+                names += [base] + [f"{base}.{a.name}" for a in node.names]
+        graph[module] = {name.split(".")[1] for name in names
+                         if name.startswith(f"{package}.") and name.split(".")[1] in modules} - {module}
+    return graph
+
+
+def test_health_modules_do_not_import_each_other_in_a_cycle():
+    try:
+        TopologicalSorter(imported_modules("health")).prepare()
+    except CycleError as err:
+        raise AssertionError(f"health's modules import each other in a cycle: {' -> '.join(err.args[1])}") from None

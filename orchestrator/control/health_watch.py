@@ -13,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from health.config import HealthConfig
-from health.detectors import Finding, FindingKind, Monitor
+from health.findings import Action, Decision, Finding, FindingKind
 from health.metrics import Metrics
-from health.policy import Action, Decision, Policy
+from health.monitor import Monitor
+from health.policy import Policy
 from health.telemetry import Sample, sdk_sample
 from orchestrator.control.context import ControlContext
 from orchestrator.control.nodes import Nodes

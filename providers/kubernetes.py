@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from providers.base import (AuthError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,
                             Offer, ProviderError, QuotaError, import_sdk)
-from providers.bootstrap import DEFAULT_INSTALL_SPEC
+from providers.bootstrap import install_command
 from providers.naming import dns_label, node_tags
 
 NAME = "kubernetes"
@@ -46,8 +46,7 @@ PHASES = {"Pending": NodeStatus.PENDING, "Running": NodeStatus.RUNNING, "Succeed
 UNHEALTHY_TAINT = "tfsn.dev/unhealthy"       # on a Kubernetes node a bad GPU was found on: NoSchedule
 TOKEN_KEY = "token"                           # the key of the job token in a bound job's Secret
 # Runs the request's command as is, after installing tfsn where the image lacks it.
-ENTRYPOINT = ["/bin/sh", "-c", 'command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet '
-              '"${TFSN_INSTALL_SPEC:-' + DEFAULT_INSTALL_SPEC + '}"; exec "$@"', "tfsn-node"]
+ENTRYPOINT = ["/bin/sh", "-c", install_command() + '; exec "$@"', "tfsn-node"]
 
 
 def canonical_accelerator(product: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             Offer, ProviderError, import_sdk)
-from providers.bootstrap import DEFAULT_INSTALL_SPEC
+from providers.bootstrap import install_command, requested_install_spec
 from providers.naming import dns_label, node_tags
 
 NAME = "skypilot"
@@ -47,7 +47,6 @@ def task(request: NodeRequest) -> Any:
     if request.spot and offer.spot_price is None:
         raise InvalidRequestError(f"{offer.instance_type} in {offer.region} has no spot market. To fix: set "
                                   "use_spot: false or pick another offer", provider=NAME)
-    install = shlex.quote(request.env.get("TFSN_INSTALL_SPEC", DEFAULT_INSTALL_SPEC))
     try:
         resources = sky.Resources(
             infra="/".join(part for part in (offer.region, offer.zone) if part),
@@ -59,7 +58,7 @@ def task(request: NodeRequest) -> Any:
                                   "refresh the catalog or pick another offer", provider=NAME) from None
     node_task = sky.Task(
         name=cluster_name(request.node_id),
-        setup=f"command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet {install}",
+        setup=install_command(requested_install_spec(request)),
         run=f"mkdir -p {shlex.quote(request.workdir)} && cd {shlex.quote(request.workdir)} && "
             + " ".join(shlex.quote(part) for part in request.command),
         envs=dict(request.env))

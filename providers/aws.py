@@ -22,6 +22,7 @@ from typing import Any
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
 from providers.bootstrap import startup_script
+from providers.catalog import CatalogOffers
 from providers.naming import NODE_TAG, node_tags
 
 NAME = "aws"
@@ -139,7 +140,7 @@ def canonical_accelerator(name: str, memory_mib: int) -> str:
     return BY_MEMORY.get((name, memory_mib), name.replace(" ", "-"))
 
 
-class AwsProvider:
+class AwsProvider(CatalogOffers):
     """EC2 instances as nodes (see the module docstring)."""
 
     name = NAME
@@ -161,10 +162,6 @@ class AwsProvider:
 
     def _ec2(self, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
         return self._client("ec2", region, attempts)
-
-    def offers(self) -> list[Offer]:
-        from providers.catalog import load_offers
-        return load_offers(self.name)
 
     def image(self, region: str, arch: str) -> str:
         """The AMI to boot: TFSN_AWS_AMI if set, else the region's latest Deep Learning Base AMI from SSM."""

@@ -25,6 +25,7 @@ from typing import Any
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
 from providers.bootstrap import startup_script
+from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
 from providers.naming import dns_label, node_tags
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ GPU_SIZES = [(r"H200", "H200"), (r"H100", "H100"), (r"A100_v4$", "A100-80GB"), (
              (r"MI300X", "MI300X")]   # NV*_A10_v5 sizes hold fractions of a GPU: not offered
 
 
-class AzureProvider:
+class AzureProvider(CatalogOffers):
     """Azure VMs (see the module docstring)."""
 
     name = PROVIDER
@@ -107,10 +108,6 @@ class AzureProvider:
         return (f"/subscriptions/{self._subscription}/resourceGroups/{self.resource_group}/providers/{kind}/{name}")
 
     # -- the Provider protocol -----------------------------------------------------------------
-
-    def offers(self) -> list[Offer]:
-        from providers.catalog import load_offers
-        return load_offers(self.name)
 
     def provision(self, request: NodeRequest) -> NodeHandle:
         offer = planned_offer(request, PROVIDER)
@@ -354,7 +351,6 @@ def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | 
 
 
 def _gpu(size: str) -> tuple[str | None, float]:
-    from providers.catalog import ACCELERATOR_MEMORY_GIB
     for pattern, accelerator in GPU_SIZES:
         if re.search(pattern, size):
             return accelerator, ACCELERATOR_MEMORY_GIB.get(accelerator, 0.0)

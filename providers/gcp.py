@@ -21,6 +21,7 @@ from typing import Any
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
 from providers.bootstrap import startup_script
+from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers, load_offers
 from providers.naming import dns_label, node_tags
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def instance_name(node_id: str) -> str:
     return dns_label(f"tfsn-{node_id}")
 
 
-class GcpProvider:
+class GcpProvider(CatalogOffers):
     """Compute Engine VMs (see the module docstring)."""
 
     name = PROVIDER
@@ -127,10 +128,6 @@ class GcpProvider:
         return getattr(self._client(kind), method)(**fields, timeout=self.rpc_timeout_s, retry=retry)
 
     # -- the Provider protocol -----------------------------------------------------------------
-
-    def offers(self) -> list[Offer]:
-        from providers.catalog import load_offers
-        return load_offers(self.name)
 
     def provision(self, request: NodeRequest) -> NodeHandle:
         offer = planned_offer(request, PROVIDER)
@@ -319,7 +316,6 @@ def fetch_offers(regions: list[str] | None = None, *, provider: GcpProvider | No
     the catalog is unreachable) keeps the price of the same offer in the catalog snapshot, and one
     with no price anywhere is left out. The log says how many of each.
     """
-    from providers.catalog import ACCELERATOR_MEMORY_GIB, load_offers
     provider = provider or GcpProvider()
     if snapshot is None:
         snapshot = load_offers(PROVIDER)

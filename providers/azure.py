@@ -23,7 +23,8 @@ import time
 from typing import Any
 
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
+                            wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
 from providers.naming import dns_label, node_tags
@@ -98,11 +99,11 @@ class AzureProvider(CatalogOffers):
         return self._clients[kind]
 
     def _finish(self, poller: Any) -> Any:
-        """Wait for a long-running operation; TimeoutError at the deadline."""
-        result = poller.result(timeout=self.operation_timeout_s)
-        if not poller.done():
-            raise TimeoutError(f"not done within {self.operation_timeout_s:.0f}s")
-        return result
+        """The result of a long-running operation, which the SDK polls in its own thread; TimeoutError at the
+        deadline."""
+        wait_for(poller.done, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s,
+                 what="an Azure operation", pause=poller.wait)
+        return poller.result()
 
     def _id(self, kind: str, name: str) -> str:
         return (f"/subscriptions/{self._subscription}/resourceGroups/{self.resource_group}/providers/{kind}/{name}")

@@ -7,8 +7,9 @@ what to block and what the user must fix.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 
 class NodeStatus(str, enum.Enum):
@@ -176,3 +177,20 @@ def import_sdk(module: str, *, provider: str, extra: str) -> Any:
         raise MissingExtraError(
             f"the {provider} provider needs the Python module {module} ({err}). "
             f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None
+
+
+def wait_for(done: Callable[[], bool], *, timeout_s: float, poll_s: float, what: str,
+             pause: Callable[[float], object] = time.sleep, longest_pause_s: float = 15.0) -> None:
+    """Pause, then ask `done`, until it says True: how a driver waits for a cloud's long-running operation
+    without hammering its API (each pause 1.5 times the last, up to `longest_pause_s`). `pause` waits; an SDK
+    poller's own wait ends early when its operation does. TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    wait = poll_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: not done within {timeout_s:.0f}s")
+        pause(min(wait, left))
+        if done():
+            return
+        wait = min(wait * 1.5, longest_pause_s)

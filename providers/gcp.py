@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from typing import Any
 
 from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
+                            wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers, load_offers
 from providers.naming import dns_label, node_tags
@@ -237,18 +237,19 @@ class GcpProvider(CatalogOffers):
 
     def _wait(self, operation: Any, project: str, zone: str) -> None:
         """Poll a zonal operation until DONE; raise its error as a ProviderError, TimeoutError at the deadline."""
-        compute, name = self._sdk(), operation.name
-        deadline = time.monotonic() + self.operation_timeout_s
-        delay = self.poll_interval_s
-        while operation.status != compute.Operation.Status.DONE:
-            if time.monotonic() + delay > deadline:
-                raise TimeoutError(name)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 15.0)
+        name, done = operation.name, self._sdk().Operation.Status.DONE
+
+        def finished() -> bool:
+            nonlocal operation
             try:
                 operation = self._call("ZoneOperationsClient", "get", project=project, zone=zone, operation=name)
             except Exception as err:
                 raise _api_error(err, f"polling operation {name}", zone=zone) from None
+            return operation.status == done
+
+        if operation.status != done:  # the insert's or delete's own answer may say DONE already
+            wait_for(finished, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s,
+                     what=f"operation {name}")
         errors = list(operation.error.errors)
         if errors:
             codes = [e.code for e in errors]

@@ -101,8 +101,7 @@ class AzureProvider(CatalogOffers):
     def _finish(self, poller: Any) -> Any:
         """The result of a long-running operation, which the SDK polls in its own thread; TimeoutError at the
         deadline."""
-        wait_for(poller.done, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s,
-                 what="an Azure operation", pause=poller.wait)
+        wait_for(poller.done, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s, pause=poller.wait)
         return poller.result()
 
     def _id(self, kind: str, name: str) -> str:

@@ -179,17 +179,18 @@ def import_sdk(module: str, *, provider: str, extra: str) -> Any:
             f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None
 
 
-def wait_for(done: Callable[[], bool], *, timeout_s: float, poll_s: float, what: str,
+def wait_for(done: Callable[[], bool], *, timeout_s: float, poll_s: float,
              pause: Callable[[float], object] = time.sleep, longest_pause_s: float = 15.0) -> None:
     """Pause, then ask `done`, until it says True: how a driver waits for a cloud's long-running operation
     without hammering its API (each pause 1.5 times the last, up to `longest_pause_s`). `pause` waits; an SDK
-    poller's own wait ends early when its operation does. TimeoutError naming `what` after `timeout_s`."""
+    poller's own wait ends early when its operation does. TimeoutError after `timeout_s`: the driver says what
+    did not finish."""
     deadline = time.monotonic() + timeout_s
     wait = poll_s
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"{what}: not done within {timeout_s:.0f}s")
+            raise TimeoutError(f"not done within {timeout_s:.0f}s")
         pause(min(wait, left))
         if done():
             return

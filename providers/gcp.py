@@ -248,8 +248,7 @@ class GcpProvider(CatalogOffers):
             return operation.status == done
 
         if operation.status != done:  # the insert's or delete's own answer may say DONE already
-            wait_for(finished, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s,
-                     what=f"operation {name}")
+            wait_for(finished, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s)
         errors = list(operation.error.errors)
         if errors:
             codes = [e.code for e in errors]

@@ -22,9 +22,9 @@ import re
 import time
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
-                            wait_for)
+from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+                            NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
+                            provider_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
 from providers.naming import dns_label, node_tags
@@ -121,9 +121,9 @@ class AzureProvider(CatalogOffers):
             return handle  # made by an earlier call for this node: the name is the key
         except ResourceNotFoundError as err:
             if _code(err) == "ResourceGroupNotFound":
-                raise _error(err, doing, zonal) from None
+                raise _provider_error(err, doing, zonal) from None
         except Exception as err:
-            raise _error(err, doing, zonal) from None
+            raise _provider_error(err, doing, zonal) from None
         try:
             self._ensure_network(offer.region)
             self._finish(self._client("network").network_interfaces.begin_create_or_update(
@@ -132,7 +132,7 @@ class AzureProvider(CatalogOffers):
                                                                      self._vm(request, offer, vm, nic))
         except Exception as err:
             self._delete_quietly("network", nic)  # the VM was refused: its NIC would be left behind
-            raise _error(err, doing, zonal) from None
+            raise _provider_error(err, doing, zonal) from None
         try:
             self._finish(poller)
         except TimeoutError:
@@ -142,7 +142,7 @@ class AzureProvider(CatalogOffers):
                                 scope="zone" if zonal else "region") from None
         except Exception as err:
             self._delete_quietly("compute", vm)  # a Failed VM still exists (and its NIC and disk)
-            raise _error(err, doing, zonal) from None
+            raise _provider_error(err, doing, zonal) from None
         return handle
 
     def status(self, handle: NodeHandle) -> NodeStatus:
@@ -174,7 +174,7 @@ class AzureProvider(CatalogOffers):
                 raise ProviderError(f"azure: {name} is still being deleted after {self.operation_timeout_s:.0f}s; "
                                     "terminate again later to confirm", provider=PROVIDER) from None
             except Exception as err:
-                raise _error(err, f"deleting {name}", zonal=False) from None
+                raise _provider_error(err, f"deleting {name}", zonal=False) from None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -280,33 +280,32 @@ def _code(err: Exception) -> str | None:
     return getattr(error, "code", None)
 
 
-def _error(err: Exception, doing: str, zonal: bool) -> ProviderError:
-    """One error type per cause, with the failover scope it implies and Azure's own code in the text."""
+def _classify(err: Exception, *, zonal: bool) -> tuple[Fault, str]:
+    """The fault of an Azure SDK exception, with the failover scope it implies, and Azure's code and message."""
     from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
-    if isinstance(err, ProviderError):
-        return err
     code, status = _code(err), getattr(err, "status_code", None)
     message = (getattr(getattr(err, "error", None), "message", None) or str(err).splitlines()[0]).rstrip(". ")
-    text = f"azure: {doing}: {code or status or type(err).__name__}: {message}"
+    detail = f"{code or status or type(err).__name__}: {message}"
     place = "zone" if zonal or code in ("ZonalAllocationFailed", "OverconstrainedZonalAllocationRequest") else "region"
     if code in CAPACITY_CODES:
-        return CapacityError(f"{text}. To fix: tfsn fails over to another {place}; or retry later",
-                             provider=PROVIDER, scope=place)
+        return Fault(CapacityError, f"tfsn fails over to another {place}; or retry later", place), detail
     if code == "QuotaExceeded" or (code == "OperationNotAllowed" and "quota" in message.lower()):
-        return QuotaError(f"{text}. To fix: request more vCPU quota for this VM family and region in the Azure "
-                          "portal (Subscriptions > Usage + quotas)", provider=PROVIDER, scope="region")
+        return Fault(QuotaError, "request more vCPU quota for this VM family and region in the Azure portal "
+                                 "(Subscriptions > Usage + quotas)", "region"), detail
     if isinstance(err, ClientAuthenticationError) or code in AUTH_CODES or status in (401, 403):
-        return AuthError(f"{text}. To fix: 'az login', or give the identity the Contributor role on the resource "
-                         "group", provider=PROVIDER)
+        return Fault(AuthError, "'az login', or give the identity the Contributor role on the resource group"), detail
     if code == "ResourceGroupNotFound":
-        return NotFoundError(f"{text}. To fix: az group create --name <group> --location <region>, or set "
-                             f"{RESOURCE_GROUP_ENV}", provider=PROVIDER, scope="provider")
+        return Fault(NotFoundError, f"az group create --name <group> --location <region>, or set {RESOURCE_GROUP_ENV}",
+                     "provider"), detail
     if status == 404:
-        return NotFoundError(text, provider=PROVIDER)
+        return Fault(NotFoundError), detail
     if status == 400 or (isinstance(err, HttpResponseError) and code in ("InvalidParameter", "BadRequest")):
-        return InvalidRequestError(f"{text}. To fix: check the offer's VM size and the image ({IMAGE_ENV})",
-                                   provider=PROVIDER)
-    return ProviderError(text, provider=PROVIDER)
+        return Fault(InvalidRequestError, f"check the offer's VM size and the image ({IMAGE_ENV})"), detail
+    return Fault(), detail
+
+
+def _provider_error(err: Exception, doing: str, zonal: bool) -> ProviderError:
+    return provider_error(err, f"azure: {doing}", _classify, provider=PROVIDER, zonal=zonal)
 
 
 def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | None = None,
@@ -330,7 +329,7 @@ def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | 
                 if location not in restricted and (not regions or location in regions):
                     sizes[(sku.name, location)] = sku
     except Exception as err:
-        raise _error(err, "listing resource SKUs", zonal=False) from None
+        raise _provider_error(err, "listing resource SKUs", zonal=False) from None
     offers = []
     for region in sorted({region for _, region in sizes}):
         prices = _retail_prices(region, prices_url, provider._verify, provider.rpc_timeout_s)

@@ -128,6 +128,39 @@ class InvalidRequestError(ProviderError):
     """The request can never succeed on this provider as written (e.g. asks for a GPU it lacks)."""
 
 
+@dataclass(frozen=True)
+class Fault:
+    """What one kind of cloud error means for tfsn: the error to raise, the failover scope it implies, what the
+    user can do. Each driver declares its cloud's faults; `fault_error` writes every message the same way."""
+
+    error: type[ProviderError] = ProviderError
+    fix: str = ""                   # what to do, after "To fix:"; "" where nothing but time helps
+    scope: str | None = None        # None: the error type's usual scope
+    retryable: bool | None = None   # None: the error type's own
+
+
+def fault_error(fault: Fault, detail: str, *, provider: str) -> ProviderError:
+    """The error `fault` names, as "<what failed>: <the cloud's code and message>. To fix: <fix>"."""
+    error = fault.error(f"{detail}. To fix: {fault.fix}" if fault.fix else detail, provider=provider,
+                        scope=fault.scope)
+    if fault.retryable is not None:
+        error.retryable = fault.retryable
+    return error
+
+
+def provider_error(err: Exception, what: str, classify: Callable[..., tuple[Fault, str]], *, provider: str,
+                   **context: Any) -> ProviderError:
+    """`err`, raised while doing `what`, as a typed error: an SDK's exception as its driver's
+    `classify(err, **context)` names it (the fault, and the cloud's detail); an error tfsn raised itself (no
+    credentials, a missing extra) keeps its type, scope and retryability."""
+    if isinstance(err, ProviderError):
+        found = type(err)(f"{what}: {err}", provider=err.provider or provider, scope=err.scope)
+        found.retryable = err.retryable
+        return found
+    fault, detail = classify(err, **context)
+    return fault_error(fault, f"{what}: {detail}", provider=provider)
+
+
 @runtime_checkable
 class Provider(Protocol):
     """One source of nodes. Every call is idempotent for the same `node_id`."""

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from providers.base import (AuthError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,
-                            Offer, ProviderError, QuotaError, import_sdk)
+from providers.base import (AuthError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, provider_error)
 from providers.bootstrap import install_command
 from providers.naming import dns_label, node_tags
 
@@ -368,33 +368,30 @@ def _bind(binding: PodBinding, metadata: dict[str, Any], spec: dict[str, Any], c
     container["volumeMounts"] = [mount]
 
 
-def _provider_error(err: Exception, what: str, namespace: str) -> ProviderError:
-    """The typed error for a kubernetes client exception, keeping the API's status and reason."""
+def _classify(err: Exception, *, namespace: str) -> tuple[Fault, str]:
+    """The fault of a kubernetes client exception, and the API's status and reason."""
     kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
-    if isinstance(err, ProviderError):
-        return err
     if not isinstance(err, kubernetes.client.ApiException):
-        failure = ProviderError(f"{what}: cannot reach the Kubernetes API ({type(err).__name__}: {err}). "
-                                "To fix: check the cluster's address in the kubeconfig and the network", provider=NAME)
-        failure.retryable = True
-        return failure
+        return (Fault(ProviderError, "check the cluster's address in the kubeconfig and the network", retryable=True),
+                f"cannot reach the Kubernetes API ({type(err).__name__}: {err})")
     reason = _reason(err)
-    detail = f"{what}: {err.status} {reason}"
+    detail = f"{err.status} {reason}"
     if err.status == 401:
-        return AuthError(f"{detail}. To fix: refresh the kubeconfig's credentials", provider=NAME)
+        return Fault(AuthError, "refresh the kubeconfig's credentials"), detail
     if err.status == 403 and "exceeded quota" in reason:
-        return QuotaError(f"{detail}. To fix: raise the ResourceQuota of namespace {namespace}", provider=NAME)
+        return Fault(QuotaError, f"raise the ResourceQuota of namespace {namespace}"), detail
     if err.status == 403:
-        return AuthError(f"{detail}. To fix: grant the kubeconfig's user get/create/delete on pods and list on "
-                         f"nodes in namespace {namespace} (a Role and RoleBinding)", provider=NAME)
+        return Fault(AuthError, "grant the kubeconfig's user get/create/delete on pods and list on nodes in "
+                                f"namespace {namespace} (a Role and RoleBinding)"), detail
     if err.status == 404:
-        return NotFoundError(f"{detail}. To fix: create namespace {namespace} or set TFSN_K8S_NAMESPACE",
-                             provider=NAME, scope="provider")
+        return Fault(NotFoundError, f"create namespace {namespace} or set TFSN_K8S_NAMESPACE", "provider"), detail
     if err.status in (400, 422):
-        return InvalidRequestError(f"{detail}. To fix: check TFSN_K8S_IMAGE and the offer", provider=NAME)
-    failure = ProviderError(detail, provider=NAME)
-    failure.retryable = err.status in (429, 500, 502, 503, 504)
-    return failure
+        return Fault(InvalidRequestError, "check TFSN_K8S_IMAGE and the offer"), detail
+    return Fault(retryable=err.status in (429, 500, 502, 503, 504)), detail
+
+
+def _provider_error(err: Exception, what: str, namespace: str) -> ProviderError:
+    return provider_error(err, what, _classify, provider=NAME, namespace=namespace)
 
 
 def _reason(err: Any) -> str:

@@ -13,8 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            Offer, ProviderError, import_sdk)
+from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            Offer, ProviderError, import_sdk, provider_error)
 from providers.bootstrap import install_command, requested_install_spec
 from providers.naming import dns_label, node_tags
 
@@ -66,24 +66,25 @@ def task(request: NodeRequest) -> Any:
     return node_task
 
 
-def _provider_error(err: Exception, what: str, zone: str | None) -> ProviderError:
-    """The typed error for a SkyPilot exception, keeping SkyPilot's own message."""
+def _classify(err: Exception, *, zone: str | None) -> tuple[Fault, str]:
+    """The fault of a SkyPilot exception, and SkyPilot's own message."""
     exc = import_sdk("sky.exceptions", provider=NAME, extra=EXTRA)
     message = " ".join(str(err).split())
     if isinstance(err, exc.ResourcesUnavailableError):
         if err.no_failover:
-            return InvalidRequestError(f"{what}: {message}. To fix: pick another offer", provider=NAME)
-        return CapacityError(f"{what}: {message}. To fix: try another zone or instance type, or wait",
-                             provider=NAME, scope="zone" if zone else "region")
+            return Fault(InvalidRequestError, "pick another offer"), message
+        return Fault(CapacityError, "try another zone or instance type, or wait", "zone" if zone else "region"), message
     if isinstance(err, exc.NoCloudAccessError | exc.CloudUserIdentityError | exc.PermissionDeniedError):
-        return AuthError(f"{what}: {type(err).__name__}: {message}. To fix: set up the cloud's credentials and "
-                         "run `sky check`", provider=NAME)
+        return (Fault(AuthError, "set up the cloud's credentials and run `sky check`"),
+                f"{type(err).__name__}: {message}")
     if isinstance(err, exc.ResourcesMismatchError | exc.NotSupportedError):
-        return InvalidRequestError(f"{what}: {message}. To fix: pick another offer", provider=NAME)
-    failure = ProviderError(f"{what}: {type(err).__name__}: {message}", provider=NAME)
-    failure.retryable = isinstance(err, exc.ApiServerConnectionError | exc.NetworkError |
-                                   exc.ServerTemporarilyUnavailableError)
-    return failure
+        return Fault(InvalidRequestError, "pick another offer"), message
+    transient = isinstance(err, exc.ApiServerConnectionError | exc.NetworkError | exc.ServerTemporarilyUnavailableError)
+    return Fault(retryable=transient), f"{type(err).__name__}: {message}"
+
+
+def _provider_error(err: Exception, what: str, zone: str | None) -> ProviderError:
+    return provider_error(err, what, _classify, provider=NAME, zone=zone)
 
 
 class SkyPilotProvider:

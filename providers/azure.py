@@ -24,7 +24,7 @@ from typing import Any
 
 from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
                             NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
-                            provider_error, wait_for)
+                            provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
 from providers.naming import dns_label, node_tags
@@ -147,15 +147,12 @@ class AzureProvider(CatalogOffers):
 
     def status(self, handle: NodeHandle) -> NodeStatus:
         from azure.core.exceptions import ResourceNotFoundError
-        data = handle.data
+        group, vm = handle.data["resource_group"], handle.data["vm"]
         try:
-            vm = self._client("compute").virtual_machines.get(data["resource_group"], data["vm"], expand="instanceView")
-        except ResourceNotFoundError:  # deleted, or a spot VM evicted (evictionPolicy Delete)
-            return NodeStatus.TERMINATED
-        except Exception as err:  # noqa: BLE001 - any API or network failure: the provider cannot tell now
-            log.warning("azure: status of %s: %s", data["vm"], err)
-            return NodeStatus.UNKNOWN
-        return _node_status(vm)
+            found = self._client("compute").virtual_machines.get(group, vm, expand="instanceView")
+        except Exception as err:  # noqa: BLE001 - a spot VM evicted is deleted (evictionPolicy Delete)
+            return status_on_error(err, ResourceNotFoundError, provider=PROVIDER, name=vm)
+        return _node_status(found)
 
     def terminate(self, handle: NodeHandle) -> None:
         from azure.core.exceptions import ResourceNotFoundError

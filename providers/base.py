@@ -7,9 +7,12 @@ what to block and what the user must fix.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 
 class NodeStatus(str, enum.Enum):
@@ -182,6 +185,15 @@ class Provider(Protocol):
     def terminate(self, handle: NodeHandle) -> None:
         """Stop and delete the node and everything on it; a missing node is not an error."""
         ...
+
+
+def status_on_error(err: Exception, missing: type[Exception], *, provider: str, name: str) -> NodeStatus:
+    """What a failed read of node `name` says of it: TERMINATED where the cloud says it does not exist (`missing`:
+    deleted, or a spot node preempted), else UNKNOWN, logged: an API or network failure says nothing of the node."""
+    if isinstance(err, missing):
+        return NodeStatus.TERMINATED
+    log.warning("%s: status of %s: %s", provider, name, err)
+    return NodeStatus.UNKNOWN
 
 
 def planned_offer(request: NodeRequest, provider: str) -> Offer:

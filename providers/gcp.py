@@ -19,7 +19,7 @@ from typing import Any
 
 from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
                             NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, fault_error, import_sdk,
-                            planned_offer, provider_error, wait_for)
+                            planned_offer, provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers, load_offers
 from providers.naming import dns_label, node_tags
@@ -158,11 +158,8 @@ class GcpProvider(CatalogOffers):
         try:
             instance = self._call("InstancesClient", "get", project=data["project"], zone=data["zone"],
                                   instance=data["name"])
-        except exceptions.NotFound:  # deleted, or a spot VM preempted (instanceTerminationAction DELETE)
-            return NodeStatus.TERMINATED
-        except Exception as err:  # noqa: BLE001 - any API or network failure: the provider cannot tell now
-            log.warning("gcp: status of %s: %s", data["name"], err)
-            return NodeStatus.UNKNOWN
+        except Exception as err:  # noqa: BLE001 - a spot VM preempted is deleted (instanceTerminationAction DELETE)
+            return status_on_error(err, exceptions.NotFound, provider=PROVIDER, name=data["name"])
         return STATUSES.get(instance.status, NodeStatus.UNKNOWN)
 
     def terminate(self, handle: NodeHandle) -> None:

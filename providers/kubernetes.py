@@ -162,6 +162,20 @@ class KubernetesProvider:
         except Exception as err:
             raise _provider_error(err, what, self.namespace) from None
 
+    def _create(self, what: str, method: str, namespace: str, manifest: dict[str, Any]) -> bool:
+        """Create an object with a `create_namespaced_*` call; False where one of its name exists already (the
+        name is the idempotency key: the caller decides whether it is the same)."""
+        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
+        try:
+            getattr(self._core(), method)(namespace, manifest, _request_timeout=TIMEOUT_S)
+        except kubernetes.client.ApiException as err:
+            if err.status != 409:
+                raise _provider_error(err, what, namespace) from None
+            return False
+        except Exception as err:
+            raise _provider_error(err, what, namespace) from None
+        return True
+
     def offers(self) -> list[Offer]:
         """One offer per GPU model on the cluster's nodes (the largest node of each), plus CPU-only nodes."""
         from providers.catalog import ACCELERATOR_MEMORY_GIB
@@ -253,19 +267,12 @@ class KubernetesProvider:
         binding = self.bindings.get(request.job_id)
         namespace = binding.namespace if binding is not None else self.namespace
         what = f"cannot create pod {name} in namespace {namespace}"
-        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
-        try:
-            self._core().create_namespaced_pod(namespace, manifest, _request_timeout=TIMEOUT_S)
-        except kubernetes.client.ApiException as err:
-            if err.status != 409:
-                raise _provider_error(err, what, namespace) from None
+        if not self._create(what, "create_namespaced_pod", namespace, manifest):
             # Idempotent: the pod exists. It is this node's if it carries this node id.
             existing = self._call(what, "read_namespaced_pod", name, namespace)
             if (existing.metadata.annotations or {}).get(NODE_ANNOTATION) != request.node_id:
                 raise InvalidRequestError(f"{what}: a pod of that name belongs to something else. To fix: delete "
-                                          "it or use another namespace (TFSN_K8S_NAMESPACE)", provider=NAME) from None
-        except Exception as err:
-            raise _provider_error(err, what, namespace) from None
+                                          "it or use another namespace (TFSN_K8S_NAMESPACE)", provider=NAME)
         return NodeHandle(provider=NAME, node_id=request.node_id,
                           data={"namespace": namespace, "pod": name, "context": self.context})
 
@@ -306,15 +313,8 @@ class KubernetesProvider:
     def apply(self, kind: str, namespace: str, manifest: dict[str, Any]) -> None:
         """Create a Service or Secret; one that exists already is left as it is (idempotent)."""
         method = {"Service": "create_namespaced_service", "Secret": "create_namespaced_secret"}[kind]
-        what = f"cannot create {kind} {manifest['metadata']['name']} in namespace {namespace}"
-        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
-        try:
-            getattr(self._core(), method)(namespace, manifest, _request_timeout=TIMEOUT_S)
-        except kubernetes.client.ApiException as err:
-            if err.status != 409:
-                raise _provider_error(err, what, namespace) from None
-        except Exception as err:
-            raise _provider_error(err, what, namespace) from None
+        self._create(f"cannot create {kind} {manifest['metadata']['name']} in namespace {namespace}", method,
+                     namespace, manifest)
 
     def replace_secret_data(self, namespace: str, name: str, data: dict[str, str]) -> None:
         """Point an existing Secret at new values (a job adopted by a new operator gets a new token)."""

@@ -316,34 +316,10 @@ def fetch_offers(regions: list[str] | None = None, *, provider: GcpProvider | No
         snapshot = load_offers(PROVIDER)
     known = {(o.instance_type, o.accelerator, o.accelerator_count, o.region): (o.price, o.spot_price)
              for o in snapshot}
-    machines: dict[str, dict[str, Any]] = {}          # zone -> machine type name -> MachineType
-    attachable: dict[str, dict[str, int]] = {}        # zone -> accelerator type -> most cards per VM
-    for key, scoped in _aggregated(provider, "MachineTypesClient"):
-        machines[key.rsplit("/", 1)[-1]] = {m.name: m for m in scoped.machine_types}
-    for key, scoped in _aggregated(provider, "AcceleratorTypesClient"):
-        attachable[key.rsplit("/", 1)[-1]] = {a.name: a.maximum_cards_per_instance for a in scoped.accelerator_types}
+    shapes = _vm_shapes(provider, regions)
     rates = _billing_rates(provider)
-    # GPUs that come only inside accelerator-optimized machine types (A100, H100, L4) cannot go on N1.
-    builtin_only = {a.guest_accelerator_type for types in machines.values() for m in types.values()
-                    for a in m.accelerators}
-    rows: list[tuple[str, str, Any, str | None, int]] = []   # (region, zone, machine type, gcp GPU, count)
-    for zone, types in machines.items():
-        region = zone.rsplit("-", 1)[0]
-        if regions and region not in regions:
-            continue
-        for machine in types.values():
-            if machine.is_shared_cpu:  # billed as a fraction of a core: not worth planning on
-                continue
-            builtin = list(machine.accelerators)
-            gpu, count = (builtin[0].guest_accelerator_type, builtin[0].guest_accelerator_count) if builtin else (None, 0)
-            rows.append((region, zone, machine, gpu, count))
-        for gpu, most in attachable.get(zone, {}).items():
-            for count in (c for c in N1_GPU_COUNTS if c <= most):
-                host = types.get(f"n1-standard-{8 * count}")
-                if host is not None and gpu not in builtin_only:
-                    rows.append((region, zone, host, gpu, count))
     offers, from_snapshot, unpriced = [], 0, 0
-    for region, zone, machine, gpu, count in rows:
+    for region, zone, machine, gpu, count in shapes:
         accelerator = ACCELERATORS.get(gpu, gpu) if gpu else None
         snapshot_price, snapshot_spot = known.get((machine.name, accelerator, count, region), (None, None))
         price = _billed(rates, machine, accelerator, count, region, spot=False)
@@ -365,6 +341,38 @@ def fetch_offers(regions: list[str] | None = None, *, provider: GcpProvider | No
         log.warning("gcp: %d offers priced from the catalog snapshot (the billing catalog has no price for them), "
                     "%d left out (no price anywhere)", from_snapshot, unpriced)
     return sorted(offers, key=lambda o: (o.region, o.zone or "", o.instance_type, o.accelerator or ""))
+
+
+def _vm_shapes(provider: GcpProvider, regions: list[str] | None) -> list[tuple[str, str, Any, str | None, int]]:
+    """Every (region, zone, machine type, GCP GPU type, GPU count) a VM can be made of in `regions` (all if
+    None): each machine type with the GPUs it comes with, and N1 hosts with each count of attachable GPUs."""
+    machines: dict[str, dict[str, Any]] = {}          # zone -> machine type name -> MachineType
+    attachable: dict[str, dict[str, int]] = {}        # zone -> accelerator type -> most cards per VM
+    for key, scoped in _aggregated(provider, "MachineTypesClient"):
+        machines[key.rsplit("/", 1)[-1]] = {m.name: m for m in scoped.machine_types}
+    for key, scoped in _aggregated(provider, "AcceleratorTypesClient"):
+        attachable[key.rsplit("/", 1)[-1]] = {a.name: a.maximum_cards_per_instance for a in scoped.accelerator_types}
+    # GPUs that come only inside accelerator-optimized machine types (A100, H100, L4) cannot go on N1.
+    builtin_only = {a.guest_accelerator_type for types in machines.values() for m in types.values()
+                    for a in m.accelerators}
+    rows: list[tuple[str, str, Any, str | None, int]] = []
+    for zone, types in machines.items():
+        region = zone.rsplit("-", 1)[0]
+        if regions and region not in regions:
+            continue
+        for machine in types.values():
+            if machine.is_shared_cpu:  # billed as a fraction of a core: not worth planning on
+                continue
+            builtin = list(machine.accelerators)
+            gpu, count = ((builtin[0].guest_accelerator_type, builtin[0].guest_accelerator_count) if builtin
+                          else (None, 0))
+            rows.append((region, zone, machine, gpu, count))
+        for gpu, most in attachable.get(zone, {}).items():
+            for count in (c for c in N1_GPU_COUNTS if c <= most):
+                host = types.get(f"n1-standard-{8 * count}")
+                if host is not None and gpu not in builtin_only:
+                    rows.append((region, zone, host, gpu, count))
+    return rows
 
 
 def _billing_rates(provider: GcpProvider) -> dict[tuple[str, str, str, bool], float]:

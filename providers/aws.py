@@ -15,13 +15,13 @@ import random
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
+from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer, provider_error)
 from providers.bootstrap import startup_script
+from providers.catalog import CatalogOffers
 from providers.naming import NODE_TAG, node_tags
 
 NAME = "aws"
@@ -41,25 +41,17 @@ STATES = {"pending": NodeStatus.PENDING, "running": NodeStatus.RUNNING, "shuttin
           "terminated": NodeStatus.TERMINATED, "stopping": NodeStatus.TERMINATED, "stopped": NodeStatus.TERMINATED}
 
 
-@dataclass(frozen=True)
-class _Fault:
-    """How one EC2 error code maps to a provider error: its type, how much to block, what to do."""
-
-    error: type[ProviderError]
-    scope: str
-    fix: str
-
-
-_CAPACITY = _Fault(CapacityError, "zone", "try another zone or instance type, or wait")
-_QUOTA = _Fault(QuotaError, "region", "ask AWS for a higher quota in this region (Service Quotas console)")
-_AUTH = _Fault(AuthError, "provider", "configure AWS credentials (aws configure, AWS_PROFILE or an instance "
-               "role) with ec2:RunInstances, ec2:DescribeInstances, ec2:TerminateInstances, ec2:CreateTags")
+_CAPACITY = Fault(CapacityError, "try another zone or instance type, or wait", "zone")
+_QUOTA = Fault(QuotaError, "ask AWS for a higher quota in this region (Service Quotas console)", "region")
+_AUTH = Fault(AuthError, "configure AWS credentials (aws configure, AWS_PROFILE or an instance role) with "
+              "ec2:RunInstances, ec2:DescribeInstances, ec2:TerminateInstances, ec2:CreateTags", "provider")
+_THROTTLED = Fault(retryable=True)   # throttling and 5xx: the same request may pass later
 # EC2 error codes: https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html
-FAULTS: dict[str, _Fault] = {
+FAULTS: dict[str, Fault] = {
     "InsufficientInstanceCapacity": _CAPACITY,
     "InsufficientHostCapacity": _CAPACITY,
     "InsufficientCapacity": _CAPACITY,
-    "SpotMaxPriceTooLow": _Fault(CapacityError, "offer", "use the on-demand market or another offer"),
+    "SpotMaxPriceTooLow": Fault(CapacityError, "use the on-demand market or another offer", "offer"),
     "InstanceLimitExceeded": _QUOTA,
     "VcpuLimitExceeded": _QUOTA,
     "MaxSpotInstanceCountExceeded": _QUOTA,
@@ -69,16 +61,17 @@ FAULTS: dict[str, _Fault] = {
     "SignatureDoesNotMatch": _AUTH,
     "ExpiredToken": _AUTH,
     "RequestExpired": _AUTH,
-    "OptInRequired": _Fault(AuthError, "region", "enable this region for the account, or pick another"),
-    "Unsupported": _Fault(InvalidRequestError, "offer", "pick another zone for this instance type"),
-    "InvalidAMIID.NotFound": _Fault(NotFoundError, "region", "set TFSN_AWS_AMI to an AMI of this region"),
-    "InvalidAMIID.Malformed": _Fault(InvalidRequestError, "provider", "set TFSN_AWS_AMI to an id like ami-0abc..."),
-    "ParameterNotFound": _Fault(NotFoundError, "region", "set TFSN_AWS_AMI to an AMI of this region"),
-    "InvalidParameterValue": _Fault(InvalidRequestError, "offer", "check the offer's instance type and zone"),
-    "InvalidParameterCombination": _Fault(InvalidRequestError, "offer", "check the offer's instance type and zone"),
+    "OptInRequired": Fault(AuthError, "enable this region for the account, or pick another", "region"),
+    "Unsupported": Fault(InvalidRequestError, "pick another zone for this instance type", "offer"),
+    "InvalidAMIID.NotFound": Fault(NotFoundError, "set TFSN_AWS_AMI to an AMI of this region", "region"),
+    "InvalidAMIID.Malformed": Fault(InvalidRequestError, "set TFSN_AWS_AMI to an id like ami-0abc...", "provider"),
+    "ParameterNotFound": Fault(NotFoundError, "set TFSN_AWS_AMI to an AMI of this region", "region"),
+    "InvalidParameterValue": Fault(InvalidRequestError, "check the offer's instance type and zone", "offer"),
+    "InvalidParameterCombination": Fault(InvalidRequestError, "check the offer's instance type and zone", "offer"),
+    **dict.fromkeys(("RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
+                     "ServiceUnavailable", "Unavailable"), _THROTTLED),
 }
-THROTTLING = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
-              "ServiceUnavailable", "Unavailable"}
+_UNREACHABLE = Fault(ProviderError, "check the network and AWS_ENDPOINT_URL", retryable=True)
 NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
 # Catalog names where AWS reports one name for two memory sizes (SkyPilot's names).
 BY_MEMORY = {("A100", 81920): "A100-80GB", ("V100", 32768): "V100-32GB"}
@@ -107,26 +100,19 @@ def _code(err: Exception) -> str:
     return getattr(err, "response", {}).get("Error", {}).get("Code", "")
 
 
-def _provider_error(err: Exception, what: str) -> ProviderError:
-    """The typed error for a botocore exception, keeping EC2's code and message."""
-    if isinstance(err, ProviderError):  # already typed (e.g. the SDK is missing)
-        return err
+def _classify(err: Exception) -> tuple[Fault, str]:
+    """The fault of a botocore exception, and EC2's code and message."""
     exc = _botocore()
     if isinstance(err, exc.NoCredentialsError | exc.PartialCredentialsError):
-        return AuthError(f"{what}: no AWS credentials found ({err}). To fix: {_AUTH.fix}", provider=NAME)
+        return _AUTH, f"no AWS credentials found ({err})"
     if isinstance(err, exc.ClientError):
         code = _code(err)
-        message = err.response.get("Error", {}).get("Message", "")
-        fault = FAULTS.get(code)
-        if fault is not None:
-            return fault.error(f"{what}: {code}: {message}. To fix: {fault.fix}", provider=NAME, scope=fault.scope)
-        failure = ProviderError(f"{what}: {code}: {message}", provider=NAME)
-        failure.retryable = code in THROTTLING
-        return failure
-    failure = ProviderError(f"{what}: cannot reach EC2 ({type(err).__name__}: {err}). To fix: check the network "
-                            "and AWS_ENDPOINT_URL", provider=NAME)
-    failure.retryable = True
-    return failure
+        return FAULTS.get(code, Fault()), f"{code}: {err.response.get('Error', {}).get('Message', '')}"
+    return _UNREACHABLE, f"cannot reach EC2 ({type(err).__name__}: {err})"
+
+
+def _provider_error(err: Exception, what: str) -> ProviderError:
+    return provider_error(err, what, _classify, provider=NAME)
 
 
 def client_token(node_id: str) -> str:
@@ -139,7 +125,7 @@ def canonical_accelerator(name: str, memory_mib: int) -> str:
     return BY_MEMORY.get((name, memory_mib), name.replace(" ", "-"))
 
 
-class AwsProvider:
+class AwsProvider(CatalogOffers):
     """EC2 instances as nodes (see the module docstring)."""
 
     name = NAME
@@ -161,10 +147,6 @@ class AwsProvider:
 
     def _ec2(self, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
         return self._client("ec2", region, attempts)
-
-    def offers(self) -> list[Offer]:
-        from providers.catalog import load_offers
-        return load_offers(self.name)
 
     def image(self, region: str, arch: str) -> str:
         """The AMI to boot: TFSN_AWS_AMI if set, else the region's latest Deep Learning Base AMI from SSM."""

@@ -22,9 +22,11 @@ import re
 import time
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
+from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+                            NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
+                            provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
+from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
 from providers.naming import dns_label, node_tags
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ GPU_SIZES = [(r"H200", "H200"), (r"H100", "H100"), (r"A100_v4$", "A100-80GB"), (
              (r"MI300X", "MI300X")]   # NV*_A10_v5 sizes hold fractions of a GPU: not offered
 
 
-class AzureProvider:
+class AzureProvider(CatalogOffers):
     """Azure VMs (see the module docstring)."""
 
     name = PROVIDER
@@ -97,20 +99,15 @@ class AzureProvider:
         return self._clients[kind]
 
     def _finish(self, poller: Any) -> Any:
-        """Wait for a long-running operation; TimeoutError at the deadline."""
-        result = poller.result(timeout=self.operation_timeout_s)
-        if not poller.done():
-            raise TimeoutError(f"not done within {self.operation_timeout_s:.0f}s")
-        return result
+        """The result of a long-running operation, which the SDK polls in its own thread; TimeoutError at the
+        deadline."""
+        wait_for(poller.done, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s, pause=poller.wait)
+        return poller.result()
 
     def _id(self, kind: str, name: str) -> str:
         return (f"/subscriptions/{self._subscription}/resourceGroups/{self.resource_group}/providers/{kind}/{name}")
 
     # -- the Provider protocol -----------------------------------------------------------------
-
-    def offers(self) -> list[Offer]:
-        from providers.catalog import load_offers
-        return load_offers(self.name)
 
     def provision(self, request: NodeRequest) -> NodeHandle:
         offer = planned_offer(request, PROVIDER)
@@ -124,9 +121,9 @@ class AzureProvider:
             return handle  # made by an earlier call for this node: the name is the key
         except ResourceNotFoundError as err:
             if _code(err) == "ResourceGroupNotFound":
-                raise _error(err, doing, zonal) from None
+                raise _provider_error(err, doing, zonal) from None
         except Exception as err:
-            raise _error(err, doing, zonal) from None
+            raise _provider_error(err, doing, zonal) from None
         try:
             self._ensure_network(offer.region)
             self._finish(self._client("network").network_interfaces.begin_create_or_update(
@@ -135,7 +132,7 @@ class AzureProvider:
                                                                      self._vm(request, offer, vm, nic))
         except Exception as err:
             self._delete_quietly("network", nic)  # the VM was refused: its NIC would be left behind
-            raise _error(err, doing, zonal) from None
+            raise _provider_error(err, doing, zonal) from None
         try:
             self._finish(poller)
         except TimeoutError:
@@ -145,20 +142,17 @@ class AzureProvider:
                                 scope="zone" if zonal else "region") from None
         except Exception as err:
             self._delete_quietly("compute", vm)  # a Failed VM still exists (and its NIC and disk)
-            raise _error(err, doing, zonal) from None
+            raise _provider_error(err, doing, zonal) from None
         return handle
 
     def status(self, handle: NodeHandle) -> NodeStatus:
         from azure.core.exceptions import ResourceNotFoundError
-        data = handle.data
+        group, vm = handle.data["resource_group"], handle.data["vm"]
         try:
-            vm = self._client("compute").virtual_machines.get(data["resource_group"], data["vm"], expand="instanceView")
-        except ResourceNotFoundError:  # deleted, or a spot VM evicted (evictionPolicy Delete)
-            return NodeStatus.TERMINATED
-        except Exception as err:  # noqa: BLE001 - any API or network failure: the provider cannot tell now
-            log.warning("azure: status of %s: %s", data["vm"], err)
-            return NodeStatus.UNKNOWN
-        return _node_status(vm)
+            found = self._client("compute").virtual_machines.get(group, vm, expand="instanceView")
+        except Exception as err:  # noqa: BLE001 - a spot VM evicted is deleted (evictionPolicy Delete)
+            return status_on_error(err, ResourceNotFoundError, provider=PROVIDER, name=vm)
+        return _node_status(found)
 
     def terminate(self, handle: NodeHandle) -> None:
         from azure.core.exceptions import ResourceNotFoundError
@@ -177,7 +171,7 @@ class AzureProvider:
                 raise ProviderError(f"azure: {name} is still being deleted after {self.operation_timeout_s:.0f}s; "
                                     "terminate again later to confirm", provider=PROVIDER) from None
             except Exception as err:
-                raise _error(err, f"deleting {name}", zonal=False) from None
+                raise _provider_error(err, f"deleting {name}", zonal=False) from None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -283,33 +277,32 @@ def _code(err: Exception) -> str | None:
     return getattr(error, "code", None)
 
 
-def _error(err: Exception, doing: str, zonal: bool) -> ProviderError:
-    """One error type per cause, with the failover scope it implies and Azure's own code in the text."""
+def _classify(err: Exception, *, zonal: bool) -> tuple[Fault, str]:
+    """The fault of an Azure SDK exception, with the failover scope it implies, and Azure's code and message."""
     from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
-    if isinstance(err, ProviderError):
-        return err
     code, status = _code(err), getattr(err, "status_code", None)
     message = (getattr(getattr(err, "error", None), "message", None) or str(err).splitlines()[0]).rstrip(". ")
-    text = f"azure: {doing}: {code or status or type(err).__name__}: {message}"
+    detail = f"{code or status or type(err).__name__}: {message}"
     place = "zone" if zonal or code in ("ZonalAllocationFailed", "OverconstrainedZonalAllocationRequest") else "region"
     if code in CAPACITY_CODES:
-        return CapacityError(f"{text}. To fix: tfsn fails over to another {place}; or retry later",
-                             provider=PROVIDER, scope=place)
+        return Fault(CapacityError, f"tfsn fails over to another {place}; or retry later", place), detail
     if code == "QuotaExceeded" or (code == "OperationNotAllowed" and "quota" in message.lower()):
-        return QuotaError(f"{text}. To fix: request more vCPU quota for this VM family and region in the Azure "
-                          "portal (Subscriptions > Usage + quotas)", provider=PROVIDER, scope="region")
+        return Fault(QuotaError, "request more vCPU quota for this VM family and region in the Azure portal "
+                                 "(Subscriptions > Usage + quotas)", "region"), detail
     if isinstance(err, ClientAuthenticationError) or code in AUTH_CODES or status in (401, 403):
-        return AuthError(f"{text}. To fix: 'az login', or give the identity the Contributor role on the resource "
-                         "group", provider=PROVIDER)
+        return Fault(AuthError, "'az login', or give the identity the Contributor role on the resource group"), detail
     if code == "ResourceGroupNotFound":
-        return NotFoundError(f"{text}. To fix: az group create --name <group> --location <region>, or set "
-                             f"{RESOURCE_GROUP_ENV}", provider=PROVIDER, scope="provider")
+        return Fault(NotFoundError, f"az group create --name <group> --location <region>, or set {RESOURCE_GROUP_ENV}",
+                     "provider"), detail
     if status == 404:
-        return NotFoundError(text, provider=PROVIDER)
+        return Fault(NotFoundError), detail
     if status == 400 or (isinstance(err, HttpResponseError) and code in ("InvalidParameter", "BadRequest")):
-        return InvalidRequestError(f"{text}. To fix: check the offer's VM size and the image ({IMAGE_ENV})",
-                                   provider=PROVIDER)
-    return ProviderError(text, provider=PROVIDER)
+        return Fault(InvalidRequestError, f"check the offer's VM size and the image ({IMAGE_ENV})"), detail
+    return Fault(), detail
+
+
+def _provider_error(err: Exception, doing: str, zonal: bool) -> ProviderError:
+    return provider_error(err, f"azure: {doing}", _classify, provider=PROVIDER, zonal=zonal)
 
 
 def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | None = None,
@@ -333,7 +326,7 @@ def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | 
                 if location not in restricted and (not regions or location in regions):
                     sizes[(sku.name, location)] = sku
     except Exception as err:
-        raise _error(err, "listing resource SKUs", zonal=False) from None
+        raise _provider_error(err, "listing resource SKUs", zonal=False) from None
     offers = []
     for region in sorted({region for _, region in sizes}):
         prices = _retail_prices(region, prices_url, provider._verify, provider.rpc_timeout_s)
@@ -354,7 +347,6 @@ def fetch_offers(regions: list[str] | None = None, *, provider: AzureProvider | 
 
 
 def _gpu(size: str) -> tuple[str | None, float]:
-    from providers.catalog import ACCELERATOR_MEMORY_GIB
     for pattern, accelerator in GPU_SIZES:
         if re.search(pattern, size):
             return accelerator, ACCELERATOR_MEMORY_GIB.get(accelerator, 0.0)

@@ -7,8 +7,12 @@ what to block and what the user must fix.
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 
 class NodeStatus(str, enum.Enum):
@@ -127,6 +131,39 @@ class InvalidRequestError(ProviderError):
     """The request can never succeed on this provider as written (e.g. asks for a GPU it lacks)."""
 
 
+@dataclass(frozen=True)
+class Fault:
+    """What one kind of cloud error means for tfsn: the error to raise, the failover scope it implies, what the
+    user can do. Each driver declares its cloud's faults; `fault_error` writes every message the same way."""
+
+    error: type[ProviderError] = ProviderError
+    fix: str = ""                   # what to do, after "To fix:"; "" where nothing but time helps
+    scope: str | None = None        # None: the error type's usual scope
+    retryable: bool | None = None   # None: the error type's own
+
+
+def fault_error(fault: Fault, detail: str, *, provider: str) -> ProviderError:
+    """The error `fault` names, as "<what failed>: <the cloud's code and message>. To fix: <fix>"."""
+    error = fault.error(f"{detail}. To fix: {fault.fix}" if fault.fix else detail, provider=provider,
+                        scope=fault.scope)
+    if fault.retryable is not None:
+        error.retryable = fault.retryable
+    return error
+
+
+def provider_error(err: Exception, what: str, classify: Callable[..., tuple[Fault, str]], *, provider: str,
+                   **context: Any) -> ProviderError:
+    """`err`, raised while doing `what`, as a typed error: an SDK's exception as its driver's
+    `classify(err, **context)` names it (the fault, and the cloud's detail); an error tfsn raised itself (no
+    credentials, a missing extra) keeps its type, scope and retryability."""
+    if isinstance(err, ProviderError):
+        found = type(err)(f"{what}: {err}", provider=err.provider or provider, scope=err.scope)
+        found.retryable = err.retryable
+        return found
+    fault, detail = classify(err, **context)
+    return fault_error(fault, f"{what}: {detail}", provider=provider)
+
+
 @runtime_checkable
 class Provider(Protocol):
     """One source of nodes. Every call is idempotent for the same `node_id`."""
@@ -148,6 +185,15 @@ class Provider(Protocol):
     def terminate(self, handle: NodeHandle) -> None:
         """Stop and delete the node and everything on it; a missing node is not an error."""
         ...
+
+
+def status_on_error(err: Exception, missing: type[Exception], *, provider: str, name: str) -> NodeStatus:
+    """What a failed read of node `name` says of it: TERMINATED where the cloud says it does not exist (`missing`:
+    deleted, or a spot node preempted), else UNKNOWN, logged: an API or network failure says nothing of the node."""
+    if isinstance(err, missing):
+        return NodeStatus.TERMINATED
+    log.warning("%s: status of %s: %s", provider, name, err)
+    return NodeStatus.UNKNOWN
 
 
 def planned_offer(request: NodeRequest, provider: str) -> Offer:
@@ -176,3 +222,21 @@ def import_sdk(module: str, *, provider: str, extra: str) -> Any:
         raise MissingExtraError(
             f"the {provider} provider needs the Python module {module} ({err}). "
             f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None
+
+
+def wait_for(done: Callable[[], bool], *, timeout_s: float, poll_s: float,
+             pause: Callable[[float], object] = time.sleep, longest_pause_s: float = 15.0) -> None:
+    """Pause, then ask `done`, until it says True: how a driver waits for a cloud's long-running operation
+    without hammering its API (each pause 1.5 times the last, up to `longest_pause_s`). `pause` waits; an SDK
+    poller's own wait ends early when its operation does. TimeoutError after `timeout_s`: the driver says what
+    did not finish."""
+    deadline = time.monotonic() + timeout_s
+    wait = poll_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"not done within {timeout_s:.0f}s")
+        pause(min(wait, left))
+        if done():
+            return
+        wait = min(wait * 1.5, longest_pause_s)

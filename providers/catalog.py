@@ -101,6 +101,15 @@ def load_offers(provider: str | None = None, *, path: str | os.PathLike | None =
     return [o for name, p in catalog_sources(provider).items() for o in read_offers(p, provider=name)]
 
 
+class CatalogOffers:
+    """The offers of a cloud whose machines are too many to list live: its rows of the catalog (a mixin)."""
+
+    name: str
+
+    def offers(self) -> list[Offer]:
+        return load_offers(self.name)
+
+
 def _provider_of(path: Path) -> str:
     stem = path.stem.lower()
     return path.parent.name.lower() if stem == "vms" else stem

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer)
+from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+                            NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, fault_error, import_sdk,
+                            planned_offer, provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
+from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers, load_offers
 from providers.naming import dns_label, node_tags
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def instance_name(node_id: str) -> str:
     return dns_label(f"tfsn-{node_id}")
 
 
-class GcpProvider:
+class GcpProvider(CatalogOffers):
     """Compute Engine VMs (see the module docstring)."""
 
     name = PROVIDER
@@ -128,33 +129,27 @@ class GcpProvider:
 
     # -- the Provider protocol -----------------------------------------------------------------
 
-    def offers(self) -> list[Offer]:
-        from providers.catalog import load_offers
-        return load_offers(self.name)
-
     def provision(self, request: NodeRequest) -> NodeHandle:
         offer = planned_offer(request, PROVIDER)
         from google.api_core import exceptions
         zone = offer.zone or self._first_zone(offer.region)
         name = instance_name(request.node_id)
         handle = NodeHandle(PROVIDER, request.node_id, {"project": self.project, "zone": zone, "name": name})
+        doing = f"creating {name} ({offer.instance_type}) in {zone}"
         try:
             operation = self._call("InstancesClient", "insert", project=self.project, zone=zone,
                                    instance_resource=self._instance(request, offer, zone, name))
         except exceptions.Conflict:  # made by an earlier call for this node: the name is the key
             return handle
         except Exception as err:
-            raise _api_error(err, f"creating {name} ({offer.instance_type}) in {zone}", zone=zone) from None
+            raise _provider_error(err, doing, zone=zone) from None
         try:
-            self._wait(operation, self.project, zone)
+            self._wait(operation, self.project, zone, doing)
         except TimeoutError:
             self._delete_quietly(handle)  # a VM that may still come up would run unrecorded
             raise CapacityError(f"gcp: {name} ({offer.instance_type}) in {zone} was not created within "
                                 f"{self.operation_timeout_s:.0f}s; deleting it. To fix: retry later or in another "
                                 "zone", provider=PROVIDER, scope="zone") from None
-        except ProviderError as err:
-            raise type(err)(f"creating {name} ({offer.instance_type}) in {zone}: {err}", provider=PROVIDER,
-                            scope=err.scope) from None
         return handle
 
     def status(self, handle: NodeHandle) -> NodeStatus:
@@ -163,11 +158,8 @@ class GcpProvider:
         try:
             instance = self._call("InstancesClient", "get", project=data["project"], zone=data["zone"],
                                   instance=data["name"])
-        except exceptions.NotFound:  # deleted, or a spot VM preempted (instanceTerminationAction DELETE)
-            return NodeStatus.TERMINATED
-        except Exception as err:  # noqa: BLE001 - any API or network failure: the provider cannot tell now
-            log.warning("gcp: status of %s: %s", data["name"], err)
-            return NodeStatus.UNKNOWN
+        except Exception as err:  # noqa: BLE001 - a spot VM preempted is deleted (instanceTerminationAction DELETE)
+            return status_on_error(err, exceptions.NotFound, provider=PROVIDER, name=data["name"])
         return STATUSES.get(instance.status, NodeStatus.UNKNOWN)
 
     def terminate(self, handle: NodeHandle) -> None:
@@ -178,15 +170,16 @@ class GcpProvider:
                 return            # never planned on a zone or region: provision never reached the cloud
             data = {"project": self.project, "name": instance_name(handle.node_id),
                     "zone": data.get("zone") or self._first_zone(data["region"])}
+        doing = f"deleting {data['name']} in {data['zone']}"
         try:
             operation = self._call("InstancesClient", "delete", project=data["project"], zone=data["zone"],
                                    instance=data["name"])
         except exceptions.NotFound:
             return
         except Exception as err:
-            raise _api_error(err, f"deleting {data['name']} in {data['zone']}", zone=data["zone"]) from None
+            raise _provider_error(err, doing, zone=data["zone"]) from None
         try:
-            self._wait(operation, data["project"], data["zone"])
+            self._wait(operation, data["project"], data["zone"], doing)
         except TimeoutError:
             raise ProviderError(f"gcp: {data['name']} is still being deleted after {self.operation_timeout_s:.0f}s; "
                                 "terminate again later to confirm", provider=PROVIDER) from None
@@ -235,28 +228,30 @@ class GcpProvider:
         try:
             zones = self._call("RegionsClient", "get", project=self.project, region=region).zones
         except Exception as err:
-            raise _api_error(err, f"listing the zones of {region}", zone=None) from None
+            raise _provider_error(err, f"listing the zones of {region}", zone=None) from None
         return sorted(z.rsplit("/", 1)[-1] for z in zones)[0]
 
-    def _wait(self, operation: Any, project: str, zone: str) -> None:
-        """Poll a zonal operation until DONE; raise its error as a ProviderError, TimeoutError at the deadline."""
-        compute, name = self._sdk(), operation.name
-        deadline = time.monotonic() + self.operation_timeout_s
-        delay = self.poll_interval_s
-        while operation.status != compute.Operation.Status.DONE:
-            if time.monotonic() + delay > deadline:
-                raise TimeoutError(name)
-            time.sleep(delay)
-            delay = min(delay * 1.5, 15.0)
+    def _wait(self, operation: Any, project: str, zone: str, doing: str) -> None:
+        """Poll the zonal operation of `doing` until DONE; raise its error as a ProviderError, TimeoutError at the
+        deadline."""
+        name, done = operation.name, self._sdk().Operation.Status.DONE
+
+        def finished() -> bool:
+            nonlocal operation
             try:
                 operation = self._call("ZoneOperationsClient", "get", project=project, zone=zone, operation=name)
             except Exception as err:
-                raise _api_error(err, f"polling operation {name}", zone=zone) from None
+                raise _provider_error(err, f"{doing}: polling operation {name}", zone=zone) from None
+            return operation.status == done
+
+        if operation.status != done:  # the insert's or delete's own answer may say DONE already
+            wait_for(finished, timeout_s=self.operation_timeout_s, poll_s=self.poll_interval_s)
         errors = list(operation.error.errors)
         if errors:
-            codes = [e.code for e in errors]
             message = "; ".join(f"{e.code}: {e.message}" for e in errors)
-            raise _classify(operation.http_error_status_code, codes, message, zone=zone)
+            fault, detail = _classify_codes(operation.http_error_status_code, [e.code for e in errors], message,
+                                            zone=zone)
+            raise fault_error(fault, f"{doing}: {detail}", provider=PROVIDER)
 
     def _delete_quietly(self, handle: NodeHandle) -> None:
         try:
@@ -266,48 +261,45 @@ class GcpProvider:
             log.warning("gcp: could not delete %s after a timeout: %s", handle.data["name"], err)
 
 
-def _classify(http_status: int, codes: list[str], message: str, *, zone: str | None) -> ProviderError:
-    """One error type per cause, with the failover scope it implies and the cloud's own code in the text."""
-    text = f"gcp {'/'.join(c for c in codes if c) or http_status}: {message.rstrip('. ')}"
+def _classify_codes(http_status: int, codes: list[str], message: str, *, zone: str | None) -> tuple[Fault, str]:
+    """The fault of a failed request or operation, by its codes and HTTP status, and the cloud's code and message."""
+    detail = f"gcp {'/'.join(c for c in codes if c) or http_status}: {message.rstrip('. ')}"
     if CAPACITY_CODES & set(codes):
-        return CapacityError(f"{text}. To fix: tfsn fails over to another zone; or retry later",
-                             provider=PROVIDER, scope="zone")
+        return Fault(CapacityError, "tfsn fails over to another zone; or retry later", "zone"), detail
     if "QUOTA_EXCEEDED" in codes or "quotaExceeded" in codes:
         everywhere = "GPUS_ALL_REGIONS" in message  # a project-wide quota: no other region helps
-        return QuotaError(f"{text}. To fix: request more quota in the Cloud Console (IAM & Admin > Quotas)",
-                          provider=PROVIDER, scope="provider" if everywhere else "region")
+        return Fault(QuotaError, "request more quota in the Cloud Console (IAM & Admin > Quotas)",
+                     "provider" if everywhere else "region"), detail
     if http_status in (401, 403):
-        return AuthError(f"{text}. To fix: give the credentials the Compute Instance Admin role, or run "
-                         "'gcloud auth application-default login'", provider=PROVIDER)
+        return Fault(AuthError, "give the credentials the Compute Instance Admin role, or run "
+                                "'gcloud auth application-default login'"), detail
     if http_status == 404:
-        return NotFoundError(f"{text}. To fix: check the project, zone, machine type and image", provider=PROVIDER)
+        return Fault(NotFoundError, "check the project, zone, machine type and image"), detail
     if http_status == 400:
-        return InvalidRequestError(f"{text}. To fix: check the offer's machine type and accelerator in {zone}",
-                                   provider=PROVIDER)
-    return ProviderError(text, provider=PROVIDER)
+        return Fault(InvalidRequestError, f"check the offer's machine type and accelerator in {zone}"), detail
+    return Fault(), detail
 
 
-def _api_error(err: Exception, doing: str, *, zone: str | None) -> ProviderError:
-    """A failed request (after the SDK's retries) as a ProviderError."""
+def _classify(err: Exception, *, zone: str | None) -> tuple[Fault, str]:
+    """The fault of a failed request (after the SDK's retries), and the cloud's detail."""
     import google.auth.exceptions
     from google.api_core import exceptions
     if isinstance(err, exceptions.RetryError) and err.cause is not None:
         err = err.cause
-    if isinstance(err, ProviderError):  # raised by tfsn itself (no credentials, no project, missing extra)
-        found = err
-    elif isinstance(err, (google.auth.exceptions.RefreshError, google.auth.exceptions.DefaultCredentialsError)):
+    if isinstance(err, (google.auth.exceptions.RefreshError, google.auth.exceptions.DefaultCredentialsError)):
         # A 401 makes the SDK refresh its token: credentials that cannot be refreshed end here.
-        found = AuthError(f"gcp: the credentials were refused or cannot be refreshed ({err}). To fix: run "
-                          "'gcloud auth application-default login' or set GOOGLE_APPLICATION_CREDENTIALS",
-                          provider=PROVIDER)
-    elif isinstance(err, exceptions.GoogleAPICallError):
+        return (Fault(AuthError, "run 'gcloud auth application-default login' or set GOOGLE_APPLICATION_CREDENTIALS"),
+                f"gcp: the credentials were refused or cannot be refreshed ({err})")
+    if isinstance(err, exceptions.GoogleAPICallError):
         codes = [e.get("reason", "") for e in err.errors if isinstance(e, dict)]
         if err.reason:
             codes.append(err.reason)
-        found = _classify(err.code or 0, codes, err.message, zone=zone)
-    else:
-        found = ProviderError(f"gcp: {type(err).__name__}: {err}", provider=PROVIDER)
-    return type(found)(f"{doing}: {found}", provider=PROVIDER, scope=found.scope)
+        return _classify_codes(err.code or 0, codes, err.message, zone=zone)
+    return Fault(), f"gcp: {type(err).__name__}: {err}"
+
+
+def _provider_error(err: Exception, doing: str, *, zone: str | None) -> ProviderError:
+    return provider_error(err, doing, _classify, provider=PROVIDER, zone=zone)
 
 
 def fetch_offers(regions: list[str] | None = None, *, provider: GcpProvider | None = None,
@@ -319,40 +311,15 @@ def fetch_offers(regions: list[str] | None = None, *, provider: GcpProvider | No
     the catalog is unreachable) keeps the price of the same offer in the catalog snapshot, and one
     with no price anywhere is left out. The log says how many of each.
     """
-    from providers.catalog import ACCELERATOR_MEMORY_GIB, load_offers
     provider = provider or GcpProvider()
     if snapshot is None:
         snapshot = load_offers(PROVIDER)
     known = {(o.instance_type, o.accelerator, o.accelerator_count, o.region): (o.price, o.spot_price)
              for o in snapshot}
-    machines: dict[str, dict[str, Any]] = {}          # zone -> machine type name -> MachineType
-    attachable: dict[str, dict[str, int]] = {}        # zone -> accelerator type -> most cards per VM
-    for key, scoped in _aggregated(provider, "MachineTypesClient"):
-        machines[key.rsplit("/", 1)[-1]] = {m.name: m for m in scoped.machine_types}
-    for key, scoped in _aggregated(provider, "AcceleratorTypesClient"):
-        attachable[key.rsplit("/", 1)[-1]] = {a.name: a.maximum_cards_per_instance for a in scoped.accelerator_types}
+    shapes = _vm_shapes(provider, regions)
     rates = _billing_rates(provider)
-    # GPUs that come only inside accelerator-optimized machine types (A100, H100, L4) cannot go on N1.
-    builtin_only = {a.guest_accelerator_type for types in machines.values() for m in types.values()
-                    for a in m.accelerators}
-    rows: list[tuple[str, str, Any, str | None, int]] = []   # (region, zone, machine type, gcp GPU, count)
-    for zone, types in machines.items():
-        region = zone.rsplit("-", 1)[0]
-        if regions and region not in regions:
-            continue
-        for machine in types.values():
-            if machine.is_shared_cpu:  # billed as a fraction of a core: not worth planning on
-                continue
-            builtin = list(machine.accelerators)
-            gpu, count = (builtin[0].guest_accelerator_type, builtin[0].guest_accelerator_count) if builtin else (None, 0)
-            rows.append((region, zone, machine, gpu, count))
-        for gpu, most in attachable.get(zone, {}).items():
-            for count in (c for c in N1_GPU_COUNTS if c <= most):
-                host = types.get(f"n1-standard-{8 * count}")
-                if host is not None and gpu not in builtin_only:
-                    rows.append((region, zone, host, gpu, count))
     offers, from_snapshot, unpriced = [], 0, 0
-    for region, zone, machine, gpu, count in rows:
+    for region, zone, machine, gpu, count in shapes:
         accelerator = ACCELERATORS.get(gpu, gpu) if gpu else None
         snapshot_price, snapshot_spot = known.get((machine.name, accelerator, count, region), (None, None))
         price = _billed(rates, machine, accelerator, count, region, spot=False)
@@ -376,6 +343,38 @@ def fetch_offers(regions: list[str] | None = None, *, provider: GcpProvider | No
     return sorted(offers, key=lambda o: (o.region, o.zone or "", o.instance_type, o.accelerator or ""))
 
 
+def _vm_shapes(provider: GcpProvider, regions: list[str] | None) -> list[tuple[str, str, Any, str | None, int]]:
+    """Every (region, zone, machine type, GCP GPU type, GPU count) a VM can be made of in `regions` (all if
+    None): each machine type with the GPUs it comes with, and N1 hosts with each count of attachable GPUs."""
+    machines: dict[str, dict[str, Any]] = {}          # zone -> machine type name -> MachineType
+    attachable: dict[str, dict[str, int]] = {}        # zone -> accelerator type -> most cards per VM
+    for key, scoped in _aggregated(provider, "MachineTypesClient"):
+        machines[key.rsplit("/", 1)[-1]] = {m.name: m for m in scoped.machine_types}
+    for key, scoped in _aggregated(provider, "AcceleratorTypesClient"):
+        attachable[key.rsplit("/", 1)[-1]] = {a.name: a.maximum_cards_per_instance for a in scoped.accelerator_types}
+    # GPUs that come only inside accelerator-optimized machine types (A100, H100, L4) cannot go on N1.
+    builtin_only = {a.guest_accelerator_type for types in machines.values() for m in types.values()
+                    for a in m.accelerators}
+    rows: list[tuple[str, str, Any, str | None, int]] = []
+    for zone, types in machines.items():
+        region = zone.rsplit("-", 1)[0]
+        if regions and region not in regions:
+            continue
+        for machine in types.values():
+            if machine.is_shared_cpu:  # billed as a fraction of a core: not worth planning on
+                continue
+            builtin = list(machine.accelerators)
+            gpu, count = ((builtin[0].guest_accelerator_type, builtin[0].guest_accelerator_count) if builtin
+                          else (None, 0))
+            rows.append((region, zone, machine, gpu, count))
+        for gpu, most in attachable.get(zone, {}).items():
+            for count in (c for c in N1_GPU_COUNTS if c <= most):
+                host = types.get(f"n1-standard-{8 * count}")
+                if host is not None and gpu not in builtin_only:
+                    rows.append((region, zone, host, gpu, count))
+    return rows
+
+
 def _billing_rates(provider: GcpProvider) -> dict[tuple[str, str, str, bool], float]:
     """(part, family or GPU, region, spot) -> USD per hour (per GiB-hour for "ram"); {} when unreachable.
 
@@ -396,11 +395,9 @@ def _billing_rates(provider: GcpProvider) -> dict[tuple[str, str, str, bool], fl
             price = tiers[-1].unit_price  # the tier that applies past the first free units, if any
             for region in sku.service_regions:
                 rates[(part, name, region, bool(match["spot"]))] = price.units + price.nanos / 1e9
-    except ProviderError as err:  # the extra without google-cloud-billing
-        log.warning("gcp: billing catalog unavailable (%s); prices come from the catalog snapshot", err)
-    except Exception as err:  # noqa: BLE001 - e.g. the Cloud Billing API not enabled: the snapshot still prices
+    except Exception as err:  # noqa: BLE001 - Cloud Billing API off, or no google-cloud-billing: the snapshot prices
         log.warning("gcp: billing catalog unavailable (%s); prices come from the catalog snapshot",
-                    _api_error(err, "listing Compute Engine SKUs", zone=None))
+                    _provider_error(err, "listing Compute Engine SKUs", zone=None))
     return rates
 
 
@@ -425,4 +422,4 @@ def _aggregated(provider: GcpProvider, kind: str):
     try:
         yield from provider._call(kind, "aggregated_list", request={"project": provider.project, "max_results": 500})
     except Exception as err:
-        raise _api_error(err, f"listing {kind.removesuffix('Client')}", zone=None) from None
+        raise _provider_error(err, f"listing {kind.removesuffix('Client')}", zone=None) from None

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from providers.base import (AuthError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,
-                            Offer, ProviderError, QuotaError, import_sdk)
-from providers.bootstrap import DEFAULT_INSTALL_SPEC
+from providers.base import (AuthError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, provider_error)
+from providers.bootstrap import install_command
 from providers.naming import dns_label, node_tags
 
 NAME = "kubernetes"
@@ -46,8 +46,7 @@ PHASES = {"Pending": NodeStatus.PENDING, "Running": NodeStatus.RUNNING, "Succeed
 UNHEALTHY_TAINT = "tfsn.dev/unhealthy"       # on a Kubernetes node a bad GPU was found on: NoSchedule
 TOKEN_KEY = "token"                           # the key of the job token in a bound job's Secret
 # Runs the request's command as is, after installing tfsn where the image lacks it.
-ENTRYPOINT = ["/bin/sh", "-c", 'command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet '
-              '"${TFSN_INSTALL_SPEC:-' + DEFAULT_INSTALL_SPEC + '}"; exec "$@"', "tfsn-node"]
+ENTRYPOINT = ["/bin/sh", "-c", install_command() + '; exec "$@"', "tfsn-node"]
 
 
 def canonical_accelerator(product: str) -> str:
@@ -163,6 +162,20 @@ class KubernetesProvider:
         except Exception as err:
             raise _provider_error(err, what, self.namespace) from None
 
+    def _create(self, what: str, method: str, namespace: str, manifest: dict[str, Any]) -> bool:
+        """Create an object with a `create_namespaced_*` call; False where one of its name exists already (the
+        name is the idempotency key: the caller decides whether it is the same)."""
+        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
+        try:
+            getattr(self._core(), method)(namespace, manifest, _request_timeout=TIMEOUT_S)
+        except kubernetes.client.ApiException as err:
+            if err.status != 409:
+                raise _provider_error(err, what, namespace) from None
+            return False
+        except Exception as err:
+            raise _provider_error(err, what, namespace) from None
+        return True
+
     def offers(self) -> list[Offer]:
         """One offer per GPU model on the cluster's nodes (the largest node of each), plus CPU-only nodes."""
         from providers.catalog import ACCELERATOR_MEMORY_GIB
@@ -254,19 +267,12 @@ class KubernetesProvider:
         binding = self.bindings.get(request.job_id)
         namespace = binding.namespace if binding is not None else self.namespace
         what = f"cannot create pod {name} in namespace {namespace}"
-        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
-        try:
-            self._core().create_namespaced_pod(namespace, manifest, _request_timeout=TIMEOUT_S)
-        except kubernetes.client.ApiException as err:
-            if err.status != 409:
-                raise _provider_error(err, what, namespace) from None
+        if not self._create(what, "create_namespaced_pod", namespace, manifest):
             # Idempotent: the pod exists. It is this node's if it carries this node id.
             existing = self._call(what, "read_namespaced_pod", name, namespace)
             if (existing.metadata.annotations or {}).get(NODE_ANNOTATION) != request.node_id:
                 raise InvalidRequestError(f"{what}: a pod of that name belongs to something else. To fix: delete "
-                                          "it or use another namespace (TFSN_K8S_NAMESPACE)", provider=NAME) from None
-        except Exception as err:
-            raise _provider_error(err, what, namespace) from None
+                                          "it or use another namespace (TFSN_K8S_NAMESPACE)", provider=NAME)
         return NodeHandle(provider=NAME, node_id=request.node_id,
                           data={"namespace": namespace, "pod": name, "context": self.context})
 
@@ -307,15 +313,8 @@ class KubernetesProvider:
     def apply(self, kind: str, namespace: str, manifest: dict[str, Any]) -> None:
         """Create a Service or Secret; one that exists already is left as it is (idempotent)."""
         method = {"Service": "create_namespaced_service", "Secret": "create_namespaced_secret"}[kind]
-        what = f"cannot create {kind} {manifest['metadata']['name']} in namespace {namespace}"
-        kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
-        try:
-            getattr(self._core(), method)(namespace, manifest, _request_timeout=TIMEOUT_S)
-        except kubernetes.client.ApiException as err:
-            if err.status != 409:
-                raise _provider_error(err, what, namespace) from None
-        except Exception as err:
-            raise _provider_error(err, what, namespace) from None
+        self._create(f"cannot create {kind} {manifest['metadata']['name']} in namespace {namespace}", method,
+                     namespace, manifest)
 
     def replace_secret_data(self, namespace: str, name: str, data: dict[str, str]) -> None:
         """Point an existing Secret at new values (a job adopted by a new operator gets a new token)."""
@@ -369,33 +368,30 @@ def _bind(binding: PodBinding, metadata: dict[str, Any], spec: dict[str, Any], c
     container["volumeMounts"] = [mount]
 
 
-def _provider_error(err: Exception, what: str, namespace: str) -> ProviderError:
-    """The typed error for a kubernetes client exception, keeping the API's status and reason."""
+def _classify(err: Exception, *, namespace: str) -> tuple[Fault, str]:
+    """The fault of a kubernetes client exception, and the API's status and reason."""
     kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
-    if isinstance(err, ProviderError):
-        return err
     if not isinstance(err, kubernetes.client.ApiException):
-        failure = ProviderError(f"{what}: cannot reach the Kubernetes API ({type(err).__name__}: {err}). "
-                                "To fix: check the cluster's address in the kubeconfig and the network", provider=NAME)
-        failure.retryable = True
-        return failure
+        return (Fault(ProviderError, "check the cluster's address in the kubeconfig and the network", retryable=True),
+                f"cannot reach the Kubernetes API ({type(err).__name__}: {err})")
     reason = _reason(err)
-    detail = f"{what}: {err.status} {reason}"
+    detail = f"{err.status} {reason}"
     if err.status == 401:
-        return AuthError(f"{detail}. To fix: refresh the kubeconfig's credentials", provider=NAME)
+        return Fault(AuthError, "refresh the kubeconfig's credentials"), detail
     if err.status == 403 and "exceeded quota" in reason:
-        return QuotaError(f"{detail}. To fix: raise the ResourceQuota of namespace {namespace}", provider=NAME)
+        return Fault(QuotaError, f"raise the ResourceQuota of namespace {namespace}"), detail
     if err.status == 403:
-        return AuthError(f"{detail}. To fix: grant the kubeconfig's user get/create/delete on pods and list on "
-                         f"nodes in namespace {namespace} (a Role and RoleBinding)", provider=NAME)
+        return Fault(AuthError, "grant the kubeconfig's user get/create/delete on pods and list on nodes in "
+                                f"namespace {namespace} (a Role and RoleBinding)"), detail
     if err.status == 404:
-        return NotFoundError(f"{detail}. To fix: create namespace {namespace} or set TFSN_K8S_NAMESPACE",
-                             provider=NAME, scope="provider")
+        return Fault(NotFoundError, f"create namespace {namespace} or set TFSN_K8S_NAMESPACE", "provider"), detail
     if err.status in (400, 422):
-        return InvalidRequestError(f"{detail}. To fix: check TFSN_K8S_IMAGE and the offer", provider=NAME)
-    failure = ProviderError(detail, provider=NAME)
-    failure.retryable = err.status in (429, 500, 502, 503, 504)
-    return failure
+        return Fault(InvalidRequestError, "check TFSN_K8S_IMAGE and the offer"), detail
+    return Fault(retryable=err.status in (429, 500, 502, 503, 504)), detail
+
+
+def _provider_error(err: Exception, what: str, namespace: str) -> ProviderError:
+    return provider_error(err, what, _classify, provider=NAME, namespace=namespace)
 
 
 def _reason(err: Any) -> str:

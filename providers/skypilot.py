@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            Offer, ProviderError, import_sdk)
-from providers.bootstrap import DEFAULT_INSTALL_SPEC
+from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+                            Offer, ProviderError, import_sdk, provider_error)
+from providers.bootstrap import install_command, requested_install_spec
 from providers.naming import dns_label, node_tags
 
 NAME = "skypilot"
@@ -47,7 +47,6 @@ def task(request: NodeRequest) -> Any:
     if request.spot and offer.spot_price is None:
         raise InvalidRequestError(f"{offer.instance_type} in {offer.region} has no spot market. To fix: set "
                                   "use_spot: false or pick another offer", provider=NAME)
-    install = shlex.quote(request.env.get("TFSN_INSTALL_SPEC", DEFAULT_INSTALL_SPEC))
     try:
         resources = sky.Resources(
             infra="/".join(part for part in (offer.region, offer.zone) if part),
@@ -59,7 +58,7 @@ def task(request: NodeRequest) -> Any:
                                   "refresh the catalog or pick another offer", provider=NAME) from None
     node_task = sky.Task(
         name=cluster_name(request.node_id),
-        setup=f"command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet {install}",
+        setup=install_command(requested_install_spec(request)),
         run=f"mkdir -p {shlex.quote(request.workdir)} && cd {shlex.quote(request.workdir)} && "
             + " ".join(shlex.quote(part) for part in request.command),
         envs=dict(request.env))
@@ -67,24 +66,25 @@ def task(request: NodeRequest) -> Any:
     return node_task
 
 
-def _provider_error(err: Exception, what: str, zone: str | None) -> ProviderError:
-    """The typed error for a SkyPilot exception, keeping SkyPilot's own message."""
+def _classify(err: Exception, *, zone: str | None) -> tuple[Fault, str]:
+    """The fault of a SkyPilot exception, and SkyPilot's own message."""
     exc = import_sdk("sky.exceptions", provider=NAME, extra=EXTRA)
     message = " ".join(str(err).split())
     if isinstance(err, exc.ResourcesUnavailableError):
         if err.no_failover:
-            return InvalidRequestError(f"{what}: {message}. To fix: pick another offer", provider=NAME)
-        return CapacityError(f"{what}: {message}. To fix: try another zone or instance type, or wait",
-                             provider=NAME, scope="zone" if zone else "region")
+            return Fault(InvalidRequestError, "pick another offer"), message
+        return Fault(CapacityError, "try another zone or instance type, or wait", "zone" if zone else "region"), message
     if isinstance(err, exc.NoCloudAccessError | exc.CloudUserIdentityError | exc.PermissionDeniedError):
-        return AuthError(f"{what}: {type(err).__name__}: {message}. To fix: set up the cloud's credentials and "
-                         "run `sky check`", provider=NAME)
+        return (Fault(AuthError, "set up the cloud's credentials and run `sky check`"),
+                f"{type(err).__name__}: {message}")
     if isinstance(err, exc.ResourcesMismatchError | exc.NotSupportedError):
-        return InvalidRequestError(f"{what}: {message}. To fix: pick another offer", provider=NAME)
-    failure = ProviderError(f"{what}: {type(err).__name__}: {message}", provider=NAME)
-    failure.retryable = isinstance(err, exc.ApiServerConnectionError | exc.NetworkError |
-                                   exc.ServerTemporarilyUnavailableError)
-    return failure
+        return Fault(InvalidRequestError, "pick another offer"), message
+    transient = isinstance(err, exc.ApiServerConnectionError | exc.NetworkError | exc.ServerTemporarilyUnavailableError)
+    return Fault(retryable=transient), f"{type(err).__name__}: {message}"
+
+
+def _provider_error(err: Exception, what: str, zone: str | None) -> ProviderError:
+    return provider_error(err, what, _classify, provider=NAME, zone=zone)
 
 
 class SkyPilotProvider:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from orchestrator.spec import JobSpec
+from providers.bootstrap import install_command
 
 GROUP = "tfsn.dev"
 VERSION = "v1alpha1"
@@ -28,8 +29,7 @@ API_PORT = 8080                 # agents in worker pods report here, as to the l
 LIVENESS_PORT = 8081            # kopf's liveness endpoint (`tfsn operator run` serves it)
 DEFAULT_IMAGE = "python:3.11-slim"   # tfsn[k8s] is installed on start where the image lacks it
 # Like worker pods: a site with a prebuilt image or a wheel mirror sets --image or TFSN_INSTALL_SPEC.
-OPERATOR_COMMAND = ["/bin/sh", "-c", 'command -v tfsn >/dev/null 2>&1 || python3 -m pip install --quiet '
-                    '"${TFSN_INSTALL_SPEC:-tfsn[k8s]}"; exec tfsn operator run']
+OPERATOR_COMMAND = ["/bin/sh", "-c", install_command(default="tfsn[k8s]") + "; exec tfsn operator run"]
 _KEEP = ("description", "minimum", "maximum", "enum", "pattern", "minLength", "maxLength", "minItems",
          "maxItems", "format")
 

@@ -24,7 +24,7 @@ kopf = pytest.importorskip("kopf")
 from orchestrator.k8s import crd
 from orchestrator.k8s import operator as k8s_operator  # noqa: E402
 from orchestrator.sdk.client import ControllerClient  # noqa: E402
-from orchestrator.k8s.operator import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
+from orchestrator.k8s.runtime import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
 from orchestrator.k8s.status import StatusWriter, status_patch  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
 from orchestrator.control.store import JobState, NodeState  # noqa: E402
@@ -344,7 +344,7 @@ def fail_over_to_a_new_operator(operator: Operator, tmp_path, name: str = "new-o
     operator.close()
     successor = new_operator(tmp_path / name)
     successor.start(reconcile=False)
-    successor.adopt_all()
+    successor.adoption.adopt_all()
     return successor
 
 
@@ -378,7 +378,7 @@ def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_
         status = wait_for("the status", lambda: on_server(cluster, body)["status"]["checkpoint"].get("step") == 60
                           and on_server(cluster, body)["status"])
         assert (status["jobId"], status["attempt"], status["phase"]) == (job_id, 1, "Running")
-        assert successor.adopt(on_server(cluster, body)) == {}  # kopf's resume handler: the same job, nothing new
+        assert successor.adoption.adopt(on_server(cluster, body)) == {}  # kopf's resume handler: the same job, nothing new
         assert len(successor.store.jobs()) == 1
     finally:
         successor.close()
@@ -465,7 +465,7 @@ def test_a_status_without_a_record_restarts_the_job_from_its_checkpoint(operator
         assert env["TFSN_JOB_ID"] == str(job.id) and env["TFSN_CONTROLLER_URL"] == successor.server.url
         secret = next(iter(objects(cluster, SECRETS).values()))
         assert secret["stringData"] == {"token": job.token}  # the new job's token reaches the pods
-        assert successor.adopt(on_server(cluster, body)) == {}  # seen again: the same job, nothing new
+        assert successor.adoption.adopt(on_server(cluster, body)) == {}  # seen again: the same job, nothing new
         assert len(successor.store.jobs()) == 1
     finally:
         successor.close()
@@ -691,7 +691,7 @@ def test_one_tfsnjob_that_cannot_be_adopted_leaves_the_others_adopted(operator, 
     try:
         assert [j.id for j in successor.store.jobs()] == [b_id] and {a_pod, b_pod} <= set(pods(cluster))
         refusing.clear()
-        assert successor.adopt(on_server(cluster, a)) == {}
+        assert successor.adoption.adopt(on_server(cluster, a)) == {}
         assert sorted(j.id for j in successor.store.jobs()) == [a_id, b_id] and {a_pod, b_pod} <= set(pods(cluster))
     finally:
         successor.close()
@@ -703,7 +703,7 @@ def test_the_startup_handler_run_again_after_a_failed_listing_builds_one_operato
     running it again neither builds a second operator (its API on the same port) nor skips the adoption."""
     body, job_id, pod = running_job(operator, cluster, "llm", "1b4e28ba-2fa1-11d2-883f-0016d3cca427")
     operator.close()
-    monkeypatch.setattr("orchestrator.k8s.operator.LIST_BACKOFF_S", 0.01)
+    monkeypatch.setattr("orchestrator.k8s.adoption.LIST_BACKOFF_S", 0.01)
     monkeypatch.setenv("TFSN_HOME", str(tmp_path / "replaced"))
     monkeypatch.setenv("TFSN_OPERATOR_HOST", "127.0.0.1")
     monkeypatch.setenv("TFSN_OPERATOR_PORT", str(free_port()))   # fixed, as in the Deployment
@@ -739,7 +739,7 @@ def test_a_replacement_pod_made_as_the_job_is_adopted_is_not_taken_for_a_strange
     successor = new_operator(tmp_path / "new")
     successor.start(reconcile=True)
     try:
-        successor.adopt_all()
+        successor.adoption.adopt_all()
         [replacement] = wait_for("the replacement pod", lambda: list(pods(cluster)))
         time.sleep(1.5)                     # what a stranger sweep still under way would have deleted by now
         assert list(pods(cluster)) == [replacement]
@@ -791,7 +791,7 @@ def test_the_status_stays_small_however_long_the_job_runs(operator, cluster):
 
 def test_the_timer_and_the_delete_handler_never_wait_on_a_stuck_status_write(operator, cluster, monkeypatch):
     """Finding 7: a status write held up by the API server holds up neither the timer nor a deletion."""
-    monkeypatch.setattr("orchestrator.k8s.operator.FINAL_WRITE_WAIT_S", 0.2)
+    monkeypatch.setattr("orchestrator.k8s.runtime.FINAL_WRITE_WAIT_S", 0.2)
     body, job_id = admitted(operator, cluster, tfsnjob())
     stuck = threading.Event()
 
@@ -831,7 +831,7 @@ def test_an_operator_restarted_with_its_store_keeps_the_taints_it_made_and_never
     cluster.on_loop(lambda k: k.objects[NODES, None, "gpu-a"].patch({"spec": {"taints": []}}))  # repaired
     restarted = new_operator(tmp_path / "operator")        # the same home
     try:
-        assert restarted.adopt(on_server(cluster, body)) == {}
+        assert restarted.adoption.adopt(on_server(cluster, body)) == {}
         status = synced(restarted, cluster, body)["status"]
         assert not cluster.on_loop(lambda k: dict(k.objects[NODES, None, "gpu-a"].raw))["spec"]["taints"]
         assert next(n for n in status["nodes"] if n["pod"] == first)["tainted"]
@@ -862,7 +862,7 @@ def test_the_status_writer_outlives_a_broken_write_and_flushes_what_is_due_as_it
         if failures:
             raise failures.pop()
         return operator._record_of(job_id)
-    writer = StatusWriter(record_of, operator._custom_objects)
+    writer = StatusWriter(record_of, operator.custom_objects)
     writer.start()
     operator.store.update_job(job_id, step=7)
     writer.changed(job_id)
@@ -920,7 +920,7 @@ def test_a_restart_whose_spec_is_invalid_says_so_and_keeps_the_pods(operator, cl
     operator.close()
     successor = new_operator(tmp_path / "new")
     try:
-        status = successor.adopt(on_server(cluster, body))
+        status = successor.adoption.adopt(on_server(cluster, body))
         [valid] = status["conditions"]
         assert (valid["type"], valid["status"]) == ("Valid", "False") and "spec.num_nodes" in valid["message"]
         assert set(pods(cluster)) == {pod} and successor.store.jobs() == []

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import reprlib
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Callable, Literal, get_args
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -652,17 +652,8 @@ def _default_name(path: str) -> str:
     return name or "job"
 
 
-def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) -> JobSpec:
-    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`.
-
-    Raises SpecError, and only SpecError, with one 'FILE:LINE: FIELD: what. To fix: how' line
-    per problem, whatever the file holds.
-    """
-    shown = os.fsdecode(os.fspath(path))
-
-    def fail(problems: list[tuple[int, str]]) -> SpecError:
-        return SpecError([f"{shown}:{line}: {what}" for line, what in problems])
-
+def _read_text(path: str | os.PathLike, fail: Callable[[list[tuple[int, str]]], SpecError]) -> str:
+    """The file's text: at most MAX_FILE_BYTES of UTF-8 (a BOM allowed)."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)
@@ -675,11 +666,14 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
     if len(raw) > MAX_FILE_BYTES:
         raise fail([(1, f"file is larger than {MAX_FILE_BYTES >> 20} MiB; not a job spec")])
     try:
-        text = raw.decode("utf-8-sig")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise fail([(raw[:e.start].count(b"\n") + 1,
                      f"not UTF-8 text (byte {raw[e.start]:#04x}). To fix: save the file as UTF-8")]) from None
 
+
+def _parse_yaml(text: str, fail: Callable[[list[tuple[int, str]]], SpecError]) -> tuple[Any, Any]:
+    """The document and its YAML node tree (for line numbers); duplicate and odd keys are problems."""
     loader = None
     try:
         loader = yaml.SafeLoader(text)    # the reader rejects control characters right here
@@ -687,7 +681,7 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
         problems = _key_problems(root) if root is not None else []
         if problems:
             raise fail(problems)
-        data = loader.construct_document(root) if root is not None else None
+        return (loader.construct_document(root) if root is not None else None), root
     except SpecError:
         raise
     except Exception as e:        # YAMLError, and ValueError/RecursionError from odd tags or depth
@@ -696,6 +690,19 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
         if loader is not None:
             loader.dispose()
 
+
+def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) -> JobSpec:
+    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`.
+
+    Raises SpecError, and only SpecError, with one 'FILE:LINE: FIELD: what. To fix: how' line
+    per problem, whatever the file holds.
+    """
+    shown = os.fsdecode(os.fspath(path))
+
+    def fail(problems: list[tuple[int, str]]) -> SpecError:
+        return SpecError([f"{shown}:{line}: {what}" for line, what in problems])
+
+    data, root = _parse_yaml(_read_text(path, fail), fail)
     if data is None:
         raise fail([(1, "the file is empty. To fix: write at least 'run: python train.py'")])
     if not isinstance(data, dict):

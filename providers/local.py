@@ -15,21 +15,10 @@ import time
 from pathlib import Path
 
 from providers.base import InvalidRequestError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError
+from providers.processes import pids_with_env, start_time
 
 NODE_TAG = "TFSN_LOCAL_NODE"
 TERMINATE_GRACE_S = 5.0
-
-
-def _start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), so a reused pid is not mistaken."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    if fields[0] == "Z":  # a zombie has exited
-        return None
-    return int(fields[19])
 
 
 def _host_memory_gib() -> float:
@@ -40,26 +29,6 @@ def _host_memory_gib() -> float:
     except OSError:
         pass
     return 0.0
-
-
-def pids_with_env(**wanted: str) -> list[int]:
-    """Every live process on this machine (but this one) whose environment holds each KEY=VALUE given.
-
-    Children inherit their environment wherever they are reparented, so this finds a process tree
-    even after its root was killed.
-    """
-    tags = {f"{key}={value}".encode() for key, value in wanted.items()}
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-        except OSError:
-            continue
-        if tags <= set(environ.split(b"\0")) and _start_time(int(entry.name)) is not None:
-            found.append(int(entry.name))
-    return found
 
 
 def tagged_pids(node_id: str) -> list[int]:
@@ -106,14 +75,14 @@ class LocalProvider:
         return self._handle(request.node_id, proc.pid)
 
     def _handle(self, node_id: str, pid: int) -> NodeHandle:
-        return NodeHandle(provider=self.name, node_id=node_id, data={"pid": pid, "start_time": _start_time(pid)})
+        return NodeHandle(provider=self.name, node_id=node_id, data={"pid": pid, "start_time": start_time(pid)})
 
     def status(self, handle: NodeHandle) -> NodeStatus:
         child = self._children.get(handle.node_id)
         if child is not None and child.poll() is not None:
             return NodeStatus.TERMINATED
         pid, started = handle.data.get("pid"), handle.data.get("start_time")
-        if pid is None or started is None or _start_time(pid) != started:
+        if pid is None or started is None or start_time(pid) != started:
             return NodeStatus.TERMINATED
         return NodeStatus.RUNNING
 

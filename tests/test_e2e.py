@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from orchestrator.sdk.checkpoint import list_checkpoints, load_tensors
-from providers.local import pids_with_env
+from providers.processes import pids_with_env
 from tests.conftest import EXAMPLE, ROOT, write_job
 
 pytestmark = pytest.mark.e2e

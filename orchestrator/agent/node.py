@@ -26,7 +26,7 @@ from typing import Any
 from health.metrics import Metrics
 from health.telemetry import DcgmSource, NvmlSource, TelemetryError
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
-from providers.local import pids_with_env
+from providers.processes import pids_with_env
 
 HEARTBEAT_S = 1.0
 IDLE_POLL_S = 0.25       # polled faster while no workers run, so a restart starts without delay

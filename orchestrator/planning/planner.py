@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -277,97 +277,137 @@ def _codes(values: Sequence) -> tuple[np.ndarray, list]:
     return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), distinct
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The offers as numpy columns, built with one comprehension per column: the fastest way out of 100k
+    dataclasses. Text columns are small integer codes into their distinct values."""
+
+    provider: np.ndarray
+    provider_names: list
+    region: np.ndarray
+    region_names: list
+    accelerator: np.ndarray
+    accelerator_names: list            # as the catalog spells them (None: CPU only)
+    count: np.ndarray                  # accelerators per node
+    accelerator_memory: np.ndarray     # GiB per accelerator
+    vcpus: np.ndarray
+    memory: np.ndarray                 # GiB per node
+    market: np.ndarray                 # USD per node-hour on the job's market; nan where there is none
+
+    @classmethod
+    def of(cls, offers: Sequence[Offer], spot: bool) -> _Columns:
+        provider, provider_names = _codes([o.provider for o in offers])
+        region, region_names = _codes([o.region for o in offers])
+        accelerator, accelerator_names = _codes([o.accelerator for o in offers])
+        return cls(provider, provider_names, region, region_names, accelerator, accelerator_names,
+                   count=np.array([o.accelerator_count for o in offers], dtype=np.int64),
+                   accelerator_memory=np.array([o.accelerator_memory_gib for o in offers], dtype=float),
+                   vcpus=np.array([o.vcpus for o in offers], dtype=float),
+                   memory=np.array([o.memory_gib for o in offers], dtype=float),
+                   market=np.array([o.spot_price for o in offers] if spot else [o.price for o in offers],
+                                   dtype=float))                       # None (no spot market) -> nan
+
+
+def _filter_place(f: _Filter, res: Any, c: _Columns) -> None:
+    if res.infra:
+        allowed = [i for i, p in enumerate(c.provider_names) if p in res.infra]
+        f.apply(np.isin(c.provider, allowed), f"resources.infra {res.infra}",
+                f"add providers to infra (the catalog has {', '.join(sorted(c.provider_names))})")
+    if res.regions:
+        allowed = [i for i, r in enumerate(c.region_names) if r in res.regions]
+        f.apply(np.isin(c.region, allowed), f"resources.regions {res.regions}",
+                "add regions, or remove regions to allow all")
+
+
+def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray, list[HardwareSpec | None]]:
+    """Keep the offers with an accelerator the job asked for (and a hardware spec to predict it with).
+    Returns each offer's preference (its choice's place in `accelerators`, 0 for any_of) and the spec of
+    every distinct accelerator."""
+    choices = res.accelerator_choices()
+    preference = np.zeros(len(c.count), dtype=np.int64)
+    if choices:
+        names = [(a or "").casefold() for a in c.accelerator_names]
+        rank = np.full(len(c.count), -1, dtype=np.int64)
+        for i, choice in enumerate(choices):
+            codes = [code for code, name in enumerate(names) if name == choice.name.casefold()]
+            rank[np.isin(c.accelerator, codes) & (c.count == choice.count) & (rank < 0)] = i
+        wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
+        f.apply(rank >= 0, f"resources.accelerators {wanted}",
+                "ask for another accelerator or count (see `tfsn catalog ls`)")
+        preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
+    else:
+        f.apply(c.count == 0, "resources.accelerators (none: a CPU-only job)",
+                "name accelerators, e.g. 'accelerators: H100:8', or add CPU offers to the catalog")
+    hardware = [find_hardware(name or None) for name in c.accelerator_names]
+    has_spec = np.array([h is not None for h in hardware])[c.accelerator]
+    missing = sorted({c.accelerator_names[a] for a in np.unique(c.accelerator[f.mask]) if hardware[a] is None})
+    f.apply(has_spec, f"hardware specs (none for {', '.join(missing) or '-'})",
+            "add a configs/hardware/*.yaml spec (or an alias) for the accelerator")
+    return preference, hardware
+
+
+def _filter_resources(f: _Filter, res: Any, c: _Columns, workload: Workload, is_reference: bool) -> None:
+    if not is_reference:   # the reference workload prices offers; it says nothing of the user's model size
+        need = memory_gib_needed(workload)
+        device_mem = np.where(c.count > 0, c.accelerator_memory, c.memory)
+        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
+                "choose accelerators with more memory, or a smaller model / seq_len")
+    if res.cpus is not None:
+        f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
+                f"resources.cpus {res.cpus}", "write cpus as 'N+' (at least N), or lower it")
+    if res.memory is not None:
+        f.apply(c.memory >= res.memory.count if res.memory.at_least else c.memory == res.memory.count,
+                f"resources.memory {res.memory}", "write memory as 'N+' (at least N GiB), or lower it")
+    f.apply(~np.isnan(c.market), "resources.use_spot true (no spot price)", "set use_spot: false")
+    if res.max_hourly_cost is not None:
+        cheapest = float(np.nanmin(np.where(f.mask, c.market, np.nan))) if f.mask.any() else math.nan
+        f.apply(c.market <= res.max_hourly_cost, f"resources.max_hourly_cost {res.max_hourly_cost:g}",
+                f"raise max_hourly_cost to at least {cheapest:.2f}")
+
+
+def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, workload: Workload,
+                  hardware: list[HardwareSpec | None], nodes: int, predictor: Predictor) -> np.ndarray:
+    """Predicted seconds per step of every capable offer (nan elsewhere): one prediction for each distinct
+    (accelerator, count, network) among them, broadcast."""
+    link_code, link_names = _codes([o.interconnect for o in offers])
+    link_gbs = np.array([_inter_node_gbs(text) for text in link_names])
+    key = (c.accelerator[capable] * (int(c.count.max()) + 1) + c.count[capable]) * len(link_names) \
+        + link_code[capable]
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    picked = capable[first]
+    step_unique = predictor(workload, [hardware[int(a)] for a in c.accelerator[picked]], c.count[picked], nodes,
+                            link_gbs[link_code[picked]])
+    step = np.full(len(offers), np.nan)
+    step[capable] = np.asarray(step_unique, dtype=float)[inverse.ravel()]
+    return step
+
+
 def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = step_seconds_many,
              steps: int | None = None) -> Plan:
     """Rank the capable `offers` for `spec` by predicted run cost. Pure; raises PlanError if none is capable."""
     res = spec.resources
     workload, is_reference = workload_of(spec)
     steps = steps or spec.steps or DEFAULT_STEPS
-    nodes = spec.num_nodes
-    n = len(offers)
+    nodes, n = spec.num_nodes, len(offers)
     if n == 0:
         raise PlanError("the catalog has no offers. To fix: run `tfsn catalog refresh` or pass --catalog PATH")
-
-    prov_code, prov_names = _codes([o.provider for o in offers])     # one comprehension per column: the
-    region_code, region_names = _codes([o.region for o in offers])   # fastest way out of 100k dataclasses
-    acc_code, acc_raw = _codes([o.accelerator for o in offers])
-    acc_names = [(a or "").casefold() for a in acc_raw]
-    count = np.array([o.accelerator_count for o in offers], dtype=np.int64)
-    acc_mem = np.array([o.accelerator_memory_gib for o in offers], dtype=float)
-    vcpus = np.array([o.vcpus for o in offers], dtype=float)
-    mem = np.array([o.memory_gib for o in offers], dtype=float)
-    market = np.array([o.spot_price for o in offers] if res.use_spot else [o.price for o in offers],
-                      dtype=float)                                     # None (no spot market) -> nan
-
+    c = _Columns.of(offers, res.use_spot)
     f = _Filter(n)
-    if res.infra:
-        allowed = [i for i, p in enumerate(prov_names) if p in res.infra]
-        f.apply(np.isin(prov_code, allowed), f"resources.infra {res.infra}",
-                f"add providers to infra (the catalog has {', '.join(sorted(prov_names))})")
-    if res.regions:
-        allowed = [i for i, r in enumerate(region_names) if r in res.regions]
-        f.apply(np.isin(region_code, allowed), f"resources.regions {res.regions}",
-                "add regions, or remove regions to allow all")
-
-    choices = res.accelerator_choices()
-    preference = np.zeros(n, dtype=np.int64)
-    if choices:
-        rank = np.full(n, -1, dtype=np.int64)
-        for i, choice in enumerate(choices):
-            codes = [c for c, name in enumerate(acc_names) if name == choice.name.casefold()]
-            rank[np.isin(acc_code, codes) & (count == choice.count) & (rank < 0)] = i
-        wanted = ", ".join(f"{c.name}:{c.count}" for c in choices)
-        f.apply(rank >= 0, f"resources.accelerators {wanted}",
-                "ask for another accelerator or count (see `tfsn catalog ls`)")
-        preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
-    else:
-        f.apply(count == 0, "resources.accelerators (none: a CPU-only job)",
-                "name accelerators, e.g. 'accelerators: H100:8', or add CPU offers to the catalog")
-
-    hardware = [find_hardware(name or None) for name in acc_raw]
-    has_spec = np.array([h is not None for h in hardware])[acc_code]
-    missing = sorted({acc_raw[c] for c in np.unique(acc_code[f.mask]) if hardware[c] is None})
-    f.apply(has_spec, f"hardware specs (none for {', '.join(missing) or '-'})",
-            "add a configs/hardware/*.yaml spec (or an alias) for the accelerator")
-
-    if not is_reference:   # the reference workload prices offers; it says nothing of the user's model size
-        need = memory_gib_needed(workload)
-        device_mem = np.where(count > 0, acc_mem, mem)
-        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
-                "choose accelerators with more memory, or a smaller model / seq_len")
-    if res.cpus is not None:
-        f.apply(vcpus >= res.cpus.count if res.cpus.at_least else vcpus == res.cpus.count,
-                f"resources.cpus {res.cpus}", "write cpus as 'N+' (at least N), or lower it")
-    if res.memory is not None:
-        f.apply(mem >= res.memory.count if res.memory.at_least else mem == res.memory.count,
-                f"resources.memory {res.memory}", "write memory as 'N+' (at least N GiB), or lower it")
-    f.apply(~np.isnan(market), "resources.use_spot true (no spot price)", "set use_spot: false")
-    if res.max_hourly_cost is not None:
-        cheapest = float(np.nanmin(np.where(f.mask, market, np.nan))) if f.mask.any() else math.nan
-        f.apply(market <= res.max_hourly_cost, f"resources.max_hourly_cost {res.max_hourly_cost:g}",
-                f"raise max_hourly_cost to at least {cheapest:.2f}")
-
+    _filter_place(f, res, c)
+    preference, hardware = _filter_accelerators(f, res, c)
+    _filter_resources(f, res, c, workload, is_reference)
     capable = np.flatnonzero(f.mask)
     if f.emptied_by is not None or not capable.size:
         what, fix = f.emptied_by or ("the constraints", "relax the resources")
         left = int(f.before.sum()) if f.before is not None else 0
         raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {n}. To fix: {fix}")
 
-    # Step time for each distinct (accelerator, count, network) among capable offers, then broadcast.
-    link_code, link_names = _codes([o.interconnect for o in offers])
-    link_gbs = np.array([_inter_node_gbs(text) for text in link_names])
-    key = (acc_code[capable] * (int(count.max()) + 1) + count[capable]) * len(link_names) + link_code[capable]
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    picked = capable[first]
-    step_unique = predictor(workload, [hardware[int(a)] for a in acc_code[picked]], count[picked], nodes,
-                            link_gbs[link_code[picked]])
-    step = np.full(n, np.nan)
-    step[capable] = np.asarray(step_unique, dtype=float)[inverse.ravel()]
-
+    step = _step_seconds(offers, c, capable, workload, hardware, nodes, predictor)
     run_hours = steps * step / 3600
     if res.use_spot:
         run_hours = expected_spot_hours(run_hours, nodes, _checkpoint_interval_hours(spec, step, nodes))
     hours = STARTUP_SECONDS / 3600 + run_hours
+    market = c.market
     cost = market * nodes * hours
     finite = capable[np.isfinite(cost[capable])]
     if not finite.size:

@@ -45,6 +45,7 @@ PHASES = {"Pending": NodeStatus.PENDING, "Running": NodeStatus.RUNNING, "Succeed
           "Failed": NodeStatus.TERMINATED, "Unknown": NodeStatus.UNKNOWN}
 UNHEALTHY_TAINT = "tfsn.dev/unhealthy"       # on a Kubernetes node a bad GPU was found on: NoSchedule
 TOKEN_KEY = "token"                           # the key of the job token in a bound job's Secret
+AGENT_KEY = "agent-{node_id}"                 # the key of each node's own agent token in that Secret
 # Runs the request's command as is, after installing tfsn where the image lacks it.
 ENTRYPOINT = ["/bin/sh", "-c", install_command() + '; exec "$@"', "tfsn-node"]
 
@@ -83,7 +84,7 @@ class PodBinding:
 
     namespace: str                    # the TfsnJob's namespace: its pods live next to it
     owner: dict[str, str]             # apiVersion, kind, name, uid of the TfsnJob
-    token_secret: str                 # Secret whose TOKEN_KEY is the job token (TFSN_TOKEN)
+    token_secret: str                 # Secret with the job token (TOKEN_KEY) and each node's agent token (AGENT_KEY)
     service: str                      # headless Service: pods are <pod>.<service>.<namespace>.svc
     checkpoint_path: str              # where the checkpoint volume is mounted (spec.checkpoint.dir)
     checkpoint_claim: str | None = None   # PersistentVolumeClaim of checkpoints; None: an emptyDir
@@ -267,6 +268,9 @@ class KubernetesProvider:
         binding = self.bindings.get(request.job_id)
         namespace = binding.namespace if binding is not None else self.namespace
         what = f"cannot create pod {name} in namespace {namespace}"
+        if binding is not None and "TFSN_TOKEN" in request.env:   # the pod reads its token from there
+            self.replace_secret_data(namespace, binding.token_secret,
+                                     {AGENT_KEY.format(node_id=request.node_id): request.env["TFSN_TOKEN"]})
         if not self._create(what, "create_namespaced_pod", namespace, manifest):
             # Idempotent: the pod exists. It is this node's if it carries this node id.
             existing = self._call(what, "read_namespaced_pod", name, namespace)
@@ -353,8 +357,8 @@ def _bind(binding: PodBinding, metadata: dict[str, Any], spec: dict[str, Any], c
     metadata["ownerReferences"] = [{**binding.owner, "controller": True, "blockOwnerDeletion": True}]
     spec["hostname"], spec["subdomain"] = name, binding.service
     # Only the agent's own settings: the operator's environment (its PATH, its cluster address) is not the pod's.
-    container["env"] = [{"name": k, "valueFrom": {"secretKeyRef": {"name": binding.token_secret, "key": TOKEN_KEY}}}
-                        if k == "TFSN_TOKEN" else {"name": k, "value": v}
+    token = {"secretKeyRef": {"name": binding.token_secret, "key": AGENT_KEY.format(node_id=env.get("TFSN_NODE_ID"))}}
+    container["env"] = [{"name": k, "valueFrom": token} if k == "TFSN_TOKEN" else {"name": k, "value": v}
                         for k, v in sorted(env.items()) if k.startswith("TFSN_")]
     volume: dict[str, Any] = {"name": "checkpoints"}
     if binding.checkpoint_claim:

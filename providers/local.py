@@ -64,7 +64,9 @@ class LocalProvider:
         if existing is not None and existing.poll() is None:  # idempotent: already running
             return self._handle(request.node_id, existing.pid)
         env = {**request.env, NODE_TAG: request.node_id}
-        log = open(request.log_path, "ab") if request.log_path else subprocess.DEVNULL
+        # the node's log may hold what the job printed: this user's only, like the rest of TFSN_HOME
+        log = (open(request.log_path, "ab", opener=lambda name, flags: os.open(name, flags, 0o600))
+               if request.log_path else subprocess.DEVNULL)
         try:
             proc = subprocess.Popen(request.command, cwd=request.workdir, env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,29 +1,78 @@
-"""The controller API: loopback only, and nothing without the job's secret token."""
+"""The controller API under attack: scoped tokens, auth before the body, limits, bounded bodies, no way to
+a traceback or a dropped connection, nothing written to an ended job, no secrets in heartbeats."""
 from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from orchestrator.control.api import ApiServer
-from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from orchestrator.control import api as api_module
+from orchestrator.control.api import MAX_CONNECTIONS, ApiServer
 from orchestrator.control.controller import Controller
+from orchestrator.control.credentials import agent_token, sdk_token
+from orchestrator.control.store import JobState, NodeState, Store
+from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from orchestrator.spec import JobSpec
-from orchestrator.control.store import Store
+
+SECRET_ENV = "sk-live-0123456789abcdef"
 
 
 @pytest.fixture
 def server(tmp_path):
     store = Store(tmp_path / "tfsn.db")
-    spec = JobSpec.model_validate({"name": "t", "run": "true"}).model_dump(mode="json")
+    spec = JobSpec.model_validate({"name": "t", "run": "python train.py", "envs": {"API_KEY": SECRET_ENV},
+                                   "checkpoint": {"dir": "/ckpt"}, "num_nodes": 2}).model_dump(mode="json")
     job = store.create_job("t", spec, "p", "the-secret")
+    for rank in (0, 1):
+        store.add_node(f"n{rank}", job.id, rank, "local", offer=None, spot=False)
+        store.update_node(f"n{rank}", state=NodeState.READY, handle={"provider": "local", "node_id": f"n{rank}",
+                                                                     "data": {}}, addr=f"10.0.0.{rank + 1}")
     api = ApiServer(0, store, Controller(store, tmp_path, providers={}).handlers)
     api.start()
     yield api, store, job
     api.shutdown()
+    api.server_close()
+
+
+def agent(api, job, node="n0") -> ControllerClient:
+    return ControllerClient(api.url, agent_token(job.token, node), job.id)
+
+
+def sdk(api, job) -> ControllerClient:
+    return ControllerClient(api.url, sdk_token(job.token), job.id)
+
+
+def raw(api, request: bytes, timeout: float = 5.0) -> bytes:
+    """Send bytes, return the whole answer (the server closes the connection or answers one request)."""
+    with socket.create_connection(api.server_address, timeout=timeout) as conn:
+        conn.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+TELEMETRY = {"rank": 0, "attempt": 1, "records": [{"step": 0, "at": 1.0, "step_time": 0.1, "metrics": {"loss": 1.0}}]}
 
 
 def test_listens_on_loopback_only(server):
@@ -33,37 +82,136 @@ def test_listens_on_loopback_only(server):
 
 def test_request_without_or_with_wrong_token_is_refused(server):
     api, store, job = server
-    body = json.dumps({"rank": 0, "attempt": 1, "records": [{"step": 0, "at": 1.0, "step_time": 0.1,
-                                                             "metrics": {"loss": 1.0}}]}).encode()
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "the-secret"[:-1]}):
-        request = urllib.request.Request(f"{api.url}/v1/jobs/{job.id}/telemetry", data=body, headers=headers)
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(request, timeout=5)
-        assert err.value.code == 401
-    assert store.steps(job.id) == []  # nothing was recorded
-    with pytest.raises(ControllerRejected, match="401"):
-        ControllerClient(api.url, "wrong", job.id).post("/telemetry", json.loads(body))
-    ControllerClient(api.url, "the-secret", job.id).post("/telemetry", json.loads(body))
+    for token in ("", "wrong", "the-secret", agent_token(job.token, "n0")):   # the job's own secret opens nothing
+        with pytest.raises(ControllerRejected, match="401"):
+            ControllerClient(api.url, token, job.id).post("/telemetry", TELEMETRY)
+    assert store.steps(job.id) == []
+    sdk(api, job).post("/telemetry", TELEMETRY)
     assert [r["step"] for r in store.steps(job.id)] == [0]
 
 
-def test_another_jobs_token_does_not_open_this_job(server):
+def test_tokens_are_scoped_to_their_routes_and_nodes(server):
+    api, store, job = server
+    with pytest.raises(ControllerRejected, match="401"):   # a worker cannot speak for a node
+        sdk(api, job).post("/nodes/n0/heartbeat", {"state": "ready", "addr": "6.6.6.6"})
+    with pytest.raises(ControllerRejected, match="401"):   # nor write the job log
+        sdk(api, job).post("/nodes/n0/logs", {"lines": ["[tfsn] job 1 succeeded"]})
+    with pytest.raises(ControllerRejected, match="401"):   # node 1 cannot move rank 0's rendezvous address
+        agent(api, job, "n1").post("/nodes/n0/heartbeat", {"state": "ready", "addr": "6.6.6.6"})
+    with pytest.raises(ControllerRejected, match="401"):   # an agent cannot record checkpoints
+        agent(api, job).post("/checkpoint", {"step": 1, "path": "/ckpt/step-1"})
+    assert store.node("n0").addr == "10.0.0.1"
+    agent(api, job, "n1").post("/nodes/n1/heartbeat", {"state": "ready", "addr": "10.0.0.9"})
+    assert store.node("n1").addr == "10.0.0.9"
+
+
+def test_another_jobs_tokens_do_not_open_this_job(server):
     api, store, job = server
     other = store.create_job("o", job.spec, "p", "other-secret")
     with pytest.raises(ControllerRejected, match="401"):
-        ControllerClient(api.url, other.token, job.id).post("/logs", {"lines": ["x"]})
+        ControllerClient(api.url, sdk_token(other.token), job.id).post("/telemetry", TELEMETRY)
 
 
-def test_malformed_requests_get_4xx_not_a_crash(server):
+def test_an_unknown_job_and_a_wrong_token_get_the_same_answer(server):
     api, _, job = server
-    client = ControllerClient(api.url, "the-secret", job.id)
-    with pytest.raises(ControllerRejected, match="400"):
-        client.post("/telemetry", {"rank": "zero"})
-    with pytest.raises(ControllerRejected, match="400"):
-        client.post("/nodes/ghost-node/heartbeat", {})
-    with pytest.raises(ControllerRejected, match="404"):
-        ControllerClient(api.url, "the-secret", 999).post("/logs", {"lines": []})
-    assert client.post("/logs", {"lines": ["still serving"]}) == {}
+    answers = [raw(api, f"POST /v1/jobs/{j}/telemetry HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                        f"Content-Length: 2\r\n\r\n{{}}".encode()) for j in (job.id, 999, 123456789012345678)]
+    assert {status(a) for a in answers} == {401}
+    assert len({a.split(b"\r\n\r\n", 1)[1] for a in answers}) == 1
+
+
+def test_a_huge_job_id_is_a_404_not_a_dropped_connection(server):
+    api, _, _ = server
+    answer = raw(api, b"POST /v1/jobs/99999999999999999999/telemetry HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    assert status(answer) == 404
+
+
+def test_the_body_is_not_read_before_the_token_is_checked(server):
+    api, _, job = server
+    with socket.create_connection(api.server_address, timeout=5) as conn:   # announces 8 MiB, sends none
+        conn.sendall(f"POST /v1/jobs/{job.id}/telemetry HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                     f"Content-Length: {8 << 20}\r\n\r\n".encode())
+        assert b" 401 " in conn.recv(200)
+
+
+def test_bodies_over_the_routes_cap_are_refused_before_reading(server):
+    api, _, job = server
+    token = agent_token(job.token, "n0")
+    for length in (-1, 16 * 1024 + 1):
+        answer = raw(api, f"POST /v1/jobs/{job.id}/nodes/n0/heartbeat HTTP/1.1\r\nHost: x\r\n"
+                          f"Authorization: Bearer {token}\r\nContent-Length: {length}\r\n\r\n".encode())
+        assert status(answer) == 413
+    answer = raw(api, f"POST /v1/jobs/{job.id}/nodes/n0/heartbeat HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      f"{token}\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
+    assert status(answer) == 411
+
+
+def test_a_client_that_never_sends_its_body_is_dropped_and_others_are_served(server, monkeypatch):
+    api, store, job = server
+    monkeypatch.setattr(api_module._RequestHandler, "timeout", 3.0)
+    token = sdk_token(job.token)
+    silent = [socket.create_connection(api.server_address) for _ in range(MAX_CONNECTIONS + 8)]
+    try:
+        for conn in silent:
+            conn.sendall(f"POST /v1/jobs/{job.id}/telemetry HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                         "Content-Length: 100\r\n\r\n".encode())
+        start = time.monotonic()   # every thread is taken: a new client is told so at once, not held
+        with pytest.raises(ControllerUnavailable, match="503|reset|closed|refused|Remote end"):
+            sdk(api, job).post("/telemetry", TELEMETRY, timeout=5)
+        assert time.monotonic() - start < 2
+        deadline = time.monotonic() + 10   # the silent ones time out and free their threads
+        while True:
+            try:
+                sdk(api, job).post("/telemetry", TELEMETRY, timeout=5)
+                break
+            except ControllerUnavailable:
+                assert time.monotonic() < deadline, "the server never recovered from silent clients"
+                time.sleep(0.2)
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def test_heartbeats_never_carry_the_command_or_its_secrets(server):
+    api, store, job = server
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, "", attempt=1, attempt_state="running", master_port=29500)
+    answer = agent(api, job).post("/nodes/n0/heartbeat", {"state": "ready"})
+    assert answer == {"action": "run", "attempt": 1}
+    command = agent(api, job).post("/nodes/n0/attempt", {"attempt": 1})
+    assert command["run"] == "python train.py" and command["env"]["API_KEY"] == SECRET_ENV
+    assert command["env"]["TFSN_TOKEN"] == sdk_token(job.token)   # the workers get the narrower token
+    assert agent(api, job).post("/nodes/n0/attempt", {"attempt": 2}) == {"action": "run", "attempt": 1}
+
+
+def test_an_ended_job_takes_no_more_writes(server):
+    api, store, job = server
+    store.transition(job.id, JobState.STOPPED, "stopped by the user")
+    for client, path, body in ((sdk(api, job), "/telemetry", TELEMETRY),
+                               (sdk(api, job), "/checkpoint", {"step": 9, "path": "/ckpt/step-9"}),
+                               (agent(api, job), "/nodes/n0/result", {"attempt": 1, "returncode": 0})):
+        with pytest.raises(ControllerRejected, match="409"):
+            client.post(path, body)
+    assert store.job(job.id).checkpoint_step is None and store.steps(job.id) == []
+    assert agent(api, job).post("/nodes/n0/heartbeat", {"state": "ready", "addr": "6.6.6.6"}) == {"action": "exit"}
+    assert store.node("n0").addr == "10.0.0.1"
+    agent(api, job).post("/nodes/n0/logs", {"lines": ["last words"]})   # an agent's last lines still arrive
+
+
+def test_a_node_cannot_forge_the_controllers_lines(server, tmp_path):
+    api, _, job = server
+    agent(api, job).post("/nodes/n0/logs", {"lines": ["[tfsn] job 1 succeeded", "[tfsn] node n0: starting"]})
+    log = (tmp_path / "jobs" / str(job.id) / "job.log").read_text().splitlines()
+    assert log == ["[node n0] [tfsn] job 1 succeeded", "[tfsn] node n0: starting"]
+
+
+def test_a_checkpoint_outside_the_jobs_directory_is_refused(server):
+    api, store, job = server
+    for path in ("/etc/passwd", "/ckpt/../etc", "/ckptx/step-1", "relative/step-1"):
+        with pytest.raises(ControllerRejected, match="400"):
+            sdk(api, job).post("/checkpoint", {"step": 1, "path": path})
+    sdk(api, job).post("/checkpoint", {"step": 1, "path": "/ckpt/step-1"})
+    assert store.job(job.id).checkpoint_path == "/ckpt/step-1"
 
 
 def test_unreachable_controller_is_unavailable_not_rejected():
@@ -71,12 +219,50 @@ def test_unreachable_controller_is_unavailable_not_rejected():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(ControllerUnavailable):
-        ControllerClient(f"http://127.0.0.1:{port}", "t", 1, timeout=1).post("/logs", {"lines": []})
+        ControllerClient(f"http://127.0.0.1:{port}", "t", 1, timeout=1).post("/telemetry", {})
 
 
-def test_negative_content_length_is_refused_before_reading(server):
-    api, _, job = server
-    host, port = api.server_address
-    with socket.create_connection((host, port), timeout=5) as conn:
-        conn.sendall(f"POST /v1/jobs/{job.id}/logs HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n".encode())
-        assert b" 413 " in conn.recv(200).split(b"\r\n")[0] + b" "
+_PATHS = ["/v1/jobs/{job}/telemetry", "/v1/jobs/{job}/checkpoint", "/v1/jobs/{job}/nodes/{node}/heartbeat",
+          "/v1/jobs/{job}/nodes/{node}/attempt", "/v1/jobs/{job}/nodes/{node}/result",
+          "/v1/jobs/{job}/nodes/{node}/samples", "/v1/jobs/{job}/nodes/{node}/logs"]
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                                   max_size=4), max_leaves=12)
+_fields = st.sampled_from(["state", "addr", "attempt", "returncode", "signal", "lines", "records", "rank", "step",
+                           "path", "samples", "heartbeat", "at", "step_time", "summary", "stopped"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(_PATHS), job_part=st.sampled_from(["{id}", "0", "99999999999999999999", "-1", "x"]),
+       node=st.sampled_from(["n0", "n1", "ghost", "a" * 300, "../n0"]),
+       body=st.one_of(_json, st.dictionaries(_fields, _json, max_size=6)),
+       token=st.sampled_from(["agent", "sdk", "none", "secret"]), garbage=st.binary(max_size=40))
+def test_any_request_gets_a_json_4xx_or_200_never_a_crash(server, path, job_part, node, body, token, garbage):
+    api, store, job = server
+    target = path.format(job=job_part.format(id=job.id), node=node)
+    credential = {"agent": agent_token(job.token, node), "sdk": sdk_token(job.token), "none": "",
+                  "secret": job.token}[token]
+    payload = garbage if garbage.startswith(b"\xff") else json.dumps(body).encode()
+    answer = raw(api, f"POST {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {credential}\r\n"
+                      f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    assert answer, f"{target}: the connection was dropped"
+    code = status(answer)
+    assert code in (200, 400, 401, 404, 409, 413), (target, body, answer[:300])
+    json.loads(answer.split(b"\r\n\r\n", 1)[1])   # JSON, not a traceback
+    assert sdk(api, job).post("/telemetry", TELEMETRY) == {}   # still serving
+
+
+def test_a_preexisting_home_and_its_files_are_made_private(tmp_path, monkeypatch):
+    from orchestrator.home import job_dir, private_open, tfsn_home
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    monkeypatch.setenv("TFSN_HOME", str(home))
+    (home / "tfsn.db").touch(mode=0o644)
+    assert tfsn_home() == home and home.stat().st_mode & 0o777 == 0o700
+    store = Store(home / "tfsn.db")
+    store.create_job("t", {}, "p", "s")
+    with private_open(job_dir(1, home) / "job.log") as log:
+        log.write("x\n")
+    for path in [home / "tfsn.db", *home.glob("tfsn.db-*"), job_dir(1, home) / "job.log"]:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert job_dir(1, home).stat().st_mode & 0o777 == 0o700

@@ -33,8 +33,11 @@ def worker_pid(tfsn, job: int, rank: int) -> int:
     return workers[0]
 
 
+PLANTED_SECRET = "sk-planted-7f3a9c2e41d0"
+
+
 def test_example_runs_to_succeeded(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=12, interval=5)
+    spec = write_job(tmp_path / "job.yaml", steps=12, interval=5, envs={"SOME_API_KEY": PLANTED_SECRET})
     out = tfsn("launch", str(spec), timeout=300)
     assert "SUCCEEDED" in out.stdout
     st = tfsn.status(1)
@@ -42,6 +45,8 @@ def test_example_runs_to_succeeded(tfsn, tmp_path):
     assert st["step"] == 12 and st["checkpoint"]["step"] == 12
     assert st["loss"] is not None
     assert {n["state"] for n in st["nodes"]} == {"TERMINATED"} and len(st["nodes"]) == 2
+    logs = [p for p in tfsn.home.rglob("*") if p.is_file() and not p.name.startswith("tfsn.db")]
+    assert logs and not [p for p in logs if PLANTED_SECRET.encode() in p.read_bytes()], "a secret reached a log"
     log = tfsn("logs", "1").stdout
     assert "[rank0]: step 10: loss" in log and "SUCCEEDED" in log
     assert tfsn("logs", "1", "--follow").stdout.strip() == log.strip()  # returns once the job has ended

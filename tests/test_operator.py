@@ -23,6 +23,7 @@ kopf = pytest.importorskip("kopf")
 
 from orchestrator.k8s import crd
 from orchestrator.k8s import operator as k8s_operator  # noqa: E402
+from orchestrator.control.credentials import agent_token, sdk_token  # noqa: E402
 from orchestrator.sdk.client import ControllerClient  # noqa: E402
 from orchestrator.k8s.runtime import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
 from orchestrator.k8s.status import StatusWriter, status_patch  # noqa: E402
@@ -157,7 +158,7 @@ def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_
     token = operator.store.job(job_id).token
     [service] = objects(cluster, SERVICES).values()
     [secret] = objects(cluster, SECRETS).values()
-    assert secret["stringData"] == {"token": token}
+    assert secret["stringData"] == {"token": token, **{f"agent-{n}": agent_token(token, n) for n in made}}
     assert service["spec"]["clusterIP"] == "None"
     for name, pod in made.items():
         meta, spec, [container] = pod["metadata"], pod["spec"], pod["spec"]["containers"]
@@ -170,8 +171,8 @@ def test_a_new_tfsnjob_yields_gpu_pods_owned_by_it_with_the_token_from_a_secret_
         assert {"key": "lab/reserved", "operator": "Exists"} in spec["tolerations"]
         env = {e["name"]: e for e in container["env"]}
         assert env["TFSN_TOKEN"] == {"name": "TFSN_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": secret["metadata"]["name"], "key": "token"}}}
-        assert token not in json.dumps(pod)  # never a plain value
+            "name": secret["metadata"]["name"], "key": f"agent-{name}"}}}   # the node's own token
+        assert token not in json.dumps(pod) and agent_token(token, name) not in json.dumps(pod)  # never plain
         assert env["TFSN_CONTROLLER_URL"]["value"] == operator.server.url
         assert all(k.startswith("TFSN_") for k in env)  # not the operator's own environment
         assert spec["volumes"] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}]
@@ -215,13 +216,14 @@ def test_a_gpu_health_finding_reported_by_the_agent_taints_the_node_and_replaces
     body, job_id = admitted(operator, cluster, tfsnjob())
     first = run_first_attempt(operator, cluster, job_id)
     [node] = operator.store.nodes(job_id)
-    agent = ControllerClient(f"http://127.0.0.1:{operator.server.server_address[1]}",
-                             operator.store.job(job_id).token, job_id)
+    url, token = f"http://127.0.0.1:{operator.server.server_address[1]}", operator.store.job(job_id).token
+    agent = ControllerClient(url, agent_token(token, node.id), job_id)
     agent.post(f"/nodes/{node.id}/samples", {"samples": [{"time": time.time(), "node": node.id, "gpu": 3, "xid": 79}]})
     operator.controller.reconcile(job_id)      # the policy: checkpoint first, then replace the node
     job = operator.store.job(job_id)
     assert job.pending_replace == node.id and job.checkpoint_request > 0
-    agent.post("/checkpoint", {"step": 120, "path": "/ckpt/step-120", "seconds": 0.5})  # the SDK saved it
+    ControllerClient(url, sdk_token(token), job_id).post("/checkpoint", {"step": 120, "path": "/ckpt/step-120",
+                                                                         "seconds": 0.5})  # the SDK saved it
     for _ in range(3):
         operator.controller.reconcile(job_id)
     assert operator.store.job(job_id).restarts == 1
@@ -369,10 +371,13 @@ def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_
         [adopted] = successor.store.nodes(job.id)
         assert (adopted.id, adopted.rank, adopted.state, adopted.host) == (node.id, 0, NodeState.READY, "gpu-a")
         # the pod's agent, reporting with the token it was started with, to the new operator's API
-        agent = ControllerClient(f"http://127.0.0.1:{successor.server.server_address[1]}", token, job_id)
+        url = f"http://127.0.0.1:{successor.server.server_address[1]}"
+        agent = ControllerClient(url, agent_token(token, node.id), job_id)
         command = agent.post(f"/nodes/{node.id}/heartbeat", {"state": "running", "host": "gpu-a"})
-        assert (command["action"], command["attempt"], command["node_rank"]) == ("run", 1, 0)
-        agent.post("/checkpoint", {"step": 60, "path": "/ckpt/step-60", "seconds": 0.5})
+        assert (command["action"], command["attempt"]) == ("run", 1)
+        assert agent.post(f"/nodes/{node.id}/attempt", {"attempt": 1})["node_rank"] == 0
+        ControllerClient(url, sdk_token(token), job_id).post("/checkpoint", {"step": 60, "path": "/ckpt/step-60",
+                                                                             "seconds": 0.5})
         successor.controller.reconcile(job.id)
         assert successor.store.job(job.id).state == JobState.RUNNING and set(pods(cluster)) == {pod}
         status = wait_for("the status", lambda: on_server(cluster, body)["status"]["checkpoint"].get("step") == 60
@@ -427,11 +432,12 @@ def test_a_tainted_hosts_exclusion_outlives_the_operator(operator, cluster, tmp_
     body, job_id = admitted(operator, cluster, tfsnjob())
     run_first_attempt(operator, cluster, job_id)
     [node] = operator.store.nodes(job_id)
-    agent = ControllerClient(f"http://127.0.0.1:{operator.server.server_address[1]}",
-                             operator.store.job(job_id).token, job_id)
+    url, token = f"http://127.0.0.1:{operator.server.server_address[1]}", operator.store.job(job_id).token
+    agent = ControllerClient(url, agent_token(token, node.id), job_id)
     agent.post(f"/nodes/{node.id}/samples", {"samples": [{"time": time.time(), "node": node.id, "gpu": 3, "xid": 79}]})
     operator.controller.reconcile(job_id)
-    agent.post("/checkpoint", {"step": 120, "path": "/ckpt/step-120", "seconds": 0.5})
+    ControllerClient(url, sdk_token(token), job_id).post("/checkpoint", {"step": 120, "path": "/ckpt/step-120",
+                                                                         "seconds": 0.5})
     operator.controller.reconcile(job_id)      # fails the node, taints gpu-a
     assert operator.store.job(job_id).health["excluded"] == [node.id]
     assert pods(cluster) == {}
@@ -464,7 +470,7 @@ def test_a_status_without_a_record_restarts_the_job_from_its_checkpoint(operator
         env = {e["name"]: e.get("value") for e in pods(cluster)[pod]["spec"]["containers"][0]["env"]}
         assert env["TFSN_JOB_ID"] == str(job.id) and env["TFSN_CONTROLLER_URL"] == successor.server.url
         secret = next(iter(objects(cluster, SECRETS).values()))
-        assert secret["stringData"] == {"token": job.token}  # the new job's token reaches the pods
+        assert secret["stringData"]["token"] == job.token  # the new job's token (its nodes' derive from it)
         assert successor.adoption.adopt(on_server(cluster, body)) == {}  # seen again: the same job, nothing new
         assert len(successor.store.jobs()) == 1
     finally:

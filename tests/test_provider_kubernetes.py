@@ -25,6 +25,7 @@ from tests.awsfaults import free_port  # noqa: E402
 NAMESPACE = "ml"
 PODS = kmock.resource("v1", "pods")
 NODES = kmock.resource("v1", "nodes")
+SECRETS = kmock.resource("v1", "secrets")
 
 
 class Cluster:
@@ -292,6 +293,8 @@ def binding(**kw) -> PodBinding:
 def test_a_bound_pod_is_owned_gets_its_token_from_a_secret_and_only_the_agents_settings(cluster):
     provider = KubernetesProvider()
     provider.bindings["1"] = binding()
+    provider.apply("Secret", "team-a", {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "llm-token"},
+                                        "stringData": {"token": "the-jobs-own"}})   # as the operator makes it
     req = request(env={"TFSN_TOKEN": "s3cret", "TFSN_NODE_ID": "train-1-n0-ab12", "PATH": "/operator/bin"})
     handle = provider.provision(req)
     assert handle.data["namespace"] == "team-a"   # next to its TfsnJob, not in the kubeconfig's namespace
@@ -300,12 +303,14 @@ def test_a_bound_pod_is_owned_gets_its_token_from_a_secret_and_only_the_agents_s
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert container["env"] == [
         {"name": "TFSN_NODE_ID", "value": "train-1-n0-ab12"},
-        {"name": "TFSN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "llm-token", "key": "token"}}},
+        {"name": "TFSN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "llm-token", "key": "agent-train-1-n0-ab12"}}},
         {"name": "TFSN_HOST_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     assert container["command"][-3:] == ["python3", "-m", "orchestrator.agent"]
     assert pod["spec"]["volumes"] == [{"name": "checkpoints", "emptyDir": {}}]  # no claim named
     assert container["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/ckpt"}]
-    assert "s3cret" not in json.dumps(pod)
+    assert "s3cret" not in json.dumps(pod)   # the node's own token is in the Secret, next to the job's
+    secret = cluster.on_loop(lambda k: dict(k.objects[SECRETS, "team-a", "llm-token"].raw))
+    assert set(secret.get("stringData") or secret.get("data")) == {"token", "agent-train-1-n0-ab12"}
 
 
 def test_taint_keeps_the_nodes_other_taints_and_happens_once(cluster):

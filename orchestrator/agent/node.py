@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 import re
 import signal
@@ -35,6 +36,8 @@ TICK_S = 0.2
 STOP_GRACE_S = 10.0
 ORPHAN_EXIT_S = 3600.0   # give up on an unreachable controller after this long with nothing running
 TAIL_LINES = 200
+LOG_BATCH_LINES = 2000   # lines per post, and characters per line: well within the API's caps
+LOG_LINE_CHARS = 16_000
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 
@@ -42,8 +45,9 @@ _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit
 class LogShipper:
     """Collects output lines and posts them to the controller in batches, off the hot path."""
 
-    def __init__(self, client: ControllerClient, max_buffer: int = 20000) -> None:
+    def __init__(self, client: ControllerClient, node_id: str, max_buffer: int = 20000) -> None:
         self.client = client
+        self.path = f"/nodes/{node_id}/logs"
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
         self._lock = threading.Lock()
@@ -58,13 +62,15 @@ class LogShipper:
 
     def flush(self, timeout: float = 5.0) -> None:
         with self._lock:
-            lines = list(self._pending)
+            lines = [line[:LOG_LINE_CHARS] for line in itertools.islice(self._pending, LOG_BATCH_LINES)]
         if not lines:
             return
         try:
-            self.client.post("/logs", {"lines": lines}, timeout=timeout)
-        except (ControllerUnavailable, ControllerRejected):
-            return
+            self.client.post(self.path, {"lines": lines}, timeout=timeout)
+        except ControllerUnavailable:
+            return       # kept for the next try
+        except ControllerRejected:
+            pass         # refused for good (the job ended): not sent again, or nothing after it would be
         with self._lock:
             for _ in range(min(len(lines), len(self._pending))):
                 self._pending.popleft()
@@ -125,7 +131,7 @@ class Agent:
     def __init__(self, client: ControllerClient, node_id: str) -> None:
         self.client = client
         self.node_id = node_id
-        self.logs = LogShipper(client)
+        self.logs = LogShipper(client, node_id)
         self.state = "starting"           # starting -> setup -> ready
         self.proc: subprocess.Popen | None = None
         self._pump_thread: threading.Thread | None = None
@@ -224,7 +230,8 @@ class Agent:
         def run() -> None:
             if script.strip():
                 self.logs.add(f"[tfsn] node {self.node_id}: running setup")
-                proc = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=_env_with_python({}),
+                env = {k: v for k, v in _env_with_python({}).items() if k != "TFSN_TOKEN"}  # not the agent's
+                proc = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=env,
                                         stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for line in proc.stdout:
@@ -260,7 +267,11 @@ class Agent:
                 self.stop_workers()
                 self._collect()
             if self.proc is None:
-                self._start(cmd)
+                # the command itself (with the job's environment) is asked for once, not sent in heartbeats
+                full = self.client.post(f"/nodes/{self.node_id}/attempt", {"attempt": cmd["attempt"]})
+                if full.get("action") != "run":
+                    return self._obey(full)
+                self._start(full)
         return True
 
     def run(self) -> int:

@@ -1,51 +1,86 @@
 """The controller's HTTP API: what agents and the SDK call, on 127.0.0.1 unless TFSN_API_HOST opens it.
 
-Routing, size limits and the per-job secret token live here; what a request means is the
-controller's business (`Handlers`). A request without the job's token is refused with 401.
+Routing, credentials, limits and body validation live here; what a request means is the controller's
+business (`Handlers`). Every request is authenticated from its headers before its body is read: the
+token must be the route's scope (a node's agent, or the job's SDK; see credentials.py), and an unknown
+job is refused exactly as a wrong token is (401), so the API tells outsiders nothing. Then its body is
+read, within a size cap per route and a socket timeout, and checked against the route's model
+(requests.py). A job that ended accepts no writes (409), but for its agents' last log lines and the
+heartbeat that tells them to exit. Whatever arrives, the answer is JSON with a 4xx (or a 500 for a bug
+of ours, logged), never a dropped connection; connections beyond MAX_CONNECTIONS get a 503.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import re
+import socket
 import threading
+import time
+import traceback
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol
 
-from orchestrator.sdk.client import TOKEN_HEADER
-from orchestrator.control.store import Store, StoreError
+from pydantic import BaseModel, ValidationError
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
+from orchestrator.control import requests
+from orchestrator.control.credentials import AGENT, SDK, allows
+from orchestrator.control.store import Job, Store, StoreError
+from orchestrator.sdk.client import TOKEN_HEADER
+
+READ_TIMEOUT_S = 15.0         # a client that stops sending (headers or body) is dropped after this long
+MAX_CONNECTIONS = 64          # connections served at once; more get a 503 at once (agents retry)
+LOG_GRACE_S = 60.0            # an ended job still takes its agents' last log lines this long
+UNAUTHORIZED = "missing or wrong token for this job and route"
 
 
 class Handlers(Protocol):
     """The controller's side of each endpoint; each returns the JSON answer."""
 
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    def attempt(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
     def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
     def samples(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
-    def logs(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
+    def logs(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
     def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
     def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
-_ROUTES: list[tuple[re.Pattern[str], Callable[[Handlers, int, dict[str, str], dict[str, Any]], dict[str, Any]]]] = [
-    (re.compile(r"/v1/jobs/(?P<job>\d+)/nodes/(?P<node>[\w.-]+)/heartbeat"),
-     lambda h, job, m, body: h.heartbeat(job, m["node"], body)),
-    (re.compile(r"/v1/jobs/(?P<job>\d+)/nodes/(?P<node>[\w.-]+)/result"),
-     lambda h, job, m, body: h.result(job, m["node"], body)),
-    (re.compile(r"/v1/jobs/(?P<job>\d+)/nodes/(?P<node>[\w.-]+)/samples"),
-     lambda h, job, m, body: h.samples(job, m["node"], body)),
-    (re.compile(r"/v1/jobs/(?P<job>\d+)/logs"), lambda h, job, m, body: h.logs(job, body)),
-    (re.compile(r"/v1/jobs/(?P<job>\d+)/telemetry"), lambda h, job, m, body: h.telemetry(job, body)),
-    (re.compile(r"/v1/jobs/(?P<job>\d+)/checkpoint"), lambda h, job, m, body: h.checkpoint(job, body)),
+@dataclass(frozen=True)
+class Route:
+    pattern: re.Pattern[str]
+    scope: str                       # whose token opens it: a node's agent, or the job's SDK
+    body: type[BaseModel]
+    max_bytes: int
+    call: Callable[[Handlers, int, dict[str, str], dict[str, Any]], dict[str, Any]]
+    when_over: str = ""              # on an ended job: "" refused, "answer" served, "grace" for LOG_GRACE_S
+
+
+_JOB = r"/v1/jobs/(?P<job>\d{1,18})"
+_NODE = _JOB + r"/nodes/(?P<node>[\w.-]{1,253})"
+ROUTES = [
+    Route(re.compile(_NODE + "/heartbeat"), AGENT, requests.Heartbeat, 16 * 1024,
+          lambda h, job, m, body: h.heartbeat(job, m["node"], body), when_over="answer"),
+    Route(re.compile(_NODE + "/attempt"), AGENT, requests.AttemptCommand, 1024,
+          lambda h, job, m, body: h.attempt(job, m["node"], body)),
+    Route(re.compile(_NODE + "/result"), AGENT, requests.Result, 64 * 1024,
+          lambda h, job, m, body: h.result(job, m["node"], body)),
+    Route(re.compile(_NODE + "/samples"), AGENT, requests.Samples, 1024 * 1024,
+          lambda h, job, m, body: h.samples(job, m["node"], body)),
+    Route(re.compile(_NODE + "/logs"), AGENT, requests.Logs, 8 * 1024 * 1024,
+          lambda h, job, m, body: h.logs(job, m["node"], body), when_over="grace"),
+    Route(re.compile(_JOB + "/telemetry"), SDK, requests.Telemetry, 4 * 1024 * 1024,
+          lambda h, job, m, body: h.telemetry(job, body)),
+    Route(re.compile(_JOB + "/checkpoint"), SDK, requests.Checkpoint, 16 * 1024,
+          lambda h, job, m, body: h.checkpoint(job, body)),
 ]
 
 
 class ApiServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True  # a restarted controller takes its old port back at once
+    request_queue_size = 256    # the listen backlog: thousands of agents may reconnect at once
 
     def __init__(self, port: int, store: Store, handlers: Handlers, host: str = "127.0.0.1",
                  advertise: str = "") -> None:
@@ -53,6 +88,7 @@ class ApiServer(ThreadingHTTPServer):
         self.store = store
         self.handlers = handlers
         self.advertise = advertise   # the address nodes reach this server at, when not the bound one
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     @property
     def url(self) -> str:
@@ -63,19 +99,52 @@ class ApiServer(ThreadingHTTPServer):
         thread.start()
         return thread
 
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        """A thread per connection, MAX_CONNECTIONS at most: beyond that a 503, so that clients that
+        never finish their request cannot take every thread."""
+        if not self._slots.acquire(blocking=False):
+            _refuse_busy(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _refuse_busy(request: socket.socket) -> None:
+    body = json.dumps({"error": "the controller is busy; try again"}).encode()
+    try:
+        request.settimeout(1.0)
+        request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close"
+                        b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    except OSError:
+        pass
+
 
 class _RequestHandler(BaseHTTPRequestHandler):
     server: ApiServer
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S     # socket timeout for every read: request line, headers and body
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: agents poll every second
         pass
 
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
+    def _reply(self, status: int, body: dict[str, Any], close: bool = False) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if close:   # the body was not read: the connection cannot carry another request
+            self.send_header("Connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(data)
 
@@ -85,41 +154,77 @@ class _RequestHandler(BaseHTTPRequestHandler):
         else:
             self._reply(404, {"error": "not found"})
 
+    def _not_allowed(self) -> None:
+        self._reply(405, {"error": "method not allowed"}, close=True)
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
     def do_POST(self) -> None:
-        for pattern, call in _ROUTES:
-            match = pattern.fullmatch(self.path)
-            if match:
-                break
-        else:
-            self._reply(404, {"error": "not found"})
+        match, route = next(((m, r) for r in ROUTES if (m := r.pattern.fullmatch(self.path))), (None, None))
+        if route is None:
+            self._reply(404, {"error": "not found"}, close=True)
             return
+        job_id = int(match["job"])
+        job = self._authorized(job_id, route, match["node"] if route.scope == AGENT else None)
+        if job is None:
+            self._reply(401, {"error": UNAUTHORIZED}, close=True)
+            return
+        if job.state.terminal and not (route.when_over == "answer" or (
+                route.when_over == "grace" and time.time() - (job.finished_at or 0) < LOG_GRACE_S)):
+            self._reply(409, {"error": f"job {job_id} is {job.state.value}: it takes no more reports"}, close=True)
+            return
+        body = self._body(route)
+        if body is None:
+            return
+        try:
+            self._reply(200, route.call(self.server.handlers, job_id, match.groupdict(), body))
+        except (KeyError, TypeError, ValueError, StoreError) as err:
+            self._reply(400, {"error": f"bad request: {err}"[:500]})
+        except Exception:   # a bug of ours: logged, answered, and the server goes on
+            print(f"API {self.path}: {traceback.format_exc()}", flush=True)
+            self._reply(500, {"error": "internal error (see the controller's log)"})
+
+    def _authorized(self, job_id: int, route: Route, node_id: str | None) -> Job | None:
+        """The job, if the request's token is the route's scope for it; None for a wrong token or an
+        unknown job alike (the same work either way, so that timing tells no more than the status)."""
+        given = self.headers.get(TOKEN_HEADER, "").removeprefix("Bearer ").strip()
+        try:
+            job = self.server.store.job(job_id)
+            secret = job.token
+        except StoreError:
+            job, secret = None, "no such job"
+        ok = allows(secret, given, route.scope, node_id)
+        return job if ok and job is not None else None
+
+    def _body(self, route: Route) -> dict[str, Any] | None:
+        """The request's body, read within the route's cap and checked against its model; None once an
+        error was answered."""
+        if self.headers.get("Transfer-Encoding"):
+            self._reply(411, {"error": "send a Content-Length (chunked bodies are not accepted)"}, close=True)
+            return None
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
-        if not 0 <= length <= MAX_BODY_BYTES:
-            self._reply(413, {"error": f"Content-Length must be 0 to {MAX_BODY_BYTES} bytes"})
+        if not 0 <= length <= route.max_bytes:
+            self._reply(413, {"error": f"Content-Length must be 0 to {route.max_bytes} bytes here"}, close=True)
+            return None
+        try:
+            raw = self.rfile.read(length)
+        except OSError:   # the client went silent (READ_TIMEOUT_S) or away: nobody to answer
             self.close_connection = True
-            return
-        raw = self.rfile.read(length)
-        job_id = int(match["job"])
+            return None
+        if len(raw) < length:
+            self.close_connection = True
+            return None
         try:
-            token = self.server.store.job(job_id).token
-        except StoreError:
-            self._reply(404, {"error": f"no job {job_id}"})
-            return
-        given = self.headers.get(TOKEN_HEADER, "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            self._reply(401, {"error": "missing or wrong job token"})
-            return
-        try:
-            body = json.loads(raw or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as err:
-            self._reply(400, {"error": f"bad JSON: {err}"})
-            return
-        try:
-            self._reply(200, call(self.server.handlers, job_id, match.groupdict(), body))
-        except (KeyError, TypeError, ValueError, StoreError) as err:
-            self._reply(400, {"error": f"bad request: {err!r}"})
+            data = json.loads(raw or b"{}")
+            return route.body.model_validate(data).model_dump(exclude_unset=False)
+        except ValueError as err:   # json's errors and pydantic's ValidationError
+            what = _validation_text(err) if isinstance(err, ValidationError) else f"bad JSON: {err}"
+            self._reply(400, {"error": what[:500]})
+            return None
+
+
+def _validation_text(err: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5])

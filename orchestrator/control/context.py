@@ -9,7 +9,7 @@ from typing import Any
 
 from health.metrics import Metrics
 from orchestrator.control.store import Job, JobState, Store
-from orchestrator.home import job_dir
+from orchestrator.home import job_dir, private_open
 from providers.base import Provider
 from providers.registry import load_provider
 
@@ -37,7 +37,7 @@ class ControlContext:
         """Append lines to the job's log (agents' output and the controller's own lines share it)."""
         if not lines:
             return
-        with self._log_lock, open(job_dir(job_id, self.home) / "job.log", "a") as log:
+        with self._log_lock, private_open(job_dir(job_id, self.home) / "job.log") as log:
             log.write("".join(line.rstrip("\n") + "\n" for line in lines))
 
     def event(self, job_id: int, kind: str, message: str) -> None:

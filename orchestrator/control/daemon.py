@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from orchestrator.home import atomic_write_text, tfsn_home
+from orchestrator.home import atomic_write_text, private_open, tfsn_home
 from orchestrator.control.store import Store
 
 START_TIMEOUT_S = 30.0
@@ -53,7 +53,7 @@ def ensure_controller(home: Path | None = None) -> dict:
     info = read_info(home)
     if info is not None:
         return info
-    log = open(home / "controller.log", "ab")
+    log = private_open(home / "controller.log", "ab")
     subprocess.Popen([sys.executable, "-m", "orchestrator.control.daemon"], env={**os.environ, "TFSN_HOME": str(home)},
                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
@@ -78,7 +78,7 @@ def stop_controller(home: Path | None = None) -> bool:
 
 def serve(home: Path) -> int:
     """Run the controller in this process until SIGTERM or idle."""
-    lock = open(home / "controller.lock", "w")
+    lock = private_open(home / "controller.lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,14 +1,19 @@
 """The controller's answers to agents and SDKs (the API's `Handlers`): heartbeats, results, logs,
 telemetry, GPU samples and checkpoints in; what a node must do now out. Runs on the API's threads, so
-it only records and wakes the loop; decisions are the loop's."""
+it only records and wakes the loop; decisions are the loop's.
+
+The job's `run` command and `envs` (which may hold the user's API keys) go to a node's agent once per
+attempt, in the answer to its own `attempt` request, never in the heartbeats it sends every second."""
 from __future__ import annotations
 
 import os
 import time
+from pathlib import PurePosixPath
 from typing import Any
 
 from health.telemetry import Sample
 from orchestrator.control.context import ControlContext
+from orchestrator.control.credentials import sdk_token
 from orchestrator.control.health_watch import HealthWatch
 from orchestrator.control.provisioning import requested_cpus
 from orchestrator.control.store import Job, JobState, Node, NodeState
@@ -24,6 +29,9 @@ class ApiHandlers:
 
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         node = self._node_of(job_id, node_id)
+        job = self.store.job(job_id)
+        if job.state.terminal:   # nothing to record for a job that ended: its agents are told to exit
+            return {"action": "exit"}
         self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")),
                                addr=str(body.get("addr") or node.addr), host=str(body.get("host") or node.host))
         # Only a STARTING node becomes READY: the loop may have failed it meanwhile.
@@ -42,8 +50,27 @@ class ApiHandlers:
         self.ctx.wake.set()
         return {}
 
-    def logs(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
-        self.ctx.log(job_id, [str(line) for line in body.get("lines", [])])
+    def attempt(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The command of the attempt a heartbeat told the node to run: torchrun's arguments, the job's
+        `run` and its environment (with the SDK's token). Anything else the node should do instead if
+        that attempt is no longer the one to run."""
+        node = self._node_of(job_id, node_id)
+        job = self.store.job(job_id)
+        command = self.command(job, node)
+        if command["action"] != "run" or int(body["attempt"]) != job.attempt:
+            return command
+        spec = JobSpec.model_validate(job.spec)
+        return {**command, "run": spec.run, "workdir": spec.workdir, "nnodes": spec.num_nodes,
+                "node_rank": node.rank, "nproc_per_node": spec.nprocs(), "master_addr": self._master_addr(job),
+                "master_port": job.master_port, "env": self._worker_env(job, spec)}
+
+    def logs(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A node's output lines. Only the controller and the node's own agent may speak as `[tfsn]`: a line
+        that claims it otherwise (a worker printing "[tfsn] job 1 succeeded") is marked with its node."""
+        self._node_of(job_id, node_id)
+        own = f"[tfsn] node {node_id}:"
+        self.ctx.log(job_id, [line if not line.startswith("[tfsn]") or line.startswith(own)
+                              else f"[node {node_id}] {line}" for line in map(str, body.get("lines", []))])
         return {}
 
     def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +95,10 @@ class ApiHandlers:
 
     def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
         step, path = int(body["step"]), str(body["path"])
+        job = self.store.job(job_id)
+        root = self._checkpoint_dir(job, JobSpec.model_validate(job.spec))
+        if not _inside(path, root):
+            raise ValueError(f"checkpoint path {path!r} is not in the job's checkpoint directory {root}")
         if body.get("restored"):
             self.store.update_job(job_id, restored_step=step)
             self.ctx.event(job_id, "checkpoint", f"restored step {step} from {path}")
@@ -85,10 +116,7 @@ class ApiHandlers:
             return {"action": "setup", "setup": spec.setup or "", "workdir": spec.workdir}
         if node.rank is None or job.state != JobState.RUNNING or job.attempt_state != "running":
             return {"action": "idle"}
-        return {"action": "run", "attempt": job.attempt, "run": spec.run, "workdir": spec.workdir,
-                "nnodes": spec.num_nodes, "node_rank": node.rank, "nproc_per_node": spec.nprocs(),
-                "master_addr": self._master_addr(job), "master_port": job.master_port,
-                "env": self._worker_env(job, spec)}
+        return {"action": "run", "attempt": job.attempt}   # the command itself: `attempt`
 
     def _master_addr(self, job: Job) -> str:
         """Where the workers meet: rank 0's node, as its agent reported it (loopback on one machine)."""
@@ -100,8 +128,8 @@ class ApiHandlers:
     def _worker_env(self, job: Job, spec: JobSpec) -> dict[str, str]:
         ckpt = spec.checkpoint
         env = {**spec.envs, "TFSN_ATTEMPT": str(job.attempt), "TFSN_NUM_NODES": str(spec.num_nodes),
-               "TFSN_CHECKPOINT_DIR": ckpt.dir or str(job_dir(job.id, self.ctx.home) / "checkpoints"),
-               "TFSN_JOB_NAME": job.name}
+               "TFSN_CHECKPOINT_DIR": self._checkpoint_dir(job, spec), "TFSN_JOB_NAME": job.name,
+               "TFSN_TOKEN": sdk_token(job.token)}   # the workers' own, narrower than their agent's
         # The spec overrides the script's own settings only where the user wrote them down.
         if "interval" in ckpt.model_fields_set:
             env["TFSN_CHECKPOINT_INTERVAL"] = str(ckpt.interval)
@@ -116,8 +144,18 @@ class ApiHandlers:
             env["OMP_NUM_THREADS"] = str(max(1, cpus // spec.nprocs()))
         return env
 
+    def _checkpoint_dir(self, job: Job, spec: JobSpec) -> str:
+        return spec.checkpoint.dir or str(job_dir(job.id, self.ctx.home) / "checkpoints")
+
     def _node_of(self, job_id: int, node_id: str) -> Node:
         node = self.store.node(node_id)
         if node.job_id != job_id:
             raise ValueError(f"node {node_id} is not part of job {job_id}")
         return node
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether `path` is under `root` as the SDK writes it (`<root>/step-N`), with no `..` to climb out."""
+    if "://" not in root:
+        root = str(PurePosixPath(root))
+    return ".." not in path.split("/") and path.startswith(root.rstrip("/") + "/")

@@ -16,6 +16,7 @@ import urllib.parse
 from dataclasses import asdict
 
 from orchestrator.control.context import ControlContext
+from orchestrator.control.credentials import agent_token
 from orchestrator.control.health_watch import HealthWatch, rank_nodes
 from orchestrator.control.nodes import Nodes, site
 from orchestrator.control.store import Job, JobState, Node, NodeState
@@ -243,11 +244,11 @@ def agent_command(local: bool = True) -> list[str]:
 
 
 def agent_env(url: str, job: Job, node_id: str, local: bool = True) -> dict[str, str]:
-    """The agent's environment: the controller's address and the job's secret. A local node inherits
+    """The agent's environment: the controller's address and the node's own token. A local node inherits
     this process's environment; a remote one gets only tfsn's settings (never this machine's credentials,
     paths or devices: they would end up in the VM's metadata)."""
     job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME"}
     keep = {k: v for k, v in os.environ.items()
             if k not in job_specific and (local or k in REMOTE_SETTINGS)}
-    return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": job.token, "TFSN_JOB_ID": str(job.id),
-            "TFSN_NODE_ID": node_id}
+    return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": agent_token(job.token, node_id),
+            "TFSN_JOB_ID": str(job.id), "TFSN_NODE_ID": node_id}

@@ -231,6 +231,9 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
         self._migrate()
+        for part in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):   # every job's secret is in there
+            if str(path) != ":memory:" and part.exists():
+                part.chmod(0o600)
         # Called with a job's id after a write to the job or one of its nodes commits (not for telemetry):
         # the Kubernetes operator copies the job into its TfsnJob's status, the store that outlives it.
         self.on_change: Callable[[int], None] | None = None

@@ -1,0 +1,66 @@
+"""The bodies the API accepts, one model per route, each bounded: a request outside them is a 400
+before any handler runs, whatever its JSON holds."""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Text = Annotated[str, Field(max_length=255)]
+Count = Annotated[int, Field(ge=0, le=10**12)]
+Seconds = Annotated[float, Field(ge=0, le=10**10, allow_inf_nan=False)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Heartbeat(_Body):
+    state: Annotated[str, Field(max_length=32)] = ""
+    attempt: Count | None = None
+    addr: Annotated[str, Field(max_length=255, pattern=r"^[A-Za-z0-9.:%\[\]-]*$")] = ""  # an IP or a host name
+    host: Text = ""
+
+
+class Result(_Body):
+    attempt: Count
+    returncode: Annotated[int, Field(ge=-(2**31), le=2**31)]
+    signal: Annotated[int, Field(ge=0, le=128)] | None = None
+    stopped: bool = False
+    summary: Annotated[str, Field(max_length=16_000)] = ""
+
+
+class Logs(_Body):
+    lines: Annotated[list[Annotated[str, Field(max_length=64_000)]], Field(max_length=20_000)]
+
+
+class StepRecord(BaseModel):
+    model_config = ConfigDict(extra="allow")   # newer SDKs may add fields; the store keeps what it knows
+    step: Count
+    at: Seconds
+    step_time: Seconds
+    compute_time: Seconds | None = None
+    metrics: Annotated[dict[Annotated[str, Field(max_length=255)], Any], Field(max_length=256)] = {}
+
+
+class Telemetry(_Body):
+    attempt: Count
+    rank: Annotated[int, Field(ge=0, le=1_000_000)]
+    records: Annotated[list[StepRecord], Field(max_length=20_000)]
+    heartbeat: Seconds | None = None
+    step: Count | None = None        # the step the rank is in (with no record yet while it runs)
+
+
+class Samples(_Body):
+    samples: Annotated[list[dict[Annotated[str, Field(max_length=64)], Any]], Field(max_length=4096)]
+
+
+class Checkpoint(_Body):
+    step: Count
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    seconds: Seconds = 0.0
+    restored: bool = False
+
+
+class AttemptCommand(_Body):
+    attempt: Annotated[int, Field(ge=1, le=10**12)]

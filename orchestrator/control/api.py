@@ -9,11 +9,15 @@ import hmac
 import json
 import os
 import re
+import socket
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from orchestrator.sdk.client import TOKEN_HEADER
+from orchestrator.control import tls
 from orchestrator.control.store import Store, StoreError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -44,19 +48,49 @@ _ROUTES: list[tuple[re.Pattern[str], Callable[[Handlers, int, dict[str, str], di
 
 
 class ApiServer(ThreadingHTTPServer):
+    """The API on `host`: plain HTTP on loopback; elsewhere TLS with a certificate of the CA in `home`
+    (required there), which the nodes are given (`trust`) and pin."""
+
     daemon_threads = True
     allow_reuse_address = True  # a restarted controller takes its old port back at once
+    handshake_timeout_s = 10.0  # a client that opens a connection and says nothing holds its thread this long
 
     def __init__(self, port: int, store: Store, handlers: Handlers, host: str = "127.0.0.1",
-                 advertise: str = "") -> None:
+                 advertise: str = "", home: Path | None = None) -> None:
+        self.authority: tls.Authority | None = None
+        if tls.serves_tls(host):
+            if home is None:
+                raise ValueError(f"an API on {host} serves TLS and needs the folder of its CA: pass `home`")
+            self.authority = tls.ensure_authority(home, tls.server_names(host, advertise))
         super().__init__((host, port), _RequestHandler)
+        if self.authority is not None:
+            # The handshake is done in the request's thread (finish_request): never in the accept loop.
+            self.socket = self.authority.server_context.wrap_socket(self.socket, server_side=True,
+                                                                     do_handshake_on_connect=False)
         self.store = store
         self.handlers = handlers
         self.advertise = advertise   # the address nodes reach this server at, when not the bound one
 
     @property
     def url(self) -> str:
-        return f"http://{self.advertise or self.server_address[0]}:{self.server_address[1]}"
+        scheme = "https" if self.authority is not None else "http"
+        return f"{scheme}://{self.advertise or self.server_address[0]}:{self.server_address[1]}"
+
+    @property
+    def trust(self) -> dict[str, str]:
+        """The environment a node needs to trust this server (the CA and its fingerprint); none on loopback."""
+        return self.authority.node_env() if self.authority is not None else {}
+
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:
+        """TLS handshake first: a client that does not speak TLS, or does not trust this CA, gets nothing."""
+        if isinstance(request, ssl.SSLSocket):
+            request.settimeout(self.handshake_timeout_s)
+            try:
+                request.do_handshake()
+            except OSError:   # plain HTTP, a port scanner, a timeout: the connection is closed
+                return
+            request.settimeout(None)
+        super().finish_request(request, client_address)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="tfsn-api", daemon=True)

@@ -23,7 +23,7 @@ kopf = pytest.importorskip("kopf")
 
 from orchestrator.k8s import crd
 from orchestrator.k8s import operator as k8s_operator  # noqa: E402
-from orchestrator.sdk.client import ControllerClient  # noqa: E402
+from orchestrator.sdk.client import CA_FINGERPRINT_ENV, CA_PEM_ENV, ControllerClient  # noqa: E402
 from orchestrator.k8s.runtime import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
 from orchestrator.k8s.status import StatusWriter, status_patch  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
@@ -51,14 +51,18 @@ def cluster(tmp_path, monkeypatch):
     next(clusters, None)
 
 
-def new_operator(home) -> Operator:
-    return Operator(OperatorSettings(home=home, host="127.0.0.1", advertise=ADVERTISE, pod_poll_s=0))
+def new_operator(home, host: str = "127.0.0.1") -> Operator:
+    return Operator(OperatorSettings(home=home, host=host, advertise=ADVERTISE, pod_poll_s=0))
+
+
+def add_gpu_nodes(cluster) -> None:
+    for host in ("gpu-a", "gpu-b"):
+        cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
 
 
 @pytest.fixture
 def operator(cluster, tmp_path):
-    for host in ("gpu-a", "gpu-b"):
-        cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
+    add_gpu_nodes(cluster)
     op = new_operator(tmp_path / "operator")
     yield op
     op.close()
@@ -380,6 +384,38 @@ def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_
         assert (status["jobId"], status["attempt"], status["phase"]) == (job_id, 1, "Running")
         assert successor.adoption.adopt(on_server(cluster, body)) == {}  # kopf's resume handler: the same job, nothing new
         assert len(successor.store.jobs()) == 1
+    finally:
+        successor.close()
+
+
+def test_the_operators_api_serves_tls_with_a_ca_kept_in_a_secret_so_a_successor_keeps_the_pods_trust(
+        cluster, tmp_path):
+    add_gpu_nodes(cluster)
+    first = new_operator(tmp_path / "operator", host="0.0.0.0")   # in its pod: the pods must reach it
+    try:
+        body, job_id = admitted(first, cluster, tfsnjob())
+        pod = run_first_attempt(first, cluster, job_id)
+        [container] = pods(cluster)[pod]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        authority = first.server.authority
+        assert env["TFSN_CONTROLLER_URL"] == f"https://{ADVERTISE}:{first.server.server_address[1]}"
+        assert (env[CA_PEM_ENV], env[CA_FINGERPRINT_ENV]) == (authority.ca_pem, authority.fingerprint)
+        kept = objects(cluster, SECRETS)[crd.CA_SECRET]["stringData"]   # in the operator's own namespace
+        assert kept["ca.pem"] == authority.ca_pem and "PRIVATE KEY" in kept["ca.key"]
+        token, [node] = first.store.job(job_id).token, first.store.nodes(job_id)
+        assert first.writer.write(job_id)
+    finally:
+        first.close()
+    successor = new_operator(tmp_path / "successor", host="0.0.0.0")   # its home (an emptyDir) is new
+    try:
+        successor.start(reconcile=False)
+        successor.adoption.adopt_all()
+        assert successor.server.authority.fingerprint == env[CA_FINGERPRINT_ENV]
+        # the pod's agent, pinned to the CA it was started with, reports to the new operator
+        agent = ControllerClient(f"https://127.0.0.1:{successor.server.server_address[1]}", token, job_id,
+                                 ca_pem=env[CA_PEM_ENV], ca_fingerprint=env[CA_FINGERPRINT_ENV])
+        command = agent.post(f"/nodes/{node.id}/heartbeat", {"state": "running", "host": "gpu-a"})
+        assert (command["action"], command["attempt"]) == ("run", 1)
     finally:
         successor.close()
 

@@ -25,6 +25,7 @@ VERSION = "v1alpha1"
 KIND = "TfsnJob"
 PLURAL = "tfsnjobs"
 OPERATOR = "tfsn-operator"
+CA_SECRET = f"{OPERATOR}-ca"    # the CA of the operator's API, in its namespace (orchestrator.k8s.runtime)
 API_PORT = 8080                 # agents in worker pods report here, as to the local controller
 LIVENESS_PORT = 8081            # kopf's liveness endpoint (`tfsn operator run` serves it)
 DEFAULT_IMAGE = "python:3.11-slim"   # tfsn[k8s] is installed on start where the image lacks it

@@ -566,15 +566,51 @@ def test_manifests_command_prints_every_object_to_apply(tmp_path):
     docs = list(yaml.safe_load_all(result.output))
     kinds = [d["kind"] for d in docs]
     assert kinds == ["Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                     "Deployment", "Service"]
+                     "Role", "RoleBinding", "Deployment", "Service"]
     role = docs[3]
     assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"])  # least privilege
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]} in role["rules"]
-    [container] = docs[5]["spec"]["template"]["spec"]["containers"]
+    # Secrets: only what the code calls (get the token back, create, patch in a new token); never list them
+    assert [r["verbs"] for r in role["rules"] if "secrets" in r["resources"]] == [["get", "create", "patch"]]
+    assert [r for r in secret_rules(docs) if not {"list", "watch", "update", "delete"}.isdisjoint(r["verbs"])] == []
+    ca = next(d for d in docs if d["kind"] == "Role")
+    assert (ca["metadata"]["namespace"], ca["rules"][0]) == ("ml-ops", {
+        "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": [crd.CA_SECRET]})
+    [container] = docs[7]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["TFSN_OPERATOR_ADVERTISE"] == "tfsn-operator.ml-ops.svc"
     assert env["TFSN_OPERATOR_CHECKPOINT_CLAIM"] == "ckpt"
+    assert "TFSN_OPERATOR_NAMESPACE" not in env   # every namespace's TfsnJobs
     assert docs[2]["metadata"]["namespace"] == "ml-ops"
+
+
+def secret_rules(docs: list[dict]) -> list[dict]:
+    """Every RBAC rule on Secrets, with the kind and namespace of its role."""
+    return [{**rule, "role": (d["kind"], d["metadata"].get("namespace"))} for d in docs
+            if d["kind"] in ("Role", "ClusterRole") for rule in d["rules"] if "secrets" in rule["resources"]]
+
+
+def test_an_operator_for_one_namespace_may_touch_secrets_there_only():
+    from typer.testing import CliRunner
+
+    from orchestrator.cli.operator import operator_app
+
+    result = CliRunner().invoke(operator_app, ["manifests", "--namespace", "ml-ops", "--watch-namespace", "team-a"])
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.output))
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
+        "nodes", "customresourcedefinitions", "namespaces"}   # nothing of a job's, nothing secret
+    for rule in secret_rules(docs):   # the job Secrets in team-a; elsewhere the CA's Secret by its name, or create
+        assert rule["role"] == ("Role", "team-a") or rule["verbs"] == ["create"] or \
+            rule.get("resourceNames") == [crd.CA_SECRET], rule
+    binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == "team-a")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": crd.OPERATOR, "namespace": "ml-ops"}]
+    [container] = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "TFSN_OPERATOR_NAMESPACE", "value": "team-a"} in container["env"]
+    # which `tfsn operator run` reads as its --namespace
+    refused = CliRunner().invoke(operator_app, ["run"], env={"TFSN_OPERATOR_NAMESPACE": "Team_A"})
+    assert refused.exit_code == 2 and "--namespace 'Team_A' is not a valid Kubernetes name" in refused.output
 
 
 def test_manifests_command_refuses_a_bad_namespace_in_one_line():

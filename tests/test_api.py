@@ -6,7 +6,6 @@ import json
 import socket
 import time
 import urllib.error
-import urllib.request
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -29,12 +29,13 @@ def test_peers_never_import_the_orchestrator_or_each_other():
         assert not offenders, f"{package} imports {offenders}"
 
 
-def test_the_cli_does_not_import_torch_on_start():
+def test_the_cli_does_not_import_torch_nor_cryptography_on_start():
     import subprocess
     import sys
-    code = "import sys, orchestrator.cli.main; print('torch' in sys.modules)"
+    code = "import sys, orchestrator.cli.main; print([m for m in ('torch', 'cryptography') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False", "the CLI must start fast: keep torch out of its imports"
+    assert out.stdout.strip() == "[]", ("the CLI must start fast: keep torch and cryptography (the controller's "
+                                        "TLS) out of its imports")
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:

@@ -24,7 +24,7 @@ kopf = pytest.importorskip("kopf")
 from orchestrator.k8s import crd
 from orchestrator.k8s import operator as k8s_operator  # noqa: E402
 from orchestrator.control.credentials import agent_token, sdk_token  # noqa: E402
-from orchestrator.sdk.client import ControllerClient  # noqa: E402
+from orchestrator.sdk.client import CA_FINGERPRINT_ENV, CA_PEM_ENV, ControllerClient  # noqa: E402
 from orchestrator.k8s.runtime import CLAIM_ANNOTATION, Operator, OperatorSettings  # noqa: E402
 from orchestrator.k8s.status import StatusWriter, status_patch  # noqa: E402
 from orchestrator.spec import JobSpec  # noqa: E402
@@ -52,14 +52,18 @@ def cluster(tmp_path, monkeypatch):
     next(clusters, None)
 
 
-def new_operator(home) -> Operator:
-    return Operator(OperatorSettings(home=home, host="127.0.0.1", advertise=ADVERTISE, pod_poll_s=0))
+def new_operator(home, host: str = "127.0.0.1") -> Operator:
+    return Operator(OperatorSettings(home=home, host=host, advertise=ADVERTISE, pod_poll_s=0))
+
+
+def add_gpu_nodes(cluster) -> None:
+    for host in ("gpu-a", "gpu-b"):
+        cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
 
 
 @pytest.fixture
 def operator(cluster, tmp_path):
-    for host in ("gpu-a", "gpu-b"):
-        cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
+    add_gpu_nodes(cluster)
     op = new_operator(tmp_path / "operator")
     yield op
     op.close()
@@ -389,6 +393,38 @@ def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_
         successor.close()
 
 
+def test_the_operators_api_serves_tls_with_a_ca_kept_in_a_secret_so_a_successor_keeps_the_pods_trust(
+        cluster, tmp_path):
+    add_gpu_nodes(cluster)
+    first = new_operator(tmp_path / "operator", host="0.0.0.0")   # in its pod: the pods must reach it
+    try:
+        body, job_id = admitted(first, cluster, tfsnjob())
+        pod = run_first_attempt(first, cluster, job_id)
+        [container] = pods(cluster)[pod]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        authority = first.server.authority
+        assert env["TFSN_CONTROLLER_URL"] == f"https://{ADVERTISE}:{first.server.server_address[1]}"
+        assert (env[CA_PEM_ENV], env[CA_FINGERPRINT_ENV]) == (authority.ca_pem, authority.fingerprint)
+        kept = objects(cluster, SECRETS)[crd.CA_SECRET]["stringData"]   # in the operator's own namespace
+        assert kept["ca.pem"] == authority.ca_pem and "PRIVATE KEY" in kept["ca.key"]
+        token, [node] = first.store.job(job_id).token, first.store.nodes(job_id)
+        assert first.writer.write(job_id)
+    finally:
+        first.close()
+    successor = new_operator(tmp_path / "successor", host="0.0.0.0")   # its home (an emptyDir) is new
+    try:
+        successor.start(reconcile=False)
+        successor.adoption.adopt_all()
+        assert successor.server.authority.fingerprint == env[CA_FINGERPRINT_ENV]
+        # the pod's agent, pinned to the CA it was started with, reports to the new operator
+        agent = ControllerClient(f"https://127.0.0.1:{successor.server.server_address[1]}", agent_token(token, node.id), job_id,
+                                 ca_pem=env[CA_PEM_ENV], ca_fingerprint=env[CA_FINGERPRINT_ENV])
+        command = agent.post(f"/nodes/{node.id}/heartbeat", {"state": "running", "host": "gpu-a"})
+        assert (command["action"], command["attempt"]) == ("run", 1)
+    finally:
+        successor.close()
+
+
 def test_restarts_and_max_restarts_count_across_operator_restarts_and_a_tainted_node_stays_avoided(
         operator, cluster, tmp_path):
     body, job_id = admitted(operator, cluster, tfsnjob(recovery={"max_restarts": 1}))
@@ -536,15 +572,51 @@ def test_manifests_command_prints_every_object_to_apply(tmp_path):
     docs = list(yaml.safe_load_all(result.output))
     kinds = [d["kind"] for d in docs]
     assert kinds == ["Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                     "Deployment", "Service"]
+                     "Role", "RoleBinding", "Deployment", "Service"]
     role = docs[3]
     assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"])  # least privilege
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]} in role["rules"]
-    [container] = docs[5]["spec"]["template"]["spec"]["containers"]
+    # Secrets: only what the code calls (get the token back, create, patch in a new token); never list them
+    assert [r["verbs"] for r in role["rules"] if "secrets" in r["resources"]] == [["get", "create", "patch"]]
+    assert [r for r in secret_rules(docs) if not {"list", "watch", "update", "delete"}.isdisjoint(r["verbs"])] == []
+    ca = next(d for d in docs if d["kind"] == "Role")
+    assert (ca["metadata"]["namespace"], ca["rules"][0]) == ("ml-ops", {
+        "apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": [crd.CA_SECRET]})
+    [container] = docs[7]["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["TFSN_OPERATOR_ADVERTISE"] == "tfsn-operator.ml-ops.svc"
     assert env["TFSN_OPERATOR_CHECKPOINT_CLAIM"] == "ckpt"
+    assert "TFSN_OPERATOR_NAMESPACE" not in env   # every namespace's TfsnJobs
     assert docs[2]["metadata"]["namespace"] == "ml-ops"
+
+
+def secret_rules(docs: list[dict]) -> list[dict]:
+    """Every RBAC rule on Secrets, with the kind and namespace of its role."""
+    return [{**rule, "role": (d["kind"], d["metadata"].get("namespace"))} for d in docs
+            if d["kind"] in ("Role", "ClusterRole") for rule in d["rules"] if "secrets" in rule["resources"]]
+
+
+def test_an_operator_for_one_namespace_may_touch_secrets_there_only():
+    from typer.testing import CliRunner
+
+    from orchestrator.cli.operator import operator_app
+
+    result = CliRunner().invoke(operator_app, ["manifests", "--namespace", "ml-ops", "--watch-namespace", "team-a"])
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.output))
+    cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
+        "nodes", "customresourcedefinitions", "namespaces"}   # nothing of a job's, nothing secret
+    for rule in secret_rules(docs):   # the job Secrets in team-a; elsewhere the CA's Secret by its name, or create
+        assert rule["role"] == ("Role", "team-a") or rule["verbs"] == ["create"] or \
+            rule.get("resourceNames") == [crd.CA_SECRET], rule
+    binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == "team-a")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": crd.OPERATOR, "namespace": "ml-ops"}]
+    [container] = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "TFSN_OPERATOR_NAMESPACE", "value": "team-a"} in container["env"]
+    # which `tfsn operator run` reads as its --namespace
+    refused = CliRunner().invoke(operator_app, ["run"], env={"TFSN_OPERATOR_NAMESPACE": "Team_A"})
+    assert refused.exit_code == 2 and "--namespace 'Team_A' is not a valid Kubernetes name" in refused.output
 
 
 def test_manifests_command_refuses_a_bad_namespace_in_one_line():
@@ -932,3 +1004,4 @@ def test_a_restart_whose_spec_is_invalid_says_so_and_keeps_the_pods(operator, cl
         assert set(pods(cluster)) == {pod} and successor.store.jobs() == []
     finally:
         successor.close()
+

@@ -6,7 +6,8 @@ attempt ended, retrying until the controller has it. A controller that is down o
 reports: the workers keep training.
 
 Started by a provider as `python -m orchestrator.agent` with TFSN_CONTROLLER_URL, TFSN_TOKEN,
-TFSN_JOB_ID and TFSN_NODE_ID in its environment.
+TFSN_JOB_ID and TFSN_NODE_ID in its environment, and for an https controller TFSN_CA_PEM and
+TFSN_CA_FINGERPRINT (the only CA it trusts); the workers it starts inherit all of them.
 """
 from __future__ import annotations
 

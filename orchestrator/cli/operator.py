@@ -32,7 +32,10 @@ def _check_name(option: str, value: str) -> None:
 def manifests(namespace: str = typer.Option("tfsn-system", help="Namespace the operator runs in."),
               image: Optional[str] = typer.Option(None, help="The operator's image (tfsn installed)."),
               checkpoint_claim: str = typer.Option("", help="Default PersistentVolumeClaim of checkpoints, in each "
-                                                   "job's namespace (a TfsnJob may name its own).")) -> None:
+                                                   "job's namespace (a TfsnJob may name its own)."),
+              watch_namespace: str = typer.Option("", help="Run the TfsnJobs of this namespace only: the operator's "
+                                                  "rights on pods, Services and Secrets are a Role there, not "
+                                                  "cluster-wide.")) -> None:
     """Print the CRD, least-privilege RBAC and the operator Deployment, for `kubectl apply -f -`."""
     import yaml
 
@@ -40,12 +43,14 @@ def manifests(namespace: str = typer.Option("tfsn-system", help="Namespace the o
 
     _check_name("--namespace", namespace)
     _check_name("--checkpoint-claim", checkpoint_claim)
-    docs = crd.manifests(namespace, image or crd.DEFAULT_IMAGE, checkpoint_claim)
+    _check_name("--watch-namespace", watch_namespace)
+    docs = crd.manifests(namespace, image or crd.DEFAULT_IMAGE, checkpoint_claim, watch_namespace)
     typer.echo(yaml.safe_dump_all(docs, sort_keys=False).rstrip())
 
 
 @operator_app.command()
-def run(namespace: Optional[str] = typer.Option(None, help="Watch TfsnJobs of this namespace only (default: all)."),
+def run(namespace: Optional[str] = typer.Option(None, envvar="TFSN_OPERATOR_NAMESPACE",
+                                                help="Watch TfsnJobs of this namespace only (default: all)."),
         port: int = typer.Option(8080, help="Port of the API that worker pods' agents report to."),
         advertise: str = typer.Option("", help="Host name the pods reach that API at (the operator's Service)."),
         checkpoint_claim: str = typer.Option("", help="Default PersistentVolumeClaim of checkpoints."),

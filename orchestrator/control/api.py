@@ -15,16 +15,18 @@ import json
 import os
 import re
 import socket
+import ssl
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.control import requests
+from orchestrator.control import requests, tls
 from orchestrator.control.credentials import AGENT, SDK, allows
 from orchestrator.control.store import Job, Store, StoreError
 from orchestrator.sdk.client import TOKEN_HEADER
@@ -78,13 +80,26 @@ ROUTES = [
 
 
 class ApiServer(ThreadingHTTPServer):
+    """The API on `host`: plain HTTP on loopback; elsewhere TLS with a certificate of the CA in `home`
+    (required there), which the nodes are given (`trust`) and pin."""
+
     daemon_threads = True
     allow_reuse_address = True  # a restarted controller takes its old port back at once
     request_queue_size = 256    # the listen backlog: thousands of agents may reconnect at once
+    handshake_timeout_s = 10.0  # a client that opens a connection and says nothing holds its thread this long
 
     def __init__(self, port: int, store: Store, handlers: Handlers, host: str = "127.0.0.1",
-                 advertise: str = "") -> None:
+                 advertise: str = "", home: Path | None = None) -> None:
+        self.authority: tls.Authority | None = None
+        if tls.serves_tls(host):
+            if home is None:
+                raise ValueError(f"an API on {host} serves TLS and needs the folder of its CA: pass `home`")
+            self.authority = tls.ensure_authority(home, tls.server_names(host, advertise))
         super().__init__((host, port), _RequestHandler)
+        if self.authority is not None:
+            # The handshake is done in the request's thread (finish_request): never in the accept loop.
+            self.socket = self.authority.server_context.wrap_socket(self.socket, server_side=True,
+                                                                     do_handshake_on_connect=False)
         self.store = store
         self.handlers = handlers
         self.advertise = advertise   # the address nodes reach this server at, when not the bound one
@@ -92,7 +107,24 @@ class ApiServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        return f"http://{self.advertise or self.server_address[0]}:{self.server_address[1]}"
+        scheme = "https" if self.authority is not None else "http"
+        return f"{scheme}://{self.advertise or self.server_address[0]}:{self.server_address[1]}"
+
+    @property
+    def trust(self) -> dict[str, str]:
+        """The environment a node needs to trust this server (the CA and its fingerprint); none on loopback."""
+        return self.authority.node_env() if self.authority is not None else {}
+
+    def finish_request(self, request: socket.socket, client_address: Any) -> None:
+        """TLS handshake first: a client that does not speak TLS, or does not trust this CA, gets nothing."""
+        if isinstance(request, ssl.SSLSocket):
+            request.settimeout(self.handshake_timeout_s)
+            try:
+                request.do_handshake()
+            except OSError:   # plain HTTP, a port scanner, a timeout: the connection is closed
+                return
+            request.settimeout(None)
+        super().finish_request(request, client_address)
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, name="tfsn-api", daemon=True)

@@ -20,6 +20,7 @@ class ControlContext:
     home: Path                                     # $TFSN_HOME: each job's folder (logs, local checkpoints)
     providers: dict[str, Provider]                 # loaded on first use by name
     url: str = ""                                  # where agents reach the API; set once the server listens
+    trust: dict[str, str] = field(default_factory=dict)   # what agents need to trust it (TLS); none on loopback
     wake: threading.Event = field(default_factory=threading.Event)   # set when the loop should run now
     metrics: Metrics = field(default_factory=Metrics)                 # tfsn_* series, served by the daemon
     _log_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from health.metrics import Metrics
 from orchestrator.control.context import ControlContext
@@ -27,6 +28,9 @@ from orchestrator.control.recovery import Recovery
 from orchestrator.control.store import JobState, Store
 from orchestrator.spec import JobSpec
 from providers.base import Provider
+
+if TYPE_CHECKING:
+    from orchestrator.control.api import ApiServer
 
 
 class Controller:
@@ -43,12 +47,12 @@ class Controller:
 
     @property
     def url(self) -> str:
-        """Where agents reach the API (set once the server listens)."""
+        """Where agents reach the API (set by `listen`, once the server listens)."""
         return self.ctx.url
 
-    @url.setter
-    def url(self, value: str) -> None:
-        self.ctx.url = value
+    def listen(self, server: ApiServer) -> None:
+        """Agents reach the API at `server`'s URL and trust its CA only (none: plain HTTP on loopback)."""
+        self.ctx.url, self.ctx.trust = server.url, server.trust
 
     @property
     def wake(self) -> threading.Event:

@@ -17,8 +17,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from orchestrator.control import tls
 from orchestrator.home import atomic_write_text, private_open, tfsn_home
 from orchestrator.control.store import Store
+from orchestrator.sdk.client import ControllerUntrusted, pinned_context
 
 START_TIMEOUT_S = 30.0
 
@@ -36,13 +38,15 @@ def info_path(home: Path) -> Path:
 
 
 def read_info(home: Path) -> dict | None:
-    """The running controller's pid and URL, if it answers."""
+    """The running controller's pid and URL, if it answers (over https: trusting its CA only)."""
     try:
         info = json.loads(info_path(home).read_text())
-        with urllib.request.urlopen(f"{info['url']}/healthz", timeout=2) as response:
+        https = info["url"].startswith("https:")
+        context = pinned_context((tls.folder(home) / tls.CA_CERT).read_text()) if https else None
+        with urllib.request.urlopen(f"{info['url']}/healthz", timeout=2, context=context) as response:
             if json.loads(response.read()).get("pid") == info["pid"]:  # not another process on that port
                 return info
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, ControllerUntrusted):
         pass
     return None
 
@@ -95,13 +99,13 @@ def serve(home: Path) -> int:
     store = Store(store_path(home))
     controller = Controller(store, home, {"local": LocalProvider()})
     # Loopback unless the user opens the API to cloud nodes (they must be able to reach it; every call
-    # still needs the job's token).
+    # still needs the job's token, and beyond loopback it is TLS with this home's CA).
     host, advertise = os.environ.get("TFSN_API_HOST", "127.0.0.1"), os.environ.get("TFSN_API_ADVERTISE", "")
     try:
-        server = ApiServer(previous, store, controller.handlers, host, advertise)
+        server = ApiServer(previous, store, controller.handlers, host, advertise, home)
     except OSError:  # the old port is taken by someone else now
-        server = ApiServer(0, store, controller.handlers, host, advertise)
-    controller.url = server.url
+        server = ApiServer(0, store, controller.handlers, host, advertise, home)
+    controller.listen(server)
     server.start()
     metrics_port = controller.metrics.serve(int(os.environ.get("TFSN_METRICS_PORT", 0)))
     atomic_write_text(info_path(home), json.dumps({

@@ -24,6 +24,7 @@ from orchestrator.home import job_dir
 from orchestrator.planning.offers import offer_text
 from orchestrator.planning.placement import plan_for
 from orchestrator.planning.planner import Blocklist, NoCapacityError, PlanError, PlannedOffer
+from orchestrator.sdk.client import CA_FINGERPRINT_ENV, CA_PEM_ENV
 from orchestrator.spec import JobSpec
 from providers.base import CapacityError, NodeRequest, ProviderError
 
@@ -161,7 +162,7 @@ class Provisioner:
             job_id=str(job.id), node_id=node_id, workdir=spec.workdir,
             log_path=str(job_dir(job.id, self.ctx.home) / f"{node_id}.log"),
             command=agent_command(local), cpus=requested_cpus(spec),
-            env=agent_env(self.ctx.url, job, node_id, local), offer=offer, spot=candidate.spot,
+            env=agent_env(self.ctx.url, job, node_id, local, self.ctx.trust), offer=offer, spot=candidate.spot,
             avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name))
         try:
             handle = provider.provision(request)
@@ -243,12 +244,15 @@ def agent_command(local: bool = True) -> list[str]:
     return [sys.executable if local else "python3", "-m", "orchestrator.agent"]
 
 
-def agent_env(url: str, job: Job, node_id: str, local: bool = True) -> dict[str, str]:
-    """The agent's environment: the controller's address and the node's own token. A local node inherits
+def agent_env(url: str, job: Job, node_id: str, local: bool = True,
+              trust: dict[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment: the controller's address, what to trust it by (`trust`: its CA and the CA's
+    fingerprint, public; the agent's workers inherit them) and the node's own token. A local node inherits
     this process's environment; a remote one gets only tfsn's settings (never this machine's credentials,
     paths or devices: they would end up in the VM's metadata)."""
-    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME"}
+    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME",
+                    CA_PEM_ENV, CA_FINGERPRINT_ENV}
     keep = {k: v for k, v in os.environ.items()
             if k not in job_specific and (local or k in REMOTE_SETTINGS)}
-    return {**keep, "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": agent_token(job.token, node_id),
+    return {**keep, **(trust or {}), "TFSN_CONTROLLER_URL": url, "TFSN_TOKEN": agent_token(job.token, node_id),
             "TFSN_JOB_ID": str(job.id), "TFSN_NODE_ID": node_id}

@@ -25,6 +25,7 @@ VERSION = "v1alpha1"
 KIND = "TfsnJob"
 PLURAL = "tfsnjobs"
 OPERATOR = "tfsn-operator"
+CA_SECRET = f"{OPERATOR}-ca"    # the CA of the operator's API, in its namespace (orchestrator.k8s.runtime)
 API_PORT = 8080                 # agents in worker pods report here, as to the local controller
 LIVENESS_PORT = 8081            # kopf's liveness endpoint (`tfsn operator run` serves it)
 DEFAULT_IMAGE = "python:3.11-slim"   # tfsn[k8s] is installed on start where the image lacks it
@@ -260,40 +261,61 @@ def crd() -> dict[str, Any]:
     }
 
 
-def rbac(namespace: str) -> list[dict[str, Any]]:
-    """The operator's ServiceAccount and the least it may do: TfsnJobs, their pods, Services, Secrets and
-    events, and read/taint nodes (cluster-scoped, hence a ClusterRole)."""
-    rules = [
+def rbac(namespace: str, watch: str = "") -> list[dict[str, Any]]:
+    """The operator's ServiceAccount and the least it may do: TfsnJobs, their pods, Services, Secrets and events
+    (a Role in the `watch` namespace when it runs for that one only, else cluster-wide), read/taint nodes
+    (cluster-scoped, hence a ClusterRole), and its own CA's Secret in `namespace`."""
+    job_rules = [
         {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create", "delete"]},
         {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
+        # Each job's token Secret (its name is made from the TfsnJob's, so it cannot be listed here): create it,
+        # patch in the new job's token, get it back when a new operator adopts the job. No list, watch, update
+        # or delete: the operator sees no Secret it does not name, and owner references delete its own.
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+    ]
+    cluster_rules = [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]},
         # kopf watches for CRDs and namespaces appearing while it runs
         {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
          "verbs": ["list", "watch"]},
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     ]
+    # The API's CA, kept across operators: read by its name; created once (create cannot be limited by name).
+    ca_rules = [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": [CA_SECRET]},
+                {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
     meta = {"name": OPERATOR, "labels": {"app.kubernetes.io/name": OPERATOR}}
+    account = {"kind": "ServiceAccount", "name": OPERATOR, "namespace": namespace}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {**meta, "namespace": namespace}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta, "rules": rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta,
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR},
-         "subjects": [{"kind": "ServiceAccount", "name": OPERATOR, "namespace": namespace}]},
+        *_grant("ClusterRole", meta, cluster_rules if watch else job_rules + cluster_rules, account),
+        *(_grant("Role", {**meta, "namespace": watch}, job_rules, account) if watch else []),
+        *_grant("Role", {**meta, "name": CA_SECRET, "namespace": namespace}, ca_rules, account),
     ]
 
 
-def deployment(namespace: str, image: str = DEFAULT_IMAGE, checkpoint_claim: str = "") -> list[dict[str, Any]]:
-    """One operator replica (kopf runs one per cluster) and the Service agents report to."""
+def _grant(kind: str, meta: dict[str, Any], rules: list[dict[str, Any]], account: dict[str, str]) -> list[dict]:
+    """A Role or ClusterRole with `rules`, and its binding to the operator's ServiceAccount."""
+    api = "rbac.authorization.k8s.io"
+    return [{"apiVersion": f"{api}/v1", "kind": kind, "metadata": meta, "rules": rules},
+            {"apiVersion": f"{api}/v1", "kind": f"{kind}Binding", "metadata": meta,
+             "roleRef": {"apiGroup": api, "kind": kind, "name": meta["name"]}, "subjects": [account]}]
+
+
+def deployment(namespace: str, image: str = DEFAULT_IMAGE, checkpoint_claim: str = "",
+               watch: str = "") -> list[dict[str, Any]]:
+    """One operator replica (kopf runs one per cluster, or one for the `watch` namespace) and the Service agents
+    report to."""
     labels = {"app.kubernetes.io/name": OPERATOR}
     env = [{"name": "TFSN_OPERATOR_ADVERTISE", "value": f"{OPERATOR}.{namespace}.svc"},
            {"name": "TFSN_OPERATOR_PORT", "value": str(API_PORT)},
            {"name": "TFSN_HOME", "value": "/var/lib/tfsn"}]
     if checkpoint_claim:
         env.append({"name": "TFSN_OPERATOR_CHECKPOINT_CLAIM", "value": checkpoint_claim})
+    if watch:
+        env.append({"name": "TFSN_OPERATOR_NAMESPACE", "value": watch})
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment",
          "metadata": {"name": OPERATOR, "namespace": namespace, "labels": labels},
@@ -316,7 +338,9 @@ def deployment(namespace: str, image: str = DEFAULT_IMAGE, checkpoint_claim: str
     ]
 
 
-def manifests(namespace: str = "tfsn-system", image: str = DEFAULT_IMAGE, checkpoint_claim: str = "") -> list[dict]:
-    """Everything `kubectl apply` needs to install the operator, in apply order."""
+def manifests(namespace: str = "tfsn-system", image: str = DEFAULT_IMAGE, checkpoint_claim: str = "",
+              watch: str = "") -> list[dict]:
+    """Everything `kubectl apply` needs to install the operator, in apply order; `watch`: the one namespace
+    whose TfsnJobs it runs ("": every namespace)."""
     return [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}, crd(),
-            *rbac(namespace), *deployment(namespace, image, checkpoint_claim)]
+            *rbac(namespace, watch), *deployment(namespace, image, checkpoint_claim, watch)]

@@ -72,12 +72,12 @@ def adoption_namespace(clusterwide: bool, namespace: str) -> str:
 def start(memo: kopf.Memo, settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING   # Kubernetes events for problems, not for every handler run
     operator = getattr(memo, "tfsn", None)
-    if operator is None:     # not again when kopf retries this handler: one operator, one port for its API
-        ours = OperatorSettings.from_env()
-        adoption_namespace(settings.peering.clusterwide, ours.namespace)
-        operator = memo.tfsn = Operator(ours)
-    operator.start()
     try:
+        if operator is None:     # not again when kopf retries this handler: one operator, one port for its API
+            ours = OperatorSettings.from_env()
+            adoption_namespace(settings.peering.clusterwide, ours.namespace)
+            operator = memo.tfsn = Operator(ours)     # reads (or keeps) its CA's Secret
+        operator.start()
         operator.adoption.adopt_all()
     except ProviderError as err:   # kopf runs no other handler before this one succeeds: none admits a job
         raise kopf.TemporaryError(f"{err} (tried again in {RETRY_DELAY_S:.0f}s)", delay=RETRY_DELAY_S) from None

@@ -13,6 +13,10 @@ one controller job. `Operator` only translates between the two:
 - spec_changed: not applied to a job under way; a condition says so and how to apply it;
 - release (delete): stop the job; the controller deletes the pods, owner references the Secret and Service.
 Adoption of the jobs under way when an operator starts is orchestrator.k8s.adoption.
+
+The API listens beyond loopback (pods reach it), so it serves TLS with the operator's CA (see
+orchestrator.control.tls), which its pods pin. The CA is kept in a Secret of the operator's namespace, not
+only in its home (an emptyDir): a successor serves with the same CA, and the running pods carry on.
 """
 from __future__ import annotations
 
@@ -29,16 +33,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from orchestrator.control import tls
 from orchestrator.control.api import ApiServer
 from orchestrator.control.controller import Controller
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import tfsn_home
 from orchestrator.k8s.adoption import Adoption, job_key, token_secret
-from orchestrator.k8s.crd import GROUP, KIND, VERSION, Condition, TfsnJobStatus
+from orchestrator.k8s.crd import CA_SECRET, GROUP, KIND, VERSION, Condition, TfsnJobStatus
 from orchestrator.k8s.status import StatusWriter, status_record
 from orchestrator.k8s.taints import Taints
 from orchestrator.spec import JobSpec, _dotted, _user_path
-from providers.base import import_sdk
+from providers.base import NotFoundError, ProviderError, import_sdk
 from providers.kubernetes import EXTRA, TOKEN_KEY, KubernetesProvider, PodBinding
 from providers.naming import dns_label
 
@@ -109,12 +114,15 @@ class Operator:
     def __init__(self, settings: OperatorSettings) -> None:
         self.settings = settings
         settings.home.mkdir(parents=True, exist_ok=True)
-        self.store = Store(settings.home / "operator.db")
         self.provider = KubernetesProvider()
+        if tls.serves_tls(settings.host):
+            self._keep_ca()
+        self.store = Store(settings.home / "operator.db")
         self.provider.status_poll_s = settings.pod_poll_s
         self.controller = Controller(self.store, settings.home, {"kubernetes": self.provider})
-        self.server = ApiServer(settings.port, self.store, self.controller.handlers, settings.host, settings.advertise)
-        self.controller.url = self.server.url
+        self.server = ApiServer(settings.port, self.store, self.controller.handlers, settings.host, settings.advertise,
+                                settings.home)
+        self.controller.listen(self.server)
         self.writer = StatusWriter(self._record_of, self.custom_objects)
         self.store.on_change = self.writer.changed
         self.taints = Taints(self.store, self.provider, self.writer.changed)
@@ -125,6 +133,28 @@ class Operator:
         self._serving = False
         self._custom_api: Any = None
         self._job_ids: dict[str, int] = {}   # job_key -> controller job id
+
+    def _keep_ca(self) -> None:
+        """Put the CA kept in the operator's Secret in its home; on the first start, keep the home's there."""
+        namespace, home = self.provider.namespace, self.settings.home
+        try:
+            kept = self._kept_ca(namespace)
+        except NotFoundError:   # ours is kept, or the one another operator kept meanwhile is taken
+            self.provider.apply("Secret", namespace, {
+                "apiVersion": "v1", "kind": "Secret", "type": "Opaque", "stringData": tls.ca_files(home),
+                "metadata": {"name": CA_SECRET, "namespace": namespace,
+                             "labels": {"app.kubernetes.io/managed-by": "tfsn"}}})
+            kept = self._kept_ca(namespace)
+        tls.restore_ca(home, kept)
+
+    def _kept_ca(self, namespace: str) -> dict[str, str]:
+        kept = {name: self.provider.read_secret(namespace, CA_SECRET, name) or "" for name in (tls.CA_KEY, tls.CA_CERT)}
+        if not all(kept.values()):
+            raise ProviderError(f"Secret {CA_SECRET} in namespace {namespace} lacks {tls.CA_KEY} or {tls.CA_CERT}. "
+                                f"To fix: kubectl delete secret {CA_SECRET} -n {namespace} (a new CA is made; the "
+                                "pods running now then stop and their jobs restart from their checkpoints)",
+                                provider="kubernetes")
+        return kept
 
     def start(self, reconcile: bool = True) -> None:
         """Serve agents, write statuses and run the controller's loop in threads (kopf keeps the event loop);

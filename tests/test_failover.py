@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from orchestrator.control.controller import Controller
 from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Store
@@ -261,3 +263,20 @@ def test_a_multi_node_cloud_job_does_not_start_without_rank_0s_address(tmp_path)
     controller.reconcile(job_id)
     assert store.job(job_id).attempt == 0, "no attempt whose workers would meet on loopback"
     assert store.node(first.id).state == NodeState.FAILED and "address" in store.node(first.id).failure
+
+
+def test_a_job_that_ends_drops_its_health_watch_even_when_its_last_log_line_cannot_be_written(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    refused = CapacityError("InsufficientInstanceCapacity", provider="aws")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], refuse={"us-east-1a": refused})
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)                      # the node is refused; the job's watch exists by now
+    assert controller.health.existing(job_id) is not None
+    log = tmp_path / "jobs" / str(job_id) / "job.log"
+    log.unlink()
+    log.mkdir()                                       # the job log cannot be written any more
+    with pytest.raises(OSError):
+        reconcile(controller, job_id)                 # no candidate left: FAILED, its log line fails
+    assert store.job(job_id).state == JobState.FAILED
+    assert controller.health.existing(job_id) is None, "a job that ended kept its watch and metric series"

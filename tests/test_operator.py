@@ -1005,3 +1005,18 @@ def test_a_restart_whose_spec_is_invalid_says_so_and_keeps_the_pods(operator, cl
     finally:
         successor.close()
 
+
+def test_the_create_handler_for_a_tfsnjob_admitted_by_a_dead_operator_adopts_it(operator, cluster, tmp_path):
+    """kopf runs create (not resume) for a TfsnJob whose create it never recorded: the operator died after it
+    admitted the job. The new operator carries the job on instead of failing the handler for ever."""
+    body, job_id = admitted(operator, cluster, tfsnjob())
+    run_first_attempt(operator, cluster, job_id)
+    assert operator.writer.write(job_id)
+    operator.close()
+    successor = new_operator(tmp_path / "new-operator")
+    successor.start(reconcile=False)
+    try:
+        assert successor.admit(on_server(cluster, body)) == {}
+        assert [j.id for j in successor.store.jobs()] == [job_id]
+    finally:
+        successor.close()

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.control.store import Job, JobState, Node, Store
-from orchestrator.planning.offers import offer_text
+from orchestrator.planning.offers import offer_path, offer_text
 
 _STATE_STYLE = {JobState.SUCCEEDED: "green", JobState.FAILED: "red", JobState.STOPPED: "yellow",
                 JobState.RECOVERING: "magenta", JobState.RUNNING: "cyan"}
@@ -49,7 +49,8 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
         "checkpoint": {"step": job.checkpoint_step, "path": job.checkpoint_path} if job.checkpoint_step else None,
         "error": job.error or None, "created_at": job.created_at, "finished_at": job.finished_at,
         "duration_s": end - job.created_at,
-        "nodes": [{"id": n.id, "rank": n.rank, "provider": n.provider, "where": _where(n), "spot": n.spot,
+        "nodes": [{"id": n.id, "rank": n.rank, "provider": n.provider,
+                   "where": offer_path(n.offer) if n.offer else n.provider, "spot": n.spot,
                    "state": n.state.value,
                    "heartbeat_age_s": None if n.heartbeat_at is None else time.time() - n.heartbeat_at,
                    "failure": n.failure or None} for n in store.nodes(job.id)],

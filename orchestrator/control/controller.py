@@ -84,9 +84,11 @@ class Controller:
 
     def reconcile(self, job_id: int) -> None:
         """One step of the job's state machine."""
-        self._step(job_id)
-        if self.store.job(job_id).state.terminal:
-            self.health.forget(job_id)
+        try:
+            self._step(job_id)
+        finally:   # a job that ended is never reconciled again: whatever failed after, drop its watch now
+            if self.store.job(job_id).state.terminal:
+                self.health.forget(job_id)
 
     def _step(self, job_id: int) -> None:
         job = self.store.job(job_id)

@@ -200,7 +200,7 @@ class Operator:
         Idempotent: kopf runs a create handler again when it could not record that it ran."""
         job = self.job_of(body)
         if job is None and (body.get("status") or {}).get("jobId") is not None:
-            return self.adopt(body)   # admitted before this operator started: its pods may be running
+            return self.adoption.adopt(body)   # admitted before this operator started: its pods may be running
         if job is None:
             spec, problem = self.checked_spec(body, dict(body.get("spec") or {}))
             if spec is None:

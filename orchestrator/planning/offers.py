@@ -1,7 +1,10 @@
-"""How tfsn names an offer to a person: one wording for events, `tfsn plan` and the live view."""
+"""How tfsn names an offer: one wording for people (events, `tfsn plan`, the live view) and one path
+for machines (`tfsn status --json`). Both read an offer or its stored record (a dict), so a record
+written by another tfsn version still shows."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from providers.base import Offer
@@ -13,15 +16,26 @@ if TYPE_CHECKING:   # the planner pulls in the optimizer's predictor: the CLI st
 def offer_text(offer: Offer | Mapping[str, Any], spot: bool = False) -> str:
     """`aws/us-east-1a p4d.24xlarge (8x A100) spot`; parts that repeat the provider's name are left out
     (a local node is just `local`)."""
-    o = offer if isinstance(offer, Offer) else Offer(**offer)
-    where = o.zone or o.region
-    what = o.instance_type + (f" ({o.accelerator_count}x {o.accelerator})" if o.accelerator else "")
-    parts = [o.provider + ("" if where == o.provider else f"/{where}")]
-    parts += [what] if what != o.provider else []
+    o = _record(offer)
+    provider, where, instance = o.get("provider", "?"), o.get("zone") or o.get("region"), o.get("instance_type", "?")
+    what = instance + (f" ({o.get('accelerator_count')}x {o['accelerator']})" if o.get("accelerator") else "")
+    parts = [provider + ("" if where in (None, provider) else f"/{where}")]
+    parts += [what] if what != provider else []
     return " ".join(parts + (["spot"] if spot else []))
 
 
+def offer_path(offer: Offer | Mapping[str, Any]) -> str:
+    """`aws/us-east-1a/p4d.24xlarge`: provider, zone (or region) and instance type, repeats left out."""
+    o = _record(offer)
+    return "/".join(dict.fromkeys(str(v) for v in (o.get("provider"), o.get("zone") or o.get("region"),
+                                                   o.get("instance_type")) if v))
+
+
 def candidate_text(candidate: PlannedOffer) -> str:
-    """An offer with what the plan predicts of it: nodes, price, hours and the cost of the run."""
-    return (f"{offer_text(candidate.offer, candidate.spot)} x{candidate.nodes} node(s): "
+    """An offer with its market and what the plan predicts of it: nodes, price, hours, cost of the run."""
+    return (f"{offer_text(candidate.offer)} ({'spot' if candidate.spot else 'on-demand'}) x{candidate.nodes} node(s): "
             f"${candidate.price_per_hour:,.2f}/node-h, {candidate.hours:,.2f} h, ${candidate.cost:,.2f} for the run")
+
+
+def _record(offer: Offer | Mapping[str, Any]) -> Mapping[str, Any]:
+    return asdict(offer) if isinstance(offer, Offer) else offer

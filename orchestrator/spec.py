@@ -14,7 +14,7 @@ import math
 import os
 import re
 import reprlib
-from typing import Annotated, Any, Callable, Literal, get_args
+from typing import Annotated, Any, Callable, Literal, Sequence, get_args
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -95,6 +95,13 @@ def text(max_length: int, multiline: bool = False, min_length: int = 0) -> Any:
 Line = text(MAX_LINE)
 PathText = text(MAX_PATH)
 Script = text(MAX_SCRIPT, multiline=True)
+
+
+def close_match(word: str, choices: Sequence[str]) -> str | None:
+    """The choice that `word` most likely misspells (case aside), for a "did you mean" hint; or None."""
+    folded = {choice.casefold(): choice for choice in choices}
+    close = difflib.get_close_matches(word.casefold(), list(folded), n=1)
+    return folded[close[0]] if close else None
 
 
 def parse_duration(value: str | int | float) -> float:
@@ -266,8 +273,8 @@ class Resources(BaseModel):
         for item in value:
             name = item.strip().lower() if isinstance(item, str) else item
             if name not in PROVIDERS:
-                close = difflib.get_close_matches(str(name), PROVIDERS, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
+                close = close_match(str(name), PROVIDERS)
+                hint = f"did you mean {close!r}? " if close else ""
                 raise ValueError(f"unknown provider {_show(item)}; {hint}To fix: use one of "
                                  + ", ".join(PROVIDERS))
             out.append(name)
@@ -718,9 +725,9 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
         line = _line(root, path)
         model = _model_at(path[:-1])
         fields = list(model.model_fields) if model else []
-        close = difflib.get_close_matches(str(leaf).lower(), fields, n=1)
+        close = close_match(str(leaf), fields)
         what = f"unknown field {leaf!r}"
-        what += (f"; did you mean {close[0]!r}? To fix: rename it" if close
+        what += (f"; did you mean {close!r}? To fix: rename it" if close
                  else f". To fix: use one of {', '.join(fields)}")
     else:
         line = _line(root, path)
@@ -786,11 +793,18 @@ def _parse_yaml(text: str, fail: Callable[[list[tuple[int, str]]], SpecError]) -
             loader.dispose()
 
 
-def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) -> JobSpec:
-    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`.
+# A check beyond the model that a loaded spec must pass (the CLI's: can it launch?): None, or the
+# field to blame (its line is shown; () for the file as a whole) and a message that names it.
+SpecCheck = Callable[[JobSpec], tuple[tuple[str, ...], str] | None]
 
-    Raises SpecError, and only SpecError, with one 'FILE:LINE: FIELD: what. To fix: how' line
-    per problem, whatever the file holds.
+
+def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
+              check: SpecCheck | None = None) -> JobSpec:
+    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`; `check`
+    may refuse the valid spec.
+
+    Raises SpecError, and only SpecError (`check` aside), with one 'FILE:LINE: FIELD: what. To fix:
+    how' line per problem, whatever the file holds.
     """
     shown = os.fsdecode(os.fspath(path))
 
@@ -816,7 +830,7 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
 
     base_dir = os.path.dirname(os.path.abspath(shown))
     try:
-        return JobSpec.model_validate(data, context={"base_dir": base_dir})
+        spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as e:
         by_path: dict[tuple, tuple[int, str]] = {}
         for err in e.errors():
@@ -825,3 +839,8 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
         raise fail(sorted(by_path.values())) from None
     except Exception as e:        # a validator bug must still come out as a one-line SpecError
         raise fail([(1, f"cannot validate the spec: {type(e).__name__}: {e}")]) from None
+    problem = check(spec) if check is not None else None
+    if problem is not None:
+        field, what = problem
+        raise fail([(_line(root, field), what)])
+    return spec

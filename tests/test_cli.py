@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from orchestrator.control.store import JobState, Store
 from tests.conftest import EXAMPLE, write_job
 
@@ -82,4 +84,27 @@ def test_bad_name_and_job_refs_are_one_line_errors(tfsn, tmp_path):
 def test_missing_workdir_is_refused_before_anything_runs(tfsn, tmp_path):
     spec = write_job(tmp_path / "job.yaml", steps=1, workdir=str(tmp_path / "nowhere"))
     assert_one_line_error(tfsn("launch", str(spec), check=False), "nowhere", "To fix")
+    assert json.loads(tfsn("status", "--json").stdout) == []
+
+
+# ---- issue 17: bounded specs, and `tfsn validate` refuses what `tfsn launch` refuses -----------------
+
+NOT_LAUNCHABLE = [
+    ("num_nodes: 99999999999999999999999999999999\n", "num_nodes: input should be less than or equal to 4096"),
+    ('envs:\n  SEED: "1\\0"\n', "envs.SEED: a control character (U+0000)"),
+    ("resources:\n  accelerators: FOO:8\n  infra: [aws]\n", "resources.accelerators: unknown accelerator 'FOO'"),
+    ("resources:\n  accelerators: H10:8\n", "did you mean 'H100'?"),
+    ("workdir: nowhere\n", "workdir: "),
+]
+
+
+@pytest.mark.parametrize("extra, needle", NOT_LAUNCHABLE)
+def test_validate_refuses_what_launch_refuses_with_the_same_line(tfsn, tmp_path, extra, needle):
+    (tmp_path / "code").mkdir()
+    spec = tmp_path / "train.yaml"
+    spec.write_text("run: python train.py\nworkdir: code\n" + extra)
+    checked = tfsn("validate", str(spec), check=False)
+    launched = tfsn("launch", "--detach", str(spec), check=False)
+    assert_one_line_error(checked, f"{spec}:", needle, "To fix")
+    assert launched.returncode == 2 and launched.stderr == checked.stderr
     assert json.loads(tfsn("status", "--json").stdout) == []

@@ -51,10 +51,10 @@ def write(tmp_path, text, name="train.yaml"):
     return path
 
 
-def errors(path, overrides=None):
+def errors(path, overrides=None, check=None):
     """The messages of the SpecError that loading `path` must raise; each checked to be one line."""
     with pytest.raises(SpecError) as info:
-        load_spec(path, overrides)
+        load_spec(path, overrides, check)
     msgs = info.value.messages
     assert msgs and str(info.value) == "\n".join(msgs)
     for m in msgs:
@@ -431,6 +431,14 @@ def test_scripts_and_env_values_keep_tabs_and_newlines(tmp_path):
     assert spec.run == "python a.py\tx\npython b.py" and spec.envs["KEY"] == "line1\nline2"
     path = write(tmp_path, yaml.safe_dump({"run": "x", "workdir": "a\nb"}))
     one(path, 2, "workdir", "a line break (U+000A) at character 2")
+
+
+def test_a_check_refuses_a_valid_spec_at_the_line_of_its_field(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  accelerators: H100:8\n")
+    assert errors(path, check=lambda spec: (("resources", "accelerators"), "resources.accelerators: no. To fix: yes")) \
+        == [f"{path}:3: resources.accelerators: no. To fix: yes"]
+    assert errors(path, check=lambda spec: ((), "no offer. To fix: wait")) == [f"{path}:1: no offer. To fix: wait"]
+    assert load_spec(path, check=lambda spec: None).run == "x"
 
 
 # --- fuzzing -----------------------------------------------------------------------------------

@@ -261,3 +261,25 @@ def test_a_multi_node_cloud_job_does_not_start_without_rank_0s_address(tmp_path)
     controller.reconcile(job_id)
     assert store.job(job_id).attempt == 0, "no attempt whose workers would meet on loopback"
     assert store.node(first.id).state == NodeState.FAILED and "address" in store.node(first.id).failure
+
+
+def test_a_stop_interrupts_provisioning_between_two_nodes_and_releases_every_node(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=200)
+    create = aws.provision
+
+    def create_then_stop(request: NodeRequest) -> NodeHandle:   # `tfsn stop` while the third node is created
+        handle = create(request)
+        if len(aws.created) == 3:
+            store.request_stop(job_id)
+        return handle
+
+    aws.provision = create_then_stop
+    controller.reconcile(job_id)
+    assert len(aws.created) == 3, "provisioning goes on no further than the node under way when stop came"
+    controller.reconcile(job_id)
+    assert store.job(job_id).state == JobState.STOPPED
+    assert sorted(aws.terminated) == sorted(aws.created)
+    assert all(n.state == NodeState.TERMINATED and n.released for n in store.nodes(job_id))

@@ -136,7 +136,8 @@ FUZZ_SPEC = st.fixed_dictionaries({"run": st.sampled_from([GOOD, GOOD, "python\t
     "envs": st.dictionaries(st.sampled_from(["SEED", "MODE", "1X", "A\x00"]),
                             st.sampled_from(["1", "line\nline", "a\x1bb", "v" * 8193]), max_size=2),
     "resources": st.fixed_dictionaries({}, optional={
-        "accelerators": st.sampled_from(["H100:8", "FOO:8", "h10:1", "A100:65", {"T4": 4, "BAR": 1}, ["T4:4", "H100:8"]]),
+        "accelerators": st.sampled_from(["H100:8", "FOO:8", "h10:1", "A100:65", {"T4": 4, "BAR": 1},
+                                         ["T4:4", "H100:8"]]),
         "infra": st.sampled_from([["local"], ["aws"], ["gcp", "aws"]]),
         "cpus": st.sampled_from(["1+", "1+", 5000])}),
     "checkpoint": st.fixed_dictionaries({}, optional={"keep": st.integers(0, 1001),
@@ -164,4 +165,5 @@ def test_fuzz_validate_accepts_and_refuses_exactly_what_launch_does(tmp_path, mo
         assert "valid job" in out and "submitted" in launch_out
         return
     assert code == 2 and "Traceback" not in out + err
-    assert all(re.match(rf"tfsn: error: {re.escape(str(spec))}:\d+: \S.*To fix", line) for line in err.splitlines()), err
+    lines = err.splitlines()
+    assert lines and all(re.match(rf"tfsn: error: {re.escape(str(spec))}:\d+: \S.*To fix", line) for line in lines), err

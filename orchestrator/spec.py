@@ -85,16 +85,16 @@ def _no_control(pattern: re.Pattern[str]) -> Callable[[str], str]:
     return check
 
 
-def text(max_length: int, multiline: bool = False, min_length: int = 0) -> Any:
+def bounded_text(max_length: int, multiline: bool = False, min_length: int = 0) -> Any:
     """A str field of at most `max_length` characters and no control character (tab and newline only
     where `multiline`), so that nothing the spec holds can break the agents that use it."""
     return Annotated[str, Field(strict=True, min_length=min_length or None, max_length=max_length),
                      AfterValidator(_no_control(_SCRIPT_CONTROL_RE if multiline else _CONTROL_RE))]
 
 
-Line = text(MAX_LINE)
-PathText = text(MAX_PATH)
-Script = text(MAX_SCRIPT, multiline=True)
+Line = bounded_text(MAX_LINE)
+PathText = bounded_text(MAX_PATH)
+Script = bounded_text(MAX_SCRIPT, multiline=True)
 
 
 def close_match(word: str, choices: Sequence[str]) -> str | None:
@@ -414,7 +414,7 @@ class Toleration(BaseModel):
         return self
 
 
-ImageName = text(MAX_LINE, min_length=1)
+ImageName = bounded_text(MAX_LINE, min_length=1)
 
 
 class KubernetesSpec(BaseModel):
@@ -486,7 +486,8 @@ def _env_value(value: Any) -> str:
 
 
 EnvName = Annotated[str, Field(strict=True, max_length=MAX_ENV_NAME), AfterValidator(_env_name)]
-EnvValue = Annotated[text(MAX_ENV_VALUE, multiline=True), BeforeValidator(_env_value)]   # a value may be a PEM key
+# multiline: a value may be a PEM key
+EnvValue = Annotated[bounded_text(MAX_ENV_VALUE, multiline=True), BeforeValidator(_env_value)]
 
 
 class JobSpec(BaseModel):

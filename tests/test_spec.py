@@ -393,6 +393,12 @@ def test_every_count_and_size_has_an_upper_bound(tmp_path, field, largest, over)
     assert "To fix" in message and re.search(r"\bat most\b|\bfrom 1 to\b", message), message
 
 
+def test_a_path_too_long_once_made_absolute_is_refused(tmp_path):
+    path = write(tmp_path, f"run: x\nworkdir: {'w' * 4096}\n")
+    [message] = errors(path)
+    assert message.startswith(f"{path}:1: workdir: ") and "longer than 4096 characters once made absolute" in message
+
+
 def test_a_huge_node_count_is_refused_with_its_line(tmp_path):
     path = write(tmp_path, "run: x\nnum_nodes: 99999999999999999999999999999999\n")
     one(path, 2, "num_nodes", "less than or equal to 4096", "To fix: use at most 4096")

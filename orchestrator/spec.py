@@ -14,7 +14,7 @@ import math
 import os
 import re
 import reprlib
-from typing import Annotated, Any, Callable, Literal, get_args
+from typing import Annotated, Any, Callable, Literal, Sequence, get_args
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -22,6 +22,29 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 PROVIDERS = ("local", "aws", "gcp", "azure", "kubernetes", "skypilot")
 MAX_FILE_BYTES = 4 << 20        # a train.yaml is a few KiB; refuse to parse anything huge
+
+# Upper bounds of every count and size (README's train.yaml section lists them). Each is far above any
+# real job, and low enough that a typo (an extra digit, a pasted blob) is refused at once instead of
+# making the controller create nodes, restarts or files without end.
+MAX_NODES = 4096                # 4096 nodes x 8 GPUs is 32k GPUs, the largest training clusters built
+MAX_PROCS_PER_NODE = 256        # one worker per GPU (8-16) or per core: the largest CPU instances have 192 vCPUs
+MAX_ACCELERATORS_PER_NODE = 64  # nodes hold 8 (16 on a few); no machine of any catalog holds 64
+MAX_STEPS = 10**9               # a billion optimizer steps: three years at 10 steps a second
+MAX_RESTARTS = 1000             # each restart costs minutes; a job failing this often needs a person
+MAX_SPARES = 256                # standby nodes: over 5% of the largest job
+MAX_CPUS = 4096                 # vCPUs per node: the largest instances have under 2000
+MAX_MEMORY_GIB = 65536          # GiB per node: the largest instances have 32 TiB
+MAX_CHECKPOINTS_KEPT = 1000     # checkpoints kept on storage
+MAX_INTERVAL_S = 30 * 86400     # a checkpoint at least every 30 days
+MAX_HEARTBEAT_TIMEOUT_S = 86400  # a node silent for a day is gone
+MAX_SCRIPT = 16384              # characters of `run` or `setup`: under 64 KiB of UTF-8, within Linux's
+                                # 128 KiB limit on one argument (the agent runs `bash -c SCRIPT`)
+MAX_ENVS = 128                  # envs, each value at most MAX_ENV_VALUE characters: 1 MiB of ASCII at
+MAX_ENV_VALUE = 8192            # most, under Linux's 2 MiB for a worker's arguments and environment
+MAX_ENV_NAME = 256
+MAX_PATH = 4096                 # Linux's PATH_MAX: workdir, checkpoint.dir
+MAX_LINE = 1024                 # other text: a region, an image, a label or toleration key or value
+MAX_ITEMS = 64                  # entries of a list or mapping: accelerators, infra, regions, labels, tolerations
 
 _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -42,6 +65,43 @@ def _show(value: Any) -> str:
         return _repr.repr(value)
     except Exception:                               # e.g. an int too long to print
         return f"<{type(value).__name__}>"
+
+
+# Control characters (C0, DEL, C1): a NUL in an environment value or a command makes every agent that
+# starts the job fail; the others garble logs and shells. Scripts keep tab and newline. (Lone surrogates
+# never get this far: a strict str field refuses them.)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_SCRIPT_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _no_control(pattern: re.Pattern[str]) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        found = pattern.search(value)
+        if found:
+            kind = "a line break" if found.group() in "\n\r" else "a control character"
+            raise ValueError(f"{kind} (U+{ord(found.group()):04X}) at character {found.start() + 1} is not "
+                             "allowed here. To fix: remove it")
+        return value
+    return check
+
+
+def bounded_text(max_length: int, multiline: bool = False, min_length: int = 0) -> Any:
+    """A str field of at most `max_length` characters and no control character (tab and newline only
+    where `multiline`), so that nothing the spec holds can break the agents that use it."""
+    return Annotated[str, Field(strict=True, min_length=min_length or None, max_length=max_length),
+                     AfterValidator(_no_control(_SCRIPT_CONTROL_RE if multiline else _CONTROL_RE))]
+
+
+Line = bounded_text(MAX_LINE)
+PathText = bounded_text(MAX_PATH)
+Script = bounded_text(MAX_SCRIPT, multiline=True)
+
+
+def close_match(word: str, choices: Sequence[str]) -> str | None:
+    """The choice that `word` most likely misspells (case aside), for a "did you mean" hint; or None."""
+    folded = {choice.casefold(): choice for choice in choices}
+    close = difflib.get_close_matches(word.casefold(), list(folded), n=1)
+    return folded[close[0]] if close else None
 
 
 def parse_duration(value: str | int | float) -> float:
@@ -74,7 +134,7 @@ class AcceleratorRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str
-    count: int = Field(1, ge=1, strict=True)
+    count: int = Field(1, ge=1, le=MAX_ACCELERATORS_PER_NODE, strict=True)
 
     def matches(self, name: str) -> bool:
         """Accelerator names compare case-insensitively (h100 == H100), as in SkyPilot."""
@@ -92,20 +152,29 @@ class Amount(BaseModel):
         return f"{self.count:g}{'+' if self.at_least else ''}"
 
 
+_ACC_FIX = f"To fix: write it like 'H100:8' (NAME:COUNT, COUNT a whole number from 1 to {MAX_ACCELERATORS_PER_NODE})"
+
+
 def _parse_accelerator(text: Any) -> tuple[str, int]:
-    fix = "To fix: write it like 'H100:8' (NAME:COUNT, COUNT a whole number >= 1)"
     if not isinstance(text, str):
-        raise ValueError(f"{_show(text)} is not an accelerator. {fix}")
+        raise ValueError(f"{_show(text)} is not an accelerator. {_ACC_FIX}")
     name, sep, count = (part.strip() for part in text.strip().partition(":"))
     if not _ACC_NAME_RE.fullmatch(name):
-        raise ValueError(f"accelerator name {name!r} in {_show(text)} is not valid. {fix}")
+        raise ValueError(f"accelerator name {_show(name)} in {_show(text)} is not valid. {_ACC_FIX}")
     if not sep:
         return name, 1
-    if re.fullmatch(r"\d{1,6}", count) and int(count) >= 1:
-        return name, int(count)
+    if re.fullmatch(r"\d{1,6}", count):
+        return name, _accelerator_count(int(count), name)
     if re.fullmatch(r"\d*\.\d+", count):
-        raise ValueError(f"fractional accelerator count {count!r} is not supported. {fix}")
-    raise ValueError(f"accelerator count {count!r} in {_show(text)} is not a whole number >= 1. {fix}")
+        raise ValueError(f"fractional accelerator count {_show(count)} is not supported. {_ACC_FIX}")
+    raise ValueError(f"accelerator count {_show(count)} in {_show(text)} is not a whole number >= 1. {_ACC_FIX}")
+
+
+def _accelerator_count(count: Any, name: Any) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_ACCELERATORS_PER_NODE:
+        raise ValueError(f"count {_show(count)} for {_show(name)} is not a whole number from 1 to "
+                         f"{MAX_ACCELERATORS_PER_NODE} (accelerators per node). {_ACC_FIX}")
+    return count
 
 
 def _parse_amount(value: Any, whole: bool) -> Any:
@@ -128,6 +197,13 @@ def _parse_amount(value: Any, whole: bool) -> Any:
     return {"count": count, "at_least": at_least}
 
 
+def _at_most(amount: Amount | None, limit: int, unit: str) -> Amount | None:
+    if amount is not None and amount.count > limit:
+        raise ValueError(f"{amount.count:g} {unit} per node is more than the {limit} allowed. "
+                         f"To fix: ask for at most {limit}")
+    return amount
+
+
 def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
@@ -141,8 +217,8 @@ class Resources(BaseModel):
     cpus: Amount | None = None                    # count is a whole number
     memory: Amount | None = None                  # GiB
     use_spot: bool = Field(False, strict=True)
-    infra: list[str] | None = None                # allowed providers, normalized to lower case
-    regions: list[str] | None = None
+    infra: list[str] | None = Field(None, max_length=MAX_ITEMS)   # allowed providers, in lower case
+    regions: list[Line] | None = Field(None, max_length=MAX_ITEMS)
     max_hourly_cost: float | None = Field(None, gt=0, allow_inf_nan=False, strict=True)
 
     @field_validator("accelerators", mode="before")
@@ -152,6 +228,9 @@ class Resources(BaseModel):
             return None
         if isinstance(value, str):
             return "%s:%d" % _parse_accelerator(value)
+        if isinstance(value, (list, dict)) and len(value) > MAX_ITEMS:
+            raise ValueError(f"{len(value)} accelerator choices; at most {MAX_ITEMS} are allowed. "
+                             "To fix: keep the ones you would really run on")
         if isinstance(value, list):
             if not value:
                 raise ValueError("empty list. To fix: list accelerators like [H100:8, A100:8], "
@@ -163,11 +242,8 @@ class Resources(BaseModel):
                                  "or remove the field for CPU only")
             out = {}
             for name, count in value.items():
-                if count is None:                  # SkyPilot's set form {H100, A100}: one each
-                    count = 1
-                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                    raise ValueError(f"count {_show(count)} for {_show(name)} is not a whole number"
-                                     " >= 1. To fix: write it like {H100: 8}")
+                # SkyPilot's set form {H100, A100}: one each
+                count = _accelerator_count(1 if count is None else count, name)
                 name, _ = _parse_accelerator(name)
                 out[name] = count
             return out
@@ -197,8 +273,8 @@ class Resources(BaseModel):
         for item in value:
             name = item.strip().lower() if isinstance(item, str) else item
             if name not in PROVIDERS:
-                close = difflib.get_close_matches(str(name), PROVIDERS, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
+                close = close_match(str(name), PROVIDERS)
+                hint = f"did you mean {close!r}? " if close else ""
                 raise ValueError(f"unknown provider {_show(item)}; {hint}To fix: use one of "
                                  + ", ".join(PROVIDERS))
             out.append(name)
@@ -217,7 +293,12 @@ class Resources(BaseModel):
     def _whole_cpus(cls, value: Amount | None) -> Amount | None:
         if value is not None and value.count != int(value.count):
             raise ValueError(f"{value.count:g} is not a whole number of CPUs. To fix: write e.g. '4+'")
-        return value
+        return _at_most(value, MAX_CPUS, "CPUs")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory_bound(cls, value: Amount | None) -> Amount | None:
+        return _at_most(value, MAX_MEMORY_GIB, "GiB")
 
     @property
     def accelerators_any_of(self) -> bool:
@@ -239,26 +320,28 @@ class CheckpointSpec(BaseModel):
     """Where and how often to checkpoint: every N steps (int), every duration ("10m"), or "auto"."""
 
     model_config = ConfigDict(extra="forbid")
-    dir: str | None = Field(None, strict=True)    # absolute once loaded (relative to workdir)
+    dir: PathText | None = None                   # absolute once loaded (relative to workdir)
     interval: int | str = "auto"
-    keep: int = Field(3, ge=1, strict=True)
+    keep: int = Field(3, ge=1, le=MAX_CHECKPOINTS_KEPT, strict=True)
 
     @field_validator("interval", mode="before")
     @classmethod
     def _interval(cls, value: Any) -> Any:
-        fix = "To fix: write steps as a whole number (500), a time with a unit ('10m'), or 'auto'"
+        fix = ("To fix: write steps as a whole number (500), a time with a unit ('10m'; at most "
+               f"{MAX_INTERVAL_S // 86400} days), or 'auto'")
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
         if isinstance(value, str) and re.fullmatch(r"\s*\d{1,18}\s*", value):
             value = int(value)
         if isinstance(value, int) and not isinstance(value, bool):
-            if value < 1:
-                raise ValueError(f"interval {value} must be >= 1 step. {fix}")
+            if not 1 <= value <= MAX_STEPS:
+                raise ValueError(f"interval {_show(value)} must be from 1 to {MAX_STEPS} steps. {fix}")
             return value
         if not isinstance(value, str) or _NUMBER_RE.fullmatch(value.strip()):
             raise ValueError(f"{_show(value)} is not a checkpoint interval. {fix}")
-        if parse_duration(value) <= 0:
-            raise ValueError(f"interval {value!r} must be longer than zero. {fix}")
+        if not 0 < parse_duration(value) <= MAX_INTERVAL_S:
+            raise ValueError(f"interval {_show(value)} must be longer than zero and at most "
+                             f"{MAX_INTERVAL_S // 86400} days. {fix}")
         return value.strip()
 
     @property
@@ -280,8 +363,8 @@ class RecoverySpec(BaseModel):
     """How many times to restart after a fault, and how many standby nodes to keep provisioned."""
 
     model_config = ConfigDict(extra="forbid")
-    max_restarts: int = Field(3, ge=0, strict=True)
-    spares: int = Field(0, ge=0, strict=True)
+    max_restarts: int = Field(3, ge=0, le=MAX_RESTARTS, strict=True)
+    spares: int = Field(0, ge=0, le=MAX_SPARES, strict=True)
 
 
 class HealthSpec(BaseModel):
@@ -307,8 +390,9 @@ class HealthSpec(BaseModel):
     @classmethod
     def _timeout(cls, value: Any) -> float:
         seconds = parse_duration(value)
-        if seconds <= 0:
-            raise ValueError(f"heartbeat_timeout must be longer than zero. {_DURATION_FIX}")
+        if not 0 < seconds <= MAX_HEARTBEAT_TIMEOUT_S:
+            raise ValueError(f"heartbeat_timeout must be longer than zero and at most "
+                             f"{MAX_HEARTBEAT_TIMEOUT_S // 3600} hours. {_DURATION_FIX}")
         return seconds
 
 
@@ -316,9 +400,9 @@ class Toleration(BaseModel):
     """A Kubernetes toleration, as in a pod spec (key, operator, value, effect)."""
 
     model_config = ConfigDict(extra="forbid")
-    key: str | None = Field(None, strict=True)
+    key: Line | None = None
     operator: Literal["Equal", "Exists"] = "Equal"
-    value: str | None = Field(None, strict=True)
+    value: Line | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
     @model_validator(mode="after")
@@ -330,14 +414,17 @@ class Toleration(BaseModel):
         return self
 
 
+ImageName = bounded_text(MAX_LINE, min_length=1)
+
+
 class KubernetesSpec(BaseModel):
     """Where and how a job's pods run on Kubernetes (`infra: [kubernetes]`, or a TfsnJob): on top of
     the GPU selector and toleration tfsn derives from the planned offer."""
 
     model_config = ConfigDict(extra="forbid")
-    image: str | None = Field(None, strict=True, min_length=1)   # None: TFSN_K8S_IMAGE, else python:3.11-slim
-    node_selector: dict[str, str] = {}            # extra node labels every pod requires
-    tolerations: list[Toleration] = []            # extra taints every pod tolerates
+    image: ImageName | None = None                # None: TFSN_K8S_IMAGE, else python:3.11-slim
+    node_selector: dict[Line, Line] = Field({}, max_length=MAX_ITEMS)   # extra node labels every pod requires
+    tolerations: list[Toleration] = Field([], max_length=MAX_ITEMS)     # extra taints every pod tolerates
 
 
 _PARAMS_RE = re.compile(r"((?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBtT]?)")
@@ -352,11 +439,12 @@ class ModelSpec(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    params: float = Field(gt=0, allow_inf_nan=False)  # parameters: 1.3e9, or "1.3B", "350M"
-    layers: int = Field(ge=1, strict=True)
-    hidden: int = Field(ge=1, strict=True)
-    seq_len: int = Field(ge=1, strict=True)
-    batch_size: int = Field(ge=1, strict=True)
+    # Bounds far above any model trained (1e12 parameters, 200 layers, 32k wide, 1M-token contexts)
+    params: float = Field(gt=0, le=1e15, allow_inf_nan=False)  # parameters: 1.3e9, or "1.3B", "350M"
+    layers: int = Field(ge=1, le=10**5, strict=True)
+    hidden: int = Field(ge=1, le=1 << 20, strict=True)
+    seq_len: int = Field(ge=1, le=1 << 30, strict=True)
+    batch_size: int = Field(ge=1, le=1 << 30, strict=True)   # sequences
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
     @field_validator("params", mode="before")
@@ -388,15 +476,18 @@ def _env_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, int):
-        return str(value) if value.bit_length() < 4000 else _show(value)
+        if value.bit_length() >= 4000:         # str() refuses ints of over 4300 digits
+            raise ValueError(f"{_show(value)} is too large a number. To fix: quote it")
+        return str(value)
     if not isinstance(value, str):
         raise ValueError(f"value {_show(value)} is not text, a number or a bool. To fix: quote "
                          "it here, or pass it with --env NAME=VALUE")
     return value
 
 
-EnvName = Annotated[str, Field(strict=True), AfterValidator(_env_name)]
-EnvValue = Annotated[str, BeforeValidator(_env_value)]
+EnvName = Annotated[str, Field(strict=True, max_length=MAX_ENV_NAME), AfterValidator(_env_name)]
+# multiline: a value may be a PEM key
+EnvValue = Annotated[bounded_text(MAX_ENV_VALUE, multiline=True), BeforeValidator(_env_value)]
 
 
 class JobSpec(BaseModel):
@@ -404,13 +495,13 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(strict=True)                # load_spec defaults it to the file's stem
-    num_nodes: int = Field(1, ge=1, strict=True)
+    num_nodes: int = Field(1, ge=1, le=MAX_NODES, strict=True)
     nproc_per_node: int | Literal["auto"] = "auto"
-    workdir: str = Field(".", strict=True)
-    setup: str | None = Field(None, strict=True)
-    run: str = Field(strict=True)
-    envs: dict[EnvName, EnvValue] = Field(default_factory=dict)
-    steps: int | None = Field(None, ge=1, strict=True)
+    workdir: PathText = "."
+    setup: Script | None = None
+    run: Script
+    envs: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=MAX_ENVS)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS, strict=True)
     resources: Resources = Field(default_factory=Resources)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
@@ -443,10 +534,10 @@ class JobSpec(BaseModel):
     def _nproc(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PROCS_PER_NODE:
             return value
-        raise ValueError(f"{_show(value)} is not a process count. To fix: write a whole number "
-                         ">= 1 or 'auto' (one per accelerator)")
+        raise ValueError(f"{_show(value)} is not a process count. To fix: write a whole number from 1 to "
+                         f"{MAX_PROCS_PER_NODE}, or 'auto' (one per accelerator)")
 
     @field_validator("envs", mode="before")
     @classmethod
@@ -468,6 +559,10 @@ class JobSpec(BaseModel):
             if self.checkpoint.dir is not None:
                 self.checkpoint.dir = os.path.abspath(
                     os.path.join(self.workdir, os.path.expanduser(self.checkpoint.dir)))
+        for field, path in (("workdir", self.workdir), ("checkpoint.dir", self.checkpoint.dir)):
+            if path is not None and len(path) > MAX_PATH:    # the stored spec must load again
+                raise ValueError(f"{field}: {_show(path)} is longer than {MAX_PATH} characters once made "
+                                 "absolute. To fix: use a shorter path")
         return self
 
     def nprocs(self, accelerator: AcceleratorRequest | None = None) -> int:
@@ -504,6 +599,12 @@ _EXAMPLES = {
     "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true",
     "params": "1.3B", "layers": "24", "hidden": "2048", "seq_len": "2048", "batch_size": "256", "dtype": "bf16",
 }
+
+
+# Errors of the MAX_* bounds, which a near-miss example would not fix.
+_LIMIT_FIX = {"less_than_equal": "use at most {le} (tfsn's limit)",
+              "string_too_long": "shorten it to at most {max_length} characters",
+              "too_long": "keep at most {max_length} entries"}
 
 
 def _user_path(data: Any, loc: tuple, missing: bool) -> tuple:
@@ -625,9 +726,9 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
         line = _line(root, path)
         model = _model_at(path[:-1])
         fields = list(model.model_fields) if model else []
-        close = difflib.get_close_matches(str(leaf).lower(), fields, n=1)
+        close = close_match(str(leaf), fields)
         what = f"unknown field {leaf!r}"
-        what += (f"; did you mean {close[0]!r}? To fix: rename it" if close
+        what += (f"; did you mean {close!r}? To fix: rename it" if close
                  else f". To fix: use one of {', '.join(fields)}")
     else:
         line = _line(root, path)
@@ -641,7 +742,9 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
         else:
             msg = err["msg"]
             what = f"{msg[:1].lower()}{msg[1:]}, got {_show(err.get('input'))}"
-            if leaf in _EXAMPLES:
+            if kind in _LIMIT_FIX:
+                what += ". To fix: " + _LIMIT_FIX[kind].format(**err.get("ctx", {}))
+            elif leaf in _EXAMPLES:
                 what += f". To fix: write it like '{leaf}: {_EXAMPLES[leaf]}'"
     return path, line, f"{_dotted(path)}: {what}" if path else what
 
@@ -691,11 +794,18 @@ def _parse_yaml(text: str, fail: Callable[[list[tuple[int, str]]], SpecError]) -
             loader.dispose()
 
 
-def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) -> JobSpec:
-    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`.
+# A check beyond the model that a loaded spec must pass (the CLI's: can it launch?): None, or the
+# field to blame (its line is shown; () for the file as a whole) and a message that names it.
+SpecCheck = Callable[[JobSpec], tuple[tuple[str, ...], str] | None]
 
-    Raises SpecError, and only SpecError, with one 'FILE:LINE: FIELD: what. To fix: how' line
-    per problem, whatever the file holds.
+
+def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
+              check: SpecCheck | None = None) -> JobSpec:
+    """Read and validate train.yaml; `overrides` are CLI `--env KEY=VALUE` pairs over `envs`; `check`
+    may refuse the valid spec.
+
+    Raises SpecError, and only SpecError (`check` aside), with one 'FILE:LINE: FIELD: what. To fix:
+    how' line per problem, whatever the file holds.
     """
     shown = os.fsdecode(os.fspath(path))
 
@@ -721,7 +831,7 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
 
     base_dir = os.path.dirname(os.path.abspath(shown))
     try:
-        return JobSpec.model_validate(data, context={"base_dir": base_dir})
+        spec = JobSpec.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as e:
         by_path: dict[tuple, tuple[int, str]] = {}
         for err in e.errors():
@@ -730,3 +840,8 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None) 
         raise fail(sorted(by_path.values())) from None
     except Exception as e:        # a validator bug must still come out as a one-line SpecError
         raise fail([(1, f"cannot validate the spec: {type(e).__name__}: {e}")]) from None
+    problem = check(spec) if check is not None else None
+    if problem is not None:
+        field, what = problem
+        raise fail([(_line(root, field), what)])
+    return spec

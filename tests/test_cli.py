@@ -2,7 +2,16 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.cli.main import main
+from orchestrator.control import daemon
 from orchestrator.control.store import JobState, Store
 from tests.conftest import EXAMPLE, write_job
 
@@ -83,3 +92,78 @@ def test_missing_workdir_is_refused_before_anything_runs(tfsn, tmp_path):
     spec = write_job(tmp_path / "job.yaml", steps=1, workdir=str(tmp_path / "nowhere"))
     assert_one_line_error(tfsn("launch", str(spec), check=False), "nowhere", "To fix")
     assert json.loads(tfsn("status", "--json").stdout) == []
+
+
+# ---- issue 17: bounded specs, and `tfsn validate` refuses what `tfsn launch` refuses -----------------
+
+NOT_LAUNCHABLE = [
+    ("num_nodes: 99999999999999999999999999999999\n", "num_nodes: input should be less than or equal to 4096"),
+    ('envs:\n  SEED: "1\\0"\n', "envs.SEED: a control character (U+0000)"),
+    ("resources:\n  accelerators: FOO:8\n  infra: [aws]\n", "resources.accelerators: unknown accelerator 'FOO'"),
+    ("resources:\n  accelerators: H10:8\n", "did you mean 'H100'?"),
+    ("workdir: nowhere\n", "workdir: "),
+]
+
+
+@pytest.mark.parametrize("extra, needle", NOT_LAUNCHABLE)
+def test_validate_refuses_what_launch_refuses_with_the_same_line(tfsn, tmp_path, extra, needle):
+    (tmp_path / "code").mkdir()
+    spec = tmp_path / "train.yaml"
+    spec.write_text("run: python train.py\nworkdir: code\n" + extra)
+    checked = tfsn("validate", str(spec), check=False)
+    launched = tfsn("launch", "--detach", str(spec), check=False)
+    assert_one_line_error(checked, f"{spec}:", needle, "To fix")
+    assert launched.returncode == 2 and launched.stderr == checked.stderr
+    assert json.loads(tfsn("status", "--json").stdout) == []
+
+
+def _in_process(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """`tfsn ARGS` through the console entry point, in this process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["tfsn", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+GOOD = "python train.py"
+FUZZ_SPEC = st.fixed_dictionaries({"run": st.sampled_from([GOOD, GOOD, "python\ttrain.py\n", "x\x00y", "a" * 16385])},
+                                  optional={
+    "num_nodes": st.integers(1, 8) | st.integers(-1, 5000) | st.just(10**32),
+    "nproc_per_node": st.sampled_from(["auto", 0, 8, 256, 257]),
+    "steps": st.integers(1, 1000) | st.integers(0, 2 * 10**9),
+    "workdir": st.sampled_from(["code", "code", "nowhere", "code\x01", "/" + "w" * 4096]),
+    "envs": st.dictionaries(st.sampled_from(["SEED", "MODE", "1X", "A\x00"]),
+                            st.sampled_from(["1", "line\nline", "a\x1bb", "v" * 8193]), max_size=2),
+    "resources": st.fixed_dictionaries({}, optional={
+        "accelerators": st.sampled_from(["H100:8", "FOO:8", "h10:1", "A100:65", {"T4": 4, "BAR": 1},
+                                         ["T4:4", "H100:8"]]),
+        "infra": st.sampled_from([["local"], ["aws"], ["gcp", "aws"]]),
+        "cpus": st.sampled_from(["1+", "1+", 5000])}),
+    "checkpoint": st.fixed_dictionaries({}, optional={"keep": st.integers(0, 1001),
+                                                      "interval": st.sampled_from(["auto", "10m", "31d", 10**9 + 1])}),
+    "recovery": st.fixed_dictionaries({}, optional={"max_restarts": st.integers(0, 1001),
+                                                    "spares": st.integers(0, 257)}),
+})
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=FUZZ_SPEC)
+def test_fuzz_validate_accepts_and_refuses_exactly_what_launch_does(tmp_path, monkeypatch, capsys, doc):
+    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))      # the shipped catalog, not a refreshed one
+    monkeypatch.setenv("HOME", str(tmp_path))                       # nor SkyPilot's
+    monkeypatch.delenv("TFSN_CLOUDS", raising=False)
+    monkeypatch.setattr(daemon, "ensure_controller", lambda: {})    # a job accepted is stored, never run
+    (tmp_path / "code").mkdir(exist_ok=True)
+    spec = tmp_path / "fuzz.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    code, out, err = _in_process(monkeypatch, capsys, "validate", str(spec))
+    launch_code, launch_out, launch_err = _in_process(monkeypatch, capsys, "launch", "--detach", str(spec))
+    assert (code, err) == (launch_code, launch_err), (doc, err, launch_err)
+    if code == 0:
+        assert "valid job" in out and "submitted" in launch_out
+        return
+    assert code == 2 and "Traceback" not in out + err
+    lines = err.splitlines()
+    assert lines and all(re.match(rf"tfsn: error: {re.escape(str(spec))}:\d+: \S.*To fix", line) for line in lines), err

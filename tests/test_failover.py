@@ -280,3 +280,25 @@ def test_a_job_that_ends_drops_its_health_watch_even_when_its_last_log_line_cann
         reconcile(controller, job_id)                 # no candidate left: FAILED, its log line fails
     assert store.job(job_id).state == JobState.FAILED
     assert controller.health.existing(job_id) is None, "a job that ended kept its watch and metric series"
+
+
+def test_a_stop_interrupts_provisioning_between_two_nodes_and_releases_every_node(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=200)
+    create = aws.provision
+
+    def create_then_stop(request: NodeRequest) -> NodeHandle:   # `tfsn stop` while the third node is created
+        handle = create(request)
+        if len(aws.created) == 3:
+            store.request_stop(job_id)
+        return handle
+
+    aws.provision = create_then_stop
+    controller.reconcile(job_id)
+    assert len(aws.created) == 3, "provisioning goes on no further than the node under way when stop came"
+    controller.reconcile(job_id)
+    assert store.job(job_id).state == JobState.STOPPED
+    assert sorted(aws.terminated) == sorted(aws.created)
+    assert all(n.state == NodeState.TERMINATED and n.released for n in store.nodes(job_id))

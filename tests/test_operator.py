@@ -295,6 +295,8 @@ def test_deleting_a_tfsnjob_stops_the_job_and_deletes_its_pods(operator, cluster
     ({"nodes": 2}, r"spec\.nodes: unknown field"),
     ({"resources": {"accelerators": "H100:8", "infra": ["aws"]}}, r"spec\.resources\.infra: .*To fix: remove"),
     ({"checkpoint": {"dir": "ckpt"}}, r"spec\.checkpoint\.dir: 'ckpt' is relative.*To fix"),
+    ({"num_nodes": 10**32}, r"spec\.num_nodes: Input should be less than or equal to 4096"),
+    ({"envs": {"SEED": "1\x00"}}, r"spec\.envs\.SEED: a control character \(U\+0000\) .*To fix: remove it"),
 ])
 def test_an_invalid_tfsnjob_gets_a_condition_that_says_what_to_fix_and_no_pods(operator, cluster, spec,
                                                                                 message):
@@ -537,7 +539,8 @@ def test_the_crd_schema_is_structural_and_generated_from_the_job_spec():
     # every field of train.yaml is there, and the spec's name is optional (metadata.name stands in)
     assert set(spec["properties"]) == set(JobSpec.model_fields)
     assert spec["required"] == ["run"]
-    assert spec["properties"]["recovery"]["properties"]["max_restarts"] == {"minimum": 0, "type": "integer"}
+    assert spec["properties"]["recovery"]["properties"]["max_restarts"] == {"minimum": 0, "maximum": 1000,
+                                                                           "type": "integer"}
     # forms only the model reads (cpus: 16+, accelerators: H100:8) are left to it, not refused by the API server
     resources = spec["properties"]["resources"]["properties"]
     assert resources["accelerators"] == resources["cpus"] == {"x-kubernetes-preserve-unknown-fields": True}

@@ -51,10 +51,10 @@ def write(tmp_path, text, name="train.yaml"):
     return path
 
 
-def errors(path, overrides=None):
+def errors(path, overrides=None, check=None):
     """The messages of the SpecError that loading `path` must raise; each checked to be one line."""
     with pytest.raises(SpecError) as info:
-        load_spec(path, overrides)
+        load_spec(path, overrides, check)
     msgs = info.value.messages
     assert msgs and str(info.value) == "\n".join(msgs)
     for m in msgs:
@@ -349,6 +349,102 @@ def test_many_errors_one_message_per_field(tmp_path):
     assert fields == ["nme", "run", "num_nodes", "nproc_per_node", "resources.accelerators",
                       "resources.memory", "resources.max_hourly_cost", "envs.9LIVES"]
     assert [int(m.split(":")[1]) for m in msgs] == [1, 1, 2, 3, 5, 6, 7, 9]
+
+
+# --- bounds and control characters ------------------------------------------------------------
+
+def _with(doc: dict, dotted: str, value) -> dict:
+    """`doc` with `value` at the dotted path (sections created as needed)."""
+    *sections, leaf = dotted.split(".")
+    node = doc
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[leaf] = value
+    return doc
+
+
+# (field, the largest value allowed, the same one step over)
+LIMITS = [
+    ("num_nodes", 4096, 4097), ("nproc_per_node", 256, 257), ("steps", 10**9, 10**9 + 1),
+    ("recovery.spares", 256, 257), ("recovery.max_restarts", 1000, 1001), ("checkpoint.keep", 1000, 1001),
+    ("checkpoint.interval", 10**9, 10**9 + 1), ("checkpoint.interval", "30d", "30d1s"),
+    ("health.heartbeat_timeout", "24h", "24h1s"), ("resources.accelerators", "H100:64", "H100:65"),
+    ("resources.accelerators", {"H100": 64}, {"H100": 65}), ("resources.cpus", "4096+", 4097),
+    ("resources.memory", 65536, "65537+"), ("resources.regions", ["r"] * 64, ["r"] * 65),
+    ("run", "x" * 16384, "x" * 16385), ("setup", "x" * 16384, "x" * 16385),
+    ("workdir", "/" + "w" * 4095, "/" + "w" * 4096), ("checkpoint.dir", "/" + "c" * 4095, "/" + "c" * 4096),
+    ("envs", {f"E{i}": "1" for i in range(128)}, {f"E{i}": "1" for i in range(129)}),
+    ("envs", {"K" * 256: "1"}, {"K" * 257: "1"}), ("envs", {"V": "v" * 8192}, {"V": "v" * 8193}),
+    ("kubernetes.image", "i" * 1024, "i" * 1025),
+    ("kubernetes.node_selector", {f"l{i}": "v" for i in range(64)}, {f"l{i}": "v" for i in range(65)}),
+    ("model.params", "1000T", "1001T"),
+]
+MODEL = {"params": "1B", "layers": 1, "hidden": 1, "seq_len": 1, "batch_size": 1}
+
+
+@pytest.mark.parametrize("field,largest,over", LIMITS)
+def test_every_count_and_size_has_an_upper_bound(tmp_path, field, largest, over):
+    def doc(value):
+        return _with({"run": "x", "model": dict(MODEL)}, field, value)
+    load_spec(write(tmp_path, yaml.safe_dump(doc(largest))))
+    path = write(tmp_path, yaml.safe_dump(doc(over)))
+    [message] = errors(path)
+    assert f": {field}" in message, message
+    assert "To fix" in message and re.search(r"\bat most\b|\bfrom 1 to\b", message), message
+
+
+def test_a_path_too_long_once_made_absolute_is_refused(tmp_path):
+    path = write(tmp_path, f"run: x\nworkdir: {'w' * 4096}\n")
+    [message] = errors(path)
+    assert message.startswith(f"{path}:1: workdir: ") and "longer than 4096 characters once made absolute" in message
+
+
+def test_a_huge_node_count_is_refused_with_its_line(tmp_path):
+    path = write(tmp_path, "run: x\nnum_nodes: 99999999999999999999999999999999\n")
+    one(path, 2, "num_nodes", "less than or equal to 4096", "To fix: use at most 4096")
+
+
+CONTROL = ["\x00", "\x07", "\x1b", "\x7f", "\x85", "\r"]
+TEXT_FIELDS = ["run", "setup", "workdir", "checkpoint.dir", "envs.SEED", "resources.regions",
+               "kubernetes.image", "kubernetes.node_selector.pool", "name"]
+
+
+@pytest.mark.parametrize("char", CONTROL)
+@pytest.mark.parametrize("field", TEXT_FIELDS)
+def test_control_characters_are_refused_naming_the_field(tmp_path, field, char):
+    value = f"a{char}b"
+    path = write(tmp_path, yaml.safe_dump(_with({"run": "x"}, field, [value] if field.endswith("regions") else value)))
+    [message] = errors(path)
+    shown = field + "[0]" if field.endswith("regions") else field
+    assert message.startswith(f"{path}:"), message
+    assert f": {shown}: " in message and "To fix" in message, message
+    if field != "name":        # a job name has its own pattern, which says what it may hold
+        assert f"(U+{ord(char):04X}) at character 2 is not allowed here. To fix: remove it" in message
+
+
+def test_control_characters_in_env_keys_and_from_the_command_line(tmp_path):
+    path = write(tmp_path, 'run: x\nenvs:\n  "A\\0": 1\n')
+    one(path, 3, "envs['A\\x00']", "not a valid environment variable name")
+    path = write(tmp_path, "run: x\n")
+    [message] = errors(path, {"MODE": "fast\x1b[2J"})
+    assert message == (f"{path}:1: envs.MODE: a control character (U+001B) at character 5 is not allowed here. "
+                       "To fix: remove it")
+
+
+def test_scripts_and_env_values_keep_tabs_and_newlines(tmp_path):
+    spec = load_spec(write(tmp_path, yaml.safe_dump(
+        {"run": "python a.py\tx\npython b.py", "setup": "pip install a\n\tb", "envs": {"KEY": "line1\nline2"}})))
+    assert spec.run == "python a.py\tx\npython b.py" and spec.envs["KEY"] == "line1\nline2"
+    path = write(tmp_path, yaml.safe_dump({"run": "x", "workdir": "a\nb"}))
+    one(path, 2, "workdir", "a line break (U+000A) at character 2")
+
+
+def test_a_check_refuses_a_valid_spec_at_the_line_of_its_field(tmp_path):
+    path = write(tmp_path, "run: x\nresources:\n  accelerators: H100:8\n")
+    assert errors(path, check=lambda spec: (("resources", "accelerators"), "resources.accelerators: no. To fix: yes")) \
+        == [f"{path}:3: resources.accelerators: no. To fix: yes"]
+    assert errors(path, check=lambda spec: ((), "no offer. To fix: wait")) == [f"{path}:1: no offer. To fix: wait"]
+    assert load_spec(path, check=lambda spec: None).run == "x"
 
 
 # --- fuzzing -----------------------------------------------------------------------------------

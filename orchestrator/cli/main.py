@@ -57,10 +57,12 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def placement_error(spec: JobSpec) -> str | None:
-    """Why the job cannot be placed anywhere it may run (the planner's reason), or None."""
+def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
+    """What would stop a launch of this valid spec, as (the field to blame, a message naming it), or None:
+    a workdir that is not there, or no capable offer where the job may run (the planner's reason)."""
     if not Path(spec.workdir).is_dir():
-        return f"workdir {spec.workdir} is not a directory. To fix: point workdir at the folder of your script"
+        return ("workdir",), (f"workdir: {spec.workdir} is not a directory. To fix: point workdir at the "
+                              "folder of your script")
     from orchestrator.planning.placement import plan_for
     from orchestrator.planning.planner import PlanError
     from providers.base import ProviderError
@@ -69,14 +71,20 @@ def placement_error(spec: JobSpec) -> str | None:
     try:
         plan_for(spec)
     except (PlanError, ProviderError, CatalogError) as err:
-        return str(err)
+        return (err.field if isinstance(err, PlanError) else ()), str(err)
     return None
+
+
+def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:
+    """`file` as a launch takes it: valid, and able to run. `validate` is this very check, so the two
+    commands accept and refuse the same files with the same messages."""
+    return load_spec(file, overrides, check=launch_problem)
 
 
 @app.command()
 def validate(file: Path = typer.Argument(..., help="the job spec (train.yaml)")) -> None:
-    """Check a job spec and print what it resolves to."""
-    spec = load_spec(file)
+    """Check a job spec as `tfsn launch` would (workdir and planning included), and print what it resolves to."""
+    spec = checked_spec(file)
     console.print(f"{file}: valid job '{spec.name}': {spec.num_nodes} node(s) x {spec.nprocs()} worker(s), "
                   f"workdir {spec.workdir}", highlight=False)
 
@@ -87,16 +95,13 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
            env: list[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's envs (repeatable)"),
            name: Optional[str] = typer.Option(None, "--name", help="job name (default: the spec's)")) -> None:
     """Launch a job and follow it (Ctrl-C stops it; use --detach to leave it running)."""
-    spec = load_spec(file, overrides=_env_pairs(env))
+    spec = checked_spec(file, overrides=_env_pairs(env))
     if name:
         try:
             spec = JobSpec.model_validate({**spec.model_dump(mode="json"), "name": name})
         except ValidationError:
             raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 63), "
                              "starting with a letter or digit") from None
-    problem = placement_error(spec)
-    if problem:
-        raise UsageError(f"{file}: {problem}")
     store = _store()
     job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32))
     daemon.ensure_controller()

@@ -88,7 +88,7 @@ class Provisioner:
 
     def _fill(self, job: Job, spec: JobSpec) -> bool:
         """Every rank without a node gets a spare, else a new node; then the spares are topped up.
-        False if the job ended on the way (no capacity anywhere, an unreachable controller)."""
+        False if the job ended on the way or a stop was asked (see `_interrupted`)."""
         nodes = self.ctx.store.nodes(job.id, active_only=True)
         ranked = {n.rank: n for n in nodes if n.rank is not None}
         spares = sorted((n for n in nodes if n.rank is None), key=lambda s: s.state != NodeState.READY)
@@ -101,13 +101,20 @@ class Provisioner:
                 self.ctx.event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
             else:
                 self._create_node(job, spec, rank)
-            if self.ctx.store.job(job.id).state.terminal:
+            if self._interrupted(job):
                 return False
         for _ in range(spec.recovery.spares - len(spares)):
             self._create_node(job, spec, None)
-            if self.ctx.store.job(job.id).state.terminal:
+            if self._interrupted(job):
                 return False
         return True
+
+    def _interrupted(self, job: Job) -> bool:
+        """The job ended (no capacity anywhere, an unreachable controller) or the user asked it to stop: a
+        big job's nodes are created one by one, and `tfsn stop` must not wait for all of them (the
+        controller's next step tears down what was created)."""
+        now = self.ctx.store.job(job.id)
+        return now.state.terminal or bool(now.stop_requested)
 
     def _start_attempt(self, job: Job, spec: JobSpec, ready: list[Node]) -> None:
         attempt = job.attempt + 1

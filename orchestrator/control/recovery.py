@@ -30,7 +30,17 @@ from orchestrator.spec import JobSpec
 STOP_GRACE_S = 15.0           # how long a failed attempt waits for every node to report before deciding
 # A worker killed by one of these is blamed on its node (OOM killer, hardware, kill -9), not the code.
 NODE_FAULT_SIGNALS = {9, 7, 11, 6}  # SIGKILL, SIGBUS, SIGSEGV, SIGABRT
-_RANK_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")
+# What differs between two runs of the same failure, in the order applied (see failure_signature).
+_VOLATILE = [
+    (re.compile(r"^(\[rank\d+\]:\s*)+"), ""),
+    (re.compile(r"(?<![\w./-])(?:/private)?/(?:tmp|var/tmp|dev/shm|var/folders)\b[^\s'\"`:,;()\[\]{}<>]*"), "<tmp>"),
+    (re.compile(r"\btmp[a-z0-9_]{6,}\b"), "<tmp>"),
+    (re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"), "<uuid>"),
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\](?::\d+)?"), "<addr>"),
+    (re.compile(r"\b(pid|PID|process)([ =:#]+)\d+"), r"\1\2<n>"),
+    (re.compile(r"\b(?:0x[0-9a-fA-F]+|(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{8,})\b"), "<hex>"),
+    (re.compile(r"\d{4,}"), "<n>"),
+]
 
 
 class Recovery:
@@ -79,8 +89,7 @@ class Recovery:
         infra = bool(blamed) or bool(dead) or not first_failures
         summary = first_failures[0].summary if first_failures else "; ".join(
             f"{n.id}: {n.failure}" for n in dead) or job.pending_reason or "a node was lost"
-        # The same error on another rank is still the same error.
-        signature = f"{'node' if infra else _RANK_PREFIX.sub('', summary)}|{job.checkpoint_step}"
+        signature = f"{'node' if infra else failure_signature(summary)}|{job.checkpoint_step}"
         if not infra and signature == job.last_failure:
             self.nodes.give_up(job, f"failed the same way twice with no progress in between: {summary}")
             return
@@ -94,3 +103,18 @@ class Recovery:
                             last_failure=signature, pending_replace="", pending_reason="")
         self.ctx.metrics.restart(str(job.id))
         self.ctx.wake.set()
+
+
+def failure_signature(summary: str) -> str:
+    """What stays the same when a failure repeats: `summary` without the parts that differ from run to
+    run, so that "failed the same way twice" is not defeated by a temp name. It strips, in order:
+    the `[rankN]:` prefixes (the same error on another rank is the same error); temporary paths
+    (under /tmp, /var/tmp, /dev/shm, /var/folders) and tempfile names (tmpXXXXXX); UUIDs; IPv4
+    addresses and [IPv6] ones, with their port; pids ("pid 1234", "process 1234"); hex runs of 8 or
+    more with letters and digits, or with 0x (addresses, nonces, request ids, hashes); and runs of 4
+    or more digits (ports, ids, timestamps, sizes). Short numbers stay: "exit code 1" is not "2".
+    """
+    for pattern, replacement in _VOLATILE:
+        summary = pattern.sub(replacement, summary)
+    return summary
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.planning.planner import Plan, PlanError, plan_job
+from orchestrator.planning.planner import Plan, PlanError, check_accelerators, plan_job
 from orchestrator.spec import JobSpec
 from providers.base import Offer, Provider
 from providers.registry import load_provider
@@ -49,11 +49,12 @@ def offers_for(spec: JobSpec, providers: dict[str, Provider] | None = None, cata
 def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalog: Path | None = None,
              planning_only: bool = False) -> Plan:
     """The job's offers ranked by predicted run cost (planner.PlanError says why none is capable)."""
+    check_accelerators(spec)
     allowed = allowed_providers(spec, planning_only)
     if spec.resources.accelerators is not None and allowed == ["local"]:
         wanted = ", ".join(f"{a.name}:{a.count}" for a in spec.resources.accelerator_choices())
         raise PlanError(f"no capable offer: resources.accelerators {wanted}: this machine's GPUs are not planned "
                         "and no cloud is enabled for this job. To fix: name clouds in resources.infra (e.g. "
                         "infra: [aws, gcp]) or set TFSN_CLOUDS=aws,gcp; or remove resources.accelerators to run "
-                        "on this machine's CPUs")
+                        "on this machine's CPUs", field=("resources", "accelerators"))
     return plan_job(spec, offers_for(spec, providers, catalog, planning_only))

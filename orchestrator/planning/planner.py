@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from optimizer.hardware import HardwareSpec, find_hardware
+from optimizer.hardware import HardwareSpec, find_hardware, load_all
 from optimizer.predict import (DEFAULT_INTER_NODE_GBS, REFERENCE_WORKLOAD, Workload, memory_gib_needed,
                                step_seconds_many)
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, close_match
 from providers.base import SCOPES, Offer, ProviderError
 
 # Steps assumed when the spec has no `steps` (so that a plan still compares whole runs).
@@ -54,7 +54,12 @@ Predictor = Callable[[Workload, Sequence[HardwareSpec], np.ndarray, int, np.ndar
 
 
 class PlanError(ValueError):
-    """No capable offer; the message says which constraint removed the last ones and how to relax it."""
+    """No capable offer; the message says which constraint removed the last ones and how to relax it.
+    `field` is the spec's field to blame where there is one, e.g. ("resources", "accelerators")."""
+
+    def __init__(self, message: str, field: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NoCapacityError(Exception):
@@ -344,6 +349,19 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     f.apply(has_spec, f"hardware specs (none for {', '.join(missing) or '-'})",
             "add a configs/hardware/*.yaml spec (or an alias) for the accelerator")
     return preference, hardware
+
+
+def check_accelerators(spec: JobSpec) -> None:
+    """PlanError for an accelerator no hardware spec knows: no offer of it could ever be priced (see
+    _filter_accelerators), so no catalog or provider needs asking to refuse it."""
+    for choice in spec.resources.accelerator_choices():
+        if find_hardware(choice.name) is None:
+            known = [h.name for h in load_all().values() if h.kind != "cpu"]
+            close = close_match(choice.name, [alias for h in load_all().values() for alias in h.aliases])
+            hint = f"; did you mean {close!r}?" if close else "."
+            raise PlanError(f"resources.accelerators: unknown accelerator {choice.name!r}{hint} To fix: use one "
+                            f"with a hardware spec in configs/hardware/: {', '.join(known)}",
+                            field=("resources", "accelerators"))
 
 
 def _filter_resources(f: _Filter, res: Any, c: _Columns, workload: Workload, is_reference: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.resources import files
@@ -76,6 +77,12 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; expected one of {', '.join(choices)}"
 
 
+# The largest whole-number thresholds: the straggler test keeps window + baseline steps of every rank in
+# memory, so a typo of 10^12 there must be refused, not tried (2 x 4096 steps x 4096 ranks x 8 B = 256 MiB).
+MAX_RING, MAX_COUNT = 4096, 10**9
+_RINGS = {"straggler_window", "straggler_baseline"}
+
+
 def _thresholds(raw: Any, where: str) -> dict[str, int | float]:
     """Names checked against HealthConfig, values coerced to its types and range-checked."""
     if not isinstance(raw, Mapping):
@@ -89,8 +96,11 @@ def _thresholds(raw: Any, where: str) -> dict[str, int | float]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and value != int(value)):
             kind = "a whole number" if whole else "a number"
             raise ValueError(f"{where}.{name}: expected {kind}, got {value!r}")
-        if not value > 0 or (name in _RATIOS and not value < 1):
-            bound = "between 0 and 1" if name in _RATIOS else "greater than 0"
+        most = MAX_RING if name in _RINGS else MAX_COUNT
+        if not value > 0 or (name in _RATIOS and not value < 1) or not math.isfinite(value) or (
+                whole and value > most):
+            bound = ("between 0 and 1" if name in _RATIOS else "greater than 0" if not value > 0
+                     else f"at most {most}" if whole else "a finite number")
             raise ValueError(f"{where}.{name}: must be {bound}, got {value!r}")
         out[name] = int(value) if whole else float(value)
     return out

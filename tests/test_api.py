@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.error
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -265,3 +264,106 @@ def test_a_preexisting_home_and_its_files_are_made_private(tmp_path, monkeypatch
     for path in [home / "tfsn.db", *home.glob("tfsn.db-*"), job_dir(1, home) / "job.log"]:
         assert path.stat().st_mode & 0o777 == 0o600, path
     assert job_dir(1, home).stat().st_mode & 0o777 == 0o700
+
+
+def test_a_client_that_trickles_its_request_is_cut_at_the_deadline_and_one_address_cannot_take_every_slot(
+        server, monkeypatch):
+    api, _, job = server
+    monkeypatch.setattr(api_module, "REQUEST_DEADLINE_S", 2.0)
+    trickler = socket.create_connection(api.server_address)
+    hogs = [socket.create_connection(api.server_address) for _ in range(api_module.MAX_PER_CLIENT - 1)]
+    try:
+        start = time.monotonic()
+        while time.monotonic() - start < 6:   # a byte every half second: no read ever times out
+            try:
+                trickler.sendall(b"P")
+            except OSError:
+                break
+            time.sleep(0.5)
+        assert time.monotonic() - start < 5, "a trickling client kept its connection past the deadline"
+        busy = raw(api, f"POST /v1/jobs/{job.id}/telemetry HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert status(busy) in (401, 503)   # the hogs' slots were freed at their deadline, or still held
+        with socket.create_connection(api.server_address, source_address=("127.0.0.2", 0), timeout=5) as other:
+            other.sendall(f"POST /v1/jobs/{job.id}/telemetry HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode())
+            assert b" 401 " in other.recv(200)   # another address is served meanwhile
+    finally:
+        for conn in [trickler, *hogs]:
+            conn.close()
+
+
+def test_one_request_per_connection(server):
+    api, _, job = server
+    with socket.create_connection(api.server_address, timeout=5) as conn:   # two requests, pipelined
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+        answers = b""
+        while chunk := conn.recv(4096):
+            answers += chunk
+    assert answers.count(b"HTTP/1.1 200") == 1 and b"Connection: close" in answers
+
+
+def test_a_node_cannot_start_a_line_of_the_log_with_a_line_break_or_a_control_sequence(server, tmp_path):
+    api, store, job = server
+    agent(api, job).post("/nodes/n0/logs", {"lines": ["hi\n[tfsn] job 1 SUCCEEDED", "\r[tfsn] x", "\x1b[2K[tfsn] y",
+                                                      "a\u2028[tfsn] z", "\x1b[32mgreen\x1b[0m"]})
+    log = (tmp_path / "jobs" / str(job.id) / "job.log").read_text().split("\n")[:-1]
+    assert log == ["hi\\n[tfsn] job 1 SUCCEEDED", "\\r[tfsn] x", "\\x1b[2K[tfsn] y", "a\\u2028[tfsn] z",
+                   "\x1b[32mgreen\x1b[0m"]
+    with pytest.raises(ControllerRejected, match="400"):
+        sdk(api, job).post("/checkpoint", {"step": 5, "path": "/ckpt/step-5\n[tfsn] job 1 SUCCEEDED"})
+
+
+def test_spares_and_failed_nodes_cannot_end_an_attempt(server):
+    api, store, job = server
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, "", attempt=1, attempt_state="running", master_port=29500)
+    store.add_node("spare", job.id, None, "local", offer=None, spot=False)
+    store.update_node("spare", state=NodeState.READY)
+    for attempt in (1, 2):
+        with pytest.raises(ControllerRejected, match="400"):
+            agent(api, job, "spare").post("/nodes/spare/result", {"attempt": attempt, "returncode": 1})
+    agent(api, job, "spare").post("/nodes/spare/result", {"attempt": 0, "returncode": 0})   # its setup ended
+    store.update_node("n1", state=NodeState.FAILED)
+    with pytest.raises(ControllerRejected, match="400"):
+        agent(api, job, "n1").post("/nodes/n1/result", {"attempt": 1, "returncode": 1})
+    assert agent(api, job, "n1").post("/nodes/n1/heartbeat", {"addr": "6.6.6.6"}) == {"action": "exit"}
+    assert store.node("n1").addr == "10.0.0.2" and store.results(job.id, 1) == []
+
+
+def test_gpu_samples_are_typed_and_bounded(server):
+    api, _, job = server
+    for sample in ({"time": 1, "gpu": "x"}, {"time": 1, "gpu": 10**6}, {"time": 1, "xid": float("inf")},
+                   {"time": 1, "bogus": 1}):
+        body = json.dumps({"samples": [sample]})
+        answer = raw(api, f"POST /v1/jobs/{job.id}/nodes/n0/samples HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                          f"{agent_token(job.token, 'n0')}\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert status(answer) == 400, sample
+
+
+def test_deep_json_and_unknown_methods_get_json_4xx(server):
+    api, _, job = server
+    body = "[" * 20000 + "]" * 20000
+    answer = raw(api, f"POST /v1/jobs/{job.id}/nodes/n0/logs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                      f"{agent_token(job.token, 'n0')}\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+    assert status(answer) == 400
+    for method in ("HEAD", "TRACE", "BREW"):
+        answer = raw(api, f"{method} /healthz HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert status(answer) == 405, method
+    json.loads(raw(api, b"BREW /healthz HTTP/1.1\r\nHost: x\r\n\r\n").split(b"\r\n\r\n", 1)[1])
+
+
+def test_an_api_advertised_beyond_loopback_serves_tls_even_when_bound_to_it(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    api = ApiServer(0, store, Controller(store, tmp_path, providers={}).handlers, advertise="203.0.113.5",
+                    home=tmp_path)
+    try:
+        assert api.url.startswith("https://203.0.113.5:") and api.trust
+    finally:
+        api.server_close()
+
+
+def test_a_local_controller_is_reached_without_the_users_proxy(server, monkeypatch):
+    api, _, job = server
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")   # nothing listens there
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert sdk(api, job).post("/telemetry", TELEMETRY) == {}

@@ -37,6 +37,11 @@ def test_a_node_recorded_but_unconfirmed_before_a_crash_is_not_leaked(tmp_path):
 # ---- issue 17: "the same error twice with no progress" sees through what differs from run to run ----
 
 SAME = [
+    ("2026-12-04 07:09:52,123 ERROR loader died", "2026-12-04 07:21:07,481 ERROR loader died"),
+    ("CUDA out of memory. 3.44 MiB is free. Process 812 has 79.1 GiB in use",
+     "CUDA out of memory. 5.12 MiB is free. Process 977 has 79.3 GiB in use"),
+    ("TimeoutError: the barrier timed out after 30.12s", "TimeoutError: the barrier timed out after 30.47s"),
+    ("FileNotFoundError: run-7f3a/shard.bin", "FileNotFoundError: run-9c21/shard.bin"),
     ("OSError: [Errno 28] No space left on device: '/tmp/tmpa8f3k2xq/ckpt/step_40.pt'",
      "OSError: [Errno 28] No space left on device: '/tmp/tmpzz81kd0a/ckpt/step_40.pt'"),
     ("[rank3]: RuntimeError: connect() to 10.0.0.5:29500 failed: Connection refused",

@@ -302,3 +302,19 @@ def test_a_stop_interrupts_provisioning_between_two_nodes_and_releases_every_nod
     assert store.job(job_id).state == JobState.STOPPED
     assert sorted(aws.terminated) == sorted(aws.created)
     assert all(n.state == NodeState.TERMINATED and n.released for n in store.nodes(job_id))
+
+
+def test_one_pass_of_the_loop_creates_a_bounded_number_of_a_jobs_nodes(tmp_path):
+    """A 200-node job takes its nodes over several passes, so that another job's stop is seen between them."""
+    from orchestrator.control.provisioning import CREATES_PER_PASS
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    big, small = submit(store, tmp_path, num_nodes=200), submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(big)
+    assert len(aws.created) == CREATES_PER_PASS
+    store.request_stop(small)
+    controller.reconcile(small)
+    assert store.job(small).state == JobState.STOPPED
+    reconcile(controller, big, times=200 // CREATES_PER_PASS + 1)
+    assert len(store.nodes(big)) == 200

@@ -56,6 +56,14 @@ def new_operator(home, host: str = "127.0.0.1") -> Operator:
     return Operator(OperatorSettings(home=home, host=host, advertise=ADVERTISE, pod_poll_s=0))
 
 
+def client(op: Operator, token: str, job_id: int) -> ControllerClient:
+    """A client of the operator's API as its pods reach it (TLS: it advertises an address beyond loopback),
+    connecting over loopback."""
+    authority = op.server.authority
+    return ControllerClient(f"https://127.0.0.1:{op.server.server_address[1]}", token, job_id,
+                            ca_pem=authority.ca_pem, ca_fingerprint=authority.fingerprint)
+
+
 def add_gpu_nodes(cluster) -> None:
     for host in ("gpu-a", "gpu-b"):
         cluster.add_node(host, {"nvidia.com/gpu.product": PRODUCT}, {GPU: "8", "cpu": "96", "memory": "1000Gi"})
@@ -220,14 +228,14 @@ def test_a_gpu_health_finding_reported_by_the_agent_taints_the_node_and_replaces
     body, job_id = admitted(operator, cluster, tfsnjob())
     first = run_first_attempt(operator, cluster, job_id)
     [node] = operator.store.nodes(job_id)
-    url, token = f"http://127.0.0.1:{operator.server.server_address[1]}", operator.store.job(job_id).token
-    agent = ControllerClient(url, agent_token(token, node.id), job_id)
+    token = operator.store.job(job_id).token
+    agent = client(operator, agent_token(token, node.id), job_id)
     agent.post(f"/nodes/{node.id}/samples", {"samples": [{"time": time.time(), "node": node.id, "gpu": 3, "xid": 79}]})
     operator.controller.reconcile(job_id)      # the policy: checkpoint first, then replace the node
     job = operator.store.job(job_id)
     assert job.pending_replace == node.id and job.checkpoint_request > 0
-    ControllerClient(url, sdk_token(token), job_id).post("/checkpoint", {"step": 120, "path": "/ckpt/step-120",
-                                                                         "seconds": 0.5})  # the SDK saved it
+    client(operator, sdk_token(token), job_id).post("/checkpoint", {"step": 120, "path": "/ckpt/step-120",
+                                                                    "seconds": 0.5})  # the SDK saved it
     for _ in range(3):
         operator.controller.reconcile(job_id)
     assert operator.store.job(job_id).restarts == 1
@@ -377,19 +385,19 @@ def test_an_operator_with_an_empty_home_adopts_the_running_pods_and_takes_their_
         [adopted] = successor.store.nodes(job.id)
         assert (adopted.id, adopted.rank, adopted.state, adopted.host) == (node.id, 0, NodeState.READY, "gpu-a")
         # the pod's agent, reporting with the token it was started with, to the new operator's API
-        url = f"http://127.0.0.1:{successor.server.server_address[1]}"
-        agent = ControllerClient(url, agent_token(token, node.id), job_id)
+        agent = client(successor, agent_token(token, node.id), job_id)
         command = agent.post(f"/nodes/{node.id}/heartbeat", {"state": "running", "host": "gpu-a"})
         assert (command["action"], command["attempt"]) == ("run", 1)
         assert agent.post(f"/nodes/{node.id}/attempt", {"attempt": 1})["node_rank"] == 0
-        ControllerClient(url, sdk_token(token), job_id).post("/checkpoint", {"step": 60, "path": "/ckpt/step-60",
-                                                                             "seconds": 0.5})
+        client(successor, sdk_token(token), job_id).post("/checkpoint", {"step": 60, "path": "/ckpt/step-60",
+                                                                         "seconds": 0.5})
         successor.controller.reconcile(job.id)
         assert successor.store.job(job.id).state == JobState.RUNNING and set(pods(cluster)) == {pod}
         status = wait_for("the status", lambda: on_server(cluster, body)["status"]["checkpoint"].get("step") == 60
                           and on_server(cluster, body)["status"])
         assert (status["jobId"], status["attempt"], status["phase"]) == (job_id, 1, "Running")
-        assert successor.adoption.adopt(on_server(cluster, body)) == {}  # kopf's resume handler: the same job, nothing new
+        # kopf's resume handler: the same job, nothing new
+        assert successor.adoption.adopt(on_server(cluster, body)) == {}
         assert len(successor.store.jobs()) == 1
     finally:
         successor.close()
@@ -419,8 +427,8 @@ def test_the_operators_api_serves_tls_with_a_ca_kept_in_a_secret_so_a_successor_
         successor.adoption.adopt_all()
         assert successor.server.authority.fingerprint == env[CA_FINGERPRINT_ENV]
         # the pod's agent, pinned to the CA it was started with, reports to the new operator
-        agent = ControllerClient(f"https://127.0.0.1:{successor.server.server_address[1]}", agent_token(token, node.id), job_id,
-                                 ca_pem=env[CA_PEM_ENV], ca_fingerprint=env[CA_FINGERPRINT_ENV])
+        agent = ControllerClient(f"https://127.0.0.1:{successor.server.server_address[1]}", agent_token(token, node.id),
+                                 job_id, ca_pem=env[CA_PEM_ENV], ca_fingerprint=env[CA_FINGERPRINT_ENV])
         command = agent.post(f"/nodes/{node.id}/heartbeat", {"state": "running", "host": "gpu-a"})
         assert (command["action"], command["attempt"]) == ("run", 1)
     finally:
@@ -470,12 +478,12 @@ def test_a_tainted_hosts_exclusion_outlives_the_operator(operator, cluster, tmp_
     body, job_id = admitted(operator, cluster, tfsnjob())
     run_first_attempt(operator, cluster, job_id)
     [node] = operator.store.nodes(job_id)
-    url, token = f"http://127.0.0.1:{operator.server.server_address[1]}", operator.store.job(job_id).token
-    agent = ControllerClient(url, agent_token(token, node.id), job_id)
+    token = operator.store.job(job_id).token
+    agent = client(operator, agent_token(token, node.id), job_id)
     agent.post(f"/nodes/{node.id}/samples", {"samples": [{"time": time.time(), "node": node.id, "gpu": 3, "xid": 79}]})
     operator.controller.reconcile(job_id)
-    ControllerClient(url, sdk_token(token), job_id).post("/checkpoint", {"step": 120, "path": "/ckpt/step-120",
-                                                                         "seconds": 0.5})
+    client(operator, sdk_token(token), job_id).post("/checkpoint", {"step": 120, "path": "/ckpt/step-120",
+                                                                    "seconds": 0.5})
     operator.controller.reconcile(job_id)      # fails the node, taints gpu-a
     assert operator.store.job(job_id).health["excluded"] == [node.id]
     assert pods(cluster) == {}

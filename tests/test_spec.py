@@ -542,3 +542,12 @@ def test_kubernetes_section_and_its_bad_tolerations(tmp_path):
     one(path, 4, "kubernetes.tolerations[0]", "operator Exists takes no value", "To fix")
     path = write(tmp_path, "run: x\nkubernetes:\n  tolerations:\n    - {effect: Sometimes}\n")
     one(path, 4, "kubernetes.tolerations[0].effect", "NoSchedule")
+
+
+@pytest.mark.parametrize("threshold, value", [("straggler_window", 10**12), ("straggler_baseline", 5000),
+                                              ("hang_min_s", ".inf"), ("gather_s", ".nan")])
+def test_health_thresholds_that_would_exhaust_memory_or_never_fire_are_refused(tmp_path, threshold, value):
+    path = tmp_path / "train.yaml"
+    path.write_text(f"run: python train.py\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
+    with pytest.raises(SpecError, match=f"health.thresholds: {threshold}: must be"):
+        load_spec(path)

@@ -7,7 +7,12 @@ job is refused exactly as a wrong token is (401), so the API tells outsiders not
 read, within a size cap per route and a socket timeout, and checked against the route's model
 (requests.py). A job that ended accepts no writes (409), but for its agents' last log lines and the
 heartbeat that tells them to exit. Whatever arrives, the answer is JSON with a 4xx (or a 500 for a bug
-of ours, logged), never a dropped connection; connections beyond MAX_CONNECTIONS get a 503.
+of ours, logged), never a dropped connection.
+
+A connection carries one request and lives REQUEST_DEADLINE_S at most, handshake and all (a reaper
+closes it then, however slowly it trickles): beyond MAX_CONNECTIONS at once, or MAX_PER_CLIENT from
+one address, a client gets a 503 at once, so one host cannot hold every thread the agents need.
+Parsing runs PARSERS bodies at a time, so that bodies of empty objects cannot multiply memory.
 """
 from __future__ import annotations
 
@@ -32,7 +37,10 @@ from orchestrator.control.store import Job, Store, StoreError
 from orchestrator.sdk.client import TOKEN_HEADER
 
 READ_TIMEOUT_S = 15.0         # a client that stops sending (headers or body) is dropped after this long
+REQUEST_DEADLINE_S = 20.0     # and a whole connection, however it trickles, after this long
 MAX_CONNECTIONS = 64          # connections served at once; more get a 503 at once (agents retry)
+MAX_PER_CLIENT = 16           # of them from one address
+PARSERS = threading.BoundedSemaphore(4)   # bodies parsed at once (JSON can take ~40x its size in memory)
 LOG_GRACE_S = 60.0            # an ended job still takes its agents' last log lines this long
 UNAUTHORIZED = "missing or wrong token for this job and route"
 
@@ -91,7 +99,7 @@ class ApiServer(ThreadingHTTPServer):
     def __init__(self, port: int, store: Store, handlers: Handlers, host: str = "127.0.0.1",
                  advertise: str = "", home: Path | None = None) -> None:
         self.authority: tls.Authority | None = None
-        if tls.serves_tls(host):
+        if tls.serves_tls(host) or (advertise and tls.serves_tls(advertise)):   # bound or reached beyond loopback
             if home is None:
                 raise ValueError(f"an API on {host} serves TLS and needs the folder of its CA: pass `home`")
             self.authority = tls.ensure_authority(home, tls.server_names(host, advertise))
@@ -104,6 +112,10 @@ class ApiServer(ThreadingHTTPServer):
         self.handlers = handlers
         self.advertise = advertise   # the address nodes reach this server at, when not the bound one
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: dict[socket.socket, tuple[float, str]] = {}   # connection -> (deadline, client address)
+        self._open_lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._reap, name="tfsn-api-reaper", daemon=True).start()
 
     @property
     def url(self) -> str:
@@ -132,23 +144,49 @@ class ApiServer(ThreadingHTTPServer):
         return thread
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
-        """A thread per connection, MAX_CONNECTIONS at most: beyond that a 503, so that clients that
-        never finish their request cannot take every thread."""
-        if not self._slots.acquire(blocking=False):
+        """A thread per connection, within MAX_CONNECTIONS and MAX_PER_CLIENT; beyond them a 503."""
+        client = str(client_address[0])
+        with self._open_lock:
+            mine = sum(1 for _, who in self._open.values() if who == client)
+            admitted = mine < MAX_PER_CLIENT and self._slots.acquire(blocking=False)
+            if admitted:
+                self._open[request] = (time.monotonic() + REQUEST_DEADLINE_S, client)
+        if not admitted:
             _refuse_busy(request)
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._release(request)
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._release(request)
+
+    def _release(self, request: socket.socket) -> None:
+        with self._open_lock:
+            if self._open.pop(request, None) is not None:
+                self._slots.release()
+
+    def _reap(self) -> None:
+        """Close every connection past its deadline (its thread then ends and frees its slot)."""
+        while not self._closed.wait(1.0):
+            now = time.monotonic()
+            with self._open_lock:
+                late = [conn for conn, (deadline, _) in self._open.items() if deadline < now]
+            for conn in late:
+                try:
+                    socket.socket.shutdown(conn, socket.SHUT_RDWR)   # the plain socket's, under any TLS
+                except OSError:
+                    pass
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
 
 
 def _refuse_busy(request: socket.socket) -> None:
@@ -169,16 +207,23 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet: agents poll every second
         pass
 
-    def _reply(self, status: int, body: dict[str, Any], close: bool = False) -> None:
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        """The JSON answer; the connection ends with it (one request per connection, see the docstring)."""
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        if close:   # the body was not read: the connection cannot carry another request
-            self.send_header("Connection", "close")
-            self.close_connection = True
+        self.send_header("Connection", "close")
+        self.close_connection = True
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a bad request line, headers too long, an unknown method) as JSON;
+        a method we do not serve is a 405, not its 501."""
+        code = 405 if code == 501 else code
+        self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def do_GET(self) -> None:
         if self.path == "/healthz":
@@ -187,26 +232,29 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._reply(404, {"error": "not found"})
 
     def _not_allowed(self) -> None:
-        self._reply(405, {"error": "method not allowed"}, close=True)
+        self._reply(405, {"error": "method not allowed"})
 
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
 
     def do_POST(self) -> None:
         match, route = next(((m, r) for r in ROUTES if (m := r.pattern.fullmatch(self.path))), (None, None))
         if route is None:
-            self._reply(404, {"error": "not found"}, close=True)
+            self._reply(404, {"error": "not found"})
             return
         job_id = int(match["job"])
         job = self._authorized(job_id, route, match["node"] if route.scope == AGENT else None)
         if job is None:
-            self._reply(401, {"error": UNAUTHORIZED}, close=True)
+            self._reply(401, {"error": UNAUTHORIZED})
             return
         if job.state.terminal and not (route.when_over == "answer" or (
                 route.when_over == "grace" and time.time() - (job.finished_at or 0) < LOG_GRACE_S)):
-            self._reply(409, {"error": f"job {job_id} is {job.state.value}: it takes no more reports"}, close=True)
+            self._reply(409, {"error": f"job {job_id} is {job.state.value}: it takes no more reports"})
             return
         body = self._body(route)
         if body is None:
+            return
+        if not job.state.terminal and self.server.store.job(job_id).state.terminal and not route.when_over:
+            self._reply(409, {"error": f"job {job_id} ended while its report arrived"})   # see the check above
             return
         try:
             self._reply(200, route.call(self.server.handlers, job_id, match.groupdict(), body))
@@ -232,14 +280,14 @@ class _RequestHandler(BaseHTTPRequestHandler):
         """The request's body, read within the route's cap and checked against its model; None once an
         error was answered."""
         if self.headers.get("Transfer-Encoding"):
-            self._reply(411, {"error": "send a Content-Length (chunked bodies are not accepted)"}, close=True)
+            self._reply(411, {"error": "send a Content-Length (chunked bodies are not accepted)"})
             return None
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
         if not 0 <= length <= route.max_bytes:
-            self._reply(413, {"error": f"Content-Length must be 0 to {route.max_bytes} bytes here"}, close=True)
+            self._reply(413, {"error": f"Content-Length must be 0 to {route.max_bytes} bytes here"})
             return None
         try:
             raw = self.rfile.read(length)
@@ -250,9 +298,9 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return None
         try:
-            data = json.loads(raw or b"{}")
-            return route.body.model_validate(data).model_dump(exclude_unset=False)
-        except ValueError as err:   # json's errors and pydantic's ValidationError
+            with PARSERS:
+                return route.body.model_validate(json.loads(raw or b"{}")).model_dump(exclude_unset=False)
+        except (ValueError, RecursionError) as err:   # json's errors, pydantic's ValidationError, deep nesting
             what = _validation_text(err) if isinstance(err, ValidationError) else f"bad JSON: {err}"
             self._reply(400, {"error": what[:500]})
             return None

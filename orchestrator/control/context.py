@@ -2,6 +2,7 @@
 address, the loop's wake-up, the metrics, and the one way a job's log and events are written."""
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,17 @@ from orchestrator.control.store import Job, JobState, Store
 from orchestrator.home import job_dir, private_open
 from providers.base import Provider
 from providers.registry import load_provider
+
+
+# Line breaks and control characters (tab kept, and ANSI colours): what a node or a user wrote must never start
+# a line of the job's log or of its events, where "[tfsn] ..." lines are the controller's word.
+_UNSAFE = re.compile(r"\x1b\[[0-9;]*m|[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """`text` as one line: every unsafe character written as its escape (`\\x0a`), colours kept."""
+    return _UNSAFE.sub(lambda m: m.group() if len(m.group()) > 1 else m.group().encode("unicode_escape").decode(),
+                       text)
 
 
 @dataclass
@@ -39,10 +51,11 @@ class ControlContext:
         if not lines:
             return
         with self._log_lock, private_open(job_dir(job_id, self.home) / "job.log") as log:
-            log.write("".join(line.rstrip("\n") + "\n" for line in lines))
+            log.write("".join(one_line(line.rstrip("\n")) + "\n" for line in lines))
 
     def event(self, job_id: int, kind: str, message: str) -> None:
         """An event in the store (`tfsn status`), also a `[tfsn]` line in the job's log."""
+        message = one_line(message)
         self.store.add_event(job_id, kind, message)
         self.log(job_id, [f"[tfsn] {message}"])
 

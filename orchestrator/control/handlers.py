@@ -30,7 +30,7 @@ class ApiHandlers:
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         node = self._node_of(job_id, node_id)
         job = self.store.job(job_id)
-        if job.state.terminal:   # nothing to record for a job that ended: its agents are told to exit
+        if job.state.terminal or not node.state.active:   # nothing to record: the agent is told to exit
             return {"action": "exit"}
         self.store.update_node(node_id, heartbeat_at=time.time(), agent_state=str(body.get("state", "")),
                                addr=str(body.get("addr") or node.addr), host=str(body.get("host") or node.host))
@@ -42,7 +42,11 @@ class ApiHandlers:
         return self.command(self.store.job(job_id), self.store.node(node_id))
 
     def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._node_of(job_id, node_id)
+        """How setup (attempt 0, any live node) or the current attempt (a live ranked node) ended here."""
+        node = self._node_of(job_id, node_id, active=True)
+        attempt = int(body["attempt"])
+        if attempt != 0 and (node.rank is None or attempt != self.store.job(job_id).attempt):
+            raise ValueError(f"node {node_id} does not run attempt {attempt}")
         signal = body.get("signal")
         self.store.record_result(job_id, node_id, int(body["attempt"]), int(body["returncode"]),
                                  None if signal is None else int(signal), bool(body.get("stopped")),
@@ -85,8 +89,8 @@ class ApiHandlers:
         return {"checkpoint": job.checkpoint_request} if job.checkpoint_request > job.checkpoint_at else {}
 
     def samples(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        """GPU samples (NVML, DCGM) from a node's agent."""
-        self._node_of(job_id, node_id)
+        """GPU samples (NVML, DCGM) from a node's agent (each checked by requests.GpuSample)."""
+        self._node_of(job_id, node_id, active=True)
         watch = self.health.existing(job_id)
         if watch is not None:
             for raw in body.get("samples", []):
@@ -147,10 +151,12 @@ class ApiHandlers:
     def _checkpoint_dir(self, job: Job, spec: JobSpec) -> str:
         return spec.checkpoint.dir or str(job_dir(job.id, self.ctx.home) / "checkpoints")
 
-    def _node_of(self, job_id: int, node_id: str) -> Node:
+    def _node_of(self, job_id: int, node_id: str, active: bool = False) -> Node:
         node = self.store.node(node_id)
         if node.job_id != job_id:
             raise ValueError(f"node {node_id} is not part of job {job_id}")
+        if active and not node.state.active:
+            raise ValueError(f"node {node_id} is {node.state.value}: it takes no more reports")
         return node
 
 

@@ -32,6 +32,7 @@ from providers.base import CapacityError, NodeRequest, ProviderError
 REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
 TRANSIENT_TRIES = 5           # a provisioning request that fails transiently this often in a row is blocked
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
+CREATES_PER_PASS = 16         # nodes one job asks for in one pass of the loop (the others' turn comes between)
 
 
 class Provisioner:
@@ -87,11 +88,13 @@ class Provisioner:
         return ""
 
     def _fill(self, job: Job, spec: JobSpec) -> bool:
-        """Every rank without a node gets a spare, else a new node; then the spares are topped up.
-        False if the job ended on the way or a stop was asked (see `_interrupted`)."""
+        """Every rank without a node gets a spare, else a new node; then the spares are topped up. At most
+        CREATES_PER_PASS new nodes a pass, so that the loop gets round to other jobs (and their stops).
+        False if the job ended, a stop was asked (see `_interrupted`) or this pass created its share."""
         nodes = self.ctx.store.nodes(job.id, active_only=True)
         ranked = {n.rank: n for n in nodes if n.rank is not None}
         spares = sorted((n for n in nodes if n.rank is None), key=lambda s: s.state != NodeState.READY)
+        created = 0
         for rank in range(spec.num_nodes):
             if rank in ranked:
                 continue
@@ -101,11 +104,13 @@ class Provisioner:
                 self.ctx.event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
             else:
                 self._create_node(job, spec, rank)
-            if self._interrupted(job):
+                created += 1
+            if self._interrupted(job) or created >= CREATES_PER_PASS:
                 return False
         for _ in range(spec.recovery.spares - len(spares)):
             self._create_node(job, spec, None)
-            if self._interrupted(job):
+            created += 1
+            if self._interrupted(job) or created >= CREATES_PER_PASS:
                 return False
         return True
 

@@ -37,7 +37,10 @@ _VOLATILE = [
     (re.compile(r"\btmp[a-z0-9_]{6,}\b"), "<tmp>"),
     (re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b"), "<uuid>"),
     (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\[[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\](?::\d+)?"), "<addr>"),
-    (re.compile(r"\b(pid|PID|process)([ =:#]+)\d+"), r"\1\2<n>"),
+    (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),                       # log timestamps
+    (re.compile(r"\b(pid|process)([ =:#]+)\d+", re.IGNORECASE), r"\1\2<n>"),
+    (re.compile(r"\b\d+\.\d+\s*(?:s|ms|sec|seconds|[KMGT]i?B)\b"), "<amount>"),   # durations, sizes free
+    (re.compile(r"(?<=[-_])(?=[0-9a-f]*\d)[0-9a-f]{4,7}\b"), "<id>"),                     # short random suffixes
     (re.compile(r"\b(?:0x[0-9a-fA-F]+|(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{8,})\b"), "<hex>"),
     (re.compile(r"\d{4,}"), "<n>"),
 ]
@@ -110,9 +113,11 @@ def failure_signature(summary: str) -> str:
     run, so that "failed the same way twice" is not defeated by a temp name. It strips, in order:
     the `[rankN]:` prefixes (the same error on another rank is the same error); temporary paths
     (under /tmp, /var/tmp, /dev/shm, /var/folders) and tempfile names (tmpXXXXXX); UUIDs; IPv4
-    addresses and [IPv6] ones, with their port; pids ("pid 1234", "process 1234"); hex runs of 8 or
-    more with letters and digits, or with 0x (addresses, nonces, request ids, hashes); and runs of 4
-    or more digits (ports, ids, timestamps, sizes). Short numbers stay: "exit code 1" is not "2".
+    addresses and [IPv6] ones, with their port; clock times ("07:09:52,123"); pids ("pid 1234",
+    "Process 1234"); decimal durations and sizes ("30.12s", "3.44 MiB"); short random suffixes with a
+    digit ("run-7f3a"); hex runs of 8 or more with letters and digits, or with 0x (addresses, nonces,
+    request ids, hashes); and runs of 4 or more digits (ports, ids, dates, sizes). Short numbers stay:
+    "exit code 1" is not "2", nor "step 12" "step 13".
     """
     for pattern, replacement in _VOLATILE:
         summary = pattern.sub(replacement, summary)

@@ -51,13 +51,37 @@ class Telemetry(_Body):
     step: Count | None = None        # the step the rank is in (with no record yet while it runs)
 
 
+Reading = Annotated[float, Field(ge=-1e9, le=1e9, allow_inf_nan=False)]
+
+
+class GpuSample(_Body):
+    """One NVML/DCGM reading (health.telemetry.Sample's fields, bounded: a GPU index is a metric label)."""
+    time: Seconds
+    node: Text | None = None           # replaced by the node the token speaks for
+    rank: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    gpu: Annotated[int, Field(ge=0, le=63)] | None = None
+    step: Count | None = None
+    step_time: Seconds | None = None
+    compute_time: Seconds | None = None
+    sm_clock_mhz: Reading | None = None
+    max_sm_clock_mhz: Reading | None = None
+    clock_event_reasons: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    temperature_c: Reading | None = None
+    power_w: Reading | None = None
+    ecc_sbe_volatile: Count | None = None
+    ecc_dbe_volatile: Count | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failure: bool | None = None
+    xid: Annotated[int, Field(ge=0, le=2**31)] | None = None
+
+
 class Samples(_Body):
-    samples: Annotated[list[dict[Annotated[str, Field(max_length=64)], Any]], Field(max_length=4096)]
+    samples: Annotated[list[GpuSample], Field(max_length=1024)]
 
 
 class Checkpoint(_Body):
     step: Count
-    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    path: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$")]   # one line
     seconds: Seconds = 0.0
     restored: bool = False
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -103,8 +105,11 @@ class ControllerClient:
             f"{self.url}/v1/jobs/{self.job_id}{path}", data=json.dumps(body).encode(), method="POST",
             headers={"Content-Type": "application/json", TOKEN_HEADER: f"Bearer {self.token}"})
         context = self._tls
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.HTTPSHandler(context=context)] if context else []
+        if _loopback(urllib.parse.urlsplit(self.url).hostname or ""):
+            handlers.append(urllib.request.ProxyHandler({}))   # HTTP_PROXY must never see a local job's tokens
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout, context=context) as response:
+            with urllib.request.build_opener(*handlers).open(request, timeout=timeout or self.timeout) as response:
                 return json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as err:
             if err.code >= 500:
@@ -116,3 +121,10 @@ class ControllerClient:
                 raise ControllerUntrusted(f"the controller at {self.url} is not the one this job trusts "
                                           f"({reason.verify_message}). {_FIX_TRUST}") from None
             raise ControllerUnavailable(str(err)) from None
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -3,7 +3,10 @@ a traceback or a dropped connection, nothing written to an ended job, no secrets
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -361,9 +364,12 @@ def test_an_api_advertised_beyond_loopback_serves_tls_even_when_bound_to_it(tmp_
         api.server_close()
 
 
-def test_a_local_controller_is_reached_without_the_users_proxy(server, monkeypatch):
+def test_a_local_controller_is_reached_without_the_users_proxy(server):
+    """In a fresh process (urllib keeps the first opener it builds, with the proxies of that moment)."""
     api, _, job = server
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")   # nothing listens there
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
-    assert sdk(api, job).post("/telemetry", TELEMETRY) == {}
+    code = ("import sys; from orchestrator.sdk.client import ControllerClient as C; "
+            f"print(C({api.url!r}, {sdk_token(job.token)!r}, {job.id}).post('/telemetry', {TELEMETRY!r}))")
+    env = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}
+    env.update(HTTP_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")   # nothing listens there
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "{}", out.stderr[-500:]

@@ -102,6 +102,7 @@ NOT_LAUNCHABLE = [
     ("resources:\n  accelerators: FOO:8\n  infra: [aws]\n", "resources.accelerators: unknown accelerator 'FOO'"),
     ("resources:\n  accelerators: H10:8\n", "did you mean 'H100'?"),
     ("workdir: nowhere\n", "workdir: "),
+    ("num_nodes: 4096\n", "num_nodes 4096: this machine runs at most"),   # no cloud: 4096 local agents
 ]
 
 

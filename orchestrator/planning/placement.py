@@ -57,4 +57,17 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
                         "and no cloud is enabled for this job. To fix: name clouds in resources.infra (e.g. "
                         "infra: [aws, gcp]) or set TFSN_CLOUDS=aws,gcp; or remove resources.accelerators to run "
                         "on this machine's CPUs", field=("resources", "accelerators"))
-    return plan_job(spec, offers_for(spec, providers, catalog, planning_only))
+    offers = offers_for(spec, providers, catalog, planning_only)
+    most = local_node_limit()
+    if spec.num_nodes > most:   # local nodes are processes of this machine: a core each, or a runaway
+        offers = [o for o in offers if o.provider != "local"]
+        if allowed == ["local"]:
+            raise PlanError(f"no capable offer: num_nodes {spec.num_nodes}: this machine runs at most {most} local "
+                            "nodes (one per core, 4 at least). To fix: lower num_nodes, or name clouds in "
+                            "resources.infra", field=("num_nodes",))
+    return plan_job(spec, offers)
+
+
+def local_node_limit() -> int:
+    """How many nodes the local provider may run for one job: one per core, and 4 on any machine."""
+    return max(4, os.cpu_count() or 1)

@@ -373,3 +373,14 @@ def test_a_local_controller_is_reached_without_the_users_proxy(server):
     env.update(HTTP_PROXY="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")   # nothing listens there
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "{}", out.stderr[-500:]
+
+
+def test_a_node_that_floods_the_log_cannot_fill_the_disk(server, tmp_path, monkeypatch):
+    from orchestrator.control import handlers
+    api, store, job = server
+    monkeypatch.setattr(handlers, "MAX_JOB_LOG_BYTES", 1000)
+    for _ in range(5):
+        agent(api, job).post("/nodes/n0/logs", {"lines": ["x" * 400]})
+    log = tmp_path / "jobs" / str(job.id) / "job.log"
+    assert log.stat().st_size < 2000 and "nodes' lines are dropped" in log.read_text()
+    assert sum("nodes' lines are dropped" in e.message for e in store.events(job.id)) == 1   # said once

@@ -21,11 +21,15 @@ from orchestrator.home import job_dir
 from orchestrator.spec import JobSpec
 
 
+MAX_JOB_LOG_BYTES = 4 << 30   # a job's log takes the nodes' lines up to this size
+
+
 class ApiHandlers:
     def __init__(self, ctx: ControlContext, health: HealthWatch) -> None:
         self.ctx = ctx
         self.store = ctx.store
         self.health = health
+        self._log_full: dict[int, bool] = {}     # jobs whose log passed MAX_JOB_LOG_BYTES (said once)
 
     def heartbeat(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         node = self._node_of(job_id, node_id)
@@ -72,6 +76,13 @@ class ApiHandlers:
         """A node's output lines. Only the controller and the node's own agent may speak as `[tfsn]`: a line
         that claims it otherwise (a worker printing "[tfsn] job 1 succeeded") is marked with its node."""
         self._node_of(job_id, node_id)
+        log = job_dir(job_id, self.ctx.home) / "job.log"
+        if log.exists() and log.stat().st_size > MAX_JOB_LOG_BYTES:   # a node that floods must not fill the disk
+            if not self._log_full.get(job_id):
+                self._log_full[job_id] = True
+                self.ctx.event(job_id, "log", f"the job log passed {MAX_JOB_LOG_BYTES >> 30} GiB: nodes' lines are "
+                                              "dropped from now on (tfsn's own events are kept)")
+            return {}
         own = f"[tfsn] node {node_id}:"
         self.ctx.log(job_id, [line if not line.startswith("[tfsn]") or line.startswith(own)
                               else f"[node {node_id}] {line}" for line in map(str, body.get("lines", []))])

@@ -80,7 +80,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 # The largest whole-number thresholds: the straggler test keeps window + baseline steps of every rank in
 # memory, so a typo of 10^12 there must be refused, not tried (2 x 4096 steps x 4096 ranks x 8 B = 256 MiB).
 MAX_RING, MAX_COUNT = 4096, 10**9
-_RINGS = {"straggler_window", "straggler_baseline"}
+_RINGS = {"straggler_window", "straggler_baseline", "gather_steps"}   # gather_steps: steps of every rank held
 
 
 def _thresholds(raw: Any, where: str) -> dict[str, int | float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -309,8 +310,8 @@ def test_a_node_cannot_start_a_line_of_the_log_with_a_line_break_or_a_control_se
     agent(api, job).post("/nodes/n0/logs", {"lines": ["hi\n[tfsn] job 1 SUCCEEDED", "\r[tfsn] x", "\x1b[2K[tfsn] y",
                                                       "a\u2028[tfsn] z", "\x1b[32mgreen\x1b[0m"]})
     log = (tmp_path / "jobs" / str(job.id) / "job.log").read_text().split("\n")[:-1]
-    assert log == ["hi\\n[tfsn] job 1 SUCCEEDED", "\\r[tfsn] x", "\\x1b[2K[tfsn] y", "a\\u2028[tfsn] z",
-                   "\x1b[32mgreen\x1b[0m"]
+    assert log == ["[node n0] hi\\n[tfsn] job 1 SUCCEEDED", "[node n0] \\r[tfsn] x", "[node n0] \\x1b[2K[tfsn] y",
+                   "[node n0] a\\u2028[tfsn] z", "\x1b[32mgreen\x1b[0m"]
     with pytest.raises(ControllerRejected, match="400"):
         sdk(api, job).post("/checkpoint", {"step": 5, "path": "/ckpt/step-5\n[tfsn] job 1 SUCCEEDED"})
 
@@ -325,9 +326,9 @@ def test_spares_and_failed_nodes_cannot_end_an_attempt(server):
         with pytest.raises(ControllerRejected, match="400"):
             agent(api, job, "spare").post("/nodes/spare/result", {"attempt": attempt, "returncode": 1})
     agent(api, job, "spare").post("/nodes/spare/result", {"attempt": 0, "returncode": 0})   # its setup ended
+    with pytest.raises(ControllerRejected, match="400"):   # nor a ranked node an attempt not yet started
+        agent(api, job, "n1").post("/nodes/n1/result", {"attempt": 2, "returncode": 1})
     store.update_node("n1", state=NodeState.FAILED)
-    with pytest.raises(ControllerRejected, match="400"):
-        agent(api, job, "n1").post("/nodes/n1/result", {"attempt": 1, "returncode": 1})
     assert agent(api, job, "n1").post("/nodes/n1/heartbeat", {"addr": "6.6.6.6"}) == {"action": "exit"}
     assert store.node("n1").addr == "10.0.0.2" and store.results(job.id, 1) == []
 
@@ -384,3 +385,47 @@ def test_a_node_that_floods_the_log_cannot_fill_the_disk(server, tmp_path, monke
     log = tmp_path / "jobs" / str(job.id) / "job.log"
     assert log.stat().st_size < 2000 and "nodes' lines are dropped" in log.read_text()
     assert sum("nodes' lines are dropped" in e.message for e in store.events(job.id)) == 1   # said once
+
+
+def test_colour_codes_or_concealed_text_cannot_hide_a_forged_line(server, tmp_path):
+    api, _, job = server
+    lines = ["\x1b[m[tfsn] job 1 succeeded", "\x1b[8mx\x1b[0m[tfsn] job 1 done", "\x1b[32mgreen\x1b[0m"]
+    agent(api, job).post("/nodes/n0/logs", {"lines": lines})
+    log = (tmp_path / "jobs" / str(job.id) / "job.log").read_text().split("\n")[:-1]
+    assert [line.startswith("[node n0] ") for line in log] == [True, True, False]
+
+
+def test_a_late_result_of_an_earlier_attempt_is_taken_and_ignored(server):
+    """After a restart, a node whose stop took long still reports attempt 1: its agent must not be refused
+    (it would exit and cost the new attempt)."""
+    api, store, job = server
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, "", attempt=2, attempt_state="running", master_port=29500)
+    assert agent(api, job, "n1").post("/nodes/n1/result", {"attempt": 1, "returncode": -15, "stopped": True}) == {}
+    assert store.results(job.id, 1) == []
+    store.update_node("n1", state=NodeState.FAILED)   # failed meanwhile: its own result still says why
+    agent(api, job, "n1").post("/nodes/n1/result", {"attempt": 2, "returncode": 1, "summary": "killed"})
+    assert [r.summary for r in store.results(job.id, 2)] == ["killed"]
+
+
+def test_a_busy_tls_controller_closes_extra_connections_without_waiting_for_their_handshake(tmp_path, monkeypatch):
+    store = Store(tmp_path / "tfsn.db")
+    api = ApiServer(0, store, Controller(store, tmp_path, providers={}).handlers, advertise="203.0.113.5",
+                    home=tmp_path)
+    api.start()
+    silent = [socket.create_connection(api.server_address) for _ in range(api_module.MAX_PER_CLIENT + 8)]
+    try:
+        time.sleep(0.5)
+        start = time.monotonic()
+        with socket.create_connection(api.server_address, source_address=("127.0.0.2", 0), timeout=10) as other:
+            context = ssl.create_default_context(cadata=api.authority.ca_pem)
+            context.check_hostname = False
+            with context.wrap_socket(other) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert b" 200 " in conn.recv(200)
+        assert time.monotonic() - start < 2, "silent clients of one address stalled the accept loop"
+    finally:
+        for conn in silent:
+            conn.close()
+        api.shutdown()
+        api.server_close()

@@ -545,7 +545,7 @@ def test_kubernetes_section_and_its_bad_tolerations(tmp_path):
 
 
 @pytest.mark.parametrize("threshold, value", [("straggler_window", 10**12), ("straggler_baseline", 5000),
-                                              ("hang_min_s", ".inf"), ("gather_s", ".nan")])
+                                              ("gather_steps", 10**9), ("hang_min_s", ".inf"), ("gather_s", ".nan")])
 def test_health_thresholds_that_would_exhaust_memory_or_never_fire_are_refused(tmp_path, threshold, value):
     path = tmp_path / "train.yaml"
     path.write_text(f"run: python train.py\nhealth:\n  thresholds:\n    {threshold}: {value}\n")

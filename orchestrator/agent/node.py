@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import json
 import os
 import re
 import signal
@@ -37,8 +38,10 @@ TICK_S = 0.2
 STOP_GRACE_S = 10.0
 ORPHAN_EXIT_S = 3600.0   # give up on an unreachable controller after this long with nothing running
 TAIL_LINES = 200
-LOG_BATCH_LINES = 2000   # lines per post, and characters per line: well within the API's caps
+LOG_BATCH_LINES = 2000   # lines per post, characters per line, and JSON bytes per post: within the API's caps
 LOG_LINE_CHARS = 16_000
+LOG_BATCH_BYTES = 4 << 20
+SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 
@@ -63,7 +66,13 @@ class LogShipper:
 
     def flush(self, timeout: float = 5.0) -> None:
         with self._lock:
-            lines = [line[:LOG_LINE_CHARS] for line in itertools.islice(self._pending, LOG_BATCH_LINES)]
+            lines, size = [], 0
+            for line in itertools.islice(self._pending, LOG_BATCH_LINES):
+                line = line[:LOG_LINE_CHARS]
+                size += len(json.dumps(line))   # as sent: escapes can make a line 6x its characters
+                if lines and size > LOG_BATCH_BYTES:
+                    break
+                lines.append(line)
         if not lines:
             return
         try:
@@ -163,7 +172,12 @@ class Agent:
             return
         for sample in samples:
             self.metrics.observe(os.environ.get("TFSN_JOB_ID", ""), sample)
-        self.client.post(f"/nodes/{self.node_id}/samples", {"samples": [dataclasses.asdict(s) for s in samples]})
+        for start in range(0, len(samples), SAMPLES_PER_POST):   # an Xid storm goes in several posts
+            chunk = [dataclasses.asdict(s) for s in samples[start:start + SAMPLES_PER_POST]]
+            try:
+                self.client.post(f"/nodes/{self.node_id}/samples", {"samples": chunk})
+            except ControllerRejected as err:   # samples the controller cannot take are lost, not the node
+                self.logs.add(f"[tfsn] node {self.node_id}: GPU samples refused: {err}")
 
     # ---- workers ------------------------------------------------------------------------------
     def _start(self, cmd: dict[str, Any]) -> None:

@@ -190,6 +190,10 @@ class ApiServer(ThreadingHTTPServer):
 
 
 def _refuse_busy(request: socket.socket) -> None:
+    """A 503 on a plain connection; a TLS one is just closed (writing would wait for its handshake, in the
+    accept loop, for as long as a silent client likes)."""
+    if isinstance(request, ssl.SSLSocket):
+        return
     body = json.dumps({"error": "the controller is busy; try again"}).encode()
     try:
         request.settimeout(1.0)

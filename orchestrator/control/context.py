@@ -20,6 +20,14 @@ from providers.registry import load_provider
 _UNSAFE = re.compile(r"\x1b\[[0-9;]*m|[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain(text: str) -> str:
+    """`text` without its colour codes (what a `[tfsn]` test must look at)."""
+    return _COLOURS.sub("", text)
+
+
 def one_line(text: str) -> str:
     """`text` as one line: every unsafe character written as its escape (`\\x0a`), colours kept."""
     return _UNSAFE.sub(lambda m: m.group() if len(m.group()) > 1 else m.group().encode("unicode_escape").decode(),

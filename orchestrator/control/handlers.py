@@ -12,7 +12,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from health.telemetry import Sample
-from orchestrator.control.context import ControlContext
+from orchestrator.control.context import ControlContext, plain
 from orchestrator.control.credentials import sdk_token
 from orchestrator.control.health_watch import HealthWatch
 from orchestrator.control.provisioning import requested_cpus
@@ -46,10 +46,13 @@ class ApiHandlers:
         return self.command(self.store.job(job_id), self.store.node(node_id))
 
     def result(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        """How setup (attempt 0, any live node) or the current attempt (a live ranked node) ended here."""
-        node = self._node_of(job_id, node_id, active=True)
-        attempt = int(body["attempt"])
-        if attempt != 0 and (node.rank is None or attempt != self.store.job(job_id).attempt):
+        """How setup (attempt 0) or the current attempt (a ranked node, even one failed meanwhile: its summary
+        says why) ended here. A result of an earlier attempt arrives late after a restart: taken, ignored."""
+        node = self._node_of(job_id, node_id)
+        attempt, current = int(body["attempt"]), self.store.job(job_id).attempt
+        if 0 < attempt < current:
+            return {}
+        if attempt != 0 and (node.rank is None or attempt != current):   # a spare runs no attempt
             raise ValueError(f"node {node_id} does not run attempt {attempt}")
         signal = body.get("signal")
         self.store.record_result(job_id, node_id, int(body["attempt"]), int(body["returncode"]),
@@ -74,7 +77,8 @@ class ApiHandlers:
 
     def logs(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """A node's output lines. Only the controller and the node's own agent may speak as `[tfsn]`: a line
-        that claims it otherwise (a worker printing "[tfsn] job 1 succeeded") is marked with its node."""
+        that claims it otherwise (a worker printing "[tfsn] job 1 succeeded", colours or concealed text
+        before it) is marked with its node."""
         self._node_of(job_id, node_id)
         log = job_dir(job_id, self.ctx.home) / "job.log"
         if log.exists() and log.stat().st_size > MAX_JOB_LOG_BYTES:   # a node that floods must not fill the disk
@@ -83,8 +87,8 @@ class ApiHandlers:
                 self.ctx.event(job_id, "log", f"the job log passed {MAX_JOB_LOG_BYTES >> 30} GiB: nodes' lines are "
                                               "dropped from now on (tfsn's own events are kept)")
             return {}
-        own = f"[tfsn] node {node_id}:"
-        self.ctx.log(job_id, [line if not line.startswith("[tfsn]") or line.startswith(own)
+        own = f"[tfsn] node {node_id}:"   # the agent's own lines; any other with "[tfsn]" in what a terminal
+        self.ctx.log(job_id, [line if line.startswith(own) or "[tfsn]" not in plain(line)   # shows is marked
                               else f"[node {node_id}] {line}" for line in map(str, body.get("lines", []))])
         return {}
 

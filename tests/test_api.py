@@ -429,3 +429,18 @@ def test_a_busy_tls_controller_closes_extra_connections_without_waiting_for_thei
             conn.close()
         api.shutdown()
         api.server_close()
+
+
+def test_the_agents_log_batches_fit_the_routes_cap(server, tmp_path):
+    """600 lines of 16,000 characters (9.6 MB) reach the log in several posts: one post was a 413, retried
+    for ever, and the node's log stuck."""
+    from orchestrator.agent.node import LogShipper
+    api, _, job = server
+    shipper = LogShipper(agent(api, job), "n0")
+    for i in range(600):
+        shipper.add(f"{i:04d}" + "x" * 15_996)
+    deadline = time.monotonic() + 60
+    log = tmp_path / "jobs" / str(job.id) / "job.log"
+    while not (log.exists() and log.read_text().count("\n") == 600):
+        assert time.monotonic() < deadline, "the node's lines never all reached the log"
+        time.sleep(0.2)

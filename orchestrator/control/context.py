@@ -15,12 +15,10 @@ from providers.base import Provider
 from providers.registry import load_provider
 
 
-# Line breaks and control characters (tab kept, and ANSI colours): what a node or a user wrote must never start
-# a line of the job's log or of its events, where "[tfsn] ..." lines are the controller's word.
-_UNSAFE = re.compile(r"\x1b\[[0-9;]*m|[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
-
-
 _COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+# Line breaks and control characters (tab kept, and ANSI colours matched first so they stay): what a node or a
+# user wrote must never start a line of the job's log or of its events, where "[tfsn] ..." lines are ours.
+_UNSAFE = re.compile(_COLOURS.pattern + r"|[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def plain(text: str) -> str:

@@ -162,6 +162,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     from optimizer import fusion, ir
     from optimizer.codegen import c, compiler
+    from optimizer.loopnest import NotFusable
     from optimizer.runtime import CompiledGraph
 
     if not fuse:
@@ -180,7 +181,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             schedules = [schedule] * len(plan.groups)
         else:
             plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, report)
-    except (c.NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
+    except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
@@ -189,7 +190,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     try:
         source, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
-    except (c.NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
+    except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
@@ -241,10 +242,13 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
 def _retime(graph, plan: Plan, schedules: list[Schedule], ties: list[Tie]) -> list[Tie]:
     """`ties` (search.Tie) timed again, each one's winner written into `schedules`: the ties still open."""
     from optimizer import search
-    from optimizer.codegen import c, compiler
+    from optimizer.codegen import compiler
+    from optimizer.hardware import cpu_spec
+    from optimizer.loopnest import NotFusable
+    from optimizer.target import target_for
     try:
-        settled = search.retime(graph, plan, ties)
-    except (c.NotFusable, compiler.CompileError) as e:    # the cached choice still runs: keep it, settled
+        settled = search.retime(graph, plan, ties, target_for(cpu_spec()))
+    except (NotFusable, compiler.CompileError) as e:    # the cached choice still runs: keep it, settled
         log.warning("tfsn: tied kernels not timed again, their code failed: %s", str(e)[:2000])
         return []
     for tie, (schedule, _) in zip(ties, settled):

@@ -1,18 +1,17 @@
-"""What a fused group does, as the cost model's `KernelFeatures`: read off the IR and the code the
-generator writes for it (its buffers and the offset of every load), so the model sees the same
-loop nest that will run.
+"""What a fused group does, as the cost model's `KernelFeatures`: read off the IR and the group's
+loop nest (optimizer.loopnest: its buffers, loops and the offset of every load), the one every
+renderer prints, so the model sees the loops that will run.
 """
 from __future__ import annotations
 
 import dataclasses
 from math import prod
 
-from optimizer.codegen.c import Group, Kernel, KernelWriter
-from optimizer.codegen.c_ops import EXPENSIVE
 from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, REDUCTION, KernelFeatures
-from optimizer.fusion import fused_nodes
+from optimizer.expr import stride_along
 from optimizer.ir import Graph, Kind, Node
-from optimizer.schedule import DEFAULT
+from optimizer.loopnest import Group, LoopNest, Pass, fused_nodes, lower
+from optimizer.ops import EXPENSIVE
 
 ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
@@ -25,44 +24,22 @@ def _bytes(graph: Graph, n: int) -> float:
     return float(graph.nodes[n].type.numel * _itemsize(graph, n))
 
 
-def _inner_stride(offset: str, var: str) -> int:
-    """How far one step of loop index `var` moves this load's offset (others at 0)."""
-    expr = offset.replace("/", "//")
-    try:
-        at = [eval(expr, {"__builtins__": {}}, _Zero(var, v)) for v in (0, 1)]   # our own C integer expressions
-    except Exception:          # an index the generator did not write with i-variables: assume strided
-        return 2
-    return int(at[1] - at[0])
-
-
-class _Zero(dict):
-    """Every loop index is 0 except `var`."""
-
-    def __init__(self, var: str, value: int) -> None:
-        super().__init__()
-        self.var, self.value = var, value
-
-    def __missing__(self, key: str) -> int:
-        return self.value if key == self.var else 0
-
-
 def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeatures:
     """The features of one non-extern group."""
-    writer = KernelWriter(graph, group, buffers, DEFAULT, "features")
-    kernel = writer.write()
+    nest = lower(graph, group, buffers)
     dom = group.domain
     members = set(fused_nodes(graph, buffers, group))
     if group.kind == "gemm":
-        return _gemm_features(graph, group, writer, kernel, members)
+        return _gemm_features(graph, group, nest, members)
     reduced = group.reduced
-    last = writer.order[-1] if dom else 0          # the axis innermost in memory
+    last = nest.order[-1] if dom else 0          # the axis innermost in memory
     column = bool(reduced) and last not in reduced
-    var, inner = writer.inner_loop
+    var, inner = nest.inner_loop
     elements = float(prod(dom))
     if not reduced:
         rows = elements / inner if len(dom) > 1 else max(elements / FLAT_ROW, 1.0)
     else:
-        kept = [d for d in writer.order if d not in reduced]
+        kept = nest.kept
         rows = float(prod(dom[d] for d in (kept[:-1] if column else kept)))
     ops = math = row_ops = 0.0
     for n in members:
@@ -75,16 +52,13 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
             math += 1.0
         else:
             ops += 1.0
-    reads = [p for p in kernel.params if p not in kernel.outputs]
+    reads = [p for p in nest.params if p not in nest.outputs]
     read_bytes = sum(_bytes(graph, p) for p in reads)
-    write_bytes = sum(_bytes(graph, p) for p in kernel.outputs)
-    strided = set()
-    for n, offset in writer.loads:
-        if inner > 1 and _inner_stride(offset, var) not in (0, 1):
-            strided.add(n)
+    write_bytes = sum(_bytes(graph, p) for p in nest.outputs)
+    strided = {n for n, offset in nest.loads if inner > 1 and stride_along(offset, var) not in (0, 1)}
     passes = carried = 1.0
     if reduced:
-        carried = passes = float(sum(kind == "pass" for kind, _ in writer.segments([])))
+        carried = passes = float(sum(isinstance(s, Pass) for s in nest.segments))
         passes += 1.0 if any(graph.nodes[n].kind == Kind.POINTWISE and graph.nodes[n].type.numel == elements
                              for n in group.nodes) else 0.0
     row_bytes = read_bytes / max(rows, 1.0) if reduced and not column else 0.0
@@ -106,18 +80,17 @@ def matmul_features(graph: Graph, mm: Node) -> KernelFeatures:
                           b_strided=0.0 if b.type.strides[-1] == 1 else 1.0)
 
 
-def _gemm_features(graph: Graph, group: Group, writer: KernelWriter, kernel: Kernel,
-                   members: set[int]) -> KernelFeatures:
+def _gemm_features(graph: Graph, group: Group, nest: LoopNest, members: set[int]) -> KernelFeatures:
     """The GEMM's product and its epilogue: the epilogue's arithmetic, reads and writes."""
     mm = graph.nodes[group.nodes[0]]
     operands = {r.index for r in mm.args[:2]}
     pointwise = [graph.nodes[i] for i in members if graph.nodes[i].kind == Kind.POINTWISE]
     math = float(sum(node.op in EXPENSIVE for node in pointwise))
-    epilogue_reads = [p for p in kernel.params if p not in kernel.outputs and p not in operands]
-    strided = {i for i, off in writer.loads if i in epilogue_reads
-               and _inner_stride(off, f"i{len(group.domain) - 1}") not in (0, 1)}
+    epilogue_reads = [p for p in nest.params if p not in nest.outputs and p not in operands]
+    var, _ = nest.inner_loop
+    strided = {i for i, off in nest.loads if i in epilogue_reads and stride_along(off, var) not in (0, 1)}
     return dataclasses.replace(
         matmul_features(graph, mm), ops=len(pointwise) - math, math=math,
         read_bytes=sum(_bytes(graph, p) for p in epilogue_reads),
-        write_bytes=sum(_bytes(graph, p) for p in kernel.outputs),
+        write_bytes=sum(_bytes(graph, p) for p in nest.outputs),
         strided_bytes=sum(_bytes(graph, i) for i in strided))

@@ -3,8 +3,8 @@
 The answer is data, a list of `Group`s in execution order, so that a search can rewrite it.
 The default here is greedy and local: a pointwise value is inlined into its readers unless it is
 needed as a tensor or is costly to recompute; a node joins an open group of the same loop
-domain when it reads one of its members or shares an input with them, and the C writer accepts
-the result as one loop nest. Reductions over the same axes share a row loop (LayerNorm, softmax,
+domain when it reads one of its members or shares an input with them, and the result lowers to
+one loop nest (optimizer.loopnest). Reductions over the same axes share a row loop (LayerNorm, softmax,
 cross-entropy); pointwise ops on a GEMM's output become its epilogue.
 """
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from optimizer.codegen.c import Group, KernelWriter, NotFusable, gemm_fits, row_shapes
-from optimizer.codegen.c_ops import EXPENSIVE
 from optimizer.ir import Graph, Kind, Node, Ref
-from optimizer.schedule import DEFAULT
+from optimizer.loopnest import Group, NotFusable, fused_nodes, gemm_fits, lower, row_shapes
+from optimizer.ops import EXPENSIVE
 
 INLINE_MAX_COST = 12         # a value read several times is recomputed (not stored) up to this cost;
                              # exp counts 4: softmax recomputes exp(x - max) rather than storing it
@@ -240,7 +239,7 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
     Why: a copy per mutated tensor per step, and a buffer allocated for each new value, cost as
     much as the update itself on a small model. Safe only when no step after that kernel reads the
     input's old value (directly or through a view), the kernel reads it only at the element it
-    writes, before writing it (KernelWriter checks that), and neither the input nor the value is
+    writes, before writing it (loopnest.lower checks that), and neither the input nor the value is
     also a graph output."""
     copies = [n for n in graph.nodes if n.op == COPY_INTO and n.kind == Kind.EXTERN and len(n.args) >= 2
               and not n.users]
@@ -273,23 +272,14 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
     return done
 
 
-def kernel_key(graph: Graph, buffers: set[int], group: Group) -> tuple:
-    """What decides a group's code: its members, the values they inline and which members are
-    stored (the same group under two plans is the same kernel when these agree)."""
-    return group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes))
-
-
 def writable(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None) -> bool:
-    """Whether the C writer takes the group as one loop nest (with these in-place writes): its
-    answer kept in graph.memo, since a search plans a graph ~50 times and most groups recur."""
-    key = (kernel_key(graph, buffers, group), tuple(sorted((inplace or {}).items())))
-    if key not in graph.memo:
-        try:
-            KernelWriter(graph, group, buffers, DEFAULT, "trial", inplace).write()
-            graph.memo[key] = True
-        except NotFusable:
-            graph.memo[key] = False
-    return graph.memo[key]
+    """Whether the group is one loop nest (with these in-place writes); loopnest.lower keeps its
+    answer in graph.memo, since a search plans a graph ~50 times and most groups recur."""
+    try:
+        lower(graph, group, buffers, inplace)
+        return True
+    except NotFusable:
+        return False
 
 
 def _base_reads(graph: Graph, buffers: set[int], group: Group) -> set[int]:
@@ -379,18 +369,6 @@ def scalars_first(graph: Graph) -> list[Node]:
                 graph.nodes[i].kind == Kind.INPUT or i in scalar for i in node.inputs):
             scalar.add(node.index)
     return [graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar]
-
-
-def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:
-    """A group's members and the values inlined into them, in graph order."""
-    found, todo = set(group.nodes), list(group.nodes)
-    while todo:
-        for i in graph.nodes[todo.pop()].inputs:
-            node = graph.nodes[i]
-            if i not in found and (node.kind == Kind.VIEW or node.kind == Kind.POINTWISE and i not in buffers):
-                found.add(i)
-                todo.append(i)
-    return sorted(found) if group.kind != "extern" else list(group.nodes)
 
 
 def describe(graph: Graph, plan: Plan) -> str:

@@ -2,8 +2,8 @@
 
 Built from a core-ATen FX graph (after AOTAutograd and decomposition). Every FX node becomes one
 IR node of a kind the generator understands (pointwise, reduction, view, matmul) or an extern
-that calls the ATen op as it is, so every model runs. Views and broadcasts are index maps: a
-consumer's loop index rewritten into the producer's, as C integer expressions.
+that calls the ATen op as it is, so every model runs. How a group of nodes becomes loops is
+optimizer/loopnest.py; views there are index maps of a consumer's index into its producer's.
 """
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import enum
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
 
-from optimizer.codegen.c_ops import CTYPES, POINTWISE
+from optimizer.ops import DTYPES, POINTWISE_OPS
 
 aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ class Kind(enum.Enum):
 class TensorType:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
-    dtype: str                               # a key of CTYPES, or torch's name for others
+    dtype: str                               # torch's name ("float32"); generated code covers ops.DTYPES
 
     @property
     def numel(self) -> int:
@@ -184,14 +184,14 @@ def _tensor_args(args, kwargs, nodes) -> list[TensorType | None]:
 
 def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes: list[Node]) -> Kind:
     """Which kind of IR node an ATen call becomes; extern whenever the generator is not sure."""
-    if type_ is None or type_.dtype not in CTYPES or type_.numel == 0:
+    if type_ is None or type_.dtype not in DTYPES or type_.numel == 0:
         return Kind.EXTERN
     tensors = _tensor_args(args, kwargs, nodes)
-    if any(t is None or t.dtype not in CTYPES for t in tensors):
+    if any(t is None or t.dtype not in DTYPES for t in tensors):
         return Kind.EXTERN
     if op in VIEWS:
         return Kind.VIEW
-    if op in POINTWISE:
+    if op in POINTWISE_OPS:
         extra = set(kwargs) - {"alpha", "dtype", "layout", "device", "pin_memory", "memory_format",
                                "non_blocking"}
         device = kwargs.get("device")
@@ -230,157 +230,3 @@ def reduce_params(op: str, args: tuple, kwargs: dict, nodes: list[Node]) -> dict
     else:
         dims = _reduce_dims(op, args, ndim)
     return {"dims": dims, "keepdim": keepdim, "reduce": REDUCTIONS[op]}
-
-
-# ---- index maps: a consumer's index (C expressions, one per dim) rewritten into its producer's ----
-
-def _paren(e: str) -> str:
-    return e if e.isidentifier() or e.lstrip("-").isdigit() or (e.startswith("(") and e.endswith(")")) else f"({e})"
-
-
-def mul(e: str, k: int) -> str:
-    if k == 0 or e == "0":
-        return "0"
-    return e if k == 1 else f"{_paren(e)}*{k}"
-
-
-def add_terms(terms: Sequence[str]) -> str:
-    terms = [t for t in terms if t != "0"]
-    if not terms:
-        return "0"
-    return terms[0] if len(terms) == 1 else "(" + " + ".join(terms) + ")"
-
-
-def broadcast_index(src: Sequence[int], dst: Sequence[int], idx: Sequence[str]) -> tuple[str, ...]:
-    """ATen's implicit broadcasting: dims aligned right, a size-1 source dim always reads 0."""
-    lead = len(dst) - len(src)
-    return tuple("0" if s == 1 else idx[lead + i] for i, s in enumerate(src))
-
-
-def reshape_index(src: Sequence[int], dst: Sequence[int], idx: Sequence[str]) -> tuple[str, ...]:
-    """A reshape as an index map: dims grouped into runs of equal size product; only a run that
-    splits or merges dims pays for a division."""
-    out = ["0"] * len(src)
-    s_dims = [i for i, n in enumerate(src) if n != 1]
-    d_dims = [i for i, n in enumerate(dst) if n != 1]
-    si = di = 0
-    while si < len(s_dims) or di < len(d_dims):
-        s_run, d_run = [s_dims[si]], [d_dims[di]]
-        s_prod, d_prod = src[s_dims[si]], dst[d_dims[di]]
-        si, di = si + 1, di + 1
-        while s_prod != d_prod:
-            if s_prod < d_prod:
-                s_run.append(s_dims[si]); s_prod *= src[s_dims[si]]; si += 1
-            else:
-                d_run.append(d_dims[di]); d_prod *= dst[d_dims[di]]; di += 1
-        if len(s_run) == 1 and len(d_run) == 1:
-            out[s_run[0]] = idx[d_run[0]]
-            continue
-        stride, terms = 1, []
-        for d in reversed(d_run):
-            terms.append(mul(idx[d], stride))
-            stride *= dst[d]
-        linear = add_terms(terms[::-1])
-        stride = 1
-        for k, s in enumerate(reversed(s_run)):
-            e = linear if stride == 1 else f"{_paren(linear)}/{stride}"
-            out[s] = e if k == len(s_run) - 1 else f"({e})%{src[s]}"
-            stride *= src[s]
-    return tuple(out)
-
-
-def _atomic(e: str) -> bool:
-    """An identifier, a number, or one parenthesized whole: safe to read as the L of `L/D`."""
-    if e.isidentifier() or e.isdigit():
-        return True
-    if not (e.startswith("(") and e.endswith(")")):
-        return False
-    depth = 0
-    for k, ch in enumerate(e):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            return k == len(e) - 1
-    return False
-
-
-def _split(e: str) -> tuple[str, int, int | None] | None:
-    """(L, D, n) when index `e` is `(L/D)%n` as reshape_index writes it (D = 1: `(L)%n`; n = None:
-    the outermost `L/D`), else None."""
-    if e.endswith(")") or "%" not in e and "/" not in e:
-        return None
-    n = None
-    if "%" in e:
-        head, _, tail = e.rpartition("%")
-        if not tail.isdigit() or not _atomic(head):
-            return None
-        e, n = head[1:-1], int(tail)
-        if "/" not in e:
-            return (_paren(e), 1, n) if _atomic(_paren(e)) else None
-    head, _, tail = e.rpartition("/")
-    if not tail.isdigit() or not _atomic(head):
-        return (_paren(e), 1, n) if n is not None and _atomic(_paren(e)) else None
-    return head, int(tail), n
-
-
-def fold_splits(terms: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Index terms (index, stride) with the divisions of a reshape undone where the strides allow:
-    `(L/D)%n * s + (L/(D*n)) * (s*n)` is `(L/D) * s`. A [B, T, C] tensor read as [B*T, C] is then
-    `i0*C` again, not `(i0/T)*(T*C) + (i0%T)*C`: two divisions less per element (per row in a
-    column reduction, which ran 2 ms for a [1392, 768] bias gradient)."""
-    parts: list[list] = []
-    rest: list[tuple[str, int]] = []
-    for e, stride in terms:
-        form = _split(e)
-        if form is None:
-            rest.append((e, stride))
-        else:
-            parts.append([*form, stride, len(parts)])
-    # a run's pieces of one L, by increasing D, each one's D the previous one's D * n: one pass
-    kept: list[list] = []
-    for part in sorted(parts, key=lambda p: (p[0], p[1])):
-        last = kept[-1] if kept else None
-        if last and last[0] == part[0] and last[2] is not None and part[1] == last[1] * last[2] \
-                and part[3] == last[3] * last[2]:
-            last[2] = None if part[2] is None else last[2] * part[2]
-        else:
-            kept.append(part)
-    for L, D, n, stride, _ in sorted(kept, key=lambda p: p[4]):        # in the order they came
-        e = L if D == 1 else f"{L}/{D}"
-        rest.append((e if n is None else f"({e})%{n}", stride))
-    return rest
-
-
-def view_index(graph: Graph, node: Node, idx: Sequence[str]) -> tuple[int, tuple[str, ...]]:
-    """The producer and the producer's index that `node`'s element `idx` reads."""
-    base = node.args[0].index
-    src, dst = graph.nodes[base].type.shape, node.type.shape
-    op, args = node.op, node.args
-    if op in ("aten.permute.default", "aten.t.default", "aten.transpose.int"):
-        nd = len(src)
-        if op == "aten.permute.default":
-            perm = [d % nd for d in args[1]]
-        else:
-            perm = list(range(nd))
-            if nd == 2 or op == "aten.transpose.int":
-                a, b = (0, 1) if op == "aten.t.default" else (args[1] % nd, args[2] % nd)
-                perm[a], perm[b] = perm[b], perm[a]
-        out = ["0"] * nd
-        for k, p in enumerate(perm):
-            out[p] = idx[k]
-        return base, tuple(out)
-    if op == "aten.expand.default":
-        return base, broadcast_index(src, dst, idx)
-    if op == "aten.slice.Tensor":
-        dim = (args[1] if len(args) > 1 else 0) % len(src)
-        start = args[2] if len(args) > 2 and args[2] is not None else 0
-        step = args[4] if len(args) > 4 else 1
-        start = min(max(start + src[dim] if start < 0 else start, 0), src[dim])
-        out = list(idx)
-        out[dim] = add_terms([mul(idx[dim], step), str(start)])
-        return base, tuple(out)
-    if op == "aten.select.int":
-        dim = args[1] % len(src)
-        i = args[2] + src[dim] if args[2] < 0 else args[2]
-        return base, tuple(idx[:dim]) + (str(i),) + tuple(idx[dim:])
-    return base, reshape_index(src, dst, idx)      # view, reshape, squeeze, unsqueeze, alias

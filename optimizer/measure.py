@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from optimizer.codegen import compiler
-from optimizer.codegen.c import Group, Kernel, KernelWriter, library_source
+from optimizer.codegen.c import Kernel, KernelWriter, library_source
 from optimizer.ir import Graph
+from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
+from optimizer.target import Timing
 
 TARGET_BATCH_S = 0.001        # calls per timed batch: enough to last this long (timer resolution, noise)
 # A candidate's error allowed near zero, relative to its output's largest value: sums in another order
@@ -109,22 +109,6 @@ def build_groups(graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule
     for chunk, path in zip(chunks, paths):
         libs.update(dict.fromkeys(chunk, compiler.load_library(path)))
     return [(ks, libs[g]) for g, ks in enumerate(kernels)]
-
-
-@dataclass(frozen=True)
-class Timing:
-    """One kernel's seconds per call in each round."""
-    samples: tuple[float, ...]
-
-    @property
-    def best(self) -> float:
-        """The time the kernel takes: other processes only ever add time."""
-        return min(self.samples)
-
-    @property
-    def spread(self) -> float:
-        """How far the machine's noise moved it (median - best): a winner by less than this is no winner."""
-        return statistics.median(self.samples) - self.best
 
 
 def time_variants(graph: Graph, kernels: Sequence[Kernel], lib: ctypes.CDLL, rounds: int = 5,

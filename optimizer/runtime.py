@@ -15,9 +15,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from optimizer.codegen.c import Group, Kernel
+from optimizer.codegen.c import Kernel
 from optimizer.fusion import mutates
 from optimizer.ir import Graph, Kind, Ref, TensorType
+from optimizer.loopnest import Group
 
 Step = Callable[[list], None]
 

@@ -24,11 +24,12 @@ from typing import Sequence
 
 import numpy as np
 
-from optimizer import costmodel, features, fusion, measure, space
-from optimizer.codegen.c import Group, KernelWriter, NotFusable
+from optimizer import costmodel, features, fusion
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph, Kind
+from optimizer.loopnest import Group, NotFusable, kernel_key
 from optimizer.schedule import DEFAULT, Schedule
+from optimizer.target import Target, Timing, target_for
 
 log = logging.getLogger("tfsn.optimizer")
 
@@ -84,8 +85,8 @@ class SearchResult:
 class _Scorer:
     """Features and best predictions per distinct kernel, shared by every plan that contains it."""
 
-    def __init__(self, graph: Graph, spec: HardwareSpec, threads: int | None) -> None:
-        self.graph, self.spec, self.threads = graph, spec, threads
+    def __init__(self, graph: Graph, target: Target, threads: int | None) -> None:
+        self.graph, self.target, self.threads = graph, target, threads
         self.features: list[costmodel.KernelFeatures] = []
         self.tables: list[costmodel.Candidates] = []   # per kernel: its candidates, their predictions, the best
         self.predicted: list[np.ndarray] = []
@@ -97,7 +98,7 @@ class _Scorer:
         self.feature_seconds = 0.0     # reading kernels' features off the generator
 
     def key(self, group: Group, buffers: set[int]) -> tuple:
-        return fusion.kernel_key(self.graph, buffers, group)
+        return kernel_key(self.graph, buffers, group)
 
     def score_plans(self, plans: list[fusion.Plan]) -> list[float]:
         """Each plan's sum of the best predicted time of its kernels; the kernels no plan scored
@@ -120,10 +121,8 @@ class _Scorer:
         if len(self.features) > start:
             t0 = time.perf_counter()
             new_kernels = self.features[start:]      # rows index them from 0
-            kernel_space = space.space_for(self.spec.kind)
-            cands = costmodel.Candidates.concat([kernel_space(i, f) for i, f in enumerate(new_kernels)])
-            predicted = costmodel.predict_on(costmodel.FeatureTable(new_kernels), cands, self.spec,
-                                             threads=self.threads)
+            cands = costmodel.Candidates.concat([self.target.schedule_space(i, f) for i, f in enumerate(new_kernels)])
+            predicted = self.target.predict(costmodel.FeatureTable(new_kernels), cands, self.threads)
             bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
             for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
                 self.tables.append(cands.take(rows))
@@ -146,8 +145,8 @@ class _Scorer:
             kernel = features.matmul_features(self.graph, node)
             one_call = dataclasses.replace(DEFAULT, gemm="library", gemm_block_rows=max(int(kernel.m), 1),
                                            parallel_axis=-1)
-            self.externs[node.index] = float(costmodel.predict_on(
-                costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.spec, self.threads)[0])
+            self.externs[node.index] = float(self.target.predict(
+                costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.threads)[0])
         return self.externs[node.index]
 
     def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:
@@ -156,14 +155,17 @@ class _Scorer:
         return self.tables[i].take(order), self.predicted[i][order]
 
 
-def search_graph(graph: Graph, spec: HardwareSpec, *, gemm: bool = True, top_k: int = TOP_K,
+def search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool = True, top_k: int = TOP_K,
                  timing: bool = True, threads: int | None = None, max_plans: int | None = None) -> SearchResult:
-    """The best plan and schedules for `graph` on `spec`; `timing=False` (hardware not present)
-    keeps the model's picks; `max_plans` bounds the fusion plans scored (default MAX_PLANS)."""
+    """The best plan and schedules for `graph` on `target` (or a hardware spec's target:
+    target.target_for); `timing=False` (hardware not present) keeps the model's picks; `max_plans`
+    bounds the fusion plans scored (default MAX_PLANS)."""
+    if isinstance(target, HardwareSpec):
+        target = target_for(target)
     bounded = max_plans is not None
     max_plans = MAX_PLANS if max_plans is None else max_plans
     t0 = time.perf_counter()
-    scorer = _Scorer(graph, spec, threads)
+    scorer = _Scorer(graph, target, threads)
     points = fusion.decision_points(graph, gemm)
     costs: dict[tuple[bool, ...], float] = {}
     plans: dict[tuple[bool, ...], fusion.Plan] = {}
@@ -222,7 +224,7 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tup
         cands, predicted = scorer.ranked(group, plan.buffers)
         result = KernelResult(i, float(predicted[0]), None, cands.schedule(0))
         results.append(result)
-        reference, code = _reference(graph, plan, i, cands.schedule(0))
+        reference, code = _reference(scorer.target, graph, plan, i, cands.schedule(0))
         if code in first:                     # the same loop nest on the same shapes: timed once
             copies.append((result, first[code]))
             continue
@@ -231,7 +233,7 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tup
             rows = _diverse_top(cands, predicted, top_k)
             timed.append((result, [cands.schedule(r) for r in rows], [float(predicted[r]) for r in rows], reference))
     ties: dict[int, Tie] = {}                 # by the group of the kernel's first copy
-    measured = _checked_timings(graph, plan, [(r.group, picks, ref) for r, picks, _, ref in timed])
+    measured = _checked_timings(scorer.target, graph, plan, [(r.group, picks, ref) for r, picks, _, ref in timed])
     for (result, picks, preds, reference), runs in zip(timed, measured):
         if not runs:                          # every candidate wrong: the reference runs, untimed
             result.schedule = reference
@@ -249,11 +251,11 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tup
     return results, list(ties.values())
 
 
-def retime(graph: Graph, plan: fusion.Plan, ties: list[Tie]) -> list[tuple[Schedule, Tie | None]]:
+def retime(graph: Graph, plan: fusion.Plan, ties: list[Tie], target: Target) -> list[tuple[Schedule, Tie | None]]:
     """The tied candidates of each kernel timed again (and checked again, as in the search): its
     fastest, and the tie still open while they stay too close to call and RETIMES allows, else None."""
-    references = [_reference(graph, plan, t.groups[0], t.schedules[0])[0] for t in ties]
-    measured = _checked_timings(graph, plan, [(t.groups[0], t.schedules, r) for t, r in zip(ties, references)])
+    references = [_reference(target, graph, plan, t.groups[0], t.schedules[0])[0] for t in ties]
+    measured = _checked_timings(target, graph, plan, [(t.groups[0], t.schedules, r) for t, r in zip(ties, references)])
     settled: list[tuple[Schedule, Tie | None]] = []
     for tie, reference, runs in zip(ties, references, measured):
         if not runs:
@@ -266,30 +268,30 @@ def retime(graph: Graph, plan: fusion.Plan, ties: list[Tie]) -> list[tuple[Sched
     return settled
 
 
-def _reference(graph: Graph, plan: fusion.Plan, group: int, top: Schedule) -> tuple[Schedule, str]:
+def _reference(target: Target, graph: Graph, plan: fusion.Plan, group: int, top: Schedule) -> tuple[Schedule, str]:
     """The schedule a group's candidates must agree with, and its code: the hand-written default,
     or the model's `top` candidate where the default cannot be written."""
     def code(schedule: Schedule) -> str:
-        return KernelWriter(graph, plan.groups[group], plan.buffers, schedule, "k", plan.inplace).write().source
+        return target.render(graph, plan.groups[group], plan.buffers, schedule, plan.inplace)
     try:
         return DEFAULT, code(DEFAULT)
     except NotFusable:
         return top, code(top)
 
 
-def _checked_timings(graph: Graph, plan: fusion.Plan, todo: list[tuple[int, list[Schedule], Schedule]]
-                     ) -> list[list[tuple[int, measure.Timing]]]:
+def _checked_timings(target: Target, graph: Graph, plan: fusion.Plan, todo: list[tuple[int, list[Schedule], Schedule]]
+                     ) -> list[list[tuple[int, Timing]]]:
     """For each (group, candidates, reference): the candidates whose output matches the reference's
     on the same inputs, as (index, timing); each other one is discarded with a warning. The
     reference is built beside the candidates when it is not one of them, all as one library per CPU."""
     if not todo:
         return []
-    built = measure.build_groups(graph, [(plan.groups[g], picks if ref in picks else [*picks, ref])
-                                         for g, picks, ref in todo], plan.buffers, inplace=plan.inplace)
+    built = target.build(graph, [(plan.groups[g], picks if ref in picks else [*picks, ref])
+                                 for g, picks, ref in todo], plan.buffers, plan.inplace)
     checked = []
-    for (g, picks, reference), (kernels, lib) in zip(todo, built):
-        valid = measure.agree(graph, kernels[picks.index(reference) if reference in picks else -1],
-                              kernels[:len(picks)], lib)
+    for (g, picks, reference), group in zip(todo, built):
+        valid = target.check(graph, group, picks.index(reference) if reference in picks else len(picks),
+                             range(len(picks)))
         for schedule, ok in zip(picks, valid):
             if not ok:
                 log.warning("tfsn search: discarded a candidate whose output differs from the %s schedule's "
@@ -297,12 +299,12 @@ def _checked_timings(graph: Graph, plan: fusion.Plan, todo: list[tuple[int, list
                             "default" if reference == DEFAULT else f"reference {reference}", g,
                             _ops(graph, fusion.fused_nodes(graph, plan.buffers, plan.groups[g])), schedule)
         keep = [i for i, ok in enumerate(valid) if ok]
-        timings = measure.time_rounds(graph, [(kernels[i], lib) for i in keep], rounds=3, budget_s=2.0)
+        timings = target.time(graph, [(group, i) for i in keep], rounds=3, budget_s=2.0)
         checked.append(list(zip(keep, timings)))
     return checked
 
 
-def _tied(picks: list[Schedule], runs: list[tuple[int, measure.Timing]]) -> list[Schedule]:
+def _tied(picks: list[Schedule], runs: list[tuple[int, Timing]]) -> list[Schedule]:
     """The candidates whose best time is within the fastest one's best plus its spread, fastest
     first; empty when the fastest won clearly."""
     ranked = sorted(runs, key=lambda run: run[1].best)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optimizer import backend, cache, fusion, ir, layout
+from optimizer import backend, cache, expr, fusion, ir, layout, loopnest
 from optimizer.backend import compile_graph, decompositions, make_backend
 from optimizer.codegen import c
 from optimizer.codegen.compiler import build_library, host_flags, load_library
@@ -270,10 +270,10 @@ def test_reshape_index_map_matches_torch(src, dst):
     base = torch.arange(int(torch.tensor(src).prod())).reshape(src)
     viewed = base.reshape(dst)
     names = [f"i{d}" for d in range(len(dst))]
-    exprs = ir.reshape_index(src, dst, names)
+    exprs = loopnest.reshape_index(src, dst, [expr.var(n) for n in names])
     for idx in itertools.product(*(range(n) for n in dst)):
         env = dict(zip(names, idx))
-        src_idx = tuple(eval(e.replace("/", "//"), {}, env) for e in exprs)   # C integer division
+        src_idx = tuple(expr.evaluate(e, env) for e in exprs)
         assert base[src_idx] == viewed[idx], f"{src}->{dst} at {idx}: {exprs}"
 
 
@@ -378,15 +378,17 @@ def test_a_merged_view_of_contiguous_dims_indexes_without_division(shape, stride
 
 
 def test_fold_splits_undoes_only_divisions_the_strides_allow():
-    idx = ir.reshape_index((2, 3, 4, 5), (120,), ("r",))
-    assert ir.fold_splits(list(zip(idx, (60, 20, 5, 1)))) == [("r", 1)]
+    r = expr.var("r")
+    idx = loopnest.reshape_index((2, 3, 4, 5), (120,), (r,))
+    assert expr.fold_splits(list(zip(idx, (60, 20, 5, 1)))) == [(r, 1)]
     # dims 2 and 3 swapped in memory: only the outer pair folds
-    assert sorted(ir.fold_splits(list(zip(idx, (60, 20, 1, 4))))) == [("(r)%5", 4), ("(r/5)%4", 1), ("r/20", 20)]
-    values = {"r": 77}
-    for strides in ((60, 20, 5, 1), (60, 20, 1, 4), (1, 2, 6, 24)):
-        exact = sum(eval(e.replace("/", "//"), {}, values) * s for e, s in zip(idx, strides))
-        folded = sum(eval(e.replace("/", "//"), {}, values) * s for e, s in ir.fold_splits(list(zip(idx, strides))))
-        assert folded == exact
+    assert sorted(((c.c_index(e), s) for e, s in expr.fold_splits(list(zip(idx, (60, 20, 1, 4)))))) == \
+        [("(r)%5", 4), ("(r/5)%4", 1), ("r/20", 20)]
+    for value in range(120):
+        for strides in ((60, 20, 5, 1), (60, 20, 1, 4), (1, 2, 6, 24)):
+            exact = sum(expr.evaluate(e, {"r": value}) * s for e, s in zip(idx, strides))
+            folded = sum(expr.evaluate(e, {"r": value}) * s for e, s in expr.fold_splits(list(zip(idx, strides))))
+            assert folded == exact
 
 
 def trace_mutation(fn, *inputs):

@@ -1,5 +1,6 @@
-"""C/OpenMP source for one fused group: a loop nest over the group's domain, the members'
-expressions inlined into it, shaped by a Schedule.
+"""C/OpenMP source for one fused group: its loop nest (optimizer.loopnest) printed as C, shaped by
+a Schedule. The loop nest decides what is computed where; this file only decides how C says it
+(pragmas, vector widths, thread splits, column blocks, BLAS or our own GEMM micro-kernel).
 
 Three loop shapes: pointwise (outer loops in parallel, the last axis SIMD), row reduction (per
 row of kept indices: one pass per stage of reductions, then one pass for the pointwise members
@@ -14,7 +15,11 @@ from math import prod
 from typing import Sequence
 
 from optimizer.codegen.c_ops import CTYPES, NONE, POINTWISE, Operand, literal
-from optimizer.ir import Graph, Kind, Node, Ref, add_terms, broadcast_index, fold_splits, mul, view_index
+from optimizer.expr import Expr, render
+from optimizer.ir import Graph, Node
+from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Stmt, Store, Temp,
+                                gemm_operand, lower)
+from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
 
 PRELUDE = """#include <stdint.h>
@@ -96,38 +101,12 @@ SIMD_MATH = "#ifdef TFSN_LIBMVEC\n" + "".join(
     for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos")) + "#endif\n"
 
 
-MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
-_UNFOLDED = re.compile(r"\bm\d+\)?[/%]")     # a merged loop's index still divided in some offset
-
-
-class NotFusable(Exception):
-    """The group as given cannot be one loop nest (a member read at another index, ...)."""
-
-
-@dataclass(frozen=True)
-class Group:
-    """One step of the program: a fused kernel, a GEMM with its epilogue, or one extern call.
-    This is the fusion decision as data: the search of the next issue rewrites lists of these."""
-    kind: str                        # "kernel" | "gemm" | "extern"
-    nodes: tuple[int, ...]           # members in topological order (a gemm's first is its matmul)
-    domain: tuple[int, ...] = ()     # the loop nest's shape
-    reduced: tuple[int, ...] = ()    # axes of the domain that reductions sum over (kernel only)
-
-
 @dataclass(frozen=True)
 class Kernel:
     name: str
     source: str
     params: tuple[int, ...]          # node indices whose buffers are the C function's arguments, in order
     outputs: tuple[int, ...]         # the members this kernel writes
-
-
-def row_shapes(domain: tuple[int, ...], reduced: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Shapes of a per-row value of a reduction group (reduced axes as 1, or dropped)."""
-    if not reduced:
-        return ()
-    return (tuple(1 if d in reduced else n for d, n in enumerate(domain)),
-            tuple(n for d, n in enumerate(domain) if d not in reduced))
 
 
 def _ctype(node: Node) -> str:
@@ -162,9 +141,13 @@ def _value_ctype(node: Node) -> str:
     return "int32_t" if node.type.dtype == "bool" else _ctype(node)
 
 
-def _offset(node: Node, idx: Sequence[str]) -> str:
-    t = node.type
-    return add_terms([mul(e, s) for e, s in fold_splits([(e, s) for e, s, n in zip(idx, t.strides, t.shape) if n != 1])])
+def _paren(e: str) -> str:
+    return e if e.isidentifier() or e.lstrip("-").isdigit() or (e.startswith("(") and e.endswith(")")) else f"({e})"
+
+
+def c_index(e: Expr) -> str:
+    """An index expression in C (its values are non-negative: C's `/` is floor division on them)."""
+    return render(e, lambda a, k: f"{_paren(a)}*{k}", lambda a, d: f"{_paren(a)}/{d}", lambda a, n: f"({a})%{n}")
 
 
 def _pragma_simd(s: Schedule, clauses: str = "") -> str:
@@ -185,138 +168,67 @@ def _attributes(s: Schedule) -> str:
     return f"TFSN_WIDTH({32 * s.vector_width}) "
 
 
+_INIT = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}
+
+
 class KernelWriter:
-    """Writes one group as a C function. Raises NotFusable when the group cannot be one loop nest."""
+    """Writes one group's loop nest (optimizer.loopnest) as a C function shaped by a schedule.
+    Raises NotFusable when the group cannot be one loop nest."""
 
     def __init__(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule, name: str,
                  inplace: dict[int, int] | None = None) -> None:
         self.g, self.group, self.buffers, self.s, self.name = graph, group, buffers, schedule, name
         self.inplace = inplace or {}              # member -> the graph input its value is written over
-        self.members = set(group.nodes)
-        self.targets = {i for n, i in self.inplace.items() if n in self.members}
-        self.order = self.memory_order()          # the domain's axes, outermost first, as loops nest them
-        self.merging = True
-        self.reset()
 
-    def reset(self) -> None:
-        """The state of one writing of the group (write() may write it twice, see there)."""
-        self.written: set[int] = set()            # inputs this body has already written over
-        self.runs: dict[int, tuple[int, ...]] = {}    # axes run by one loop: its outermost axis -> the axes
-        self.params: dict[int, str] = {}
-        self.outputs: list[int] = []
-        self.lines: list[str] = []
-        self.cse: dict[tuple, str] = {}
-        self.locals: dict[int, str] = {}          # members already computed at the current index
-        self.row: dict[int, str] = {}             # per-row values (reductions, mean, rstd) of the current row
-        self.idx: tuple[str, ...] = tuple(f"i{d}" for d in range(len(self.group.domain)))
-        self.gemm_value: str | None = None
-        self.tmp = 0
-        self.prologue: list[str] = []             # loop-invariant values (scalars), computed once
-        self.hoisted: dict[tuple, str] = {}
-        self.loads: list[tuple[int, str]] = []    # (buffer, offset expression) of every load: the cost model's
-                                                  # view of the access pattern
+    def write(self) -> Kernel:
+        self.nest = lower(self.g, self.group, self.buffers, self.inplace)
+        self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
+        shape = self.nest.shape
+        code = self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction" else self.pointwise()
+        code = [self.statement(d) for d in self.nest.prologue] + code
+        outputs = set(self.nest.outputs)
+        args = ", ".join(f"{'' if n in outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
+                         for n, p in self.names.items())
+        source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
+        return Kernel(self.name, source, self.nest.params, self.nest.outputs)
 
-    # ---- values ----
-    def param(self, n: int, output: bool = False) -> str:
-        if n not in self.params:
-            self.params[n] = f"p{len(self.params)}"
-        if output and n not in self.outputs:
-            self.outputs.append(n)
-        return self.params[n]
+    # ---- statements ----
+    def value(self, name: Name) -> str:
+        if isinstance(name, Temp):
+            return f"t{name.id}"
+        return f"{name.kind}{name.node}[j]" if self.nest.column else f"{name.kind}{name.node}"
 
-    def emit(self, ctype: str, expr: str, hoist: bool = False) -> str:
-        self.tmp += 1
-        (self.prologue if hoist else self.lines).append(f"const {ctype} t{self.tmp} = {expr};")
-        return f"t{self.tmp}"
-
-    def is_row_value(self, node: Node) -> bool:
-        return node.type.shape != self.group.domain and \
-            node.type.shape in row_shapes(self.group.domain, self.group.reduced)
-
-    def row_index(self, node: Node) -> tuple[str, ...]:
-        """The index at which a per-row member's value belongs to the current row."""
-        red = self.group.reduced
-        if len(node.type.shape) == len(self.idx):
-            return tuple("0" if d in red else e for d, e in enumerate(self.idx))
-        return tuple(e for d, e in enumerate(self.idx) if d not in red)
-
-    def load(self, n: int, idx: tuple[str, ...]) -> str:
-        key = (n, idx)
-        if key in self.cse:
-            return self.cse[key]
-        if key in self.hoisted:
-            return self.hoisted[key]
-        node = self.g.nodes[n]
-        # An element at a constant index (a 0-d step count, beta ** step) is the same in every
-        # iteration: computed once before the loops, not per element.
-        hoist = n not in self.members and all(e.isdigit() for e in idx) and not (
-            node.kind in (Kind.POINTWISE, Kind.VIEW) and n not in self.buffers and self.reads(n))
-        if n in self.members:
-            if n in self.row and idx == self.row_index(node):
-                return self.row[n]
-            if node.kind == Kind.MATMUL and self.gemm_value is not None and idx == self.idx:
-                value = self.emit("float", self.gemm_value)
-            elif n in self.locals and idx == self.idx:
-                return self.locals[n]
-            else:
-                raise NotFusable(f"{node.name} is read at another index, or before it is computed")
-        elif n in self.buffers or node.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL, Kind.REDUCE):
-            offset = _offset(node, idx)
-            if n in self.targets and (n in self.written or offset != _offset(node, self.idx)):
-                raise NotFusable(f"{node.name} is read after, or elsewhere than, where this kernel writes over it")
-            self.loads.append((n, offset))
-            value = self.emit(_ctype(node), f"{self.param(n)}[{offset}]", hoist)
-        elif node.kind == Kind.VIEW:
-            base, base_idx = view_index(self.g, node, idx)
-            value = self.load(base, base_idx)
-        elif node.kind == Kind.POINTWISE:
-            value = self.emit(_value_ctype(node), self.expression(node, idx), hoist)
-        else:
-            raise NotFusable(f"{node.name} has no value to read")
-        (self.hoisted if hoist else self.cse)[key] = value
-        return value
-
-    def expression(self, node: Node, idx: tuple[str, ...]) -> str:
-        operands = []
-        for a in node.args:
-            if isinstance(a, Ref):
-                src = self.g.nodes[a.index].type
-                operands.append(Operand(self.load(a.index, broadcast_index(src.shape, node.type.shape, idx)),
-                                        src.dtype, zero_dim=not src.shape))
-            elif isinstance(a, (bool, int, float)):
-                operands.append(literal(a))
-            else:
-                operands.append(NONE)
+    def apply(self, a: Apply) -> str:
+        node = self.g.nodes[a.node]
+        operands = [Operand(self.value(x.name), x.dtype, zero_dim=x.zero_dim) if isinstance(x, LoopOperand)
+                    else literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         return POINTWISE[node.op](operands, node.type.dtype, node.kwargs)
 
-    def compute_member(self, n: int) -> None:
-        """A pointwise member at the current index: its value, stored to its buffer if it has one."""
-        node = self.g.nodes[n]
-        if node.kind == Kind.POINTWISE:
-            value = self.emit(_value_ctype(node), self.expression(node, self.idx))
-        elif node.kind == Kind.REDUCE and not node.params["dims"]:     # of a 0-d tensor: its one element
-            value = self.load(node.args[0].index, self.idx)
-        else:
-            value = self.load(n, self.idx)
-        self.locals[n] = value
-        if n in self.buffers:
-            self.lines.append(self.store(n, self.idx, value))
+    def statement(self, s: Stmt) -> str:
+        if isinstance(s, Define):
+            v = s.value
+            if isinstance(v, Load):
+                return f"const {_ctype(self.g.nodes[v.buffer])} t{s.name.id} = {self.names[v.buffer]}[{c_index(v.offset)}];"
+            if isinstance(v, Apply):
+                return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.apply(v)};"
+            return f"const float t{s.name.id} = {self.gemm_value};"
+        if isinstance(s, Store):
+            return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {self.value(s.value)};"
+        if isinstance(s, Assign):
+            return f"{self.value(s.name)} = {self.apply(s.value)};"
+        acc, v = self.value(RowVar("acc", s.node)), self.value(s.value)
+        if s.op in ("sum", "mean"):
+            return f"{acc} += {v};"
+        # torch's amax/amin propagate NaN, which a comparison drops: a flag or-ed along the pass
+        # (vectorizes, unlike a NaN test in the comparison that OpenMP's max reduction would drop
+        # again when it combines the SIMD lanes)
+        return f"{acc} = ({v} {'>' if s.op == 'max' else '<'} {acc}) ? {v} : {acc};\n" \
+               f"{self.value(RowVar('nan', s.node))} |= ({v} != {v});"
 
-    def store(self, n: int, idx: tuple[str, ...], value: str) -> str:
-        """The C statement that writes member n's value at idx: to its own buffer, or over the graph
-        input it replaces (an in-place update: the optimizer's parameters, BatchNorm's running stats)."""
-        target = self.inplace.get(n, n)
-        if target != n:
-            self.written.add(target)
-        return f"{self.param(target, output=True)}[{_offset(self.g.nodes[target], idx)}] = {value};"
+    def lines(self, stmts: Sequence[Stmt]) -> list[str]:
+        return [line for s in stmts for line in self.statement(s).split("\n")]
 
     # ---- loop nests ----
-    def body(self, members: Sequence[int]) -> list[str]:
-        self.lines, self.cse, self.locals = [], {}, {}
-        for n in members:
-            self.compute_member(n)
-        return self.lines
-
     def decompose(self, dims: Sequence[int], flat: str) -> list[str]:
         """Loop indices of `dims` from one flat outer index (row-major over those dims)."""
         out, stride = [], prod(self.group.domain[d] for d in dims)
@@ -335,9 +247,10 @@ class KernelWriter:
 
     def loops(self, dims: Sequence[int], inner: list[str], simd: str) -> list[str]:
         """Nested loops over `dims` (the last one SIMD) around `inner`; the values of `inner` that do
-        not change along the SIMD loop are computed once before it. Axes merged by `merge` are one loop."""
-        merged = {d for run in self.runs.values() for d in run[1:]}
-        nest = [(f"m{d}", prod(self.group.domain[a] for a in self.runs[d])) if d in self.runs
+        not change along the SIMD loop are computed once before it. Axes merged by the loop nest are one loop."""
+        runs = self.nest.runs
+        merged = {d for run in runs.values() for d in run[1:]}
+        nest = [(f"m{d}", prod(self.group.domain[a] for a in runs[d])) if d in runs
                 else (f"i{d}", self.group.domain[d]) for d in dims if d not in merged]
         code = inner
         for k, (var, extent) in enumerate(reversed(nest)):
@@ -347,109 +260,17 @@ class KernelWriter:
                 [f"  {line}" for line in code] + ["}"]
         return code
 
-    def merge(self, dims: Sequence[int], keep_outer: bool) -> None:
-        """Run the innermost of `dims` (outermost first) as one loop while the innermost loop is
-        shorter than MERGE_BELOW: a [24, 12, 52, 52] tensor's last two axes are one loop of 2704,
-        not 52 loops of 52 (each a SIMD remainder and a loop set-up). The axes' indices become
-        divisions of the merged index, which ir.fold_splits takes out of every offset where the
-        strides allow; write() checks that it did. `keep_outer`: leave one axis for the outer loop."""
-        dom = self.group.domain
-        if not self.merging or len(dims) < 2:
-            return
-        run = [dims[-1]]
-        while len(run) < len(dims) - keep_outer and prod(dom[d] for d in run) < MERGE_BELOW:
-            outer = dims[len(dims) - 1 - len(run)]
-            if self.order.index(outer) != self.order.index(run[0]) - 1:    # not next in memory
-                break
-            run.insert(0, outer)
-        if len(run) < 2:
-            return
-        var, inner, idx = f"m{run[0]}", 1, list(self.idx)
-        for k, d in enumerate(reversed(run)):
-            idx[d] = f"({var})%{dom[d]}" if k == 0 else f"{var}/{inner}" if k == len(run) - 1 else \
-                f"({var}/{inner})%{dom[d]}"
-            inner *= dom[d]
-        self.idx = tuple(idx)
-        self.runs[run[0]] = tuple(run)
-
-    def memory_order(self) -> tuple[int, ...]:
-        """The domain's axes by decreasing stride of the group's main tensor (its first stored member of
-        the domain's shape, else the first such tensor it reads), so that the innermost loop walks
-        memory: a channels-last activation runs with its channels innermost. The logical order when
-        that tensor is laid out in it (the usual case)."""
-        dom = self.group.domain
-        logical = tuple(range(len(dom)))
-        if self.group.kind == "gemm" or len(dom) < 2:
-            return logical
-        main = next((self.g.nodes[n] for n in self.group.nodes
-                     if n in self.buffers and self.g.nodes[n].type.shape == dom), None)
-        seen, todo = set(), list(self.group.nodes)
-        while main is None and todo:
-            node = self.g.nodes[todo.pop(0)]
-            for i in node.inputs:
-                src = self.g.nodes[i]
-                if i in seen or src.type is None:
-                    continue
-                seen.add(i)
-                stored = i in self.buffers or src.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)
-                if stored and src.type.shape == dom and i not in self.members:
-                    main = src
-                    break
-                if src.kind == Kind.POINTWISE and not stored:
-                    todo.append(i)
-        if main is None:
-            return logical
-        strides = [main.type.strides[d] if dom[d] != 1 and main.type.strides[d] != 0 else None for d in logical]
-        sized = [st for st in strides if st is not None]
-        if sized == sorted(sized, reverse=True):
-            return logical
-        return tuple(sorted(logical, key=lambda d: (strides[d] is not None, -(strides[d] or 0), d)))
-
-    def write(self) -> Kernel:
-        code = self.emit_code()
-        if self.runs and _UNFOLDED.search("\n".join(code)):    # a merged index still divided: unmerged
-            self.merging = False
-            self.reset()
-            code = self.emit_code()
-        args = ", ".join(f"{'' if n in self.outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
-                         for n, p in self.params.items())
-        source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
-        return Kernel(self.name, source, tuple(self.params), tuple(self.outputs))
-
-    @property
-    def inner_loop(self) -> tuple[str, int]:
-        """The innermost loop's index and length (the SIMD loop): what the cost model reads strides along."""
-        dom = self.group.domain
-        if not dom:
-            return "i0", 1
-        if self.group.kind == "gemm":
-            return f"i{len(dom) - 1}", dom[-1]
-        reduced = self.group.reduced
-        inner = self.order[-1] if not reduced or self.order[-1] not in reduced else \
-            [d for d in self.order if d in reduced][-1]
-        for first, run in self.runs.items():
-            if inner in run:
-                return f"m{first}", prod(dom[d] for d in run)
-        return f"i{inner}", dom[inner]
-
-    def emit_code(self) -> list[str]:
-        kind = self.group.kind
-        code = self.gemm() if kind == "gemm" else self.reduction() if self.group.reduced else self.pointwise()
-        return self.prologue + code
-
     def pointwise(self) -> list[str]:
-        dom = self.group.domain
-        if len(dom) > 1:
-            self.merge(self.order, keep_outer=True)
-        inner = self.body(self.group.nodes)
+        dom, order = self.group.domain, self.nest.order
+        inner = self.lines(self.nest.body)
         if len(dom) == 0:
             return inner
         simd = _pragma_simd(self.s)
         if len(dom) == 1:
             par = self.parallel(dom[0], dom[0])
             return self.loops([0], inner, par.replace("parallel for", "parallel for simd") if par else simd)
-        merged = self.runs.get(next(iter(self.runs), None), (self.order[-1],))
-        outer_dims = [d for d in self.order if d not in merged]
+        merged = self.nest.runs.get(next(iter(self.nest.runs), None), (order[-1],))
+        outer_dims = [d for d in order if d not in merged]
         outer = prod(dom[d] for d in outer_dims)
         nest = self.loops(list(merged), inner, simd)
         par = self.parallel(prod(dom), outer)
@@ -463,13 +284,8 @@ class KernelWriter:
         When the axis innermost in memory is kept (a bias gradient: sum over rows; channels-last
         BatchNorm statistics), a "row" is a block of `column_block` columns of it instead, its values
         are arrays, and SIMD runs across the columns."""
-        dom = self.group.domain
-        last = self.order[-1]
-        column = last not in self.group.reduced
-        kept = [d for d in self.order if d not in self.group.reduced]
-        reduced = [d for d in self.order if d in self.group.reduced]
-        if not column:
-            self.merge(reduced, keep_outer=False)
+        dom, nest = self.group.domain, self.nest
+        last, column, kept, reduced = nest.order[-1], nest.column, nest.kept, nest.reduced
         count = prod(dom[d] for d in reduced)
         simd = _pragma_simd(self.s)
         if column:
@@ -496,91 +312,41 @@ class KernelWriter:
             def over_reduced(lines: list[str], clauses: str = "") -> list[str]:
                 return self.loops(reduced, lines, _pragma_simd(self.s, clauses))
 
-        def value(name: str, ctype: str) -> str:
+        def declare(name: RowVar, ctype: str) -> str:
             """A per-row variable: a scalar, or one slot per column of the block."""
-            row.append(f"{ctype} {name}[{jb}];" if column else f"{ctype} {name};")
-            return f"{name}[j]" if column else name
+            plain = f"{name.kind}{name.node}"
+            row.append(f"{ctype} {plain}[{jb}];" if column else f"{ctype} {plain};")
+            return self.value(name)
 
-        self.row = {}
-        epilogue: list[int] = []
-        for kind, nodes in self.segments(epilogue):
-            self.lines, self.cse, self.locals = [], {}, {}
-            if kind == "row":
-                node = self.g.nodes[nodes[0]]
-                var = value(f"row{node.index}", _ctype(node))
-                self.lines.append(f"{var} = {self.expression(node, self.row_index(node))};")
-                if node.index in self.buffers:
-                    self.lines.append(self.store(node.index, self.row_index(node), var))
-                row += per_row(self.lines)
-                self.row[node.index] = var
+        for segment in nest.segments:
+            if isinstance(segment, RowSegment):
+                declare(RowVar("row", segment.node), _ctype(self.g.nodes[segment.node]))
+                row += per_row(self.lines(segment.body))
                 continue
             clauses, finish = [], []
-            for n in nodes:
-                node = self.g.nodes[n]
-                op, ct = node.params["reduce"], _ctype(node)
-                init = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}[op]
-                acc = value(f"acc{n}", ct)
-                row += per_row([f"{acc} = {init};"])
-                v = self.load(node.args[0].index, self.idx)
-                red = value(f"red{n}", ct)
-                if op in ("sum", "mean"):
-                    self.lines.append(f"{acc} += {v};")
-                    finish.append(f"{red} = {acc}{'' if op != 'mean' else f' / {count}'};")
+            for r in segment.reductions:
+                ct = _ctype(self.g.nodes[r.node])
+                acc = declare(RowVar("acc", r.node), ct)
+                row += per_row([f"{acc} = {_INIT[r.op]};"])
+                red = declare(RowVar("red", r.node), ct)
+                if r.op in ("sum", "mean"):
+                    finish.append(f"{red} = {acc}{'' if r.op != 'mean' else f' / {count}'};")
                 else:
-                    # torch's amax/amin propagate NaN, which a comparison drops: a flag or-ed along
-                    # the pass (vectorizes, unlike a NaN test in the comparison that OpenMP's max
-                    # reduction would drop again when it combines the SIMD lanes)
-                    nan = value(f"nan{n}", "int32_t")
+                    nan = declare(RowVar("nan", r.node), "int32_t")
                     row += per_row([f"{nan} = 0;"])
-                    self.lines.append(f"{acc} = ({v} {'>' if op == 'max' else '<'} {acc}) ? {v} : {acc};")
-                    self.lines.append(f"{nan} |= ({v} != {v});")
                     clauses.append(f" reduction(|:{nan})")
                     finish.append(f"{red} = {nan} ? NAN : {acc};")
-                clauses.append(f" reduction({ {'sum': '+', 'mean': '+'}.get(op, op)}:{acc})")
-                finish.append(self.store(n, self.row_index(node), red))
-                self.row[n] = red
-            row += over_reduced(self.lines, "".join(clauses))
+                clauses.append(f" reduction({ {'sum': '+', 'mean': '+'}.get(r.op, r.op)}:{acc})")
+                finish.append(self.statement(r.store))
+            row += over_reduced(self.lines(segment.body), "".join(clauses))
             row += per_row(finish)
-        if epilogue:
-            row += over_reduced(self.body(epilogue))
+        if nest.epilogue is not None:
+            row += over_reduced(self.lines(nest.epilogue))
         if not kept:
             return row
         par = self.parallel(prod(dom), outer)
         return ([par] if par else []) + [f"for (int64_t r = 0; r < {outer}; r++) {{"] + \
             [f"  {line}" for line in row] + ["}"]
-
-    def segments(self, epilogue: list[int]) -> list[tuple[str, list[int]]]:
-        """Members in order as row segments: ("pass", reductions sharing one pass over the row) or
-        ("row", [a per-row pointwise value]); members over the whole domain go to `epilogue`."""
-        out: list[tuple[str, list[int]]] = []
-        for n in self.group.nodes:
-            node = self.g.nodes[n]
-            if node.kind == Kind.REDUCE:
-                if out and out[-1][0] == "pass" and not self.reads(n) & set(out[-1][1]):
-                    out[-1][1].append(n)
-                else:
-                    out.append(("pass", [n]))
-            elif self.is_row_value(node):
-                out.append(("row", [n]))
-            else:
-                epilogue.append(n)
-        return out
-
-    def reads(self, n: int) -> set[int]:
-        """Members that node n's inlined expression reads."""
-        seen, todo, found = set(), list(self.g.nodes[n].inputs), set()
-        while todo:
-            m = todo.pop()
-            if m in seen:
-                continue
-            seen.add(m)
-            if m in self.members:
-                found.add(m)
-                continue
-            node = self.g.nodes[m]
-            if node.kind in (Kind.VIEW, Kind.POINTWISE) and m not in self.buffers:
-                todo += node.inputs
-        return found
 
     def gemm(self) -> list[str]:
         """C = A @ B on blocks of rows (BLAS, or micro_kernel on B packed once), each followed by
@@ -600,20 +366,20 @@ class KernelWriter:
         br = self.s.gemm_block_rows if epilogue or generated else M
         blocks = -(-M // br)
         batch = node.type.shape[0] if batched else 1
-        pa, pb = self.param(a.index), self.param(b.index)
-        keep = mm in self.buffers
+        pa, pb = self.names[a.index], self.names[b.index]
+        keep = mm in self.nest.outputs
         out = node.type.strides
         sa = a.type.strides[0] if batched else 0
         sb = b.type.strides[0] if batched else 0
         if keep:
-            c_ptr = f"{self.param(mm, output=True)} + bi * {out[0] if batched else 0} + r0 * {out[-2]}"
+            c_ptr = f"{self.names[mm]} + bi * {out[0] if batched else 0} + r0 * {out[-2]}"
             ldc = out[-2]
         else:
             c_ptr, ldc = "scratch", N
-        i_row, i_col = self.idx[-2], self.idx[-1]
+        i_row, i_col = (c_index(e) for e in self.nest.idx[-2:])
         self.gemm_value = f"c[({i_row} - r0) * {ldc} + {i_col}]"
-        lines = self.body(epilogue) if epilogue else []
-        epi = self.loops([len(self.idx) - 1], lines, _pragma_simd(self.s))
+        lines = self.lines(self.nest.body)
+        epi = self.loops([len(self.nest.idx) - 1], lines, _pragma_simd(self.s))
         # threads only for GEMMs worth a fork (multiply-adds, at 16 per element of a pointwise loop)
         worth = batch * M * N * K >= 16 * self.s.parallel_min_elements
         # ... and with blocks enough to share; else BLAS threads each block itself
@@ -647,11 +413,10 @@ class KernelWriter:
             code.append(f"    sgemm_(\"{tb}\", \"{ta}\", &n, &rows, &k, &one, {pb} + bi * {sb}, &ldb, "
                         f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}, &lda, &zero, c, &ldc);")
         if batched:
-            code.append(f"    const int64_t {self.idx[0]} = bi;")
+            code.append(f"    const int64_t {c_index(self.nest.idx[0])} = bi;")
         code += [f"    for (int64_t {i_row} = r0; {i_row} < r0 + rows; {i_row}++) {{"] + \
             [f"      {line}" for line in epi] + ["    }", "  }", "  free(scratch);", "}"]
         return code
-
 
     def micro_kernel(self, a: str, sa: Sequence[int], N: int, K: int) -> list[str]:
         """Our own GEMM for one block of `rows` rows of A into c, B already packed in `bp` (see
@@ -721,34 +486,6 @@ class KernelWriter:
                  f"  const int64_t bi = pj / {panels}, jp = pj % {panels};"] + inner +
                 [f"    const int64_t jx = jp * {width} + jj;",
                  f"    {dst} = jx < {N} ? {src} : 0.0f;", "  }", "}"])
-
-
-def gemm_operand(strides: Sequence[int], rows: int, cols: int) -> tuple[str, int]:
-    """How BLAS reads a row-major (rows x cols) operand with these strides: ("N", ld) when rows are
-    contiguous, ("T", ld) when columns are. NotFusable otherwise (the GEMM stays an ATen call)."""
-    s_row, s_col = strides
-    if (s_col == 1 or cols == 1) and s_row >= max(cols, 1):
-        return "N", max(s_row, cols, 1)
-    if (s_row == 1 or rows == 1) and s_col >= max(rows, 1):
-        return "T", max(s_col, rows, 1)
-    raise NotFusable("GEMM operand with strides BLAS cannot read")
-
-
-def gemm_fits(graph: Graph, mm: int) -> bool:
-    node = graph.nodes[mm]
-    a, b = (graph.nodes[r.index] for r in node.args[:2])
-    if node.type.strides[-1] != 1 or node.type.strides[-2] < node.type.shape[-1]:
-        return False
-    M, N = node.type.shape[-2:]
-    K = a.type.shape[-1]
-    if min(M, N, K) == 0:
-        return False
-    try:
-        gemm_operand(a.type.strides[-2:], M, K)
-        gemm_operand(b.type.strides[-2:], K, N)
-    except NotFusable:
-        return False
-    return True
 
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],

@@ -1,8 +1,8 @@
 """The pointwise ATen ops the C generator covers, each as a C expression of its operands.
 
 Operands arrive already rendered (a C expression and the dtype it has); each entry returns the
-expression of the result in the node's output dtype. Anything not listed here stays an extern
-ATen call, so this table is the whole answer to "what does the generator fuse".
+expression of the result in the node's output dtype. The table has one entry per op of
+optimizer.ops.POINTWISE_OPS (the target-neutral list of what is fused) and CTYPES one per ops.DTYPES.
 """
 from __future__ import annotations
 
@@ -278,8 +278,3 @@ POINTWISE: dict[str, Render] = {
     "aten.fill.Scalar": _constant(1), "aten.full.default": _constant(1), "aten.full_like.default": _constant(1),
     "aten.scalar_tensor.default": _constant(0),
 }
-
-EXPENSIVE = {"aten.exp.default", "aten.log.default", "aten.tanh.default", "aten.erf.default",
-             "aten.pow.Tensor_Tensor", "aten.sigmoid.default", "aten.sin.default", "aten.cos.default",
-             "aten.log1p.default", "aten.expm1.default", "aten.div.Tensor", "aten.sqrt.default",
-             "aten.rsqrt.default"}

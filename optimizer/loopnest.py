@@ -1,0 +1,635 @@
+"""Lowering: one fused group of the IR as a target-neutral loop nest, which every renderer prints.
+
+A `LoopNest` is what a group computes and in what loops: its shape (pointwise, row reduction
+with its passes, or GEMM with its epilogue), the order of the domain's axes in memory, the axes
+merged into one loop, and the members' values as numbered statements (loads at symbolic offsets,
+applications of pointwise ops, stores, accumulations) in the order they are computed. It holds
+no target text: fusion asks it whether a group is one loop nest at all (`lower` raises
+NotFusable), the cost model reads its loads and loops (features.py), and codegen/c.py (C/OpenMP)
+prints it. Views and broadcasts are index maps: a consumer's index (optimizer.expr) rewritten
+into its producer's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Sequence, Union
+
+from optimizer.expr import Const, Div, Expr, Mod, add, const, divides, mul, offset, var
+from optimizer.ir import Graph, Kind, Node, Ref
+
+MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
+
+
+class NotFusable(Exception):
+    """The group as given cannot be one loop nest (a member read at another index, ...)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """One step of the program: a fused kernel, a GEMM with its epilogue, or one extern call.
+    This is the fusion decision as data: the search rewrites lists of these."""
+    kind: str                        # "kernel" | "gemm" | "extern"
+    nodes: tuple[int, ...]           # members in topological order (a gemm's first is its matmul)
+    domain: tuple[int, ...] = ()     # the loop nest's shape
+    reduced: tuple[int, ...] = ()    # axes of the domain that reductions sum over (kernel only)
+
+
+def row_shapes(domain: tuple[int, ...], reduced: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a per-row value of a reduction group (reduced axes as 1, or dropped)."""
+    if not reduced:
+        return ()
+    return (tuple(1 if d in reduced else n for d, n in enumerate(domain)),
+            tuple(n for d, n in enumerate(domain) if d not in reduced))
+
+
+# ---- index maps: a consumer's index rewritten into its producer's ----
+
+def broadcast_index(src: Sequence[int], dst: Sequence[int], idx: Sequence[Expr]) -> tuple[Expr, ...]:
+    """ATen's implicit broadcasting: dims aligned right, a size-1 source dim always reads 0."""
+    lead = len(dst) - len(src)
+    return tuple(Const(0) if s == 1 else idx[lead + i] for i, s in enumerate(src))
+
+
+def reshape_index(src: Sequence[int], dst: Sequence[int], idx: Sequence[Expr]) -> tuple[Expr, ...]:
+    """A reshape as an index map: dims grouped into runs of equal size product; only a run that
+    splits or merges dims pays for a division."""
+    out: list[Expr] = [Const(0)] * len(src)
+    s_dims = [i for i, n in enumerate(src) if n != 1]
+    d_dims = [i for i, n in enumerate(dst) if n != 1]
+    si = di = 0
+    while si < len(s_dims) or di < len(d_dims):
+        s_run, d_run = [s_dims[si]], [d_dims[di]]
+        s_prod, d_prod = src[s_dims[si]], dst[d_dims[di]]
+        si, di = si + 1, di + 1
+        while s_prod != d_prod:
+            if s_prod < d_prod:
+                s_run.append(s_dims[si]); s_prod *= src[s_dims[si]]; si += 1
+            else:
+                d_run.append(d_dims[di]); d_prod *= dst[d_dims[di]]; di += 1
+        if len(s_run) == 1 and len(d_run) == 1:
+            out[s_run[0]] = idx[d_run[0]]
+            continue
+        stride, terms = 1, []
+        for d in reversed(d_run):
+            terms.append(mul(idx[d], stride))
+            stride *= dst[d]
+        linear = add(terms[::-1])
+        stride = 1
+        for k, s in enumerate(reversed(s_run)):
+            e = linear if stride == 1 else Div(linear, stride)
+            out[s] = e if k == len(s_run) - 1 else Mod(e, src[s])
+            stride *= src[s]
+    return tuple(out)
+
+
+def view_index(graph: Graph, node: Node, idx: Sequence[Expr]) -> tuple[int, tuple[Expr, ...]]:
+    """The producer and the producer's index that `node`'s element `idx` reads."""
+    base = node.args[0].index
+    src, dst = graph.nodes[base].type.shape, node.type.shape
+    op, args = node.op, node.args
+    if op in ("aten.permute.default", "aten.t.default", "aten.transpose.int"):
+        nd = len(src)
+        if op == "aten.permute.default":
+            perm = [d % nd for d in args[1]]
+        else:
+            perm = list(range(nd))
+            if nd == 2 or op == "aten.transpose.int":
+                a, b = (0, 1) if op == "aten.t.default" else (args[1] % nd, args[2] % nd)
+                perm[a], perm[b] = perm[b], perm[a]
+        out: list[Expr] = [Const(0)] * nd
+        for k, p in enumerate(perm):
+            out[p] = idx[k]
+        return base, tuple(out)
+    if op == "aten.expand.default":
+        return base, broadcast_index(src, dst, idx)
+    if op == "aten.slice.Tensor":
+        dim = (args[1] if len(args) > 1 else 0) % len(src)
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        step = args[4] if len(args) > 4 else 1
+        start = min(max(start + src[dim] if start < 0 else start, 0), src[dim])
+        sliced = list(idx)
+        sliced[dim] = add([mul(idx[dim], step), const(start)])
+        return base, tuple(sliced)
+    if op == "aten.select.int":
+        dim = args[1] % len(src)
+        i = args[2] + src[dim] if args[2] < 0 else args[2]
+        return base, tuple(idx[:dim]) + (const(i),) + tuple(idx[dim:])
+    return base, reshape_index(src, dst, idx)      # view, reshape, squeeze, unsqueeze, alias
+
+
+# ---- GEMM operands ----
+
+def gemm_operand(strides: Sequence[int], rows: int, cols: int) -> tuple[str, int]:
+    """How a GEMM reads a row-major (rows x cols) operand with these strides: ("N", ld) when rows
+    are contiguous, ("T", ld) when columns are (BLAS's names). NotFusable otherwise (the GEMM stays
+    an ATen call)."""
+    s_row, s_col = strides
+    if (s_col == 1 or cols == 1) and s_row >= max(cols, 1):
+        return "N", max(s_row, cols, 1)
+    if (s_row == 1 or rows == 1) and s_col >= max(rows, 1):
+        return "T", max(s_col, rows, 1)
+    raise NotFusable("GEMM operand with strides BLAS cannot read")
+
+
+def gemm_fits(graph: Graph, mm: int) -> bool:
+    node = graph.nodes[mm]
+    a, b = (graph.nodes[r.index] for r in node.args[:2])
+    if node.type.strides[-1] != 1 or node.type.strides[-2] < node.type.shape[-1]:
+        return False
+    M, N = node.type.shape[-2:]
+    K = a.type.shape[-1]
+    if min(M, N, K) == 0:
+        return False
+    try:
+        gemm_operand(a.type.strides[-2:], M, K)
+        gemm_operand(b.type.strides[-2:], K, N)
+    except NotFusable:
+        return False
+    return True
+
+
+# ---- the loop nest: values and statements ----
+
+@dataclass(frozen=True)
+class Temp:
+    """A value computed once per iteration of the loop it is in (or once, before every loop)."""
+    id: int
+
+
+@dataclass(frozen=True)
+class RowVar:
+    """A per-row value of a reduction: "row" (a pointwise value of the row: mean, rstd), "red" (a
+    reduction's result) or "acc" / "nan" (its accumulator and NaN flag during its pass)."""
+    kind: str
+    node: int
+
+
+Name = Union[Temp, RowVar]
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An argument of a pointwise op that is a value: its name, dtype and whether it is 0-d."""
+    name: Name
+    dtype: str
+    zero_dim: bool
+
+
+@dataclass(frozen=True)
+class Load:
+    buffer: int                      # the node whose memory is read (a kernel parameter)
+    offset: Expr
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Pointwise op `node` on its arguments: Operand, a Python scalar, or None (not a value)."""
+    node: int
+    args: tuple
+
+
+@dataclass(frozen=True)
+class GemmElement:
+    """The GEMM's product at the current index, while its block is in cache."""
+
+
+@dataclass(frozen=True)
+class Define:
+    name: Temp
+    value: Union[Load, Apply, GemmElement]
+
+
+@dataclass(frozen=True)
+class Store:
+    buffer: int                      # the node whose memory is written (a member, or the input it replaces)
+    offset: Expr
+    value: Name
+
+
+@dataclass(frozen=True)
+class Assign:
+    """A per-row pointwise value of the current row."""
+    name: RowVar
+    value: Apply
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    """One element into reduction `node`'s accumulator ("sum", "mean", "max" or "min")."""
+    node: int
+    op: str
+    value: Name
+
+
+Stmt = Union[Define, Store, Assign, Accumulate]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    node: int
+    op: str
+    store: Store                     # its result, written when the pass is done
+
+
+@dataclass
+class RowSegment:
+    """A per-row pointwise value between passes (LayerNorm's mean and rstd)."""
+    node: int
+    body: list[Stmt]
+
+
+@dataclass
+class Pass:
+    """Reductions that share one pass over the reduced axes."""
+    reductions: list[Reduction]
+    body: list[Stmt]
+
+
+@dataclass
+class LoopNest:
+    """One group, lowered (see the module's docstring)."""
+    group: Group
+    order: tuple[int, ...]                         # the domain's axes, outermost first, as loops nest them
+    runs: dict[int, tuple[int, ...]]               # axes run by one loop: its outermost axis -> the axes
+    idx: tuple[Expr, ...]                          # the index of the domain at the current iteration
+    params: tuple[int, ...]                        # nodes whose memory the kernel reads or writes, in order
+    outputs: tuple[int, ...]                       # of those, the ones it writes
+    prologue: list[Define]                         # loop-invariant values, computed once before the loops
+    loads: list[tuple[int, Expr]]                  # (buffer, offset) of every load: the access pattern
+    body: list[Stmt] = field(default_factory=list)          # pointwise: the loop body; gemm: the epilogue
+    segments: list[Union[RowSegment, Pass]] = field(default_factory=list)   # reduction: per row, in order
+    epilogue: list[Stmt] | None = None             # reduction: the members over the whole domain, if any
+
+    @property
+    def shape(self) -> str:
+        """"pointwise", "reduction" or "gemm"."""
+        return "gemm" if self.group.kind == "gemm" else "reduction" if self.group.reduced else "pointwise"
+
+    @property
+    def column(self) -> bool:
+        """A reduction that keeps the axis innermost in memory (a bias gradient): SIMD across columns."""
+        return bool(self.group.reduced) and self.order[-1] not in self.group.reduced
+
+    @property
+    def kept(self) -> list[int]:
+        return [d for d in self.order if d not in self.group.reduced]
+
+    @property
+    def reduced(self) -> list[int]:
+        return [d for d in self.order if d in self.group.reduced]
+
+    @property
+    def inner_loop(self) -> tuple[str, int]:
+        """The innermost loop's variable and length (the SIMD loop): what strides are read along."""
+        dom = self.group.domain
+        if not dom:
+            return "i0", 1
+        if self.group.kind == "gemm":
+            return f"i{len(dom) - 1}", dom[-1]
+        reduced = self.group.reduced
+        inner = self.order[-1] if not reduced or self.order[-1] not in reduced else \
+            [d for d in self.order if d in reduced][-1]
+        for first, run in self.runs.items():
+            if inner in run:
+                return f"m{first}", prod(dom[d] for d in run)
+        return f"i{inner}", dom[inner]
+
+
+def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None) -> LoopNest:
+    """The loop nest of a non-extern group, NotFusable when it is none. `inplace` (member -> graph
+    input) are values written over an input instead of a buffer of their own. Kept in graph.memo:
+    a search plans a graph ~50 times and most groups recur."""
+    members_inplace = tuple(sorted((n, i) for n, i in (inplace or {}).items() if n in group.nodes))
+    key = ("loopnest", kernel_key(graph, buffers, group), members_inplace)
+    if key not in graph.memo:
+        try:
+            graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace)).run()
+        except NotFusable as e:
+            graph.memo[key] = e
+    found = graph.memo[key]
+    if isinstance(found, NotFusable):
+        raise found
+    return found
+
+
+def kernel_key(graph: Graph, buffers: set[int], group: Group) -> tuple:
+    """What decides a group's loop nest: its members, the values they inline and which members are
+    stored (the same group under two plans is the same kernel when these agree)."""
+    return group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes))
+
+
+def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:
+    """A group's members and the values inlined into them, in graph order."""
+    found, todo = set(group.nodes), list(group.nodes)
+    while todo:
+        for i in graph.nodes[todo.pop()].inputs:
+            node = graph.nodes[i]
+            if i not in found and (node.kind == Kind.VIEW or node.kind == Kind.POINTWISE and i not in buffers):
+                found.add(i)
+                todo.append(i)
+    return sorted(found) if group.kind != "extern" else list(group.nodes)
+
+
+class _Lowering:
+    """Walks a group's members in the order a loop nest computes them."""
+
+    def __init__(self, graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]) -> None:
+        self.g, self.group, self.buffers, self.inplace = graph, group, buffers, inplace
+        self.members = set(group.nodes)
+        self.targets = {i for n, i in inplace.items() if n in self.members}
+        self.order = self.memory_order()
+        self.merging = True
+        self.reset()
+
+    def reset(self) -> None:
+        """The state of one lowering of the group (run() may lower it twice, see there)."""
+        self.written: set[int] = set()            # inputs this body has already written over
+        self.runs: dict[int, tuple[int, ...]] = {}
+        self.params: list[int] = []
+        self.outputs: list[int] = []
+        self.lines: list[Stmt] = []
+        self.cse: dict[tuple, Name] = {}
+        self.locals: dict[int, Name] = {}         # members already computed at the current index
+        self.row: dict[int, RowVar] = {}          # per-row values of the current row
+        self.idx: tuple[Expr, ...] = tuple(var(f"i{d}") for d in range(len(self.group.domain)))
+        self.gemm = False
+        self.tmp = 0
+        self.prologue: list[Define] = []
+        self.hoisted: dict[tuple, Name] = {}
+        self.loads: list[tuple[int, Expr]] = []
+
+    def run(self) -> LoopNest:
+        nest = self.nest()
+        merged = {f"m{d}" for d in self.runs}
+        if merged and any(divides(off, merged) for off in self.offsets(nest)):   # a merged index still divided
+            self.merging = False
+            self.reset()
+            nest = self.nest()
+        return nest
+
+    @staticmethod
+    def offsets(nest: LoopNest) -> list[Expr]:
+        stmts = list(nest.prologue) + list(nest.body) + list(nest.epilogue or [])
+        for s in nest.segments:
+            stmts += s.body
+            if isinstance(s, Pass):
+                stmts += [r.store for r in s.reductions]
+        return [s.value.offset if isinstance(s, Define) and isinstance(s.value, Load) else s.offset
+                for s in stmts if isinstance(s, Store) or isinstance(s, Define) and isinstance(s.value, Load)]
+
+    def nest(self) -> LoopNest:
+        shape = "gemm" if self.group.kind == "gemm" else "reduction" if self.group.reduced else "pointwise"
+        body, segments, epilogue = [], [], None
+        if shape == "gemm":
+            body = self.gemm_epilogue()
+        elif shape == "reduction":
+            segments, epilogue = self.reduction()
+        else:
+            if len(self.group.domain) > 1:
+                self.merge(self.order, keep_outer=True)
+            body = self.body(self.group.nodes)
+        return LoopNest(self.group, self.order, dict(self.runs), self.idx, tuple(self.params), tuple(self.outputs),
+                        self.prologue, self.loads, body, segments, epilogue)
+
+    # ---- values ----
+    def param(self, n: int, output: bool = False) -> None:
+        if n not in self.params:
+            self.params.append(n)
+        if output and n not in self.outputs:
+            self.outputs.append(n)
+
+    def define(self, value: Union[Load, Apply, GemmElement], hoist: bool = False) -> Temp:
+        self.tmp += 1
+        name = Temp(self.tmp)
+        (self.prologue if hoist else self.lines).append(Define(name, value))
+        return name
+
+    def is_row_value(self, node: Node) -> bool:
+        return node.type.shape != self.group.domain and \
+            node.type.shape in row_shapes(self.group.domain, self.group.reduced)
+
+    def row_index(self, node: Node) -> tuple[Expr, ...]:
+        """The index at which a per-row member's value belongs to the current row."""
+        red = self.group.reduced
+        if len(node.type.shape) == len(self.idx):
+            return tuple(Const(0) if d in red else e for d, e in enumerate(self.idx))
+        return tuple(e for d, e in enumerate(self.idx) if d not in red)
+
+    def offset(self, node: Node, idx: Sequence[Expr]) -> Expr:
+        return offset(idx, node.type.strides, node.type.shape)
+
+    def load(self, n: int, idx: tuple[Expr, ...]) -> Name:
+        key = (n, idx)
+        if key in self.cse:
+            return self.cse[key]
+        if key in self.hoisted:
+            return self.hoisted[key]
+        node = self.g.nodes[n]
+        # An element at a constant index (a 0-d step count, beta ** step) is the same in every
+        # iteration: computed once before the loops, not per element.
+        hoist = n not in self.members and all(isinstance(e, Const) for e in idx) and not (
+            node.kind in (Kind.POINTWISE, Kind.VIEW) and n not in self.buffers and self.reads(n))
+        if n in self.members:
+            if n in self.row and idx == self.row_index(node):
+                return self.row[n]
+            if node.kind == Kind.MATMUL and self.gemm and idx == self.idx:
+                value = self.define(GemmElement())
+            elif n in self.locals and idx == self.idx:
+                return self.locals[n]
+            else:
+                raise NotFusable(f"{node.name} is read at another index, or before it is computed")
+        elif n in self.buffers or node.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL, Kind.REDUCE):
+            off = self.offset(node, idx)
+            if n in self.targets and (n in self.written or off != self.offset(node, self.idx)):
+                raise NotFusable(f"{node.name} is read after, or elsewhere than, where this kernel writes over it")
+            self.loads.append((n, off))
+            self.param(n)
+            value = self.define(Load(n, off), hoist)
+        elif node.kind == Kind.VIEW:
+            base, base_idx = view_index(self.g, node, idx)
+            value = self.load(base, base_idx)
+        elif node.kind == Kind.POINTWISE:
+            value = self.define(self.apply(node, idx), hoist)
+        else:
+            raise NotFusable(f"{node.name} has no value to read")
+        (self.hoisted if hoist else self.cse)[key] = value
+        return value
+
+    def apply(self, node: Node, idx: tuple[Expr, ...]) -> Apply:
+        args = []
+        for a in node.args:
+            if isinstance(a, Ref):
+                src = self.g.nodes[a.index].type
+                args.append(Operand(self.load(a.index, broadcast_index(src.shape, node.type.shape, idx)),
+                                    src.dtype, not src.shape))
+            elif isinstance(a, (bool, int, float)):
+                args.append(a)
+            else:
+                args.append(None)
+        return Apply(node.index, tuple(args))
+
+    def compute_member(self, n: int) -> None:
+        """A pointwise member at the current index: its value, stored to its buffer if it has one."""
+        node = self.g.nodes[n]
+        if node.kind == Kind.POINTWISE:
+            value = self.define(self.apply(node, self.idx))
+        elif node.kind == Kind.REDUCE and not node.params["dims"]:     # of a 0-d tensor: its one element
+            value = self.load(node.args[0].index, self.idx)
+        else:
+            value = self.load(n, self.idx)
+        self.locals[n] = value
+        if n in self.buffers:
+            self.lines.append(self.store(n, self.idx, value))
+
+    def store(self, n: int, idx: tuple[Expr, ...], value: Name) -> Store:
+        """Member n's value at idx, to its own buffer or over the graph input it replaces (an
+        in-place update: the optimizer's parameters, BatchNorm's running stats)."""
+        target = self.inplace.get(n, n)
+        if target != n:
+            self.written.add(target)
+        self.param(target, output=True)
+        return Store(target, self.offset(self.g.nodes[target], idx), value)
+
+    def body(self, members: Sequence[int]) -> list[Stmt]:
+        self.lines, self.cse, self.locals = [], {}, {}
+        for n in members:
+            self.compute_member(n)
+        return self.lines
+
+    # ---- loops ----
+    def merge(self, dims: Sequence[int], keep_outer: bool) -> None:
+        """Run the innermost of `dims` (outermost first) as one loop while the innermost loop is
+        shorter than MERGE_BELOW: a [24, 12, 52, 52] tensor's last two axes are one loop of 2704,
+        not 52 loops of 52 (each a SIMD remainder and a loop set-up). The axes' indices become
+        divisions of the merged index, which expr.fold_splits takes out of every offset where the
+        strides allow; run() checks that it did. `keep_outer`: leave one axis for the outer loop."""
+        dom = self.group.domain
+        if not self.merging or len(dims) < 2:
+            return
+        run = [dims[-1]]
+        while len(run) < len(dims) - keep_outer and prod(dom[d] for d in run) < MERGE_BELOW:
+            outer = dims[len(dims) - 1 - len(run)]
+            if self.order.index(outer) != self.order.index(run[0]) - 1:    # not next in memory
+                break
+            run.insert(0, outer)
+        if len(run) < 2:
+            return
+        m, inner, idx = var(f"m{run[0]}"), 1, list(self.idx)
+        for k, d in enumerate(reversed(run)):
+            idx[d] = Mod(m, dom[d]) if k == 0 else Div(m, inner) if k == len(run) - 1 else Mod(Div(m, inner), dom[d])
+            inner *= dom[d]
+        self.idx = tuple(idx)
+        self.runs[run[0]] = tuple(run)
+
+    def memory_order(self) -> tuple[int, ...]:
+        """The domain's axes by decreasing stride of the group's main tensor (its first stored member of
+        the domain's shape, else the first such tensor it reads), so that the innermost loop walks
+        memory: a channels-last activation runs with its channels innermost. The logical order when
+        that tensor is laid out in it (the usual case)."""
+        dom = self.group.domain
+        logical = tuple(range(len(dom)))
+        if self.group.kind == "gemm" or len(dom) < 2:
+            return logical
+        main = next((self.g.nodes[n] for n in self.group.nodes
+                     if n in self.buffers and self.g.nodes[n].type.shape == dom), None)
+        seen, todo = set(), list(self.group.nodes)
+        while main is None and todo:
+            node = self.g.nodes[todo.pop(0)]
+            for i in node.inputs:
+                src = self.g.nodes[i]
+                if i in seen or src.type is None:
+                    continue
+                seen.add(i)
+                stored = i in self.buffers or src.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)
+                if stored and src.type.shape == dom and i not in self.members:
+                    main = src
+                    break
+                if src.kind == Kind.POINTWISE and not stored:
+                    todo.append(i)
+        if main is None:
+            return logical
+        strides = [main.type.strides[d] if dom[d] != 1 and main.type.strides[d] != 0 else None for d in logical]
+        sized = [st for st in strides if st is not None]
+        if sized == sorted(sized, reverse=True):
+            return logical
+        return tuple(sorted(logical, key=lambda d: (strides[d] is not None, -(strides[d] or 0), d)))
+
+    def reduction(self) -> tuple[list[Union[RowSegment, Pass]], list[Stmt] | None]:
+        """Per row of kept indices: passes of reductions over the reduced axes, the per-row values
+        between them (mean, rstd), then the members over the whole domain."""
+        if self.order[-1] in self.group.reduced:      # not a column reduction: the reduced axes may merge
+            self.merge([d for d in self.order if d in self.group.reduced], keep_outer=False)
+        self.row = {}
+        epilogue: list[int] = []
+        out: list[Union[RowSegment, Pass]] = []
+        for kind, nodes in self.segments(epilogue):
+            self.lines, self.cse, self.locals = [], {}, {}
+            if kind == "row":
+                node = self.g.nodes[nodes[0]]
+                name = RowVar("row", node.index)
+                self.lines.append(Assign(name, self.apply(node, self.row_index(node))))
+                if node.index in self.buffers:
+                    self.lines.append(self.store(node.index, self.row_index(node), name))
+                self.row[node.index] = name
+                out.append(RowSegment(node.index, self.lines))
+                continue
+            reductions = []
+            for n in nodes:
+                node = self.g.nodes[n]
+                op = node.params["reduce"]
+                value = self.load(node.args[0].index, self.idx)
+                self.lines.append(Accumulate(n, op, value))
+                red = RowVar("red", n)
+                reductions.append(Reduction(n, op, self.store(n, self.row_index(node), red)))
+                self.row[n] = red
+            out.append(Pass(reductions, self.lines))
+        return out, (self.body(epilogue) if epilogue else None)
+
+    def segments(self, epilogue: list[int]) -> list[tuple[str, list[int]]]:
+        """Members in order as row segments: ("pass", reductions sharing one pass over the row) or
+        ("row", [a per-row pointwise value]); members over the whole domain go to `epilogue`."""
+        out: list[tuple[str, list[int]]] = []
+        for n in self.group.nodes:
+            node = self.g.nodes[n]
+            if node.kind == Kind.REDUCE:
+                if out and out[-1][0] == "pass" and not self.reads(n) & set(out[-1][1]):
+                    out[-1][1].append(n)
+                else:
+                    out.append(("pass", [n]))
+            elif self.is_row_value(node):
+                out.append(("row", [n]))
+            else:
+                epilogue.append(n)
+        return out
+
+    def reads(self, n: int) -> set[int]:
+        """Members that node n's inlined expression reads."""
+        seen, todo, found = set(), list(self.g.nodes[n].inputs), set()
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m in self.members:
+                found.add(m)
+                continue
+            node = self.g.nodes[m]
+            if node.kind in (Kind.VIEW, Kind.POINTWISE) and m not in self.buffers:
+                todo += node.inputs
+        return found
+
+    def gemm_epilogue(self) -> list[Stmt]:
+        """The GEMM's operands (its first parameters) and its epilogue on the product's elements."""
+        mm, *epilogue = self.group.nodes
+        node = self.g.nodes[mm]
+        a, b = (self.g.nodes[r.index] for r in node.args[:2])
+        M, N = node.type.shape[-2:]
+        gemm_operand(a.type.strides[-2:], M, a.type.shape[-1])
+        gemm_operand(b.type.strides[-2:], a.type.shape[-1], N)
+        self.param(a.index)
+        self.param(b.index)
+        if mm in self.buffers:
+            self.param(mm, output=True)
+        self.gemm = True
+        return self.body(epilogue) if epilogue else []

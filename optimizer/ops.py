@@ -1,0 +1,34 @@
+"""The ops and dtypes the optimizer generates code for, by name: what fusion, the loop nest and the cost
+model agree on, whatever the target. Each renderer has a table with one entry per op here
+(codegen/c_ops.py for C); an op not here stays an extern ATen call.
+"""
+from __future__ import annotations
+
+DTYPES = ("float32", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+POINTWISE_OPS = frozenset({
+    "aten._to_copy.default", "aten.abs.default", "aten.add.Scalar", "aten.add.Tensor",
+    "aten.bitwise_and.Tensor", "aten.bitwise_not.default", "aten.bitwise_or.Tensor", "aten.ceil.default",
+    "aten.clamp.default", "aten.clamp_max.default", "aten.clamp_min.default", "aten.clone.default",
+    "aten.copy.default", "aten.cos.default", "aten.div.Scalar", "aten.div.Tensor", "aten.eq.Scalar",
+    "aten.eq.Tensor", "aten.erf.default", "aten.exp.default", "aten.exp2.default", "aten.expm1.default",
+    "aten.fill.Scalar", "aten.floor.default", "aten.full.default", "aten.full_like.default",
+    "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor", "aten.isnan.default",
+    "aten.le.Scalar", "aten.le.Tensor", "aten.lift_fresh_copy.default", "aten.log.default",
+    "aten.log1p.default", "aten.log2.default", "aten.logical_and.default", "aten.logical_not.default",
+    "aten.logical_or.default", "aten.lt.Scalar", "aten.lt.Tensor", "aten.masked_fill.Scalar",
+    "aten.masked_fill.Tensor", "aten.maximum.default", "aten.minimum.default", "aten.mul.Scalar",
+    "aten.mul.Tensor", "aten.ne.Scalar", "aten.ne.Tensor", "aten.neg.default", "aten.pow.Scalar",
+    "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.reciprocal.default", "aten.relu.default",
+    "aten.round.default", "aten.rsqrt.default", "aten.rsub.Scalar", "aten.rsub.Tensor",
+    "aten.scalar_tensor.default", "aten.sigmoid.default", "aten.sign.default", "aten.sin.default",
+    "aten.sqrt.default", "aten.sub.Scalar", "aten.sub.Tensor", "aten.tanh.default", "aten.trunc.default",
+    "aten.where.self", "prims.fma.default",
+})
+
+# ops that cost a polynomial or a divide per element (the cost model's `math`, fusion's recompute cost)
+EXPENSIVE = frozenset({
+    "aten.cos.default", "aten.div.Tensor", "aten.erf.default", "aten.exp.default", "aten.expm1.default",
+    "aten.log.default", "aten.log1p.default", "aten.pow.Tensor_Tensor", "aten.rsqrt.default",
+    "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
+})

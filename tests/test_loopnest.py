@@ -1,0 +1,109 @@
+"""The target-neutral loop nest: fusion, features and the search work on it without writing any
+target's code, its index expressions are data, and the search reaches the chip only through a Target."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from optimizer import expr, features, fusion, ir, loopnest, ops, search
+from optimizer.backend import decompositions
+from optimizer.codegen import c, c_ops
+from optimizer.codegen.c_target import CTarget
+from optimizer.hardware import load_all
+
+HOST = load_all()["cpu-generic"]
+
+
+def lowered(fn, *args):
+    gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    graph = ir.from_fx(gm)
+    return graph, fusion.plan(graph)
+
+
+def residual_layer_norm(x, r, w, b):
+    return F.layer_norm(x + r, (x.shape[-1],), w, b)
+
+
+def mlp(x, w1, b1, w2):
+    return torch.softmax(F.gelu(F.linear(x, w1, b1)) @ w2, dim=-1)
+
+
+def test_fusion_and_features_write_no_code(monkeypatch):
+    """Planning a graph (fusion's legality checks) and reading the cost model's features of its kernels
+    only lower loop nests: with the C writer broken, both still work."""
+    def broken(self):
+        raise AssertionError("C was written")
+    monkeypatch.setattr(c.KernelWriter, "write", broken)
+    graph, plan = lowered(mlp, torch.randn(24, 40), torch.randn(56, 40), torch.randn(56), torch.randn(56, 40))
+    kernels = [g for g in plan.groups if g.kind != "extern"]
+    assert {g.kind for g in kernels} == {"gemm", "kernel"}
+    for g in kernels:
+        assert features.kernel_features(graph, g, plan.buffers).elements > 0
+
+
+def test_layer_norm_lowers_to_passes_row_values_and_an_epilogue():
+    graph, plan = lowered(residual_layer_norm, torch.randn(6, 7, 33), torch.randn(6, 7, 33), torch.randn(33),
+                          torch.randn(33))
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    nest = loopnest.lower(graph, group, plan.buffers)
+    assert nest.shape == "reduction" and not nest.column and nest.reduced == [2]
+    kinds = [type(s).__name__ for s in nest.segments]
+    assert kinds.count("Pass") == 2 and "RowSegment" in kinds      # mean, then variance; rstd between
+    assert nest.epilogue and any(isinstance(s, loopnest.Store) for s in nest.epilogue)
+    var, length = nest.inner_loop
+    assert length == 33 and all(expr.stride_along(off, var) in (0, 1) for _, off in nest.loads)
+    assert set(nest.outputs) <= set(nest.params)
+
+
+def test_a_read_at_another_index_is_not_one_loop_nest():
+    """x[i] + x.flip()[i] needs x at two indices: the group of the sum and what computes x is no loop nest."""
+    def fn(a):
+        x = a * 2
+        return x + x.t()
+    graph, plan = lowered(fn, torch.randn(9, 9))
+    mul, add = (n.index for n in graph.nodes if n.op in ("aten.mul.Tensor", "aten.add.Tensor"))
+    with pytest.raises(loopnest.NotFusable, match="another index"):
+        loopnest.lower(graph, loopnest.Group("kernel", (mul, add), (9, 9)), plan.buffers | {mul})
+
+
+def test_index_expressions_are_data():
+    i, j = expr.var("i0"), expr.var("i1")
+    e = expr.add([expr.mul(expr.Mod(i, 4), 3), expr.Div(j, 5), expr.const(7)])
+    assert expr.evaluate(e, {"i0": 6, "i1": 11}) == 2 * 3 + 2 + 7
+    assert expr.stride_along(e, "i0") == 3 and expr.stride_along(e, "i1") == 0
+    assert expr.divides(e, {"i1"}) and not expr.divides(expr.mul(j, 2), {"i1"})
+    assert expr.mul(i, 0) == expr.ZERO and expr.add([expr.ZERO, i]) == i
+    assert c.c_index(e) == "(((i0)%4)*3 + i1/5 + 7)"
+
+
+def test_every_op_and_dtype_the_ir_fuses_has_a_c_rendering():
+    assert set(c_ops.POINTWISE) == set(ops.POINTWISE_OPS)
+    assert set(c_ops.CTYPES) == set(ops.DTYPES)
+
+
+class FavourNarrowVectors(CTarget):
+    """A target whose model prices 128-bit vectors cheapest, and which counts what the search asks of it."""
+
+    def __init__(self) -> None:
+        super().__init__(HOST)
+        self.rendered = 0
+
+    def predict(self, table, candidates, threads):
+        return np.where(candidates.vector_width == 4, 1e-6, 1e-3) + candidates.unroll * 1e-9
+
+    def render(self, *args):
+        self.rendered += 1
+        return super().render(*args)
+
+
+def test_the_search_takes_its_predictions_and_code_from_the_target():
+    args = torch.randn(24, 40), torch.randn(56, 40), torch.randn(56), torch.randn(56, 40)
+    graph, _ = lowered(mlp, *args)
+    target = FavourNarrowVectors()
+    result = search.search_graph(graph, target, timing=False)
+    kernels = [s for s, g in zip(result.schedules, result.plan.groups) if g.kind != "extern"]
+    assert kernels and all(s.vector_width == 4 and s.unroll == 1 for s in kernels)
+    assert target.rendered == len(kernels)

@@ -33,7 +33,9 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
            "fuse": "False runs the captured ATen graphs as they are, without generated kernels",
            "top_k": "schedules per kernel compiled and timed by the search (default 8, or $TFSN_TOP_K); "
                     "1 keeps the cost model's pick untimed",
-           "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to"}
+           "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to",
+           "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels of the heuristic plan "
+                      "under `schedule`, launched on the tensors' device; TRITON_INTERPRET=1 runs them on a CPU)"}
 
 # Decomposed further than core ATen, so that the generator sees their pointwise and reduction
 # parts (LayerNorm, softmax, GELU, BatchNorm, the optimizers' addcmul/lerp) and can fuse them.
@@ -154,7 +156,7 @@ def default_top_k() -> int:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                   schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
-                  report: list | None = None) -> Callable:
+                  report: list | None = None, codegen: str = "c") -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
@@ -174,6 +176,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
+    if codegen == "triton":
+        return _triton_graph(gm, graph, schedule or Schedule())
     gemm = compiler.sgemm_address() is not None
     try:
         if schedule is not None:
@@ -192,6 +196,29 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
+        STATS["aten_graphs"] += 1
+        return make_boxed_func(gm.forward)
+    STATS["graphs"] += 1
+    STATS["kernels"] += sum(k is not None for k in kernels)
+    return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+
+
+def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule) -> Callable:
+    """The graph's heuristic fusion plan as Triton kernels under one schedule; ATen where a kernel
+    cannot be written (logged, as for C)."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from optimizer import fusion
+    from optimizer.codegen import triton
+    from optimizer.loopnest import NotFusable
+    from optimizer.runtime import CompiledGraph
+    try:
+        plan = fusion.plan(graph)
+        source, kernels = triton.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups),
+                                              plan.inplace)
+        lib = triton.TritonLibrary(source) if any(kernels) else None
+    except (NotFusable, triton.Unsupported) as e:
+        log.warning("tfsn: running a graph as ATen, its Triton code failed: %s", str(e)[:2000])
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     STATS["graphs"] += 1
@@ -291,13 +318,16 @@ def make_backend(**options: Any) -> Callable:
     schedule = options.get("schedule")
     if schedule is not None and not isinstance(schedule, Schedule):
         raise ValueError(f"tfsn: schedule must be an optimizer.schedule.Schedule, not {type(schedule).__name__}")
+    if options.get("codegen", "c") not in ("c", "triton"):
+        raise ValueError(f"tfsn: codegen must be 'c' or 'triton', not {options['codegen']!r}")
     top_k = options.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"tfsn: top_k must be a whole number >= 1, not {top_k!r}")
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = functools.partial(compile_graph, **options)
-    partition_fn = partition if schedule is not None or options.get("fuse") is False else searched_partition()
+    searched = schedule is None and options.get("fuse") is not False and options.get("codegen", "c") == "c"
+    partition_fn = searched_partition() if searched else partition
     # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
     # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,

@@ -63,7 +63,9 @@ class CompiledGraph:
     """A callable with AOTAutograd's boxed convention (one list of inputs, cleared on entry)."""
 
     def __init__(self, graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None],
-                 lib: ctypes.CDLL | None, inplace: dict[int, int] | None = None) -> None:
+                 lib: Any, inplace: dict[int, int] | None = None) -> None:
+        """`lib`: the C kernels' shared object (ctypes), or a library whose `launcher(kernel)` runs a
+        kernel on its tensors (codegen/triton.py)."""
         self._boxed_call = True     # on the instance: dynamo's wrappers copy __dict__, not class attributes
         self.size = len(graph)
         self.inputs = list(graph.inputs)
@@ -86,7 +88,7 @@ class CompiledGraph:
                 self.steps.append(self._extern(node.index, node.target, node.args, node.kwargs))
                 uses.append(set(node.inputs))
             else:
-                self.steps.append(self._kernel(graph, group, kernel, getattr(lib, kernel.name), inplace, roots))
+                self.steps.append(self._kernel(graph, group, kernel, lib, inplace, roots))
                 uses.append({roots.get(p, p) for p in kernel.params})
         if os.environ.get("TFSN_PROFILE"):
             names = [f"{k.name} {lib._name}" if k is not None else "" for k in kernels]
@@ -125,10 +127,13 @@ class CompiledGraph:
         return flat_step
 
     @staticmethod
-    def _kernel(graph: Graph, group: Group, kernel: Kernel, fn: Any, inplace: dict[int, int],
+    def _kernel(graph: Graph, group: Group, kernel: Kernel, lib: Any, inplace: dict[int, int],
                 roots: dict[int, int]) -> Step:
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
+        launch = lib.launcher(kernel) if hasattr(lib, "launcher") else None
+        if launch is None:
+            fn = getattr(lib, kernel.name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
         allocs = [(n, graph.nodes[n].type.shape, graph.nodes[n].type.strides,
                    getattr(torch, graph.nodes[n].type.dtype)) for n in kernel.outputs
                   if graph.nodes[n].kind != Kind.INPUT]
@@ -139,8 +144,12 @@ class CompiledGraph:
         def step(env: list) -> None:
             for n, shape, strides, dtype in allocs:
                 env[n] = torch.empty_strided(shape, strides, dtype=dtype)
-            if not empty:
+            if empty:
+                pass
+            elif launch is None:
                 fn(*[env[p].data_ptr() for p in params])
+            else:
+                launch([env[p] for p in params])
             for n, i in aliases:
                 env[n] = env[i]
         return step

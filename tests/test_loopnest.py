@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from optimizer import expr, features, fusion, ir, loopnest, ops, search
 from optimizer.backend import decompositions
-from optimizer.codegen import c, c_ops
+from optimizer.codegen import c, c_ops, triton
 from optimizer.codegen.c_target import CTarget
 from optimizer.hardware import load_all
 
@@ -79,9 +79,9 @@ def test_index_expressions_are_data():
     assert c.c_index(e) == "(((i0)%4)*3 + i1/5 + 7)"
 
 
-def test_every_op_and_dtype_the_ir_fuses_has_a_c_rendering():
-    assert set(c_ops.POINTWISE) == set(ops.POINTWISE_OPS)
-    assert set(c_ops.CTYPES) == set(ops.DTYPES)
+def test_every_op_and_dtype_the_ir_fuses_has_a_c_and_a_triton_rendering():
+    assert set(c_ops.POINTWISE) == set(ops.POINTWISE_OPS) == set(triton.OPS)
+    assert set(c_ops.CTYPES) == set(ops.DTYPES) == set(triton.TL_TYPES)
 
 
 class FavourNarrowVectors(CTarget):

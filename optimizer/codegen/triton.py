@@ -1,0 +1,437 @@
+"""Triton source for one fused group: its loop nest (optimizer.loopnest) printed as a Triton kernel,
+shaped by a Schedule read as a GPU launch (see costmodel.predict_gpu and space.gpu_kernel_space).
+
+Three kernel shapes, as the loop nest's:
+- pointwise: one program per block of `chunk` elements of the domain (masked loads and stores);
+- row reduction: one program per row of kept indices; each pass of reductions is a loop over the
+  reduced axes in blocks of `chunk` elements, accumulated in fp32 (fp64 for fp64) and summed at the
+  end, the per-row values between passes are scalars, then one more block loop runs the members
+  over the whole domain;
+- GEMM: a `tl.dot` tile of gemm_block_rows x gemm_nr over depth steps of gemm_kc (fp32 in IEEE
+  precision, no TF32), the epilogue on the tile while it is in registers, `gemm_mr` warps.
+Launched on the tensors' device; under TRITON_INTERPRET=1 on CPU tensors (the tests).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Callable, Sequence
+
+from optimizer.cache import atomic_write, cache_dir, content_key
+from optimizer.expr import Const, Expr, render
+from optimizer.ir import Graph
+from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
+                                RowSegment, Stmt, Store, Temp, lower)
+from optimizer.loopnest import Operand as LoopOperand
+from optimizer.schedule import Schedule
+
+TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "int64": "tl.int64", "int32": "tl.int32",
+            "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
+FLOATS = ("float32", "float64")
+DEFAULT_BLOCK = 1024        # elements per program when the schedule names none (a CPU schedule)
+
+
+@dataclass(frozen=True)
+class Value:
+    """A rendered operand: a Triton expression and its dtype."""
+    expr: str
+    dtype: str
+    scalar: bool = False
+    value: Any = None
+
+
+def _cast(v: Value, dtype: str) -> str:
+    if v.dtype == dtype or v.scalar and dtype in FLOATS and v.dtype in FLOATS:
+        return v.expr
+    if dtype == "bool":
+        return f"({v.expr} != 0)"
+    if v.scalar:
+        return v.expr if dtype in FLOATS or v.dtype != "float64" else str(int(v.value))
+    return f"({v.expr}).to({TL_TYPES[dtype]})"
+
+
+def _literal(a: bool | int | float) -> Value:
+    if isinstance(a, bool):
+        return Value("True" if a else "False", "bool", True, a)
+    if isinstance(a, int):
+        return Value(str(a), "int64", True, a)
+    if math.isnan(a):
+        return Value('float("nan")', "float64", True, a)
+    if math.isinf(a):
+        return Value('float("inf")' if a > 0 else '(-float("inf"))', "float64", True, a)
+    return Value(repr(float(a)), "float64", True, a)
+
+
+def _result_type(ops: Sequence[Value]) -> str:
+    """The dtype a comparison is made in: tensors decide, a float scalar makes integers float."""
+    tensors = [o.dtype for o in ops if not o.scalar and o.dtype != "none"]
+    for d in ("float64", "float32", "int64", "int32", "int16", "int8", "uint8", "bool"):
+        if d in tensors:
+            best = d
+            break
+    else:
+        best = "float32"
+    if best not in FLOATS and any(o.scalar and o.dtype in FLOATS for o in ops):
+        return "float32"
+    return best
+
+
+def _binary(fmt: str) -> Callable:
+    def render(ops, out, kw):
+        return fmt.format(a=_cast(ops[0], out), b=_cast(ops[1], out))
+    return render
+
+
+def _alpha(sign: str, reverse: bool = False) -> Callable:
+    def render(ops, out, kw):
+        a, b = (_cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
+        alpha = kw.get("alpha", 1)
+        if alpha != 1:
+            b = f"({alpha!r} * {b})"
+        return f"({a} {sign} {b})"
+    return render
+
+
+def _unary(fmt: str) -> Callable:
+    def render(ops, out, kw):
+        return fmt.format(a=_cast(ops[0], out))
+    return render
+
+
+def _compare(sign: str) -> Callable:
+    def render(ops, out, kw):
+        t = _result_type(ops[:2])
+        return f"({_cast(ops[0], t)} {sign} {_cast(ops[1], t)})"
+    return render
+
+
+def _pow(ops, out, kw):
+    base, exponent = ops
+    b = _cast(base, out)
+    if exponent.scalar:
+        e = float(exponent.value)
+        special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: f"tl.sqrt({b})", 1.0: b,
+                   -1.0: f"(1.0 / {b})", -0.5: f"tl.rsqrt({b})", -2.0: f"(1.0 / ({b} * {b}))"}
+        if e in special:
+            return special[e]
+    if base.scalar:      # beta ** step (the optimizers' bias corrections): the base's log taken here
+        return f"tl.exp2({math.log2(base.value)!r} * {_cast(exponent, out)})" if base.value > 0 else \
+            f"tl.exp2(tl.log2({b}) * {_cast(exponent, out)})"
+    return f"tl.exp2(tl.log2({b}) * {_cast(exponent, out)})"
+
+
+def _clamp(ops, out, kw):
+    x = _cast(ops[0], out)
+    lo = ops[1] if len(ops) > 1 else None
+    hi = ops[2] if len(ops) > 2 else None
+    if lo is not None and lo.dtype != "none":
+        x = f"tl.where({x} < {_cast(lo, out)}, {_cast(lo, out)}, {x})"
+    if hi is not None and hi.dtype != "none":
+        x = f"tl.where({x} > {_cast(hi, out)}, {_cast(hi, out)}, {x})"
+    return x
+
+
+def _nan_max(sign: str) -> Callable:
+    def render(ops, out, kw):
+        a, b = (_cast(o, out) for o in ops)
+        return f"tl.where(({a} {sign} {b}) | ({a} != {a}), {a}, {b})"
+    return render
+
+
+def _float_only(fmt: str) -> Callable:
+    """A rounding function: itself on floats, the identity on integers (whose value it is already)."""
+    def render(ops, out, kw):
+        a = _cast(ops[0], out)
+        return fmt.format(a=a, f=f"tl.floor({a} + 0.5)") if out in FLOATS else a
+    return render
+
+
+def _bitwise_not(ops, out, kw):
+    a = _cast(ops[0], out)
+    return f"({a} == 0)" if out == "bool" else f"(~{a})"
+
+
+NONE = Value("None", "none", True)
+
+OPS: dict[str, Callable] = {
+    "aten.add.Tensor": _alpha("+"), "aten.add.Scalar": _alpha("+"),
+    "aten.sub.Tensor": _alpha("-"), "aten.sub.Scalar": _alpha("-"), "aten.rsub.Scalar": _alpha("-", True),
+    "aten.rsub.Tensor": _alpha("-", True),
+    "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
+    "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
+    "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _unary("tl.abs({a})"),
+    "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
+    "aten.expm1.default": _unary("(tl.exp({a}) - 1.0)"), "aten.log.default": _unary("tl.log({a})"),
+    "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tl.log(1.0 + {a})"),
+    "aten.sqrt.default": _unary("tl.sqrt({a})"), "aten.rsqrt.default": _unary("tl.rsqrt({a})"),
+    "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
+    "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"),
+    "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),
+    "aten.relu.default": _unary("tl.where({a} < 0, 0, {a})"), "aten.floor.default": _float_only("tl.floor({a})"),
+    "aten.ceil.default": _float_only("tl.ceil({a})"),
+    "aten.trunc.default": _float_only("tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
+    # half to even, as torch.round: a tie that floor(x + 0.5) rounded up to an odd value goes down
+    "aten.round.default": _float_only("tl.where(({f} - {a} == 0.5) & ({f} % 2 != 0), {f} - 1.0, {f})"),
+    "aten.bitwise_and.Tensor": _binary("({a} & {b})"), "aten.bitwise_or.Tensor": _binary("({a} | {b})"),
+    "aten.bitwise_not.default": _bitwise_not,
+    "aten.sign.default": _unary("(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))"),
+    "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
+    "prims.fma.default": lambda o, out, kw: f"({_cast(o[0], out)} * {_cast(o[1], out)} + {_cast(o[2], out)})",
+    "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
+    "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
+    "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),
+    "aten.clamp.default": _clamp,
+    "aten.where.self": lambda o, out, kw: f"tl.where({_cast(o[0], 'bool')}, {_cast(o[1], out)}, {_cast(o[2], out)})",
+    "aten.masked_fill.Scalar": lambda o, out, kw: f"tl.where({_cast(o[1], 'bool')}, {_cast(o[2], out)}, {_cast(o[0], out)})",
+    "aten.masked_fill.Tensor": lambda o, out, kw: f"tl.where({_cast(o[1], 'bool')}, {_cast(o[2], out)}, {_cast(o[0], out)})",
+    "aten.eq.Tensor": _compare("=="), "aten.eq.Scalar": _compare("=="),
+    "aten.ne.Tensor": _compare("!="), "aten.ne.Scalar": _compare("!="),
+    "aten.lt.Tensor": _compare("<"), "aten.lt.Scalar": _compare("<"),
+    "aten.le.Tensor": _compare("<="), "aten.le.Scalar": _compare("<="),
+    "aten.gt.Tensor": _compare(">"), "aten.gt.Scalar": _compare(">"),
+    "aten.ge.Tensor": _compare(">="), "aten.ge.Scalar": _compare(">="),
+    "aten.logical_not.default": lambda o, out, kw: f"({_cast(o[0], 'bool')} == 0)",
+    "aten.logical_and.default": lambda o, out, kw: f"({_cast(o[0], 'bool')} & {_cast(o[1], 'bool')})",
+    "aten.logical_or.default": lambda o, out, kw: f"({_cast(o[0], 'bool')} | {_cast(o[1], 'bool')})",
+    "aten.isnan.default": lambda o, out, kw: f"({o[0].expr} != {o[0].expr})",
+    "aten._to_copy.default": _unary("{a}"), "aten.clone.default": _unary("{a}"),
+    "aten.lift_fresh_copy.default": _unary("{a}"), "aten.copy.default": lambda o, out, kw: _cast(o[1], out),
+    "aten.fill.Scalar": lambda o, out, kw: _cast(o[1], out), "aten.full.default": lambda o, out, kw: _cast(o[1], out),
+    "aten.full_like.default": lambda o, out, kw: _cast(o[1], out),
+    "aten.scalar_tensor.default": lambda o, out, kw: _cast(o[0], out),
+}
+
+
+def triton_index(e: Expr) -> str:
+    """An index expression in Python/Triton syntax (non-negative values: // is C's /)."""
+    return render(e, lambda a, k: f"({a}) * {k}", lambda a, d: f"(({a}) // {d})", lambda a, n: f"(({a}) % {n})")
+
+
+class Unsupported(Exception):
+    """A loop nest this renderer does not print (an op with no Triton entry): the group stays C/ATen."""
+
+
+@dataclass(frozen=True)
+class TritonKernel:
+    name: str
+    source: str
+    params: tuple[int, ...]          # node indices whose tensors are the kernel's pointer arguments, in order
+    outputs: tuple[int, ...]
+    grid: tuple[int, ...]            # programs along each launch axis
+    meta: tuple[tuple[str, int], ...]   # constexpr arguments (block sizes) and num_warps / num_stages
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+class TritonWriter:
+    """Writes one group's loop nest as a Triton kernel. Raises NotFusable (no loop nest) or Unsupported."""
+
+    def __init__(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule, name: str,
+                 inplace: dict[int, int] | None = None) -> None:
+        self.g, self.group, self.buffers, self.s, self.name = graph, group, buffers, schedule, name
+        self.inplace = inplace or {}
+
+    def write(self) -> TritonKernel:
+        self.nest: LoopNest = lower(self.g, self.group, self.buffers, self.inplace)
+        self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
+        self.mask, self.zero = "None", "0"
+        shape = self.nest.shape
+        body, grid, meta = (self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction"
+                            else self.pointwise())
+        prologue = [self.statement(d) for d in self.nest.prologue]
+        args = ", ".join([*self.names.values(), *(f"{k}: tl.constexpr" for k, _ in meta)])
+        lines = ["@triton.jit", f"def {self.name}({args}):"] + [f"    {line}" for line in prologue + body]
+        launch = (*meta, ("num_warps", self.warps()))
+        return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch)
+
+    def warps(self) -> int:
+        return self.s.gemm_mr if self.s.gemm_mr in (1, 2, 4, 8, 16) else 4
+
+    # ---- statements ----
+    def value(self, name: Name) -> str:
+        return f"t{name.id}" if isinstance(name, Temp) else f"{name.kind}{name.node}"
+
+    def apply(self, a: Apply) -> str:
+        node = self.g.nodes[a.node]
+        if node.op not in OPS:
+            raise Unsupported(f"no Triton rendering of {node.op}")
+        ops = [Value(self.value(x.name), x.dtype) if isinstance(x, LoopOperand) else
+               _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
+        out = node.type.dtype
+        return f"({OPS[node.op](ops, out, node.kwargs)})"
+
+    def statement(self, s: Stmt) -> str:
+        if isinstance(s, Define):
+            v = s.value
+            if isinstance(v, Load):
+                if isinstance(v.offset, Const) or self.mask == "None":
+                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)})"
+                return (f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, "
+                        f"mask={self.mask}, other=0)")
+            if isinstance(v, GemmElement):
+                return f"t{s.name.id} = acc"
+            return f"t{s.name.id} = {self.apply(v)}"
+        if isinstance(s, Store):
+            value = f"({self.value(s.value)}).to({TL_TYPES[self.g.nodes[s.buffer].type.dtype]})"
+            pointer = f"{self.names[s.buffer]} + {triton_index(s.offset)}"
+            if self.mask == "None":
+                return f"tl.store({pointer}, {value})"
+            # masked: the pointer as a block of the mask's shape, even where the offset is one element
+            return f"tl.store({pointer} + {self.zero}, {value}, mask={self.mask})"
+        if isinstance(s, Assign):
+            return f"{self.value(s.name)} = {self.apply(s.value)}"
+        raise TypeError(f"not a statement of this loop: {s!r}")
+
+    def lines(self, stmts: Sequence[Stmt]) -> list[str]:
+        return [self.statement(s) for s in stmts]
+
+    def decompose(self, flat: str, dims: Sequence[int]) -> list[str]:
+        """Axis variables i{d} of `dims` (row-major) from a flat index, and each merged loop's m-variable."""
+        dom, out, stride = self.group.domain, [], prod(self.group.domain[d] for d in dims)
+        for d in dims:
+            stride //= dom[d]
+            out.append(f"i{d} = ({flat} // {stride}) % {dom[d]}")
+        for first, run in self.nest.runs.items():
+            if set(run) <= set(dims):
+                inner, terms = 1, []
+                for d in reversed(run):
+                    terms.append(f"i{d} * {inner}")
+                    inner *= dom[d]
+                out.append(f"m{first} = " + " + ".join(reversed(terms)))
+        return out
+
+    # ---- kernels ----
+    def pointwise(self) -> tuple[list[str], tuple[int, ...], tuple]:
+        dom = self.group.domain
+        numel = prod(dom)
+        block = min(_pow2(self.s.chunk if self.s.chunk >= 16 else DEFAULT_BLOCK), _pow2(numel, 16))
+        self.mask, self.zero = ("xmask" if dom else "None"), "xzero"
+        code = ["x = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)", f"xmask = x < {numel}", "xzero = x * 0"]
+        code += self.decompose("x", list(range(len(dom))))
+        code += self.lines(self.nest.body)
+        return code, (-(-numel // block),), (("XBLOCK", block),)
+
+    def reduction(self) -> tuple[list[str], tuple[int, ...], tuple]:
+        dom, nest = self.group.domain, self.nest
+        kept, reduced = sorted(nest.kept), sorted(nest.reduced)
+        count = prod(dom[d] for d in reduced)
+        rows = prod(dom[d] for d in kept)
+        block = min(_pow2(self.s.chunk if self.s.chunk >= 16 else DEFAULT_BLOCK), _pow2(count, 16))
+        code = ["row = tl.program_id(0)"] + [line for line in self.decompose("row", kept) if line.startswith("i")]
+
+        def block_loop(body: list[str]) -> list[str]:
+            return [f"for r0 in range(0, {count}, RBLOCK):",
+                    "    r = r0 + tl.arange(0, RBLOCK)", f"    rmask = r < {count}", "    rzero = r * 0"] + \
+                [f"    {line}" for line in self.decompose("r", reduced)] + [f"    {line}" for line in body]
+
+        for segment in nest.segments:
+            if isinstance(segment, RowSegment):
+                self.mask = "None"
+                code += self.lines(segment.body)
+                continue
+            finish = []
+            for red in segment.reductions:
+                node = self.g.nodes[red.node]
+                acc_t = "tl.float64" if node.type.dtype == "float64" else "tl.float32"
+                init = {"sum": "0", "mean": "0", "max": '-float("inf")', "min": 'float("inf")'}[red.op]
+                code.append(f"acc{red.node} = tl.full([RBLOCK], {init}, {acc_t})")
+                if red.op in ("max", "min"):
+                    code.append(f"nan{red.node} = tl.zeros([RBLOCK], tl.int32)")
+                total = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}[red.op]
+                finish.append(f"red{red.node} = {total}(acc{red.node}, 0)" + (f" / {count}" if red.op == "mean" else ""))
+                if red.op in ("max", "min"):
+                    finish.append(f"red{red.node} = tl.where(tl.max(nan{red.node}, 0) > 0, float(\"nan\"), red{red.node})")
+            self.mask, self.zero = "rmask", "rzero"
+            code += block_loop([self.accumulate(s) if isinstance(s, Accumulate) else self.statement(s)
+                                for s in segment.body])
+            self.mask = "None"
+            code += finish + [self.statement(r.store) for r in segment.reductions]
+        if nest.epilogue is not None:
+            self.mask, self.zero = "rmask", "rzero"
+            code += block_loop(self.lines(nest.epilogue))
+        return code, (rows,), (("RBLOCK", block),)
+
+    def accumulate(self, s: Accumulate) -> str:
+        acc, v = f"acc{s.node}", self.value(s.value)
+        if s.op in ("sum", "mean"):
+            return f"{acc} = {acc} + tl.where(rmask, {v}, 0.0)"
+        better = ">" if s.op == "max" else "<"
+        return (f"{acc} = tl.where(rmask & ({v} {better} {acc}), {v}, {acc}); "
+                f"nan{s.node} = nan{s.node} | (rmask & ({v} != {v})).to(tl.int32)")
+
+    def gemm(self) -> tuple[list[str], tuple[int, ...], tuple]:
+        mm = self.g.nodes[self.group.nodes[0]]
+        a, b = (self.g.nodes[r.index] for r in mm.args[:2])
+        batched = len(mm.type.shape) == 3
+        M, N = mm.type.shape[-2:]
+        K = a.type.shape[-1]
+        batch = mm.type.shape[0] if batched else 1
+        bm = min(_pow2(self.s.gemm_block_rows, 16), _pow2(M, 16))
+        bn = min(_pow2(self.s.gemm_nr, 16), _pow2(N, 16))
+        bk = min(_pow2(self.s.gemm_kc, 16), _pow2(K, 16))
+        sa, sb = a.type.strides, b.type.strides
+        pa, pb = self.names[a.index], self.names[b.index]
+        dot_precision = ', input_precision="ieee"' if mm.type.dtype == "float32" else ""
+        i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
+        code = ["pid = tl.program_id(0)", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
+                "bi = pid // tiles", "pm = (pid % tiles) // tiles_n", "pn = pid % tiles_n",
+                "rm = pm * BM + tl.arange(0, BM)", "rn = pn * BN + tl.arange(0, BN)",
+                "acc = tl.zeros([BM, BN], tl.float32)",
+                f"for k0 in range(0, {K}, BK):",
+                "    rk = k0 + tl.arange(0, BK)",
+                f"    x = tl.load({pa} + bi * {sa[0] if batched else 0} + rm[:, None] * {sa[-2]} + rk[None, :] * {sa[-1]}, "
+                f"mask=(rm[:, None] < {M}) & (rk[None, :] < {K}), other=0.0)",
+                f"    y = tl.load({pb} + bi * {sb[0] if batched else 0} + rk[:, None] * {sb[-2]} + rn[None, :] * {sb[-1]}, "
+                f"mask=(rk[:, None] < {K}) & (rn[None, :] < {N}), other=0.0)",
+                f"    acc += tl.dot(x, y{dot_precision})",
+                f"{i_row} = rm[:, None]", f"{i_col} = rn[None, :]",
+                f"cmask = ({i_row} < {M}) & ({i_col} < {N})", f"czero = {i_row} * 0 + {i_col} * 0"]
+        if batched:
+            code.append(f"{triton_index(self.nest.idx[0])} = bi")
+        self.mask, self.zero = "cmask", "czero"
+        if mm.index in self.nest.outputs:
+            out = mm.type.strides
+            code.append(f"tl.store({self.names[mm.index]} + bi * {out[0] if batched else 0} + {i_row} * {out[-2]} + "
+                        f"{i_col} * {out[-1]}, acc, mask=cmask)")
+        code += self.lines(self.nest.body)
+        grid = (batch * -(-M // bm) * -(-N // bn),)
+        return code, grid, (("BM", bm), ("BN", bn), ("BK", bk))
+
+
+PRELUDE = "import triton\nimport triton.language as tl\n\n\n"
+
+
+def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],
+                 inplace: dict[int, int] | None = None) -> tuple[str, list[TritonKernel | None]]:
+    """One Python module of Triton kernels for a whole graph; None for extern groups."""
+    kernels: list[TritonKernel | None] = []
+    for i, (group, schedule) in enumerate(zip(groups, schedules)):
+        kernels.append(None if group.kind == "extern" else
+                       TritonWriter(graph, group, buffers, schedule, f"k{i}", inplace).write())
+    return PRELUDE + "\n\n".join(k.source for k in kernels if k is not None), kernels
+
+
+class TritonLibrary:
+    """The kernels of one module, loaded (runtime.CompiledGraph calls `launcher`). Triton reads a
+    kernel's source from its file, so the module is written to the cache, named by its content."""
+
+    def __init__(self, source: str) -> None:
+        path = cache_dir() / "triton" / f"{content_key(source)}.py"
+        if not path.exists():
+            atomic_write(path, source.encode())
+        spec = importlib.util.spec_from_file_location(f"tfsn_triton_{path.stem}", path)
+        self.module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.module)
+        self._name = str(path)
+
+    def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
+        fn = getattr(self.module, kernel.name)[kernel.grid]
+        meta = dict(kernel.meta)
+
+        def launch(tensors: Sequence[Any]) -> None:
+            fn(*tensors, **meta)
+        return launch

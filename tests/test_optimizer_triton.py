@@ -1,0 +1,154 @@
+"""The Triton renderer of the loop nest, run on this CPU by Triton's interpreter (TRITON_INTERPRET=1):
+the same fusion plans as the C target, forward and backward, against eager PyTorch.
+
+Needs the `triton` package (the `gpu` extra); without it these tests are skipped."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported: kernels run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+pytest.importorskip("triton")
+
+import copy  # noqa: E402
+
+from optimizer import backend, fusion, ir  # noqa: E402
+from optimizer.backend import decompositions, make_backend  # noqa: E402
+from optimizer.codegen import triton as tt  # noqa: E402
+from optimizer.runtime import CompiledGraph  # noqa: E402
+from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
+from tests.optimizer_models import suite  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+
+
+def forward_and_backward(fn):
+    """fn's outputs and the gradients of their sum with respect to every float input."""
+    def step(*args):
+        args = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        floats = [a for a in args if a.requires_grad]
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs), floats)
+        return (*outs, *grads)
+    return step
+
+
+def run_triton(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True):
+    gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    graph = ir.from_fx(gm)
+    plan = fusion.plan(graph, gemm=gemm)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
+    assert any(kernels), "nothing was generated"
+    lib = tt.TritonLibrary(source)
+    got = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)(list(args))
+    return got, gm(*args), plan
+
+
+def mlp(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+
+def block(x, lw, lb, w):
+    h = F.layer_norm(x, (x.shape[-1],), lw, lb)
+    att = (h @ h.transpose(-2, -1)) * 0.25
+    mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().logical_not()
+    return x + torch.softmax(att.masked_fill(mask, float("-inf")), dim=-1) @ (h @ w)
+
+
+def cross_entropy(logits, target):
+    return F.cross_entropy(logits, target)
+
+
+CASES = {
+    "mlp": (mlp, lambda: (torch.randn(19, 37), torch.randn(45, 37), torch.randn(45), torch.randn(10, 45),
+                          torch.randn(10))),
+    "attention_block": (block, lambda: (torch.randn(2, 13, 24), torch.randn(24), torch.randn(24),
+                                        torch.randn(24, 24))),
+    "cross_entropy": (cross_entropy, lambda: (torch.randn(21, 17), torch.randint(0, 17, (21,)))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_generated_triton_matches_eager_forward_and_backward(name):
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    got, want, plan = run_triton(forward_and_backward(fn), make())
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", [Schedule(chunk=16, gemm_block_rows=16, gemm_nr=16, gemm_kc=16, gemm_mr=2),
+                                      Schedule(chunk=256, gemm_block_rows=64, gemm_nr=32, gemm_kc=32, gemm_mr=8)])
+def test_block_sizes_and_warps_are_schedule_knobs(schedule):
+    fn, make = CASES["mlp"]
+    torch.manual_seed(0)
+    got, want, plan = run_triton(forward_and_backward(fn), make(), schedule)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    graph = ir.from_fx(make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*make()))
+    source, _ = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups))
+    assert 'input_precision="ieee"' in source and "tl.dot(" in source
+
+
+def test_fp32_gemm_epilogue_runs_in_the_dot_kernel():
+    fn, make = CASES["mlp"]
+    args = make()
+    gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    graph = ir.from_fx(gm)
+    plan = fusion.plan(graph)
+    gemms = [g for g in plan.groups if g.kind == "gemm"]
+    assert gemms and any(len(g.nodes) > 1 for g in gemms), "no GEMM took its epilogue"
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+    k = next(k for g, k in zip(plan.groups, kernels) if g.kind == "gemm" and len(g.nodes) > 1)
+    assert "tl.dot(" in k.source and "tl.erf(" in k.source     # GELU on the tile
+
+
+def close(actual, expected, what):
+    """As tests/test_optimizer_correctness.py: rtol 1e-4, atol 1e-5 of the expected tensor's largest magnitude."""
+    scale = expected.detach().abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=1e-4, atol=1e-5 * max(scale, 1e-3),
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("case", suite(), ids=lambda c: c.name)
+def test_suite_training_step_through_triton_matches_eager(case):
+    """Every suite model's forward, backward and AdamW step as Triton kernels. The step is given
+    eager's gradients: the attention key bias's gradient is exactly zero in eager and rounding noise
+    here, which Adam would turn into a full step (see test_optimizer_correctness)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = case.build()
+    tfsn = copy.deepcopy(eager)
+    batch = case.batch(torch.Generator().manual_seed(1))
+    triton_backend = make_backend(codegen="triton")
+    kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
+    loss = case.loss(eager, batch)
+    loss.backward()
+    got = case.loss(torch.compile(tfsn, backend=triton_backend), batch)
+    got.backward()
+    close(got, loss, "loss")
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        close(q.grad, p.grad, f"grad of {name}")
+        q.grad = p.grad.clone()
+    for (name, b), c in zip(eager.named_buffers(), tfsn.buffers()):      # BatchNorm's running stats
+        close(c, b, f"buffer {name}")
+    opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, weight_decay=0.1)
+    opt_tfsn = torch.optim.AdamW(tfsn.parameters(), lr=1e-2, weight_decay=0.1)
+    step = torch.compile(opt_tfsn.step, backend=triton_backend)
+    for _ in range(2):
+        opt_eager.step()
+        step()
+    assert backend.STATS["kernels"] > kernels and backend.STATS["aten_graphs"] == aten, "a graph ran as ATen"
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        close(q, p, f"{name} after two AdamW steps")
+    torch._dynamo.reset()

@@ -165,7 +165,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     from optimizer import fusion, ir
     from optimizer.codegen import c, compiler
     from optimizer.loopnest import NotFusable
-    from optimizer.runtime import CompiledGraph
 
     if not fuse:
         STATS["aten_graphs"] += 1
@@ -186,18 +185,27 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         else:
             plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, report)
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
-        log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
-        STATS["aten_graphs"] += 1
-        return make_boxed_func(gm.forward)
+        return _as_aten(gm, "its generated code failed", e)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan:\n%s", fusion.describe(graph, plan))
     try:
         source, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
-        log.warning("tfsn: running a graph as ATen, its generated code failed: %s", str(e)[:2000])
-        STATS["aten_graphs"] += 1
-        return make_boxed_func(gm.forward)
+        return _as_aten(gm, "its generated code failed", e)
+    return _compiled(graph, plan, kernels, lib)
+
+
+def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
+    """The graph run as its ATen calls, with the reason logged: a generator bug must not stop training."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    log.warning("tfsn: running a graph as ATen, %s: %s", why, str(error)[:2000])
+    STATS["aten_graphs"] += 1
+    return make_boxed_func(gm.forward)
+
+
+def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any) -> Callable:
+    from optimizer.runtime import CompiledGraph
     STATS["graphs"] += 1
     STATS["kernels"] += sum(k is not None for k in kernels)
     return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
@@ -206,24 +214,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule) -> Callable:
     """The graph's heuristic fusion plan as Triton kernels under one schedule; ATen where a kernel
     cannot be written (logged, as for C)."""
-    from torch._functorch.aot_autograd import make_boxed_func
-
     from optimizer import fusion
     from optimizer.codegen import triton
     from optimizer.loopnest import NotFusable
-    from optimizer.runtime import CompiledGraph
     try:
         plan = fusion.plan(graph)
         source, kernels = triton.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups),
                                               plan.inplace)
         lib = triton.TritonLibrary(source) if any(kernels) else None
     except (NotFusable, triton.Unsupported) as e:
-        log.warning("tfsn: running a graph as ATen, its Triton code failed: %s", str(e)[:2000])
-        STATS["aten_graphs"] += 1
-        return make_boxed_func(gm.forward)
-    STATS["graphs"] += 1
-    STATS["kernels"] += sum(k is not None for k in kernels)
-    return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+        return _as_aten(gm, "its Triton code failed", e)
+    return _compiled(graph, plan, kernels, lib)
 
 
 SEARCH_VERSION = "5"      # bump when the search or the model changes what a cached result means

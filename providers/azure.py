@@ -27,7 +27,8 @@ from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError
                             provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
-from providers.naming import dns_label, node_tags
+from providers.naming import JOB_TAG, dns_label, node_tags
+from providers.sweep import NotConfigured, TaggedResource, tagged
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ SSH_KEY_ENV = "TFSN_AZURE_SSH_PUBLIC_KEY"       # lets a user log in; otherwise 
 ADMIN_USER = "tfsn"
 OS_DISK_GB = 200
 ADDRESS_SPACE = "10.200.0.0/16"
+NETWORK_TAG = ("tfsn", "network")                # on each region's vnet, which the jobs of that region share
+# What `tfsn down` lists: kind, the client, its operations group, whether it belongs to a job (else shared).
+SWEPT = (("instance", "compute", "virtual_machines", True), ("nic", "network", "network_interfaces", True),
+         ("vnet", "network", "virtual_networks", False))
 PRICES_URL = "https://prices.azure.com/api/retail/prices"
 CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
                   "OverconstrainedZonalAllocationRequest"}
@@ -173,6 +178,42 @@ class AzureProvider(CatalogOffers):
             except Exception as err:
                 raise _provider_error(err, f"deleting {name}", zonal=False) from None
 
+    # -- what `tfsn down` finds and deletes (providers.sweep) ------------------------------------
+
+    def tagged_resources(self) -> list[TaggedResource]:
+        """The resource group's VMs and NICs tagged with a tfsn job, and its tfsn vnets (shared by the jobs of a
+        region). A VM's OS disk goes with it (deleteOption Delete). No resource group: tfsn made nothing here."""
+        if not self._subscription:
+            raise NotConfigured(f"no Azure subscription ({SUBSCRIPTION_ENV} is not set)", provider=PROVIDER)
+        missing = import_sdk("azure.core.exceptions", provider=PROVIDER, extra="azure").ResourceNotFoundError
+        found = []
+        try:
+            for kind, client, group, per_job in SWEPT:
+                for item in getattr(self._client(client), group).list(self.resource_group):
+                    tags = item.tags or {}
+                    if (JOB_TAG in tags) if per_job else (tags.get(NETWORK_TAG[0]) == NETWORK_TAG[1]):
+                        found.append(tagged(PROVIDER, kind, item.name, f"{self.resource_group}/{item.location}", tags,
+                                            group=self.resource_group))
+        except missing as err:
+            if _code(err) != "ResourceGroupNotFound":
+                raise _provider_error(err, f"listing resource group {self.resource_group}", zonal=False) from None
+        except Exception as err:
+            raise _provider_error(err, f"listing resource group {self.resource_group}", zonal=False) from None
+        return found
+
+    def delete_resource(self, resource: TaggedResource) -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+        kind, group = {"instance": "compute", "nic": "network", "vnet": "vnet"}[resource.kind], resource.ref["group"]
+        try:
+            self._finish(self._begin_delete(kind, resource.name, group))
+        except ResourceNotFoundError:   # its resource group is gone, and the resource with it
+            return
+        except TimeoutError:
+            raise ProviderError(f"azure: deleting {resource.name}: not done within {self.operation_timeout_s:.0f}s",
+                                provider=PROVIDER) from None
+        except Exception as err:
+            raise _provider_error(err, f"deleting {resource.kind} {resource.name}", zonal=False) from None
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _handle(self, node_id: str, region: str) -> NodeHandle:
@@ -182,9 +223,11 @@ class AzureProvider(CatalogOffers):
                                               "resource_group": self.resource_group, "vm": vm, "nic": f"{vm}-nic"})
 
     def _begin_delete(self, kind: str, name: str, resource_group: str) -> Any:
-        """Start deleting a VM or NIC; ARM answers 204 for one that does not exist, so missing is done."""
+        """Start deleting a VM, NIC or vnet; ARM answers 204 for one that does not exist, so missing is done."""
         if kind == "compute":
             return self._client("compute").virtual_machines.begin_delete(resource_group, name)
+        if kind == "vnet":
+            return self._client("network").virtual_networks.begin_delete(resource_group, name)
         return self._client("network").network_interfaces.begin_delete(resource_group, name)
 
     def _delete_quietly(self, kind: str, name: str) -> None:
@@ -205,7 +248,7 @@ class AzureProvider(CatalogOffers):
             if _code(err) == "ResourceGroupNotFound":
                 raise
             self._finish(network.virtual_networks.begin_create_or_update(self.resource_group, name, {
-                "location": region, "tags": {"tfsn": "network"},
+                "location": region, "tags": dict([NETWORK_TAG]),
                 "properties": {"addressSpace": {"addressPrefixes": [ADDRESS_SPACE]},
                                "subnets": [{"name": "nodes", "properties": {"addressPrefix": ADDRESS_SPACE,
                                                                             "defaultOutboundAccess": True}}]}}))

@@ -93,7 +93,7 @@ def cost_text(cost: JobCost) -> str:
 
 
 def jobs_table(store: Store, jobs: list[Job]) -> Table:
-    table = Table(box=None, header_style="bold")
+    table = Table(box=None, header_style="bold", padding=(0, 1, 0, 0))   # eleven columns in 80 characters
     for column in ("ID", "NAME", "STATE", "NODES", "STEP", "LOSS", "RESTARTS", "AGE", "NODE-H", "SPENT", "PREDICTED"):
         table.add_column(column, justify="right" if column in ("NODE-H", "SPENT", "PREDICTED") else "left")
     for job in jobs:

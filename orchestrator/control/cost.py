@@ -47,10 +47,11 @@ def _site(record: dict[str, Any]) -> tuple:
 
 
 def chosen_candidate(job: Job, nodes: list[Node]) -> dict[str, Any] | None:
-    """The plan's candidate the job runs on: the one of its newest node's offer and market, else the plan's first."""
+    """The plan's candidate the job runs on: the one of the offer and market of its newest node the provider
+    confirmed (else of its newest node: all were refused so far), else the plan's first."""
     placed = [n for n in nodes if n.offer is not None]
     if placed:
-        newest = max(placed, key=lambda n: n.created_at)
+        newest = max(placed, key=lambda n: (n.provisioned_at is not None, n.created_at))
         for candidate in job.plan:
             if _site(candidate) == _site(newest.offer) and candidate.get("spot") == newest.spot:
                 return candidate

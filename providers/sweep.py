@@ -103,7 +103,7 @@ def bounded(calls: Mapping[K, Callable[[], T]], deadline: float, workers: int) -
     with finished:
         while len(results) < len(calls) and time.monotonic() < deadline:
             finished.wait(deadline - time.monotonic())
-        late = TimeoutError("not finished before the deadline")
+        late = TimeoutError("not done when the deadline came (it may still finish: sweep again to confirm)")
         return {key: results.get(key, late) for key in calls}
 
 

@@ -11,6 +11,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,18 +62,19 @@ def _aws(request) -> Cloud:
     request.getfixturevalue("monkeypatch").setenv("TFSN_AWS_REGIONS", "us-east-1,eu-west-1")
     from providers.aws import AwsProvider
 
+    europe = boto3.client("ec2", region_name="eu-west-1")
+
     def made(driver, req):
         instance = driver.provision(req).data["instance_id"]
-        zone = ec2.describe_instances(InstanceIds=[instance])["Reservations"][0]["Instances"][0]["Placement"]
         tags = [{"Key": k, "Value": v} for k, v in node_tags(req).items()]
-        volume = ec2.create_volume(AvailabilityZone=zone["AvailabilityZone"], Size=8, TagSpecifications=[
-            {"ResourceType": "volume", "Tags": tags}])["VolumeId"]   # a data volume its instance did not take along
+        volume = europe.create_volume(AvailabilityZone="eu-west-1a", Size=8, TagSpecifications=[
+            {"ResourceType": "volume", "Tags": tags}])["VolumeId"]   # a volume left in another region
         return {instance, volume}
 
     def present():
         reply = ec2.describe_instances(Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
         return ({i["InstanceId"] for r in reply["Reservations"] for i in r["Instances"]}
-                | {v["VolumeId"] for v in ec2.describe_volumes()["Volumes"]})
+                | {v["VolumeId"] for client in (ec2, europe) for v in client.describe_volumes()["Volumes"]})
     return Cloud(AwsProvider(), aws_offer(), made, present)
 
 
@@ -175,6 +177,28 @@ def test_a_job_narrows_the_sweep_to_its_resources(each_cloud, store):
     after = each_cloud.present()
     assert not each_cloud.names[str(first)] & after
     assert each_cloud.names[str(second)] <= after
+
+
+def test_a_hung_cloud_does_not_hold_the_others(store, request):
+    """Each cloud is swept in its own thread under one deadline: a deletion that never finishes is one line
+    when the deadline comes, and the other cloud's resources are deleted meanwhile."""
+    hung, azure = _gcp(request), _azure(request)
+    hung.driver.operation_timeout_s = 30.0
+    dead = job(store, JobState.STOPPED)
+    hung.node(dead, f"train-{dead}-n0-aa11")
+    azure.node(dead, f"train-{dead}-n0-aa11")
+    hung.server.pending_polls = 10**6   # GCP takes the delete and never finishes it
+    out, err = io.StringIO(), io.StringIO()
+    started = time.monotonic()
+    code = down(store, [hung.driver, azure.driver], None, False, False, Console(file=out, soft_wrap=True),
+                Console(file=err, soft_wrap=True), timeout_s=3)
+    assert time.monotonic() - started < 15
+    assert code == 1
+    assert err.getvalue().splitlines() == [
+        f"tfsn: error: gcp {kind} {name} (us-central1-a): not done when the deadline came (it may still finish: "
+        "sweep again to confirm)" for kind, name in (("instance", f"tfsn-train-{dead}-n0-aa11"),
+                                                     ("disk", f"tfsn-train-{dead}-n0-aa11-data"))]
+    assert not azure.names[str(dead)] & azure.present()
 
 
 def test_a_live_job_named_is_kept_unless_all(store, request):

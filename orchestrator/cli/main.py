@@ -19,8 +19,9 @@ from rich.console import Console
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.cli.down import register as register_down_command
-from orchestrator.cli.view import aligned, follow, job_panel, job_summary, jobs_table
+from orchestrator.cli.view import aligned, cost_text, follow, job_panel, job_summary, jobs_table
 from orchestrator.control import daemon
+from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text
@@ -120,13 +121,14 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
         store.request_stop(job.id)
         console.print(f"stopping job {job.id}...")
         final = _wait_terminal(store, job.id, timeout=120)
-    _finish_message(final)
+    _finish_message(store, final)
     raise typer.Exit(0 if final.state == JobState.SUCCEEDED else 1)
 
 
-def _finish_message(job: Job) -> None:
+def _finish_message(store: Store, job: Job) -> None:
     took = (job.finished_at or time.time()) - job.created_at
-    line = f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s)"
+    line = (f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s); "
+            f"cost: {cost_text(job_cost(job, store.nodes(job.id)))}")
     if job.checkpoint_step:
         line += f"; last checkpoint: step {job.checkpoint_step} at {job.checkpoint_path}"
     console.print(line, highlight=False)

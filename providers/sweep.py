@@ -14,15 +14,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, Hashable, Mapping, Protocol, TypeVar
 
 from providers.base import MissingExtraError, ProviderError
 from providers.naming import JOB_TAG, NODE_TAG
 
 # The order of deletion: what holds another resource goes first (an instance holds its disk and NIC,
 # a NIC holds its subnet). Kinds of one stage are deleted in parallel.
-STAGES: tuple[tuple[str, ...], ...] = (("instance", "pod"), ("volume", "disk", "nic", "public-ip"),
-                                       ("security-group", "vnet", "secret"))
+STAGES: tuple[tuple[str, ...], ...] = (("instance", "pod"), ("volume", "disk", "nic"), ("vnet",))
 DELETE_WORKERS = 8          # deletions of one cloud in flight at once (cloud APIs throttle bursts)
 
 K = TypeVar("K", bound=Hashable)
@@ -48,7 +47,6 @@ class NotConfigured(ProviderError):
     scope = "provider"
 
 
-@runtime_checkable
 class Sweepable(Protocol):
     """A driver whose leftovers `tfsn down` can find and delete."""
 

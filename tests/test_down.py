@@ -183,7 +183,7 @@ def test_a_hung_cloud_does_not_hold_the_others(store, request):
     """Each cloud is swept in its own thread under one deadline: a deletion that never finishes is one line
     when the deadline comes, and the other cloud's resources are deleted meanwhile."""
     hung, azure = _gcp(request), _azure(request)
-    hung.driver.operation_timeout_s = 30.0
+    hung.driver.operation_timeout_s = 5.0   # past the 3 s deadline of the sweep
     dead = job(store, JobState.STOPPED)
     hung.node(dead, f"train-{dead}-n0-aa11")
     azure.node(dead, f"train-{dead}-n0-aa11")

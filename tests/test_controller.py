@@ -317,3 +317,38 @@ def test_a_stopped_jobs_nodes_are_deleted_side_by_side(tmp_path):
         stop.set()
         loop.join(15)
     assert sorted(cloud.terminated) == sorted(cloud.created) and store.job(job_id).state == JobState.STOPPED
+
+
+def test_a_big_jobs_creates_in_flight_are_bounded_and_a_stop_does_not_wait_for_them(tmp_path):
+    from orchestrator.control.calls import LANE_THREADS
+    from orchestrator.control.provisioning import CREATES_PER_PASS
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0)], hang_zones={"us-east-1a"})
+    cloud.create_deadline_s = 600.0
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("big", JobSpec.model_validate({
+        "name": "big", "run": "true", "workdir": str(tmp_path), "num_nodes": 40,
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    loop.start()
+    try:
+        _wait("the first creates", lambda: len(store.nodes(job_id)) >= CREATES_PER_PASS, 30)
+        passes = controller.wake                     # every pass clears it; let a few go by
+        for _ in range(4):
+            passes.set()
+            time.sleep(0.3)
+        assert len(store.nodes(job_id)) == CREATES_PER_PASS, "no more creates in flight than CREATES_PER_PASS"
+        assert len(cloud.entered) == LANE_THREADS, "the others wait in the provider's lane"
+        store.request_stop(job_id)
+        controller.wake.set()
+        _wait("the stop", lambda: store.job(job_id).state == JobState.STOPPED, 10)
+        assert not cloud.release.is_set(), "stopped while every create still hung"
+        cloud.release.set()
+        _wait("every node made deleted", lambda: all(n.released for n in store.nodes(job_id)), 30)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    assert sorted(cloud.terminated) == sorted(n.id for n in store.nodes(job_id))
+    assert sorted(cloud.created) == sorted(cloud.entered), "the creates still queued at the stop never ran"

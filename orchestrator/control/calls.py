@@ -53,8 +53,9 @@ class Call:
     on_done: Callable[[Call], None]
     limit_s: float                              # its deadline, from its start
     wakes: bool = True                          # its end wakes the loop (a status poll waits for the next pass)
-    state: str = "queued"                       # queued | running | done | handed (to on_done) | abandoned (past its
-                                                # deadline: on_done had a DeadlineError; it may still be running)
+    state: str = "queued"                       # queued | running | done | handed (to on_done) | cancelled (before
+                                                # it ran) | abandoned (past its deadline: on_done had a DeadlineError;
+                                                # it may still be running)
     value: Any = None
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
@@ -104,6 +105,18 @@ class ProviderCalls:
                                        timeout=max(0.0, call.deadline - time.monotonic()))
             self._finish([call], expire=True)
         return True
+
+    def cancel(self, key: Hashable) -> bool:
+        """Drop the call with this key if it has not started (its callback is not called): a create queued for a
+        node the job no longer wants. False if there is none, or it runs already."""
+        with self._changed:
+            call = self._calls.get(key)
+            if call is None or call.state != "queued":
+                return False
+            call.state = "cancelled"
+            del self._calls[key]
+            self._changed.notify_all()
+            return True
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

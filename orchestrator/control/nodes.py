@@ -94,6 +94,7 @@ class Nodes:
         """Ask the provider to delete the node, off the loop; until it confirms, `released` stays 0 and the sweep
         asks again (also where a call for the node, its create, is still in flight: it goes first)."""
         self._seen.pop(node.id, None)
+        self.ctx.calls.cancel(("change", node.id))   # a create still queued need not run: delete what may exist
         handle = NodeHandle(**node.handle) if node.handle else _intended_handle(node)
         try:
             provider = self.ctx.provider(node.provider)

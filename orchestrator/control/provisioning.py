@@ -38,7 +38,7 @@ from providers.base import CapacityError, NodeHandle, NodeRequest, ProviderError
 REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
 TRANSIENT_TRIES = 5           # a provisioning request that fails transiently this often in a row is blocked
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
-CREATES_PER_PASS = 16         # nodes one job asks for in one pass of the loop (the others' turn comes between)
+CREATES_PER_PASS = 16         # creates of one job in flight, so at most this many a pass (others' turn comes between)
 PLANNER = "planner"           # the lane of planning calls: they read every provider's offers
 
 
@@ -108,12 +108,13 @@ class Provisioner:
 
     def _fill(self, job: Job, spec: JobSpec) -> bool:
         """Every rank without a node gets a spare, else a new node; then the spares are topped up. At most
-        CREATES_PER_PASS new nodes a pass, so that the loop gets round to other jobs (and their stops).
-        False if the job ended, a stop was asked (see `_interrupted`) or this pass created its share."""
+        CREATES_PER_PASS creates of the job in flight (and so at most that many new a pass): the loop gets round
+        to other jobs and their stops, and no create waits in its lane's queue until its deadline.
+        False if the job ended, a stop was asked (see `_interrupted`) or the job has its share in flight."""
         nodes = self.ctx.store.nodes(job.id, active_only=True)
         ranked = {n.rank: n for n in nodes if n.rank is not None}
         spares = sorted((n for n in nodes if n.rank is None), key=lambda s: s.state != NodeState.READY)
-        created = 0
+        creating = sum(n.state == NodeState.REQUESTED for n in nodes)
         for rank in range(spec.num_nodes):
             if rank in ranked:
                 continue
@@ -121,15 +122,19 @@ class Provisioner:
                 spare = spares.pop(0)
                 self.ctx.store.update_node(spare.id, rank=rank)
                 self.ctx.event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
+            elif creating >= CREATES_PER_PASS:
+                return False
             else:
                 self._create_node(job, spec, rank)
-                created += 1
-            if self._interrupted(job) or created >= CREATES_PER_PASS:
+                creating += 1
+            if self._interrupted(job):
                 return False
         for _ in range(spec.recovery.spares - len(spares)):
+            if creating >= CREATES_PER_PASS:
+                return False
             self._create_node(job, spec, None)
-            created += 1
-            if self._interrupted(job) or created >= CREATES_PER_PASS:
+            creating += 1
+            if self._interrupted(job):
                 return False
         return True
 
@@ -152,14 +157,11 @@ class Provisioner:
         """The best planned offer that no provisioning failure has ruled out. The store keeps the plan's best
         PLAN_KEEP; when blocks used them all up (or the job predates plans), None while the job is planned again
         off the loop (then the fresh plan is in the store, or the job gave up)."""
-        for _ in range(2):
-            blocked = Blocklist.from_records(job.blocked)
-            candidate = next((c for c in map(PlannedOffer.from_record, job.plan) if not blocked.blocks(c.offer)), None)
-            if candidate is not None or job.state.terminal:
-                return candidate
+        candidate = _first_unblocked(job)
+        if candidate is None and not job.state.terminal:
             self._start_planning(job, spec, lambda call: self._replanned(job.id, call))
-            job = self.ctx.store.job(job.id)   # where the caller waits for its calls, the fresh plan
-        return None
+            candidate = _first_unblocked(self.ctx.store.job(job.id))   # where the caller waits: the fresh plan
+        return candidate
 
     def _replanned(self, job_id: int, call: Call) -> None:
         job = self.ctx.store.job(job_id)
@@ -262,6 +264,12 @@ class Provisioner:
             if node.offer is not None and site(node.offer) != site(offer):
                 self.nodes.release(node, failure=f"moved with the job to {where}")
                 self.ctx.event(job.id, "node", f"node {node.id} released: the job moves to {where}")
+
+
+def _first_unblocked(job: Job) -> PlannedOffer | None:
+    """The best candidate of the job's plan that no provisioning failure has ruled out."""
+    blocked = Blocklist.from_records(job.blocked)
+    return next((c for c in map(PlannedOffer.from_record, job.plan) if not blocked.blocks(c.offer)), None)
 
 
 def _text(candidate: PlannedOffer) -> str:

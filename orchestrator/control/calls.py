@@ -51,7 +51,7 @@ class Call:
     what: str                                   # for messages: "aws: create of node n3"
     run: Callable[[], Any]
     on_done: Callable[[Call], None]
-    limit_s: float                              # its deadline, from its start
+    limit_s: float                              # its deadline, from when it was asked for (queueing counts)
     wakes: bool = True                          # its end wakes the loop (a status poll waits for the next pass)
     state: str = "queued"                       # queued | running | done | handed (to on_done) | cancelled (before
                                                 # it ran) | abandoned (past its deadline: on_done had a DeadlineError;

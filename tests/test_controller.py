@@ -352,3 +352,51 @@ def test_a_big_jobs_creates_in_flight_are_bounded_and_a_stop_does_not_wait_for_t
         loop.join(15)
     assert sorted(cloud.terminated) == sorted(n.id for n in store.nodes(job_id))
     assert sorted(cloud.created) == sorted(cloud.entered), "the creates still queued at the stop never ran"
+
+
+class HungDelete(ScriptedProvider):
+    """A cloud whose deletes do not answer until `release` is set."""
+
+    shares_host = True
+    terminate_deadline_s = 1.0
+
+    def __init__(self, offers: list[Offer]) -> None:
+        super().__init__("aws", offers)
+        self.release = threading.Event()
+        self.deletes: list[str] = []
+
+    def terminate(self, handle: NodeHandle) -> None:
+        self.deletes.append(handle.node_id)
+        self.release.wait(600)
+        super().terminate(handle)
+
+
+def test_a_hung_delete_does_not_hold_up_the_stop_and_is_tried_again_once_it_returned(tmp_path, monkeypatch):
+    import orchestrator.control.nodes as nodes_module
+    monkeypatch.setattr(nodes_module, "RELEASE_RETRY_S", 0.0)
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HungDelete([h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("j", JobSpec.model_validate({
+        "name": "j", "run": "true", "workdir": str(tmp_path),
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    controller.reconcile(job_id)
+    [node] = store.nodes(job_id)
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    store.request_stop(job_id)
+    loop.start()
+    try:
+        _wait("the stop", lambda: store.job(job_id).state == JobState.STOPPED, 10)
+        _wait("the delete's deadline", lambda: any("could not be terminated yet" in e.message
+                                                   for e in store.events(job_id)), 10)
+        assert "did not return within 1s" in store.events(job_id)[-1].message
+        time.sleep(0.5)
+        assert cloud.deletes == [node.id] and not store.node(node.id).released, "not asked again while it hangs"
+        cloud.release.set()
+        _wait("the node deleted", lambda: store.node(node.id).released, 10)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    assert cloud.deletes == [node.id, node.id], "asked again once the hung call returned, until confirmed"

@@ -160,8 +160,8 @@ class ProviderCalls:
                     self._calls.pop(call.key, None)
                     call.state = "handed"          # to its callback, once
                 elif call.state in ("queued", "running") and now > call.deadline:
-                    call.error = DeadlineError(f"{call.what} did not return within {call.limit_s:g}s "
-                                               "(calls.DEADLINES_S)", provider=call.lane)
+                    call.error = DeadlineError(f"{call.what} did not return within {call.limit_s:g}s",
+                                               provider=call.lane)
                     if call.state == "queued":     # never started: its thread will skip it
                         self._calls.pop(call.key, None)
                     call.state = "abandoned"       # a running one keeps its key until it returns

@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer, provider_error)
+from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+                            NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
+                            provider_error)
 from providers.bootstrap import startup_script
 from providers.catalog import CatalogOffers
 from providers.naming import JOB_TAG, NODE_TAG, node_tags
@@ -140,15 +141,14 @@ class AwsProvider(CatalogOffers):
         self.default_region = default_region or os.environ.get("AWS_REGION") or os.environ.get(
             "AWS_DEFAULT_REGION") or "us-east-1"
         self._session: Any = None
-        self._clients: dict[tuple[str, str, int], Any] = {}
+        self._clients = Clients()
         self._zone_names: dict[str, str] = {}
 
     def _client(self, service: str, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
-        key = (service, region, attempts)
-        if key not in self._clients:
+        def make() -> Any:
             self._session = self._session or _session()
-            self._clients[key] = _client(self._session, service, region, attempts)
-        return self._clients[key]
+            return _client(self._session, service, region, attempts)
+        return self._clients.get((service, region, attempts), make)
 
     def _ec2(self, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
         return self._client("ec2", region, attempts)

@@ -22,7 +22,7 @@ import re
 import time
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest,
                             NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
                             provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
@@ -74,7 +74,7 @@ class AzureProvider(CatalogOffers):
         self.rpc_timeout_s = rpc_timeout_s           # one HTTP read
         self.operation_timeout_s = operation_timeout_s   # one long-running operation, end to end
         self.poll_interval_s = poll_interval_s       # between polls when the service suggests none
-        self._clients: dict[str, Any] = {}
+        self._clients = Clients()
         self._networks: set[str] = set()             # regions whose vnet is known to exist
         self._ssh_key: str | None = None
 
@@ -82,7 +82,7 @@ class AzureProvider(CatalogOffers):
 
     def _client(self, kind: str) -> Any:
         """The compute or network management client, made on first use."""
-        if kind not in self._clients:
+        def make() -> Any:
             module, cls = {"compute": ("azure.mgmt.compute", "ComputeManagementClient"),
                            "network": ("azure.mgmt.network", "NetworkManagementClient")}[kind]
             sdk = import_sdk(module, provider=PROVIDER, extra="azure")
@@ -97,11 +97,11 @@ class AzureProvider(CatalogOffers):
                 self._credential = identity.DefaultAzureCredential()
             options: dict[str, Any] = {"base_url": self._base_url} if self._base_url else {}
             # Timeouts on every call; bounded retries (azure-core honours Retry-After on 429).
-            self._clients[kind] = getattr(sdk, cls)(
+            return getattr(sdk, cls)(
                 self._credential, self._subscription, connection_verify=self._verify, connection_timeout=10,
                 read_timeout=self.rpc_timeout_s, retry_total=4, retry_backoff_factor=1.0, retry_backoff_max=30,
                 polling_interval=self.poll_interval_s, **options)
-        return self._clients[kind]
+        return self._clients.get(kind, make)
 
     def _finish(self, poller: Any) -> Any:
         """The result of a long-running operation, which the SDK polls in its own thread; TimeoutError at the

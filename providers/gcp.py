@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest,
                             NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, fault_error, import_sdk,
                             planned_offer, provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
@@ -79,7 +79,7 @@ class GcpProvider(CatalogOffers):
         self.rpc_timeout_s = rpc_timeout_s           # one HTTP call
         self.operation_timeout_s = operation_timeout_s   # one insert or delete, end to end
         self.poll_interval_s = poll_interval_s       # first wait between polls of an operation
-        self._clients: dict[str, Any] = {}
+        self._clients = Clients()
 
     # -- SDK plumbing --------------------------------------------------------------------------
 
@@ -88,14 +88,13 @@ class GcpProvider(CatalogOffers):
 
     def _client(self, kind: str) -> Any:
         """One SDK client per kind ("InstancesClient", ..., "CloudCatalogClient"), made on first use."""
-        if kind not in self._clients:
+        def make() -> Any:
             module = self._sdk() if kind != "CloudCatalogClient" else import_sdk(
                 "google.cloud.billing_v1", provider=PROVIDER, extra="gcp")
             self._resolve_credentials()
             options = {"api_endpoint": self._api_endpoint} if self._api_endpoint else None
-            self._clients[kind] = getattr(module, kind)(credentials=self._credentials, client_options=options,
-                                                        transport="rest")
-        return self._clients[kind]
+            return getattr(module, kind)(credentials=self._credentials, client_options=options, transport="rest")
+        return self._clients.get(kind, make)
 
     def _resolve_credentials(self) -> None:
         if self._credentials is not None and self._project:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from providers.base import (AuthError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+from providers.base import (AuthError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             NotFoundError, Offer, ProviderError, QuotaError, import_sdk, provider_error)
 from providers.bootstrap import install_command
 from providers.naming import JOB_TAG, NODE_TAG, dns_label, node_tags
@@ -104,7 +104,7 @@ class KubernetesProvider:
     def __init__(self, context: str | None = None, namespace: str | None = None) -> None:
         self.context = context or os.environ.get("TFSN_K8S_CONTEXT") or None
         self._namespace = namespace or os.environ.get("TFSN_K8S_NAMESPACE") or None
-        self._api: Any = None
+        self._clients = Clients()
         self.bindings: dict[str, PodBinding] = {}   # job id -> what the operator adds to its pods
         self.hosts: dict[str, str] = {}             # node id -> the Kubernetes node its pod was scheduled on
         # Called with (node id, host) once a node's pod is deleted: the operator taints the host of a failed
@@ -113,7 +113,7 @@ class KubernetesProvider:
 
     def _core(self) -> Any:
         """CoreV1Api on the kubeconfig's cluster (or the pod's service account), with bounded retries."""
-        if self._api is None:
+        def make() -> Any:
             kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
             retry = import_sdk("urllib3.util.retry", provider=NAME, extra=EXTRA)
             configuration = kubernetes.client.Configuration()
@@ -137,8 +137,8 @@ class KubernetesProvider:
             configuration.retries = retry.Retry(
                 total=RETRIES, backoff_factor=BACKOFF_S, status_forcelist=(429, 500, 502, 503, 504),
                 allowed_methods=None, raise_on_status=False, respect_retry_after_header=True)
-            self._api = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
-        return self._api
+            return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
+        return self._clients.get("core", make)
 
     @property
     def namespace(self) -> str:

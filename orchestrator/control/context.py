@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from health.metrics import Metrics
+from orchestrator.control.calls import ProviderCalls
 from orchestrator.control.store import Job, JobState, Store
 from orchestrator.home import job_dir, private_open
 from providers.base import Provider
@@ -42,6 +43,10 @@ class ControlContext:
     wake: threading.Event = field(default_factory=threading.Event)   # set when the loop should run now
     metrics: Metrics = field(default_factory=Metrics)                 # tfsn_* series, served by the daemon
     _log_lock: threading.Lock = field(default_factory=threading.Lock)
+    calls: ProviderCalls = field(init=False)       # every provider call, off the loop (see calls.py)
+
+    def __post_init__(self) -> None:
+        self.calls = ProviderCalls(self.wake)
 
     def provider(self, name: str) -> Provider:
         if name not in self.providers:

@@ -72,7 +72,7 @@ class Monitor:
 
     def observe(self, sample: Sample) -> None:
         """Any one sample: a rank's step or heartbeat, or a GPU's readings and Xid events."""
-        if sample.gpu is not None:
+        if sample.gpu is not None or sample.xid is not None:
             self._devices.observe(sample, self._step)
         if sample.rank is None:
             return
@@ -115,12 +115,17 @@ class Monitor:
         stragglers = self._straggler.findings(now, self._step)
         findings, throttled = self._devices.check(now, self._step)
         for node in sorted(set(stragglers) | set(throttled)):
-            slow, hot = stragglers.get(node), throttled.get(node)
-            if slow and hot:           # the slow rank's own GPU is throttled: one finding, both halves
-                findings.append(Finding(FindingKind.THROTTLE, Severity.CRITICAL, node, hot.gpu, slow.ranks,
-                                        f"{slow.evidence}; {hot.evidence}", now, self._step))
-            else:
-                findings.append(slow or hot)
+            slow, hot = stragglers.get(node), throttled.get(node, [])
+            if slow and hot and hot[0].severity == Severity.WARNING:
+                # A slow rank on a node whose GPU is held down by hardware (thermal, power brake): one
+                # finding, both halves, critical. An ordinary power cap explains nothing: the straggler
+                # stays a warning and goes through the policy's hysteresis.
+                findings.append(Finding(FindingKind.THROTTLE, Severity.CRITICAL, node, hot[0].gpu, slow.ranks,
+                                        f"{slow.evidence}; {hot[0].evidence}", now, self._step))
+                hot = hot[1:]
+            elif slow:
+                findings.append(slow)
+            findings.extend(hot)
         findings.extend(self._hang.findings(now, self._step))
         return findings
 

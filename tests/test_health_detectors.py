@@ -6,7 +6,7 @@ import pytest
 
 from health.config import HealthConfig
 from health.device import classify_xid
-from health.findings import FindingKind, Severity
+from health.findings import Action, FindingKind, Severity
 from health.monitor import Monitor
 from health.straggler import cusum_limit
 from health.telemetry import ClockReason, Sample
@@ -254,3 +254,70 @@ def test_bad_input_is_refused():
         monitor.observe_step(3, np.ones(8), 1.0)
     with pytest.raises(ValueError, match="rank 9"):
         monitor.observe(Sample(time=0, node="n0", rank=9))
+
+
+# ---- issue 18 (4)/(5): throttles, Xids ---------------------------------------------------------------
+
+def power_capped(monitor: Monitor, node: str, gpu: int, t: float, clock: float = 1680.0,
+                 reasons: ClockReason = ClockReason.SW_POWER_CAP) -> None:
+    monitor.observe(Sample(time=t, node=node, gpu=gpu, sm_clock_mhz=clock, max_sm_clock_mhz=1980.0,
+                           clock_event_reasons=int(reasons)))
+
+
+def test_a_power_capped_gpu_does_not_make_a_straggler_critical():
+    """A straggler warning plus an ordinary power cap on its node was one critical finding, replaced at once
+    with no hysteresis."""
+    from health.policy import Policy
+    rng = np.random.default_rng(11)
+    times = compute_times(rng, 64, 140)
+    times[100:, 19] *= 1.4
+    monitor, findings = Monitor(CONFIG, nodes(64)), []
+    for step, row in enumerate(times):
+        monitor.observe_step(step, row, float(step))
+        power_capped(monitor, "n2", 3, float(step))         # 85% of max under SW_POWER_CAP: ordinary
+        findings = monitor.check(float(step))
+    by_kind = {f.kind: f for f in findings}
+    assert by_kind[FindingKind.STRAGGLER].severity == Severity.WARNING and by_kind[FindingKind.STRAGGLER].ranks == (19,)
+    assert by_kind[FindingKind.THROTTLE].severity == Severity.INFO
+    assert all(f.severity != Severity.CRITICAL for f in findings)
+    (decision,) = [d for d in Policy(CONFIG).decide(findings, 140.0) if d.finding.kind == FindingKind.STRAGGLER]
+    assert decision.action != Action.REPLACE_NODE
+
+
+def test_every_throttled_gpu_of_a_node_is_reported():
+    """Only one throttled GPU per node was kept: a power-capped GPU 0 hid GPU 5 at 55% with HW_THERMAL."""
+    monitor = Monitor(CONFIG, nodes(16))
+    for t in range(CONFIG.throttle_samples):
+        power_capped(monitor, "n0", 0, float(t))
+        power_capped(monitor, "n0", 5, float(t), clock=0.55 * 1980, reasons=ClockReason.HW_THERMAL)
+    found = {f.gpu: f for f in monitor.check(10.0)}
+    assert set(found) == {0, 5}
+    assert found[5].severity == Severity.WARNING and "HW_THERMAL" in found[5].evidence
+    assert found[0].severity == Severity.INFO
+
+
+def test_a_slow_rank_with_a_hot_gpu_on_its_node_is_critical_and_other_throttled_gpus_stay():
+    rng = np.random.default_rng(11)
+    times = compute_times(rng, 64, 140)
+    times[100:, 19] *= 1.4
+    monitor, findings = Monitor(CONFIG, nodes(64)), []
+    for step, row in enumerate(times):
+        monitor.observe_step(step, row, float(step))
+        power_capped(monitor, "n2", 0, float(step))
+        if step >= 100:
+            power_capped(monitor, "n2", 3, float(step), clock=1414.0, reasons=ClockReason.HW_SLOWDOWN)
+        findings = monitor.check(float(step))
+    assert sorted((f.kind, f.severity, f.gpu, f.ranks) for f in findings) == [
+        (FindingKind.THROTTLE, Severity.CRITICAL, 3, (19,)), (FindingKind.THROTTLE, Severity.INFO, 0, ())]
+
+
+def test_an_xid_whose_gpu_cannot_be_named_is_the_nodes():
+    """An Xid whose device index NVML could not read (a GPU off the bus) was dropped."""
+    monitor = Monitor(CONFIG, nodes(16))
+    monitor.observe(Sample(time=5.0, node="n1", gpu=None, xid=79))
+    (finding,) = monitor.check(6.0)
+    assert (finding.kind, finding.severity, finding.node, finding.gpu) == (FindingKind.XID, Severity.CRITICAL, "n1",
+                                                                           None)
+    assert "Xid 79 on a GPU NVML could not name" in finding.evidence
+    from health.policy import Policy
+    assert [(d.action, d.node) for d in Policy(CONFIG).decide([finding], 6.0)] == [(Action.REPLACE_NODE, "n1")]

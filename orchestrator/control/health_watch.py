@@ -44,7 +44,7 @@ class JobWatch:
         self.attempt = 0
         self._monitor: Monitor | None = None
         self._rank_nodes: tuple[str, ...] = ()
-        self._active: dict[tuple[str, str], str] = {}   # (kind, node) -> severity, as of the last check
+        self._active: dict[tuple[str, str, int | None], str] = {}   # (kind, node, gpu) -> severity, last check
         self._lock = threading.Lock()
 
     def start_attempt(self, attempt: int, rank_nodes: Sequence[str]) -> None:
@@ -87,8 +87,8 @@ class JobWatch:
             findings = self._monitor.check(now)
             scores = self._monitor.scores()
         self.metrics.straggler_scores(self.label, {r: float(s) for r, s in enumerate(scores) if s == s})
-        active = {(f.kind.value, f.node): f.severity.value for f in findings}
-        new = [f for f in findings if self._active.get((f.kind.value, f.node)) != f.severity.value]
+        active = {(f.kind.value, f.node, f.gpu): f.severity.value for f in findings}
+        new = [f for f in findings if self._active.get((f.kind.value, f.node, f.gpu)) != f.severity.value]
         self._active = active
         for finding in new:
             self.metrics.finding(self.label, finding.kind.value, finding.severity.value)

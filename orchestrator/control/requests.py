@@ -73,6 +73,7 @@ class GpuSample(_Body):
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     xid: Annotated[int, Field(ge=0, le=2**31)] | None = None
+    xid_watched: bool | None = None
 
 
 class Samples(_Body):

@@ -44,6 +44,9 @@ class HealthConfig:
     hang_min_s: float
     hang_step_factor: float
     heartbeat_timeout_s: float
+    phase_timeout_factor: float
+    phase_timeout_min_s: float
+    phase_timeout_max_s: float
     replace_after_checks: int
     cooldown_steps: int
     cooldown_s: float

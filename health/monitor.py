@@ -21,7 +21,7 @@ import numpy as np
 from health.config import HealthConfig
 from health.device import DeviceWatch
 from health.findings import Finding, FindingKind, Severity
-from health.hang import HangWatch
+from health.hang import HangWatch, PhaseHistory
 from health.straggler import StragglerTest
 from health.telemetry import Sample
 
@@ -38,12 +38,13 @@ class _Pending:
 class Monitor:
     """Every detector over one attempt of one job; start a new one when the job restarts."""
 
-    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str]) -> None:
+    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], phases: PhaseHistory | None = None) -> None:
+        """`phases`: the job's phase durations so far (kept across attempts by the caller)."""
         self.config = config
         self.rank_nodes = tuple(rank_nodes)
         self._straggler = StragglerTest(config, self.rank_nodes)
         self._devices = DeviceWatch(config)
-        self._hang = HangWatch(config, self.rank_nodes)
+        self._hang = HangWatch(config, self.rank_nodes, phases)
         self._step: int | None = None
         self._step_at = math.nan
         self._started = 0                                   # steps with data, warm-up included
@@ -67,7 +68,7 @@ class Monitor:
         self._started += bool(seen.any())
         if self._started <= self.config.straggler_warmup_steps or not seen.any():
             return                     # compiling, warming caches: nothing to learn from yet
-        self._hang.add_interval((now - last_at) / (step - last))
+        self._hang.add_interval(now - last_at, step - last)
         self._straggler.add(x, seen)
 
     def observe(self, sample: Sample) -> None:
@@ -86,6 +87,13 @@ class Monitor:
             return                     # that step was closed without it
         value = sample.compute_time if sample.compute_time is not None else sample.step_time
         self._gather(rank, sample.step, value, sample.time)
+
+    def observe_phase(self, rank: int, phase: str, since: float | None, finished: dict[str, float]) -> None:
+        """A rank's phase (orchestrator/sdk/phases.py): the one it is in, since when, and the longest
+        duration of each phase it finished since its last word."""
+        if not 0 <= rank < len(self.rank_nodes):
+            raise ValueError(f"rank {rank} is not in this job's {len(self.rank_nodes)} ranks")
+        self._hang.phase(rank, phase, since, finished)
 
     def _gather(self, rank: int, step: int, value: float | None, time: float) -> None:
         """Hold a rank's step sample until its step is complete, or late enough to close without the rest."""

@@ -321,3 +321,84 @@ def test_an_xid_whose_gpu_cannot_be_named_is_the_nodes():
     assert "Xid 79 on a GPU NVML could not name" in finding.evidence
     from health.policy import Policy
     assert [(d.action, d.node) for d in Policy(CONFIG).decide([finding], 6.0)] == [(Action.REPLACE_NODE, "n1")]
+
+
+# ---- phases: a long save or eval is not a hang (issue 18, deliverable 3) --------------------------------
+
+def running_job(ranks: int = 16, steps: int = CONFIG.straggler_warmup_steps + 20, first: int = 0,
+                start: float = 0.0, monitor: Monitor | None = None) -> tuple[Monitor, float]:
+    """Steps of 2 s with heartbeats between them; returns the monitor and the time of the last step."""
+    monitor = monitor or Monitor(CONFIG, nodes(ranks))
+    for i in range(steps):
+        t = start + 2.0 * i
+        monitor.observe_step(first + i, np.full(ranks, 1.9), t)
+        for rank in range(ranks):
+            monitor.observe(Sample(time=t + 1, node=f"n{rank // GPUS}", rank=rank))
+    return monitor, start + 2.0 * (steps - 1)
+
+
+def beat(monitor: Monitor, ranks, t: float, phase: str = "train", since: float | None = None,
+         finished: dict | None = None) -> None:
+    for rank in ranks:
+        monitor.observe(Sample(time=t, node=f"n{rank // GPUS}", rank=rank))
+        monitor.observe_phase(rank, phase, since, finished or {})
+
+
+def test_a_150s_save_while_ranks_heartbeat_is_not_a_hang_and_a_stop_in_training_still_is():
+    monitor, last = running_job()
+    save = last + 1
+    for t in np.arange(save, save + 151, 5.0):                   # every rank saves for 150 s, beating
+        beat(monitor, range(16), t, "checkpoint", save)
+        assert monitor.check(t) == [], t
+    end = save + 150
+    beat(monitor, range(16), end, finished={"checkpoint": 150.0})
+    monitor, last = running_job(steps=10, first=CONFIG.straggler_warmup_steps + 20, start=end + 2, monitor=monitor)
+    for t in np.arange(last + 5, last + CONFIG.hang_min_s, 5.0):  # then every rank stops in a step, beating
+        beat(monitor, range(16), t)
+        assert monitor.check(t) == [], t
+    beat(monitor, range(16), last + CONFIG.hang_min_s + 5)
+    (finding,) = monitor.check(last + CONFIG.hang_min_s + 5)
+    assert (finding.kind, finding.severity, finding.node) == (FindingKind.HANG, Severity.CRITICAL, "")
+    assert "checkpoint" not in finding.evidence
+
+
+def test_a_save_past_its_learned_timeout_is_a_hang_that_names_the_phase():
+    monitor, last = running_job()
+    beat(monitor, range(16), last + 1, finished={"checkpoint": 40.0})   # an earlier save took 40 s
+    save = last + 2
+    timeout = CONFIG.phase_timeout_factor * 40.0
+    for t in np.arange(save, save + timeout, 10.0):
+        beat(monitor, range(16), t, "checkpoint", save)
+        assert monitor.check(t) == []
+    beat(monitor, range(16), save + timeout + 5, "checkpoint", save)
+    (finding,) = monitor.check(save + timeout + 5)
+    assert (finding.kind, finding.node) == (FindingKind.HANG, "")
+    assert f"in checkpoint for {timeout + 5:.0f}s (phase timeout {timeout:.0f}s: {CONFIG.phase_timeout_factor:g} x " \
+           "the longest checkpoint seen, 40s" in finding.evidence
+
+
+def test_ranks_waiting_for_rank_0_to_evaluate_are_not_hung_and_a_silent_rank_in_a_phase_is():
+    monitor, last = running_job()
+    start = last + 1
+    for t in np.arange(start, start + 300, 10.0):                # rank 0 evaluates alone for 5 minutes ...
+        beat(monitor, [0], t, "eval", start)
+        beat(monitor, range(1, 16), t)                           # ... the others wait at a barrier
+        assert monitor.check(t) == [], t
+    # Rank 0 stops beating in its eval: its announcement no longer explains anything.
+    t = start + 300 + CONFIG.heartbeat_timeout_s + CONFIG.hang_min_s
+    beat(monitor, range(1, 16), t)
+    (finding,) = monitor.check(t)
+    assert (finding.kind, finding.node, finding.ranks) == (FindingKind.HANG, "n0", (0,))
+
+
+def test_phase_timeouts_are_learned_and_clamped():
+    from health.hang import PhaseHistory
+    history = PhaseHistory(CONFIG)
+    assert history.timeout("eval") == CONFIG.phase_timeout_max_s          # never seen: the ceiling
+    history.observe("eval", 1.0)
+    assert history.timeout("eval") == CONFIG.phase_timeout_min_s          # a 1 s eval: the floor
+    history.observe("eval", 100.0)
+    history.observe("eval", 50.0)
+    assert history.timeout("eval") == CONFIG.phase_timeout_factor * 100.0  # the longest seen counts
+    history.observe("eval", 10_000.0)
+    assert history.timeout("eval") == CONFIG.phase_timeout_max_s

@@ -15,6 +15,7 @@ from typing import Any
 from health.config import HealthConfig
 from health.findings import Action, Decision, Finding, FindingKind
 from health.metrics import Metrics
+from health.hang import PhaseHistory
 from health.monitor import Monitor
 from health.policy import Policy
 from health.telemetry import Sample, sdk_sample
@@ -42,6 +43,7 @@ class JobWatch:
         self.policy = Policy(config)
         self.metrics = metrics
         self.attempt = 0
+        self.phases = PhaseHistory(config)     # how long saves and evals took: kept across attempts
         self._monitor: Monitor | None = None
         self._rank_nodes: tuple[str, ...] = ()
         self._active: dict[tuple[str, str, int | None], str] = {}   # (kind, node, gpu) -> severity, last check
@@ -54,7 +56,7 @@ class JobWatch:
                 return
             self.attempt = attempt
             self._rank_nodes = tuple(rank_nodes)
-            self._monitor = Monitor(self.config, self._rank_nodes)
+            self._monitor = Monitor(self.config, self._rank_nodes, self.phases)
             self._active = {}
 
     def observe(self, attempt: int, rank: int, records: list[dict[str, Any]], heartbeat: float | None) -> None:
@@ -69,6 +71,13 @@ class JobWatch:
                 self.metrics.observe(self.label, sample)
             if heartbeat is not None:
                 self._monitor.observe(Sample(time=heartbeat, node=node, rank=rank))
+
+    def observe_phase(self, attempt: int, rank: int, phase: str, since: float | None,
+                      finished: Mapping[str, float]) -> None:
+        """The phase a rank said it is in (checkpoint, eval, data; train) and the phases it finished."""
+        with self._lock:
+            if self._monitor is not None and attempt == self.attempt and 0 <= rank < len(self._rank_nodes):
+                self._monitor.observe_phase(rank, phase, since, dict(finished))
 
     def observe_device(self, sample: Sample) -> None:
         """An NVML or DCGM sample from a node's agent."""

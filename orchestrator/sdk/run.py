@@ -16,6 +16,7 @@ controller from a background thread in batches; a step never waits for the netwo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import threading
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint as ckpt
-from orchestrator.sdk import commtimer
+from orchestrator.sdk import commtimer, phases
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from orchestrator.spec import parse_duration
 
@@ -51,8 +52,9 @@ class TelemetryReporter:
     EXIT_FLUSH_S = 30.0
 
     def __init__(self, client: ControllerClient, rank: int, attempt: int, flush_s: float = 1.0,
-                 max_buffer: int = 10000) -> None:
+                 max_buffer: int = 10000, clock: phases.PhaseClock | None = None) -> None:
         self.client, self.rank, self.attempt, self.flush_s = client, rank, attempt, flush_s
+        self.phases = clock or phases.PhaseClock()
         self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max_buffer)  # (sequence, record)
         self._sequence = 0
         self._events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=1000)
@@ -90,9 +92,17 @@ class TelemetryReporter:
             for record in batch:  # tensors were kept as they are: converting here keeps the step free
                 record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
-            # rank blocked in a collective, which keeps heartbeating from this thread.
-            answer = self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch,
-                                                     "heartbeat": time.time(), "step": self.step}, timeout=timeout)
+            # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
+            # it is in (a long save is not a hang) and how long the phases finished since took.
+            phase, since = self.phases.now()
+            finished = self.phases.take()
+            body = {"rank": self.rank, "attempt": self.attempt, "records": batch, "heartbeat": time.time(),
+                    "step": self.step, "phase": phase, "phase_since": since, "phases": finished}
+            try:
+                answer = self.client.post("/telemetry", body, timeout=timeout)
+            except ControllerUnavailable:
+                self.phases.give_back(finished)
+                raise
             self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
             with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
                 while pending and self._records and self._records[0][0] <= pending[-1][0]:
@@ -144,8 +154,10 @@ class Run:
         self._save_cost: float | None = None   # seconds the last save took, for `auto`
         self._comm_timer: commtimer.CommTimer | None = None
         self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
+        self._phases = phases.PhaseClock()
+        phases.activate(self._phases)
         client = ControllerClient.from_env()
-        self._telemetry = TelemetryReporter(client, self.rank, self.attempt) if client else None
+        self._telemetry = TelemetryReporter(client, self.rank, self.attempt, clock=self._phases) if client else None
         atexit.register(self.finish)
 
     @property
@@ -198,6 +210,11 @@ class Run:
         if isinstance(model, DistributedDataParallel) and self._comm_timer is None and self.managed:
             self._comm_timer = commtimer.install(model)
 
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with run.phase("eval"):` tells the controller that this rank evaluates (or loads data, or
+        saves) rather than trains, so that a long evaluation is not taken for a hang; see `phases`."""
+        return self._phases.phase(name)
+
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | None:
         """Save `objects` (model, optimizer, anything with state_dict) when a checkpoint is due.
@@ -210,7 +227,8 @@ class Run:
         if not (force or self._due(completed)):
             return None
         started = time.monotonic()
-        info = ckpt.save(self.checkpoint_dir, completed, objects, keep=self.keep)
+        with self._phases.phase(phases.CHECKPOINT):
+            info = ckpt.save(self.checkpoint_dir, completed, objects, keep=self.keep)
         self._last_save = time.monotonic()
         self.last_checkpoint = info
         self._save_cost = self._last_save - started

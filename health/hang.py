@@ -27,6 +27,13 @@ from health.findings import Finding, FindingKind, Severity, ranks_by_node, ranks
 TRAIN = "train"                 # the phase of a rank that announced none
 
 
+def step_timeout(config: HealthConfig, intervals: np.ndarray) -> float:
+    """No step for this long is a hang: `hang_step_factor` x the p99 of recent step intervals, at least
+    `hang_min_s`."""
+    return max(config.hang_min_s, config.hang_step_factor * float(np.percentile(intervals, 99))
+               if intervals.size else 0.0)
+
+
 class PhaseHistory:
     """The longest duration of each phase seen in a job (kept across its attempts), and the timeouts
     that follow from them."""
@@ -117,9 +124,7 @@ class HangWatch:
         cfg = self.config
         if math.isnan(self._first_at):
             return []                  # nothing finished yet: the first step may compile for minutes
-        intervals = self._interval[~np.isnan(self._interval)]
-        timeout = max(cfg.hang_min_s, cfg.hang_step_factor * float(np.percentile(intervals, 99))
-                      if intervals.size else 0.0)
+        timeout = step_timeout(cfg, self._interval[~np.isnan(self._interval)])
         since = np.where(np.isnan(self._progress_at), self._first_at, self._progress_at)
         stuck, phased = self._stuck(now, since, timeout)
         if not stuck.any():

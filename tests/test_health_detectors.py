@@ -148,18 +148,26 @@ def test_throttle_needs_a_throttling_reason_and_persistence():
     assert other.check(6) == []
 
 
-def test_a_straggler_on_a_throttled_gpu_is_one_critical_finding():
+def slow_rank_19(feed_gpus) -> list:
+    """64 ranks, rank 19 (node n2) 40% slower from step 100, `feed_gpus(monitor, step)` adding GPU samples at
+    every step: the findings of the last check."""
     rng = np.random.default_rng(11)
     times = compute_times(rng, 64, 140)
     times[100:, 19] *= 1.4
     monitor, findings = Monitor(CONFIG, nodes(64)), []
     for step, row in enumerate(times):
         monitor.observe_step(step, row, float(step))
+        feed_gpus(monitor, step)
+        findings = monitor.check(float(step))
+    return findings
+
+
+def test_a_straggler_on_a_throttled_gpu_is_one_critical_finding():
+    def hot(monitor: Monitor, step: int) -> None:
         if step >= 100:
             monitor.observe(Sample(time=step, node="n2", gpu=3, sm_clock_mhz=1414.0, max_sm_clock_mhz=1980.0,
                                    clock_event_reasons=int(ClockReason.HW_SLOWDOWN | ClockReason.HW_POWER_BRAKE)))
-        findings = monitor.check(float(step))
-    (finding,) = findings
+    (finding,) = slow_rank_19(hot)
     assert (finding.kind, finding.severity, finding.node, finding.gpu, finding.ranks) == \
         (FindingKind.THROTTLE, Severity.CRITICAL, "n2", 3, (19,))
     assert "rank 19" in finding.evidence and "GPU 3 SM clock" in finding.evidence
@@ -268,14 +276,7 @@ def test_a_power_capped_gpu_does_not_make_a_straggler_critical():
     """A straggler warning plus an ordinary power cap on its node was one critical finding, replaced at once
     with no hysteresis."""
     from health.policy import Policy
-    rng = np.random.default_rng(11)
-    times = compute_times(rng, 64, 140)
-    times[100:, 19] *= 1.4
-    monitor, findings = Monitor(CONFIG, nodes(64)), []
-    for step, row in enumerate(times):
-        monitor.observe_step(step, row, float(step))
-        power_capped(monitor, "n2", 3, float(step))         # 85% of max under SW_POWER_CAP: ordinary
-        findings = monitor.check(float(step))
+    findings = slow_rank_19(lambda monitor, step: power_capped(monitor, "n2", 3, float(step)))   # 85%: ordinary
     by_kind = {f.kind: f for f in findings}
     assert by_kind[FindingKind.STRAGGLER].severity == Severity.WARNING and by_kind[FindingKind.STRAGGLER].ranks == (19,)
     assert by_kind[FindingKind.THROTTLE].severity == Severity.INFO
@@ -297,16 +298,11 @@ def test_every_throttled_gpu_of_a_node_is_reported():
 
 
 def test_a_slow_rank_with_a_hot_gpu_on_its_node_is_critical_and_other_throttled_gpus_stay():
-    rng = np.random.default_rng(11)
-    times = compute_times(rng, 64, 140)
-    times[100:, 19] *= 1.4
-    monitor, findings = Monitor(CONFIG, nodes(64)), []
-    for step, row in enumerate(times):
-        monitor.observe_step(step, row, float(step))
+    def capped_and_hot(monitor: Monitor, step: int) -> None:
         power_capped(monitor, "n2", 0, float(step))
         if step >= 100:
             power_capped(monitor, "n2", 3, float(step), clock=1414.0, reasons=ClockReason.HW_SLOWDOWN)
-        findings = monitor.check(float(step))
+    findings = slow_rank_19(capped_and_hot)
     assert sorted((f.kind, f.severity, f.gpu, f.ranks) for f in findings) == [
         (FindingKind.THROTTLE, Severity.CRITICAL, 3, (19,)), (FindingKind.THROTTLE, Severity.INFO, 0, ())]
 

@@ -126,6 +126,9 @@ class ApiHandlers:
             self.ctx.event(job_id, "checkpoint", f"restored step {step} from {path}")
         else:
             self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
+            watch = self.health.existing(job_id)
+            if watch is not None:
+                watch.saved(float(body.get("seconds", 0.0)))
             self.ctx.event(job_id, "checkpoint", f"saved step {step} in {body.get('seconds', 0):.2f}s to {path}")
         return {}
 

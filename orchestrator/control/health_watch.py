@@ -17,7 +17,7 @@ from health.findings import Action, Decision, Finding, FindingKind
 from health.metrics import Metrics
 from health.hang import PhaseHistory
 from health.monitor import Monitor
-from health.policy import Policy
+from health.policy import Costs, Policy
 from health.telemetry import Sample, sdk_sample
 from orchestrator.control.context import ControlContext
 from orchestrator.control.nodes import Nodes
@@ -44,6 +44,12 @@ class JobWatch:
         self.metrics = metrics
         self.attempt = 0
         self.phases = PhaseHistory(config)     # how long saves and evals took: kept across attempts
+        # What a replacement costs this job, measured: from the last step of an attempt to the first step
+        # of the next (detection, new node, start, checkpoint load, first step: all of it), and the last save.
+        self.restart_s: float | None = None
+        self.save_s: float | None = None
+        self._last_step_at = 0.0               # of the current attempt
+        self._restart_from: float | None = None
         self._monitor: Monitor | None = None
         self._rank_nodes: tuple[str, ...] = ()
         self._active: dict[tuple[str, str, int | None], str] = {}   # (kind, node, gpu) -> severity, last check
@@ -54,6 +60,8 @@ class JobWatch:
         with self._lock:
             if attempt == self.attempt and self._monitor is not None:
                 return
+            if self._last_step_at:
+                self._restart_from, self._last_step_at = self._last_step_at, 0.0
             self.attempt = attempt
             self._rank_nodes = tuple(rank_nodes)
             self._monitor = Monitor(self.config, self._rank_nodes, self.phases)
@@ -67,10 +75,20 @@ class JobWatch:
             node = self._rank_nodes[rank]
             for record in records:
                 sample = sdk_sample(node, {**record, "rank": rank})
+                self._step_seen(sample.time)
                 self._monitor.observe(sample)
                 self.metrics.observe(self.label, sample)
             if heartbeat is not None:
                 self._monitor.observe(Sample(time=heartbeat, node=node, rank=rank))
+
+    def _step_seen(self, at: float) -> None:
+        if self._restart_from is not None and at > self._restart_from:
+            self.restart_s, self._restart_from = at - self._restart_from, None
+        self._last_step_at = max(self._last_step_at, at)
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint was saved; `seconds`: how long the training waited for it."""
+        self.save_s = seconds
 
     def observe_phase(self, attempt: int, rank: int, phase: str, since: float | None,
                       finished: Mapping[str, float]) -> None:
@@ -86,10 +104,11 @@ class JobWatch:
                 self._monitor.observe(sample)
             self.metrics.observe(self.label, sample)
 
-    def check(self, now: float) -> tuple[list[Finding], list[Decision]]:
+    def check(self, now: float, step_s: float | None = None,
+              remaining_steps: int | None = None) -> tuple[list[Finding], list[Decision]]:
         """The findings that are new since the last check (a condition is reported by the monitor
         at every check while it lasts: the policy needs that, the log and the counters do not),
-        and the policy's decisions over all current findings."""
+        and the policy's decisions over all current findings, with what the job's steps cost now."""
         with self._lock:
             if self._monitor is None:
                 return [], []
@@ -101,7 +120,8 @@ class JobWatch:
         self._active = active
         for finding in new:
             self.metrics.finding(self.label, finding.kind.value, finding.severity.value)
-        return new, self.policy.decide(findings, now)
+        costs = Costs(step_s=step_s, remaining_steps=remaining_steps, restart_s=self.restart_s, save_s=self.save_s)
+        return new, self.policy.decide(findings, now, costs)
 
 
 class HealthWatch:
@@ -137,7 +157,7 @@ class HealthWatch:
         if len(ranked) == spec.num_nodes:  # e.g. after a controller restart
             watch.start_attempt(job.attempt, rank_nodes(ranked, spec.nprocs()))
         now = time.time()
-        findings, decisions = watch.check(now)
+        findings, decisions = watch.check(now, job.step_time, max(0, spec.steps - job.step) if spec.steps else None)
         for finding in findings:
             self.ctx.event(job.id, "finding", f"{finding.kind.value} ({finding.severity.value}) on "
                            f"{finding.node or 'the job'}: {finding.evidence}")

@@ -89,15 +89,19 @@ class TelemetryReporter:
             with self._lock:
                 pending = list(self._records)
             batch = [record for _, record in pending]
-            for record in batch:  # tensors were kept as they are: converting here keeps the step free
-                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
+            for record in batch:  # tensors and device timings were kept as they are: reading them here keeps
+                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}   # the step free
+                if isinstance(record.get("compute_time"), commtimer.PendingCompute):
+                    record["compute_time"] = record["compute_time"].resolve()
+                    if record["compute_time"] is None:
+                        del record["compute_time"]
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
             # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
             # it is in (a long save is not a hang) and how long the phases finished since took.
             phase, since = self.phases.now()
             finished = self.phases.take()
             body = {"rank": self.rank, "attempt": self.attempt, "records": batch, "heartbeat": time.time(),
-                    "step": self.step, "phase": phase, "phase_since": since, "phases": finished}
+                    "step": self.step if self.step >= 0 else None, "phase": phase, "phase_since": since, "phases": finished}
             try:
                 answer = self.client.post("/telemetry", body, timeout=timeout)
             except ControllerUnavailable:
@@ -177,6 +181,8 @@ class Run:
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
+            if self._comm_timer is not None:
+                self._comm_timer.step_started()
             yield step
             self._record(step, time.perf_counter() - began)
 
@@ -194,19 +200,23 @@ class Run:
     def _record(self, step: int, seconds: float) -> None:
         metrics, self._metrics = self._metrics, {}
         # Time waiting for other ranks is not this rank's work: in DDP's all-reduce and in the vote.
-        wait = self._comm_timer.take_wait() if self._comm_timer is not None else None
-        if self._sync_wait:
-            wait, self._sync_wait = (wait or 0.0) + self._sync_wait, 0.0
+        # On CUDA the compute time is measured on the device and read later (see `commtimer`).
+        vote, self._sync_wait = self._sync_wait, 0.0
+        if self._comm_timer is not None:
+            compute = self._comm_timer.take_compute(seconds, vote)
+        else:
+            compute = max(0.0, seconds - vote) if vote else None
         if self._telemetry is not None:
             record = {"step": step, "at": time.time(), "step_time": seconds, "metrics": metrics}
-            if wait is not None:
-                record["compute_time"] = max(0.0, seconds - wait)
+            if compute is not None:
+                record["compute_time"] = compute
             self._telemetry.add(record)
 
     def watch(self, model: torch.nn.Module) -> None:
         """Measure this rank's wait in `model`'s gradient all-reduce, so that a slow rank can be told
         from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model;
-        call it yourself before the first backward pass if you do not restore."""
+        call it yourself before the first backward pass if you do not restore. A model on a GPU is timed
+        on the device with CUDA events (with NCCL the CPU cannot see the wait)."""
         if isinstance(model, DistributedDataParallel) and self._comm_timer is None and self.managed:
             self._comm_timer = commtimer.install(model)
 

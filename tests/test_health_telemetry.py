@@ -323,3 +323,20 @@ def test_nvml_failing_at_agent_start_leaves_the_agent_running_without_device_sam
     assert isinstance(agent.gpus, NvmlSource)
     said = [x for x in agent.logs.tail if "are not watched" in x]
     assert len(said) == 2 and "Xid events of GPU 1 are not watched (NVML: Not Supported)" in said[1]
+
+
+def test_the_watch_measures_the_jobs_restart_and_save_for_the_policy():
+    """A replacement's cost is the job's own: from the last step of an attempt to the first of the next."""
+    from health.config import HealthConfig
+    from health.metrics import Metrics
+    from orchestrator.control.health_watch import JobWatch
+    watch = JobWatch(1, HealthConfig.load(), Metrics())
+    assert (watch.restart_s, watch.save_s) == (None, None)              # the policy takes its defaults
+    watch.start_attempt(1, ["a", "b"])
+    for rank in (0, 1):
+        watch.observe(1, rank, [{"step": s, "at": 90.0 + s, "step_time": 1.0, "metrics": {}} for s in range(10)], None)
+    watch.saved(1.5)
+    watch.start_attempt(2, ["a", "c"])
+    watch.observe(2, 1, [{"step": 5, "at": 144.0, "step_time": 1.0, "metrics": {}}], None)
+    watch.observe(2, 0, [{"step": 5, "at": 146.0, "step_time": 1.0, "metrics": {}}], None)
+    assert (watch.restart_s, watch.save_s) == (45.0, 1.5)

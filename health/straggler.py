@@ -15,6 +15,11 @@ CUSUM, ARL0 = (e^{2kb} - 2kb - 1) / 2k^2 with b = h + 1.166, is solved for h so 
 raises a false alarm once per `straggler_false_alarm_steps` steps (1e9: ~0.001 expected false
 alarms in 1e6 rank-steps). A rank whose CUSUM crossed h is blamed only if the median of its last
 `straggler_window` steps also shows it at least `straggler_min_slowdown` slower than the cluster.
+When noise grows on every rank at once, the cluster's spread grows with it long before each rank's
+slowly learned sigma does: each rank's sigma is scaled by how much the recent spread exceeds the
+spread it was learned against. Ranks slowed together on `straggler_shared_nodes` nodes or more (a
+rack, a leaf switch, a quarter of the job) are one info finding of the job's, naming no node: their
+CUSUMs rise together, so when the first crosses h the others are past h/2, and those are counted.
 The test starts after warm-up + window + baseline steps (56 by default), once every rank has a
 baseline. With 3-5% noise it finds a 10% slowdown in ~10 steps and a 20% one in ~5
 (benchmarks/health.py measures it, and the false alarms).

@@ -170,8 +170,9 @@ class StragglerTest:
             # Noise that grows on every rank (a noisier fabric, a new data mix) grows the cluster's spread
             # at once, long before each rank's slowly learned sigma follows: scale those by how much.
             recent = float(np.nanmedian(self._spread[self._recent_rows(cfg.straggler_window)]))
-            grown = max(1.0, recent / self._base_spread) if self._base_spread > 0 else 1.0
-            noise = np.fmax(np.fmax(own * grown, float(np.nanmedian(self._spread))), cfg.straggler_noise_floor)
+            # (a 5% dead band: the spread's own jitter must not slow the detection of a real slowdown)
+            growth = max(1.0, recent / self._base_spread - 0.05) if self._base_spread > 0 else 1.0
+            noise = np.fmax(np.fmax(own * growth, float(np.nanmedian(self._spread))), cfg.straggler_noise_floor)
         else:
             d = d - self._own_center
             noise = np.fmax(own, cfg.straggler_noise_floor)

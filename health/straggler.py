@@ -15,6 +15,11 @@ CUSUM, ARL0 = (e^{2kb} - 2kb - 1) / 2k^2 with b = h + 1.166, is solved for h so 
 raises a false alarm once per `straggler_false_alarm_steps` steps (1e9: ~0.001 expected false
 alarms in 1e6 rank-steps). A rank whose CUSUM crossed h is blamed only if the median of its last
 `straggler_window` steps also shows it at least `straggler_min_slowdown` slower than the cluster.
+When noise grows on every rank at once, the cluster's spread grows with it long before each rank's
+slowly learned sigma does: each rank's sigma is scaled by how much the recent spread exceeds the
+spread it was learned against. Ranks slowed together on `straggler_shared_nodes` nodes or more (a
+rack, a leaf switch, a quarter of the job) are one info finding of the job's, naming no node: their
+CUSUMs rise together, so when the first crosses h the others are past h/2, and those are counted.
 The test starts after warm-up + window + baseline steps (56 by default), once every rank has a
 baseline. With 3-5% noise it finds a 10% slowdown in ~10 steps and a 20% one in ~5
 (benchmarks/health.py measures it, and the false alarms).
@@ -73,6 +78,7 @@ class StragglerTest:
         self._own_center = np.full(n, np.nan)               # median deviation over the baseline rows
         self._own_sigma = np.full(n, np.nan)                # noise sigma over the baseline rows
         self._allowance = np.zeros(n)                       # how much slower than the median it usually is
+        self._base_spread = 0.0                             # the cluster's spread over the baseline rows
         self._refreshes = 0
 
     def add(self, x: np.ndarray, seen: np.ndarray) -> None:
@@ -101,11 +107,14 @@ class StragglerTest:
         return np.exp(-_median(d, axis=0))
 
     def findings(self, now: float, step: int | None) -> dict[str, Finding]:
-        """A finding per node with a rank whose CUSUM crossed the limit and whose last window is slow."""
+        """A finding per node with a rank whose CUSUM crossed the limit and whose last window is slow; or,
+        when ranks on `straggler_shared_nodes` nodes or more are slowed together, one finding of the job's."""
         cfg = self.config
-        ranks = np.flatnonzero(self._cusum > self._limit)
-        if not ranks.size:
+        if not (self._cusum > self._limit).any():
             return {}
+        # Suspects: past half the limit. A shared cause (a rack, a switch, a quarter of the job) raises the
+        # CUSUMs of all its ranks together, so when the first crosses the limit the others are near it.
+        ranks = np.flatnonzero(self._cusum > self._limit / 2)
         recent = self._recent_rows(cfg.straggler_window)
         d = self._logt[np.ix_(recent, ranks)] - self._center[recent, None]
         slow = _median(d, axis=0) - (0.0 if self._relative else self._own_center[ranks])
@@ -114,11 +123,17 @@ class StragglerTest:
         keep = score < 1 - cfg.straggler_min_slowdown
         if not self._relative and keep.sum() > len(self.rank_nodes) / 2:
             return {}                  # most ranks slowed together: the job, not a node
+        at = {int(rank): i for i, rank in enumerate(ranks)}
+        slowed = ranks_by_node(self.rank_nodes, ranks[keep])
+        if len(slowed) >= cfg.straggler_shared_nodes:
+            return {"": self._shared(slowed, ranks[keep], score[keep], now, step)}
         reference = ("the cluster median" if self._relative else "the other ranks, against its own baseline"
                      if self._peers else "its own baseline")
-        at = {int(rank): i for i, rank in enumerate(ranks)}
         out: dict[str, Finding] = {}
-        for node, mine in ranks_by_node(self.rank_nodes, ranks[keep]).items():
+        for node, mine in slowed.items():
+            mine = [r for r in mine if self._cusum[r] > self._limit]
+            if not mine:
+                continue
             worst = min(mine, key=lambda r: score[at[r]])
             i = at[worst]
             evidence = (f"rank {worst} computes {1 / score[i]:.2f}x {reference} over the last "
@@ -127,8 +142,21 @@ class StragglerTest:
                         f"{self._limit:.1f})")
             if len(mine) > 1:
                 evidence += f"; slow ranks on this node: {ranks_text(mine)}"
-            out[node] = Finding(FindingKind.STRAGGLER, Severity.WARNING, node, None, tuple(mine), evidence, now, step)
+            out[node] = Finding(FindingKind.STRAGGLER, Severity.WARNING, node, None, tuple(mine), evidence, now, step,
+                                slowdown=float(1 / score[i] - 1))
         return out
+
+    def _shared(self, slowed: dict[str, list[int]], ranks: np.ndarray, score: np.ndarray, now: float,
+                step: int | None) -> Finding:
+        """One info finding of the job for a slowdown many nodes share: no node is to blame for it."""
+        nodes = list(slowed)
+        shown = ", ".join(nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
+        factor = float(np.median(1 / score))
+        return Finding(FindingKind.STRAGGLER, Severity.INFO, "", None, tuple(int(r) for r in ranks),
+                       f"{ranks.size} ranks on {len(nodes)} nodes ({shown}) compute {factor:.2f}x the cluster median "
+                       f"together: a shared cause (a rack, a switch, the network, storage or the data), not one "
+                       f"node's fault (>= {self.config.straggler_shared_nodes} nodes); no node replaced",
+                       now, step, slowdown=factor - 1)
 
     def _accumulate(self, d: np.ndarray) -> None:
         """Add this step's deviations `d`, in units of noise and clipped, to each rank's CUSUM."""
@@ -139,7 +167,12 @@ class StragglerTest:
         own = self._own_sigma * (1 + 1.16 / math.sqrt(samples))
         if self._relative:
             d = d - self._allowance
-            noise = np.fmax(np.fmax(own, float(np.nanmedian(self._spread))), cfg.straggler_noise_floor)
+            # Noise that grows on every rank (a noisier fabric, a new data mix) grows the cluster's spread
+            # at once, long before each rank's slowly learned sigma follows: scale those by how much.
+            recent = float(np.nanmedian(self._spread[self._recent_rows(cfg.straggler_window)]))
+            # (a 5% dead band: the spread's own jitter must not slow the detection of a real slowdown)
+            growth = max(1.0, recent / self._base_spread - 0.05) if self._base_spread > 0 else 1.0
+            noise = np.fmax(np.fmax(own * growth, float(np.nanmedian(self._spread))), cfg.straggler_noise_floor)
         else:
             d = d - self._own_center
             noise = np.fmax(own, cfg.straggler_noise_floor)
@@ -175,5 +208,9 @@ class StragglerTest:
         sigma = np.where(np.isnan(sigma), self._own_sigma, sigma)          # no data: keep what we knew
         known = ~np.isnan(self._own_sigma)
         self._own_sigma = np.where(known, self._own_sigma + weight * (sigma - self._own_sigma), sigma)
+        spread = float(np.nanmedian(self._spread[rows])) if self._relative else math.nan
+        if math.isfinite(spread):      # the cluster's spread when the ranks' sigmas were learned, learned alike
+            self._base_spread = spread if self._base_spread <= 0 else (
+                self._base_spread + weight * (spread - self._base_spread))
         usual = np.clip(np.nan_to_num(self._own_center), 0.0, -math.log(1 - cfg.straggler_min_slowdown))
         self._allowance += weight * (usual - self._allowance)

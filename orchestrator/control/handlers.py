@@ -100,7 +100,10 @@ class ApiHandlers:
         self.store.record_steps(job_id, attempt, rank, records)
         watch = self.health.existing(job_id)
         if watch is not None:
-            heartbeat = body.get("heartbeat")
+            heartbeat, since = body.get("heartbeat"), body.get("phase_since")
+            if body.get("phase") is not None:   # first: a step that held a save closes knowing of the save
+                watch.observe_phase(attempt, rank, str(body["phase"]), None if since is None else float(since),
+                                    {str(k): float(v) for k, v in body.get("phases", {}).items()})
             watch.observe(attempt, rank, records, None if heartbeat is None else float(heartbeat))
         job = self.store.job(job_id)
         return {"checkpoint": job.checkpoint_request} if job.checkpoint_request > job.checkpoint_at else {}
@@ -125,6 +128,9 @@ class ApiHandlers:
             self.ctx.event(job_id, "checkpoint", f"restored step {step} from {path}")
         else:
             self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
+            watch = self.health.existing(job_id)
+            if watch is not None:
+                watch.saved(float(body.get("seconds", 0.0)))
             self.ctx.event(job_id, "checkpoint", f"saved step {step} in {body.get('seconds', 0):.2f}s to {path}")
         return {}
 

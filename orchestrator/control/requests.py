@@ -43,12 +43,18 @@ class StepRecord(BaseModel):
     metrics: Annotated[dict[Annotated[str, Field(max_length=255)], Any], Field(max_length=256)] = {}
 
 
+PhaseName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")]
+
+
 class Telemetry(_Body):
     attempt: Count
     rank: Annotated[int, Field(ge=0, le=1_000_000)]
     records: Annotated[list[StepRecord], Field(max_length=20_000)]
     heartbeat: Seconds | None = None
     step: Count | None = None        # the step the rank is in (with no record yet while it runs)
+    phase: PhaseName | None = None   # what it does now: train, or an announced phase (checkpoint, eval, data)
+    phase_since: Seconds | None = None
+    phases: Annotated[dict[PhaseName, Seconds], Field(max_length=16)] = {}   # longest of each finished phase
 
 
 Reading = Annotated[float, Field(ge=-1e9, le=1e9, allow_inf_nan=False)]
@@ -73,6 +79,7 @@ class GpuSample(_Body):
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     xid: Annotated[int, Field(ge=0, le=2**31)] | None = None
+    xid_watched: bool | None = None
 
 
 class Samples(_Body):

@@ -16,6 +16,7 @@ controller from a background thread in batches; a step never waits for the netwo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import threading
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint as ckpt
-from orchestrator.sdk import commtimer
+from orchestrator.sdk import commtimer, phases
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from orchestrator.spec import parse_duration
 
@@ -51,8 +52,9 @@ class TelemetryReporter:
     EXIT_FLUSH_S = 30.0
 
     def __init__(self, client: ControllerClient, rank: int, attempt: int, flush_s: float = 1.0,
-                 max_buffer: int = 10000) -> None:
+                 max_buffer: int = 10000, clock: phases.PhaseClock | None = None) -> None:
         self.client, self.rank, self.attempt, self.flush_s = client, rank, attempt, flush_s
+        self.phases = clock or phases.PhaseClock()
         self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max_buffer)  # (sequence, record)
         self._sequence = 0
         self._events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=1000)
@@ -87,12 +89,24 @@ class TelemetryReporter:
             with self._lock:
                 pending = list(self._records)
             batch = [record for _, record in pending]
-            for record in batch:  # tensors were kept as they are: converting here keeps the step free
-                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
+            for record in batch:  # tensors and device timings were kept as they are: reading them here keeps
+                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}   # the step free
+                if isinstance(record.get("compute_time"), commtimer.PendingCompute):
+                    record["compute_time"] = record["compute_time"].resolve()
+                    if record["compute_time"] is None:
+                        del record["compute_time"]
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
-            # rank blocked in a collective, which keeps heartbeating from this thread.
-            answer = self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch,
-                                                     "heartbeat": time.time(), "step": self.step}, timeout=timeout)
+            # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
+            # it is in (a long save is not a hang) and how long the phases finished since took.
+            phase, since = self.phases.now()
+            finished = self.phases.take()
+            body = {"rank": self.rank, "attempt": self.attempt, "records": batch, "heartbeat": time.time(),
+                    "step": self.step if self.step >= 0 else None, "phase": phase, "phase_since": since, "phases": finished}
+            try:
+                answer = self.client.post("/telemetry", body, timeout=timeout)
+            except ControllerUnavailable:
+                self.phases.give_back(finished)
+                raise
             self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
             with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
                 while pending and self._records and self._records[0][0] <= pending[-1][0]:
@@ -144,8 +158,10 @@ class Run:
         self._save_cost: float | None = None   # seconds the last save took, for `auto`
         self._comm_timer: commtimer.CommTimer | None = None
         self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
+        self._phases = phases.PhaseClock()
+        phases.activate(self._phases)
         client = ControllerClient.from_env()
-        self._telemetry = TelemetryReporter(client, self.rank, self.attempt) if client else None
+        self._telemetry = TelemetryReporter(client, self.rank, self.attempt, clock=self._phases) if client else None
         atexit.register(self.finish)
 
     @property
@@ -165,6 +181,8 @@ class Run:
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
+            if self._comm_timer is not None:
+                self._comm_timer.step_started()
             yield step
             self._record(step, time.perf_counter() - began)
 
@@ -182,21 +200,30 @@ class Run:
     def _record(self, step: int, seconds: float) -> None:
         metrics, self._metrics = self._metrics, {}
         # Time waiting for other ranks is not this rank's work: in DDP's all-reduce and in the vote.
-        wait = self._comm_timer.take_wait() if self._comm_timer is not None else None
-        if self._sync_wait:
-            wait, self._sync_wait = (wait or 0.0) + self._sync_wait, 0.0
+        # On CUDA the compute time is measured on the device and read later (see `commtimer`).
+        vote, self._sync_wait = self._sync_wait, 0.0
+        if self._comm_timer is not None:
+            compute = self._comm_timer.take_compute(seconds, vote)
+        else:
+            compute = max(0.0, seconds - vote) if vote else None
         if self._telemetry is not None:
             record = {"step": step, "at": time.time(), "step_time": seconds, "metrics": metrics}
-            if wait is not None:
-                record["compute_time"] = max(0.0, seconds - wait)
+            if compute is not None:
+                record["compute_time"] = compute
             self._telemetry.add(record)
 
     def watch(self, model: torch.nn.Module) -> None:
         """Measure this rank's wait in `model`'s gradient all-reduce, so that a slow rank can be told
         from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model;
-        call it yourself before the first backward pass if you do not restore."""
+        call it yourself before the first backward pass if you do not restore. A model on a GPU is timed
+        on the device with CUDA events (with NCCL the CPU cannot see the wait)."""
         if isinstance(model, DistributedDataParallel) and self._comm_timer is None and self.managed:
             self._comm_timer = commtimer.install(model)
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with run.phase("eval"):` tells the controller that this rank evaluates (or loads data, or
+        saves) rather than trains, so that a long evaluation is not taken for a hang; see `phases`."""
+        return self._phases.phase(name)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | None:
@@ -210,7 +237,8 @@ class Run:
         if not (force or self._due(completed)):
             return None
         started = time.monotonic()
-        info = ckpt.save(self.checkpoint_dir, completed, objects, keep=self.keep)
+        with self._phases.phase(phases.CHECKPOINT):
+            info = ckpt.save(self.checkpoint_dir, completed, objects, keep=self.keep)
         self._last_save = time.monotonic()
         self.last_checkpoint = info
         self._save_cost = self._last_save - started

@@ -1,0 +1,208 @@
+"""A cloud VM's boot, for real: the boot script (providers/bootstrap.py) runs under bash in a sandbox that plays
+the VM (tests/vmsandbox.py), against a controller API on loopback. It installs the wheel the controller built
+of this tfsn, unpacks the job's code, runs the command, and powers off; a failing step or an unreachable
+controller still powers off, and the end of the boot log reaches the controller when it can."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+import zipfile
+
+import pytest
+
+from orchestrator.control.api import ApiServer
+from orchestrator.control.boot import BOOT_FAILURES_PER_OFFER, NODE_WORKDIR, boot_files
+from orchestrator.control.controller import Controller
+from orchestrator.control.credentials import agent_token
+from orchestrator.control.provisioning import agent_command, agent_env
+from orchestrator.control.store import JobState, NodeState, Store
+from orchestrator.cli.view import boot_failures, job_summary
+from orchestrator.spec import JobSpec
+from providers.base import NodeRequest
+from providers.bootstrap import startup_script
+from tests.conftest import ROOT
+from tests.vmsandbox import SandboxVM, vm_image
+
+OFFER = {"provider": "aws", "region": "us-east-1", "zone": "use1-az6", "instance_type": "p4d.24xlarge",
+         "accelerator": "A100", "accelerator_count": 8, "accelerator_memory_gib": 40.0, "vcpus": 96.0,
+         "memory_gib": 1152.0, "price": 32.77, "spot_price": None, "interconnect": None, "arch": "x86_64"}
+BOOT_S = 180   # pip installs a wheel twice (alone, then its dependencies, all present in the image)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    return vm_image(tmp_path_factory.mktemp("image"))
+
+
+@pytest.fixture(scope="module")
+def cloud(tmp_path_factory):
+    """A controller's API on loopback, with one job whose workdir has code, data it ignores, and a .git."""
+    home, code = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("code")
+    (code / "train.py").write_text("print('training')\n")
+    (code / ".gitignore").write_text("data/\n")
+    (code / "data").mkdir()
+    (code / "data" / "big.bin").write_bytes(b"x" * 1000)
+    (code / ".git").mkdir()
+    (code / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    store = Store(home / "tfsn.db")
+    controller = Controller(store, home, providers={})
+    api = ApiServer(0, store, controller.handlers)
+    controller.listen(api)
+    # The same controller as cloud nodes reach it: TLS with its own CA (its certificate names 127.0.0.1 too).
+    tls_api = ApiServer(0, store, controller.handlers, host="0.0.0.0", advertise="tfsn.example", home=home)
+    for server in (api, tls_api):
+        server.start()
+    spec = JobSpec.model_validate({"name": "boot", "run": "python train.py", "workdir": str(code)})
+    job = store.create_job("boot", spec.model_dump(mode="json"), "p", "the-secret")
+    files = boot_files(controller.ctx, job, spec)
+    controller.tls_api = tls_api
+    yield controller, store, store.job(job.id), spec, files
+    for server in (api, tls_api):
+        server.shutdown()
+        server.server_close()
+
+
+def add_node(store, job, node_id: str) -> None:
+    store.add_node(node_id, job.id, 0, "aws", offer=OFFER)
+    store.update_node(node_id, state=NodeState.STARTING, handle={"provider": "aws", "node_id": node_id, "data": {}},
+                      provisioned_at=time.time())
+
+
+def user_data(controller, job, files, node_id: str, command: list[str] | None = None, url: str = "",
+              tls: bool = False) -> str:
+    """The script a VM driver puts in the instance's user-data, for a request built as provisioning builds it
+    (`tls`: reaching the controller over TLS, trusting its CA only)."""
+    if tls:
+        url, trust = f"https://127.0.0.1:{controller.tls_api.server_address[1]}", controller.tls_api.trust
+    else:
+        url, trust = url or controller.url, controller.ctx.trust
+    env = agent_env(url, job, node_id, local=False, trust=trust)
+    return startup_script(NodeRequest(job_id=str(job.id), node_id=node_id, command=command or agent_command(False),
+                                      env=env, workdir=NODE_WORKDIR, boot=files))
+
+
+def test_a_vm_installs_the_controllers_wheel_unpacks_the_code_runs_its_command_and_powers_off(cloud, image, tmp_path):
+    controller, store, job, _, files = cloud
+    add_node(store, job, "ok-0")
+    probe = ["python3", "-c", "import orchestrator, os, sys; print('tfsn at', orchestrator.__file__); "
+             "print('code:', open('train.py').read().strip(), sorted(os.listdir('.')))\n"
+             # a controller run from this installed tfsn (no source tree) repacks the installed distribution
+             "import pathlib, zipfile; from orchestrator.control.artifacts import Artifacts\n"
+             "wheel = Artifacts(pathlib.Path(os.environ['HOME'])).wheel()\n"
+             "print('repacked:', wheel.name, sorted(zipfile.ZipFile(os.environ['HOME'] + '/artifacts/' + wheel.sha256)"
+             ".namelist()))"]
+    vm = SandboxVM(tmp_path / "vm", image)
+    assert vm.run(user_data(controller, job, files, "ok-0", probe), timeout=BOOT_S) == 0, vm.boot_log
+    log = vm.boot_log
+    installed = next(line for line in log.splitlines() if line.startswith("tfsn at"))
+    assert installed.startswith(f"tfsn at {vm.folder}") and str(ROOT) not in installed, installed  # the wheel's copy
+    assert "code: print('training') ['.gitignore', 'train.py']" in log, log   # data/ (ignored) and .git left out
+    assert (vm.root / NODE_WORKDIR / "train.py").read_text() == "print('training')\n"
+    built = zipfile.ZipFile(controller.ctx.artifacts.path(files.wheel_sha256))
+    assert f"repacked: {files.wheel} {sorted(built.namelist())}" in log   # the same files as the built wheel
+    assert vm.shutdown_calls == ["shutdown -h now"]
+    assert store.node("ok-0").boot_failure == ""
+    assert "Authorization" not in log and agent_token(job.token, "ok-0") not in log   # the token stays out of logs
+
+
+def test_a_tampered_wheel_fails_the_install_the_tail_reaches_the_controller_and_the_vm_powers_off(cloud, image,
+                                                                                                 tmp_path):
+    """Over TLS, as a cloud VM reaches the controller: the download and the report trust the controller's CA."""
+    controller, store, job, spec, files = cloud
+    add_node(store, job, "bad-0")
+    wheel = controller.ctx.artifacts.path(files.wheel_sha256)
+    original = wheel.read_bytes()
+    wheel.write_bytes(original + b"tampered")
+    try:
+        vm = SandboxVM(tmp_path / "vm", image)
+        assert vm.run(user_data(controller, job, files, "bad-0", tls=True), timeout=BOOT_S) != 0
+    finally:
+        wheel.write_bytes(original)
+    assert vm.shutdown_calls == ["shutdown -h now"]
+    node = store.node("bad-0")
+    assert f"not {files.wheel_sha256}" in node.boot_failure and node.failure.startswith("boot failed in stage install")
+    assert not (vm.root / NODE_WORKDIR / "train.py").exists()   # nothing after the failed step ran
+    shown = "\n".join(boot_failures(store, store.job(job.id)))
+    assert "node bad-0 failed to boot" in shown and "sha256" in shown
+    assert [n["boot_log"] for n in job_summary(store, store.job(job.id))["nodes"] if n["id"] == "bad-0"] == [
+        node.boot_failure]
+    controller.nodes.check(store.job(job.id), spec)   # the loop fails the node
+    assert store.node("bad-0").state == NodeState.FAILED
+
+
+def test_an_unreachable_controller_still_ends_in_a_power_off(cloud, image, tmp_path):
+    controller, store, job, _, files = cloud
+    with socket.socket() as closed:   # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    vm = SandboxVM(tmp_path / "vm", image)
+    started = time.monotonic()
+    assert vm.run(user_data(controller, job, files, "lost-0", url=url), timeout=BOOT_S) != 0
+    assert time.monotonic() - started < 60   # bounded retries, then the power-off
+    assert vm.shutdown_calls == ["shutdown -h now"]
+    assert "boot failed in stage 'install'" in vm.boot_log and "the controller could not be told" in vm.boot_log
+
+
+def test_boot_failures_on_one_offer_block_it_for_the_job(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, providers={})
+    api = ApiServer(0, store, controller.handlers)
+    api.start()
+    try:
+        spec = JobSpec.model_validate({"name": "b", "run": "python train.py", "workdir": str(tmp_path)})
+        job = store.create_job("b", spec.model_dump(mode="json"), "p", "s")
+        store.transition(job.id, JobState.PROVISIONING)
+        for n in range(BOOT_FAILURES_PER_OFFER):
+            add_node(store, job, f"b-{n}")
+            body = json.dumps({"stage": "install", "returncode": 1, "tail": f"pip: error {n}\n"}).encode()
+            urllib.request.urlopen(urllib.request.Request(
+                f"{api.url}/v1/jobs/{job.id}/nodes/b-{n}/boot-failure", data=body, method="POST", headers={
+                    "Authorization": f"Bearer {agent_token(job.token, f'b-{n}')}"}), timeout=10).read()
+            assert store.job(job.id).blocked == []   # one failure is the node's; the offer is blocked after the bound
+            controller.nodes.check(store.job(job.id), spec)
+        blocked = store.job(job.id).blocked
+        assert [(b["offer"]["instance_type"], b["scope"]) for b in blocked] == [("p4d.24xlarge", "offer")]
+        assert "pip: error 1" in blocked[0]["error"]
+        assert {store.node(f"b-{n}").state for n in range(BOOT_FAILURES_PER_OFFER)} == {NodeState.FAILED}
+    finally:
+        api.shutdown()
+        api.server_close()
+
+
+def test_only_the_jobs_own_nodes_fetch_its_files(cloud):
+    controller, store, job, spec, files = cloud
+    add_node(store, job, "fetch-0")
+    other = store.create_job("other", spec.model_dump(mode="json"), "p", "other-secret")
+    store.add_node("other-0", other.id, 0, "aws", offer=OFFER)
+
+    def get(job_id: int, node: str, token: str, digest: str) -> int | bytes:
+        request = urllib.request.Request(f"{controller.url}/v1/jobs/{job_id}/nodes/{node}/artifacts/{digest}",
+                                         headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return answer.read()
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    mine = agent_token(job.token, "fetch-0")
+    assert get(job.id, "fetch-0", mine, files.code_sha256) == controller.ctx.artifacts.path(
+        files.code_sha256).read_bytes()
+    assert get(job.id, "fetch-0", mine, files.wheel_sha256)[:2] == b"PK"   # a wheel is a zip
+    assert get(other.id, "other-0", agent_token(other.token, "other-0"), files.code_sha256) == 404  # not its job's
+    assert get(job.id, "fetch-0", agent_token(other.token, "other-0"), files.code_sha256) == 401
+    assert get(other.id, "other-0", agent_token(job.token, "fetch-0"), files.code_sha256) == 401
+    assert get(job.id, "fetch-0", mine, "0" * 64) == 404
+
+
+def test_the_boot_failure_route_takes_a_capped_body(cloud):
+    controller, store, job, _, _ = cloud
+    add_node(store, job, "cap-0")
+    body = json.dumps({"stage": "install", "returncode": 1, "tail": "x" * 70_000}).encode()
+    request = urllib.request.Request(f"{controller.url}/v1/jobs/{job.id}/nodes/cap-0/boot-failure", data=body,
+                                     headers={"Authorization": f"Bearer {agent_token(job.token, 'cap-0')}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 413 and store.node("cap-0").boot_failure == ""

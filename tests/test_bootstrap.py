@@ -21,7 +21,7 @@ from orchestrator.control.provisioning import agent_command, agent_env
 from orchestrator.control.store import JobState, NodeState, Store
 from orchestrator.cli.view import boot_failures, job_summary
 from orchestrator.spec import JobSpec
-from providers.base import NodeRequest
+from providers.base import NodeHandle, NodeRequest, NodeStatus, Offer
 from providers.bootstrap import startup_script
 from tests.conftest import ROOT
 from tests.vmsandbox import SandboxVM, vm_image
@@ -206,3 +206,72 @@ def test_the_boot_failure_route_takes_a_capped_body(cloud):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 413 and store.node("cap-0").boot_failure == ""
+
+
+class RecordingCloud:
+    """A stand-in for a VM driver on the controller's side: it records the requests it is given (the drivers'
+    own calls are tested against their emulators), and its nodes never speak."""
+
+    name = "aws"
+    runs_boot_script = True
+    status_poll_s = 0.0
+
+    def __init__(self) -> None:
+        self.requests: list[NodeRequest] = []
+
+    def offers(self) -> list[Offer]:
+        return [Offer(**OFFER)]
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        self.requests.append(request)
+        return NodeHandle(self.name, request.node_id, {})
+
+    def status(self, handle: NodeHandle) -> NodeStatus:
+        return NodeStatus.RUNNING
+
+    def terminate(self, handle: NodeHandle) -> None:
+        pass
+
+
+def test_provisioning_packs_the_code_once_and_every_vm_of_the_job_gets_the_same_files(cloud, tmp_path):
+    controller, *_ = cloud
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("print(1)\n")
+    store = Store(tmp_path / "tfsn.db")
+    vms = RecordingCloud()
+    # the same home as the module's controller: its wheel is built already, and found by version and source
+    again = Controller(store, controller.ctx.home, {"aws": vms}, url="https://10.0.0.5:7000")
+    spec = JobSpec.model_validate({"name": "two", "run": "python train.py", "workdir": str(code), "num_nodes": 2,
+                                   "resources": {"infra": ["aws"], "accelerators": "A100:8"}})
+    job = store.create_job("two", spec.model_dump(mode="json"), "p", "s")
+    for _ in range(3):
+        again.reconcile(job.id)
+    assert len(vms.requests) == 2, [e.message for e in store.events(job.id)]
+    boots = {r.boot for r in vms.requests}
+    assert len(boots) == 1 and {r.workdir for r in vms.requests} == {NODE_WORKDIR}
+    boot = boots.pop()
+    archive = again.ctx.artifacts.path(boot.code_sha256)
+    assert store.job(job.id).artifacts == {"code": boot.code_sha256, "wheel": boot.wheel_sha256}
+    assert boot.wheel == controller.ctx.artifacts.wheel().name and archive is not None
+    packs = [e.message for e in store.events(job.id) if e.message.startswith("packed")]
+    assert len(packs) == 1, packs
+
+
+def test_a_cloud_job_whose_code_is_over_the_cap_fails_with_the_one_line_error(cloud, tmp_path, monkeypatch):
+    controller, *_ = cloud
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "weights.bin").write_bytes(b"0" * 2 * 2**20)
+    monkeypatch.setenv("TFSN_CODE_MAX_MB", "1")
+    store = Store(tmp_path / "tfsn.db")
+    vms = RecordingCloud()
+    again = Controller(store, controller.ctx.home, {"aws": vms}, url="https://10.0.0.5:7000")
+    spec = JobSpec.model_validate({"name": "big", "run": "python train.py", "workdir": str(code),
+                                   "resources": {"infra": ["aws"], "accelerators": "A100:8"}})
+    job = store.create_job("big", spec.model_dump(mode="json"), "p", "s")
+    for _ in range(2):
+        again.reconcile(job.id)
+    failed = store.job(job.id)
+    assert failed.state == JobState.FAILED and vms.requests == [] and store.nodes(job.id) == []
+    assert "2.0 MiB" in failed.error and "cap of 1.0 MiB" in failed.error and "\n" not in failed.error

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +23,7 @@ from orchestrator.control.store import JobState, NodeState, Store
 from orchestrator.cli.view import boot_failures, job_summary
 from orchestrator.spec import JobSpec
 from providers.base import NodeHandle, NodeRequest, NodeStatus, Offer
-from providers.bootstrap import startup_script
+from providers.bootstrap import install_command, startup_script
 from tests.conftest import ROOT
 from tests.vmsandbox import SandboxVM, vm_image
 
@@ -275,3 +276,21 @@ def test_a_cloud_job_whose_code_is_over_the_cap_fails_with_the_one_line_error(cl
     failed = store.job(job.id)
     assert failed.state == JobState.FAILED and vms.requests == [] and store.nodes(job.id) == []
     assert "2.0 MiB" in failed.error and "cap of 1.0 MiB" in failed.error and "\n" not in failed.error
+
+
+def test_a_pod_image_without_tfsn_installs_only_the_users_spec_never_the_bare_name(tmp_path):
+    """Kubernetes pods and SkyPilot clusters start from an image: its tfsn, else TFSN_INSTALL_SPEC, else a stop."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "pip.calls"
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    alone = subprocess.run(["sh", "-c", install_command()], env=env, capture_output=True, text=True)
+    assert alone.returncode == 1 and not calls.exists()
+    assert alone.stderr.count("\n") == 1 and "To fix:" in alone.stderr and "TFSN_INSTALL_SPEC" in alone.stderr
+    given = subprocess.run(["sh", "-c", install_command()], env={**env, "TFSN_INSTALL_SPEC": "tfsn @ https://x/t.whl"},
+                           capture_output=True, text=True)
+    assert given.returncode == 0 and calls.read_text().split("\n")[0].endswith("install --quiet "
+                                                                               "--disable-pip-version-check "
+                                                                               "tfsn @ https://x/t.whl")

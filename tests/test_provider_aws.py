@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import time
 import urllib.request
 
@@ -67,8 +68,8 @@ def offer(zone: str = "use1-az6", instance_type: str = "p4d.24xlarge", spot_pric
 
 def request(node_id: str = "train-1-n0-ab12", spot: bool = False, **kw) -> NodeRequest:
     return NodeRequest(job_id="1", node_id=node_id, command=["python", "-m", "orchestrator.agent"],
-                       env={"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"},
-                       workdir="/opt/job", offer=kw.pop("offer", offer()), spot=spot, **kw)
+                       env=kw.pop("env", {"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"}),
+                       workdir=kw.pop("workdir", "/opt/job"), offer=kw.pop("offer", offer()), spot=spot, **kw)
 
 
 def instances(ec2, node_id: str) -> list[dict]:
@@ -320,3 +321,29 @@ def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_
 
     assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] in (["shutting-down"], ["terminated"])
     assert store.node("big-1-n0-dead").state == NodeState.TERMINATED
+
+
+def test_an_instance_boots_its_real_user_data_and_its_power_off_terminates_it(cloud, tmp_path):
+    """moto plays EC2's API, tests/vmsandbox.py its machines: the driver's user-data runs in a sandbox VM. With
+    no controller to reach, the boot fails, powers off, and the instance is gone for the controller too."""
+    from providers.base import BootFiles
+    from tests.vmsandbox import Ec2Player, vm_image
+    _, ec2, _ = cloud
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    req = request(workdir="workdir",   # under the node's root: the sandbox's own folder
+                  boot=BootFiles(wheel="tfsn-0.1.0-py3-none-any.whl", wheel_sha256="a" * 64, code_sha256="b" * 64),
+                  env={"TFSN_NODE_ID": "train-1-n0-ab12", "TFSN_JOB_ID": "1", "TFSN_TOKEN": "t",
+                       "TFSN_CONTROLLER_URL": nobody})
+    handle = aws.AwsProvider().provision(req)
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
+    try:
+        player.poll()
+        [vm] = player.vms.values()
+        vm.process.wait(timeout=60)
+        player.poll()
+    finally:
+        player.stop()
+    assert vm.shutdown_calls == ["shutdown -h now"] and "boot failed in stage 'install'" in vm.boot_log
+    assert aws.AwsProvider().status(handle) is NodeStatus.TERMINATED

@@ -8,7 +8,8 @@ repository checkout is not on its path). Only the machine-level commands are shi
 real: bash, curl, sha256sum, tar, pip.
 
 A test (or a harness that plays a cloud: when an emulated cloud creates an instance, it starts a
-SandboxVM with that instance's user-data; killing `vm.process`'s process group is the VM dying) uses:
+SandboxVM with that instance's user-data, as `Ec2Player` does for moto; killing `vm.process`'s process
+group is the VM dying) uses:
 
     image = vm_image(tmp_path / "image")      # once
     vm = SandboxVM(tmp_path / "vm-1", image)
@@ -18,11 +19,13 @@ SandboxVM with that instance's user-data; killing `vm.process`'s process group i
 """
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 
 MACHINE_COMMANDS = ("shutdown", "poweroff", "halt", "reboot")
@@ -106,3 +109,53 @@ class SandboxVM:
     def boot_log(self) -> str:
         log = self.root / "boot.log"
         return log.read_text(errors="replace") if log.exists() else ""
+
+
+class Ec2Player:
+    """Plays EC2's machines for moto, which keeps instances as records only: every instance it starts boots its
+    real user-data in a SandboxVM, and a VM that powers off terminates its instance (tfsn asks for
+    InstanceInitiatedShutdownBehavior terminate). `kill(instance_id)` is a VM dying under its job.
+
+    Drive it with `poll()` from the test's own loop, or `start()` for a background thread."""
+
+    def __init__(self, ec2, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
+        self.ec2, self.folder, self.image, self.env = ec2, folder, image, env or {}
+        self.vms: dict[str, SandboxVM] = {}
+        self._ended: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> None:
+        """Boot the instances moto started since the last poll; terminate those whose VM powered off."""
+        pages = self.ec2.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+        for instance in (i for page in pages for r in page["Reservations"] for i in r["Instances"]):
+            found = instance["InstanceId"]
+            if found not in self.vms:
+                data = self.ec2.describe_instance_attribute(InstanceId=found, Attribute="userData")
+                script = base64.b64decode(data["UserData"].get("Value", "")).decode()
+                self.vms[found] = SandboxVM(self.folder / found, self.image, self.env)
+                self.vms[found].start(script)
+        for found, vm in self.vms.items():
+            if found not in self._ended and vm.shutdown_calls:
+                self._ended.add(found)
+                self.ec2.terminate_instances(InstanceIds=[found])
+
+    def start(self, period_s: float = 0.5) -> None:
+        def loop() -> None:
+            while not self._stop.wait(period_s):
+                self.poll()
+        self._thread = threading.Thread(target=loop, name="ec2-player", daemon=True)
+        self._thread.start()
+
+    def kill(self, instance_id: str) -> None:
+        """The VM dies: its process tree at once (what EC2 then shows is the test's to say)."""
+        self.vms[instance_id].kill()
+
+    def stop(self) -> None:
+        """Stop playing and kill every VM still running."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for vm in self.vms.values():
+            vm.kill()

@@ -48,7 +48,7 @@ tfsn_curl() {  # a call with a deadline, bounded retries, the node's token, and 
     tls=(--cacert "$TFSN_NODE_ROOT/controller-ca.pem")
   fi
   curl --silent --show-error --fail --connect-timeout 10 --retry "${TFSN_BOOT_RETRIES:-4}" \
-    --retry-delay "${TFSN_BOOT_RETRY_DELAY_S:-2}" --retry-connrefused ${tls[@]+"${tls[@]}"} \
+    --retry-delay "${TFSN_BOOT_RETRY_DELAY_S:-2}" --retry-max-time 120 --retry-connrefused ${tls[@]+"${tls[@]}"} \
     -H "Authorization: Bearer $TFSN_TOKEN" "$@"
 }
 

@@ -294,3 +294,31 @@ def test_a_pod_image_without_tfsn_installs_only_the_users_spec_never_the_bare_na
     assert given.returncode == 0 and calls.read_text().split("\n")[0].endswith("install --quiet "
                                                                                "--disable-pip-version-check "
                                                                                "tfsn @ https://x/t.whl")
+
+
+def test_with_an_install_spec_no_wheel_is_built_and_an_ended_jobs_archive_goes_when_another_is_packed(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_INSTALL_SPEC", "tfsn @ https://wheels.example/tfsn-0.1.0-py3-none-any.whl")
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(home / "tfsn.db")
+    controller = Controller(store, home, providers={})
+    digests = []
+    for name in ("old", "new"):
+        code = tmp_path / name
+        code.mkdir()
+        (code / "train.py").write_text(f"print({name!r})\n")
+        spec = JobSpec.model_validate({"name": name, "run": "python train.py", "workdir": str(code)})
+        job = store.create_job(name, spec.model_dump(mode="json"), "p", "s")
+        files = boot_files(controller.ctx, job, spec)
+        assert (files.wheel, files.wheel_sha256) == ("", "") and store.job(job.id).artifacts == {
+            "code": files.code_sha256}
+        digests.append(files.code_sha256)
+        store.transition(job.id, JobState.FAILED)   # the first one ends before the second is packed
+    assert controller.ctx.artifacts.path(digests[0]) is None   # no job needs it any more
+    assert controller.ctx.artifacts.path(digests[1]) is not None
+    env = agent_env("https://10.0.0.5:7000", store.job(2), "n0", local=False)
+    script = startup_script(NodeRequest(job_id="2", node_id="n0", command=agent_command(False), env=env,
+                                        workdir=NODE_WORKDIR, boot=files))
+    assert '\npython3 -m pip install --quiet --disable-pip-version-check "$TFSN_INSTALL_SPEC"\n' in script
+    assert "tfsn_fetch" in script and ".whl" not in script.split("tfsn_stage=install")[1]

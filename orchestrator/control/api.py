@@ -24,6 +24,7 @@ import re
 import shutil
 import socket
 import ssl
+import sys
 import threading
 import time
 import traceback
@@ -202,6 +203,11 @@ class ApiServer(ThreadingHTTPServer):
                 except OSError:
                     pass
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-request (a VM torn down, an agent killed) is no error of ours: nothing to log."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
     def server_close(self) -> None:
         self._closed.set()
         super().server_close()
@@ -314,12 +320,15 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._reply(409, {"error": f"job {job_id} ended while its report arrived"})   # see the check above
             return
         try:
-            self._reply(200, route.call(self.server.handlers, job_id, match.groupdict(), body))
+            answer = route.call(self.server.handlers, job_id, match.groupdict(), body)
         except (KeyError, TypeError, ValueError, StoreError) as err:
             self._reply(400, {"error": f"bad request: {err}"[:500]})
+            return
         except Exception:   # a bug of ours: logged, answered, and the server goes on
             print(f"API {self.path}: {traceback.format_exc()}", flush=True)
             self._reply(500, {"error": "internal error (see the controller's log)"})
+            return
+        self._reply(200, answer)
 
     def _authorized(self, job_id: int, scope: str, node_id: str | None) -> Job | None:
         """The job, if the request's token is of `scope` (the route's) for it; None for a wrong token or an

@@ -26,9 +26,13 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from pathlib import Path
 
+from providers.processes import pids_with_env
+
 MACHINE_COMMANDS = ("shutdown", "poweroff", "halt", "reboot")
+VM_TAG = "TFSN_SANDBOX_VM"   # in the environment of every process of a sandbox VM: its folder
 # Network calls of the boot script: fewer and quicker retries than on a cloud, where a controller may restart.
 QUICK_RETRIES = {"TFSN_BOOT_RETRIES": "2", "TFSN_BOOT_RETRY_DELAY_S": "1"}
 
@@ -71,7 +75,7 @@ class SandboxVM:
             shim.chmod(0o755)
         self.env = {"PATH": f"{self.shims}:{image_bin}:/usr/local/bin:/usr/bin:/bin", "HOME": str(folder),
                     "LANG": "C.UTF-8", "TFSN_NODE_ROOT": str(self.root), "PIP_NO_INDEX": "1",
-                    "PIP_DISABLE_PIP_VERSION_CHECK": "1", **QUICK_RETRIES, **(env or {})}
+                    "PIP_DISABLE_PIP_VERSION_CHECK": "1", VM_TAG: str(folder), **QUICK_RETRIES, **(env or {})}
 
     def start(self, user_data: str) -> subprocess.Popen:
         """Boot: run the user-data with bash, in its own session (the VM's process tree)."""
@@ -93,13 +97,21 @@ class SandboxVM:
         return self.process.returncode
 
     def kill(self) -> None:
-        """The VM dies: every process of its tree, at once."""
-        if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
+        """The VM dies: every process of it at once, wherever it was reparented to (torchrun starts its workers
+        in sessions of their own), found by the VM's tag in their environment."""
+        if self.process is None:
+            return
+        for _ in range(50):
+            pids = pids_with_env(**{VM_TAG: str(self.folder)})
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        self.process.wait()
 
     @property
     def shutdown_calls(self) -> list[str]:
@@ -126,16 +138,19 @@ class Ec2Player:
         self._thread: threading.Thread | None = None
 
     def poll(self) -> None:
-        """Boot the instances moto started since the last poll; terminate those whose VM powered off."""
-        pages = self.ec2.get_paginator("describe_instances").paginate(
-            Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
+        """Boot the instances moto started since the last poll; terminate those whose VM powered off; kill the
+        VMs of instances terminated through the API (a controller's teardown)."""
+        pages = self.ec2.get_paginator("describe_instances").paginate()
         for instance in (i for page in pages for r in page["Reservations"] for i in r["Instances"]):
-            found = instance["InstanceId"]
-            if found not in self.vms:
+            found, state = instance["InstanceId"], instance["State"]["Name"]
+            if state in ("pending", "running") and found not in self.vms:
                 data = self.ec2.describe_instance_attribute(InstanceId=found, Attribute="userData")
                 script = base64.b64decode(data["UserData"].get("Value", "")).decode()
                 self.vms[found] = SandboxVM(self.folder / found, self.image, self.env)
                 self.vms[found].start(script)
+            elif state in ("shutting-down", "terminated", "stopping", "stopped") and found in self.vms:
+                self._ended.add(found)
+                self.vms[found].kill()
         for found, vm in self.vms.items():
             if found not in self._ended and vm.shutdown_calls:
                 self._ended.add(found)

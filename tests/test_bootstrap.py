@@ -39,14 +39,9 @@ def image(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cloud(tmp_path_factory):
-    """A controller's API on loopback, with one job whose workdir has code, data it ignores, and a .git."""
+    """A controller's API on loopback, with one job (its code packed and tfsn's wheel built)."""
     home, code = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("code")
     (code / "train.py").write_text("print('training')\n")
-    (code / ".gitignore").write_text("data/\n")
-    (code / "data").mkdir()
-    (code / "data" / "big.bin").write_bytes(b"x" * 1000)
-    (code / ".git").mkdir()
-    (code / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     store = Store(home / "tfsn.db")
     controller = Controller(store, home, providers={})
     api = ApiServer(0, store, controller.handlers)

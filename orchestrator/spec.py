@@ -565,15 +565,15 @@ class JobSpec(BaseModel):
                                  "absolute. To fix: use a shorter path")
         return self
 
-    def nprocs(self, accelerator: AcceleratorRequest | None = None) -> int:
-        """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerator`,
-        else the first choice), or 1 on CPU-only jobs."""
+    def nprocs(self, accelerators: int | None = None) -> int:
+        """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerators`, its count;
+        before an offer is chosen, the first choice's), and 1 on a node without accelerators."""
         if self.nproc_per_node != "auto":
             return self.nproc_per_node
-        if accelerator is None:
+        if accelerators is None:
             choices = self.resources.accelerator_choices()
-            accelerator = choices[0] if choices else None
-        return accelerator.count if accelerator is not None else 1
+            accelerators = choices[0].count if choices else 0
+        return max(1, accelerators)
 
 
 class SpecError(Exception):

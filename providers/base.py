@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
@@ -217,6 +218,21 @@ def planned_offer(request: NodeRequest, provider: str) -> Offer:
             f"{request.offer and request.offer.provider!r}. To fix: plan the job with infra: [{provider}]",
             provider=provider)
     return request.offer
+
+
+class Clients:
+    """A driver's SDK clients, made on first use, once per key. The controller calls a provider from several
+    threads at once (calls.py): building a boto3 session or resolving credentials from two at a time is unsafe."""
+
+    def __init__(self) -> None:
+        self._made: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key not in self._made:
+                self._made[key] = make()
+            return self._made[key]
 
 
 class MissingExtraError(ProviderError):

@@ -320,10 +320,12 @@ def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_
     aws.AwsProvider().provision(request("big-1-n0-dead", offer=offer("use1-az1")))
     assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] == ["running"]
 
-    Controller(store, tmp_path, {}).nodes.reconcile_intents()   # what a new controller does first
+    controller = Controller(store, tmp_path, {})
+    controller.nodes.reconcile_intents()                        # what a new controller does first (off its loop)
+    assert controller.calls.settle(30), "the terminate call did not end"
 
     assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] in (["shutting-down"], ["terminated"])
-    assert store.node("big-1-n0-dead").state == NodeState.TERMINATED
+    assert store.node("big-1-n0-dead").state == NodeState.TERMINATED and store.node("big-1-n0-dead").released
 
 
 def test_an_instance_boots_its_real_user_data_and_its_power_off_terminates_it(cloud, tmp_path):

@@ -18,8 +18,10 @@ from rich.console import Console
 
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
-from orchestrator.cli.view import boot_failures, follow, job_panel, job_summary, jobs_table
+from orchestrator.cli.down import register as register_down_command
+from orchestrator.cli.view import aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table
 from orchestrator.control import daemon
+from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text
@@ -45,6 +47,9 @@ class UsageError(Exception):
 
 def _store() -> Store:
     return Store(daemon.store_path(tfsn_home()))
+
+
+register_down_command(app, _store)
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -125,13 +130,14 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
         store.request_stop(job.id)
         console.print(f"stopping job {job.id}...")
         final = _wait_terminal(store, job.id, timeout=120)
-    _finish_message(final)
+    _finish_message(store, final)
     raise typer.Exit(0 if final.state == JobState.SUCCEEDED else 1)
 
 
-def _finish_message(job: Job) -> None:
+def _finish_message(store: Store, job: Job) -> None:
     took = (job.finished_at or time.time()) - job.created_at
-    line = f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s)"
+    line = (f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s); "
+            f"cost: {cost_text(job_cost(job, store.nodes(job.id)))}")
     if job.checkpoint_step:
         line += f"; last checkpoint: step {job.checkpoint_step} at {job.checkpoint_path}"
     console.print(line, highlight=False)
@@ -165,7 +171,7 @@ def status(job: Optional[str] = typer.Argument(None, help="job id or name (defau
         if as_json:
             print(json.dumps([job_summary(store, j) for j in jobs]))
         else:
-            console.print(jobs_table(jobs))
+            console.print(jobs_table(store, jobs))
         return
     record = store.find_job(job)
     if as_json:
@@ -184,7 +190,7 @@ def list_jobs() -> None:
     """List all jobs."""
     store = _store()
     _revive_controller(store)
-    console.print(jobs_table(store.jobs()))
+    console.print(jobs_table(store, store.jobs()))
 
 
 @app.command()
@@ -344,9 +350,8 @@ def catalog_ls(accelerator: Optional[str] = typer.Option(None, "--accelerator", 
     rows += [(o.provider, o.zone or o.region, o.instance_type, f"{o.accelerator or 'CPU'}x{o.accelerator_count}",
               f"{o.accelerator_memory_gib:g}", f"{o.vcpus:g}", f"{o.memory_gib:g}", f"{o.price:,.2f}",
               "-" if o.spot_price is None else f"{o.spot_price:,.2f}") for o in offers]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:       # plain aligned text: a table of 200+ rows must not be squeezed to the terminal
-        print("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    for line in aligned(rows, left=4):
+        print(line)
     print(f"{len(offers)} offer(s)")
     if catalog is None:
         for name, path in catalog_sources(provider).items():

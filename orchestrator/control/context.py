@@ -11,6 +11,7 @@ from typing import Any
 
 from health.metrics import Metrics
 from orchestrator.control.artifacts import Artifacts
+from orchestrator.control.calls import ProviderCalls
 from orchestrator.control.store import Job, JobState, Store
 from orchestrator.home import job_dir, private_open
 from providers.base import Provider
@@ -45,6 +46,10 @@ class ControlContext:
     metrics: Metrics = field(default_factory=Metrics)                 # tfsn_* series, served by the daemon
     artifacts: Artifacts = field(init=False)      # what cloud nodes fetch as they boot: tfsn's wheel, jobs' code
     _log_lock: threading.Lock = field(default_factory=threading.Lock)
+    calls: ProviderCalls = field(init=False)       # every provider call, off the loop (see calls.py)
+
+    def __post_init__(self) -> None:
+        self.calls = ProviderCalls(self.wake)
 
     def __post_init__(self) -> None:
         self.artifacts = Artifacts(self.home)

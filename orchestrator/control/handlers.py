@@ -16,6 +16,7 @@ from orchestrator.control.boot import boot_failure_summary
 from orchestrator.control.context import ControlContext, plain
 from orchestrator.control.credentials import sdk_token
 from orchestrator.control.health_watch import HealthWatch
+from orchestrator.control.nodes import workers_per_node
 from orchestrator.control.provisioning import requested_cpus
 from orchestrator.control.store import Job, JobState, Node, NodeState
 from orchestrator.home import job_dir
@@ -73,7 +74,8 @@ class ApiHandlers:
             return command
         spec = JobSpec.model_validate(job.spec)
         return {**command, "run": spec.run, "workdir": spec.workdir, "nnodes": spec.num_nodes,
-                "node_rank": node.rank, "nproc_per_node": spec.nprocs(), "master_addr": self._master_addr(job),
+                "node_rank": node.rank, "nproc_per_node": workers_per_node(spec, [node]),
+                "master_addr": self._master_addr(job),
                 "master_port": job.master_port, "env": self._worker_env(job, spec)}
 
     def logs(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +182,7 @@ class ApiHandlers:
         if ranked and all(self.ctx.shares_host(n.provider) for n in ranked) and "OMP_NUM_THREADS" not in spec.envs:
             # Nodes that share this machine split its cores instead of each taking all of them.
             cpus = requested_cpus(spec) or max(1, (os.cpu_count() or 1) // spec.num_nodes)
-            env["OMP_NUM_THREADS"] = str(max(1, cpus // spec.nprocs()))
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // workers_per_node(spec, ranked)))
         return env
 
     def _checkpoint_dir(self, job: Job, spec: JobSpec) -> str:

@@ -19,7 +19,7 @@ from health.monitor import Monitor
 from health.policy import Policy
 from health.telemetry import Sample, sdk_sample
 from orchestrator.control.context import ControlContext
-from orchestrator.control.nodes import Nodes
+from orchestrator.control.nodes import Nodes, workers_per_node
 from orchestrator.control.store import Job, Node
 from orchestrator.spec import JobSpec
 
@@ -126,7 +126,7 @@ class HealthWatch:
         watch = self.watch(job, spec)
         ranked = [n for n in self.ctx.store.nodes(job.id, active_only=True) if n.rank is not None]
         if len(ranked) == spec.num_nodes:  # e.g. after a controller restart
-            watch.start_attempt(job.attempt, rank_nodes(ranked, spec.nprocs()))
+            watch.start_attempt(job.attempt, rank_nodes(ranked, workers_per_node(spec, ranked)))
         now = time.time()
         findings, decisions = watch.check(now)
         for finding in findings:

@@ -112,6 +112,7 @@ class Node:
     host: str = ""                # the machine under it, as its agent reported (a Kubernetes node, ...)
     provisioned_at: float | None = None  # when the provider confirmed it (its start timeout counts from then)
     released: bool = False        # the provider confirmed it is deleted (or it never existed)
+    released_at: float | None = None  # when the provider first confirmed it (the end of its bill)
     boot_failure: str = ""        # the end of its boot log, when its boot script reported a failure
 
 
@@ -137,7 +138,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
     failure TEXT NOT NULL DEFAULT '', offer TEXT, spot INTEGER NOT NULL DEFAULT 0,
     addr TEXT NOT NULL DEFAULT '', host TEXT NOT NULL DEFAULT '', provisioned_at REAL,
-    released INTEGER NOT NULL DEFAULT 0, boot_failure TEXT NOT NULL DEFAULT ''
+    released INTEGER NOT NULL DEFAULT 0, released_at REAL, boot_failure TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
 CREATE TABLE IF NOT EXISTS results (
@@ -430,6 +431,9 @@ class Store:
         cols = ", ".join(f"{k} = ?" for k in changes)
         with self._tx() as db:
             db.execute(f"UPDATE nodes SET {cols} WHERE id = ?", (*changes.values(), node_id))
+            if changes.get("released"):   # the first confirmation ends the node's bill; a repeated one does not move it
+                db.execute("UPDATE nodes SET released_at = ? WHERE id = ? AND released_at IS NULL",
+                           (changes["updated_at"], node_id))
             job_id = self._job_of_node(db, node_id)
         self._changed(job_id)
 

@@ -44,14 +44,12 @@ class ControlContext:
     trust: dict[str, str] = field(default_factory=dict)   # what agents need to trust it (TLS); none on loopback
     wake: threading.Event = field(default_factory=threading.Event)   # set when the loop should run now
     metrics: Metrics = field(default_factory=Metrics)                 # tfsn_* series, served by the daemon
-    artifacts: Artifacts = field(init=False)      # what cloud nodes fetch as they boot: tfsn's wheel, jobs' code
     _log_lock: threading.Lock = field(default_factory=threading.Lock)
     calls: ProviderCalls = field(init=False)       # every provider call, off the loop (see calls.py)
+    artifacts: Artifacts = field(init=False)       # what cloud nodes fetch as they boot: tfsn's wheel, jobs' code
 
     def __post_init__(self) -> None:
         self.calls = ProviderCalls(self.wake)
-
-    def __post_init__(self) -> None:
         self.artifacts = Artifacts(self.home)
 
     def provider(self, name: str) -> Provider:

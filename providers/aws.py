@@ -135,6 +135,7 @@ class AwsProvider(CatalogOffers):
     """EC2 instances as nodes (see the module docstring)."""
 
     name = NAME
+    runs_boot_script = True   # its VMs boot with bootstrap.startup_script (the controller serves its files)
 
     def __init__(self, default_region: str | None = None) -> None:
         # Where to look for a node whose handle lost its region (a crash right after the request).

@@ -61,6 +61,7 @@ class AzureProvider(CatalogOffers):
     """Azure VMs (see the module docstring)."""
 
     name = PROVIDER
+    runs_boot_script = True   # its VMs boot with bootstrap.startup_script (the controller serves its files)
 
     def __init__(self, subscription_id: str | None = None, *, credential: Any = None,
                  resource_group: str | None = None, base_url: str | None = None,

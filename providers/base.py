@@ -53,6 +53,18 @@ class Offer:
 
 
 @dataclass(frozen=True)
+class BootFiles:
+    """What a VM's boot script (bootstrap.py) fetches from the controller before its agent starts, each
+    checked against its sha256: tfsn's wheel (none where TFSN_INSTALL_SPEC names what to install instead)
+    and the job's code archive; `root` is the node's own folder (boot log, downloads, the workdir)."""
+
+    wheel: str = ""                   # the wheel's file name; "" when the node installs TFSN_INSTALL_SPEC
+    wheel_sha256: str = ""
+    code_sha256: str = ""             # the job's workdir archive; "" for none (the image holds the code)
+    root: str = "/var/lib/tfsn"       # on the node; a relative request workdir is under it
+
+
+@dataclass(frozen=True)
 class NodeRequest:
     """One node to create."""
 
@@ -70,6 +82,7 @@ class NodeRequest:
                                        # choose the machine, such as Kubernetes, keeps off them)
     placement: Mapping[str, Any] = field(default_factory=dict)  # the job spec's section named after the
                                        # provider, as plain data (kubernetes: image, node_selector, tolerations)
+    boot: BootFiles | None = None     # what a VM's boot script fetches first (drivers that `runs_boot_script`)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class GcpProvider(CatalogOffers):
     """Compute Engine VMs (see the module docstring)."""
 
     name = PROVIDER
+    runs_boot_script = True   # its VMs boot with bootstrap.startup_script (the controller serves its files)
 
     def __init__(self, project: str | None = None, *, credentials: Any = None, api_endpoint: str | None = None,
                  rpc_timeout_s: float = 30.0, operation_timeout_s: float = 600.0,

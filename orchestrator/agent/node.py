@@ -98,6 +98,12 @@ def _env_with_python(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra, "PATH": path}
 
 
+def node_workdir(job_workdir: str) -> str:
+    """Where the job's commands run on this node: its own copy of the code (TFSN_WORKDIR, set by a VM's boot
+    script), else the job's workdir itself (a local node shares this machine's)."""
+    return os.environ.get("TFSN_WORKDIR") or job_workdir
+
+
 def gpu_source(node_id: str) -> tuple[NvmlSource | DcgmSource | None, list[str]]:
     """NVML when this node has NVIDIA GPUs, else a dcgm-exporter at TFSN_DCGM_URL if set, else none;
     and what the agent must say about it. NVML that fails to start leaves the node without device
@@ -204,7 +210,7 @@ class Agent:
         env = _env_with_python({**cmd["env"], "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "})
         self.logs.add(f"[tfsn] node {self.node_id}: starting attempt {cmd['attempt']} as node rank "
                       f"{cmd['node_rank']} of {cmd['nnodes']}")
-        self.proc = subprocess.Popen(torchrun, cwd=cmd["workdir"], env=env, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(torchrun, cwd=node_workdir(cmd["workdir"]), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.attempt = cmd["attempt"]
         self._stopping = False
@@ -285,7 +291,7 @@ class Agent:
         if action == "exit":
             return False
         if action == "setup" and self.state == "starting":
-            self._setup(cmd.get("setup", ""), cmd.get("workdir", "."))
+            self._setup(cmd.get("setup", ""), node_workdir(cmd.get("workdir", ".")))
         elif action == "idle":
             self.stop_workers()
         elif action == "run" and cmd["attempt"] not in self.done:

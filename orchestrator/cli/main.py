@@ -19,7 +19,7 @@ from rich.console import Console
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.cli.down import register as register_down_command
-from orchestrator.cli.view import aligned, cost_text, follow, job_panel, job_summary, jobs_table
+from orchestrator.cli.view import aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table
 from orchestrator.control import daemon
 from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
@@ -64,7 +64,8 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     """What would stop a launch of this valid spec, as (the field to blame, a message naming it), or None:
-    a workdir that is not there, or no capable offer where the job may run (the planner's reason)."""
+    a workdir that is not there, no capable offer where the job may run (the planner's reason), or a workdir
+    over the code size cap when the chosen offer's VMs get it packed (codesync.py)."""
     if not Path(spec.workdir).is_dir():
         return ("workdir",), (f"workdir: {spec.workdir} is not a directory. To fix: point workdir at the "
                               "folder of your script")
@@ -73,10 +74,18 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     from providers.base import ProviderError
     from providers.catalog import CatalogError
 
+    from orchestrator.control.boot import runs_boot_script
+    from orchestrator.control.codesync import CodeSyncError, check_size
+
     try:
-        plan_for(spec)
+        plan = plan_for(spec)
     except (PlanError, ProviderError, CatalogError) as err:
         return (err.field if isinstance(err, PlanError) else ()), str(err)
+    if runs_boot_script(plan.chosen.offer.provider):   # its VMs get the workdir packed: refuse what is too big now
+        try:
+            check_size(Path(spec.workdir))
+        except CodeSyncError as err:
+            return ("workdir",), str(err)
     return None
 
 
@@ -172,6 +181,8 @@ def status(job: Optional[str] = typer.Argument(None, help="job id or name (defau
         for event in store.events(record.id)[-10:]:
             console.print(f"  {time.strftime('%H:%M:%S', time.localtime(event.at))}  {event.message}",
                           highlight=False, markup=False)
+        for line in boot_failures(store, record):
+            console.print(line, highlight=False, markup=False)
 
 
 @app.command("ls")

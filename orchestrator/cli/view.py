@@ -56,7 +56,7 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
                    "where": offer_path(n.offer) if n.offer else n.provider, "spot": n.spot,
                    "state": n.state.value,
                    "heartbeat_age_s": None if n.heartbeat_at is None else time.time() - n.heartbeat_at,
-                   "failure": n.failure or None} for n in nodes],
+                   "failure": n.failure or None, "boot_log": n.boot_failure or None} for n in nodes],
         # the planner's best candidates (what failover walks down) and what provisioning errors ruled out
         "plan": [{k: v for k, v in c.items() if k != "offer"} for c in job.plan[:5]],
         "blocked": [{"provider": b["offer"]["provider"], "region": b["offer"]["region"], "zone": b["offer"]["zone"],
@@ -64,6 +64,16 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
                     for b in job.blocked],
         "events": [{"at": e.at, "kind": e.kind, "message": e.message} for e in store.events(job.id)][-50:],
     }
+
+
+def boot_failures(store: Store, job: Job, lines: int = 20) -> list[str]:
+    """The end of the boot log of each node whose boot failed (what its VM sent before it powered off)."""
+    shown = []
+    for node in store.nodes(job.id):
+        if node.boot_failure:
+            shown.append(f"node {node.id} failed to boot; the end of its boot log:")
+            shown += [f"    {line}" for line in node.boot_failure.splitlines()[-lines:]]
+    return shown
 
 
 def _where(node: Node) -> str:

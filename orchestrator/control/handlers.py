@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from health.telemetry import Sample
+from orchestrator.control.boot import boot_failure_summary
 from orchestrator.control.context import ControlContext, plain
 from orchestrator.control.credentials import sdk_token
 from orchestrator.control.health_watch import HealthWatch
@@ -93,6 +94,25 @@ class ApiHandlers:
         self.ctx.log(job_id, [line if line.startswith(own) or "[tfsn]" not in plain(line)   # shows is marked
                               else f"[node {node_id}] {line}" for line in map(str, body.get("lines", []))])
         return {}
+
+    def boot_failure(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A VM's boot script failed (it powers the machine off): the end of its boot log is kept on the node
+        for `tfsn status`; the loop fails the node (boot.py counts such failures per offer)."""
+        self._node_of(job_id, node_id)
+        summary = boot_failure_summary(body)
+        self.store.update_node(node_id, boot_failure=str(body["tail"]) or "(empty boot log)", failure=summary)
+        self.ctx.event(job_id, "node", f"node {node_id}: {summary}")
+        self.ctx.wake.set()
+        return {}
+
+    def artifact(self, job_id: int, node_id: str, digest: str) -> Path:
+        """The file a node of the job may fetch as it boots (its code archive, tfsn's wheel): KeyError for any
+        other, so that one job's node never gets another job's code."""
+        self._node_of(job_id, node_id, active=True)
+        path = self.ctx.artifacts.path(digest) if digest in self.store.job(job_id).artifacts.values() else None
+        if path is None:
+            raise KeyError(f"node {node_id} has no file {digest}")
+        return path
 
     def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
         """Step records and heartbeats of one rank; the answer asks for a checkpoint when one is wanted."""

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from orchestrator.control.boot import BOOT_FAILURES_PER_OFFER, failed_boots_on
 from orchestrator.control.calls import Call, deadline_s
 from orchestrator.control.context import ControlContext
 from orchestrator.control.store import Job, JobState, Node, NodeState
@@ -41,6 +42,9 @@ class Nodes:
         for node in self.ctx.store.nodes(job.id, active_only=True):
             if node.handle is None:
                 continue
+            if node.boot_failure:   # its boot script said why it failed (and powered the machine off)
+                self._boot_failed(job, node)
+                continue
             status = self._status(node, now)
             # A VM boots and installs tfsn before its agent speaks; a local process speaks at once.
             start_timeout = getattr(self.ctx.provider(node.provider), "start_timeout_s", DEFAULT_START_TIMEOUT_S)
@@ -57,6 +61,17 @@ class Nodes:
                 self.fail(job, node, f"no heartbeat within {first_timeout:.0f}s of start")
             elif node.heartbeat_at is not None and now - max(node.heartbeat_at, self.started_at) > timeout:
                 self.fail(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
+
+    def _boot_failed(self, job: Job, node: Node) -> None:
+        """Fail a node whose boot failed; BOOT_FAILURES_PER_OFFER of them on one offer block it for the job."""
+        self.fail(job, node, node.failure or "its boot failed")
+        if node.offer is None or node.heartbeat_at is not None:
+            return
+        failed = failed_boots_on(self.ctx, job, node.offer)
+        if failed >= BOOT_FAILURES_PER_OFFER:
+            self.block(job, node.offer, node.spot, f"{failed} nodes failed to boot; last: {node.failure}", "offer")
+            self.ctx.event(job.id, "node", f"{failed} nodes failed to boot on {node.offer['instance_type']} in "
+                                           f"{node.offer.get('zone') or node.offer['region']}: not asked for again")
 
     def _status(self, node: Node, now: float) -> NodeStatus:
         """The provider's view of a node as its last status call returned it (UNKNOWN before any); a new call is

@@ -20,7 +20,10 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict
 
+from orchestrator.control.artifacts import ArtifactError
+from orchestrator.control.boot import NODE_WORKDIR, boot_files
 from orchestrator.control.calls import DEADLINES_S, Call, deadline_s
+from orchestrator.control.codesync import CodeSyncError
 from orchestrator.control.context import ControlContext
 from orchestrator.control.credentials import agent_token
 from orchestrator.control.health_watch import HealthWatch, rank_nodes
@@ -195,11 +198,16 @@ class Provisioner:
         if rank is None and ranked_sites and ranked_sites != {site(offer)}:
             return   # a spare serves only where the ranks are: none while its site there is blocked
         self._gather(job, candidate)
+        try:   # a VM installs tfsn and fetches the job's code from here as it boots
+            boot = boot_files(self.ctx, job, spec) if getattr(provider, "runs_boot_script", False) else None
+        except (CodeSyncError, ArtifactError) as err:
+            self.nodes.give_up(job, str(err))
+            return
         # Unique beyond this store: the local provider finds a node's processes by its id.
         node_id = f"{job.name}-{job.id}-n{len(self.ctx.store.nodes(job.id))}-{secrets.token_hex(2)}"
         self.ctx.store.add_node(node_id, job.id, rank, provider.name, offer=asdict(offer), spot=candidate.spot)
         request = NodeRequest(
-            job_id=str(job.id), node_id=node_id, workdir=spec.workdir,
+            job_id=str(job.id), node_id=node_id, workdir=NODE_WORKDIR if boot else spec.workdir, boot=boot,
             log_path=str(job_dir(job.id, self.ctx.home) / f"{node_id}.log"),
             command=agent_command(local), cpus=requested_cpus(spec),
             env=agent_env(self.ctx.url, job, node_id, local, self.ctx.trust), offer=offer, spot=candidate.spot,
@@ -309,7 +317,7 @@ def agent_env(url: str, job: Job, node_id: str, local: bool = True,
     fingerprint, public; the agent's workers inherit them) and the node's own token. A local node inherits
     this process's environment; a remote one gets only tfsn's settings (never this machine's credentials,
     paths or devices: they would end up in the VM's metadata)."""
-    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME",
+    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME", "TFSN_WORKDIR",
                     CA_PEM_ENV, CA_FINGERPRINT_ENV}
     keep = {k: v for k, v in os.environ.items()
             if k not in job_specific and (local or k in REMOTE_SETTINGS)}

@@ -93,5 +93,12 @@ class Checkpoint(_Body):
     restored: bool = False
 
 
+class BootFailure(_Body):
+    """What a VM's boot script sends before it powers off (providers/bootstrap.py: the end of its log)."""
+    stage: Annotated[str, Field(max_length=32)] = ""
+    returncode: Annotated[int, Field(ge=-(2**31), le=2**31)] = 0
+    tail: Annotated[str, Field(max_length=20_000)]
+
+
 class AttemptCommand(_Body):
     attempt: Annotated[int, Field(ge=1, le=10**12)]

@@ -90,6 +90,7 @@ class Job:
     plan: list[dict[str, Any]] = field(default_factory=list)     # ranked candidates (planner.PlannedOffer.to_dict)
     blocked: list[dict[str, Any]] = field(default_factory=list)  # failed provisioning attempts: what they blocked
     health: dict[str, Any] = field(default_factory=dict)         # the health policy's state (Policy.state())
+    artifacts: dict[str, str] = field(default_factory=dict)      # what its cloud nodes fetch: "code", "wheel" sha256
 
 
 @dataclass
@@ -112,6 +113,7 @@ class Node:
     provisioned_at: float | None = None  # when the provider confirmed it (its start timeout counts from then)
     released: bool = False        # the provider confirmed it is deleted (or it never existed)
     released_at: float | None = None  # when the provider first confirmed it (the end of its bill)
+    boot_failure: str = ""        # the end of its boot log, when its boot script reported a failure
 
 
 _SCHEMA = """
@@ -127,7 +129,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '', finished_at REAL,
     checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
     pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT '',
-    plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]', health TEXT NOT NULL DEFAULT '{}'
+    plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]', health TEXT NOT NULL DEFAULT '{}',
+    artifacts TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES jobs(id), rank INTEGER,
@@ -135,7 +138,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
     failure TEXT NOT NULL DEFAULT '', offer TEXT, spot INTEGER NOT NULL DEFAULT 0,
     addr TEXT NOT NULL DEFAULT '', host TEXT NOT NULL DEFAULT '', provisioned_at REAL,
-    released INTEGER NOT NULL DEFAULT 0, released_at REAL
+    released INTEGER NOT NULL DEFAULT 0, released_at REAL, boot_failure TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
 CREATE TABLE IF NOT EXISTS results (
@@ -160,7 +163,7 @@ CREATE TABLE IF NOT EXISTS ranks (
 );
 """
 
-_JSON_FIELDS = ("spec", "plan", "blocked", "health")   # job fields stored as JSON text
+_JSON_FIELDS = ("spec", "plan", "blocked", "health", "artifacts")   # job fields stored as JSON text
 # For a store made by an older tfsn, a column the schema has and the store lacks is added with its
 # definition in _SCHEMA (so a new column can never be forgotten here), except where an older
 # store needs another default than a new one.

@@ -70,6 +70,8 @@ class NodeRequest:
                                        # choose the machine, such as Kubernetes, keeps off them)
     placement: Mapping[str, Any] = field(default_factory=dict)  # the job spec's section named after the
                                        # provider, as plain data (kubernetes: image, node_selector, tolerations)
+    owner: str = ""                   # the id of the store that asks for it (job ids are only unique within one):
+                                      # tagged, so that a sweep from another store leaves the node alone
 
 
 @dataclass(frozen=True)

@@ -400,3 +400,19 @@ def test_a_hung_delete_does_not_hold_up_the_stop_and_is_tried_again_once_it_retu
         stop.set()
         loop.join(15)
     assert cloud.deletes == [node.id, node.id], "asked again once the hung call returned, until confirmed"
+
+
+def test_a_nodes_request_carries_its_stores_owner_tag(tmp_path):
+    """What `tfsn down` tells another store's resources by (test_down): every create names the store it is for."""
+    from providers.naming import OWNER_TAG, node_tags
+    store = Store(tmp_path / "tfsn.db")
+    cloud = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    cloud.shares_host = True   # no API for its nodes to reach: only the request matters here
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("j", JobSpec.model_validate({
+        "name": "j", "run": "true", "workdir": str(tmp_path),
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    controller.reconcile(job_id)
+    [request] = cloud.requests
+    assert len(store.owner) == 12 and request.owner == store.owner
+    assert node_tags(request)[OWNER_TAG] == node_tags(request, label_safe=True)[OWNER_TAG] == store.owner

@@ -203,7 +203,8 @@ class Provisioner:
             log_path=str(job_dir(job.id, self.ctx.home) / f"{node_id}.log"),
             command=agent_command(local), cpus=requested_cpus(spec),
             env=agent_env(self.ctx.url, job, node_id, local, self.ctx.trust), offer=offer, spot=candidate.spot,
-            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name))
+            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name),
+            owner=self.ctx.store.owner)
         role = f"rank {rank}" if rank is not None else "spare"
         self.ctx.calls.start(("change", node_id), provider.name, f"{provider.name}: create of node {node_id}",
                              lambda: provider.provision(request), deadline_s(provider, "create"),

@@ -309,8 +309,9 @@ def cli_env(home) -> dict[str, str]:
 
 @pytest.mark.parametrize("args, problem", [
     (["--owner", "not-an-id"], "--owner: not a store id (12 hex digits, as `tfsn down` prints it)"),
-    (["1", "--owner", "0123456789ab"], "name a JOB or --owner, not both: a JOB is a job of this store")])
-def test_a_bad_owner_is_one_line_and_exit_2(tmp_path, args, problem):
+    (["1", "--owner", "0123456789ab"], "name a JOB or --owner, not both: a JOB is a job of this store"),
+    ([""], "no job with id or name ''. To fix: run `tfsn ls` to see the jobs")])   # before: swept every job
+def test_a_bad_owner_or_job_is_one_line_and_exit_2(tmp_path, args, problem):
     done = subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "down", *args], env=cli_env(tmp_path),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"tfsn: error: {problem}"], done.stderr

@@ -55,7 +55,7 @@ def down(store: Store, drivers: list, job_ref: str | None, everything: bool, dry
     `owner`: sweep for another store (a lost TFSN_HOME) instead, all of its jobs taken as ended."""
     from providers.sweep import NotConfigured, delete_resources, list_resources
 
-    job = str(store.find_job(job_ref).id) if job_ref else None
+    job = str(store.find_job(job_ref).id) if job_ref is not None else None   # "" (an unset $JOB) is no job
     failed = False
     found = []
     for name, result in list_resources(drivers, time.monotonic() + LIST_TIMEOUT_S).items():

@@ -191,8 +191,11 @@ def test_another_stores_resources_are_kept_whatever_their_job_id(each_cloud, sto
     after = each_cloud.present()
     assert not mine & after and colleague <= after
     for job_ref in (None, str(ours)):   # --all takes live jobs' resources and shared ones, never another store's
-        code, out, err = run_down(store, each_cloud, job_ref=job_ref, everything=True)   # (Azure refuses the
-        assert colleague <= each_cloud.present(), out + err                                 # vnet their NIC is in)
+        code, out, err = run_down(store, each_cloud, job_ref=job_ref, everything=True)
+        assert colleague <= each_cloud.present(), out + err
+        if each_cloud.driver.name == "azure" and job_ref is None:   # their NIC is in the region's vnet: Azure keeps it
+            assert err.strip().endswith("To fix: it goes once nothing uses it: end the jobs whose NICs are in it, "
+                                        "then run `tfsn down --all` again"), err
     code, out, err = run_down(theirs_store, each_cloud)   # where they were launched, the dead job's go
     assert (code, err) == (0, ""), out + err
     assert each_cloud.present() & colleague == each_cloud.names[str(theirs)] & colleague

@@ -340,6 +340,9 @@ def _classify(err: Exception, *, zonal: bool) -> tuple[Fault, str]:
                      "provider"), detail
     if status == 404:
         return Fault(NotFoundError), detail
+    if code and code.startswith("InUse") and code.endswith("CannotBeDeleted"):   # a delete: another resource holds it
+        return Fault(ProviderError, "it goes once nothing uses it: end the jobs whose NICs are in it, then run "
+                                    "`tfsn down --all` again", retryable=True), detail
     if status == 400 or (isinstance(err, HttpResponseError) and code in ("InvalidParameter", "BadRequest")):
         return Fault(InvalidRequestError, f"check the offer's VM size and the image ({IMAGE_ENV})"), detail
     return Fault(), detail

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from providers.base import (AuthError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             NotFoundError, Offer, ProviderError, QuotaError, import_sdk, provider_error)
 from providers.bootstrap import install_command
-from providers.naming import JOB_TAG, NODE_TAG, dns_label, node_tags
+from providers.naming import JOB_TAG, NODE_TAG, OWNER_TAG, dns_label, node_tags
 from providers.sweep import NotConfigured, TaggedResource, tagged
 
 NAME = "kubernetes"
@@ -326,7 +326,7 @@ class KubernetesProvider:
             if JOB_TAG in labels and not pod.metadata.owner_references:   # exact ids: a label value may be shortened
                 found.append(tagged(NAME, "pod", pod.metadata.name, namespace, {
                     JOB_TAG: notes.get(JOB_ANNOTATION, labels[JOB_TAG]),
-                    NODE_TAG: notes.get(NODE_ANNOTATION, labels.get(NODE_TAG))}))
+                    NODE_TAG: notes.get(NODE_ANNOTATION, labels.get(NODE_TAG)), OWNER_TAG: labels.get(OWNER_TAG)}))
         return found
 
     def delete_resource(self, resource: TaggedResource) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Protocol, TypeVar
 
 from providers.base import MissingExtraError, ProviderError
-from providers.naming import JOB_TAG, NODE_TAG
+from providers.naming import JOB_TAG, NODE_TAG, OWNER_TAG
 
 # The order of deletion: what holds another resource goes first (an instance holds its disk and NIC,
 # a NIC holds its subnet). Kinds of one stage are deleted in parallel.
@@ -38,6 +38,7 @@ class TaggedResource:
     where: str                    # region, zone, resource group or namespace
     job: str | None               # its tfsn-job tag; None for what tfsn shares between jobs (a region's vnet)
     node: str | None = None       # its tfsn-node tag, where it has one
+    owner: str | None = None      # its tfsn-owner tag: the store whose job it is (None: made before that tag)
     ref: Mapping[str, Any] = field(default_factory=dict, compare=False)  # what the driver needs to delete it
 
 
@@ -65,7 +66,7 @@ def tagged(provider: str, kind: str, name: str, where: str, tags: Mapping[str, s
            **ref: Any) -> TaggedResource:
     """A resource named by its cloud, with the job and node of its tags (the one reading of tags for all drivers)."""
     tags = tags or {}
-    return TaggedResource(provider, kind, name, where, tags.get(JOB_TAG), tags.get(NODE_TAG), ref)
+    return TaggedResource(provider, kind, name, where, tags.get(JOB_TAG), tags.get(NODE_TAG), tags.get(OWNER_TAG), ref)
 
 
 def stage(kind: str) -> int:

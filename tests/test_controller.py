@@ -242,7 +242,11 @@ def test_a_hung_cloud_call_neither_delays_another_jobs_recovery_nor_the_controll
         cloud.release.set()
         server.shutdown()
         server.server_close()
-    # once the hung call returned, the node it may have made is found by its id and deleted (not leaked)
+    # once the hung call returned, the node it made is deleted by the id its late answer gave (not leaked)
+    def answered() -> bool:   # what the loop's next pass does first
+        controller.calls.collect()
+        return not controller.calls.busy(("change", hung.id))
+    _wait("the hung create's late answer", answered, 10)
     controller.nodes.sweep_releases()
     _ended(controller.calls)
     assert hung.id in cloud.terminated and store.node(hung.id).released
@@ -400,3 +404,95 @@ def test_a_hung_delete_does_not_hold_up_the_stop_and_is_tried_again_once_it_retu
         stop.set()
         loop.join(15)
     assert cloud.deletes == [node.id, node.id], "asked again once the hung call returned, until confirmed"
+
+
+def test_a_nodes_request_carries_its_stores_owner_tag(tmp_path):
+    """What `tfsn down` tells another store's resources by (test_down): every create names the store it is for."""
+    from providers.naming import OWNER_TAG, node_tags
+    store = Store(tmp_path / "tfsn.db")
+    cloud = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    cloud.shares_host = True   # no API for its nodes to reach: only the request matters here
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("j", JobSpec.model_validate({
+        "name": "j", "run": "true", "workdir": str(tmp_path),
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    controller.reconcile(job_id)
+    [request] = cloud.requests
+    assert len(store.owner) == 12 and request.owner == store.owner
+    assert node_tags(request)[OWNER_TAG] == node_tags(request, label_safe=True)[OWNER_TAG] == store.owner
+
+
+class LaggingSearch(HangingCloud):
+    """Like EC2: a machine is known by the id its create returned, and a search by its tag does not see a fresh
+    one yet (a terminate that has no id finds nothing, and says it is gone)."""
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        handle = super().provision(request)
+        return NodeHandle(self.name, handle.node_id, {**handle.data, "instance_id": f"i-{request.node_id}"})
+
+    def terminate(self, handle: NodeHandle) -> None:
+        if "instance_id" in handle.data:
+            super().terminate(handle)
+
+
+def _loop(controller: Controller) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    loop.start()
+    return stop, loop
+
+
+def _cloud_job(store: Store, tmp_path, name: str = "j") -> int:
+    return store.create_job(name, JobSpec.model_validate({
+        "name": name, "run": "true", "workdir": str(tmp_path), "health": {"heartbeat_timeout": "10m"},
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+
+
+def test_a_create_that_answers_after_its_deadline_is_deleted_by_the_id_it_gave(tmp_path):
+    """Before, a late create's answer was dropped and its node deleted by tag: on a cloud whose search lags, the
+    machine was marked deleted and left running (billed, with nothing left to find it but `tfsn down`)."""
+    store = Store(tmp_path / "tfsn.db")
+    cloud = LaggingSearch([h100("aws", "us-east-1", "us-east-1a", 90.0), h100("aws", "us-east-1", "us-east-1b", 95.0)],
+                          hang_zones={"us-east-1a"})
+    cloud.create_deadline_s = 1.0
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = _cloud_job(store, tmp_path)
+    stop, loop = _loop(controller)
+    try:
+        _wait("the next zone", lambda: any(n.state == NodeState.STARTING for n in store.nodes(job_id)), 30)
+        hung = store.nodes(job_id)[0]
+        assert hung.state == NodeState.FAILED and "did not return within 1s" in hung.failure
+        cloud.release.set()   # the cloud answers at last: it made the machine
+        _wait("the late node deleted", lambda: store.node(hung.id).released, 10)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    assert hung.id in cloud.terminated, "marked deleted, yet the machine runs"
+    assert store.node(hung.id).handle["data"]["instance_id"] == f"i-{hung.id}"
+
+
+def test_a_node_released_while_its_create_ran_is_billed_from_its_answer_to_its_deletion(tmp_path):
+    """Before, a node stopped while its create ran counted 0 node-hours, though the cloud made it and billed it
+    until it was deleted."""
+    from orchestrator.control.cost import billed_hours
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0)], hang_zones={"us-east-1a"})
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = _cloud_job(store, tmp_path)
+    stop, loop = _loop(controller)
+    try:
+        _wait("the create", lambda: bool(cloud.entered), 30)
+        store.request_stop(job_id)
+        controller.wake.set()
+        _wait("the stop", lambda: store.job(job_id).state == JobState.STOPPED, 10)
+        cloud.release.set()
+        [node] = store.nodes(job_id)
+        _wait("the node made, then deleted", lambda: store.node(node.id).released, 10)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    node = store.node(node.id)
+    assert node.id in cloud.terminated and node.provisioned_at is not None
+    assert node.provisioned_at <= node.released_at and billed_hours(node, time.time()) > 0

@@ -50,10 +50,13 @@ class Cloud:
     server: Any = None
     names: dict[str, set[str]] = field(default_factory=dict)   # job id -> names of its resources
 
-    def node(self, job: int, node_id: str) -> None:
+    def node(self, job: int, node_id: str, owner: str = "") -> set[str]:
+        """Make a node of `job` (of the store `owner`; "" as before owner tags); the names of what it left."""
         request = NodeRequest(job_id=str(job), node_id=node_id, command=["python3", "-m", "orchestrator.agent"],
-                              env={"TFSN_NODE_ID": node_id}, workdir="/opt/tfsn", offer=self.offer)
-        self.names.setdefault(str(job), set()).update(self.made(self.driver, request))
+                              env={"TFSN_NODE_ID": node_id}, workdir="/opt/tfsn", offer=self.offer, owner=owner)
+        made = self.made(self.driver, request)
+        self.names.setdefault(str(job), set()).update(made)
+        return made
 
 
 def _aws(request) -> Cloud:
@@ -136,10 +139,10 @@ def job(store: Store, state: JobState) -> int:
 
 
 def run_down(store: Store, cloud: Cloud, job_ref: str | None = None, everything: bool = False,
-             dry_run: bool = False) -> tuple[int, str, str]:
+             dry_run: bool = False, owner: str | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     code = down(store, [cloud.driver], job_ref, everything, dry_run, Console(file=out, soft_wrap=True),
-                Console(file=err, soft_wrap=True), timeout_s=60)
+                Console(file=err, soft_wrap=True), timeout_s=60, owner=owner)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -166,6 +169,55 @@ def test_a_dead_jobs_resources_are_deleted_and_a_live_jobs_kept(each_cloud, stor
 
     code, out, err = run_down(store, each_cloud)   # again: nothing left to do, and no error
     assert (code, err) == (0, "") and "nothing to delete" in out
+
+
+def test_another_stores_resources_are_kept_whatever_their_job_id(each_cloud, store, tmp_path):
+    """Job ids restart at 1 in every store (TFSN_HOME, machine, colleague): a colleague's running job in the same
+    account has the id of our finished one. Before the owner tag, `tfsn down` here deleted its nodes."""
+    (tmp_path / "theirs").mkdir()
+    theirs_store = Store(tmp_path / "theirs" / "tfsn.db")
+    ours, theirs = job(store, JobState.STOPPED), job(theirs_store, JobState.RUNNING)
+    assert ours == theirs and store.owner != theirs_store.owner
+    assert Store(store.path).owner == store.owner   # an id kept by the store, not made per process
+    mine = each_cloud.node(ours, f"train-{ours}-n0-aa11", owner=store.owner)
+    colleague = each_cloud.node(theirs, f"train-{theirs}-n0-bb22", owner=theirs_store.owner)
+    orphan = job(theirs_store, JobState.STOPPED)     # not a job here at all
+    colleague |= each_cloud.node(orphan, f"train-{orphan}-n0-cc33", owner=theirs_store.owner)
+
+    code, out, err = run_down(store, each_cloud)
+    assert (code, err) == (0, ""), out + err
+    assert f"kept {len(colleague)} resource(s) of other tfsn stores ({theirs_store.owner}; this one is {store.owner})" \
+        in out, out
+    after = each_cloud.present()
+    assert not mine & after and colleague <= after
+    for job_ref in (None, str(ours)):   # --all takes live jobs' resources and shared ones, never another store's
+        code, out, err = run_down(store, each_cloud, job_ref=job_ref, everything=True)
+        assert colleague <= each_cloud.present(), out + err
+        if each_cloud.driver.name == "azure" and job_ref is None:   # their NIC is in the region's vnet: Azure keeps it
+            assert err.strip().endswith("To fix: it goes once nothing uses it: end the jobs whose NICs are in it, "
+                                        "then run `tfsn down --all` again"), err
+    code, out, err = run_down(theirs_store, each_cloud)   # where they were launched, the dead job's go
+    assert (code, err) == (0, ""), out + err
+    assert each_cloud.present() & colleague == each_cloud.names[str(theirs)] & colleague
+    code, out, err = run_down(store, each_cloud, owner=theirs_store.owner)   # their home is lost: all of it goes
+    assert (code, err) == (0, ""), out + err
+    assert not colleague & each_cloud.present()
+
+
+def test_a_job_launched_while_the_clouds_are_listed_keeps_its_nodes(store, request):
+    """Listing every region of every cloud takes a while; a job launched meanwhile (another terminal) owns what it
+    made. Before, the live jobs were read before the listing and its new node was deleted as a leftover."""
+    cloud = _gcp(request)
+    listing, launched = cloud.driver.tagged_resources, []
+
+    def list_while_a_job_starts():
+        new = job(store, JobState.RUNNING)
+        launched.extend(cloud.node(new, f"train-{new}-n0-aa11", owner=store.owner))
+        return listing()
+    cloud.driver.tagged_resources = list_while_a_job_starts
+    code, out, err = run_down(store, cloud)
+    assert (code, err) == (0, "") and "nothing to delete" in out, out + err
+    assert set(launched) <= cloud.present()
 
 
 def test_a_job_narrows_the_sweep_to_its_resources(each_cloud, store):
@@ -256,6 +308,16 @@ def cli_env(home) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "AZURE_", "KUBE", "CLOUDSDK_"))}
     return {**env, "HOME": str(home), "TFSN_HOME": str(home), "NO_GCE_CHECK": "true", "PYTHONPATH": str(ROOT),
             "TFSN_AWS_REGIONS": "us-east-1"}
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--owner", "not-an-id"], "--owner: not a store id (12 hex digits, as `tfsn down` prints it)"),
+    (["1", "--owner", "0123456789ab"], "name a JOB or --owner, not both: a JOB is a job of this store"),
+    ([""], "no job with id or name ''. To fix: run `tfsn ls` to see the jobs")])   # before: swept every job
+def test_a_bad_owner_or_job_is_one_line_and_exit_2(tmp_path, args, problem):
+    done = subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "down", *args], env=cli_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"tfsn: error: {problem}"], done.stderr
 
 
 def test_the_command_sweeps_aws_and_says_which_clouds_it_skipped(aws_account, tmp_path):

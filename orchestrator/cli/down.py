@@ -2,11 +2,13 @@
 
 Every cloud driver tags what it creates with the job it is for (providers.naming); this command asks
 every cloud configured on this machine for what carries the tag (providers.sweep), keeps what belongs
-to a job that is live in this store (its controller owns it), shows the rest and deletes it. Mounted
-on the main app by `register(app, store)`.
+to a job that is live in this store (its controller owns it) and what another store made (job ids restart
+at 1 in every TFSN_HOME: its owner tag says whose it is), shows the rest and deletes it. Mounted on the
+main app by `register(app, store)`.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, Optional
 
@@ -20,12 +22,17 @@ CLOUDS = ("aws", "gcp", "azure", "kubernetes")   # the drivers that tag what the
 LIST_TIMEOUT_S = 120.0                           # every cloud's listing, all in parallel
 
 
-def chosen(resources: list, live: set[str], job: str | None, everything: bool) -> tuple[list, list]:
-    """(to delete, kept) of the tagged resources found. Kept: those of a live job (but with --all), those of
-    another job than `job` when one is given, and what jobs share (a region's network) unless --all."""
+def chosen(resources: list, live: set[str], job: str | None, everything: bool, owner: str,
+           untagged: bool = True) -> tuple[list, list]:
+    """(to delete, kept) of the tagged resources found. Kept: those another store than `owner` made (always: its
+    jobs are not ours, whatever their ids), those of a live job (but with --all), those of another job than `job`
+    when one is given, and what jobs share (a region's network) unless --all. A resource made before the owner
+    tag counts as `owner`'s if `untagged`."""
     take, keep = [], []
     for resource in resources:
-        if job is not None:
+        if resource.owner != owner and (resource.owner is not None or not untagged):
+            wanted = False
+        elif job is not None:
             wanted = resource.job == job and (everything or job not in live)
         else:
             wanted = everything or (resource.job is not None and resource.job not in live)
@@ -42,13 +49,13 @@ def table(resources: list) -> list[str]:
 
 
 def down(store: Store, drivers: list, job_ref: str | None, everything: bool, dry_run: bool, out: Console,
-         err: Console, timeout_s: float) -> int:
+         err: Console, timeout_s: float, owner: str | None = None) -> int:
     """The command (see the module docstring): 0 when everything chosen is gone (or --dry-run), 1 when a cloud
-    could not be listed or a resource not deleted, each said in one line. StoreError for an unknown job."""
+    could not be listed or a resource not deleted, each said in one line. StoreError for an unknown job.
+    `owner`: sweep for another store (a lost TFSN_HOME) instead, all of its jobs taken as ended."""
     from providers.sweep import NotConfigured, delete_resources, list_resources
 
-    job = str(store.find_job(job_ref).id) if job_ref else None
-    live = {str(j.id) for j in store.jobs(active_only=True)}
+    job = str(store.find_job(job_ref).id) if job_ref is not None else None   # "" (an unset $JOB) is no job
     failed = False
     found = []
     for name, result in list_resources(drivers, time.monotonic() + LIST_TIMEOUT_S).items():
@@ -59,8 +66,11 @@ def down(store: Store, drivers: list, job_ref: str | None, everything: bool, dry
             err.print(f"tfsn: error: {name}: cannot list tfsn's resources: {result}", highlight=False, markup=False)
         else:
             found += result
-    take, keep = chosen(found, live, job, everything)
-    _say_kept(keep, live, job, out)
+    # Live jobs are read after the listing: a job launched while the clouds were listed owns what it made.
+    owner = owner or store.owner
+    live = {str(j.id) for j in store.jobs(active_only=True)} if owner == store.owner else set()
+    take, keep = chosen(found, live, job, everything, owner, untagged=owner == store.owner)
+    _say_kept(keep, live, job, owner, out)
     if not take:
         out.print("nothing to delete" + (f" of job {job}" if job else ""), highlight=False)
         return int(failed)
@@ -78,8 +88,16 @@ def down(store: Store, drivers: list, job_ref: str | None, everything: bool, dry
     return int(failed or bool(errors))
 
 
-def _say_kept(keep: list, live: set[str], job: str | None, out: Console) -> None:
-    """One line each for what is kept because its job is live, and for what jobs share."""
+def _say_kept(keep: list, live: set[str], job: str | None, owner: str, out: Console) -> None:
+    """One line each for what is kept because another store made it, because its job is live, and for what jobs
+    share."""
+    others = [r for r in keep if r.owner is not None and r.owner != owner]
+    if others:
+        stores = ", ".join(sorted({r.owner for r in others}))
+        out.print(f"kept {len(others)} resource(s) of other tfsn stores ({stores}; this one is {owner}): `tfsn down` "
+                  "run where they were launched deletes them (`tfsn down --owner ID` for a home that is lost)",
+                  highlight=False)
+    keep = [r for r in keep if r not in others]
     if job is not None and job in live:
         out.print(f"job {job} is live: its resources are kept. To fix: `tfsn stop {job}` tears them down "
                   "(or add --all)", highlight=False)
@@ -102,11 +120,20 @@ def register(app: typer.Typer, store: Callable[[], Store]) -> None:
                                                      "jobs share (a region's network)"),
                      dry_run: bool = typer.Option(False, "--dry-run", help="list them, delete nothing"),
                      timeout: float = typer.Option(900.0, "--timeout", min=1.0, help="seconds to wait for the "
-                                                   "deletions, all clouds together")) -> None:
+                                                   "deletions, all clouds together"),
+                     owner: Optional[str] = typer.Option(None, "--owner", help="the id of another (lost) tfsn "
+                                                         "store, as `tfsn down` prints it: delete all its jobs' "
+                                                         "resources")) -> None:
         """Delete what tfsn left in the clouds (instances, volumes, disks, NICs, networks, pods) that no live
         job owns; every cloud configured on this machine, in parallel."""
         from providers.registry import load_provider
 
+        problem = ("--owner: not a store id (12 hex digits, as `tfsn down` prints it)"
+                   if owner is not None and not re.fullmatch(r"[0-9a-f]{12}", owner) else
+                   "name a JOB or --owner, not both: a JOB is a job of this store" if owner and job else "")
+        if problem:
+            Console(stderr=True).print(f"tfsn: error: {problem}", highlight=False, markup=False)
+            raise typer.Exit(2)
         code = down(store(), [load_provider(name) for name in CLOUDS], job, everything, dry_run,
-                    Console(soft_wrap=True), Console(stderr=True, soft_wrap=True), timeout)
+                    Console(soft_wrap=True), Console(stderr=True, soft_wrap=True), timeout, owner)
         raise typer.Exit(code)

@@ -7,8 +7,9 @@ what it decides. One call per key at a time (a node's create and its terminate s
 flight is never issued twice, and a node's terminate waits for its create to return.
 
 A call past its deadline is answered with DeadlineError (the offer fails over; a terminate is tried again
-later). Python cannot stop its thread: the call keeps its key until it returns, and its late result is
-dropped (a terminate then finds the node by its id or tag, as after a crash). Each lane has at most
+later). Python cannot stop its thread: the call keeps its key until it returns, and its late result goes to
+its `on_late` callback at the next `collect` (a create's late handle is how its node is deleted: a cloud's
+search by tag may not see a fresh machine yet), or is dropped where there is none. Each lane has at most
 LANE_THREADS daemon threads: a hung cloud holds its own lane's threads only, its queued calls meet their
 deadline unrun, and a hung thread never keeps the controller's process from exiting.
 """
@@ -53,9 +54,11 @@ class Call:
     on_done: Callable[[Call], None]
     limit_s: float                              # its deadline, from when it was asked for (queueing counts)
     wakes: bool = True                          # its end wakes the loop (a status poll waits for the next pass)
-    state: str = "queued"                       # queued | running | done | handed (to on_done) | cancelled (before
-                                                # it ran) | abandoned (past its deadline: on_done had a DeadlineError;
-                                                # it may still be running)
+    on_late: Callable[[Call], None] | None = None   # what the loop does with a result that came past the deadline
+    state: str = "queued"                       # queued | running | done | handed (to on_done or on_late) |
+                                                # cancelled (before it ran) | abandoned (past its deadline: on_done
+                                                # had a DeadlineError; it may still be running) | late (returned
+                                                # after that, for on_late: it keeps its key until handed)
     value: Any = None
     error: BaseException | None = None
     started: float = field(default_factory=time.monotonic)
@@ -88,10 +91,12 @@ class ProviderCalls:
             return sum(call.state in ("queued", "running") for call in self._calls.values())
 
     def start(self, key: Hashable, lane: str, what: str, run: Callable[[], Any], deadline: float,
-              on_done: Callable[[Call], None], wakes: bool = True) -> bool:
+              on_done: Callable[[Call], None], wakes: bool = True,
+              on_late: Callable[[Call], None] | None = None) -> bool:
         """Run `run` in `lane` within `deadline` seconds; `on_done(call)` gets its value or error at the loop's next
-        `collect` (before `start` returns, inside `waiting`). False, and nothing started, while `key` is busy."""
-        call = Call(key, lane, what, run, on_done, deadline, wakes)
+        `collect` (before `start` returns, inside `waiting`), and `on_late(call)` what it returned after its
+        deadline, if it did. False, and nothing started, while `key` is busy."""
+        call = Call(key, lane, what, run, on_done, deadline, wakes, on_late)
         with self._changed:
             if key in self._calls:
                 return False
@@ -156,6 +161,11 @@ class ProviderCalls:
         ended = []
         with self._changed:
             for call in calls:
+                if call.state == "late":
+                    self._calls.pop(call.key, None)
+                    call.state = "handed"
+                    ended.append((call, call.on_late))
+                    continue
                 if call.state == "done":
                     self._calls.pop(call.key, None)
                     call.state = "handed"          # to its callback, once
@@ -167,10 +177,10 @@ class ProviderCalls:
                     call.state = "abandoned"       # a running one keeps its key until it returns
                 else:
                     continue
-                ended.append(call)
-        for call in ended:
+                ended.append((call, call.on_done))
+        for call, callback in ended:
             try:
-                call.on_done(call)
+                callback(call)
             except Exception:   # one broken callback must not stop the others, nor the loop
                 print(f"{call.what}: handling its result failed\n{traceback.format_exc()}", flush=True)
 
@@ -185,15 +195,18 @@ class ProviderCalls:
         except BaseException as err:   # handed to the loop, which decides what it means
             value, error = None, err
         with self._changed:
-            if call.state == "abandoned":          # the loop gave up on it: its key is free again
+            if call.state == "abandoned" and call.on_late is not None:   # for the loop's next collect
+                call.value, call.error, call.state = value, error, "late"
+            elif call.state == "abandoned":        # the loop gave up on it: its key is free again
                 if self._calls.get(call.key) is call:
                     del self._calls[call.key]
+            if call.state in ("abandoned", "late"):
                 print(f"{call.what} returned after its deadline "
                       f"({time.monotonic() - call.started:.0f}s){f': {error}' if error else ''}", flush=True)
             else:
                 call.value, call.error, call.state = value, error, "done"
             self._changed.notify_all()
-        if call.wakes or call.state == "abandoned":
+        if call.wakes or call.state in ("abandoned", "late"):
             self.wake.set()
 
 

@@ -7,10 +7,11 @@ must share a zone. A transient error (throttling, network) is retried on the sam
 
 Planning and creating run off the loop (calls.py): a node stays REQUESTED, its rank taken, while its create is in
 flight, and the call's end decides (STARTING, or a refusal as above). A create past its deadline is a refusal too:
-the offer is blocked, and the node is terminated (found by its id) once the hung call returns.
+the offer is blocked, and the node is terminated once the hung call returns (by the id its late answer gives).
 """
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import socket
@@ -211,19 +212,23 @@ class Provisioner:
             log_path=str(job_dir(job.id, self.ctx.home) / f"{node_id}.log"),
             command=agent_command(local), cpus=requested_cpus(spec),
             env=agent_env(self.ctx.url, job, node_id, local, self.ctx.trust), offer=offer, spot=candidate.spot,
-            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name))
+            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name),
+            owner=self.ctx.store.owner)
         role = f"rank {rank}" if rank is not None else "spare"
+        created = functools.partial(self._created, job.id, spec, node_id, candidate, role)
         self.ctx.calls.start(("change", node_id), provider.name, f"{provider.name}: create of node {node_id}",
-                             lambda: provider.provision(request), deadline_s(provider, "create"),
-                             lambda call: self._created(job.id, spec, node_id, candidate, role, call))
+                             lambda: provider.provision(request), deadline_s(provider, "create"), created,
+                             on_late=created)
 
     def _created(self, job_id: int, spec: JobSpec, node_id: str, candidate: PlannedOffer, role: str,
                  call: Call) -> None:
-        """A create returned (or passed its deadline): the node starts, or the refusal is dealt with."""
+        """A create returned (or passed its deadline): the node starts, or the refusal is dealt with. One that
+        returns for a node let go meanwhile (a stop, a move, its deadline) records what it made: the sweep deletes
+        that by the id the cloud gave (a search by tag may not see a fresh machine yet), and it is billed till then."""
         node = self.ctx.store.node(node_id)
-        if node.state != NodeState.REQUESTED:   # released meanwhile (a stop, a move): the sweep deletes what it made
+        if node.state != NodeState.REQUESTED:
             if call.error is None:
-                self.ctx.store.update_node(node_id, handle=call.value.__dict__)
+                self.ctx.store.update_node(node_id, handle=call.value.__dict__, provisioned_at=time.time())
             return
         if call.error is not None:
             err = call.error

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import secrets
 import sqlite3
 import statistics
 import threading
@@ -117,6 +118,7 @@ class Node:
 
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT NOT NULL, state TEXT NOT NULL, spec TEXT NOT NULL, spec_path TEXT NOT NULL,
@@ -235,6 +237,9 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
         self._migrate()
+        # This store's own id, made once: job ids restart at 1 in every store, so the clouds' resources carry it
+        # too, and `tfsn down` run from another store (TFSN_HOME, machine, colleague) leaves them alone.
+        self.owner: str = self._owner()
         for part in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):   # every job's secret is in there
             if str(path) != ":memory:" and part.exists():
                 part.chmod(0o600)
@@ -254,6 +259,14 @@ class Store:
                     except sqlite3.OperationalError as err:   # another process added it just now
                         if "duplicate column" not in str(err):
                             raise
+
+    def _owner(self) -> str:
+        """The store's id, written by whichever process opens it first (read only, after that)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+        if row is None:
+            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('owner', ?)", (secrets.token_hex(6),))
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+        return row[0]
 
     def close(self) -> None:
         self._db.close()

@@ -424,3 +424,17 @@ def test_phase_timeouts_are_learned_and_clamped():
     assert history.timeout("eval") == CONFIG.phase_timeout_factor * 100.0  # the longest seen counts
     history.observe("eval", 10_000.0)
     assert history.timeout("eval") == CONFIG.phase_timeout_max_s
+
+
+def test_phase_names_learned_per_job_are_bounded():
+    # Each post may carry 16 names (the API's bound), but nothing bounded them across posts: 10,000 names
+    # were 10,000 entries kept for the job's life.
+    from health.hang import MAX_PHASES, PhaseHistory
+    history = PhaseHistory(CONFIG)
+    history.observe("checkpoint", 40.0)
+    for i in range(10_000):
+        history.observe(f"p{i}", 1.0)
+    assert len(history.longest) == MAX_PHASES
+    history.observe("checkpoint", 60.0)                                    # a known phase still learns
+    assert history.timeout("checkpoint") == CONFIG.phase_timeout_factor * 60.0
+    assert history.timeout("p9999") == CONFIG.phase_timeout_max_s          # an unlearned one: the ceiling

@@ -374,3 +374,20 @@ def test_a_node_clock_a_minute_off_neither_hangs_a_long_save_nor_hides_a_dead_ra
             watch.post(1, rank, {"records": [], "heartbeat": t + 60.0, "phase": "train"}, t)
     new, decisions = watch.check(now + 200)
     assert [(f.kind.value, f.node, f.ranks) for f in new] == [("hang", "n0", (3,))]
+
+
+def test_an_xid_storm_is_drained_over_several_samples():
+    """sample() drained NVML's event queue until it was empty: a storm faster than the drain would keep the
+    agent's loop (its heartbeats too) there; 100,000 queued Xids came back as one list of 100,004 samples."""
+    from health.telemetry import MAX_XIDS_PER_SAMPLE
+    from tests.fake_nvml import FakeNvml
+    nvml = FakeNvml(gpus=4)
+    source = NvmlSource("node-a", nvml=nvml)
+    for _ in range(100_000):
+        nvml.xid(2, 79)
+    samples = source.sample()
+    assert len(samples) == 4 + MAX_XIDS_PER_SAMPLE and len(nvml.pending) == 100_000 - MAX_XIDS_PER_SAMPLE
+    assert {(s.gpu, s.xid) for s in samples[4:]} == {(2, 79)}
+    while nvml.pending:                    # the rest come with the next samples
+        source.sample()
+    source.close()

@@ -25,6 +25,10 @@ from health.findings import Finding, FindingKind, Severity, ranks_by_node, ranks
 
 
 TRAIN = "train"                 # the phase of a rank that announced none
+# Distinct phase names learned per job. The SDK allows 16 per process and the API 16 per post, but nothing
+# bounded them across posts: a client inventing names would grow the controller without end. Names past
+# this have no history: their timeout is the ceiling.
+MAX_PHASES = 64
 
 
 def step_timeout(config: HealthConfig, intervals: np.ndarray) -> float:
@@ -43,7 +47,8 @@ class PhaseHistory:
         self.longest: dict[str, float] = {}
 
     def observe(self, phase: str, seconds: float) -> None:
-        if phase != TRAIN and math.isfinite(seconds) and seconds >= 0:
+        if phase != TRAIN and math.isfinite(seconds) and seconds >= 0 and (
+                phase in self.longest or len(self.longest) < MAX_PHASES):
             self.longest[phase] = max(seconds, self.longest.get(phase, 0.0))
 
     def timeout(self, phase: str) -> float:

@@ -311,7 +311,9 @@ class _Run:
     def _interrupt(self) -> None:
         """An interruption of one of Llama 3's causes: rework, detection, restart(s), the node replaced if at fault."""
         sc, rng = self.sc, self.crashes
-        self._lose("rework", self.next_crash - self.t)     # the step in flight
+        # The step in flight; none if the failure fell due while the job saved or restarted (then it is
+        # taken as the save or restart ends: the clock never goes back).
+        self._lose("rework", max(0.0, self.next_crash - self.t))
         self.result.crashes += 1
         weights = np.array([c.count for c in sc.causes], dtype=float)
         cause = sc.causes[int(rng.choice(len(sc.causes), p=weights / weights.sum()))]

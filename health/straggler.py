@@ -15,11 +15,15 @@ CUSUM, ARL0 = (e^{2kb} - 2kb - 1) / 2k^2 with b = h + 1.166, is solved for h so 
 raises a false alarm once per `straggler_false_alarm_steps` steps (1e9: ~0.001 expected false
 alarms in 1e6 rank-steps). A rank whose CUSUM crossed h is blamed only if the median of its last
 `straggler_window` steps also shows it at least `straggler_min_slowdown` slower than the cluster.
+What a blamed rank does is not learned as its usual standing, noise or baseline: else a 10% slowdown
+would be half excused within a few hundred steps, long before a replacement pays (health/policy.py).
 When noise grows on every rank at once, the cluster's spread grows with it long before each rank's
 slowly learned sigma does: each rank's sigma is scaled by how much the recent spread exceeds the
 spread it was learned against. Ranks slowed together on `straggler_shared_nodes` nodes or more (a
 rack, a leaf switch, a quarter of the job) are one info finding of the job's, naming no node: their
-CUSUMs rise together, so when the first crosses h the others are past h/2, and those are counted.
+CUSUMs rise together, so when the first crosses h the others are past h/2, and those are counted. A
+rank far slower than that group (past its median by `straggler_min_slowdown` and 5 of its sigmas) is
+still blamed on its node: a rack slowed 10% must not hide a GPU 50% slower elsewhere.
 The test starts after warm-up + window + baseline steps (56 by default), once every rank has a
 baseline. With 3-5% noise it finds a 10% slowdown in ~10 steps and a 20% one in ~5
 (benchmarks/health.py measures it, and the false alarms).
@@ -53,6 +57,15 @@ def _median(a: np.ndarray, axis: int | None = None) -> np.ndarray:
     """np.median, or np.nanmedian where a value is missing (3x slower, so only then)."""
     with np.errstate(all="ignore"):
         return np.nanmedian(a, axis=axis) if np.isnan(a).any() else np.median(a, axis=axis)
+
+
+def _apart(slow: np.ndarray, margin: float) -> np.ndarray:
+    """Which of ranks slowed together (`slow`: log slowdowns) are far slower than the rest: past their median
+    by `margin` and by 5 sigmas of their spread. A GPU 50% slower is its node's fault, even while a rack
+    is 10% slower."""
+    center = float(np.median(slow))
+    sigma = MAD_TO_SIGMA * float(np.median(np.abs(slow - center)))
+    return slow > center + max(margin, 5 * sigma)
 
 
 class StragglerTest:
@@ -125,11 +138,14 @@ class StragglerTest:
             return {}                  # most ranks slowed together: the job, not a node
         at = {int(rank): i for i, rank in enumerate(ranks)}
         slowed = ranks_by_node(self.rank_nodes, ranks[keep])
+        out: dict[str, Finding] = {}
         if len(slowed) >= cfg.straggler_shared_nodes:
-            return {"": self._shared(slowed, ranks[keep], score[keep], now, step)}
+            apart = _apart(slow[keep], -math.log(1 - cfg.straggler_min_slowdown))
+            group = ranks[keep][~apart]
+            out[""] = self._shared(ranks_by_node(self.rank_nodes, group), group, score[keep][~apart], now, step)
+            slowed = ranks_by_node(self.rank_nodes, ranks[keep][apart])   # far slower than the group: their own
         reference = ("the cluster median" if self._relative else "the other ranks, against its own baseline"
                      if self._peers else "its own baseline")
-        out: dict[str, Finding] = {}
         for node, mine in slowed.items():
             mine = [r for r in mine if self._cusum[r] > self._limit]
             if not mine:
@@ -199,12 +215,15 @@ class StragglerTest:
         # rank always slower than that is a fault, however long it has been.
         self._refreshes += 1
         weight = max(1 / self._refreshes, cfg.straggler_window / cfg.straggler_learn_steps)
+        blamed = self._blamed()
         # The center is learned as slowly as the rest: taken whole at each refresh, a slowdown
         # would become the rank's "own baseline" one window after it began, before it is caught.
         known = ~np.isnan(self._own_center)
         learned = self._own_center + weight * (center - self._own_center)
-        self._own_center = np.where(known, np.where(np.isnan(center), self._own_center, learned), center)
+        keep = np.isnan(center) | blamed                # no data, or blamed now: nothing learned from it
+        self._own_center = np.where(known, np.where(keep, self._own_center, learned), center)
         sigma = MAD_TO_SIGMA * _median(np.abs(d - center), axis=0)
+        sigma = np.where(blamed, np.nan, sigma)
         sigma = np.where(np.isnan(sigma), self._own_sigma, sigma)          # no data: keep what we knew
         known = ~np.isnan(self._own_sigma)
         self._own_sigma = np.where(known, self._own_sigma + weight * (sigma - self._own_sigma), sigma)
@@ -213,4 +232,15 @@ class StragglerTest:
             self._base_spread = spread if self._base_spread <= 0 else (
                 self._base_spread + weight * (spread - self._base_spread))
         usual = np.clip(np.nan_to_num(self._own_center), 0.0, -math.log(1 - cfg.straggler_min_slowdown))
-        self._allowance += weight * (usual - self._allowance)
+        self._allowance = np.where(blamed, self._allowance, self._allowance + weight * (usual - self._allowance))
+
+    def _blamed(self) -> np.ndarray:
+        """The ranks `findings` would blame now: CUSUM past the limit and the last window slow enough."""
+        blamed = self._cusum > self._limit
+        if not blamed.any():
+            return blamed
+        recent = self._recent_rows(self.config.straggler_window)
+        slow = _median(self._logt[recent] - self._center[recent, None], axis=0)
+        if not self._relative:
+            slow = slow - self._own_center
+        return blamed & (np.exp(-slow) < 1 - self.config.straggler_min_slowdown)

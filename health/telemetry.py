@@ -21,6 +21,9 @@ from typing import Any, Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 GPU_EXTRA = "pip install 'tfsn[gpu]'"
+# Xid events read per NVML sample: an Xid storm (thousands a second from a failing GPU) must not keep
+# the agent's loop, which also heartbeats, draining events; the rest wait in NVML's queue for the next call.
+MAX_XIDS_PER_SAMPLE = 1024
 
 
 class TelemetryError(Exception):
@@ -209,7 +212,7 @@ class NvmlSource:
             }
             sample = _nvml_sample(self.node, index, readings, now)
             samples.append(dataclasses.replace(sample, xid_watched=False) if index in self.unwatched else sample)
-        while True:
+        for _ in range(MAX_XIDS_PER_SAMPLE):   # a storm is drained over several calls, never in an endless loop
             try:
                 event = nvml.nvmlEventSetWait_v2(self._events, 0)
             except nvml.NVMLError:  # TIMEOUT: nothing pending; anything else: read again next call

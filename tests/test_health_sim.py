@@ -56,6 +56,19 @@ def test_the_wall_time_is_accounted_for():
         assert r.ettr == pytest.approx(r.steps * sc.step_s / r.wall_s)
 
 
+def test_a_failure_during_a_save_or_a_restart_costs_no_negative_time():
+    # Failures come on wall time, saves and restarts take wall time: a failure due while the job saved
+    # (300 s saves every 100 s of steps here) used to be charged "the step in flight" as a negative
+    # rework, turning the clock back (-156 s and -447 s of rework for seeds 1 and 2).
+    sc = Scenario(checkpoint_save_s=300.0, checkpoint_every_steps=20, failures_per_gpu_hour=2e-4,
+                  stragglers_per_gpu_hour=0.0, device_samples=False, fast_forward=True)
+    for seed in (1, 2):
+        r = simulate(512, 3000, seed=seed, mode="restart-on-crash", scenario=sc)
+        assert r.crashes > 0
+        assert all(lost >= 0 for lost in r.lost_s.values()), r.lost_s
+        assert r.wall_s == pytest.approx(r.steps * sc.step_s + sum(r.lost_s.values()))
+
+
 def test_tfsn_beats_the_baselines_when_gpus_fail_and_slow_down():
     sc = Scenario(failures_per_gpu_hour=1e-2, stragglers_per_gpu_hour=1e-2, fast_forward=True)
     ettr = {mode: simulate(64, 4000, seed=6, mode=mode, scenario=sc).ettr for mode in Mode}

@@ -340,3 +340,54 @@ def test_the_watch_measures_the_jobs_restart_and_save_for_the_policy():
     watch.observe(2, 1, [{"step": 5, "at": 144.0, "step_time": 1.0, "metrics": {}}], None)
     watch.observe(2, 0, [{"step": 5, "at": 146.0, "step_time": 1.0, "metrics": {}}], None)
     assert (watch.restart_s, watch.save_s) == (45.0, 1.5)
+
+
+def test_a_node_clock_a_minute_off_neither_hangs_a_long_save_nor_hides_a_dead_rank():
+    """Step, heartbeat and phase times are the node's clock; timeouts are the controller's. A node 60 s behind
+    looked silent all along (its ranks blamed for a save's pause); one 60 s ahead, never silent."""
+    from health.config import HealthConfig
+    from health.metrics import Metrics
+    from orchestrator.control.health_watch import JobWatch
+
+    def job(skew: float) -> tuple[JobWatch, float]:
+        watch = JobWatch(1, HealthConfig.load(), Metrics())
+        watch.start_attempt(1, [f"n{r // 8}" for r in range(16)])
+        now = 1000.0
+        for step in range(80):                                 # 2 s steps, each rank posting once per step
+            now += 2.0
+            for rank in range(16):
+                watch.post(1, rank, {"records": [{"step": step, "at": now + skew, "step_time": 1.9}],
+                                     "heartbeat": now + skew, "phase": "train"}, now)
+        return watch, now
+
+    watch, now = job(skew=-60.0)
+    save = now + 1
+    for t in range(int(save), int(save) + 300, 5):             # a first save of 5 min, every rank beating
+        for rank in range(16):
+            watch.post(1, rank, {"records": [], "heartbeat": t - 60.0, "phase": "checkpoint",
+                                 "phase_since": save - 60.0}, t)
+        new, decisions = watch.check(t)
+        assert new == [] and decisions == [], (t, [f.evidence for f in new])
+    watch, now = job(skew=+60.0)
+    for t in range(int(now) + 5, int(now) + 200, 5):           # rank 3 dies; the others wait in a collective
+        for rank in set(range(16)) - {3}:
+            watch.post(1, rank, {"records": [], "heartbeat": t + 60.0, "phase": "train"}, t)
+    new, decisions = watch.check(now + 200)
+    assert [(f.kind.value, f.node, f.ranks) for f in new] == [("hang", "n0", (3,))]
+
+
+def test_an_xid_storm_is_drained_over_several_samples():
+    """sample() drained NVML's event queue until it was empty: a storm faster than the drain would keep the
+    agent's loop (its heartbeats too) there; 100,000 queued Xids came back as one list of 100,004 samples."""
+    from health.telemetry import MAX_XIDS_PER_SAMPLE
+    from tests.fake_nvml import FakeNvml
+    nvml = FakeNvml(gpus=4)
+    source = NvmlSource("node-a", nvml=nvml)
+    for _ in range(100_000):
+        nvml.xid(2, 79)
+    samples = source.sample()
+    assert len(samples) == 4 + MAX_XIDS_PER_SAMPLE and len(nvml.pending) == 100_000 - MAX_XIDS_PER_SAMPLE
+    assert {(s.gpu, s.xid) for s in samples[4:]} == {(2, 79)}
+    while nvml.pending:                    # the rest come with the next samples
+        source.sample()
+    source.close()

@@ -120,11 +120,7 @@ class ApiHandlers:
         self.store.record_steps(job_id, attempt, rank, records)
         watch = self.health.existing(job_id)
         if watch is not None:
-            heartbeat, since = body.get("heartbeat"), body.get("phase_since")
-            if body.get("phase") is not None:   # first: a step that held a save closes knowing of the save
-                watch.observe_phase(attempt, rank, str(body["phase"]), None if since is None else float(since),
-                                    {str(k): float(v) for k, v in body.get("phases", {}).items()})
-            watch.observe(attempt, rank, records, None if heartbeat is None else float(heartbeat))
+            watch.post(attempt, rank, body, time.time())
         job = self.store.job(job_id)
         return {"checkpoint": job.checkpoint_request} if job.checkpoint_request > job.checkpoint_at else {}
 

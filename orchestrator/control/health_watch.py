@@ -81,6 +81,19 @@ class JobWatch:
             if heartbeat is not None:
                 self._monitor.observe(Sample(time=heartbeat, node=node, rank=rank))
 
+    def post(self, attempt: int, rank: int, body: Mapping[str, Any], received: float) -> None:
+        """One SDK post (requests.Telemetry): the rank's phase, step records and heartbeat. The node's clock
+        need not agree with the controller's, whose `now` every timeout is measured against: the rank's times
+        are moved by how far its heartbeat (its clock as it sent) is from `received` (ours as it came)."""
+        heartbeat = body.get("heartbeat")
+        shift = 0.0 if heartbeat is None else received - float(heartbeat)
+        if body.get("phase") is not None:   # first: a step that held a save closes knowing of the save
+            since = body.get("phase_since")
+            self.observe_phase(attempt, rank, str(body["phase"]), None if since is None else float(since) + shift,
+                               {str(k): float(v) for k, v in body.get("phases", {}).items()})
+        records = [{**record, "at": float(record["at"]) + shift} for record in body["records"]]
+        self.observe(attempt, rank, records, None if heartbeat is None else received)
+
     def _step_seen(self, at: float) -> None:
         if self._restart_from is not None and at > self._restart_from:
             self.restart_s, self._restart_from = at - self._restart_from, None

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.sdk import checkpoint
+from orchestrator.sdk import checkpoint, ckptstore
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
 
 TOTAL_STEPS = 8
@@ -251,7 +251,7 @@ def test_failed_save_raises_checkpoint_error_and_cleans_up(tmp_path: Path, monke
     def no_disk(path: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_fsync_dir", no_disk)  # fails after the manifest, before the rename
+    monkeypatch.setattr(ckptstore, "_fsync_dir", no_disk)  # fails after the manifest, before the rename
     with pytest.raises(CheckpointError, match="step_000000004.*earlier checkpoints are untouched"):
         save(tmp_path, 4, {"model": model})
     monkeypatch.undo()

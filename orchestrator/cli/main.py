@@ -59,11 +59,12 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     """What would stop a launch of this valid spec, as (the field to blame, a message naming it), or None:
-    a workdir that is not there, or no capable offer where the job may run (the planner's reason)."""
+    a workdir that is not there, no capable offer where the job may run (the planner's reason), or
+    checkpoints on a disk that the job's cloud nodes do not share."""
     if not Path(spec.workdir).is_dir():
         return ("workdir",), (f"workdir: {spec.workdir} is not a directory. To fix: point workdir at the "
                               "folder of your script")
-    from orchestrator.planning.placement import plan_for
+    from orchestrator.planning.placement import checkpoint_problem, plan_for
     from orchestrator.planning.planner import PlanError
     from providers.base import ProviderError
     from providers.catalog import CatalogError
@@ -72,7 +73,7 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
         plan_for(spec)
     except (PlanError, ProviderError, CatalogError) as err:
         return (err.field if isinstance(err, PlanError) else ()), str(err)
-    return None
+    return checkpoint_problem(spec)
 
 
 def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:

@@ -13,6 +13,7 @@ the next `save` or from `wait`; a crash before the commit leaves the previous ch
 from __future__ import annotations
 
 import concurrent.futures
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from orchestrator.sdk.checkpoint import CheckpointInfo, SaveSession, quiet_no_dist
+from orchestrator.sdk.checkpoint import NO_DIST_WARNING, CheckpointInfo, SaveSession
 
 
 class PendingSave:
@@ -58,9 +59,10 @@ class AsyncSaver:
         state = SaveSession.state(objects)
         session = SaveSession.start(directory, step, keep, self._checkpoint_group())
         try:
-            with quiet_no_dist():
-                upload = dcp.async_save(state, storage_writer=session.writer(), process_group=session.group,
-                                        async_stager=self._staging(), no_dist=not session.distributed)
+            if not session.distributed:   # DCP warns from its own thread, out of reach of a catch_warnings
+                warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+            upload = dcp.async_save(state, storage_writer=session.writer(), process_group=session.group,
+                                    async_stager=self._staging(), no_dist=not session.distributed)
         except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
             session.failed(e)
         self._pending = PendingSave(step, self._writer.submit(self._complete, session, upload, done))

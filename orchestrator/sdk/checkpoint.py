@@ -47,7 +47,7 @@ __all__ = ["CheckpointError", "CheckpointInfo", "MANIFEST", "SaveSession", "list
 FORMAT = 1
 _RNG_KEY = "_tfsn_rng_rank{}"
 # DCP warns on every call without a process group; single-process use is intended here.
-_NO_DIST_WARNING = r"torch\.distributed is (disabled|unavailable)"
+NO_DIST_WARNING = r"torch\.distributed is (disabled|unavailable)"
 # Checkpoints whose checksums this process computed or verified: (location, saved_at). Lets
 # pruning skip re-hashing gigabytes on every save.
 _known_good: set[tuple[str, float]] = set()
@@ -505,5 +505,5 @@ def _all_gather(value: Any, distributed: bool, group: Any = None) -> list[Any]:
 def quiet_no_dist() -> Iterator[None]:
     """Silence DCP's 'assuming single process' warning, which is expected without a process group."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
         yield

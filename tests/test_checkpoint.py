@@ -349,14 +349,22 @@ def test_async_save_writes_the_state_of_the_moment_it_was_called(tmp_path: Path)
     expected = {k: v.clone() for k, v in reference["model"].state_dict().items()}
     train(reference, 4, TOTAL_STEPS)   # the training goes on while the save is written
     info = pending.result(timeout=60)
-    saver.close()
     assert info.step == 4 and list_checkpoints(tmp_path) == [dataclasses.replace(info, seconds=0.0)]
     tensors = load_tensors(info.path)
     assert all(torch.equal(tensors[f"model.{k}"], v) for k, v in expected.items())
+    # The next save reuses the staging buffers: it holds its own moment, the first one keeps its own.
+    later = saver.save(tmp_path, TOTAL_STEPS, reference, keep=3)
+    expected_later = {k: v.clone() for k, v in reference["optimizer"].state_dict()["state"][0].items()}
+    train(reference, TOTAL_STEPS, TOTAL_STEPS + 2)
+    saver.close()
+    assert later.result().step == TOTAL_STEPS
+    moments = load_tensors(later.result().path)
+    assert all(torch.equal(moments[f"optimizer.state.0.weight.{k}"], v) for k, v in expected_later.items())
+    assert all(torch.equal(load_tensors(info.path)[f"model.{k}"], v) for k, v in expected.items())
 
     resumed = make_objects(123, fresh=True)
-    assert restore(tmp_path, resumed).step == 4
-    train(resumed, 4, TOTAL_STEPS)
+    assert restore(tmp_path, resumed).step == TOTAL_STEPS
+    train(resumed, TOTAL_STEPS, TOTAL_STEPS + 2)
     assert_same_state(reference, resumed)
 
 

@@ -93,7 +93,8 @@ class SaveSession:
 
     def __init__(self, store: Store, final: Location, written: Location, step: int, keep: int,
                  group: Any, started: float) -> None:
-        self.store, self.final, self.written, self.step, self.keep, self.group = store, final, written, step, keep, group
+        self.store, self.final, self.written, self.group = store, final, written, group
+        self.step, self.keep = step, keep
         self.distributed, self.rank, self.world_size = _dist_info()
         self.started = started
 
@@ -145,14 +146,14 @@ class SaveSession:
         if self.rank == 0:
             try:
                 names = self.store.files(self.written)
-            except OSError as e:
+            except Exception as e:   # every failure must reach the other ranks as an outcome, or they wait for ever
                 names = f"listing {self.written} failed: {_one_line(e)}"
         names = _broadcast(names, self.distributed, self.group)
         digests: dict[str, str] | str = {}
         if isinstance(names, list):
             try:
                 digests = _hash_share(self.store, self.written, names, self.rank, self.world_size)
-            except OSError as e:
+            except Exception as e:
                 digests = f"reading back {self.written} failed: {_one_line(e)}"
         shares = _all_gather(digests, self.distributed, self.group)
         outcome: CheckpointInfo | str | None = None
@@ -172,12 +173,12 @@ class SaveSession:
             files = {name: digest for share in shares for name, digest in share.items()}
             info = _commit(self.store, self.written, self.final, self.step, self.world_size, self.started,
                            {n: files[n] for n in names})
-        except (OSError, CheckpointError) as e:
+        except Exception as e:
             self.store.remove(self.written)
             return f"committing checkpoint {self.final} failed: {_one_line(e)}; earlier checkpoints are untouched"
         try:
             _prune(self.store, info, self.keep, self.started)
-        except OSError as e:
+        except Exception as e:
             warnings.warn(f"pruning old checkpoints in {self.store.root} failed: {e}", stacklevel=2)
         return info
 
@@ -193,8 +194,10 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
     if rank == 0:
         try:
             found = _committed(_open(directory))
-        except OSError as e:
-            found = f"cannot read checkpoint directory {directory}: {e}; check it is mounted and readable"
+        except CheckpointError as e:
+            found = str(e)
+        except Exception as e:
+            found = f"cannot read checkpoint directory {directory}: {_one_line(e)}; check it is mounted and readable"
     found = _broadcast(found, distributed)
     if isinstance(found, str):
         raise CheckpointError(found)

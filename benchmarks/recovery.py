@@ -145,13 +145,15 @@ def one_stall_run(store: Store, home: Path, env: dict[str, str], spec: Path) -> 
     if not saving or not plain:
         raise RuntimeError(f"job {job_id}: {len(saving)} saving and {len(plain)} plain steps reported")
     return {"stall": [records[i]["metrics"]["checkpoint_stall_s"] for i in saving], "step": plain,
+            "wait": [records[i]["metrics"].get("checkpoint_wait_s", 0.0) for i in saving],
             "after": [records[i + 1]["step_time"] for i in saving if i + 1 < len(records)]}
 
 
 def stall_figures(samples: list[dict[str, list[float]]]) -> dict[str, float]:
     """Medians over every save and step of a mode's runs, in milliseconds, and the stall as a share of a step."""
-    stall, step, after = ([x for s in samples for x in s[key]] for key in ("stall", "step", "after"))
+    stall, step, after, wait = ([x for s in samples for x in s[key]] for key in ("stall", "step", "after", "wait"))
     return {"saves": len(stall), "stall ms": statistics.median(stall) * 1000, "step ms": statistics.median(step) * 1000,
+            "wait ms": statistics.median(wait) * 1000,
             "stall / step": statistics.median(stall) / statistics.median(step),
             "step after save ms": statistics.median(after) * 1000 if after else float("nan")}
 
@@ -224,9 +226,28 @@ def shut_down(store: Store, home: Path) -> list[int]:
     return leftovers
 
 
+def print_restarts(args: argparse.Namespace, runs: list[dict[str, float]]) -> dict[str, float]:
+    """The kill runs' tables; their medians."""
+    medians = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    print(f"{args.repeats} repeat(s), {args.steps} steps, {args.spares} spare(s), checkpoint every {args.interval}, "
+          f"kill of rank 1 {args.kill_after}+ steps past a checkpoint")
+
+    def row(name: str) -> list[str]:
+        return [name, f"{medians[name]:.2f}", f"{min(r[name] for r in runs):.2f}", f"{max(r[name] for r in runs):.2f}"]
+
+    print_table(["seconds after kill -9", "median", "min", "max"],
+                [row(name) for name in [*PHASES, "workers started", "step start", "step done"]])
+    print("\nrestart breakdown:")
+    print_table(["phase", "median s", "min", "max"], [row(name) for name in BREAKDOWN])
+    print(f"steps redone: median {medians['steps redone']:g} (each: {', '.join(str(r['steps redone']) for r in runs)});"
+          f" attempt 2 restarted from step {', '.join(str(r['restored from']) for r in runs)};"
+          f" median step before the kill {medians['step ms']:.0f} ms")
+    return medians
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="jobs launched and killed (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="jobs launched and killed (default 3; 0: none)")
     parser.add_argument("--steps", type=int, default=200, help="training steps of each job (default 200)")
     parser.add_argument("--interval", type=int, default=25, help="checkpoint interval in steps (default 25)")
     parser.add_argument("--kill-after", type=int, default=12, help="steps past a checkpoint, as rank 0 reported "
@@ -242,8 +263,8 @@ def main() -> int:
     args = parser.parse_args()
     counts = (args.repeats, args.steps, args.interval, args.kill_after, args.stall_steps, args.stall_interval,
               args.stall_repeats)
-    if args.spares < 0 or min(counts) < 1:
-        parser.error("every option must be >= 1 (--spares >= 0)")
+    if min(args.spares, args.repeats) < 0 or min(counts[1:]) < 1:
+        parser.error("every option must be >= 1 (--spares and --repeats >= 0)")
 
     began = time.monotonic()
     runs: list[dict[str, float]] = []
@@ -277,28 +298,14 @@ def main() -> int:
     if leftovers:
         print(f"error: processes were left behind and killed: {leftovers}", file=sys.stderr)
 
-    medians = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
-    print(f"\n{args.repeats} repeat(s), {args.steps} steps, {args.spares} spare(s), checkpoint every {args.interval}, "
-          f"kill of rank 1 "
-          f"{args.kill_after}+ steps past a checkpoint; {time.monotonic() - began:.0f}s in all")
-
-    def row(name: str) -> list[str]:
-        return [name, f"{medians[name]:.2f}", f"{min(r[name] for r in runs):.2f}", f"{max(r[name] for r in runs):.2f}"]
-
-    print_table(["seconds after kill -9", "median", "min", "max"],
-                [row(name) for name in [*PHASES, "workers started", "step start", "step done"]])
-    print("\nrestart breakdown:")
-    print_table(["phase", "median s", "min", "max"], [row(name) for name in BREAKDOWN])
+    print(f"\n{time.monotonic() - began:.0f}s in all")
+    medians = print_restarts(args, runs) if runs else {}
     print(f"\ncheckpoint stall, {args.stall_repeats} x {args.stall_steps} steps per mode, a save every "
           f"{args.stall_interval} (rank 0, medians over saves and steps):")
-    print_table(["saves", "per save ms", "step ms", "stall / step", "step after save ms"],
-                [[f"{mode} ({stalls[mode]['saves']:g})", f"{stalls[mode]['stall ms']:.1f}",
-                  f"{stalls[mode]['step ms']:.1f}", f"{stalls[mode]['stall / step']:.1%}",
-                  f"{stalls[mode]['step after save ms']:.1f}"] for mode in stalls])
+    print_table(["saves", "per save ms", "of it waiting ms", "step ms", "stall / step", "step after save ms"],
+                [[f"{mode} ({s['saves']:g})", f"{s['stall ms']:.1f}", f"{s['wait ms']:.1f}", f"{s['step ms']:.1f}",
+                  f"{s['stall / step']:.1%}", f"{s['step after save ms']:.1f}"] for mode, s in stalls.items()])
     print(f"async / sync stall per save: {stalls['async']['stall ms'] / stalls['sync']['stall ms']:.3f}")
-    print(f"steps redone: median {medians['steps redone']:g} (each: {', '.join(str(r['steps redone']) for r in runs)});"
-          f" attempt 2 restarted from step {', '.join(str(r['restored from']) for r in runs)};"
-          f" median step before the kill {medians['step ms']:.0f} ms")
     if args.json:
         print(json.dumps({"benchmark": "recovery", "repeats": args.repeats, "steps": args.steps,
                           "interval": args.interval, "kill_after": args.kill_after, "spares": args.spares,

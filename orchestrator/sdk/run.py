@@ -212,7 +212,8 @@ class Run:
         `interval` steps, or when the time-based interval has passed (decided by all ranks together
         every SYNC_EVERY steps), and always after the last step. An asynchronous save returns a
         PendingSave at once (see asyncsave); a synchronous one the CheckpointInfo once written.
-        The seconds the step spent here are logged as its `checkpoint_stall_s` metric.
+        The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
+        `checkpoint_wait_s` waited for the previous save to be written).
         """
         completed = self.step + 1
         if not (force or self._due(completed)):
@@ -224,7 +225,9 @@ class Run:
                                                                       keep=self.keep)
                 self._saved(result)
             else:
+                waited = time.monotonic()
                 self._saver.wait()   # the previous write's end is announced before this one's start
+                self._metrics["checkpoint_wait_s"] = time.monotonic() - waited
                 self._announce("checkpoint-write", True)
                 try:
                     result = self._saver.save(self.checkpoint_dir, completed, objects, keep=self.keep,

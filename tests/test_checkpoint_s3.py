@@ -84,6 +84,16 @@ def test_save_resume_and_keep_on_s3(bucket) -> None:
     assert torch.equal(tensors["model.0.weight"], reference["model"].state_dict()["0.weight"])
 
 
+def save_two(url: str) -> torch.nn.Linear:
+    """Checkpoints at steps 1 and 2 whose weights are filled with 1 and 2."""
+    model = torch.nn.Linear(4, 4)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save(url, step, {"model": model}, keep=5)
+    return model
+
+
 class _Crash(BaseException):
     """Stands in for the process being killed between the last shard and the manifest."""
 
@@ -91,11 +101,7 @@ class _Crash(BaseException):
 def test_half_written_checkpoint_is_ignored_then_replaced(bucket, monkeypatch) -> None:
     s3, name = bucket
     url = f"s3://{name}/run"
-    model = torch.nn.Linear(4, 4)
-    for step in (1, 2):
-        with torch.no_grad():
-            model.weight.fill_(step)
-        save(url, step, {"model": model}, keep=5)
+    model = save_two(url)
 
     def crash(*args: object) -> None:
         raise _Crash
@@ -124,11 +130,7 @@ def test_half_written_checkpoint_is_ignored_then_replaced(bucket, monkeypatch) -
 def test_corrupted_shard_is_refused(bucket) -> None:
     s3, name = bucket
     url = f"s3://{name}/run"
-    model = torch.nn.Linear(4, 4)
-    for step in (1, 2):
-        with torch.no_grad():
-            model.weight.fill_(step)
-        save(url, step, {"model": model}, keep=5)
+    save_two(url)
     shard = next(k for k in keys(s3, name) if k.startswith("run/step_000000002/") and k.endswith(".distcp"))
     data = bytearray(s3.get_object(Bucket=name, Key=shard)["Body"].read())
     data[len(data) // 2] ^= 0xFF

@@ -10,7 +10,7 @@ rank 0 reported `--kill-after` steps past it, SIGKILLs rank 1's worker and waits
 store's events and rank 0's step records then time each phase, in seconds after the kill:
   noticed          the controller saw the failure (first 'attempt ... failed' or 'node ... failed' event)
   recovering       the job went RECOVERING
-  node ready       the replacement node's agent reported ready
+  node ready       the replacement node's agent reported ready, or a ready spare took the rank
   running          attempt 2 started (RUNNING)
   workers started  the later of attempt 2's two worker processes started (the kernel's start time)
   step start       the first step of attempt 2 began (its record's time minus its step time)
@@ -58,7 +58,8 @@ BREAKDOWN = ("detection", "provisioning", "process start", "restore")
 PHASES: dict[str, Callable[[Event], bool]] = {
     "noticed": lambda e: e.kind in ("attempt", "node") and " failed: " in e.message,
     "recovering": lambda e: e.kind == "state" and e.message.startswith("RECOVERING"),
-    "node ready": lambda e: e.kind == "node" and " ready (rank " in e.message,
+    # a new node's agent ready for the rank, or a ready spare taking it (no provisioning at all)
+    "node ready": lambda e: e.kind == "node" and (" ready (rank " in e.message or " takes rank " in e.message),
     "running": lambda e: e.kind == "state" and e.message.startswith("RUNNING"),
 }
 

@@ -64,12 +64,13 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     """What would stop a launch of this valid spec, as (the field to blame, a message naming it), or None:
-    a workdir that is not there, no capable offer where the job may run (the planner's reason), or a workdir
-    over the code size cap when the chosen offer's VMs get it packed (codesync.py)."""
+    a workdir that is not there, no capable offer where the job may run (the planner's reason), a workdir
+    over the code size cap when the chosen offer's VMs get it packed (codesync.py), or checkpoints on a
+    disk that the job's cloud nodes do not share."""
     if not Path(spec.workdir).is_dir():
         return ("workdir",), (f"workdir: {spec.workdir} is not a directory. To fix: point workdir at the "
                               "folder of your script")
-    from orchestrator.planning.placement import plan_for
+    from orchestrator.planning.placement import checkpoint_problem, plan_for
     from orchestrator.planning.planner import PlanError
     from providers.base import ProviderError
     from providers.catalog import CatalogError
@@ -86,7 +87,7 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
             check_size(Path(spec.workdir))
         except CodeSyncError as err:
             return ("workdir",), str(err)
-    return None
+    return checkpoint_problem(spec)
 
 
 def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:

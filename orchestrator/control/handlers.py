@@ -178,6 +178,8 @@ class ApiHandlers:
             env["TFSN_CHECKPOINT_INTERVAL"] = str(ckpt.interval)
         if "keep" in ckpt.model_fields_set:
             env["TFSN_CHECKPOINT_KEEP"] = str(ckpt.keep)
+        if "async_save" in ckpt.model_fields_set:
+            env["TFSN_CHECKPOINT_ASYNC"] = "1" if ckpt.async_save else "0"
         if spec.steps is not None:
             env["TFSN_STEPS"] = str(spec.steps)
         ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]

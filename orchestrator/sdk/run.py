@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint as ckpt
 from orchestrator.sdk import commtimer, phases
+from orchestrator.sdk.asyncsave import AsyncSaver, PendingSave
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
-from orchestrator.spec import parse_duration
+from orchestrator.spec import checkpoint_url_scheme, parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often
 AUTO_FIRST_S = 300.0        # `auto`: first checkpoint after this long, before the save cost is known
@@ -141,13 +142,14 @@ class Run:
     """One process's view of the job: its rank, its checkpoints and its telemetry."""
 
     def __init__(self, *, checkpoint_dir: str | Path, checkpoint_interval: int | str, keep: int,
-                 total_steps: int | None) -> None:
+                 total_steps: int | None, async_save: bool = False) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.job_id = os.environ.get("TFSN_JOB_ID")
         self.attempt = int(os.environ.get("TFSN_ATTEMPT", 1))
-        self.checkpoint_dir = Path(checkpoint_dir)
+        url = isinstance(checkpoint_dir, str) and checkpoint_url_scheme(checkpoint_dir)
+        self.checkpoint_dir: str | Path = checkpoint_dir if url else Path(checkpoint_dir)
         self.keep = keep
         self.total_steps = total_steps
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
@@ -155,7 +157,10 @@ class Run:
         self.step = 0                       # the step being run (0-based)
         self._metrics: dict[str, Any] = {}
         self._last_save = time.monotonic()
-        self._save_cost: float | None = None   # seconds the last save took, for `auto`
+        self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
+        self._write_s: float | None = None     # seconds the last save took to be written and committed
+        self._saver = AsyncSaver() if async_save else None
+        self._phase_listeners: list[Callable[[str, bool], None]] = []
         self._comm_timer: commtimer.CommTimer | None = None
         self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
         self._phases = phases.PhaseClock()
@@ -226,31 +231,82 @@ class Run:
         return self._phases.phase(name)
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | None:
+    def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | PendingSave | None:
         """Save `objects` (model, optimizer, anything with state_dict) when a checkpoint is due.
 
         Call it every step, on every rank: it is a collective when it saves. Due: every
         `interval` steps, or when the time-based interval has passed (decided by all ranks together
-        every SYNC_EVERY steps), and always after the last step.
+        every SYNC_EVERY steps), and always after the last step. An asynchronous save returns a
+        PendingSave at once (see asyncsave); a synchronous one the CheckpointInfo once written.
+        The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
+        `checkpoint_wait_s` waited for the previous save to be written).
         """
         completed = self.step + 1
         if not (force or self._due(completed)):
             return None
         started = time.monotonic()
-        with self._phases.phase(phases.CHECKPOINT):
-            info = ckpt.save(self.checkpoint_dir, completed, objects, keep=self.keep)
+        with self._phase(phases.CHECKPOINT):
+            if self._saver is None:
+                result: ckpt.CheckpointInfo | PendingSave = ckpt.save(self.checkpoint_dir, completed, objects,
+                                                                      keep=self.keep)
+                self._saved(result)
+            else:
+                waited = time.monotonic()
+                self._saver.wait()   # the previous write's end is announced before this one's start
+                self._metrics["checkpoint_wait_s"] = time.monotonic() - waited
+                self._announce("checkpoint-write", True)
+                try:
+                    result = self._saver.save(self.checkpoint_dir, completed, objects, keep=self.keep,
+                                              done=self._saved)
+                except BaseException:
+                    self._announce("checkpoint-write", False)
+                    raise
         self._last_save = time.monotonic()
-        self.last_checkpoint = info
         self._save_cost = self._last_save - started
+        self._metrics["checkpoint_stall_s"] = self._save_cost
+        return result
+
+    def _saved(self, info: ckpt.CheckpointInfo | None) -> None:
+        """A save is committed (None: it failed); in the background thread for an asynchronous save."""
+        if self._saver is not None:
+            self._announce("checkpoint-write", False)
+        if info is None:
+            return
+        self.last_checkpoint, self._write_s = info, info.seconds
         if self._telemetry is not None and self.rank == 0:
-            self._telemetry.event("/checkpoint", {"step": completed, "path": str(info.path), "seconds": info.seconds})
-        return info
+            self._telemetry.event("/checkpoint", {"step": info.step, "path": str(info.path), "seconds": info.seconds})
+
+    def on_phase(self, listener: Callable[[str, bool], None]) -> None:
+        """Call `listener(name, started)` as phases start and end: "checkpoint" while the training thread
+        is in a save, "checkpoint-write" while a save is written in the background (called from that
+        thread). For hang detection, where a long save is not a hang, and for profilers."""
+        self._phase_listeners.append(listener)
+
+    def _announce(self, name: str, started: bool) -> None:
+        for listener in self._phase_listeners:
+            try:
+                listener(name, started)
+            except Exception as err:   # an observer must not break training
+                print(f"tfsn: phase listener failed (continuing): {err!r}", flush=True)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """The phase for the controller's hang detection (PhaseClock) and for this process's listeners."""
+        with self._phases.phase(name):
+            self._announce(name, True)
+            try:
+                yield
+            finally:
+                self._announce(name, False)
 
     def restore(self, **objects: Any) -> int:
         """Load the newest valid checkpoint into `objects`; returns the step to start from (0 if none)."""
         for value in objects.values():
             if isinstance(value, DistributedDataParallel):
                 self.watch(value)
+        if self._saver is not None:
+            with self._phases.phase(phases.CHECKPOINT):
+                self._saver.wait()
         info = ckpt.restore(self.checkpoint_dir, objects)
         if info is None:
             return 0
@@ -300,13 +356,21 @@ class Run:
             return AUTO_FIRST_S
         nodes = int(os.environ.get("TFSN_NUM_NODES", 1))
         mtbf_s = NODE_MTBF_H * 3600 / nodes
-        return min(max(math.sqrt(2 * self._save_cost * mtbf_s), AUTO_BOUNDS_S[0]), AUTO_BOUNDS_S[1])
+        # The cost is the stall; a background write must also end before the next save, or that one waits.
+        optimum = max(math.sqrt(2 * self._save_cost * mtbf_s), self._write_s or 0.0)
+        return min(max(optimum, AUTO_BOUNDS_S[0]), AUTO_BOUNDS_S[1])
 
     def finish(self) -> None:
-        """Flush telemetry (also called at exit)."""
-        if self._telemetry is not None:
-            self._telemetry.close()
-            self._telemetry = None
+        """Wait for the last checkpoint to be written, then flush telemetry (also called at exit)."""
+        saver, self._saver = self._saver, None
+        try:
+            if saver is not None:
+                with self._phases.phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
+                    saver.close()   # raises the CheckpointError of a failed last save
+        finally:
+            if self._telemetry is not None:
+                self._telemetry.close()
+                self._telemetry = None
 
 
 def _parse_interval(value: int | str) -> tuple[int | None, float | None]:
@@ -322,7 +386,7 @@ def _parse_interval(value: int | str) -> tuple[int | None, float | None]:
 
 
 def init(*, checkpoint_dir: str | Path = "checkpoints", checkpoint_interval: int | str = "auto", keep: int = 3,
-         steps: int | None = None) -> Run:
+         steps: int | None = None, async_save: bool = True) -> Run:
     """Start the SDK in this process; joins the torchrun process group when there is one.
 
     The job spec's settings (passed by the controller as TFSN_* variables) win over these
@@ -340,4 +404,5 @@ def init(*, checkpoint_dir: str | Path = "checkpoints", checkpoint_interval: int
     return Run(checkpoint_dir=env.get("TFSN_CHECKPOINT_DIR", checkpoint_dir),
                checkpoint_interval=env.get("TFSN_CHECKPOINT_INTERVAL", checkpoint_interval),
                keep=int(env.get("TFSN_CHECKPOINT_KEEP", keep)),
-               total_steps=int(total) if total else steps)
+               total_steps=int(total) if total else steps,
+               async_save=env.get("TFSN_CHECKPOINT_ASYNC", "1" if async_save else "0") == "1")

@@ -36,7 +36,10 @@ MODULES="numpy yaml pytest"
 
 if [ "$MODE" = fetch ]; then                 # the GPU machine's Python: 3.12, x86-64 manylinux
   mkdir -p .whl
-  grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+  if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then   # .whl travels untracked, never committed
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+  fi
   exec "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .whl $PACKAGES iniconfig pluggy packaging

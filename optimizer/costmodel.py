@@ -384,7 +384,7 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     kind = features.kind[k]
     moved = features.read_bytes[k] + features.write_bytes[k]
     bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, hbm.bandwidth_gbs) * 1e9
-    threads = 32.0 * np.maximum(cand.mr, 1)
+    threads = float(spec.simd_width) * np.maximum(cand.mr, 1)       # warps (NVIDIA: 32) or wavefronts (AMD: 64)
     # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs
     per_program = np.maximum(cand.chunk, 1)
     column = (kind == REDUCTION) & (features.columns[k] > 0)

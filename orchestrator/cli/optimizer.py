@@ -178,7 +178,8 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
             atomic_write(folder / "plan.json", (json.dumps(plan_json(report), indent=1) + "\n").encode())
         except OSError as err:
             _fail(f"--emit {emit}: writing plan.json failed: {err.strerror or err}", code=1)
-        typer.echo(f"wrote {folder / 'plan.json'} (the plan; no kernel source: no Triton renderer yet)")
+        typer.echo(f"wrote {folder / 'plan.json'}" + (" (the plan only: there is no Triton renderer yet)"
+                                                      if report.kind == "gpu" else ""))
     if json_out:
         typer.echo(json.dumps(data))
 

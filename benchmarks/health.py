@@ -1,6 +1,6 @@
-"""The health monitor against its targets: detection delay, false positives, ETTR, detector cost.
+"""The health monitor against its targets: detection delay, false replacements, ETTR, detector cost.
 
-    python benchmarks/health.py [--json] [--seeds 7]
+    python benchmarks/health.py [--json] [--seeds 7] [--days 7] [--save-stall S] [--restart S]
 
 All on health/sim.py's simulated cluster, driving the real Monitor and Policy (no GPU needed):
   detection   steps from a slowdown's onset to the first finding on its node, at 4096 ranks, for
@@ -9,9 +9,13 @@ All on health/sim.py's simulated cluster, driving the real Monitor and Policy (n
               Target: 10% within 20 steps, 20% within 10.
   false pos.  nodes blamed in a healthy 4096-rank job over >= 1e6 rank-steps (noise 3-5% per rank
               and step, 1% chip spread, 0.1% outlier steps of 2-3x). Target: zero.
-  ETTR        a week of a 16,384-GPU job at Llama 3's failure rate (health/sim.py explains the
-              model and its assumptions) under tfsn, restart-on-crash only, and no health monitor;
-              median over seeds. Target: tfsn >= 97%.
+  hidden      healthy clusters that look unhealthy (health/disturbances.py: a one-node transient, a
+              slow rack, switch or quarter, noise growing 2.5x, heavy tails, GC pauses, eval steps) at
+              4096 ranks: nodes replaced (all false) and nodes warned about. Target: zero replaced.
+  ETTR        a week of a 16,384-GPU job at Llama 3's failure rate and causes (health/failures.py:
+              the ~40% with no Xid included) under tfsn, restart-on-crash only, and no health monitor;
+              median over seeds. Restart and save costs are health/sim.py's RESTART_S and
+              ASYNC_SAVE_STALL_S (each documented there), or --restart / --save-stall. Target: >= 98%.
   cost        wall time of Monitor.observe_step + check per step at 4096 ranks (median over steps
               of a running job, this machine). Target: < 5 ms.
 Why: "notice within a few steps, blame the right node, never replace healthy nodes because of
@@ -32,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import print_table  # noqa: E402
 from health.config import HealthConfig  # noqa: E402
 from health.monitor import Monitor  # noqa: E402
-from health.sim import Mode, Scenario, simulate  # noqa: E402
+from health.disturbances import HIDDEN_HEALTHY  # noqa: E402
+from health.failures import no_xid_share  # noqa: E402
+from health.sim import ASYNC_SAVE_STALL_S, RESTART_S, Mode, Scenario, simulate  # noqa: E402
 
 RANKS = 4096
 ONSET = 200
@@ -59,9 +65,16 @@ def false_positives(seeds: int, steps: int) -> tuple[int, int]:
     return blamed, seeds * steps * RANKS
 
 
-def ettr(seeds: int, days: float) -> dict[str, list]:
+def hidden(seeds: int, restart_s: float, steps: int = 450) -> dict[str, list]:
+    """Per disturbance, the SimResult of each seed of a healthy 4096-rank job disturbed from step 150."""
+    return {name: [simulate(RANKS, steps, seed=seed, scenario=Scenario(
+        failures_per_gpu_hour=0.0, stragglers_per_gpu_hour=0.0, device_samples=False, disturbance=name,
+        disturbance_onset=150, restart_s=restart_s)) for seed in range(seeds)] for name in HIDDEN_HEALTHY}
+
+
+def ettr(seeds: int, days: float, save_s: float, restart_s: float) -> dict[str, list]:
     """Per mode, the SimResult of each seed for `days` of a 16,384-GPU job."""
-    scenario = Scenario(fast_forward=True)
+    scenario = Scenario(fast_forward=True, checkpoint_save_s=save_s, restart_s=restart_s)
     steps = int(days * 86400 / scenario.step_s)
     return {mode.value: [simulate(16_384, steps, seed=seed, mode=mode, scenario=scenario) for seed in range(seeds)]
             for mode in Mode}
@@ -88,12 +101,20 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="end with one line of JSON")
     parser.add_argument("--seeds", type=int, default=7, help="seeds for detection delays (ETTR uses 3)")
     parser.add_argument("--days", type=float, default=7.0, help="simulated days of the 16,384-GPU job")
+    parser.add_argument("--save-stall", type=float, default=ASYNC_SAVE_STALL_S,
+                        help=f"seconds the training stalls per save (default health/sim.py's {ASYNC_SAVE_STALL_S})")
+    parser.add_argument("--restart", type=float, default=RESTART_S,
+                        help=f"seconds a restart takes once the fault is known (default {RESTART_S})")
+    parser.add_argument("--hidden-restart", type=float, default=120.0,
+                        help="restart cost in the hidden-healthy runs (default 120 s, the issue's cloud restart: a "
+                             "one-node transient costs ~50 s; with a cheaper restart, replacing it can pay)")
     args = parser.parse_args()
     started = time.time()
 
     delays = detection(args.seeds)
     fp, rank_steps = false_positives(4, 500)
-    runs = ettr(3, args.days)
+    disturbed = hidden(2, args.hidden_restart)
+    runs = ettr(3, args.days, args.save_stall, args.restart)
     ms = {ranks: cost(ranks) for ranks in (RANKS, 16_384)}
 
     rows, report = [], {"detection": {}, "targets": {}}
@@ -112,15 +133,24 @@ def main() -> int:
                  "met" if fp == 0 else "NOT met"])
     report["false_positives"] = {"nodes": fp, "rank_steps": rank_steps}
     report["targets"]["false_positives"] = fp == 0
-    report["ettr"] = {}
+    report["hidden"] = {}
+    for name, results in disturbed.items():
+        replaced = sum(r.replacements for r in results)
+        rows.append([f"hidden healthy: {name} (nodes replaced, restart {args.hidden_restart:g}s)", replaced, "",
+                     f"{len(results)} seeds; {sum(r.false_positives for r in results)} nodes warned", "0",
+                     "met" if replaced == 0 else "NOT met"])
+        report["hidden"][name] = {"replaced": replaced, "warned": sum(r.false_positives for r in results),
+                                  "decisions": [r.decisions for r in results]}
+    report["targets"]["hidden_healthy"] = all(v["replaced"] == 0 for v in report["hidden"].values())
+    report["ettr"] = {"save_stall_s": args.save_stall, "restart_s": args.restart, "no_xid_share": no_xid_share()}
     for mode, results in runs.items():
         median = statistics.median(r.ettr for r in results)
         target = mode == Mode.TFSN.value
         rows.append([f"ETTR {mode} (16,384 GPUs, {args.days:g} days)", f"{median:.2%}",
-                     f"{min(r.ettr for r in results):.2%}", f"{len(results)} seeds", ">= 97%" if target else "",
-                     ("met" if median >= 0.97 else "NOT met") if target else ""])
+                     f"{min(r.ettr for r in results):.2%}", f"{len(results)} seeds", ">= 98%" if target else "",
+                     ("met" if median >= 0.98 else "NOT met") if target else ""])
         report["ettr"][mode] = {"median": median, "runs": [r.to_json() for r in results]}
-    report["targets"]["ettr"] = report["ettr"][Mode.TFSN.value]["median"] >= 0.97
+    report["targets"]["ettr"] = report["ettr"][Mode.TFSN.value]["median"] >= 0.98
     for ranks, value in ms.items():
         target = ranks == RANKS
         rows.append([f"detector cost per step, {ranks} ranks (ms)", f"{value:.2f}", "", "median",
@@ -133,7 +163,15 @@ def main() -> int:
     print(f"\ntfsn's lost time, seed 0 (s of {tfsn.wall_s:.0f}): "
           + ", ".join(f"{k} {v:.0f}" for k, v in tfsn.lost_s.items())
           + f"; {tfsn.crashes} crashes, {tfsn.stragglers} slow GPUs, {tfsn.replacements} policy replacements, "
-          + f"{sum(r.false_positives for r in runs[Mode.TFSN.value])} false replacements over all seeds")
+          + f"{sum(r.false_replacements for r in runs[Mode.TFSN.value])} false replacements over all seeds")
+    causes: dict[str, int] = {}
+    for r in runs[Mode.TFSN.value]:
+        for name, count in r.causes.items():
+            causes[name] = causes.get(name, 0) + count
+    print(f"interruptions by cause, all seeds ({no_xid_share():.0%} of Llama 3's give no Xid): "
+          + ", ".join(f"{k} {v}" for k, v in sorted(causes.items(), key=lambda kv: -kv[1])))
+    print(f"restart {args.restart:g}s, save stall {args.save_stall:g}s per save (health/sim.py: RESTART_S measured by "
+          "benchmarks/recovery.py on the local provider; ASYNC_SAVE_STALL_S to be wired from its async-save stall)")
     met = sum(report["targets"].values())
     print(f"targets met: {met}/{len(report['targets'])}  ({time.time() - started:.0f}s)")
     if args.json:

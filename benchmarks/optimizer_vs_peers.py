@@ -1,6 +1,7 @@
 """tfsn's generated kernels against eager PyTorch and torch.compile (Inductor) on the training step.
 
     nice python benchmarks/optimizer_vs_peers.py [--json] [--rounds 5] [--steps 10] [--size bench] [--threads N]
+                                                 [--device cuda]
 
 For each model of the optimizer's suite (tests/optimizer_models.py: MLP, GPT-2 block, CNN,
 embedding + LM head + cross-entropy), one training step = zero_grad, forward, loss, backward,
@@ -8,8 +9,9 @@ AdamW step. Three peers run it side by side in this process:
   eager     plain PyTorch;
   inductor  torch.compile(model) and torch.compile(opt.step), default backend and mode;
   tfsn      the same two calls with backend=tfsn (optimizer.backend.make_backend()).
-Each peer starts from the same weights. Compile time is the first step's time minus a steady
-step, with empty caches (TORCHINDUCTOR_CACHE_DIR and TFSN_CACHE point at a fresh temp folder).
+Each peer starts from the same weights, on `--device` (default cpu; on a GPU, until there is a
+GPU code generator, tfsn's graphs run as ATen). Compile time is the first step's time minus a
+steady step, with empty caches (TORCHINDUCTOR_CACHE_DIR and TFSN_CACHE point at a fresh temp folder).
 Steady figures are medians over rounds of `steps` steps; rounds interleave the peers so that
 drift on a shared machine hits them alike. Targets (issue 3): tfsn >= 1.15x eager and >= 1.0x
 Inductor, geometric mean over the suite; tfsn's compile time no longer than Inductor's.
@@ -68,10 +70,10 @@ def timed(step, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench_case(case, rounds: int, steps: int) -> dict:
+def bench_case(case, rounds: int, steps: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    base = case.build()
-    batch = case.batch(torch.Generator().manual_seed(1))
+    base = case.build().to(device)
+    batch = tuple(t.to(device) for t in case.batch(torch.Generator().manual_seed(1)))
     backends = {"eager": None, "inductor": "inductor", "tfsn": make_backend()}
     fns, compile_s, first_loss = {}, {}, {}
     for peer in PEERS:
@@ -102,8 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("small", "bench"), default="bench", help="suite size (default bench)")
     parser.add_argument("--only", action="append", help="run only this model (repeatable)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for every peer (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="where the peers run: cpu (default) or cuda")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON")
     args = parser.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: no such device here (torch.cuda.is_available() is "
+                     f"{torch.cuda.is_available()})")
     if args.rounds < 1 or args.steps < 1:
         parser.error("--rounds and --steps must be at least 1")
     if args.threads is not None:
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in suite(args.size) if not args.only or c.name in args.only]
     if not cases:
         parser.error(f"--only names no model of the suite ({', '.join(c.name for c in suite())})")
-    results = [bench_case(c, args.rounds, args.steps) for c in cases]
+    results = [bench_case(c, args.rounds, args.steps, args.device) for c in cases]
     rows = [[r["model"], *(f"{r['ms'][p]:.2f}" for p in PEERS), f"{r['vs_eager']:.2f}x",
              f"{r['vs_inductor']:.2f}x", f"{r['compile_s']['inductor']:.1f}", f"{r['compile_s']['tfsn']:.1f}"]
             for r in results]
@@ -121,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     compile_total = {k: sum(r["compile_s"][k] for r in results) for k in ("inductor", "tfsn")}
     rows.append(["geomean / total", "", "", "", f"{geo['vs_eager']:.2f}x", f"{geo['vs_inductor']:.2f}x",
                  f"{compile_total['inductor']:.1f}", f"{compile_total['tfsn']:.1f}"])
-    print(f"training step (forward, backward, AdamW), median ms over {args.rounds} rounds x {args.steps} steps, "
-          f"{torch.get_num_threads()} threads")
+    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
+    print(f"training step (forward, backward, AdamW), median ms over {args.rounds} rounds x {args.steps} steps, {where}")
     print_table(["model", "eager ms", "inductor ms", "tfsn ms", "tfsn vs eager", "tfsn vs inductor",
                  "inductor compile s", "tfsn compile s"], rows)
     targets = {"vs_eager>=1.15": geo["vs_eager"] >= 1.15, "vs_inductor>=1.0": geo["vs_inductor"] >= 1.0,
                "compile<=inductor": compile_total["tfsn"] <= compile_total["inductor"]}
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items()))
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "results": results, "geomean": geo,
+        print(json.dumps({"threads": torch.get_num_threads(), "device": args.device, "results": results, "geomean": geo,
                           "compile_total_s": compile_total, "targets": targets}))
     return 0
 

@@ -36,6 +36,7 @@ class HealthConfig:
     straggler_noise_floor: float
     straggler_min_ranks: int
     straggler_learn_steps: int
+    straggler_shared_nodes: int
     gather_steps: int
     gather_s: float
     throttle_clock_ratio: float
@@ -44,7 +45,13 @@ class HealthConfig:
     hang_min_s: float
     hang_step_factor: float
     heartbeat_timeout_s: float
+    phase_timeout_factor: float
+    phase_timeout_min_s: float
+    phase_timeout_max_s: float
     replace_after_checks: int
+    replace_restart_s: float
+    replace_save_s: float
+    replace_break_even: float
     cooldown_steps: int
     cooldown_s: float
     max_replacements: int

@@ -1,7 +1,10 @@
 """GPU detectors, per (node, GPU): a throttled clock, Xid events, ECC errors and row remapping.
 
 A GPU finding names the node and the GPU, not ranks: NVML's GPU index is not the rank's. Xids are
-events, reported once; a throttled clock and ECC trouble are conditions, reported while they hold.
+events, reported once; a throttled clock and ECC trouble are conditions, reported while they hold,
+one finding per GPU (a node's power-capped GPU 0 must not hide its overheating GPU 5). An Xid whose
+GPU NVML could not name (it fell off the bus) is the node's; a GPU whose Xids NVML refuses to report
+is said once, since a fault there would go unseen.
 """
 from __future__ import annotations
 
@@ -87,13 +90,21 @@ class DeviceWatch:
         self._gpus: dict[tuple[str, int], _GpuState] = {}
         self._watch: set[tuple[str, int]] = set()           # GPUs with something to report
         self._events: list[Finding] = []                    # one-off findings waiting for check()
+        self._unwatched: set[tuple[str, int]] = set()       # GPUs said to have no Xid events
 
     def observe(self, sample: Sample, step: int | None) -> None:
         """One GPU's readings and Xid event; `step` is the job's last closed step."""
-        cfg, key = self.config, (sample.node, sample.gpu)
-        gpu = self._gpus.setdefault(key, _GpuState())
         if sample.xid is not None:
             self._events.append(_xid_finding(sample, step))
+        if sample.gpu is None:
+            return                     # an Xid of a GPU NVML could not name: nothing else to read
+        cfg, key = self.config, (sample.node, sample.gpu)
+        gpu = self._gpus.setdefault(key, _GpuState())
+        if sample.xid_watched is False and key not in self._unwatched:
+            self._unwatched.add(key)
+            self._events.append(Finding(FindingKind.XID, Severity.INFO, sample.node, sample.gpu, (),
+                                        f"GPU {sample.gpu}: NVML refused to report its Xid events; an Xid there "
+                                        "goes unseen (the node's log says why)", sample.time, step))
         ratio = sample.clock_ratio
         if ratio is not None:
             reasons = sample.clock_event_reasons or 0
@@ -116,11 +127,11 @@ class DeviceWatch:
                 or gpu.sbe_last_hour() >= cfg.ecc_sbe_per_hour):
             self._watch.add(key)
 
-    def check(self, now: float, step: int | None) -> tuple[list[Finding], dict[str, Finding]]:
+    def check(self, now: float, step: int | None) -> tuple[list[Finding], dict[str, list[Finding]]]:
         """The Xids since the last check and the ECC findings; apart, the throttle findings by node
-        (one per node), for the Monitor to pair with the node's stragglers."""
+        (one per throttled GPU, the most severe first), for the Monitor to pair with the node's stragglers."""
         findings, self._events = self._events, []
-        throttled: dict[str, Finding] = {}
+        throttled: dict[str, list[Finding]] = {}
         for key in sorted(self._watch):
             node, index = key
             gpu = self._gpus[key]
@@ -128,10 +139,12 @@ class DeviceWatch:
             if ecc is not None:
                 findings.append(ecc)
             hot = gpu.throttled >= self.config.throttle_samples
-            if hot and node not in throttled:
-                throttled[node] = self._throttle_finding(node, index, gpu, now, step)
+            if hot:
+                throttled.setdefault(node, []).append(self._throttle_finding(node, index, gpu, now, step))
             if ecc is None and not hot:
                 self._watch.discard(key)
+        for hot in throttled.values():
+            hot.sort(key=lambda f: f.severity != Severity.WARNING)      # stable: by GPU within a severity
         return findings, throttled
 
     def _ecc_finding(self, node: str, index: int, gpu: _GpuState, now: float, step: int | None) -> Finding | None:
@@ -167,6 +180,7 @@ class DeviceWatch:
 def _xid_finding(sample: Sample, step: int | None) -> Finding:
     xid = classify_xid(int(sample.xid))
     todo = "drain the node" if xid.drain else "reset the GPU" if xid.reset else "no node action"
+    where = f"GPU {sample.gpu}" if sample.gpu is not None else "a GPU NVML could not name (lost from the bus?)"
     return Finding(FindingKind.XID, xid.severity, sample.node, sample.gpu, (),
-                   f"Xid {xid.code} on GPU {sample.gpu}: {xid.description} ({xid.fault} fault; {todo})",
+                   f"Xid {xid.code} on {where}: {xid.description} ({xid.fault} fault; {todo})",
                    sample.time, step)

@@ -43,6 +43,7 @@ class Finding:
     evidence: str            # one line, with the numbers that led to it
     time: float
     step: int | None
+    slowdown: float | None = None   # how much slower the blamed rank computes (0.2: 1.2x the others), if known
 
 
 class Action(str, enum.Enum):

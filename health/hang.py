@@ -1,7 +1,13 @@
-"""Hang detection: ranks that finish no step for longer than the job's steps can explain.
+"""Hang detection: ranks that finish no step for longer than the job's steps, or their phase, can explain.
 
 The timeout grows with the job (`hang_step_factor` x its 99th-percentile step interval, at least
-`hang_min_s`), so a job of minute-long steps is not called hung after a few seconds. Who is to blame
+`hang_min_s`), so a job of minute-long steps is not called hung after a few seconds. A rank that
+announced a phase (a checkpoint save, an evaluation, data loading: orchestrator/sdk/phases.py) and
+still heartbeats has that phase's timeout instead, learned from history as NVRx does:
+`phase_timeout_factor` x the longest duration of that phase seen in this job, within
+[`phase_timeout_min_s`, `phase_timeout_max_s`], and the ceiling until the phase was seen once. While
+a rank is within its phase's timeout the others, blocked in a collective or a barrier behind it
+(rank 0 evaluating alone), are not hung either. Who is to blame
 follows from who else stopped: if the other ranks went on, the stuck rank's process or telemetry is
 gone; if every rank stopped, they all wait in a collective, and the ranks that also stopped
 heartbeating are the ones the others wait on; with none of those (a deadlock, or no heartbeats to
@@ -18,13 +24,62 @@ from health.config import HealthConfig
 from health.findings import Finding, FindingKind, Severity, ranks_by_node, ranks_text
 
 
-class HangWatch:
-    """When each rank last finished a step and last sent anything, and the job's recent step intervals."""
+TRAIN = "train"                 # the phase of a rank that announced none
+# Distinct phase names learned per job. The SDK allows 16 per process and the API 16 per post, but nothing
+# bounded them across posts: a client inventing names would grow the controller without end. Names past
+# this have no history: their timeout is the ceiling.
+MAX_PHASES = 64
 
-    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str]) -> None:
+
+def step_timeout(config: HealthConfig, intervals: np.ndarray) -> float:
+    """No step for this long is a hang: `hang_step_factor` x the p99 of recent step intervals, at least
+    `hang_min_s`."""
+    return max(config.hang_min_s, config.hang_step_factor * float(np.percentile(intervals, 99))
+               if intervals.size else 0.0)
+
+
+class PhaseHistory:
+    """The longest duration of each phase seen in a job (kept across its attempts), and the timeouts
+    that follow from them."""
+
+    def __init__(self, config: HealthConfig) -> None:
+        self.config = config
+        self.longest: dict[str, float] = {}
+
+    def observe(self, phase: str, seconds: float) -> None:
+        if phase != TRAIN and math.isfinite(seconds) and seconds >= 0 and (
+                phase in self.longest or len(self.longest) < MAX_PHASES):
+            self.longest[phase] = max(seconds, self.longest.get(phase, 0.0))
+
+    def timeout(self, phase: str) -> float:
+        """`phase_timeout_factor` x the longest seen, clamped; the ceiling for a phase never seen."""
+        cfg = self.config
+        if phase not in self.longest:
+            return cfg.phase_timeout_max_s
+        return min(max(cfg.phase_timeout_factor * self.longest[phase], cfg.phase_timeout_min_s),
+                   cfg.phase_timeout_max_s)
+
+    def explain(self, phase: str) -> str:
+        seen = self.longest.get(phase)
+        return (f"{self.timeout(phase):.0f}s: never seen, the ceiling" if seen is None else
+                f"{self.timeout(phase):.0f}s: {self.config.phase_timeout_factor:g} x the longest {phase} "
+                f"seen, {seen:.0f}s, within [{self.config.phase_timeout_min_s:.0f}, "
+                f"{self.config.phase_timeout_max_s:.0f}]s")
+
+
+class HangWatch:
+    """When each rank last finished a step and last sent anything, the phase it is in, and the job's
+    recent step intervals."""
+
+    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], history: PhaseHistory | None = None) -> None:
         self.config = config
         self.rank_nodes = tuple(rank_nodes)
+        self.history = history or PhaseHistory(config)
         n = len(self.rank_nodes)
+        self._phase = [TRAIN] * n                           # the phase each rank said it is in ...
+        self._phase_since = np.full(n, np.nan)              # ... since when
+        self._phase_spent = 0.0                             # most seconds of phases a rank finished since
+                                                            # the last step interval
         # The job's recent pace: wall seconds per step, over as many steps as the straggler test keeps.
         self._interval = np.full(config.straggler_window + config.straggler_baseline, np.nan)   # ring
         self._pos = 0                                       # next entry to write
@@ -50,21 +105,33 @@ class HangWatch:
         if math.isnan(self._first_at):
             self._first_at = time
 
-    def add_interval(self, seconds: float) -> None:
-        """Wall seconds per step between the last two steps (after the warm-up: compiling is not the pace)."""
-        self._interval[self._pos] = seconds
+    def phase(self, rank: int, phase: str, since: float | None, finished: dict[str, float]) -> None:
+        """What `rank` said with its heartbeat: the phase it is in (since when), and the longest duration
+        of each phase it finished since its last word."""
+        for name, seconds in finished.items():
+            self.history.observe(name, seconds)
+        self._phase_spent = max(self._phase_spent, sum(finished.values()))
+        self._phase[rank] = phase
+        self._phase_since[rank] = np.nan if phase == TRAIN or since is None else since
+
+    def add_interval(self, seconds: float, steps: int = 1) -> None:
+        """Wall `seconds` for the last `steps` steps (after the warm-up: compiling is not the pace). A gap
+        spent mostly in an announced phase (a save) is not the pace of steps either: that phase has its own
+        timeout, and a 150 s save must not make the step timeout ten times that."""
+        spent, self._phase_spent = self._phase_spent, 0.0
+        if spent >= seconds / 2:
+            return
+        self._interval[self._pos] = seconds / steps
         self._pos = (self._pos + 1) % self._interval.size
 
     def findings(self, now: float, step: int | None) -> list[Finding]:
-        """Ranks with no step progress for longer than the job's steps can explain."""
+        """Ranks with no step progress for longer than the job's steps, or their phase, can explain."""
         cfg = self.config
         if math.isnan(self._first_at):
             return []                  # nothing finished yet: the first step may compile for minutes
-        intervals = self._interval[~np.isnan(self._interval)]
-        timeout = max(cfg.hang_min_s, cfg.hang_step_factor * float(np.percentile(intervals, 99))
-                      if intervals.size else 0.0)
+        timeout = step_timeout(cfg, self._interval[~np.isnan(self._interval)])
         since = np.where(np.isnan(self._progress_at), self._first_at, self._progress_at)
-        stuck = now - since > timeout
+        stuck, phased = self._stuck(now, since, timeout)
         if not stuck.any():
             return []
         silent = self._beats & (now - self._beat_at > cfg.heartbeat_timeout_s)
@@ -72,7 +139,8 @@ class HangWatch:
         if not stuck.all():            # the others went on: this rank's process or telemetry is gone
             return self._by_node(np.flatnonzero(stuck), now, step, Severity.WARNING,
                                  lambda r: f"rank(s) {r} finished no step for {now - since[stuck].max():.0f}s "
-                                           f"(timeout {timeout:.0f}s) while the others reached step {step}")
+                                           f"(timeout {timeout:.0f}s) while the others reached step {step}"
+                                           + self._phase_note(phased & stuck, now))
         if silent.any():               # all wait in a collective; the silent ones are the ones they wait on
             return self._by_node(np.flatnonzero(silent), now, step, Severity.CRITICAL,
                                  lambda r: f"no rank finished a step for {idle:.0f}s (timeout {timeout:.0f}s); "
@@ -83,7 +151,26 @@ class HangWatch:
                else "no heartbeats to tell which rank the others wait on")
         return [Finding(FindingKind.HANG, Severity.CRITICAL, "", None, tuple(range(len(self.rank_nodes))),
                         f"no rank finished a step for {idle:.0f}s (timeout {timeout:.0f}s) after step "
-                        f"{step}; {why}", now, step)]
+                        f"{step}; {why}" + self._phase_note(phased, now), now, step)]
+
+    def _stuck(self, now: float, since: np.ndarray, timeout: float) -> tuple[np.ndarray, np.ndarray]:
+        """(stuck, in a phase): a rank in a phase that still heartbeats is stuck past its phase's timeout;
+        a training rank past the step timeout, unless a live rank's phase still explains the wait."""
+        live = now - self._beat_at <= self.config.heartbeat_timeout_s
+        phased = live & ~np.isnan(self._phase_since)
+        limits = np.array([self.history.timeout(p) for p in self._phase]) if phased.any() else 0.0
+        ends = np.where(phased, np.fmax(self._phase_since, since) + limits, since + timeout)
+        excused = ends[phased].max() if phased.any() else -math.inf
+        return (now > ends) & (phased | (now > excused)), phased
+
+    def _phase_note(self, ranks: np.ndarray, now: float) -> str:
+        """What the stuck ranks in a phase were doing, for the evidence."""
+        if not ranks.any():
+            return ""
+        rank = int(np.flatnonzero(ranks)[0])
+        phase = self._phase[rank]
+        return (f"; rank {rank} has been in {phase} for {now - self._phase_since[rank]:.0f}s (phase timeout "
+                f"{self.history.explain(phase)})")
 
     def _by_node(self, ranks: np.ndarray, now: float, step: int | None, severity: Severity,
                  evidence: Callable[[str], str]) -> list[Finding]:

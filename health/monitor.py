@@ -21,7 +21,7 @@ import numpy as np
 from health.config import HealthConfig
 from health.device import DeviceWatch
 from health.findings import Finding, FindingKind, Severity
-from health.hang import HangWatch
+from health.hang import HangWatch, PhaseHistory
 from health.straggler import StragglerTest
 from health.telemetry import Sample
 
@@ -38,12 +38,13 @@ class _Pending:
 class Monitor:
     """Every detector over one attempt of one job; start a new one when the job restarts."""
 
-    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str]) -> None:
+    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], phases: PhaseHistory | None = None) -> None:
+        """`phases`: the job's phase durations so far (kept across attempts by the caller)."""
         self.config = config
         self.rank_nodes = tuple(rank_nodes)
         self._straggler = StragglerTest(config, self.rank_nodes)
         self._devices = DeviceWatch(config)
-        self._hang = HangWatch(config, self.rank_nodes)
+        self._hang = HangWatch(config, self.rank_nodes, phases)
         self._step: int | None = None
         self._step_at = math.nan
         self._started = 0                                   # steps with data, warm-up included
@@ -67,12 +68,12 @@ class Monitor:
         self._started += bool(seen.any())
         if self._started <= self.config.straggler_warmup_steps or not seen.any():
             return                     # compiling, warming caches: nothing to learn from yet
-        self._hang.add_interval((now - last_at) / (step - last))
+        self._hang.add_interval(now - last_at, step - last)
         self._straggler.add(x, seen)
 
     def observe(self, sample: Sample) -> None:
         """Any one sample: a rank's step or heartbeat, or a GPU's readings and Xid events."""
-        if sample.gpu is not None:
+        if sample.gpu is not None or sample.xid is not None:
             self._devices.observe(sample, self._step)
         if sample.rank is None:
             return
@@ -86,6 +87,13 @@ class Monitor:
             return                     # that step was closed without it
         value = sample.compute_time if sample.compute_time is not None else sample.step_time
         self._gather(rank, sample.step, value, sample.time)
+
+    def observe_phase(self, rank: int, phase: str, since: float | None, finished: dict[str, float]) -> None:
+        """A rank's phase (orchestrator/sdk/phases.py): the one it is in, since when, and the longest
+        duration of each phase it finished since its last word."""
+        if not 0 <= rank < len(self.rank_nodes):
+            raise ValueError(f"rank {rank} is not in this job's {len(self.rank_nodes)} ranks")
+        self._hang.phase(rank, phase, since, finished)
 
     def _gather(self, rank: int, step: int, value: float | None, time: float) -> None:
         """Hold a rank's step sample until its step is complete, or late enough to close without the rest."""
@@ -115,12 +123,17 @@ class Monitor:
         stragglers = self._straggler.findings(now, self._step)
         findings, throttled = self._devices.check(now, self._step)
         for node in sorted(set(stragglers) | set(throttled)):
-            slow, hot = stragglers.get(node), throttled.get(node)
-            if slow and hot:           # the slow rank's own GPU is throttled: one finding, both halves
-                findings.append(Finding(FindingKind.THROTTLE, Severity.CRITICAL, node, hot.gpu, slow.ranks,
-                                        f"{slow.evidence}; {hot.evidence}", now, self._step))
-            else:
-                findings.append(slow or hot)
+            slow, hot = stragglers.get(node), throttled.get(node, [])
+            if slow and hot and hot[0].severity == Severity.WARNING:
+                # A slow rank on a node whose GPU is held down by hardware (thermal, power brake): one
+                # finding, both halves, critical. An ordinary power cap explains nothing: the straggler
+                # stays a warning and goes through the policy's hysteresis.
+                findings.append(Finding(FindingKind.THROTTLE, Severity.CRITICAL, node, hot[0].gpu, slow.ranks,
+                                        f"{slow.evidence}; {hot[0].evidence}", now, self._step))
+                hot = hot[1:]
+            elif slow:
+                findings.append(slow)
+            findings.extend(hot)
         findings.extend(self._hang.findings(now, self._step))
         return findings
 

@@ -9,6 +9,15 @@ Rules, in order, for each finding:
      replace") and replaces once it held for `replace_after_checks` consecutive checks; a replaced
      node is excluded from provisioning; a finding with no node to blame (a deadlock) fails the
      attempt instead;
+  4b. a slowdown (a warning that says how much slower its rank is) is replaced only when it pays:
+     a replacement costs a restart and a save (`Costs`: the job's measured figures, else the
+     documented defaults `replace_restart_s`, `replace_save_s`). If the slowdown, kept for the rest
+     of the run, would cost less than that, it is only warned about. Otherwise it is warned about
+     until the time it has already cost reaches the replacement's cost (`replace_break_even` x it),
+     then replaced: the rent-or-buy rule, never more than twice the best choice made in hindsight,
+     so a transient shorter than a replacement's cost ends before anything is replaced. The time
+     lost is summed over the checks the slowdown held; a gap shorter than a replacement's cost (the
+     detector's windowed median dipping under its threshold for a check) does not start it over;
   5. more than `max_replacements` in `replacement_window_s` escalates to warn and says so: the cause
      is not one node, and replacing in a loop would only burn time;
   6. warn, checkpoint and fail are said once per episode (until the finding goes away).
@@ -17,11 +26,22 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from health.config import HealthConfig
 from health.findings import Action, Decision, Finding, FindingKind, Severity
 
 _ORDER = list(Action)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the job knows now of what a slowdown and a replacement cost (None: not known)."""
+
+    step_s: float | None = None           # a step's wall time now (measured)
+    remaining_steps: int | None = None    # steps left in the run (None: unknown, taken as long)
+    restart_s: float | None = None        # the job's measured restart (None: config replace_restart_s)
+    save_s: float | None = None           # the job's last save, as the training saw it (None: replace_save_s)
 
 
 class Policy:
@@ -30,20 +50,26 @@ class Policy:
     def __init__(self, config: HealthConfig) -> None:
         self.config = config
         self._streak: dict[tuple[str, FindingKind], int] = {}    # consecutive checks a finding held
+        self._lost: dict[tuple[str, FindingKind], float] = {}    # seconds a slowdown has cost (rule 4b) ...
+        self._held_at: dict[tuple[str, FindingKind], float] = {}  # ... and the last check it held
+        self._checked_at: float | None = None
+        self._costs = Costs()
         self._said: set[tuple[str, FindingKind, Action]] = set()  # once-per-episode decisions already made
         self._replacing: set[str] = set()                         # nodes decided, until forget()
         self._cooldown: dict[int, tuple[float, int | None]] = {}  # rank -> (time, step) of its replacement
         self._replaced_at: deque[float] = deque()
         self._excluded: set[str] = set()
 
-    def decide(self, findings: Iterable[Finding], now: float) -> list[Decision]:
+    def decide(self, findings: Iterable[Finding], now: float, costs: Costs | None = None) -> list[Decision]:
         """Decisions for one check's findings (findings that hold now, as Monitor.check returns them)."""
+        self._costs = costs or Costs()
         held: dict[tuple[str, FindingKind], Finding] = {}
         for finding in findings:                 # the most severe finding per (node, kind)
             key = (finding.node, finding.kind)
             if key not in held or _rank(finding.severity) > _rank(held[key].severity):
                 held[key] = finding
         self._streak = {key: self._streak.get(key, 0) + 1 for key in held}
+        self._count_losses(held, now)
         self._said = {said for said in self._said if said[:2] in held}
         decisions = []
         for key, finding in held.items():
@@ -56,6 +82,8 @@ class Policy:
         """The node left the job (replaced or released): it may be decided about again."""
         self._replacing.discard(node)
         self._streak = {key: n for key, n in self._streak.items() if key[0] != node}
+        self._lost = {key: t for key, t in self._lost.items() if key[0] != node}
+        self._held_at = {key: t for key, t in self._held_at.items() if key[0] != node}
         self._said = {said for said in self._said if said[0] != node}
 
     def state(self) -> dict:
@@ -99,6 +127,10 @@ class Policy:
         if cooling and finding.severity != Severity.CRITICAL:
             return self._once(Action.WARN, finding, f"rank(s) {cooling[:4]} replaced recently "
                                                     f"(cooldown {cfg.cooldown_steps} steps / {cfg.cooldown_s:.0f}s)")
+        if finding.severity != Severity.CRITICAL and finding.slowdown is not None:
+            wait = self._not_yet_worth_it(finding)
+            if wait is not None:
+                return self._once(Action.WARN, finding, wait)
         if finding.severity != Severity.CRITICAL and streak < cfg.replace_after_checks:
             return self._once(Action.CHECKPOINT, finding, f"save now; replace {node} if this holds for "
                                                           f"{cfg.replace_after_checks} checks")
@@ -117,6 +149,49 @@ class Policy:
             self._cooldown[rank] = (now, finding.step)
         why = "critical" if finding.severity == Severity.CRITICAL else f"held for {streak} checks"
         return Decision(Action.REPLACE_NODE, node, finding, f"{why}: {finding.kind.value} on {node}")
+
+    def _replacement(self) -> tuple[float, float, str]:
+        """(restart, save, "measured" or "default"): what a replacement costs this job now."""
+        cfg, costs = self.config, self._costs
+        restart = costs.restart_s if costs.restart_s is not None else cfg.replace_restart_s
+        save = costs.save_s if costs.save_s is not None else cfg.replace_save_s
+        return restart, save, "measured" if costs.restart_s is not None else "default"
+
+    def _count_losses(self, held: dict[tuple[str, FindingKind], Finding], now: float) -> None:
+        """Add to each held slowdown the time it cost since the last check, if it held then too. A slowdown
+        gone for longer than a replacement costs is over: the next one starts from nothing."""
+        last, self._checked_at = self._checked_at, now
+        for key, finding in held.items():
+            if finding.slowdown is None:
+                continue
+            slow = max(finding.slowdown, 0.0)
+            if key in self._lost and self._held_at[key] == last:
+                self._lost[key] += (now - last) * slow / (1 + slow)
+            self._lost.setdefault(key, 0.0)
+            self._held_at[key] = now
+        restart, save, _ = self._replacement()
+        over = [key for key, at in self._held_at.items() if key not in held and now - at > restart + save]
+        for key in over:
+            del self._lost[key], self._held_at[key]
+
+    def _not_yet_worth_it(self, finding: Finding) -> str | None:
+        """Why a replacement does not pay yet for this slowdown (rule 4b), or None once it does."""
+        cfg, costs, slow = self.config, self._costs, max(finding.slowdown or 0.0, 0.0)
+        restart, save, where = self._replacement()
+        cost = restart + save
+        if costs.step_s and costs.remaining_steps is not None:
+            # The whole job waits for its slowest rank: each step ahead loses slowdown / (1 + slowdown) of it.
+            ahead = costs.remaining_steps * costs.step_s * slow / (1 + slow)
+            if ahead < cost:
+                return (f"not replacing {finding.node}: {slow:.0%} slower for the remaining {costs.remaining_steps} "
+                        f"steps loses {ahead:.0f}s, less than a replacement ({restart:.0f}s restart ({where}) + "
+                        f"{save:.0f}s save)")
+        lost = self._lost[(finding.node, finding.kind)]
+        if lost < cfg.replace_break_even * cost:
+            return (f"watching {finding.node}: {slow:.0%} slower has cost {lost:.0f}s so far; replaced if it "
+                    f"lasts until that reaches a replacement's {cost:.0f}s ({restart:.0f}s restart ({where}) + "
+                    f"{save:.0f}s save): a transient ends before that")
+        return None
 
     def _cooling(self, rank: int, finding: Finding, now: float) -> bool:
         """Within the cooldown of the rank's last replacement, in seconds or in steps (whichever ends last)."""

@@ -15,6 +15,15 @@ CUSUM, ARL0 = (e^{2kb} - 2kb - 1) / 2k^2 with b = h + 1.166, is solved for h so 
 raises a false alarm once per `straggler_false_alarm_steps` steps (1e9: ~0.001 expected false
 alarms in 1e6 rank-steps). A rank whose CUSUM crossed h is blamed only if the median of its last
 `straggler_window` steps also shows it at least `straggler_min_slowdown` slower than the cluster.
+What a blamed rank does is not learned as its usual standing, noise or baseline: else a 10% slowdown
+would be half excused within a few hundred steps, long before a replacement pays (health/policy.py).
+When noise grows on every rank at once, the cluster's spread grows with it long before each rank's
+slowly learned sigma does: each rank's sigma is scaled by how much the recent spread exceeds the
+spread it was learned against. Ranks slowed together on `straggler_shared_nodes` nodes or more (a
+rack, a leaf switch, a quarter of the job) are one info finding of the job's, naming no node: their
+CUSUMs rise together, so when the first crosses h the others are past h/2, and those are counted. A
+rank far slower than that group (past its median by `straggler_min_slowdown` and 5 of its sigmas) is
+still blamed on its node: a rack slowed 10% must not hide a GPU 50% slower elsewhere.
 The test starts after warm-up + window + baseline steps (56 by default), once every rank has a
 baseline. With 3-5% noise it finds a 10% slowdown in ~10 steps and a 20% one in ~5
 (benchmarks/health.py measures it, and the false alarms).
@@ -50,6 +59,15 @@ def _median(a: np.ndarray, axis: int | None = None) -> np.ndarray:
         return np.nanmedian(a, axis=axis) if np.isnan(a).any() else np.median(a, axis=axis)
 
 
+def _apart(slow: np.ndarray, margin: float) -> np.ndarray:
+    """Which of ranks slowed together (`slow`: log slowdowns) are far slower than the rest: past their median
+    by `margin` and by 5 sigmas of their spread. A GPU 50% slower is its node's fault, even while a rack
+    is 10% slower."""
+    center = float(np.median(slow))
+    sigma = MAD_TO_SIGMA * float(np.median(np.abs(slow - center)))
+    return slow > center + max(margin, 5 * sigma)
+
+
 class StragglerTest:
     """The CUSUM test over every rank's log compute time; the last window + baseline steps in numpy rings."""
 
@@ -73,6 +91,7 @@ class StragglerTest:
         self._own_center = np.full(n, np.nan)               # median deviation over the baseline rows
         self._own_sigma = np.full(n, np.nan)                # noise sigma over the baseline rows
         self._allowance = np.zeros(n)                       # how much slower than the median it usually is
+        self._base_spread = 0.0                             # the cluster's spread over the baseline rows
         self._refreshes = 0
 
     def add(self, x: np.ndarray, seen: np.ndarray) -> None:
@@ -101,11 +120,14 @@ class StragglerTest:
         return np.exp(-_median(d, axis=0))
 
     def findings(self, now: float, step: int | None) -> dict[str, Finding]:
-        """A finding per node with a rank whose CUSUM crossed the limit and whose last window is slow."""
+        """A finding per node with a rank whose CUSUM crossed the limit and whose last window is slow; or,
+        when ranks on `straggler_shared_nodes` nodes or more are slowed together, one finding of the job's."""
         cfg = self.config
-        ranks = np.flatnonzero(self._cusum > self._limit)
-        if not ranks.size:
+        if not (self._cusum > self._limit).any():
             return {}
+        # Suspects: past half the limit. A shared cause (a rack, a switch, a quarter of the job) raises the
+        # CUSUMs of all its ranks together, so when the first crosses the limit the others are near it.
+        ranks = np.flatnonzero(self._cusum > self._limit / 2)
         recent = self._recent_rows(cfg.straggler_window)
         d = self._logt[np.ix_(recent, ranks)] - self._center[recent, None]
         slow = _median(d, axis=0) - (0.0 if self._relative else self._own_center[ranks])
@@ -114,11 +136,20 @@ class StragglerTest:
         keep = score < 1 - cfg.straggler_min_slowdown
         if not self._relative and keep.sum() > len(self.rank_nodes) / 2:
             return {}                  # most ranks slowed together: the job, not a node
+        at = {int(rank): i for i, rank in enumerate(ranks)}
+        slowed = ranks_by_node(self.rank_nodes, ranks[keep])
+        out: dict[str, Finding] = {}
+        if len(slowed) >= cfg.straggler_shared_nodes:
+            apart = _apart(slow[keep], -math.log(1 - cfg.straggler_min_slowdown))
+            group = ranks[keep][~apart]
+            out[""] = self._shared(ranks_by_node(self.rank_nodes, group), group, score[keep][~apart], now, step)
+            slowed = ranks_by_node(self.rank_nodes, ranks[keep][apart])   # far slower than the group: their own
         reference = ("the cluster median" if self._relative else "the other ranks, against its own baseline"
                      if self._peers else "its own baseline")
-        at = {int(rank): i for i, rank in enumerate(ranks)}
-        out: dict[str, Finding] = {}
-        for node, mine in ranks_by_node(self.rank_nodes, ranks[keep]).items():
+        for node, mine in slowed.items():
+            mine = [r for r in mine if self._cusum[r] > self._limit]
+            if not mine:
+                continue
             worst = min(mine, key=lambda r: score[at[r]])
             i = at[worst]
             evidence = (f"rank {worst} computes {1 / score[i]:.2f}x {reference} over the last "
@@ -127,8 +158,21 @@ class StragglerTest:
                         f"{self._limit:.1f})")
             if len(mine) > 1:
                 evidence += f"; slow ranks on this node: {ranks_text(mine)}"
-            out[node] = Finding(FindingKind.STRAGGLER, Severity.WARNING, node, None, tuple(mine), evidence, now, step)
+            out[node] = Finding(FindingKind.STRAGGLER, Severity.WARNING, node, None, tuple(mine), evidence, now, step,
+                                slowdown=float(1 / score[i] - 1))
         return out
+
+    def _shared(self, slowed: dict[str, list[int]], ranks: np.ndarray, score: np.ndarray, now: float,
+                step: int | None) -> Finding:
+        """One info finding of the job for a slowdown many nodes share: no node is to blame for it."""
+        nodes = list(slowed)
+        shown = ", ".join(nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
+        factor = float(np.median(1 / score))
+        return Finding(FindingKind.STRAGGLER, Severity.INFO, "", None, tuple(int(r) for r in ranks),
+                       f"{ranks.size} ranks on {len(nodes)} nodes ({shown}) compute {factor:.2f}x the cluster median "
+                       f"together: a shared cause (a rack, a switch, the network, storage or the data), not one "
+                       f"node's fault (>= {self.config.straggler_shared_nodes} nodes); no node replaced",
+                       now, step, slowdown=factor - 1)
 
     def _accumulate(self, d: np.ndarray) -> None:
         """Add this step's deviations `d`, in units of noise and clipped, to each rank's CUSUM."""
@@ -139,7 +183,12 @@ class StragglerTest:
         own = self._own_sigma * (1 + 1.16 / math.sqrt(samples))
         if self._relative:
             d = d - self._allowance
-            noise = np.fmax(np.fmax(own, float(np.nanmedian(self._spread))), cfg.straggler_noise_floor)
+            # Noise that grows on every rank (a noisier fabric, a new data mix) grows the cluster's spread
+            # at once, long before each rank's slowly learned sigma follows: scale those by how much.
+            recent = float(np.nanmedian(self._spread[self._recent_rows(cfg.straggler_window)]))
+            # (a 5% dead band: the spread's own jitter must not slow the detection of a real slowdown)
+            growth = max(1.0, recent / self._base_spread - 0.05) if self._base_spread > 0 else 1.0
+            noise = np.fmax(np.fmax(own * growth, float(np.nanmedian(self._spread))), cfg.straggler_noise_floor)
         else:
             d = d - self._own_center
             noise = np.fmax(own, cfg.straggler_noise_floor)
@@ -166,14 +215,32 @@ class StragglerTest:
         # rank always slower than that is a fault, however long it has been.
         self._refreshes += 1
         weight = max(1 / self._refreshes, cfg.straggler_window / cfg.straggler_learn_steps)
+        blamed = self._blamed()
         # The center is learned as slowly as the rest: taken whole at each refresh, a slowdown
         # would become the rank's "own baseline" one window after it began, before it is caught.
         known = ~np.isnan(self._own_center)
         learned = self._own_center + weight * (center - self._own_center)
-        self._own_center = np.where(known, np.where(np.isnan(center), self._own_center, learned), center)
+        keep = np.isnan(center) | blamed                # no data, or blamed now: nothing learned from it
+        self._own_center = np.where(known, np.where(keep, self._own_center, learned), center)
         sigma = MAD_TO_SIGMA * _median(np.abs(d - center), axis=0)
+        sigma = np.where(blamed, np.nan, sigma)
         sigma = np.where(np.isnan(sigma), self._own_sigma, sigma)          # no data: keep what we knew
         known = ~np.isnan(self._own_sigma)
         self._own_sigma = np.where(known, self._own_sigma + weight * (sigma - self._own_sigma), sigma)
+        spread = float(np.nanmedian(self._spread[rows])) if self._relative else math.nan
+        if math.isfinite(spread):      # the cluster's spread when the ranks' sigmas were learned, learned alike
+            self._base_spread = spread if self._base_spread <= 0 else (
+                self._base_spread + weight * (spread - self._base_spread))
         usual = np.clip(np.nan_to_num(self._own_center), 0.0, -math.log(1 - cfg.straggler_min_slowdown))
-        self._allowance += weight * (usual - self._allowance)
+        self._allowance = np.where(blamed, self._allowance, self._allowance + weight * (usual - self._allowance))
+
+    def _blamed(self) -> np.ndarray:
+        """The ranks `findings` would blame now: CUSUM past the limit and the last window slow enough."""
+        blamed = self._cusum > self._limit
+        if not blamed.any():
+            return blamed
+        recent = self._recent_rows(self.config.straggler_window)
+        slow = _median(self._logt[recent] - self._center[recent, None], axis=0)
+        if not self._relative:
+            slow = slow - self._own_center
+        return blamed & (np.exp(-slow) < 1 - self.config.straggler_min_slowdown)

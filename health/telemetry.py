@@ -10,6 +10,7 @@ not CUDA ordinals, which follow CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import http.client
 import time
@@ -20,6 +21,9 @@ from typing import Any, Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 GPU_EXTRA = "pip install 'tfsn[gpu]'"
+# Xid events read per NVML sample: an Xid storm (thousands a second from a failing GPU) must not keep
+# the agent's loop, which also heartbeats, draining events; the rest wait in NVML's queue for the next call.
+MAX_XIDS_PER_SAMPLE = 1024
 
 
 class TelemetryError(Exception):
@@ -46,7 +50,8 @@ class Sample:
     ecc_dbe_volatile: int | None = None     # double-bit (uncorrected)
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
-    xid: int | None = None                  # an Xid event code seen on this GPU
+    xid: int | None = None                  # an Xid event code seen on this GPU (gpu None: NVML lost its index)
+    xid_watched: bool | None = None         # False: NVML refused to report this GPU's Xids (registration failed)
 
     @property
     def clock_ratio(self) -> float | None:
@@ -139,24 +144,33 @@ def _nvml_sample(node: str, gpu: int, readings: dict[str, Any], at: float) -> Sa
 class NvmlSource:
     """Every GPU of this node through NVML, plus the Xid events NVML raised since the last call.
 
-    Needs nvidia-ml-py (`tfsn[gpu]`) and an NVIDIA driver; check `available()` first.
+    Needs nvidia-ml-py (`tfsn[gpu]`) and an NVIDIA driver; check `available()` first. `nvml` is the
+    nvidia-ml-py module (passed in by tests that stand in for a driver). A GPU whose Xid events NVML
+    will not report is listed in `unwatched` with NVML's reason, and its samples say `xid_watched=False`,
+    so that the controller can say that an Xid there would go unseen.
     """
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, nvml: Any = None) -> None:
         self.node = node
-        self._nvml = nvml = _pynvml()
+        self._nvml = nvml = nvml or _pynvml()
         try:
             nvml.nvmlInit()
+        except nvml.NVMLError as err:
+            raise TelemetryError(f"NVML is not usable on node {node}: {err}") from None
+        try:
             self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
             # Xids arrive as events, not as a readable value: register once, drain on every sample().
             self._events = nvml.nvmlEventSetCreate()
         except nvml.NVMLError as err:
+            with contextlib.suppress(nvml.NVMLError):
+                nvml.nvmlShutdown()
             raise TelemetryError(f"NVML is not usable on node {node}: {err}") from None
-        for handle in self._handles:
+        self.unwatched: dict[int, str] = {}
+        for index, handle in enumerate(self._handles):
             try:
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._events)
-            except nvml.NVMLError:  # NOT_SUPPORTED on some boards; the device readings still work
-                pass
+            except nvml.NVMLError as err:  # NOT_SUPPORTED on some boards; the device readings still work
+                self.unwatched[index] = str(err)
         # Renamed from "throttle" to "event" reasons in nvidia-ml-py 12.535; same bits.
         self._reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
                          or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
@@ -196,14 +210,16 @@ class NvmlSource:
                                                        nvml.NVML_VOLATILE_ECC),
                 "remapped_rows": self._read(nvml.nvmlDeviceGetRemappedRows, handle),
             }
-            samples.append(_nvml_sample(self.node, index, readings, now))
-        while True:
+            sample = _nvml_sample(self.node, index, readings, now)
+            samples.append(dataclasses.replace(sample, xid_watched=False) if index in self.unwatched else sample)
+        for _ in range(MAX_XIDS_PER_SAMPLE):   # a storm is drained over several calls, never in an endless loop
             try:
                 event = nvml.nvmlEventSetWait_v2(self._events, 0)
             except nvml.NVMLError:  # TIMEOUT: nothing pending; anything else: read again next call
                 break
             if event.eventType & nvml.nvmlEventTypeXidCriticalError:
-                gpu = self._read(nvml.nvmlDeviceGetIndex, event.device)  # None if the GPU is lost
+                # None if NVML cannot name the GPU (it fell off the bus): kept, as the node's Xid
+                gpu = self._read(nvml.nvmlDeviceGetIndex, event.device)
                 samples.append(Sample(time=now, node=self.node, gpu=gpu, xid=int(event.eventData)))
         return samples
 

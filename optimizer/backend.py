@@ -227,7 +227,7 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule) -> Callab
     return _compiled(graph, plan, kernels, lib)
 
 
-SEARCH_VERSION = "5"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "6"      # bump when the search or the model changes what a cached result means
 
 
 def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[Plan, list[Schedule]]:
@@ -306,9 +306,10 @@ def search_cache_path(graph, spec, threads: int | None, gemm: bool, *extra: str,
 
 
 def graph_signature(graph) -> str:
-    """Everything that decides the code of a graph: ops, arguments, shapes, strides, dtypes."""
+    """Everything that decides the code of a graph: ops, arguments, shapes, strides, dtypes, and the
+    float32 precision it was captured with (TF32 or not prices a GPU's products differently)."""
     return repr([(n.op, n.kind.value, n.type, n.args, sorted(n.kwargs.items()), n.params) for n in graph.nodes]
-                + [graph.inputs, graph.outputs])
+                + [graph.inputs, graph.outputs, graph.allow_tf32, graph.cudnn_allow_tf32])
 
 
 def make_backend(**options: Any) -> Callable:

@@ -43,6 +43,10 @@ from optimizer.hardware import HardwareSpec
 from optimizer.schedule import Schedule
 
 POINTWISE, REDUCTION, GEMM = 0, 1, 2
+# What a GEMM multiplies in (KernelFeatures.precision indexes these): fp32 on the SIMT cores, TF32 only where
+# the captured model allowed it, bf16 / fp16 on tensor cores; every one accumulates in fp32
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+PRECISION_BYTES = (4, 4, 2, 2)
 
 LINE_BYTES = 64                 # cache line, bytes (x86-64, Arm Neoverse)
 VECTOR_PIPES = 2                # vector arithmetic issued per cycle (two FMA ports: Intel since Haswell, Zen 4)
@@ -90,6 +94,7 @@ class KernelFeatures:
     batch: float = 1.0
     b_strided: float = 0.0     # GEMM: B's columns are not contiguous (a transposed operand)
     flat: float = 0.0          # a 1-D loop: its "rows" are FLAT_ROW elements, its chunks count elements
+    precision: float = 0.0     # GEMM: index in PRECISIONS of the rate its product runs at (GPUs)
 
 
 @dataclass
@@ -331,18 +336,46 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 # ---- GPUs: predictions for hardware that is not present (the planner's and `tfsn optimize`'s view) ----
 # A GPU candidate reads the same table with GPU meanings: `chunk` = elements (pointwise) or rows
 # (reduction) per program, `mr` = warps per program, and for GEMMs `block_rows` x `nr` x `kc` = the
-# BM x BN x BK tile of a program. There is no GPU code generator yet: these only price kernels.
+# BM x BN x BK tile of a program. A program must fit the chip: its shared memory within the spec's
+# per-block limit, its registers within the per-thread limit and, times its threads, within the register
+# file; a candidate that does not is rejected (an infinite time), as the compiler would refuse it or spill.
+# How many programs share an SM (occupancy) is the least that the spec's limits allow; programs run in
+# waves of that many per SM, and the last wave's idle SMs count (wave quantization).
 GPU_STAGES = 3                  # software pipeline depth of a GEMM's shared-memory tiles (Triton's default)
-GPU_MAX_PROGRAMS_PER_UNIT = 32  # resident blocks per SM (CUDA compute capability 8.x/9.0 limit)
-GPU_THREADS_PER_UNIT = 2048     # resident threads per SM (CUDA 8.0/9.0); warps are 32 threads
-GPU_GEMM_DTYPE = "tf32"         # an fp32 graph's GEMMs run on tensor cores as TF32 (torch's "high" precision)
 GPU_FULL_TILE = 128 * 128       # a BM x BN tile this large reaches the tensor cores' peak; smaller ones less
 GPU_COLUMNS_PER_PROGRAM = 32    # a column reduction (bias gradient): columns one program sums
 GPU_MATH_OPS = 8.0              # SFU-assisted exp/erf/tanh, in FMA-equivalents per element
+GPU_REGISTER_BASE = 32          # registers of a kernel beyond its tile's values: indices, pointers, masks, loop
+                                # counters (assumption: ptxas -v reports ~30 for a small Triton pointwise kernel)
+GPU_REGISTER_GRANULE = 8        # registers are allocated per warp in units of 256, 8 per thread (CUDA Occupancy
+                                # Calculator, "register allocation unit size")
+GPU_MMA_K = 16                  # depth of one MMA step: the A and B fragments a thread holds per step
+GPU_REDUCTION_BLOCK = 1024      # elements of a row a reduction program holds per pass at most (longer rows loop)
+
+
+def gpu_occupancy(spec: HardwareSpec, threads: np.ndarray, registers: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """Programs resident per SM for programs of `threads` threads, `registers` per thread and `shared`
+    bytes of shared memory: the least that the spec's limits allow; 0 where one program alone does not
+    fit (too much shared memory for one block, more registers than a thread may have, or a register
+    file too small for its threads), which the callers turn into a rejection."""
+    regs = np.ceil(registers / GPU_REGISTER_GRANULE) * GPU_REGISTER_GRANULE
+    register_file = spec.registers_per_unit_kib * 1024 / 4
+    by_shared = np.where(shared > 0, np.floor(spec.shared_memory_per_unit_kib * 1024 / np.maximum(shared, 1.0)),
+                         float(spec.blocks_per_unit))
+    resident = np.minimum.reduce([np.full_like(threads, float(spec.blocks_per_unit)),
+                                  np.floor(spec.threads_per_unit / threads),
+                                  np.floor(register_file / (regs * threads)), by_shared])
+    fits = (np.ceil(registers) <= spec.registers_per_thread) & (shared <= spec.shared_memory_per_block_kib * 1024)
+    return np.where(fits, resident, 0.0)
+
+
+def _values(features: FeatureTable, k: np.ndarray) -> np.ndarray:
+    """Tiles live at once in a loop kernel's registers: its full-size inputs and its result."""
+    return 1.0 + np.maximum(1.0, np.round(features.read_bytes[k] / np.maximum(features.elements[k] * 4.0, 1.0)))
 
 
 def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) -> np.ndarray:
-    """Predicted seconds of every candidate row on a GPU spec."""
+    """Predicted seconds of every candidate row on a GPU spec; `inf` for a program the chip cannot run."""
     k = cand.kernel
     units = float(spec.compute_units)
     launch = spec.launch_overhead_us * 1e-6
@@ -351,36 +384,53 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     kind = features.kind[k]
     moved = features.read_bytes[k] + features.write_bytes[k]
     bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, hbm.bandwidth_gbs) * 1e9
-    warps = np.maximum(cand.mr, 1)
-    resident = np.minimum(GPU_MAX_PROGRAMS_PER_UNIT, np.floor(GPU_THREADS_PER_UNIT / (32 * warps)))
+    threads = float(spec.simd_width) * np.maximum(cand.mr, 1)       # warps (NVIDIA: 32) or wavefronts (AMD: 64)
     # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs
     per_program = np.maximum(cand.chunk, 1)
     column = (kind == REDUCTION) & (features.columns[k] > 0)
     rows = np.where(column, features.rows[k] * np.ceil(features.columns[k] / GPU_COLUMNS_PER_PROGRAM),
                     features.rows[k])
     programs = np.where(kind == REDUCTION, np.ceil(rows / per_program), np.ceil(features.elements[k] / per_program))
-    waves = np.ceil(programs / (units * resident))
+    row_block = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(features.inner[k], 1))), GPU_REDUCTION_BLOCK)
+    held = np.where(kind == REDUCTION, per_program * row_block, per_program)     # a program's values per pass
+    registers = GPU_REGISTER_BASE + np.ceil(held / threads) * _values(features, k)
+    resident = gpu_occupancy(spec, threads, registers, np.zeros_like(threads))
+    slots = units * np.maximum(resident, 1)
+    waves = np.ceil(programs / slots)
     # SMs in use: a launch of fewer programs than SMs leaves the rest idle; more waves than one
     # leave the last one partly empty
-    fill = np.minimum(1.0, programs / units) * np.where(waves > 1, programs / (waves * units * resident), 1.0)
+    fill = np.minimum(1.0, programs / units) * np.where(waves > 1, programs / (waves * slots), 1.0)
     lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) \
         + features.rows[k] * features.row_ops[k]
     compute = lane_ops / (spec.peak_flops("fp32") / 2)
     loop = np.maximum(compute, moved / bandwidth) / np.maximum(fill, 1e-3) + launch
-    # GEMMs: BM x BN tiles in waves of the programs that fit an SM's shared memory
+    loop = np.where(resident > 0, loop, np.inf)
+    return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
+
+
+def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, threads: np.ndarray) -> np.ndarray:
+    """GEMM rows: BM x BN tiles in waves of the programs an SM holds, at the rate of the GEMM's precision."""
+    k = cand.kernel
+    units = float(spec.compute_units)
+    l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
+    precision = features.precision[k].astype(np.int64)
+    itemsize = np.array(PRECISION_BYTES, dtype=np.float64)[precision]
+    peak = np.array([spec.peak_flops(p) for p in PRECISIONS])[precision]
     bm, bn, bk = cand.block_rows, cand.nr, cand.kc
     m, n, depth, batch = features.m[k], features.n[k], features.k[k], features.batch[k]
     tiles = batch * np.ceil(m / bm) * np.ceil(n / bn)
-    smem = (bm + bn) * bk * 4.0 * GPU_STAGES
-    per_unit = np.maximum(1.0, np.minimum(np.floor(spec.shared_memory_per_unit_kib * 1024 / smem), resident))
-    gemm_waves = np.ceil(tiles / (units * per_unit))
+    shared = (bm + bn) * bk * itemsize * GPU_STAGES
+    # fp32 accumulators of the tile spread over the threads, plus the A and B fragments of one MMA step
+    registers = GPU_REGISTER_BASE + (bm * bn + (bm + bn) * GPU_MMA_K * itemsize / 4.0) / threads
+    per_unit = gpu_occupancy(spec, threads, registers, shared)
+    gemm_waves = np.ceil(tiles / (units * np.maximum(per_unit, 1)))
     padded = batch * np.ceil(m / bm) * bm * np.ceil(n / bn) * bn * depth * 2.0
     tile_eff = np.minimum(1.0, (bm * bn / GPU_FULL_TILE) ** 0.5)
     quantized = gemm_waves * units * per_unit / np.maximum(tiles, 1)
-    gemm_compute = padded * quantized / (spec.peak_flops(GPU_GEMM_DTYPE) * tile_eff)
-    unique = batch * (m * depth + depth * n + m * n) * 4.0
-    reread = batch * (m * depth * (np.ceil(n / bn) - 1) + depth * n * (np.ceil(m / bm) - 1)) * 4.0
-    gemm_memory = unique / (hbm.bandwidth_gbs * 1e9) + reread / (l2.bandwidth_gbs * 1e9)
+    compute = padded * quantized / (peak * tile_eff)
+    unique = batch * (m * depth + depth * n + m * n) * itemsize
+    reread = batch * (m * depth * (np.ceil(n / bn) - 1) + depth * n * (np.ceil(m / bm) - 1)) * itemsize
+    memory = unique / (spec.main_memory.bandwidth_gbs * 1e9) + reread / (l2.bandwidth_gbs * 1e9)
     epilogue = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) / (spec.peak_flops("fp32") / 2)
-    gemm = np.maximum(gemm_compute, gemm_memory) + epilogue + launch
-    return np.where(kind == GEMM, gemm, loop)
+    gemm = np.maximum(compute, memory) + epilogue + spec.launch_overhead_us * 1e-6
+    return np.where(per_unit > 0, gemm, np.inf)

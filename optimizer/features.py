@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from math import prod
 
-from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, REDUCTION, KernelFeatures
+from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, PRECISIONS, REDUCTION, KernelFeatures
 from optimizer.expr import stride_along
 from optimizer.ir import Graph, Kind, Node
 from optimizer.loopnest import Group, LoopNest, Pass, fused_nodes, lower
@@ -70,14 +70,21 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
         flat=1.0 if len(dom) == 1 and not reduced else 0.0)
 
 
+def gemm_precision(dtype: str, allow_tf32: bool) -> str:
+    """The rate a product of `dtype` operands runs at on a GPU (a PRECISIONS name): bf16 / fp16 on tensor
+    cores, fp32 on them as TF32 only where the captured model allowed it, else on the fp32 cores."""
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, "tf32" if allow_tf32 else "fp32")
+
+
 def matmul_features(graph: Graph, mm: Node) -> KernelFeatures:
     """The product of a matmul node alone (no epilogue): what a GEMM costs whoever runs it."""
     a, b = (graph.nodes[r.index] for r in mm.args[:2])
+    precision = PRECISIONS.index(gemm_precision(a.type.dtype, graph.allow_tf32))
     m, n = mm.type.shape[-2:]
     batch = mm.type.shape[0] if len(mm.type.shape) == 3 else 1
     return KernelFeatures(kind=GEMM, elements=float(batch * m * n), rows=float(batch * m), inner=float(n), ops=0.0,
                           m=float(m), n=float(n), k=float(a.type.shape[-1]), batch=float(batch),
-                          b_strided=0.0 if b.type.strides[-1] == 1 else 1.0)
+                          b_strided=0.0 if b.type.strides[-1] == 1 else 1.0, precision=float(precision))
 
 
 def _gemm_features(graph: Graph, group: Group, nest: LoopNest, members: set[int]) -> KernelFeatures:

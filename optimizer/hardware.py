@@ -29,6 +29,9 @@ _SCALARS = ("clock_ghz", "compute_units", "simd_width", "registers_per_unit_kib"
             "shared_memory_per_unit_kib", "launch_overhead_us", "interconnect_gbs")
 _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCALARS
 _OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads")      # written by `tfsn calibrate`; defaults below
+# What a GPU's occupancy depends on, besides registers_per_unit_kib and shared_memory_per_unit_kib: a GPU
+# spec must give them (a kernel the chip cannot launch is rejected by the cost model, not guessed at)
+_GPU_LIMITS = ("shared_memory_per_block_kib", "threads_per_unit", "blocks_per_unit", "registers_per_thread")
 _LEVEL_FIELDS = {"name", "size_mib", "bandwidth_gbs"}
 _LEVEL_OPTIONAL = {"core_bandwidth_gbs"}
 GENERIC_CPU = "cpu-generic"
@@ -69,6 +72,11 @@ class HardwareSpec:
     library_gemm_efficiency: float = 0.85  # fraction of the fp32 FMA peak the BLAS sgemm reaches (CPU)
     cpu_model: str = ""                # the CPU a calibrated spec was measured on ("" for vendor specs)
     threads: int = 0                   # threads used by that calibration (0 for vendor specs)
+    # GPU launch limits (CUDA Programming Guide, "Technical Specifications per Compute Capability"); 0 on CPUs
+    shared_memory_per_block_kib: float = 0.0   # the most shared memory one block (program) may allocate
+    threads_per_unit: int = 0          # resident threads per SM / CU
+    blocks_per_unit: int = 0           # resident blocks per SM / CU
+    registers_per_thread: int = 0      # the most 32-bit registers one thread may use (255 on NVIDIA)
 
     @property
     def main_memory(self) -> MemoryLevel:
@@ -121,15 +129,42 @@ def _calibration_fields(data: dict, source: str) -> dict[str, Any]:
     return found
 
 
+def _gpu_limits(data: dict, source: str) -> dict[str, Any]:
+    """The launch limits a GPU spec must give, validated (a CPU spec gives none)."""
+    if data["kind"] != "gpu":
+        extra = [f for f in _GPU_LIMITS if f in data]
+        if extra:
+            raise HardwareSpecError(f"{source}: {extra[0]}: only GPU specs have launch limits. To fix: remove it")
+        return {}
+    missing = [f for f in _GPU_LIMITS if f not in data]
+    if missing:
+        raise HardwareSpecError(f"{source}: {missing[0]}: required field of a GPU spec is missing. To fix: write "
+                                "the figure of the chip's compute capability (CUDA Programming Guide, Technical "
+                                "Specifications per Compute Capability), e.g. 227 for shared_memory_per_block_kib "
+                                "on an H100")
+    limits: dict[str, Any] = {"shared_memory_per_block_kib": _number(data["shared_memory_per_block_kib"],
+                                                                     f"{source}: shared_memory_per_block_kib")}
+    for field in _GPU_LIMITS[1:]:
+        value = data[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HardwareSpecError(f"{source}: {field}: {value!r} must be a whole number >= 1")
+        limits[field] = value
+    if limits["shared_memory_per_block_kib"] > data["shared_memory_per_unit_kib"]:
+        raise HardwareSpecError(f"{source}: shared_memory_per_block_kib: {limits['shared_memory_per_block_kib']:g} "
+                                f"is more than shared_memory_per_unit_kib ({data['shared_memory_per_unit_kib']}). "
+                                "To fix: a block's shared memory is at most its SM's")
+    return limits
+
+
 def parse_spec(data: Any, source: str) -> HardwareSpec:
     """Validate one spec's YAML data; `source` is the file name used in messages."""
     if not isinstance(data, dict):
         raise HardwareSpecError(f"{source}: the top level must be a mapping of fields")
-    unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL))
+    unknown = sorted(set(data) - set(_FIELDS) - set(_OPTIONAL) - set(_GPU_LIMITS))
     missing = [f for f in _FIELDS if f not in data]
     if unknown:
         raise HardwareSpecError(f"{source}: unknown field {unknown[0]!r}. "
-                                f"To fix: use only {', '.join(_FIELDS + _OPTIONAL)}")
+                                f"To fix: use only {', '.join(_FIELDS + _OPTIONAL + _GPU_LIMITS)}")
     if missing:
         raise HardwareSpecError(f"{source}: {missing[0]}: required field is missing")
     name, kind, vendor = data["name"], data["kind"], data["vendor"]
@@ -158,7 +193,7 @@ def parse_spec(data: Any, source: str) -> HardwareSpec:
         simd_width=int(scalars["simd_width"]), registers_per_unit_kib=scalars["registers_per_unit_kib"],
         shared_memory_per_unit_kib=scalars["shared_memory_per_unit_kib"],
         launch_overhead_us=scalars["launch_overhead_us"], interconnect_gbs=scalars["interconnect_gbs"],
-        memory=tuple(memory), **_calibration_fields(data, source))
+        memory=tuple(memory), **_calibration_fields(data, source), **_gpu_limits(data, source))
 
 
 def load_spec_file(path: str | Path) -> HardwareSpec:

@@ -83,6 +83,10 @@ class Graph:
     outputs: list                            # Ref or a literal, in the FX graph's output order
     # answers the passes keep about this graph (fusion's trial writes: a search plans it ~50 times)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # the float32 precision torch allowed when the graph was captured (`float32_precision`): on a GPU an
+    # fp32 product runs on TF32 tensor cores only where the model asked for it, at ~7x the fp32 rate
+    allow_tf32: bool = False                 # matmuls: torch.backends.cuda.matmul.allow_tf32 / 'high' | 'medium'
+    cudnn_allow_tf32: bool = True            # convolutions: torch.backends.cudnn.allow_tf32 (True by default)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -95,6 +99,13 @@ VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum", "aten.amax.default": "max",
               "aten.amin.default": "min", "aten.mean.dim": "mean", "aten.mean.default": "mean"}
 FLOAT_DTYPES = ("float32", "float64")
+
+
+def float32_precision() -> dict[str, bool]:
+    """TF32 use that torch allows now, for matmuls and cuDNN convolutions: what a graph captured now
+    was written for (torch.set_float32_matmul_precision('high') sets allow_tf32 as well)."""
+    matmul = bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    return {"allow_tf32": matmul, "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -168,7 +179,7 @@ def from_fx(gm: torch.fx.GraphModule) -> Graph:
     for o in outputs:
         if isinstance(o, Ref):
             nodes[o.index].users.append(-1)   # -1: the graph's output
-    return Graph(nodes, inputs, outputs)
+    return Graph(nodes, inputs, outputs, **float32_precision())
 
 
 def _constant(value: Any) -> Any:

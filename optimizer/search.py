@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from optimizer import costmodel, features, fusion
+from optimizer import costmodel, externs, features, fusion
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph, Kind
 from optimizer.loopnest import Group, NotFusable, kernel_key
@@ -76,6 +76,7 @@ class SearchResult:
     predicted_s: float                 # the chosen plan at its chosen schedules, predicted (what the model prices)
     kernels: list[KernelResult]
     ties: list[Tie] = field(default_factory=list)     # kernels whose choice was too close to call
+    externs: dict[int, float] = field(default_factory=dict)   # predicted seconds of each extern group, by group
 
     @property
     def measured(self) -> list[dict]:
@@ -135,18 +136,19 @@ class _Scorer:
                     for g, k in zip(plan.groups, plan_keys)) for i, (plan, plan_keys) in enumerate(zip(plans, keys))]
 
     def extern_s(self, group: Group) -> float:
-        """An ATen call the model can price: a matmul left to the library, priced as our library GEMM
-        of one block with no epilogue, so that fused and unfused plans compare alike (other externs
-        cost the same in every plan and are left out)."""
+        """An ATen call's predicted time (optimizer/externs.py: a roofline per class of library kernel);
+        on a CPU, a matmul left to the library is priced as our library GEMM of one block with no epilogue,
+        so that fused and unfused plans compare alike."""
         node = self.graph.nodes[group.nodes[0]]
-        if node.kind != Kind.MATMUL or node.type is None:
-            return 0.0
         if node.index not in self.externs:
-            kernel = features.matmul_features(self.graph, node)
-            one_call = dataclasses.replace(DEFAULT, gemm="library", gemm_block_rows=max(int(kernel.m), 1),
-                                           parallel_axis=-1)
-            self.externs[node.index] = float(self.target.predict(
-                costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.threads)[0])
+            if self.target.spec.kind == "cpu" and node.kind == Kind.MATMUL and node.type is not None:
+                kernel = features.matmul_features(self.graph, node)
+                one_call = dataclasses.replace(DEFAULT, gemm="library", gemm_block_rows=max(int(kernel.m), 1),
+                                               parallel_axis=-1)
+                self.externs[node.index] = float(self.target.predict(
+                    costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.threads)[0])
+            else:
+                self.externs[node.index] = externs.extern_cost(self.graph, node, self.target.spec).seconds
         return self.externs[node.index]
 
     def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:
@@ -203,12 +205,13 @@ def search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool = Tr
         schedules[k.group] = k.schedule
     keys = [scorer.key(g, plans[start].buffers) for g in plans[start].groups if g.kind != "extern"]
     space_size = 2 ** len(points) * math.prod(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
-    predicted = sum(k.predicted_s for k in kernels) + sum(scorer.extern_s(g) for g in plan.groups if g.kind == "extern")
+    extern_times = {i: scorer.extern_s(g) for i, g in enumerate(plan.groups) if g.kind == "extern"}
+    predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values())
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=space_size, plans_scored=len(costs),
                         scored=scorer.scored, score_seconds=scorer.seconds,
                         feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
-                        predicted_s=predicted, kernels=kernels, ties=ties)
+                        predicted_s=predicted, kernels=kernels, ties=ties, externs=extern_times)
 
 
 def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tuple[list[KernelResult], list[Tie]]:
@@ -350,7 +353,8 @@ def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:
         ops = _ops(graph, g.nodes)[:60]
         k = by_group.get(i)
         if k is None:
-            lines.append(f"{i:3d} extern  {ops}")
+            cost = result.externs.get(i, 0.0)
+            lines.append(f"{i:3d} extern  {ops}" + (f"  predicted {cost * 1e6:.1f} us" if cost else ""))
             continue
         s = k.schedule
         if gpu:

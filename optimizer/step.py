@@ -8,6 +8,7 @@ are searched with the cost model only, and run as ATen so that the capture compl
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,61 @@ class StepReport:
                 "predicted_step_s": self.predicted_step_s,
                 "chosen": [search.describe(g, r, gpu=self.kind == "gpu") for g, r in self.graphs],
                 "measured": [m for _, r in self.graphs for m in r.measured]}
+
+
+GRAPH_NAMES = ("forward", "backward")
+
+
+def plan_json(report: StepReport) -> dict:
+    """The chosen plan of every graph as data (`tfsn optimize --emit`): each fusion group with its ops,
+    domain, chosen schedule and predicted time; each extern with its class, FLOPs, bytes and predicted
+    time; and the totals. GPU schedules read as launch shapes (see costmodel.predict_gpu)."""
+    from optimizer import externs, fusion, search
+    from optimizer.costmodel import GPU_STAGES
+
+    graphs = []
+    for n, (graph, result) in enumerate(report.graphs):
+        by_group = {k.group: k for k in result.kernels}
+        groups = []
+        for i, group in enumerate(result.plan.groups):
+            ops = search._ops(graph, fusion.fused_nodes(graph, result.plan.buffers, group))
+            if group.kind == "extern":
+                cost = externs.extern_cost(graph, graph.nodes[group.nodes[0]], _spec_of(report))
+                groups.append({"group": i, "kind": "extern", "ops": ops, **cost.as_dict(),
+                               "predicted_s": result.externs.get(i, 0.0)})
+                continue
+            kernel = by_group[i]
+            kind = "gemm" if group.kind == "gemm" else "reduction" if group.reduced else "pointwise"
+            entry = {"group": i, "kind": kind, "ops": ops,
+                     "domain": list(group.domain), "predicted_s": kernel.predicted_s}
+            entry["schedule"] = _gpu_launch(group, kernel.schedule, GPU_STAGES) if report.kind == "gpu" \
+                else dataclasses.asdict(kernel.schedule)
+            if kernel.measured_s is not None:
+                entry["measured_s"] = kernel.measured_s
+            groups.append(entry)
+        kernels_s = sum(k.predicted_s for k in result.kernels)
+        graphs.append({"name": GRAPH_NAMES[n] if n < len(GRAPH_NAMES) else f"graph{n}",
+                       "allow_tf32": graph.allow_tf32, "cudnn_allow_tf32": graph.cudnn_allow_tf32,
+                       "groups": groups, "kernels_s": kernels_s, "externs_s": sum(result.externs.values()),
+                       "predicted_s": result.predicted_s})
+    return {"hardware": report.hardware, "kind": report.kind, "measured_here": report.measured_here,
+            "graphs": graphs, "totals": {"kernels_s": sum(g["kernels_s"] for g in graphs),
+                                         "externs_s": sum(g["externs_s"] for g in graphs),
+                                         "predicted_step_s": report.predicted_step_s}}
+
+
+def _gpu_launch(group, schedule, stages: int) -> dict:
+    """A GPU candidate's schedule as the launch shape it stands for (the columns predict_gpu reads)."""
+    if group.kind == "gemm":
+        return {"block_m": schedule.gemm_block_rows, "block_n": schedule.gemm_nr, "block_k": schedule.gemm_kc,
+                "num_warps": schedule.gemm_mr, "num_stages": stages}
+    per = "rows_per_program" if group.reduced else "elements_per_program"
+    return {per: schedule.chunk, "num_warps": schedule.gemm_mr}
+
+
+def _spec_of(report: StepReport) -> HardwareSpec:
+    from optimizer.hardware import cpu_spec, find_hardware
+    return cpu_spec() if report.measured_here else find_hardware(report.hardware)
 
 
 def optimize_step(model: torch.nn.Module, inputs: Sequence[Any], spec: HardwareSpec | None = None,

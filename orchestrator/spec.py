@@ -316,13 +316,36 @@ class Resources(BaseModel):
         return [AcceleratorRequest(name=n, count=c) for n, c in pairs]
 
 
+# Object stores a checkpoint.dir may name (through fsspec), and the extra that installs each driver.
+CHECKPOINT_URL_SCHEMES = {"s3": "aws", "gs": "gcs", "az": "azblob"}
+
+
+def checkpoint_url_scheme(location: str | None) -> str | None:
+    """'s3', 'gs' or 'az' when `location` is such an object-store URL; None for a path."""
+    scheme, sep, _ = (location or "").partition("://")
+    return scheme.lower() if sep and scheme.lower() in CHECKPOINT_URL_SCHEMES else None
+
+
 class CheckpointSpec(BaseModel):
     """Where and how often to checkpoint: every N steps (int), every duration ("10m"), or "auto"."""
 
     model_config = ConfigDict(extra="forbid")
-    dir: PathText | None = None                   # absolute once loaded (relative to workdir)
+    dir: PathText | None = None                   # s3://, gs://, az:// URL, or a path (absolute once loaded)
     interval: int | str = "auto"
     keep: int = Field(3, ge=1, le=MAX_CHECKPOINTS_KEPT, strict=True)
+    async_save: bool = Field(True, strict=True)   # the step pays for the copy to memory only; writes go on behind
+    local_ok: bool = Field(False, strict=True)    # a path is on storage every node shares (tfsn cannot tell)
+
+    @field_validator("dir")
+    @classmethod
+    def _dir(cls, value: str | None) -> str | None:
+        scheme = (value or "").partition("://")[0]
+        if value is not None and "://" in value and checkpoint_url_scheme(value) is None:
+            raise ValueError(f"{_show(scheme)}:// is not a storage tfsn checkpoints to. To fix: use s3://BUCKET/PATH, "
+                             "gs://BUCKET/PATH, az://CONTAINER/PATH or a path")
+        if checkpoint_url_scheme(value) and not value.partition("://")[2].strip("/"):
+            raise ValueError(f"{_show(value)} names no bucket. To fix: write e.g. {scheme}://my-bucket/checkpoints")
+        return value
 
     @field_validator("interval", mode="before")
     @classmethod
@@ -556,7 +579,7 @@ class JobSpec(BaseModel):
         base = (info.context or {}).get("base_dir") if isinstance(info.context, dict) else None
         if base is not None:
             self.workdir = os.path.abspath(os.path.join(base, os.path.expanduser(self.workdir)))
-            if self.checkpoint.dir is not None:
+            if self.checkpoint.dir is not None and not checkpoint_url_scheme(self.checkpoint.dir):
                 self.checkpoint.dir = os.path.abspath(
                     os.path.join(self.workdir, os.path.expanduser(self.checkpoint.dir)))
         for field, path in (("workdir", self.workdir), ("checkpoint.dir", self.checkpoint.dir)):
@@ -565,15 +588,15 @@ class JobSpec(BaseModel):
                                  "absolute. To fix: use a shorter path")
         return self
 
-    def nprocs(self, accelerator: AcceleratorRequest | None = None) -> int:
-        """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerator`,
-        else the first choice), or 1 on CPU-only jobs."""
+    def nprocs(self, accelerators: int | None = None) -> int:
+        """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerators`, its count;
+        before an offer is chosen, the first choice's), and 1 on a node without accelerators."""
         if self.nproc_per_node != "auto":
             return self.nproc_per_node
-        if accelerator is None:
+        if accelerators is None:
             choices = self.resources.accelerator_choices()
-            accelerator = choices[0] if choices else None
-        return accelerator.count if accelerator is not None else 1
+            accelerators = choices[0].count if choices else 0
+        return max(1, accelerators)
 
 
 class SpecError(Exception):
@@ -596,7 +619,7 @@ _EXAMPLES = {
     "name": "tiny-gpt", "num_nodes": "2", "nproc_per_node": "auto", "workdir": ".",
     "setup": "pip install -r requirements.txt", "run": "python train.py", "steps": "300",
     "use_spot": "true", "max_hourly_cost": "30.0", "dir": "checkpoints", "keep": "3",
-    "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true",
+    "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true", "local_ok": "true", "async_save": "true",
     "params": "1.3B", "layers": "24", "hidden": "2048", "seq_len": "2048", "batch_size": "256", "dtype": "bf16",
 }
 

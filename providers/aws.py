@@ -15,14 +15,17 @@ import random
 import re
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
-                            NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer, provider_error)
+from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+                            NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
+                            provider_error)
 from providers.bootstrap import startup_script
 from providers.catalog import CatalogOffers
-from providers.naming import NODE_TAG, node_tags
+from providers.naming import JOB_TAG, NODE_TAG, node_tags
+from providers.sweep import NotConfigured, TaggedResource, tagged
 
 NAME = "aws"
 EXTRA = "aws"
@@ -73,6 +76,9 @@ FAULTS: dict[str, Fault] = {
 }
 _UNREACHABLE = Fault(ProviderError, "check the network and AWS_ENDPOINT_URL", retryable=True)
 NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+VOLUME_GONE = {"InvalidVolume.NotFound"}
+SWEEP_WORKERS = 8              # regions listed at once by `tfsn down`
+SWEEP_REGIONS_ENV = "TFSN_AWS_REGIONS"   # the regions `tfsn down` looks in (comma-separated); default: all enabled
 # Catalog names where AWS reports one name for two memory sizes (SkyPilot's names).
 BY_MEMORY = {("A100", 81920): "A100-80GB", ("V100", 32768): "V100-32GB"}
 
@@ -129,21 +135,21 @@ class AwsProvider(CatalogOffers):
     """EC2 instances as nodes (see the module docstring)."""
 
     name = NAME
+    runs_boot_script = True   # its VMs boot with bootstrap.startup_script (the controller serves its files)
 
     def __init__(self, default_region: str | None = None) -> None:
         # Where to look for a node whose handle lost its region (a crash right after the request).
         self.default_region = default_region or os.environ.get("AWS_REGION") or os.environ.get(
             "AWS_DEFAULT_REGION") or "us-east-1"
         self._session: Any = None
-        self._clients: dict[tuple[str, str, int], Any] = {}
+        self._clients = Clients()
         self._zone_names: dict[str, str] = {}
 
     def _client(self, service: str, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
-        key = (service, region, attempts)
-        if key not in self._clients:
+        def make() -> Any:
             self._session = self._session or _session()
-            self._clients[key] = _client(self._session, service, region, attempts)
-        return self._clients[key]
+            return _client(self._session, service, region, attempts)
+        return self._clients.get((service, region, attempts), make)
 
     def _ec2(self, region: str, attempts: int = SDK_ATTEMPTS) -> Any:
         return self._client("ec2", region, attempts)
@@ -274,6 +280,52 @@ class AwsProvider(CatalogOffers):
             if time.time() - handle.data.get("requested_at", 0) < CONSISTENCY_S:
                 raise ProviderError(f"aws: {instance_id} of node {handle.node_id} is not visible yet; "
                                     "terminating again shortly", provider=self.name) from None
+
+    # -- what `tfsn down` finds and deletes (providers.sweep) ------------------------------------
+
+    def tagged_resources(self) -> list[TaggedResource]:
+        """tfsn's live instances and its unattached volumes (an attached one goes with its instance), in every
+        region enabled for the account (or those of TFSN_AWS_REGIONS)."""
+        wanted = {name.strip() for name in os.environ.get(SWEEP_REGIONS_ENV, "").split(",") if name.strip()}
+        session = self._session = self._session or _session()
+        if session.get_credentials() is None:
+            raise NotConfigured("no AWS credentials (aws configure, AWS_PROFILE, or an instance role)", provider=NAME)
+        try:
+            enabled = [r["RegionName"] for r in self._ec2(self.default_region).describe_regions()["Regions"]]
+            regions = sorted(name for name in enabled if not wanted or name in wanted)
+            clients = {region: self._ec2(region) for region in regions}   # made here: making clients is not thread-safe
+            with ThreadPoolExecutor(SWEEP_WORKERS) as pool:
+                return [r for found in pool.map(_tagged_in_region, clients.values(), regions) for r in found]
+        except Exception as err:
+            raise _provider_error(err, "cannot list tfsn's instances and volumes") from None
+
+    def delete_resource(self, resource: TaggedResource) -> None:
+        ec2, ref = self._ec2(resource.where), resource.ref
+        try:
+            if resource.kind == "instance":
+                ec2.terminate_instances(InstanceIds=[ref["instance_id"]])
+            else:
+                ec2.delete_volume(VolumeId=ref["volume_id"])
+        except Exception as err:
+            if _code(err) not in NOT_FOUND | VOLUME_GONE:
+                raise _provider_error(err, f"cannot delete {resource.kind} {resource.name}") from None
+
+
+def _tagged_in_region(ec2: Any, region: str) -> list[TaggedResource]:
+    """One region's instances (not yet terminated) and available volumes that carry the job tag."""
+    def tags(item: dict[str, Any]) -> dict[str, str]:
+        return {t["Key"]: t["Value"] for t in item.get("Tags", [])}
+
+    tag_filter = {"Name": "tag-key", "Values": [JOB_TAG]}
+    found = [tagged(NAME, "instance", i["InstanceId"], region, tags(i), instance_id=i["InstanceId"])
+             for page in ec2.get_paginator("describe_instances").paginate(Filters=[
+                 tag_filter, {"Name": "instance-state-name", "Values": list(LIVE_STATES)}])
+             for reservation in page["Reservations"] for i in reservation["Instances"]]
+    found += [tagged(NAME, "volume", v["VolumeId"], region, tags(v), volume_id=v["VolumeId"])
+              for page in ec2.get_paginator("describe_volumes").paginate(Filters=[
+                  tag_filter, {"Name": "status", "Values": ["available"]}])
+              for v in page["Volumes"]]
+    return found
 
 
 def fetch_offers(regions: list[str] | None = None) -> list[Offer]:

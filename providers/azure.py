@@ -22,12 +22,13 @@ import re
 import time
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest,
                             NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, import_sdk, planned_offer,
                             provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
-from providers.naming import dns_label, node_tags
+from providers.naming import JOB_TAG, dns_label, node_tags
+from providers.sweep import NotConfigured, TaggedResource, tagged
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ SSH_KEY_ENV = "TFSN_AZURE_SSH_PUBLIC_KEY"       # lets a user log in; otherwise 
 ADMIN_USER = "tfsn"
 OS_DISK_GB = 200
 ADDRESS_SPACE = "10.200.0.0/16"
+NETWORK_TAG = ("tfsn", "network")                # on each region's vnet, which the jobs of that region share
+# What `tfsn down` lists: kind, the client, its operations group, whether it belongs to a job (else shared).
+SWEPT = (("instance", "compute", "virtual_machines", True), ("nic", "network", "network_interfaces", True),
+         ("vnet", "network", "virtual_networks", False))
 PRICES_URL = "https://prices.azure.com/api/retail/prices"
 CAPACITY_CODES = {"SkuNotAvailable", "AllocationFailed", "ZonalAllocationFailed", "OverconstrainedAllocationRequest",
                   "OverconstrainedZonalAllocationRequest"}
@@ -56,6 +61,7 @@ class AzureProvider(CatalogOffers):
     """Azure VMs (see the module docstring)."""
 
     name = PROVIDER
+    runs_boot_script = True   # its VMs boot with bootstrap.startup_script (the controller serves its files)
 
     def __init__(self, subscription_id: str | None = None, *, credential: Any = None,
                  resource_group: str | None = None, base_url: str | None = None,
@@ -69,7 +75,7 @@ class AzureProvider(CatalogOffers):
         self.rpc_timeout_s = rpc_timeout_s           # one HTTP read
         self.operation_timeout_s = operation_timeout_s   # one long-running operation, end to end
         self.poll_interval_s = poll_interval_s       # between polls when the service suggests none
-        self._clients: dict[str, Any] = {}
+        self._clients = Clients()
         self._networks: set[str] = set()             # regions whose vnet is known to exist
         self._ssh_key: str | None = None
 
@@ -77,7 +83,7 @@ class AzureProvider(CatalogOffers):
 
     def _client(self, kind: str) -> Any:
         """The compute or network management client, made on first use."""
-        if kind not in self._clients:
+        def make() -> Any:
             module, cls = {"compute": ("azure.mgmt.compute", "ComputeManagementClient"),
                            "network": ("azure.mgmt.network", "NetworkManagementClient")}[kind]
             sdk = import_sdk(module, provider=PROVIDER, extra="azure")
@@ -92,11 +98,11 @@ class AzureProvider(CatalogOffers):
                 self._credential = identity.DefaultAzureCredential()
             options: dict[str, Any] = {"base_url": self._base_url} if self._base_url else {}
             # Timeouts on every call; bounded retries (azure-core honours Retry-After on 429).
-            self._clients[kind] = getattr(sdk, cls)(
+            return getattr(sdk, cls)(
                 self._credential, self._subscription, connection_verify=self._verify, connection_timeout=10,
                 read_timeout=self.rpc_timeout_s, retry_total=4, retry_backoff_factor=1.0, retry_backoff_max=30,
                 polling_interval=self.poll_interval_s, **options)
-        return self._clients[kind]
+        return self._clients.get(kind, make)
 
     def _finish(self, poller: Any) -> Any:
         """The result of a long-running operation, which the SDK polls in its own thread; TimeoutError at the
@@ -173,6 +179,42 @@ class AzureProvider(CatalogOffers):
             except Exception as err:
                 raise _provider_error(err, f"deleting {name}", zonal=False) from None
 
+    # -- what `tfsn down` finds and deletes (providers.sweep) ------------------------------------
+
+    def tagged_resources(self) -> list[TaggedResource]:
+        """The resource group's VMs and NICs tagged with a tfsn job, and its tfsn vnets (shared by the jobs of a
+        region). A VM's OS disk goes with it (deleteOption Delete). No resource group: tfsn made nothing here."""
+        if not self._subscription:
+            raise NotConfigured(f"no Azure subscription ({SUBSCRIPTION_ENV} is not set)", provider=PROVIDER)
+        missing = import_sdk("azure.core.exceptions", provider=PROVIDER, extra="azure").ResourceNotFoundError
+        found = []
+        try:
+            for kind, client, group, per_job in SWEPT:
+                for item in getattr(self._client(client), group).list(self.resource_group):
+                    tags = item.tags or {}
+                    if (JOB_TAG in tags) if per_job else (tags.get(NETWORK_TAG[0]) == NETWORK_TAG[1]):
+                        found.append(tagged(PROVIDER, kind, item.name, f"{self.resource_group}/{item.location}", tags,
+                                            group=self.resource_group))
+        except missing as err:
+            if _code(err) != "ResourceGroupNotFound":
+                raise _provider_error(err, f"listing resource group {self.resource_group}", zonal=False) from None
+        except Exception as err:
+            raise _provider_error(err, f"listing resource group {self.resource_group}", zonal=False) from None
+        return found
+
+    def delete_resource(self, resource: TaggedResource) -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+        kind, group = {"instance": "compute", "nic": "network", "vnet": "vnet"}[resource.kind], resource.ref["group"]
+        try:
+            self._finish(self._begin_delete(kind, resource.name, group))
+        except ResourceNotFoundError:   # its resource group is gone, and the resource with it
+            return
+        except TimeoutError:
+            raise ProviderError(f"azure: deleting {resource.name}: not done within {self.operation_timeout_s:.0f}s",
+                                provider=PROVIDER) from None
+        except Exception as err:
+            raise _provider_error(err, f"deleting {resource.kind} {resource.name}", zonal=False) from None
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _handle(self, node_id: str, region: str) -> NodeHandle:
@@ -182,9 +224,11 @@ class AzureProvider(CatalogOffers):
                                               "resource_group": self.resource_group, "vm": vm, "nic": f"{vm}-nic"})
 
     def _begin_delete(self, kind: str, name: str, resource_group: str) -> Any:
-        """Start deleting a VM or NIC; ARM answers 204 for one that does not exist, so missing is done."""
+        """Start deleting a VM, NIC or vnet; ARM answers 204 for one that does not exist, so missing is done."""
         if kind == "compute":
             return self._client("compute").virtual_machines.begin_delete(resource_group, name)
+        if kind == "vnet":
+            return self._client("network").virtual_networks.begin_delete(resource_group, name)
         return self._client("network").network_interfaces.begin_delete(resource_group, name)
 
     def _delete_quietly(self, kind: str, name: str) -> None:
@@ -205,7 +249,7 @@ class AzureProvider(CatalogOffers):
             if _code(err) == "ResourceGroupNotFound":
                 raise
             self._finish(network.virtual_networks.begin_create_or_update(self.resource_group, name, {
-                "location": region, "tags": {"tfsn": "network"},
+                "location": region, "tags": dict([NETWORK_TAG]),
                 "properties": {"addressSpace": {"addressPrefixes": [ADDRESS_SPACE]},
                                "subnets": [{"name": "nodes", "properties": {"addressPrefix": ADDRESS_SPACE,
                                                                             "defaultOutboundAccess": True}}]}}))
@@ -296,6 +340,9 @@ def _classify(err: Exception, *, zonal: bool) -> tuple[Fault, str]:
                      "provider"), detail
     if status == 404:
         return Fault(NotFoundError), detail
+    if code and code.startswith("InUse") and code.endswith("CannotBeDeleted"):   # a delete: another resource holds it
+        return Fault(ProviderError, "it goes once nothing uses it: end the jobs whose NICs are in it, then run "
+                                    "`tfsn down --all` again", retryable=True), detail
     if status == 400 or (isinstance(err, HttpResponseError) and code in ("InvalidParameter", "BadRequest")):
         return Fault(InvalidRequestError, f"check the offer's VM size and the image ({IMAGE_ENV})"), detail
     return Fault(), detail

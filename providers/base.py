@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
@@ -52,6 +53,18 @@ class Offer:
 
 
 @dataclass(frozen=True)
+class BootFiles:
+    """What a VM's boot script (bootstrap.py) fetches from the controller before its agent starts, each
+    checked against its sha256: tfsn's wheel (none where TFSN_INSTALL_SPEC names what to install instead)
+    and the job's code archive; `root` is the node's own folder (boot log, downloads, the workdir)."""
+
+    wheel: str = ""                   # the wheel's file name; "" when the node installs TFSN_INSTALL_SPEC
+    wheel_sha256: str = ""
+    code_sha256: str = ""             # the job's workdir archive; "" for none (the image holds the code)
+    root: str = "/var/lib/tfsn"       # on the node; a relative request workdir is under it
+
+
+@dataclass(frozen=True)
 class NodeRequest:
     """One node to create."""
 
@@ -69,6 +82,9 @@ class NodeRequest:
                                        # choose the machine, such as Kubernetes, keeps off them)
     placement: Mapping[str, Any] = field(default_factory=dict)  # the job spec's section named after the
                                        # provider, as plain data (kubernetes: image, node_selector, tolerations)
+    boot: BootFiles | None = None     # what a VM's boot script fetches first (drivers that `runs_boot_script`)
+    owner: str = ""                   # the id of the store that asks for it (job ids are only unique within one):
+                                      # tagged, so that a sweep from another store leaves the node alone
 
 
 @dataclass(frozen=True)
@@ -204,6 +220,21 @@ def planned_offer(request: NodeRequest, provider: str) -> Offer:
             f"{request.offer and request.offer.provider!r}. To fix: plan the job with infra: [{provider}]",
             provider=provider)
     return request.offer
+
+
+class Clients:
+    """A driver's SDK clients, made on first use, once per key. The controller calls a provider from several
+    threads at once (calls.py): building a boto3 session or resolving credentials from two at a time is unsafe."""
+
+    def __init__(self) -> None:
+        self._made: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            if key not in self._made:
+                self._made[key] = make()
+            return self._made[key]
 
 
 class MissingExtraError(ProviderError):

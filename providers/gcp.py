@@ -17,12 +17,13 @@ import os
 import re
 from typing import Any
 
-from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest,
+from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest,
                             NodeStatus, NotFoundError, Offer, ProviderError, QuotaError, fault_error, import_sdk,
                             planned_offer, provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers, load_offers
-from providers.naming import dns_label, node_tags
+from providers.naming import JOB_TAG, dns_label, node_tags
+from providers.sweep import NotConfigured, TaggedResource, tagged
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class GcpProvider(CatalogOffers):
     """Compute Engine VMs (see the module docstring)."""
 
     name = PROVIDER
+    runs_boot_script = True   # its VMs boot with bootstrap.startup_script (the controller serves its files)
 
     def __init__(self, project: str | None = None, *, credentials: Any = None, api_endpoint: str | None = None,
                  rpc_timeout_s: float = 30.0, operation_timeout_s: float = 600.0,
@@ -78,7 +80,7 @@ class GcpProvider(CatalogOffers):
         self.rpc_timeout_s = rpc_timeout_s           # one HTTP call
         self.operation_timeout_s = operation_timeout_s   # one insert or delete, end to end
         self.poll_interval_s = poll_interval_s       # first wait between polls of an operation
-        self._clients: dict[str, Any] = {}
+        self._clients = Clients()
 
     # -- SDK plumbing --------------------------------------------------------------------------
 
@@ -87,14 +89,13 @@ class GcpProvider(CatalogOffers):
 
     def _client(self, kind: str) -> Any:
         """One SDK client per kind ("InstancesClient", ..., "CloudCatalogClient"), made on first use."""
-        if kind not in self._clients:
+        def make() -> Any:
             module = self._sdk() if kind != "CloudCatalogClient" else import_sdk(
                 "google.cloud.billing_v1", provider=PROVIDER, extra="gcp")
             self._resolve_credentials()
             options = {"api_endpoint": self._api_endpoint} if self._api_endpoint else None
-            self._clients[kind] = getattr(module, kind)(credentials=self._credentials, client_options=options,
-                                                        transport="rest")
-        return self._clients[kind]
+            return getattr(module, kind)(credentials=self._credentials, client_options=options, transport="rest")
+        return self._clients.get(kind, make)
 
     def _resolve_credentials(self) -> None:
         if self._credentials is not None and self._project:
@@ -217,7 +218,8 @@ class GcpProvider(CatalogOffers):
             disks=[compute.AttachedDisk(
                 boot=True, auto_delete=True,
                 initialize_params=compute.AttachedDiskInitializeParams(
-                    source_image=os.environ.get(IMAGE_ENV, DEFAULT_IMAGE), disk_size_gb=BOOT_DISK_GB))],
+                    source_image=os.environ.get(IMAGE_ENV, DEFAULT_IMAGE), disk_size_gb=BOOT_DISK_GB,
+                    labels=node_tags(request, label_safe=True)))],  # a disk left by a failed delete is found
             network_interfaces=[compute.NetworkInterface(
                 network="global/networks/default",
                 access_configs=[compute.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])],
@@ -252,6 +254,45 @@ class GcpProvider(CatalogOffers):
             fault, detail = _classify_codes(operation.http_error_status_code, [e.code for e in errors], message,
                                             zone=zone)
             raise fault_error(fault, f"{doing}: {detail}", provider=PROVIDER)
+
+    # -- what `tfsn down` finds and deletes (providers.sweep) ------------------------------------
+
+    def tagged_resources(self) -> list[TaggedResource]:
+        """The project's instances labelled with a tfsn job, and its labelled disks that no instance uses (a
+        boot disk in use goes with its instance)."""
+        try:
+            self._resolve_credentials()
+        except (AuthError, InvalidRequestError) as err:
+            raise NotConfigured(str(err), provider=PROVIDER) from None
+        found = []
+        for kind, client, field_name in (("instance", "InstancesClient", "instances"), ("disk", "DisksClient", "disks")):
+            for scope, listed in _aggregated(self, client, f"labels.{JOB_TAG}:*"):
+                zone = scope.rsplit("/", 1)[-1]
+                found += [tagged(PROVIDER, kind, item.name, zone, dict(item.labels), project=self.project)
+                          for item in getattr(listed, field_name)
+                          if JOB_TAG in item.labels and not (kind == "disk" and list(item.users))]
+        return found
+
+    def delete_resource(self, resource: TaggedResource) -> None:
+        if resource.kind == "instance":
+            self.terminate(NodeHandle(PROVIDER, resource.node or resource.name, {
+                "project": resource.ref["project"], "zone": resource.where, "name": resource.name}))
+            return
+        from google.api_core import exceptions
+        doing = f"deleting disk {resource.name} in {resource.where}"
+        try:
+            operation = self._call("DisksClient", "delete", project=resource.ref["project"], zone=resource.where,
+                                   disk=resource.name)
+            self._wait(operation, resource.ref["project"], resource.where, doing)
+        except (exceptions.NotFound, NotFoundError):   # gone already, or while its delete ran
+            return
+        except TimeoutError:
+            raise ProviderError(f"gcp: {doing}: not done within {self.operation_timeout_s:.0f}s",
+                                provider=PROVIDER) from None
+        except ProviderError:
+            raise
+        except Exception as err:
+            raise _provider_error(err, doing, zone=resource.where) from None
 
     def _delete_quietly(self, handle: NodeHandle) -> None:
         try:
@@ -417,9 +458,10 @@ def _billed(rates: dict, machine: Any, accelerator: str | None, count: int, regi
     return round(total, 6)
 
 
-def _aggregated(provider: GcpProvider, kind: str):
-    """Every (scope key, scoped list) of an aggregated list, page after page."""
+def _aggregated(provider: GcpProvider, kind: str, where: str = ""):
+    """Every (scope key, scoped list) of an aggregated list, page after page (`where`: the API's filter)."""
+    request = {"project": provider.project, "max_results": 500, **({"filter": where} if where else {})}
     try:
-        yield from provider._call(kind, "aggregated_list", request={"project": provider.project, "max_results": 500})
+        yield from provider._call(kind, "aggregated_list", request=request)
     except Exception as err:
         raise _provider_error(err, f"listing {kind.removesuffix('Client')}", zone=None) from None

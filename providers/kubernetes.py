@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from providers.base import (AuthError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
+from providers.base import (AuthError, Clients, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             NotFoundError, Offer, ProviderError, QuotaError, import_sdk, provider_error)
 from providers.bootstrap import install_command
-from providers.naming import dns_label, node_tags
+from providers.naming import JOB_TAG, NODE_TAG, OWNER_TAG, dns_label, node_tags
+from providers.sweep import NotConfigured, TaggedResource, tagged
 
 NAME = "kubernetes"
 EXTRA = "k8s"
@@ -39,6 +40,7 @@ GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"   # MiB, set by GPU feature discovery
 PRICE_ANNOTATION = "tfsn.dev/price-per-hour"  # $/node-hour, set by the cluster's owner
 CPU_INSTANCE = "cpu"            # the offer of nodes without GPUs: no node selector
 NODE_ANNOTATION = "tfsn.dev/node-id"          # the exact node id (labels and names must be shortened)
+JOB_ANNOTATION = "tfsn.dev/job-id"            # the exact job id
 # Models sold in two memory sizes, named apart in the catalog (SkyPilot's names).
 MEMORY_VARIANTS = {("A100", "80GB"): "A100-80GB", ("V100", "32GB"): "V100-32GB"}
 PHASES = {"Pending": NodeStatus.PENDING, "Running": NodeStatus.RUNNING, "Succeeded": NodeStatus.TERMINATED,
@@ -102,7 +104,7 @@ class KubernetesProvider:
     def __init__(self, context: str | None = None, namespace: str | None = None) -> None:
         self.context = context or os.environ.get("TFSN_K8S_CONTEXT") or None
         self._namespace = namespace or os.environ.get("TFSN_K8S_NAMESPACE") or None
-        self._api: Any = None
+        self._clients = Clients()
         self.bindings: dict[str, PodBinding] = {}   # job id -> what the operator adds to its pods
         self.hosts: dict[str, str] = {}             # node id -> the Kubernetes node its pod was scheduled on
         # Called with (node id, host) once a node's pod is deleted: the operator taints the host of a failed
@@ -111,7 +113,7 @@ class KubernetesProvider:
 
     def _core(self) -> Any:
         """CoreV1Api on the kubeconfig's cluster (or the pod's service account), with bounded retries."""
-        if self._api is None:
+        def make() -> Any:
             kubernetes = import_sdk("kubernetes", provider=NAME, extra=EXTRA)
             retry = import_sdk("urllib3.util.retry", provider=NAME, extra=EXTRA)
             configuration = kubernetes.client.Configuration()
@@ -135,8 +137,8 @@ class KubernetesProvider:
             configuration.retries = retry.Retry(
                 total=RETRIES, backoff_factor=BACKOFF_S, status_forcelist=(429, 500, 502, 503, 504),
                 allowed_methods=None, raise_on_status=False, respect_retry_after_header=True)
-            self._api = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
-        return self._api
+            return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
+        return self._clients.get("core", make)
 
     @property
     def namespace(self) -> str:
@@ -248,7 +250,7 @@ class KubernetesProvider:
         metadata: dict[str, Any] = {
             "name": name,
             "labels": {**node_tags(request, label_safe=True), "app.kubernetes.io/managed-by": "tfsn"},
-            "annotations": {NODE_ANNOTATION: request.node_id, "tfsn.dev/job-id": request.job_id}}
+            "annotations": {NODE_ANNOTATION: request.node_id, JOB_ANNOTATION: request.job_id}}
         if binding is not None:
             _bind(binding, metadata, spec, container, name, request.env)
         # the agent reports the Kubernetes node it runs on: what the health policy excludes when it replaces it
@@ -306,6 +308,31 @@ class KubernetesProvider:
         self._remember_host(handle, pod)
         if self.on_deleted is not None and handle.node_id in self.hosts:
             self.on_deleted(handle.node_id, self.hosts[handle.node_id])
+
+    # -- what `tfsn down` finds and deletes (providers.sweep) ------------------------------------
+
+    def tagged_resources(self) -> list[TaggedResource]:
+        """The namespace's pods labelled with a tfsn job, but those a TfsnJob owns (its operator keeps them, and
+        deleting the TfsnJob deletes them)."""
+        try:
+            namespace = self.namespace
+        except AuthError as err:   # no kubeconfig and not in a cluster
+            raise NotConfigured(str(err), provider=NAME) from None
+        pods = self._call(f"cannot list pods in namespace {namespace}", "list_namespaced_pod", namespace,
+                          label_selector=JOB_TAG).items
+        found = []
+        for pod in pods:
+            labels, notes = pod.metadata.labels or {}, pod.metadata.annotations or {}
+            if JOB_TAG in labels and not pod.metadata.owner_references:   # exact ids: a label value may be shortened
+                found.append(tagged(NAME, "pod", pod.metadata.name, namespace, {
+                    JOB_TAG: notes.get(JOB_ANNOTATION, labels[JOB_TAG]),
+                    NODE_TAG: notes.get(NODE_ANNOTATION, labels.get(NODE_TAG)), OWNER_TAG: labels.get(OWNER_TAG)}))
+        return found
+
+    def delete_resource(self, resource: TaggedResource) -> None:
+        """Delete the pod: once the API server took the deletion, its kubelet stops it within DELETE_GRACE_S."""
+        self.terminate(NodeHandle(NAME, resource.node or resource.name,
+                                  {"pod": resource.name, "namespace": resource.where}))
 
     def _remember_host(self, handle: NodeHandle, pod: Any) -> None:
         """Where the pod ran: a node failed for a bad GPU is tainted after its pod is gone."""

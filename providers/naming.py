@@ -8,6 +8,7 @@ from providers.base import NodeRequest
 
 JOB_TAG = "tfsn-job"     # tag / label key: the job a resource belongs to
 NODE_TAG = "tfsn-node"   # tag / label key: the node id a resource was created for
+OWNER_TAG = "tfsn-owner"  # tag / label key: the store (TFSN_HOME) whose job it is; job ids repeat across stores
 
 
 def dns_label(text: str) -> str:
@@ -24,6 +25,7 @@ def dns_label(text: str) -> str:
 def node_tags(request: NodeRequest, label_safe: bool = False) -> dict[str, str]:
     """The job and node tags of a request's resources; `label_safe` for clouds whose label values must
     be DNS labels (GCP, Kubernetes)."""
+    owner = {OWNER_TAG: dns_label(request.owner) if label_safe else request.owner} if request.owner else {}
     if label_safe:
-        return {JOB_TAG: dns_label(request.job_id), NODE_TAG: dns_label(request.node_id)}
-    return {JOB_TAG: request.job_id, NODE_TAG: request.node_id}
+        return {JOB_TAG: dns_label(request.job_id), NODE_TAG: dns_label(request.node_id), **owner}
+    return {JOB_TAG: request.job_id, NODE_TAG: request.node_id, **owner}

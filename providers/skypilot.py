@@ -15,7 +15,7 @@ from typing import Any
 
 from providers.base import (AuthError, CapacityError, Fault, InvalidRequestError, NodeHandle, NodeRequest, NodeStatus,
                             Offer, ProviderError, import_sdk, provider_error)
-from providers.bootstrap import install_command, requested_install_spec
+from providers.bootstrap import INSTALL_SPEC_ENV, install_command
 from providers.naming import dns_label, node_tags
 
 NAME = "skypilot"
@@ -58,7 +58,7 @@ def task(request: NodeRequest) -> Any:
                                   "refresh the catalog or pick another offer", provider=NAME) from None
     node_task = sky.Task(
         name=cluster_name(request.node_id),
-        setup=install_command(requested_install_spec(request)),
+        setup=install_command(request.env.get(INSTALL_SPEC_ENV)),
         run=f"mkdir -p {shlex.quote(request.workdir)} && cd {shlex.quote(request.workdir)} && "
             + " ".join(shlex.quote(part) for part in request.command),
         envs=dict(request.env))

@@ -172,7 +172,7 @@ def test_a_cloud_nodes_boot_script_hands_its_agent_the_ca_and_the_pin_and_nothin
     request = NodeRequest(job_id=str(job.id), node_id="n1", command=["python3", "-m", "orchestrator.agent"],
                           env=agent_env(server.url, job, "n1", local=False, trust=server.trust), workdir="/tmp")
     script = startup_script(request)
-    exports = script[script.index("export "):script.index("\nmkdir -p")]   # the PEM spans lines
+    exports = script[script.index("\nexport TFSN_CA_"):script.index("\nexport TFSN_WORKDIR")]   # the PEM spans lines
     shell = subprocess.run(["bash", "-c", f'{exports}\nprintf "%s|%s" "${CA_PEM_ENV}" "${CA_FINGERPRINT_ENV}"'],
                            capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]})
     assert shell.stdout == f"{server.authority.ca_pem}|{server.authority.fingerprint}"

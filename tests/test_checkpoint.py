@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import signal
+import subprocess
+import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -14,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.sdk import checkpoint
+from orchestrator.sdk import checkpoint, ckptstore
+from orchestrator.sdk.asyncsave import AsyncSaver
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
 
 TOTAL_STEPS = 8
@@ -251,7 +257,7 @@ def test_failed_save_raises_checkpoint_error_and_cleans_up(tmp_path: Path, monke
     def no_disk(path: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_fsync_dir", no_disk)  # fails after the manifest, before the rename
+    monkeypatch.setattr(ckptstore, "_fsync_dir", no_disk)  # fails after the manifest, before the rename
     with pytest.raises(CheckpointError, match="step_000000004.*earlier checkpoints are untouched"):
         save(tmp_path, 4, {"model": model})
     monkeypatch.undo()
@@ -330,3 +336,99 @@ def test_two_ranks_ddp_gloo(tmp_path: Path) -> None:
     # Without a process group the checkpoint reads back as plain tensors, without the DDP prefix.
     tensors = load_tensors(info.path)
     assert "model.0.weight" in tensors and not any(k.startswith("model.module.") for k in tensors)
+
+
+# --- in the background ----------------------------------------------------------------------
+
+
+def test_async_save_writes_the_state_of_the_moment_it_was_called(tmp_path: Path) -> None:
+    reference = make_objects(0)
+    train(reference, 0, 4)
+    saver = AsyncSaver()
+    pending = saver.save(tmp_path, 4, reference, keep=3)
+    expected = {k: v.clone() for k, v in reference["model"].state_dict().items()}
+    train(reference, 4, TOTAL_STEPS)   # the training goes on while the save is written
+    info = pending.result(timeout=60)
+    assert info.step == 4 and list_checkpoints(tmp_path) == [dataclasses.replace(info, seconds=0.0)]
+    tensors = load_tensors(info.path)
+    assert all(torch.equal(tensors[f"model.{k}"], v) for k, v in expected.items())
+    # The next save reuses the staging buffers: it holds its own moment, the first one keeps its own.
+    later = saver.save(tmp_path, TOTAL_STEPS, reference, keep=3)
+    expected_later = {k: v.clone() for k, v in reference["optimizer"].state_dict()["state"][0].items()}
+    train(reference, TOTAL_STEPS, TOTAL_STEPS + 2)
+    saver.close()
+    assert later.result().step == TOTAL_STEPS
+    moments = load_tensors(later.result().path)
+    assert all(torch.equal(moments[f"optimizer.state.0.weight.{k}"], v) for k, v in expected_later.items())
+    assert all(torch.equal(load_tensors(info.path)[f"model.{k}"], v) for k, v in expected.items())
+
+    resumed = make_objects(123, fresh=True)
+    assert restore(tmp_path, resumed).step == TOTAL_STEPS
+    train(resumed, TOTAL_STEPS, TOTAL_STEPS + 2)
+    assert_same_state(reference, resumed)
+
+
+def test_async_saves_one_at_a_time_and_a_failure_surfaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that finds the previous one still writing waits for it; a background failure is raised later."""
+    model = torch.nn.Linear(4, 4)
+    release, committing = threading.Event(), threading.Event()
+    real_commit = checkpoint._commit
+
+    def slow_commit(*args: object) -> object:
+        committing.set()
+        release.wait(30)
+        return real_commit(*args)
+
+    monkeypatch.setattr(checkpoint, "_commit", slow_commit)
+    saver = AsyncSaver()
+    first = saver.save(tmp_path, 1, {"model": model}, keep=3)
+    assert committing.wait(30) and not first.done()
+    second = threading.Thread(target=saver.save, args=(tmp_path, 2, {"model": model}), kwargs={"keep": 3})
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second save did not wait for the first"
+    release.set()
+    second.join(30)
+    assert first.result().step == 1 and saver.wait().step == 2
+
+    def no_space(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_commit", no_space)
+    saver.save(tmp_path, 3, {"model": model}, keep=3)
+    with pytest.raises(CheckpointError, match="committing checkpoint .*step_000000003 failed: .*No space left"):
+        saver.close()
+    assert [i.step for i in list_checkpoints(tmp_path)] == [2, 1] and not list(tmp_path.glob(".tmp-*"))
+
+
+_KILLED_IN_BACKGROUND = """
+import sys, time, torch
+from orchestrator.sdk import checkpoint
+from orchestrator.sdk.asyncsave import AsyncSaver
+model = torch.nn.Linear(4, 4)
+saver = AsyncSaver()
+saver.save(sys.argv[1], 1, {"model": model}, keep=3).result()
+def stuck(*args):
+    print("writing", flush=True)
+    time.sleep(120)
+checkpoint._commit = stuck
+with torch.no_grad():
+    model.weight.add_(1)
+saver.save(sys.argv[1], 2, {"model": model}, keep=3)
+for step in range(10 ** 9):   # training goes on while step 2 is written
+    model(torch.ones(1, 4))
+"""
+
+
+def test_kill_during_background_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_IN_BACKGROUND, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "writing\n" in iter(proc.stdout.readline, "")   # step 2's files are written, its commit not yet
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(list(tmp_path.glob(".tmp-step_000000002-*"))) == 1
+    model = torch.nn.Linear(4, 4)
+    assert restore(tmp_path, {"model": model}).step == 1
+    assert [i.step for i in list_checkpoints(tmp_path)] == [1]

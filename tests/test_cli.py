@@ -168,3 +168,43 @@ def test_fuzz_validate_accepts_and_refuses_exactly_what_launch_does(tmp_path, mo
     assert code == 2 and "Traceback" not in out + err
     lines = err.splitlines()
     assert lines and all(re.match(rf"tfsn: error: {re.escape(str(spec))}:\d+: \S.*To fix", line) for line in lines), err
+
+
+# ---- issue 16: a cloud job's checkpoints must outlive its nodes ----------------------------------------------
+
+NODE_LOCAL_CHECKPOINTS = [
+    ("aws", "checkpoint:\n  dir: /data/ckpt\n", "s3://BUCKET/PATH", 7),
+    ("gcp", "", "gs://BUCKET/PATH", 5),                        # unset: the controller's disk; infra is to blame
+    ("azure", "checkpoint:\n  keep: 2\n", "az://CONTAINER/PATH", 5),
+]
+
+
+@pytest.mark.parametrize("cloud, section, url, line", NODE_LOCAL_CHECKPOINTS)
+def test_cloud_job_with_node_local_checkpoints_is_refused(tfsn, tmp_path, cloud, section, url, line):
+    (tmp_path / "code").mkdir()
+    spec = tmp_path / "train.yaml"
+    head = f"run: python train.py\nworkdir: code\nresources:\n  accelerators: A100:8\n  infra: [{cloud}]\n"
+    spec.write_text(head + section)
+    checked = tfsn("validate", str(spec), check=False)
+    assert_one_line_error(checked, f"{spec}:{line}: checkpoint.dir: ", f"not storage that {cloud} nodes share",
+                          f"To fix: set checkpoint.dir to {url}", "checkpoint.local_ok: true")
+    launched = tfsn("launch", "--detach", str(spec), check=False)
+    assert launched.returncode == 2 and launched.stderr == checked.stderr
+    assert json.loads(tfsn("status", "--json").stdout) == []
+
+    spec.write_text(head + f"checkpoint:\n  dir: {url.replace('BUCKET', 'b').replace('CONTAINER', 'c')}\n")
+    assert "valid job" in tfsn("validate", str(spec)).stdout      # an object store: accepted
+    spec.write_text(head + "checkpoint:\n  dir: /shared/ckpt\n  local_ok: true\n")
+    assert "valid job" in tfsn("validate", str(spec)).stdout      # the user vouches for a shared mount
+
+
+def test_multi_node_local_job_keeps_its_default_checkpoints(tfsn):
+    """The README's example (2 nodes on this machine, no checkpoint.dir) stays valid: its nodes share the disk."""
+    assert "valid job 'tiny-gpt': 2 node(s)" in tfsn("validate", str(EXAMPLE / "train.yaml")).stdout
+
+
+def test_enabled_clouds_need_shared_checkpoints_too(tfsn):
+    tfsn.env["TFSN_CLOUDS"] = "aws"
+    proc = tfsn("validate", str(EXAMPLE / "train.yaml"), check=False)
+    assert_one_line_error(proc, "checkpoint.dir: unset", "not storage that aws nodes share",
+                          "or resources.infra: [local] to run on this machine only")

@@ -3,15 +3,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from orchestrator.control.api import ApiServer
+from orchestrator.control.calls import DeadlineError, ProviderCalls
 from orchestrator.control.controller import Controller
 from orchestrator.control.recovery import failure_signature
 from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Result, Store
+from providers.base import NodeHandle, NodeRequest, Offer
 from providers.local import NODE_TAG, LocalProvider, tagged_pids
+from tests.test_failover import ScriptedProvider, h100
 
 
 def test_a_node_recorded_but_unconfirmed_before_a_crash_is_not_leaked(tmp_path):
@@ -95,3 +100,399 @@ def test_the_same_storage_error_twice_with_other_temp_names_and_no_progress_fail
     _fail_attempt(controller, job.id, "OSError: No space left on device: '/tmp/tmp0pq7wz1m/ckpt.pt'")
     assert store.job(job.id).state == JobState.FAILED
     assert "failed the same way twice" in store.job(job.id).error
+
+
+# ---- issue 16: the loop never waits on a cloud ----
+
+def _ended(calls: ProviderCalls, timeout_s: float = 10.0) -> None:
+    """Wait until no call is queued or running, collecting as they end."""
+    assert calls.settle(timeout_s), "provider calls did not end"
+
+
+def test_a_call_is_folded_in_on_the_loops_thread_at_its_next_pass_and_never_issued_twice(tmp_path):
+    calls = ProviderCalls(threading.Event())
+    gate, ran, seen = threading.Event(), [], []
+    run = lambda: (ran.append(threading.current_thread().name), gate.wait(10), "handle")[-1]  # noqa: E731
+    assert calls.start(("change", "n0"), "aws", "create of n0", run, 10.0, seen.append)
+    assert not calls.start(("change", "n0"), "aws", "terminate of n0", run, 10.0, seen.append), "in flight: not again"
+    calls.collect()
+    assert seen == [] and calls.busy(("change", "n0"))
+    gate.set()
+    _ended(calls)
+    [call] = seen
+    assert call.value == "handle" and call.error is None and ran[0].startswith("tfsn-aws-")
+    assert ran != [threading.current_thread().name] and not calls.busy(("change", "n0"))
+
+
+def test_a_call_past_its_deadline_is_a_designed_error_and_keeps_its_key_until_its_thread_returns():
+    wake = threading.Event()
+    calls = ProviderCalls(wake, lane_threads=1)
+    gate, seen, ran = threading.Event(), [], []
+    assert calls.start("hung", "gcp", "gcp: create of n0", lambda: gate.wait(30), 0.2, seen.append)
+    assert calls.start("queued", "gcp", "gcp: create of n1", lambda: ran.append(1), 0.2, seen.append)
+    time.sleep(0.3)
+    calls.collect()
+    assert {c.key for c in seen} == {"hung", "queued"}
+    assert all(isinstance(c.error, DeadlineError) and c.error.scope == "offer" and "0.2s" in str(c.error)
+               for c in seen)
+    assert calls.busy("hung") and not calls.busy("queued") and calls.in_flight() == 0
+    gate.set()
+    deadline = time.monotonic() + 10
+    while calls.busy("hung") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not calls.busy("hung"), "the key is free once the hung call returned"
+    time.sleep(0.2)
+    assert ran == [], "a call that met its deadline while queued never runs"
+    calls.collect()
+    assert len(seen) == 2, "a late result is dropped, not handed over twice"
+
+
+def test_hung_calls_hold_no_more_threads_than_their_lane_has_and_other_lanes_go_on():
+    calls = ProviderCalls(threading.Event(), lane_threads=3)
+    gate, seen = threading.Event(), []
+    for n in range(12):
+        calls.start(("create", n), "azure", f"azure: create of n{n}", lambda: gate.wait(30), 60.0, seen.append)
+    assert calls.start("status", "local", "local: status of n0", lambda: "running", 60.0, seen.append)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        calls.collect()
+        time.sleep(0.02)
+    assert [c.value for c in seen] == ["running"], "another provider's call is not stuck behind azure's"
+    lanes = [t for t in threading.enumerate() if t.name.startswith("tfsn-azure-")]
+    assert len(lanes) == 3 and all(t.daemon for t in lanes)
+    gate.set()
+    _ended(calls)
+    assert len(seen) == 13
+
+
+class HangingCloud(ScriptedProvider):
+    """A cloud whose creates in `hang_zones` do not answer until `release` is set (or for 10 minutes)."""
+
+    shares_host = True           # its nodes never reach the API: only the hung call matters here
+    create_deadline_s = 3.0
+
+    def __init__(self, offers: list[Offer], hang_zones: set[str]) -> None:
+        super().__init__("aws", offers)
+        self.hang_zones = hang_zones
+        self.release = threading.Event()
+        self.entered: list[str] = []
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        self.entered.append(request.node_id)
+        if request.offer.zone in self.hang_zones:
+            self.release.wait(600)
+        return super().provision(request)
+
+
+def _wait(what: str, check, timeout_s: float) -> float:
+    """Seconds until `check()` held (AssertionError after `timeout_s`)."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_a_hung_cloud_call_neither_delays_another_jobs_recovery_nor_the_controllers_exit(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0), h100("aws", "us-east-1", "us-east-1b", 95.0)],
+                         hang_zones={"us-east-1a"})
+    controller = Controller(store, tmp_path, {"local": LocalProvider(), "aws": cloud})
+    server = ApiServer(0, store, controller.handlers)
+    controller.listen(server)
+    server.start()
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    stuck = store.create_job("stuck", JobSpec.model_validate({
+        "name": "stuck", "run": "true", "workdir": str(tmp_path), "health": {"heartbeat_timeout": "10m"},
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    local = store.create_job("local", JobSpec.model_validate({
+        "name": "local", "run": "sleep 300", "workdir": str(tmp_path)}).model_dump(mode="json"), "p", "t").id
+    try:
+        loop.start()
+        _wait("the local job to run", lambda: store.job(local).state == JobState.RUNNING, 60)
+        assert cloud.release.is_set() is False and len(cloud.entered) >= 1, "the stuck job's create hangs"
+        [first] = [n for n in store.nodes(local) if n.state == NodeState.READY]
+        LocalProvider().terminate(NodeHandle("local", first.id))      # the node dies while the cloud call hangs
+        detected = _wait("the dead node to be failed",
+                         lambda: store.node(first.id).state == NodeState.FAILED, 10)
+        recovered = _wait("the local job's restart",
+                          lambda: store.job(local).attempt == 2 and store.job(local).state == JobState.RUNNING, 60)
+        print(f"failure detected in {detected:.1f}s, restarted {recovered:.1f}s later, a create hung meanwhile")
+        assert not cloud.release.is_set() and cloud.entered[0] in {n.id for n in store.nodes(stuck)}
+
+        # the hung create met its deadline: its offer failed over, and it was not asked again
+        _wait("the stuck job's next zone", lambda: any(n.state == NodeState.STARTING for n in store.nodes(stuck)), 30)
+        hung, placed = store.nodes(stuck)
+        assert hung.state == NodeState.FAILED and "did not return within 3s" in hung.failure
+        assert placed.offer["zone"] == "us-east-1b" and cloud.entered.count(hung.id) == 1
+        [block] = store.job(stuck).blocked
+        assert (block["offer"]["zone"], block["scope"]) == ("us-east-1a", "offer")
+
+        stop.set()
+        exited = _wait("the loop to return", lambda: not loop.is_alive(), 15)
+        assert exited < 10 and not cloud.release.is_set(), "the hung call did not hold up the controller's exit"
+    finally:
+        stop.set()
+        loop.join(15)
+        for job_id in (local, stuck):
+            store.request_stop(job_id)
+            controller.reconcile(job_id)
+        cloud.release.set()
+        server.shutdown()
+        server.server_close()
+    # once the hung call returned, the node it made is deleted by the id its late answer gave (not leaked)
+    def answered() -> bool:   # what the loop's next pass does first
+        controller.calls.collect()
+        return not controller.calls.busy(("change", hung.id))
+    _wait("the hung create's late answer", answered, 10)
+    controller.nodes.sweep_releases()
+    _ended(controller.calls)
+    assert hung.id in cloud.terminated and store.node(hung.id).released
+    assert all(n.released for n in store.nodes(local))
+
+
+HUNG_AT_EXIT = """
+import sys, threading, time
+from pathlib import Path
+from orchestrator.control.controller import Controller
+from orchestrator.control.store import Store
+from orchestrator.spec import JobSpec
+from tests.test_controller import HangingCloud
+from tests.test_failover import h100
+
+store = Store(Path(sys.argv[1]) / "tfsn.db")
+cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0)], hang_zones={"us-east-1a"})
+cloud.create_deadline_s = 3600.0
+store.create_job("stuck", JobSpec.model_validate({"name": "stuck", "run": "true", "workdir": sys.argv[1],
+    "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t")
+stop = threading.Event()
+def stop_once_hung():
+    while not cloud.entered:
+        time.sleep(0.05)
+    stop.set()
+threading.Thread(target=stop_once_hung, daemon=True).start()
+Controller(store, Path(sys.argv[1]), {"aws": cloud}).run_forever(stop, 600.0)
+print("loop returned with the create still hung:", not cloud.release.is_set(), flush=True)
+"""
+
+
+def test_the_controllers_process_exits_while_a_cloud_call_hangs(tmp_path):
+    """The call's thread is a daemon: the process does not wait for it (a thread pool's would be joined at exit)."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HUNG_AT_EXIT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "loop returned with the create still hung: True" in proc.stdout
+    assert time.monotonic() - started < 60
+
+
+class BarrierDelete(ScriptedProvider):
+    """Deletes that return only once `parties` of them run at the same time."""
+
+    shares_host = True
+
+    def __init__(self, offers: list[Offer], parties: int) -> None:
+        super().__init__("aws", offers)
+        self.barrier = threading.Barrier(parties, timeout=20)
+
+    def terminate(self, handle: NodeHandle) -> None:
+        self.barrier.wait()          # BrokenBarrierError unless every delete of the job runs side by side
+        super().terminate(handle)
+
+
+def test_a_stopped_jobs_nodes_are_deleted_side_by_side(tmp_path):
+    store = Store(tmp_path / "tfsn.db")
+    cloud = BarrierDelete([h100("aws", "us-east-1", "us-east-1a", 90.0)], parties=4)
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("big", JobSpec.model_validate({
+        "name": "big", "run": "true", "workdir": str(tmp_path), "num_nodes": 4,
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    controller.reconcile(job_id)
+    assert len(cloud.created) == 4
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    store.request_stop(job_id)
+    loop.start()
+    try:
+        _wait("every node deleted", lambda: all(n.released for n in store.nodes(job_id)), 30)
+    finally:
+        stop.set()
+        loop.join(15)
+    assert sorted(cloud.terminated) == sorted(cloud.created) and store.job(job_id).state == JobState.STOPPED
+
+
+def test_a_big_jobs_creates_in_flight_are_bounded_and_a_stop_does_not_wait_for_them(tmp_path):
+    from orchestrator.control.calls import LANE_THREADS
+    from orchestrator.control.provisioning import CREATES_PER_PASS
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0)], hang_zones={"us-east-1a"})
+    cloud.create_deadline_s = 600.0
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("big", JobSpec.model_validate({
+        "name": "big", "run": "true", "workdir": str(tmp_path), "num_nodes": 40,
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    loop.start()
+    try:
+        _wait("the first creates", lambda: len(store.nodes(job_id)) >= CREATES_PER_PASS, 30)
+        passes = controller.wake                     # every pass clears it; let a few go by
+        for _ in range(4):
+            passes.set()
+            time.sleep(0.3)
+        assert len(store.nodes(job_id)) == CREATES_PER_PASS, "no more creates in flight than CREATES_PER_PASS"
+        assert len(cloud.entered) == LANE_THREADS, "the others wait in the provider's lane"
+        store.request_stop(job_id)
+        controller.wake.set()
+        _wait("the stop", lambda: store.job(job_id).state == JobState.STOPPED, 10)
+        assert not cloud.release.is_set(), "stopped while every create still hung"
+        cloud.release.set()
+        _wait("every node made deleted", lambda: all(n.released for n in store.nodes(job_id)), 30)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    assert sorted(cloud.terminated) == sorted(n.id for n in store.nodes(job_id))
+    assert sorted(cloud.created) == sorted(cloud.entered), "the creates still queued at the stop never ran"
+
+
+class HungDelete(ScriptedProvider):
+    """A cloud whose deletes do not answer until `release` is set."""
+
+    shares_host = True
+    terminate_deadline_s = 1.0
+
+    def __init__(self, offers: list[Offer]) -> None:
+        super().__init__("aws", offers)
+        self.release = threading.Event()
+        self.deletes: list[str] = []
+
+    def terminate(self, handle: NodeHandle) -> None:
+        self.deletes.append(handle.node_id)
+        self.release.wait(600)
+        super().terminate(handle)
+
+
+def test_a_hung_delete_does_not_hold_up_the_stop_and_is_tried_again_once_it_returned(tmp_path, monkeypatch):
+    import orchestrator.control.nodes as nodes_module
+    monkeypatch.setattr(nodes_module, "RELEASE_RETRY_S", 0.0)
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HungDelete([h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("j", JobSpec.model_validate({
+        "name": "j", "run": "true", "workdir": str(tmp_path),
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    controller.reconcile(job_id)
+    [node] = store.nodes(job_id)
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    store.request_stop(job_id)
+    loop.start()
+    try:
+        _wait("the stop", lambda: store.job(job_id).state == JobState.STOPPED, 10)
+        _wait("the delete's deadline", lambda: any("could not be terminated yet" in e.message
+                                                   for e in store.events(job_id)), 10)
+        assert "did not return within 1s" in store.events(job_id)[-1].message
+        time.sleep(0.5)
+        assert cloud.deletes == [node.id] and not store.node(node.id).released, "not asked again while it hangs"
+        cloud.release.set()
+        _wait("the node deleted", lambda: store.node(node.id).released, 10)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    assert cloud.deletes == [node.id, node.id], "asked again once the hung call returned, until confirmed"
+
+
+def test_a_nodes_request_carries_its_stores_owner_tag(tmp_path):
+    """What `tfsn down` tells another store's resources by (test_down): every create names the store it is for."""
+    from providers.naming import OWNER_TAG, node_tags
+    store = Store(tmp_path / "tfsn.db")
+    cloud = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    cloud.shares_host = True   # no API for its nodes to reach: only the request matters here
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = store.create_job("j", JobSpec.model_validate({
+        "name": "j", "run": "true", "workdir": str(tmp_path),
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    controller.reconcile(job_id)
+    [request] = cloud.requests
+    assert len(store.owner) == 12 and request.owner == store.owner
+    assert node_tags(request)[OWNER_TAG] == node_tags(request, label_safe=True)[OWNER_TAG] == store.owner
+
+
+class LaggingSearch(HangingCloud):
+    """Like EC2: a machine is known by the id its create returned, and a search by its tag does not see a fresh
+    one yet (a terminate that has no id finds nothing, and says it is gone)."""
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        handle = super().provision(request)
+        return NodeHandle(self.name, handle.node_id, {**handle.data, "instance_id": f"i-{request.node_id}"})
+
+    def terminate(self, handle: NodeHandle) -> None:
+        if "instance_id" in handle.data:
+            super().terminate(handle)
+
+
+def _loop(controller: Controller) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    loop.start()
+    return stop, loop
+
+
+def _cloud_job(store: Store, tmp_path, name: str = "j") -> int:
+    return store.create_job(name, JobSpec.model_validate({
+        "name": name, "run": "true", "workdir": str(tmp_path), "health": {"heartbeat_timeout": "10m"},
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+
+
+def test_a_create_that_answers_after_its_deadline_is_deleted_by_the_id_it_gave(tmp_path):
+    """Before, a late create's answer was dropped and its node deleted by tag: on a cloud whose search lags, the
+    machine was marked deleted and left running (billed, with nothing left to find it but `tfsn down`)."""
+    store = Store(tmp_path / "tfsn.db")
+    cloud = LaggingSearch([h100("aws", "us-east-1", "us-east-1a", 90.0), h100("aws", "us-east-1", "us-east-1b", 95.0)],
+                          hang_zones={"us-east-1a"})
+    cloud.create_deadline_s = 1.0
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = _cloud_job(store, tmp_path)
+    stop, loop = _loop(controller)
+    try:
+        _wait("the next zone", lambda: any(n.state == NodeState.STARTING for n in store.nodes(job_id)), 30)
+        hung = store.nodes(job_id)[0]
+        assert hung.state == NodeState.FAILED and "did not return within 1s" in hung.failure
+        cloud.release.set()   # the cloud answers at last: it made the machine
+        _wait("the late node deleted", lambda: store.node(hung.id).released, 10)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    assert hung.id in cloud.terminated, "marked deleted, yet the machine runs"
+    assert store.node(hung.id).handle["data"]["instance_id"] == f"i-{hung.id}"
+
+
+def test_a_node_released_while_its_create_ran_is_billed_from_its_answer_to_its_deletion(tmp_path):
+    """Before, a node stopped while its create ran counted 0 node-hours, though the cloud made it and billed it
+    until it was deleted."""
+    from orchestrator.control.cost import billed_hours
+    store = Store(tmp_path / "tfsn.db")
+    cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0)], hang_zones={"us-east-1a"})
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    job_id = _cloud_job(store, tmp_path)
+    stop, loop = _loop(controller)
+    try:
+        _wait("the create", lambda: bool(cloud.entered), 30)
+        store.request_stop(job_id)
+        controller.wake.set()
+        _wait("the stop", lambda: store.job(job_id).state == JobState.STOPPED, 10)
+        cloud.release.set()
+        [node] = store.nodes(job_id)
+        _wait("the node made, then deleted", lambda: store.node(node.id).released, 10)
+    finally:
+        cloud.release.set()
+        stop.set()
+        loop.join(15)
+    node = store.node(node.id)
+    assert node.id in cloud.terminated and node.provisioned_at is not None
+    assert node.provisioned_at <= node.released_at and billed_hours(node, time.time()) > 0

@@ -106,7 +106,11 @@ def test_every_kernel_space_scores_and_round_trips_to_schedules():
         cands = Candidates.concat([make(i, f) for i, f in enumerate(kinds)])
         spec = CPU if make is space.kernel_space else find_hardware("H100")
         predicted = predict(table, cands, spec) if spec.kind == "cpu" else predict_gpu(table, cands, spec)
-        assert len(predicted) == len(cands) and np.all(np.isfinite(predicted)) and np.all(predicted > 0)
+        assert len(predicted) == len(cands) and np.all(predicted > 0)
+        if spec.kind == "cpu":
+            assert np.all(np.isfinite(predicted))
+        else:       # GPU programs over the chip's limits are rejected (tests/test_gpu_costmodel.py); never all
+            assert all(np.isfinite(predicted[cands.kernel == i]).any() for i in range(len(kinds)))
     cpu = space.kernel_space(0, kinds[0])
     assert len({cpu.schedule(r) for r in range(len(cpu))}) == len(cpu)      # no two rows are one schedule
 
@@ -122,9 +126,9 @@ def test_gpu_predictions_rank_chips_and_sizes():
         best[chip] = (t[cands.kernel == 0].min(), t[cands.kernel == 1].min())
     assert best["H100"][1] < best["A10G"][1]
     assert best["H100"][0] < best["H100"][1]
-    # the large GEMM near the tensor cores' TF32 peak on an H100, never above it
+    # an fp32 GEMM (the model did not allow TF32) near the fp32 peak on an H100, never above it
     flops = 2 * 4096 ** 3
-    assert 0.3 < flops / best["H100"][1] / find_hardware("H100").peak_flops("tf32") <= 1.0
+    assert 0.8 < flops / best["H100"][1] / find_hardware("H100").peak_flops("fp32") <= 1.0
 
 
 def test_gpu_bias_gradient_is_near_its_bandwidth_bound():

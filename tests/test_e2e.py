@@ -45,6 +45,10 @@ def test_example_runs_to_succeeded(tfsn, tmp_path):
     assert st["step"] == 12 and st["checkpoint"]["step"] == 12
     assert st["loss"] is not None
     assert {n["state"] for n in st["nodes"]} == {"TERMINATED"} and len(st["nodes"]) == 2
+    # two nodes of this machine (free), each billed from its start to its confirmed release
+    assert st["cost"]["spent_usd"] == 0.0 and st["cost"]["predicted_usd"] == 0.0
+    assert 0 < st["cost"]["node_hours"] <= 2 * st["duration_s"] / 3600
+    assert f"cost: {st['cost']['node_hours']:,.2f} node-h, $0.00 spent of $0.00 predicted" in out.stdout
     logs = [p for p in tfsn.home.rglob("*") if p.is_file() and not p.name.startswith("tfsn.db")]
     assert logs and not [p for p in logs if PLANTED_SECRET.encode() in p.read_bytes()], "a secret reached a log"
     log = tfsn("logs", "1").stdout

@@ -57,7 +57,10 @@ def straggler_metrics(tfsn) -> str:
 
 def test_slowed_worker_is_found_checkpointed_and_replaced(tfsn, tmp_path):
     # Two ranks: each rank's compute time against the other's, held against its own past, shows the slow one.
-    spec = write_job(tmp_path / "job.yaml", steps=600, interval=1000, fast=False)
+    # A restart here takes seconds, not a cloud node's minutes: said, so that the policy finds the
+    # replacement worth it once the slowdown has cost that much (health/policy.py rule 4b).
+    spec = write_job(tmp_path / "job.yaml", steps=600, interval=1000, fast=False,
+                     health={"thresholds": {"replace_restart_s": 2.0, "replace_save_s": 0.5}})
     tfsn("launch", str(spec), "--detach")
     # A long baseline first: a slowdown that starts while a rank's usual pace is still being learned
     # is partly taken for that pace (the detector cannot tell a slow chip from a new fault yet).

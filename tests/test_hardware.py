@@ -46,7 +46,8 @@ def test_a_chip_without_the_dtype_runs_it_at_the_fp32_rate():
 GOOD = {"name": "X1", "aliases": ["x1"], "kind": "gpu", "vendor": "v", "peak_tflops": {"fp32": 1.0},
         "clock_ghz": 1.0, "compute_units": 2, "simd_width": 32, "registers_per_unit_kib": 1,
         "shared_memory_per_unit_kib": 1, "launch_overhead_us": 1, "interconnect_gbs": 1,
-        "memory": [{"name": "hbm", "size_mib": 10, "bandwidth_gbs": 10}]}
+        "memory": [{"name": "hbm", "size_mib": 10, "bandwidth_gbs": 10}],
+        "shared_memory_per_block_kib": 1, "threads_per_unit": 2048, "blocks_per_unit": 32, "registers_per_thread": 255}
 
 
 @pytest.mark.parametrize("change, message", [
@@ -65,6 +66,11 @@ GOOD = {"name": "X1", "aliases": ["x1"], "kind": "gpu", "vendor": "v", "peak_tfl
     ({"cpu_model": 7}, "cpu_model: must be a string"),
     ({"library_gemm_efficiency": 85}, "library_gemm_efficiency: 85.0 is a fraction of the FMA peak"),
     ({"library_gemm_efficiency": 0}, "library_gemm_efficiency: 0 must be a number > 0"),
+    ({"shared_memory_per_block_kib": None}, "shared_memory_per_block_kib: None must be a number > 0"),
+    ({"shared_memory_per_block_kib": 2}, "shared_memory_per_block_kib: 2 is more than shared_memory_per_unit_kib"),
+    ({"registers_per_thread": 25.5}, "registers_per_thread: 25.5 must be a whole number >= 1"),
+    ({"threads_per_unit": 0}, "threads_per_unit: 0 must be a whole number >= 1"),
+    ({"kind": "cpu"}, "shared_memory_per_block_kib: only GPU specs have launch limits"),
 ])
 def test_a_bad_spec_names_its_file_and_field(tmp_path, change, message):
     (tmp_path / "x1.yaml").write_text(yaml.safe_dump({**GOOD, **change}))
@@ -86,6 +92,14 @@ def test_the_optional_calibration_fields_load_and_default(tmp_path):
     assert (generic.call_overhead_us, generic.cpu_model, generic.threads, generic.library_gemm_efficiency) == \
         (2.0, "", 0, 0.85)
     assert all(m.core_bandwidth_gbs is None for m in find_hardware("H100").memory)
+
+
+def test_a_gpu_spec_without_its_launch_limits_is_refused(tmp_path):
+    data = {k: v for k, v in GOOD.items() if k != "blocks_per_unit"}
+    (tmp_path / "x1.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(HardwareSpecError, match="x1.yaml: blocks_per_unit: required field of a GPU spec is missing"):
+        load_spec_file(tmp_path / "x1.yaml")
+    assert find_hardware("H100").shared_memory_per_block_kib == 227 and find_hardware("T4").threads_per_unit == 1024
 
 
 def test_a_missing_field_and_a_duplicate_alias_are_refused(tmp_path):

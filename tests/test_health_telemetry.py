@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -257,3 +258,136 @@ def test_dcgm_http_error_is_a_telemetry_error(exporter):
     exporter.status, exporter.body = 503, b"DCGM not ready"
     with pytest.raises(TelemetryError, match="503"):
         DcgmSource(exporter.url, "node-a").sample()
+
+
+# ---- NVML's failures, on a stand-in for the driver (tests/fake_nvml.py) ---------------------------------
+
+def test_an_xid_whose_gpu_index_cannot_be_read_is_kept_as_the_nodes():
+    from health.config import HealthConfig
+    from health.monitor import Monitor
+    from tests.fake_nvml import FakeNvml
+    nvml = FakeNvml(gpus=2)
+    source = NvmlSource("node-a", nvml=nvml)
+    nvml.xid(None, 79)
+    (lost,) = [s for s in source.sample() if s.xid is not None]
+    assert (lost.node, lost.gpu, lost.xid) == ("node-a", None, 79)
+    monitor = Monitor(HealthConfig.load(), ["node-a"] * 2)
+    monitor.observe(lost)
+    (finding,) = monitor.check(lost.time)
+    assert (finding.kind.value, finding.severity.value, finding.node) == ("xid", "critical", "node-a")
+    source.close()
+    assert nvml.inits == 0
+
+
+def test_a_refused_xid_registration_is_said_in_the_samples_and_becomes_one_finding():
+    """A failed Xid event registration was silent: an Xid on that GPU would never be seen, and nobody knew."""
+    from health.config import HealthConfig
+    from health.metrics import Metrics
+    from orchestrator.control.health_watch import JobWatch
+    from tests.fake_nvml import NVML_ERROR_NOT_SUPPORTED, FakeNvml
+    nvml = FakeNvml(gpus=4, failing={"nvmlDeviceRegisterEvents": NVML_ERROR_NOT_SUPPORTED},
+                    failing_gpus={"nvmlDeviceRegisterEvents": {3}})
+    source = NvmlSource("node-a", nvml=nvml)
+    assert source.unwatched == {3: "Not Supported"} and nvml.registered == {0, 1, 2}
+    samples = source.sample()
+    assert [s.xid_watched for s in samples] == [None, None, None, False]
+    watch = JobWatch(1, HealthConfig.load(), Metrics())
+    watch.start_attempt(1, ["node-a"] * 4)
+    for sample in samples + source.sample():
+        watch.observe_device(sample)
+    new, decisions = watch.check(time.time())
+    (finding,) = new
+    assert (finding.kind.value, finding.severity.value, finding.gpu) == ("xid", "info", 3)
+    assert "Xid events" in finding.evidence and "goes unseen" in finding.evidence
+    assert [d.action.value for d in decisions] == ["warn"]
+    assert watch.check(time.time()) == ([], [])           # said once
+    source.close()
+
+
+def test_nvml_failing_at_agent_start_leaves_the_agent_running_without_device_samples(monkeypatch):
+    """NVML that initialised for available() but failed in NvmlSource() crashed the agent at start."""
+    from orchestrator.agent.node import Agent
+    from orchestrator.sdk.client import ControllerClient
+    from tests.fake_nvml import NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_UNKNOWN, FakeNvml
+    monkeypatch.delenv("TFSN_DCGM_URL", raising=False)
+    monkeypatch.delenv("TFSN_AGENT_METRICS_PORT", raising=False)
+    client = ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2)   # nobody listens: posts wait
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(failing={"nvmlEventSetCreate": NVML_ERROR_UNKNOWN}))
+    agent = Agent(client, "n0")
+    assert agent.gpus is None
+    (line,) = [x for x in agent.logs.tail if "GPU telemetry" in x]
+    assert "running without GPU telemetry from NVML" in line and "Unknown Error" in line
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(gpus=2, failing={
+        "nvmlDeviceRegisterEvents": NVML_ERROR_NOT_SUPPORTED}))
+    agent = Agent(client, "n1")
+    assert isinstance(agent.gpus, NvmlSource)
+    said = [x for x in agent.logs.tail if "are not watched" in x]
+    assert len(said) == 2 and "Xid events of GPU 1 are not watched (NVML: Not Supported)" in said[1]
+
+
+def test_the_watch_measures_the_jobs_restart_and_save_for_the_policy():
+    """A replacement's cost is the job's own: from the last step of an attempt to the first of the next."""
+    from health.config import HealthConfig
+    from health.metrics import Metrics
+    from orchestrator.control.health_watch import JobWatch
+    watch = JobWatch(1, HealthConfig.load(), Metrics())
+    assert (watch.restart_s, watch.save_s) == (None, None)              # the policy takes its defaults
+    watch.start_attempt(1, ["a", "b"])
+    for rank in (0, 1):
+        watch.observe(1, rank, [{"step": s, "at": 90.0 + s, "step_time": 1.0, "metrics": {}} for s in range(10)], None)
+    watch.saved(1.5)
+    watch.start_attempt(2, ["a", "c"])
+    watch.observe(2, 1, [{"step": 5, "at": 144.0, "step_time": 1.0, "metrics": {}}], None)
+    watch.observe(2, 0, [{"step": 5, "at": 146.0, "step_time": 1.0, "metrics": {}}], None)
+    assert (watch.restart_s, watch.save_s) == (45.0, 1.5)
+
+
+def test_a_node_clock_a_minute_off_neither_hangs_a_long_save_nor_hides_a_dead_rank():
+    """Step, heartbeat and phase times are the node's clock; timeouts are the controller's. A node 60 s behind
+    looked silent all along (its ranks blamed for a save's pause); one 60 s ahead, never silent."""
+    from health.config import HealthConfig
+    from health.metrics import Metrics
+    from orchestrator.control.health_watch import JobWatch
+
+    def job(skew: float) -> tuple[JobWatch, float]:
+        watch = JobWatch(1, HealthConfig.load(), Metrics())
+        watch.start_attempt(1, [f"n{r // 8}" for r in range(16)])
+        now = 1000.0
+        for step in range(80):                                 # 2 s steps, each rank posting once per step
+            now += 2.0
+            for rank in range(16):
+                watch.post(1, rank, {"records": [{"step": step, "at": now + skew, "step_time": 1.9}],
+                                     "heartbeat": now + skew, "phase": "train"}, now)
+        return watch, now
+
+    watch, now = job(skew=-60.0)
+    save = now + 1
+    for t in range(int(save), int(save) + 300, 5):             # a first save of 5 min, every rank beating
+        for rank in range(16):
+            watch.post(1, rank, {"records": [], "heartbeat": t - 60.0, "phase": "checkpoint",
+                                 "phase_since": save - 60.0}, t)
+        new, decisions = watch.check(t)
+        assert new == [] and decisions == [], (t, [f.evidence for f in new])
+    watch, now = job(skew=+60.0)
+    for t in range(int(now) + 5, int(now) + 200, 5):           # rank 3 dies; the others wait in a collective
+        for rank in set(range(16)) - {3}:
+            watch.post(1, rank, {"records": [], "heartbeat": t + 60.0, "phase": "train"}, t)
+    new, decisions = watch.check(now + 200)
+    assert [(f.kind.value, f.node, f.ranks) for f in new] == [("hang", "n0", (3,))]
+
+
+def test_an_xid_storm_is_drained_over_several_samples():
+    """sample() drained NVML's event queue until it was empty: a storm faster than the drain would keep the
+    agent's loop (its heartbeats too) there; 100,000 queued Xids came back as one list of 100,004 samples."""
+    from health.telemetry import MAX_XIDS_PER_SAMPLE
+    from tests.fake_nvml import FakeNvml
+    nvml = FakeNvml(gpus=4)
+    source = NvmlSource("node-a", nvml=nvml)
+    for _ in range(100_000):
+        nvml.xid(2, 79)
+    samples = source.sample()
+    assert len(samples) == 4 + MAX_XIDS_PER_SAMPLE and len(nvml.pending) == 100_000 - MAX_XIDS_PER_SAMPLE
+    assert {(s.gpu, s.xid) for s in samples[4:]} == {(2, 79)}
+    while nvml.pending:                    # the rest come with the next samples
+        source.sample()
+    source.close()

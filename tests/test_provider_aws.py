@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
+import threading
 import time
 import urllib.request
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -67,8 +71,8 @@ def offer(zone: str = "use1-az6", instance_type: str = "p4d.24xlarge", spot_pric
 
 def request(node_id: str = "train-1-n0-ab12", spot: bool = False, **kw) -> NodeRequest:
     return NodeRequest(job_id="1", node_id=node_id, command=["python", "-m", "orchestrator.agent"],
-                       env={"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"},
-                       workdir="/opt/job", offer=kw.pop("offer", offer()), spot=spot, **kw)
+                       env=kw.pop("env", {"TFSN_NODE_ID": node_id, "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"}),
+                       workdir=kw.pop("workdir", "/opt/job"), offer=kw.pop("offer", offer()), spot=spot, **kw)
 
 
 def instances(ec2, node_id: str) -> list[dict]:
@@ -316,7 +320,124 @@ def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_
     aws.AwsProvider().provision(request("big-1-n0-dead", offer=offer("use1-az1")))
     assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] == ["running"]
 
-    Controller(store, tmp_path, {}).nodes.reconcile_intents()   # what a new controller does first
+    controller = Controller(store, tmp_path, {})
+    controller.nodes.reconcile_intents()                        # what a new controller does first (off its loop)
+    assert controller.calls.settle(30), "the terminate call did not end"
 
     assert [i["State"]["Name"] for i in instances(ec2, "big-1-n0-dead")] in (["shutting-down"], ["terminated"])
-    assert store.node("big-1-n0-dead").state == NodeState.TERMINATED
+    assert store.node("big-1-n0-dead").state == NodeState.TERMINATED and store.node("big-1-n0-dead").released
+
+
+def test_an_instance_boots_its_real_user_data_and_its_power_off_terminates_it(cloud, tmp_path):
+    """moto plays EC2's API, tests/vmsandbox.py its machines: the driver's user-data runs in a sandbox VM. With
+    no controller to reach, the boot fails, powers off, and the instance is gone for the controller too."""
+    from providers.base import BootFiles
+    from tests.vmsandbox import Ec2Player, vm_image
+    _, ec2, _ = cloud
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    req = request(workdir="workdir",   # under the node's root: the sandbox's own folder
+                  boot=BootFiles(wheel="tfsn-0.1.0-py3-none-any.whl", wheel_sha256="a" * 64, code_sha256="b" * 64),
+                  env={"TFSN_NODE_ID": "train-1-n0-ab12", "TFSN_JOB_ID": "1", "TFSN_TOKEN": "t",
+                       "TFSN_CONTROLLER_URL": nobody})
+    handle = aws.AwsProvider().provision(req)
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
+    try:
+        player.poll()
+        [vm] = player.vms.values()
+        vm.process.wait(timeout=60)
+        player.poll()
+    finally:
+        player.stop()
+    assert vm.shutdown_calls == ["shutdown -h now"] and "boot failed in stage 'install'" in vm.boot_log
+    assert aws.AwsProvider().status(handle) is NodeStatus.TERMINATED
+
+
+def this_machines_address() -> str | None:
+    """An address of this machine beyond loopback (cloud nodes never reach a controller on 127.0.0.1)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))   # sends nothing: the route's source address is what is asked
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+TRAIN = """import os, pathlib, tempfile, zipfile, orchestrator
+print('rank', os.environ['RANK'], 'ran in', os.getcwd(), 'with tfsn from', os.path.dirname(orchestrator.__file__),
+      'among', sorted(os.listdir('.')))
+if os.environ['RANK'] == '0':
+    from orchestrator.control.artifacts import Artifacts
+    folder = pathlib.Path(tempfile.mkdtemp())
+    wheel = Artifacts(folder).wheel()
+    print('repacked:', sorted(zipfile.ZipFile(folder / 'artifacts' / wheel.sha256).namelist()))
+"""
+
+
+def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the_end(cloud, tmp_path):
+    """moto plays EC2's API and tests/vmsandbox.py its machines: the controller plans the job on the AWS catalog,
+    the driver starts two instances, each boots its user-data (tfsn's wheel and the job's code from the
+    controller, over TLS), both agents run the job's command under torchrun, and the teardown ends the VMs."""
+    from orchestrator.control.api import ApiServer
+    from orchestrator.control.controller import Controller
+    from orchestrator.control.credentials import agent_token
+    from orchestrator.control.store import JobState, Store
+    from orchestrator.spec import JobSpec
+    from tests.vmsandbox import Ec2Player, vm_image
+    _, ec2, _ = cloud
+    address = this_machines_address()
+    if address is None:
+        pytest.skip("this machine has no address beyond loopback for the VMs to reach the controller at")
+    code, home = tmp_path / "code", tmp_path / "home"
+    code.mkdir()
+    home.mkdir()
+    (code / "train.py").write_text(TRAIN)
+    (code / ".gitignore").write_text("data/\n")
+    (code / "data").mkdir()
+    (code / "data" / "big.bin").write_bytes(b"0" * 4096)
+    (code / ".git").mkdir()
+    (code / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    store = Store(home / "tfsn.db")
+    controller = Controller(store, home, {"aws": aws.AwsProvider()})
+    server = ApiServer(0, store, controller.handlers, host="0.0.0.0", advertise=address, home=home)
+    controller.listen(server)
+    server.start()
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
+    player.start()
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600), daemon=True)
+    loop.start()
+    spec = JobSpec.model_validate({"name": "vms", "run": "python train.py", "workdir": str(code), "num_nodes": 2,
+                                   "nproc_per_node": 1, "resources": {"infra": ["aws"], "accelerators": "A100:8",
+                                                                       "regions": [REGION]}})
+    job = store.create_job("vms", spec.model_dump(mode="json"), "p", "secret")
+    try:
+        deadline = time.monotonic() + 300
+        while not store.job(job.id).state.terminal and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = (home / "jobs" / str(job.id) / "job.log").read_text()
+        assert store.job(job.id).state == JobState.SUCCEEDED, log
+        for rank in (0, 1):
+            line = next(line for line in log.splitlines() if line.startswith(f"[rank{rank}]: rank {rank} ran in"))
+            assert f"{tmp_path / 'vms'}/i-" in line and "/node/workdir with tfsn from" in line, line
+            assert str(Path(__file__).parent.parent) not in line   # the VM's own copy of tfsn, not this checkout
+            assert line.endswith("among ['.gitignore', 'train.py']"), line   # data/ (ignored) and .git left out
+        # a controller run from an installed tfsn (no source tree) repacks the installed distribution's files
+        wheel = controller.ctx.artifacts.path(store.job(job.id).artifacts["wheel"])
+        assert f"[rank0]: repacked: {sorted(zipfile.ZipFile(wheel).namelist())}" in log
+        for node in store.nodes(job.id):
+            assert store.node(node.id).boot_failure == ""
+            assert agent_token(job.token, node.id) not in "".join(vm.boot_log for vm in player.vms.values())
+        deadline = time.monotonic() + 30
+        while any(vm.process.poll() is None for vm in player.vms.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(player.vms) == 2 and all(vm.process.poll() is not None for vm in player.vms.values())
+        states = {i["State"]["Name"] for i in instances(ec2, store.nodes(job.id)[0].id)}
+        assert states <= {"shutting-down", "terminated"}, states
+    finally:
+        stop.set()
+        player.stop()
+        server.shutdown()
+        server.server_close()

@@ -78,7 +78,8 @@ def test_provision_creates_a_nic_and_a_tagged_vm_that_runs_the_startup_script(az
     assert nic["properties"]["ipConfigurations"][0]["properties"]["subnet"]["id"].endswith(
         "/virtualNetworks/tfsn-eastus/subnets/nodes")
     script = emulator.custom_data["tfsn-job-7-n0-ab12"]
-    assert script.startswith("#!/bin/bash") and "\npython3 -m orchestrator.agent || true\n" in script and script.rstrip().endswith("shutdown -h now")
+    assert script.startswith("#!/bin/bash") and "\ntrap tfsn_finish EXIT\n" in script   # powers off on any exit
+    assert script.rstrip().endswith("\npython3 -m orchestrator.agent")
     assert "priority" not in props
     ssh = props["osProfile"]["linuxConfiguration"]["ssh"]["publicKeys"]
     assert [k["keyData"] for k in ssh] == [os.environ[SSH_KEY_ENV]]

@@ -62,7 +62,8 @@ def test_provision_creates_a_labelled_gpu_vm_that_runs_the_startup_script(gcp, e
     assert body["scheduling"]["onHostMaintenance"] == "TERMINATE"
     assert body["labels"] == {"tfsn-job": "7", "tfsn-node": "job-7-n0-ab12"}
     script = metadata(body)["startup-script"]
-    assert script.startswith("#!/bin/bash") and "\npython3 -m orchestrator.agent || true\n" in script and script.rstrip().endswith("shutdown -h now")
+    assert script.startswith("#!/bin/bash") and "\ntrap tfsn_finish EXIT\n" in script   # powers off on any exit
+    assert script.rstrip().endswith("\npython3 -m orchestrator.agent")
     assert "export TFSN_NODE_ID=job-7-n0-ab12" in script
     assert gcp.status(handle) is NodeStatus.RUNNING
 

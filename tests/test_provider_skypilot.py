@@ -116,7 +116,9 @@ def test_the_offer_becomes_skypilots_resources(report):
 def test_the_task_installs_tfsn_then_runs_the_agent_with_its_env(report):
     task = report["task"]
     assert task["name"] == report["cluster"] and task["num_nodes"] == 1
-    assert "pip install --quiet tfsn" in task["setup"] and task["setup"].startswith("command -v tfsn")
+    # the image's tfsn, else the user's TFSN_INSTALL_SPEC, never the bare name from an index
+    assert task["setup"].startswith("command -v tfsn") and '"${TFSN_INSTALL_SPEC:-}"' in task["setup"]
+    assert "pip install --quiet tfsn" not in task["setup"] and "exit 1" in task["setup"]
     assert task["run"].endswith("cd /home/me/job && python -m orchestrator.agent")
     assert task["envs"] == {"TFSN_NODE_ID": "n0", "TFSN_CONTROLLER_URL": "http://10.0.0.1:8080"}
 

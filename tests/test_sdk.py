@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from orchestrator.sdk import run as sdk
@@ -112,3 +113,85 @@ def test_telemetry_never_blocks_a_step_when_the_controller_hangs(tmp_path, monke
     assert time.monotonic() - started < 2.0, "steps waited on the network"
     threading.Thread(target=run.finish, daemon=True).start()
     hung.close()
+
+
+@pytest.fixture
+def controller(monkeypatch):
+    """A controller's /telemetry route on a real HTTP server: the bodies it took, as the API's model reads them."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from orchestrator.control.requests import Telemetry
+    bodies: list[dict] = []
+
+    class Controller(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path.endswith("/telemetry"):
+                bodies.append(Telemetry.model_validate(body).model_dump())
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Controller)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    monkeypatch.setenv("TFSN_CONTROLLER_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("TFSN_TOKEN", "t")
+    monkeypatch.setenv("TFSN_JOB_ID", "1")
+    yield bodies
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller):
+    """On CUDA a step's compute time is a pair of events: the record holds them, the telemetry thread reads them.
+    (A reporter that had not begun a step sent step -1, which the API refuses: its heartbeats were lost.)"""
+    from orchestrator.sdk import commtimer
+    from orchestrator.sdk.client import ControllerClient
+    from tests.test_commtimer import FakeDeviceClock
+    reporter = sdk.TelemetryReporter(ControllerClient.from_env(), rank=0, attempt=1, flush_s=3600)
+    reporter.add({"step": 0, "at": time.time(), "step_time": 0.5, "metrics": {},
+                  "compute_time": commtimer.PendingCompute(FakeDeviceClock(), 1.0, 1.25)})
+    assert reporter.flush()
+    (record,) = controller[-1]["records"]
+    assert record["compute_time"] == 0.25
+    reporter.EXIT_FLUSH_S = 0
+    reporter.close()
+
+
+def test_phases_reach_the_controller_with_the_heartbeat(tmp_path, controller):
+    """`with run.phase("eval"):` and tfsn's own save are announced, with how long each took, so that
+    the controller does not take a long evaluation or save for a hang."""
+    from orchestrator.sdk import phases
+    bodies = controller
+    run = _make_run(tmp_path, 3)
+    model = torch.nn.Linear(2, 2)
+    for step in run.steps(0, 3):
+        with run.phase("eval"):
+            time.sleep(0.05)
+            assert run._telemetry.flush()                 # a heartbeat sent while evaluating
+        run.checkpoint(model=model)
+    with phases.phase("data"):                            # what code without the Run at hand calls
+        time.sleep(0.02)
+    run.finish()
+    during = [b for b in bodies if b["phase"] == "eval"]
+    assert len(during) == 3 and all(0 < time.time() - b["phase_since"] < 60 for b in during)
+    longest: dict[str, float] = {}
+    for body in bodies:
+        for name, seconds in body["phases"].items():
+            longest[name] = max(seconds, longest.get(name, 0.0))
+    assert set(longest) == {"eval", "checkpoint", "data"} and longest["eval"] >= 0.05 and longest["data"] >= 0.02
+    assert bodies[-1]["phase"] == "train" and bodies[-1]["phase_since"] is None
+
+
+def test_a_bad_phase_name_is_a_one_line_error(tmp_path):
+    run = _make_run(tmp_path, 3)
+    for bad in ("Eval", "train", "", "x" * 40, 3):
+        with pytest.raises(ValueError) as err:
+            with run.phase(bad):
+                pass
+        assert "run.phase(" in str(err.value) and "\n" not in str(err.value)

@@ -3,6 +3,7 @@ result cached; and `tfsn optimize` on top of it."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -149,7 +150,6 @@ def test_hardware_not_present_is_predicted_only():
 
 
 def tfsn(*argv: str, cache: Path) -> subprocess.CompletedProcess:
-    import os
     return subprocess.run([sys.executable, str(ROOT / "tfsn.py"), *argv], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env={**os.environ, "TFSN_CACHE": str(cache)})
 
@@ -185,3 +185,39 @@ def test_optimize_command_bad_input_is_one_line(tmp_path, argv, message):
     assert proc.returncode != 0
     assert message in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_optimize_command_emits_the_plan_with_kernels_and_externs_priced(tmp_path):
+    out = tmp_path / "plan-h100"
+    proc = tfsn("optimize", "--model", f"{MODELS}:gpt2_block", "--inputs", f"{MODELS}:gpt2_inputs", "--hardware",
+                "h100", "--emit", str(out), "--json", cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["hardware"] == "H100-SXM" and [g["name"] for g in plan["graphs"]] == ["forward", "backward"]
+    assert plan["totals"]["predicted_step_s"] == pytest.approx(summary["predicted_step_s"])
+    assert plan["totals"]["predicted_step_s"] == pytest.approx(plan["totals"]["kernels_s"] + plan["totals"]["externs_s"])
+    groups = [g for graph in plan["graphs"] for g in graph["groups"]]
+    gemms = [g for g in groups if g["kind"] == "gemm"]
+    assert gemms and all({"block_m", "block_n", "block_k", "num_warps", "num_stages"} <= set(g["schedule"])
+                         for g in gemms)
+    assert all(g["predicted_s"] > 0 for g in groups if g["kind"] != "extern")
+    attention = [g for g in groups if g["kind"] == "extern" and g["class"] == "attention"]
+    assert len(attention) == 2 and all(g["predicted_s"] > 0 and g["flops"] > 0 for g in attention)   # forward, backward
+    assert all(g["predicted_s"] == 0 for g in groups if g["kind"] == "extern" and g["class"] == "free")
+    assert not plan["graphs"][0]["allow_tf32"]            # torch's default: fp32 products at the fp32 rate
+
+
+def test_optimize_command_refuses_an_emit_folder_it_cannot_write(tmp_path):
+    (tmp_path / "a-file").write_text("kept")
+    cases = [(tmp_path / "a-file", "exists and is not a folder"), (tmp_path / "a-file" / "sub", "cannot write there")]
+    if os.geteuid() != 0:                  # root writes through permissions: there a read-only folder is not one
+        (tmp_path / "locked").mkdir(mode=0o500)
+        cases.append((tmp_path / "locked", "cannot write there: Permission denied"))
+    for folder, message in cases:
+        proc = tfsn("optimize", "--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--hardware", "h100",
+                    "--emit", str(folder), cache=tmp_path)
+        assert proc.returncode == 2 and f"--emit {folder}: {message}" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
+        assert proc.stdout == ""           # refused before any capture or search
+    assert (tmp_path / "a-file").read_text() == "kept"

@@ -121,7 +121,7 @@ def test_accelerator_list_is_ordered_preference(tmp_path):
     choices = spec.resources.accelerator_choices()
     assert [(c.name, c.count) for c in choices] == [("H100", 8), ("a100", 1)]
     assert choices[1].matches("A100")
-    assert spec.nprocs() == 8 and spec.nprocs(choices[1]) == 1
+    assert spec.nprocs() == 8 and spec.nprocs(choices[1].count) == 1
 
 
 def test_accelerator_mapping_is_any_of(tmp_path):

@@ -98,12 +98,27 @@ def _env_with_python(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra, "PATH": path}
 
 
-def gpu_source(node_id: str) -> NvmlSource | DcgmSource | None:
-    """NVML when this node has NVIDIA GPUs, else a dcgm-exporter at TFSN_DCGM_URL if set, else none."""
-    if NvmlSource.available():
-        return NvmlSource(node_id)
+def node_workdir(job_workdir: str) -> str:
+    """Where the job's commands run on this node: its own copy of the code (TFSN_WORKDIR, set by a VM's boot
+    script), else the job's workdir itself (a local node shares this machine's)."""
+    return os.environ.get("TFSN_WORKDIR") or job_workdir
+
+
+def gpu_source(node_id: str) -> tuple[NvmlSource | DcgmSource | None, list[str]]:
+    """NVML when this node has NVIDIA GPUs, else a dcgm-exporter at TFSN_DCGM_URL if set, else none;
+    and what the agent must say about it. NVML that fails to start leaves the node without device
+    samples (said, not fatal: the workers train the same); a GPU whose Xids NVML will not report is said."""
     url = os.environ.get("TFSN_DCGM_URL")
-    return DcgmSource(url, node_id) if url else None
+    if not NvmlSource.available():
+        return (DcgmSource(url, node_id) if url else None), []
+    try:
+        source = NvmlSource(node_id)
+    except TelemetryError as err:
+        return (DcgmSource(url, node_id) if url else None), [
+            f"running without GPU telemetry from NVML ({err})" + (f"; reading dcgm-exporter at {url}" if url else
+                                                                   "; no clocks, ECC or Xids from this node")]
+    return source, [f"Xid events of GPU {gpu} are not watched (NVML: {why}): an Xid there goes unseen"
+                    for gpu, why in source.unwatched.items()]
 
 
 def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]:
@@ -149,7 +164,9 @@ class Agent:
         self.done: set[int] = set()       # attempts that ended here (reported or queued)
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
-        self.gpus = gpu_source(node_id)
+        self.gpus, notes = gpu_source(node_id)
+        for note in notes:
+            self.logs.add(f"[tfsn] node {node_id}: {note}")
         self.addr = route_address(client.url)   # where the other nodes' workers reach this one
         # The machine under this node, for the health policy's exclusions: a provider that runs nodes
         # inside something (a pod on a Kubernetes node) sets TFSN_HOST_NAME to that something's name.
@@ -193,7 +210,7 @@ class Agent:
         env = _env_with_python({**cmd["env"], "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "})
         self.logs.add(f"[tfsn] node {self.node_id}: starting attempt {cmd['attempt']} as node rank "
                       f"{cmd['node_rank']} of {cmd['nnodes']}")
-        self.proc = subprocess.Popen(torchrun, cwd=cmd["workdir"], env=env, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(torchrun, cwd=node_workdir(cmd["workdir"]), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.attempt = cmd["attempt"]
         self._stopping = False
@@ -274,7 +291,7 @@ class Agent:
         if action == "exit":
             return False
         if action == "setup" and self.state == "starting":
-            self._setup(cmd.get("setup", ""), cmd.get("workdir", "."))
+            self._setup(cmd.get("setup", ""), node_workdir(cmd.get("workdir", ".")))
         elif action == "idle":
             self.stop_workers()
         elif action == "run" and cmd["attempt"] not in self.done:

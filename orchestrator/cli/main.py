@@ -18,8 +18,10 @@ from rich.console import Console
 
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
-from orchestrator.cli.view import follow, job_panel, job_summary, jobs_table
+from orchestrator.cli.down import register as register_down_command
+from orchestrator.cli.view import aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table
 from orchestrator.control import daemon
+from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text
@@ -47,6 +49,9 @@ def _store() -> Store:
     return Store(daemon.store_path(tfsn_home()))
 
 
+register_down_command(app, _store)
+
+
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
@@ -59,20 +64,30 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     """What would stop a launch of this valid spec, as (the field to blame, a message naming it), or None:
-    a workdir that is not there, or no capable offer where the job may run (the planner's reason)."""
+    a workdir that is not there, no capable offer where the job may run (the planner's reason), a workdir
+    over the code size cap when the chosen offer's VMs get it packed (codesync.py), or checkpoints on a
+    disk that the job's cloud nodes do not share."""
     if not Path(spec.workdir).is_dir():
         return ("workdir",), (f"workdir: {spec.workdir} is not a directory. To fix: point workdir at the "
                               "folder of your script")
-    from orchestrator.planning.placement import plan_for
+    from orchestrator.planning.placement import checkpoint_problem, plan_for
     from orchestrator.planning.planner import PlanError
     from providers.base import ProviderError
     from providers.catalog import CatalogError
 
+    from orchestrator.control.boot import runs_boot_script
+    from orchestrator.control.codesync import CodeSyncError, check_size
+
     try:
-        plan_for(spec)
+        plan = plan_for(spec)
     except (PlanError, ProviderError, CatalogError) as err:
         return (err.field if isinstance(err, PlanError) else ()), str(err)
-    return None
+    if runs_boot_script(plan.chosen.offer.provider):   # its VMs get the workdir packed: refuse what is too big now
+        try:
+            check_size(Path(spec.workdir))
+        except CodeSyncError as err:
+            return ("workdir",), str(err)
+    return checkpoint_problem(spec)
 
 
 def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:
@@ -116,13 +131,14 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
         store.request_stop(job.id)
         console.print(f"stopping job {job.id}...")
         final = _wait_terminal(store, job.id, timeout=120)
-    _finish_message(final)
+    _finish_message(store, final)
     raise typer.Exit(0 if final.state == JobState.SUCCEEDED else 1)
 
 
-def _finish_message(job: Job) -> None:
+def _finish_message(store: Store, job: Job) -> None:
     took = (job.finished_at or time.time()) - job.created_at
-    line = f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s)"
+    line = (f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s); "
+            f"cost: {cost_text(job_cost(job, store.nodes(job.id)))}")
     if job.checkpoint_step:
         line += f"; last checkpoint: step {job.checkpoint_step} at {job.checkpoint_path}"
     console.print(line, highlight=False)
@@ -156,7 +172,7 @@ def status(job: Optional[str] = typer.Argument(None, help="job id or name (defau
         if as_json:
             print(json.dumps([job_summary(store, j) for j in jobs]))
         else:
-            console.print(jobs_table(jobs))
+            console.print(jobs_table(store, jobs))
         return
     record = store.find_job(job)
     if as_json:
@@ -166,6 +182,8 @@ def status(job: Optional[str] = typer.Argument(None, help="job id or name (defau
         for event in store.events(record.id)[-10:]:
             console.print(f"  {time.strftime('%H:%M:%S', time.localtime(event.at))}  {event.message}",
                           highlight=False, markup=False)
+        for line in boot_failures(store, record):
+            console.print(line, highlight=False, markup=False)
 
 
 @app.command("ls")
@@ -173,7 +191,7 @@ def list_jobs() -> None:
     """List all jobs."""
     store = _store()
     _revive_controller(store)
-    console.print(jobs_table(store.jobs()))
+    console.print(jobs_table(store, store.jobs()))
 
 
 @app.command()
@@ -333,9 +351,8 @@ def catalog_ls(accelerator: Optional[str] = typer.Option(None, "--accelerator", 
     rows += [(o.provider, o.zone or o.region, o.instance_type, f"{o.accelerator or 'CPU'}x{o.accelerator_count}",
               f"{o.accelerator_memory_gib:g}", f"{o.vcpus:g}", f"{o.memory_gib:g}", f"{o.price:,.2f}",
               "-" if o.spot_price is None else f"{o.spot_price:,.2f}") for o in offers]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:       # plain aligned text: a table of 200+ rows must not be squeezed to the terminal
-        print("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    for line in aligned(rows, left=4):
+        print(line)
     print(f"{len(offers)} offer(s)")
     if catalog is None:
         for name, path in catalog_sources(provider).items():

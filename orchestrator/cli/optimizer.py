@@ -87,47 +87,40 @@ def load_callable(ref: str, option: str):
     return fn
 
 
-def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN returning the model (an nn.Module)"),
-                     inputs: str = typer.Option(..., "--inputs", help="MODULE:FN returning a tuple of example inputs"),
-                     hardware: str = typer.Option("cpu", "--hardware", help="cpu (this machine: measured), or a "
-                                                  "chip of configs/hardware: h100, h200, a100-80gb, l4, a10g, mi300x, ..."),
-                     top_k: int = typer.Option(8, "--top-k", help="schedules per kernel compiled and timed (cpu only)"),
-                     json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the results.")) -> None:
-    """Search the training step (forward + backward) of a model: fusion plan and kernel schedules,
-    chosen by the cost model; on this machine the top k of each kernel are compiled and timed."""
-    if top_k < 1:
-        _fail(f"--top-k {top_k}: must be at least 1 (1: the cost model's pick, nothing timed)")
-    from optimizer.hardware import find_hardware, load_all
+EMIT_HELP = ("write the chosen plan to DIR/plan.json (created if missing): every graph's fusion groups, each "
+             "kernel's chosen schedule (on a GPU its launch shape: tile, warps, stages) and predicted time, each "
+             "extern's class, FLOPs, bytes and predicted time, and the totals. Kernel source is not written: "
+             "there is no GPU code generator (Triton renderer) yet")
 
-    spec = None
-    if hardware.casefold() not in ("cpu", "host"):
-        spec = find_hardware(hardware)
-        if spec is None:
-            known = ", ".join(sorted(n.lower() for n in load_all()))
-            _fail(f"--hardware {hardware!r} is not a known chip. To fix: use cpu or one of {known}")
-        if spec.kind == "cpu":
-            spec = None if spec.name == "cpu-generic" else spec
-    build, make_inputs = load_callable(model, "--model"), load_callable(inputs, "--inputs")
-    try:
-        module, example = build(), make_inputs()
-    except Exception as err:
-        _fail(f"building the model or its inputs failed: {type(err).__name__}: {err}", code=1)
-    if not isinstance(example, tuple):
-        example = (example,)
-    from optimizer.step import optimize_step
 
+def _emit_dir(emit: str):
+    """The folder `--emit` names, created and checked writable before any work: a bad DIR fails at once."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(emit).expanduser()
+    if path.exists() and not path.is_dir():
+        _fail(f"--emit {emit}: exists and is not a folder. To fix: name a folder (created if missing), "
+              "e.g. --emit plan-h100")
     try:
-        report = optimize_step(module, example, spec, top_k=top_k)
-    except Exception as err:     # the model failed under capture: one line, the cause
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        _fail(f"the training step failed under capture: {type(err).__name__}: {first}", code=1)
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".tfsn-emit-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        _fail(f"--emit {emit}: cannot write there: {err.strerror or err}. To fix: name a folder you can write, "
+              "e.g. --emit plan-h100")
+    return path
+
+
+def _print_report(report) -> dict:
     data = report.to_json()
     typer.echo(f"hardware: {data['hardware']} ({'measured here' if report.measured_here else 'predicted only'})")
     typer.echo(f"space: 1e{data['space_log10']} candidates over {data['graphs']} graph(s); scored {data['scored']:,} "
                f"({data['plans_scored']} fusion plans) at {data['scored_per_s']:,} candidates/s "
                f"(+{data['features_s']:.2f} s reading kernels); search with timing {data['search_s']:.2f} s, "
                f"whole step {data['seconds']:.1f} s")
-    typer.echo(f"predicted step: {data['predicted_step_s'] * 1e3:.3f} ms (the kernels the model prices)")
+    typer.echo(f"predicted step: {data['predicted_step_s'] * 1e3:.3f} ms (kernels and externs)")
     for i, chosen in enumerate(data["chosen"]):
         typer.echo(f"graph {i} ({'forward' if i == 0 else 'backward' if i == 1 else 'graph'}):")
         typer.echo(chosen)
@@ -135,6 +128,58 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
         typer.echo("measured candidates (predicted -> measured, us):")
         typer.echo("  " + ", ".join(f"{m['predicted_s'] * 1e6:.0f}->{m['measured_s'] * 1e6:.0f}"
                                     for m in data["measured"][:64]))
+    return data
+
+
+def _hardware_spec(hardware: str):
+    """The spec `--hardware` names (None: this machine, measured), or a one-line error."""
+    from optimizer.hardware import find_hardware, load_all
+
+    if hardware.casefold() in ("cpu", "host"):
+        return None
+    spec = find_hardware(hardware)
+    if spec is None:
+        known = ", ".join(sorted(n.lower() for n in load_all()))
+        _fail(f"--hardware {hardware!r} is not a known chip. To fix: use cpu or one of {known}")
+    return None if spec.kind == "cpu" and spec.name == "cpu-generic" else spec
+
+
+def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN returning the model (an nn.Module)"),
+                     inputs: str = typer.Option(..., "--inputs", help="MODULE:FN returning a tuple of example inputs"),
+                     hardware: str = typer.Option("cpu", "--hardware", help="cpu (this machine: measured), or a "
+                                                  "chip of configs/hardware: h100, h200, a100-80gb, l4, a10g, mi300x, ..."),
+                     top_k: int = typer.Option(8, "--top-k", help="schedules per kernel compiled and timed (cpu only)"),
+                     emit: Optional[str] = typer.Option(None, "--emit", metavar="DIR", help=EMIT_HELP),
+                     json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the results.")) -> None:
+    """Search the training step (forward + backward) of a model: fusion plan and kernel schedules,
+    chosen by the cost model; on this machine the top k of each kernel are compiled and timed."""
+    if top_k < 1:
+        _fail(f"--top-k {top_k}: must be at least 1 (1: the cost model's pick, nothing timed)")
+    spec = _hardware_spec(hardware)
+    folder = _emit_dir(emit) if emit is not None else None
+    build, make_inputs = load_callable(model, "--model"), load_callable(inputs, "--inputs")
+    try:
+        module, example = build(), make_inputs()
+    except Exception as err:
+        _fail(f"building the model or its inputs failed: {type(err).__name__}: {err}", code=1)
+    if not isinstance(example, tuple):
+        example = (example,)
+    from optimizer.step import optimize_step, plan_json
+
+    try:
+        report = optimize_step(module, example, spec, top_k=top_k)
+    except Exception as err:     # the model failed under capture: one line, the cause
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        _fail(f"the training step failed under capture: {type(err).__name__}: {first}", code=1)
+    data = _print_report(report)
+    if folder is not None:
+        from optimizer.cache import atomic_write
+        try:
+            atomic_write(folder / "plan.json", (json.dumps(plan_json(report), indent=1) + "\n").encode())
+        except OSError as err:
+            _fail(f"--emit {emit}: writing plan.json failed: {err.strerror or err}", code=1)
+        typer.echo(f"wrote {folder / 'plan.json'}" + (" (the plan only: there is no Triton renderer yet)"
+                                                      if report.kind == "gpu" else ""))
     if json_out:
         typer.echo(json.dumps(data))
 

@@ -12,6 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.control.cost import JobCost, job_cost
 from orchestrator.control.store import Job, JobState, Node, Store
 from orchestrator.planning.offers import offer_path, offer_text
 
@@ -42,6 +43,7 @@ def progress(job: Job) -> dict[str, Any]:
 def job_summary(store: Store, job: Job) -> dict[str, Any]:
     """Everything `tfsn status JOB --json` prints."""
     end = job.finished_at or time.time()
+    nodes = store.nodes(job.id)
     return {
         "id": job.id, "name": job.name, "state": job.state.value, "spec_path": job.spec_path,
         "num_nodes": job.spec.get("num_nodes"), "attempt": job.attempt, "restarts": job.restarts,
@@ -49,11 +51,12 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
         "checkpoint": {"step": job.checkpoint_step, "path": job.checkpoint_path} if job.checkpoint_step else None,
         "error": job.error or None, "created_at": job.created_at, "finished_at": job.finished_at,
         "duration_s": end - job.created_at,
+        "cost": job_cost(job, nodes).to_dict(),
         "nodes": [{"id": n.id, "rank": n.rank, "provider": n.provider,
                    "where": offer_path(n.offer) if n.offer else n.provider, "spot": n.spot,
                    "state": n.state.value,
                    "heartbeat_age_s": None if n.heartbeat_at is None else time.time() - n.heartbeat_at,
-                   "failure": n.failure or None} for n in store.nodes(job.id)],
+                   "failure": n.failure or None, "boot_log": n.boot_failure or None} for n in nodes],
         # the planner's best candidates (what failover walks down) and what provisioning errors ruled out
         "plan": [{k: v for k, v in c.items() if k != "offer"} for c in job.plan[:5]],
         "blocked": [{"provider": b["offer"]["provider"], "region": b["offer"]["region"], "zone": b["offer"]["zone"],
@@ -63,21 +66,54 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
     }
 
 
+def boot_failures(store: Store, job: Job, lines: int = 20) -> list[str]:
+    """The end of the boot log of each node whose boot failed (what its VM sent before it powered off)."""
+    shown = []
+    for node in store.nodes(job.id):
+        if node.boot_failure:
+            shown.append(f"node {node.id} failed to boot; the end of its boot log:")
+            shown += [f"    {line}" for line in node.boot_failure.splitlines()[-lines:]]
+    return shown
+
+
 def _where(node: Node) -> str:
     """Where a node runs, as far as the plan said."""
     return offer_text(node.offer, node.spot) if node.offer else node.provider
 
 
-def jobs_table(jobs: list[Job]) -> Table:
-    table = Table(box=None, header_style="bold")
-    for column in ("ID", "NAME", "STATE", "NODES", "STEP", "LOSS", "RESTARTS", "AGE"):
-        table.add_column(column)
+def aligned(rows: list[tuple[str, ...]], left: int | None = None) -> list[str]:
+    """Rows as plain aligned text (a table of hundreds of rows must not be squeezed to the terminal's width):
+    the first `left` columns (all by default) flush left, the others flush right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    left = len(widths) if left is None else left
+    return ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            .rstrip() for row in rows]
+
+
+def _dollars(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}"
+
+
+def cost_text(cost: JobCost) -> str:
+    """`1.50 node-h, $3.00 spent of $10.00 predicted (8.00 node-h)`."""
+    text = f"{cost.node_hours:,.2f} node-h, {_dollars(cost.spent_usd)} spent"
+    if cost.predicted_usd is not None:
+        text += f" of {_dollars(cost.predicted_usd)} predicted ({cost.predicted_node_hours:,.2f} node-h)"
+    return text
+
+
+def jobs_table(store: Store, jobs: list[Job]) -> Table:
+    table = Table(box=None, header_style="bold", padding=(0, 1, 0, 0))   # eleven columns in 80 characters
+    for column in ("ID", "NAME", "STATE", "NODES", "STEP", "LOSS", "RESTARTS", "AGE", "NODE-H", "SPENT", "PREDICTED"):
+        table.add_column(column, justify="right" if column in ("NODE-H", "SPENT", "PREDICTED") else "left")
     for job in jobs:
         p = progress(job)
+        cost = job_cost(job, store.nodes(job.id))
         step = f"{p['step']}/{p['total_steps']}" if p["total_steps"] else str(p["step"])
         table.add_row(str(job.id), job.name, Text(job.state.value, style=_STATE_STYLE.get(job.state, "")),
                       str(job.spec.get("num_nodes")), step, "-" if job.loss is None else f"{job.loss:.4f}",
-                      str(job.restarts), _age(time.time() - job.created_at))
+                      str(job.restarts), _age(time.time() - job.created_at), f"{cost.node_hours:,.2f}",
+                      _dollars(cost.spent_usd), _dollars(cost.predicted_usd))
     return table
 
 
@@ -105,7 +141,9 @@ def job_panel(store: Store, job: Job, log_tail: list[str]) -> Panel:
            f"{p['steps_per_s']:.1f} steps/s")
         + ("" if p["eta_s"] is None or job.state.terminal else f"   ETA {_age(p['eta_s'])}")
         + ("" if job.checkpoint_step is None else f"   checkpoint @ step {job.checkpoint_step}"))
-    parts: list[Any] = [head, figures, _nodes_table(store.nodes(job.id, active_only=not job.state.terminal))]
+    nodes = store.nodes(job.id)
+    parts: list[Any] = [head, figures, Text(f"cost: {cost_text(job_cost(job, nodes))}"),
+                        _nodes_table([n for n in nodes if job.state.terminal or n.state.active])]
     if job.error:
         parts.append(Text(f"error: {job.error}", style="red"))
     if log_tail:

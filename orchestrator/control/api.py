@@ -7,9 +7,11 @@ job is refused exactly as a wrong token is (401), so the API tells outsiders not
 read, within a size cap per route and a socket timeout, and checked against the route's model
 (requests.py). A job that ended accepts no writes (409), but for its agents' last log lines and the
 heartbeat that tells them to exit. Whatever arrives, the answer is JSON with a 4xx (or a 500 for a bug
-of ours, logged), never a dropped connection.
+of ours, logged), never a dropped connection. The one GET route beside /healthz serves a booting VM the
+files of its job (tfsn's wheel, the code archive) by sha256, to that job's nodes only (boot.py).
 
-A connection carries one request and lives REQUEST_DEADLINE_S at most, handshake and all (a reaper
+A connection carries one request and lives REQUEST_DEADLINE_S at most (an authorized download
+DOWNLOAD_DEADLINE_S), handshake and all (a reaper
 closes it then, however slowly it trickles): beyond MAX_CONNECTIONS at once, or MAX_PER_CLIENT from
 one address, a client gets a 503 at once, so one host cannot hold every thread the agents need.
 Parsing runs PARSERS bodies at a time, so that bodies of empty objects cannot multiply memory.
@@ -19,8 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import ssl
+import sys
 import threading
 import time
 import traceback
@@ -35,12 +39,14 @@ from orchestrator.control import requests, tls
 from orchestrator.control.credentials import AGENT, SDK, allows
 from orchestrator.control.store import Job, Store, StoreError
 from orchestrator.sdk.client import TOKEN_HEADER
+from providers.bootstrap import ARTIFACTS_ROUTE, BOOT_FAILURE_ROUTE
 
 READ_TIMEOUT_S = 15.0         # a client that stops sending (headers or body) is dropped after this long
 REQUEST_DEADLINE_S = 20.0     # and a whole connection, however it trickles, after this long
 MAX_CONNECTIONS = 64          # connections served at once; more get a 503 at once (agents retry)
 MAX_PER_CLIENT = 16           # of them from one address
 PARSERS = threading.BoundedSemaphore(4)   # bodies parsed at once (JSON can take ~40x its size in memory)
+DOWNLOAD_DEADLINE_S = 900.0   # a download's connection lives this long (a code archive is up to 100 MiB)
 LOG_GRACE_S = 60.0            # an ended job still takes its agents' last log lines this long
 UNAUTHORIZED = "missing or wrong token for this job and route"
 
@@ -55,6 +61,8 @@ class Handlers(Protocol):
     def logs(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
     def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
     def checkpoint(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]: ...
+    def boot_failure(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    def artifact(self, job_id: int, node_id: str, digest: str) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -80,11 +88,16 @@ ROUTES = [
           lambda h, job, m, body: h.samples(job, m["node"], body)),
     Route(re.compile(_NODE + "/logs"), AGENT, requests.Logs, 8 * 1024 * 1024,
           lambda h, job, m, body: h.logs(job, m["node"], body), when_over="grace"),
+    Route(re.compile(_NODE + "/" + BOOT_FAILURE_ROUTE), AGENT, requests.BootFailure, 64 * 1024,
+          lambda h, job, m, body: h.boot_failure(job, m["node"], body), when_over="grace"),
     Route(re.compile(_JOB + "/telemetry"), SDK, requests.Telemetry, 4 * 1024 * 1024,
           lambda h, job, m, body: h.telemetry(job, body)),
     Route(re.compile(_JOB + "/checkpoint"), SDK, requests.Checkpoint, 16 * 1024,
           lambda h, job, m, body: h.checkpoint(job, body)),
 ]
+
+# A VM's boot script fetches tfsn's wheel and the job's code here (GET, by sha256, with its agent token).
+DOWNLOAD = re.compile(_NODE + "/" + ARTIFACTS_ROUTE + r"/(?P<digest>[0-9a-f]{64})")
 
 
 class ApiServer(ThreadingHTTPServer):
@@ -167,6 +180,12 @@ class ApiServer(ThreadingHTTPServer):
         finally:
             self._release(request)
 
+    def extend_deadline(self, request: socket.socket, seconds: float) -> None:
+        """Give an authorized download more time than a request has (the reaper closes it after that)."""
+        with self._open_lock:
+            if request in self._open:
+                self._open[request] = (time.monotonic() + seconds, self._open[request][1])
+
     def _release(self, request: socket.socket) -> None:
         with self._open_lock:
             if self._open.pop(request, None) is not None:
@@ -183,6 +202,11 @@ class ApiServer(ThreadingHTTPServer):
                     socket.socket.shutdown(conn, socket.SHUT_RDWR)   # the plain socket's, under any TLS
                 except OSError:
                     pass
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client gone mid-request (a VM torn down, an agent killed) is no error of ours: nothing to log."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def server_close(self) -> None:
         self._closed.set()
@@ -232,8 +256,43 @@ class _RequestHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/healthz":
             self._reply(200, {"ok": True, "pid": os.getpid()})
-        else:
+            return
+        match = DOWNLOAD.fullmatch(self.path)
+        if match is None:
             self._reply(404, {"error": "not found"})
+            return
+        job = self._authorized(int(match["job"]), AGENT, match["node"])
+        if job is None:
+            self._reply(401, {"error": UNAUTHORIZED})
+        elif job.state.terminal:
+            self._reply(409, {"error": f"job {job.id} is {job.state.value}: its nodes need no files"})
+        else:
+            try:
+                path = self.server.handlers.artifact(job.id, match["node"], match["digest"])
+            except (KeyError, ValueError, StoreError):
+                self._reply(404, {"error": "no such file for this node"})
+                return
+            self._send_file(path)
+
+    def _send_file(self, path: Path) -> None:
+        """A file as the answer, streamed, within DOWNLOAD_DEADLINE_S."""
+        try:
+            data = open(path, "rb")
+        except OSError:
+            self._reply(404, {"error": "no such file for this node"})
+            return
+        with data:
+            self.server.extend_deadline(self.request, DOWNLOAD_DEADLINE_S)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(os.fstat(data.fileno()).st_size))
+            self.send_header("Connection", "close")
+            self.close_connection = True
+            self.end_headers()
+            try:
+                shutil.copyfileobj(data, self.wfile, 1 << 16)
+            except OSError:   # the node went away or stalled past READ_TIMEOUT_S: it retries
+                pass
 
     def _not_allowed(self) -> None:
         self._reply(405, {"error": "method not allowed"})
@@ -246,7 +305,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._reply(404, {"error": "not found"})
             return
         job_id = int(match["job"])
-        job = self._authorized(job_id, route, match["node"] if route.scope == AGENT else None)
+        job = self._authorized(job_id, route.scope, match["node"] if route.scope == AGENT else None)
         if job is None:
             self._reply(401, {"error": UNAUTHORIZED})
             return
@@ -261,15 +320,18 @@ class _RequestHandler(BaseHTTPRequestHandler):
             self._reply(409, {"error": f"job {job_id} ended while its report arrived"})   # see the check above
             return
         try:
-            self._reply(200, route.call(self.server.handlers, job_id, match.groupdict(), body))
+            answer = route.call(self.server.handlers, job_id, match.groupdict(), body)
         except (KeyError, TypeError, ValueError, StoreError) as err:
             self._reply(400, {"error": f"bad request: {err}"[:500]})
+            return
         except Exception:   # a bug of ours: logged, answered, and the server goes on
             print(f"API {self.path}: {traceback.format_exc()}", flush=True)
             self._reply(500, {"error": "internal error (see the controller's log)"})
+            return
+        self._reply(200, answer)
 
-    def _authorized(self, job_id: int, route: Route, node_id: str | None) -> Job | None:
-        """The job, if the request's token is the route's scope for it; None for a wrong token or an
+    def _authorized(self, job_id: int, scope: str, node_id: str | None) -> Job | None:
+        """The job, if the request's token is of `scope` (the route's) for it; None for a wrong token or an
         unknown job alike (the same work either way, so that timing tells no more than the status)."""
         given = self.headers.get(TOKEN_HEADER, "").removeprefix("Bearer ").strip()
         try:
@@ -277,7 +339,7 @@ class _RequestHandler(BaseHTTPRequestHandler):
             secret = job.token
         except StoreError:
             job, secret = None, "no such job"
-        ok = allows(secret, given, route.scope, node_id)
+        ok = allows(secret, given, scope, node_id)
         return job if ok and job is not None else None
 
     def _body(self, route: Route) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
 """What every part of the controller shares: the store, the job folders, the providers, the API's
-address, the loop's wake-up, the metrics, and the one way a job's log and events are written."""
+address, the loop's wake-up, the metrics, the files cloud nodes fetch, and the one way a job's log and
+events are written."""
 from __future__ import annotations
 
 import re
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from health.metrics import Metrics
+from orchestrator.control.artifacts import Artifacts
+from orchestrator.control.calls import ProviderCalls
 from orchestrator.control.store import Job, JobState, Store
 from orchestrator.home import job_dir, private_open
 from providers.base import Provider
@@ -42,6 +45,12 @@ class ControlContext:
     wake: threading.Event = field(default_factory=threading.Event)   # set when the loop should run now
     metrics: Metrics = field(default_factory=Metrics)                 # tfsn_* series, served by the daemon
     _log_lock: threading.Lock = field(default_factory=threading.Lock)
+    calls: ProviderCalls = field(init=False)       # every provider call, off the loop (see calls.py)
+    artifacts: Artifacts = field(init=False)       # what cloud nodes fetch as they boot: tfsn's wheel, jobs' code
+
+    def __post_init__(self) -> None:
+        self.calls = ProviderCalls(self.wake)
+        self.artifacts = Artifacts(self.home)
 
     def provider(self, name: str) -> Provider:
         if name not in self.providers:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from health.telemetry import Sample
+from orchestrator.control.boot import boot_failure_summary
 from orchestrator.control.context import ControlContext, plain
 from orchestrator.control.credentials import sdk_token
 from orchestrator.control.health_watch import HealthWatch
+from orchestrator.control.nodes import workers_per_node
 from orchestrator.control.provisioning import requested_cpus
 from orchestrator.control.store import Job, JobState, Node, NodeState
 from orchestrator.home import job_dir
@@ -72,7 +74,8 @@ class ApiHandlers:
             return command
         spec = JobSpec.model_validate(job.spec)
         return {**command, "run": spec.run, "workdir": spec.workdir, "nnodes": spec.num_nodes,
-                "node_rank": node.rank, "nproc_per_node": spec.nprocs(), "master_addr": self._master_addr(job),
+                "node_rank": node.rank, "nproc_per_node": workers_per_node(spec, [node]),
+                "master_addr": self._master_addr(job),
                 "master_port": job.master_port, "env": self._worker_env(job, spec)}
 
     def logs(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -92,14 +95,32 @@ class ApiHandlers:
                               else f"[node {node_id}] {line}" for line in map(str, body.get("lines", []))])
         return {}
 
+    def boot_failure(self, job_id: int, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A VM's boot script failed (it powers the machine off): the end of its boot log is kept on the node
+        for `tfsn status`; the loop fails the node (boot.py counts such failures per offer)."""
+        self._node_of(job_id, node_id)
+        summary = boot_failure_summary(body)
+        self.store.update_node(node_id, boot_failure=str(body["tail"]) or "(empty boot log)", failure=summary)
+        self.ctx.event(job_id, "node", f"node {node_id}: {summary}")
+        self.ctx.wake.set()
+        return {}
+
+    def artifact(self, job_id: int, node_id: str, digest: str) -> Path:
+        """The file a node of the job may fetch as it boots (its code archive, tfsn's wheel): KeyError for any
+        other, so that one job's node never gets another job's code."""
+        self._node_of(job_id, node_id, active=True)
+        path = self.ctx.artifacts.path(digest) if digest in self.store.job(job_id).artifacts.values() else None
+        if path is None:
+            raise KeyError(f"node {node_id} has no file {digest}")
+        return path
+
     def telemetry(self, job_id: int, body: dict[str, Any]) -> dict[str, Any]:
         """Step records and heartbeats of one rank; the answer asks for a checkpoint when one is wanted."""
         attempt, rank, records = int(body["attempt"]), int(body["rank"]), list(body["records"])
         self.store.record_steps(job_id, attempt, rank, records)
         watch = self.health.existing(job_id)
         if watch is not None:
-            heartbeat = body.get("heartbeat")
-            watch.observe(attempt, rank, records, None if heartbeat is None else float(heartbeat))
+            watch.post(attempt, rank, body, time.time())
         job = self.store.job(job_id)
         return {"checkpoint": job.checkpoint_request} if job.checkpoint_request > job.checkpoint_at else {}
 
@@ -123,6 +144,9 @@ class ApiHandlers:
             self.ctx.event(job_id, "checkpoint", f"restored step {step} from {path}")
         else:
             self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
+            watch = self.health.existing(job_id)
+            if watch is not None:
+                watch.saved(float(body.get("seconds", 0.0)))
             self.ctx.event(job_id, "checkpoint", f"saved step {step} in {body.get('seconds', 0):.2f}s to {path}")
         return {}
 
@@ -154,13 +178,15 @@ class ApiHandlers:
             env["TFSN_CHECKPOINT_INTERVAL"] = str(ckpt.interval)
         if "keep" in ckpt.model_fields_set:
             env["TFSN_CHECKPOINT_KEEP"] = str(ckpt.keep)
+        if "async_save" in ckpt.model_fields_set:
+            env["TFSN_CHECKPOINT_ASYNC"] = "1" if ckpt.async_save else "0"
         if spec.steps is not None:
             env["TFSN_STEPS"] = str(spec.steps)
         ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
         if ranked and all(self.ctx.shares_host(n.provider) for n in ranked) and "OMP_NUM_THREADS" not in spec.envs:
             # Nodes that share this machine split its cores instead of each taking all of them.
             cpus = requested_cpus(spec) or max(1, (os.cpu_count() or 1) // spec.num_nodes)
-            env["OMP_NUM_THREADS"] = str(max(1, cpus // spec.nprocs()))
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // workers_per_node(spec, ranked)))
         return env
 
     def _checkpoint_dir(self, job: Job, spec: JobSpec) -> str:

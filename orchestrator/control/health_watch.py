@@ -15,11 +15,12 @@ from typing import Any
 from health.config import HealthConfig
 from health.findings import Action, Decision, Finding, FindingKind
 from health.metrics import Metrics
+from health.hang import PhaseHistory
 from health.monitor import Monitor
-from health.policy import Policy
+from health.policy import Costs, Policy
 from health.telemetry import Sample, sdk_sample
 from orchestrator.control.context import ControlContext
-from orchestrator.control.nodes import Nodes
+from orchestrator.control.nodes import Nodes, workers_per_node
 from orchestrator.control.store import Job, Node
 from orchestrator.spec import JobSpec
 
@@ -42,9 +43,16 @@ class JobWatch:
         self.policy = Policy(config)
         self.metrics = metrics
         self.attempt = 0
+        self.phases = PhaseHistory(config)     # how long saves and evals took: kept across attempts
+        # What a replacement costs this job, measured: from the last step of an attempt to the first step
+        # of the next (detection, new node, start, checkpoint load, first step: all of it), and the last save.
+        self.restart_s: float | None = None
+        self.save_s: float | None = None
+        self._last_step_at = 0.0               # of the current attempt
+        self._restart_from: float | None = None
         self._monitor: Monitor | None = None
         self._rank_nodes: tuple[str, ...] = ()
-        self._active: dict[tuple[str, str], str] = {}   # (kind, node) -> severity, as of the last check
+        self._active: dict[tuple[str, str, int | None], str] = {}   # (kind, node, gpu) -> severity, last check
         self._lock = threading.Lock()
 
     def start_attempt(self, attempt: int, rank_nodes: Sequence[str]) -> None:
@@ -52,9 +60,11 @@ class JobWatch:
         with self._lock:
             if attempt == self.attempt and self._monitor is not None:
                 return
+            if self._last_step_at:
+                self._restart_from, self._last_step_at = self._last_step_at, 0.0
             self.attempt = attempt
             self._rank_nodes = tuple(rank_nodes)
-            self._monitor = Monitor(self.config, self._rank_nodes)
+            self._monitor = Monitor(self.config, self._rank_nodes, self.phases)
             self._active = {}
 
     def observe(self, attempt: int, rank: int, records: list[dict[str, Any]], heartbeat: float | None) -> None:
@@ -65,10 +75,40 @@ class JobWatch:
             node = self._rank_nodes[rank]
             for record in records:
                 sample = sdk_sample(node, {**record, "rank": rank})
+                self._step_seen(sample.time)
                 self._monitor.observe(sample)
                 self.metrics.observe(self.label, sample)
             if heartbeat is not None:
                 self._monitor.observe(Sample(time=heartbeat, node=node, rank=rank))
+
+    def post(self, attempt: int, rank: int, body: Mapping[str, Any], received: float) -> None:
+        """One SDK post (requests.Telemetry): the rank's phase, step records and heartbeat. The node's clock
+        need not agree with the controller's, whose `now` every timeout is measured against: the rank's times
+        are moved by how far its heartbeat (its clock as it sent) is from `received` (ours as it came)."""
+        heartbeat = body.get("heartbeat")
+        shift = 0.0 if heartbeat is None else received - float(heartbeat)
+        if body.get("phase") is not None:   # first: a step that held a save closes knowing of the save
+            since = body.get("phase_since")
+            self.observe_phase(attempt, rank, str(body["phase"]), None if since is None else float(since) + shift,
+                               {str(k): float(v) for k, v in body.get("phases", {}).items()})
+        records = [{**record, "at": float(record["at"]) + shift} for record in body["records"]]
+        self.observe(attempt, rank, records, None if heartbeat is None else received)
+
+    def _step_seen(self, at: float) -> None:
+        if self._restart_from is not None and at > self._restart_from:
+            self.restart_s, self._restart_from = at - self._restart_from, None
+        self._last_step_at = max(self._last_step_at, at)
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint was saved; `seconds`: how long the training waited for it."""
+        self.save_s = seconds
+
+    def observe_phase(self, attempt: int, rank: int, phase: str, since: float | None,
+                      finished: Mapping[str, float]) -> None:
+        """The phase a rank said it is in (checkpoint, eval, data; train) and the phases it finished."""
+        with self._lock:
+            if self._monitor is not None and attempt == self.attempt and 0 <= rank < len(self._rank_nodes):
+                self._monitor.observe_phase(rank, phase, since, dict(finished))
 
     def observe_device(self, sample: Sample) -> None:
         """An NVML or DCGM sample from a node's agent."""
@@ -77,22 +117,24 @@ class JobWatch:
                 self._monitor.observe(sample)
             self.metrics.observe(self.label, sample)
 
-    def check(self, now: float) -> tuple[list[Finding], list[Decision]]:
+    def check(self, now: float, step_s: float | None = None,
+              remaining_steps: int | None = None) -> tuple[list[Finding], list[Decision]]:
         """The findings that are new since the last check (a condition is reported by the monitor
         at every check while it lasts: the policy needs that, the log and the counters do not),
-        and the policy's decisions over all current findings."""
+        and the policy's decisions over all current findings, with what the job's steps cost now."""
         with self._lock:
             if self._monitor is None:
                 return [], []
             findings = self._monitor.check(now)
             scores = self._monitor.scores()
         self.metrics.straggler_scores(self.label, {r: float(s) for r, s in enumerate(scores) if s == s})
-        active = {(f.kind.value, f.node): f.severity.value for f in findings}
-        new = [f for f in findings if self._active.get((f.kind.value, f.node)) != f.severity.value]
+        active = {(f.kind.value, f.node, f.gpu): f.severity.value for f in findings}
+        new = [f for f in findings if self._active.get((f.kind.value, f.node, f.gpu)) != f.severity.value]
         self._active = active
         for finding in new:
             self.metrics.finding(self.label, finding.kind.value, finding.severity.value)
-        return new, self.policy.decide(findings, now)
+        costs = Costs(step_s=step_s, remaining_steps=remaining_steps, restart_s=self.restart_s, save_s=self.save_s)
+        return new, self.policy.decide(findings, now, costs)
 
 
 class HealthWatch:
@@ -126,9 +168,9 @@ class HealthWatch:
         watch = self.watch(job, spec)
         ranked = [n for n in self.ctx.store.nodes(job.id, active_only=True) if n.rank is not None]
         if len(ranked) == spec.num_nodes:  # e.g. after a controller restart
-            watch.start_attempt(job.attempt, rank_nodes(ranked, spec.nprocs()))
+            watch.start_attempt(job.attempt, rank_nodes(ranked, workers_per_node(spec, ranked)))
         now = time.time()
-        findings, decisions = watch.check(now)
+        findings, decisions = watch.check(now, job.step_time, max(0, spec.steps - job.step) if spec.steps else None)
         for finding in findings:
             self.ctx.event(job.id, "finding", f"{finding.kind.value} ({finding.severity.value}) on "
                            f"{finding.node or 'the job'}: {finding.evidence}")

@@ -4,21 +4,31 @@ A node is recorded in the store before its provider is asked for it (a crash nev
 provisioning error blocks what its scope says (the offer, zone, region or provider) and the next node
 goes to the next candidate of the plan; nodes already placed elsewhere follow it, since one job's nodes
 must share a zone. A transient error (throttling, network) is retried on the same offer with backoff.
+
+Planning and creating run off the loop (calls.py): a node stays REQUESTED, its rank taken, while its create is in
+flight, and the call's end decides (STARTING, or a refusal as above). A create past its deadline is a refusal too:
+the offer is blocked, and the node is terminated once the hung call returns (by the id its late answer gives).
 """
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import socket
 import sys
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict
 
+from orchestrator.control.artifacts import ArtifactError
+from orchestrator.control.boot import NODE_WORKDIR, boot_files
+from orchestrator.control.calls import DEADLINES_S, Call, deadline_s
+from orchestrator.control.codesync import CodeSyncError
 from orchestrator.control.context import ControlContext
 from orchestrator.control.credentials import agent_token
 from orchestrator.control.health_watch import HealthWatch, rank_nodes
-from orchestrator.control.nodes import Nodes, site
+from orchestrator.control.nodes import Nodes, site, workers_per_node
 from orchestrator.control.store import Job, JobState, Node, NodeState
 from orchestrator.home import job_dir
 from orchestrator.planning.offers import offer_text
@@ -26,13 +36,14 @@ from orchestrator.planning.placement import plan_for
 from orchestrator.planning.planner import Blocklist, NoCapacityError, PlanError, PlannedOffer
 from orchestrator.sdk.client import CA_FINGERPRINT_ENV, CA_PEM_ENV
 from orchestrator.spec import JobSpec
-from providers.base import CapacityError, NodeRequest, ProviderError
+from providers.base import CapacityError, NodeHandle, NodeRequest, ProviderError
 
 # What a remote node's agent is given from this machine's environment (how to install tfsn there).
 REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
 TRANSIENT_TRIES = 5           # a provisioning request that fails transiently this often in a row is blocked
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
-CREATES_PER_PASS = 16         # nodes one job asks for in one pass of the loop (the others' turn comes between)
+CREATES_PER_PASS = 16         # creates of one job in flight, so at most this many a pass (others' turn comes between)
+PLANNER = "planner"           # the lane of planning calls: they read every provider's offers
 
 
 class Provisioner:
@@ -45,16 +56,28 @@ class Provisioner:
         self.backoff: dict[int, tuple[int, float]] = {}   # job id -> (transient failures in a row, retry at)
 
     def plan(self, job: Job, spec: JobSpec) -> None:
-        """PENDING -> PROVISIONING with the plan's best candidates in the store, or FAILED if none is capable."""
-        try:
-            plan = plan_for(spec, self.ctx.providers)
-        except (PlanError, ProviderError) as err:
-            self.ctx.transition(job, JobState.FAILED, str(err), error=str(err))
+        """Plan off the loop (the planner reads every provider's offers); at its end, PENDING -> PROVISIONING with
+        the plan's best candidates in the store, or FAILED if none is capable."""
+        self._start_planning(job, spec, lambda call: self._planned(job.id, spec, call))
+
+    def _start_planning(self, job: Job, spec: JobSpec, on_done: Callable[[Call], None]) -> None:
+        providers = self.ctx.providers
+        self.ctx.calls.start(("plan", job.id), PLANNER, f"planning of job {job.id}",
+                             lambda: plan_for(spec, providers), DEADLINES_S["offers"], on_done)
+
+    def _planned(self, job_id: int, spec: JobSpec, call: Call) -> None:
+        job = self.ctx.store.job(job_id)
+        if job.state != JobState.PENDING:   # stopped meanwhile
             return
-        chosen, naive = plan.chosen, plan.naive
+        if isinstance(call.error, (PlanError, ProviderError)):
+            self.ctx.transition(job, JobState.FAILED, str(call.error), error=str(call.error))
+            return
+        if call.error is not None:   # a bug: said by the calls' collector; the next pass plans again
+            raise call.error
+        chosen, naive = call.value.chosen, call.value.naive
         self.ctx.transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_text(chosen)}" + (
             "" if chosen == naive else f" (the cheapest per hour, {_text(naive)}, would cost ${naive.cost:,.2f})"),
-            plan=[c.to_record() for c in plan.ranked(PLAN_KEEP)])
+            plan=[c.to_record() for c in call.value.ranked(PLAN_KEEP)])
 
     def provision(self, job: Job, spec: JobSpec) -> None:
         """Give every rank a node (a spare first), keep the spares topped up, then start an attempt."""
@@ -89,12 +112,13 @@ class Provisioner:
 
     def _fill(self, job: Job, spec: JobSpec) -> bool:
         """Every rank without a node gets a spare, else a new node; then the spares are topped up. At most
-        CREATES_PER_PASS new nodes a pass, so that the loop gets round to other jobs (and their stops).
-        False if the job ended, a stop was asked (see `_interrupted`) or this pass created its share."""
+        CREATES_PER_PASS creates of the job in flight (and so at most that many new a pass): the loop gets round
+        to other jobs and their stops, and no create waits in its lane's queue until its deadline.
+        False if the job ended, a stop was asked (see `_interrupted`) or the job has its share in flight."""
         nodes = self.ctx.store.nodes(job.id, active_only=True)
         ranked = {n.rank: n for n in nodes if n.rank is not None}
         spares = sorted((n for n in nodes if n.rank is None), key=lambda s: s.state != NodeState.READY)
-        created = 0
+        creating = sum(n.state == NodeState.REQUESTED for n in nodes)
         for rank in range(spec.num_nodes):
             if rank in ranked:
                 continue
@@ -102,15 +126,19 @@ class Provisioner:
                 spare = spares.pop(0)
                 self.ctx.store.update_node(spare.id, rank=rank)
                 self.ctx.event(job.id, "node", f"spare node {spare.id} takes rank {rank}")
+            elif creating >= CREATES_PER_PASS:
+                return False
             else:
                 self._create_node(job, spec, rank)
-                created += 1
-            if self._interrupted(job) or created >= CREATES_PER_PASS:
+                creating += 1
+            if self._interrupted(job):
                 return False
         for _ in range(spec.recovery.spares - len(spares)):
+            if creating >= CREATES_PER_PASS:
+                return False
             self._create_node(job, spec, None)
-            created += 1
-            if self._interrupted(job) or created >= CREATES_PER_PASS:
+            creating += 1
+            if self._interrupted(job):
                 return False
         return True
 
@@ -123,38 +151,42 @@ class Provisioner:
 
     def _start_attempt(self, job: Job, spec: JobSpec, ready: list[Node]) -> None:
         attempt = job.attempt + 1
-        self.health.watch(job, spec).start_attempt(attempt, rank_nodes(ready, spec.nprocs()))
+        self.health.watch(job, spec).start_attempt(attempt, rank_nodes(ready, workers_per_node(spec, ready)))
         self.ctx.transition(job, JobState.RUNNING, f"attempt {attempt} on " + ", ".join(
             n.id for n in sorted(ready, key=lambda n: n.rank)), attempt=attempt, attempt_state="running",
             attempt_changed_at=time.time(), attempt_started_at=time.time(), master_port=free_port())
         self.ctx.wake.set()
 
     def _candidate(self, job: Job, spec: JobSpec) -> PlannedOffer | None:
-        """The best planned offer that no provisioning failure has ruled out. The store keeps the plan's
-        best PLAN_KEEP; when blocks used them all up (or the job predates plans), plan again."""
+        """The best planned offer that no provisioning failure has ruled out. The store keeps the plan's best
+        PLAN_KEEP; when blocks used them all up (or the job predates plans), None while the job is planned again
+        off the loop (then the fresh plan is in the store, or the job gave up)."""
+        candidate = _first_unblocked(job)
+        if candidate is None and not job.state.terminal:
+            self._start_planning(job, spec, lambda call: self._replanned(job.id, call))
+            candidate = _first_unblocked(self.ctx.store.job(job.id))   # where the caller waits: the fresh plan
+        return candidate
+
+    def _replanned(self, job_id: int, call: Call) -> None:
+        job = self.ctx.store.job(job_id)
+        if job.state.terminal:
+            return
         blocked = Blocklist.from_records(job.blocked)
-        for record in job.plan:
-            candidate = PlannedOffer.from_record(record)
-            if not blocked.blocks(candidate.offer):
-                return candidate
-        try:
-            plan = plan_for(spec, self.ctx.providers)
-        except (PlanError, ProviderError):
-            return None
-        fresh = [c for c in plan.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
-        if not fresh:
-            return None
-        self.ctx.store.update_job(job.id, plan=[c.to_record() for c in fresh])
-        return fresh[0]
+        if call.error is not None and not isinstance(call.error, (PlanError, ProviderError)):
+            raise call.error   # a bug: said by the calls' collector
+        fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
+        if fresh:
+            self.ctx.store.update_job(job_id, plan=[c.to_record() for c in fresh])
+        else:
+            self.nodes.give_up(job, str(NoCapacityError(blocked.history)))
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
-        """Record the node, then ask the provider for it (the order keeps crashes from leaking nodes)."""
+        """Record the node, then ask the provider for it off the loop (the order keeps crashes from leaking nodes)."""
         if time.monotonic() < self.backoff.get(job.id, (0, 0.0))[1]:
             return   # the last request hit a transient error (throttling, network): wait before the next
         candidate = self._candidate(job, spec)
         if candidate is None:
-            self.nodes.give_up(job, str(NoCapacityError(Blocklist.from_records(job.blocked).history)))
-            return
+            return   # planned again off the loop: the next pass has a fresh candidate, or the job gave up
         offer = candidate.offer
         provider = self.ctx.provider(offer.provider)
         local = self.ctx.shares_host(provider.name)
@@ -167,31 +199,52 @@ class Provisioner:
         if rank is None and ranked_sites and ranked_sites != {site(offer)}:
             return   # a spare serves only where the ranks are: none while its site there is blocked
         self._gather(job, candidate)
+        try:   # a VM installs tfsn and fetches the job's code from here as it boots
+            boot = boot_files(self.ctx, job, spec) if getattr(provider, "runs_boot_script", False) else None
+        except (CodeSyncError, ArtifactError) as err:
+            self.nodes.give_up(job, str(err))
+            return
         # Unique beyond this store: the local provider finds a node's processes by its id.
         node_id = f"{job.name}-{job.id}-n{len(self.ctx.store.nodes(job.id))}-{secrets.token_hex(2)}"
         self.ctx.store.add_node(node_id, job.id, rank, provider.name, offer=asdict(offer), spot=candidate.spot)
         request = NodeRequest(
-            job_id=str(job.id), node_id=node_id, workdir=spec.workdir,
+            job_id=str(job.id), node_id=node_id, workdir=NODE_WORKDIR if boot else spec.workdir, boot=boot,
             log_path=str(job_dir(job.id, self.ctx.home) / f"{node_id}.log"),
             command=agent_command(local), cpus=requested_cpus(spec),
             env=agent_env(self.ctx.url, job, node_id, local, self.ctx.trust), offer=offer, spot=candidate.spot,
-            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name))
-        try:
-            handle = provider.provision(request)
-        except Exception as err:  # a provider bug or an OS error must not leave the node REQUESTED
-            if not isinstance(err, ProviderError):
-                err = ProviderError(f"{type(err).__name__}: {err}", provider=provider.name)
-            self._refused(job, spec, node_id, candidate, err)
+            avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name),
+            owner=self.ctx.store.owner)
+        role = f"rank {rank}" if rank is not None else "spare"
+        created = functools.partial(self._created, job.id, spec, node_id, candidate, role)
+        self.ctx.calls.start(("change", node_id), provider.name, f"{provider.name}: create of node {node_id}",
+                             lambda: provider.provision(request), deadline_s(provider, "create"), created,
+                             on_late=created)
+
+    def _created(self, job_id: int, spec: JobSpec, node_id: str, candidate: PlannedOffer, role: str,
+                 call: Call) -> None:
+        """A create returned (or passed its deadline): the node starts, or the refusal is dealt with. One that
+        returns for a node let go meanwhile (a stop, a move, its deadline) records what it made: the sweep deletes
+        that by the id the cloud gave (a search by tag may not see a fresh machine yet), and it is billed till then."""
+        node = self.ctx.store.node(node_id)
+        if node.state != NodeState.REQUESTED:
+            if call.error is None:
+                self.ctx.store.update_node(node_id, handle=call.value.__dict__, provisioned_at=time.time())
             return
-        self.backoff.pop(job.id, None)
+        if call.error is not None:
+            err = call.error
+            if not isinstance(err, ProviderError):   # a provider bug or an OS error must not leave the node REQUESTED
+                err = ProviderError(f"{type(err).__name__}: {err}", provider=candidate.offer.provider)
+            self._refused(self.ctx.store.job(job_id), spec, node_id, candidate, err)
+            return
+        handle: NodeHandle = call.value
+        self.backoff.pop(job_id, None)
         self.ctx.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__,
                                    provisioned_at=time.time())
-        role = f"rank {rank}" if rank is not None else "spare"
-        self.ctx.event(job.id, "node", f"node {node_id} provisioned on {_text(candidate)} ({role})")
+        self.ctx.event(job_id, "node", f"node {node_id} provisioned on {_text(candidate)} ({role})")
 
     def _refused(self, job: Job, spec: JobSpec, node_id: str, candidate: PlannedOffer, err: ProviderError) -> None:
-        """A provider refused a node: try the same offer again later if the error is transient, else
-        block what the error's scope says (the next node goes to the next candidate)."""
+        """A provider refused a node (or did not answer in time): try the same offer again later if the error is
+        transient, else block what the error's scope says (the next node goes to the next candidate)."""
         self.ctx.store.update_node(node_id, state=NodeState.FAILED, failure=str(err))
         # The cloud may have taken the request before the error (a timeout after EC2 accepted the
         # ClientToken, an operation that failed half-way): make sure nothing is left running.
@@ -207,7 +260,8 @@ class Provisioner:
         self.nodes.block(job, asdict(candidate.offer), candidate.spot, str(err), err.scope)
         following = self._candidate(self.ctx.store.job(job.id), spec)
         self.ctx.event(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}: {err} "
-                       f"(blocked this {err.scope}; " + (f"next: {_text(following)})" if following
+                       f"(blocked this {err.scope}; " + (f"next: {_text(following)})" if following else
+                                                         "planning again)" if self.ctx.calls.busy(("plan", job.id))
                                                          else "no candidate left)"))
 
     def _excluded_hosts(self, job: Job, spec: JobSpec) -> tuple[str, ...]:
@@ -223,6 +277,12 @@ class Provisioner:
             if node.offer is not None and site(node.offer) != site(offer):
                 self.nodes.release(node, failure=f"moved with the job to {where}")
                 self.ctx.event(job.id, "node", f"node {node.id} released: the job moves to {where}")
+
+
+def _first_unblocked(job: Job) -> PlannedOffer | None:
+    """The best candidate of the job's plan that no provisioning failure has ruled out."""
+    blocked = Blocklist.from_records(job.blocked)
+    return next((c for c in map(PlannedOffer.from_record, job.plan) if not blocked.blocks(c.offer)), None)
 
 
 def _text(candidate: PlannedOffer) -> str:
@@ -262,7 +322,7 @@ def agent_env(url: str, job: Job, node_id: str, local: bool = True,
     fingerprint, public; the agent's workers inherit them) and the node's own token. A local node inherits
     this process's environment; a remote one gets only tfsn's settings (never this machine's credentials,
     paths or devices: they would end up in the VM's metadata)."""
-    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME",
+    job_specific = {"TFSN_CONTROLLER_URL", "TFSN_TOKEN", "TFSN_JOB_ID", "TFSN_NODE_ID", "TFSN_HOME", "TFSN_WORKDIR",
                     CA_PEM_ENV, CA_FINGERPRINT_ENV}
     keep = {k: v for k, v in os.environ.items()
             if k not in job_specific and (local or k in REMOTE_SETTINGS)}

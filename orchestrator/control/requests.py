@@ -43,12 +43,18 @@ class StepRecord(BaseModel):
     metrics: Annotated[dict[Annotated[str, Field(max_length=255)], Any], Field(max_length=256)] = {}
 
 
+PhaseName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")]
+
+
 class Telemetry(_Body):
     attempt: Count
     rank: Annotated[int, Field(ge=0, le=1_000_000)]
     records: Annotated[list[StepRecord], Field(max_length=20_000)]
     heartbeat: Seconds | None = None
     step: Count | None = None        # the step the rank is in (with no record yet while it runs)
+    phase: PhaseName | None = None   # what it does now: train, or an announced phase (checkpoint, eval, data)
+    phase_since: Seconds | None = None
+    phases: Annotated[dict[PhaseName, Seconds], Field(max_length=16)] = {}   # longest of each finished phase
 
 
 Reading = Annotated[float, Field(ge=-1e9, le=1e9, allow_inf_nan=False)]
@@ -73,6 +79,7 @@ class GpuSample(_Body):
     remapped_rows_pending: bool | None = None
     remapped_rows_failure: bool | None = None
     xid: Annotated[int, Field(ge=0, le=2**31)] | None = None
+    xid_watched: bool | None = None
 
 
 class Samples(_Body):
@@ -84,6 +91,13 @@ class Checkpoint(_Body):
     path: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$")]   # one line
     seconds: Seconds = 0.0
     restored: bool = False
+
+
+class BootFailure(_Body):
+    """What a VM's boot script sends before it powers off (providers/bootstrap.py: the end of its log)."""
+    stage: Annotated[str, Field(max_length=32)] = ""
+    returncode: Annotated[int, Field(ge=-(2**31), le=2**31)] = 0
+    tail: Annotated[str, Field(max_length=20_000)]
 
 
 class AttemptCommand(_Body):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import secrets
 import sqlite3
 import statistics
 import threading
@@ -90,6 +91,7 @@ class Job:
     plan: list[dict[str, Any]] = field(default_factory=list)     # ranked candidates (planner.PlannedOffer.to_dict)
     blocked: list[dict[str, Any]] = field(default_factory=list)  # failed provisioning attempts: what they blocked
     health: dict[str, Any] = field(default_factory=dict)         # the health policy's state (Policy.state())
+    artifacts: dict[str, str] = field(default_factory=dict)      # what its cloud nodes fetch: "code", "wheel" sha256
 
 
 @dataclass
@@ -111,9 +113,12 @@ class Node:
     host: str = ""                # the machine under it, as its agent reported (a Kubernetes node, ...)
     provisioned_at: float | None = None  # when the provider confirmed it (its start timeout counts from then)
     released: bool = False        # the provider confirmed it is deleted (or it never existed)
+    released_at: float | None = None  # when the provider first confirmed it (the end of its bill)
+    boot_failure: str = ""        # the end of its boot log, when its boot script reported a failure
 
 
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     name TEXT NOT NULL, state TEXT NOT NULL, spec TEXT NOT NULL, spec_path TEXT NOT NULL,
@@ -126,7 +131,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     checkpoint_step INTEGER, checkpoint_path TEXT NOT NULL DEFAULT '', finished_at REAL,
     checkpoint_at REAL NOT NULL DEFAULT 0, checkpoint_request REAL NOT NULL DEFAULT 0,
     pending_replace TEXT NOT NULL DEFAULT '', pending_reason TEXT NOT NULL DEFAULT '',
-    plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]', health TEXT NOT NULL DEFAULT '{}'
+    plan TEXT NOT NULL DEFAULT '[]', blocked TEXT NOT NULL DEFAULT '[]', health TEXT NOT NULL DEFAULT '{}',
+    artifacts TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES jobs(id), rank INTEGER,
@@ -134,7 +140,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     updated_at REAL NOT NULL, heartbeat_at REAL, agent_state TEXT NOT NULL DEFAULT '',
     failure TEXT NOT NULL DEFAULT '', offer TEXT, spot INTEGER NOT NULL DEFAULT 0,
     addr TEXT NOT NULL DEFAULT '', host TEXT NOT NULL DEFAULT '', provisioned_at REAL,
-    released INTEGER NOT NULL DEFAULT 0
+    released INTEGER NOT NULL DEFAULT 0, released_at REAL, boot_failure TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS nodes_job ON nodes(job_id);
 CREATE TABLE IF NOT EXISTS results (
@@ -159,7 +165,7 @@ CREATE TABLE IF NOT EXISTS ranks (
 );
 """
 
-_JSON_FIELDS = ("spec", "plan", "blocked", "health")   # job fields stored as JSON text
+_JSON_FIELDS = ("spec", "plan", "blocked", "health", "artifacts")   # job fields stored as JSON text
 # For a store made by an older tfsn, a column the schema has and the store lacks is added with its
 # definition in _SCHEMA (so a new column can never be forgotten here), except where an older
 # store needs another default than a new one.
@@ -231,6 +237,9 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=30000")
         self._db.executescript(_SCHEMA)
         self._migrate()
+        # This store's own id, made once: job ids restart at 1 in every store, so the clouds' resources carry it
+        # too, and `tfsn down` run from another store (TFSN_HOME, machine, colleague) leaves them alone.
+        self.owner: str = self._owner()
         for part in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):   # every job's secret is in there
             if str(path) != ":memory:" and part.exists():
                 part.chmod(0o600)
@@ -250,6 +259,14 @@ class Store:
                     except sqlite3.OperationalError as err:   # another process added it just now
                         if "duplicate column" not in str(err):
                             raise
+
+    def _owner(self) -> str:
+        """The store's id, written by whichever process opens it first (read only, after that)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+        if row is None:
+            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('owner', ?)", (secrets.token_hex(6),))
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+        return row[0]
 
     def close(self) -> None:
         self._db.close()
@@ -427,6 +444,9 @@ class Store:
         cols = ", ".join(f"{k} = ?" for k in changes)
         with self._tx() as db:
             db.execute(f"UPDATE nodes SET {cols} WHERE id = ?", (*changes.values(), node_id))
+            if changes.get("released"):   # the first confirmation ends the node's bill; a repeated one does not move it
+                db.execute("UPDATE nodes SET released_at = ? WHERE id = ? AND released_at IS NULL",
+                           (changes["updated_at"], node_id))
             job_id = self._job_of_node(db, node_id)
         self._changed(job_id)
 

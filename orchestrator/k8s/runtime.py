@@ -42,7 +42,7 @@ from orchestrator.k8s.adoption import Adoption, job_key, token_secret
 from orchestrator.k8s.crd import CA_SECRET, GROUP, KIND, VERSION, Condition, TfsnJobStatus
 from orchestrator.k8s.status import StatusWriter, status_record
 from orchestrator.k8s.taints import Taints
-from orchestrator.spec import JobSpec, _dotted, _user_path
+from orchestrator.spec import JobSpec, _dotted, _user_path, checkpoint_url_scheme
 from providers.base import NotFoundError, ProviderError, import_sdk
 from providers.kubernetes import EXTRA, TOKEN_KEY, KubernetesProvider, PodBinding
 from providers.naming import dns_label
@@ -273,7 +273,7 @@ class Operator:
         claim = (meta.get("annotations") or {}).get(CLAIM_ANNOTATION) or self.settings.checkpoint_claim or None
         binding = self.provider.bindings[str(job.id)] = PodBinding(
             namespace=namespace, owner=owner, token_secret=secret, service=service,
-            checkpoint_path=spec.checkpoint.dir or CHECKPOINT_MOUNT, checkpoint_claim=claim,
+            checkpoint_path=_mount_path(spec.checkpoint.dir), checkpoint_claim=claim,
             checkpoint_sub_path=dns_label(name) if claim else "", command=AGENT_COMMAND, labels=selector)
         return binding
 
@@ -343,6 +343,11 @@ class Operator:
         return True
 
 
+def _mount_path(checkpoint_dir: str | None) -> str:
+    """Where the pods mount the checkpoint volume: checkpoint.dir, unless that is an object store's URL."""
+    return CHECKPOINT_MOUNT if not checkpoint_dir or checkpoint_url_scheme(checkpoint_dir) else checkpoint_dir
+
+
 def _cluster_problem(spec: JobSpec) -> str:
     """What a valid train.yaml may hold that a TfsnJob cannot."""
     if spec.resources.infra and spec.resources.infra != ["kubernetes"]:
@@ -350,7 +355,8 @@ def _cluster_problem(spec: JobSpec) -> str:
                 "To fix: remove resources.infra or set it to [kubernetes]")
     if spec.resources.use_spot:
         return "spec.resources.use_spot: a Kubernetes cluster has no spot market. To fix: remove it"
-    if spec.checkpoint.dir is not None and not spec.checkpoint.dir.startswith("/"):
+    if spec.checkpoint.dir is not None and not spec.checkpoint.dir.startswith("/") \
+            and not checkpoint_url_scheme(spec.checkpoint.dir):
         return (f"spec.checkpoint.dir: {spec.checkpoint.dir!r} is relative; the checkpoint volume is mounted "
                 f"there in each pod. To fix: give an absolute path such as {CHECKPOINT_MOUNT}, or remove it")
     return ""

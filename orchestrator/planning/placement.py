@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from orchestrator.planning.planner import Plan, PlanError, check_accelerators, plan_job
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, checkpoint_url_scheme
 from providers.base import Offer, Provider
 from providers.registry import load_provider
 
@@ -71,3 +71,31 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
 def local_node_limit() -> int:
     """How many nodes the local provider may run for one job: one per core, and 4 on any machine."""
     return max(4, os.cpu_count() or 1)
+
+
+# Providers whose nodes all see this machine's disk: the local provider's nodes are its processes.
+SHARED_DISK_PROVIDERS = ("local",)
+_BUCKET_URL = {"aws": "s3://BUCKET/PATH", "gcp": "gs://BUCKET/PATH", "azure": "az://CONTAINER/PATH"}
+
+
+def checkpoint_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
+    """Why the job's checkpoints would be lost with a node, as (field, one line with the fix); or None.
+
+    A path is on one machine's disk: on a cloud node it goes with the node, and a replacement restarts
+    from step 0. Only the user knows a path is a filesystem every node mounts (`local_ok`)."""
+    ckpt = spec.checkpoint
+    if checkpoint_url_scheme(ckpt.dir) or ckpt.local_ok:
+        return None
+    allowed = allowed_providers(spec)
+    remote = [name for name in allowed if name not in SHARED_DISK_PROVIDERS]
+    if not remote:
+        return None
+    where = (f"checkpoint.dir: {ckpt.dir} is" if ckpt.dir
+             else "checkpoint.dir: unset, checkpoints go to the controller's disk,")
+    urls = " or ".join(dict.fromkeys(_BUCKET_URL.get(name, "s3://, gs:// or az://BUCKET/PATH") for name in remote))
+    alone = ", or resources.infra: [local] to run on this machine only" if "local" in allowed else ""
+    field = ("checkpoint", "dir") if ckpt.dir else ("resources", "infra") if spec.resources.infra else ("checkpoint",)
+    return field, (
+        f"{where} not storage that {', '.join(remote)} nodes share: a replaced node would restart from "
+        f"step 0. To fix: set checkpoint.dir to {urls}, or checkpoint.local_ok: true if every node mounts "
+        f"that path{alone}")

@@ -1,12 +1,14 @@
 """Atomic, verified training checkpoints on top of torch.distributed.checkpoint (DCP).
 
-A checkpoint is ``directory/step_000000123/``: the DCP files (one or more ``.distcp`` per rank
-plus ``.metadata``) and ``tfsn-manifest.json`` with the sha256 of every file. DCP writes into a
-``.tmp-*`` sibling and rank 0 renames it into place only after the manifest is durable, so a
-crash at any point leaves either the old set of checkpoints or the new one, never a half one.
-``restore`` verifies checksums and falls back to the previous checkpoint when the newest is
-corrupt. With a process group, every rank must call ``save``/``restore`` with the same object
-names (they run collectives); the directory must be on storage shared by all ranks.
+A checkpoint is ``DIR/step_000000123/``: the DCP files (one or more ``.distcp`` per rank plus
+``.metadata``) and ``tfsn-manifest.json`` with the sha256 of every file. ``DIR`` is a folder or an
+s3://, gs:// or az:// URL (see ``ckptstore``); either way a checkpoint becomes visible only once it is
+complete, so a crash at any point leaves the old set of checkpoints or the new one, never a half one.
+Checksums are computed by all ranks together, each hashing its share of the files; ``restore``
+verifies them the same way and falls back to the previous checkpoint when the newest is corrupt.
+With a process group, every rank must call ``save``/``restore`` with the same object names (they run
+collectives); a folder must be on storage shared by all ranks. ``SaveSession`` is the protocol in
+steps, so that ``asyncsave`` can run the writing and the commit off the training thread.
 """
 
 from __future__ import annotations
@@ -15,11 +17,8 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
-import os
 import random
-import re
 import secrets
-import shutil
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -37,26 +36,30 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.storage import StorageWriter
 
-__all__ = ["CheckpointError", "CheckpointInfo", "list_checkpoints", "load_tensors", "restore", "save"]
+from orchestrator.sdk.ckptstore import MANIFEST, Location, Store, StorageUnavailable, open_store, step_of
+from orchestrator.spec import checkpoint_url_scheme
 
-MANIFEST = "tfsn-manifest.json"
+__all__ = ["CheckpointError", "CheckpointInfo", "MANIFEST", "SaveSession", "list_checkpoints", "load_tensors",
+           "restore", "save"]
+
 FORMAT = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _RNG_KEY = "_tfsn_rng_rank{}"
 # DCP warns on every call without a process group; single-process use is intended here.
-_NO_DIST_WARNING = r"torch\.distributed is (disabled|unavailable)"
-# Checkpoints whose checksums this process computed or verified: (path, saved_at). Lets
+NO_DIST_WARNING = r"torch\.distributed is (disabled|unavailable)"
+# Checkpoints whose checksums this process computed or verified: (location, saved_at). Lets
 # pruning skip re-hashing gigabytes on every save.
 _known_good: set[tuple[str, float]] = set()
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint on disk. ``step`` is the number of completed training steps."""
+    """One checkpoint. ``step`` is the number of completed training steps; ``path`` is a Path in a
+    folder, the URL (str) on an object store."""
 
     step: int
-    path: Path
+    path: Location
     saved_at: float
     bytes: int
     seconds: float
@@ -67,48 +70,117 @@ class CheckpointError(Exception):
 
 
 def save(directory: str | Path, step: int, objects: Mapping[str, object], *, keep: int = 3) -> CheckpointInfo:
-    """Save ``objects`` (plus every rank's RNG state) as the checkpoint for ``step``.
+    """Save ``objects`` (plus every rank's RNG state) as the checkpoint for ``step``, now.
 
     Collective when a process group is initialized: all ranks must call it. Keeps the newest
     ``keep`` valid checkpoints (always including this one) and deletes older ones.
     """
-    if keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
-    start = time.time()
-    directory = Path(directory)
-    distributed, rank, world_size = _dist_info()
-    nonce = _broadcast(secrets.token_hex(6) if rank == 0 else None, distributed)
-    final = directory / f"step_{step:09d}"
-    tmp = directory / f".tmp-{final.name}-{nonce}"
-
-    state = _state_dicts(objects)
-    state[_RNG_KEY.format(rank)] = _rng_state()
-    tmp.mkdir(parents=True, exist_ok=True)
+    state = SaveSession.state(objects)   # first: an object that cannot give its state leaves nothing behind
+    session = SaveSession.start(directory, step, keep)
     try:
-        with _quiet_no_dist():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not distributed)
+        with quiet_no_dist():
+            dcp.save(state, storage_writer=session.writer(), process_group=session.group,
+                     no_dist=not session.distributed)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing checkpoint {tmp} failed: {_one_line(e)}; earlier checkpoints are untouched") from e
+        session.failed(e)
+    return session.finish()
 
-    outcome: CheckpointInfo | str | None = None
-    if rank == 0:
-        try:
-            outcome = _commit(tmp, final, step, world_size, start, nonce)
-        except (OSError, CheckpointError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            outcome = f"committing checkpoint {final} failed: {_one_line(e)}; earlier checkpoints are untouched"
-        else:
+
+class SaveSession:
+    """One save in three steps: `start` (where to write, agreed by all ranks), DCP's write of `state()`,
+    `finish` (checksums by all ranks, the commit by rank 0, pruning). `group` is the process group of its
+    collectives (None: the default group), so that a background save can keep off the training's."""
+
+    def __init__(self, store: Store, final: Location, written: Location, step: int, keep: int,
+                 group: Any, started: float) -> None:
+        self.store, self.final, self.written, self.group = store, final, written, group
+        self.step, self.keep = step, keep
+        self.distributed, self.rank, self.world_size = _dist_info()
+        self.started = started
+
+    @classmethod
+    def start(cls, directory: str | Path, step: int, keep: int, group: Any = None) -> SaveSession:
+        """Collective: rank 0 picks where DCP writes (making ``step_N`` invisible on an object store)."""
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        started = time.time()
+        distributed, rank, _ = _dist_info()
+        name = f"step_{step:09d}"
+        plan: tuple[Location | None, str | None] = (None, None)
+        if rank == 0:
             try:
-                _prune(directory, outcome, keep, start)
-            except OSError as e:
-                warnings.warn(f"pruning old checkpoints in {directory} failed: {e}", stacklevel=2)
-    # The broadcast doubles as the final barrier: no rank continues before the rename.
-    outcome = _broadcast(outcome, distributed)
-    if isinstance(outcome, str):
-        raise CheckpointError(outcome)
-    return outcome
+                store = _open(directory)
+                plan = (store.begin(store.child(store.root, name), secrets.token_hex(6)), None)
+            except CheckpointError as e:
+                plan = (None, str(e))
+            except Exception as e:  # any failure here must reach the other ranks, or they wait for ever
+                plan = (None, f"cannot write checkpoint {step} to {directory}: {_one_line(e)}; "
+                              "check it exists and is writable")
+        written, problem = _broadcast(plan, distributed, group)
+        if problem is not None:
+            raise CheckpointError(problem)
+        store = _open(directory)
+        store.prepare(written)
+        return cls(store, store.child(store.root, name), written, step, keep, group, started)
+
+    @staticmethod
+    def state(objects: Mapping[str, object]) -> dict[str, Any]:
+        """What DCP writes: the objects' state dicts and this rank's RNG states (read now)."""
+        state = _state_dicts(objects)
+        state[_RNG_KEY.format(_dist_info()[1])] = _rng_state()
+        return state
+
+    def writer(self) -> StorageWriter:
+        return self.store.writer(self.written)
+
+    def failed(self, error: BaseException) -> None:
+        """DCP's write failed (on every rank: it is collective): drop what it wrote and raise."""
+        if self.rank == 0:
+            self.store.remove(self.written)
+        raise CheckpointError(f"writing checkpoint {self.written} failed: {_one_line(error)}; "
+                              "earlier checkpoints are untouched") from error
+
+    def finish(self) -> CheckpointInfo:
+        """Collective: hash the files (each rank its share), commit on rank 0, prune; the same outcome everywhere."""
+        names: list[str] | str | None = None
+        if self.rank == 0:
+            try:
+                names = self.store.files(self.written)
+            except Exception as e:   # every failure must reach the other ranks as an outcome, or they wait for ever
+                names = f"listing {self.written} failed: {_one_line(e)}"
+        names = _broadcast(names, self.distributed, self.group)
+        digests: dict[str, str] | str = {}
+        if isinstance(names, list):
+            try:
+                digests = _hash_share(self.store, self.written, names, self.rank, self.world_size)
+            except Exception as e:
+                digests = f"reading back {self.written} failed: {_one_line(e)}"
+        shares = _all_gather(digests, self.distributed, self.group)
+        outcome: CheckpointInfo | str | None = None
+        if self.rank == 0:
+            problem = names if isinstance(names, str) else next((s for s in shares if isinstance(s, str)), None)
+            outcome = self._commit_and_prune(names, shares, problem)
+        # The broadcast doubles as the final barrier: no rank continues before the commit.
+        outcome = _broadcast(outcome, self.distributed, self.group)
+        if isinstance(outcome, str):
+            raise CheckpointError(outcome)
+        return outcome
+
+    def _commit_and_prune(self, names: Any, shares: list[Any], problem: str | None) -> CheckpointInfo | str:
+        try:
+            if problem is not None:
+                raise CheckpointError(problem)
+            files = {name: digest for share in shares for name, digest in share.items()}
+            info = _commit(self.store, self.written, self.final, self.step, self.world_size, self.started,
+                           {n: files[n] for n in names})
+        except Exception as e:
+            self.store.remove(self.written)
+            return f"committing checkpoint {self.final} failed: {_one_line(e)}; earlier checkpoints are untouched"
+        try:
+            _prune(self.store, info, self.keep, self.started)
+        except Exception as e:
+            warnings.warn(f"pruning old checkpoints in {self.store.root} failed: {e}", stacklevel=2)
+        return info
 
 
 def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointInfo | None:
@@ -117,21 +189,34 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
     Collective when a process group is initialized. Corrupt or partial checkpoints are skipped
     with a warning; nothing is deleted.
     """
-    directory = Path(directory)
     distributed, rank, world_size = _dist_info()
-    found: tuple[CheckpointInfo, int] | str | None = None
+    found: list[tuple[Location, dict[str, Any]]] | str = []
     if rank == 0:
         try:
-            found = _newest_valid(directory)
-        except OSError as e:
-            found = f"cannot read checkpoint directory {directory}: {e}; check it is mounted and readable"
+            found = _committed(_open(directory))
+        except CheckpointError as e:
+            found = str(e)
+        except Exception as e:
+            found = f"cannot read checkpoint directory {directory}: {_one_line(e)}; check it is mounted and readable"
     found = _broadcast(found, distributed)
     if isinstance(found, str):
         raise CheckpointError(found)
-    if found is None:
-        return None
-    info, saved_world_size = found
+    store = _open(directory)
+    for location, manifest in found:
+        problem = _check_share(store, location, manifest["files"], rank, world_size)
+        problem = next((p for p in _all_gather(problem, distributed) if p is not None), None)
+        if problem is None:
+            _known_good.add((str(location), manifest["saved_at"]))
+            info = CheckpointInfo(manifest["step"], location, manifest["saved_at"], manifest.get("bytes", 0), 0.0)
+            _load(store, info, manifest["world_size"], objects)
+            return info
+        if rank == 0:
+            warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
+    return None
 
+
+def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Mapping[str, object]) -> None:
+    distributed, rank, world_size = _dist_info()
     state = _state_dicts(objects)
     rng_key = _RNG_KEY.format(rank)
     restore_rng = saved_world_size == world_size
@@ -141,11 +226,11 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
         warnings.warn(
             f"checkpoint {info.path} was saved with world size {saved_world_size}, now {world_size}: "
             "RNG states are not restored",
-            stacklevel=2,
+            stacklevel=3,
         )
     try:
-        with _quiet_no_dist():
-            dcp.load(state, checkpoint_id=info.path, no_dist=not distributed)
+        with quiet_no_dist():
+            dcp.load(state, storage_reader=store.reader(info.path), no_dist=not distributed)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointError(
             f"loading checkpoint {info.path} failed: {_one_line(e)}; pass the same objects it was saved with"
@@ -153,15 +238,15 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
     _apply(objects, state)
     if restore_rng:
         _set_rng_state(state[rng_key])
-    return info
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
     """Valid checkpoints in ``directory``, newest first. Reads and hashes every file; no collectives."""
+    store = _open(directory)
     infos = []
-    for path in _step_dirs(Path(directory)):
+    for location in store.step_dirs():
         try:
-            infos.append(_verify(path)[0])
+            infos.append(_verify(store, location)[0])
         except CheckpointError:
             continue
     return infos
@@ -171,18 +256,20 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a verified checkpoint as ``{flattened key: tensor}``, in this process only.
 
     For inspection and bit-for-bit comparisons; keys look like ``model.fc.weight`` or
-    ``optimizer.state.fc.weight.exp_avg``.
+    ``optimizer.state.fc.weight.exp_avg``. ``path`` is a checkpoint's directory or URL.
     """
-    path = Path(path)
-    _verify(path)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    location: Location = path if isinstance(path, str) and checkpoint_url_scheme(path) else Path(path)
+    parent = str(location).rstrip("/").rsplit("/", 1)[0] if isinstance(location, str) else location.parent
+    store = _open(parent)
+    _verify(store, location)
+    metadata = store.reader(location).read_metadata()
     tensors = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
-    with _quiet_no_dist():
-        dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    with quiet_no_dist():
+        dcp.load(tensors, storage_reader=store.reader(location), no_dist=True)
     return tensors
 
 
@@ -260,117 +347,125 @@ def _numpy_random_state() -> Any:
 
 # --- files ----------------------------------------------------------------------------------
 
+# --- files ----------------------------------------------------------------------------------
 
-def _commit(tmp: Path, final: Path, step: int, world_size: int, start: float, nonce: str) -> CheckpointInfo:
-    """Checksum the DCP files, write the manifest durably, then rename ``tmp`` to ``final``."""
-    names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-    if ".metadata" not in names:
-        raise CheckpointError(f"{tmp} has no DCP .metadata after saving")
-    files = dict(zip(names, _sha256_all([tmp / n for n in names])))
+
+def _commit(store: Store, written: Location, final: Location, step: int, world_size: int, started: float,
+            files: dict[str, str]) -> CheckpointInfo:
+    """Write the manifest (the commit: see ckptstore) of the DCP files in ``written`` with their checksums."""
+    if ".metadata" not in files:
+        raise CheckpointError(f"{written} has no DCP .metadata after saving")
+    size = sum(store.sizes(written, list(files)).values())
     saved_at = time.time()
-    manifest = {"format": FORMAT, "step": step, "saved_at": saved_at, "world_size": world_size, "files": files}
-    partial = tmp / (MANIFEST + ".partial")
-    with open(partial, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, tmp / MANIFEST)
-    _fsync_dir(tmp)
-    if final.exists():
-        aside = final.parent / f".tmp-{final.name}-{nonce}-old"
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    manifest = {"format": FORMAT, "step": step, "saved_at": saved_at, "world_size": world_size, "bytes": size,
+                "files": files}
+    store.commit(written, final, json.dumps(manifest, indent=1).encode())
     _known_good.add((str(final), saved_at))
-    size = sum((final / n).stat().st_size for n in names)
-    return CheckpointInfo(step, final, saved_at, size, time.time() - start)
+    return CheckpointInfo(step, final, saved_at, size, time.time() - started)
 
 
-def _prune(directory: Path, current: CheckpointInfo, keep: int, start: float) -> None:
+def _prune(store: Store, current: CheckpointInfo, keep: int, started: float) -> None:
     """Keep ``current`` and the newest ``keep - 1`` other valid checkpoints; delete older ones and stale temps."""
     kept = 1
-    for path in _step_dirs(directory):
-        if path == current.path:
+    for location in store.step_dirs():
+        if str(location) == str(current.path):
             continue
         try:
-            _verify(path, rehash=False)
+            _verify(store, location, rehash=False)
             valid = True
         except CheckpointError:
             valid = False
         if valid and kept < keep:
             kept += 1
-        elif valid or _step_of(path) < current.step:
-            shutil.rmtree(path, ignore_errors=True)
-    for tmp in directory.glob(".tmp-*"):
-        if tmp.stat().st_mtime < start:
-            shutil.rmtree(tmp, ignore_errors=True)
+        elif valid or step_of(location) < current.step:
+            store.remove(location)
+    store.remove_stale(started)
 
 
-def _newest_valid(directory: Path) -> tuple[CheckpointInfo, int] | None:
-    for path in _step_dirs(directory):
+def _committed(store: Store) -> list[tuple[Location, dict[str, Any]]]:
+    """Checkpoints whose manifest is there and readable, newest first (their files still unchecked)."""
+    found = []
+    for location in store.step_dirs():
         try:
-            return _verify(path)
+            found.append((location, _read_manifest(store, location)))
         except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint: {e}", stacklevel=3)
-    return None
+            warnings.warn(f"skipping checkpoint: {e}", stacklevel=4)
+    return found
 
 
-def _verify(path: Path, *, rehash: bool = True) -> tuple[CheckpointInfo, int]:
-    """Check manifest, presence and sha256 of every file; return the info and the saved world size.
-
-    ``rehash=False`` trusts checksums this process already computed for the same checkpoint.
-    """
+def _read_manifest(store: Store, location: Location) -> dict[str, Any]:
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        step, saved_at, world_size = int(manifest["step"]), float(manifest["saved_at"]), int(manifest["world_size"])
-        files: dict[str, str] = dict(manifest["files"])
+        manifest = json.loads(store.read_bytes(store.child(location, MANIFEST)))
+        fields = {"step": int(manifest["step"]), "saved_at": float(manifest["saved_at"]),
+                  "world_size": int(manifest["world_size"]), "files": dict(manifest["files"]),
+                  "bytes": int(manifest.get("bytes", 0))}
         if manifest["format"] != FORMAT:
             raise ValueError(f"unknown format {manifest['format']}")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: manifest missing or unreadable ({e}); it was not completely written") from e
-    if ".metadata" not in files or step != _step_of(path):
-        raise CheckpointError(f"{path}: manifest does not describe this DCP checkpoint; do not use it")
-    paths = [path / name for name in files]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise CheckpointError(f"{path}: files missing: {', '.join(missing)}; the checkpoint is incomplete")
-    if rehash or (str(path), saved_at) not in _known_good:
-        for name, digest in zip(files, _sha256_all(paths)):
-            if digest != files[name]:
-                raise CheckpointError(f"{path}: checksum mismatch in {name}; the checkpoint is corrupt")
-        _known_good.add((str(path), saved_at))
-    size = sum(p.stat().st_size for p in paths)
-    return CheckpointInfo(step, path, saved_at, size, 0.0), world_size
+        raise CheckpointError(f"{location}: manifest missing or unreadable ({e}); it was not completely written") from e
+    if ".metadata" not in fields["files"] or fields["step"] != step_of(location):
+        raise CheckpointError(f"{location}: manifest does not describe this DCP checkpoint; do not use it")
+    return fields
 
 
-def _step_dirs(directory: Path) -> list[Path]:
-    """``step_*`` directories, highest step first; ``.tmp-*`` leftovers are never listed."""
-    if not directory.is_dir():
-        return []
-    dirs = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
-    return sorted(dirs, key=_step_of, reverse=True)
+def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[CheckpointInfo, int]:
+    """Check manifest, presence and sha256 of every file in this process; the info and the saved world size.
+
+    ``rehash=False`` trusts checksums this process already computed for the same checkpoint.
+    """
+    manifest = _read_manifest(store, location)
+    known = (str(location), manifest["saved_at"]) in _known_good
+    problem = _check_share(store, location, manifest["files"], 0, 1, rehash=rehash or not known)
+    if problem is not None:
+        raise CheckpointError(problem)
+    _known_good.add((str(location), manifest["saved_at"]))
+    size = manifest["bytes"] or sum(store.sizes(location, list(manifest["files"])).values())
+    return CheckpointInfo(manifest["step"], location, manifest["saved_at"], size, 0.0), manifest["world_size"]
 
 
-def _step_of(path: Path) -> int:
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else -1
+def _check_share(store: Store, location: Location, files: dict[str, str], rank: int, world_size: int,
+                 *, rehash: bool = True) -> str | None:
+    """What is wrong with this rank's share of a checkpoint's files (every ``world_size``-th), or None."""
+    names = sorted(files)[rank::world_size]
+    try:
+        present = store.sizes(location, names)
+        missing = [n for n in names if n not in present]
+        if missing:
+            return f"{location}: files missing: {', '.join(missing)}; the checkpoint is incomplete"
+        digests = _sha256_all(store, [store.child(location, n) for n in names]) if rehash else []
+    except OSError as e:
+        return f"{location}: cannot read it ({_one_line(e)}); check the storage is reachable"
+    for name, digest in zip(names, digests):
+        if digest != files[name]:
+            return f"{location}: checksum mismatch in {name}; the checkpoint is corrupt"
+    return None
 
 
-def _sha256_all(paths: list[Path]) -> list[str]:
+def _hash_share(store: Store, location: Location, names: list[str], rank: int, world_size: int) -> dict[str, str]:
+    """sha256 of this rank's share of a new checkpoint's files: ranks hash in parallel, off rank 0's back."""
+    share = names[rank::world_size]
+    return dict(zip(share, _sha256_all(store, [store.child(location, n) for n in share])))
+
+
+def _sha256_all(store: Store, paths: list[Location]) -> list[str]:
     """Hash files in parallel threads (hashlib releases the GIL): checkpoints can be many GB."""
 
-    def digest(p: Path) -> str:
+    def digest(p: Location) -> str:
         h = hashlib.sha256()
-        with open(p, "rb") as f:
+        with store.open(p) as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
         return h.hexdigest()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(paths) or 1)) as pool:
         return list(pool.map(digest, paths))
+
+
+def _open(directory: str | Path) -> Store:
+    try:
+        return open_store(directory)
+    except StorageUnavailable as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -382,14 +477,6 @@ def _one_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- process group --------------------------------------------------------------------------
 
 
@@ -399,18 +486,27 @@ def _dist_info() -> tuple[bool, int, int]:
     return False, 0, 1
 
 
-def _broadcast(value: Any, distributed: bool) -> Any:
+def _broadcast(value: Any, distributed: bool, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (identity without a process group)."""
     if not distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
+def _all_gather(value: Any, distributed: bool, group: Any = None) -> list[Any]:
+    """Every rank's ``value``, in rank order (``[value]`` without a process group)."""
+    if not distributed:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
 @contextlib.contextmanager
-def _quiet_no_dist() -> Iterator[None]:
+def quiet_no_dist() -> Iterator[None]:
     """Silence DCP's 'assuming single process' warning, which is expected without a process group."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
         yield

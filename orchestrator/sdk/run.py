@@ -16,22 +16,24 @@ controller from a background thread in batches; a step never waits for the netwo
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint as ckpt
-from orchestrator.sdk import commtimer
+from orchestrator.sdk import commtimer, phases
+from orchestrator.sdk.asyncsave import AsyncSaver, PendingSave
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
-from orchestrator.spec import parse_duration
+from orchestrator.spec import checkpoint_url_scheme, parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often
 AUTO_FIRST_S = 300.0        # `auto`: first checkpoint after this long, before the save cost is known
@@ -51,8 +53,9 @@ class TelemetryReporter:
     EXIT_FLUSH_S = 30.0
 
     def __init__(self, client: ControllerClient, rank: int, attempt: int, flush_s: float = 1.0,
-                 max_buffer: int = 10000) -> None:
+                 max_buffer: int = 10000, clock: phases.PhaseClock | None = None) -> None:
         self.client, self.rank, self.attempt, self.flush_s = client, rank, attempt, flush_s
+        self.phases = clock or phases.PhaseClock()
         self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max_buffer)  # (sequence, record)
         self._sequence = 0
         self._events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=1000)
@@ -87,12 +90,24 @@ class TelemetryReporter:
             with self._lock:
                 pending = list(self._records)
             batch = [record for _, record in pending]
-            for record in batch:  # tensors were kept as they are: converting here keeps the step free
-                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}
+            for record in batch:  # tensors and device timings were kept as they are: reading them here keeps
+                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}   # the step free
+                if isinstance(record.get("compute_time"), commtimer.PendingCompute):
+                    record["compute_time"] = record["compute_time"].resolve()
+                    if record["compute_time"] is None:
+                        del record["compute_time"]
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
-            # rank blocked in a collective, which keeps heartbeating from this thread.
-            answer = self.client.post("/telemetry", {"rank": self.rank, "attempt": self.attempt, "records": batch,
-                                                     "heartbeat": time.time(), "step": self.step}, timeout=timeout)
+            # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
+            # it is in (a long save is not a hang) and how long the phases finished since took.
+            phase, since = self.phases.now()
+            finished = self.phases.take()
+            body = {"rank": self.rank, "attempt": self.attempt, "records": batch, "heartbeat": time.time(),
+                    "step": self.step if self.step >= 0 else None, "phase": phase, "phase_since": since, "phases": finished}
+            try:
+                answer = self.client.post("/telemetry", body, timeout=timeout)
+            except ControllerUnavailable:
+                self.phases.give_back(finished)
+                raise
             self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
             with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
                 while pending and self._records and self._records[0][0] <= pending[-1][0]:
@@ -127,13 +142,14 @@ class Run:
     """One process's view of the job: its rank, its checkpoints and its telemetry."""
 
     def __init__(self, *, checkpoint_dir: str | Path, checkpoint_interval: int | str, keep: int,
-                 total_steps: int | None) -> None:
+                 total_steps: int | None, async_save: bool = False) -> None:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.job_id = os.environ.get("TFSN_JOB_ID")
         self.attempt = int(os.environ.get("TFSN_ATTEMPT", 1))
-        self.checkpoint_dir = Path(checkpoint_dir)
+        url = isinstance(checkpoint_dir, str) and checkpoint_url_scheme(checkpoint_dir)
+        self.checkpoint_dir: str | Path = checkpoint_dir if url else Path(checkpoint_dir)
         self.keep = keep
         self.total_steps = total_steps
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
@@ -141,11 +157,16 @@ class Run:
         self.step = 0                       # the step being run (0-based)
         self._metrics: dict[str, Any] = {}
         self._last_save = time.monotonic()
-        self._save_cost: float | None = None   # seconds the last save took, for `auto`
+        self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
+        self._write_s: float | None = None     # seconds the last save took to be written and committed
+        self._saver = AsyncSaver() if async_save else None
+        self._phase_listeners: list[Callable[[str, bool], None]] = []
         self._comm_timer: commtimer.CommTimer | None = None
         self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
+        self._phases = phases.PhaseClock()
+        phases.activate(self._phases)
         client = ControllerClient.from_env()
-        self._telemetry = TelemetryReporter(client, self.rank, self.attempt) if client else None
+        self._telemetry = TelemetryReporter(client, self.rank, self.attempt, clock=self._phases) if client else None
         atexit.register(self.finish)
 
     @property
@@ -165,6 +186,8 @@ class Run:
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
+            if self._comm_timer is not None:
+                self._comm_timer.step_started()
             yield step
             self._record(step, time.perf_counter() - began)
 
@@ -182,47 +205,108 @@ class Run:
     def _record(self, step: int, seconds: float) -> None:
         metrics, self._metrics = self._metrics, {}
         # Time waiting for other ranks is not this rank's work: in DDP's all-reduce and in the vote.
-        wait = self._comm_timer.take_wait() if self._comm_timer is not None else None
-        if self._sync_wait:
-            wait, self._sync_wait = (wait or 0.0) + self._sync_wait, 0.0
+        # On CUDA the compute time is measured on the device and read later (see `commtimer`).
+        vote, self._sync_wait = self._sync_wait, 0.0
+        if self._comm_timer is not None:
+            compute = self._comm_timer.take_compute(seconds, vote)
+        else:
+            compute = max(0.0, seconds - vote) if vote else None
         if self._telemetry is not None:
             record = {"step": step, "at": time.time(), "step_time": seconds, "metrics": metrics}
-            if wait is not None:
-                record["compute_time"] = max(0.0, seconds - wait)
+            if compute is not None:
+                record["compute_time"] = compute
             self._telemetry.add(record)
 
     def watch(self, model: torch.nn.Module) -> None:
         """Measure this rank's wait in `model`'s gradient all-reduce, so that a slow rank can be told
         from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model;
-        call it yourself before the first backward pass if you do not restore."""
+        call it yourself before the first backward pass if you do not restore. A model on a GPU is timed
+        on the device with CUDA events (with NCCL the CPU cannot see the wait)."""
         if isinstance(model, DistributedDataParallel) and self._comm_timer is None and self.managed:
             self._comm_timer = commtimer.install(model)
 
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with run.phase("eval"):` tells the controller that this rank evaluates (or loads data, or
+        saves) rather than trains, so that a long evaluation is not taken for a hang; see `phases`."""
+        return self._phases.phase(name)
+
     # ---- checkpoints --------------------------------------------------------------------------
-    def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | None:
+    def checkpoint(self, force: bool = False, **objects: Any) -> ckpt.CheckpointInfo | PendingSave | None:
         """Save `objects` (model, optimizer, anything with state_dict) when a checkpoint is due.
 
         Call it every step, on every rank: it is a collective when it saves. Due: every
         `interval` steps, or when the time-based interval has passed (decided by all ranks together
-        every SYNC_EVERY steps), and always after the last step.
+        every SYNC_EVERY steps), and always after the last step. An asynchronous save returns a
+        PendingSave at once (see asyncsave); a synchronous one the CheckpointInfo once written.
+        The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
+        `checkpoint_wait_s` waited for the previous save to be written).
         """
         completed = self.step + 1
         if not (force or self._due(completed)):
             return None
         started = time.monotonic()
-        info = ckpt.save(self.checkpoint_dir, completed, objects, keep=self.keep)
+        with self._phase(phases.CHECKPOINT):
+            if self._saver is None:
+                result: ckpt.CheckpointInfo | PendingSave = ckpt.save(self.checkpoint_dir, completed, objects,
+                                                                      keep=self.keep)
+                self._saved(result)
+            else:
+                waited = time.monotonic()
+                self._saver.wait()   # the previous write's end is announced before this one's start
+                self._metrics["checkpoint_wait_s"] = time.monotonic() - waited
+                self._announce("checkpoint-write", True)
+                try:
+                    result = self._saver.save(self.checkpoint_dir, completed, objects, keep=self.keep,
+                                              done=self._saved)
+                except BaseException:
+                    self._announce("checkpoint-write", False)
+                    raise
         self._last_save = time.monotonic()
-        self.last_checkpoint = info
         self._save_cost = self._last_save - started
+        self._metrics["checkpoint_stall_s"] = self._save_cost
+        return result
+
+    def _saved(self, info: ckpt.CheckpointInfo | None) -> None:
+        """A save is committed (None: it failed); in the background thread for an asynchronous save."""
+        if self._saver is not None:
+            self._announce("checkpoint-write", False)
+        if info is None:
+            return
+        self.last_checkpoint, self._write_s = info, info.seconds
         if self._telemetry is not None and self.rank == 0:
-            self._telemetry.event("/checkpoint", {"step": completed, "path": str(info.path), "seconds": info.seconds})
-        return info
+            self._telemetry.event("/checkpoint", {"step": info.step, "path": str(info.path), "seconds": info.seconds})
+
+    def on_phase(self, listener: Callable[[str, bool], None]) -> None:
+        """Call `listener(name, started)` as phases start and end: "checkpoint" while the training thread
+        is in a save, "checkpoint-write" while a save is written in the background (called from that
+        thread). For hang detection, where a long save is not a hang, and for profilers."""
+        self._phase_listeners.append(listener)
+
+    def _announce(self, name: str, started: bool) -> None:
+        for listener in self._phase_listeners:
+            try:
+                listener(name, started)
+            except Exception as err:   # an observer must not break training
+                print(f"tfsn: phase listener failed (continuing): {err!r}", flush=True)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """The phase for the controller's hang detection (PhaseClock) and for this process's listeners."""
+        with self._phases.phase(name):
+            self._announce(name, True)
+            try:
+                yield
+            finally:
+                self._announce(name, False)
 
     def restore(self, **objects: Any) -> int:
         """Load the newest valid checkpoint into `objects`; returns the step to start from (0 if none)."""
         for value in objects.values():
             if isinstance(value, DistributedDataParallel):
                 self.watch(value)
+        if self._saver is not None:
+            with self._phases.phase(phases.CHECKPOINT):
+                self._saver.wait()
         info = ckpt.restore(self.checkpoint_dir, objects)
         if info is None:
             return 0
@@ -272,13 +356,21 @@ class Run:
             return AUTO_FIRST_S
         nodes = int(os.environ.get("TFSN_NUM_NODES", 1))
         mtbf_s = NODE_MTBF_H * 3600 / nodes
-        return min(max(math.sqrt(2 * self._save_cost * mtbf_s), AUTO_BOUNDS_S[0]), AUTO_BOUNDS_S[1])
+        # The cost is the stall; a background write must also end before the next save, or that one waits.
+        optimum = max(math.sqrt(2 * self._save_cost * mtbf_s), self._write_s or 0.0)
+        return min(max(optimum, AUTO_BOUNDS_S[0]), AUTO_BOUNDS_S[1])
 
     def finish(self) -> None:
-        """Flush telemetry (also called at exit)."""
-        if self._telemetry is not None:
-            self._telemetry.close()
-            self._telemetry = None
+        """Wait for the last checkpoint to be written, then flush telemetry (also called at exit)."""
+        saver, self._saver = self._saver, None
+        try:
+            if saver is not None:
+                with self._phases.phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
+                    saver.close()   # raises the CheckpointError of a failed last save
+        finally:
+            if self._telemetry is not None:
+                self._telemetry.close()
+                self._telemetry = None
 
 
 def _parse_interval(value: int | str) -> tuple[int | None, float | None]:
@@ -294,7 +386,7 @@ def _parse_interval(value: int | str) -> tuple[int | None, float | None]:
 
 
 def init(*, checkpoint_dir: str | Path = "checkpoints", checkpoint_interval: int | str = "auto", keep: int = 3,
-         steps: int | None = None) -> Run:
+         steps: int | None = None, async_save: bool = True) -> Run:
     """Start the SDK in this process; joins the torchrun process group when there is one.
 
     The job spec's settings (passed by the controller as TFSN_* variables) win over these
@@ -312,4 +404,5 @@ def init(*, checkpoint_dir: str | Path = "checkpoints", checkpoint_interval: int
     return Run(checkpoint_dir=env.get("TFSN_CHECKPOINT_DIR", checkpoint_dir),
                checkpoint_interval=env.get("TFSN_CHECKPOINT_INTERVAL", checkpoint_interval),
                keep=int(env.get("TFSN_CHECKPOINT_KEEP", keep)),
-               total_steps=int(total) if total else steps)
+               total_steps=int(total) if total else steps,
+               async_save=env.get("TFSN_CHECKPOINT_ASYNC", "1" if async_save else "0") == "1")

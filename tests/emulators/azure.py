@@ -2,7 +2,8 @@
 
 Served over https (azure-core sends bearer tokens over TLS only); `ca_path` is the CA a client
 must trust. Shapes follow the ARM REST reference (Microsoft.Network virtualNetworks and
-networkInterfaces, Microsoft.Compute virtualMachines and skus) and
+networkInterfaces, Microsoft.Compute virtualMachines and skus: get, put, delete, and list in a
+resource group) and
 https://learn.microsoft.com/rest/api/cost-management/retail-prices/azure-retail-prices.
 Long-running PUTs and DELETEs answer the way ARM does: 201/202 with an `Azure-AsyncOperation`
 URL whose status is InProgress for `pending_polls` polls, then Succeeded (or Failed, with the
@@ -55,7 +56,8 @@ class AzureEmulator(HttpEmulator):
         self._operations: dict[str, dict] = {}
         self._operation_faults: list[tuple[str, str]] = []
         self._ids = itertools.count(1)
-        for kind, name, handlers in (("Microsoft.Network", "virtualNetworks", (self._put_vnet, self._get_vnet, None)),
+        for kind, name, handlers in (("Microsoft.Network", "virtualNetworks",
+                                      (self._put_vnet, self._get_vnet, self._delete_vnet)),
                                      ("Microsoft.Network", "networkInterfaces",
                                       (self._put_nic, self._get_nic, self._delete_nic)),
                                      ("Microsoft.Compute", "virtualMachines",
@@ -64,6 +66,8 @@ class AzureEmulator(HttpEmulator):
             for method, handler in zip(("PUT", "GET", "DELETE"), handlers):
                 if handler is not None:
                     self.route(method, path, self._in_group(handler))
+            self.route("GET", RG + f"/{kind}/{name}", self._in_group(
+                lambda req, name=name: Response(200, {"value": list(self._collection(name).values())})))
         self.route("GET", SUB + r"/providers/(?P<ns>[^/]+)/locations/(?P<loc>[^/]+)/operations/(?P<op>[^/]+)",
                    self._get_operation)
         self.route("GET", SUB + r"/providers/Microsoft.Compute/skus", self._skus)
@@ -80,6 +84,9 @@ class AzureEmulator(HttpEmulator):
         self._remove_vm(name)
 
     # -- plumbing ------------------------------------------------------------------------------
+
+    def _collection(self, name: str) -> dict[str, dict]:
+        return {"virtualNetworks": self.vnets, "networkInterfaces": self.nics, "virtualMachines": self.vms}[name]
 
     def _in_group(self, handler):
         def checked(req: Request) -> Response:
@@ -151,6 +158,20 @@ class AzureEmulator(HttpEmulator):
         if vnet is None:
             return Response(404, arm_error("ResourceNotFound", f"The Resource '{req.path}' was not found."))
         return Response(200, vnet)
+
+    def _delete_vnet(self, req: Request) -> Response:
+        name = req.match["name"]
+        if name not in self.vnets:
+            return Response(204)
+        subnets = {s["id"].lower() for s in self.vnets[name]["properties"]["subnets"]}
+        users = [nic for nic, body in self.nics.items() if subnets & {
+            c.get("properties", {}).get("subnet", {}).get("id", "").lower()
+            for c in body.get("properties", {}).get("ipConfigurations", [])}]
+        if users:
+            return Response(400, arm_error("InUseSubnetCannotBeDeleted", f"Subnet nodes is in use by "
+                                           f"networkInterfaces/{users[0]} and cannot be deleted."))
+        return self._lro(req, 202, None, self.vnets[name].get("location", ""), "Microsoft.Network",
+                         on_success=lambda: self.vnets.pop(name, None))
 
     def _put_nic(self, req: Request) -> Response:
         body = req.body or {}

@@ -1,8 +1,11 @@
 """An emulator of the Compute Engine v1 REST API: the calls tfsn's GCP driver makes.
 
 Shapes follow https://cloud.google.com/compute/docs/reference/rest/v1 (instances, zoneOperations,
-regions, machineTypes.aggregatedList, acceleratorTypes.aggregatedList). Instances are kept by
-(project, zone, name); inserts and deletes return zonal Operations that finish at once or after
+regions, machineTypes.aggregatedList, acceleratorTypes.aggregatedList, instances and disks:
+aggregatedList with a `labels.KEY:*` filter, disks.delete). Instances are kept by (project, zone,
+name), and so are disks: an instance's boot disk is made with it (named after it, labelled with its
+initializeParams' labels) and deleted with it when autoDelete says so. Inserts and deletes return
+zonal Operations that finish at once or after
 `pending_polls` polls. A test injects a request error with `fail_next(...)` (a `gcp_error` body)
 or makes the next operation fail with `fail_next_operation(...)` (as a stockout does: the insert
 is accepted, its operation ends DONE with an error).
@@ -73,6 +76,7 @@ class GcpEmulator(HttpEmulator):
     def __init__(self, *, page_size: int = 2) -> None:
         super().__init__()
         self.instances: dict[tuple[str, str, str], dict] = {}
+        self.disks: dict[tuple[str, str, str], dict] = {}
         self.operations: dict[str, _Operation] = {}
         self.pending_polls = 0            # polls an operation stays RUNNING before it is DONE
         self.page_size = page_size        # zones per page of an aggregated list
@@ -83,6 +87,9 @@ class GcpEmulator(HttpEmulator):
         self.route("GET", z + r"/instances/(?P<name>[^/]+)", self._get)
         self.route("DELETE", z + r"/instances/(?P<name>[^/]+)", self._delete)
         self.route("GET", z + r"/operations/(?P<operation>[^/]+)", self._get_operation)
+        self.route("DELETE", z + r"/disks/(?P<name>[^/]+)", self._delete_disk)
+        self.route("GET", PREFIX + r"/aggregated/instances", lambda req: self._listed(req, "instance", self.instances))
+        self.route("GET", PREFIX + r"/aggregated/disks", lambda req: self._listed(req, "disk", self.disks))
         self.route("GET", PREFIX + r"/regions/(?P<region>[^/]+)", self._get_region)
         self.route("GET", PREFIX + r"/aggregated/machineTypes", self._machine_types)
         self.route("GET", PREFIX + r"/aggregated/acceleratorTypes", self._accelerator_types)
@@ -99,7 +106,13 @@ class GcpEmulator(HttpEmulator):
 
     def preempt(self, project: str, zone: str, name: str) -> None:
         """What a spot VM with instanceTerminationAction DELETE goes through: it is gone."""
-        del self.instances[(project, zone, name)]
+        self._remove_instance((project, zone, name))
+
+    def add_disk(self, project: str, zone: str, name: str, labels: dict[str, str]) -> None:
+        """A disk no instance uses (left by an instance deleted without it)."""
+        self.disks[(project, zone, name)] = {"kind": "compute#disk", "id": str(next(self._ids)), "name": name,
+                                             "zone": f"{API}/projects/{project}/zones/{zone}", "labels": labels,
+                                             "status": "READY", "sizeGb": "200"}
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -149,6 +162,12 @@ class GcpEmulator(HttpEmulator):
                     "creationTimestamp": "2026-01-01T00:00:00.000-07:00",
                     "selfLink": f"{API}/projects/{project}/zones/{zone}/instances/{name}"}
         self.instances[key] = instance
+        for disk in body.get("disks") or []:
+            params = disk.get("initializeParams") or {}
+            disk_key = (project, zone, params.get("diskName") or name)
+            self.add_disk(*disk_key, labels=params.get("labels", {}))
+            self.disks[disk_key]["users"] = [instance["selfLink"]]
+            disk["source"] = f"{API}/projects/{project}/zones/{zone}/disks/{disk_key[2]}"
         return self._operation(project, zone, "insert", name,
                                on_done=lambda: instance.update(status="RUNNING") if instance["status"] ==
                                "PROVISIONING" else None)
@@ -185,7 +204,37 @@ class GcpEmulator(HttpEmulator):
         if key not in self.instances:
             return _not_found(*key)
         self.instances[key]["status"] = "STOPPING"
-        return self._operation(key[0], key[1], "delete", key[2], on_done=lambda: self.instances.pop(key, None))
+        return self._operation(key[0], key[1], "delete", key[2], on_done=lambda: self._remove_instance(key))
+
+    def _remove_instance(self, key: tuple[str, str, str]) -> None:
+        """The instance is gone; its disks with autoDelete go with it, the others are left unused."""
+        instance = self.instances.pop(key, None)
+        for disk in (instance or {}).get("disks") or []:
+            disk_key = (key[0], key[1], disk["source"].rsplit("/", 1)[-1])
+            if disk.get("autoDelete"):
+                self.disks.pop(disk_key, None)
+            elif disk_key in self.disks:
+                self.disks[disk_key]["users"] = []
+
+    def _delete_disk(self, req: Request) -> Response:
+        key = (req.match["project"], req.match["zone"], req.match["name"])
+        if key not in self.disks:
+            return _not_found(*key, kind="disks")
+        if self.disks[key].get("users"):
+            message = f"The disk resource '{req.path}' is already being used by '{self.disks[key]['users'][0]}'"
+            return Response(400, gcp_error(400, message, "resourceInUseByAnotherResource", "FAILED_PRECONDITION"))
+        return self._operation(key[0], key[1], "delete", key[2], on_done=lambda: self.disks.pop(key, None))
+
+    def _listed(self, req: Request, kind: str, items: dict[tuple[str, str, str], dict]) -> Response:
+        """An aggregated list of instances or disks, all in one page, filtered by `labels.KEY:*` (has the label)."""
+        wanted = re.fullmatch(r"labels\.([-_a-z0-9]+):\*", req.query.get("filter", ""))
+        assert wanted or not req.query.get("filter"), f"the emulator has no filter {req.query['filter']!r}"
+        zones: dict[str, list[dict]] = {}
+        for (project, zone, _), item in sorted(items.items()):
+            if project == req.match["project"] and (not wanted or wanted[1] in (item.get("labels") or {})):
+                zones.setdefault(f"zones/{zone}", []).append(item)
+        return Response(200, {"kind": f"compute#{kind}AggregatedList", "items": {
+            scope: {f"{kind}s": found} for scope, found in zones.items()}})
 
     def _get_operation(self, req: Request) -> Response:
         op = self.operations.get(req.match["operation"])
@@ -259,6 +308,6 @@ class GcpEmulator(HttpEmulator):
 _STATUS_TEXT = {400: "BAD REQUEST", 403: "FORBIDDEN", 404: "NOT FOUND", 503: "SERVICE UNAVAILABLE"}
 
 
-def _not_found(project: str, zone: str, name: str) -> Response:
-    message = f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found"
+def _not_found(project: str, zone: str, name: str, kind: str = "instances") -> Response:
+    message = f"The resource 'projects/{project}/zones/{zone}/{kind}/{name}' was not found"
     return Response(404, gcp_error(404, message, "notFound", "NOT_FOUND"))

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# The device check of issue 14, for the day a GPU is lent: one script, under 8 minutes, ending with one
+# JSON line. Run from the repository root.
+#
+#   benchmarks/gpu_check.sh                  on the GPU machine
+#   benchmarks/gpu_check.sh --cpu            here, to test the script: every part on this CPU, small sizes
+#   benchmarks/gpu_check.sh --fetch-wheels   here, with network: wheels of what the GPU machine lacks -> .whl/
+#
+# 1. What it needs: torch as a CUDA build (the machine's own; never installed by this script: a pip
+#    install of torch would fetch another build), numpy, pyyaml, pytest. A missing one is installed from
+#    wheels in .whl/ (the lent machine reaches no network: fetch them here with --fetch-wheels and carry
+#    .whl), else from the package index.
+# 2. The optimizer's tests that apply on a GPU: cost model, hardware specs, GPU cost model; the generated
+#    kernels' correctness suite on the GPU (tests/test_*triton*.py) once optimizer/codegen/triton.py
+#    exists, else "triton renderer not available".
+# 3. The suite's training steps with eager, Inductor and tfsn side by side
+#    (benchmarks/optimizer_vs_peers.py --device cuda).
+# 4. The cost model's predicted times against measured ones for library kernels and eager ops
+#    (benchmarks/gpu_costmodel_check.py: GEMMs in fp32/tf32/bf16, softmax, LayerNorm, SDPA, conv;
+#    Spearman per class, top-1 regret).
+# Each part runs under its own time limit (tests 60 s, Triton tests 60 s, each model's steps 60 s, the cost
+# model 120 s: 8 minutes at most); a part that fails or runs out is reported in the JSON line and the
+# others still run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+MODE=gpu
+case "${1:-}" in
+  --cpu) MODE=cpu ;;
+  --fetch-wheels) MODE=fetch ;;
+  "") ;;
+  *) echo "usage: benchmarks/gpu_check.sh [--cpu | --fetch-wheels]" >&2; exit 2 ;;
+esac
+PACKAGES="numpy pyyaml pytest"               # what tfsn's optimizer and its tests need beyond torch
+MODULES="numpy yaml pytest"
+
+if [ "$MODE" = fetch ]; then                 # the GPU machine's Python: 3.12, x86-64 manylinux
+  mkdir -p .whl
+  if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then   # .whl travels untracked, never committed
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+  fi
+  exec "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .whl $PACKAGES iniconfig pluggy packaging
+fi
+
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+note() { echo "gpu_check: $*" >&2; }
+
+# 1. what it needs
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo '{"error": "no torch in '"$PY"': the GPU machine brings its own CUDA build; set PYTHON to it"}'; exit 1
+fi
+DEVICE=cpu
+if [ "$MODE" = gpu ]; then
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo '{"error": "torch sees no CUDA device; run with --cpu to test the script on a CPU"}'; exit 1
+  fi
+  DEVICE=cuda
+fi
+missing=$("$PY" - $MODULES <<'EOF'
+import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+  note "installing what is missing: $missing"
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" .whl/*.whl || exit 1
+    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    "$PY" -m pip install -q --target "$WORK/site" $PACKAGES || { echo '{"error": "cannot install '"$missing"'"}'; exit 1; }
+    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TFSN_CACHE="$WORK/cache"
+export TORCHINDUCTOR_CACHE_DIR="$WORK/inductor"
+
+# 2. the tests that apply
+note "tests"
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/tests.xml" \
+  tests/test_costmodel.py tests/test_hardware.py tests/test_gpu_costmodel.py > "$WORK/tests.log" 2>&1
+TRITON="triton renderer not available"
+if [ -f optimizer/codegen/triton.py ] && ls tests/test_*triton*.py >/dev/null 2>&1; then
+  TRITON=tests
+  TFSN_DEVICE=$DEVICE timeout 60 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/triton.xml" \
+    tests/test_*triton*.py > "$WORK/triton.log" 2>&1
+fi
+
+# 3. training steps, eager vs Inductor vs tfsn: one model at a time, so that one slow compile costs its row only
+note "training steps"
+if [ "$MODE" = gpu ]; then
+  MODELS="mlp gpt2_block cnn lm_head_ce"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=60
+else
+  MODELS="mlp"; STEPS="--size small --rounds 2 --steps 3"; LIMIT=300
+fi
+for model in $MODELS; do
+  timeout $LIMIT "$PY" benchmarks/optimizer_vs_peers.py --device $DEVICE $STEPS --only $model --json \
+    > "$WORK/steps-$model.log" 2>&1
+  echo $? > "$WORK/steps-$model.rc"
+done
+
+# 4. the cost model against measured kernels
+note "cost model vs measured"
+timeout 120 "$PY" benchmarks/gpu_costmodel_check.py --device $DEVICE --quick --json > "$WORK/costmodel.log" 2>&1
+
+"$PY" - "$WORK" "$DEVICE" "$TRITON" "$LIMIT" $MODELS <<'EOF'
+import json, math, statistics, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+work, device, triton, limit, models = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+
+def tests(name):
+    try:
+        suite = ET.parse(work / f"{name}.xml").getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                  if c.find("failure") is not None or c.find("error") is not None]
+        return {**counts, "failed": failed}
+    except (OSError, ET.ParseError, AttributeError):
+        return {"error": tail(name)}
+
+def last_json(name):
+    try:
+        lines = (work / f"{name}.log").read_text().splitlines()
+    except OSError:
+        return {"error": "no output"}
+    for line in reversed(lines):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": tail(name)}
+
+def tail(name):
+    try:
+        text = (work / f"{name}.log").read_text().strip().splitlines()
+    except OSError:
+        return "no output (timed out or not run)"
+    return " | ".join(text[-3:])[-500:] or "no output (timed out?)"
+
+def steps():
+    rows, errors = {}, {}
+    for model in models:
+        found = last_json(f"steps-{model}")
+        if "results" in found:
+            r = found["results"][0]
+            rows[model] = {"ms": r["ms"], "vs_eager": round(r["vs_eager"], 3), "vs_inductor": round(r["vs_inductor"], 3)}
+        else:
+            rc = (work / f"steps-{model}.rc").read_text().strip()
+            errors[model] = f"timed out after {limit} s" if rc in ("124", "137") else found.get("error")
+    geo = {k: round(math.exp(statistics.mean(math.log(r[k]) for r in rows.values())), 3)
+           for k in ("vs_eager", "vs_inductor")} if rows else {}
+    return {"models": rows, "geomean": geo, **({"errors": errors} if errors else {})}
+
+import torch
+costmodel = last_json("costmodel")
+result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
+          "tests": tests("tests"), "triton": tests("triton") if triton == "tests" else triton, "steps": steps(),
+          "costmodel": {k: costmodel.get(k) for k in ("spec", "spearman", "classes", "top1_regret", "max_top1_regret",
+                                                     "generated_kernels", "error") if k in costmodel}}
+print(json.dumps(result))
+EOF

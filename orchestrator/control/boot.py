@@ -1,0 +1,69 @@
+"""What a cloud VM needs from the controller to boot (providers/bootstrap.py runs it): tfsn's wheel and the
+job's code archive, recorded on the job so that every node of it, replacements too, gets the same files,
+and only the job's own nodes may fetch them (api.py's artifacts route, with the node's agent token).
+
+A node of a provider that runs the boot script gets its own workdir (NODE_WORKDIR, under the node's root
+folder) holding the archive's files; a local node runs in the user's workdir itself, which it shares.
+A boot that failed is reported by the script (api.py's boot-failure route); BOOT_FAILURES_PER_OFFER such
+failures on one offer (instance type in a zone) block it for the job, and the next offer is tried.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+from orchestrator.control.context import ControlContext
+from orchestrator.control.store import Job
+from orchestrator.spec import JobSpec
+from providers.base import BootFiles
+from providers.bootstrap import INSTALL_SPEC_ENV
+from providers.registry import DRIVERS
+
+NODE_WORKDIR = "workdir"        # relative: under the node's root folder (BootFiles.root)
+BOOT_FAILURES_PER_OFFER = 2     # boot failures on one offer before the job stops asking for it
+
+
+def runs_boot_script(provider: str) -> bool:
+    """Whether the provider's nodes boot with bootstrap.startup_script (cloud VMs), without loading it."""
+    if provider not in DRIVERS:
+        return False
+    module, cls = DRIVERS[provider]
+    return bool(getattr(getattr(importlib.import_module(module), cls), "runs_boot_script", False))
+
+
+def boot_files(ctx: ControlContext, job: Job, spec: JobSpec) -> BootFiles:
+    """The wheel and code archive of `job`'s VMs: the code packed on the first VM (once per launch) and kept
+    for the job; the wheel of this controller's tfsn, unless TFSN_INSTALL_SPEC names what nodes install.
+    CodeSyncError or ArtifactError when either cannot be made (the message says how to fix it)."""
+    recorded = dict(ctx.store.job(job.id).artifacts)
+    packed = "code" not in recorded
+    if packed:
+        recorded["code"] = ctx.artifacts.add_code(Path(spec.workdir))
+    wheel = None if os.environ.get(INSTALL_SPEC_ENV) else ctx.artifacts.wheel()
+    if wheel is not None:
+        recorded["wheel"] = wheel.sha256
+    if recorded != job.artifacts:
+        ctx.store.update_job(job.id, artifacts=recorded)
+    if packed:
+        size = ctx.artifacts.path(recorded["code"]).stat().st_size
+        ctx.event(job.id, "code", f"packed {spec.workdir} for the nodes: {size / 2**20:.1f} MiB, sha256 "
+                                  f"{recorded['code'][:12]}")
+        ctx.artifacts.prune({j.artifacts.get("code", "") for j in ctx.store.jobs(active_only=True)})
+    return BootFiles(wheel=wheel.name if wheel else "", wheel_sha256=wheel.sha256 if wheel else "",
+                     code_sha256=recorded["code"])
+
+
+def boot_failure_summary(body: dict) -> str:
+    """One line for a boot failure report: its stage, its exit code, and the last line that says why."""
+    lines = [line for line in str(body.get("tail", "")).splitlines()
+             if line.strip() and not line.startswith("[tfsn] boot failed")]
+    cause = lines[-1].strip() if lines else "no output"
+    return f"boot failed in stage {body.get('stage') or '?'} (exit code {body.get('returncode')}): {cause}"[:500]
+
+
+def failed_boots_on(ctx: ControlContext, job: Job, offer: dict) -> int:
+    """How many of the job's nodes on `offer` (the same instance type in the same zone) failed to boot."""
+    key = {k: offer.get(k) for k in ("provider", "region", "zone", "instance_type")}
+    return sum(1 for n in ctx.store.nodes(job.id) if n.boot_failure and n.heartbeat_at is None and n.offer
+               and {k: n.offer.get(k) for k in key} == key)

@@ -1,0 +1,97 @@
+"""The phase each training process is in: training steps, or a checkpoint save, an evaluation, data loading.
+
+Why: a save or an evaluation may run for minutes while no step finishes. The controller's hang
+detection must know that the job is in such a phase, and how long that phase took before, to tell a
+long save from a hang (as NVIDIA's NVRx does with its sections). The SDK sends the phase a rank is in,
+and since when, with every heartbeat, and the longest duration of each phase finished since the last
+post; the controller learns each phase's timeout from those (health/hang.py).
+
+    with run.phase("eval"):
+        evaluate(model)
+
+Entering and leaving a phase costs two clock reads and a lock: cheap enough for every step's data
+loading. tfsn's own checkpoint save announces "checkpoint" itself. Code that has no `Run` at hand (the
+checkpoint module's background save, say) calls `phases.phase("checkpoint")`: the phase of the Run of
+this process, or nothing when there is none.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+TRAIN = "train"                           # no phase announced: training steps
+CHECKPOINT, EVAL, DATA = "checkpoint", "eval", "data"
+NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+MAX_PHASES = 16                           # distinct phase names one process may announce
+
+
+class PhaseClock:
+    """The phases a process is in (nested: an eval that loads data is in `data` within `eval`), and
+    the longest duration of each phase finished since the last `take()`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stack: list[tuple[str, float]] = []       # (name, wall time entered)
+        self._finished: dict[str, float] = {}
+        self._names: set[str] = set()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Announce `name` for the duration of the block."""
+        if not isinstance(name, str) or not NAME.match(name) or name == TRAIN:
+            raise ValueError(f"run.phase({name!r}): a phase is a short lower-case name such as "
+                             f"'{CHECKPOINT}', '{EVAL}' or '{DATA}' (letters, digits, '-' and '_', at most 32)")
+        with self._lock:
+            if name not in self._names and len(self._names) >= MAX_PHASES:
+                raise ValueError(f"run.phase({name!r}): at most {MAX_PHASES} distinct phases per process, "
+                                 f"already {sorted(self._names)}")
+            self._names.add(name)
+            entered = (name, time.time())
+            self._stack.append(entered)
+        try:
+            yield
+        finally:
+            took = time.time() - entered[1]
+            with self._lock:
+                self._stack.remove(entered)
+                self._finished[name] = max(took, self._finished.get(name, 0.0))
+
+    def now(self) -> tuple[str, float | None]:
+        """The innermost phase and when it began (`train`, None outside every phase)."""
+        with self._lock:
+            return self._stack[-1] if self._stack else (TRAIN, None)
+
+    def take(self) -> dict[str, float]:
+        """The longest duration of each phase finished since the last call."""
+        with self._lock:
+            finished, self._finished = self._finished, {}
+        return finished
+
+    def give_back(self, finished: dict[str, float]) -> None:
+        """Durations `take()` returned that could not be sent: kept for the next post."""
+        with self._lock:
+            for name, seconds in finished.items():
+                self._finished[name] = max(seconds, self._finished.get(name, 0.0))
+
+
+_active: PhaseClock | None = None
+
+
+def activate(clock: PhaseClock | None) -> None:
+    """Make `clock` the one `phase()` announces in (the Run of this process does this)."""
+    global _active
+    _active = clock
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Announce `name` in this process's Run, if there is one; else do nothing."""
+    clock = _active
+    if clock is None:
+        yield
+        return
+    with clock.phase(name):
+        yield

@@ -1,0 +1,187 @@
+"""The GPU cost model: fp32 products at the fp32 rate unless the captured model allowed TF32, externs
+priced by their roofline, and programs over a chip's register or shared-memory limits rejected."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from optimizer import costmodel, externs, ir, search, space
+from optimizer.backend import decompositions
+from optimizer.costmodel import Candidates, FeatureTable, KernelFeatures, gpu_occupancy, predict_gpu
+from optimizer.hardware import find_hardware
+
+H100, A100, T4 = find_hardware("H100"), find_hardware("A100-80GB"), find_hardware("T4")
+
+
+@contextlib.contextmanager
+def matmul_precision(value: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def capture(fn, *shapes, dtype=torch.float32) -> ir.Graph:
+    """`fn` on fake tensors of `shapes` as the backend lowers it (no arithmetic is done here)."""
+    inputs = [torch.empty(s, dtype=dtype) for s in shapes]
+    return ir.from_fx(make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(*inputs))
+
+
+def predicted(graph: ir.Graph, spec=H100) -> search.SearchResult:
+    return search.search_graph(graph, spec, timing=False)
+
+
+def extern(graph: ir.Graph, op: str, spec=H100) -> externs.ExternCost:
+    (node,) = [n for n in graph.nodes if n.op == op]
+    return externs.extern_cost(graph, node, spec)
+
+
+# ---- TF32 only where the model allows it
+
+def test_an_fp32_gemm_runs_at_the_fp32_rate_unless_the_model_allowed_tf32():
+    n = 4096
+    flops = 2.0 * n ** 3
+    strict = capture(lambda a, b: a @ b, (n, n), (n, n))
+    with matmul_precision("high"):                  # torch.set_float32_matmul_precision('high'): TF32
+        loose = capture(lambda a, b: a @ b, (n, n), (n, n))
+    assert (strict.allow_tf32, loose.allow_tf32) == (False, True)
+    fp32, tf32 = predicted(strict).predicted_s, predicted(loose).predicted_s
+    # the fp32 time is the fp32 roof (67 TFLOP/s on the SIMT cores), not the tensor cores' 494.7
+    assert flops / H100.peak_flops("fp32") <= fp32 <= 1.15 * flops / H100.peak_flops("fp32")
+    # TF32 lifts the compute roof 7.4x; the product then meets the L2 roof of its tiles: 4x to 7.4x faster
+    assert tf32 >= flops / H100.peak_flops("tf32")
+    assert 4.0 <= fp32 / tf32 <= H100.peak_flops("tf32") / H100.peak_flops("fp32")
+
+
+def test_allow_tf32_set_directly_is_recorded_and_changes_the_cache_key():
+    from optimizer.backend import graph_signature
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        loose = capture(lambda a, b: a @ b, (64, 64), (64, 64))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    strict = capture(lambda a, b: a @ b, (64, 64), (64, 64))
+    assert loose.allow_tf32 and not strict.allow_tf32
+    assert graph_signature(loose) != graph_signature(strict)      # a cached plan of one is not the other's
+
+
+def test_half_precision_gemms_run_on_tensor_cores_and_scale_with_their_flops():
+    small, large = (capture(lambda a, b: a @ b, (n, n), (n, n), dtype=torch.bfloat16) for n in (4096, 8192))
+    t_small, t_large = (extern(g, "aten.mm.default") for g in (small, large))
+    assert t_small.kind == "gemm" and t_small.precision == "bf16"
+    # compute-bound at cuBLAS's fraction of the bf16 peak (not the fp32 or TF32 one)
+    assert t_large.seconds == pytest.approx(2.0 * 8192 ** 3 / (H100.peak_flops("bf16") * externs.GPU["gemm"].compute),
+                                            rel=0.02)
+    assert 7.0 < t_large.seconds / t_small.seconds <= 8.0
+    fp16 = extern(capture(lambda a, b: a @ b, (8192, 8192), (8192, 8192), dtype=torch.float16), "aten.mm.default")
+    assert fp16.precision == "fp16" and fp16.seconds == pytest.approx(t_large.seconds, rel=0.01)
+    on_t4 = extern(large, "aten.mm.default", T4)           # a T4 has no bf16 tensor cores: the fp32 rate
+    assert on_t4.seconds > 5 * extern(large, "aten.mm.default", A100).seconds
+
+
+# ---- externs priced
+
+def test_attention_is_priced_by_its_flops_and_scales_with_the_sequence():
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    op = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    costs = [extern(capture(attention, *[(8, 12, t, 64)] * 3, dtype=torch.bfloat16), op) for t in (1024, 2048)]
+    assert costs[0].kind == "attention" and costs[0].precision == "bf16"
+    # Q K^T and P V, half of them under the causal mask: 2 x B H T^2 x (64 + 64)
+    assert costs[0].flops == 2.0 * 8 * 12 * 1024 ** 2 * 128 / 2
+    assert costs[0].seconds > 0 and 3.5 < costs[1].seconds / costs[0].seconds <= 4.0
+    full = extern(capture(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), *[(8, 12, 2048, 64)] * 3,
+                          dtype=torch.bfloat16), op)
+    assert full.seconds == pytest.approx(2 * costs[1].seconds, rel=0.05)
+
+
+def test_a_training_step_with_attention_and_a_convolution_prices_their_forward_and_backward():
+    def step(x, w, q):
+        y = F.conv2d(x, w, padding=1).relu().sum()
+        z = F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+        return torch.autograd.grad(y + z, (w, q))
+    def graph_for(batch):
+        x, w = torch.randn(batch, 64, 56, 56), torch.randn(128, 64, 3, 3, requires_grad=True)
+        q = torch.randn(batch, 4, 256, 64, requires_grad=True)
+        return ir.from_fx(make_fx(step, decomposition_table=decompositions(), tracing_mode="fake")(x, w, q))
+    small, large = graph_for(4), graph_for(16)
+    for op in ("aten.convolution.default", "aten.convolution_backward.default",
+               "aten._scaled_dot_product_flash_attention_for_cpu.default",
+               "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"):
+        a, b = extern(small, op), extern(large, op)
+        assert a.seconds > 0 and a.flops > 0, op
+        assert 2.5 < b.seconds / a.seconds <= 4.5, op          # 4x the batch: ~4x the time, less fixed costs
+    conv, conv_back = extern(small, "aten.convolution.default"), extern(small, "aten.convolution_backward.default")
+    assert conv.flops == 2.0 * 4 * 128 * 56 * 56 * 64 * 9 and conv.precision == "tf32"   # cuDNN's default TF32
+    assert conv_back.flops == conv.flops and conv_back.seconds > conv.seconds / 2   # the weight's gradient alone
+    result = predicted(small)
+    kernels = sum(k.predicted_s for k in result.kernels)
+    assert sum(result.externs.values()) > 0 and result.predicted_s == pytest.approx(
+        kernels + sum(result.externs.values()))
+
+
+def test_views_and_tuple_items_are_free_and_memory_ops_cost_their_bytes():
+    graph = capture(lambda a, b: torch.cat([a.split(64, dim=1)[0], b], dim=0).bfloat16(), (256, 128), (256, 64))
+    costs = {n.op: externs.extern_cost(graph, n, H100) for n in graph.nodes if n.kind == ir.Kind.EXTERN}
+    assert costs["aten.split_with_sizes.default"].seconds == 0.0 and costs["getitem"].seconds == 0.0
+    cat, cast = costs["aten.cat.default"], costs["aten._to_copy.default"]
+    assert cat.kind == "memory" and cat.bytes == 2 * 512 * 64 * 4      # read once, written once
+    assert cast.bytes == 512 * 64 * (4 + 2)                             # fp32 in, bf16 out
+    assert cat.seconds >= H100.launch_overhead_us * 1e-6
+
+
+# ---- registers and shared memory from the spec
+
+def test_occupancy_is_the_least_of_the_specs_limits():
+    def resident(spec, threads, registers, shared_kib):
+        return gpu_occupancy(spec, np.array([float(threads)]), np.array([float(registers)]),
+                             np.array([shared_kib * 1024.0]))[0]
+    # figures of the CUDA Occupancy Calculator for compute capability 9.0 (64K registers, 228 KB, 2048 threads)
+    assert resident(H100, 256, 64, 0) == 4              # register file: 65536 / (64 x 256)
+    assert resident(H100, 256, 32, 0) == 8              # threads: 2048 / 256
+    assert resident(H100, 128, 32, 100) == 2            # shared memory: 228 KB / 100 KB
+    assert resident(H100, 32, 16, 0) == 32              # blocks per SM
+    assert resident(H100, 128, 61, 0) == resident(H100, 128, 64, 0)    # allocated 8 registers at a time
+    assert resident(T4, 256, 32, 0) == 4                # compute capability 7.5: 1024 threads per SM
+    assert resident(H100, 128, 255, 0) == 2 and resident(H100, 128, 256, 0) == 0    # > 255 registers a thread
+    assert resident(H100, 128, 32, 227) == 1 and resident(H100, 128, 32, 228) == 0  # > 227 KB a block
+    assert resident(A100, 128, 32, 164) == 0            # A100: 163 KB a block
+
+
+def gemm_rows(tiles, precision=0, m=4096):
+    kernel = KernelFeatures(kind=costmodel.GEMM, elements=m * m, rows=m, inner=m, ops=0, m=m, n=m, k=m,
+                            precision=precision)
+    col = lambda i: np.array([float(t[i]) for t in tiles])      # noqa: E731
+    cands = Candidates.of(0, [space.DEFAULT] * len(tiles))
+    cands.block_rows, cands.nr, cands.kc, cands.mr = col(0), col(1), col(2), col(3)
+    return FeatureTable([kernel]), cands
+
+
+def test_gemm_tiles_over_the_shared_memory_or_register_limits_are_rejected():
+    # (BM, BN, BK, warps): 3 pipeline stages of (BM + BN) x BK operands in shared memory
+    tiles = [(128, 128, 32, 4),      # 96 KB fp32, 192 registers: fits every chip here but the T4's 64 KB
+             (128, 128, 64, 4),      # 192 KB fp32: an H100 block (227 KB) yes, an A100 block (163 KB) no
+             (256, 256, 64, 8),      # 384 KB: no chip
+             (256, 128, 16, 2)]      # 512 accumulators a thread on 64 threads: over 255 registers
+    table, cands = gemm_rows(tiles)
+    h100, a100, t4 = (predict_gpu(table, cands, spec) for spec in (H100, A100, T4))
+    assert np.isfinite(h100[:2]).all() and np.isinf(h100[2:]).all()
+    assert np.isfinite(a100[0]) and np.isinf(a100[1:]).all()
+    assert np.isinf(t4).all()
+    table16, cands16 = gemm_rows(tiles, precision=costmodel.PRECISIONS.index("bf16"))
+    assert np.isfinite(predict_gpu(table16, cands16, A100)[1])      # bf16 operands: half the shared memory
+
+
+def test_the_search_never_picks_a_rejected_program():
+    graph = capture(lambda a, b: (a @ b).relu().softmax(-1), (2048, 2048), (2048, 2048))
+    for spec in (H100, T4, find_hardware("MI300X")):
+        result = predicted(graph, spec)
+        assert np.isfinite(result.predicted_s) and all(np.isfinite(k.predicted_s) for k in result.kernels)

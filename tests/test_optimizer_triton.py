@@ -152,3 +152,68 @@ def test_suite_training_step_through_triton_matches_eager(case):
     for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
         close(q, p, f"{name} after two AdamW steps")
     torch._dynamo.reset()
+
+
+# ---- op lowerings whose obvious Triton forms are wrong: values torch gets right ----
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, -3.0, 1.5, -1.5, 7.25, -7.25, 1e-3, -1e-3,
+           float("inf"), float("-inf"), float("nan")]
+
+
+def run_op(fn, *args):
+    got, want, _ = run_triton(fn, args)
+    return got[0], want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pow_of_negative_bases_matches_torch(dtype):
+    """torch.pow(-2.0, 3) is -8 and (-2.0) ** 4 is 16: a negative base with a whole exponent has a value
+    (exp2(log2(x) * y) makes it NaN); a fractional one is NaN; x ** 0 and 1 ** y are 1, even for NaN."""
+    x = torch.tensor(SPECIAL, dtype=dtype)
+    whole = torch.tensor([0.0, 1.0, -1.0, 2.0, 3.0, -3.0, 4.0, 5.0, -6.0, 0.5, 2.5, -2.5, 40.0, 41.0, -41.0,
+                          float("inf"), float("-inf"), float("nan"), 1e-3], dtype=dtype)
+    cases = {
+        "x ** 4": lambda x, y: x ** 4, "x ** 5": lambda x, y: x ** 5, "x ** -3": lambda x, y: x ** -3,
+        "x ** 7": lambda x, y: x ** 7, "x ** 41": lambda x, y: x ** 41, "x ** -40": lambda x, y: x ** -40,
+        "x ** 2.5": lambda x, y: x ** 2.5, "x ** 0": lambda x, y: x ** 0, "x ** y": lambda x, y: x ** y,
+        "-2 ** y": lambda x, y: torch.pow(-2.0, y), "1 ** y": lambda x, y: torch.pow(1.0, y),
+        "0.5 ** y": lambda x, y: torch.pow(0.5, y), "-0 ** y": lambda x, y: torch.pow(-0.0, y),
+    }
+    for what, fn in cases.items():
+        for a, b in ((x, whole), (x.flip(0), whole)):      # every base against every exponent, twice
+            got, want = run_op(fn, a, b)
+            # a few ulp where ATen's pow is libm's (tests/test_optimizer_ops.py's bound for libm functions)
+            torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0,
+                                       equal_nan=True, msg=lambda m: f"{what}: {m}")
+            assert torch.equal(torch.signbit(got[got == 0]), torch.signbit(want[got == 0])), f"{what}: sign of 0"
+
+
+def test_integer_pow_matches_torch():
+    """Integers to whole powers are exact and wrap as torch's do (no float rounding): 3 ** 39 needs 62 bits."""
+    base = torch.tensor([3, -3, 2, -2, 0, 1, -1, 7, -5, 3], dtype=torch.int64)
+    exponent = torch.tensor([39, 39, 62, 63, 5, 100, 7, 30, 3, 0], dtype=torch.int64)
+    got, want = run_op(lambda a, b: torch.pow(a, b), base, exponent)
+    assert torch.equal(got, want)
+    got, want = run_op(lambda a, b: a ** 3, base.to(torch.int32), exponent)
+    assert torch.equal(got, want)
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error in units of the last place of the expected value."""
+    spacing = torch.finfo(want.dtype).eps * want.abs().clamp_min(torch.finfo(want.dtype).tiny)
+    return ((got - want).abs() / spacing).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("op", [torch.expm1, torch.log1p, torch.tanh])
+def test_functions_accurate_near_zero(op, dtype):
+    """expm1(1e-7) is 1.00000005e-7, log1p(1e-7) 9.9999995e-8 and tanh(1e-5) 9.9999999997e-6: exp(x) - 1,
+    log(1 + x) and 2 sigmoid(2x) - 1 lose most digits to cancellation there (rounding 1 + x to 1 first)."""
+    small = torch.logspace(-30, -0.5, 300, dtype=torch.float64)
+    x = torch.cat([small, -small, torch.linspace(-4, 4, 161, dtype=torch.float64),
+                   torch.tensor([0.0, -0.0, 1e-40, -1e-40, 20.0, -20.0, 90.0, 750.0, -750.0, -1.0, -1.5,
+                                 float("inf"), float("-inf"), float("nan")], dtype=torch.float64)]).to(dtype)
+    got, want = run_op(op, x)
+    finite = want.isfinite() & (want.abs() > torch.finfo(dtype).tiny)
+    assert ulps(got[finite], want[finite]) <= 8, f"{op.__name__}: {ulps(got[finite], want[finite]):.0f} ulp off"
+    torch.testing.assert_close(got[~finite], want[~finite], rtol=0, atol=torch.finfo(dtype).tiny, equal_nan=True)

@@ -107,19 +107,43 @@ def _compare(sign: str) -> Callable:
     return render
 
 
+POWI_LIMIT = 32     # whole exponents up to this are products (log2 n roundings); larger ones go through tfsn_pow
+
+
+def _powi(b: str, n: int) -> str:
+    """b ** n for a whole n >= 1 by repeated squaring: exact in sign, log2(n) products."""
+    expr = b
+    for bit in bin(n)[3:]:
+        expr = f"tfsn_square({expr})" + (f" * {b}" if bit == "1" else "")
+    return f"({expr})"
+
+
 def _pow(ops, out, kw):
+    """torch.pow: integers exact and wrapping; floats with C's pow's values (a negative base to a whole
+    power has the power's sign, to a fractional one NaN; x ** 0 and 1 ** y are 1), whole exponents up to
+    POWI_LIMIT as products, as ATen's own special cases (2, 3, 0.5, -0.5, -1, -2)."""
     base, exponent = ops
-    b = _cast(base, out)
+    if out not in FLOATS:
+        if exponent.scalar and int(exponent.value) >= 1:
+            return _powi(_cast(base, out), int(exponent.value))
+        return f"tfsn_ipow({_cast(base, 'int64')}, {_cast(exponent, 'int64')}).to({TL_TYPES[out]})"
+    b, e = _cast(base, out), _cast(exponent, out)
     if exponent.scalar:
-        e = float(exponent.value)
+        y = float(exponent.value)
         special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: f"tl.sqrt({b})", 1.0: b,
-                   -1.0: f"(1.0 / {b})", -0.5: f"tl.rsqrt({b})", -2.0: f"(1.0 / ({b} * {b}))"}
-        if e in special:
-            return special[e]
-    if base.scalar:      # beta ** step (the optimizers' bias corrections): the base's log taken here
-        return f"tl.exp2({math.log2(base.value)!r} * {_cast(exponent, out)})" if base.value > 0 else \
-            f"tl.exp2(tl.log2({b}) * {_cast(exponent, out)})"
-    return f"tl.exp2(tl.log2({b}) * {_cast(exponent, out)})"
+                   -1.0: f"(1.0 / {b})", -0.5: f"(1.0 / tl.sqrt({b}))", -2.0: f"(1.0 / ({b} * {b}))",
+                   0.0: f"(tl.zeros_like({b}) + 1.0)"}
+        if y in special:
+            return special[y]
+        if y.is_integer() and abs(y) <= POWI_LIMIT:
+            return _powi(b, int(y)) if y > 0 else f"(1.0 / {_powi(b, int(-y))})"
+        return f"tfsn_pow({b}, {e} + tl.zeros_like({b}))"
+    if base.scalar and float(base.value) > 0 and float(base.value) != 1:
+        # beta ** step (the optimizers' bias corrections): the base's log taken here
+        return f"tl.exp2({math.log2(base.value)!r} * {e})"
+    if base.scalar:      # spread over the exponent's shape, the sign of -0.0 kept
+        return f"tfsn_pow((tl.zeros_like({e}) + 1.0) * {b}, {e})"
+    return f"tfsn_pow({b}, {e})"
 
 
 def _clamp(ops, out, kw):
@@ -163,11 +187,11 @@ OPS: dict[str, Callable] = {
     "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
     "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _unary("tl.abs({a})"),
     "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
-    "aten.expm1.default": _unary("(tl.exp({a}) - 1.0)"), "aten.log.default": _unary("tl.log({a})"),
-    "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tl.log(1.0 + {a})"),
+    "aten.expm1.default": _unary("tfsn_expm1({a})"), "aten.log.default": _unary("tl.log({a})"),
+    "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tfsn_log1p({a})"),
     "aten.sqrt.default": _unary("tl.sqrt({a})"), "aten.rsqrt.default": _unary("tl.rsqrt({a})"),
     "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
-    "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("(2.0 * tl.sigmoid(2.0 * {a}) - 1.0)"),
+    "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("tfsn_tanh({a})"),
     "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),
     "aten.relu.default": _unary("tl.where({a} < 0, 0, {a})"), "aten.floor.default": _float_only("tl.floor({a})"),
     "aten.ceil.default": _float_only("tl.ceil({a})"),
@@ -402,7 +426,90 @@ class TritonWriter:
         return code, grid, (("BM", bm), ("BN", bn), ("BK", bk))
 
 
-PRELUDE = "import triton\nimport triton.language as tl\n\n\n"
+def _horner(var: str, coefficients: Sequence[float]) -> str:
+    """coefficients[0] + var * (coefficients[1] + var * (...)), as one expression."""
+    expr = repr(coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        expr = f"{c!r} + {var} * ({expr})"
+    return expr
+
+
+# Helpers the kernels call: functions whose one-line forms lose digits or signs. They are written with
+# + - * /, exp, log, where only, so they mean the same on every backend and in the interpreter (which
+# runs no libdevice); the polynomials are Taylor series cut where the next term is below the dtype's
+# precision on |x| < 0.5.
+_EXPM1 = {d: [1 / math.factorial(k) for k in range(1, n + 1)] for d, n in (("32", 9), ("64", 15))}
+_LOG1P = {d: [1 / (2 * k + 1) for k in range(n + 1)] for d, n in (("32", 8), ("64", 16))}
+PRELUDE = f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def tfsn_square(x):
+    return x * x
+
+
+@triton.jit
+def tfsn_ipow(a, b):
+    """a ** b in int64, wrapping as torch's; a negative b gives 1 ** b, (-1) ** b, else 0 (C's tfsn_ipow)."""
+    x = a + b * 0
+    e = b + a * 0
+    r = x * 0 + 1
+    n = e
+    for _ in range(63):
+        r = tl.where((n & 1) != 0, r * x, r)
+        x = x * x
+        n = n >> 1
+    negative = tl.where(a == 1, 1, tl.where(a == -1, tl.where((b & 1) != 0, -1, 1), 0))
+    return tl.where(b < 0, negative, r)
+
+
+@triton.jit
+def tfsn_pow(x, y):
+    """C's pow: |x| ** y through exp2 and log2; the sign of a negative x (-0.0 too) for an odd whole y; NaN
+    for a finite negative x and a fractional y; 1 for y == 0, for x == 1, and for x == -1 with y infinite."""
+    whole = tl.floor(y) == y
+    odd = whole & (tl.floor(y * 0.5) * 2.0 != y)
+    a = tl.abs(x)
+    r = tl.exp2(tl.log2(a) * y)
+    negative = (x < 0) | ((x == 0) & (1.0 / x < 0))
+    r = tl.where(negative & odd, -r, r)
+    r = tl.where((x < 0) & (x > -float("inf")) & (whole == 0), float("nan"), r)
+    return tl.where((y == 0) | (x == 1) | ((a == 1) & (tl.abs(y) == float("inf"))), 1.0, r)
+
+
+@triton.jit
+def tfsn_expm1(x):
+    """exp(x) - 1 without its cancellation near 0 (a polynomial there)."""
+    if x.dtype == tl.float64:
+        p = x * ({_horner("x", _EXPM1["64"])})
+    else:
+        p = x * ({_horner("x", _EXPM1["32"])})
+    return tl.where(tl.abs(x) < 0.5, p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def tfsn_log1p(x):
+    """log(1 + x) without rounding 1 + x near 0: 2 atanh(x / (2 + x)), a polynomial in s = x / (2 + x)."""
+    t = 2.0 / (2.0 + x)
+    s = 0.5 * x * t
+    z = s * s
+    if x.dtype == tl.float64:
+        p = x * t * ({_horner("z", _LOG1P["64"])})
+    else:
+        p = x * t * ({_horner("z", _LOG1P["32"])})
+    return tl.where(tl.abs(x) < 0.5, p, tl.log(1.0 + x))
+
+
+@triton.jit
+def tfsn_tanh(x):
+    """tanh through expm1 of -2|x|: no cancellation near 0, 1 for large |x|, NaN for NaN."""
+    e = tfsn_expm1(-2.0 * tl.abs(x))
+    t = -e / (2.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+'''
 
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],

@@ -82,7 +82,8 @@ def test_validate_and_launch_refuse_a_cloud_jobs_workdir_over_the_cap(tfsn, tmp_
     workdir = tree(tmp_path / "job", {"train.py": "x", "weights.bin": b"0" * 2 * 2**20})
     spec = tmp_path / "train.yaml"
     spec.write_text(yaml.safe_dump({"name": "big", "run": "python train.py", "workdir": str(workdir),
-                                    "resources": {"infra": ["aws"], "accelerators": "A100:8"}}))
+                                    "resources": {"infra": ["aws"], "accelerators": "A100:8"},
+                                    "checkpoint": {"dir": "s3://bucket/big"}}))
     tfsn.env["TFSN_CODE_MAX_MB"] = "1"
     for command in ("validate", "launch"):
         proc = tfsn(command, str(spec), check=False)

@@ -81,7 +81,17 @@ def worker(rank: int, store: str, result: str) -> None:
 
 def test_each_ranks_compute_time_on_the_cpu_path_and_on_a_device_timeline(tmp_path):
     results = [tmp_path / f"rank{r}.json" for r in range(2)]
-    mp.start_processes(_entry, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
+    # spawn, not fork: a fork of this multi-threaded pytest process (servers of earlier tests) can inherit a
+    # held lock and hang in the child for ever
+    ranks = mp.start_processes(_entry, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + 180
+    try:
+        while not ranks.join(timeout=5):
+            assert time.monotonic() < deadline, "the two gloo ranks did not finish within 180 s"
+    finally:
+        for process in ranks.processes:
+            process.kill()
     fast, slow = (json.loads(path.read_text()) for path in results)
     # CPU: the slow rank's compute is SLEEP_S longer; the waiting rank's wait is taken out of its step.
     gap = statistics.median(s - f for s, f in zip(slow["cpu"][2:], fast["cpu"][2:]))

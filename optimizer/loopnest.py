@@ -12,6 +12,7 @@ into its producer's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 from typing import Sequence, Union
 
@@ -225,6 +226,18 @@ class Accumulate:
 Stmt = Union[Define, Store, Assign, Accumulate]
 
 
+# Names and operands are shared between loop nests, not made per statement: a search keeps every nest
+# it lowered (graph.memo), and the collector's full passes cost in proportion to the objects kept.
+@lru_cache(maxsize=None)
+def _temp(k: int) -> Temp:
+    return Temp(k)
+
+
+@lru_cache(maxsize=4096)
+def _operand(name: Name, dtype: str, zero_dim: bool) -> Operand:
+    return Operand(name, dtype, zero_dim)
+
+
 @dataclass(frozen=True)
 class Reduction:
     node: int
@@ -306,10 +319,12 @@ def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]
         try:
             graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace)).run()
         except NotFusable as e:
-            graph.memo[key] = e
+            # the reason, not the exception: a kept exception keeps its traceback's frames (the whole
+            # lowering), and each raise of it again would lengthen that traceback
+            graph.memo[key] = str(e)
     found = graph.memo[key]
-    if isinstance(found, NotFusable):
-        raise found
+    if isinstance(found, str):
+        raise NotFusable(found)
     return found
 
 
@@ -401,7 +416,7 @@ class _Lowering:
 
     def define(self, value: Union[Load, Apply, GemmElement], hoist: bool = False) -> Temp:
         self.tmp += 1
-        name = Temp(self.tmp)
+        name = _temp(self.tmp)
         (self.prologue if hoist else self.lines).append(Define(name, value))
         return name
 
@@ -461,8 +476,8 @@ class _Lowering:
         for a in node.args:
             if isinstance(a, Ref):
                 src = self.g.nodes[a.index].type
-                args.append(Operand(self.load(a.index, broadcast_index(src.shape, node.type.shape, idx)),
-                                    src.dtype, not src.shape))
+                args.append(_operand(self.load(a.index, broadcast_index(src.shape, node.type.shape, idx)),
+                                     src.dtype, not src.shape))
             elif isinstance(a, (bool, int, float)):
                 args.append(a)
             else:

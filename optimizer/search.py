@@ -14,7 +14,9 @@ here; the fastest measured wins. A win within the timing noise is a tie, timed a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -157,11 +159,34 @@ class _Scorer:
         return self.tables[i].take(order), self.predicted[i][order]
 
 
+@contextlib.contextmanager
+def _older_objects_frozen():
+    """The search makes and keeps many small objects (every loop nest it lowers stays in graph.memo), so
+    the collector runs full passes during it, and each would walk the whole process's heap (torch, the
+    model). The objects older than the search are left out of those passes (gc.freeze) while it runs,
+    unless the caller froze objects of its own or turned the collector off."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool = True, top_k: int = TOP_K,
                  timing: bool = True, threads: int | None = None, max_plans: int | None = None) -> SearchResult:
     """The best plan and schedules for `graph` on `target` (or a hardware spec's target:
     target.target_for); `timing=False` (hardware not present) keeps the model's picks; `max_plans`
     bounds the fusion plans scored (default MAX_PLANS)."""
+    with _older_objects_frozen():
+        return _search_graph(graph, target, gemm=gemm, top_k=top_k, timing=timing, threads=threads,
+                             max_plans=max_plans)
+
+
+def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, top_k: int, timing: bool,
+                  threads: int | None, max_plans: int | None) -> SearchResult:
     if isinstance(target, HardwareSpec):
         target = target_for(target)
     bounded = max_plans is not None

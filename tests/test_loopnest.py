@@ -2,6 +2,9 @@
 target's code, its index expressions are data, and the search reaches the chip only through a Target."""
 from __future__ import annotations
 
+import gc
+import traceback
+
 import numpy as np
 import pytest
 import torch
@@ -67,6 +70,40 @@ def test_a_read_at_another_index_is_not_one_loop_nest():
     mul, add = (n.index for n in graph.nodes if n.op in ("aten.mul.Tensor", "aten.add.Tensor"))
     with pytest.raises(loopnest.NotFusable, match="another index"):
         loopnest.lower(graph, loopnest.Group("kernel", (mul, add), (9, 9)), plan.buffers | {mul})
+
+
+def test_a_group_that_is_no_loop_nest_is_refused_alike_each_time_without_keeping_frames():
+    """The search asks ~50 times per graph: the answer is remembered, but not as the exception raised first
+    (re-raising one object chained each raise's frames onto its traceback, and kept the whole lowering)."""
+    def fn(a):
+        x = a * 2
+        return x + x.t()
+    graph, plan = lowered(fn, torch.randn(9, 9))
+    mul, add = (n.index for n in graph.nodes if n.op in ("aten.mul.Tensor", "aten.add.Tensor"))
+    raised = []
+    for _ in range(3):
+        with pytest.raises(loopnest.NotFusable, match="another index") as info:
+            loopnest.lower(graph, loopnest.Group("kernel", (mul, add), (9, 9)), plan.buffers | {mul})
+        raised.append(info.value)
+    assert len({id(e) for e in raised}) == 3
+    assert len({len(traceback.extract_tb(e.__traceback__)) for e in raised}) == 1
+    assert not any(isinstance(v, BaseException) for v in graph.memo.values())
+
+
+def test_the_search_leaves_the_collector_as_it_found_it():
+    """search_graph freezes the older objects only while it runs, and not at all when the caller froze some."""
+    args = torch.randn(24, 40), torch.randn(56, 40), torch.randn(56), torch.randn(56, 40)
+    graph, _ = lowered(mlp, *args)
+    assert gc.get_freeze_count() == 0
+    search.search_graph(graph, HOST, timing=False)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        search.search_graph(lowered(mlp, *args)[0], HOST, timing=False)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_index_expressions_are_data():

@@ -305,7 +305,7 @@ class Run:
             if isinstance(value, DistributedDataParallel):
                 self.watch(value)
         if self._saver is not None:
-            with self._phases.phase(phases.CHECKPOINT):
+            with self._phase(phases.CHECKPOINT):
                 self._saver.wait()
         info = ckpt.restore(self.checkpoint_dir, objects)
         if info is None:
@@ -365,7 +365,7 @@ class Run:
         saver, self._saver = self._saver, None
         try:
             if saver is not None:
-                with self._phases.phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
+                with self._phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
                     saver.close()   # raises the CheckpointError of a failed last save
         finally:
             if self._telemetry is not None:

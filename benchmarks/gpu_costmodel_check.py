@@ -15,7 +15,12 @@ predicted and measured microseconds and their ratio, then:
   top1 regret     where one computation has two eager forms (attention: fused SDPA or matmul-softmax-
                   matmul; a GEMM with B transposed or not), measured time of the form the model
                   predicts faster / the faster measured one
-Generated kernels (Triton) are not timed here: "triton renderer not available" until it exists.
+Generated kernels: for a few fused groups as tfsn plans them (a softmax, a LayerNorm, a bias + GELU,
+a GEMM with its bias + GELU epilogue, in fp32), up to 8 launch shapes of the GPU schedule space
+(optimizer/space.py: the model's pick and others evenly spread over its ranking) are rendered as Triton,
+run, and timed: per kernel, Spearman of predicted vs measured over its launch shapes, and the top-1
+regret (measured time of the model's pick / the fastest measured). On a CPU this part runs only under
+TRITON_INTERPRET=1, at small shapes (to test the script; the times mean nothing).
 Timing: CUDA events around repeated calls after a warm-up (median of batches); on the CPU, the median
 of perf_counter batches. The machine may be shared: medians and ratios, never one absolute time.
 """
@@ -39,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from _common import print_table  # noqa: E402
 from optimizer import ir, search  # noqa: E402
-from optimizer.backend import decompositions  # noqa: E402
+from optimizer.backend import decompositions, gpu_spec  # noqa: E402
 from optimizer.costmodel import spearman  # noqa: E402
 from optimizer.hardware import HardwareSpec, cpu_spec, find_hardware  # noqa: E402
 
@@ -155,10 +160,10 @@ def predict(case: Case, spec: HardwareSpec) -> float:
     return search.search_graph(graph, spec, gemm=False, timing=False, threads=threads).predicted_s
 
 
-def measure(case: Case, device: str, budget_s: float = 0.5) -> float:
-    """Median seconds of one call on `device` (CUDA events on a GPU)."""
+def measure(case: Case, device: str, budget_s: float = 0.5, xs: list | None = None) -> float:
+    """Median seconds of one call on `device` (CUDA events on a GPU), on `xs` or random inputs."""
     with float32_precision(case.precision):
-        xs = _inputs(case, device, fake=False)
+        xs = xs if xs is not None else _inputs(case, device, fake=False)
         step = _step(case)
         for _ in range(3):
             step(*xs)
@@ -201,13 +206,70 @@ def chip_spec(device: str, name: str | None) -> HardwareSpec:
         return spec
     if device == "cpu":
         return cpu_spec()
-    words = torch.cuda.get_device_name(device).replace("NVIDIA", "").replace("AMD", "").split()
-    for i in range(len(words), 0, -1):       # "H100 80GB HBM3": H100-80GB-HBM3, H100-80GB, H100
-        spec = find_hardware("-".join(words[:i]))
-        if spec is not None:
-            return spec
+    spec = gpu_spec(device)
+    if spec is not None:
+        return spec
     sys.exit(f"gpu_costmodel_check: no spec in configs/hardware for {torch.cuda.get_device_name(device)!r}; "
              "name one with --spec")
+
+
+def _gelu_bias(x, b):
+    return F.gelu(x + b)
+
+
+def _linear_gelu(x, w, b):
+    return F.gelu(F.linear(x, w, b))
+
+
+def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
+    """Predicted vs measured for launch shapes of tfsn's own Triton kernels (see the module's docstring)."""
+    import os
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from optimizer import costmodel, features, fusion
+    from optimizer.codegen import triton as tt
+    from optimizer.runtime import CompiledGraph
+    from optimizer.schedule import DEFAULT
+    from optimizer.space import gpu_kernel_space
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"error": "not run on a CPU: set TRITON_INTERPRET=1 to test the script"}
+    big = device != "cpu"
+    r, c = (32768, 4096) if big else (64, 128)
+    m, k, n = (2048, 2048, 2048) if big else (32, 48, 64)
+    graphs = [("softmax", _softmax, ((r, c),)), ("layernorm", _layernorm, ((r, c), (c,), (c,))),
+              ("bias+gelu", _gelu_bias, ((r, c), (c,))), ("gemm+bias+gelu", _linear_gelu, ((m, k), (n, k), (n,)))]
+    per_kernel, shapes_each = {}, 6 if quick else 8
+    for name, fn, shapes in graphs:
+        xs = [torch.randn(sh, device=device) for sh in shapes]
+        gm = make_fx(fn, decomposition_table=decompositions())(*xs)
+        graph = ir.from_fx(gm, ir.graph_device(xs))
+        plan = fusion.plan(graph, gemm=True)
+        g = max((i for i, grp in enumerate(plan.groups) if grp.kind != "extern"),
+                key=lambda i: (plan.groups[i].kind == "gemm", len(plan.groups[i].nodes)))
+        kernel = features.kernel_features(graph, plan.groups[g], plan.buffers)
+        cands = gpu_kernel_space(0, kernel)
+        predicted = costmodel.predict_gpu(costmodel.FeatureTable([kernel]), cands, spec)
+        order = [int(i) for i in np.argsort(predicted, kind="stable") if np.isfinite(predicted[i])]
+        picks = list(dict.fromkeys(order[round(j * (len(order) - 1) / max(shapes_each - 1, 1))]
+                                   for j in range(shapes_each)))
+        rows = []
+        for row in picks:
+            schedules = [DEFAULT] * len(plan.groups)
+            schedules[g] = cands.schedule(row)
+            source, kernels = tt.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+            compiled = CompiledGraph(graph, plan.groups, kernels, tt.TritonLibrary(source), plan.inplace)
+            case = Case(name, "generated", "fp32", lambda *a: compiled(list(a)), shapes)
+            rows.append({"schedule": {f: getattr(schedules[g], f) for f in ("chunk", "gemm_block_rows", "gemm_nr",
+                                                                             "gemm_kc", "gemm_mr")},
+                         "predicted_s": float(predicted[row]), "measured_s": measure(case, device, xs=xs)})
+        best = min(r["measured_s"] for r in rows)
+        per_kernel[name] = {"spearman": round(spearman([r["predicted_s"] for r in rows],
+                                                       [r["measured_s"] for r in rows]), 3),
+                            "top1_regret": round(rows[0]["measured_s"] / best, 3),
+                            "pick_measured_over_predicted": round(rows[0]["measured_s"] / rows[0]["predicted_s"], 3),
+                            "shapes": rows}
+    return per_kernel
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -256,10 +318,20 @@ def main(argv: list[str] | None = None) -> int:
                  for k, v in summary["classes"].items()])
     print(f"spearman over all cases: {summary['spearman']}; top-1 regret: "
           + ", ".join(f"{k} {v}" for k, v in summary["top1_regret"].items()))
-    print("generated kernels: triton renderer not available")
+    try:
+        generated = generated_kernels(args.device, spec, args.quick)
+    except ImportError as e:
+        generated = {"error": f"triton is not installed ({e})"}
+    if "error" in generated:
+        print(f"generated kernels: {generated['error']}")
+    else:
+        print("generated Triton kernels, launch shapes of the GPU space, predicted vs measured:")
+        print_table(["kernel", "shapes", "spearman", "top-1 regret", "pick measured/predicted"],
+                    [[k, len(v["shapes"]), v["spearman"], v["top1_regret"], v["pick_measured_over_predicted"]]
+                     for k, v in generated.items()])
     if args.json:
         print(json.dumps({"device": where, "spec": spec.name, "torch": torch.__version__, **summary,
-                          "generated_kernels": "triton renderer not available",
+                          "generated_kernels": generated,
                           "cases": [{k: v for k, v in r.items()} for r in rows]}))
     return 0
 

@@ -9,8 +9,8 @@ AdamW step. Three peers run it side by side in this process:
   eager     plain PyTorch;
   inductor  torch.compile(model) and torch.compile(opt.step), default backend and mode;
   tfsn      the same two calls with backend=tfsn (optimizer.backend.make_backend()).
-Each peer starts from the same weights, on `--device` (default cpu; on a GPU, until there is a
-GPU code generator, tfsn's graphs run as ATen). Compile time is the first step's time minus a
+Each peer starts from the same weights, on `--device` (default cpu). tfsn's kernels are C on a CPU
+and Triton on a GPU (`--codegen` overrides: triton on a CPU runs under TRITON_INTERPRET=1 only). Compile time is the first step's time minus a
 steady step, with empty caches (TORCHINDUCTOR_CACHE_DIR and TFSN_CACHE point at a fresh temp folder).
 Steady figures are medians over rounds of `steps` steps; rounds interleave the peers so that
 drift on a shared machine hits them alike. Targets (issue 3): tfsn >= 1.15x eager and >= 1.0x
@@ -70,11 +70,11 @@ def timed(step, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench_case(case, rounds: int, steps: int, device: str = "cpu") -> dict:
+def bench_case(case, rounds: int, steps: int, device: str = "cpu", codegen: str = "c") -> dict:
     torch.manual_seed(0)
     base = case.build().to(device)
     batch = tuple(t.to(device) for t in case.batch(torch.Generator().manual_seed(1)))
-    backends = {"eager": None, "inductor": "inductor", "tfsn": make_backend()}
+    backends = {"eager": None, "inductor": "inductor", "tfsn": make_backend(codegen=codegen)}
     fns, compile_s, first_loss = {}, {}, {}
     for peer in PEERS:
         torch._dynamo.reset()
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="run only this model (repeatable)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads for every peer (default: torch's)")
     parser.add_argument("--device", default="cpu", help="where the peers run: cpu (default) or cuda")
+    parser.add_argument("--codegen", choices=("c", "triton"),
+                        help="tfsn's kernels: c (the default on a CPU) or triton (the default on a GPU)")
     parser.add_argument("--json", action="store_true", help="end with one line of JSON")
     args = parser.parse_args(argv)
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in suite(args.size) if not args.only or c.name in args.only]
     if not cases:
         parser.error(f"--only names no model of the suite ({', '.join(c.name for c in suite())})")
-    results = [bench_case(c, args.rounds, args.steps, args.device) for c in cases]
+    codegen = args.codegen or ("c" if args.device == "cpu" else "triton")
+    results = [bench_case(c, args.rounds, args.steps, args.device, codegen) for c in cases]
     rows = [[r["model"], *(f"{r['ms'][p]:.2f}" for p in PEERS), f"{r['vs_eager']:.2f}x",
              f"{r['vs_inductor']:.2f}x", f"{r['compile_s']['inductor']:.1f}", f"{r['compile_s']['tfsn']:.1f}"]
             for r in results]
@@ -128,14 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(["geomean / total", "", "", "", f"{geo['vs_eager']:.2f}x", f"{geo['vs_inductor']:.2f}x",
                  f"{compile_total['inductor']:.1f}", f"{compile_total['tfsn']:.1f}"])
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
-    print(f"training step (forward, backward, AdamW), median ms over {args.rounds} rounds x {args.steps} steps, {where}")
+    print(f"training step (forward, backward, AdamW), median ms over {args.rounds} rounds x {args.steps} steps, {where}, tfsn codegen {codegen}")
     print_table(["model", "eager ms", "inductor ms", "tfsn ms", "tfsn vs eager", "tfsn vs inductor",
                  "inductor compile s", "tfsn compile s"], rows)
     targets = {"vs_eager>=1.15": geo["vs_eager"] >= 1.15, "vs_inductor>=1.0": geo["vs_inductor"] >= 1.0,
                "compile<=inductor": compile_total["tfsn"] <= compile_total["inductor"]}
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items()))
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(), "device": args.device, "results": results, "geomean": geo,
+        print(json.dumps({"threads": torch.get_num_threads(), "device": args.device, "codegen": codegen, "results": results, "geomean": geo,
                           "compile_total_s": compile_total, "targets": targets}))
     return 0
 

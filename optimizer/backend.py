@@ -34,8 +34,9 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
            "top_k": "schedules per kernel compiled and timed by the search (default 8, or $TFSN_TOP_K); "
                     "1 keeps the cost model's pick untimed",
            "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to",
-           "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels of the heuristic plan "
-                      "under `schedule`, launched on the tensors' device; TRITON_INTERPRET=1 runs them on a CPU)"}
+           "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels launched on the tensors' "
+                      "device: on a GPU tfsn has a spec of, the GPU cost model's plan and launch shapes; else "
+                      "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)"}
 
 # Decomposed further than core ATen, so that the generator sees their pointwise and reduction
 # parts (LayerNorm, softmax, GELU, BatchNorm, the optimizers' addcmul/lerp) and can fuse them.
@@ -169,14 +170,14 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     if not fuse:
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
-    try:
-        graph = ir.from_fx(gm)
+    try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
+        graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu")
     except ir.Unsupported as e:
         log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     if codegen == "triton":
-        return _triton_graph(gm, graph, schedule or Schedule())
+        return _triton_graph(gm, graph, schedule, report)
     gemm = compiler.sgemm_address() is not None
     try:
         if schedule is not None:
@@ -211,20 +212,71 @@ def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any) -> Callable:
     return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
 
 
-def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule) -> Callable:
-    """The graph's heuristic fusion plan as Triton kernels under one schedule; ATen where a kernel
-    cannot be written (logged, as for C)."""
+def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, report: list | None) -> Callable:
+    """The graph as Triton kernels; ATen where a kernel cannot be written (logged, as for C). On a GPU
+    whose spec tfsn knows, the fusion plan and each kernel's launch shape are the GPU cost model's
+    picks (search over plans and gpu_kernel_space, untimed); elsewhere, or under a fixed `schedule`,
+    the heuristic plan under that one schedule."""
     from optimizer import fusion
     from optimizer.codegen import triton
     from optimizer.loopnest import NotFusable
     try:
-        plan = fusion.plan(graph)
-        source, kernels = triton.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups),
-                                              plan.inplace)
+        spec = gpu_spec(graph.device) if schedule is None else None
+        if spec is not None:
+            plan, schedules = gpu_searched_plan(graph, spec, report)
+        else:
+            plan = fusion.plan(graph)
+            schedules = [schedule or Schedule()] * len(plan.groups)
+        source, kernels = triton.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         lib = triton.TritonLibrary(source) if any(kernels) else None
     except (NotFusable, triton.Unsupported) as e:
         return _as_aten(gm, "its Triton code failed", e)
     return _compiled(graph, plan, kernels, lib)
+
+
+def gpu_spec(device: str):
+    """The hardware spec of a CUDA device, by its name ('NVIDIA H200' -> configs/hardware/h200.yaml), or
+    None (a CPU; a GPU tfsn has no spec of, logged once)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from optimizer.hardware import find_hardware
+    name = torch.cuda.get_device_name(torch.device(device))
+    words = name.replace("NVIDIA", "").replace("AMD", "").split()
+    for i in range(len(words), 0, -1):       # "H100 80GB HBM3": H100-80GB-HBM3, H100-80GB, H100
+        spec = find_hardware("-".join(words[:i]))
+        if spec is not None and spec.kind == "gpu":
+            return spec
+    _log_once(f"tfsn: no hardware spec names the GPU {name!r}; its Triton kernels use the heuristic plan "
+              "(add a spec under configs/hardware with this name among its aliases)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.warning(message)
+
+
+def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Schedule]]:
+    """The GPU cost model's plan and launch shapes for this graph on `spec`, from the disk cache when
+    this graph was searched for that chip before."""
+    from optimizer import fusion, search
+    from optimizer.cache import atomic_write
+    path = search_cache_path(graph, spec, None, True, "triton", suffix=".json")
+    if path.exists() and report is None:
+        try:
+            saved = json.loads(path.read_text())
+            plan = fusion.plan(graph, choice=fusion.Choice(**{k: frozenset(v) for k, v in saved["choice"].items()}))
+            if len(plan.groups) == len(saved["schedules"]):
+                return plan, [Schedule(**s) for s in saved["schedules"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
+    result = search.search_graph(graph, spec, gemm=True, timing=False)
+    STATS["searches"] += 1
+    if report is not None:
+        report.append((graph, result))
+    choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
+    atomic_write(path, _search_entry(choice, result.schedules, []))
+    return result.plan, result.schedules
 
 
 SEARCH_VERSION = "6"      # bump when the search or the model changes what a cached result means

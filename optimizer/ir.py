@@ -11,7 +11,7 @@ import enum
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -87,6 +87,8 @@ class Graph:
     # fp32 product runs on TF32 tensor cores only where the model asked for it, at ~7x the fp32 rate
     allow_tf32: bool = False                 # matmuls: torch.backends.cuda.matmul.allow_tf32 / 'high' | 'medium'
     cudnn_allow_tf32: bool = True            # convolutions: torch.backends.cudnn.allow_tf32 (True by default)
+    # where its kernels run and its buffers live: tensors elsewhere (a CPU scalar in a CUDA graph) are externs'
+    device: str = "cpu"
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -112,18 +114,39 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_type(value: Any) -> TensorType | None:
+def tensor_type(value: Any, device: str = "cpu") -> TensorType | None:
+    """The type of a tensor the generated kernels may touch: strided and on `device`; None otherwise."""
     if not isinstance(value, torch.Tensor):
         return None
     if any(not isinstance(s, int) for s in (*value.shape, *value.stride())):
         raise Unsupported("symbolic shapes")
-    if value.device.type != "cpu" or value.layout != torch.strided:
+    if not same_device(value.device, device) or value.layout != torch.strided:
         return None
     return TensorType(tuple(value.shape), tuple(value.stride()), dtype_name(value.dtype))
 
 
-def from_fx(gm: torch.fx.GraphModule) -> Graph:
-    """Lower an ATen FX graph; raises Unsupported only when shapes are symbolic."""
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether two devices are one (a bare 'cuda' is the current CUDA device)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def graph_device(example_inputs: Sequence[Any]) -> str:
+    """The device a graph's kernels run on: its tensor inputs' accelerator, else the CPU."""
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            return str(t.device)
+    return "cpu"
+
+
+def from_fx(gm: torch.fx.GraphModule, device: str = "cpu") -> Graph:
+    """Lower an ATen FX graph whose kernels will run on `device` (tensors elsewhere stay externs);
+    raises Unsupported only when shapes are symbolic."""
     nodes: list[Node] = []
     index_of: dict[torch.fx.Node, int] = {}
     inputs: list[int] = []
@@ -143,7 +166,7 @@ def from_fx(gm: torch.fx.GraphModule) -> Graph:
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise Unsupported("symbolic scalars")
         if fx_node.op == "placeholder":
-            index_of[fx_node] = add(fx_node.name, Kind.INPUT, "input", None, (), {}, tensor_type(val))
+            index_of[fx_node] = add(fx_node.name, Kind.INPUT, "input", None, (), {}, tensor_type(val, device))
             inputs.append(index_of[fx_node])
             continue
         if fx_node.op == "output":
@@ -153,16 +176,16 @@ def from_fx(gm: torch.fx.GraphModule) -> Graph:
         if fx_node.op == "get_attr":         # a constant tensor the graph holds: an extern that returns it
             value = torch.fx.graph_module._get_attr(gm, fx_node.target)
             index_of[fx_node] = add(fx_node.name, Kind.EXTERN, "constant", functools.partial(_constant, value),
-                                    (), {}, tensor_type(value))
+                                    (), {}, tensor_type(value, device))
             continue
         if fx_node.op != "call_function":
             raise Unsupported(f"FX op {fx_node.op}")
         args = torch.fx.node.map_aggregate(fx_node.args, ref)
         kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, ref))
-        type_ = tensor_type(val)
+        type_ = tensor_type(val, device)
         op = str(fx_node.target) if isinstance(fx_node.target, torch._ops.OpOverload) else "getitem" \
             if fx_node.target is operator.getitem else str(fx_node.target)
-        kind = classify(op, args, kwargs, type_, nodes)
+        kind = classify(op, args, kwargs, type_, nodes, device)
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             mm_type = TensorType(type_.shape, type_.strides, type_.dtype)
             mm = add(fx_node.name + "_mm", Kind.MATMUL, "aten.mm.default", aten.mm.default, args[1:3], {}, mm_type)
@@ -179,7 +202,7 @@ def from_fx(gm: torch.fx.GraphModule) -> Graph:
     for o in outputs:
         if isinstance(o, Ref):
             nodes[o.index].users.append(-1)   # -1: the graph's output
-    return Graph(nodes, inputs, outputs, **float32_precision())
+    return Graph(nodes, inputs, outputs, **float32_precision(), device=device)
 
 
 def _constant(value: Any) -> Any:
@@ -193,7 +216,8 @@ def _tensor_args(args, kwargs, nodes) -> list[TensorType | None]:
     return found
 
 
-def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes: list[Node]) -> Kind:
+def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes: list[Node],
+             device: str = "cpu") -> Kind:
     """Which kind of IR node an ATen call becomes; extern whenever the generator is not sure."""
     if type_ is None or type_.dtype not in DTYPES or type_.numel == 0:
         return Kind.EXTERN
@@ -205,8 +229,8 @@ def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes
     if op in POINTWISE_OPS:
         extra = set(kwargs) - {"alpha", "dtype", "layout", "device", "pin_memory", "memory_format",
                                "non_blocking"}
-        device = kwargs.get("device")
-        if extra or (device is not None and torch.device(device).type != "cpu"):
+        made_on = kwargs.get("device")
+        if extra or (made_on is not None and not same_device(made_on, device)):
             return Kind.EXTERN
         scalars_ok = all(isinstance(a, (Ref, int, float, bool)) or a is None
                          for a in args[1:] if op != "aten.full.default")

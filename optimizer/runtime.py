@@ -41,7 +41,7 @@ def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
                            "this is a bug in tfsn's guards, please report it")
     if t.stride() == want.strides:
         return t
-    return torch.empty_strided(want.shape, want.strides, dtype=t.dtype).copy_(t)
+    return torch.empty_strided(want.shape, want.strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def view_roots(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None]) -> dict[int, int]:
@@ -88,7 +88,7 @@ class CompiledGraph:
                 self.steps.append(self._extern(node.index, node.target, node.args, node.kwargs))
                 uses.append(set(node.inputs))
             else:
-                self.steps.append(self._kernel(graph, group, kernel, lib, inplace, roots))
+                self.steps.append(self._kernel(graph, group, kernel, lib, inplace, roots, graph.device))
                 uses.append({roots.get(p, p) for p in kernel.params})
         if os.environ.get("TFSN_PROFILE"):
             names = [f"{k.name} {lib._name}" if k is not None else "" for k in kernels]
@@ -128,7 +128,8 @@ class CompiledGraph:
 
     @staticmethod
     def _kernel(graph: Graph, group: Group, kernel: Kernel, lib: Any, inplace: dict[int, int],
-                roots: dict[int, int]) -> Step:
+                roots: dict[int, int], device: str) -> Step:
+        device = torch.device(device)
         launch = lib.launcher(kernel) if hasattr(lib, "launcher") else None
         if launch is None:
             fn = getattr(lib, kernel.name)
@@ -143,7 +144,7 @@ class CompiledGraph:
 
         def step(env: list) -> None:
             for n, shape, strides, dtype in allocs:
-                env[n] = torch.empty_strided(shape, strides, dtype=dtype)
+                env[n] = torch.empty_strided(shape, strides, dtype=dtype, device=device)
             if empty:
                 pass
             elif launch is None:

@@ -1,12 +1,16 @@
 """The Triton renderer of the loop nest, run on this CPU by Triton's interpreter (TRITON_INTERPRET=1):
 the same fusion plans as the C target, forward and backward, against eager PyTorch.
 
-Needs the `triton` package (the `gpu` extra); without it these tests are skipped."""
+On a GPU machine, TFSN_TEST_DEVICE=cuda runs the same tests compiled for the GPU, against eager on the
+GPU (benchmarks/gpu_check.sh does). Needs the `triton` package (the `gpu` extra); without it these
+tests are skipped."""
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported: kernels run on CPU tensors
+DEVICE = os.environ.get("TFSN_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -43,8 +47,9 @@ def forward_and_backward(fn):
 
 
 def run_triton(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True):
+    args = [a.to(DEVICE) for a in args]
     gm = make_fx(fn, decomposition_table=decompositions())(*args)
-    graph = ir.from_fx(gm)
+    graph = ir.from_fx(gm, ir.graph_device(args))
     plan = fusion.plan(graph, gemm=gemm)
     source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
     assert any(kernels), "nothing was generated"
@@ -60,7 +65,7 @@ def mlp(x, w1, b1, w2, b2):
 def block(x, lw, lb, w):
     h = F.layer_norm(x, (x.shape[-1],), lw, lb)
     att = (h @ h.transpose(-2, -1)) * 0.25
-    mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().logical_not()
+    mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril().logical_not()
     return x + torch.softmax(att.masked_fill(mask, float("-inf")), dim=-1) @ (h @ w)
 
 
@@ -113,6 +118,29 @@ def test_fp32_gemm_epilogue_runs_in_the_dot_kernel():
     assert "tl.dot(" in k.source and "tl.erf(" in k.source     # GELU on the tile
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_cost_model_picks_compute_what_eager_does(name):
+    """On a GPU the plan and launch shapes are the H200 model's picks (tiles, depths, warps, elements per
+    program the CPU heuristic never uses): the kernels they give still match eager, and a second
+    compile of the graph reads them from the cache."""
+    from optimizer.hardware import find_hardware
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    args = [a.to(DEVICE) for a in make()]
+    gm = make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args)
+    graph = ir.from_fx(gm, ir.graph_device(args))
+    spec = find_hardware("H200")
+    plan, schedules = backend.gpu_searched_plan(graph, spec, None)
+    assert any(s != DEFAULT for s, g in zip(schedules, plan.groups) if g.kind != "extern")
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+    got = CompiledGraph(graph, plan.groups, kernels, tt.TritonLibrary(source), plan.inplace)(list(args))
+    for g, w in zip(got, gm(*args)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    searches = backend.STATS["searches"]
+    again = backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), spec, None)
+    assert backend.STATS["searches"] == searches and again[1] == schedules
+
+
 def close(actual, expected, what):
     """As tests/test_optimizer_correctness.py: rtol 1e-4, atol 1e-5 of the expected tensor's largest magnitude."""
     scale = expected.detach().abs().max().item() if expected.numel() else 1.0
@@ -127,9 +155,9 @@ def test_suite_training_step_through_triton_matches_eager(case):
     here, which Adam would turn into a full step (see test_optimizer_correctness)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = case.build()
+    eager = case.build().to(DEVICE)
     tfsn = copy.deepcopy(eager)
-    batch = case.batch(torch.Generator().manual_seed(1))
+    batch = tuple(t.to(DEVICE) for t in case.batch(torch.Generator().manual_seed(1)))
     triton_backend = make_backend(codegen="triton")
     kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
     loss = case.loss(eager, batch)

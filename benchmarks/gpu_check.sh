@@ -19,7 +19,7 @@
 #    (benchmarks/gpu_costmodel_check.py: GEMMs in fp32/tf32/bf16, softmax, LayerNorm, SDPA, conv;
 #    Spearman per class, top-1 regret).
 # Each part runs under its own time limit (the tests and the Triton tests side by side, 120 s; the models'
-# steps 180 s together, 60 s at most each; the cost model and the generated kernels' launch shapes 150 s:
+# steps 240 s together, 80 s at most each; the cost model and the generated kernels' launch shapes 100 s:
 # under 8 minutes); a part that fails or runs
 # out is reported in the JSON line and the others still run. With $OUT set (the lent machine), every
 # part's log is kept in $OUT/gpu_check.log.
@@ -98,7 +98,7 @@ wait $TESTS_PID
 # 3. training steps, eager vs Inductor vs tfsn: one model at a time, so that one slow compile costs its row only
 note "training steps"
 if [ "$MODE" = gpu ]; then
-  MODELS="mlp lm_head_ce gpt2_block cnn"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=60; BUDGET=180
+  MODELS="mlp lm_head_ce gpt2_block cnn"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=80; BUDGET=240
 else
   MODELS="mlp"; STEPS="--size small --rounds 2 --steps 3"; LIMIT=300; BUDGET=300
 fi
@@ -113,7 +113,7 @@ done
 
 # 4. the cost model against measured kernels
 note "cost model vs measured"
-timeout 150 "$PY" benchmarks/gpu_costmodel_check.py --device $DEVICE --quick --json > "$WORK/costmodel.log" 2>&1
+timeout 100 "$PY" benchmarks/gpu_costmodel_check.py --device $DEVICE --quick --json > "$WORK/costmodel.log" 2>&1
 
 if [ -n "${OUT:-}" ]; then             # the lent machine: every log back in one file (at most 8 files return)
   for f in "$WORK"/*.log; do echo "=== $(basename "$f")"; cat "$f"; done > "$OUT/gpu_check.log"
@@ -161,7 +161,7 @@ def steps():
             rows[model] = {"ms": r["ms"], "vs_eager": round(r["vs_eager"], 3), "vs_inductor": round(r["vs_inductor"], 3)}
         else:
             rc = (work / f"steps-{model}.rc").read_text().strip()
-            errors[model] = f"ran out of time ({limit} s per model, 180 s in all)" if rc in ("124", "137") else found.get("error")
+            errors[model] = f"ran out of time ({limit} s per model, 240 s in all)" if rc in ("124", "137") else found.get("error")
     geo = {k: round(math.exp(statistics.mean(math.log(r[k]) for r in rows.values())), 3)
            for k in ("vs_eager", "vs_inductor")} if rows else {}
     return {"models": rows, "geomean": geo, **({"errors": errors} if errors else {})}

@@ -229,6 +229,8 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
             schedules = [schedule or Schedule()] * len(plan.groups)
         source, kernels = triton.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         lib = triton.TritonLibrary(source) if any(kernels) else None
+        if lib is not None:
+            lib.precompile(graph, kernels)
     except (NotFusable, triton.Unsupported) as e:
         return _as_aten(gm, "its Triton code failed", e)
     return _compiled(graph, plan, kernels, lib)

@@ -14,7 +14,10 @@ Launched on the tensors' device; under TRITON_INTERPRET=1 on CPU tensors (the te
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable, Sequence
@@ -26,6 +29,8 @@ from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, 
                                 RowSegment, Stmt, Store, Temp, lower)
 from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
+
+log = logging.getLogger("tfsn.optimizer")
 
 TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "int64": "tl.int64", "int32": "tl.int32",
             "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
@@ -465,6 +470,16 @@ def tfsn_ipow(a, b):
 
 
 @triton.jit
+def tfsn_signbit(x):
+    """Whether x's sign bit is set, -0.0 included, read off its bits: on a GPU the compiler folds
+    `1 / x < 0` into `x < 0`, which loses -0.0 (seen on an H200: (-0.0) ** 41 came out +0.0)."""
+    if x.dtype == tl.float64:
+        return x.to(tl.int64, bitcast=True) < 0
+    else:
+        return x.to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
 def tfsn_pow(x, y):
     """C's pow: |x| ** y through exp2 and log2; the sign of a negative x (-0.0 too) for an odd whole y; NaN
     for a finite negative x and a fractional y; 1 for y == 0, for x == 1, and for x == -1 with y infinite."""
@@ -472,7 +487,7 @@ def tfsn_pow(x, y):
     odd = whole & (tl.floor(y * 0.5) * 2.0 != y)
     a = tl.abs(x)
     r = tl.exp2(tl.log2(a) * y)
-    negative = (x < 0) | ((x == 0) & (1.0 / x < 0))
+    negative = tfsn_signbit(x)
     r = tl.where(negative & odd, -r, r)
     r = tl.where((x < 0) & (x > -float("inf")) & (whole == 0), float("nan"), r)
     return tl.where((y == 0) | (x == 1) | ((a == 1) & (tl.abs(y) == float("inf"))), 1.0, r)
@@ -522,6 +537,16 @@ def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], sched
     return PRELUDE + "\n\n".join(k.source for k in kernels if k is not None), kernels
 
 
+def _failure_of(fn: Callable[[Any], None]) -> Callable[[Any], Exception | None]:
+    def call(arg: Any) -> Exception | None:
+        try:
+            fn(arg)
+        except Exception as e:      # noqa: BLE001 - reported by the caller, the kernel compiles at its launch
+            return e
+        return None
+    return call
+
+
 class TritonLibrary:
     """The kernels of one module, loaded (runtime.CompiledGraph calls `launcher`). Triton reads a
     kernel's source from its file, so the module is written to the cache, named by its content."""
@@ -534,6 +559,24 @@ class TritonLibrary:
         self.module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(self.module)
         self._name = str(path)
+
+    def precompile(self, graph: Graph, kernels: Sequence[TritonKernel | None]) -> None:
+        """Every kernel compiled for the graph's GPU before the first step, on a pool of threads: Triton
+        would compile each at its first launch, one after another (its LLVM and ptxas stages run outside
+        the GIL). A kernel that fails here is left to compile, or fail, at its launch."""
+        import torch
+        if graph.device == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        todo = [k for k in kernels if k is not None]
+
+        def compile_one(k: TritonKernel) -> None:
+            dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in k.params]
+            with torch.cuda.device(torch.device(graph.device)):
+                getattr(self.module, k.name).warmup(*dtypes, grid=k.grid, **dict(k.meta))
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
+            for k, error in zip(todo, pool.map(_failure_of(compile_one), todo)):
+                if error is not None:
+                    log.info("tfsn: Triton kernel %s not compiled ahead (%s); it compiles at its launch", k.name, error)
 
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]

@@ -171,7 +171,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
-        graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu")
+        graph = (ir.from_fx(gm, ir.graph_device(example_inputs), half=True) if codegen == "triton"
+                 else ir.from_fx(gm))
     except ir.Unsupported as e:
         log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
         STATS["aten_graphs"] += 1

@@ -13,7 +13,7 @@ from optimizer.ir import Graph, Kind, Node
 from optimizer.loopnest import Group, LoopNest, Pass, fused_nodes, lower
 from optimizer.ops import EXPENSIVE
 
-ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 def _itemsize(graph: Graph, n: int) -> int:

@@ -49,7 +49,7 @@ def forward_and_backward(fn):
 def run_triton(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True):
     args = [a.to(DEVICE) for a in args]
     gm = make_fx(fn, decomposition_table=decompositions())(*args)
-    graph = ir.from_fx(gm, ir.graph_device(args))
+    graph = ir.from_fx(gm, ir.graph_device(args), half=True)
     plan = fusion.plan(graph, gemm=gemm)
     source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
     assert any(kernels), "nothing was generated"
@@ -90,6 +90,26 @@ def test_generated_triton_matches_eager_forward_and_backward(name):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_16_bit_floats_as_close_to_the_truth_as_eager(name, dtype):
+    """bf16/fp16 graphs (GEMMs on tl.dot with an fp32 accumulator, the rest computed in fp32 and rounded
+    where eager rounds: each op's result) are as close to an fp64 reference as eager's own 16-bit run,
+    forward and backward."""
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    exact = [a.double() if a.is_floating_point() else a for a in make()]
+    low = [a.to(dtype) if a.is_floating_point() else a for a in exact]
+    got, want, plan = run_triton(forward_and_backward(fn), low)
+    assert any(g.kind == "gemm" for g in plan.groups) or name == "cross_entropy"
+    truth = forward_and_backward(fn)(*exact)
+    for g, w, t in zip(got, want, truth):
+        assert g.dtype == w.dtype == dtype
+        scale = t.abs().max().item()
+        err, eager_err = ((x.double() - t.to(x.device)).abs().max().item() for x in (g, w))
+        assert err <= max(3 * eager_err, torch.finfo(dtype).eps * scale), (err, eager_err, scale)
 
 
 @pytest.mark.parametrize("schedule", [Schedule(chunk=16, gemm_block_rows=16, gemm_nr=16, gemm_kc=16, gemm_mr=2),

@@ -32,9 +32,38 @@ from optimizer.schedule import Schedule
 
 log = logging.getLogger("tfsn.optimizer")
 
-TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "int64": "tl.int64", "int32": "tl.int32",
+TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bfloat16", "float16": "tl.float16",
+            "int64": "tl.int64", "int32": "tl.int32",
             "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
 FLOATS = ("float32", "float64")
+# 16-bit floats are loaded into fp32 and computed in fp32, as Inductor does: rounded where a value is stored
+# and where the graph converts to them (x.to(torch.bfloat16)), not after every op. Eager rounds after every
+# op, but it runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed: rounding each
+# piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well within it.
+HALVES = ("bfloat16", "float16")
+CONVERSIONS = ("aten._to_copy.default",)
+
+
+def _narrowed(expr: str, dtype: str) -> str:
+    """`expr` converted to `dtype` (for a store, or a conversion the graph asks for). The GPU rounds fp32 to
+    bf16 to nearest even; Triton's interpreter truncates, so there (tests on a CPU) the value is first
+    nudged by its low bits (tfsn_bf16_nearest) so that truncating it rounds to nearest even."""
+    if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
+        return f"tfsn_bf16_nearest(tl.cast({expr}, tl.float32)).to(tl.bfloat16)"
+    return f"({expr}).to({TL_TYPES[dtype]})"
+
+
+def _computed_in(dtype: str) -> str:
+    """The dtype a value of `dtype` is held and computed in: fp32 for the 16-bit floats (as eager's opmath)."""
+    return "float32" if dtype in HALVES else dtype
+
+
+def _rounded(expr: str, dtype: str) -> str:
+    """`expr` (fp32) rounded to `dtype` and held in fp32 again, where `dtype` is a 16-bit float."""
+    if dtype not in HALVES:
+        return expr
+    # made fp32 first: `expr` may be a whole literal, and Triton's interpreter turns int -> bf16 into 0
+    return f"{_narrowed(f'tl.cast({expr}, tl.float32)', dtype)}.to(tl.float32)"
 DEFAULT_BLOCK = 1024        # elements per program when the schedule names none (a CPU schedule)
 
 
@@ -288,24 +317,26 @@ class TritonWriter:
         node = self.g.nodes[a.node]
         if node.op not in OPS:
             raise Unsupported(f"no Triton rendering of {node.op}")
-        ops = [Value(self.value(x.name), x.dtype) if isinstance(x, LoopOperand) else
+        ops = [Value(self.value(x.name), _computed_in(x.dtype)) if isinstance(x, LoopOperand) else
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
-        return f"({OPS[node.op](ops, out, node.kwargs)})"
+        value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
+        return _rounded(value, out) if node.op in CONVERSIONS else value
 
     def statement(self, s: Stmt) -> str:
         if isinstance(s, Define):
             v = s.value
             if isinstance(v, Load):
+                widen = ".to(tl.float32)" if self.g.nodes[v.buffer].type.dtype in HALVES else ""
                 if isinstance(v.offset, Const) or self.mask == "None":
-                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)})"
+                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)}){widen}"
                 return (f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, "
-                        f"mask={self.mask}, other=0)")
+                        f"mask={self.mask}, other=0){widen}")
             if isinstance(v, GemmElement):
                 return f"t{s.name.id} = acc"
             return f"t{s.name.id} = {self.apply(v)}"
         if isinstance(s, Store):
-            value = f"({self.value(s.value)}).to({TL_TYPES[self.g.nodes[s.buffer].type.dtype]})"
+            value = _narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)
             pointer = f"{self.names[s.buffer]} + {triton_index(s.offset)}"
             if self.mask == "None":
                 return f"tl.store({pointer}, {value})"
@@ -404,7 +435,12 @@ class TritonWriter:
         bk = min(_pow2(self.s.gemm_kc, 16), _pow2(K, 16))
         sa, sb = a.type.strides, b.type.strides
         pa, pb = self.names[a.index], self.names[b.index]
-        dot_precision = ', input_precision="ieee"' if mm.type.dtype == "float32" else ""
+        # fp32: IEEE products, not TF32; bf16/fp16: the tensor cores' own products into the fp32 accumulator.
+        # Triton's interpreter multiplies bf16 tiles as their uint16 bits, so there (tests on a CPU) they are
+        # widened to fp32 first, exactly: their products and sums are then the GPU's up to summation order.
+        widen = mm.type.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
+        dot_precision = ', input_precision="ieee"' if mm.type.dtype == "float32" or widen else ""
+        operands = "x.to(tl.float32), y.to(tl.float32)" if widen else "x, y"
         i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
         code = ["pid = tl.program_id(0)", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
                 "bi = pid // tiles", "pm = (pid % tiles) // tiles_n", "pn = pid % tiles_n",
@@ -416,7 +452,7 @@ class TritonWriter:
                 f"mask=(rm[:, None] < {M}) & (rk[None, :] < {K}), other=0.0)",
                 f"    y = tl.load({pb} + bi * {sb[0] if batched else 0} + rk[:, None] * {sb[-2]} + rn[None, :] * {sb[-1]}, "
                 f"mask=(rk[:, None] < {K}) & (rn[None, :] < {N}), other=0.0)",
-                f"    acc += tl.dot(x, y{dot_precision})",
+                f"    acc += tl.dot({operands}{dot_precision})",
                 f"{i_row} = rm[:, None]", f"{i_col} = rn[None, :]",
                 f"cmask = ({i_row} < {M}) & ({i_col} < {N})", f"czero = {i_row} * 0 + {i_col} * 0"]
         if batched:
@@ -425,7 +461,7 @@ class TritonWriter:
         if mm.index in self.nest.outputs:
             out = mm.type.strides
             code.append(f"tl.store({self.names[mm.index]} + bi * {out[0] if batched else 0} + {i_row} * {out[-2]} + "
-                        f"{i_col} * {out[-1]}, acc, mask=cmask)")
+                        f"{i_col} * {out[-1]}, {_narrowed('acc', mm.type.dtype)}, mask=cmask)")
         code += self.lines(self.nest.body)
         grid = (batch * -(-M // bm) * -(-N // bn),)
         return code, grid, (("BM", bm), ("BN", bn), ("BK", bk))
@@ -467,6 +503,14 @@ def tfsn_ipow(a, b):
         n = n >> 1
     negative = tl.where(a == 1, 1, tl.where(a == -1, tl.where((b & 1) != 0, -1, 1), 0))
     return tl.where(b < 0, negative, r)
+
+
+@triton.jit
+def tfsn_bf16_nearest(x):
+    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN kept)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -188,6 +188,31 @@ def test_phases_reach_the_controller_with_the_heartbeat(tmp_path, controller):
     assert bodies[-1]["phase"] == "train" and bodies[-1]["phase_since"] is None
 
 
+def test_listeners_hear_each_phase_the_heartbeat_reports(tmp_path, controller):
+    """One way in to a phase: `run.on_phase` listeners hear what the controller hears, the background write
+    included, which the rank is never said to be in (the training goes on meanwhile)."""
+    from orchestrator.sdk import phases
+    bodies = controller
+    run = sdk.Run(checkpoint_dir=tmp_path, checkpoint_interval=1, keep=2, total_steps=None, async_save=True)
+    heard: list[tuple[str, bool, bool]] = []
+    run.on_phase(lambda name, started: heard.append((name, started, threading.current_thread() is threading.main_thread())))
+    model = torch.nn.Linear(2, 2)
+    for step in run.steps(0, 2):
+        with run.phase("eval"):
+            pass
+        run.checkpoint(model=model)
+    with phases.phase("data"):
+        pass
+    run.finish()
+    reported = {name for body in bodies for name in body["phases"]}
+    assert reported == {name for name, _, _ in heard} == {"eval", "checkpoint", "checkpoint-write", "data"}
+    for name in reported:
+        assert [s for n, s, _ in heard if n == name].count(True) == [s for n, s, _ in heard if n == name].count(False)
+    assert sum(1 for n, s, _ in heard if n == "checkpoint-write" and s) == 2
+    assert all(not main for n, s, main in heard if n == "checkpoint-write" and not s)   # ended by the writer thread
+    assert all(body["phase"] != "checkpoint-write" for body in bodies)
+
+
 def test_a_bad_phase_name_is_a_one_line_error(tmp_path):
     run = _make_run(tmp_path, 3)
     for bad in ("Eval", "train", "", "x" * 40, 3):

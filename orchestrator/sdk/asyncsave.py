@@ -67,8 +67,9 @@ class ReusedBuffers:
         except _NotPlain:
             return self._default_stager().stage(state_dict)   # type: ignore[return-value]
         on_gpu = any(source.is_cuda for source in sources)
-        with torch.no_grad():
-            torch._foreach_copy_(targets, sources, non_blocking=on_gpu)
+        if sources:   # an empty list is an error to _foreach_copy_
+            with torch.no_grad():
+                torch._foreach_copy_(targets, sources, non_blocking=on_gpu)
         if on_gpu:
             torch.cuda.synchronize()   # the non-blocking copies must land before the step changes the weights
         return staged

@@ -12,7 +12,7 @@ post; the controller learns each phase's timeout from those (health/hang.py).
 Entering and leaving a phase costs two clock reads and a lock: cheap enough for every step's data
 loading. tfsn's own checkpoint save announces "checkpoint" itself, and "checkpoint-write" while a save is
 written in the background (a phase off the training thread: its listeners hear it and its duration is
-reported, but it is not the phase the rank is in). Code that has no `Run` at hand (the checkpoint
+reported; the rank is in it only while it waits for the write to end, see `joined`). Code that has no `Run` at hand (the checkpoint
 module's background save, say) calls `phases.phase("checkpoint")`: the phase of the Run of this process,
 or nothing when there is none. Every phase is announced once, here: the heartbeat reads the clock, and
 listeners (`run.on_phase`: profilers, a job's own hang watch) hear each start and end from it.
@@ -35,11 +35,12 @@ MAX_PHASES = 16                           # distinct phase names one process may
 
 @dataclass(eq=False)
 class Entered:
-    """One phase entered: its name, when (wall time), and whether the training thread is in it."""
+    """One phase entered: its name, when (wall time), whether the training thread is in it, whether it ended."""
 
     name: str
     since: float
     background: bool
+    over: bool = False
 
 
 class PhaseClock:
@@ -86,10 +87,29 @@ class PhaseClock:
         """End a phase `enter` started (from any thread)."""
         took = time.time() - entered.since
         with self._lock:
-            if not entered.background:
+            entered.over = True
+            if entered in self._stack:   # a background phase is there while the training thread waits for it
                 self._stack.remove(entered)
             self._finished[entered.name] = max(took, self._finished.get(entered.name, 0.0))
         self._announce(entered.name, False)
+
+    @contextlib.contextmanager
+    def joined(self, entered: Entered | None) -> Iterator[None]:
+        """While the training thread waits for background phase `entered` to end (a save being written), the
+        rank is in that phase, since it began: hang detection gives it that phase's timeout, learned from
+        how long the phase took before, not the timeout of the phase the wait sits in. Nothing is announced
+        again."""
+        with self._lock:
+            joined = entered is not None and not entered.over
+            if joined:
+                self._stack.append(entered)
+        try:
+            yield
+        finally:
+            if joined:
+                with self._lock:
+                    if entered in self._stack:
+                        self._stack.remove(entered)
 
     def now(self) -> tuple[str, float | None]:
         """The innermost phase and when it began (`train`, None outside every phase)."""

@@ -161,6 +161,7 @@ class Run:
         self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
         self._write_s: float | None = None     # seconds the last save took to be written and committed
         self._saver = AsyncSaver() if async_save else None
+        self._write: phases.Entered | None = None   # the phase of the save in flight (a background write)
         self._comm_timer: commtimer.CommTimer | None = None
         self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
         self._phases = phases.PhaseClock()
@@ -252,9 +253,9 @@ class Run:
                 self._saved(result)
             else:
                 waited = time.monotonic()
-                self._saver.wait()   # the previous write's end is announced before this one's start
+                self._wait_for_write()   # the previous write's end is announced before this one's start
                 self._metrics["checkpoint_wait_s"] = time.monotonic() - waited
-                write = self._phases.enter(phases.CHECKPOINT_WRITE, background=True)
+                self._write = write = self._phases.enter(phases.CHECKPOINT_WRITE, background=True)
                 try:
                     result = self._saver.save(self.checkpoint_dir, completed, objects, keep=self.keep,
                                               done=functools.partial(self._written, write))
@@ -265,6 +266,14 @@ class Run:
         self._save_cost = self._last_save - started
         self._metrics["checkpoint_stall_s"] = self._save_cost
         return result
+
+    def _wait_for_write(self, saver: AsyncSaver | None = None) -> None:
+        """Wait for the save in flight (closing `saver` when given); meanwhile the rank is in its write's phase."""
+        with self._phases.joined(self._write):
+            if saver is not None:
+                saver.close()   # raises the CheckpointError of a failed last save
+            elif self._saver is not None:
+                self._saver.wait()
 
     def _written(self, write: phases.Entered, info: ckpt.CheckpointInfo | None) -> None:
         """A background save is over (None: it failed); in the writer thread."""
@@ -293,7 +302,7 @@ class Run:
                 self.watch(value)
         if self._saver is not None:
             with self._phases.phase(phases.CHECKPOINT):
-                self._saver.wait()
+                self._wait_for_write()
         info = ckpt.restore(self.checkpoint_dir, objects)
         if info is None:
             return 0
@@ -353,7 +362,7 @@ class Run:
         try:
             if saver is not None:
                 with self._phases.phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
-                    saver.close()   # raises the CheckpointError of a failed last save
+                    self._wait_for_write(saver)
         finally:
             if self._telemetry is not None:
                 self._telemetry.close()

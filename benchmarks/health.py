@@ -15,7 +15,8 @@ All on health/sim.py's simulated cluster, driving the real Monitor and Policy (n
   ETTR        a week of a 16,384-GPU job at Llama 3's failure rate and causes (health/failures.py:
               the ~40% with no Xid included) under tfsn, restart-on-crash only, and no health monitor;
               median over seeds. Restart and save costs are health/sim.py's RESTART_S and
-              ASYNC_SAVE_STALL_S (each documented there), or --restart / --save-stall. Target: >= 98%.
+              ASYNC_SAVE_STALL_SHARE of a step, both measured by benchmarks/recovery.py (documented
+              there), or --restart / --save-stall. Target: >= 98%.
   cost        wall time of Monitor.observe_step + check per step at 4096 ranks (median over steps
               of a running job, this machine). Target: < 5 ms.
 Why: "notice within a few steps, blame the right node, never replace healthy nodes because of
@@ -38,7 +39,7 @@ from health.config import HealthConfig  # noqa: E402
 from health.monitor import Monitor  # noqa: E402
 from health.disturbances import HIDDEN_HEALTHY  # noqa: E402
 from health.failures import no_xid_share  # noqa: E402
-from health.sim import ASYNC_SAVE_STALL_S, RESTART_S, Mode, Scenario, simulate  # noqa: E402
+from health.sim import ASYNC_SAVE_STALL_SHARE, RESTART_S, Mode, Scenario, simulate  # noqa: E402
 
 RANKS = 4096
 ONSET = 200
@@ -101,20 +102,22 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="end with one line of JSON")
     parser.add_argument("--seeds", type=int, default=7, help="seeds for detection delays (ETTR uses 3)")
     parser.add_argument("--days", type=float, default=7.0, help="simulated days of the 16,384-GPU job")
-    parser.add_argument("--save-stall", type=float, default=ASYNC_SAVE_STALL_S,
-                        help=f"seconds the training stalls per save (default health/sim.py's {ASYNC_SAVE_STALL_S})")
+    parser.add_argument("--save-stall", type=float, default=None,
+                        help=f"seconds the training stalls per save (default health/sim.py's measured "
+                             f"{ASYNC_SAVE_STALL_SHARE:.1%} of a step)")
     parser.add_argument("--restart", type=float, default=RESTART_S,
                         help=f"seconds a restart takes once the fault is known (default {RESTART_S})")
-    parser.add_argument("--hidden-restart", type=float, default=120.0,
-                        help="restart cost in the hidden-healthy runs (default 120 s, the issue's cloud restart: a "
-                             "one-node transient costs ~50 s; with a cheaper restart, replacing it can pay)")
+    parser.add_argument("--hidden-restart", type=float, default=RESTART_S,
+                        help=f"restart cost in the hidden-healthy runs (default the measured {RESTART_S} s; a "
+                             "one-node transient costs ~50 s, so with a cheap restart replacing it can pay)")
     args = parser.parse_args()
     started = time.time()
 
     delays = detection(args.seeds)
     fp, rank_steps = false_positives(4, 500)
     disturbed = hidden(2, args.hidden_restart)
-    runs = ettr(3, args.days, args.save_stall, args.restart)
+    save_stall = args.save_stall if args.save_stall is not None else Scenario().checkpoint_save_s
+    runs = ettr(3, args.days, save_stall, args.restart)
     ms = {ranks: cost(ranks) for ranks in (RANKS, 16_384)}
 
     rows, report = [], {"detection": {}, "targets": {}}
@@ -142,7 +145,7 @@ def main() -> int:
         report["hidden"][name] = {"replaced": replaced, "warned": sum(r.false_positives for r in results),
                                   "decisions": [r.decisions for r in results]}
     report["targets"]["hidden_healthy"] = all(v["replaced"] == 0 for v in report["hidden"].values())
-    report["ettr"] = {"save_stall_s": args.save_stall, "restart_s": args.restart, "no_xid_share": no_xid_share()}
+    report["ettr"] = {"save_stall_s": save_stall, "restart_s": args.restart, "no_xid_share": no_xid_share()}
     for mode, results in runs.items():
         median = statistics.median(r.ettr for r in results)
         target = mode == Mode.TFSN.value
@@ -170,8 +173,8 @@ def main() -> int:
             causes[name] = causes.get(name, 0) + count
     print(f"interruptions by cause, all seeds ({no_xid_share():.0%} of Llama 3's give no Xid): "
           + ", ".join(f"{k} {v}" for k, v in sorted(causes.items(), key=lambda kv: -kv[1])))
-    print(f"restart {args.restart:g}s, save stall {args.save_stall:g}s per save (health/sim.py: RESTART_S measured by "
-          "benchmarks/recovery.py on the local provider; ASYNC_SAVE_STALL_S to be wired from its async-save stall)")
+    print(f"restart {args.restart:g}s, save stall {save_stall:.3g}s per save (health/sim.py: RESTART_S and "
+          f"ASYNC_SAVE_STALL_SHARE = {ASYNC_SAVE_STALL_SHARE:.1%} of a step, measured by benchmarks/recovery.py)")
     met = sum(report["targets"].values())
     print(f"targets met: {met}/{len(report['targets'])}  ({time.time() - started:.0f}s)")
     if args.json:

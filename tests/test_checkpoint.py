@@ -278,15 +278,24 @@ def test_manifest_lists_every_file_with_sha256(tmp_path: Path) -> None:
 # --- two ranks, gloo ------------------------------------------------------------------------
 
 
-def _dist_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
+def _dist_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str, background: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         reference = make_objects(10 + rank, ddp=True)  # per-rank dropout / python / numpy streams
         assert restore(ckpt_dir, reference) is None
-        train(reference, 0, 3, rank)
-        save(ckpt_dir, 3, reference)
+        saver = AsyncSaver() if background else None
+        if saver is not None:   # the first save learns DCP's keys (statedicts), the second reads through them
+            train(reference, 0, 2, rank)
+            saver.save(ckpt_dir, 2, reference, keep=3)
+            train(reference, 2, 3, rank)
+            saver.save(ckpt_dir, 3, reference, keep=3)   # written by the writer thread while the training goes on
+        else:
+            train(reference, 0, 3, rank)
+            save(ckpt_dir, 3, reference)
         rand_after_save = torch.rand(4)
         train(reference, 3, 6, rank)
+        if saver is not None:
+            saver.close()
 
         resumed = make_objects(500 + rank, fresh=True, ddp=True)
         info = restore(ckpt_dir, resumed)
@@ -312,10 +321,12 @@ def _dist_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_ddp_gloo(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_two_ranks_ddp_gloo(tmp_path: Path, background: bool) -> None:
     ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
     out_dir.mkdir()
-    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_dist_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir), background), nprocs=2,
+             join=True)
     results = [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
 
     for r in results:
@@ -329,7 +340,7 @@ def test_two_ranks_ddp_gloo(tmp_path: Path) -> None:
     for key, value in results[0]["resumed"].items():  # DDP keeps replicas identical
         assert torch.equal(value, results[1]["resumed"][key]), key
 
-    (info,) = list_checkpoints(ckpt_dir)
+    info = list_checkpoints(ckpt_dir)[0]
     manifest = json.loads((info.path / checkpoint.MANIFEST).read_text())
     assert manifest["world_size"] == 2
     assert not list(ckpt_dir.glob(".tmp-*"))

@@ -188,6 +188,64 @@ def test_phases_reach_the_controller_with_the_heartbeat(tmp_path, controller):
     assert bodies[-1]["phase"] == "train" and bodies[-1]["phase_since"] is None
 
 
+def test_listeners_hear_each_phase_the_heartbeat_reports(tmp_path, controller):
+    """One way in to a phase: `run.on_phase` listeners hear what the controller hears, the background write
+    included."""
+    from orchestrator.sdk import phases
+    bodies = controller
+    run = sdk.Run(checkpoint_dir=tmp_path, checkpoint_interval=1, keep=2, total_steps=None, async_save=True)
+    heard: list[tuple[str, bool, bool]] = []
+    run.on_phase(lambda name, started: heard.append((name, started, threading.current_thread() is threading.main_thread())))
+    model = torch.nn.Linear(2, 2)
+    for step in run.steps(0, 2):
+        with run.phase("eval"):
+            pass
+        run.checkpoint(model=model)
+    with phases.phase("data"):
+        pass
+    run.finish()
+    reported = {name for body in bodies for name in body["phases"]}
+    assert reported == {name for name, _, _ in heard} == {"eval", "checkpoint", "checkpoint-write", "data"}
+    for name in reported:
+        assert [s for n, s, _ in heard if n == name].count(True) == [s for n, s, _ in heard if n == name].count(False)
+    assert sum(1 for n, s, _ in heard if n == "checkpoint-write" and s) == 2
+    assert all(not main for n, s, main in heard if n == "checkpoint-write" and not s)   # ended by the writer thread
+
+
+def test_a_rank_waiting_for_a_background_write_is_in_the_write_phase(tmp_path, controller, monkeypatch):
+    """Waiting for a save being written (at the end, before the next save, before a restore), the rank reports
+    the write's phase since the write began: hang detection gives it the timeout learned from earlier writes,
+    not the one of "checkpoint", whose history holds only the milliseconds of the steps' stalls."""
+    from orchestrator.sdk import checkpoint
+    bodies = controller
+    release = threading.Event()
+    real_commit = checkpoint._commit
+
+    def slow_commit(*args: object) -> object:
+        release.wait(30)
+        return real_commit(*args)
+
+    monkeypatch.setattr(checkpoint, "_commit", slow_commit)
+    run = sdk.Run(checkpoint_dir=tmp_path, checkpoint_interval=1, keep=2, total_steps=None, async_save=True)
+    began = time.time()
+    for step in run.steps(0, 1):
+        run.checkpoint(model=torch.nn.Linear(2, 2))
+    finishing = threading.Thread(target=run.finish)
+    try:
+        deadline = time.time() + 20
+        while not any(b["phase"] == "train" for b in bodies) and time.time() < deadline:
+            time.sleep(0.05)                              # training goes on while the save is written ...
+        finishing.start()
+        while not any(b["phase"] == "checkpoint-write" for b in bodies) and time.time() < deadline:
+            time.sleep(0.05)                              # ... until the end waits for it
+        waiting = [b for b in bodies if b["phase"] == "checkpoint-write"]
+        assert waiting and began <= waiting[0]["phase_since"] <= time.time()
+    finally:
+        release.set()
+        finishing.join(30)
+    assert any(b["phases"].get("checkpoint-write", 0) > 0 for b in bodies)   # its duration, for the timeout
+
+
 def test_a_bad_phase_name_is_a_one_line_error(tmp_path):
     run = _make_run(tmp_path, 3)
     for bad in ("Eval", "train", "", "x" * 40, 3):

@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.storage import StorageWriter
 
 from orchestrator.sdk.ckptstore import MANIFEST, Location, Store, StorageUnavailable, open_store, step_of
+from orchestrator.sdk.statedicts import StateDictReader
 from orchestrator.spec import checkpoint_url_scheme
 
 __all__ = ["CheckpointError", "CheckpointInfo", "MANIFEST", "SaveSession", "list_checkpoints", "load_tensors",
@@ -77,17 +77,19 @@ def save(directory: str | Path, step: int, objects: Mapping[str, object], *, kee
     """
     state = SaveSession.state(objects)   # first: an object that cannot give its state leaves nothing behind
     session = SaveSession.start(directory, step, keep)
-    try:
-        with quiet_no_dist():
-            dcp.save(state, storage_writer=session.writer(), process_group=session.group,
-                     no_dist=not session.distributed)
-    except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
-        session.failed(e)
+    with quiet_no_dist():
+        session.write(state)
     return session.finish()
 
 
+def check_keep(keep: int) -> None:
+    """Before a save starts (an asynchronous one raises nothing else on the training thread)."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+
+
 class SaveSession:
-    """One save in three steps: `start` (where to write, agreed by all ranks), DCP's write of `state()`,
+    """One save in three steps: `start` (where to write, agreed by all ranks), `write` (DCP's) of `state()`,
     `finish` (checksums by all ranks, the commit by rank 0, pruning). `group` is the process group of its
     collectives (None: the default group), so that a background save can keep off the training's."""
 
@@ -101,8 +103,7 @@ class SaveSession:
     @classmethod
     def start(cls, directory: str | Path, step: int, keep: int, group: Any = None) -> SaveSession:
         """Collective: rank 0 picks where DCP writes (making ``step_N`` invisible on an object store)."""
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
+        check_keep(keep)
         started = time.time()
         distributed, rank, _ = _dist_info()
         name = f"step_{step:09d}"
@@ -124,21 +125,23 @@ class SaveSession:
         return cls(store, store.child(store.root, name), written, step, keep, group, started)
 
     @staticmethod
-    def state(objects: Mapping[str, object]) -> dict[str, Any]:
-        """What DCP writes: the objects' state dicts and this rank's RNG states (read now)."""
-        state = _state_dicts(objects)
+    def state(objects: Mapping[str, object], reader: StateDictReader | None = None) -> dict[str, Any]:
+        """What DCP writes: the objects' state dicts (through `reader` when given) and this rank's RNG states
+        (read now)."""
+        state = _state_dicts(objects, reader)
         state[_RNG_KEY.format(_dist_info()[1])] = _rng_state()
         return state
 
-    def writer(self) -> StorageWriter:
-        return self.store.writer(self.written)
-
-    def failed(self, error: BaseException) -> None:
-        """DCP's write failed (on every rank: it is collective): drop what it wrote and raise."""
-        if self.rank == 0:
-            self.store.remove(self.written)
-        raise CheckpointError(f"writing checkpoint {self.written} failed: {_one_line(error)}; "
-                              "earlier checkpoints are untouched") from error
+    def write(self, state: dict[str, Any]) -> None:
+        """Collective: DCP writes `state` where `start` agreed; on failure the partial files are removed."""
+        try:
+            dcp.save(state, storage_writer=self.store.writer(self.written), process_group=self.group,
+                     no_dist=not self.distributed)
+        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException; it fails on every rank
+            if self.rank == 0:
+                self.store.remove(self.written)
+            raise CheckpointError(f"writing checkpoint {self.written} failed: {_one_line(e)}; "
+                                  "earlier checkpoints are untouched") from e
 
     def finish(self) -> CheckpointInfo:
         """Collective: hash the files (each rank its share), commit on rank 0, prune; the same outcome everywhere."""
@@ -276,17 +279,18 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 # --- state dicts ----------------------------------------------------------------------------
 
 
-def _state_dicts(objects: Mapping[str, object]) -> dict[str, Any]:
-    """State dicts keyed by object name; modules and optimizers keyed by parameter FQN (no DDP prefix)."""
+def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None = None) -> dict[str, Any]:
+    """State dicts keyed by object name; modules and optimizers keyed by parameter FQN (no DDP prefix), as
+    DCP's get_model_state_dict and get_optimizer_state_dict key them (or `reader`, which gives the same)."""
     model = _the_model(objects)
     state: dict[str, Any] = {}
     for name, obj in objects.items():
         if name.startswith("_tfsn"):
             raise CheckpointError(f"object name {name!r} is reserved; rename it")
         if isinstance(obj, torch.nn.Module):
-            state[name] = get_model_state_dict(obj)
+            state[name] = reader.model(obj) if reader is not None else get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
-            state[name] = get_optimizer_state_dict(model, obj)
+            state[name] = reader.optimizer(model, obj) if reader is not None else get_optimizer_state_dict(model, obj)
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             state[name] = obj.state_dict()
         else:

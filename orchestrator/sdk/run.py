@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -160,7 +161,7 @@ class Run:
         self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
         self._write_s: float | None = None     # seconds the last save took to be written and committed
         self._saver = AsyncSaver() if async_save else None
-        self._phase_listeners: list[Callable[[str, bool], None]] = []
+        self._write: phases.Entered | None = None   # the phase of the save in flight (a background write)
         self._comm_timer: commtimer.CommTimer | None = None
         self._sync_wait = 0.0   # seconds this step waited in the SDK's own all-reduce (the checkpoint vote)
         self._phases = phases.PhaseClock()
@@ -245,31 +246,42 @@ class Run:
         if not (force or self._due(completed)):
             return None
         started = time.monotonic()
-        with self._phase(phases.CHECKPOINT):
+        with self._phases.phase(phases.CHECKPOINT):
             if self._saver is None:
                 result: ckpt.CheckpointInfo | PendingSave = ckpt.save(self.checkpoint_dir, completed, objects,
                                                                       keep=self.keep)
                 self._saved(result)
             else:
                 waited = time.monotonic()
-                self._saver.wait()   # the previous write's end is announced before this one's start
+                self._wait_for_write()   # the previous write's end is announced before this one's start
                 self._metrics["checkpoint_wait_s"] = time.monotonic() - waited
-                self._announce("checkpoint-write", True)
+                self._write = write = self._phases.enter(phases.CHECKPOINT_WRITE, background=True)
                 try:
                     result = self._saver.save(self.checkpoint_dir, completed, objects, keep=self.keep,
-                                              done=self._saved)
+                                              done=functools.partial(self._written, write))
                 except BaseException:
-                    self._announce("checkpoint-write", False)
+                    self._phases.leave(write)
                     raise
         self._last_save = time.monotonic()
         self._save_cost = self._last_save - started
         self._metrics["checkpoint_stall_s"] = self._save_cost
         return result
 
+    def _wait_for_write(self, saver: AsyncSaver | None = None) -> None:
+        """Wait for the save in flight (closing `saver` when given); meanwhile the rank is in its write's phase."""
+        with self._phases.joined(self._write):
+            if saver is not None:
+                saver.close()   # raises the CheckpointError of a failed last save
+            elif self._saver is not None:
+                self._saver.wait()
+
+    def _written(self, write: phases.Entered, info: ckpt.CheckpointInfo | None) -> None:
+        """A background save is over (None: it failed); in the writer thread."""
+        self._phases.leave(write)
+        self._saved(info)
+
     def _saved(self, info: ckpt.CheckpointInfo | None) -> None:
-        """A save is committed (None: it failed); in the background thread for an asynchronous save."""
-        if self._saver is not None:
-            self._announce("checkpoint-write", False)
+        """A save is committed (None: it failed)."""
         if info is None:
             return
         self.last_checkpoint, self._write_s = info, info.seconds
@@ -278,26 +290,10 @@ class Run:
 
     def on_phase(self, listener: Callable[[str, bool], None]) -> None:
         """Call `listener(name, started)` as phases start and end: "checkpoint" while the training thread
-        is in a save, "checkpoint-write" while a save is written in the background (called from that
-        thread). For hang detection, where a long save is not a hang, and for profilers."""
-        self._phase_listeners.append(listener)
-
-    def _announce(self, name: str, started: bool) -> None:
-        for listener in self._phase_listeners:
-            try:
-                listener(name, started)
-            except Exception as err:   # an observer must not break training
-                print(f"tfsn: phase listener failed (continuing): {err!r}", flush=True)
-
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        """The phase for the controller's hang detection (PhaseClock) and for this process's listeners."""
-        with self._phases.phase(name):
-            self._announce(name, True)
-            try:
-                yield
-            finally:
-                self._announce(name, False)
+        is in a save, "checkpoint-write" while a save is written in the background (called from the writer
+        thread at its end), and every phase announced with `run.phase` or `phases.phase`. The same
+        announcements the controller's hang detection gets (see `phases`); for profilers, say."""
+        self._phases.listen(listener)
 
     def restore(self, **objects: Any) -> int:
         """Load the newest valid checkpoint into `objects`; returns the step to start from (0 if none)."""
@@ -305,8 +301,8 @@ class Run:
             if isinstance(value, DistributedDataParallel):
                 self.watch(value)
         if self._saver is not None:
-            with self._phase(phases.CHECKPOINT):
-                self._saver.wait()
+            with self._phases.phase(phases.CHECKPOINT):
+                self._wait_for_write()
         info = ckpt.restore(self.checkpoint_dir, objects)
         if info is None:
             return 0
@@ -365,8 +361,8 @@ class Run:
         saver, self._saver = self._saver, None
         try:
             if saver is not None:
-                with self._phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
-                    saver.close()   # raises the CheckpointError of a failed last save
+                with self._phases.phase(phases.CHECKPOINT):   # a long last write is a save, not a hang
+                    self._wait_for_write(saver)
         finally:
             if self._telemetry is not None:
                 self._telemetry.close()

@@ -118,7 +118,7 @@ def test_index_expressions_are_data():
 
 def test_every_op_and_dtype_the_ir_fuses_has_a_c_and_a_triton_rendering():
     assert set(c_ops.POINTWISE) == set(ops.POINTWISE_OPS) == set(triton.OPS)
-    assert set(c_ops.CTYPES) == set(ops.DTYPES) == set(triton.TL_TYPES)
+    assert set(c_ops.CTYPES) == set(ops.DTYPES) == set(triton.TL_TYPES) - set(ir.HALF_DTYPES)
 
 
 class FavourNarrowVectors(CTarget):

@@ -99,6 +99,19 @@ def plan_json(report: StepReport) -> dict:
                                          "predicted_step_s": report.predicted_step_s}}
 
 
+def triton_sources(report: StepReport) -> dict[str, tuple[str, list[str | None]]]:
+    """Each graph's chosen plan as one Triton module (`tfsn optimize --hardware GPU --emit`): its source and
+    the kernel name of every group (None for an extern), by graph name."""
+    from optimizer.codegen import triton
+    sources = {}
+    for n, (graph, result) in enumerate(report.graphs):
+        plan = result.plan
+        source, kernels = triton.write_source(graph, plan.groups, plan.buffers, result.schedules, plan.inplace)
+        name = GRAPH_NAMES[n] if n < len(GRAPH_NAMES) else f"graph{n}"
+        sources[name] = (source, [k.name if k is not None else None for k in kernels])
+    return sources
+
+
 def _gpu_launch(group, schedule, stages: int) -> dict:
     """A GPU candidate's schedule as the launch shape it stands for (the columns predict_gpu reads)."""
     if group.kind == "gemm":

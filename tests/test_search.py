@@ -206,6 +206,17 @@ def test_optimize_command_emits_the_plan_with_kernels_and_externs_priced(tmp_pat
     assert len(attention) == 2 and all(g["predicted_s"] > 0 and g["flops"] > 0 for g in attention)   # forward, backward
     assert all(g["predicted_s"] == 0 for g in groups if g["kind"] == "extern" and g["class"] == "free")
     assert not plan["graphs"][0]["allow_tf32"]            # torch's default: fp32 products at the fp32 rate
+    # the plan's Triton kernels: every generated group names its kernel, defined in its graph's module
+    for graph in plan["graphs"]:
+        source = (out / f"{graph['name']}.py").read_text()
+        kernels = [g["kernel"] for g in graph["groups"] if g["kind"] != "extern"]
+        assert kernels and all(k.startswith(f"{graph['name']}.py:") for k in kernels)
+        assert all(f"def {k.split(':')[1]}(" in source for k in kernels) and "@triton.jit" in source
+        compile(source, graph["name"], "exec")      # a module Python reads (Triton's own check needs the GPU)
+        assert all("kernel" not in g for g in graph["groups"] if g["kind"] == "extern")
+    gemm_kernels = [k for graph in plan["graphs"] for g in graph["groups"] if g["kind"] == "gemm" for k in [g["kernel"]]]
+    forward = (out / "forward.py").read_text()
+    assert "tl.dot(" in forward and gemm_kernels
 
 
 def test_optimize_command_refuses_an_emit_folder_it_cannot_write(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -60,7 +61,6 @@ def load_callable(ref: str, option: str):
     import importlib
     import importlib.util
     import sys
-    from pathlib import Path
 
     module_name, sep, attr = ref.rpartition(":")
     if not sep or not module_name or not attr:
@@ -89,14 +89,13 @@ def load_callable(ref: str, option: str):
 
 EMIT_HELP = ("write the chosen plan to DIR/plan.json (created if missing): every graph's fusion groups, each "
              "kernel's chosen schedule (on a GPU its launch shape: tile, warps, stages) and predicted time, each "
-             "extern's class, FLOPs, bytes and predicted time, and the totals. Kernel source is not written: "
-             "there is no GPU code generator (Triton renderer) yet")
+             "extern's class, FLOPs, bytes and predicted time, and the totals; for a GPU, the Triton kernels of "
+             "that plan too, one module per graph (DIR/forward.py, DIR/backward.py)")
 
 
 def _emit_dir(emit: str):
     """The folder `--emit` names, created and checked writable before any work: a bad DIR fails at once."""
     import tempfile
-    from pathlib import Path
 
     path = Path(emit).expanduser()
     if path.exists() and not path.is_dir():
@@ -164,7 +163,7 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
         _fail(f"building the model or its inputs failed: {type(err).__name__}: {err}", code=1)
     if not isinstance(example, tuple):
         example = (example,)
-    from optimizer.step import optimize_step, plan_json
+    from optimizer.step import optimize_step
 
     try:
         report = optimize_step(module, example, spec, top_k=top_k)
@@ -173,15 +172,40 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
         _fail(f"the training step failed under capture: {type(err).__name__}: {first}", code=1)
     data = _print_report(report)
     if folder is not None:
-        from optimizer.cache import atomic_write
-        try:
-            atomic_write(folder / "plan.json", (json.dumps(plan_json(report), indent=1) + "\n").encode())
-        except OSError as err:
-            _fail(f"--emit {emit}: writing plan.json failed: {err.strerror or err}", code=1)
-        typer.echo(f"wrote {folder / 'plan.json'}" + (" (the plan only: there is no Triton renderer yet)"
-                                                      if report.kind == "gpu" else ""))
+        _emit(folder, emit, report)
     if json_out:
         typer.echo(json.dumps(data))
+
+
+def _emit(folder: Path, emit: str, report) -> None:
+    """plan.json, and on a GPU the plan's Triton kernels: a module per graph, each group's kernel named in
+    plan.json. Each file is written whole or not at all."""
+    from optimizer.cache import atomic_write
+    from optimizer.codegen.triton import Unsupported
+    from optimizer.step import plan_json, triton_sources
+
+    plan = plan_json(report)
+    files = {}
+    if report.kind == "gpu":
+        try:
+            sources = triton_sources(report)
+        except Unsupported as err:      # an op with no Triton form: the plan is still worth having
+            typer.echo(f"no Triton kernels written: {err}")
+            sources = {}
+        for graph in plan["graphs"]:
+            if graph["name"] in sources:
+                source, names = sources[graph["name"]]
+                for group in graph["groups"]:
+                    if names[group["group"]] is not None:
+                        group["kernel"] = f"{graph['name']}.py:{names[group['group']]}"
+                files[f"{graph['name']}.py"] = source
+    files["plan.json"] = json.dumps(plan, indent=1) + "\n"
+    for name, text in files.items():
+        try:
+            atomic_write(folder / name, text.encode())
+        except OSError as err:
+            _fail(f"--emit {emit}: writing {name} failed: {err.strerror or err}", code=1)
+    typer.echo("wrote " + ", ".join(str(folder / name) for name in files))
 
 
 def register(app: typer.Typer) -> None:

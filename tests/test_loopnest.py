@@ -101,7 +101,9 @@ def test_the_search_leaves_the_collector_as_it_found_it():
     try:
         frozen = gc.get_freeze_count()
         search.search_graph(lowered(mlp, *args)[0], HOST, timing=False)
-        assert gc.get_freeze_count() == frozen
+        # not unfrozen (0), not frozen further (more); a few frozen objects may be freed meanwhile by other
+        # threads of the test process (seen in the whole suite: 6 of 1.27 million)
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 

@@ -3,6 +3,7 @@
     import tfsn
     run = tfsn.init()
     model = tfsn.optimize(model)             # = torch.compile(model, backend="tfsn")
+    step = tfsn.jax.optimize(train_step)     # a JAX step, called as jax.jit(train_step) is
     start = run.restore(model=model, optimizer=opt)
     for step in run.steps(start, total_steps):
         loss = train_step(...)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Run", "init", "main", "optimize"]
+__all__ = ["Run", "init", "jax", "main", "optimize"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +27,9 @@ def __getattr__(name: str) -> Any:
     if name == "optimize":
         from optimizer.backend import optimize
         return optimize
+    if name == "jax":                        # tfsn.jax.optimize: needs JAX (pip install 'tfsn[jax]')
+        import optimizer.jax_backend
+        return optimizer.jax_backend
     raise AttributeError(f"module 'tfsn' has no attribute {name!r}")
 
 

@@ -11,6 +11,7 @@ import functools
 import os
 import subprocess
 from pathlib import Path
+from typing import Sequence
 
 from optimizer.cache import atomic_write, content_key, get_or_build
 
@@ -47,14 +48,16 @@ def host_flags() -> tuple[str, ...]:
     return tuple(flags + ["-lm"])
 
 
-def build_library(source: str) -> Path:
-    """The shared object for `source`, compiled once per (source, compiler, flags, hardware)."""
-    key = content_key(source, compiler_id(), " ".join(host_flags()), hardware_id())
+def build_library(source: str, include_dirs: Sequence[str] = ()) -> Path:
+    """The shared object for `source`, compiled once per (source, compiler, flags, hardware);
+    `include_dirs`: headers it includes beyond libc's (XLA's FFI API, codegen/xla_ffi.py)."""
+    includes = [f"-I{d}" for d in include_dirs]
+    key = content_key(source, compiler_id(), " ".join([*host_flags(), *includes]), hardware_id())
 
     def compile_to(out: Path) -> None:
         cc = os.environ.get("CC", "gcc")
         flags = host_flags()
-        cmd = [cc, *[f for f in flags if not f.startswith("-l")], "-x", "c", "-", "-o", str(out),
+        cmd = [cc, *[f for f in flags if not f.startswith("-l")], *includes, "-x", "c", "-", "-o", str(out),
                *[f for f in flags if f.startswith("-l")]]
         proc = subprocess.run(cmd, input=source, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:

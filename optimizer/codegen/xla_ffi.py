@@ -1,0 +1,80 @@
+"""Generated C kernels as XLA FFI handlers: custom calls that a jitted JAX function makes on the CPU.
+
+Why: the step stays one XLA program. XLA allocates every buffer, orders the calls and runs whatever
+the generator does not cover next to them, with no copy and no return to Python between kernels.
+Each kernel gets a handler `tfsn_ffi_<kernel>` in the same C file: it takes the kernel's inputs
+as the call's operands and its outputs as the call's results (XLA's row-major buffers, the strides
+the kernel was written for, see frontends/jax.py), in the order of the kernel's parameters. The
+handlers answer XLA's metadata query with the FFI API version of the headers jaxlib ships.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from typing import Sequence
+
+from optimizer.codegen import compiler
+from optimizer.codegen.c import Kernel, library_source
+
+PRELUDE = """
+#include "xla/ffi/api/c_api.h"
+#define TFSN_ARG(f, i) (((XLA_FFI_Buffer*)(f)->args.args[i])->data)
+#define TFSN_RET(f, i) (((XLA_FFI_Buffer*)(f)->rets.rets[i])->data)
+/* XLA asks each handler, before any call, which FFI API it was built against */
+static int tfsn_ffi_metadata(XLA_FFI_CallFrame* f) {
+  XLA_FFI_Extension_Base* e = f->extension_start;
+  if (e == NULL || e->type != XLA_FFI_Extension_Metadata) return 0;
+  XLA_FFI_Metadata* m = ((XLA_FFI_Metadata_Extension*)e)->metadata;
+  m->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  m->api_version.extension_start = NULL;
+  m->api_version.major_version = XLA_FFI_API_MAJOR;
+  m->api_version.minor_version = XLA_FFI_API_MINOR;
+  m->traits = 0;
+  return 1;
+}
+"""
+
+
+def handler_name(kernel: Kernel) -> str:
+    return f"tfsn_ffi_{kernel.name}"
+
+
+def operands(kernel: Kernel) -> list[int]:
+    """The nodes a kernel's custom call takes as operands (what it reads and does not write), in order."""
+    return [p for p in kernel.params if p not in kernel.outputs]
+
+
+def handler(kernel: Kernel) -> str:
+    ins, outs = operands(kernel), list(kernel.outputs)
+    args = ", ".join(f"TFSN_RET(f, {outs.index(p)})" if p in outs else f"TFSN_ARG(f, {ins.index(p)})"
+                     for p in kernel.params)
+    return (f"XLA_FFI_Error* {handler_name(kernel)}(XLA_FFI_CallFrame* f) {{\n"
+            f"  if (!tfsn_ffi_metadata(f)) {kernel.name}({args});\n  return NULL;\n}}\n")
+
+
+def ffi_source(kernels: Sequence[Kernel | None]) -> str:
+    """The kernels' C file with a handler after each."""
+    return library_source(kernels) + PRELUDE + "".join(handler(k) for k in kernels if k is not None)
+
+
+def register(kernels: Sequence[Kernel | None]) -> dict[str, str]:
+    """Build the kernels' library and register each handler with XLA (CPU): kernel name -> the
+    custom call's target name, unique to this library (two graphs each have a kernel k0)."""
+    import jax.ffi
+
+    source = ffi_source(kernels)
+    lib = compiler.load_library(compiler.build_library(source, [jax.ffi.include_dir()]))
+    tag = hashlib.sha256(source.encode()).hexdigest()[:16]
+    targets = {}
+    for k in kernels:
+        if k is None:
+            continue
+        name = f"tfsn_{tag}_{k.name}"
+        if name not in _REGISTERED:
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, handler_name(k))), platform="cpu")
+            _REGISTERED[name] = lib
+        targets[k.name] = name
+    return targets
+
+
+_REGISTERED: dict[str, ctypes.CDLL] = {}     # a registered handler's library lives as long as the process

@@ -1,0 +1,128 @@
+"""tfsn.jax.optimize: a JAX training step through tfsn's optimizer, called as jax.jit's result is.
+
+    import tfsn
+    step = tfsn.jax.optimize(train_step)           # as jax.jit(train_step)
+    params, opt_state, loss = step(params, opt_state, batch)
+
+Per signature of its arguments (their tree, shapes and dtypes, as jax.jit caches), the step is
+traced to a jaxpr, lowered to the IR (frontends/jax.py), planned and scheduled by the same fusion
+and search as a torch graph, its kernels generated as C and registered as XLA FFI custom calls
+(codegen/xla_ffi.py), and the whole step jitted as one XLA program (jax_runtime.py) in which
+everything the generator does not cover runs as XLA runs it. A step whose lowering or code fails
+runs as jax.jit(step_fn), with the reason logged: a generator bug must not stop training.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+
+from optimizer.schedule import Schedule
+
+log = logging.getLogger("tfsn.optimizer")
+
+__all__ = ["optimize", "compile_jaxpr"]
+
+
+def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int | None = None,
+                  donate: Sequence[int] = ()) -> tuple[Callable, dict]:
+    """A ClosedJaxpr as a jitted function of its flat inputs returning its flat outputs, and what
+    was generated ({"kernels": n, "externs": n}). Without a fixed `schedule`, the plan and every
+    kernel's schedule come from the search (cached on disk, as for torch graphs)."""
+    from optimizer import fusion
+    from optimizer.backend import default_top_k, searched_plan
+    from optimizer.codegen import c, compiler, xla_ffi
+    from optimizer.frontends.jax import from_jaxpr
+    from optimizer.jax_runtime import Program
+
+    graph = from_jaxpr(closed)
+    gemm = compiler.sgemm_address() is not None
+    if schedule is not None:
+        plan = fusion.plan(graph, gemm=gemm)
+        schedules = [schedule] * len(plan.groups)
+    else:
+        plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("tfsn fusion plan (jax):\n%s", fusion.describe(graph, plan))
+    _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+    targets = xla_ffi.register(kernels) if any(kernels) else {}
+    program = Program(graph, plan.groups, kernels, targets)
+    stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels)}
+    return jax.jit(program, donate_argnums=tuple(donate)), stats
+
+
+class Optimized:
+    """What optimize returns: called as jax.jit(step_fn) is; one compiled program per signature."""
+
+    def __init__(self, fn: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str],
+                 donate_argnums: Sequence[int], options: dict) -> None:
+        self.fn = fn
+        self.static_argnums = tuple(static_argnums)
+        self.static_argnames = tuple(static_argnames)
+        self.donate_argnums = tuple(donate_argnums)
+        self.options = options
+        self.compiled: dict[Any, tuple[Callable, Any]] = {}
+        self.stats: dict[Any, dict] = {}         # per signature: kernels generated, externs left to XLA
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        static = tuple(args[i] for i in self.static_argnums if i < len(args))
+        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
+        dynamic_kw = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        leaves, tree = jax.tree_util.tree_flatten((dynamic, dynamic_kw))
+        key = (tree, static, static_kw,
+               tuple((jax.numpy.shape(x), jax.numpy.result_type(x), _weak(x)) for x in leaves))
+        if key not in self.compiled:
+            run, out_tree, self.stats[key] = self._compile(args, dict(static_kw), dynamic, dynamic_kw)
+            self.compiled[key] = run, out_tree
+        run, out_tree = self.compiled[key]
+        return jax.tree_util.tree_unflatten(out_tree, run(*leaves))
+
+    def _compile(self, args: tuple, static_kw: dict, dynamic: list, dynamic_kw: dict) -> tuple[Callable, Any, dict]:
+        def flat_fn(dynamic_args: list, kw: dict) -> Any:
+            full, it = [], iter(dynamic_args)
+            for i in range(len(args)):
+                full.append(args[i] if i in self.static_argnums else next(it))
+            return self.fn(*full, **kw, **static_kw)
+
+        closed, shape = jax.make_jaxpr(flat_fn, return_shape=True)(dynamic, dynamic_kw)
+        out_tree = jax.tree_util.tree_structure(shape)
+        donate = _donated_leaves(args, self.static_argnums, self.donate_argnums)
+        try:
+            run, stats = compile_jaxpr(closed, donate=donate, **self.options)
+        except Exception as e:     # noqa: BLE001 - a generator bug must not stop training
+            log.warning("tfsn: running a JAX step as jax.jit, its generated code failed: %s", str(e)[:2000])
+            run, stats = jax.jit(jax.extend.core.jaxpr_as_fun(closed), donate_argnums=donate), {"fallback": str(e)}
+        return run, out_tree, stats
+
+
+def _weak(x: Any) -> bool:
+    return bool(getattr(x, "weak_type", False)) or isinstance(x, (int, float, bool, complex))
+
+
+def _donated_leaves(args: tuple, static: Sequence[int], donated: Sequence[int]) -> tuple[int, ...]:
+    """Flat input positions of the donated arguments' leaves (static arguments have none)."""
+    out, pos = [], 0
+    for i, a in enumerate(args):
+        if i in static:
+            continue
+        n = len(jax.tree_util.tree_leaves(a))
+        if i in donated:
+            out += range(pos, pos + n)
+        pos += n
+    return tuple(out)
+
+
+def optimize(fn: Callable, *, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+             donate_argnums: int | Sequence[int] = (), schedule: Schedule | None = None,
+             top_k: int | None = None) -> Callable:
+    """`fn` (a function of JAX arrays: a training step, a loss and its gradients) compiled through
+    tfsn's optimizer; called as jax.jit(fn, static_argnums=..., static_argnames=..., donate_argnums=...)
+    is. `schedule` fixes every kernel's schedule (no search); `top_k`: candidates the search times."""
+    def as_tuple(v):
+        return (v,) if isinstance(v, (int, str)) else tuple(v)
+    return Optimized(fn, as_tuple(static_argnums), as_tuple(static_argnames), as_tuple(donate_argnums),
+                     {"schedule": schedule, "top_k": top_k})

@@ -37,13 +37,16 @@ VM_TAG = "TFSN_SANDBOX_VM"   # in the environment of every process of a sandbox 
 QUICK_RETRIES = {"TFSN_BOOT_RETRIES": "2", "TFSN_BOOT_RETRY_DELAY_S": "1"}
 
 
-def vm_image(folder: Path) -> Path:
+def vm_image(folder: Path, leave_out: tuple[str, ...] = ()) -> Path:
     """What every sandbox VM's Python sees of the packages of the Python running the tests: all but tfsn (so
-    that a boot that installs nothing cannot import it), as links in `folder` (made once, read-only)."""
+    that a boot that installs nothing cannot import it) and the distributions named in `leave_out` (what the
+    boot must install), as links in `folder` (made once, read-only)."""
     shared = Path(sysconfig.get_paths()["purelib"])
     folder.mkdir(parents=True, exist_ok=True)
+    left_out = {name.lower().replace("-", "_") for name in leave_out}
     for entry in shared.iterdir():
-        if "tfsn" not in entry.name.lower() and entry.suffix != ".pth":
+        distribution = entry.name.split("-")[0].split(".")[0].lower()   # s3fs, s3fs-2026.7.0.dist-info
+        if "tfsn" not in entry.name.lower() and entry.suffix != ".pth" and distribution not in left_out:
             (folder / entry.name).symlink_to(entry)
     return folder
 

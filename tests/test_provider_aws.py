@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import threading
 import time
 import urllib.request
 import zipfile
@@ -354,17 +353,6 @@ def test_an_instance_boots_its_real_user_data_and_its_power_off_terminates_it(cl
     assert aws.AwsProvider().status(handle) is NodeStatus.TERMINATED
 
 
-def this_machines_address() -> str | None:
-    """An address of this machine beyond loopback (cloud nodes never reach a controller on 127.0.0.1)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))   # sends nothing: the route's source address is what is asked
-        except OSError:
-            return None
-        address = probe.getsockname()[0]
-    return None if address.startswith("127.") else address
-
-
 TRAIN = """import os, pathlib, tempfile, zipfile, orchestrator
 print('rank', os.environ['RANK'], 'ran in', os.getcwd(), 'with tfsn from', os.path.dirname(orchestrator.__file__),
       'among', sorted(os.listdir('.')))
@@ -380,16 +368,11 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
     """moto plays EC2's API and tests/vmsandbox.py its machines: the controller plans the job on the AWS catalog,
     the driver starts two instances, each boots its user-data (tfsn's wheel and the job's code from the
     controller, over TLS), both agents run the job's command under torchrun, and the teardown ends the VMs."""
-    from orchestrator.control.api import ApiServer
-    from orchestrator.control.controller import Controller
     from orchestrator.control.credentials import agent_token
-    from orchestrator.control.store import JobState, Store
+    from orchestrator.control.store import JobState
     from orchestrator.spec import JobSpec
-    from tests.vmsandbox import Ec2Player, vm_image
+    from tests.vmsandbox import Ec2Player, controller_for_vms, vm_image, wait_for
     _, ec2, _ = cloud
-    address = this_machines_address()
-    if address is None:
-        pytest.skip("this machine has no address beyond loopback for the VMs to reach the controller at")
     code, home = tmp_path / "code", tmp_path / "home"
     code.mkdir()
     home.mkdir()
@@ -399,45 +382,32 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
     (code / "data" / "big.bin").write_bytes(b"0" * 4096)
     (code / ".git").mkdir()
     (code / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    store = Store(home / "tfsn.db")
-    controller = Controller(store, home, {"aws": aws.AwsProvider()})
-    server = ApiServer(0, store, controller.handlers, host="0.0.0.0", advertise=address, home=home)
-    controller.listen(server)
-    server.start()
-    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
-    player.start()
-    stop = threading.Event()
-    loop = threading.Thread(target=controller.run_forever, args=(stop, 600), daemon=True)
-    loop.start()
     spec = JobSpec.model_validate({"name": "vms", "run": "python train.py", "workdir": str(code), "num_nodes": 2,
                                    "nproc_per_node": 1, "resources": {"infra": ["aws"], "accelerators": "A100:8",
                                                                        "regions": [REGION]}})
-    job = store.create_job("vms", spec.model_dump(mode="json"), "p", "secret")
-    try:
-        deadline = time.monotonic() + 300
-        while not store.job(job.id).state.terminal and time.monotonic() < deadline:
-            time.sleep(0.5)
-        log = (home / "jobs" / str(job.id) / "job.log").read_text()
-        assert store.job(job.id).state == JobState.SUCCEEDED, log
-        for rank in (0, 1):
-            line = next(line for line in log.splitlines() if line.startswith(f"[rank{rank}]: rank {rank} ran in"))
-            assert f"{tmp_path / 'vms'}/i-" in line and "/node/workdir with tfsn from" in line, line
-            assert str(Path(__file__).parent.parent) not in line   # the VM's own copy of tfsn, not this checkout
-            assert line.endswith("among ['.gitignore', 'train.py']"), line   # data/ (ignored) and .git left out
-        # a controller run from an installed tfsn (no source tree) repacks the installed distribution's files
-        wheel = controller.ctx.artifacts.path(store.job(job.id).artifacts["wheel"])
-        assert f"[rank0]: repacked: {sorted(zipfile.ZipFile(wheel).namelist())}" in log
-        for node in store.nodes(job.id):
-            assert store.node(node.id).boot_failure == ""
-            assert agent_token(job.token, node.id) not in "".join(vm.boot_log for vm in player.vms.values())
-        deadline = time.monotonic() + 30
-        while any(vm.process.poll() is None for vm in player.vms.values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert len(player.vms) == 2 and all(vm.process.poll() is not None for vm in player.vms.values())
-        states = {i["State"]["Name"] for i in instances(ec2, store.nodes(job.id)[0].id)}
-        assert states <= {"shutting-down", "terminated"}, states
-    finally:
-        stop.set()
-        player.stop()
-        server.shutdown()
-        server.server_close()
+    with controller_for_vms(home, {"aws": aws.AwsProvider()}) as controller:
+        store = controller.ctx.store
+        player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
+        player.start()
+        try:
+            job = store.create_job("vms", spec.model_dump(mode="json"), "p", "secret")
+            wait_for(lambda: store.job(job.id).state.terminal, 300, "the job's end")
+            log = (home / "jobs" / str(job.id) / "job.log").read_text()
+            assert store.job(job.id).state == JobState.SUCCEEDED, log
+            for rank in (0, 1):
+                line = next(line for line in log.splitlines() if line.startswith(f"[rank{rank}]: rank {rank} ran in"))
+                assert f"{tmp_path / 'vms'}/i-" in line and "/node/workdir with tfsn from" in line, line
+                assert str(Path(__file__).parent.parent) not in line   # the VM's own copy of tfsn, not this checkout
+                assert line.endswith("among ['.gitignore', 'train.py']"), line   # data/ (ignored) and .git left out
+            # a controller run from an installed tfsn (no source tree) repacks the installed distribution's files
+            wheel = controller.ctx.artifacts.path(store.job(job.id).artifacts["wheel"])
+            assert f"[rank0]: repacked: {sorted(zipfile.ZipFile(wheel).namelist())}" in log
+            for node in store.nodes(job.id):
+                assert store.node(node.id).boot_failure == ""
+                assert agent_token(job.token, node.id) not in "".join(vm.boot_log for vm in player.vms.values())
+            wait_for(lambda: all(vm.process.poll() is not None for vm in player.vms.values()), 30, "the VMs' power-off")
+            assert len(player.vms) == 2
+            states = {i["State"]["Name"] for i in instances(ec2, store.nodes(job.id)[0].id)}
+            assert states <= {"shutting-down", "terminated"}, states
+        finally:
+            player.stop()

@@ -20,15 +20,23 @@ group is the VM dying) uses:
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
+import pytest
+
+from orchestrator.control.api import ApiServer
+from orchestrator.control.controller import Controller
+from orchestrator.control.store import Store
 from providers.processes import pids_with_env
 
 MACHINE_COMMANDS = ("shutdown", "poweroff", "halt", "reboot")
@@ -177,3 +185,45 @@ class Ec2Player:
             self._thread.join(timeout=10)
         for vm in self.vms.values():
             vm.kill()
+
+
+def this_machines_address() -> str | None:
+    """An address of this machine beyond loopback (cloud nodes never reach a controller on 127.0.0.1)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))   # sends nothing: the route's source address is what is asked
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@contextlib.contextmanager
+def controller_for_vms(home: Path, providers: dict[str, Any]) -> Iterator[Controller]:
+    """A controller running its loop on a thread, with its API where sandbox VMs reach it as cloud nodes reach
+    one: TLS with its own CA, at this machine's address beyond loopback (the test is skipped where there is
+    none)."""
+    address = this_machines_address()
+    if address is None:
+        pytest.skip("this machine has no address beyond loopback for the VMs to reach the controller at")
+    store = Store(home / "tfsn.db")
+    controller = Controller(store, home, providers)
+    server = ApiServer(0, store, controller.handlers, host="0.0.0.0", advertise=address, home=home)
+    controller.listen(server)
+    server.start()
+    stop = threading.Event()
+    threading.Thread(target=controller.run_forever, args=(stop, 600), daemon=True).start()
+    try:
+        yield controller
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    """Poll `condition()` until it holds; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.5)

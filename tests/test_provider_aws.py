@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 import zipfile
@@ -411,3 +414,101 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
             assert states <= {"shutting-down", "terminated"}, states
         finally:
             player.stop()
+
+
+# A user's training script: a tiny model, data a function of the step, checkpoints through tfsn. Its first
+# attempt (not a resumed one) pauses after PAUSE_AFTER steps, past a checkpoint, for the test to reclaim its VM.
+CHECKPOINTED = """import os, time, torch, tfsn
+run = tfsn.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+start = run.restore(model=model, optimizer=opt)
+print(f"rank {run.rank} starts at step {start}", flush=True)
+for step in run.steps(start):
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+    loss = (model(x) - x[:, :4]).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    run.log(loss=loss)
+    run.checkpoint(model=model, optimizer=opt)
+    if start == 0 and step + 1 == int(os.environ.get("PAUSE_AFTER", "0")):
+        print(f"paused after step {step + 1}", flush=True)
+        time.sleep(600)
+run.finish()
+"""
+
+
+def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_bit(cloud, tmp_path, monkeypatch):
+    """Deliverable 7 on emulated AWS: moto plays EC2 and S3, sandboxes the VMs. The job checkpoints to s3://; its
+    VM is reclaimed (its processes killed at once, the instance terminated, as a spot reclaim looks); the
+    controller starts a replacement, which boots, restores the bucket's last checkpoint and ends with the state
+    of a run that was never interrupted, bit for bit."""
+    import torch
+
+    from orchestrator.control.artifacts import repack_installed
+    from orchestrator.control.store import JobState
+    from orchestrator.sdk.checkpoint import list_checkpoints, load_tensors
+    from orchestrator.spec import JobSpec
+    from tests.vmsandbox import Ec2Player, controller_for_vms, vm_image, wait_for
+    proxy, ec2, _ = cloud
+    s3_url = "http://{}:{}".format(*proxy.upstream)   # S3 straight from moto (the fault proxy is EC2's)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_url)
+    boto3.client("s3").create_bucket(Bucket="tfsn-ckpt")
+    url, steps, interval, pause = "s3://tfsn-ckpt/reclaimed", 8, 3, 5
+    code, home = tmp_path / "code", tmp_path / "home"
+    code.mkdir()
+    home.mkdir()
+    (code / "train.py").write_text(CHECKPOINTED)
+    wheels = tmp_path / "wheels"   # the VMs' package index: their image lacks s3fs, the boot installs it
+    wheels.mkdir()
+    repack_installed(wheels, "s3fs")
+    # What an instance role gives a VM on AWS: credentials for the bucket (here moto's, at its endpoint).
+    machine = {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_url, "AWS_DEFAULT_REGION": REGION,
+               "AWS_EC2_METADATA_DISABLED": "true", "PIP_FIND_LINKS": str(wheels)}
+    spec = JobSpec.model_validate({
+        "name": "reclaimed", "run": "python train.py", "workdir": str(code), "num_nodes": 1, "nproc_per_node": 1,
+        "steps": steps, "envs": {"PAUSE_AFTER": str(pause), "OMP_NUM_THREADS": "1"},
+        "checkpoint": {"dir": url, "interval": interval},
+        "resources": {"infra": ["aws"], "accelerators": "A100:8", "regions": [REGION]}})
+    reference = tmp_path / "reference"   # the same script, never interrupted, on this machine, meanwhile
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TFSN_", "AWS_"))}
+    uninterrupted = subprocess.Popen([sys.executable, str(code / "train.py")], cwd=tmp_path, env={
+        **env, "PYTHONPATH": str(Path(__file__).parent.parent), "OMP_NUM_THREADS": "1", "TFSN_STEPS": str(steps),
+        "TFSN_CHECKPOINT_DIR": str(reference), "TFSN_CHECKPOINT_INTERVAL": str(interval)})
+    driver = aws.AwsProvider()
+    driver.status_poll_s = 1.0   # the controller asks EC2 about its nodes every second (10 s by default)
+    try:
+        with controller_for_vms(home, {"aws": driver}) as controller:
+            store = controller.ctx.store
+            player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image", leave_out=("s3fs",)), machine)
+            player.start()
+            try:
+                job = store.create_job("reclaimed", spec.model_dump(mode="json"), "p", "secret")
+                log = home / "jobs" / str(job.id) / "job.log"
+                paused = f"paused after step {pause}"
+                wait_for(lambda: store.job(job.id).state.terminal or (log.is_file() and paused in log.read_text()),
+                         120, "the first attempt's pause")
+                assert not store.job(job.id).state.terminal, log.read_text()
+                wait_for(lambda: [c.step for c in list_checkpoints(url)] == [interval], 30, "the bucket's checkpoint")
+                [first] = player.vms
+                player.reclaim(first)
+                wait_for(lambda: store.job(job.id).state.terminal, 180, "the job's end")
+                assert store.job(job.id).state == JobState.SUCCEEDED, log.read_text()
+            finally:
+                player.stop()
+        assert uninterrupted.wait(timeout=120) == 0
+    finally:
+        uninterrupted.kill()   # nothing, once it ended
+    done = store.job(job.id)
+    assert done.restarts == 1 and done.restored_step == interval
+    assert len(player.vms) == 2 and player.vms[first].shutdown_calls == []   # killed, not powered off
+    for vm in player.vms.values():   # each installed s3fs as it booted
+        assert list((vm.folder / "python").rglob("s3fs/__init__.py")), vm.boot_log
+    assert f"[rank0]: rank 0 starts at step {interval}" in log.read_text()
+    assert [c.step for c in list_checkpoints(url)][0] == steps
+    expected, got = load_tensors(list_checkpoints(reference)[0].path), load_tensors(list_checkpoints(url)[0].path)
+    assert expected.keys() == got.keys() and any(k.startswith("optimizer") for k in got)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), f"{key} differs after the reclaim"

@@ -178,6 +178,12 @@ class Ec2Player:
         """The VM dies: its process tree at once (what EC2 then shows is the test's to say)."""
         self.vms[instance_id].kill()
 
+    def reclaim(self, instance_id: str) -> None:
+        """What a spot reclaim looks like: the VM dies at once, and EC2 shows its instance terminated."""
+        self._ended.add(instance_id)
+        self.vms[instance_id].kill()
+        self.ec2.terminate_instances(InstanceIds=[instance_id])
+
     def stop(self) -> None:
         """Stop playing and kill every VM still running."""
         self._stop.set()

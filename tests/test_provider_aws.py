@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -333,27 +332,10 @@ def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_
 def test_an_instance_boots_its_real_user_data_and_its_power_off_terminates_it(cloud, tmp_path):
     """moto plays EC2's API, tests/vmsandbox.py its machines: the driver's user-data runs in a sandbox VM. With
     no controller to reach, the boot fails, powers off, and the instance is gone for the controller too."""
-    from providers.base import BootFiles
-    from tests.vmsandbox import Ec2Player, vm_image
+    from tests.vmsandbox import Ec2Player, assert_a_failed_boot_powers_off, vm_image
     _, ec2, _ = cloud
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    req = request(workdir="workdir",   # under the node's root: the sandbox's own folder
-                  boot=BootFiles(wheel="tfsn-0.1.0-py3-none-any.whl", wheel_sha256="a" * 64, code_sha256="b" * 64),
-                  env={"TFSN_NODE_ID": "train-1-n0-ab12", "TFSN_JOB_ID": "1", "TFSN_TOKEN": "t",
-                       "TFSN_CONTROLLER_URL": nobody})
-    handle = aws.AwsProvider().provision(req)
     player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
-    try:
-        player.poll()
-        [vm] = player.vms.values()
-        vm.process.wait(timeout=60)
-        player.poll()
-    finally:
-        player.stop()
-    assert vm.shutdown_calls == ["shutdown -h now"] and "boot failed in stage 'install'" in vm.boot_log
-    assert aws.AwsProvider().status(handle) is NodeStatus.TERMINATED
+    assert_a_failed_boot_powers_off(player, aws.AwsProvider(), request())
 
 
 TRAIN = """import os, pathlib, tempfile, zipfile, orchestrator
@@ -372,9 +354,8 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
     the driver starts two instances, each boots its user-data (tfsn's wheel and the job's code from the
     controller, over TLS), both agents run the job's command under torchrun, and the teardown ends the VMs."""
     from orchestrator.control.credentials import agent_token
-    from orchestrator.control.store import JobState
     from orchestrator.spec import JobSpec
-    from tests.vmsandbox import Ec2Player, controller_for_vms, vm_image, wait_for
+    from tests.vmsandbox import Ec2Player, controller_for_vms, run_to_the_end, vm_image, wait_for
     _, ec2, _ = cloud
     code, home = tmp_path / "code", tmp_path / "home"
     code.mkdir()
@@ -388,32 +369,25 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
     spec = JobSpec.model_validate({"name": "vms", "run": "python train.py", "workdir": str(code), "num_nodes": 2,
                                    "nproc_per_node": 1, "resources": {"infra": ["aws"], "accelerators": "A100:8",
                                                                        "regions": [REGION]}})
-    with controller_for_vms(home, {"aws": aws.AwsProvider()}) as controller:
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
+    with controller_for_vms(home, {"aws": aws.AwsProvider()}, player) as controller:
         store = controller.ctx.store
-        player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
-        player.start()
-        try:
-            job = store.create_job("vms", spec.model_dump(mode="json"), "p", "secret")
-            wait_for(lambda: store.job(job.id).state.terminal, 300, "the job's end")
-            log = (home / "jobs" / str(job.id) / "job.log").read_text()
-            assert store.job(job.id).state == JobState.SUCCEEDED, log
-            for rank in (0, 1):
-                line = next(line for line in log.splitlines() if line.startswith(f"[rank{rank}]: rank {rank} ran in"))
-                assert f"{tmp_path / 'vms'}/i-" in line and "/node/workdir with tfsn from" in line, line
-                assert str(Path(__file__).parent.parent) not in line   # the VM's own copy of tfsn, not this checkout
-                assert line.endswith("among ['.gitignore', 'train.py']"), line   # data/ (ignored) and .git left out
-            # a controller run from an installed tfsn (no source tree) repacks the installed distribution's files
-            wheel = controller.ctx.artifacts.path(store.job(job.id).artifacts["wheel"])
-            assert f"[rank0]: repacked: {sorted(zipfile.ZipFile(wheel).namelist())}" in log
-            for node in store.nodes(job.id):
-                assert store.node(node.id).boot_failure == ""
-                assert agent_token(job.token, node.id) not in "".join(vm.boot_log for vm in player.vms.values())
-            wait_for(lambda: all(vm.process.poll() is not None for vm in player.vms.values()), 30, "the VMs' power-off")
-            assert len(player.vms) == 2
-            states = {i["State"]["Name"] for i in instances(ec2, store.nodes(job.id)[0].id)}
-            assert states <= {"shutting-down", "terminated"}, states
-        finally:
-            player.stop()
+        job, log = run_to_the_end(controller, spec, 300)
+        for rank in (0, 1):
+            line = next(line for line in log.splitlines() if line.startswith(f"[rank{rank}]: rank {rank} ran in"))
+            assert f"{tmp_path / 'vms'}/i-" in line and "/node/workdir with tfsn from" in line, line
+            assert str(Path(__file__).parent.parent) not in line   # the VM's own copy of tfsn, not this checkout
+            assert line.endswith("among ['.gitignore', 'train.py']"), line   # data/ (ignored) and .git left out
+        # a controller run from an installed tfsn (no source tree) repacks the installed distribution's files
+        wheel = controller.ctx.artifacts.path(job.artifacts["wheel"])
+        assert f"[rank0]: repacked: {sorted(zipfile.ZipFile(wheel).namelist())}" in log
+        for node in store.nodes(job.id):
+            assert store.node(node.id).boot_failure == ""
+            assert agent_token(job.token, node.id) not in "".join(vm.boot_log for vm in player.vms.values())
+        wait_for(lambda: all(vm.process.poll() is not None for vm in player.vms.values()), 30, "the VMs' power-off")
+        assert len(player.vms) == 2
+        states = {i["State"]["Name"] for i in instances(ec2, store.nodes(job.id)[0].id)}
+        assert states <= {"shutting-down", "terminated"}, states
 
 
 # A user's training script: a tiny model, data a function of the step, checkpoints through tfsn. Its first
@@ -479,25 +453,21 @@ def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_
         "TFSN_CHECKPOINT_DIR": str(reference), "TFSN_CHECKPOINT_INTERVAL": str(interval)})
     driver = aws.AwsProvider()
     driver.status_poll_s = 1.0   # the controller asks EC2 about its nodes every second (10 s by default)
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image", leave_out=("s3fs",)), machine)
     try:
-        with controller_for_vms(home, {"aws": driver}) as controller:
+        with controller_for_vms(home, {"aws": driver}, player) as controller:
             store = controller.ctx.store
-            player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image", leave_out=("s3fs",)), machine)
-            player.start()
-            try:
-                job = store.create_job("reclaimed", spec.model_dump(mode="json"), "p", "secret")
-                log = home / "jobs" / str(job.id) / "job.log"
-                paused = f"paused after step {pause}"
-                wait_for(lambda: store.job(job.id).state.terminal or (log.is_file() and paused in log.read_text()),
-                         120, "the first attempt's pause")
-                assert not store.job(job.id).state.terminal, log.read_text()
-                wait_for(lambda: [c.step for c in list_checkpoints(url)] == [interval], 30, "the bucket's checkpoint")
-                [first] = player.vms
-                player.reclaim(first)
-                wait_for(lambda: store.job(job.id).state.terminal, 180, "the job's end")
-                assert store.job(job.id).state == JobState.SUCCEEDED, log.read_text()
-            finally:
-                player.stop()
+            job = store.create_job("reclaimed", spec.model_dump(mode="json"), "p", "secret")
+            log = home / "jobs" / str(job.id) / "job.log"
+            paused = f"paused after step {pause}"
+            wait_for(lambda: store.job(job.id).state.terminal or (log.is_file() and paused in log.read_text()),
+                     120, "the first attempt's pause")
+            assert not store.job(job.id).state.terminal, log.read_text()
+            wait_for(lambda: [c.step for c in list_checkpoints(url)] == [interval], 30, "the bucket's checkpoint")
+            [first] = player.vms
+            player.reclaim(first)
+            wait_for(lambda: store.job(job.id).state.terminal, 180, "the job's end")
+            assert store.job(job.id).state == JobState.SUCCEEDED, log.read_text()
         assert uninterrupted.wait(timeout=120) == 0
     finally:
         uninterrupted.kill()   # nothing, once it ended

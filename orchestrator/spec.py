@@ -317,7 +317,8 @@ class Resources(BaseModel):
 
 
 # Object stores a checkpoint.dir may name (through fsspec), and the extra that installs each driver.
-CHECKPOINT_URL_SCHEMES = {"s3": "aws", "gs": "gcs", "az": "azblob"}
+CHECKPOINT_URL_SCHEMES = {"s3": "aws", "gs": "gcs", "az": "azblob"}     # scheme: the tfsn extra with its driver
+CHECKPOINT_DRIVERS = {"s3": "s3fs", "gs": "gcsfs", "az": "adlfs"}        # scheme: the fsspec driver's module
 
 
 def checkpoint_url_scheme(location: str | None) -> str | None:

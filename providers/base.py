@@ -56,12 +56,17 @@ class Offer:
 class BootFiles:
     """What a VM's boot script (bootstrap.py) fetches from the controller before its agent starts, each
     checked against its sha256: tfsn's wheel (none where TFSN_INSTALL_SPEC names what to install instead)
-    and the job's code archive; `root` is the node's own folder (boot log, downloads, the workdir)."""
+    and the job's code archive; `root` is the node's own folder (boot log, downloads, the workdir). `extra`
+    is the tfsn extra the job needs on the node besides tfsn (the driver of its checkpoint store: "aws" for
+    s3://), installed with the wheel from the wheel's own pinned ranges; `extra_module` is what that extra
+    must make importable ("s3fs"), checked before the agent starts."""
 
     wheel: str = ""                   # the wheel's file name; "" when the node installs TFSN_INSTALL_SPEC
     wheel_sha256: str = ""
     code_sha256: str = ""             # the job's workdir archive; "" for none (the image holds the code)
     root: str = "/var/lib/tfsn"       # on the node; a relative request workdir is under it
+    extra: str = ""                   # tfsn[extra] the job needs ("aws", "gcs", "azblob"); "" for none
+    extra_module: str = ""            # the module that extra provides ("s3fs", "gcsfs", "adlfs")
 
 
 @dataclass(frozen=True)

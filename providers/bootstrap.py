@@ -8,7 +8,9 @@ what a node does at boot is written once. In order:
    machine sets it): `boot.log` (all of its output and the agent's), the downloads, and the job's workdir;
 2. tfsn's wheel is downloaded from the controller's API with the node's own token (TLS pinned to the
    controller's CA), checked against its sha256, and pip installed: exactly that file, plus the
-   dependencies it declares from the package index (`TFSN_INSTALL_SPEC`, where set, is installed instead);
+   dependencies it declares from the package index, with the extra that holds the driver of the job's
+   checkpoint store (`tfsn[aws]` for s3://: s3fs in the wheel's pinned range); `TFSN_INSTALL_SPEC`, where
+   set, is installed instead; the driver must then import, or the boot fails saying so;
 3. the job's code archive is downloaded and checked the same way, and unpacked into the workdir;
 4. the agent runs in the workdir until the job no longer needs the node.
 
@@ -107,16 +109,35 @@ def install_command(spec: str | None = None, *, default: str | None = None) -> s
 
 def install_steps(request: NodeRequest) -> str:
     """The lines that put tfsn on the node: the controller's wheel, checked, with its declared dependencies
-    (installed alone first, so that an image's own tfsn of the same version is replaced); else the user's
-    TFSN_INSTALL_SPEC; else nothing (the image must hold tfsn, and the agent's start says so if not)."""
+    (installed alone first, so that an image's own tfsn of the same version is replaced) and the job's extra
+    (its pinned ranges are the wheel's own, pyproject's); else the user's TFSN_INSTALL_SPEC; else nothing (the
+    image must hold tfsn, and the agent's start says so if not). Then the extra's module must import."""
     boot = request.boot
     if boot is not None and boot.wheel:
         wheel = f'"$TFSN_NODE_ROOT"/{shlex.quote(boot.wheel)}'
-        return (f"tfsn_fetch {boot.wheel_sha256} {wheel}\n{_PIP} --no-deps --force-reinstall {wheel}\n"
-                f"{_PIP} {wheel}\n")
-    if INSTALL_SPEC_ENV in request.env:
-        return f'{_PIP} "${INSTALL_SPEC_ENV}"\n'
-    return ""
+        steps = f"tfsn_fetch {boot.wheel_sha256} {wheel}\n{_PIP} --no-deps --force-reinstall {wheel}\n"
+        if boot.extra:
+            steps += _or_fail(f"{_PIP} {wheel}{shlex.quote(f'[{boot.extra}]')}", (
+                f"cannot install tfsn[{boot.extra}]'s dependencies ({boot.extra_module} is the driver of the job's "
+                f"checkpoint.dir): pip said why above. To fix: let the VM's pip reach an index that has them, or "
+                f"boot an image with them installed"))
+        else:
+            steps += f"{_PIP} {wheel}\n"
+    elif INSTALL_SPEC_ENV in request.env:
+        steps = f'{_PIP} "${INSTALL_SPEC_ENV}"\n'
+    else:
+        steps = ""
+    if boot is not None and boot.extra_module:
+        steps += _or_fail(f"python3 -c {shlex.quote(f'import {boot.extra_module}')}", (
+            f"{boot.extra_module} (the driver of the job's checkpoint.dir) does not import on the node. To fix: "
+            f"install tfsn[{boot.extra}] there ({INSTALL_SPEC_ENV} naming the extra, where it is set), or boot an "
+            f"image with {boot.extra_module} installed"))
+    return steps
+
+
+def _or_fail(command: str, why: str) -> str:
+    """A line that runs `command` and, if it fails, ends the boot with `why` as the boot log's last line."""
+    return f"{command} || {{ echo {shlex.quote(f'[tfsn] {why}')}; exit 1; }}\n"
 
 
 def code_steps(request: NodeRequest) -> str:

@@ -5,25 +5,31 @@ controller's side: what a VM may fetch, boot failures per offer, what provisioni
 job booting its VMs this way is in tests/test_provider_aws.py (moto plays EC2)."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import socket
 import subprocess
 import time
+import tomllib
 import urllib.error
 import urllib.request
 
 import pytest
+from packaging.requirements import Requirement
 
 from orchestrator.control.api import ApiServer
+from orchestrator.control.artifacts import repack_installed
 from orchestrator.control.boot import BOOT_FAILURES_PER_OFFER, NODE_WORKDIR, boot_files
 from orchestrator.control.controller import Controller
 from orchestrator.control.credentials import agent_token
 from orchestrator.control.provisioning import agent_command, agent_env
 from orchestrator.control.store import JobState, NodeState, Store
 from orchestrator.cli.view import boot_failures, job_summary
-from orchestrator.spec import JobSpec
+from orchestrator.spec import CHECKPOINT_DRIVERS, CHECKPOINT_URL_SCHEMES, JobSpec
 from providers.base import NodeHandle, NodeRequest, NodeStatus, Offer
 from providers.bootstrap import install_command, startup_script
+from tests.conftest import ROOT
 from tests.vmsandbox import SandboxVM, vm_image
 
 OFFER = {"provider": "aws", "region": "us-east-1", "zone": "use1-az6", "instance_type": "p4d.24xlarge",
@@ -115,6 +121,63 @@ def test_an_unreachable_controller_still_ends_in_a_power_off(cloud, image, tmp_p
     assert time.monotonic() - started < 60   # bounded retries, then the power-off
     assert vm.shutdown_calls == ["shutdown -h now"]
     assert "boot failed in stage 'install'" in vm.boot_log and "the controller could not be told" in vm.boot_log
+
+
+def checkpointing_job(controller, store, spec, name: str, url: str):
+    """A job of the module's code whose checkpoint.dir is `url`, and its boot files."""
+    spec = JobSpec.model_validate({**spec.model_dump(mode="json"), "name": name, "checkpoint": {"dir": url}})
+    job = store.create_job(name, spec.model_dump(mode="json"), "p", f"{name}-secret")
+    return job, boot_files(controller.ctx, job, spec)
+
+
+def extra_pin(extra: str, distribution: str) -> Requirement:
+    """pyproject's requirement of `distribution` in tfsn[`extra`]."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return next(r for r in map(Requirement, extras[extra]) if r.name == distribution)
+
+
+def test_a_job_checkpointing_to_s3_gets_s3fs_installed_with_tfsn(cloud, tmp_path):
+    """The image lacks s3fs; the boot installs it as tfsn[aws] requires it, from what the VM's pip can reach."""
+    controller, store, _, spec, _ = cloud
+    job, files = checkpointing_job(controller, store, spec, "s3", "s3://tfsn-ckpt/run")
+    assert (files.extra, files.extra_module) == ("aws", "s3fs")
+    add_node(store, job, "s3-0")
+    wheels = tmp_path / "wheels"   # the VM's package index: a wheel of the s3fs installed here
+    wheels.mkdir()
+    repack_installed(wheels, "s3fs")
+    vm = SandboxVM(tmp_path / "vm", vm_image(tmp_path / "image", leave_out=("s3fs",)), {"PIP_FIND_LINKS": str(wheels)})
+    probe = ["python3", "-c", "import importlib.metadata as m, s3fs; print('driver', m.version('s3fs'), s3fs.__file__)"]
+    assert vm.run(user_data(controller, job, files, "s3-0", command=probe), timeout=BOOT_S) == 0, vm.boot_log
+    version = importlib.metadata.version("s3fs")
+    assert f"driver {version} {vm.folder / 'python'}/" in vm.boot_log   # installed on the VM, not the image's
+    assert version in extra_pin("aws", "s3fs").specifier
+    assert vm.shutdown_calls == ["shutdown -h now"] and store.node("s3-0").boot_failure == ""
+
+
+def test_a_checkpoint_driver_the_vm_cannot_install_fails_the_boot_saying_so(cloud, tmp_path):
+    controller, store, _, spec, _ = cloud
+    job, files = checkpointing_job(controller, store, spec, "nos3", "s3://tfsn-ckpt/run")
+    add_node(store, job, "nos3-0")
+    vm = SandboxVM(tmp_path / "vm", vm_image(tmp_path / "image", leave_out=("s3fs",)))   # and no index
+    assert vm.run(user_data(controller, job, files, "nos3-0"), timeout=BOOT_S) != 0
+    assert vm.shutdown_calls == ["shutdown -h now"]
+    node = store.node("nos3-0")
+    assert node.failure.startswith("boot failed in stage install (exit code 1): [tfsn] cannot install tfsn[aws]'s "
+                                   "dependencies (s3fs is the driver of the job's checkpoint.dir)"), node.failure
+    asked = re.search(r"requirement (s3fs[^ ;]*)", node.boot_failure)   # pip's own line, in the tail shown
+    assert asked and Requirement(asked.group(1)).specifier == extra_pin("aws", "s3fs").specifier, node.boot_failure
+    assert not (vm.root / NODE_WORKDIR / "train.py").exists()
+
+
+def test_each_checkpoint_scheme_makes_nodes_install_the_extra_that_pins_its_driver(cloud):
+    controller, store, _, spec, _ = cloud
+    for scheme, extra in CHECKPOINT_URL_SCHEMES.items():
+        job, files = checkpointing_job(controller, store, spec, f"pin-{scheme}", f"{scheme}://bucket/run")
+        assert (files.extra, files.extra_module) == (extra, CHECKPOINT_DRIVERS[scheme])
+        assert extra_pin(extra, files.extra_module).specifier, f"tfsn[{extra}] leaves {files.extra_module} unpinned"
+        assert f".whl'[{extra}]'" in user_data(controller, job, files, "pin-0")
+    _, files = checkpointing_job(controller, store, spec, "pin-path", "/shared/ckpt")
+    assert (files.extra, files.extra_module) == ("", "")
 
 
 def test_boot_failures_on_one_offer_block_it_for_the_job(tmp_path):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
-import threading
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 import zipfile
@@ -331,38 +332,10 @@ def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_
 def test_an_instance_boots_its_real_user_data_and_its_power_off_terminates_it(cloud, tmp_path):
     """moto plays EC2's API, tests/vmsandbox.py its machines: the driver's user-data runs in a sandbox VM. With
     no controller to reach, the boot fails, powers off, and the instance is gone for the controller too."""
-    from providers.base import BootFiles
-    from tests.vmsandbox import Ec2Player, vm_image
+    from tests.vmsandbox import Ec2Player, assert_a_failed_boot_powers_off, vm_image
     _, ec2, _ = cloud
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    req = request(workdir="workdir",   # under the node's root: the sandbox's own folder
-                  boot=BootFiles(wheel="tfsn-0.1.0-py3-none-any.whl", wheel_sha256="a" * 64, code_sha256="b" * 64),
-                  env={"TFSN_NODE_ID": "train-1-n0-ab12", "TFSN_JOB_ID": "1", "TFSN_TOKEN": "t",
-                       "TFSN_CONTROLLER_URL": nobody})
-    handle = aws.AwsProvider().provision(req)
     player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
-    try:
-        player.poll()
-        [vm] = player.vms.values()
-        vm.process.wait(timeout=60)
-        player.poll()
-    finally:
-        player.stop()
-    assert vm.shutdown_calls == ["shutdown -h now"] and "boot failed in stage 'install'" in vm.boot_log
-    assert aws.AwsProvider().status(handle) is NodeStatus.TERMINATED
-
-
-def this_machines_address() -> str | None:
-    """An address of this machine beyond loopback (cloud nodes never reach a controller on 127.0.0.1)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.1", 9))   # sends nothing: the route's source address is what is asked
-        except OSError:
-            return None
-        address = probe.getsockname()[0]
-    return None if address.startswith("127.") else address
+    assert_a_failed_boot_powers_off(player, aws.AwsProvider(), request())
 
 
 TRAIN = """import os, pathlib, tempfile, zipfile, orchestrator
@@ -380,16 +353,10 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
     """moto plays EC2's API and tests/vmsandbox.py its machines: the controller plans the job on the AWS catalog,
     the driver starts two instances, each boots its user-data (tfsn's wheel and the job's code from the
     controller, over TLS), both agents run the job's command under torchrun, and the teardown ends the VMs."""
-    from orchestrator.control.api import ApiServer
-    from orchestrator.control.controller import Controller
     from orchestrator.control.credentials import agent_token
-    from orchestrator.control.store import JobState, Store
     from orchestrator.spec import JobSpec
-    from tests.vmsandbox import Ec2Player, vm_image
+    from tests.vmsandbox import Ec2Player, controller_for_vms, run_to_the_end, vm_image, wait_for
     _, ec2, _ = cloud
-    address = this_machines_address()
-    if address is None:
-        pytest.skip("this machine has no address beyond loopback for the VMs to reach the controller at")
     code, home = tmp_path / "code", tmp_path / "home"
     code.mkdir()
     home.mkdir()
@@ -399,45 +366,119 @@ def test_a_two_node_job_on_aws_boots_its_vms_from_the_controller_and_runs_to_the
     (code / "data" / "big.bin").write_bytes(b"0" * 4096)
     (code / ".git").mkdir()
     (code / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    store = Store(home / "tfsn.db")
-    controller = Controller(store, home, {"aws": aws.AwsProvider()})
-    server = ApiServer(0, store, controller.handlers, host="0.0.0.0", advertise=address, home=home)
-    controller.listen(server)
-    server.start()
-    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
-    player.start()
-    stop = threading.Event()
-    loop = threading.Thread(target=controller.run_forever, args=(stop, 600), daemon=True)
-    loop.start()
     spec = JobSpec.model_validate({"name": "vms", "run": "python train.py", "workdir": str(code), "num_nodes": 2,
                                    "nproc_per_node": 1, "resources": {"infra": ["aws"], "accelerators": "A100:8",
                                                                        "regions": [REGION]}})
-    job = store.create_job("vms", spec.model_dump(mode="json"), "p", "secret")
-    try:
-        deadline = time.monotonic() + 300
-        while not store.job(job.id).state.terminal and time.monotonic() < deadline:
-            time.sleep(0.5)
-        log = (home / "jobs" / str(job.id) / "job.log").read_text()
-        assert store.job(job.id).state == JobState.SUCCEEDED, log
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image"))
+    with controller_for_vms(home, {"aws": aws.AwsProvider()}, player) as controller:
+        store = controller.ctx.store
+        job, log = run_to_the_end(controller, spec, 300)
         for rank in (0, 1):
             line = next(line for line in log.splitlines() if line.startswith(f"[rank{rank}]: rank {rank} ran in"))
             assert f"{tmp_path / 'vms'}/i-" in line and "/node/workdir with tfsn from" in line, line
             assert str(Path(__file__).parent.parent) not in line   # the VM's own copy of tfsn, not this checkout
             assert line.endswith("among ['.gitignore', 'train.py']"), line   # data/ (ignored) and .git left out
         # a controller run from an installed tfsn (no source tree) repacks the installed distribution's files
-        wheel = controller.ctx.artifacts.path(store.job(job.id).artifacts["wheel"])
+        wheel = controller.ctx.artifacts.path(job.artifacts["wheel"])
         assert f"[rank0]: repacked: {sorted(zipfile.ZipFile(wheel).namelist())}" in log
         for node in store.nodes(job.id):
             assert store.node(node.id).boot_failure == ""
             assert agent_token(job.token, node.id) not in "".join(vm.boot_log for vm in player.vms.values())
-        deadline = time.monotonic() + 30
-        while any(vm.process.poll() is None for vm in player.vms.values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert len(player.vms) == 2 and all(vm.process.poll() is not None for vm in player.vms.values())
+        wait_for(lambda: all(vm.process.poll() is not None for vm in player.vms.values()), 30, "the VMs' power-off")
+        assert len(player.vms) == 2
         states = {i["State"]["Name"] for i in instances(ec2, store.nodes(job.id)[0].id)}
         assert states <= {"shutting-down", "terminated"}, states
+
+
+# A user's training script: a tiny model, data a function of the step, checkpoints through tfsn. Its first
+# attempt (not a resumed one) pauses after PAUSE_AFTER steps, past a checkpoint, for the test to reclaim its VM.
+CHECKPOINTED = """import os, time, torch, tfsn
+run = tfsn.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+start = run.restore(model=model, optimizer=opt)
+print(f"rank {run.rank} starts at step {start}", flush=True)
+for step in run.steps(start):
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+    loss = (model(x) - x[:, :4]).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    run.log(loss=loss)
+    run.checkpoint(model=model, optimizer=opt)
+    if start == 0 and step + 1 == int(os.environ.get("PAUSE_AFTER", "0")):
+        print(f"paused after step {step + 1}", flush=True)
+        time.sleep(600)
+run.finish()
+"""
+
+
+def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_bit(cloud, tmp_path, monkeypatch):
+    """Deliverable 7 on emulated AWS: moto plays EC2 and S3, sandboxes the VMs. The job checkpoints to s3://; its
+    VM is reclaimed (its processes killed at once, the instance terminated, as a spot reclaim looks); the
+    controller starts a replacement, which boots, restores the bucket's last checkpoint and ends with the state
+    of a run that was never interrupted, bit for bit."""
+    import torch
+
+    from orchestrator.control.artifacts import repack_installed
+    from orchestrator.control.store import JobState
+    from orchestrator.sdk.checkpoint import list_checkpoints, load_tensors
+    from orchestrator.spec import JobSpec
+    from tests.vmsandbox import Ec2Player, controller_for_vms, vm_image, wait_for
+    proxy, ec2, _ = cloud
+    s3_url = "http://{}:{}".format(*proxy.upstream)   # S3 straight from moto (the fault proxy is EC2's)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_url)
+    boto3.client("s3").create_bucket(Bucket="tfsn-ckpt")
+    url, steps, interval, pause = "s3://tfsn-ckpt/reclaimed", 8, 3, 5
+    code, home = tmp_path / "code", tmp_path / "home"
+    code.mkdir()
+    home.mkdir()
+    (code / "train.py").write_text(CHECKPOINTED)
+    wheels = tmp_path / "wheels"   # the VMs' package index: their image lacks s3fs, the boot installs it
+    wheels.mkdir()
+    repack_installed(wheels, "s3fs")
+    # What an instance role gives a VM on AWS: credentials for the bucket (here moto's, at its endpoint).
+    machine = {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_url, "AWS_DEFAULT_REGION": REGION,
+               "AWS_EC2_METADATA_DISABLED": "true", "PIP_FIND_LINKS": str(wheels)}
+    spec = JobSpec.model_validate({
+        "name": "reclaimed", "run": "python train.py", "workdir": str(code), "num_nodes": 1, "nproc_per_node": 1,
+        "steps": steps, "envs": {"PAUSE_AFTER": str(pause), "OMP_NUM_THREADS": "1"},
+        "checkpoint": {"dir": url, "interval": interval},
+        "resources": {"infra": ["aws"], "accelerators": "A100:8", "regions": [REGION]}})
+    reference = tmp_path / "reference"   # the same script, never interrupted, on this machine, meanwhile
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TFSN_", "AWS_"))}
+    uninterrupted = subprocess.Popen([sys.executable, str(code / "train.py")], cwd=tmp_path, env={
+        **env, "PYTHONPATH": str(Path(__file__).parent.parent), "OMP_NUM_THREADS": "1", "TFSN_STEPS": str(steps),
+        "TFSN_CHECKPOINT_DIR": str(reference), "TFSN_CHECKPOINT_INTERVAL": str(interval)})
+    driver = aws.AwsProvider()
+    driver.status_poll_s = 1.0   # the controller asks EC2 about its nodes every second (10 s by default)
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image", leave_out=("s3fs",)), machine)
+    try:
+        with controller_for_vms(home, {"aws": driver}, player) as controller:
+            store = controller.ctx.store
+            job = store.create_job("reclaimed", spec.model_dump(mode="json"), "p", "secret")
+            log = home / "jobs" / str(job.id) / "job.log"
+            paused = f"paused after step {pause}"
+            wait_for(lambda: store.job(job.id).state.terminal or (log.is_file() and paused in log.read_text()),
+                     120, "the first attempt's pause")
+            assert not store.job(job.id).state.terminal, log.read_text()
+            wait_for(lambda: [c.step for c in list_checkpoints(url)] == [interval], 30, "the bucket's checkpoint")
+            [first] = player.vms
+            player.reclaim(first)
+            wait_for(lambda: store.job(job.id).state.terminal, 180, "the job's end")
+            assert store.job(job.id).state == JobState.SUCCEEDED, log.read_text()
+        assert uninterrupted.wait(timeout=120) == 0
     finally:
-        stop.set()
-        player.stop()
-        server.shutdown()
-        server.server_close()
+        uninterrupted.kill()   # nothing, once it ended
+    done = store.job(job.id)
+    assert done.restarts == 1 and done.restored_step == interval
+    assert len(player.vms) == 2 and player.vms[first].shutdown_calls == []   # killed, not powered off
+    for vm in player.vms.values():   # each installed s3fs as it booted
+        assert list((vm.folder / "python").rglob("s3fs/__init__.py")), vm.boot_log
+    assert f"[rank0]: rank 0 starts at step {interval}" in log.read_text()
+    assert [c.step for c in list_checkpoints(url)][0] == steps
+    expected, got = load_tensors(list_checkpoints(reference)[0].path), load_tensors(list_checkpoints(url)[0].path)
+    assert expected.keys() == got.keys() and any(k.startswith("optimizer") for k in got)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), f"{key} differs after the reclaim"

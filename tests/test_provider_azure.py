@@ -223,3 +223,20 @@ def test_a_vm_created_before_the_controller_recorded_it_is_found_by_its_name(azu
     recorded = NodeHandle("azure", "job-7-n0-ab12", {"region": offer().region})   # all the intent says
     make_provider(emulator).terminate(recorded)
     assert emulator.vms == {} and emulator.nics == {}
+
+
+def test_a_job_on_azure_boots_its_vm_from_the_controller_and_steps(emulator, public_key, monkeypatch, tmp_path):
+    """The emulator plays ARM and tests/vmsandbox.py the machines: the VM's custom data boots in a sandbox (tfsn's
+    wheel and the code from the controller), the job steps and ends, and the controller deletes the VM."""
+    from tests.vmsandbox import AzureVmPlayer, boot_a_job_to_its_end
+    monkeypatch.setenv(SSH_KEY_ENV, public_key)
+    boot_a_job_to_its_end(tmp_path, "azure", make_provider(emulator), lambda folder, image: AzureVmPlayer(
+        emulator, folder, image), {"accelerators": "T4:1", "regions": ["eastus"]})
+
+
+def test_a_vm_boots_its_custom_data_and_its_power_off_stops_it(azure, emulator, tmp_path):
+    """With no controller to reach, the boot fails and powers off: the VM reads PowerState/stopped."""
+    from tests.vmsandbox import AzureVmPlayer, assert_a_failed_boot_powers_off, vm_image
+    player = AzureVmPlayer(emulator, tmp_path / "vms", vm_image(tmp_path / "image"))
+    assert_a_failed_boot_powers_off(player, azure, request())
+    assert emulator.stopped == {"tfsn-job-7-n0-ab12"}

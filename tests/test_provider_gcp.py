@@ -242,3 +242,20 @@ def test_an_instance_created_before_the_controller_recorded_it_is_found_by_its_n
     recorded = NodeHandle("gcp", "job-7-n0-ab12", {"region": "us-central1", "zone": "us-central1-a"})
     make_provider(emulator).terminate(recorded)
     assert (PROJECT, created.data["zone"], created.data["name"]) not in emulator.instances
+
+
+def test_a_job_on_gcp_boots_its_vm_from_the_controller_and_steps(emulator, tmp_path):
+    """The emulator plays Compute Engine's API and tests/vmsandbox.py its machines: the instance's startup-script
+    boots in a sandbox (tfsn's wheel and the code from the controller), the job steps and ends, and the
+    controller deletes the instance."""
+    from tests.vmsandbox import GcePlayer, boot_a_job_to_its_end
+    boot_a_job_to_its_end(tmp_path, "gcp", make_provider(emulator), lambda folder, image: GcePlayer(
+        emulator, folder, image), {"accelerators": "A100:1", "regions": ["us-central1"]})
+
+
+def test_an_instance_boots_its_startup_script_and_its_power_off_stops_it(gcp, emulator, tmp_path):
+    """With no controller to reach, the boot fails and powers off: the instance reads TERMINATED (stopped)."""
+    from tests.vmsandbox import GcePlayer, assert_a_failed_boot_powers_off, vm_image
+    player = GcePlayer(emulator, tmp_path / "vms", vm_image(tmp_path / "image"))
+    assert_a_failed_boot_powers_off(player, gcp, request())
+    assert [body["status"] for body in emulator.instances.values()] == ["TERMINATED"]

@@ -8,8 +8,8 @@ repository checkout is not on its path). Only the machine-level commands are shi
 real: bash, curl, sha256sum, tar, pip.
 
 A test (or a harness that plays a cloud: when an emulated cloud creates an instance, it starts a
-SandboxVM with that instance's user-data, as `Ec2Player` does for moto; killing `vm.process`'s process
-group is the VM dying) uses:
+SandboxVM with that instance's user-data, as the VmPlayers below do for moto's EC2 and the GCP and Azure
+emulators; killing the VM's process tree is the VM dying) uses:
 
     image = vm_image(tmp_path / "image")      # once
     vm = SandboxVM(tmp_path / "vm-1", image)
@@ -20,15 +20,25 @@ group is the VM dying) uses:
 from __future__ import annotations
 
 import base64
+import contextlib
+import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
+import pytest
+
+from orchestrator.control.api import ApiServer
+from orchestrator.control.controller import Controller
+from orchestrator.control.store import Store
+from providers.base import BootFiles, NodeRequest, NodeStatus
 from providers.processes import pids_with_env
 
 MACHINE_COMMANDS = ("shutdown", "poweroff", "halt", "reboot")
@@ -37,13 +47,16 @@ VM_TAG = "TFSN_SANDBOX_VM"   # in the environment of every process of a sandbox 
 QUICK_RETRIES = {"TFSN_BOOT_RETRIES": "2", "TFSN_BOOT_RETRY_DELAY_S": "1"}
 
 
-def vm_image(folder: Path) -> Path:
+def vm_image(folder: Path, leave_out: tuple[str, ...] = ()) -> Path:
     """What every sandbox VM's Python sees of the packages of the Python running the tests: all but tfsn (so
-    that a boot that installs nothing cannot import it), as links in `folder` (made once, read-only)."""
+    that a boot that installs nothing cannot import it) and the distributions named in `leave_out` (what the
+    boot must install), as links in `folder` (made once, read-only)."""
     shared = Path(sysconfig.get_paths()["purelib"])
     folder.mkdir(parents=True, exist_ok=True)
+    left_out = {name.lower().replace("-", "_") for name in leave_out}
     for entry in shared.iterdir():
-        if "tfsn" not in entry.name.lower() and entry.suffix != ".pth":
+        distribution = entry.name.split("-")[0].split(".")[0].lower()   # s3fs, s3fs-2026.7.0.dist-info
+        if "tfsn" not in entry.name.lower() and entry.suffix != ".pth" and distribution not in left_out:
             (folder / entry.name).symlink_to(entry)
     return folder
 
@@ -123,49 +136,70 @@ class SandboxVM:
         return log.read_text(errors="replace") if log.exists() else ""
 
 
-class Ec2Player:
-    """Plays EC2's machines for moto, which keeps instances as records only: every instance it starts boots its
-    real user-data in a SandboxVM, and a VM that powers off terminates its instance (tfsn asks for
-    InstanceInitiatedShutdownBehavior terminate). `kill(instance_id)` is a VM dying under its job.
+class VmPlayer:
+    """Plays the machines of an emulated cloud, which keeps instances as records only: every instance it starts
+    boots its real boot script in a SandboxVM; a VM that powers off shows in the cloud as a guest shutdown does
+    there; an instance the cloud no longer runs (deleted, terminated, stopped) has its VM killed.
+    `kill(instance)` is a VM dying under its job, `reclaim(instance)` a spot reclaim (the VM dies at once and
+    the cloud shows its instance gone). A subclass says how its cloud lists instances and their boot scripts,
+    and what a power-off and a reclaim look like there.
 
     Drive it with `poll()` from the test's own loop, or `start()` for a background thread."""
 
-    def __init__(self, ec2, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
-        self.ec2, self.folder, self.image, self.env = ec2, folder, image, env or {}
+    def __init__(self, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
+        self.folder, self.image, self.env = folder, image, env or {}
         self.vms: dict[str, SandboxVM] = {}
         self._ended: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def running(self) -> dict[str, bool]:
+        """The cloud's instances: id -> whether the cloud runs it (or is starting it)."""
+        raise NotImplementedError
+
+    def boot_script(self, instance: str) -> str:
+        raise NotImplementedError
+
+    def powered_off(self, instance: str) -> None:
+        """What the cloud shows once the instance's OS shut down."""
+        raise NotImplementedError
+
+    def reclaimed(self, instance: str) -> None:
+        """What the cloud shows once it reclaimed a spot instance."""
+        raise NotImplementedError
+
     def poll(self) -> None:
-        """Boot the instances moto started since the last poll; terminate those whose VM powered off; kill the
-        VMs of instances terminated through the API (a controller's teardown)."""
-        pages = self.ec2.get_paginator("describe_instances").paginate()
-        for instance in (i for page in pages for r in page["Reservations"] for i in r["Instances"]):
-            found, state = instance["InstanceId"], instance["State"]["Name"]
-            if state in ("pending", "running") and found not in self.vms:
-                data = self.ec2.describe_instance_attribute(InstanceId=found, Attribute="userData")
-                script = base64.b64decode(data["UserData"].get("Value", "")).decode()
-                self.vms[found] = SandboxVM(self.folder / found, self.image, self.env)
-                self.vms[found].start(script)
-            elif state in ("shutting-down", "terminated", "stopping", "stopped") and found in self.vms:
-                self._ended.add(found)
-                self.vms[found].kill()
+        """Boot the instances started since the last poll; kill the VMs of those the cloud no longer runs (a
+        controller's teardown); show the cloud the VMs that powered off."""
+        running = self.running()
+        for found, alive in running.items():
+            if alive and found not in self.vms:
+                self.vms[found] = SandboxVM(self.folder / found.replace("/", "-"), self.image, self.env)
+                self.vms[found].start(self.boot_script(found))
         for found, vm in self.vms.items():
-            if found not in self._ended and vm.shutdown_calls:
+            if found not in self._ended and not running.get(found, False):
                 self._ended.add(found)
-                self.ec2.terminate_instances(InstanceIds=[found])
+                vm.kill()
+            elif found not in self._ended and vm.shutdown_calls:
+                self._ended.add(found)
+                self.powered_off(found)
 
     def start(self, period_s: float = 0.5) -> None:
         def loop() -> None:
             while not self._stop.wait(period_s):
                 self.poll()
-        self._thread = threading.Thread(target=loop, name="ec2-player", daemon=True)
+        self._thread = threading.Thread(target=loop, name=f"{type(self).__name__}", daemon=True)
         self._thread.start()
 
-    def kill(self, instance_id: str) -> None:
-        """The VM dies: its process tree at once (what EC2 then shows is the test's to say)."""
-        self.vms[instance_id].kill()
+    def kill(self, instance: str) -> None:
+        """The VM dies: its process tree at once (what the cloud then shows is the test's to say)."""
+        self.vms[instance].kill()
+
+    def reclaim(self, instance: str) -> None:
+        """What a spot reclaim looks like: the VM dies at once, and the cloud shows its instance gone."""
+        self._ended.add(instance)
+        self.vms[instance].kill()
+        self.reclaimed(instance)
 
     def stop(self) -> None:
         """Stop playing and kill every VM still running."""
@@ -174,3 +208,186 @@ class Ec2Player:
             self._thread.join(timeout=10)
         for vm in self.vms.values():
             vm.kill()
+
+
+class Ec2Player(VmPlayer):
+    """moto's EC2 (a boto3 client `ec2`): the user-data boots; a VM that powers off terminates its instance (tfsn
+    asks for InstanceInitiatedShutdownBehavior terminate), and so does a reclaim."""
+
+    def __init__(self, ec2, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(folder, image, env)
+        self.ec2 = ec2
+
+    def running(self) -> dict[str, bool]:
+        pages = self.ec2.get_paginator("describe_instances").paginate()
+        return {i["InstanceId"]: i["State"]["Name"] in ("pending", "running")
+                for page in pages for r in page["Reservations"] for i in r["Instances"]}
+
+    def boot_script(self, instance: str) -> str:
+        data = self.ec2.describe_instance_attribute(InstanceId=instance, Attribute="userData")
+        return base64.b64decode(data["UserData"].get("Value", "")).decode()
+
+    def powered_off(self, instance: str) -> None:
+        self.ec2.terminate_instances(InstanceIds=[instance])
+
+    reclaimed = powered_off
+
+
+class GcePlayer(VmPlayer):
+    """tests/emulators/gcp.py's Compute Engine (instances named "PROJECT/ZONE/NAME"): the startup-script metadata
+    boots; a VM that powers off reads TERMINATED (stopped: the controller deletes it); a reclaimed spot VM is
+    deleted (tfsn's instanceTerminationAction)."""
+
+    def __init__(self, emulator, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(folder, image, env)
+        self.emulator = emulator
+
+    def running(self) -> dict[str, bool]:
+        return {"/".join(key): body["status"] in ("PROVISIONING", "STAGING", "RUNNING")
+                for key, body in list(self.emulator.instances.items())}
+
+    def boot_script(self, instance: str) -> str:
+        items = self.emulator.instances[tuple(instance.split("/"))]["metadata"]["items"]
+        return next(item["value"] for item in items if item["key"] == "startup-script")
+
+    def powered_off(self, instance: str) -> None:
+        self.emulator.set_status(*instance.split("/"), "TERMINATED")
+
+    def reclaimed(self, instance: str) -> None:
+        self.emulator.preempt(*instance.split("/"))
+
+
+class AzureVmPlayer(VmPlayer):
+    """tests/emulators/azure.py's ARM (VMs by name): the custom data boots; a VM that powers off reads
+    PowerState/stopped (the controller deletes it); a reclaimed spot VM is deleted (tfsn's evictionPolicy)."""
+
+    def __init__(self, emulator, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(folder, image, env)
+        self.emulator = emulator
+
+    def running(self) -> dict[str, bool]:
+        return {name: vm["properties"]["provisioningState"] in ("Creating", "Succeeded")
+                and name not in self.emulator.stopped for name, vm in list(self.emulator.vms.items())}
+
+    def boot_script(self, instance: str) -> str:
+        return self.emulator.custom_data[instance]
+
+    def powered_off(self, instance: str) -> None:
+        self.emulator.stopped.add(instance)
+
+    def reclaimed(self, instance: str) -> None:
+        self.emulator.evict(instance)
+
+
+def this_machines_address() -> str | None:
+    """An address of this machine beyond loopback (cloud nodes never reach a controller on 127.0.0.1)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))   # sends nothing: the route's source address is what is asked
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@contextlib.contextmanager
+def controller_for_vms(home: Path, providers: dict[str, Any], player: VmPlayer | None = None) -> Iterator[Controller]:
+    """A controller running its loop on a thread, with its API where sandbox VMs reach it as cloud nodes reach
+    one: TLS with its own CA, at this machine's address beyond loopback (the test is skipped where there is
+    none); `player` plays its cloud's machines meanwhile (and kills them at the end)."""
+    address = this_machines_address()
+    if address is None:
+        pytest.skip("this machine has no address beyond loopback for the VMs to reach the controller at")
+    store = Store(home / "tfsn.db")
+    controller = Controller(store, home, providers)
+    server = ApiServer(0, store, controller.handlers, host="0.0.0.0", advertise=address, home=home)
+    controller.listen(server)
+    server.start()
+    stop = threading.Event()
+    threading.Thread(target=controller.run_forever, args=(stop, 600), daemon=True).start()
+    if player is not None:
+        player.start()
+    try:
+        yield controller
+    finally:
+        if player is not None:
+            player.stop()
+        stop.set()
+        server.shutdown()
+        server.server_close()
+
+
+def run_to_the_end(controller: Controller, spec: Any, timeout: float) -> tuple[Any, str]:
+    """Submit `spec` and wait for the job to succeed: the job as it ended, and its log."""
+    from orchestrator.control.store import JobState
+    store = controller.ctx.store
+    job = store.create_job(spec.name, spec.model_dump(mode="json"), "p", "secret")
+    wait_for(lambda: store.job(job.id).state.terminal, timeout, "the job's end")
+    log = (controller.ctx.home / "jobs" / str(job.id) / "job.log").read_text()
+    assert store.job(job.id).state == JobState.SUCCEEDED, log
+    return store.job(job.id), log
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    """Poll `condition()` until it holds; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.5)
+
+
+# A user's script that reaches its first steps: tfsn's SDK from the VM's own install, its telemetry to the controller.
+FIRST_STEPS = """import tfsn, torch
+run = tfsn.init()
+for step in run.steps(0):
+    run.log(loss=torch.tensor(1.0 / (step + 1)))
+print(f"rank {run.rank} stepped with tfsn from {tfsn.__file__}", flush=True)
+run.finish()
+"""
+
+
+def boot_a_job_to_its_end(tmp_path: Path, provider: str, driver: Any, make_player, resources: dict) -> VmPlayer:
+    """Launch a one-node job on `provider` (its `driver` on an emulated cloud, whose machines `make_player(folder,
+    image)` plays) and check that its VM booted from the controller (tfsn and the code), stepped, and that the
+    controller deleted the instance once the job ended. The player, for more checks."""
+    from orchestrator.spec import JobSpec
+    code, home = tmp_path / "code", tmp_path / "home"
+    code.mkdir()
+    home.mkdir()
+    (code / "train.py").write_text(FIRST_STEPS)
+    spec = JobSpec.model_validate({"name": "first", "run": "python train.py", "workdir": str(code), "steps": 2,
+                                   "nproc_per_node": 1, "resources": {"infra": [provider], **resources},
+                                   "checkpoint": {"dir": str(tmp_path / "ckpt"), "local_ok": True}})
+    player = make_player(tmp_path / "vms", vm_image(tmp_path / "image"))
+    with controller_for_vms(home, {provider: driver}, player) as controller:
+        job, log = run_to_the_end(controller, spec, 240)
+        assert job.step == 1, "the last step (index 1 of 2) did not reach the controller"
+        wait_for(lambda: not player.running(), 30, "the instance's deletion")
+        store = controller.ctx.store
+    [vm] = player.vms.values()
+    assert f"[rank0]: rank 0 stepped with tfsn from {vm.folder / 'python'}/" in log, log
+    assert [n.boot_failure for n in store.nodes(job.id)] == [""]
+    return player
+
+
+def assert_a_failed_boot_powers_off(player: VmPlayer, driver: Any, request: NodeRequest) -> None:
+    """Provision `request`'s node with no controller to reach: its boot fails, the VM powers off, and the
+    cloud's driver then reads the node as terminated."""
+    with socket.socket() as closed:   # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    request = dataclasses.replace(
+        request, workdir="workdir",   # under the node's root: the sandbox's own folder
+        boot=BootFiles(wheel="tfsn-0.1.0-py3-none-any.whl", wheel_sha256="a" * 64, code_sha256="b" * 64),
+        env={"TFSN_NODE_ID": request.node_id, "TFSN_JOB_ID": request.job_id, "TFSN_TOKEN": "t",
+             "TFSN_CONTROLLER_URL": nobody})
+    handle = driver.provision(request)
+    try:
+        player.poll()
+        [vm] = player.vms.values()
+        vm.process.wait(timeout=60)
+        player.poll()
+    finally:
+        player.stop()
+    assert vm.shutdown_calls == ["shutdown -h now"] and "boot failed in stage 'install'" in vm.boot_log
+    assert driver.status(handle) is NodeStatus.TERMINATED

@@ -199,7 +199,9 @@ class Agent:
     # ---- workers ------------------------------------------------------------------------------
     def _start(self, cmd: dict[str, Any]) -> None:
         torchrun = [
-            sys.executable, "-m", "torch.distributed.run",
+            # -u: torchrun copies its workers' lines to its stdout, a pipe here; buffered, they would come only
+            # when the attempt ends (tfsn logs --follow, and a VM's boot log, would show nothing of a running job)
+            sys.executable, "-u", "-m", "torch.distributed.run",
             "--nnodes", str(cmd["nnodes"]), "--node-rank", str(cmd["node_rank"]),
             "--nproc-per-node", str(cmd["nproc_per_node"]),
             "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),

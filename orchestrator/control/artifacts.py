@@ -97,7 +97,7 @@ class Artifacts:
             if self.path(wheel.sha256) is not None:
                 return wheel
         with tempfile.TemporaryDirectory(prefix="tfsn-wheel-") as scratch:
-            built = _build_from_source(tree, Path(scratch)) if tree else _repack_installed(Path(scratch))
+            built = _build_from_source(tree, Path(scratch)) if tree else repack_installed(Path(scratch))
             data = built.read_bytes()
             digest = hashlib.sha256(data).hexdigest()
             (folder / f".{digest}.tmp").write_bytes(data)
@@ -165,25 +165,27 @@ def _build_from_source(tree: Path, scratch: Path) -> Path:
     return wheels[0]
 
 
-def _repack_installed(scratch: Path) -> Path:
-    """A wheel of the installed distribution's own files (tfsn installed from a wheel: no source tree)."""
+def repack_installed(scratch: Path, name: str = "tfsn") -> Path:
+    """A wheel of an installed pure-Python distribution's own files (tfsn installed from a wheel: no source
+    tree), written into `scratch`."""
     try:
-        dist = importlib.metadata.distribution("tfsn")
+        dist = importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
-        raise ArtifactError("tfsn is neither a source tree nor an installed distribution here. To fix: pip install "
-                            "tfsn's source, or set TFSN_INSTALL_SPEC") from None
-    info = f"tfsn-{dist.version}.dist-info"
-    path = scratch / f"tfsn-{dist.version}-py3-none-any.whl"
+        raise ArtifactError(f"{name} is neither a source tree nor an installed distribution here. To fix: pip "
+                            f"install {name}'s source, or set TFSN_INSTALL_SPEC") from None
+    stem = f"{name.replace('-', '_')}-{dist.version}"
+    info = f"{stem}.dist-info"
+    path = scratch / f"{stem}-py3-none-any.whl"
     records = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as wheel:
         for file in sorted(dist.files or [], key=str):
-            name = file.as_posix()
-            if (name.startswith(("../", "/")) or "__pycache__" in name or name.endswith(".pyc")
-                    or name in {f"{info}/{n}" for n in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}):
+            member = file.as_posix()
+            if (member.startswith(("../", "/")) or "__pycache__" in member or member.endswith(".pyc")
+                    or member in {f"{info}/{n}" for n in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}):
                 continue   # scripts (pip makes them from the entry points) and the installer's own records
             data = Path(file.locate()).read_bytes()
-            wheel.writestr(name, data)
+            wheel.writestr(member, data)
             hashed = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            records.append(f"{name},sha256={hashed},{len(data)}")
+            records.append(f"{member},sha256={hashed},{len(data)}")
         wheel.writestr(f"{info}/RECORD", "\n".join(records + [f"{info}/RECORD,,"]) + "\n")
     return path

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from orchestrator.control.context import ControlContext
 from orchestrator.control.store import Job
-from orchestrator.spec import JobSpec
+from orchestrator.spec import CHECKPOINT_DRIVERS, CHECKPOINT_URL_SCHEMES, JobSpec, checkpoint_url_scheme
 from providers.base import BootFiles
 from providers.bootstrap import INSTALL_SPEC_ENV
 from providers.registry import DRIVERS
@@ -34,7 +34,8 @@ def runs_boot_script(provider: str) -> bool:
 
 def boot_files(ctx: ControlContext, job: Job, spec: JobSpec) -> BootFiles:
     """The wheel and code archive of `job`'s VMs: the code packed on the first VM (once per launch) and kept
-    for the job; the wheel of this controller's tfsn, unless TFSN_INSTALL_SPEC names what nodes install.
+    for the job; the wheel of this controller's tfsn, unless TFSN_INSTALL_SPEC names what nodes install; the
+    extra with the driver of the job's checkpoint store (s3fs for s3://, ...), which nodes install with it.
     CodeSyncError or ArtifactError when either cannot be made (the message says how to fix it)."""
     recorded = dict(ctx.store.job(job.id).artifacts)
     packed = "code" not in recorded
@@ -50,8 +51,10 @@ def boot_files(ctx: ControlContext, job: Job, spec: JobSpec) -> BootFiles:
         ctx.event(job.id, "code", f"packed {spec.workdir} for the nodes: {size / 2**20:.1f} MiB, sha256 "
                                   f"{recorded['code'][:12]}")
         ctx.artifacts.prune({j.artifacts.get("code", "") for j in ctx.store.jobs(active_only=True)})
+    scheme = checkpoint_url_scheme(spec.checkpoint.dir)
     return BootFiles(wheel=wheel.name if wheel else "", wheel_sha256=wheel.sha256 if wheel else "",
-                     code_sha256=recorded["code"])
+                     code_sha256=recorded["code"], extra=CHECKPOINT_URL_SCHEMES.get(scheme, ""),
+                     extra_module=CHECKPOINT_DRIVERS.get(scheme, ""))
 
 
 def boot_failure_summary(body: dict) -> str:

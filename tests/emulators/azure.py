@@ -50,6 +50,7 @@ class AzureEmulator(HttpEmulator):
         self.nics: dict[str, dict] = {}
         self.vms: dict[str, dict] = {}
         self.custom_data: dict[str, str] = {}   # VM name -> its decoded customData (ARM never returns it)
+        self.stopped: set[str] = set()          # VMs whose OS shut down: PowerState/stopped, still allocated
         self.pending_polls = 0                 # polls an operation reports InProgress before it ends
         self.vm_create_polls: int | None = None   # the same for VM creations only, when set (a slow allocation)
         self.prices_page_size = prices_page_size
@@ -258,6 +259,8 @@ class AzureEmulator(HttpEmulator):
             return Response(200, vm)
         state = vm["properties"]["provisioningState"]
         power = {"Succeeded": "running", "Creating": "starting"}.get(state, "stopped")
+        if req.match["name"] in self.stopped:
+            power = "stopped"
         view = {"statuses": [{"code": f"ProvisioningState/{state.lower()}", "level": "Info"},
                              {"code": f"PowerState/{power}", "level": "Info"}]}
         return Response(200, {**vm, "properties": {**vm["properties"], "instanceView": view}})
@@ -273,6 +276,7 @@ class AzureEmulator(HttpEmulator):
     def _remove_vm(self, name: str) -> None:
         """Delete a VM and what its deleteOption says goes with it (the NIC)."""
         vm = self.vms.pop(name)
+        self.stopped.discard(name)
         for ref in vm["properties"]["networkProfile"]["networkInterfaces"]:
             if ref.get("properties", {}).get("deleteOption") == "Delete":
                 for nic_name, nic in list(self.nics.items()):

@@ -412,6 +412,41 @@ def test_async_saves_one_at_a_time_and_a_failure_surfaces(tmp_path: Path, monkey
     assert [i.step for i in list_checkpoints(tmp_path)] == [2, 1] and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a rank waits for a background save (in a notebook, say) leaves that save in flight: the
+    next save still waits for it (failed before: it was forgotten, and the next save staged into its buffers
+    while it was being written, so step 1 held step 2's weights, with valid checksums)."""
+    model = torch.nn.Linear(4, 4)
+    release = threading.Event()
+    real_write = checkpoint.SaveSession.write
+
+    def slow_write(session: checkpoint.SaveSession, state: dict[str, object]) -> None:
+        release.wait(30)
+        real_write(session, state)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.SaveSession, "write", slow_write)
+    saver = AsyncSaver()
+    first = saver.save(tmp_path, 1, {"model": model}, keep=3)
+    expected = model.weight.detach().clone()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            saver.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    threading.Timer(0.5, release.set).start()
+    saver.save(tmp_path, 2, {"model": model}, keep=3)
+    saver.close()
+    assert torch.equal(load_tensors(first.result().path)["model.weight"], expected)
+
+
 _KILLED_IN_BACKGROUND = """
 import sys, time, torch
 from orchestrator.sdk import checkpoint

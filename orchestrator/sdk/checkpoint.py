@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -232,6 +233,7 @@ def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Ma
             stacklevel=3,
         )
     try:
+        _only_saved_optimizer_state(objects, state, store.reader(info.path).read_metadata().state_dict_metadata)
         with quiet_no_dist():
             dcp.load(state, storage_reader=store.reader(info.path), no_dist=not distributed)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
@@ -241,6 +243,20 @@ def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Ma
     _apply(objects, state)
     if restore_rng:
         _set_rng_state(state[rng_key])
+
+
+def _only_saved_optimizer_state(objects: Mapping[str, object], state: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Leave out of `state` each parameter's optimizer state the checkpoint does not hold, so that the
+    optimizer is restored without it, as it was saved: Adam creates a parameter's state at its first
+    gradient (a layer not trained yet has none), while DCP's state dict, read for loading, has it for all."""
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer) or not isinstance(state[name].get("state"), dict):
+            continue
+        prefix = f"{name}.state."
+        held = {rest.rsplit(".", depth)[0] for key in saved if key.startswith(prefix)
+                for rest in [key[len(prefix):]] for depth in range(rest.count(".") + 1)}
+        for fqn in [fqn for fqn in state[name]["state"] if fqn not in held]:
+            del state[name]["state"][fqn]
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
@@ -307,7 +323,8 @@ def _apply(objects: Mapping[str, object], state: dict[str, Any]) -> None:
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, state[name])
         elif isinstance(obj, torch.optim.Optimizer):
-            set_optimizer_state_dict(model, obj, state[name])
+            # not strict: a parameter whose state the checkpoint does not hold is restored without one
+            set_optimizer_state_dict(model, obj, state[name], options=StateDictOptions(strict=False))
         else:
             obj.load_state_dict(state[name])  # type: ignore[attr-defined]
 

@@ -129,6 +129,25 @@ def test_optimizer_needs_exactly_one_module(tmp_path: Path) -> None:
         save(tmp_path, 1, {"opt": opt})
 
 
+def test_optimizer_of_a_replaced_layer_names_the_problem(tmp_path: Path) -> None:
+    """A layer replaced after the optimizer was made: a clear error, at the asynchronous save too (failed
+    before: a bare KeyError: 0 from DCP's parameter mapping)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    save(tmp_path, 1, objects)
+    model[0] = torch.nn.Linear(2, 2)
+    message = r"optimizer 'optimizer' holds parameters that are not the model's .*make the optimizer after"
+    with pytest.raises(CheckpointError, match=message):
+        save(tmp_path, 2, objects)
+    saver = AsyncSaver()
+    with pytest.raises(CheckpointError, match=message):
+        saver.save(tmp_path, 2, objects, keep=3)
+    saver.close()
+    with pytest.raises(CheckpointError, match=message):
+        restore(tmp_path, objects)
+    assert [i.step for i in list_checkpoints(tmp_path)] == [1]
+
+
 def test_restore_with_other_objects_names_the_problem(tmp_path: Path) -> None:
     save(tmp_path, 1, {"model": torch.nn.Linear(2, 2)})
     with pytest.raises(CheckpointError, match=r"step_000000001.*Missing key.*other\.weight.*same objects"):

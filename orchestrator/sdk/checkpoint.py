@@ -306,7 +306,11 @@ def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None =
         if isinstance(obj, torch.nn.Module):
             state[name] = reader.model(obj) if reader is not None else get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
-            state[name] = reader.optimizer(model, obj) if reader is not None else get_optimizer_state_dict(model, obj)
+            try:
+                state[name] = reader.optimizer(model, obj) if reader else get_optimizer_state_dict(model, obj)
+            except KeyError:   # DCP's mapping from parameters to names: checked only when it fails, off the fast path
+                _check_owned(name, obj, model)
+                raise
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             state[name] = obj.state_dict()
         else:
@@ -315,6 +319,14 @@ def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None =
                 "or an object with state_dict() and load_state_dict()"
             )
     return state
+
+
+def _check_owned(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Optimizer state is keyed by the model's parameter names: each of its parameters must be the model's."""
+    owned = {id(p) for p in model.parameters()} if model is not None else set()
+    if any(id(p) not in owned for group in optimizer.param_groups for p in group["params"]):
+        raise CheckpointError(f"optimizer {name!r} holds parameters that are not the model's (a layer replaced "
+                              "after the optimizer was made?); make the optimizer after changing the model")
 
 
 def _apply(objects: Mapping[str, object], state: dict[str, Any]) -> None:

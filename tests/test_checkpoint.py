@@ -129,10 +129,69 @@ def test_optimizer_needs_exactly_one_module(tmp_path: Path) -> None:
         save(tmp_path, 1, {"opt": opt})
 
 
+def test_optimizer_of_a_replaced_layer_names_the_problem(tmp_path: Path) -> None:
+    """A layer replaced after the optimizer was made: a clear error, at the asynchronous save too (failed
+    before: a bare KeyError: 0 from DCP's parameter mapping)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    save(tmp_path, 1, objects)
+    model[0] = torch.nn.Linear(2, 2)
+    message = r"optimizer 'optimizer' holds parameters that are not the model's .*make the optimizer after"
+    with pytest.raises(CheckpointError, match=message):
+        save(tmp_path, 2, objects)
+    saver = AsyncSaver()
+    with pytest.raises(CheckpointError, match=message):
+        saver.save(tmp_path, 2, objects, keep=3)
+    saver.close()
+    with pytest.raises(CheckpointError, match=message):
+        restore(tmp_path, objects)
+    assert [i.step for i in list_checkpoints(tmp_path)] == [1]
+
+
 def test_restore_with_other_objects_names_the_problem(tmp_path: Path) -> None:
     save(tmp_path, 1, {"model": torch.nn.Linear(2, 2)})
     with pytest.raises(CheckpointError, match=r"step_000000001.*Missing key.*other\.weight.*same objects"):
         restore(tmp_path, {"other": torch.nn.Linear(2, 2)})
+
+
+def _two_layers() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.1)}
+
+
+def _train_layers(objects: dict[str, object], start: int, stop: int, layers: int = 2) -> None:
+    """Steps start..stop-1 through the first `layers` layers: a layer left out has no gradient, so no Adam state."""
+    model, optimizer = objects["model"], objects["optimizer"]
+    for step in range(start, stop):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        model[:layers](x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("how", ["head-not-trained-yet", "state-reset"])
+def test_optimizer_state_of_some_parameters_restores_bit_exact(tmp_path: Path, how: str) -> None:
+    """Adam creates a parameter's state at its first gradient: a checkpoint may hold it for some parameters, or
+    none after the state was reset (read through the learned mapping, not DCP's, which would create it). The
+    restored optimizer holds the same, and resumes bit-exact (failed before: 'Missing key in checkpoint
+    state_dict: optimizer.state.1.weight.step'; the run could not restart from its newest checkpoint)."""
+    reference = _two_layers()
+    saver = AsyncSaver()
+    if how == "head-not-trained-yet":
+        _train_layers(reference, 0, 2, layers=1)
+    else:
+        _train_layers(reference, 0, 2)
+        saver.save(tmp_path, 2, reference, keep=3)   # learns how the optimizer's state maps onto DCP's keys
+        reference["optimizer"].state.clear()
+    saver.save(tmp_path, 3, reference, keep=3)
+    saver.close()
+    _train_layers(reference, 3, 6)
+
+    resumed = _two_layers()
+    assert restore(tmp_path, resumed).step == 3
+    _train_layers(resumed, 3, 6)
+    assert_same_state(reference, resumed)
 
 
 def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
@@ -410,6 +469,41 @@ def test_async_saves_one_at_a_time_and_a_failure_surfaces(tmp_path: Path, monkey
     with pytest.raises(CheckpointError, match="committing checkpoint .*step_000000003 failed: .*No space left"):
         saver.close()
     assert [i.step for i in list_checkpoints(tmp_path)] == [2, 1] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a rank waits for a background save (in a notebook, say) leaves that save in flight: the
+    next save still waits for it (failed before: it was forgotten, and the next save staged into its buffers
+    while it was being written, so step 1 held step 2's weights, with valid checksums)."""
+    model = torch.nn.Linear(4, 4)
+    release = threading.Event()
+    real_write = checkpoint.SaveSession.write
+
+    def slow_write(session: checkpoint.SaveSession, state: dict[str, object]) -> None:
+        release.wait(30)
+        real_write(session, state)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.SaveSession, "write", slow_write)
+    saver = AsyncSaver()
+    first = saver.save(tmp_path, 1, {"model": model}, keep=3)
+    expected = model.weight.detach().clone()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            saver.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    threading.Timer(0.5, release.set).start()
+    saver.save(tmp_path, 2, {"model": model}, keep=3)
+    saver.close()
+    assert torch.equal(load_tensors(first.result().path)["model.weight"], expected)
 
 
 _KILLED_IN_BACKGROUND = """

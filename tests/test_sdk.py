@@ -253,3 +253,37 @@ def test_a_bad_phase_name_is_a_one_line_error(tmp_path):
             with run.phase(bad):
                 pass
         assert "run.phase(" in str(err.value) and "\n" not in str(err.value)
+
+
+_EXITS_WHILE_WRITING = """
+import sys, time, torch, tfsn
+from orchestrator.sdk import checkpoint
+commit = checkpoint._commit
+def slow_commit(*args):   # the last save is still being written when the script ends
+    time.sleep(1)
+    if sys.argv[2] == "fail":
+        raise OSError(28, "No space left on device")
+    return commit(*args)
+checkpoint._commit = slow_commit
+run = tfsn.init(checkpoint_dir=sys.argv[1], checkpoint_interval=100, steps=2)
+model = torch.nn.Linear(4, 4)
+for step in run.steps(0):
+    run.checkpoint(model=model)
+print("loop done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("outcome", ["ok", "fail"])
+def test_a_script_that_ends_without_finish_still_saves_its_last_checkpoint(tmp_path, outcome):
+    """The exit waits for the last background save (failed before: the write's checksums could not start a
+    thread once Python was shutting down, the save was lost and the exit status was still 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFSN_")}
+    proc = subprocess.run([sys.executable, "-c", _EXITS_WHILE_WRITING, str(tmp_path), outcome], env=env,
+                          capture_output=True, text=True, timeout=120)
+    if outcome == "ok":
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert [c.step for c in list_checkpoints(tmp_path)] == [2]
+    else:   # a failed last save is a failed run: a one-line error, no traceback, a non-zero exit
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+        assert re.fullmatch(r"tfsn: committing checkpoint \S+step_000000002 failed: .*No space left.*\n", proc.stderr)
+        assert list_checkpoints(tmp_path) == []

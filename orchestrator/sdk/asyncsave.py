@@ -145,8 +145,14 @@ class AsyncSaver:
 
     def wait(self) -> CheckpointInfo | None:
         """Wait for the save in flight; its CheckpointInfo (None if there is none). Raises its CheckpointError."""
-        pending, self._pending = self._pending, None
-        return pending.result() if pending is not None else None
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            return pending.result()
+        finally:
+            if pending.done():   # not on an interrupted wait: its buffers are still being written
+                self._pending = None
 
     def close(self) -> None:
         """Wait for the save in flight, then free the thread and the staging memory."""

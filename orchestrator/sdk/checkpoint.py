@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -232,6 +233,7 @@ def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Ma
             stacklevel=3,
         )
     try:
+        _only_saved_optimizer_state(objects, state, store.reader(info.path).read_metadata().state_dict_metadata)
         with quiet_no_dist():
             dcp.load(state, storage_reader=store.reader(info.path), no_dist=not distributed)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
@@ -241,6 +243,20 @@ def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Ma
     _apply(objects, state)
     if restore_rng:
         _set_rng_state(state[rng_key])
+
+
+def _only_saved_optimizer_state(objects: Mapping[str, object], state: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Leave out of `state` each parameter's optimizer state the checkpoint does not hold, so that the
+    optimizer is restored without it, as it was saved: Adam creates a parameter's state at its first
+    gradient (a layer not trained yet has none), while DCP's state dict, read for loading, has it for all."""
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer) or not isinstance(state[name].get("state"), dict):
+            continue
+        prefix = f"{name}.state."
+        held = {rest.rsplit(".", depth)[0] for key in saved if key.startswith(prefix)
+                for rest in [key[len(prefix):]] for depth in range(rest.count(".") + 1)}
+        for fqn in [fqn for fqn in state[name]["state"] if fqn not in held]:
+            del state[name]["state"][fqn]
 
 
 def list_checkpoints(directory: str | Path) -> list[CheckpointInfo]:
@@ -290,7 +306,11 @@ def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None =
         if isinstance(obj, torch.nn.Module):
             state[name] = reader.model(obj) if reader is not None else get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
-            state[name] = reader.optimizer(model, obj) if reader is not None else get_optimizer_state_dict(model, obj)
+            try:
+                state[name] = reader.optimizer(model, obj) if reader else get_optimizer_state_dict(model, obj)
+            except KeyError:   # DCP's mapping from parameters to names: checked only when it fails, off the fast path
+                _check_owned(name, obj, model)
+                raise
         elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
             state[name] = obj.state_dict()
         else:
@@ -301,13 +321,22 @@ def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None =
     return state
 
 
+def _check_owned(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Optimizer state is keyed by the model's parameter names: each of its parameters must be the model's."""
+    owned = {id(p) for p in model.parameters()} if model is not None else set()
+    if any(id(p) not in owned for group in optimizer.param_groups for p in group["params"]):
+        raise CheckpointError(f"optimizer {name!r} holds parameters that are not the model's (a layer replaced "
+                              "after the optimizer was made?); make the optimizer after changing the model")
+
+
 def _apply(objects: Mapping[str, object], state: dict[str, Any]) -> None:
     model = _the_model(objects)
     for name, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, state[name])
         elif isinstance(obj, torch.optim.Optimizer):
-            set_optimizer_state_dict(model, obj, state[name])
+            # not strict: a parameter whose state the checkpoint does not hold is restored without one
+            set_optimizer_state_dict(model, obj, state[name], options=StateDictOptions(strict=False))
         else:
             obj.load_state_dict(state[name])  # type: ignore[attr-defined]
 

@@ -15,11 +15,11 @@ controller from a background thread in batches; a step never waits for the netwo
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import math
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -168,7 +168,9 @@ class Run:
         phases.activate(self._phases)
         client = ControllerClient.from_env()
         self._telemetry = TelemetryReporter(client, self.rank, self.attempt, clock=self._phases) if client else None
-        atexit.register(self.finish)
+        # At exit, before Python stops starting threads (`atexit` runs after: the last write could no longer
+        # hash its files and was lost); private, but it is how concurrent.futures waits for its own work.
+        threading._register_atexit(self._finish_at_exit)   # type: ignore[attr-defined]
 
     @property
     def managed(self) -> bool:
@@ -367,6 +369,16 @@ class Run:
             if self._telemetry is not None:
                 self._telemetry.close()
                 self._telemetry = None
+
+    def _finish_at_exit(self) -> None:
+        """`finish` when the script ends without it: a last save that failed fails the process, in one line
+        (an exception at exit would be printed with its traceback, and the exit status stay 0)."""
+        try:
+            self.finish()
+        except ckpt.CheckpointError as e:
+            print(f"tfsn: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
 
 
 def _parse_interval(value: int | str) -> tuple[int | None, float | None]:

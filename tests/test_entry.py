@@ -114,3 +114,11 @@ def test_the_declared_shape_alone_is_priced_by_the_roofline(cli, tmp_path):
     out = json.loads(cli("plan", str(spec), "--json").stdout)
     assert out["chosen"]["step_source"] == "roofline fallback" and out["entry"] is None
     assert out["hardware"][0]["why_fallback"] == "no model.entry in the spec"
+
+
+def test_the_child_sees_the_jobs_envs(cli, tmp_path):
+    script = GOOD.replace("torch.randn(8, 32), torch.randint(4, (8,))",
+                          "torch.randn(int(os.environ['BATCH']), 32), torch.randint(4, (int(os.environ['BATCH']),))")
+    spec = _job(tmp_path, "import os\n" + script)
+    spec.write_text(spec.read_text() + "envs:\n  BATCH: 3\n")
+    assert json.loads(cli("plan", str(spec), "--json").stdout)["entry"]["example_batch"] == 3

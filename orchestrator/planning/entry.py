@@ -62,10 +62,11 @@ def _fail(spec: JobSpec, what: str, fix: str) -> PlanError:
     return PlanError(f"model.entry {spec.model.entry}: {what}. To fix: {fix}", field=ENTRY_FIELD)
 
 
-def _child_env() -> dict[str, str]:
-    """The child imports this tfsn: its root goes first on PYTHONPATH."""
+def _child_env(spec: JobSpec) -> dict[str, str]:
+    """The job's `envs` (they may configure its model, as the workers see them) over this environment, and
+    this tfsn's root first on PYTHONPATH (the child imports it)."""
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
+    env = {**os.environ, **spec.envs}
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")    # the child prices, it does not train: leave the cores to others
     return env
@@ -114,7 +115,7 @@ def _result_key(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> st
     from optimizer.hardware import host_spec_path
 
     optimizer_dir = Path(__file__).resolve().parents[2] / "optimizer"
-    parts = [spec.model.entry, json.dumps(list(hardware)), sys.executable]
+    parts = [spec.model.entry, json.dumps(list(hardware)), json.dumps(spec.envs, sort_keys=True), sys.executable]
     try:
         parts.append(version("torch"))
     except PackageNotFoundError:
@@ -147,7 +148,7 @@ def _run_child(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> dic
                                        "hardware": [{"name": n, "threads": t} for n, t in hardware]}))
         with open(Path(folder) / "stderr", "w+b") as stderr:
             child = subprocess.Popen([sys.executable, "-m", "optimizer.entry", str(request), str(result)],
-                                     cwd=spec.workdir, env=_child_env(), stdin=subprocess.DEVNULL,
+                                     cwd=spec.workdir, env=_child_env(spec), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
             try:
                 code = child.wait(timeout=timeout)

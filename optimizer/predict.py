@@ -103,8 +103,12 @@ REFERENCE_WORKLOAD = Workload(params=1.3e9, layers=24, hidden=2048, seq_len=2048
 
 def state_bytes_per_param(workload: Workload) -> float:
     """Weights + gradients + Adam state per parameter (16 bytes for every training dtype here)."""
-    master = 4 if workload.dtype != "fp32" else 0
-    return 2 * workload.element_bytes + master + ADAM_MOMENT_BYTES
+    return _state_bytes(workload.dtype)
+
+
+def _state_bytes(dtype: str) -> float:
+    master = 4 if dtype != "fp32" else 0
+    return 2 * BYTES_PER_ELEMENT[dtype] + master + ADAM_MOMENT_BYTES
 
 
 def memory_gib_needed(workload: Workload) -> float:
@@ -114,9 +118,14 @@ def memory_gib_needed(workload: Workload) -> float:
     accumulation makes up the global batch), plus FRAMEWORK_OVERHEAD_GIB. A device with less memory
     cannot train the model without sharding, which this planner does not assume.
     """
-    state = state_bytes_per_param(workload) * workload.params
     activations = workload.activation_bytes_per_token() * workload.seq_len
-    return (state + activations) / 2**30 + FRAMEWORK_OVERHEAD_GIB
+    return training_state_gib(workload.params, workload.dtype) + activations / 2**30
+
+
+def training_state_gib(params: float, dtype: str) -> float:
+    """GiB of weights, gradients and Adam state of `params` parameters trained in `dtype`, plus
+    FRAMEWORK_OVERHEAD_GIB: the memory of one replica before its activations."""
+    return params * _state_bytes(dtype) / 2**30 + FRAMEWORK_OVERHEAD_GIB
 
 
 def _traffic_bytes_per_device(workload: Workload, devices: np.ndarray) -> np.ndarray:
@@ -150,19 +159,38 @@ def step_seconds_many(workload: Workload, hardware: Sequence[HardwareSpec], coun
     frac = np.where(kind == "gpu", ACHIEVABLE_FRACTION["gpu"], ACHIEVABLE_FRACTION["cpu"])
     peak = np.array([h.peak_flops(workload.dtype) for h in hardware])
     mem_bw = np.array([h.main_memory.bandwidth_gbs for h in hardware]) * 1e9
-    link = np.array([h.interconnect_gbs for h in hardware]) * 1e9
     launch = np.array([h.launch_overhead_us for h in hardware]) * 1e-6
-    net = (np.full(len(hardware), DEFAULT_INTER_NODE_GBS) if inter_node_gbs is None
-           else np.asarray(inter_node_gbs, dtype=float)) * 1e9
 
     devices = g * n
     compute = workload.flops_per_step / (devices * peak * frac)
     memory = _traffic_bytes_per_device(workload, devices) / mem_bw
     grad_bytes = workload.params * workload.element_bytes
-    intra = 2.0 * (g - 1.0) / g * grad_bytes / link
-    inter = 2.0 * (n - 1.0) / n * grad_bytes / net
     launches = workload.layers * KERNELS_PER_LAYER * launch
-    return np.maximum(compute, memory) + intra + inter + launches
+    return np.maximum(compute, memory) + allreduce_seconds_many(grad_bytes, hardware, counts, nodes, inter_node_gbs) \
+        + launches
+
+
+def allreduce_seconds_many(grad_bytes: float, hardware: Sequence[HardwareSpec], counts: Sequence[int] | np.ndarray,
+                           nodes: int = 1, inter_node_gbs: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+    """Seconds of one data-parallel gradient all-reduce of `grad_bytes` for each (hardware[i], counts[i]
+    replicas per node) on `nodes` nodes: a ring inside a node over the accelerator link, 2(g-1)/g x the
+    bytes per device, and across nodes 2(n-1)/n x the bytes through each node's NIC (`inter_node_gbs[i]`,
+    GB/s; default DEFAULT_INTER_NODE_GBS). Not overlapped with the backward pass: an upper bound."""
+    g = np.maximum(np.asarray(counts, dtype=float), 1.0)
+    n = float(nodes)
+    link = np.array([h.interconnect_gbs for h in hardware]) * 1e9
+    net = (np.full(len(hardware), DEFAULT_INTER_NODE_GBS) if inter_node_gbs is None
+           else np.asarray(inter_node_gbs, dtype=float)) * 1e9
+    return 2.0 * (g - 1.0) / g * grad_bytes / link + 2.0 * (n - 1.0) / n * grad_bytes / net
+
+
+def adam_update_seconds(params: float, dtype: str, hardware: HardwareSpec) -> float:
+    """Seconds of the optimizer's update on one replica: memory bound, each parameter's gradient read, its
+    weight read and written, its two fp32 moments read and written (and its fp32 master copy, in mixed
+    precision), at the main memory's bandwidth. The searched training step leaves the update out."""
+    element = BYTES_PER_ELEMENT[dtype]
+    master = 0 if dtype == "fp32" else 2 * 4
+    return params * (3 * element + 2 * ADAM_MOMENT_BYTES + master) / (hardware.main_memory.bandwidth_gbs * 1e9)
 
 
 def predict_step_seconds(workload: Workload, hardware: HardwareSpec, count: int, nodes: int = 1,

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -155,20 +155,31 @@ def _sum_outputs(out: Any) -> torch.Tensor:
 
 
 def _predicting_backend(spec: HardwareSpec, report: StepReport):
-    """AOTAutograd with our decompositions and partitioner whose compilers search each graph for
-    `spec` with the model alone and run it as ATen."""
+    """AOTAutograd whose compilers search each graph for `spec` with the model alone and run it as ATen."""
+    from optimizer import search
+    return predicting_backend(spec, lambda graph: report.graphs.append(
+        (graph, search.search_graph(graph, spec, timing=False))))
+
+
+def predicting_backend(spec: HardwareSpec, on_graph: Callable[[Any], None],
+                       on_unsupported: Callable[[str], None] | None = None):
+    """AOTAutograd with our decompositions and the partitioner searched for `spec`, whose compilers hand
+    each graph (as IR) to `on_graph` and run it as ATen, so that a capture for hardware that is not here
+    completes. A graph the IR cannot express goes to `on_unsupported` with the reason (default: skipped)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
-    from optimizer import ir, search
+    from optimizer import ir
     from optimizer.backend import decompositions, searched_partition
 
     def compile_for_spec(gm: torch.fx.GraphModule, example_inputs):
         try:
             graph = ir.from_fx(gm)
-        except ir.Unsupported:
+        except ir.Unsupported as err:
+            if on_unsupported is not None:
+                on_unsupported(str(err))
             return make_boxed_func(gm.forward)
-        report.graphs.append((graph, search.search_graph(graph, spec, timing=False)))
+        on_graph(graph)
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=compile_for_spec, bw_compiler=compile_for_spec, partition_fn=searched_partition(spec),

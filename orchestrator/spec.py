@@ -129,6 +129,14 @@ def parse_duration(value: str | int | float) -> float:
     return seconds
 
 
+def bounded_duration(value: Any, name: str, most_s: float, most_text: str) -> float:
+    """A duration field in seconds, longer than zero and at most `most_s` (said as `most_text`)."""
+    seconds = parse_duration(value)
+    if not 0 < seconds <= most_s:
+        raise ValueError(f"{name} must be longer than zero and at most {most_text}. {_DURATION_FIX}")
+    return seconds
+
+
 class AcceleratorRequest(BaseModel):
     """One accelerator choice: `count` devices of type `name` per node (name as the user wrote it)."""
 
@@ -413,11 +421,8 @@ class HealthSpec(BaseModel):
     @field_validator("heartbeat_timeout", mode="before")
     @classmethod
     def _timeout(cls, value: Any) -> float:
-        seconds = parse_duration(value)
-        if not 0 < seconds <= MAX_HEARTBEAT_TIMEOUT_S:
-            raise ValueError(f"heartbeat_timeout must be longer than zero and at most "
-                             f"{MAX_HEARTBEAT_TIMEOUT_S // 3600} hours. {_DURATION_FIX}")
-        return seconds
+        return bounded_duration(value, "heartbeat_timeout", MAX_HEARTBEAT_TIMEOUT_S,
+                                f"{MAX_HEARTBEAT_TIMEOUT_S // 3600} hours")
 
 
 class Toleration(BaseModel):
@@ -455,20 +460,33 @@ _PARAMS_RE = re.compile(r"((?:\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMbBt
 _PARAMS_UNIT = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
+_ENTRY_RE = re.compile(r"^(?P<file>[^:\x00-\x1f]+\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")
+ENTRY_TIMEOUT_S = 300.0         # default `model.entry_timeout`: importing, building, capturing and searching
+MAX_ENTRY_TIMEOUT_S = 3600.0
+_SHAPE_FIELDS = ("params", "layers", "hidden", "seq_len", "batch_size")
+
+
 class ModelSpec(BaseModel):
     """The model being trained, for the planner's step-time and memory estimates.
 
-    A decoder-only transformer trained with Adam; `batch_size` is sequences per optimizer step, all
-    ranks together. Without this section the planner assumes its documented reference workload.
+    `entry: train.py:build` names a function of the job's own code (a path relative to `workdir`) that
+    returns `(model, batch, loss_fn)`: the module, one example batch of one rank (a tensor or a tuple of
+    tensors; the first one's leading dimension is the per-rank batch size) and `loss_fn(model, batch)`
+    returning the scalar loss (None: `model(*batch)` is the loss). The planner captures that training step
+    and searches it per hardware type. The declared shape (a decoder-only transformer trained with Adam;
+    `batch_size` is sequences per optimizer step, all ranks together) is the roofline fallback, and the
+    whole model without an entry. Without this section the planner assumes its reference workload.
     """
 
     model_config = ConfigDict(extra="forbid")
+    entry: Line | None = None                          # "train.py:build": FILE.py:FUNCTION, FILE under workdir
+    entry_timeout: float = ENTRY_TIMEOUT_S         # seconds for importing the entry, capturing and searching
     # Bounds far above any model trained (1e12 parameters, 200 layers, 32k wide, 1M-token contexts)
-    params: float = Field(gt=0, le=1e15, allow_inf_nan=False)  # parameters: 1.3e9, or "1.3B", "350M"
-    layers: int = Field(ge=1, le=10**5, strict=True)
-    hidden: int = Field(ge=1, le=1 << 20, strict=True)
-    seq_len: int = Field(ge=1, le=1 << 30, strict=True)
-    batch_size: int = Field(ge=1, le=1 << 30, strict=True)   # sequences
+    params: float | None = Field(None, gt=0, le=1e15, allow_inf_nan=False)  # 1.3e9, or "1.3B", "350M"
+    layers: int | None = Field(None, ge=1, le=10**5, strict=True)
+    hidden: int | None = Field(None, ge=1, le=1 << 20, strict=True)
+    seq_len: int | None = Field(None, ge=1, le=1 << 30, strict=True)
+    batch_size: int | None = Field(None, ge=1, le=1 << 30, strict=True)   # sequences, all ranks
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
     @field_validator("params", mode="before")
@@ -485,6 +503,40 @@ class ModelSpec(BaseModel):
         if isinstance(value, int) and value.bit_length() >= 1000:
             raise ValueError(f"{_show(value)} is too large a parameter count. {fix}")
         return value
+
+    @field_validator("entry")
+    @classmethod
+    def _entry(cls, value: str | None) -> str | None:
+        if value is not None and not _ENTRY_RE.fullmatch(value.strip()):
+            raise ValueError(f"{_show(value)} is not FILE.py:FUNCTION. To fix: name a function of your script, "
+                             "relative to workdir, e.g. 'entry: train.py:build'")
+        return None if value is None else value.strip()
+
+    @field_validator("entry_timeout", mode="before")
+    @classmethod
+    def _entry_timeout(cls, value: Any) -> float:
+        return bounded_duration(value, "entry_timeout", MAX_ENTRY_TIMEOUT_S, f"{MAX_ENTRY_TIMEOUT_S / 60:.0f} minutes")
+
+    @model_validator(mode="after")
+    def _entry_or_shape(self) -> ModelSpec:
+        missing = [name for name in _SHAPE_FIELDS if getattr(self, name) is None]
+        if self.entry is None and missing:
+            raise ValueError(f"{', '.join(missing)} missing: the model is described by an entry or by its shape. "
+                             "To fix: add 'entry: train.py:build' (a function returning model, batch, loss_fn), "
+                             f"or all of {', '.join(_SHAPE_FIELDS)}")
+        return self
+
+    @property
+    def has_shape(self) -> bool:
+        """True when the declared shape is complete (the roofline can price it)."""
+        return all(getattr(self, name) is not None for name in _SHAPE_FIELDS)
+
+    def entry_parts(self) -> tuple[str, str]:
+        """`entry` as (file, function)."""
+        match = _ENTRY_RE.fullmatch(self.entry or "")
+        if match is None:
+            raise ValueError("the model has no entry")
+        return match["file"], match["function"]
 
 
 def _env_name(key: str) -> str:
@@ -622,6 +674,7 @@ _EXAMPLES = {
     "use_spot": "true", "max_hourly_cost": "30.0", "dir": "checkpoints", "keep": "3",
     "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true", "local_ok": "true", "async_save": "true",
     "params": "1.3B", "layers": "24", "hidden": "2048", "seq_len": "2048", "batch_size": "256", "dtype": "bf16",
+    "entry": "train.py:build", "entry_timeout": "5m",
 }
 
 

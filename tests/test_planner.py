@@ -343,4 +343,10 @@ def test_a_bad_model_section_is_a_spec_error_naming_line_and_field(tmp_path):
         load_spec(path)
     assert (f"{path}:4: model.layers: input should be greater than or equal to 1, got 0. "
             "To fix: write it like 'layers: 24'") in err.value.messages
-    assert f"{path}:2: model.hidden: required field is missing. To fix: add 'hidden: 2048'" in err.value.messages
+    # a shape with fields missing (and no entry) names them all, and the entry that would do instead
+    path.write_text("run: python train.py\nmodel:\n  params: 1.3B\n  layers: 2\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert err.value.messages == [f"{path}:2: model: hidden, seq_len, batch_size missing: the model is described by "
+                                  "an entry or by its shape. To fix: add 'entry: train.py:build' (a function returning "
+                                  "model, batch, loss_fn), or all of params, layers, hidden, seq_len, batch_size"]

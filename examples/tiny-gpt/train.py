@@ -126,38 +126,53 @@ def batch(data, step, rank):
     return x, y
 
 
-run = tfsn.init(checkpoint_interval=50, steps=steps)
-text = make_corpus(corpus_chars, random.Random(seed))
-chars = sorted(set(text))
-data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+def build():
+    """The model, one rank's batch and the loss (None: the model returns it): what `model.entry` names in
+    train.yaml, so that `tfsn plan` prices this very step on every hardware type."""
+    text = make_corpus(corpus_chars, random.Random(seed))
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    torch.manual_seed(seed)
+    return GPT(len(chars)), batch(data, 0, 0), None
 
-torch.manual_seed(seed)
-model = GPT(len(chars))
-optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.95))
-if run.world_size > 1:
-    model = DDP(model)
-n_params = sum(p.numel() for p in model.parameters())
-start = run.restore(model=model, optimizer=optimizer)
-if run.rank == 0:
-    print(f"{n_params / 1e6:.2f}M parameters, vocab {len(chars)}, {run.world_size} rank(s), "
-          f"{torch.get_num_threads()} thread(s) each, starting at step {start} of {steps}", flush=True)
 
-tokens_per_step = batch_size * block_size * run.world_size
-t0, last = time.perf_counter(), start
-for step in run.steps(start, steps):
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step)
-    x, y = batch(data, step, run.rank)
-    loss = model(x, y)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    run.log(loss=loss)
-    run.checkpoint(model=model, optimizer=optimizer)
-    if run.rank == 0 and (step % log_interval == 0 or step == steps - 1):
-        dt = (time.perf_counter() - t0) / (step + 1 - last)
-        print(f"step {step}: loss {loss.item():.4f}, {dt * 1000:.0f} ms/step, "
-              f"{tokens_per_step / dt:,.0f} tok/s", flush=True)
-        t0, last = time.perf_counter(), step + 1
-run.finish()
+def main():
+    run = tfsn.init(checkpoint_interval=50, steps=steps)
+    text = make_corpus(corpus_chars, random.Random(seed))
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+
+    torch.manual_seed(seed)
+    model = GPT(len(chars))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.95))
+    if run.world_size > 1:
+        model = DDP(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    start = run.restore(model=model, optimizer=optimizer)
+    if run.rank == 0:
+        print(f"{n_params / 1e6:.2f}M parameters, vocab {len(chars)}, {run.world_size} rank(s), "
+              f"{torch.get_num_threads()} thread(s) each, starting at step {start} of {steps}", flush=True)
+
+    tokens_per_step = batch_size * block_size * run.world_size
+    t0, last = time.perf_counter(), start
+    for step in run.steps(start, steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        x, y = batch(data, step, run.rank)
+        loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        run.log(loss=loss)
+        run.checkpoint(model=model, optimizer=optimizer)
+        if run.rank == 0 and (step % log_interval == 0 or step == steps - 1):
+            dt = (time.perf_counter() - t0) / (step + 1 - last)
+            print(f"step {step}: loss {loss.item():.4f}, {dt * 1000:.0f} ms/step, "
+                  f"{tokens_per_step / dt:,.0f} tok/s", flush=True)
+            t0, last = time.perf_counter(), step + 1
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ from orchestrator.control import daemon
 from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
-from orchestrator.planning.offers import candidate_text
+from orchestrator.planning.offers import candidate_text, hardware_lines, model_text
 from orchestrator.spec import JobSpec, SpecError, load_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -267,8 +267,7 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
                  limit: int = typer.Option(15, "--limit", min=1, help="rows of the ranked table")) -> None:
     """Rank every capable offer by the predicted cost of the whole run; show the choice and the naive one."""
     from orchestrator.planning.placement import plan_for
-    from orchestrator.planning.planner import PlanError
-    from optimizer.predict import memory_gib_needed
+    from orchestrator.planning.planner import PlanError, memory_needed
     from providers.base import ProviderError
     from providers.catalog import CatalogError
 
@@ -277,21 +276,26 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
         result = plan_for(spec, catalog=catalog, planning_only=True)
     except (CatalogError, PlanError, ProviderError) as err:
         raise UsageError(f"{file}: {err}" if isinstance(err, PlanError) else str(err)) from None
-    need = memory_gib_needed(result.workload)
+    need = None if result.reference_workload else memory_needed(result.workload, result.entry)
+    hardware = result.hardware()
     if as_json:
+        entry = result.entry
         print(json.dumps({"offers": [c.to_dict() for c in result], "chosen": result.chosen.to_dict(),
                           "naive": result.naive.to_dict(), "steps": result.steps, "nodes": result.nodes,
-                          "workload": vars(result.workload), "reference_workload": result.reference_workload,
-                          "memory_gib_per_device": None if result.reference_workload else round(need, 3)}))
+                          "workload": vars(result.workload) if result.workload is not None else None,
+                          "reference_workload": result.reference_workload, "hardware": hardware,
+                          "entry": None if entry is None else {"params": entry.params, "example_batch":
+                                                               entry.example_batch, "dtype": entry.dtype,
+                                                               "seconds": entry.seconds},
+                          "memory_gib_per_device": None if need is None else round(need, 3)}))
         return
     console.print(_plan_table(result, limit))
-    w = result.workload
-    about = ("the reference workload (GPT-3 XL: add a `model:` section to describe yours)"
-             if result.reference_workload else "the spec's model")
+    for line in hardware_lines(result, hardware):
+        console.print(line, highlight=False)
     assumed = " (no `steps:` in the spec: assumed)" if spec.steps is None else ""
-    memory = "no memory check" if result.reference_workload else f"{need:.1f} GiB per device"
-    console.print(f"{result.steps} steps{assumed} of {w.params / 1e9:g}B params, {w.batch_size} x {w.seq_len} tokens, "
-                  f"{w.dtype}: {about}; {memory}; {len(result)} capable offer(s)", highlight=False)
+    memory = "no memory check" if need is None else f"{need:.1f} GiB per device"
+    console.print(f"{result.steps} steps{assumed} of {model_text(result)}; {memory}; {len(result)} capable offer(s)",
+                  highlight=False)
     chosen, naive = result.chosen, result.naive
     console.print(f"[bold]chosen[/]: {candidate_text(chosen)}", highlight=False)
     console.print(f"naive (cheapest per hour): {candidate_text(naive)}", highlight=False)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from providers.base import Offer
 
 if TYPE_CHECKING:   # the planner pulls in the optimizer's predictor: the CLI starts without it
-    from orchestrator.planning.planner import PlannedOffer
+    from orchestrator.planning.planner import Plan, PlannedOffer
 
 
 def offer_text(offer: Offer | Mapping[str, Any], spot: bool = False) -> str:
@@ -35,6 +35,36 @@ def candidate_text(candidate: PlannedOffer) -> str:
     """An offer with its market and what the plan predicts of it: nodes, price, hours, cost of the run."""
     return (f"{offer_text(candidate.offer)} ({'spot' if candidate.spot else 'on-demand'}) x{candidate.nodes} node(s): "
             f"${candidate.price_per_hour:,.2f}/node-h, {candidate.hours:,.2f} h, ${candidate.cost:,.2f} for the run")
+
+
+def model_text(plan: Plan) -> str:
+    """What the plan priced: the job's own step (model.entry), its declared shape, or the reference workload."""
+    w, entry = plan.workload, plan.entry
+    if entry is not None:
+        how = f"imported, captured and searched in {entry.seconds:.1f} s" if entry.seconds else "from the cache"
+        text = (f"the step of model.entry ({entry.params / 1e6:.2f}M params, {entry.example_batch} examples per "
+                f"rank, {entry.dtype}; {how})")
+        fell_back = any(h.seconds is None for h in entry.hardware.values())
+        return text + (", the declared shape where its search failed" if fell_back and w is not None else "")
+    if plan.reference_workload:
+        return (f"{w.params / 1e9:g}B params, {w.batch_size} x {w.seq_len} tokens, {w.dtype}: the reference workload "
+                "(GPT-3 XL: add a `model:` section to describe yours)")
+    return f"{w.params / 1e9:g}B params, {w.batch_size} x {w.seq_len} tokens, {w.dtype}: the spec's model"
+
+
+def hardware_lines(plan: Plan, rows: list[dict]) -> list[str]:
+    """Per hardware type: the predicted step of the best offer of it and where it came from (Plan.hardware)."""
+    lines = ["predicted step time per hardware type:"]
+    for row in rows:
+        name = "this machine's CPU" if row["hardware"] == "host" else row["hardware"]
+        line = f"  {name}: {row['step_seconds'] * 1e3:,.2f} ms/step, {row['source']}"
+        if row["searched_device_step_s"] is not None:
+            line += (f" ({row['graphs']} graph(s), {row['searched_device_step_s'] * 1e3:,.2f} ms forward+backward "
+                     f"per replica at the example batch{', cached' if row['cached'] else ''})")
+        else:
+            line += f" ({row['why_fallback']})"
+        lines.append(line)
+    return lines
 
 
 def _record(offer: Offer | Mapping[str, Any]) -> Mapping[str, Any]:

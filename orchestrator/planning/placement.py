@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.planning.planner import Plan, PlanError, check_accelerators, plan_job
+from orchestrator.planning.planner import HOST, Plan, PlanError, check_accelerators, hardware_to_search, plan_job
 from orchestrator.spec import JobSpec, checkpoint_url_scheme
 from providers.base import Offer, Provider
 from providers.registry import load_provider
@@ -65,7 +65,22 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
             raise PlanError(f"no capable offer: num_nodes {spec.num_nodes}: this machine runs at most {most} local "
                             "nodes (one per core, 4 at least). To fix: lower num_nodes, or name clouds in "
                             "resources.infra", field=("num_nodes",))
-    return plan_job(spec, offers)
+    entry = _searched_entry(spec, offers) if spec.model is not None and spec.model.entry else None
+    return plan_job(spec, offers, entry=entry, host_providers=HOST_PROVIDERS)
+
+
+# Providers whose offers are this machine: their step is searched with this CPU's spec (calibrated where
+# `tfsn calibrate` ran), with the threads each worker gets (the controller splits the cores between nodes).
+HOST_PROVIDERS = ("local",)
+
+
+def _searched_entry(spec: JobSpec, offers: list[Offer]):
+    """model.entry's step searched for every hardware type among the offers the job could run on."""
+    from orchestrator.planning.entry import price_entry
+
+    keys = hardware_to_search(spec, offers, HOST_PROVIDERS)
+    threads = max(1, (os.cpu_count() or 1) // spec.num_nodes // spec.nprocs(0))
+    return price_entry(spec, [(key, threads if key == HOST else None) for key in keys])
 
 
 def local_node_limit() -> int:

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from optimizer.hardware import HardwareSpec, find_hardware, load_all
-from optimizer.predict import (DEFAULT_INTER_NODE_GBS, REFERENCE_WORKLOAD, Workload, memory_gib_needed,
-                               step_seconds_many)
+from optimizer.predict import (DEFAULT_INTER_NODE_GBS, REFERENCE_WORKLOAD, Workload, allreduce_seconds_many,
+                               memory_gib_needed, step_seconds_many, training_state_gib)
 from orchestrator.spec import JobSpec, close_match
 from providers.base import SCOPES, Offer, ProviderError
+
+if TYPE_CHECKING:   # the entry's runner raises PlanError: it imports this module
+    from orchestrator.planning.entry import EntryStep
 
 # Steps assumed when the spec has no `steps` (so that a plan still compares whole runs).
 DEFAULT_STEPS = 1000
@@ -49,6 +52,11 @@ SPOT_PREEMPTIONS_PER_NODE_HOUR = 0.05
 CHECKPOINT_SAVE_SECONDS = 60.0
 # A spot run whose expected restarts would take this share of its time or more is not planned.
 MAX_SPOT_LOSS = 0.9
+# Where an offer's step time came from: the job's own step searched for the offer's chip (model.entry), or
+# the first-order roofline of the declared shape (optimizer.predict) when there is no entry or its search failed.
+SEARCHED, ROOFLINE = "searched graph", "roofline fallback"
+# The hardware key of an offer of this machine (its CPU, calibrated where `tfsn calibrate` ran)
+HOST = "host"
 
 Predictor = Callable[[Workload, Sequence[HardwareSpec], np.ndarray, int, np.ndarray], np.ndarray]
 
@@ -84,6 +92,7 @@ class PlannedOffer:
     step_seconds: float        # predicted seconds per optimizer step
     hours: float               # predicted wall-clock hours of the run, startup and restarts included
     cost: float                # predicted USD for the run: price_per_hour x nodes x hours
+    step_source: str = ROOFLINE   # SEARCHED or ROOFLINE
 
     def to_record(self) -> dict:
         """JSON-safe, with the whole offer (for the controller's store); `from_record` reads it back."""
@@ -92,15 +101,16 @@ class PlannedOffer:
     @classmethod
     def from_record(cls, record: dict) -> PlannedOffer:
         return cls(Offer(**record["offer"]), record["spot"], record["nodes"], record["price_per_hour"],
-                   record["step_seconds"], record["predicted_hours"], record["predicted_cost"])
+                   record["step_seconds"], record["predicted_hours"], record["predicted_cost"],
+                   record.get("step_source", ROOFLINE))      # records of older versions have none
 
     def to_dict(self) -> dict:
         o = self.offer
         return {"provider": o.provider, "region": o.region, "zone": o.zone, "instance_type": o.instance_type,
                 "accelerator": o.accelerator, "accelerator_count": o.accelerator_count, "spot": self.spot,
                 "nodes": self.nodes, "price_per_hour": round(self.price_per_hour, 6),
-                "step_seconds": round(self.step_seconds, 6), "predicted_hours": round(self.hours, 6),
-                "predicted_cost": round(self.cost, 4)}
+                "step_seconds": round(self.step_seconds, 6), "step_source": self.step_source,
+                "predicted_hours": round(self.hours, 6), "predicted_cost": round(self.cost, 4)}
 
 
 @dataclass(frozen=True)
@@ -178,17 +188,43 @@ class Plan:
     hours: np.ndarray
     cost: np.ndarray
     naive_index: int           # the cheapest capable offer per hour
-    workload: Workload
+    workload: Workload | None  # the declared shape (None: the spec has only model.entry)
     reference_workload: bool   # True when the spec named no model
     steps: int
+    step_source: np.ndarray | None = None    # per offer index: SEARCHED or ROOFLINE
+    entry: EntryStep | None = None            # the searched step of model.entry, per hardware key
+    hardware_keys: Sequence[str] = ()         # per offer index: its key in `entry.hardware`
 
     def __len__(self) -> int:
         return len(self.order)
 
     def candidate(self, index: int) -> PlannedOffer:
         """The candidate for offer `index` (an index into `offers`)."""
+        source = ROOFLINE if self.step_source is None else str(self.step_source[index])
         return PlannedOffer(self.offers[index], self.spot, self.nodes, float(self.price[index]),
-                            float(self.step_seconds[index]), float(self.hours[index]), float(self.cost[index]))
+                            float(self.step_seconds[index]), float(self.hours[index]), float(self.cost[index]),
+                            source)
+
+    def hardware(self) -> list[dict]:
+        """One row per hardware type among the capable offers: its key, the offers' accelerator, where
+        their step time came from, and the searched step of one replica (seconds at the example batch) or
+        why the search did not price it."""
+        rows: dict[str, dict] = {}
+        for i in self.order:
+            key = self.hardware_keys[int(i)] if self.hardware_keys else self.offers[int(i)].accelerator or "cpu"
+            if key in rows:
+                continue
+            found = self.entry.hardware.get(key) if self.entry is not None else None
+            rows[key] = {"hardware": key, "accelerator": self.offers[int(i)].accelerator,
+                         "source": str(self.step_source[int(i)]) if self.step_source is not None else ROOFLINE,
+                         "step_seconds": float(self.step_seconds[int(i)]),
+                         "searched_device_step_s": found.seconds if found is not None else None,
+                         "graphs": found.graphs if found is not None else 0,
+                         "cached": found.cached if found is not None else False,
+                         "why_fallback": (None if found is not None and found.seconds is not None else
+                                          found.error if found is not None else
+                                          "no model.entry in the spec" if self.entry is None else "not searched")}
+        return list(rows.values())
 
     def __iter__(self) -> Iterator[PlannedOffer]:
         return (self.candidate(int(i)) for i in self.order)
@@ -212,11 +248,14 @@ class Plan:
         return None
 
 
-def workload_of(spec: JobSpec) -> tuple[Workload, bool]:
-    """The spec's model as a Workload, or the reference workload (second value True)."""
+def workload_of(spec: JobSpec) -> tuple[Workload | None, bool]:
+    """The spec's declared model shape as a Workload (None: only an entry), or the reference workload
+    (second value True)."""
     m = spec.model
     if m is None:
         return REFERENCE_WORKLOAD, True
+    if not m.has_shape:
+        return None, False
     return Workload(params=m.params, layers=m.layers, hidden=m.hidden, seq_len=m.seq_len,
                     batch_size=m.batch_size, dtype=m.dtype), False
 
@@ -364,9 +403,16 @@ def check_accelerators(spec: JobSpec) -> None:
                             field=("resources", "accelerators"))
 
 
-def _filter_resources(f: _Filter, res: Any, c: _Columns, workload: Workload, is_reference: bool) -> None:
-    if not is_reference:   # the reference workload prices offers; it says nothing of the user's model size
-        need = memory_gib_needed(workload)
+def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float | None:
+    """GiB one replica needs: the declared shape's (state and activations), else the entry's training state
+    (its activations unknown); None when neither is known."""
+    if workload is not None:
+        return memory_gib_needed(workload)
+    return training_state_gib(entry.params, entry.dtype) if entry is not None else None
+
+
+def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> None:
+    if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
         device_mem = np.where(c.count > 0, c.accelerator_memory, c.memory)
         f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
                 "choose accelerators with more memory, or a smaller model / seq_len")
@@ -383,44 +429,102 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, workload: Workload, is_
                 f"raise max_hourly_cost to at least {cheapest:.2f}")
 
 
-def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, workload: Workload,
-                  hardware: list[HardwareSpec | None], nodes: int, predictor: Predictor) -> np.ndarray:
-    """Predicted seconds per step of every capable offer (nan elsewhere): one prediction for each distinct
-    (accelerator, count, network) among them, broadcast."""
+def hardware_key(offer: Offer, spec: HardwareSpec | None, host_providers: Sequence[str]) -> str:
+    """The hardware type an offer's step is searched for: HOST for this machine's offers, else its chip."""
+    return HOST if offer.provider in host_providers else spec.name if spec is not None else "?"
+
+
+def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec, count: int, nodes: int,
+                   link_gbs: float) -> float:
+    """One optimizer step from the searched step of one replica: scaled from the example's per-rank batch to
+    the job's (model.batch_size over the data-parallel width; the example's own without it), plus the
+    update (found.update_s) and the gradient all-reduce over the offer's links."""
+    per_node = job.nprocs(count)
+    global_batch = job.model.batch_size if job.model.batch_size is not None else None
+    scale = global_batch / (per_node * nodes) / entry.example_batch if global_batch else 1.0
+    allreduce = allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0]
+    return found.seconds * scale + found.update_s + float(allreduce)
+
+
+def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, workload: Workload | None,
+                  hardware: list[HardwareSpec | None], job: JobSpec, predictor: Predictor,
+                  entry: EntryStep | None, keys: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted seconds per step of every capable offer (nan elsewhere), and where each came from: one
+    prediction for each distinct (accelerator, count, network, hardware key) among them, broadcast. The
+    entry's searched step where its search priced the offer's hardware, else the roofline of the declared
+    shape (nan without one)."""
     link_code, link_names = _codes([o.interconnect for o in offers])
     link_gbs = np.array([_inter_node_gbs(text) for text in link_names])
-    key = (c.accelerator[capable] * (int(c.count.max()) + 1) + c.count[capable]) * len(link_names) \
-        + link_code[capable]
+    key_code, key_names = _codes(keys)
+    key = ((c.accelerator[capable] * (int(c.count.max()) + 1) + c.count[capable]) * len(link_names)
+           + link_code[capable]) * len(key_names) + key_code[capable]
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     picked = capable[first]
-    step_unique = predictor(workload, [hardware[int(a)] for a in c.accelerator[picked]], c.count[picked], nodes,
-                            link_gbs[link_code[picked]])
-    step = np.full(len(offers), np.nan)
-    step[capable] = np.asarray(step_unique, dtype=float)[inverse.ravel()]
-    return step
+    specs = [hardware[int(a)] for a in c.accelerator[picked]]
+    step_unique = np.full(len(picked), np.nan) if workload is None else np.asarray(
+        predictor(workload, specs, c.count[picked], job.num_nodes, link_gbs[link_code[picked]]), dtype=float)
+    source_unique = np.full(len(picked), ROOFLINE, dtype=object)
+    for u, i in enumerate(picked):
+        found = entry.hardware.get(keys[int(i)]) if entry is not None else None
+        if found is not None and found.seconds is not None:
+            step_unique[u] = _searched_step(job, entry, found, specs[u], int(c.count[i]), job.num_nodes,
+                                            float(link_gbs[link_code[i]]))
+            source_unique[u] = SEARCHED
+    step, source = np.full(len(offers), np.nan), np.full(len(offers), ROOFLINE, dtype=object)
+    step[capable] = step_unique[inverse.ravel()]
+    source[capable] = source_unique[inverse.ravel()]
+    return step, source
+
+
+def _capable(spec: JobSpec, offers: Sequence[Offer], workload: Workload | None, entry: EntryStep | None,
+             host_providers: Sequence[str]) -> tuple[_Columns, _Filter, np.ndarray, list, list[str]]:
+    """The offers' columns, the filter of every constraint but the step's, each offer's preference, the
+    hardware spec of every distinct accelerator, and each offer's hardware key."""
+    if not offers:
+        raise PlanError("the catalog has no offers. To fix: run `tfsn catalog refresh` or pass --catalog PATH")
+    c = _Columns.of(offers, spec.resources.use_spot)
+    f = _Filter(len(offers))
+    _filter_place(f, spec.resources, c)
+    preference, hardware = _filter_accelerators(f, spec.resources, c)
+    _filter_resources(f, spec.resources, c, memory_needed(workload, entry))
+    keys = [hardware_key(o, hardware[int(a)], host_providers) for o, a in zip(offers, c.accelerator)]
+    return c, f, preference, hardware, keys
+
+
+def hardware_to_search(spec: JobSpec, offers: Sequence[Offer], host_providers: Sequence[str] = ()) -> list[str]:
+    """The hardware keys of the offers that meet every constraint but the step's (no memory check: the
+    model's size is what the search learns), best known first: what model.entry's step is searched for."""
+    c, f, _, _, keys = _capable(spec, offers, None, None, host_providers)
+    return list(dict.fromkeys(keys[int(i)] for i in np.flatnonzero(f.mask)))
 
 
 def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = step_seconds_many,
-             steps: int | None = None) -> Plan:
-    """Rank the capable `offers` for `spec` by predicted run cost. Pure; raises PlanError if none is capable."""
-    res = spec.resources
+             steps: int | None = None, entry: EntryStep | None = None, host_providers: Sequence[str] = ()) -> Plan:
+    """Rank the capable `offers` for `spec` by predicted run cost. Pure; raises PlanError if none is capable.
+    `entry` is model.entry's searched step per hardware key (`host_providers` offer this machine's CPU)."""
     workload, is_reference = workload_of(spec)
     steps = steps or spec.steps or DEFAULT_STEPS
-    nodes, n = spec.num_nodes, len(offers)
-    if n == 0:
-        raise PlanError("the catalog has no offers. To fix: run `tfsn catalog refresh` or pass --catalog PATH")
-    c = _Columns.of(offers, res.use_spot)
-    f = _Filter(n)
-    _filter_place(f, res, c)
-    preference, hardware = _filter_accelerators(f, res, c)
-    _filter_resources(f, res, c, workload, is_reference)
+    sized = None if is_reference else workload     # the reference workload says nothing of the model's size
+    c, f, preference, hardware, keys = _capable(spec, offers, sized, entry, host_providers)
     capable = np.flatnonzero(f.mask)
+    if capable.size and f.emptied_by is None:
+        step, source = _step_seconds(offers, c, capable, workload, hardware, spec, predictor, entry, keys)
+        f.apply(~np.isnan(step), "model.entry (its step could not be searched for these offers' hardware, and the "
+                "model declares no shape to fall back on)", "add the shape (params, layers, hidden, seq_len, "
+                "batch_size) under model:, or see `tfsn plan` for why the search failed")
+        capable = np.flatnonzero(f.mask)
     if f.emptied_by is not None or not capable.size:
         what, fix = f.emptied_by or ("the constraints", "relax the resources")
         left = int(f.before.sum()) if f.before is not None else 0
-        raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {n}. To fix: {fix}")
+        raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {len(offers)}. To fix: {fix}")
+    return _ranked(spec, offers, c, capable, preference, step, steps, dict(
+        workload=workload, reference_workload=is_reference, step_source=source, entry=entry, hardware_keys=keys))
 
-    step = _step_seconds(offers, c, capable, workload, hardware, nodes, predictor)
+
+def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.ndarray, preference: np.ndarray,
+            step: np.ndarray, steps: int, extra: dict) -> Plan:
+    """The plan: run hours (spot restarts included) and cost of every capable offer, ranked."""
+    res, nodes = spec.resources, spec.num_nodes
     run_hours = steps * step / 3600
     if res.use_spot:
         run_hours = expected_spot_hours(run_hours, nodes, _checkpoint_interval_hours(spec, step, nodes))
@@ -435,5 +539,4 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     cheapest = finite[market[finite] == market[finite].min()]
     naive = int(cheapest[np.argmin(cost[cheapest])])
     return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, price=market, step_seconds=step,
-                hours=hours, cost=cost, naive_index=naive, workload=workload,
-                reference_workload=is_reference, steps=steps)
+                hours=hours, cost=cost, naive_index=naive, steps=steps, **extra)

@@ -1,0 +1,203 @@
+"""A job's own training step, priced per hardware spec: run as a child process by the planner.
+
+    python -m optimizer.entry REQUEST.json RESULT.json
+
+The request names the job's workdir, an entry `FILE.py:FUNCTION` in it and the hardware to price it
+on. The child imports FILE (as a module, not as `__main__`, so a script that guards its training with
+`if __name__ == "__main__":` only defines things), calls FUNCTION, which returns `(model, batch,
+loss_fn)`, and checks that shape. For each hardware it captures the training step (the loss of the
+batch and its backward) and searches every graph with that chip's spec and the cost model alone
+(`search_graph(timing=False)`, as `tfsn optimize --hardware` does). Each graph's predicted time is kept
+in the search cache under the graph's signature and the spec, so pricing the same step again searches
+nothing.
+
+The result is one JSON object: the step's figures, or `{"error": {"stage", "message"}}` naming what in
+the user's code went wrong (file and line where there is one). A hardware whose capture or search
+fails gets an `error` of its own: the planner prices it with its roofline instead. Running in a child
+keeps the user's imports, threads and crashes out of the planner, and lets it be stopped at a timeout.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+STAGES = ("file", "import", "function", "call", "shape")
+
+
+class EntryProblem(Exception):
+    """The user's entry cannot be used; `stage` is one of STAGES, the message one line."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def _where(err: BaseException, path: Path) -> str:
+    """`train.py:12: NameError: ...`: the deepest line of the user's file in the error's traceback."""
+    lines = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    if isinstance(err, SyntaxError) and err.lineno and Path(err.filename or "").resolve() == path.resolve():
+        place = f"{path.name}:{err.lineno}: "
+    else:
+        place = f"{path.name}:{lines[-1].lineno}: " if lines else ""
+    text = str(err).strip().splitlines()
+    return f"{place}{type(err).__name__}" + (f": {text[0]}" if text else "")
+
+
+def load_entry(workdir: Path, file: str, function: str) -> tuple[Any, Any, Any]:
+    """Import `file` from `workdir` and call `function`: (model, batch as a tuple, loss_fn or None)."""
+    path = (workdir / file)
+    if not path.is_file():
+        raise EntryProblem("file", f"no file {file} in the workdir {workdir}")
+    sys.path.insert(0, str(workdir))
+    os.chdir(workdir)
+    sys.argv = [str(path)]
+    spec = importlib.util.spec_from_file_location("tfsn_entry", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tfsn_entry"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as err:     # SystemExit too: the script's own exit at import
+        raise EntryProblem("import", f"importing {file} failed: {_where(err, path)}") from None
+    build = getattr(module, function, None)
+    if not callable(build):
+        raise EntryProblem("function", f"{file} has no function {function!r}")
+    try:
+        built = build()
+    except BaseException as err:
+        raise EntryProblem("call", f"{function}() failed: {_where(err, path)}") from None
+    return checked(built, function)
+
+
+def checked(built: Any, function: str) -> tuple[Any, tuple, Any]:
+    """`built` as (model, batch tuple, loss_fn), or EntryProblem("shape") saying what is wrong."""
+    import torch
+
+    expected = "(model, batch, loss_fn): an nn.Module, a tensor or tuple of tensors, and a function or None"
+    if not isinstance(built, (tuple, list)) or len(built) != 3:
+        what = f"a {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, (tuple, list)) else "")
+        raise EntryProblem("shape", f"{function}() returned {what}; expected {expected}")
+    model, batch, loss_fn = built
+    if not isinstance(model, torch.nn.Module):
+        raise EntryProblem("shape", f"{function}() returned a {type(model).__name__} as the model; expected {expected}")
+    batch = (batch,) if isinstance(batch, torch.Tensor) else batch
+    if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor) \
+            or batch[0].dim() < 1:
+        raise EntryProblem("shape", f"{function}() returned a batch whose first item is not a tensor with a batch "
+                                    f"dimension; expected {expected}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise EntryProblem("shape", f"{function}() returned a {type(loss_fn).__name__} as loss_fn; expected {expected}")
+    return model, tuple(batch), loss_fn
+
+
+def training_step(model: Any, loss_fn: Any) -> Any:
+    """The module whose forward is the step's loss: `loss_fn(model, batch)`, or `model(*batch)`."""
+    import torch
+
+    class Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *batch):
+            return self.model(*batch) if loss_fn is None else loss_fn(self.model, batch)
+
+    return Step()
+
+
+def price(model: Any, batch: tuple, loss_fn: Any, spec: Any, threads: int | None) -> dict:
+    """Capture the step on `batch` and search each graph for `spec` (cost model only; cached per graph)."""
+    import torch
+
+    from optimizer import search
+    from optimizer.backend import search_cache_path
+    from optimizer.cache import atomic_write
+    from optimizer.step import predicting_backend
+
+    seconds, cached, unsupported = [], [], []
+
+    def on_graph(graph) -> None:
+        path = search_cache_path(graph, spec, threads, True, "predicted-step", suffix=".json")
+        try:
+            seconds.append(float(json.loads(path.read_text())["predicted_s"]))
+            cached.append(True)
+            return
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        result = search.search_graph(graph, spec, timing=False, threads=threads)
+        atomic_write(path, json.dumps({"predicted_s": result.predicted_s}).encode())
+        seconds.append(result.predicted_s)
+        cached.append(False)
+
+    torch._dynamo.reset()
+    try:
+        step = torch.compile(training_step(model, loss_fn), backend=predicting_backend(spec, on_graph, unsupported.append),
+                             dynamic=False)
+        loss = step(*batch)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            raise ValueError("the loss is not a scalar tensor that requires grad")
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+    if unsupported:
+        raise ValueError(f"a graph the optimizer cannot express: {unsupported[0].splitlines()[0]}")
+    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": all(cached)}
+
+
+def _hardware(name: str):
+    from optimizer.hardware import cpu_spec, find_hardware
+    return cpu_spec() if name == "host" else find_hardware(name)
+
+
+def run(request: dict) -> dict:
+    """The result of a request (see the module docstring)."""
+    t0 = time.perf_counter()
+    try:
+        model, batch, loss_fn = load_entry(Path(request["workdir"]), request["file"], request["function"])
+    except EntryProblem as err:
+        return {"error": {"stage": err.stage, "message": str(err)}}
+    import torch
+
+    from optimizer.predict import adam_update_seconds
+
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    first = batch[0]
+    out = {"params": sum(p.numel() for p in params.values()),
+           "grad_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+           "example_batch": int(first.shape[0]), "hardware": {}}
+    float_params = [p for p in params.values() if p.is_floating_point()]
+    out["dtype"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(float_params[0].dtype, "fp32") \
+        if float_params else "fp32"
+    for target in request["hardware"]:
+        name, threads = target["name"], target.get("threads")
+        t1 = time.perf_counter()
+        spec = _hardware(name)
+        try:
+            if spec is None:
+                raise ValueError(f"no hardware spec named {name!r}")
+            priced = price(model, batch, loss_fn, spec, threads)
+        except Exception as err:       # the optimizer could not price it: the planner uses its roofline
+            text = str(err).strip().splitlines()
+            out["hardware"][name] = {"error": f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")}
+            continue
+        out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
+                                 "update_s": adam_update_seconds(out["params"], out["dtype"], spec)}
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(Path(argv[1]).read_text())
+    result = run(request)
+    Path(argv[2]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,124 @@
+"""`model.entry`: the job's own step, imported in a child, searched per hardware type, priced by the plan.
+
+Every bad entry is refused by `tfsn validate`, `tfsn plan` and `tfsn launch` alike with one line that names
+the field and the file, a non-zero exit and no traceback; a good one prices the offers from its searched step.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+GOOD = """\
+import torch
+
+def build():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    x, y = torch.randn(8, 32), torch.randint(4, (8,))
+    return model, (x, y), lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+if __name__ == "__main__":
+    raise SystemExit("training is not run at import")
+"""
+
+
+def _job(tmp_path: Path, script: str, entry: str = "train.py:build", extra: str = "") -> Path:
+    (tmp_path / "train.py").write_text(script)
+    spec = tmp_path / "train.yaml"
+    spec.write_text(f"name: entry-job\nrun: python train.py\nnum_nodes: 2\nsteps: 100\nresources:\n  infra: [local]\n"
+                    f"model:\n  entry: {entry}\n{extra}")
+    return spec
+
+
+@pytest.fixture
+def cli(tfsn, tmp_path):
+    tfsn.env.update(TFSN_CACHE=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
+    return tfsn
+
+
+def _refused(cli, spec: Path, command: str = "validate") -> str:
+    out = cli(command, str(spec), check=False, timeout=180)
+    assert out.returncode != 0, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert "model.entry" in line and "To fix:" in line, line
+    return line
+
+
+def test_a_script_that_fails_to_import_names_the_field_file_and_line(cli, tmp_path):
+    spec = _job(tmp_path, "import os\n\ndef build(:\n    pass\n")
+    line = _refused(cli, spec)
+    assert line.startswith(f"tfsn: error: {spec}:8: model.entry train.py:build: importing train.py failed: "
+                           "train.py:3: SyntaxError"), line
+
+
+def test_an_error_raised_at_import_is_refused_by_plan_and_launch_too(cli, tmp_path):
+    spec = _job(tmp_path, "x = 1\nraise RuntimeError('no data here')\n")
+    for command in ("plan", "launch"):
+        line = _refused(cli, spec, command)
+        assert "train.py:2: RuntimeError: no data here" in line, line
+    assert not (cli.home / "tfsn.db").exists() or "entry-job" not in cli("ls").stdout   # nothing was launched
+
+
+def test_a_missing_function_is_named(cli, tmp_path):
+    line = _refused(cli, _job(tmp_path, "def other():\n    pass\n"))
+    assert "train.py has no function 'build'" in line and "define that function" in line, line
+
+
+def test_a_missing_file_is_named(cli, tmp_path):
+    line = _refused(cli, _job(tmp_path, GOOD, entry="model.py:build"))
+    assert "no file model.py in the workdir" in line, line
+
+
+def test_a_wrong_return_shape_says_what_was_expected(cli, tmp_path):
+    line = _refused(cli, _job(tmp_path, "def build():\n    return 42\n"))
+    assert "build() returned a int; expected (model, batch, loss_fn)" in line, line
+
+
+def test_a_function_that_raises_names_its_line(cli, tmp_path):
+    line = _refused(cli, _job(tmp_path, "def build():\n    return {}['batch']\n"))
+    assert "build() failed: train.py:2: KeyError: 'batch'" in line, line
+
+
+def test_a_script_that_trains_at_import_is_stopped_at_the_timeout(cli, tmp_path):
+    spec = _job(tmp_path, "import time\ntime.sleep(120)\n", extra="  entry_timeout: 2s\n")
+    t0 = time.monotonic()
+    line = _refused(cli, spec)
+    assert time.monotonic() - t0 < 60
+    assert "did not import, build and capture its step within 2 s" in line and "entry_timeout" in line, line
+
+
+def test_plan_prices_the_searched_step_and_caches_it(cli, tmp_path):
+    spec = _job(tmp_path, GOOD)
+    first = json.loads(cli("plan", str(spec), "--json", timeout=300).stdout)
+    [host] = first["hardware"]
+    assert host["hardware"] == "host" and host["source"] == "searched graph" and host["graphs"] >= 2
+    assert first["chosen"]["step_source"] == "searched graph"
+    assert first["entry"]["params"] == 32 * 64 + 64 + 64 * 4 + 4 and first["entry"]["example_batch"] == 8
+    # the offer's step: the searched forward+backward plus the update and the all-reduce between the 2 nodes
+    assert first["chosen"]["step_seconds"] > host["searched_device_step_s"] > 0
+    t0 = time.monotonic()
+    second = json.loads(cli("plan", str(spec), "--json").stdout)
+    assert time.monotonic() - t0 < 10
+    assert second["hardware"][0]["cached"] and second["chosen"]["step_seconds"] == first["chosen"]["step_seconds"]
+    text = cli("plan", str(spec)).stdout
+    assert "this machine's CPU:" in text and "searched graph" in text and "cached" in text
+
+
+def test_the_declared_shape_alone_is_priced_by_the_roofline(cli, tmp_path):
+    spec = tmp_path / "train.yaml"
+    spec.write_text("run: python train.py\nresources:\n  infra: [local]\nmodel:\n  params: 1M\n  layers: 2\n"
+                    "  hidden: 64\n  seq_len: 32\n  batch_size: 8\n")
+    out = json.loads(cli("plan", str(spec), "--json").stdout)
+    assert out["chosen"]["step_source"] == "roofline fallback" and out["entry"] is None
+    assert out["hardware"][0]["why_fallback"] == "no model.entry in the spec"
+
+
+def test_the_child_sees_the_jobs_envs(cli, tmp_path):
+    script = GOOD.replace("torch.randn(8, 32), torch.randint(4, (8,))",
+                          "torch.randn(int(os.environ['BATCH']), 32), torch.randint(4, (int(os.environ['BATCH']),))")
+    spec = _job(tmp_path, "import os\n" + script)
+    spec.write_text(spec.read_text() + "envs:\n  BATCH: 3\n")
+    assert json.loads(cli("plan", str(spec), "--json").stdout)["entry"]["example_batch"] == 3

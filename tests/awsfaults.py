@@ -6,6 +6,7 @@ forwards every other request to moto unchanged. boto3 reaches it only through AW
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -13,7 +14,7 @@ import threading
 import zlib
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Iterator
 from urllib.parse import parse_qs
 
 
@@ -149,3 +150,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[int]:
+    """A moto server on a free local port for the block's length; yields the port."""
+    from moto.server import ThreadedMotoServer
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop()

@@ -18,11 +18,10 @@ pytest.importorskip("moto.server")
 
 import boto3  # noqa: E402
 import torch  # noqa: E402
-from moto.server import ThreadedMotoServer  # noqa: E402
 
 from orchestrator.sdk import checkpoint  # noqa: E402
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save  # noqa: E402
-from tests.awsfaults import free_port  # noqa: E402
+from tests.awsfaults import moto_server  # noqa: E402
 from tests.conftest import EXAMPLE, FAST_MODEL  # noqa: E402
 from tests.test_checkpoint import TOTAL_STEPS, assert_same_state, make_objects, train  # noqa: E402
 
@@ -31,11 +30,8 @@ BUCKET = "tfsn-ckpt"
 
 @pytest.fixture(scope="module")
 def s3_server():
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_server() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

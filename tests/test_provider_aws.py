@@ -17,13 +17,12 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
 import boto3  # noqa: E402
-from moto.server import ThreadedMotoServer  # noqa: E402
 
 import providers.aws as aws  # noqa: E402
 from providers.base import (AuthError, CapacityError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,  # noqa: E402
                             Offer, ProviderError, QuotaError)
 from providers.bootstrap import startup_script  # noqa: E402
-from tests.awsfaults import FaultProxy, free_port, price_list_item  # noqa: E402
+from tests.awsfaults import FaultProxy, moto_server, price_list_item  # noqa: E402
 
 REGION = "us-east-1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
@@ -31,29 +30,23 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 @pytest.fixture(scope="module")
 def aws_server():
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = FaultProxy("127.0.0.1", port)
-    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=f"http://127.0.0.1:{port}",
-                       aws_access_key_id="testing", aws_secret_access_key="testing")
-    # One of moto's own x86_64 AMIs (the same after every reset; listing them is slow, so once).
-    image = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"]
-                 if i.get("Architecture") == "x86_64")
-    yield proxy, f"http://127.0.0.1:{port}", image
-    proxy.close()
-    server.stop()
+    with moto_server() as port:
+        proxy = FaultProxy("127.0.0.1", port)
+        ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=f"http://127.0.0.1:{port}",
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+        # One of moto's own x86_64 AMIs (the same after every reset; listing them is slow, so once).
+        image = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"]
+                     if i.get("Architecture") == "x86_64")
+        yield proxy, f"http://127.0.0.1:{port}", image
+        proxy.close()
 
 
 @pytest.fixture
 def own_s3():
     """A moto server for S3 alone, the test's own: in one whole-suite run the module's server stopped answering
     (connection refused) in the middle of the bucket test, which is not what that test is about."""
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_server() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

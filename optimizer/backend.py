@@ -262,23 +262,16 @@ def _log_once(message: str) -> None:
 def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Schedule]]:
     """The GPU cost model's plan and launch shapes for this graph on `spec`, from the disk cache when
     this graph was searched for that chip before."""
-    from optimizer import fusion, search
-    from optimizer.cache import atomic_write
+    from optimizer import search
     path = search_cache_path(graph, spec, None, True, "triton", suffix=".json")
-    if path.exists() and report is None:
-        try:
-            saved = json.loads(path.read_text())
-            plan = fusion.plan(graph, choice=fusion.Choice(**{k: frozenset(v) for k, v in saved["choice"].items()}))
-            if len(plan.groups) == len(saved["schedules"]):
-                return plan, [Schedule(**s) for s in saved["schedules"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
+    saved = _read_search_entry(path, graph, True) if report is None else None
+    if saved is not None:
+        return saved.plan, saved.schedules
     result = search.search_graph(graph, spec, gemm=True, timing=False)
     STATS["searches"] += 1
     if report is not None:
         report.append((graph, result))
-    choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
-    atomic_write(path, _search_entry(choice, result.schedules, []))
+    _write_search_entry(path, result)
     return result.plan, result.schedules
 
 
@@ -290,35 +283,25 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
     graph was searched here before (same graph, host spec, compiler, threads and top_k). A kernel
     whose choice the search could not call (search.Tie) has its tied candidates timed again on each
     of the next few runs, until one wins clearly or search.RETIMES is reached."""
-    from optimizer import fusion, search
+    from optimizer import search
     from optimizer.cache import atomic_write
     from optimizer.hardware import cpu_spec
 
     spec, threads = cpu_spec(), torch.get_num_threads()
     path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
-    if path.exists() and report is None:
-        try:
-            saved = json.loads(path.read_text())
-            choice = fusion.Choice(**{k: frozenset(v) for k, v in saved["choice"].items()})
-            plan = fusion.plan(graph, gemm=gemm, choice=choice)
-            if len(plan.groups) == len(saved["schedules"]):
-                schedules = [Schedule(**s) for s in saved["schedules"]]
-                ties = [search.Tie(t["groups"], [Schedule(**s) for s in t["schedules"]], t["retimed"])
-                        for t in saved.get("unsettled", [])]
-                if ties:
-                    ties = _retime(graph, plan, schedules, ties)
-                    atomic_write(path, _search_entry(saved["choice"], schedules, ties))
-                return plan, schedules
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-            log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
+    saved = _read_search_entry(path, graph, gemm) if report is None else None
+    if saved is not None:
+        if saved.ties:
+            ties = _retime(graph, saved.plan, saved.schedules, saved.ties)
+            atomic_write(path, _search_entry(saved.choice, saved.schedules, ties))
+        return saved.plan, saved.schedules
     result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
     STATS["searches"] += 1
     log.info("tfsn search: %d plans, %d candidates scored in %.3f s, %d timed; %.2f s in all",
              result.plans_scored, result.scored, result.score_seconds, len(result.measured), result.seconds)
     if report is not None:
         report.append((graph, result))
-    choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
-    atomic_write(path, _search_entry(choice, result.schedules, result.ties))
+    _write_search_entry(path, result)
     return result.plan, result.schedules
 
 
@@ -340,6 +323,40 @@ def _retime(graph, plan: Plan, schedules: list[Schedule], ties: list[Tie]) -> li
     still = [tie for _, tie in settled if tie is not None]
     log.info("tfsn search: %d tied kernels timed again, %d still tied", len(ties), len(still))
     return still
+
+
+@dataclasses.dataclass
+class _SavedSearch:
+    """A search cache entry read back: the plan its choice gives this graph, and what was decided for it."""
+    plan: Plan
+    schedules: list[Schedule]
+    ties: list[Tie]
+    choice: dict[str, list[int]]
+
+
+def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
+    """The entry at `path` for `graph`, or None: none there, unreadable (logged), or made for another plan."""
+    from optimizer import fusion, search
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        plan = fusion.plan(graph, gemm=gemm,
+                           choice=fusion.Choice(**{k: frozenset(v) for k, v in saved["choice"].items()}))
+        if len(plan.groups) != len(saved["schedules"]):
+            return None
+        ties = [search.Tie(t["groups"], [Schedule(**s) for s in t["schedules"]], t["retimed"])
+                for t in saved.get("unsettled", [])]
+        return _SavedSearch(plan, [Schedule(**s) for s in saved["schedules"]], ties, saved["choice"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
+        return None
+
+
+def _write_search_entry(path: Path, result) -> None:
+    from optimizer.cache import atomic_write
+    choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
+    atomic_write(path, _search_entry(choice, result.schedules, result.ties))
 
 
 def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], ties: Sequence[Tie]) -> bytes:

@@ -581,16 +581,6 @@ def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], sched
     return PRELUDE + "\n\n".join(k.source for k in kernels if k is not None), kernels
 
 
-def _failure_of(fn: Callable[[Any], None]) -> Callable[[Any], Exception | None]:
-    def call(arg: Any) -> Exception | None:
-        try:
-            fn(arg)
-        except Exception as e:      # noqa: BLE001 - reported by the caller, the kernel compiles at its launch
-            return e
-        return None
-    return call
-
-
 class TritonLibrary:
     """The kernels of one module, loaded (runtime.CompiledGraph calls `launcher`). Triton reads a
     kernel's source from its file, so the module is written to the cache, named by its content."""
@@ -618,9 +608,11 @@ class TritonLibrary:
             with torch.cuda.device(torch.device(graph.device)):
                 getattr(self.module, k.name).warmup(*dtypes, grid=k.grid, **dict(k.meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
-            for k, error in zip(todo, pool.map(_failure_of(compile_one), todo)):
-                if error is not None:
-                    log.info("tfsn: Triton kernel %s not compiled ahead (%s); it compiles at its launch", k.name, error)
+            compiled = [(k, pool.submit(compile_one, k)) for k in todo]
+            for k, future in compiled:
+                if future.exception() is not None:
+                    log.info("tfsn: Triton kernel %s not compiled ahead (%s); it compiles at its launch", k.name,
+                             future.exception())
 
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]

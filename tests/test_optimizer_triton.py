@@ -265,3 +265,21 @@ def test_functions_accurate_near_zero(op, dtype):
     finite = want.isfinite() & (want.abs() > torch.finfo(dtype).tiny)
     assert ulps(got[finite], want[finite]) <= 8, f"{op.__name__}: {ulps(got[finite], want[finite]):.0f} ulp off"
     torch.testing.assert_close(got[~finite], want[~finite], rtol=0, atol=torch.finfo(dtype).tiny, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_signed_zeros_come_out_as_torchs(dtype):
+    """-(+0.0) is -0.0, and tanh, round, trunc, relu, abs and pow keep torch's sign of a zero result (it
+    shows in 1 / x, atan2, copysign). Triton before 3.7 compiles unary minus as 0 - x, which gives +0.0."""
+    x = torch.tensor([0.0, -0.0, 0.4, -0.4, 0.5, -0.5, 1.5, -2.5, 3.0, -3.0, float("inf"), float("nan")],
+                     dtype=dtype)
+    cases = {"neg": torch.neg, "-x": lambda x: -x, "tanh": torch.tanh, "round": torch.round,
+             "trunc": torch.trunc, "ceil": torch.ceil, "floor": torch.floor, "relu": torch.relu,
+             "abs": torch.abs, "x ** 41": lambda x: x ** 41, "x * 0": lambda x: x * 0.0,
+             "neg(x) * 0": lambda x: torch.neg(x) * 0.0, "sin": torch.sin, "sqrt": torch.sqrt}
+    for what, fn in cases.items():
+        got, want = run_op(fn, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        zero = want == 0
+        assert torch.equal(torch.signbit(got[zero]), torch.signbit(want[zero])), \
+            f"{what}: sign of zero {got[zero].tolist()} (torch: {want[zero].tolist()})"

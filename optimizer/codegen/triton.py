@@ -206,6 +206,13 @@ def _float_only(fmt: str) -> Callable:
     return render
 
 
+def _neg(ops, out, kw):
+    """-x; a float as x * -1.0, which flips the sign of a zero too: Triton before 3.7 compiles `-x` as
+    0 - x, and 0 - (+0.0) is +0.0."""
+    a = _cast(ops[0], out)
+    return f"({a} * -1.0)" if out in FLOATS else f"(-{a})"
+
+
 def _bitwise_not(ops, out, kw):
     a = _cast(ops[0], out)
     return f"({a} == 0)" if out == "bool" else f"(~{a})"
@@ -219,7 +226,7 @@ OPS: dict[str, Callable] = {
     "aten.rsub.Tensor": _alpha("-", True),
     "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
     "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
-    "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _unary("tl.abs({a})"),
+    "aten.neg.default": _neg, "aten.abs.default": _unary("tl.abs({a})"),
     "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
     "aten.expm1.default": _unary("tfsn_expm1({a})"), "aten.log.default": _unary("tl.log({a})"),
     "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tfsn_log1p({a})"),
@@ -231,7 +238,9 @@ OPS: dict[str, Callable] = {
     "aten.ceil.default": _float_only("tl.ceil({a})"),
     "aten.trunc.default": _float_only("tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
     # half to even, as torch.round: a tie that floor(x + 0.5) rounded up to an odd value goes down
-    "aten.round.default": _float_only("tl.where(({f} - {a} == 0.5) & ({f} % 2 != 0), {f} - 1.0, {f})"),
+    # (a zero result takes x's sign, as torch's: round(-0.4) is -0.0; x * 0.0 carries it)
+    "aten.round.default": _float_only("tfsn_zero_signed(tl.where(({f} - {a} == 0.5) & ({f} % 2 != 0), {f} - 1.0, "
+                                      "{f}), {a})"),
     "aten.bitwise_and.Tensor": _binary("({a} & {b})"), "aten.bitwise_or.Tensor": _binary("({a} | {b})"),
     "aten.bitwise_not.default": _bitwise_not,
     "aten.sign.default": _unary("(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))"),
@@ -532,7 +541,7 @@ def tfsn_pow(x, y):
     a = tl.abs(x)
     r = tl.exp2(tl.log2(a) * y)
     negative = tfsn_signbit(x)
-    r = tl.where(negative & odd, -r, r)
+    r = tl.where(negative & odd, r * -1.0, r)
     r = tl.where((x < 0) & (x > -float("inf")) & (whole == 0), float("nan"), r)
     return tl.where((y == 0) | (x == 1) | ((a == 1) & (tl.abs(y) == float("inf"))), 1.0, r)
 
@@ -562,10 +571,16 @@ def tfsn_log1p(x):
 
 @triton.jit
 def tfsn_tanh(x):
-    """tanh through expm1 of -2|x|: no cancellation near 0, 1 for large |x|, NaN for NaN."""
+    """tanh through expm1 of -2|x|: no cancellation near 0, 1 for large |x|, NaN for NaN, x's sign (-0.0 too)."""
     e = tfsn_expm1(-2.0 * tl.abs(x))
-    t = -e / (2.0 + e)
-    return tl.where(x < 0, -t, t)
+    t = e / (2.0 + e) * -1.0
+    return tl.where(tfsn_signbit(x), t * -1.0, t)
+
+
+@triton.jit
+def tfsn_zero_signed(r, x):
+    """r, or a zero r with x's sign (x * 0.0 is -0.0 for a negative x)."""
+    return tl.where(r == 0, x * 0.0, r)
 
 
 '''

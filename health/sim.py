@@ -94,6 +94,7 @@ class Scenario:
     checkpoint_save_s: float | None = None     # the training's stall per save; None: ASYNC_SAVE_STALL_SHARE x step_s
     checkpoint_every_steps: int | None = None  # None: Young's interval sqrt(2 x save x MTBF), as `interval: auto`
     restart_s: float = RESTART_S               # once the fault is known: see RESTART_S
+    restarted_before: bool = False             # the job restarted before this stretch: the Policy knows restart_s
     exit_detect_s: float = 5.0                 # the agent's poll and GPU sample period: a process exit, an Xid
     node_timeout_s: float = 30.0               # train.yaml's heartbeat_timeout: a silent node is failed
     sdc_found_after_s: float = 3600.0          # ASSUMED: silent data corruption is noticed (a loss spike) this late
@@ -176,6 +177,10 @@ class _Run:
         self.slow: dict[int, float] = {}               # rank -> fractional slowdown
         self.onset: dict[int, float] = {}              # rank -> when it slowed down
         self.t, self.step, self.saved = 0.0, 0, 0
+        # What the Policy knows of a restart's and a save's cost: as the controller's HealthWatch, only what
+        # this job has seen (None until its first restart or save: the Policy then takes its configured defaults).
+        self.seen: dict[str, float | None] = {"restarts": scenario.restart_s if scenario.restarted_before else None,
+                                              "checkpoints": None}
         self.interval = checkpoint_interval_steps(ranks, scenario)
         self.policy = Policy(config) if mode == Mode.TFSN else None
         self.monitor: Monitor | None = None
@@ -255,8 +260,8 @@ class _Run:
                                             max_sm_clock_mhz=MAX_CLOCK_MHZ, clock_event_reasons=reasons))
         findings = self.monitor.check(self.t)
         self._score(findings, throttled, onset_step)
-        costs = Costs(step_s=sc.step_s, remaining_steps=self.total - self.step, restart_s=sc.restart_s,
-                      save_s=sc.checkpoint_save_s)
+        costs = Costs(step_s=sc.step_s, remaining_steps=self.total - self.step, restart_s=self.seen["restarts"],
+                      save_s=self.seen["checkpoints"])
         self._act(self.policy.decide(findings, self.t, costs))
 
     def _compute_times(self) -> np.ndarray:
@@ -358,6 +363,8 @@ class _Run:
     def _lose(self, why: str, seconds: float) -> None:
         self.t += seconds
         self.result.lost_s[why] += seconds
+        if why in self.seen:
+            self.seen[why] = seconds
 
     def _replace(self, node: str) -> None:
         """The node's slot gets a fresh machine: new chips, no slow GPU."""

@@ -118,3 +118,14 @@ def test_a_slow_node_among_4096_ranks_is_still_found(slowdown, within):
     result = simulate(4096, 240, throttle_rank=1234, slowdown=slowdown, onset=200, seed=1, scenario=HEALTHY)
     assert result.detected and result.detection_delay_steps <= within
     assert result.blamed == [1234] and result.false_positives == 0
+
+
+def test_the_policy_prices_a_replacement_with_the_restart_the_job_has_seen():
+    """As the controller's HealthWatch: until the job restarted, a replacement costs the configured default
+    (120 s), and a one-node transient (~40 s lost) is only warned about; once a 9 s restart was measured,
+    replacing pays sooner and the same transient's node is replaced (rent or buy on the measured cost)."""
+    sc = dataclasses.replace(HEALTHY, disturbance="transient", disturbance_onset=80, restart_s=9.0)
+    fresh = simulate(4096, 280, seed=11, scenario=sc)
+    assert fresh.replacements == 0 and fresh.false_positives == 1
+    known = simulate(4096, 280, seed=11, scenario=dataclasses.replace(sc, restarted_before=True))
+    assert known.replacements == 1 and known.lost_s["restarts"] == pytest.approx(9.0)

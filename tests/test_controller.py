@@ -9,6 +9,7 @@ import time
 import pytest
 
 from orchestrator.control.api import ApiServer
+from orchestrator.control.artifacts import Artifacts
 from orchestrator.control.calls import DeadlineError, ProviderCalls
 from orchestrator.control.controller import Controller
 from orchestrator.control.recovery import failure_signature
@@ -193,6 +194,92 @@ def _wait(what: str, check, timeout_s: float) -> float:
         time.sleep(0.1)
     return time.monotonic() - start
 
+
+
+class VmCloud(ScriptedProvider):
+    """A cloud whose nodes boot with the startup script (they need the job's code archive and tfsn's wheel)."""
+
+    runs_boot_script = True
+    shares_host = True           # its nodes never reach the API: only the preparation of their files matters here
+
+
+class SlowArtifacts(Artifacts):
+    """The controller's artifacts, whose packing of a job's code waits for `release` (a large workdir)."""
+
+    def __init__(self, home) -> None:
+        super().__init__(home)
+        self.release = threading.Event()
+        self.packing: list[str] = []
+
+    def add_code(self, workdir):
+        self.packing.append(threading.current_thread().name)
+        self.release.wait(60)
+        return super().add_code(workdir)
+
+
+def test_packing_a_jobs_code_runs_off_the_loop_and_delays_no_other_jobs_recovery(tmp_path, monkeypatch):
+    """Before: boot_files packed the workdir (and built tfsn's wheel, up to 600 s) on the reconcile loop itself,
+    so one large workdir froze failure detection for every job."""
+    monkeypatch.setenv("TFSN_INSTALL_SPEC", "tfsn==0.1.0")     # no wheel build: the packing is what waits
+    store = Store(tmp_path / "tfsn.db")
+    cloud = VmCloud("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"local": LocalProvider(), "aws": cloud})
+    controller.ctx.artifacts = artifacts = SlowArtifacts(tmp_path)
+    server = ApiServer(0, store, controller.handlers)
+    controller.listen(server)
+    server.start()
+    stop = threading.Event()
+    loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("print('hi')\n")
+    vm = store.create_job("vm", JobSpec.model_validate({
+        "name": "vm", "run": "python train.py", "workdir": str(code), "health": {"heartbeat_timeout": "10m"},
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    local = store.create_job("local", JobSpec.model_validate({
+        "name": "local", "run": "sleep 300", "workdir": str(tmp_path)}).model_dump(mode="json"), "p", "t").id
+    try:
+        loop.start()
+        _wait("the local job to run", lambda: store.job(local).state == JobState.RUNNING, 60)
+        assert artifacts.packing and artifacts.packing[0] != loop.name, "packed in a worker, not on the loop"
+        [first] = [n for n in store.nodes(local) if n.state == NodeState.READY]
+        LocalProvider().terminate(NodeHandle("local", first.id))      # the node dies while the packing waits
+        _wait("the dead node to be failed", lambda: store.node(first.id).state == NodeState.FAILED, 10)
+        _wait("the local job's restart",
+              lambda: store.job(local).attempt == 2 and store.job(local).state == JobState.RUNNING, 60)
+        assert cloud.requests == [] and store.job(vm).artifacts == {}, "no node before its files are ready"
+        artifacts.release.set()
+        _wait("the VM's create", lambda: len(cloud.requests) == 1, 30)
+        [request] = cloud.requests
+        assert request.boot.code_sha256 == store.job(vm).artifacts["code"] and artifacts.path(request.boot.code_sha256)
+        assert len(artifacts.packing) == 1, "packed once"
+    finally:
+        artifacts.release.set()
+        stop.set()
+        loop.join(15)
+        for job_id in (local, vm):
+            store.request_stop(job_id)
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_workdir_that_cannot_be_packed_fails_its_job_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_INSTALL_SPEC", "tfsn==0.1.0")
+    monkeypatch.setenv("TFSN_CODE_MAX_MB", "0.001")                # a cap of 1 KiB
+    store = Store(tmp_path / "tfsn.db")
+    cloud = VmCloud("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": cloud})
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "data.bin").write_bytes(b"x" * 4096)
+    job = store.create_job("big", JobSpec.model_validate({
+        "name": "big", "run": "python train.py", "workdir": str(code),
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    for _ in range(3):
+        controller.reconcile(job)
+    failed = store.job(job)
+    assert failed.state == JobState.FAILED and "over the cap" in failed.error and "TFSN_CODE_MAX_MB" in failed.error
+    assert cloud.requests == []
 
 def test_a_hung_cloud_call_neither_delays_another_jobs_recovery_nor_the_controllers_exit(tmp_path):
     store = Store(tmp_path / "tfsn.db")

@@ -32,18 +32,29 @@ def runs_boot_script(provider: str) -> bool:
     return bool(getattr(getattr(importlib.import_module(module), cls), "runs_boot_script", False))
 
 
-def boot_files(ctx: ControlContext, job: Job, spec: JobSpec) -> BootFiles:
-    """The wheel and code archive of `job`'s VMs: the code packed on the first VM (once per launch) and kept
-    for the job; the wheel of this controller's tfsn, unless TFSN_INSTALL_SPEC names what nodes install; the
-    extra with the driver of the job's checkpoint store (s3fs for s3://, ...), which nodes install with it.
-    CodeSyncError or ArtifactError when either cannot be made (the message says how to fix it)."""
-    recorded = dict(ctx.store.job(job.id).artifacts)
-    packed = "code" not in recorded
-    if packed:
+def artifacts_ready(ctx: ControlContext, job: Job) -> bool:
+    """Whether `job`'s code archive is recorded and tfsn's wheel built (or TFSN_INSTALL_SPEC names what nodes
+    install): then boot_files returns at once; else it packs and builds, which the loop leaves to a worker."""
+    return "code" in job.artifacts and (bool(os.environ.get(INSTALL_SPEC_ENV)) or ctx.artifacts.wheel_digest is not None)
+
+
+def prepare_artifacts(ctx: ControlContext, job: Job, spec: JobSpec) -> dict[str, str]:
+    """The slow part, safe off the loop (it writes files, not the store): the workdir packed unless the job has its
+    archive, the wheel built on first use. The job's artifacts record as it should be. CodeSyncError or
+    ArtifactError when either cannot be made (the message says how to fix it)."""
+    recorded = dict(job.artifacts)
+    if "code" not in recorded:
         recorded["code"] = ctx.artifacts.add_code(Path(spec.workdir))
     wheel = None if os.environ.get(INSTALL_SPEC_ENV) else ctx.artifacts.wheel()
     if wheel is not None:
         recorded["wheel"] = wheel.sha256
+    return recorded
+
+
+def record_artifacts(ctx: ControlContext, job: Job, spec: JobSpec, recorded: dict[str, str]) -> None:
+    """On the loop: keep `recorded` on the job, so that every node of it (replacements too) gets the same files;
+    a fresh archive is said in the job's events, and archives no active job needs are pruned."""
+    packed = job.artifacts.get("code") != recorded["code"]
     if recorded != job.artifacts:
         ctx.store.update_job(job.id, artifacts=recorded)
     if packed:
@@ -51,6 +62,17 @@ def boot_files(ctx: ControlContext, job: Job, spec: JobSpec) -> BootFiles:
         ctx.event(job.id, "code", f"packed {spec.workdir} for the nodes: {size / 2**20:.1f} MiB, sha256 "
                                   f"{recorded['code'][:12]}")
         ctx.artifacts.prune({j.artifacts.get("code", "") for j in ctx.store.jobs(active_only=True)})
+
+
+def boot_files(ctx: ControlContext, job: Job, spec: JobSpec) -> BootFiles:
+    """The wheel and code archive of `job`'s VMs: the code packed on the first VM (once per launch) and kept
+    for the job; the wheel of this controller's tfsn, unless TFSN_INSTALL_SPEC names what nodes install; the
+    extra with the driver of the job's checkpoint store (s3fs for s3://, ...), which nodes install with it.
+    Packs and builds in place when they are not ready (the loop prepares them off its thread first)."""
+    job = ctx.store.job(job.id)
+    record_artifacts(ctx, job, spec, prepare_artifacts(ctx, job, spec))
+    recorded = ctx.store.job(job.id).artifacts
+    wheel = None if os.environ.get(INSTALL_SPEC_ENV) else ctx.artifacts.wheel()
     scheme = checkpoint_url_scheme(spec.checkpoint.dir)
     return BootFiles(wheel=wheel.name if wheel else "", wheel_sha256=wheel.sha256 if wheel else "",
                      code_sha256=recorded["code"], extra=CHECKPOINT_URL_SCHEMES.get(scheme, ""),

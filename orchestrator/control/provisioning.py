@@ -21,9 +21,9 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict
 
-from orchestrator.control.artifacts import ArtifactError
-from orchestrator.control.boot import NODE_WORKDIR, boot_files
-from orchestrator.control.calls import DEADLINES_S, Call, deadline_s
+from orchestrator.control.artifacts import BUILD_TIMEOUT_S, ArtifactError
+from orchestrator.control.boot import NODE_WORKDIR, artifacts_ready, boot_files, prepare_artifacts, record_artifacts
+from orchestrator.control.calls import DEADLINES_S, Call, DeadlineError, deadline_s
 from orchestrator.control.codesync import CodeSyncError
 from orchestrator.control.context import ControlContext
 from orchestrator.control.credentials import agent_token
@@ -44,6 +44,8 @@ TRANSIENT_TRIES = 5           # a provisioning request that fails transiently th
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
 CREATES_PER_PASS = 16         # creates of one job in flight, so at most this many a pass (others' turn comes between)
 PLANNER = "planner"           # the lane of planning calls: they read every provider's offers
+ARTIFACTS = "artifacts"       # the lane that packs jobs' code and builds tfsn's wheel for cloud nodes
+ARTIFACTS_DEADLINE_S = BUILD_TIMEOUT_S + 300.0   # the wheel's build, then a large workdir's packing
 
 
 class Provisioner:
@@ -199,8 +201,14 @@ class Provisioner:
         if rank is None and ranked_sites and ranked_sites != {site(offer)}:
             return   # a spare serves only where the ranks are: none while its site there is blocked
         self._gather(job, candidate)
+        runs_boot = getattr(provider, "runs_boot_script", False)
+        if runs_boot and not artifacts_ready(self.ctx, job):
+            self._prepare_artifacts(job, spec)
+            job = self.ctx.store.job(job.id)
+            if job.state.terminal or not artifacts_ready(self.ctx, job):
+                return   # packed and built off the loop: the create goes on at a pass after that
         try:   # a VM installs tfsn and fetches the job's code from here as it boots
-            boot = boot_files(self.ctx, job, spec) if getattr(provider, "runs_boot_script", False) else None
+            boot = boot_files(self.ctx, job, spec) if runs_boot else None
         except (CodeSyncError, ArtifactError) as err:
             self.nodes.give_up(job, str(err))
             return
@@ -219,6 +227,22 @@ class Provisioner:
         self.ctx.calls.start(("change", node_id), provider.name, f"{provider.name}: create of node {node_id}",
                              lambda: provider.provision(request), deadline_s(provider, "create"), created,
                              on_late=created)
+
+    def _prepare_artifacts(self, job: Job, spec: JobSpec) -> None:
+        """Pack the job's code and build tfsn's wheel in a worker (a large workdir or a first wheel build takes
+        seconds to minutes, and the loop watches every job meanwhile); the result is recorded on the loop."""
+        def prepared(call: Call) -> None:
+            now = self.ctx.store.job(job.id)
+            if now.state.terminal:
+                return
+            if isinstance(call.error, (CodeSyncError, ArtifactError, DeadlineError)):
+                self.nodes.give_up(now, str(call.error))
+            elif call.error is not None:
+                raise call.error   # a bug: said by the calls' collector
+            else:
+                record_artifacts(self.ctx, now, spec, call.value)
+        self.ctx.calls.start(("artifacts", job.id), ARTIFACTS, f"job {job.id}: code archive and tfsn wheel",
+                             lambda: prepare_artifacts(self.ctx, job, spec), ARTIFACTS_DEADLINE_S, prepared)
 
     def _created(self, job_id: int, spec: JobSpec, node_id: str, candidate: PlannedOffer, role: str,
                  call: Call) -> None:

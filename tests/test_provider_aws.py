@@ -42,14 +42,6 @@ def aws_server():
 
 
 @pytest.fixture
-def own_s3():
-    """A moto server for S3 alone, the test's own: in one whole-suite run the module's server stopped answering
-    (connection refused) in the middle of the bucket test, which is not what that test is about."""
-    with moto_server() as port:
-        yield f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture
 def cloud(aws_server, monkeypatch, tmp_path):
     """A fresh moto account reached only through AWS_ENDPOINT_URL, with fake credentials and a moto AMI."""
     proxy, moto_url, image = aws_server
@@ -418,10 +410,7 @@ run.finish()
 """
 
 
-@pytest.mark.skipif(os.environ.get("TFSN_VM_RECLAIM_TEST") != "1", reason=(
-    "set TFSN_VM_RECLAIM_TEST=1: passes alone (about 50 s) and with its module, but in two whole-suite runs its "
-    "moto S3 server stopped answering mid-test (connection refused), cause not found yet"))
-def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_bit(cloud, own_s3, tmp_path,
+def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_bit(aws_server, cloud, tmp_path,
                                                                                       monkeypatch):
     """Deliverable 7 on emulated AWS: moto plays EC2 and S3, sandboxes the VMs. The job checkpoints to s3://; its
     VM is reclaimed (its processes killed at once, the instance terminated, as a spot reclaim looks); the
@@ -435,7 +424,7 @@ def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_
     from orchestrator.spec import JobSpec
     from tests.vmsandbox import Ec2Player, controller_for_vms, vm_image, wait_for
     proxy, ec2, _ = cloud
-    s3_url = own_s3      # S3 straight from moto (the fault proxy is EC2's)
+    s3_url = aws_server[1]      # S3 straight from moto (the fault proxy is EC2's)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_url)
     boto3.client("s3").create_bucket(Bucket="tfsn-ckpt")
     url, steps, interval, pause = "s3://tfsn-ckpt/reclaimed", 8, 3, 5

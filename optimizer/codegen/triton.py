@@ -3,10 +3,10 @@ shaped by a Schedule read as a GPU launch (see costmodel.predict_gpu and space.g
 
 Three kernel shapes, as the loop nest's:
 - pointwise: one program per block of `chunk` elements of the domain (masked loads and stores);
-- row reduction: one program per row of kept indices; each pass of reductions is a loop over the
-  reduced axes in blocks of `chunk` elements, accumulated in fp32 (fp64 for fp64) and summed at the
-  end, the per-row values between passes are scalars, then one more block loop runs the members
-  over the whole domain;
+- row reduction: one program per `chunk` rows of kept indices (a [rows, block] tile); each pass of
+  reductions is a loop over the reduced axes in blocks of up to REDUCTION_BLOCK elements, accumulated
+  in fp32 (fp64 for fp64) and summed along the block at the end, the per-row values between passes
+  are [rows, 1] columns, then one more block loop runs the members over the whole domain;
 - GEMM: a `tl.dot` tile of gemm_block_rows x gemm_nr over depth steps of gemm_kc (fp32 in IEEE
   precision, no TF32), the epilogue on the tile while it is in registers, `gemm_mr` warps.
 Launched on the tensors' device; under TRITON_INTERPRET=1 on CPU tensors (the tests).
@@ -23,12 +23,14 @@ from math import prod
 from typing import Any, Callable, Sequence
 
 from optimizer.cache import atomic_write, cache_dir, content_key
+from optimizer.costmodel import GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
 from optimizer.ir import Graph
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
                                 RowSegment, Stmt, Store, Temp, lower)
 from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
+from optimizer.space import GPU_ROWS
 
 log = logging.getLogger("tfsn.optimizer")
 
@@ -65,6 +67,10 @@ def _rounded(expr: str, dtype: str) -> str:
     # made fp32 first: `expr` may be a whole literal, and Triton's interpreter turns int -> bf16 into 0
     return f"{_narrowed(f'tl.cast({expr}, tl.float32)', dtype)}.to(tl.float32)"
 DEFAULT_BLOCK = 1024        # elements per program when the schedule names none (a CPU schedule)
+# A row reduction's program: `chunk` rows (a GPU schedule's rows per program, space.GPU_ROWS; 1 for any other
+# chunk) by REDUCTION_BLOCK reduced elements per pass at most (longer rows loop): costmodel.predict_gpu's shape.
+MAX_ROWS_PER_PROGRAM = max(GPU_ROWS)
+REDUCTION_BLOCK = GPU_REDUCTION_BLOCK
 
 
 @dataclass(frozen=True)
@@ -389,17 +395,22 @@ class TritonWriter:
         kept, reduced = sorted(nest.kept), sorted(nest.reduced)
         count = prod(dom[d] for d in reduced)
         rows = prod(dom[d] for d in kept)
-        block = min(_pow2(self.s.chunk if self.s.chunk >= 16 else DEFAULT_BLOCK), _pow2(count, 16))
-        code = ["row = tl.program_id(0)"] + [line for line in self.decompose("row", kept) if line.startswith("i")]
+        per = _pow2(self.s.chunk) if 1 <= self.s.chunk <= MAX_ROWS_PER_PROGRAM else 1
+        per = min(per, _pow2(rows))
+        block = min(REDUCTION_BLOCK, _pow2(count, 16))
+        # rows down the tile's first axis ([XROWS, 1]), the reduced elements of a pass along its second
+        code = ["row = tl.program_id(0) * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {rows}",
+                "xzero = row * 0"] + [line for line in self.decompose("row", kept) if line.startswith("i")]
 
         def block_loop(body: list[str]) -> list[str]:
             return [f"for r0 in range(0, {count}, RBLOCK):",
-                    "    r = r0 + tl.arange(0, RBLOCK)", f"    rmask = r < {count}", "    rzero = r * 0"] + \
+                    "    r = r0 + tl.arange(0, RBLOCK)[None, :]", f"    rmask = (r < {count}) & xmask",
+                    "    rzero = r * 0 + xzero"] + \
                 [f"    {line}" for line in self.decompose("r", reduced)] + [f"    {line}" for line in body]
 
         for segment in nest.segments:
             if isinstance(segment, RowSegment):
-                self.mask = "None"
+                self.mask, self.zero = "xmask", "xzero"
                 code += self.lines(segment.body)
                 continue
             finish = []
@@ -407,22 +418,24 @@ class TritonWriter:
                 node = self.g.nodes[red.node]
                 acc_t = "tl.float64" if node.type.dtype == "float64" else "tl.float32"
                 init = {"sum": "0", "mean": "0", "max": '-float("inf")', "min": 'float("inf")'}[red.op]
-                code.append(f"acc{red.node} = tl.full([RBLOCK], {init}, {acc_t})")
+                code.append(f"acc{red.node} = tl.full([XROWS, RBLOCK], {init}, {acc_t})")
                 if red.op in ("max", "min"):
-                    code.append(f"nan{red.node} = tl.zeros([RBLOCK], tl.int32)")
+                    code.append(f"nan{red.node} = tl.zeros([XROWS, RBLOCK], tl.int32)")
                 total = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}[red.op]
-                finish.append(f"red{red.node} = {total}(acc{red.node}, 0)" + (f" / {count}" if red.op == "mean" else ""))
+                finish.append(f"red{red.node} = {total}(acc{red.node}, 1)[:, None]"
+                              + (f" / {count}" if red.op == "mean" else ""))
                 if red.op in ("max", "min"):
-                    finish.append(f"red{red.node} = tl.where(tl.max(nan{red.node}, 0) > 0, float(\"nan\"), red{red.node})")
+                    finish.append(f"red{red.node} = tl.where(tl.max(nan{red.node}, 1)[:, None] > 0, float(\"nan\"), "
+                                  f"red{red.node})")
             self.mask, self.zero = "rmask", "rzero"
             code += block_loop([self.accumulate(s) if isinstance(s, Accumulate) else self.statement(s)
                                 for s in segment.body])
-            self.mask = "None"
+            self.mask, self.zero = "xmask", "xzero"
             code += finish + [self.statement(r.store) for r in segment.reductions]
         if nest.epilogue is not None:
             self.mask, self.zero = "rmask", "rzero"
             code += block_loop(self.lines(nest.epilogue))
-        return code, (rows,), (("RBLOCK", block),)
+        return code, (-(-rows // per),), (("XROWS", per), ("RBLOCK", block))
 
     def accumulate(self, s: Accumulate) -> str:
         acc, v = f"acc{s.node}", self.value(s.value)

@@ -24,6 +24,7 @@ from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidReq
                             provider_error)
 from providers.bootstrap import startup_script
 from providers.catalog import CatalogOffers
+from providers.identity import aws_instance_profile, identity_fault
 from providers.naming import JOB_TAG, NODE_TAG, node_tags
 from providers.sweep import NotConfigured, TaggedResource, tagged
 
@@ -112,9 +113,19 @@ def _classify(err: Exception) -> tuple[Fault, str]:
     if isinstance(err, exc.NoCredentialsError | exc.PartialCredentialsError):
         return _AUTH, f"no AWS credentials found ({err})"
     if isinstance(err, exc.ClientError):
-        code = _code(err)
-        return FAULTS.get(code, Fault()), f"{code}: {err.response.get('Error', {}).get('Message', '')}"
+        code, message = _code(err), err.response.get("Error", {}).get("Message", "")
+        return _identity_fault(code, message) or FAULTS.get(code, Fault()), f"{code}: {message}"
     return _UNREACHABLE, f"cannot reach EC2 ({type(err).__name__}: {err})"
+
+
+def _identity_fault(code: str, message: str) -> Fault | None:
+    """EC2's refusal of the instance profile: "Value (x) for parameter iamInstanceProfile.name is invalid. Invalid
+    IAM Instance Profile name" (none such, or a role's name), or iam:PassRole denied on its role."""
+    if code == "InvalidParameterValue" and "iamInstanceProfile" in message:
+        return identity_fault(NAME, denied=False)
+    if code == "UnauthorizedOperation" and "iam:PassRole" in message:
+        return identity_fault(NAME, denied=True)
+    return None
 
 
 def _provider_error(err: Exception, what: str) -> ProviderError:
@@ -205,6 +216,8 @@ class AwsProvider(CatalogOffers):
         }
         if offer.zone:
             params["Placement"] = {"AvailabilityZone": self.zone_name(offer.region, offer.zone)}
+        if request.identity:   # the instance role: what the node's workers reach the job's bucket with
+            params["IamInstanceProfile"] = aws_instance_profile(request.identity)
         if request.spot:
             params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}

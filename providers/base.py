@@ -88,6 +88,7 @@ class NodeRequest:
     placement: Mapping[str, Any] = field(default_factory=dict)  # the job spec's section named after the
                                        # provider, as plain data (kubernetes: image, node_selector, tolerations)
     boot: BootFiles | None = None     # what a VM's boot script fetches first (drivers that `runs_boot_script`)
+    identity: str = ""                # the cloud identity the VM runs as (providers/identity.py); "" for none
     owner: str = ""                   # the id of the store that asks for it (job ids are only unique within one):
                                       # tagged, so that a sweep from another store leaves the node alone
 

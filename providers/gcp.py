@@ -22,6 +22,7 @@ from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidReq
                             planned_offer, provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers, load_offers
+from providers.identity import CLOUD_PLATFORM_SCOPE, identity_fault
 from providers.naming import JOB_TAG, dns_label, node_tags
 from providers.sweep import NotConfigured, TaggedResource, tagged
 
@@ -223,6 +224,9 @@ class GcpProvider(CatalogOffers):
             network_interfaces=[compute.NetworkInterface(
                 network="global/networks/default",
                 access_configs=[compute.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])],
+            # What the node's workers reach the job's bucket as; the API's default is no service account at all.
+            service_accounts=[compute.ServiceAccount(email=request.identity, scopes=[CLOUD_PLATFORM_SCOPE])]
+            if request.identity else [],
         )
 
     def _first_zone(self, region: str) -> str:
@@ -305,6 +309,10 @@ class GcpProvider(CatalogOffers):
 def _classify_codes(http_status: int, codes: list[str], message: str, *, zone: str | None) -> tuple[Fault, str]:
     """The fault of a failed request or operation, by its codes and HTTP status, and the cloud's code and message."""
     detail = f"gcp {'/'.join(c for c in codes if c) or http_status}: {message.rstrip('. ')}"
+    if "of type 'serviceAccount'" in message or "access to service account" in message:
+        # "The resource 'x@p.iam.gserviceaccount.com' of type 'serviceAccount' was not found" (in the insert's
+        # operation), or "The user does not have access to service account 'x'..." (the insert itself).
+        return identity_fault(PROVIDER, denied="access to service account" in message), detail
     if CAPACITY_CODES & set(codes):
         return Fault(CapacityError, "tfsn fails over to another zone; or retry later", "zone"), detail
     if "QUOTA_EXCEEDED" in codes or "quotaExceeded" in codes:

@@ -19,8 +19,8 @@ pytest.importorskip("moto.server")
 import boto3  # noqa: E402
 
 import providers.aws as aws  # noqa: E402
-from providers.base import (AuthError, CapacityError, NodeHandle, NodeRequest, NodeStatus, NotFoundError,  # noqa: E402
-                            Offer, ProviderError, QuotaError)
+from providers.base import (AuthError, CapacityError, InvalidRequestError, NodeHandle, NodeRequest,  # noqa: E402
+                            NodeStatus, NotFoundError, Offer, ProviderError, QuotaError)
 from providers.bootstrap import startup_script  # noqa: E402
 from tests.awsfaults import FaultProxy, moto_server, price_list_item  # noqa: E402
 
@@ -189,6 +189,62 @@ def test_ec2_errors_map_to_typed_errors_with_their_scope(cloud, code, status, er
         aws.AwsProvider().provision(request())
     assert caught.value.scope == scope and code in str(caught.value) and "To fix:" in str(caught.value)
     assert not instances(ec2, request().node_id)
+
+
+def instance_profile(name: str = "tfsn-node") -> str:
+    """An instance profile with a role, made in moto's IAM as a user makes one; its ARN."""
+    iam = boto3.client("iam", region_name=REGION)
+    iam.create_role(RoleName=f"{name}-role", AssumeRolePolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}))
+    arn = iam.create_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Arn"]
+    iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=f"{name}-role")
+    return arn
+
+
+@pytest.mark.parametrize("by", ["name", "arn"])
+def test_the_instance_carries_the_jobs_instance_profile_as_ec2_reports_it(cloud, by):
+    proxy, ec2, _ = cloud
+    arn = instance_profile()
+    req = request(identity="tfsn-node" if by == "name" else arn)
+    aws.AwsProvider().provision(req)
+    [instance] = instances(ec2, req.node_id)
+    assert instance["IamInstanceProfile"]["Arn"] == arn
+    [association] = ec2.describe_iam_instance_profile_associations(
+        Filters=[{"Name": "instance-id", "Values": [instance["InstanceId"]]}])["IamInstanceProfileAssociations"]
+    assert association["IamInstanceProfile"]["Arn"] == arn and association["State"] == "associated"
+    [sent] = [c.params for c in proxy.calls if c.action == "RunInstances"]
+    assert sent[f"IamInstanceProfile.{by.capitalize()}"] == req.identity
+
+
+def test_no_identity_asks_for_no_instance_profile(cloud):
+    proxy, ec2, _ = cloud
+    aws.AwsProvider().provision(request())
+    [instance] = instances(ec2, request().node_id)
+    assert "IamInstanceProfile" not in instance
+    assert not [key for c in proxy.calls if c.action == "RunInstances" for key in c.params
+                if key.startswith("IamInstanceProfile")]
+
+
+@pytest.mark.parametrize("code,status,message,error", [
+    ("InvalidParameterValue", 400, "Value (tfsn-node) for parameter iamInstanceProfile.name is invalid. Invalid IAM "
+                                    "Instance Profile name", InvalidRequestError),
+    ("UnauthorizedOperation", 403, "You are not authorized to perform this operation. User: arn:aws:iam::123456789012:"
+                                   "user/ci is not authorized to perform: iam:PassRole on resource: arn:aws:iam::"
+                                   "123456789012:role/tfsn-node-role", AuthError),
+])
+def test_a_refused_instance_profile_blocks_the_cloud_with_the_fix_and_is_not_retried(cloud, code, status, message,
+                                                                                        error):
+    """EC2's answers (as AWS words them) for a profile that does not exist and for one the caller may not pass:
+    every zone would say the same, so the error blocks the provider, and its fix names the spec's field."""
+    proxy, ec2, _ = cloud
+    rule = proxy.fail_ec2("RunInstances", code, message, status=status, **{"IamInstanceProfile.Name": "tfsn-node"})
+    with pytest.raises(error) as caught:
+        aws.AwsProvider().provision(request(identity="tfsn-node"))
+    text = str(caught.value)
+    assert caught.value.scope == "provider" and not caught.value.retryable and "\n" not in text
+    assert code in text and "To fix:" in text and "resources.remote_identity.aws" in text
+    assert ("iam:PassRole" if error is AuthError else "aws iam create-instance-profile") in text.split("To fix:")[1]
+    assert len(rule.hits) == 1 and not instances(ec2, request().node_id)
 
 
 def test_throttling_is_retried_with_backoff_then_succeeds(cloud):

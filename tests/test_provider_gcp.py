@@ -83,6 +83,40 @@ def test_spot_vm_is_deleted_on_preemption_and_then_reads_terminated(gcp, emulato
     assert gcp.status(handle) is NodeStatus.TERMINATED
 
 
+SERVICE_ACCOUNT = f"tfsn-node@{PROJECT}.iam.gserviceaccount.com"
+
+
+def test_the_vm_runs_as_the_jobs_service_account_with_the_cloud_platform_scope(gcp, emulator):
+    emulator.add_service_account(PROJECT, SERVICE_ACCOUNT)
+    handle = gcp.provision(NodeRequest(**{**request().__dict__, "identity": SERVICE_ACCOUNT}))
+    # As the API reports it, read back through the SDK.
+    got = gcp._call("InstancesClient", "get", project=PROJECT, zone=handle.data["zone"], instance=handle.data["name"])
+    assert [(a.email, list(a.scopes)) for a in got.service_accounts] == [
+        (SERVICE_ACCOUNT, ["https://www.googleapis.com/auth/cloud-platform"])]
+
+
+def test_no_identity_asks_for_no_service_account(gcp, emulator):
+    handle = gcp.provision(request())
+    assert "serviceAccounts" not in instance(emulator, handle)
+
+
+@pytest.mark.parametrize("exists,error,fix", [
+    (False, InvalidRequestError, "gcloud iam service-accounts create"),
+    (True, AuthError, "roles/iam.serviceAccountUser"),
+])
+def test_a_refused_service_account_blocks_the_cloud_with_the_fix(gcp, emulator, exists, error, fix):
+    """Compute Engine's answers for a service account that does not exist (the insert's operation fails) and for
+    one the caller may not act as (the insert is refused): the same in every zone, so the whole cloud is blocked."""
+    if exists:
+        emulator.add_service_account(PROJECT, SERVICE_ACCOUNT, usable=False)
+    with pytest.raises(error) as caught:
+        gcp.provision(NodeRequest(**{**request().__dict__, "identity": SERVICE_ACCOUNT}))
+    text = str(caught.value)
+    assert caught.value.scope == "provider" and not caught.value.retryable and "\n" not in text
+    assert SERVICE_ACCOUNT in text and fix in text.split("To fix:")[1] and "resources.remote_identity.gcp" in text
+    assert not emulator.instances
+
+
 def test_provision_twice_makes_one_vm_and_a_restarted_controller_finds_it(gcp, emulator):
     first = gcp.provision(request())
     again = gcp.provision(request())

@@ -6,7 +6,9 @@ aggregatedList with a `labels.KEY:*` filter, disks.delete). Instances are kept b
 name), and so are disks: an instance's boot disk is made with it (named after it, labelled with its
 initializeParams' labels) and deleted with it when autoDelete says so. Inserts and deletes return
 zonal Operations that finish at once or after
-`pending_polls` polls. A test injects a request error with `fail_next(...)` (a `gcp_error` body)
+`pending_polls` polls. An instance's service account must be one `add_service_account` made (else its
+operation fails EXTERNAL_RESOURCE_NOT_FOUND) that the caller may act as (else the insert is refused),
+as Compute Engine checks them; the instance keeps it as sent (`serviceAccounts`: email and scopes). A test injects a request error with `fail_next(...)` (a `gcp_error` body)
 or makes the next operation fail with `fail_next_operation(...)` (as a stockout does: the insert
 is accepted, its operation ends DONE with an error).
 """
@@ -78,6 +80,8 @@ class GcpEmulator(HttpEmulator):
         self.instances: dict[tuple[str, str, str], dict] = {}
         self.disks: dict[tuple[str, str, str], dict] = {}
         self.operations: dict[str, _Operation] = {}
+        self.service_accounts: dict[str, set[str]] = {}   # project -> the emails of its service accounts
+        self.may_act_as: set[str] = set()                 # the service accounts the caller may attach
         self.pending_polls = 0            # polls an operation stays RUNNING before it is DONE
         self.page_size = page_size        # zones per page of an aggregated list
         self._operation_faults: list[tuple[str, str, int]] = []
@@ -100,6 +104,12 @@ class GcpEmulator(HttpEmulator):
     def fail_next_operation(self, code: str, message: str, http_status: int = 503) -> None:
         """Make the next insert's operation end DONE with this error (and no instance)."""
         self._operation_faults.append((code, message, http_status))
+
+    def add_service_account(self, project: str, email: str, *, usable: bool = True) -> None:
+        """A service account of the project; `usable`: the caller holds iam.serviceAccountUser on it."""
+        self.service_accounts.setdefault(project, set()).add(email)
+        if usable:
+            self.may_act_as.add(email)
 
     def set_status(self, project: str, zone: str, name: str, status: str) -> None:
         self.instances[(project, zone, name)]["status"] = status
@@ -155,8 +165,11 @@ class GcpEmulator(HttpEmulator):
         if key in self.instances:
             message = f"The resource 'projects/{project}/zones/{zone}/instances/{name}' already exists"
             return Response(409, gcp_error(409, message, "alreadyExists", "ALREADY_EXISTS"))
-        if self._operation_faults:
-            return self._operation(project, zone, "insert", name, error=self._operation_faults.pop(0))
+        missing = self._service_account_problem(project, body)
+        if isinstance(missing, Response):
+            return missing
+        if missing or self._operation_faults:
+            return self._operation(project, zone, "insert", name, error=missing or self._operation_faults.pop(0))
         instance = {**body, "kind": "compute#instance", "id": str(next(self._ids)), "status": "PROVISIONING",
                     "zone": f"{API}/projects/{project}/zones/{zone}",
                     "creationTimestamp": "2026-01-01T00:00:00.000-07:00",
@@ -191,6 +204,21 @@ class GcpEmulator(HttpEmulator):
             return "Invalid value for field 'resource.scheduling.automaticRestart': 'true'. Spot VMs cannot restart."
         if not any(d.get("boot") for d in body.get("disks") or []):
             return "Invalid value for field 'resource.disks': no boot disk"
+        return None
+
+    def _service_account_problem(self, project: str, body: dict) -> Response | tuple[str, str, int] | None:
+        """What Compute Engine says of an instance's service account: one that exists but the caller may not act
+        as is refused by the insert; one that does not exist fails the insert's operation."""
+        for account in body.get("serviceAccounts") or []:
+            email = account.get("email", "")
+            if email not in self.service_accounts.get(project, set()):
+                return ("EXTERNAL_RESOURCE_NOT_FOUND", f"The resource '{email}' of type 'serviceAccount' was not "
+                                                       "found.", 400)
+            if email not in self.may_act_as:
+                message = (f"The user does not have access to service account '{email}'.  User: 'ci@{project}.iam."
+                           "gserviceaccount.com'.  Ask a project owner to grant you the iam.serviceAccountUser role "
+                           "on the service account")
+                return Response(400, gcp_error(400, message, "badRequest", "INVALID_ARGUMENT"))
         return None
 
     def _get(self, req: Request) -> Response:

@@ -27,6 +27,7 @@ from providers.base import (AuthError, CapacityError, Clients, Fault, InvalidReq
                             provider_error, status_on_error, wait_for)
 from providers.bootstrap import startup_script
 from providers.catalog import ACCELERATOR_MEMORY_GIB, CatalogOffers
+from providers.identity import identity_fault
 from providers.naming import JOB_TAG, dns_label, node_tags
 from providers.sweep import NotConfigured, TaggedResource, tagged
 
@@ -284,6 +285,8 @@ class AzureProvider(CatalogOffers):
         body = {"location": offer.region, "tags": node_tags(request), "properties": properties}
         if offer.zone:
             body["zones"] = [offer.zone]
+        if request.identity:   # what the node's workers reach the job's container as (IMDS gives its tokens)
+            body["identity"] = {"type": "UserAssigned", "userAssignedIdentities": {request.identity: {}}}
         return body
 
     def _public_key(self) -> str:
@@ -328,6 +331,11 @@ def _classify(err: Exception, *, zonal: bool) -> tuple[Fault, str]:
     message = (getattr(getattr(err, "error", None), "message", None) or str(err).splitlines()[0]).rstrip(". ")
     detail = f"{code or status or type(err).__name__}: {message}"
     place = "zone" if zonal or code in ("ZonalAllocationFailed", "OverconstrainedZonalAllocationRequest") else "region"
+    if code == "FailedIdentityOperation" or (code == "LinkedAuthorizationFailed" and "userAssignedIdentities" in message):
+        # ARM's "Identity operation for resource ... failed ... Resource '.../userAssignedIdentities/x' was not found"
+        # and "... does not have permission to perform action 'Microsoft.ManagedIdentity/userAssignedIdentities/
+        # assign/action' on the linked scope(s) ..."
+        return identity_fault(PROVIDER, denied=code == "LinkedAuthorizationFailed"), detail
     if code in CAPACITY_CODES:
         return Fault(CapacityError, f"tfsn fails over to another {place}; or retry later", place), detail
     if code == "QuotaExceeded" or (code == "OperationNotAllowed" and "quota" in message.lower()):

@@ -120,6 +120,46 @@ def test_status_follows_provisioning_and_power_state(azure, emulator, state, exp
     assert azure.status(handle) is expected
 
 
+IDENTITY = (f"/subscriptions/{SUBSCRIPTION}/resourceGroups/tfsn-ids/providers/Microsoft.ManagedIdentity/"
+            "userAssignedIdentities/tfsn-node")
+
+
+def with_identity(req: NodeRequest) -> NodeRequest:
+    return NodeRequest(**{**req.__dict__, "identity": IDENTITY})
+
+
+def test_the_vm_runs_as_the_jobs_user_assigned_identity(azure, emulator):
+    emulator.add_identity(IDENTITY)
+    handle = azure.provision(with_identity(request()))
+    # As ARM reports it, read back through the SDK.
+    vm = azure._client("compute").virtual_machines.get(handle.data["resource_group"], handle.data["vm"])
+    assert vm.identity.type == "UserAssigned"
+    assert list(vm.identity.user_assigned_identities) == [IDENTITY]
+    assert vm.identity.user_assigned_identities[IDENTITY].client_id
+
+
+def test_no_identity_asks_for_none(azure, emulator):
+    handle = azure.provision(request())
+    assert "identity" not in emulator.vms[handle.data["vm"]]
+
+
+@pytest.mark.parametrize("exists,error,fix", [
+    (False, InvalidRequestError, "az identity create"),
+    (True, AuthError, "Managed Identity Operator"),
+])
+def test_a_refused_identity_blocks_the_cloud_with_the_fix_and_frees_the_nic(azure, emulator, exists, error, fix):
+    """ARM's answers for an identity that does not exist and for one the caller may not assign: the same in every
+    region, so the whole cloud is blocked; the NIC made for the VM is deleted."""
+    if exists:
+        emulator.add_identity(IDENTITY, assignable=False)
+    with pytest.raises(error) as caught:
+        azure.provision(with_identity(request()))
+    text = str(caught.value)
+    assert caught.value.scope == "provider" and not caught.value.retryable and "\n" not in text
+    assert "tfsn-node" in text and fix in text.split("To fix:")[1] and "resources.remote_identity.azure" in text
+    assert not emulator.vms and not emulator.nics
+
+
 def test_provision_twice_makes_one_vm_and_a_restarted_controller_finds_it(azure, emulator):
     first = azure.provision(request())
     assert azure.provision(request()) == first

@@ -7,7 +7,9 @@ resource group) and
 https://learn.microsoft.com/rest/api/cost-management/retail-prices/azure-retail-prices.
 Long-running PUTs and DELETEs answer the way ARM does: 201/202 with an `Azure-AsyncOperation`
 URL whose status is InProgress for `pending_polls` polls, then Succeeded (or Failed, with the
-error a test injected with `fail_next_operation`).
+error a test injected with `fail_next_operation`). A VM's user-assigned identities must be ones
+`add_identity` made that the caller may assign, as ARM checks them; the VM reports each with its
+principal and client ids.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ class AzureEmulator(HttpEmulator):
         self.vms: dict[str, dict] = {}
         self.custom_data: dict[str, str] = {}   # VM name -> its decoded customData (ARM never returns it)
         self.stopped: set[str] = set()          # VMs whose OS shut down: PowerState/stopped, still allocated
+        self.identities: dict[str, dict] = {}   # user-assigned identity ID (lower case) -> principalId, clientId
+        self.assignable: set[str] = set()      # the identities the caller may assign (lower case IDs)
         self.pending_polls = 0                 # polls an operation reports InProgress before it ends
         self.vm_create_polls: int | None = None   # the same for VM creations only, when set (a slow allocation)
         self.prices_page_size = prices_page_size
@@ -79,6 +83,15 @@ class AzureEmulator(HttpEmulator):
     def fail_next_operation(self, code: str, message: str) -> None:
         """Make the next VM creation end Failed with this error (the VM stays, provisioningState Failed)."""
         self._operation_faults.append((code, message))
+
+    def add_identity(self, resource_id: str, *, assignable: bool = True) -> None:
+        """A user-assigned managed identity; `assignable`: the caller holds its assign action (Managed Identity
+        Operator)."""
+        n = next(self._ids)
+        self.identities[resource_id.lower()] = {"principalId": f"{n:08x}-2222-4222-8222-222222222222",
+                                                "clientId": f"{n:08x}-3333-4333-8333-333333333333"}
+        if assignable:
+            self.assignable.add(resource_id.lower())
 
     def evict(self, name: str) -> None:
         """What a spot VM with evictionPolicy Delete goes through: it is gone, with its NIC."""
@@ -215,10 +228,16 @@ class AzureEmulator(HttpEmulator):
         if name in self.vms:
             return Response(409, arm_error("PropertyChangeNotAllowed",
                                            "Changing property 'customData' is not allowed."))
+        refused = self._identity_problem(req, body)
+        if refused is not None:
+            return refused
         vm = {**body, "id": req.path, "name": name, "type": "Microsoft.Compute/virtualMachines",
               "properties": {**body["properties"], "provisioningState": "Creating",
                              "vmId": f"{next(self._ids):08x}-1111-4111-8111-111111111111"}}
         vm["properties"]["osProfile"] = {k: v for k, v in vm["properties"]["osProfile"].items() if k != "customData"}
+        if "identity" in body:   # ARM reports each user-assigned identity with its principal and client ids
+            vm["identity"] = {"type": body["identity"]["type"], "userAssignedIdentities": {
+                key: self.identities[key.lower()] for key in body["identity"].get("userAssignedIdentities", {})}}
         self.vms[name] = vm
         self.custom_data[name] = base64.b64decode(body["properties"]["osProfile"]["customData"]).decode()
         failure = self._operation_faults.pop(0) if self._operation_faults else None
@@ -226,6 +245,28 @@ class AzureEmulator(HttpEmulator):
                          on_success=lambda: vm["properties"].update(provisioningState="Succeeded"),
                          on_failure=lambda: vm["properties"].update(provisioningState="Failed"),
                          polls=self.vm_create_polls)
+
+    def _identity_problem(self, req: Request, body: dict) -> Response | None:
+        """ARM's checks of a VM's user-assigned identities: the caller's assign action on each (403
+        LinkedAuthorizationFailed), then that each exists (400 FailedIdentityOperation)."""
+        identity = body.get("identity") or {}
+        if identity and identity.get("type") not in ("UserAssigned", "SystemAssigned", "SystemAssigned, UserAssigned",
+                                                      "None"):
+            return Response(400, arm_error("InvalidParameter", f"The value {identity.get('type')!r} of parameter "
+                                                               "'identity.type' is invalid."))
+        for key in identity.get("userAssignedIdentities") or {}:
+            if key.lower() in self.identities and key.lower() not in self.assignable:
+                return Response(403, arm_error("LinkedAuthorizationFailed", (
+                    "The client 'ci' with object id '00000000-0000-4000-8000-00000000c1c1' has permission to perform "
+                    f"action 'Microsoft.Compute/virtualMachines/write' on scope '{req.path}'; however, it does not "
+                    "have permission to perform action 'Microsoft.ManagedIdentity/userAssignedIdentities/assign/"
+                    f"action' on the linked scope(s) '{key}' or the linked scope(s) are invalid.")))
+            if key.lower() not in self.identities:
+                return Response(400, arm_error("FailedIdentityOperation", (
+                    f"Identity operation for resource '{req.path}' failed with error 'Failed to perform resource "
+                    "identity operation. Status: 'BadRequest'. Response: '{\"error\":{\"code\":\"BadRequest\","
+                    f"\"message\":\"Resource '{key}' was not found.\"}}}}'.'.")))
+        return None
 
     def _validate_vm(self, body: dict) -> str | None:
         """The checks ARM makes that a driver bug would trip."""

@@ -20,6 +20,8 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       ValidationError, ValidationInfo, field_validator, model_validator)
 
+from providers.identity import identity_problem
+
 PROVIDERS = ("local", "aws", "gcp", "azure", "kubernetes", "skypilot")
 MAX_FILE_BYTES = 4 << 20        # a train.yaml is a few KiB; refuse to parse anything huge
 
@@ -216,6 +218,24 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+class RemoteIdentity(BaseModel):
+    """The identity each cloud's VMs run as (providers/identity.py): how a node's workers reach the job's bucket
+    with the machine's own credentials, no key on the node (SkyPilot's `remote_identity`). Unset: no identity."""
+
+    model_config = ConfigDict(extra="forbid")
+    aws: Line | None = None       # IAM instance profile: NAME or arn:aws:iam::ACCOUNT:instance-profile/NAME
+    gcp: Line | None = None       # service account email, attached with the cloud-platform scope
+    azure: Line | None = None     # user-assigned managed identity: /subscriptions/.../userAssignedIdentities/NAME
+
+    @field_validator("aws", "gcp", "azure")
+    @classmethod
+    def _well_formed(cls, value: str | None, info: ValidationInfo) -> str | None:
+        problem = identity_problem(info.field_name, value) if value is not None else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
 class Resources(BaseModel):
     """What each node needs. `accelerators` keeps the user's shape (str, list = ordered preference,
     mapping = any of them, the cheapest run wins), normalized to "NAME:COUNT" / {NAME: COUNT}."""
@@ -228,6 +248,7 @@ class Resources(BaseModel):
     infra: list[str] | None = Field(None, max_length=MAX_ITEMS)   # allowed providers, in lower case
     regions: list[Line] | None = Field(None, max_length=MAX_ITEMS)
     max_hourly_cost: float | None = Field(None, gt=0, allow_inf_nan=False, strict=True)
+    remote_identity: RemoteIdentity | None = None   # what each cloud's VMs run as (reaches the bucket)
 
     @field_validator("accelerators", mode="before")
     @classmethod
@@ -307,6 +328,12 @@ class Resources(BaseModel):
     @classmethod
     def _memory_bound(cls, value: Amount | None) -> Amount | None:
         return _at_most(value, MAX_MEMORY_GIB, "GiB")
+
+    def identity(self, provider: str) -> str:
+        """The identity `provider`'s VMs run as; "" for none (or a provider that has no such thing)."""
+        if provider not in RemoteIdentity.model_fields:
+            return ""
+        return getattr(self.remote_identity, provider, None) or ""
 
     @property
     def accelerators_any_of(self) -> bool:
@@ -869,6 +896,18 @@ def _parse_yaml(text: str, fail: Callable[[list[tuple[int, str]]], SpecError]) -
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def spec_line(path: str | os.PathLike, field: tuple[str, ...]) -> int:
+    """The 1-based line of `field` in the spec file at `path` (of its deepest part written there), for a message
+    about a spec that loaded; 1 where the file cannot be read again."""
+    def fail(problems: list[tuple[int, str]]) -> SpecError:
+        return SpecError([what for _, what in problems])
+    try:
+        _, root = _parse_yaml(_read_text(path, fail), fail)
+    except SpecError:
+        return 1
+    return _line(root, field) if root is not None else 1
 
 
 # A check beyond the model that a loaded spec must pass (the CLI's: can it launch?): None, or the

@@ -208,3 +208,75 @@ def test_enabled_clouds_need_shared_checkpoints_too(tfsn):
     proc = tfsn("validate", str(EXAMPLE / "train.yaml"), check=False)
     assert_one_line_error(proc, "checkpoint.dir: unset", "not storage that aws nodes share",
                           "or resources.infra: [local] to run on this machine only")
+
+
+# ---- issue 16: a cloud VM reaches the job's bucket as the identity it runs as ---------------------------------
+
+IDENTITIES = [
+    ("aws", "s3://lab-ckpt/run1", "arn:aws:iam::123456789012:instance-profile/tfsn-node"),
+    ("gcp", "gs://lab-ckpt/run1", "tfsn-node@lab.iam.gserviceaccount.com"),
+    ("azure", "az://ckpt/run1", "/subscriptions/00000000-0000-4000-8000-0000000000aa/resourceGroups/ids/providers/"
+                                "Microsoft.ManagedIdentity/userAssignedIdentities/tfsn-node"),
+]
+
+
+def _cloud_job(tmp_path, infra: str, url: str, extra: str = "") -> str:
+    (tmp_path / "code").mkdir(exist_ok=True)
+    spec = tmp_path / "train.yaml"
+    spec.write_text(f"run: python train.py\nworkdir: code\nresources:\n  accelerators: A100:8\n  infra: [{infra}]\n"
+                    f"{extra}checkpoint:\n  dir: {url}\n")
+    return str(spec)
+
+
+@pytest.fixture
+def in_process(tmp_path, monkeypatch, capsys):
+    """`tfsn ARGS` in this process, with a store of its own and no controller (a job launched is only stored)."""
+    monkeypatch.setenv("TFSN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TFSN_CLOUDS", raising=False)
+    monkeypatch.setattr(daemon, "ensure_controller", lambda: {})
+    return lambda *args: _in_process(monkeypatch, capsys, *args)
+
+
+@pytest.mark.parametrize("cloud, url, identity", IDENTITIES)
+def test_a_bucket_on_a_cloud_whose_vms_have_no_identity_is_a_warning_naming_the_field(in_process, tmp_path, cloud,
+                                                                                       url, identity):
+    spec = _cloud_job(tmp_path, cloud, url)
+    code, out, err = in_process("validate", spec)
+    assert code == 0 and "valid job" in out                     # a warning, not a refusal: images may hold keys
+    [line] = err.splitlines()
+    assert line.startswith(f"tfsn: warning: {spec}:3: resources.remote_identity.{cloud} is unset: ")
+    assert url in line and "To fix: set it to" in line
+    launched = in_process("launch", "--detach", spec)
+    assert launched[0] == 0 and launched[2] == err              # launch says the same, and goes on
+
+    spec = _cloud_job(tmp_path, cloud, url, f"  remote_identity:\n    {cloud}: {identity}\n")
+    assert in_process("validate", spec)[::2] == (0, "")
+
+
+def test_vms_of_another_cloud_than_the_buckets_are_warned_unless_envs_carry_credentials(in_process, tmp_path):
+    spec = _cloud_job(tmp_path, "aws, gcp", "s3://lab-ckpt/run1", "  remote_identity: {gcp: x@p.iam.gserviceaccount.com}\n")
+    code, _, err = in_process("validate", spec)
+    assert code == 0
+    aws, gcp = err.splitlines()
+    assert "resources.remote_identity.aws is unset" in aws
+    assert gcp.startswith(f"tfsn: warning: {spec}:8: checkpoint.dir: gcp VMs have no credentials for s3://lab-ckpt/")
+    assert "To fix: give s3:// credentials in envs (AWS_ACCESS_KEY_ID)" in gcp
+    (tmp_path / "train.yaml").write_text((tmp_path / "train.yaml").read_text() + "envs: {AWS_ACCESS_KEY_ID: AKIA}\n")
+    assert in_process("validate", spec)[::2] == (0, "")
+
+
+def test_a_malformed_identity_is_refused_naming_the_field_and_the_fix(tfsn, tmp_path):
+    spec = _cloud_job(tmp_path, "aws", "s3://lab-ckpt/run1", (
+        "  remote_identity:\n    aws: arn:aws:iam::123456789012:role/tfsn-node\n    gcp: tfsn-node\n"
+        "    azure: /subscriptions/00000000-0000-4000-8000-0000000000aa/resourceGroups/ids/providers/"
+        "Microsoft.Compute/virtualMachines/vm\n"))
+    proc = tfsn("validate", spec, check=False)
+    assert_one_line_error(proc, f"{spec}:7: resources.remote_identity.aws: ", "ARN of an IAM role, not of an instance "
+                          "profile", f"{spec}:8: resources.remote_identity.gcp: 'tfsn-node' is not a service account",
+                          f"{spec}:9: resources.remote_identity.azure: ", "userAssignedIdentities/tfsn-node")
+    assert len(proc.stderr.splitlines()) == 3 and proc.stderr.count("To fix:") == 3
+    launched = tfsn("launch", "--detach", spec, check=False)
+    assert launched.returncode == 2 and launched.stderr == proc.stderr
+    assert json.loads(tfsn("status", "--json").stdout) == []

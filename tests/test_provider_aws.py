@@ -358,6 +358,43 @@ def test_a_job_launched_on_aws_fails_over_to_the_next_zone_and_is_torn_down(clou
     assert [i["State"]["Name"] for i in instances(ec2, node.id)] in (["shutting-down"], ["terminated"])
 
 
+def test_a_jobs_vms_run_as_its_instance_profile_and_a_refused_profile_blocks_all_of_aws(cloud, tmp_path, monkeypatch):
+    """Through the controller: the spec's resources.remote_identity.aws reaches RunInstances; EC2's refusal of the
+    profile is not taken for a zone's fault (the next zone is not asked) and the job fails naming the field."""
+    from orchestrator.control.controller import Controller
+    from orchestrator.control.store import JobState, Store
+    from orchestrator.spec import JobSpec
+    from providers.catalog import write_offers
+
+    proxy, ec2, _ = cloud
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    write_offers(tmp_path / "cache" / "catalog" / "aws.csv",
+                 [offer("use1-az6"), Offer(**{**offer("use1-az1").__dict__, "price": 33.0})])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {}, url="http://10.0.0.5:7000")
+
+    def launch(name: str) -> int:
+        spec = JobSpec.model_validate({"name": name, "run": "python train.py", "workdir": str(tmp_path), "steps": 9,
+                                       "resources": {"accelerators": "A100:8", "infra": ["aws"],
+                                                     "remote_identity": {"aws": "tfsn-node"}}})
+        job = store.create_job(name, spec.model_dump(mode="json"), "train.yaml", "t")
+        for _ in range(4):
+            controller.reconcile(job.id)
+        return job.id
+
+    rule = proxy.fail_ec2("RunInstances", "InvalidParameterValue", "Value (tfsn-node) for parameter "
+                          "iamInstanceProfile.name is invalid. Invalid IAM Instance Profile name", status=400)
+    refused = launch("refused")
+    assert len(rule.hits) == 1 and store.job(refused).state == JobState.FAILED   # one zone asked, not the next
+    assert store.job(refused).blocked[0]["scope"] == "provider"
+    assert "resources.remote_identity.aws" in store.job(refused).error, store.job(refused).error
+
+    proxy.rules.clear()
+    arn = instance_profile()
+    (node,) = store.nodes(launch("allowed"), active_only=True)
+    assert [i["IamInstanceProfile"]["Arn"] for i in instances(ec2, node.id)] == [arn]
+
+
 def test_an_instance_created_just_before_a_controller_crash_is_found_by_its_tag_and_terminated(cloud, tmp_path):
     from orchestrator.control.controller import Controller
     from orchestrator.spec import JobSpec

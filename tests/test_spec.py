@@ -551,3 +551,45 @@ def test_health_thresholds_that_would_exhaust_memory_or_never_fire_are_refused(t
     path.write_text(f"run: python train.py\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
     with pytest.raises(SpecError, match=f"health.thresholds: {threshold}: must be"):
         load_spec(path)
+
+
+ACCEPTED_IDENTITIES = {
+    "aws": ["tfsn-node", "team+ml=prod,x.y@z-1", "arn:aws:iam::123456789012:instance-profile/tfsn-node",
+            "arn:aws:iam::123456789012:instance-profile/team/ml/tfsn-node",
+            "arn:aws-cn:iam::123456789012:instance-profile/tfsn-node"],
+    "gcp": ["tfsn-node@lab-123.iam.gserviceaccount.com", "123456789012-compute@developer.gserviceaccount.com"],
+    "azure": ["/subscriptions/00000000-0000-4000-8000-0000000000aa/resourceGroups/ids/providers/"
+              "Microsoft.ManagedIdentity/userAssignedIdentities/tfsn-node",
+              "/subscriptions/00000000-0000-4000-8000-0000000000AA/resourcegroups/My.Group(1)/providers/"
+              "microsoft.managedidentity/userassignedidentities/tfsn_node"],
+}
+REFUSED_IDENTITIES = [
+    ("aws", "arn:aws:iam::123456789012:role/tfsn-node", "ARN of an IAM role, not of an instance profile"),
+    ("aws", "tfsn node", "not an IAM instance profile name or ARN"),
+    ("aws", "arn:aws:iam::12345:instance-profile/x", "not an IAM instance profile name or ARN"),
+    ("gcp", "tfsn-node", "not a service account email"),
+    ("gcp", "someone@gmail.com", "not a service account email"),
+    ("azure", "tfsn-node", "not a user-assigned managed identity's resource ID"),
+    ("azure", "/subscriptions/00000000-0000-4000-8000-0000000000aa/resourceGroups/ids/providers/"
+              "Microsoft.Compute/virtualMachines/vm", "not a user-assigned managed identity's resource ID"),
+]
+
+
+def test_remote_identity_keeps_each_clouds_value_and_round_trips(tmp_path):
+    for cloud, values in ACCEPTED_IDENTITIES.items():
+        for value in values:
+            spec = load_spec(write(tmp_path, f"run: x\nresources:\n  remote_identity:\n    {cloud}: '{value}'\n"))
+            assert spec.resources.identity(cloud) == value
+            assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+            assert {other: spec.resources.identity(other) for other in ACCEPTED_IDENTITIES if other != cloud} == {
+                other: "" for other in ACCEPTED_IDENTITIES if other != cloud}
+    assert load_spec(write(tmp_path, "run: x\n")).resources.identity("aws") == ""
+    assert load_spec(write(tmp_path, "run: x\n")).resources.identity("kubernetes") == ""
+
+
+@pytest.mark.parametrize("cloud, value, needle", REFUSED_IDENTITIES)
+def test_a_malformed_remote_identity_names_the_field_and_the_fix(tmp_path, cloud, value, needle):
+    path = write(tmp_path, f"run: x\nresources:\n  remote_identity:\n    {cloud}: '{value}'\n")
+    one(path, 4, f"resources.remote_identity.{cloud}", needle, "To fix: write", "e.g.")
+    path = write(tmp_path, "run: x\nresources:\n  remote_identity:\n    oci: x\n")
+    one(path, 4, "resources.remote_identity.oci", "unknown field 'oci'", "aws, gcp, azure")

@@ -25,7 +25,7 @@ from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text, hardware_lines, model_text
-from orchestrator.spec import JobSpec, SpecError, load_spec
+from orchestrator.spec import JobSpec, SpecError, load_spec, spec_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
@@ -92,8 +92,14 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
 
 def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:
     """`file` as a launch takes it: valid, and able to run. `validate` is this very check, so the two
-    commands accept and refuse the same files with the same messages."""
-    return load_spec(file, overrides, check=launch_problem)
+    commands accept and refuse the same files with the same messages, and print the same warnings: what
+    would likely fail on a node but may not (a VM with no credentials for the job's bucket)."""
+    from orchestrator.planning.placement import identity_warnings
+
+    spec = load_spec(file, overrides, check=launch_problem)
+    for field, message in identity_warnings(spec):
+        print(f"tfsn: warning: {file}:{spec_line(file, field)}: {message}", file=sys.stderr)
+    return spec
 
 
 @app.command()

@@ -221,7 +221,7 @@ class Provisioner:
             command=agent_command(local), cpus=requested_cpus(spec),
             env=agent_env(self.ctx.url, job, node_id, local, self.ctx.trust), offer=offer, spot=candidate.spot,
             avoid_hosts=self._excluded_hosts(job, spec), placement=spec.placement(provider.name),
-            owner=self.ctx.store.owner)
+            identity=spec.resources.identity(provider.name), owner=self.ctx.store.owner)
         role = f"rank {rank}" if rank is not None else "spare"
         created = functools.partial(self._created, job.id, spec, node_id, candidate, role)
         self.ctx.calls.start(("change", node_id), provider.name, f"{provider.name}: create of node {node_id}",

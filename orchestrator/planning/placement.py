@@ -13,6 +13,7 @@ from pathlib import Path
 from orchestrator.planning.planner import HOST, Plan, PlanError, check_accelerators, hardware_to_search, plan_job
 from orchestrator.spec import JobSpec, checkpoint_url_scheme
 from providers.base import Offer, Provider
+from providers.identity import KINDS
 from providers.registry import load_provider
 
 # Clouds whose offers are rows of the instance catalog (configs/catalog, or a refreshed copy).
@@ -114,3 +115,38 @@ def checkpoint_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
         f"{where} not storage that {', '.join(remote)} nodes share: a replaced node would restart from "
         f"step 0. To fix: set checkpoint.dir to {urls}, or checkpoint.local_ok: true if every node mounts "
         f"that path{alone}")
+
+
+# Each VM cloud's own object store: the one its VM identity (resources.remote_identity) can reach.
+OWN_STORE = {"aws": "s3", "gcp": "gs", "azure": "az"}
+# The variables that give a node a store's credentials without an identity (the job's envs reach the workers over
+# the controller's API, never in VM metadata): s3fs, gcsfs and adlfs read them.
+STORE_CREDENTIAL_ENVS = {
+    "s3": ("AWS_ACCESS_KEY_ID",), "gs": ("GOOGLE_APPLICATION_CREDENTIALS",),
+    "az": ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
+           "AZURE_STORAGE_CLIENT_SECRET"),
+}
+
+
+def identity_warnings(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
+    """Why the job's VMs on a cloud it may run on would find no credentials for its checkpoint bucket, as (the
+    field to blame, one line with the fix) per cloud. Warnings, not refusals: an image may hold credentials."""
+    url, scheme = spec.checkpoint.dir, checkpoint_url_scheme(spec.checkpoint.dir)
+    if scheme is None or any(name in spec.envs for name in STORE_CREDENTIAL_ENVS[scheme]):
+        return []
+    envs = " or ".join(STORE_CREDENTIAL_ENVS[scheme])
+    found = []
+    for cloud in (name for name in allowed_providers(spec) if name in OWN_STORE):
+        if OWN_STORE[cloud] == scheme and not spec.resources.identity(cloud):
+            kind = KINDS[cloud]
+            found.append((("resources", "remote_identity", cloud), (
+                f"resources.remote_identity.{cloud} is unset: {cloud} VMs get no credentials for {url}, so the "
+                f"job's first checkpoint there would fail. To fix: set it to {kind.what} that may read and write "
+                f"the bucket (e.g. {kind.example}), or give credentials in envs ({envs}) or in the image")))
+        elif OWN_STORE[cloud] != scheme:
+            found.append((("checkpoint", "dir"), (
+                f"checkpoint.dir: {cloud} VMs have no credentials for {url} (resources.remote_identity.{cloud} "
+                f"reaches {cloud}'s own storage only), so the job's first checkpoint there would fail. To fix: give "
+                f"{scheme}:// credentials in envs ({envs}) or in the image, or keep the job on the bucket's cloud "
+                "(resources.infra)")))
+    return found

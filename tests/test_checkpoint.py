@@ -537,3 +537,33 @@ def test_kill_during_background_save_keeps_the_previous_checkpoint(tmp_path: Pat
     model = torch.nn.Linear(4, 4)
     assert restore(tmp_path, {"model": model}).step == 1
     assert [i.step for i in list_checkpoints(tmp_path)] == [1]
+
+
+@pytest.mark.parametrize("env, anon", [({}, False), ({"AZURE_STORAGE_ANON": "true"}, "unset")])
+def test_az_checkpoints_ask_the_machines_identity_unless_the_user_says_anonymous(monkeypatch, env, anon):
+    """adlfs is anonymous unless told otherwise (AZURE_STORAGE_ANON defaults to true), so a VM's managed identity
+    would never be asked for a token: the store and DCP's writer and reader open az:// with anon=False, unless the
+    user set AZURE_STORAGE_ANON. (adlfs is not installed here: a filesystem registered for az:// records what the
+    store asks of it, as fsspec hands it adlfs's storage options.)"""
+    import importlib
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    asked: list = []
+
+    class Recording(MemoryFileSystem):
+        protocol = ("az",)
+        cachable = False
+
+        def __init__(self, *args, **options):
+            asked.append(options.get("anon", "unset"))
+            super().__init__(*args, **options)
+
+    monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, "az", Recording)
+    monkeypatch.delenv("AZURE_STORAGE_ANON", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    store = ckptstore.open_store("az://ckpt/run1")
+    store.writer("az://ckpt/run1/step_000000001")
+    store.reader("az://ckpt/run1/step_000000001")
+    assert asked == [anon] * 3

@@ -6,7 +6,8 @@ Both keep one rule: a checkpoint is visible only once complete, and its manifest
 - An object store has no rename: DCP writes into ``step_N/`` itself and the manifest, one PUT, is
   written last. Readers take a ``step_N/`` without a manifest for a half-written one and skip it.
 Object stores go through fsspec (s3fs, gcsfs, adlfs: the cloud extras) and DCP's FsspecWriter/Reader;
-credentials and endpoints come from each cloud's own configuration (AWS_ENDPOINT_URL and the like).
+credentials and endpoints come from each cloud's own configuration (AWS_ENDPOINT_URL and the like), or from
+the identity the VM runs as (providers/identity.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from orchestrator.spec import CHECKPOINT_URL_SCHEMES, checkpoint_url_scheme
 MANIFEST = "tfsn-manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 1 << 22
+# adlfs is anonymous unless told otherwise (AZURE_STORAGE_ANON, default true) and then never asks the machine's
+# managed identity (DefaultAzureCredential) for a token; a checkpoint container is written to, never public.
+_STORAGE_OPTIONS = {"az": {"anon": False}}
 
 Location = Path | str  # a Path in a folder, a URL on an object store
 
@@ -122,10 +126,12 @@ class ObjectStore:
 
     def __init__(self, url: str) -> None:
         scheme = checkpoint_url_scheme(url) or url.partition("://")[0]
+        # The driver's options, for the store and DCP's writer and reader alike; an explicit AZURE_STORAGE_ANON wins.
+        self.options = {} if scheme == "az" and "AZURE_STORAGE_ANON" in os.environ else _STORAGE_OPTIONS.get(scheme, {})
         try:
             from fsspec.core import url_to_fs
 
-            self.fs, _ = url_to_fs(url)
+            self.fs, _ = url_to_fs(url, **self.options)
         except ImportError as err:
             extra = CHECKPOINT_URL_SCHEMES.get(scheme, "all")
             raise StorageUnavailable(f"checkpoint.dir {url}: {scheme}:// needs a driver that is not installed "
@@ -191,12 +197,12 @@ class ObjectStore:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         # sync_files would call os.sync() (a stream has no fileno): an object is durable once closed.
-        return FsspecWriter(str(location), sync_files=False)
+        return FsspecWriter(str(location), sync_files=False, **self.options)
 
     def reader(self, location: Location) -> StorageReader:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        return FsspecReader(str(location))
+        return FsspecReader(str(location), **self.options)
 
     def _url(self, path: str) -> str:
         return f"{self.scheme}://{path.rstrip('/')}"

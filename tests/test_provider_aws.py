@@ -528,14 +528,16 @@ def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_
     wheels = tmp_path / "wheels"   # the VMs' package index: their image lacks s3fs, the boot installs it
     wheels.mkdir()
     repack_installed(wheels, "s3fs")
-    # What an instance role gives a VM on AWS: credentials for the bucket (here moto's, at its endpoint).
-    machine = {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_url, "AWS_DEFAULT_REGION": REGION,
-               "AWS_EC2_METADATA_DISABLED": "true", "PIP_FIND_LINKS": str(wheels)}
+    # The machine: moto's endpoint, no credentials of its own. Its role's (moto's) reach the VM only as the instance
+    # metadata gives them, to an instance that carries an instance profile: the job's resources.remote_identity.aws.
+    machine = {"AWS_ENDPOINT_URL": s3_url, "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
+               "PIP_FIND_LINKS": str(wheels)}
     spec = JobSpec.model_validate({
         "name": "reclaimed", "run": "python train.py", "workdir": str(code), "num_nodes": 1, "nproc_per_node": 1,
         "steps": steps, "envs": {"PAUSE_AFTER": str(pause), "OMP_NUM_THREADS": "1"},
         "checkpoint": {"dir": url, "interval": interval},
-        "resources": {"infra": ["aws"], "accelerators": "A100:8", "regions": [REGION]}})
+        "resources": {"infra": ["aws"], "accelerators": "A100:8", "regions": [REGION],
+                      "remote_identity": {"aws": instance_profile()}}})
     reference = tmp_path / "reference"   # the same script, never interrupted, on this machine, meanwhile
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TFSN_", "AWS_"))}
     uninterrupted = subprocess.Popen([sys.executable, str(code / "train.py")], cwd=tmp_path, env={
@@ -543,7 +545,8 @@ def test_a_reclaimed_vm_is_replaced_and_the_job_resumes_from_the_bucket_bit_for_
         "TFSN_CHECKPOINT_DIR": str(reference), "TFSN_CHECKPOINT_INTERVAL": str(interval)})
     driver = aws.AwsProvider()
     driver.status_poll_s = 1.0   # the controller asks EC2 about its nodes every second (10 s by default)
-    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image", leave_out=("s3fs",)), machine)
+    player = Ec2Player(ec2, tmp_path / "vms", vm_image(tmp_path / "image", leave_out=("s3fs",)), machine,
+                       role_env=CREDENTIALS)
     try:
         with controller_for_vms(home, {"aws": driver}, player) as controller:
             store = controller.ctx.store

@@ -160,6 +160,10 @@ class VmPlayer:
     def boot_script(self, instance: str) -> str:
         raise NotImplementedError
 
+    def machine_env(self, instance: str) -> dict[str, str]:
+        """The environment the instance's machine gives its boot script (what its image and metadata hold)."""
+        return self.env
+
     def powered_off(self, instance: str) -> None:
         """What the cloud shows once the instance's OS shut down."""
         raise NotImplementedError
@@ -174,7 +178,7 @@ class VmPlayer:
         running = self.running()
         for found, alive in running.items():
             if alive and found not in self.vms:
-                self.vms[found] = SandboxVM(self.folder / found.replace("/", "-"), self.image, self.env)
+                self.vms[found] = SandboxVM(self.folder / found.replace("/", "-"), self.image, self.machine_env(found))
                 self.vms[found].start(self.boot_script(found))
         for found, vm in self.vms.items():
             if found not in self._ended and not running.get(found, False):
@@ -212,11 +216,19 @@ class VmPlayer:
 
 class Ec2Player(VmPlayer):
     """moto's EC2 (a boto3 client `ec2`): the user-data boots; a VM that powers off terminates its instance (tfsn
-    asks for InstanceInitiatedShutdownBehavior terminate), and so does a reclaim."""
+    asks for InstanceInitiatedShutdownBehavior terminate), and so does a reclaim. An instance that EC2 says carries
+    an IAM instance profile also gets `role_env`: its role's credentials, which EC2's instance metadata serves to
+    such an instance only (here in the environment, where botocore's chain reads them too)."""
 
-    def __init__(self, ec2, folder: Path, image: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, ec2, folder: Path, image: Path, env: dict[str, str] | None = None,
+                 role_env: dict[str, str] | None = None) -> None:
         super().__init__(folder, image, env)
         self.ec2 = ec2
+        self.role_env = role_env or {}
+
+    def machine_env(self, instance: str) -> dict[str, str]:
+        [found] = [i for r in self.ec2.describe_instances(InstanceIds=[instance])["Reservations"] for i in r["Instances"]]
+        return {**self.env, **(self.role_env if "IamInstanceProfile" in found else {})}
 
     def running(self) -> dict[str, bool]:
         pages = self.ec2.get_paginator("describe_instances").paginate()

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from orchestrator.sdk import checkpoint  # noqa: E402
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save  # noqa: E402
-from tests.awsfaults import moto_server  # noqa: E402
+from tests.awsfaults import forget_s3_clients, moto_server  # noqa: E402
 from tests.conftest import EXAMPLE, FAST_MODEL  # noqa: E402
 from tests.test_checkpoint import TOTAL_STEPS, assert_same_state, make_objects, train  # noqa: E402
 
@@ -170,3 +170,21 @@ def test_missing_driver_names_the_extra() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert re.fullmatch(r"checkpoint\.dir s3://tfsn-x/run: s3:// needs a driver that is not installed \(.*\)\. "
                         r"To fix: pip install 'tfsn\[aws\]'\n", out.stdout), out.stdout + out.stderr
+
+
+def test_a_node_without_credentials_for_the_bucket_is_told_which_field_gives_them(s3_server, monkeypatch, tmp_path):
+    """No credentials anywhere (a VM started without resources.remote_identity): the restore fails with one line
+    that names the bucket, botocore's reason and the field that gives a node credentials, not 'mounted'."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+                        "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(name, value)
+    forget_s3_clients()   # none made with the other tests' credentials
+    with pytest.raises(CheckpointError) as caught:
+        restore(f"s3://{BUCKET}-nocreds/run", make_objects(0))
+    assert "credentials" in str(caught.value).lower().replace("check that this node has credentials", "")
+    message = str(caught.value)
+    assert "\n" not in message and f"s3://{BUCKET}-nocreds/run" in message
+    assert "resources.remote_identity" in message and "mounted" not in message

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from orchestrator.sdk.ckptstore import MANIFEST, Location, Store, StorageUnavailable, open_store, step_of
 from orchestrator.sdk.statedicts import StateDictReader
 from orchestrator.spec import checkpoint_url_scheme
+from orchestrator.spec import checkpoint_url_scheme
 
 __all__ = ["CheckpointError", "CheckpointInfo", "MANIFEST", "SaveSession", "list_checkpoints", "load_tensors",
            "restore", "save"]
@@ -201,7 +202,10 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
         except CheckpointError as e:
             found = str(e)
         except Exception as e:
-            found = f"cannot read checkpoint directory {directory}: {_one_line(e)}; check it is mounted and readable"
+            fix = ("check that this node has credentials for the bucket (train.yaml's resources.remote_identity, or "
+                   "envs) and that it exists" if checkpoint_url_scheme(str(directory)) else
+                   "check it is mounted and readable")
+            found = f"cannot read checkpoint directory {directory}: {_one_line(e)}; {fix}"
     found = _broadcast(found, distributed)
     if isinstance(found, str):
         raise CheckpointError(found)

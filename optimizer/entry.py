@@ -203,11 +203,11 @@ def run(request: dict) -> dict:
         return {"error": {"stage": err.stage, "message": str(err)}}
     import torch
 
-    from optimizer.predict import adam_update_seconds
+    from optimizer.predict import adam_update_seconds, measured_update_seconds
 
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     first = batch[0]
-    out = {"params": sum(p.numel() for p in params.values()),
+    out = {"params": sum(p.numel() for p in params.values()), "tensors": len(params),
            "grad_bytes": sum(p.numel() * p.element_size() for p in params.values()),
            "example_batch": int(first.shape[0]), "hardware": {}}
     float_params = [p for p in params.values() if p.is_floating_point()]
@@ -227,8 +227,12 @@ def run(request: dict) -> dict:
             text = str(err).strip().splitlines()
             out["hardware"][name] = {"error": f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")}
             continue
+        # this machine's update as calibrated (torch's AdamW), elsewhere at the memory's bandwidth
+        update = measured_update_seconds(len(params), out["params"], spec) if name == "host" else None
         out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
-                                 "update_s": adam_update_seconds(out["params"], out["dtype"], spec)}
+                                 "update_s": update if update is not None else
+                                 adam_update_seconds(out["params"], out["dtype"], spec),
+                                 "overhead_s": spec.step_overhead_us * 1e-6 if name == "host" else 0.0}
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 

@@ -39,7 +39,8 @@ class HardwareStep:
     example batch, or the reason it could not be searched."""
 
     seconds: float | None
-    update_s: float = 0.0      # the optimizer's update on one replica (optimizer.predict.adam_update_seconds)
+    update_s: float = 0.0      # the optimizer's update on one replica (as calibrated here, else at memory bandwidth)
+    overhead_s: float = 0.0    # the framework's share of a compiled step, as `tfsn calibrate` measured it here
     graphs: int = 0
     cached: bool = False
     error: str | None = None
@@ -98,8 +99,8 @@ def price_entry(spec: JobSpec, hardware: Sequence[tuple[str, int | None]], data_
 def _entry_step(data: dict, cached: bool = False) -> EntryStep:
     return EntryStep(params=data["params"], grad_bytes=data["grad_bytes"], example_batch=data["example_batch"],
                      dtype=data["dtype"], seconds=0.0 if cached else data["seconds"],
-                     hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("graphs", 0),
-                                                  cached or h.get("cached", False), h.get("error"))
+                     hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("overhead_s", 0.0),
+                                                  h.get("graphs", 0), cached or h.get("cached", False), h.get("error"))
                                for name, h in data["hardware"].items()})
 
 

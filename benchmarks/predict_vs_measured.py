@@ -8,7 +8,9 @@ size, each trained by a script of the example's shape: DDP over 2 local nodes, `
   1. `tfsn plan --json` cold, then again (cached): the chosen local offer's predicted seconds per step, and how
      long each plan took;
   2. `tfsn launch`: rank 0's step times as the SDK reported them to the controller (the store's `steps`), whose
-     median after the first 10 steps (the compile) is the measured step.
+     median after the first 10 steps (the compile) is the measured step; for the suite models also the median
+     CPU seconds rank 0's process spent per step (its script logs them), what the step costs on a core of its
+     own: on a shared machine under load the wall step also holds the time other work had the core.
 The host spec is this machine's calibrated one: $TFSN_CACHE/hardware/host.yaml copied from the user's cache,
 else measured here by `tfsn calibrate` first. Prints predicted, measured and their ratio per model, and with
 `--json` one JSON line. Target (issue 15): predicted/measured within 0.75-1.33 for every model; `tfsn plan`
@@ -39,6 +41,7 @@ WARMUP_STEPS = 10       # the first steps compile (and load the plan's kernels):
 # (as the example's), so the graphs the workers compile are the ones `tfsn plan` captured.
 SCRIPT = '''\
 import os
+import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 import tfsn
@@ -75,11 +78,12 @@ def main():
     step_loss = tfsn.optimize(model)
     start = run.restore(model=model, optimizer=optimizer)
     for step in run.steps(start, run.total_steps):
+        cpu = time.process_time()
         loss = step_loss(*batch(step, run.rank))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        run.log(loss=loss)
+        run.log(loss=loss, cpu_s=time.process_time() - cpu)   # this process's CPU seconds in the step
         run.checkpoint(model=model, optimizer=optimizer)
     run.finish()
 
@@ -133,17 +137,21 @@ def plan(env: dict[str, str], spec: Path) -> tuple[float, float, dict]:
     return out["chosen"]["step_seconds"], time.perf_counter() - t0, out
 
 
-def measured_step(env: dict[str, str], spec: Path) -> tuple[float, int]:
-    """The launched job's median step (rank 0, after WARMUP_STEPS) and how many steps that median is of."""
+def measured_step(env: dict[str, str], spec: Path) -> tuple[float, float | None, int]:
+    """The launched job's median step (rank 0, after WARMUP_STEPS), its median CPU seconds per step where the
+    script logs them (`cpu_s`: what the step costs a core of its own, the machine's other load left out), and
+    how many steps those medians are of."""
     from orchestrator.control.store import Store
 
     tfsn(env, "launch", str(spec))
     store = Store(Path(env["TFSN_HOME"]) / "tfsn.db")
     job = max(j.id for j in store.jobs())
-    times = [r["step_time"] for r in store.steps(job) if r["step"] >= WARMUP_STEPS]
-    if not times:
+    records = [r for r in store.steps(job) if r["step"] >= WARMUP_STEPS]
+    if not records:
         raise SystemExit(f"job {job} of {spec} reported no steps past the first {WARMUP_STEPS}")
-    return statistics.median(times), len(times)
+    cpu = [r["metrics"].get("cpu_s") for r in records]
+    return (statistics.median(r["step_time"] for r in records),
+            statistics.median(cpu) if all(c is not None for c in cpu) else None, len(records))
 
 
 def case_spec(folder: Path, name: str, steps: int) -> Path:
@@ -173,20 +181,27 @@ def main() -> None:
                 case_spec(folder, name, args.steps)
             predicted, cold_s, out = plan(env, spec)
             _, cached_s, _ = plan(env, spec)
-            measured, n = measured_step(env, spec)
+            load = os.getloadavg()[0]
+            measured, cpu, n = measured_step(env, spec)
+            load = (load + os.getloadavg()[0]) / 2
             ratio = predicted / measured
             host = out["hardware"][0]
             results.append({"model": name, "predicted_s": predicted, "measured_s": measured, "ratio": ratio,
-                            "steps_measured": n, "plan_cold_s": cold_s, "plan_cached_s": cached_s,
-                            "source": host["source"], "graphs": host.get("graphs")})
+                            "measured_cpu_s": cpu, "ratio_cpu": predicted / cpu if cpu else None,
+                            "load_average": round(load, 2), "steps_measured": n, "plan_cold_s": cold_s,
+                            "plan_cached_s": cached_s, "source": host["source"], "graphs": host.get("graphs")})
             rows.append([name, f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{ratio:.2f}",
-                         f"{cold_s:.1f}", f"{cached_s:.2f}", host["source"]])
+                         f"{cpu * 1e3:.1f}" if cpu else "-", f"{predicted / cpu:.2f}" if cpu else "-",
+                         f"{load:.1f}", f"{cold_s:.1f}", f"{cached_s:.2f}", host["source"]])
     finally:
         subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "controller", "stop"], env=env, capture_output=True,
                        timeout=60)
         shutil.rmtree(folder, ignore_errors=True)
     print(f"host spec: {spec_source}")
-    print_table(["model", "predicted ms", "measured ms", "pred/meas", "plan cold s", "plan cached s", "source"], rows)
+    print_table(["model", "predicted ms", "measured ms", "pred/meas", "cpu ms", "pred/cpu", "load", "plan cold s",
+                 "plan cached s", "source"], rows)
+    print(f"on {os.cpu_count()} CPUs; load: the 1-minute load average around the launch (above the CPU count, the "
+          "workers share their cores with other work and the wall step grows with it)")
     inside = all(0.75 <= r["ratio"] <= 1.33 for r in results)
     print(f"every ratio within 0.75-1.33: {'yes' if inside else 'no'}")
     if args.json:

@@ -323,7 +323,9 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
     path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
     saved = _read_search_entry(path, graph, gemm) if report is None else None
     if saved is not None:
-        if saved.ties:
+        # a job's workers run the plan as it was searched (restarts and ranks alike, so that a run resumed from a
+        # checkpoint computes what the one that never stopped did); outside a job, ties are timed again
+        if saved.ties and not os.environ.get(PLANNED_HARDWARE_ENV):
             ties = _retime(graph, saved.plan, saved.schedules, saved.ties)
             atomic_write(path, _search_entry(saved.choice, saved.schedules, ties, saved.predicted_s))
         if on_plan is not None:

@@ -126,8 +126,8 @@ def host_spec(env: dict[str, str]) -> str:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(mine, target)
         return f"copied from {mine}"
-    tfsn(env, "calibrate")
-    return "measured by `tfsn calibrate` now"
+    out = tfsn(env, "calibrate").stdout.strip().splitlines()
+    return "measured by `tfsn calibrate` now:\n  " + "\n  ".join(out[:-1])
 
 
 def plan(env: dict[str, str], spec: Path) -> tuple[float, float, dict]:
@@ -205,7 +205,8 @@ def main() -> None:
     inside = all(0.75 <= r["ratio"] <= 1.33 for r in results)
     print(f"every ratio within 0.75-1.33: {'yes' if inside else 'no'}")
     if args.json:
-        print(json.dumps({"benchmark": "predict_vs_measured", "host_spec": spec_source, "models": results,
+        print(json.dumps({"benchmark": "predict_vs_measured", "host_spec": spec_source.splitlines()[0],
+                          "models": results,
                           "all_within_target": inside}))
 
 

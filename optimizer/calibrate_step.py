@@ -6,7 +6,8 @@ one core's share), the optimizer's update (torch.optim.AdamW, the default foreac
 ATen ops per parameter tensor), and the framework around a compiled step (dynamo's guards, AOTAutograd's
 wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
 message and copies through the kernel, AdamW a dispatch per op and tensor, the framework its Python. All are
-measured with one thread per process, as local workers run, as medians, and fitted as lines: all-reduce
+measured with one thread per process, as local workers run, each the fastest of its rounds (as every figure
+of `tfsn calibrate`: on a shared machine noise only ever slows a run down), and fitted as lines: all-reduce
 seconds = latency + bytes / bandwidth; update seconds = fixed + per tensor x tensors + per element x elements;
 the framework's share = a compiled DDP step of a 4x4 Linear less its one tiny all-reduce.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +30,7 @@ ALLREDUCE_FLOATS = (256, 1 << 20)
 UPDATE_SETS = ((1, 1024), (96, 1024), (4, 1 << 18))
 
 _ALLREDUCE_CHILD = r"""
-import json, statistics, sys, time
+import json, sys, time
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
 store, rank, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -46,7 +46,7 @@ for n in json.loads(sys.argv[4]):
         t0 = time.perf_counter()
         dist.all_reduce(x)
         times.append(time.perf_counter() - t0)
-    out[n] = statistics.median(times)
+    out[n] = min(times)
 # the framework's share of a compiled data-parallel step: dynamo's guards, AOTAutograd's wrappers, autograd,
 # DDP's hooks and one tiny all-reduce, around a model too small to cost anything itself
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,7 +60,7 @@ for i in range(rounds + 3):
     step(x).sum().backward()
     model.zero_grad(set_to_none=True)
     times.append(time.perf_counter() - t0)
-out["step"] = statistics.median(times[3:])
+out["step"] = min(times[3:])
 if rank == 0:
     print(json.dumps(out))
 dist.destroy_process_group()
@@ -103,7 +103,7 @@ def measure_allreduce(rounds: int, timeout_s: float = 120.0) -> tuple[float, flo
 
 def measure_update(rounds: int) -> tuple[float, float, float]:
     """(fixed, per tensor, per element) seconds of torch.optim.AdamW.step with one thread, least squares over
-    UPDATE_SETS (each the median of `rounds` steps), each clamped at zero."""
+    UPDATE_SETS (each the fastest of `rounds` steps), each clamped at zero."""
     import torch
 
     before = torch.get_num_threads()
@@ -122,7 +122,7 @@ def measure_update(rounds: int) -> tuple[float, float, float]:
                 opt.step()
                 times.append(time.perf_counter() - t0)
             rows.append((1.0, tensors, tensors * elements))
-            seconds.append(statistics.median(times))
+            seconds.append(min(times))
     finally:
         torch.set_num_threads(before)
     fit, *_ = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)

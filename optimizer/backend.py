@@ -36,7 +36,9 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
            "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to",
            "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels launched on the tensors' "
                       "device: on a GPU tfsn has a spec of, the GPU cost model's plan and launch shapes; else "
-                      "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)"}
+                      "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)",
+           "on_plan": "called with each searched graph's predicted seconds and whether it was searched now (False: "
+                      "read from the search cache); what `tfsn plan` prices this machine's step from"}
 
 # Decomposed further than core ATen, so that the generator sees their pointwise and reduction
 # parts (LayerNorm, softmax, GELU, BatchNorm, the optimizers' addcmul/lerp) and can fuse them.
@@ -157,7 +159,8 @@ def default_top_k() -> int:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                   schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
-                  report: list | None = None, codegen: str = "c") -> Callable:
+                  report: list | None = None, codegen: str = "c",
+                  on_plan: Callable[[float, bool], None] | None = None) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
@@ -185,7 +188,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
             plan = fusion.plan(graph, gemm=gemm)
             schedules = [schedule] * len(plan.groups)
         else:
-            plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, report)
+            plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, report, on_plan)
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         return _as_aten(gm, "its generated code failed", e)
     if log.isEnabledFor(logging.DEBUG):
@@ -267,6 +270,7 @@ def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Sche
     saved = _read_search_entry(path, graph, True) if report is None else None
     if saved is not None:
         return saved.plan, saved.schedules
+    _say_why_searching(spec)
     result = search.search_graph(graph, spec, gemm=True, timing=False)
     STATS["searches"] += 1
     if report is not None:
@@ -275,12 +279,40 @@ def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Sche
     return result.plan, result.schedules
 
 
-SEARCH_VERSION = "6"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "7"      # bump when the search or the model changes what a cached result means
+
+# Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
+# (planned_hardware), so that a worker that must search says whether its node is of another type.
+PLANNED_HARDWARE_ENV = "TFSN_PLANNED_HARDWARE"
 
 
-def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[Plan, list[Schedule]]:
+def planned_hardware(spec) -> str:
+    """How a job's plan names the hardware it searched for: the spec's name and a digest of its figures (a
+    calibrated spec of another CPU, or the same name measured again, is other hardware)."""
+    from optimizer.cache import content_key
+    return f"{spec.name}@{content_key(repr(spec))[:12]}"
+
+
+def _say_why_searching(spec) -> None:
+    """In a job tfsn launched, a search on the node is news: its plan was searched at `tfsn plan`. Say why
+    (in the job log), once per process: the node is another hardware type, or this graph was not planned."""
+    planned = os.environ.get(PLANNED_HARDWARE_ENV, "")
+    if not planned:
+        return
+    here = planned_hardware(spec)
+    if planned != here:
+        _log_once(f"tfsn: this node's hardware ({here}) is not what the job's plan was searched for ({planned}): "
+                  "searching its step here")
+    else:
+        _log_once(f"tfsn: a graph of the step is not in the job's plan for {here} (the code, the batch or the "
+                  "threads differ from what `tfsn plan` captured): searching it here")
+
+
+def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
+                  on_plan: Callable[[float, bool], None] | None = None) -> tuple[Plan, list[Schedule]]:
     """The search's plan and schedules for this graph on this host, from the disk cache when this
-    graph was searched here before (same graph, host spec, compiler, threads and top_k). A kernel
+    graph was searched here before (same graph, host spec, compiler, threads and top_k): by `tfsn plan`,
+    which searches a job's step this way for the host its local nodes run on, or by an earlier run. A kernel
     whose choice the search could not call (search.Tie) has its tied candidates timed again on each
     of the next few runs, until one wins clearly or search.RETIMES is reached."""
     from optimizer import search
@@ -291,16 +323,23 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None) -> tuple[P
     path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
     saved = _read_search_entry(path, graph, gemm) if report is None else None
     if saved is not None:
-        if saved.ties:
+        # a job's workers run the plan as it was searched (restarts and ranks alike, so that a run resumed from a
+        # checkpoint computes what the one that never stopped did); outside a job, ties are timed again
+        if saved.ties and not os.environ.get(PLANNED_HARDWARE_ENV):
             ties = _retime(graph, saved.plan, saved.schedules, saved.ties)
-            atomic_write(path, _search_entry(saved.choice, saved.schedules, ties))
+            atomic_write(path, _search_entry(saved.choice, saved.schedules, ties, saved.predicted_s))
+        if on_plan is not None:
+            on_plan(saved.predicted_s, False)
         return saved.plan, saved.schedules
+    _say_why_searching(spec)
     result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
     STATS["searches"] += 1
     log.info("tfsn search: %d plans, %d candidates scored in %.3f s, %d timed; %.2f s in all",
              result.plans_scored, result.scored, result.score_seconds, len(result.measured), result.seconds)
     if report is not None:
         report.append((graph, result))
+    if on_plan is not None:
+        on_plan(result.predicted_s, True)
     _write_search_entry(path, result)
     return result.plan, result.schedules
 
@@ -332,6 +371,7 @@ class _SavedSearch:
     schedules: list[Schedule]
     ties: list[Tie]
     choice: dict[str, list[int]]
+    predicted_s: float
 
 
 def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
@@ -347,7 +387,8 @@ def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
             return None
         ties = [search.Tie(t["groups"], [Schedule(**s) for s in t["schedules"]], t["retimed"])
                 for t in saved.get("unsettled", [])]
-        return _SavedSearch(plan, [Schedule(**s) for s in saved["schedules"]], ties, saved["choice"])
+        return _SavedSearch(plan, [Schedule(**s) for s in saved["schedules"]], ties, saved["choice"],
+                            float(saved["predicted_s"]))
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
         return None
@@ -356,13 +397,15 @@ def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
 def _write_search_entry(path: Path, result) -> None:
     from optimizer.cache import atomic_write
     choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
-    atomic_write(path, _search_entry(choice, result.schedules, result.ties))
+    atomic_write(path, _search_entry(choice, result.schedules, result.ties, result.predicted_s))
 
 
-def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], ties: Sequence[Tie]) -> bytes:
-    """A search cache entry: the fusion choice, every group's schedule, and the kernels whose
-    choice is unsettled (search.Tie) with their tied candidates and re-timings so far."""
+def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], ties: Sequence[Tie],
+                  predicted_s: float) -> bytes:
+    """A search cache entry: the fusion choice, every group's schedule, the kernels whose choice is
+    unsettled (search.Tie) with their tied candidates and re-timings so far, and the plan's predicted time."""
     return json.dumps({"choice": choice, "schedules": [dataclasses.asdict(s) for s in schedules],
+                       "predicted_s": predicted_s,
                        "unsettled": [{"groups": t.groups, "schedules": [dataclasses.asdict(s) for s in t.schedules],
                                       "retimed": t.retimed} for t in ties]}).encode()
 

@@ -22,6 +22,7 @@ from typing import Callable
 import yaml
 
 from optimizer.cache import atomic_write
+from optimizer.calibrate_step import StepFigures, measure
 from optimizer.codegen.compiler import build_library, hardware_id
 from optimizer.hardware import GENERIC_CPU, cpuinfo, host_cpu_model, host_spec_path, load_all
 
@@ -144,6 +145,7 @@ class Calibration:
     call_overhead_us: float        # ctypes call of a 4-pointer kernel + torch.empty_strided of its output
     fork_join_us: float            # one empty OpenMP parallel region on all threads
     per_core_l2_kib: float         # one core's share of L2 (the spec's shared_memory_per_unit_kib)
+    step: StepFigures              # the local all-reduce and the optimizer's update (calibrate_step.py)
     quick: bool
     seconds: float                 # how long calibrating took
     measured_at: str               # UTC, ISO 8601
@@ -323,7 +325,7 @@ def calibrate(threads: int | None = None, quick: bool = False) -> Calibration:
         / rates["peak 1"],
         call_overhead_us=_call_overhead_us(lib, torch, 20 if quick else 50, repeats),
         fork_join_us=_fork_join_us(lib, threads, 10 if quick else 30, 0.2 if quick else 1.0),
-        per_core_l2_kib=caches["l2"][0] / 1024 / caches["l2"][1], quick=quick,
+        per_core_l2_kib=caches["l2"][0] / 1024 / caches["l2"][1], step=measure(quick), quick=quick,
         seconds=time.perf_counter() - started, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         notes=tuple(notes))
 
@@ -377,6 +379,7 @@ def host_spec(cal: Calibration) -> dict:
         "call_overhead_us": round(cal.call_overhead_us, 3),
         "library_gemm_efficiency": round(cal.library_gemm_efficiency, 3),
         "interconnect_gbs": generic.interconnect_gbs,                      # no accelerator link: as cpu-generic
+        **{name: round(value, 4) for name, value in asdict(cal.step).items()},
         "memory": [{"name": lv.name, "size_mib": round(lv.size_mib, 4), "bandwidth_gbs": round(lv.all_gbs, 1),
                     "core_bandwidth_gbs": round(lv.core_gbs, 1)} for lv in cal.levels],
     }
@@ -389,7 +392,8 @@ def write_host_spec(cal: Calibration) -> Path:
               "# Bandwidths: best of several reads of a buffer half the size of each cache level (DRAM: at least\n"
               "# 4x L3); bandwidth_gbs with all threads, core_bandwidth_gbs with one. peak: a generated FMA kernel,\n"
               "# all threads. library_gemm_efficiency: torch.mm over that peak, one thread, median of three\n"
-              "# shapes. Overheads: medians, best of several.\n"
+              "# shapes. Overheads: medians, best of several. allreduce_*: gloo between two processes of this\n"
+              "# machine, one thread each; update_*: torch.optim.AdamW.step, one thread, fitted over three sets.\n"
               f"# clock_ghz from {cal.clock_source}.\n"
               + "".join(f"# note: {note}\n" for note in cal.notes))
     path = host_spec_path()

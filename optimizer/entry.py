@@ -110,10 +110,32 @@ def training_step(model: Any, loss_fn: Any) -> Any:
     return Step()
 
 
-def price(model: Any, batch: tuple, loss_fn: Any, spec: Any, threads: int | None) -> dict:
-    """Capture the step on `batch` and search each graph for `spec` (cost model only; cached per graph)."""
+# DDP's gradient bucket (its default bucket_cap_mb, 25): dynamo splits a DDP model's graph at these buckets
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _capture(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel: bool) -> None:
+    """Run the step (loss and backward) once through `backend`. In a data-parallel job the graphs are split at
+    DDP's gradient buckets first, as dynamo splits a DDP model's (DDPOptimizer), so that the graphs searched
+    here are the very graphs the workers compile."""
     import torch
 
+    if data_parallel:
+        from torch._dynamo.backends.distributed import DDPOptimizer
+        backend = DDPOptimizer(bucket_bytes_cap=DDP_BUCKET_BYTES, backend_compile_fn=backend).compile_fn
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(training_step(model, loss_fn), backend=backend, dynamic=False)(*batch)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
+            raise ValueError("the loss is not a scalar tensor that requires grad")
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+
+
+def price(model: Any, batch: tuple, loss_fn: Any, spec: Any, threads: int | None, data_parallel: bool = False) -> dict:
+    """Capture the step on `batch` and search each graph for `spec` (cost model only; cached per graph)."""
     from optimizer import search
     from optimizer.backend import search_cache_path
     from optimizer.cache import atomic_write
@@ -134,20 +156,37 @@ def price(model: Any, batch: tuple, loss_fn: Any, spec: Any, threads: int | None
         seconds.append(result.predicted_s)
         cached.append(False)
 
-    torch._dynamo.reset()
-    try:
-        step = torch.compile(training_step(model, loss_fn), backend=predicting_backend(spec, on_graph, unsupported.append),
-                             dynamic=False)
-        loss = step(*batch)
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
-            raise ValueError("the loss is not a scalar tensor that requires grad")
-        loss.backward()
-    finally:
-        torch._dynamo.reset()
-        model.zero_grad(set_to_none=True)
+    _capture(model, batch, loss_fn, predicting_backend(spec, on_graph, unsupported.append), data_parallel)
     if unsupported:
         raise ValueError(f"a graph the optimizer cannot express: {unsupported[0].splitlines()[0]}")
     return {"seconds": sum(seconds), "graphs": len(seconds), "cached": all(cached)}
+
+
+def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data_parallel: bool = False) -> dict:
+    """The step compiled as the job's workers on this machine compile it (`tfsn.optimize`: tfsn's backend,
+    searched and timed here, with the threads each worker gets), so that its searches and kernels land in the
+    caches under the keys the workers look up and a worker searches nothing. Priced at the chosen plans'
+    predicted times; a graph the generator cannot take fails it (the workers would run it as ATen)."""
+    import torch
+
+    from optimizer import backend
+
+    seconds, searched = [], []
+    aten_graphs = backend.STATS["aten_graphs"]
+
+    def on_plan(predicted_s: float, fresh: bool) -> None:
+        seconds.append(predicted_s)
+        searched.append(fresh)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        _capture(model, batch, loss_fn, backend.make_backend(on_plan=on_plan), data_parallel)
+    finally:
+        torch.set_num_threads(before)
+    if backend.STATS["aten_graphs"] > aten_graphs or not seconds:
+        raise ValueError("a graph of the step runs as ATen here (the generator cannot take it)")
+    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched)}
 
 
 def _hardware(name: str):
@@ -164,11 +203,11 @@ def run(request: dict) -> dict:
         return {"error": {"stage": err.stage, "message": str(err)}}
     import torch
 
-    from optimizer.predict import adam_update_seconds
+    from optimizer.predict import adam_update_seconds, measured_update_seconds
 
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     first = batch[0]
-    out = {"params": sum(p.numel() for p in params.values()),
+    out = {"params": sum(p.numel() for p in params.values()), "tensors": len(params),
            "grad_bytes": sum(p.numel() * p.element_size() for p in params.values()),
            "example_batch": int(first.shape[0]), "hardware": {}}
     float_params = [p for p in params.values() if p.is_floating_point()]
@@ -181,13 +220,19 @@ def run(request: dict) -> dict:
         try:
             if spec is None:
                 raise ValueError(f"no hardware spec named {name!r}")
-            priced = price(model, batch, loss_fn, spec, threads)
+            dp = bool(request.get("data_parallel"))
+            priced = price_here(model, batch, loss_fn, threads, dp) if name == "host" else \
+                price(model, batch, loss_fn, spec, threads, dp)
         except Exception as err:       # the optimizer could not price it: the planner uses its roofline
             text = str(err).strip().splitlines()
             out["hardware"][name] = {"error": f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")}
             continue
+        # this machine's update as calibrated (torch's AdamW), elsewhere at the memory's bandwidth
+        update = measured_update_seconds(len(params), out["params"], spec) if name == "host" else None
         out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
-                                 "update_s": adam_update_seconds(out["params"], out["dtype"], spec)}
+                                 "update_s": update if update is not None else
+                                 adam_update_seconds(out["params"], out["dtype"], spec),
+                                 "overhead_s": spec.step_overhead_us * 1e-6 if name == "host" else 0.0}
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 

@@ -28,7 +28,12 @@ KINDS = ("gpu", "cpu")
 _SCALARS = ("clock_ghz", "compute_units", "simd_width", "registers_per_unit_kib",
             "shared_memory_per_unit_kib", "launch_overhead_us", "interconnect_gbs")
 _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCALARS
-_OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads")      # written by `tfsn calibrate`; defaults below
+# written by `tfsn calibrate`; defaults below
+_OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads")
+# the parts of a step outside its graphs on local nodes (optimizer/calibrate_step.py): 0 = not measured
+STEP_FIGURES = ("allreduce_latency_us", "allreduce_gbs", "step_overhead_us", "update_fixed_us", "update_tensor_us",
+                "update_element_ns")
+_OPTIONAL += STEP_FIGURES
 # What a GPU's occupancy depends on, besides registers_per_unit_kib and shared_memory_per_unit_kib: a GPU
 # spec must give them (a kernel the chip cannot launch is rejected by the cost model, not guessed at)
 _GPU_LIMITS = ("shared_memory_per_block_kib", "threads_per_unit", "blocks_per_unit", "registers_per_thread")
@@ -72,6 +77,13 @@ class HardwareSpec:
     library_gemm_efficiency: float = 0.85  # fraction of the fp32 FMA peak the BLAS sgemm reaches (CPU)
     cpu_model: str = ""                # the CPU a calibrated spec was measured on ("" for vendor specs)
     threads: int = 0                   # threads used by that calibration (0 for vendor specs)
+    # measured by `tfsn calibrate` (calibrate_step.py), 0 elsewhere: a gloo all-reduce between two local processes
+    allreduce_latency_us: float = 0.0  # ... of a tiny gradient
+    allreduce_gbs: float = 0.0         # ... GB of gradient per second beyond that
+    step_overhead_us: float = 0.0      # a compiled DDP step's framework share (guards, wrappers, autograd, hooks)
+    update_fixed_us: float = 0.0       # torch.optim.AdamW.step, one thread: per call,
+    update_tensor_us: float = 0.0      # per parameter tensor,
+    update_element_ns: float = 0.0     # and per parameter element
     # GPU launch limits (CUDA Programming Guide, "Technical Specifications per Compute Capability"); 0 on CPUs
     shared_memory_per_block_kib: float = 0.0   # the most shared memory one block (program) may allocate
     threads_per_unit: int = 0          # resident threads per SM / CU
@@ -117,6 +129,9 @@ def _calibration_fields(data: dict, source: str) -> dict[str, Any]:
                                     "(above 1 only when the BLAS beats the calibrated FMA loop). "
                                     "To fix: write a number in (0, 1.5], e.g. 0.85")
         found["library_gemm_efficiency"] = value
+    for name in STEP_FIGURES:
+        if name in data:
+            found[name] = _number(data[name], f"{source}: {name}")
     if "cpu_model" in data:
         if not isinstance(data["cpu_model"], str):
             raise HardwareSpecError(f"{source}: cpu_model: must be a string, the CPU's model name")

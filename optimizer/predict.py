@@ -198,3 +198,34 @@ def predict_step_seconds(workload: Workload, hardware: HardwareSpec, count: int,
     """Seconds per step of `workload` on `nodes` nodes of `count` x `hardware` (see step_seconds_many)."""
     net = None if inter_node_gbs is None else [inter_node_gbs]
     return float(step_seconds_many(workload, [hardware], [count], nodes, net)[0])
+
+
+# DDP's buckets (torch.distributed's defaults): the first holds 1 MiB of gradients, each later one 25 MiB; each is
+# one all-reduce, each paying the link's latency.
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 1 << 20, 25 << 20
+
+
+def ddp_buckets(grad_bytes: float) -> int:
+    """All-reduces DDP issues per step for `grad_bytes` of gradients."""
+    return 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+
+
+def local_allreduce_seconds(grad_bytes: float, ranks: int, hardware: HardwareSpec) -> float | None:
+    """Seconds of DDP's gradient all-reduce between `ranks` processes of this machine, from the two-process
+    gloo figures `tfsn calibrate` measured (None where it did not): a ring, 2(r-1)/r x the bytes at the
+    measured rate, and r-1 latencies for each bucket."""
+    if not hardware.allreduce_gbs:
+        return None
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * ddp_buckets(grad_bytes) * hardware.allreduce_latency_us * 1e-6 \
+        + 2.0 * (ranks - 1) / ranks * grad_bytes / (hardware.allreduce_gbs * 1e9)
+
+
+def measured_update_seconds(tensors: int, params: float, hardware: HardwareSpec) -> float | None:
+    """Seconds of torch.optim.AdamW.step over `tensors` parameter tensors of `params` elements in all, from the
+    figures `tfsn calibrate` measured on this machine (None where it did not)."""
+    if not hardware.update_element_ns:
+        return None
+    return (hardware.update_fixed_us + hardware.update_tensor_us * tensors) * 1e-6 \
+        + hardware.update_element_ns * 1e-9 * params

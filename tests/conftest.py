@@ -14,9 +14,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny-gpt"
+# The example trained eagerly: the jobs of these tests check the orchestration, and each worker start (restarts
+# too) would otherwise spend seconds compiling its step (tests/test_entry_worker.py runs the compiled chain).
+EAGER = {"OPTIMIZE": "0"}
 # A smaller model than the example's default, so an e2e job takes seconds, not minutes.
 FAST_MODEL = {"N_LAYER": "1", "N_EMBD": "32", "N_HEAD": "2", "BLOCK_SIZE": "32", "BATCH_SIZE": "8",
-              "CORPUS_CHARS": "20000", "LOG_INTERVAL": "5"}
+              "CORPUS_CHARS": "20000", "LOG_INTERVAL": "5", **EAGER}
 
 
 class Tfsn:
@@ -78,7 +81,7 @@ def write_job(path: Path, steps: int, interval: int = 10, envs: dict | None = No
     spec = yaml.safe_load((EXAMPLE / "train.yaml").read_text())
     spec.update(workdir=str(EXAMPLE), steps=steps, checkpoint={"interval": interval, "keep": 3,
                                                                "dir": str(path.parent / f"{path.stem}-ckpt")})
-    spec["envs"] = {**spec.get("envs", {}), **(FAST_MODEL if fast else {}), **(envs or {})}
+    spec["envs"] = {**spec.get("envs", {}), **EAGER, **(FAST_MODEL if fast else {}), **(envs or {})}
     spec.update(fields)
     path.write_text(yaml.safe_dump(spec))
     return path

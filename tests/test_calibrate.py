@@ -40,6 +40,12 @@ def test_the_figures_are_plausible_for_a_cpu(measured):
     assert 0 < measured.call_overhead_us < 1000 and 0 < measured.fork_join_us < 1000
     assert 0.05 < measured.library_gemm_efficiency < 1.5      # torch.mm over our FMA loop's rate, one thread
     assert measured.threads >= 1 and measured.simd_width in (4, 8, 16) and measured.clock_ghz > 0
+    # outside the graphs: a loopback all-reduce takes microseconds to milliseconds, at MB/s to tens of GB/s;
+    # AdamW pays per element what a few passes over memory cost, and per tensor a few dispatches at least
+    step = measured.step
+    assert 1 < step.allreduce_latency_us < 100_000 and 0.01 < step.allreduce_gbs < 100
+    assert 1 < step.step_overhead_us < 1_000_000        # Python around a compiled step: microseconds at least
+    assert 0.05 < step.update_element_ns < 1000 and 0.5 < step.update_tensor_us < 10_000
 
 
 def test_the_written_spec_round_trips_and_is_what_cpu_spec_returns(measured):
@@ -57,6 +63,8 @@ def test_the_written_spec_round_trips_and_is_what_cpu_spec_returns(measured):
     assert spec.call_overhead_us == pytest.approx(measured.call_overhead_us, abs=1e-3)
     assert spec.library_gemm_efficiency == pytest.approx(measured.library_gemm_efficiency, abs=1e-3)
     assert spec.launch_overhead_us == pytest.approx(measured.fork_join_us, abs=1e-3)
+    for name, value in dataclasses.asdict(measured.step).items():
+        assert getattr(spec, name) == pytest.approx(value, abs=1e-4), name
     assert cpu_spec() == spec
 
 

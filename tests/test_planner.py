@@ -350,3 +350,38 @@ def test_a_bad_model_section_is_a_spec_error_naming_line_and_field(tmp_path):
     assert err.value.messages == [f"{path}:2: model: hidden, seq_len, batch_size missing: the model is described by "
                                   "an entry or by its shape. To fix: add 'entry: train.py:build' (a function returning "
                                   "model, batch, loss_fn), or all of params, layers, hidden, seq_len, batch_size"]
+
+
+def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_framework_share(tmp_path, monkeypatch):
+    """On this machine's local nodes the step is the searched graphs + the update + the framework's share of a
+    compiled step + the gloo all-reduce that `tfsn calibrate` measured: a latency per DDP bucket and a rate;
+    one node has no all-reduce; without a calibration the offer's link prices it as before."""
+    from pathlib import Path
+
+    import yaml
+
+    from optimizer.hardware import GENERIC_CPU, host_cpu_model, load_all
+    from orchestrator.planning.entry import EntryStep, HardwareStep
+    from orchestrator.planning.planner import HOST
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
+    grads = 3 << 20                        # 3 MiB of gradients: DDP's 1 MiB first bucket and one more
+    entry = EntryStep(params=grads // 4, grad_bytes=grads, example_batch=4, dtype="fp32",
+                      hardware={HOST: HardwareStep(0.010, update_s=0.002, overhead_s=0.001)})
+    local = offer(provider="local", region="local", zone=None, instance="local", accelerator=None, vcpus=2,
+                  memory=8, price=0.0)
+
+    def step(nodes: int) -> float:
+        job = spec({"infra": ["local"]}, num_nodes=nodes, model={"entry": "train.py:build"})
+        return plan_job(job, [local], entry=entry, host_providers=("local",)).chosen.step_seconds
+
+    uncalibrated = step(2)
+    assert uncalibrated > 0.013            # the offer's default network prices the all-reduce
+    generic = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "hardware" / f"{GENERIC_CPU}.yaml").read_text())
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "host.yaml").write_text(yaml.safe_dump(
+        {**generic, "name": "host", "cpu_model": host_cpu_model(), "allreduce_latency_us": 500.0,
+         "allreduce_gbs": 0.5, "step_overhead_us": 1000.0}))
+    assert load_all()[GENERIC_CPU].allreduce_gbs == 0
+    assert step(2) == pytest.approx(0.010 + 0.002 + 0.001 + 2 * 500e-6 + grads / 0.5e9)
+    assert step(1) == pytest.approx(0.010 + 0.002 + 0.001)

@@ -1,5 +1,7 @@
 """
-Train a small GPT on generated text, with tfsn's checkpoint-restart and telemetry.
+Train a small GPT on generated text, with tfsn's checkpoint-restart and telemetry, its step compiled by
+tfsn's kernel optimizer (`tfsn.optimize`): under `tfsn launch` the plan searched for this CPU by `tfsn plan`
+(train.yaml's `model.entry` names `build` below), so the workers search nothing.
 
     tfsn launch examples/tiny-gpt/train.yaml              # 2 nodes x 1 worker on this machine
     python examples/tiny-gpt/train.py                     # one process, no controller
@@ -37,6 +39,7 @@ min_lr = 3e-4
 warmup_steps = 20
 weight_decay = 0.1
 grad_clip = 1.0
+optimize = 1           # 1: the step compiled by tfsn.optimize; 0: eager PyTorch (OPTIMIZE=0 python train.py)
 log_interval = 10      # steps between loss lines (rank 0)
 corpus_chars = 200_000
 for _name, _default in list(globals().items()):
@@ -147,6 +150,8 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay, betas=(0.9, 0.95))
     if run.world_size > 1:
         model = DDP(model)
+    # The same computation as eager, as generated kernels; its first call captures and compiles the step.
+    step_loss = tfsn.optimize(model) if optimize else model
     n_params = sum(p.numel() for p in model.parameters())
     start = run.restore(model=model, optimizer=optimizer)
     if run.rank == 0:
@@ -159,7 +164,7 @@ def main():
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         x, y = batch(data, step, run.rank)
-        loss = model(x, y)
+        loss = step_loss(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

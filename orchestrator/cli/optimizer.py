@@ -23,11 +23,12 @@ def _size(mib: float) -> str:
 
 
 def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the figures."),
-                      quick: bool = typer.Option(False, "--quick", help="About a second instead of ~10; noisier."),
+                      quick: bool = typer.Option(False, "--quick", help="A few seconds instead of ~20; noisier."),
                       threads: Optional[int] = typer.Option(None, "--threads", help="Threads to measure with "
                                                             "(default: torch's, what generated kernels use).")) -> None:
-    """Measure this machine (bandwidth per cache level and DRAM, FMA peak, call and fork/join overheads)
-    and write its hardware spec, which the CPU cost model then uses."""
+    """Measure this machine (bandwidth per cache level and DRAM, FMA peak, call and fork/join overheads, the
+    all-reduce between local processes and the optimizer's update) and write its hardware spec, which the CPU
+    cost model and the planner then use."""
     cpus = os.cpu_count() or 1
     if threads is not None and not 1 <= threads <= cpus:
         _fail(f"--threads {threads}: this machine has {cpus} CPUs. To fix: use 1 to {cpus}, or leave it out")
@@ -37,10 +38,10 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
     try:
         cal = calibrate(threads=threads, quick=quick)
         path = write_host_spec(cal)
-    except (CompileError, OSError) as err:
+    except (CompileError, OSError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         _fail(f"calibration failed: {first}. To fix: calibrating needs gcc (with OpenMP) on PATH or in $CC, "
-              "and a writable cache folder ($TFSN_CACHE)", code=1)
+              "a writable cache folder ($TFSN_CACHE) and two torch processes that meet over loopback (gloo)", code=1)
     typer.echo(f"{cal.cpu_model}: {cal.threads} thread(s), {cal.simd_width} fp32 lanes, {cal.clock_ghz:.2f} GHz "
                f"({cal.clock_source}); measured in {cal.seconds:.1f} s")
     typer.echo(f"{'level':<6} {'size':>12} {'1 thread GB/s':>14} {f'all {cal.threads} GB/s':>16}")
@@ -49,6 +50,10 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
     typer.echo(f"peak fp32 GFLOP/s: {cal.peak_gflops_core:.1f} on 1 thread, {cal.peak_gflops_all:.1f} on "
                f"{cal.threads}; library sgemm at {cal.library_gemm_efficiency:.0%} of that on 1 thread")
     typer.echo(f"overheads: kernel call {cal.call_overhead_us:.2f} us, OpenMP fork/join {cal.fork_join_us:.2f} us")
+    step = cal.step
+    typer.echo(f"outside the graphs, one thread: all-reduce between two local processes {step.allreduce_latency_us:.0f} us "
+               f"+ {step.allreduce_gbs:.2f} GB/s; a compiled DDP step's framework share {step.step_overhead_us:.0f} us; AdamW step {step.update_fixed_us:.0f} us + "
+               f"{step.update_tensor_us:.1f} us per tensor + {step.update_element_ns:.2f} ns per element")
     for note in cal.notes:
         typer.echo(f"note: {note}")
     typer.echo(f"wrote {path}")

@@ -6,7 +6,6 @@ The job's `run` command and `envs` (which may hold the user's API keys) go to a 
 attempt, in the answer to its own `attempt` request, never in the heartbeats it sends every second."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -17,9 +16,9 @@ from orchestrator.control.context import ControlContext, plain
 from orchestrator.control.credentials import sdk_token
 from orchestrator.control.health_watch import HealthWatch
 from orchestrator.control.nodes import workers_per_node
-from orchestrator.control.provisioning import requested_cpus
 from orchestrator.control.store import Job, JobState, Node, NodeState
 from orchestrator.home import job_dir
+from orchestrator.planning.placement import local_worker_threads, planned_hardware
 from orchestrator.spec import JobSpec
 
 
@@ -185,8 +184,10 @@ class ApiHandlers:
         ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
         if ranked and all(self.ctx.shares_host(n.provider) for n in ranked) and "OMP_NUM_THREADS" not in spec.envs:
             # Nodes that share this machine split its cores instead of each taking all of them.
-            cpus = requested_cpus(spec) or max(1, (os.cpu_count() or 1) // spec.num_nodes)
-            env["OMP_NUM_THREADS"] = str(max(1, cpus // workers_per_node(spec, ranked)))
+            env["OMP_NUM_THREADS"] = str(local_worker_threads(spec, workers_per_node(spec, ranked)))
+        offer = next((n.offer for n in ranked if n.offer), None)
+        if ranked and offer is not None:     # what `tfsn plan` searched the step for on these nodes
+            env.setdefault("TFSN_PLANNED_HARDWARE", planned_hardware(offer, self.ctx.shares_host(ranked[0].provider)))
         return env
 
     def _checkpoint_dir(self, job: Job, spec: JobSpec) -> str:

@@ -39,7 +39,8 @@ class HardwareStep:
     example batch, or the reason it could not be searched."""
 
     seconds: float | None
-    update_s: float = 0.0      # the optimizer's update on one replica (optimizer.predict.adam_update_seconds)
+    update_s: float = 0.0      # the optimizer's update on one replica (as calibrated here, else at memory bandwidth)
+    overhead_s: float = 0.0    # the framework's share of a compiled step, as `tfsn calibrate` measured it here
     graphs: int = 0
     cached: bool = False
     error: str | None = None
@@ -72,23 +73,24 @@ def _child_env(spec: JobSpec) -> dict[str, str]:
     return env
 
 
-def price_entry(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> EntryStep:
+def price_entry(spec: JobSpec, hardware: Sequence[tuple[str, int | None]], data_parallel: bool = False) -> EntryStep:
     """Import the spec's entry in a child and search its step for each (hardware key, threads); PlanError on
-    `model.entry` when the user's code cannot give a step (the child's one-line reason).
+    `model.entry` when the user's code cannot give a step (the child's one-line reason). `data_parallel`: the
+    job's workers wrap the model in DDP, whose gradient buckets split the graphs they compile (so does the child).
 
     A result is kept under the content of everything it depends on (the workdir's Python files, the entry,
     the hardware asked for, this tfsn's optimizer, torch's version, this CPU's calibrated spec), so planning
     the same code again starts no child at all; the child's own cache is per graph and spec."""
     from optimizer.cache import atomic_write
 
-    key = _result_key(spec, hardware)
+    key = _result_key(spec, hardware, data_parallel)
     path = _results_dir() / f"{key}.json" if key else None
     if path is not None and path.is_file():
         try:
             return _entry_step(json.loads(path.read_text()), cached=True)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    data = _run_child(spec, hardware)
+    data = _run_child(spec, hardware, data_parallel)
     if path is not None and not any(h.get("error") for h in data["hardware"].values()):
         atomic_write(path, json.dumps(data).encode())
     return _entry_step(data)
@@ -97,8 +99,8 @@ def price_entry(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> En
 def _entry_step(data: dict, cached: bool = False) -> EntryStep:
     return EntryStep(params=data["params"], grad_bytes=data["grad_bytes"], example_batch=data["example_batch"],
                      dtype=data["dtype"], seconds=0.0 if cached else data["seconds"],
-                     hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("graphs", 0),
-                                                  cached or h.get("cached", False), h.get("error"))
+                     hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("overhead_s", 0.0),
+                                                  h.get("graphs", 0), cached or h.get("cached", False), h.get("error"))
                                for name, h in data["hardware"].items()})
 
 
@@ -107,7 +109,7 @@ def _results_dir() -> Path:
     return cache_dir() / "entry"
 
 
-def _result_key(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> str | None:
+def _result_key(spec: JobSpec, hardware: Sequence[tuple[str, int | None]], data_parallel: bool) -> str | None:
     """The content key of a child's result, or None when the workdir is too big to hash quickly."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -115,7 +117,8 @@ def _result_key(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> st
     from optimizer.hardware import host_spec_path
 
     optimizer_dir = Path(__file__).resolve().parents[2] / "optimizer"
-    parts = [spec.model.entry, json.dumps(list(hardware)), json.dumps(spec.envs, sort_keys=True), sys.executable]
+    parts = [spec.model.entry, json.dumps(list(hardware)), json.dumps(spec.envs, sort_keys=True), sys.executable,
+             str(data_parallel)]
     try:
         parts.append(version("torch"))
     except PackageNotFoundError:
@@ -139,13 +142,14 @@ def _result_key(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> st
     return content_key(*parts)
 
 
-def _run_child(spec: JobSpec, hardware: Sequence[tuple[str, int | None]]) -> dict:
+def _run_child(spec: JobSpec, hardware: Sequence[tuple[str, int | None]], data_parallel: bool) -> dict:
     file, function = spec.model.entry_parts()
     timeout = spec.model.entry_timeout
     with tempfile.TemporaryDirectory(prefix="tfsn-entry-") as folder:
         request, result = Path(folder) / "request.json", Path(folder) / "result.json"
         request.write_text(json.dumps({"workdir": spec.workdir, "file": file, "function": function,
-                                       "hardware": [{"name": n, "threads": t} for n, t in hardware]}))
+                                       "hardware": [{"name": n, "threads": t} for n, t in hardware],
+                                       "data_parallel": data_parallel}))
         with open(Path(folder) / "stderr", "w+b") as stderr:
             child = subprocess.Popen([sys.executable, "-m", "optimizer.entry", str(request), str(result)],
                                      cwd=spec.workdir, env=_child_env(spec), stdin=subprocess.DEVNULL,

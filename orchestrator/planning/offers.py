@@ -60,7 +60,8 @@ def hardware_lines(plan: Plan, rows: list[dict]) -> list[str]:
         line = f"  {name}: {row['step_seconds'] * 1e3:,.2f} ms/step, {row['source']}"
         if row["searched_device_step_s"] is not None:
             line += (f" ({row['graphs']} graph(s), {row['searched_device_step_s'] * 1e3:,.2f} ms forward+backward "
-                     f"per replica at the example batch{', cached' if row['cached'] else ''})")
+                     f"per replica at the example batch{', cached' if row['cached'] else ''}; "
+                     f"optimizer update {row['update_s'] * 1e3:,.2f} ms)")
         else:
             line += f" ({row['why_fallback']})"
         lines.append(line)

@@ -80,8 +80,27 @@ def _searched_entry(spec: JobSpec, offers: list[Offer]):
     from orchestrator.planning.entry import price_entry
 
     keys = hardware_to_search(spec, offers, HOST_PROVIDERS)
-    threads = max(1, (os.cpu_count() or 1) // spec.num_nodes // spec.nprocs(0))
-    return price_entry(spec, [(key, threads if key == HOST else None) for key in keys])
+    threads = local_worker_threads(spec, spec.nprocs(0))
+    return price_entry(spec, [(key, threads if key == HOST else None) for key in keys],
+                       data_parallel=spec.num_nodes * spec.nprocs(0) > 1)
+
+
+def local_worker_threads(spec: JobSpec, workers_per_node: int) -> int:
+    """The threads each worker of a job on this machine's local nodes gets (the controller's OMP_NUM_THREADS):
+    the nodes split the cores (or each has the `resources.cpus` it asked for), and a node's workers its share."""
+    cpus = int(spec.resources.cpus.count) if spec.resources.cpus else max(1, (os.cpu_count() or 1) // spec.num_nodes)
+    return max(1, cpus // workers_per_node)
+
+
+def planned_hardware(offer: dict, on_this_machine: bool) -> str:
+    """The hardware model.entry's step was searched for on nodes of `offer` (an Offer's fields), as the workers'
+    tfsn.optimize names its own (optimizer.backend.planned_hardware): this machine's CPU for its local nodes,
+    else the offer's accelerator (a CPU-only cloud node: `?`, nothing was searched for it)."""
+    from optimizer.backend import planned_hardware as named
+    from optimizer.hardware import cpu_spec, find_hardware
+
+    spec = cpu_spec() if on_this_machine else find_hardware(offer.get("accelerator"))
+    return named(spec) if spec is not None else "?"
 
 
 def local_node_limit() -> int:

@@ -219,6 +219,7 @@ class Plan:
                          "source": str(self.step_source[int(i)]) if self.step_source is not None else ROOFLINE,
                          "step_seconds": float(self.step_seconds[int(i)]),
                          "searched_device_step_s": found.seconds if found is not None else None,
+                         "update_s": found.update_s if found is not None and found.seconds is not None else None,
                          "graphs": found.graphs if found is not None else 0,
                          "cached": found.cached if found is not None else False,
                          "why_fallback": (None if found is not None and found.seconds is not None else
@@ -435,15 +436,21 @@ def hardware_key(offer: Offer, spec: HardwareSpec | None, host_providers: Sequen
 
 
 def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec, count: int, nodes: int,
-                   link_gbs: float) -> float:
+                   link_gbs: float, here: bool = False) -> float:
     """One optimizer step from the searched step of one replica: scaled from the example's per-rank batch to
     the job's (model.batch_size over the data-parallel width; the example's own without it), plus the
-    update (found.update_s) and the gradient all-reduce over the offer's links."""
+    update (found.update_s), the framework's share of a step (found.overhead_s) and the gradient all-reduce: over the offer's links, or for this machine's local
+    nodes (`here`) as `tfsn calibrate` measured it between local processes, where it did."""
+    from optimizer.hardware import cpu_spec
+    from optimizer.predict import local_allreduce_seconds
+
     per_node = job.nprocs(count)
     global_batch = job.model.batch_size if job.model.batch_size is not None else None
     scale = global_batch / (per_node * nodes) / entry.example_batch if global_batch else 1.0
-    allreduce = allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0]
-    return found.seconds * scale + found.update_s + float(allreduce)
+    allreduce = local_allreduce_seconds(entry.grad_bytes, per_node * nodes, cpu_spec()) if here else None
+    if allreduce is None:
+        allreduce = float(allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0])
+    return found.seconds * scale + found.update_s + found.overhead_s + allreduce
 
 
 def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, workload: Workload | None,
@@ -468,7 +475,7 @@ def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, wor
         found = entry.hardware.get(keys[int(i)]) if entry is not None else None
         if found is not None and found.seconds is not None:
             step_unique[u] = _searched_step(job, entry, found, specs[u], int(c.count[i]), job.num_nodes,
-                                            float(link_gbs[link_code[i]]))
+                                            float(link_gbs[link_code[i]]), keys[int(i)] == HOST)
             source_unique[u] = SEARCHED
     step, source = np.full(len(offers), np.nan), np.full(len(offers), ROOFLINE, dtype=object)
     step[capable] = step_unique[inverse.ravel()]

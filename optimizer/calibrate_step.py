@@ -1,0 +1,141 @@
+"""The parts of a training step outside its captured graphs, measured on this machine by `tfsn calibrate`.
+
+A job's step on local nodes is its forward and backward (what the search prices) plus three things the
+graphs do not hold: DDP's gradient all-reduce between the nodes' processes (gloo over loopback, each process
+one core's share), the optimizer's update (torch.optim.AdamW, the default foreach implementation, many small
+ATen ops per parameter tensor), and the framework around a compiled step (dynamo's guards, AOTAutograd's
+wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
+message and copies through the kernel, AdamW a dispatch per op and tensor, the framework its Python. All are
+measured with one thread per process, as local workers run, each the fastest of its rounds (as every figure
+of `tfsn calibrate`: on a shared machine noise only ever slows a run down), and fitted as lines: all-reduce
+seconds = latency + bytes / bandwidth; update seconds = fixed + per tensor x tensors + per element x elements;
+the framework's share = a compiled DDP step of a 4x4 Linear less its one tiny all-reduce.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Gradient sizes (floats) the all-reduce is timed at: a tiny message (the latency) and a few MiB (the rate)
+ALLREDUCE_FLOATS = (256, 1 << 20)
+# (tensors, elements each) of the optimizer sets timed: the fixed cost, the per-tensor and the per-element
+UPDATE_SETS = ((1, 1024), (96, 1024), (4, 1 << 18))
+
+_ALLREDUCE_CHILD = r"""
+import json, sys, time
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+store, rank, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+out = {}
+for n in json.loads(sys.argv[4]):
+    x = torch.ones(n)
+    for _ in range(3):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    out[n] = min(times)
+# the framework's share of a compiled data-parallel step: dynamo's guards, AOTAutograd's wrappers, autograd,
+# DDP's hooks and one tiny all-reduce, around a model too small to cost anything itself
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(torch.nn.Linear(4, 4))
+step = torch.compile(model, backend="aot_eager", dynamic=False)
+x = torch.randn(2, 4)
+times = []
+for i in range(rounds + 3):
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    times.append(time.perf_counter() - t0)
+out["step"] = min(times[3:])
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    allreduce_latency_us: float      # an all-reduce of a tiny gradient between two local processes
+    allreduce_gbs: float             # bytes of gradient all-reduced per second beyond that, GB/s
+    step_overhead_us: float          # a compiled DDP step's framework share: guards, wrappers, autograd, hooks
+    update_fixed_us: float           # torch.optim.AdamW.step: per call
+    update_tensor_us: float          # per parameter tensor
+    update_element_ns: float         # per parameter element
+
+
+def measure_allreduce(rounds: int, timeout_s: float = 120.0) -> tuple[float, float, float]:
+    """(latency seconds, bytes per second) of a gloo all-reduce between two processes of this machine, and the
+    seconds a compiled DDP step spends beyond its computation and that all-reduce (the framework's share)."""
+    with tempfile.TemporaryDirectory(prefix="tfsn-calibrate-") as folder:
+        store = str(Path(folder) / "store")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        args = [str(rounds), json.dumps(list(ALLREDUCE_FLOATS))]
+        procs = [subprocess.Popen([sys.executable, "-c", _ALLREDUCE_CHILD, store, str(rank), *args], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the all-reduce probe failed: {(outs[0][1] or outs[1][1]).strip()[-500:]}")
+    times = json.loads(outs[0][0])
+    small, large = (times[str(n)] for n in ALLREDUCE_FLOATS)
+    rate = 4 * (ALLREDUCE_FLOATS[1] - ALLREDUCE_FLOATS[0]) / max(large - small, 1e-9)
+    return small, rate, max(times["step"] - small, 0.0)
+
+
+def measure_update(rounds: int) -> tuple[float, float, float]:
+    """(fixed, per tensor, per element) seconds of torch.optim.AdamW.step with one thread, least squares over
+    UPDATE_SETS (each the fastest of `rounds` steps), each clamped at zero."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows, seconds = [], []
+    try:
+        for tensors, elements in UPDATE_SETS:
+            params = [torch.nn.Parameter(torch.randn(elements)) for _ in range(tensors)]
+            for p in params:
+                p.grad = torch.randn(elements)
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            opt.step()                                        # the state is made at the first step
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            rows.append((1.0, tensors, tensors * elements))
+            seconds.append(min(times))
+    finally:
+        torch.set_num_threads(before)
+    fit, *_ = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)
+    fixed, per_tensor, per_element = (max(float(v), 0.0) for v in fit)
+    return fixed, per_tensor, per_element
+
+
+def measure(quick: bool = False) -> StepFigures:
+    rounds = 10 if quick else 30
+    latency, rate, overhead = measure_allreduce(rounds)
+    fixed, per_tensor, per_element = measure_update(rounds)
+    # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
+    return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
+                       step_overhead_us=max(overhead * 1e6, 1e-3),
+                       update_fixed_us=max(fixed * 1e6, 1e-3), update_tensor_us=max(per_tensor * 1e6, 1e-3),
+                       update_element_ns=max(per_element * 1e9, 1e-3))

@@ -2,8 +2,10 @@
 
 tests/optimizer_models.py holds models shaped to cover what the optimizer lowers; these are shaped
 like ordinary training scripts instead: F.scaled_dot_product_attention, nn.MultiheadAttention,
-nn.TransformerEncoderLayer, BatchNorm after a biased conv, a tied LM head, bf16 autocast. Sizes are
-odd (no SIMD width divides them) and small enough for a 2-core CPU.
+nn.TransformerEncoderLayer, BatchNorm after a biased conv, a tied LM head, bf16 autocast, RoPE and
+SwiGLU, a class token, a recurrent cell in a Python loop, residual conv blocks, a model too small for
+its arithmetic to matter. Sizes are odd (no SIMD width divides them) and small enough for a 2-core
+CPU. benchmarks/optimizer_vs_peers.py times the same models at larger batch sizes.
 
 Each `Case` builds a model and a batch and says how a training loop calls it (`step`: the output
 and the loss). `zero_grad` names the parameter elements whose gradient is exactly zero in exact

@@ -212,7 +212,8 @@ def run_one(args: argparse.Namespace) -> int:
             r = {"model": case.name, "batch": case.batch_size, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
         results.append(r)
         print(f"[{where}] {case.name} batch {case.batch_size}: " + (r["error"] if "error" in r else
-              f"tfsn {r['vs_eager']:.2f}x eager, {r['vs_inductor']:.2f}x inductor"
+              f"tfsn {r['vs_eager']:.2f}x eager, {r['vs_inductor']:.2f}x inductor, compile s inductor "
+              f"{r['compile_s']['inductor']:.1f} tfsn {r['compile_s']['tfsn']:.1f}"
               + ("" if r["loss_matches"] else f"; FIRST LOSS DIFFERS: {r['first_loss']}")), file=sys.stderr, flush=True)
     rows = [[r["model"], r["batch"], "failed: " + r["error"][:60], "", "", "", "", "", "", ""] if "error" in r else
             [r["model"], r["batch"], *(f"{r['ms'][p]:.2f}" for p in PEERS), f"{r['vs_eager']:.2f}x",

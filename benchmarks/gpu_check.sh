@@ -100,13 +100,13 @@ note "training steps"
 if [ "$MODE" = gpu ]; then
   MODELS="mlp lm_head_ce gpt2_block cnn"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=80; BUDGET=240
 else
-  MODELS="mlp"; STEPS="--size small --rounds 2 --steps 3"; LIMIT=300; BUDGET=300
+  MODELS="mlp"; STEPS="--size small --rounds 2 --steps 3 --threads 1"; LIMIT=300; BUDGET=300
 fi
 STEPS_END=$((SECONDS + BUDGET))
 for model in $MODELS; do
   left=$((STEPS_END - SECONDS)); limit=$((left < LIMIT ? left : LIMIT))
   if [ $limit -lt 15 ]; then echo 124 > "$WORK/steps-$model.rc"; continue; fi
-  timeout $limit "$PY" benchmarks/optimizer_vs_peers.py --device $DEVICE $STEPS --only $model --json \
+  timeout $limit "$PY" benchmarks/optimizer_vs_peers.py --device $DEVICE $STEPS --only $model --first-batch --json \
     > "$WORK/steps-$model.log" 2>&1
   echo $? > "$WORK/steps-$model.rc"
 done

@@ -78,7 +78,7 @@ class CNN(nn.Module):
 class Case:
     name: str
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], tuple]   # (input, target)
+    batch: Callable[..., tuple]   # (generator, batch size=the suite size's) -> (input, target)
     loss: Callable[[nn.Module, tuple], torch.Tensor]
 
 
@@ -97,19 +97,20 @@ SIZES = {"small": 1, "bench": 4}
 
 
 def suite(size: str = "small") -> list[Case]:
-    """The suite at test size, or scaled up (`bench`) for the benchmark."""
+    """The suite at test size, or scaled up (`bench`) for the benchmark; `batch(g, n)` takes
+    another batch size for the same model."""
     k = SIZES[size]
     vocab, seq, embd = 67, 29 * k, 48 * k
     return [
         Case("mlp", lambda: MLP(37 * k, 83 * k, 10),
-             lambda g: (torch.randn(19 * k, 37 * k, generator=g), torch.randint(0, 10, (19 * k,), generator=g)), _ce),
+             lambda g, n=19 * k: (torch.randn(n, 37 * k, generator=g), torch.randint(0, 10, (n,), generator=g)), _ce),
         Case("gpt2_block", lambda: Block(embd, 4),
-             lambda g: (torch.randn(3 * k, seq, embd, generator=g), torch.randn(3 * k, seq, embd, generator=g)),
+             lambda g, n=3 * k: (torch.randn(n, seq, embd, generator=g), torch.randn(n, seq, embd, generator=g)),
              _block_loss),
         Case("cnn", lambda: CNN(),
-             lambda g: (torch.randn(6 * k, 3, 13 * k, 13 * k, generator=g), torch.randint(0, 10, (6 * k,), generator=g)),
+             lambda g, n=6 * k: (torch.randn(n, 3, 13 * k, 13 * k, generator=g), torch.randint(0, 10, (n,), generator=g)),
              _ce),
         Case("lm_head_ce", lambda: GPT(vocab, embd, 2, seq),
-             lambda g: (torch.randint(0, vocab, (3 * k, seq), generator=g),
-                        torch.randint(0, vocab, (3 * k, seq), generator=g)), _ce),
+             lambda g, n=3 * k: (torch.randint(0, vocab, (n, seq), generator=g),
+                                 torch.randint(0, vocab, (n, seq), generator=g)), _ce),
     ]

@@ -2,8 +2,10 @@
 
 tests/optimizer_models.py holds models shaped to cover what the optimizer lowers; these are shaped
 like ordinary training scripts instead: F.scaled_dot_product_attention, nn.MultiheadAttention,
-nn.TransformerEncoderLayer, BatchNorm after a biased conv, a tied LM head, bf16 autocast. Sizes are
-odd (no SIMD width divides them) and small enough for a 2-core CPU.
+nn.TransformerEncoderLayer, BatchNorm after a biased conv, a tied LM head, bf16 autocast, RoPE and
+SwiGLU, a class token, a recurrent cell in a Python loop, residual conv blocks, a model too small for
+its arithmetic to matter. Sizes are odd (no SIMD width divides them) and small enough for a 2-core
+CPU. benchmarks/optimizer_vs_peers.py times the same models at larger batch sizes.
 
 Each `Case` builds a model and a batch and says how a training loop calls it (`step`: the output
 and the loss). `zero_grad` names the parameter elements whose gradient is exactly zero in exact
@@ -227,13 +229,197 @@ class ResMLP(nn.Module):
         return self.head(self.norm(h))
 
 
+# --- 7. a Llama-style decoder ----------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Separate bias-free q, k, v projections, rotary position embeddings (the rotate_half form),
+    causal SDPA."""
+
+    def __init__(self, dim: int, n_head: int, max_seq: int) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = n_head, dim // n_head
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        freqs = torch.outer(torch.arange(max_seq).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = (w(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        cos, sin = self.cos[:T], self.sin[:T]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, n_head: int, hidden: int, max_seq: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attention = LlamaAttention(dim, n_head, max_seq)
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))              # SwiGLU
+
+
+class Llama(nn.Module):
+    """Token embedding, Llama blocks (RMSNorm, RoPE, SwiGLU), RMSNorm, untied output head; returns
+    (logits, loss) like TinyGPT."""
+
+    def __init__(self, vocab: int = 59, dim: int = 40, n_head: int = 4, hidden: int = 70, n_layer: int = 2,
+                 max_seq: int = 32) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([LlamaBlock(dim, n_head, hidden, max_seq) for _ in range(n_layer)])
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        h = self.tok(idx)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.output(self.norm(h))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+# --- 8. a small vision transformer -------------------------------------------------------------------
+
+class ViTBlock(nn.Module):
+    """Pre-norm block: fused qkv, non-causal SDPA, projection; GELU MLP."""
+
+    def __init__(self, dim: int, n_head: int, mlp: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp), nn.GELU(), nn.Linear(mlp, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, N, C))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """Patch embedding by a strided conv, a class token, learned positions, blocks, LayerNorm, the
+    head on the class token."""
+
+    def __init__(self, image: int = 20, patch: int = 5, dim: int = 30, n_head: int = 3, mlp: int = 50,
+                 depth: int = 2, classes: int = 7) -> None:
+        super().__init__()
+        tokens = (image // patch) ** 2
+        self.patch = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, tokens + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*[ViTBlock(dim, n_head, mlp) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+# --- 9. a recurrent loop -------------------------------------------------------------------------------
+
+class GRUClassifier(nn.Module):
+    """Embedding, an nn.GRUCell unrolled over the sequence by a Python loop, a head on the last state."""
+
+    def __init__(self, vocab: int = 41, d: int = 19, hidden: int = 33, classes: int = 6) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.emb = nn.Embedding(vocab, d)
+        self.cell = nn.GRUCell(d, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.emb(idx)
+        h = torch.zeros(idx.shape[0], self.hidden, device=idx.device)
+        for t in range(idx.shape[1]):
+            h = self.cell(x[:, t], h)
+        return self.head(h)
+
+
+# --- 10. a residual convnet -----------------------------------------------------------------------------
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two bias-free 3x3 convs with BatchNorm, a 1x1 projection shortcut when
+    the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """CIFAR-style: a 3x3 stem, a basic block at full resolution, one at half with more channels,
+    global average pooling, a Linear head."""
+
+    def __init__(self, width: int = 12, classes: int = 7) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.layer1 = BasicBlock(width, width, 1)
+        self.layer2 = BasicBlock(width, 2 * width, 2)
+        self.pool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+# --- 11. a tiny MLP: the call costs more than the arithmetic ---------------------------------------
+
+def tiny_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
 # --- the cases -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Case:
     name: str
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], tuple]            # (model inputs (a tuple), target)
+    batch: Callable[..., tuple]    # (generator, batch size=the tests') -> (model inputs (a tuple), target)
     step: Callable[[nn.Module, tuple, Tensor], tuple]    # (output, loss), as a training loop computes them
     zero_grad: tuple = ()          # (parameter name, slice): elements with an exactly-zero gradient
     bf16: bool = False             # run under torch.autocast("cpu", dtype=torch.bfloat16)
@@ -262,27 +448,50 @@ def _key_bias(prefix: str, d: int) -> tuple:
     return ((f"{prefix}.in_proj_bias", slice(d, 2 * d)),)
 
 
-def _gpt_batch(g: torch.Generator) -> tuple:
-    idx = torch.randint(0, 61, (3, 17), generator=g)
-    return (idx,), torch.randint(0, 61, (3, 17), generator=g)
+# Each batch function takes the batch size `n`; its default is the size the tests run.
+
+def _gpt_batch(g: torch.Generator, n: int = 3) -> tuple:
+    idx = torch.randint(0, 61, (n, 17), generator=g)
+    return (idx,), torch.randint(0, 61, (n, 17), generator=g)
 
 
-def _mha_batch(g: torch.Generator) -> tuple:
-    x = torch.randn(4, 9, 11, generator=g)
-    lengths = torch.tensor([9, 5, 7, 2])                  # no sequence is all padding
-    return (x, lengths), torch.randint(0, 7, (4,), generator=g)
+def _mha_batch(g: torch.Generator, n: int = 4) -> tuple:
+    x = torch.randn(n, 9, 11, generator=g)
+    lengths = torch.tensor([9, 5, 7, 2]).repeat(-(-n // 4))[:n]       # no sequence is all padding
+    return (x, lengths), torch.randint(0, 7, (n,), generator=g)
 
 
-def _encoder_batch(g: torch.Generator) -> tuple:
-    return (torch.randint(0, 53, (5, 13), generator=g),), torch.randint(0, 5, (5,), generator=g)
+def _encoder_batch(g: torch.Generator, n: int = 5) -> tuple:
+    return (torch.randint(0, 53, (n, 13), generator=g),), torch.randint(0, 5, (n,), generator=g)
 
 
-def _image_batch(g: torch.Generator) -> tuple:
-    return (torch.randn(6, 3, 15, 15, generator=g),), torch.randint(0, 7, (6,), generator=g)
+def _image_batch(g: torch.Generator, n: int = 6, size: int = 15) -> tuple:
+    return (torch.randn(n, 3, size, size, generator=g),), torch.randint(0, 7, (n,), generator=g)
 
 
-def _mlp_batch(g: torch.Generator) -> tuple:
-    return (torch.randn(13, 23, generator=g),), torch.randint(0, 9, (13,), generator=g)
+def _mlp_batch(g: torch.Generator, n: int = 13) -> tuple:
+    return (torch.randn(n, 23, generator=g),), torch.randint(0, 9, (n,), generator=g)
+
+
+def _llama_batch(g: torch.Generator, n: int = 3) -> tuple:
+    idx = torch.randint(0, 59, (n, 15), generator=g)
+    return (idx,), torch.randint(0, 59, (n, 15), generator=g)
+
+
+def _vit_batch(g: torch.Generator, n: int = 4) -> tuple:
+    return _image_batch(g, n, 20)
+
+
+def _gru_batch(g: torch.Generator, n: int = 5) -> tuple:
+    return (torch.randint(0, 41, (n, 6), generator=g),), torch.randint(0, 6, (n,), generator=g)
+
+
+def _resnet_batch(g: torch.Generator, n: int = 4) -> tuple:
+    return _image_batch(g, n, 16)
+
+
+def _tiny_batch(g: torch.Generator, n: int = 8) -> tuple:
+    return (torch.randn(n, 10, generator=g),), torch.randint(0, 4, (n,), generator=g)
 
 
 def cases() -> list[Case]:
@@ -308,6 +517,12 @@ def cases() -> list[Case]:
         Case("mixer", Mixer, _image_batch, classify,
              tuple((f"blocks.{i}.token_mlp.2.bias", slice(None)) for i in range(2))),
         Case("resmlp_bf16", ResMLP, _mlp_batch, classify_bf16, bf16=True),
+        Case("llama", Llama, _llama_batch, language_model),
+        Case("vit", ViT, _vit_batch, classify,
+             tuple((f"blocks.{i}.qkv.bias", slice(30, 60)) for i in range(2))),
+        Case("gru", GRUClassifier, _gru_batch, classify),
+        Case("resnet", ResNet, _resnet_batch, classify),
+        Case("tiny_mlp", tiny_mlp, _tiny_batch, classify),
     ]
 
 

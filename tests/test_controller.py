@@ -196,6 +196,26 @@ def _wait(what: str, check, timeout_s: float) -> float:
 
 
 
+def _cloud_and_local_jobs(store: Store, name: str, workdir, tmp_path) -> tuple[int, int]:
+    """A job of 8 H100s on aws (`workdir`, a long heartbeat timeout) and a local one that sleeps: their ids."""
+    cloud = store.create_job(name, JobSpec.model_validate({
+        "name": name, "run": "python train.py", "workdir": str(workdir), "health": {"heartbeat_timeout": "10m"},
+        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
+    local = store.create_job("local", JobSpec.model_validate({
+        "name": "local", "run": "sleep 300", "workdir": str(tmp_path)}).model_dump(mode="json"), "p", "t").id
+    return cloud, local
+
+
+def _local_node_death_recovered(store: Store, local: int) -> tuple[float, float]:
+    """Kill the running local job's node: seconds until it was failed, then until the job's second attempt ran."""
+    [first] = [n for n in store.nodes(local) if n.state == NodeState.READY]
+    LocalProvider().terminate(NodeHandle("local", first.id))
+    detected = _wait("the dead node to be failed", lambda: store.node(first.id).state == NodeState.FAILED, 10)
+    recovered = _wait("the local job's restart",
+                      lambda: store.job(local).attempt == 2 and store.job(local).state == JobState.RUNNING, 60)
+    return detected, recovered
+
+
 class VmCloud(ScriptedProvider):
     """A cloud whose nodes boot with the startup script (they need the job's code archive and tfsn's wheel)."""
 
@@ -233,20 +253,12 @@ def test_packing_a_jobs_code_runs_off_the_loop_and_delays_no_other_jobs_recovery
     code = tmp_path / "code"
     code.mkdir()
     (code / "train.py").write_text("print('hi')\n")
-    vm = store.create_job("vm", JobSpec.model_validate({
-        "name": "vm", "run": "python train.py", "workdir": str(code), "health": {"heartbeat_timeout": "10m"},
-        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
-    local = store.create_job("local", JobSpec.model_validate({
-        "name": "local", "run": "sleep 300", "workdir": str(tmp_path)}).model_dump(mode="json"), "p", "t").id
+    vm, local = _cloud_and_local_jobs(store, "vm", code, tmp_path)
     try:
         loop.start()
         _wait("the local job to run", lambda: store.job(local).state == JobState.RUNNING, 60)
         assert artifacts.packing and artifacts.packing[0] != loop.name, "packed in a worker, not on the loop"
-        [first] = [n for n in store.nodes(local) if n.state == NodeState.READY]
-        LocalProvider().terminate(NodeHandle("local", first.id))      # the node dies while the packing waits
-        _wait("the dead node to be failed", lambda: store.node(first.id).state == NodeState.FAILED, 10)
-        _wait("the local job's restart",
-              lambda: store.job(local).attempt == 2 and store.job(local).state == JobState.RUNNING, 60)
+        _local_node_death_recovered(store, local)      # the node dies while the packing waits
         assert cloud.requests == [] and store.job(vm).artifacts == {}, "no node before its files are ready"
         artifacts.release.set()
         _wait("the VM's create", lambda: len(cloud.requests) == 1, 30)
@@ -281,6 +293,7 @@ def test_a_workdir_that_cannot_be_packed_fails_its_job_with_the_fix(tmp_path, mo
     assert failed.state == JobState.FAILED and "over the cap" in failed.error and "TFSN_CODE_MAX_MB" in failed.error
     assert cloud.requests == []
 
+
 def test_a_hung_cloud_call_neither_delays_another_jobs_recovery_nor_the_controllers_exit(tmp_path):
     store = Store(tmp_path / "tfsn.db")
     cloud = HangingCloud([h100("aws", "us-east-1", "us-east-1a", 90.0), h100("aws", "us-east-1", "us-east-1b", 95.0)],
@@ -291,21 +304,12 @@ def test_a_hung_cloud_call_neither_delays_another_jobs_recovery_nor_the_controll
     server.start()
     stop = threading.Event()
     loop = threading.Thread(target=controller.run_forever, args=(stop, 600.0), daemon=True)
-    stuck = store.create_job("stuck", JobSpec.model_validate({
-        "name": "stuck", "run": "true", "workdir": str(tmp_path), "health": {"heartbeat_timeout": "10m"},
-        "resources": {"accelerators": "H100:8", "infra": ["aws"]}}).model_dump(mode="json"), "p", "t").id
-    local = store.create_job("local", JobSpec.model_validate({
-        "name": "local", "run": "sleep 300", "workdir": str(tmp_path)}).model_dump(mode="json"), "p", "t").id
+    stuck, local = _cloud_and_local_jobs(store, "stuck", tmp_path, tmp_path)
     try:
         loop.start()
         _wait("the local job to run", lambda: store.job(local).state == JobState.RUNNING, 60)
         assert cloud.release.is_set() is False and len(cloud.entered) >= 1, "the stuck job's create hangs"
-        [first] = [n for n in store.nodes(local) if n.state == NodeState.READY]
-        LocalProvider().terminate(NodeHandle("local", first.id))      # the node dies while the cloud call hangs
-        detected = _wait("the dead node to be failed",
-                         lambda: store.node(first.id).state == NodeState.FAILED, 10)
-        recovered = _wait("the local job's restart",
-                          lambda: store.job(local).attempt == 2 and store.job(local).state == JobState.RUNNING, 60)
+        detected, recovered = _local_node_death_recovered(store, local)   # the node dies while the cloud call hangs
         print(f"failure detected in {detected:.1f}s, restarted {recovered:.1f}s later, a create hung meanwhile")
         assert not cloud.release.is_set() and cloud.entered[0] in {n.id for n in store.nodes(stuck)}
 

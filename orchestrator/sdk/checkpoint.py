@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
 from orchestrator.sdk.ckptstore import MANIFEST, Location, Store, StorageUnavailable, open_store, step_of
 from orchestrator.sdk.statedicts import StateDictReader
 from orchestrator.spec import checkpoint_url_scheme
-from orchestrator.spec import checkpoint_url_scheme
 
 __all__ = ["CheckpointError", "CheckpointInfo", "MANIFEST", "SaveSession", "list_checkpoints", "load_tensors",
            "restore", "save"]

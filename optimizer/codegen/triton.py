@@ -4,7 +4,7 @@ shaped by a Schedule read as a GPU launch (see costmodel.predict_gpu and space.g
 Three kernel shapes, as the loop nest's:
 - pointwise: one program per block of `chunk` elements of the domain (masked loads and stores);
 - row reduction: one program per `chunk` rows of kept indices (a [rows, block] tile); each pass of
-  reductions is a loop over the reduced axes in blocks of up to REDUCTION_BLOCK elements, accumulated
+  reductions is a loop over the reduced axes in blocks of up to GPU_REDUCTION_BLOCK elements, accumulated
   in fp32 (fp64 for fp64) and summed along the block at the end, the per-row values between passes
   are [rows, 1] columns, then one more block loop runs the members over the whole domain;
 - GEMM: a `tl.dot` tile of gemm_block_rows x gemm_nr over depth steps of gemm_kc (fp32 in IEEE
@@ -68,9 +68,8 @@ def _rounded(expr: str, dtype: str) -> str:
     return f"{_narrowed(f'tl.cast({expr}, tl.float32)', dtype)}.to(tl.float32)"
 DEFAULT_BLOCK = 1024        # elements per program when the schedule names none (a CPU schedule)
 # A row reduction's program: `chunk` rows (a GPU schedule's rows per program, space.GPU_ROWS; 1 for any other
-# chunk) by REDUCTION_BLOCK reduced elements per pass at most (longer rows loop): costmodel.predict_gpu's shape.
+# chunk) by GPU_REDUCTION_BLOCK reduced elements per pass at most (longer rows loop): costmodel.predict_gpu's shape.
 MAX_ROWS_PER_PROGRAM = max(GPU_ROWS)
-REDUCTION_BLOCK = GPU_REDUCTION_BLOCK
 
 
 @dataclass(frozen=True)
@@ -397,7 +396,7 @@ class TritonWriter:
         rows = prod(dom[d] for d in kept)
         per = _pow2(self.s.chunk) if 1 <= self.s.chunk <= MAX_ROWS_PER_PROGRAM else 1
         per = min(per, _pow2(rows))
-        block = min(REDUCTION_BLOCK, _pow2(count, 16))
+        block = min(GPU_REDUCTION_BLOCK, _pow2(count, 16))
         # rows down the tile's first axis ([XROWS, 1]), the reduced elements of a pass along its second
         code = ["row = tl.program_id(0) * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {rows}",
                 "xzero = row * 0"] + [line for line in self.decompose("row", kept) if line.startswith("i")]

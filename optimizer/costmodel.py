@@ -284,7 +284,8 @@ def distinct(features: FeatureTable, cand: Candidates, spec: HardwareSpec) -> np
     key = np.stack([k.astype(np.float64), cand.vector_width, unroll, parallel.astype(np.float64), chunk, jb,
                     cand.generated, block_rows, np.where(generated, cand.mr, 0.0),
                     np.where(generated, cand.nr, 0.0), kc], axis=1)
-    _, first = np.unique(key, axis=0, return_index=True)
+    rows = np.ascontiguousarray(key).view(np.dtype((np.void, key.itemsize * key.shape[1]))).ravel()
+    _, first = np.unique(rows, return_index=True)     # one bytes key per row: far quicker than axis=0
     return np.sort(first)
 
 

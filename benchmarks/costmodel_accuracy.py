@@ -4,8 +4,9 @@
 
 For each kernel (GEMM in three shapes with a bias epilogue, LayerNorm, softmax, bias+GELU, and causal
 attention as a whole graph: the scores' GEMM with its scale epilogue, the masked softmax, and the
-second GEMM as a library call), `--samples` schedules are drawn (seeded) from the kernel's schedule
-space (optimizer/space.py; attention: one schedule per kernel of its graph, summed), all of
+second GEMM as a library call), `--samples` schedules are drawn (seeded) from the schedules the search
+scores (optimizer/space.py less the twins costmodel.distinct leaves out; attention: one schedule per
+kernel of its graph, summed), all of
 them compiled and timed here (optimizer/measure.py: round-robin rounds, the best round of each,
 since other processes only ever add time), and compared with
 the model's predictions on this host's spec (the calibrated one when `tfsn calibrate` has run,
@@ -73,6 +74,13 @@ def lower(fn, inputs, store_gemm_epilogues: bool = False) -> tuple[ir.Graph, fus
     return graph, fusion.plan(graph, choice=fusion.Choice(store=store))
 
 
+def scored_space(table: costmodel.FeatureTable, kernel: int, spec) -> costmodel.Candidates:
+    """The schedules of one kernel the search scores: its space less the twins the model prices alike
+    (costmodel.distinct), so that ranks are measured on what the model has to tell apart."""
+    cands = space.kernel_space(kernel, table.kernels[kernel])
+    return cands.take(costmodel.distinct(table, cands, spec))
+
+
 def sample_rows(table: costmodel.Candidates, count: int, rng: np.random.Generator) -> costmodel.Candidates:
     rows = rng.choice(len(table), size=min(count, len(table)), replace=False)
     return table.take(np.sort(rows))
@@ -87,16 +95,16 @@ def run_kernel(name: str, samples: int, rounds: int, rng: np.random.Generator, s
     t0 = time.perf_counter()
     if len(groups) == 1 or name != "attention":
         group = max(range(len(groups)), key=lambda i: feats[i].elements * (1 + (feats[i].kind == costmodel.GEMM)))
-        cands = sample_rows(space.kernel_space(group, feats[group]), samples, rng)
+        cands = sample_rows(scored_space(table, group, spec), samples, rng)
         predicted = costmodel.predict(table, cands, spec, threads=torch.get_num_threads())
         schedules = [cands.schedule(r) for r in range(len(cands))]
         kernels, lib = measure.build_variants(graph, groups[group], plan.buffers, schedules)
         compile_s = time.perf_counter() - t0
         measured = measure.time_variants(graph, kernels, lib, rounds=rounds, budget_s=60)
-        space_size = len(space.kernel_space(group, feats[group]))
+        space_size = len(scored_space(table, group, spec))
     else:        # a whole graph: one schedule per kernel, predicted and measured as the sum
-        samples = min(samples, *(len(space.kernel_space(i, f)) for i, f in enumerate(feats)))
-        picks = [sample_rows(space.kernel_space(i, f), samples, rng) for i, f in enumerate(feats)]
+        samples = min(samples, *(len(scored_space(table, i, spec)) for i in range(len(feats))))
+        picks = [sample_rows(scored_space(table, i, spec), samples, rng) for i in range(len(feats))]
         predicted = sum(costmodel.predict(table, p, spec, threads=torch.get_num_threads()) for p in picks)
         measured = np.zeros(samples)
         compile_s = 0.0
@@ -106,7 +114,7 @@ def run_kernel(name: str, samples: int, rounds: int, rng: np.random.Generator, s
                                                   [p.schedule(r) for r in range(len(p))], prefix=f"g{i}_")
             compile_s += time.perf_counter() - t1
             measured = measured + np.array(measure.time_variants(graph, kernels, lib, rounds=rounds, budget_s=30))
-        space_size = math.prod(len(space.kernel_space(i, f)) for i, f in enumerate(feats))
+        space_size = math.prod(len(scored_space(table, i, spec)) for i in range(len(feats)))   # joint schedules sampled
     predicted, measured = np.asarray(predicted), np.asarray(measured)
     order = np.argsort(predicted, kind="stable")
     best = measured.min()

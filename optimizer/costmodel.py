@@ -238,7 +238,7 @@ def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thread
     iters_per_row = elements / np.maximum(features.rows[k], 1) / simd_len   # runs of the SIMD loop per row
     cycles_row = iters_per_row * vector_iters * per_iter + features.row_ops[k] * ROW_OP_CYCLES
     row_share = busiest / np.maximum(rows, 1)
-    chunks = np.where(parallel & (cand.chunk > 0), busiest / np.maximum(chunk, 1), 0.0)
+    chunks = np.where(parallel & (cand.chunk > 0), np.ceil(busiest / np.maximum(chunk, 1)), 0.0)
     compute = cycles_row * features.rows[k] * row_share / chip.clock + chunks * CHUNK_S
     # -- memory
     moved = features.read_bytes[k] + features.write_bytes[k]
@@ -253,6 +253,40 @@ def predict(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thread
         time[rows_gemm] = _gemm(features, cand.take(rows_gemm), chip, k[rows_gemm], lanes[rows_gemm],
                                 np.maximum(compute, memory)[rows_gemm] * threads[rows_gemm])
     return time
+
+
+def distinct(features: FeatureTable, cand: Candidates, spec: HardwareSpec) -> np.ndarray:
+    """The rows of `cand` worth scoring: one per class of candidates that `predict` prices alike by
+    construction (the first of each class, in table order), so that the search neither scores nor
+    times twins. A knob counts at the value the formulas above read: a chunk past the rows is all
+    rows on one thread, a column block or a GEMM block past the edge is the edge, a parallel loop of
+    one row is serial, a serial loop has no chunk, a GEMM's tile depth stops at its depth, and
+    unroll counts only on a scalar loop. One exception keeps rows the model prices alike: a vector
+    loop unrolled (GCC ivdep + unroll) is other code than one left to `omp simd`, so one unrolled
+    vector row stays beside the plain one and the clock settles between them. A GPU spec's
+    candidates are all kept."""
+    if spec.kind == "gpu" or not len(cand):
+        return np.arange(len(cand))
+    k = cand.kernel
+    gemm = features.kind[k] == GEMM
+    generated = gemm & (cand.generated > 0)
+    column = (features.kind[k] == REDUCTION) & (features.columns[k] > 0)
+    jb = np.where(column, np.minimum(cand.column_block, np.maximum(features.columns[k], 1)), 0.0)
+    rows = np.where(column, features.rows[k] * np.ceil(features.columns[k] / np.maximum(jb, 1)), features.rows[k])
+    parallel = np.where(gemm, cand.parallel > 0, (cand.parallel > 0) & (rows >= 2))
+    units = np.where(features.flat[k] > 0, np.ceil(cand.chunk / FLAT_ROW), cand.chunk)
+    chunk = np.where(parallel & ~gemm & (cand.chunk > 0), np.minimum(units, rows), 0.0)
+    unroll = np.where(cand.vector_width > 1, np.minimum(cand.unroll, 2.0), cand.unroll)
+    m = np.maximum(features.m[k], 1)
+    lone = (features.ops[k] + features.math[k] == 0) & (cand.generated == 0)
+    block_rows = np.where(gemm, np.where(lone, m, np.minimum(cand.block_rows, m)), 0.0)
+    kc = np.where(generated, np.minimum(cand.kc, np.maximum(features.k[k], 1)), 0.0)
+    key = np.stack([k.astype(np.float64), cand.vector_width, unroll, parallel.astype(np.float64), chunk, jb,
+                    cand.generated, block_rows, np.where(generated, cand.mr, 0.0),
+                    np.where(generated, cand.nr, 0.0), kc], axis=1)
+    rows = np.ascontiguousarray(key).view(np.dtype((np.void, key.itemsize * key.shape[1]))).ravel()
+    _, first = np.unique(rows, return_index=True)     # one bytes key per row: far quicker than axis=0
+    return np.sort(first)
 
 
 def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: np.ndarray,

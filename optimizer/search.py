@@ -69,9 +69,10 @@ class SearchResult:
     plan: fusion.Plan
     choice: fusion.Choice
     schedules: list[Schedule]          # per group of the plan (DEFAULT for externs)
-    space_size: int                    # fusion plans x schedules of their kernels (the default plan's kernels), exact
+    space_size: int                    # fusion plans x the sum of their kernels' distinct schedules (default plan)
     plans_scored: int
     scored: int                        # (kernel, schedule) candidates the model scored
+    collapsed: int                     # candidates not scored: the model prices them as a scored twin
     score_seconds: float               # time in the cost model's scoring
     feature_seconds: float             # time reading the kernels' features off the generator
     seconds: float                     # the whole search, timing included
@@ -97,6 +98,7 @@ class _Scorer:
         self.index: dict[tuple, int] = {}
         self.externs: dict[int, float] = {}
         self.scored = 0
+        self.collapsed = 0             # candidates left out as twins of a scored one (costmodel.distinct)
         self.seconds = 0.0             # in the cost model's scoring
         self.feature_seconds = 0.0     # reading kernels' features off the generator
 
@@ -124,8 +126,12 @@ class _Scorer:
         if len(self.features) > start:
             t0 = time.perf_counter()
             new_kernels = self.features[start:]      # rows index them from 0
+            table = costmodel.FeatureTable(new_kernels)
             cands = costmodel.Candidates.concat([self.target.schedule_space(i, f) for i, f in enumerate(new_kernels)])
-            predicted = self.target.predict(costmodel.FeatureTable(new_kernels), cands, self.threads)
+            distinct = costmodel.distinct(table, cands, self.target.spec)
+            self.collapsed += len(cands) - len(distinct)
+            cands = cands.take(distinct)
+            predicted = self.target.predict(table, cands, self.threads)
             bounds = np.flatnonzero(np.diff(cands.kernel)) + 1
             for rows, preds in zip(np.split(np.arange(len(cands)), bounds), np.split(predicted, bounds)):
                 self.tables.append(cands.take(rows))
@@ -229,12 +235,13 @@ def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, to
     for k in kernels:
         schedules[k.group] = k.schedule
     keys = [scorer.key(g, plans[start].buffers) for g in plans[start].groups if g.kind != "extern"]
-    space_size = 2 ** len(points) * math.prod(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
+    # given a plan its kernels are independent, so their schedules add: the space the search covers
+    space_size = 2 ** len(points) * sum(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
     extern_times = {i: scorer.extern_s(g) for i, g in enumerate(plan.groups) if g.kind == "extern"}
     predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values())
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=space_size, plans_scored=len(costs),
-                        scored=scorer.scored, score_seconds=scorer.seconds,
+                        scored=scorer.scored, collapsed=scorer.collapsed, score_seconds=scorer.seconds,
                         feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
                         predicted_s=predicted, kernels=kernels, ties=ties, externs=extern_times)
 
@@ -346,10 +353,11 @@ def _ops(graph: Graph, nodes: Sequence[int]) -> str:
 
 
 def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int) -> list[int]:
-    """Rows to time (`cands` sorted by prediction): first the best of each vector width and GEMM
-    kind (and tile depth) predicted within NEAR_BEST of the best, then the next best. Why: the model cannot tell a
-    512-bit vector run on 256-bit pipes from a native one, nor how well gcc vectorizes a loop of
-    mixed types; close calls between such classes are settled by the clock, not by the model."""
+    """Rows to time (`cands` sorted by prediction): first the best of each vector width, GEMM
+    kind (and tile depth) and kind of vector loop (omp simd, or unrolled) predicted within NEAR_BEST of
+    the best, then the next best. Why: the model cannot tell a 512-bit vector run on 256-bit pipes from
+    a native one, nor how well gcc vectorizes a loop of mixed types or unrolls a vector one; close calls
+    between such classes are settled by the clock, not by the model."""
     near = predicted <= predicted[0] * NEAR_BEST
     picks, classes = [], set()
     # a generated GEMM's tiles also by how many accumulators they keep in flight (< 8, 8-15, 16+):
@@ -357,7 +365,7 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int)
     chains = np.where(cands.generated > 0,
                       np.minimum(cands.mr * np.ceil(cands.nr / cands.vector_width) // 8, 2), 0)
     for r in np.flatnonzero(near):
-        cls = (cands.vector_width[r], cands.generated[r], chains[r])
+        cls = (cands.vector_width[r], cands.generated[r], chains[r], cands.vector_width[r] > 1 and cands.unroll[r] > 1)
         if cls not in classes:
             classes.add(cls)
             picks.append(int(r))

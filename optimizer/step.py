@@ -29,7 +29,12 @@ class StepReport:
 
     @property
     def space_size(self) -> int:
-        return math.prod(r.space_size for _, r in self.graphs) if self.graphs else 0
+        """The candidates the search covers: the graphs are searched one after the other, so their spaces add."""
+        return sum(r.space_size for _, r in self.graphs)
+
+    @property
+    def collapsed(self) -> int:
+        return sum(r.collapsed for _, r in self.graphs)
 
     @property
     def scored(self) -> int:
@@ -48,7 +53,7 @@ class StepReport:
         from optimizer import search
         return {"hardware": self.hardware, "measured_here": self.measured_here, "graphs": len(self.graphs),
                 "space_size": self.space_size, "space_log10": round(math.log10(self.space_size), 1)
-                if self.space_size else 0.0, "scored": self.scored, "scored_per_s": round(self.scored_per_s),
+                if self.space_size else 0.0, "scored": self.scored, "collapsed": self.collapsed, "scored_per_s": round(self.scored_per_s),
                 "plans_scored": sum(r.plans_scored for _, r in self.graphs),
                 "score_s": round(sum(r.score_seconds for _, r in self.graphs), 4),
                 "features_s": round(sum(r.feature_seconds for _, r in self.graphs), 3),

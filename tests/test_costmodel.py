@@ -148,3 +148,49 @@ def test_one_block_gemm_costs_the_same_serial_or_parallel():
     serial, parallel = times(gemm, [Schedule(gemm_block_rows=256, parallel_axis=-1),
                                     Schedule(gemm_block_rows=256, parallel_min_elements=0)])
     assert serial == pytest.approx(parallel)
+
+
+def _varied_kernels() -> list[KernelFeatures]:
+    """Kernels of every kind and edge: row and column reductions, a 1-D loop, a one-row loop, GEMMs
+    with and without an epilogue, small and odd shapes."""
+    x, w, b = torch.randn(37, 200), torch.randn(96, 200), torch.randn(96)
+    cases = [(lambda x: torch.softmax(x, dim=-1), (x,)),
+             (lambda x: x.sum(dim=0), (x,)),
+             (lambda x: F.layer_norm(x, (200,)), (x,)),
+             (lambda v: torch.tanh(v) * 2 + 1, (torch.randn(5003),)),
+             (lambda v: v.exp().sum(), (torch.randn(1, 7),)),
+             (lambda x, w, b: F.gelu(F.linear(x, w, b)), (x, w, b)),
+             (lambda x, w: x @ w.t(), (x, w)),
+             (lambda x, w: x @ w.t(), (torch.randn(3, 200), torch.randn(5, 200)))]
+    return [f for fn, args in cases for f in lowered(fn, *args)[3]]
+
+
+@pytest.mark.parametrize("lanes,cores", [(8, 4), (16, 2), (4, 64)])
+@pytest.mark.parametrize("threads", [1, 2, None])
+def test_distinct_leaves_out_only_twins_the_model_prices_alike(lanes, cores, threads):
+    """Every candidate left out has a kept twin of exactly its predicted time, so the search loses
+    nothing by not scoring it, and the best of the whole space is still found."""
+    spec = dataclasses.replace(CPU, simd_width=lanes, compute_units=cores)
+    kernels = _varied_kernels()
+    assert {k.kind for k in kernels} == {costmodel.POINTWISE, costmodel.REDUCTION, costmodel.GEMM}
+    table = FeatureTable(kernels)
+    for i, kernel in enumerate(kernels):
+        cands = space.kernel_space(i, kernel)
+        every = predict(table, cands, spec, threads)
+        kept = costmodel.distinct(table, cands, spec)
+        assert 0 < len(kept) < len(cands)
+        assert set(every.tolist()) == set(every[kept].tolist()), f"kernel {i} ({kernel.kind}) lost a price"
+        assert every[kept].min() == every.min()
+
+
+def test_distinct_keeps_both_kinds_of_vector_loop():
+    """The model prices unroll only on scalar loops, but an unrolled vector loop is other code (GCC
+    ivdep + unroll, not omp simd): one unrolled row of each vector width stays for the clock to try."""
+    kernel = lowered(lambda v: torch.tanh(v) * 2 + 1, torch.randn(64, 512))[3][0]
+    table = FeatureTable([kernel])
+    cands = space.kernel_space(0, kernel)
+    kept = cands.take(costmodel.distinct(table, cands, CPU))
+    serial = kept.parallel == 0
+    for width in (4, 8, 16):
+        assert sorted(kept.unroll[serial & (kept.vector_width == width)].tolist()) == [1, 2]
+    assert sorted(kept.unroll[serial & (kept.vector_width == 1)].tolist()) == [1, 2, 4, 8, 16]

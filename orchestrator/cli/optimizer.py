@@ -120,8 +120,9 @@ def _emit_dir(emit: str):
 def _print_report(report) -> dict:
     data = report.to_json()
     typer.echo(f"hardware: {data['hardware']} ({'measured here' if report.measured_here else 'predicted only'})")
-    typer.echo(f"space: 1e{data['space_log10']} candidates over {data['graphs']} graph(s); scored {data['scored']:,} "
-               f"({data['plans_scored']} fusion plans) at {data['scored_per_s']:,} candidates/s "
+    typer.echo(f"space: {data['space_size']:,} candidates over {data['graphs']} graph(s) (fusion plans x the sum of "
+               f"their kernels' schedules); scored {data['scored']:,} ({data['plans_scored']} fusion plans; "
+               f"{data['collapsed']:,} twins the model prices alike left out) at {data['scored_per_s']:,} candidates/s "
                f"(+{data['features_s']:.2f} s reading kernels); search with timing {data['search_s']:.2f} s, "
                f"whole step {data['seconds']:.1f} s")
     typer.echo(f"predicted step: {data['predicted_step_s'] * 1e3:.3f} ms (kernels and externs)")

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint, ckptstore
@@ -211,6 +212,139 @@ def test_resaving_same_step_replaces_it(tmp_path: Path) -> None:
     save(tmp_path, 3, {"model": model})
     assert [p.name for p in tmp_path.iterdir()] == ["step_000000003"]
     assert torch.equal(load_tensors(tmp_path / "step_000000003")["model.weight"], model.weight)
+
+
+class _Killer:
+    """Stands for `os` or `shutil` in ckptstore: the process is killed (a _Crash) at the `at`-th change to the disk."""
+
+    CHANGES = {"replace", "rename", "remove", "unlink", "rmdir", "fsync", "rmtree"}
+
+    def __init__(self, module: object, at: int, changes: list[int]) -> None:
+        self._module, self._at, self._changes = module, at, changes
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._module, name)
+        if name not in self.CHANGES:
+            return real
+
+        def change(*args: object, **kwargs: object) -> object:
+            self._changes[0] += 1
+            if self._changes[0] == self._at:
+                raise _Crash
+            return real(*args, **kwargs)
+
+        return change
+
+
+def test_resaving_a_step_killed_at_any_point_keeps_a_whole_copy_of_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saving a step that is already committed again (a job restored from it saves it once more) replaces it only
+    once the new copy is committed: killed at each change the save makes to the disk in turn, step 3 is there, old
+    or new (failed before: the committed copy was moved aside, then the new one renamed in; killed between the two
+    renames, step 3 was gone and restore fell back to step 2)."""
+    import os
+    import shutil
+
+    model = torch.nn.Linear(4, 4)
+    at, killed = 0, True
+    while killed:
+        at += 1
+        directory = tmp_path / str(at)
+        for step in (2, 3):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            save(directory, step, {"model": model}, keep=5)
+        with torch.no_grad():
+            model.weight.fill_(30)
+        changes = [0]
+        monkeypatch.setattr(ckptstore, "os", _Killer(os, at, changes))
+        monkeypatch.setattr(ckptstore, "shutil", _Killer(shutil, at, changes))
+        try:
+            save(directory, 3, {"model": model}, keep=5)
+            killed = False
+        except _Crash:
+            pass
+        monkeypatch.undo()
+        fresh = torch.nn.Linear(4, 4)
+        assert restore(directory, {"model": fresh}).step == 3, f"killed at change {at}"
+        assert fresh.weight.unique().tolist() in ([3.0], [30.0]) and (killed or fresh.weight[0, 0] == 30), at
+        assert [i.step for i in list_checkpoints(directory)] == [3, 2]
+        save(directory, 3, {"model": model}, keep=5)   # the job goes on: the same step saved once more is the new one
+        assert torch.equal(load_tensors(directory / "step_000000003")["model.weight"], torch.full((4, 4), 30.0))
+        assert sorted(p.name for p in directory.iterdir()) == ["step_000000002", "step_000000003"]
+    assert at > 3   # the kills did land inside the save
+
+
+def _no_space_writer(store: object, location: object) -> object:
+    """A real DCP writer of `store`'s kind whose disk (or bucket) is full."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    folder = isinstance(store, ckptstore.FolderStore)
+
+    class NoSpace(FileSystemWriter if folder else FsspecWriter):   # type: ignore[misc]
+        def write_data(self, plan: object, planner: object) -> object:
+            raise OSError(28, "No space left on device")
+
+    return NoSpace(location) if folder else NoSpace(str(location), sync_files=False)
+
+
+def store_that_dies(base: type, where: str) -> type:
+    """A store (`base`: FolderStore or ObjectStore) whose save fails at `where` ("writing") or is killed there."""
+
+    class Dying(base):   # type: ignore[misc, valid-type]
+        def writer(self, location: object) -> object:
+            return _no_space_writer(self, location) if where == "writing" else super().writer(location)
+
+        def commit(self, *args: object) -> None:
+            if where == "before the manifest":
+                raise _Crash
+            super().commit(*args)
+
+        def remove(self, location: object) -> None:
+            if where == "after the manifest":
+                raise _Crash
+            super().remove(location)
+
+    return Dying
+
+
+RESAVE_DEATHS = ["writing", "before the manifest", "after the manifest"]
+
+
+def check_a_resave_that_dies(directory: str | Path, base: type, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 3 saved, then saved again with other weights by a store that fails or is killed at `where`: the
+    committed copy is still step 3 until the new one is committed, and the next save of step 3 works."""
+    model = torch.nn.Linear(4, 4)
+    for step in (2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save(directory, step, {"model": model}, keep=5)
+    with torch.no_grad():
+        model.weight.fill_(30)
+    monkeypatch.setattr(checkpoint, "open_store", store_that_dies(base, where))
+    try:
+        save(directory, 3, {"model": model}, keep=5)
+    except CheckpointError as e:
+        assert where == "writing" and "No space left on device" in str(e)
+    except _Crash:
+        assert where != "writing"
+    monkeypatch.undo()
+    fresh = torch.nn.Linear(4, 4)
+    assert restore(directory, {"model": fresh}).step == 3
+    expected = 30.0 if where == "after the manifest" else 3.0
+    assert torch.equal(fresh.weight, torch.full((4, 4), expected))
+    assert [i.step for i in list_checkpoints(directory)] == [3, 2]
+    with torch.no_grad():
+        model.weight.fill_(31)
+    save(directory, 3, {"model": model}, keep=5)
+    location = f"{directory}/step_000000003" if isinstance(directory, str) else directory / "step_000000003"
+    assert torch.equal(load_tensors(location)["model.weight"], torch.full((4, 4), 31.0))
+
+
+@pytest.mark.parametrize("where", RESAVE_DEATHS)
+def test_a_resave_that_fails_or_dies_keeps_the_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              where: str) -> None:
+    check_a_resave_that_dies(tmp_path, ckptstore.FolderStore, where, monkeypatch)
 
 
 def _save_three(tmp_path: Path) -> torch.nn.Linear:

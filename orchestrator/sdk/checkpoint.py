@@ -1,7 +1,8 @@
 """Atomic, verified training checkpoints on top of torch.distributed.checkpoint (DCP).
 
 A checkpoint is ``DIR/step_000000123/``: the DCP files (one or more ``.distcp`` per rank plus
-``.metadata``) and ``tfsn-manifest.json`` with the sha256 of every file. ``DIR`` is a folder or an
+``.metadata``, in a ``data-*`` folder of their own when the step was saved again) and
+``tfsn-manifest.json`` with the sha256 of every file. ``DIR`` is a folder or an
 s3://, gs:// or az:// URL (see ``ckptstore``); either way a checkpoint becomes visible only once it is
 complete, so a crash at any point leaves the old set of checkpoints or the new one, never a half one.
 Checksums are computed by all ranks together, each hashing its share of the files; ``restore``
@@ -18,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import random
+import re
 import secrets
 import time
 import warnings
@@ -38,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from orchestrator.sdk.ckptstore import MANIFEST, Location, Store, StorageUnavailable, open_store, step_of
+from orchestrator.sdk.ckptstore import (DATA_PREFIX, MANIFEST, Location, Store, StorageUnavailable, open_store,
+                                        step_of)
 from orchestrator.sdk.statedicts import StateDictReader
 from orchestrator.spec import checkpoint_url_scheme
 
@@ -52,6 +55,7 @@ NO_DIST_WARNING = r"torch\.distributed is (disabled|unavailable)"
 # Checkpoints whose checksums this process computed or verified: (location, saved_at). Lets
 # pruning skip re-hashing gigabytes on every save.
 _known_good: set[tuple[str, float]] = set()
+_DATA_DIR = re.compile(rf"|{DATA_PREFIX}[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,9 @@ def save(directory: str | Path, step: int, objects: Mapping[str, object], *, kee
     """Save ``objects`` (plus every rank's RNG state) as the checkpoint for ``step``, now.
 
     Collective when a process group is initialized: all ranks must call it. Keeps the newest
-    ``keep`` valid checkpoints (always including this one) and deletes older ones.
+    ``keep`` valid checkpoints (always including this one) and deletes older ones. A step that is already
+    saved is saved again (the newest state wins, as a second ``torch.save`` to one file would), but its
+    committed copy stays until the new one is committed: a failure or a crash meanwhile leaves it as it was.
     """
     state = SaveSession.state(objects)   # first: an object that cannot give its state leaves nothing behind
     session = SaveSession.start(directory, step, keep)
@@ -94,9 +100,9 @@ class SaveSession:
     `finish` (checksums by all ranks, the commit by rank 0, pruning). `group` is the process group of its
     collectives (None: the default group), so that a background save can keep off the training's."""
 
-    def __init__(self, store: Store, final: Location, written: Location, step: int, keep: int,
+    def __init__(self, store: Store, final: Location, written: Location, data: str, step: int, keep: int,
                  group: Any, started: float) -> None:
-        self.store, self.final, self.written, self.group = store, final, written, group
+        self.store, self.final, self.written, self.data, self.group = store, final, written, data, group
         self.step, self.keep = step, keep
         self.distributed, self.rank, self.world_size = _dist_info()
         self.started = started
@@ -108,7 +114,7 @@ class SaveSession:
         started = time.time()
         distributed, rank, _ = _dist_info()
         name = f"step_{step:09d}"
-        plan: tuple[Location | None, str | None] = (None, None)
+        plan: tuple[tuple[Location, str] | None, str | None] = (None, None)
         if rank == 0:
             try:
                 store = _open(directory)
@@ -118,12 +124,13 @@ class SaveSession:
             except Exception as e:  # any failure here must reach the other ranks, or they wait for ever
                 plan = (None, f"cannot write checkpoint {step} to {directory}: {_one_line(e)}; "
                               "check it exists and is writable")
-        written, problem = _broadcast(plan, distributed, group)
+        where, problem = _broadcast(plan, distributed, group)
         if problem is not None:
             raise CheckpointError(problem)
+        written, data = where
         store = _open(directory)
         store.prepare(written)
-        return cls(store, store.child(store.root, name), written, step, keep, group, started)
+        return cls(store, store.child(store.root, name), written, data, step, keep, group, started)
 
     @staticmethod
     def state(objects: Mapping[str, object], reader: StateDictReader | None = None) -> dict[str, Any]:
@@ -175,8 +182,8 @@ class SaveSession:
             if problem is not None:
                 raise CheckpointError(problem)
             files = {name: digest for share in shares for name, digest in share.items()}
-            info = _commit(self.store, self.written, self.final, self.step, self.world_size, self.started,
-                           {n: files[n] for n in names})
+            info = _commit(self.store, self.written, self.final, self.data, self.step, self.world_size,
+                           self.started, {n: files[n] for n in names})
         except Exception as e:
             self.store.remove(self.written)
             return f"committing checkpoint {self.final} failed: {_one_line(e)}; earlier checkpoints are untouched"
@@ -215,15 +222,16 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
         if problem is None:
             _known_good.add((str(location), manifest["saved_at"]))
             info = CheckpointInfo(manifest["step"], location, manifest["saved_at"], manifest.get("bytes", 0), 0.0)
-            _load(store, info, manifest["world_size"], objects)
+            _load(store, info, manifest, objects)
             return info
         if rank == 0:
             warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
     return None
 
 
-def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Mapping[str, object]) -> None:
+def _load(store: Store, info: CheckpointInfo, manifest: dict[str, Any], objects: Mapping[str, object]) -> None:
     distributed, rank, world_size = _dist_info()
+    saved_world_size, files = manifest["world_size"], _dcp_files(store, info.path, manifest)
     state = _state_dicts(objects)
     rng_key = _RNG_KEY.format(rank)
     restore_rng = saved_world_size == world_size
@@ -236,9 +244,9 @@ def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Ma
             stacklevel=3,
         )
     try:
-        _only_saved_optimizer_state(objects, state, store.reader(info.path).read_metadata().state_dict_metadata)
+        _only_saved_optimizer_state(objects, state, store.reader(files).read_metadata().state_dict_metadata)
         with quiet_no_dist():
-            dcp.load(state, storage_reader=store.reader(info.path), no_dist=not distributed)
+            dcp.load(state, storage_reader=store.reader(files), no_dist=not distributed)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointError(
             f"loading checkpoint {info.path} failed: {_one_line(e)}; pass the same objects it was saved with"
@@ -283,15 +291,15 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     location: Location = path if isinstance(path, str) and checkpoint_url_scheme(path) else Path(path)
     parent = str(location).rstrip("/").rsplit("/", 1)[0] if isinstance(location, str) else location.parent
     store = _open(parent)
-    _verify(store, location)
-    metadata = store.reader(location).read_metadata()
+    files = _dcp_files(store, location, _verify(store, location)[1])
+    metadata = store.reader(files).read_metadata()
     tensors = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
     with quiet_no_dist():
-        dcp.load(tensors, storage_reader=store.reader(location), no_dist=True)
+        dcp.load(tensors, storage_reader=store.reader(files), no_dist=True)
     return tensors
 
 
@@ -386,16 +394,19 @@ def _numpy_random_state() -> Any:
 # --- files ----------------------------------------------------------------------------------
 
 
-def _commit(store: Store, written: Location, final: Location, step: int, world_size: int, started: float,
+def _commit(store: Store, written: Location, final: Location, data: str, step: int, world_size: int, started: float,
             files: dict[str, str]) -> CheckpointInfo:
-    """Write the manifest (the commit: see ckptstore) of the DCP files in ``written`` with their checksums."""
+    """Write the manifest (the commit: see ckptstore) of the DCP files in ``written`` with their checksums; their
+    names are relative to ``final`` (``written`` is ``final``'s folder ``data`` when the step is saved again)."""
     if ".metadata" not in files:
         raise CheckpointError(f"{written} has no DCP .metadata after saving")
     size = sum(store.sizes(written, list(files)).values())
     saved_at = time.time()
-    manifest = {"format": FORMAT, "step": step, "saved_at": saved_at, "world_size": world_size, "bytes": size,
-                "files": files}
-    store.commit(written, final, json.dumps(manifest, indent=1).encode())
+    manifest: dict[str, Any] = {"format": FORMAT, "step": step, "saved_at": saved_at, "world_size": world_size,
+                                "bytes": size, "files": {_inside(data, n): d for n, d in files.items()}}
+    if data:
+        manifest["data"] = data
+    store.commit(written, final, json.dumps(manifest, indent=1).encode(), data)
     _known_good.add((str(final), saved_at))
     return CheckpointInfo(step, final, saved_at, size, time.time() - started)
 
@@ -434,18 +445,19 @@ def _read_manifest(store: Store, location: Location) -> dict[str, Any]:
         manifest = json.loads(store.read_bytes(store.child(location, MANIFEST)))
         fields = {"step": int(manifest["step"]), "saved_at": float(manifest["saved_at"]),
                   "world_size": int(manifest["world_size"]), "files": dict(manifest["files"]),
-                  "bytes": int(manifest.get("bytes", 0))}
+                  "bytes": int(manifest.get("bytes", 0)), "data": str(manifest.get("data", ""))}
         if manifest["format"] != FORMAT:
             raise ValueError(f"unknown format {manifest['format']}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{location}: manifest missing or unreadable ({e}); it was not completely written") from e
-    if ".metadata" not in fields["files"] or fields["step"] != step_of(location):
+    if (not _DATA_DIR.fullmatch(fields["data"]) or _inside(fields["data"], ".metadata") not in fields["files"]
+            or fields["step"] != step_of(location)):
         raise CheckpointError(f"{location}: manifest does not describe this DCP checkpoint; do not use it")
     return fields
 
 
-def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[CheckpointInfo, int]:
-    """Check manifest, presence and sha256 of every file in this process; the info and the saved world size.
+def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[CheckpointInfo, dict[str, Any]]:
+    """Check manifest, presence and sha256 of every file in this process; the info and the manifest.
 
     ``rehash=False`` trusts checksums this process already computed for the same checkpoint.
     """
@@ -456,7 +468,16 @@ def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[C
         raise CheckpointError(problem)
     _known_good.add((str(location), manifest["saved_at"]))
     size = manifest["bytes"] or sum(store.sizes(location, list(manifest["files"])).values())
-    return CheckpointInfo(manifest["step"], location, manifest["saved_at"], size, 0.0), manifest["world_size"]
+    return CheckpointInfo(manifest["step"], location, manifest["saved_at"], size, 0.0), manifest
+
+
+def _dcp_files(store: Store, location: Location, manifest: dict[str, Any]) -> Location:
+    """Where a checkpoint's DCP files are: the step's own folder, or its `data` folder when it was saved again."""
+    return store.child(location, manifest["data"]) if manifest["data"] else location
+
+
+def _inside(data: str, name: str) -> str:
+    return f"{data}/{name}" if data else name
 
 
 def _check_share(store: Store, location: Location, files: dict[str, str], rank: int, world_size: int,

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -21,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint, ckptstore
+from orchestrator.sdk import run as sdk
 from orchestrator.sdk.asyncsave import AsyncSaver
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
 
@@ -131,8 +137,9 @@ def test_optimizer_needs_exactly_one_module(tmp_path: Path) -> None:
 
 
 def test_optimizer_of_a_replaced_layer_names_the_problem(tmp_path: Path) -> None:
-    """A layer replaced after the optimizer was made: a clear error, at the asynchronous save too (failed
-    before: a bare KeyError: 0 from DCP's parameter mapping)."""
+    """A layer replaced after the optimizer was made: a clear error, at the asynchronous save too, from its wait as
+    any failure of an asynchronous save, on every rank alike (failed before: a bare KeyError: 0 from DCP's
+    parameter mapping)."""
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     save(tmp_path, 1, objects)
@@ -143,6 +150,7 @@ def test_optimizer_of_a_replaced_layer_names_the_problem(tmp_path: Path) -> None
     saver = AsyncSaver()
     with pytest.raises(CheckpointError, match=message):
         saver.save(tmp_path, 2, objects, keep=3)
+        saver.wait()
     saver.close()
     with pytest.raises(CheckpointError, match=message):
         restore(tmp_path, objects)
@@ -214,6 +222,18 @@ def test_resaving_same_step_replaces_it(tmp_path: Path) -> None:
     assert torch.equal(load_tensors(tmp_path / "step_000000003")["model.weight"], model.weight)
 
 
+def _steps_2_and_3_saved(directory: str | Path) -> torch.nn.Linear:
+    """Checkpoints 2 and 3 of a model whose weights are 2 and 3; the model returned has weights 30."""
+    model = torch.nn.Linear(4, 4)
+    for step in (2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save(directory, step, {"model": model}, keep=5)
+    with torch.no_grad():
+        model.weight.fill_(30)
+    return model
+
+
 class _Killer:
     """Stands for `os` or `shutil` in ckptstore: the process is killed (a _Crash) at the `at`-th change to the disk."""
 
@@ -242,20 +262,11 @@ def test_resaving_a_step_killed_at_any_point_keeps_a_whole_copy_of_it(tmp_path: 
     once the new copy is committed: killed at each change the save makes to the disk in turn, step 3 is there, old
     or new (failed before: the committed copy was moved aside, then the new one renamed in; killed between the two
     renames, step 3 was gone and restore fell back to step 2)."""
-    import os
-    import shutil
-
-    model = torch.nn.Linear(4, 4)
     at, killed = 0, True
     while killed:
         at += 1
         directory = tmp_path / str(at)
-        for step in (2, 3):
-            with torch.no_grad():
-                model.weight.fill_(step)
-            save(directory, step, {"model": model}, keep=5)
-        with torch.no_grad():
-            model.weight.fill_(30)
+        model = _steps_2_and_3_saved(directory)
         changes = [0]
         monkeypatch.setattr(ckptstore, "os", _Killer(os, at, changes))
         monkeypatch.setattr(ckptstore, "shutil", _Killer(shutil, at, changes))
@@ -314,13 +325,7 @@ RESAVE_DEATHS = ["writing", "before the manifest", "after the manifest"]
 def check_a_resave_that_dies(directory: str | Path, base: type, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 3 saved, then saved again with other weights by a store that fails or is killed at `where`: the
     committed copy is still step 3 until the new one is committed, and the next save of step 3 works."""
-    model = torch.nn.Linear(4, 4)
-    for step in (2, 3):
-        with torch.no_grad():
-            model.weight.fill_(step)
-        save(directory, step, {"model": model}, keep=5)
-    with torch.no_grad():
-        model.weight.fill_(30)
+    model = _steps_2_and_3_saved(directory)
     monkeypatch.setattr(checkpoint, "open_store", store_that_dies(base, where))
     try:
         save(directory, 3, {"model": model}, keep=5)
@@ -540,6 +545,127 @@ def test_two_ranks_ddp_gloo(tmp_path: Path, background: bool) -> None:
     # Without a process group the checkpoint reads back as plain tensors, without the DDP prefix.
     tensors = load_tensors(info.path)
     assert "model.0.weight" in tensors and not any(k.startswith("model.module.") for k in tensors)
+
+
+class _Loader:
+    """A stateful object (a data loader's position, say) whose state cannot be read on one rank."""
+
+    def __init__(self, broken: bool) -> None:
+        self.broken = broken
+
+    def state_dict(self) -> dict[str, object]:
+        if self.broken:
+            raise RuntimeError("the loader's worker died")
+        return {"position": 7}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        pass
+
+
+def _read_only_folder(directory: str | Path) -> ckptstore.FolderStore:
+    """This rank's mount of the checkpoint folder is read-only."""
+
+    class ReadOnly(ckptstore.FolderStore):
+        def prepare(self, location: object) -> None:
+            raise PermissionError(13, "Permission denied", str(location))
+
+    return ReadOnly(directory)
+
+
+def _save_outcome(save_it: Callable[[], object]) -> dict[str, object]:
+    began = time.monotonic()
+    try:
+        save_it()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - began}
+
+
+def _failing_rank_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
+    """Saves in which rank 1 fails (its objects' state, its folder), sync and async, then saves that work; then an
+    async save still in flight when the script destroys the process group (rank 0 then calls finish, rank 1 exits)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))
+    model = torch.nn.Linear(4, 4)
+    save(ckpt_dir, 1, {"model": model})
+    saver = AsyncSaver()
+    outcomes: dict[str, dict[str, object]] = {}
+    real_open_store = checkpoint.open_store
+    for failure in ("state", "folder"):
+        objects = {"model": model, "loader": _Loader(broken=failure == "state" and rank == 1)}
+        if failure == "folder" and rank == 1:
+            checkpoint.open_store = _read_only_folder
+        outcomes[f"sync {failure}"] = _save_outcome(lambda: save(ckpt_dir, 2, objects))
+        outcomes[f"async {failure}"] = _save_outcome(lambda: (saver.save(ckpt_dir, 2, objects, keep=3), saver.wait()))
+        checkpoint.open_store = real_open_store
+    outcomes["left"] = {"steps": [i.step for i in list_checkpoints(ckpt_dir)],
+                        "temporary": [p.name for p in Path(ckpt_dir).glob(".tmp-*")]}
+    outcomes["sync then"] = _save_outcome(lambda: save(ckpt_dir, 2, {"model": model}))   # the training goes on
+    outcomes["async then"] = _save_outcome(lambda: (saver.save(ckpt_dir, 3, {"model": model}, keep=3), saver.wait()))
+    saver.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+
+    run = sdk.Run(checkpoint_dir=ckpt_dir, checkpoint_interval=1, keep=3, total_steps=5, async_save=True)
+    real_commit = checkpoint._commit
+
+    def slow_commit(*args: object) -> object:   # the last save is still being written when the group goes
+        time.sleep(1)
+        return real_commit(*args)
+
+    for step in run.steps(3):
+        with torch.no_grad():
+            model.weight.fill_(step + 1)
+        if step == 4:
+            checkpoint._commit = slow_commit
+        run.checkpoint(model=model)
+    dist.destroy_process_group()
+    if rank == 0:
+        run.finish()   # rank 1 leaves the wait for the last save to the exit
+
+
+@pytest.fixture(scope="module")
+def failing_rank_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str | None, list[dict[str, dict]]]:
+    tmp_path = tmp_path_factory.mktemp("failing-rank")
+    ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    try:
+        mp.spawn(_failing_rank_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2)
+        died = None
+    except Exception as e:   # a rank that raised, or exited with a failure
+        died = str(e)
+    return ckpt_dir, died, [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+
+
+@pytest.mark.timeout(180)
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_at_once(failing_rank_results) -> None:
+    """Rank 1 cannot read its objects' state, or cannot write its folder: both ranks hear of it at once, sync or
+    async, with a one-line error naming rank 1's problem; the earlier checkpoint stays, and later saves work
+    (failed before: rank 1 raised before the save's first collective, and rank 0 waited in it until the process
+    group's timeout, 30 s here)."""
+    _, _, ranks = failing_rank_results
+    assert len(ranks) == 2
+    for scenario in ("sync state", "async state", "sync folder", "async folder"):
+        cause = "the loader's worker died" if scenario.endswith("state") else "Permission denied"
+        for rank, outcomes in enumerate(ranks):
+            outcome = outcomes[scenario]
+            assert outcome["error"] is not None and outcome["seconds"] < 10, (scenario, rank, outcome)
+            assert cause in outcome["error"] and "\n" not in outcome["error"], (scenario, rank, outcome)
+        assert ranks[0][scenario]["error"].startswith("CheckpointError: ") and "rank 1" in ranks[0][scenario]["error"]
+    assert ranks[0]["left"] == {"steps": [1], "temporary": []}
+    for outcomes in ranks:
+        assert outcomes["sync then"]["error"] is None and outcomes["async then"]["error"] is None, outcomes
+
+
+@pytest.mark.timeout(180)
+def test_the_last_save_is_committed_when_the_script_destroys_the_process_group_first(failing_rank_results) -> None:
+    """`dist.destroy_process_group()` while the last save is written in the background, then `run.finish()` on rank
+    0 and nothing on rank 1 (its exit waits): the save is committed (failed before: destroying the group ended the
+    write's collectives under it, and the last checkpoint was lost)."""
+    ckpt_dir, died, _ = failing_rank_results
+    assert died is None
+    assert [i.step for i in list_checkpoints(ckpt_dir)] == [5, 4, 3]
+    assert torch.equal(load_tensors(ckpt_dir / "step_000000005")["model.weight"], torch.full((4, 4), 5.0))
 
 
 # --- in the background ----------------------------------------------------------------------

@@ -102,17 +102,20 @@ class FolderStore:
 
     def commit(self, written: Location, final: Location, manifest: bytes, data: str) -> None:
         """A new step: the manifest written durably into `written`, then one rename puts it in place. A step saved
-        again (`data`): its manifest replaced by one rename, then the copy it replaced removed."""
+        again (`data`): its manifest replaced by one rename."""
         written, final = Path(written), Path(final)
         if data:
             _write_durably(final / MANIFEST, manifest)
-            for entry in list(final.iterdir()):
-                if entry.name not in (MANIFEST, data):
-                    self.remove(entry)
         else:
             _write_durably(written / MANIFEST, manifest)
             os.replace(written, final)
             _fsync_dir(final.parent)
+
+    def remove_replaced(self, final: Location, data: str) -> None:
+        """After a step saved again is committed: everything in it but its manifest and its `data` folder."""
+        for entry in list(Path(final).iterdir()):
+            if entry.name not in (MANIFEST, data):
+                self.remove(entry)
 
     def remove(self, location: Location) -> None:
         """A checkpoint, a folder or a file; nothing if it is not there."""
@@ -196,14 +199,15 @@ class ObjectStore:
         return {p[len(prefix):]: int(info["size"]) for p, info in found.items() if p[len(prefix):] in names}
 
     def commit(self, written: Location, final: Location, manifest: bytes, data: str) -> None:
-        """The manifest, one PUT, there or not, never half; for a step saved again (`data`), then the copy it
-        replaced is removed."""
+        """The manifest, one PUT: there or not, never half (a step saved again, `data`, included)."""
         self.fs.pipe_file(self.child(final, MANIFEST), manifest)
-        if data:
-            self.fs.invalidate_cache()
-            for entry in self.fs.ls(str(final), detail=False):
-                if _name(entry) not in (MANIFEST, data):
-                    self.remove(self._url(entry))
+
+    def remove_replaced(self, final: Location, data: str) -> None:
+        """After a step saved again is committed: everything in it but its manifest and its `data` folder."""
+        self.fs.invalidate_cache()
+        for entry in self.fs.ls(str(final), detail=False):
+            if _name(entry) not in (MANIFEST, data):
+                self.remove(self._url(entry))
 
     def remove(self, location: Location) -> None:
         try:

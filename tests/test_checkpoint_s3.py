@@ -45,6 +45,7 @@ def bucket(s3_server, monkeypatch, tmp_path, request):
                         "AWS_EC2_METADATA_DISABLED": "true"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
+    forget_s3_clients()   # none made with another test's credentials (or none: see the no-credentials test)
     s3 = boto3.client("s3")
     name = f"{BUCKET}-{re.sub(r'[^a-z0-9]', '-', request.node.name.lower())}"[:63].rstrip("-")
     s3.create_bucket(Bucket=name)

@@ -668,6 +668,62 @@ def test_the_last_save_is_committed_when_the_script_destroys_the_process_group_f
     assert torch.equal(load_tensors(ckpt_dir / "step_000000005")["model.weight"], torch.full((4, 4), 5.0))
 
 
+class _StuckLoader(_Loader):
+    """A stateful object whose state takes `seconds` to read on this rank (a stuck read of a mount, say)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(broken=False)
+        self.seconds = seconds
+
+    def state_dict(self) -> dict[str, object]:
+        time.sleep(self.seconds)
+        return super().state_dict()
+
+
+def _meet(out_dir: str, name: str, rank: int, world_size: int) -> None:
+    """Wait until every rank got here, without a collective (the ranks' groups are what is tested)."""
+    Path(out_dir, f"{name}.{rank}").touch()
+    while len(list(Path(out_dir).glob(f"{name}.*"))) < world_size:
+        time.sleep(0.05)
+
+
+def _stuck_rank_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
+    """The job's timeout is 2 s; rank 1 is stuck for 6 s in a save, sync then async; then both save again."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=2))
+    model = torch.nn.Linear(4, 4)
+    save(ckpt_dir, 1, {"model": model})
+    saver = AsyncSaver()
+    objects = {"model": model, "loader": _StuckLoader(6 if rank == 1 else 0)}
+    outcomes = {"sync": _save_outcome(lambda: save(ckpt_dir, 2, objects))}
+    _meet(out_dir, "sync", rank, world_size)
+    outcomes["async"] = _save_outcome(lambda: (saver.save(ckpt_dir, 2, objects, keep=3), saver.wait()))
+    _meet(out_dir, "async", rank, world_size)
+    outcomes["sync then"] = _save_outcome(lambda: save(ckpt_dir, 2, {"model": model}))
+    outcomes["async then"] = _save_outcome(lambda: (saver.save(ckpt_dir, 3, {"model": model}, keep=3), saver.wait()))
+    saver.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_in_a_save_fails_it_after_the_jobs_timeout(tmp_path: Path) -> None:
+    """A rank stuck in a save past the timeout the job gave init_process_group: the others' save fails after that
+    timeout, with a one-line CheckpointError, sync or async; the group is made anew, and the next saves work
+    (failed before: the save's group waited torch's default 30 minutes, here it waited for the stuck rank)."""
+    ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    mp.spawn(_stuck_rank_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2)
+    ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    for scenario in ("sync", "async"):
+        outcome = ranks[0][scenario]
+        assert outcome["error"] is not None and outcome["seconds"] < 5, (scenario, outcome)
+        assert outcome["error"].startswith("CheckpointError: ") and "\n" not in outcome["error"], (scenario, outcome)
+        assert ranks[1][scenario]["error"] is not None, (scenario, ranks[1][scenario])
+    for outcomes in ranks:
+        assert outcomes["sync then"]["error"] is None and outcomes["async then"]["error"] is None, outcomes
+    assert [i.step for i in list_checkpoints(ckpt_dir)] == [3, 2, 1]
+
+
 # --- in the background ----------------------------------------------------------------------
 
 

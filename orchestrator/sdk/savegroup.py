@@ -4,7 +4,10 @@ A save has steps that can fail on one rank only: reading its objects' state, mak
 writer, writing, reading its files back. Each step is a `round`: every rank runs its part and sends the
 outcome, its failure included, to rank 0, which decides and sends each rank its share. No rank leaves a round
 before all have reported, so a failure on one rank fails the save on every rank in that round, in one line,
-instead of leaving the others in a collective until the group's timeout (30 minutes).
+instead of leaving the others in a collective until the group's timeout. That timeout, for a rank that stops
+answering (hung, or gone), is the job's own: the one its script gave `init_process_group` (torch's default
+otherwise). A round that times out or loses a peer fails the save as any failure does, and the group, whose
+messages may now be out of step, is made anew at the next save.
 
 The group is gloo's, made from the default group's store but not registered with torch.distributed, as torch
 makes the helper group of its own ProcessGroupWrapper: `dist.destroy_process_group()` shuts down every group
@@ -46,19 +49,21 @@ class SaveGroup:
     def __init__(self, backend: Any, rank: int, size: int, world: Any) -> None:
         self._backend, self.rank, self.size = backend, rank, size
         self._world = world   # the default process group this group was made in (None: none)
+        self._broken = False  # a round's communication failed: the next save makes a new group
 
     @classmethod
     def renewed(cls, group: SaveGroup | None) -> SaveGroup:
         """`group` while the default process group it was made in is the current one, else a new group: collective
         over the default group (every rank calls it, in the same order); a group of one without a process group."""
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        if group is not None and group._world is world:
+        if group is not None and group._world is world and not group._broken:
             return group
         if world is None or dist.get_world_size() == 1:
             return cls(None, 0, 1, world)
         rank, size = dist.get_rank(), dist.get_world_size()
-        store = dist.PrefixStore(f"tfsn-save-group/{next(_made)}/", dist.distributed_c10d._get_default_store())
-        return cls(dist.ProcessGroupGloo(store, rank, size, dist.default_pg_timeout), rank, size, world)
+        default_store = dist.distributed_c10d._get_default_store()   # its timeout: init_process_group's
+        store = dist.PrefixStore(f"tfsn-save-group/{next(_made)}/", default_store)
+        return cls(dist.ProcessGroupGloo(store, rank, size, default_store.timeout), rank, size, world)
 
     def round(self, part: Callable[[], Part], decide: Callable[[list[Part]], list[Share]]) -> Share:
         """Every rank runs `part`; rank 0 gets all results in rank order, and `decide` returns each rank's share.
@@ -73,17 +78,26 @@ class SaveGroup:
         except Exception as e:
             cause, mine = e, _Failure(f"rank {self.rank}: {one_line(e)}" if self.size > 1 else one_line(e))
         shares: list[Any] = []
-        parts = self._gather(mine)
+        parts = self._communicate(self._gather, mine)
         if self.rank == 0:
             failed = next((p for p in parts if isinstance(p, _Failure)), None)
             try:
                 shares = [failed] * self.size if failed is not None else decide(parts)
             except Exception as e:
                 cause, shares = e, [_Failure(one_line(e))] * self.size
-        share = self._scatter(shares)
+        share = self._communicate(self._scatter, shares)
         if isinstance(share, _Failure):
             raise RoundFailed(share.message) from cause
         return share
+
+    def _communicate(self, collective: Callable[[Any], Any], value: Any) -> Any:
+        """`collective(value)`; RoundFailed when a rank did not answer within the timeout or is gone."""
+        try:
+            return collective(value)
+        except RuntimeError as e:   # gloo's errors (DistBackendError is one)
+            self._broken = True
+            raise RoundFailed(f"rank {self.rank} lost touch with the other ranks ({one_line(e)}); a rank is hung "
+                              "or gone") from e
 
     def _gather(self, value: Any) -> list[Any]:
         """Every rank's `value` on rank 0, in rank order ([] on the others)."""

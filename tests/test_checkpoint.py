@@ -688,7 +688,8 @@ def _meet(out_dir: str, name: str, rank: int, world_size: int) -> None:
 
 
 def _stuck_rank_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
-    """The job's timeout is 2 s; rank 1 is stuck for 6 s in a save, sync then async; then both save again."""
+    """The job's timeout is 2 s; rank 1 is stuck for 6 s in a save, sync then async; then both save again; then
+    rank 1 dies in the middle of a save."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=2))
     model = torch.nn.Linear(4, 4)
@@ -702,14 +703,22 @@ def _stuck_rank_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str
     outcomes["sync then"] = _save_outcome(lambda: save(ckpt_dir, 2, {"model": model}))
     outcomes["async then"] = _save_outcome(lambda: (saver.save(ckpt_dir, 3, {"model": model}, keep=3), saver.wait()))
     saver.close()
+    if rank == 1:   # then it dies in the middle of a save, hashing its files
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+        checkpoint._sha256_all = lambda *args: os._exit(0)
+    outcomes["gone"] = _save_outcome(lambda: save(ckpt_dir, 4, {"model": model}))
+    outcomes["left"] = {"steps": [i.step for i in list_checkpoints(ckpt_dir)],
+                        "temporary": [p.name for p in Path(ckpt_dir).glob(".tmp-*")]}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_in_a_save_fails_it_after_the_jobs_timeout(tmp_path: Path) -> None:
     """A rank stuck in a save past the timeout the job gave init_process_group: the others' save fails after that
-    timeout, with a one-line CheckpointError, sync or async; the group is made anew, and the next saves work
-    (failed before: the save's group waited torch's default 30 minutes, here it waited for the stuck rank)."""
+    timeout, with a one-line CheckpointError, sync or async; the group is made anew, and the next saves work. A rank
+    that dies mid-save fails it on the others at once, with a CheckpointError, and its partial files are removed
+    (failed before: the save's group waited torch's default 30 minutes, here it waited for the stuck rank; a dead
+    rank's peers raised gloo's RuntimeError and left the partial save's folder)."""
     ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
     out_dir.mkdir()
     mp.spawn(_stuck_rank_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2)
@@ -721,7 +730,10 @@ def test_a_rank_stuck_in_a_save_fails_it_after_the_jobs_timeout(tmp_path: Path) 
         assert ranks[1][scenario]["error"] is not None, (scenario, ranks[1][scenario])
     for outcomes in ranks:
         assert outcomes["sync then"]["error"] is None and outcomes["async then"]["error"] is None, outcomes
-    assert [i.step for i in list_checkpoints(ckpt_dir)] == [3, 2, 1]
+    gone = ranks[0]["gone"]
+    assert gone["error"] is not None and gone["seconds"] < 5 and "\n" not in gone["error"], gone
+    assert gone["error"].startswith("CheckpointError: ") and "lost touch" in gone["error"], gone
+    assert ranks[0]["left"] == {"steps": [3, 2, 1], "temporary": []}
 
 
 # --- in the background ----------------------------------------------------------------------

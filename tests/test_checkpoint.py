@@ -286,6 +286,45 @@ def test_resaving_a_step_killed_at_any_point_keeps_a_whole_copy_of_it(tmp_path: 
     assert at > 3   # the kills did land inside the save
 
 
+class _DiskLog:
+    """Stands for `os` in ckptstore: logs the folders it fsyncs and the renames, in order."""
+
+    def __init__(self, log: list[tuple[str, str]]) -> None:
+        self._log, self._folders = log, {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def open(self, path: object, flags: int, *args: object) -> int:
+        fd = os.open(path, flags, *args)
+        self._folders[fd] = str(path)
+        return fd
+
+    def fsync(self, fd: int) -> None:
+        if fd in self._folders:
+            self._log.append(("fsync", self._folders[fd]))
+        os.fsync(fd)
+
+    def replace(self, source: object, target: object) -> None:
+        self._log.append(("replace", str(target)))
+        os.replace(source, target)
+
+
+def test_a_resaved_step_is_durable_before_its_manifest_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a folder, the new copy's folder is fsynced before the manifest that names it replaces the old one, as a new
+    step's folder is before it is renamed in: else a power cut could leave a manifest naming files whose directory
+    entries never reached the disk, the older copy already gone (failed before: step_N/data-*/ was never fsynced)."""
+    model = _steps_2_and_3_saved(tmp_path)
+    log: list[tuple[str, str]] = []
+    monkeypatch.setattr(ckptstore, "os", _DiskLog(log))
+    save(tmp_path, 3, {"model": model}, keep=5)
+    monkeypatch.undo()
+    manifest = json.loads((tmp_path / "step_000000003" / checkpoint.MANIFEST).read_text())
+    data = str(tmp_path / "step_000000003" / manifest["data"])
+    commit = log.index(("replace", str(tmp_path / "step_000000003" / checkpoint.MANIFEST)))
+    assert ("fsync", data) in log[:commit], log
+
+
 def _no_space_writer(store: object, location: object) -> object:
     """A real DCP writer of `store`'s kind whose disk (or bucket) is full."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

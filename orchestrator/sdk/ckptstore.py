@@ -105,6 +105,8 @@ class FolderStore:
         again (`data`): its manifest replaced by one rename."""
         written, final = Path(written), Path(final)
         if data:
+            _fsync_dir(written)   # its files' entries, and its own, on the disk before the manifest that names them
+            _fsync_dir(final)
             _write_durably(final / MANIFEST, manifest)
         else:
             _write_durably(written / MANIFEST, manifest)

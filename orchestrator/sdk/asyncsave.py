@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from orchestrator.sdk.checkpoint import CheckpointInfo, SaveSession, check_keep
+from orchestrator.sdk.checkpoint import CheckpointInfo, SaveSession, check_keep, save_group
 from orchestrator.sdk.savegroup import SaveGroup
 from orchestrator.sdk.statedicts import StateDictReader
 
@@ -139,7 +139,7 @@ class AsyncSaver:
         """
         self.wait()   # one in flight: the staging buffers are the previous save's until it is written
         check_keep(keep)
-        self._group = SaveGroup.renewed(self._group)   # made on the first save: every rank saves
+        self._group = save_group(self._group, step)   # made on the first save: every rank saves
         try:
             staged, failure = self._stager.stage(SaveSession.state(objects, self._reader)), None
         except Exception as e:   # reported as any failure of the save is, on every rank: its writer tells the others

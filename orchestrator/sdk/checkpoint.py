@@ -89,7 +89,7 @@ def save(directory: str | Path, step: int, objects: Mapping[str, object], *, kee
     A failure on any rank fails the save on every rank at once (see `savegroup`).
     """
     global _sync_group
-    _sync_group = SaveGroup.renewed(_sync_group)
+    _sync_group = save_group(_sync_group, step)
     try:
         state, failure = SaveSession.state(objects), None
     except Exception as e:   # the other ranks hear of it in the save's first round, then this rank raises it
@@ -97,6 +97,14 @@ def save(directory: str | Path, step: int, objects: Mapping[str, object], *, kee
     session = SaveSession.start(directory, step, keep, _sync_group, failure)
     session.write(state)
     return session.finish()
+
+
+def save_group(group: SaveGroup | None, step: int) -> SaveGroup:
+    """The group of the save of `step` (`SaveGroup.renewed`: collective); CheckpointError if the ranks do not meet."""
+    try:
+        return SaveGroup.renewed(group)
+    except RoundFailed as e:
+        raise CheckpointError(f"checkpoint {step} was not saved: {e}") from e
 
 
 def check_keep(keep: int) -> None:

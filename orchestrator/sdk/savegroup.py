@@ -54,7 +54,8 @@ class SaveGroup:
     @classmethod
     def renewed(cls, group: SaveGroup | None) -> SaveGroup:
         """`group` while the default process group it was made in is the current one, else a new group: collective
-        over the default group (every rank calls it, in the same order); a group of one without a process group."""
+        over the default group (every rank calls it, in the same order); a group of one without a process group.
+        RoundFailed when the other ranks do not come within the timeout."""
         world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         if group is not None and group._world is world and not group._broken:
             return group
@@ -63,7 +64,11 @@ class SaveGroup:
         rank, size = dist.get_rank(), dist.get_world_size()
         default_store = dist.distributed_c10d._get_default_store()   # its timeout: init_process_group's
         store = dist.PrefixStore(f"tfsn-save-group/{next(_made)}/", default_store)
-        return cls(dist.ProcessGroupGloo(store, rank, size, default_store.timeout), rank, size, world)
+        try:
+            return cls(dist.ProcessGroupGloo(store, rank, size, default_store.timeout), rank, size, world)
+        except RuntimeError as e:   # a rank did not come within the timeout: hung, gone, or still in a failed save
+            raise RoundFailed(f"rank {rank} could not meet the other ranks ({one_line(e)}); a rank is hung or "
+                              "gone") from e
 
     def round(self, part: Callable[[], Part], decide: Callable[[list[Part]], list[Share]]) -> Share:
         """Every rank runs `part`; rank 0 gets all results in rank order, and `decide` returns each rank's share.

@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.sdk import checkpoint, ckptstore
+from orchestrator.sdk import run as sdk
 from orchestrator.sdk.asyncsave import AsyncSaver
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save
 
@@ -130,8 +137,9 @@ def test_optimizer_needs_exactly_one_module(tmp_path: Path) -> None:
 
 
 def test_optimizer_of_a_replaced_layer_names_the_problem(tmp_path: Path) -> None:
-    """A layer replaced after the optimizer was made: a clear error, at the asynchronous save too (failed
-    before: a bare KeyError: 0 from DCP's parameter mapping)."""
+    """A layer replaced after the optimizer was made: a clear error, at the asynchronous save too, from its wait as
+    any failure of an asynchronous save, on every rank alike (failed before: a bare KeyError: 0 from DCP's
+    parameter mapping)."""
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
     save(tmp_path, 1, objects)
@@ -142,6 +150,7 @@ def test_optimizer_of_a_replaced_layer_names_the_problem(tmp_path: Path) -> None
     saver = AsyncSaver()
     with pytest.raises(CheckpointError, match=message):
         saver.save(tmp_path, 2, objects, keep=3)
+        saver.wait()
     saver.close()
     with pytest.raises(CheckpointError, match=message):
         restore(tmp_path, objects)
@@ -211,6 +220,175 @@ def test_resaving_same_step_replaces_it(tmp_path: Path) -> None:
     save(tmp_path, 3, {"model": model})
     assert [p.name for p in tmp_path.iterdir()] == ["step_000000003"]
     assert torch.equal(load_tensors(tmp_path / "step_000000003")["model.weight"], model.weight)
+
+
+def _steps_2_and_3_saved(directory: str | Path) -> torch.nn.Linear:
+    """Checkpoints 2 and 3 of a model whose weights are 2 and 3; the model returned has weights 30."""
+    model = torch.nn.Linear(4, 4)
+    for step in (2, 3):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        save(directory, step, {"model": model}, keep=5)
+    with torch.no_grad():
+        model.weight.fill_(30)
+    return model
+
+
+class _Killer:
+    """Stands for `os` or `shutil` in ckptstore: the process is killed (a _Crash) at the `at`-th change to the disk."""
+
+    CHANGES = {"replace", "rename", "remove", "unlink", "rmdir", "fsync", "rmtree"}
+
+    def __init__(self, module: object, at: int, changes: list[int]) -> None:
+        self._module, self._at, self._changes = module, at, changes
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._module, name)
+        if name not in self.CHANGES:
+            return real
+
+        def change(*args: object, **kwargs: object) -> object:
+            self._changes[0] += 1
+            if self._changes[0] == self._at:
+                raise _Crash
+            return real(*args, **kwargs)
+
+        return change
+
+
+def test_resaving_a_step_killed_at_any_point_keeps_a_whole_copy_of_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saving a step that is already committed again (a job restored from it saves it once more) replaces it only
+    once the new copy is committed: killed at each change the save makes to the disk in turn, step 3 is there, old
+    or new (failed before: the committed copy was moved aside, then the new one renamed in; killed between the two
+    renames, step 3 was gone and restore fell back to step 2)."""
+    at, killed = 0, True
+    while killed:
+        at += 1
+        directory = tmp_path / str(at)
+        model = _steps_2_and_3_saved(directory)
+        changes = [0]
+        monkeypatch.setattr(ckptstore, "os", _Killer(os, at, changes))
+        monkeypatch.setattr(ckptstore, "shutil", _Killer(shutil, at, changes))
+        try:
+            save(directory, 3, {"model": model}, keep=5)
+            killed = False
+        except _Crash:
+            pass
+        monkeypatch.undo()
+        fresh = torch.nn.Linear(4, 4)
+        assert restore(directory, {"model": fresh}).step == 3, f"killed at change {at}"
+        assert fresh.weight.unique().tolist() in ([3.0], [30.0]) and (killed or fresh.weight[0, 0] == 30), at
+        assert [i.step for i in list_checkpoints(directory)] == [3, 2]
+        save(directory, 3, {"model": model}, keep=5)   # the job goes on: the same step saved once more is the new one
+        assert torch.equal(load_tensors(directory / "step_000000003")["model.weight"], torch.full((4, 4), 30.0))
+        assert sorted(p.name for p in directory.iterdir()) == ["step_000000002", "step_000000003"]
+    assert at > 3   # the kills did land inside the save
+
+
+class _DiskLog:
+    """Stands for `os` in ckptstore: logs the folders it fsyncs and the renames, in order."""
+
+    def __init__(self, log: list[tuple[str, str]]) -> None:
+        self._log, self._folders = log, {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def open(self, path: object, flags: int, *args: object) -> int:
+        fd = os.open(path, flags, *args)
+        self._folders[fd] = str(path)
+        return fd
+
+    def fsync(self, fd: int) -> None:
+        if fd in self._folders:
+            self._log.append(("fsync", self._folders[fd]))
+        os.fsync(fd)
+
+    def replace(self, source: object, target: object) -> None:
+        self._log.append(("replace", str(target)))
+        os.replace(source, target)
+
+
+def test_a_resaved_step_is_durable_before_its_manifest_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a folder, the new copy's folder is fsynced before the manifest that names it replaces the old one, as a new
+    step's folder is before it is renamed in: else a power cut could leave a manifest naming files whose directory
+    entries never reached the disk, the older copy already gone (failed before: step_N/data-*/ was never fsynced)."""
+    model = _steps_2_and_3_saved(tmp_path)
+    log: list[tuple[str, str]] = []
+    monkeypatch.setattr(ckptstore, "os", _DiskLog(log))
+    save(tmp_path, 3, {"model": model}, keep=5)
+    monkeypatch.undo()
+    manifest = json.loads((tmp_path / "step_000000003" / checkpoint.MANIFEST).read_text())
+    data = str(tmp_path / "step_000000003" / manifest["data"])
+    commit = log.index(("replace", str(tmp_path / "step_000000003" / checkpoint.MANIFEST)))
+    assert ("fsync", data) in log[:commit], log
+
+
+def _no_space_writer(store: object, location: object) -> object:
+    """A real DCP writer of `store`'s kind whose disk (or bucket) is full."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    folder = isinstance(store, ckptstore.FolderStore)
+
+    class NoSpace(FileSystemWriter if folder else FsspecWriter):   # type: ignore[misc]
+        def write_data(self, plan: object, planner: object) -> object:
+            raise OSError(28, "No space left on device")
+
+    return NoSpace(location) if folder else NoSpace(str(location), sync_files=False)
+
+
+def store_that_dies(base: type, where: str) -> type:
+    """A store (`base`: FolderStore or ObjectStore) whose save fails at `where` ("writing") or is killed there."""
+
+    class Dying(base):   # type: ignore[misc, valid-type]
+        def writer(self, location: object) -> object:
+            return _no_space_writer(self, location) if where == "writing" else super().writer(location)
+
+        def commit(self, *args: object) -> None:
+            if where == "before the manifest":
+                raise _Crash
+            super().commit(*args)
+
+        def remove(self, location: object) -> None:
+            if where == "after the manifest":
+                raise _Crash
+            super().remove(location)
+
+    return Dying
+
+
+RESAVE_DEATHS = ["writing", "before the manifest", "after the manifest"]
+
+
+def check_a_resave_that_dies(directory: str | Path, base: type, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 3 saved, then saved again with other weights by a store that fails or is killed at `where`: the
+    committed copy is still step 3 until the new one is committed, and the next save of step 3 works."""
+    model = _steps_2_and_3_saved(directory)
+    monkeypatch.setattr(checkpoint, "open_store", store_that_dies(base, where))
+    try:
+        save(directory, 3, {"model": model}, keep=5)
+    except CheckpointError as e:
+        assert where == "writing" and "No space left on device" in str(e)
+    except _Crash:
+        assert where != "writing"
+    monkeypatch.undo()
+    fresh = torch.nn.Linear(4, 4)
+    assert restore(directory, {"model": fresh}).step == 3
+    expected = 30.0 if where == "after the manifest" else 3.0
+    assert torch.equal(fresh.weight, torch.full((4, 4), expected))
+    assert [i.step for i in list_checkpoints(directory)] == [3, 2]
+    with torch.no_grad():
+        model.weight.fill_(31)
+    save(directory, 3, {"model": model}, keep=5)
+    location = f"{directory}/step_000000003" if isinstance(directory, str) else directory / "step_000000003"
+    assert torch.equal(load_tensors(location)["model.weight"], torch.full((4, 4), 31.0))
+
+
+@pytest.mark.parametrize("where", RESAVE_DEATHS)
+def test_a_resave_that_fails_or_dies_keeps_the_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              where: str) -> None:
+    check_a_resave_that_dies(tmp_path, ckptstore.FolderStore, where, monkeypatch)
 
 
 def _save_three(tmp_path: Path) -> torch.nn.Linear:
@@ -406,6 +584,196 @@ def test_two_ranks_ddp_gloo(tmp_path: Path, background: bool) -> None:
     # Without a process group the checkpoint reads back as plain tensors, without the DDP prefix.
     tensors = load_tensors(info.path)
     assert "model.0.weight" in tensors and not any(k.startswith("model.module.") for k in tensors)
+
+
+class _Loader:
+    """A stateful object (a data loader's position, say) whose state cannot be read on one rank."""
+
+    def __init__(self, broken: bool) -> None:
+        self.broken = broken
+
+    def state_dict(self) -> dict[str, object]:
+        if self.broken:
+            raise RuntimeError("the loader's worker died")
+        return {"position": 7}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        pass
+
+
+def _read_only_folder(directory: str | Path) -> ckptstore.FolderStore:
+    """This rank's mount of the checkpoint folder is read-only."""
+
+    class ReadOnly(ckptstore.FolderStore):
+        def prepare(self, location: object) -> None:
+            raise PermissionError(13, "Permission denied", str(location))
+
+    return ReadOnly(directory)
+
+
+def _save_outcome(save_it: Callable[[], object]) -> dict[str, object]:
+    began = time.monotonic()
+    try:
+        save_it()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - began}
+
+
+def _failing_rank_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
+    """Saves in which rank 1 fails (its objects' state, its folder), sync and async, then saves that work; then an
+    async save still in flight when the script destroys the process group (rank 0 then calls finish, rank 1 exits)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))
+    model = torch.nn.Linear(4, 4)
+    save(ckpt_dir, 1, {"model": model})
+    saver = AsyncSaver()
+    outcomes: dict[str, dict[str, object]] = {}
+    real_open_store = checkpoint.open_store
+    for failure in ("state", "folder"):
+        objects = {"model": model, "loader": _Loader(broken=failure == "state" and rank == 1)}
+        if failure == "folder" and rank == 1:
+            checkpoint.open_store = _read_only_folder
+        outcomes[f"sync {failure}"] = _save_outcome(lambda: save(ckpt_dir, 2, objects))
+        outcomes[f"async {failure}"] = _save_outcome(lambda: (saver.save(ckpt_dir, 2, objects, keep=3), saver.wait()))
+        checkpoint.open_store = real_open_store
+    outcomes["left"] = {"steps": [i.step for i in list_checkpoints(ckpt_dir)],
+                        "temporary": [p.name for p in Path(ckpt_dir).glob(".tmp-*")]}
+    outcomes["sync then"] = _save_outcome(lambda: save(ckpt_dir, 2, {"model": model}))   # the training goes on
+    outcomes["async then"] = _save_outcome(lambda: (saver.save(ckpt_dir, 3, {"model": model}, keep=3), saver.wait()))
+    saver.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+
+    run = sdk.Run(checkpoint_dir=ckpt_dir, checkpoint_interval=1, keep=3, total_steps=5, async_save=True)
+    real_commit = checkpoint._commit
+
+    def slow_commit(*args: object) -> object:   # the last save is still being written when the group goes
+        time.sleep(1)
+        return real_commit(*args)
+
+    for step in run.steps(3):
+        with torch.no_grad():
+            model.weight.fill_(step + 1)
+        if step == 4:
+            checkpoint._commit = slow_commit
+        run.checkpoint(model=model)
+    dist.destroy_process_group()
+    if rank == 0:
+        run.finish()   # rank 1 leaves the wait for the last save to the exit
+
+
+@pytest.fixture(scope="module")
+def failing_rank_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str | None, list[dict[str, dict]]]:
+    tmp_path = tmp_path_factory.mktemp("failing-rank")
+    ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    try:
+        mp.spawn(_failing_rank_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2)
+        died = None
+    except Exception as e:   # a rank that raised, or exited with a failure
+        died = str(e)
+    return ckpt_dir, died, [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+
+
+@pytest.mark.timeout(180)
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank_at_once(failing_rank_results) -> None:
+    """Rank 1 cannot read its objects' state, or cannot write its folder: both ranks hear of it at once, sync or
+    async, with a one-line error naming rank 1's problem; the earlier checkpoint stays, and later saves work
+    (failed before: rank 1 raised before the save's first collective, and rank 0 waited in it until the process
+    group's timeout, 30 s here)."""
+    _, _, ranks = failing_rank_results
+    assert len(ranks) == 2
+    for scenario in ("sync state", "async state", "sync folder", "async folder"):
+        cause = "the loader's worker died" if scenario.endswith("state") else "Permission denied"
+        for rank, outcomes in enumerate(ranks):
+            outcome = outcomes[scenario]
+            assert outcome["error"] is not None and outcome["seconds"] < 10, (scenario, rank, outcome)
+            assert cause in outcome["error"] and "\n" not in outcome["error"], (scenario, rank, outcome)
+        assert ranks[0][scenario]["error"].startswith("CheckpointError: ") and "rank 1" in ranks[0][scenario]["error"]
+    assert ranks[0]["left"] == {"steps": [1], "temporary": []}
+    for outcomes in ranks:
+        assert outcomes["sync then"]["error"] is None and outcomes["async then"]["error"] is None, outcomes
+
+
+@pytest.mark.timeout(180)
+def test_the_last_save_is_committed_when_the_script_destroys_the_process_group_first(failing_rank_results) -> None:
+    """`dist.destroy_process_group()` while the last save is written in the background, then `run.finish()` on rank
+    0 and nothing on rank 1 (its exit waits): the save is committed (failed before: destroying the group ended the
+    write's collectives under it, and the last checkpoint was lost)."""
+    ckpt_dir, died, _ = failing_rank_results
+    assert died is None
+    assert [i.step for i in list_checkpoints(ckpt_dir)] == [5, 4, 3]
+    assert torch.equal(load_tensors(ckpt_dir / "step_000000005")["model.weight"], torch.full((4, 4), 5.0))
+
+
+class _StuckLoader(_Loader):
+    """A stateful object whose state takes `seconds` to read on this rank (a stuck read of a mount, say)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(broken=False)
+        self.seconds = seconds
+
+    def state_dict(self) -> dict[str, object]:
+        time.sleep(self.seconds)
+        return super().state_dict()
+
+
+def _meet(out_dir: str, name: str, rank: int, world_size: int) -> None:
+    """Wait until every rank got here, without a collective (the ranks' groups are what is tested)."""
+    Path(out_dir, f"{name}.{rank}").touch()
+    while len(list(Path(out_dir).glob(f"{name}.*"))) < world_size:
+        time.sleep(0.05)
+
+
+def _stuck_rank_worker(rank: int, world_size: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
+    """The job's timeout is 2 s; rank 1 is stuck for 6 s in a save, sync then async (rank 0 starts the latter while
+    rank 1 is still in the former); then both save again; then rank 1 dies in the middle of a save."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=2))
+    model = torch.nn.Linear(4, 4)
+    save(ckpt_dir, 1, {"model": model})
+    saver = AsyncSaver()
+    objects = {"model": model, "loader": _StuckLoader(6 if rank == 1 else 0)}
+    outcomes = {"sync": _save_outcome(lambda: save(ckpt_dir, 2, objects))}
+    outcomes["async"] = _save_outcome(lambda: (saver.save(ckpt_dir, 2, objects, keep=3), saver.wait()))
+    _meet(out_dir, "async", rank, world_size)
+    outcomes["sync then"] = _save_outcome(lambda: save(ckpt_dir, 2, {"model": model}))
+    outcomes["async then"] = _save_outcome(lambda: (saver.save(ckpt_dir, 3, {"model": model}, keep=3), saver.wait()))
+    saver.close()
+    if rank == 1:   # then it dies in the middle of a save, hashing its files
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+        checkpoint._sha256_all = lambda *args: os._exit(0)
+    outcomes["gone"] = _save_outcome(lambda: save(ckpt_dir, 4, {"model": model}))
+    outcomes["left"] = {"steps": [i.step for i in list_checkpoints(ckpt_dir)],
+                        "temporary": [p.name for p in Path(ckpt_dir).glob(".tmp-*")]}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcomes))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stuck_in_a_save_fails_it_after_the_jobs_timeout(tmp_path: Path) -> None:
+    """A rank stuck in a save past the timeout the job gave init_process_group: the others' save fails after that
+    timeout, with a one-line CheckpointError, sync or async (a save whose group the stuck rank does not come to make
+    anew too); the group is made anew, and the next saves work. A rank
+    that dies mid-save fails it on the others at once, with a CheckpointError, and its partial files are removed
+    (failed before: the save's group waited torch's default 30 minutes, here it waited for the stuck rank; a dead
+    rank's peers raised gloo's RuntimeError and left the partial save's folder; a group not made, gloo's 'Wait
+    timeout')."""
+    ckpt_dir, out_dir = tmp_path / "ckpt", tmp_path / "out"
+    out_dir.mkdir()
+    mp.spawn(_stuck_rank_worker, args=(2, str(tmp_path / "init"), str(ckpt_dir), str(out_dir)), nprocs=2)
+    ranks = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    for scenario in ("sync", "async"):
+        outcome = ranks[0][scenario]
+        assert outcome["error"] is not None and outcome["seconds"] < 5, (scenario, outcome)
+        assert outcome["error"].startswith("CheckpointError: ") and "\n" not in outcome["error"], (scenario, outcome)
+        assert ranks[1][scenario]["error"] is not None, (scenario, ranks[1][scenario])
+    for outcomes in ranks:
+        assert outcomes["sync then"]["error"] is None and outcomes["async then"]["error"] is None, outcomes
+    gone = ranks[0]["gone"]
+    assert gone["error"] is not None and gone["seconds"] < 5 and "\n" not in gone["error"], gone
+    assert gone["error"].startswith("CheckpointError: ") and "lost touch" in gone["error"], gone
+    assert ranks[0]["left"] == {"steps": [3, 2, 1], "temporary": []}
 
 
 # --- in the background ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ on: resume bit for bit, keep-N, a half-written checkpoint ignored, a corrupted s
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,11 +20,12 @@ pytest.importorskip("moto.server")
 import boto3  # noqa: E402
 import torch  # noqa: E402
 
-from orchestrator.sdk import checkpoint  # noqa: E402
+from orchestrator.sdk import checkpoint, ckptstore  # noqa: E402
 from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save  # noqa: E402
 from tests.awsfaults import forget_s3_clients, moto_server  # noqa: E402
 from tests.conftest import EXAMPLE, FAST_MODEL  # noqa: E402
-from tests.test_checkpoint import TOTAL_STEPS, assert_same_state, make_objects, train  # noqa: E402
+from tests.test_checkpoint import (  # noqa: E402
+    RESAVE_DEATHS, TOTAL_STEPS, assert_same_state, check_a_resave_that_dies, make_objects, train)
 
 BUCKET = "tfsn-ckpt"
 
@@ -43,6 +45,7 @@ def bucket(s3_server, monkeypatch, tmp_path, request):
                         "AWS_EC2_METADATA_DISABLED": "true"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
+    forget_s3_clients()   # none made with another test's credentials (or none: see the no-credentials test)
     s3 = boto3.client("s3")
     name = f"{BUCKET}-{re.sub(r'[^a-z0-9]', '-', request.node.name.lower())}"[:63].rstrip("-")
     s3.create_bucket(Bucket=name)
@@ -188,3 +191,14 @@ def test_a_node_without_credentials_for_the_bucket_is_told_which_field_gives_the
     message = str(caught.value)
     assert "\n" not in message and f"s3://{BUCKET}-nocreds/run" in message
     assert "resources.remote_identity" in message and "mounted" not in message
+
+
+@pytest.mark.parametrize("where", RESAVE_DEATHS)
+def test_a_resave_on_s3_that_fails_or_dies_keeps_the_committed_step(bucket, monkeypatch, where: str) -> None:
+    """Saving a committed step again writes the new copy beside the old one and commits it with the manifest (failed
+    before: the old copy was deleted first, so a failure or a kill before the new manifest lost step 3)."""
+    s3, name = bucket
+    check_a_resave_that_dies(f"s3://{name}/run", ckptstore.ObjectStore, where, monkeypatch)
+    listed = json.loads(s3.get_object(Bucket=name, Key=f"run/step_000000003/{checkpoint.MANIFEST}")["Body"].read())
+    under = {k.split("/", 2)[2] for k in keys(s3, name) if k.startswith("run/step_000000003/")}
+    assert under == set(listed["files"]) | {checkpoint.MANIFEST}   # the older copies are gone

@@ -9,30 +9,32 @@ torch.distributed.checkpoint's write, the checksums, the commit and pruning. Why
 it builds an executor and starts a thread per call (2.7 ms per save of the example, 2 ranks on this
 busy 2-core machine), and it leaves agreeing on the save's name, a collective, on the training thread
 (3.3 ms), which also waited there for the slowest rank. The writer's collectives run in a gloo group of
-their own, so they never interleave with the training's.
+their own (see `savegroup`), so they never interleave with the training's, and a script that destroys its
+process group while the last save is written does not end that save.
 
 At most one save is in flight: a save that finds the previous one still writing waits for it (every
 rank waits, so the ranks never disagree about which saves exist; skipping would need one more vote).
 The wait counts as the new save's stall, and `auto` intervals keep saves further apart than a write
 takes. A save that fails in the background raises its CheckpointError from the next `save` or from
-`wait`; a crash before the commit leaves the previous checkpoint the newest.
+`wait`, on every rank, whichever rank it failed on (a rank whose state could not be staged too: the ranks
+must go on alike, or the next save would wait for one that does not come). A crash before the commit
+leaves the previous checkpoint the newest.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from orchestrator.sdk.checkpoint import NO_DIST_WARNING, CheckpointInfo, SaveSession, check_keep
+from orchestrator.sdk.checkpoint import CheckpointInfo, SaveSession, check_keep, save_group
+from orchestrator.sdk.savegroup import SaveGroup
 from orchestrator.sdk.statedicts import StateDictReader
 
 
@@ -122,7 +124,7 @@ class AsyncSaver:
     """Saves of one training process, each written in the background by one writer thread, one at a time."""
 
     def __init__(self) -> None:
-        self._group: Any = None
+        self._group: SaveGroup | None = None
         self._reader = StateDictReader()
         self._stager = ReusedBuffers()
         self._pending: PendingSave | None = None
@@ -137,10 +139,13 @@ class AsyncSaver:
         """
         self.wait()   # one in flight: the staging buffers are the previous save's until it is written
         check_keep(keep)
-        group = self._checkpoint_group()
-        staged = self._stager.stage(SaveSession.state(objects, self._reader))
-        self._pending = PendingSave(step, self._writer.submit(self._write, directory, step, keep, group, staged,
-                                                              done))
+        self._group = save_group(self._group, step)   # made on the first save: every rank saves
+        try:
+            staged, failure = self._stager.stage(SaveSession.state(objects, self._reader)), None
+        except Exception as e:   # reported as any failure of the save is, on every rank: its writer tells the others
+            staged, failure = {}, e
+        self._pending = PendingSave(step, self._writer.submit(self._write, directory, step, keep, self._group, staged,
+                                                              failure, done))
         return self._pending
 
     def wait(self) -> CheckpointInfo | None:
@@ -163,22 +168,15 @@ class AsyncSaver:
             self._stager.close()
 
     @staticmethod
-    def _write(directory: str | Path, step: int, keep: int, group: Any, staged: STATE_DICT_TYPE,
-               done: Callable[[CheckpointInfo | None], None]) -> CheckpointInfo:
-        """The writer thread: the whole save protocol of `checkpoint.save`, on the staged copy."""
+    def _write(directory: str | Path, step: int, keep: int, group: SaveGroup, staged: STATE_DICT_TYPE,
+               failure: Exception | None, done: Callable[[CheckpointInfo | None], None]) -> CheckpointInfo:
+        """The writer thread: the whole save protocol of `checkpoint.save`, on the staged copy (or, with
+        `failure`, the staging's error, which fails the save on every rank in its first round)."""
         info = None
         try:
-            session = SaveSession.start(directory, step, keep, group)
-            if not session.distributed:   # catch_warnings is not thread-safe: this thread filters for good
-                warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+            session = SaveSession.start(directory, step, keep, group, failure)
             session.write(staged)
             info = session.finish()
             return info
         finally:
             done(info)
-
-    def _checkpoint_group(self) -> Any:
-        """A gloo group for the writer's collectives, made on the first save (collective: all ranks save)."""
-        if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
-        return self._group

@@ -1,7 +1,8 @@
 """Atomic, verified training checkpoints on top of torch.distributed.checkpoint (DCP).
 
 A checkpoint is ``DIR/step_000000123/``: the DCP files (one or more ``.distcp`` per rank plus
-``.metadata``) and ``tfsn-manifest.json`` with the sha256 of every file. ``DIR`` is a folder or an
+``.metadata``, in a ``data-*`` folder of their own when the step was saved again) and
+``tfsn-manifest.json`` with the sha256 of every file. ``DIR`` is a folder or an
 s3://, gs:// or az:// URL (see ``ckptstore``); either way a checkpoint becomes visible only once it is
 complete, so a crash at any point leaves the old set of checkpoints or the new one, never a half one.
 Checksums are computed by all ranks together, each hashing its share of the files; ``restore``
@@ -18,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import random
+import re
 import secrets
 import time
 import warnings
@@ -29,7 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,7 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from orchestrator.sdk.ckptstore import MANIFEST, Location, Store, StorageUnavailable, open_store, step_of
+from orchestrator.sdk.ckptstore import (DATA_PREFIX, MANIFEST, Location, Store, StorageUnavailable, open_store,
+                                        step_of)
+from orchestrator.sdk.savegroup import RoundFailed, SaveGroup, one_line
 from orchestrator.sdk.statedicts import StateDictReader
 from orchestrator.spec import checkpoint_url_scheme
 
@@ -52,6 +59,8 @@ NO_DIST_WARNING = r"torch\.distributed is (disabled|unavailable)"
 # Checkpoints whose checksums this process computed or verified: (location, saved_at). Lets
 # pruning skip re-hashing gigabytes on every save.
 _known_good: set[tuple[str, float]] = set()
+_DATA_DIR = re.compile(rf"|{DATA_PREFIX}[0-9a-f]+")
+_sync_group: SaveGroup | None = None   # the collectives of `save` (an AsyncSaver has a group of its own)
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,28 @@ def save(directory: str | Path, step: int, objects: Mapping[str, object], *, kee
     """Save ``objects`` (plus every rank's RNG state) as the checkpoint for ``step``, now.
 
     Collective when a process group is initialized: all ranks must call it. Keeps the newest
-    ``keep`` valid checkpoints (always including this one) and deletes older ones.
+    ``keep`` valid checkpoints (always including this one) and deletes older ones. A step that is already
+    saved is saved again (the newest state wins, as a second ``torch.save`` to one file would), but its
+    committed copy stays until the new one is committed: a failure or a crash meanwhile leaves it as it was.
+    A failure on any rank fails the save on every rank at once (see `savegroup`).
     """
-    state = SaveSession.state(objects)   # first: an object that cannot give its state leaves nothing behind
-    session = SaveSession.start(directory, step, keep)
-    with quiet_no_dist():
-        session.write(state)
+    global _sync_group
+    _sync_group = save_group(_sync_group, step)
+    try:
+        state, failure = SaveSession.state(objects), None
+    except Exception as e:   # the other ranks hear of it in the save's first round, then this rank raises it
+        state, failure = {}, e
+    session = SaveSession.start(directory, step, keep, _sync_group, failure)
+    session.write(state)
     return session.finish()
+
+
+def save_group(group: SaveGroup | None, step: int) -> SaveGroup:
+    """The group of the save of `step` (`SaveGroup.renewed`: collective); CheckpointError if the ranks do not meet."""
+    try:
+        return SaveGroup.renewed(group)
+    except RoundFailed as e:
+        raise CheckpointError(f"checkpoint {step} was not saved: {e}") from e
 
 
 def check_keep(keep: int) -> None:
@@ -90,40 +114,48 @@ def check_keep(keep: int) -> None:
 
 
 class SaveSession:
-    """One save in three steps: `start` (where to write, agreed by all ranks), `write` (DCP's) of `state()`,
-    `finish` (checksums by all ranks, the commit by rank 0, pruning). `group` is the process group of its
-    collectives (None: the default group), so that a background save can keep off the training's."""
+    """One save in three collective steps, each a round of `group` (see savegroup): `start` (where to write,
+    chosen by rank 0 once every rank is ready), `write` (DCP's plan, then its write) of `state()`, `finish`
+    (checksums by all ranks, the commit by rank 0, pruning). A failure in a step fails it on every rank."""
 
-    def __init__(self, store: Store, final: Location, written: Location, step: int, keep: int,
-                 group: Any, started: float) -> None:
-        self.store, self.final, self.written, self.group = store, final, written, group
+    def __init__(self, store: Store, final: Location, written: Location, data: str, step: int, keep: int,
+                 group: SaveGroup, started: float) -> None:
+        self.store, self.final, self.written, self.data, self.group = store, final, written, data, group
         self.step, self.keep = step, keep
-        self.distributed, self.rank, self.world_size = _dist_info()
         self.started = started
+        self._share: list[str] = []      # the files this rank hashes (`write` lists them)
+        self._names: list[str] = []      # all the files written (rank 0)
 
     @classmethod
-    def start(cls, directory: str | Path, step: int, keep: int, group: Any = None) -> SaveSession:
-        """Collective: rank 0 picks where DCP writes (making ``step_N`` invisible on an object store)."""
+    def start(cls, directory: str | Path, step: int, keep: int, group: SaveGroup,
+              failure: Exception | None = None) -> SaveSession:
+        """Collective: every rank opens the store (or reports `failure`, its state that could not be read), then
+        rank 0 picks where DCP writes. The rank with the `failure` raises it; the others a CheckpointError."""
         check_keep(keep)
         started = time.time()
-        distributed, rank, _ = _dist_info()
         name = f"step_{step:09d}"
-        plan: tuple[Location | None, str | None] = (None, None)
-        if rank == 0:
+        stores: list[Store] = []
+
+        def ready() -> None:
+            if failure is not None:
+                raise CheckpointError(f"reading the state to save failed: {_one_line(failure)}")
+            stores.append(_open(directory))
+
+        def begin(_: list[None]) -> list[tuple[Location, str]]:
+            store = stores[0]
             try:
-                store = _open(directory)
-                plan = (store.begin(store.child(store.root, name), secrets.token_hex(6)), None)
-            except CheckpointError as e:
-                plan = (None, str(e))
-            except Exception as e:  # any failure here must reach the other ranks, or they wait for ever
-                plan = (None, f"cannot write checkpoint {step} to {directory}: {_one_line(e)}; "
-                              "check it exists and is writable")
-        written, problem = _broadcast(plan, distributed, group)
-        if problem is not None:
-            raise CheckpointError(problem)
-        store = _open(directory)
-        store.prepare(written)
-        return cls(store, store.child(store.root, name), written, step, keep, group, started)
+                return [store.begin(store.child(store.root, name), secrets.token_hex(6))] * group.size
+            except Exception as e:
+                raise CheckpointError(f"cannot write to {directory} ({_one_line(e)}); check it exists and is "
+                                      "writable") from e
+
+        try:
+            written, data = group.round(ready, begin)
+        except RoundFailed as e:
+            if failure is not None:
+                raise failure from None
+            raise CheckpointError(f"checkpoint {step} was not saved: {e}") from e
+        return cls(stores[0], stores[0].child(stores[0].root, name), written, data, step, keep, group, started)
 
     @staticmethod
     def state(objects: Mapping[str, object], reader: StateDictReader | None = None) -> dict[str, Any]:
@@ -134,57 +166,79 @@ class SaveSession:
         return state
 
     def write(self, state: dict[str, Any]) -> None:
-        """Collective: DCP writes `state` where `start` agreed; on failure the partial files are removed."""
+        """Collective: DCP's steps in two rounds (plans, then the data with DCP's metadata and a listing by rank 0);
+        on failure the partial files are removed. The steps are those StorageWriter documents, driven here because
+        DCP's `save` runs them over a group torch.distributed knows (see savegroup)."""
+        planner, coordinator = DefaultSavePlanner(), self.group.rank == 0
+        writers: list[StorageWriter] = []
+        metadata: list[Metadata] = []
+
+        def plan() -> SavePlan:
+            self.store.prepare(self.written)
+            writers.append(self.store.writer(self.written))
+            planner.set_up_planner(state_dict=state, storage_meta=writers[0].storage_meta(),
+                                   is_coordinator=coordinator)
+            writers[0].set_up_storage_writer(coordinator)
+            return writers[0].prepare_local_plan(planner.create_local_plan())
+
+        def plan_globally(plans: list[SavePlan]) -> list[SavePlan]:
+            plans, global_metadata = planner.create_global_plan(plans)
+            metadata.append(global_metadata)
+            return writers[0].prepare_global_plan(plans)
+
+        def write_data() -> list[WriteResult]:
+            writes = writers[0].write_data(planner.finish_plan(local_plan), planner)
+            writes.wait()
+            return writes.value()
+
+        def finish_and_list(results: list[list[WriteResult]]) -> list[list[str]]:
+            writers[0].finish(metadata=metadata[0], results=results)
+            self._names = self.store.files(self.written)
+            return [self._names[r::self.group.size] for r in range(self.group.size)]   # each rank hashes a share
+
         try:
-            dcp.save(state, storage_writer=self.store.writer(self.written), process_group=self.group,
-                     no_dist=not self.distributed)
-        except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException; it fails on every rank
-            if self.rank == 0:
-                self.store.remove(self.written)
-            raise CheckpointError(f"writing checkpoint {self.written} failed: {_one_line(e)}; "
+            local_plan = self.group.round(plan, plan_globally)
+            self._share = self.group.round(write_data, finish_and_list)
+        except RoundFailed as e:
+            self._discard()
+            raise CheckpointError(f"writing checkpoint {self.written} failed: {e}; "
                                   "earlier checkpoints are untouched") from e
 
     def finish(self) -> CheckpointInfo:
         """Collective: hash the files (each rank its share), commit on rank 0, prune; the same outcome everywhere."""
-        names: list[str] | str | None = None
-        if self.rank == 0:
-            try:
-                names = self.store.files(self.written)
-            except Exception as e:   # every failure must reach the other ranks as an outcome, or they wait for ever
-                names = f"listing {self.written} failed: {_one_line(e)}"
-        names = _broadcast(names, self.distributed, self.group)
-        digests: dict[str, str] | str = {}
-        if isinstance(names, list):
-            try:
-                digests = _hash_share(self.store, self.written, names, self.rank, self.world_size)
-            except Exception as e:
-                digests = f"reading back {self.written} failed: {_one_line(e)}"
-        shares = _all_gather(digests, self.distributed, self.group)
-        outcome: CheckpointInfo | str | None = None
-        if self.rank == 0:
-            problem = names if isinstance(names, str) else next((s for s in shares if isinstance(s, str)), None)
-            outcome = self._commit_and_prune(names, shares, problem)
-        # The broadcast doubles as the final barrier: no rank continues before the commit.
-        outcome = _broadcast(outcome, self.distributed, self.group)
-        if isinstance(outcome, str):
-            raise CheckpointError(outcome)
-        return outcome
+        def digests() -> dict[str, str]:
+            paths = [self.store.child(self.written, n) for n in self._share]
+            return dict(zip(self._share, _sha256_all(self.store, paths)))
 
-    def _commit_and_prune(self, names: Any, shares: list[Any], problem: str | None) -> CheckpointInfo | str:
-        try:
-            if problem is not None:
-                raise CheckpointError(problem)
+        def commit(shares: list[dict[str, str]]) -> list[CheckpointInfo]:
             files = {name: digest for share in shares for name, digest in share.items()}
-            info = _commit(self.store, self.written, self.final, self.step, self.world_size, self.started,
-                           {n: files[n] for n in names})
-        except Exception as e:
-            self.store.remove(self.written)
-            return f"committing checkpoint {self.final} failed: {_one_line(e)}; earlier checkpoints are untouched"
+            info = _commit(self.store, self.written, self.final, self.data, self.step, self.group.size,
+                           self.started, {n: files[n] for n in self._names})
+            try:
+                if self.data:
+                    self.store.remove_replaced(self.final, self.data)
+                _prune(self.store, info, self.keep, self.started)
+            except Exception as e:
+                warnings.warn(f"pruning old checkpoints in {self.store.root} failed: {e}", stacklevel=2)
+            return [info] * self.group.size
+
         try:
-            _prune(self.store, info, self.keep, self.started)
-        except Exception as e:
-            warnings.warn(f"pruning old checkpoints in {self.store.root} failed: {e}", stacklevel=2)
-        return info
+            return self.group.round(digests, commit)
+        except RoundFailed as e:
+            self._discard()
+            raise CheckpointError(f"committing checkpoint {self.final} failed: {e}; "
+                                  "earlier checkpoints are untouched") from e
+
+    def _discard(self) -> None:
+        """Rank 0, after a failed step: remove what this save wrote, unless the step's manifest names it after all
+        (a failure after the commit); what cannot be removed goes with a later save."""
+        if self.group.rank != 0:
+            return
+        with contextlib.suppress(Exception):
+            if self.data and _read_manifest(self.store, self.final)["data"] == self.data:
+                return
+        with contextlib.suppress(Exception):
+            self.store.remove(self.written)
 
 
 def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointInfo | None:
@@ -215,15 +269,16 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
         if problem is None:
             _known_good.add((str(location), manifest["saved_at"]))
             info = CheckpointInfo(manifest["step"], location, manifest["saved_at"], manifest.get("bytes", 0), 0.0)
-            _load(store, info, manifest["world_size"], objects)
+            _load(store, info, manifest, objects)
             return info
         if rank == 0:
             warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
     return None
 
 
-def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Mapping[str, object]) -> None:
+def _load(store: Store, info: CheckpointInfo, manifest: dict[str, Any], objects: Mapping[str, object]) -> None:
     distributed, rank, world_size = _dist_info()
+    saved_world_size, files = manifest["world_size"], _dcp_files(store, info.path, manifest)
     state = _state_dicts(objects)
     rng_key = _RNG_KEY.format(rank)
     restore_rng = saved_world_size == world_size
@@ -236,9 +291,9 @@ def _load(store: Store, info: CheckpointInfo, saved_world_size: int, objects: Ma
             stacklevel=3,
         )
     try:
-        _only_saved_optimizer_state(objects, state, store.reader(info.path).read_metadata().state_dict_metadata)
+        _only_saved_optimizer_state(objects, state, store.reader(files).read_metadata().state_dict_metadata)
         with quiet_no_dist():
-            dcp.load(state, storage_reader=store.reader(info.path), no_dist=not distributed)
+            dcp.load(state, storage_reader=store.reader(files), no_dist=not distributed)
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointError(
             f"loading checkpoint {info.path} failed: {_one_line(e)}; pass the same objects it was saved with"
@@ -283,15 +338,15 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     location: Location = path if isinstance(path, str) and checkpoint_url_scheme(path) else Path(path)
     parent = str(location).rstrip("/").rsplit("/", 1)[0] if isinstance(location, str) else location.parent
     store = _open(parent)
-    _verify(store, location)
-    metadata = store.reader(location).read_metadata()
+    files = _dcp_files(store, location, _verify(store, location)[1])
+    metadata = store.reader(files).read_metadata()
     tensors = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
     with quiet_no_dist():
-        dcp.load(tensors, storage_reader=store.reader(location), no_dist=True)
+        dcp.load(tensors, storage_reader=store.reader(files), no_dist=True)
     return tensors
 
 
@@ -386,16 +441,19 @@ def _numpy_random_state() -> Any:
 # --- files ----------------------------------------------------------------------------------
 
 
-def _commit(store: Store, written: Location, final: Location, step: int, world_size: int, started: float,
+def _commit(store: Store, written: Location, final: Location, data: str, step: int, world_size: int, started: float,
             files: dict[str, str]) -> CheckpointInfo:
-    """Write the manifest (the commit: see ckptstore) of the DCP files in ``written`` with their checksums."""
+    """Write the manifest (the commit: see ckptstore) of the DCP files in ``written`` with their checksums; their
+    names are relative to ``final`` (``written`` is ``final``'s folder ``data`` when the step is saved again)."""
     if ".metadata" not in files:
         raise CheckpointError(f"{written} has no DCP .metadata after saving")
     size = sum(store.sizes(written, list(files)).values())
     saved_at = time.time()
-    manifest = {"format": FORMAT, "step": step, "saved_at": saved_at, "world_size": world_size, "bytes": size,
-                "files": files}
-    store.commit(written, final, json.dumps(manifest, indent=1).encode())
+    manifest: dict[str, Any] = {"format": FORMAT, "step": step, "saved_at": saved_at, "world_size": world_size,
+                                "bytes": size, "files": {_inside(data, n): d for n, d in files.items()}}
+    if data:
+        manifest["data"] = data
+    store.commit(written, final, json.dumps(manifest, indent=1).encode(), data)
     _known_good.add((str(final), saved_at))
     return CheckpointInfo(step, final, saved_at, size, time.time() - started)
 
@@ -434,18 +492,19 @@ def _read_manifest(store: Store, location: Location) -> dict[str, Any]:
         manifest = json.loads(store.read_bytes(store.child(location, MANIFEST)))
         fields = {"step": int(manifest["step"]), "saved_at": float(manifest["saved_at"]),
                   "world_size": int(manifest["world_size"]), "files": dict(manifest["files"]),
-                  "bytes": int(manifest.get("bytes", 0))}
+                  "bytes": int(manifest.get("bytes", 0)), "data": str(manifest.get("data", ""))}
         if manifest["format"] != FORMAT:
             raise ValueError(f"unknown format {manifest['format']}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{location}: manifest missing or unreadable ({e}); it was not completely written") from e
-    if ".metadata" not in fields["files"] or fields["step"] != step_of(location):
+    if (not _DATA_DIR.fullmatch(fields["data"]) or _inside(fields["data"], ".metadata") not in fields["files"]
+            or fields["step"] != step_of(location)):
         raise CheckpointError(f"{location}: manifest does not describe this DCP checkpoint; do not use it")
     return fields
 
 
-def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[CheckpointInfo, int]:
-    """Check manifest, presence and sha256 of every file in this process; the info and the saved world size.
+def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[CheckpointInfo, dict[str, Any]]:
+    """Check manifest, presence and sha256 of every file in this process; the info and the manifest.
 
     ``rehash=False`` trusts checksums this process already computed for the same checkpoint.
     """
@@ -456,7 +515,16 @@ def _verify(store: Store, location: Location, *, rehash: bool = True) -> tuple[C
         raise CheckpointError(problem)
     _known_good.add((str(location), manifest["saved_at"]))
     size = manifest["bytes"] or sum(store.sizes(location, list(manifest["files"])).values())
-    return CheckpointInfo(manifest["step"], location, manifest["saved_at"], size, 0.0), manifest["world_size"]
+    return CheckpointInfo(manifest["step"], location, manifest["saved_at"], size, 0.0), manifest
+
+
+def _dcp_files(store: Store, location: Location, manifest: dict[str, Any]) -> Location:
+    """Where a checkpoint's DCP files are: the step's own folder, or its `data` folder when it was saved again."""
+    return store.child(location, manifest["data"]) if manifest["data"] else location
+
+
+def _inside(data: str, name: str) -> str:
+    return f"{data}/{name}" if data else name
 
 
 def _check_share(store: Store, location: Location, files: dict[str, str], rank: int, world_size: int,
@@ -475,12 +543,6 @@ def _check_share(store: Store, location: Location, files: dict[str, str], rank: 
         if digest != files[name]:
             return f"{location}: checksum mismatch in {name}; the checkpoint is corrupt"
     return None
-
-
-def _hash_share(store: Store, location: Location, names: list[str], rank: int, world_size: int) -> dict[str, str]:
-    """sha256 of this rank's share of a new checkpoint's files: ranks hash in parallel, off rank 0's back."""
-    share = names[rank::world_size]
-    return dict(zip(share, _sha256_all(store, [store.child(location, n) for n in share])))
 
 
 def _sha256_all(store: Store, paths: list[Location]) -> list[str]:
@@ -509,8 +571,7 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, dcp.CheckpointException) and e.failures:
         rank, (cause, _) = next(iter(e.failures.items()))
         return f"rank {rank}: {_one_line(cause)}"
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    return one_line(e)
 
 
 # --- process group --------------------------------------------------------------------------
@@ -522,21 +583,21 @@ def _dist_info() -> tuple[bool, int, int]:
     return False, 0, 1
 
 
-def _broadcast(value: Any, distributed: bool, group: Any = None) -> Any:
+def _broadcast(value: Any, distributed: bool) -> Any:
     """Rank 0's ``value`` on every rank (identity without a process group)."""
     if not distributed:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _all_gather(value: Any, distributed: bool, group: Any = None) -> list[Any]:
+def _all_gather(value: Any, distributed: bool) -> list[Any]:
     """Every rank's ``value``, in rank order (``[value]`` without a process group)."""
     if not distributed:
         return [value]
-    values: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
     return values
 
 

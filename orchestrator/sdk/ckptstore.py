@@ -5,6 +5,13 @@ Both keep one rule: a checkpoint is visible only once complete, and its manifest
   puts the whole directory in place.
 - An object store has no rename: DCP writes into ``step_N/`` itself and the manifest, one PUT, is
   written last. Readers take a ``step_N/`` without a manifest for a half-written one and skip it.
+- A step saved again (a job restored from step N saves N once more, or `save` is called twice for one
+  step): the newest save wins, but the committed copy is never taken away before the new one is committed.
+  DCP writes the new copy beside it, into ``step_N/data-<nonce>/``; replacing the manifest, which
+  names that folder, is the commit (a rename in a folder, one PUT on an object store); only then are
+  the older copy's files removed. A crash at any point leaves step N whole, old or new; files of an
+  interrupted save left inside ``step_N/`` are listed by no manifest and go with the next save of N, or
+  when N is pruned.
 Object stores go through fsspec (s3fs, gcsfs, adlfs: the cloud extras) and DCP's FsspecWriter/Reader;
 credentials and endpoints come from each cloud's own configuration (AWS_ENDPOINT_URL and the like), or from
 the identity the VM runs as (providers/identity.py).
@@ -24,6 +31,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from orchestrator.spec import CHECKPOINT_URL_SCHEMES, checkpoint_url_scheme
 
 MANIFEST = "tfsn-manifest.json"
+DATA_PREFIX = "data-"   # a re-saved step's DCP files are in step_N/data-<nonce>/ (see the module's docstring)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 1 << 22
 # adlfs is anonymous unless told otherwise (AZURE_STORAGE_ANON, default true) and then never asks the machine's
@@ -62,11 +70,17 @@ class FolderStore:
         dirs = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
         return sorted(dirs, key=step_of, reverse=True)
 
-    def begin(self, final: Location, nonce: str) -> Path:
-        """Where DCP writes the checkpoint that becomes `final` (rank 0, before any rank writes)."""
-        tmp = self.root / f".tmp-{_name(final)}-{nonce}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        return tmp
+    def begin(self, final: Location, nonce: str) -> tuple[Path, str]:
+        """Where DCP writes the checkpoint that becomes `final` (rank 0, before any rank writes), and that
+        folder's name inside `final` ("" when the whole folder is renamed into place)."""
+        final = Path(final)
+        if (final / MANIFEST).is_file():   # committed: it stays until the new copy beside it is
+            written, data = final / f"{DATA_PREFIX}{nonce}", f"{DATA_PREFIX}{nonce}"
+        else:
+            self.remove(final)   # half-written or damaged, if there at all: nothing committed to keep
+            written, data = self.root / f".tmp-{final.name}-{nonce}", ""
+        written.mkdir(parents=True, exist_ok=True)
+        return written, data
 
     def prepare(self, location: Location) -> None:
         """Make `location` writable from this rank (every rank, after `begin`)."""
@@ -86,27 +100,31 @@ class FolderStore:
         """Bytes of each named file that exists."""
         return {n: (Path(location) / n).stat().st_size for n in names if (Path(location) / n).is_file()}
 
-    def commit(self, written: Location, final: Location, manifest: bytes) -> None:
-        """Write the manifest durably, then rename `written` into place (replacing an older `final`)."""
+    def commit(self, written: Location, final: Location, manifest: bytes, data: str) -> None:
+        """A new step: the manifest written durably into `written`, then one rename puts it in place. A step saved
+        again (`data`): its manifest replaced by one rename."""
         written, final = Path(written), Path(final)
-        partial = written / (MANIFEST + ".partial")
-        with open(partial, "wb") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, written / MANIFEST)
-        _fsync_dir(written)
-        if final.exists():
-            aside = final.parent / f"{written.name}-old"
-            os.replace(final, aside)
-            os.replace(written, final)
-            shutil.rmtree(aside)
+        if data:
+            _fsync_dir(written)   # its files' entries, and its own, on the disk before the manifest that names them
+            _fsync_dir(final)
+            _write_durably(final / MANIFEST, manifest)
         else:
+            _write_durably(written / MANIFEST, manifest)
             os.replace(written, final)
-        _fsync_dir(final.parent)
+            _fsync_dir(final.parent)
+
+    def remove_replaced(self, final: Location, data: str) -> None:
+        """After a step saved again is committed: everything in it but its manifest and its `data` folder."""
+        for entry in list(Path(final).iterdir()):
+            if entry.name not in (MANIFEST, data):
+                self.remove(entry)
 
     def remove(self, location: Location) -> None:
-        shutil.rmtree(location, ignore_errors=True)
+        """A checkpoint, a folder or a file; nothing if it is not there."""
+        if Path(location).is_dir():
+            shutil.rmtree(location, ignore_errors=True)
+        elif Path(location).exists():
+            os.remove(location)
 
     def remove_stale(self, before: float) -> None:
         """Temp directories of saves that started before `before` and never finished."""
@@ -152,14 +170,15 @@ class ObjectStore:
                 if e.get("type") == "directory" and _STEP_DIR.match(_name(e["name"]))]
         return sorted(dirs, key=step_of, reverse=True)
 
-    def begin(self, final: Location, nonce: str) -> str:
-        """`final` itself, emptied: its manifest goes first, so it reads as half-written from here on."""
-        manifest = self.child(final, MANIFEST)
-        if self.fs.exists(manifest):
-            self.fs.rm(manifest)
+    def begin(self, final: Location, nonce: str) -> tuple[str, str]:
+        """Where DCP writes: `final` itself when nothing is committed there (a half-written one is emptied first),
+        else a folder inside it, beside the committed copy (its name is the second value; see the module)."""
+        self.fs.invalidate_cache()
+        if self.fs.exists(self.child(final, MANIFEST)):
+            return self.child(final, f"{DATA_PREFIX}{nonce}"), f"{DATA_PREFIX}{nonce}"
         if self.fs.exists(final):
-            self.fs.rm(final, recursive=True)
-        return str(final)
+            self.fs.rm(str(final), recursive=True)
+        return str(final), ""
 
     def prepare(self, location: Location) -> None:
         """Nothing: object stores have no folders to create."""
@@ -181,8 +200,16 @@ class ObjectStore:
         found = self.fs.find(str(location), detail=True)
         return {p[len(prefix):]: int(info["size"]) for p, info in found.items() if p[len(prefix):] in names}
 
-    def commit(self, written: Location, final: Location, manifest: bytes) -> None:
-        self.fs.pipe_file(self.child(final, MANIFEST), manifest)   # one PUT: there or not, never half
+    def commit(self, written: Location, final: Location, manifest: bytes, data: str) -> None:
+        """The manifest, one PUT: there or not, never half (a step saved again, `data`, included)."""
+        self.fs.pipe_file(self.child(final, MANIFEST), manifest)
+
+    def remove_replaced(self, final: Location, data: str) -> None:
+        """After a step saved again is committed: everything in it but its manifest and its `data` folder."""
+        self.fs.invalidate_cache()
+        for entry in self.fs.ls(str(final), detail=False):
+            if _name(entry) not in (MANIFEST, data):
+                self.remove(self._url(entry))
 
     def remove(self, location: Location) -> None:
         try:
@@ -216,6 +243,17 @@ def open_store(directory: str | Path) -> Store:
     if isinstance(directory, str) and checkpoint_url_scheme(directory):
         return ObjectStore(directory)
     return FolderStore(directory)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """`path` holds `data` or what it held before, even across a crash: written beside it, fsynced, renamed."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -438,8 +438,6 @@ def _numpy_random_state() -> Any:
 
 # --- files ----------------------------------------------------------------------------------
 
-# --- files ----------------------------------------------------------------------------------
-
 
 def _commit(store: Store, written: Location, final: Location, data: str, step: int, world_size: int, started: float,
             files: dict[str, str]) -> CheckpointInfo:

@@ -147,3 +147,63 @@ def test_codebook_updated_in_forward_keeps_gradients_of_the_lookup():
 def test_tensor_constant_in_forward_compiles_and_matches():
     check_training(ConstantIndex, _index_batch)
 
+
+
+def check_inference(model: nn.Module, *inputs: torch.Tensor) -> None:
+    """Outputs of an eval-mode model under no_grad: eager against tfsn, NaN and inf where eager has them."""
+    model.eval()
+    compiled = torch.compile(copy.deepcopy(model), backend=make_backend(top_k=1))
+    with torch.no_grad():
+        expected = model(*inputs)
+        before = backend.STATS["kernels"]
+        actual = compiled(*inputs)
+    assert backend.STATS["kernels"] > before, "the backend generated no kernel: the model ran as plain ATen"
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert torch.equal(a.isinf(), e.isinf()) and torch.equal(a.isnan(), e.isnan()), f"output {i}: inf/nan differ"
+        finite = e.isfinite()
+        close(a[finite], e[finite], f"output {i}")
+
+
+class LogOfSoftmax(nn.Module):
+    """log(softmax) written out, as many do instead of log_softmax, on confident logits: probabilities
+    below 1.2e-38 are denormals in eager, and their log finite. (Before: the generated exp flushed
+    results below 2.5e-38 to 0, so these logs were -inf.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(5, 7)
+
+    def forward(self, x: torch.Tensor):
+        probs = F.softmax(self.head(x) * 40.0, dim=-1)
+        return torch.log(probs), torch.exp(-x.abs() * 20.0 - 80.0).log()
+
+
+class FakeQuantInt8(nn.Module):
+    """Int8 fake quantization written by hand without the clamp: values past int8's range wrap in
+    eager (torch converts through a wider integer). (Before: the fused C cast kept the int32 value,
+    -135 where eager has 121.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 13)
+
+    def forward(self, x: torch.Tensor):
+        h = self.proj(x) * 400.0
+        return (h.round().to(torch.int8).float(), h.to(torch.uint8).to(torch.int32), h.to(torch.int16) * 3)
+
+
+def test_log_of_softmax_keeps_denormal_probabilities():
+    torch.manual_seed(0)
+    x = torch.randn(13, 5, generator=torch.Generator().manual_seed(1)) * 3
+    model = LogOfSoftmax()
+    probs = F.softmax(model.head(x) * 40.0, dim=-1)
+    assert ((probs > 0) & (probs < 1.17e-38)).any(), "the batch should reach denormal probabilities"
+    check_inference(model, x)
+
+
+def test_float_to_narrow_int_wraps_as_eager():
+    torch.manual_seed(0)
+    x = torch.randn(11, 5, generator=torch.Generator().manual_seed(1)) * 3
+    model = FakeQuantInt8()
+    assert (model.proj(x).abs() * 400 > 300).any(), "the batch should reach values past int8 and uint8"
+    check_inference(model, x)

@@ -130,6 +130,32 @@ class ConstantIndex(nn.Module):
         return self.head(picked).sum(1), cols.cumsum(1), (cols.abs() + 0.5).cumprod(1)
 
 
+
+class InPlaceOnViews(nn.Module):
+    """In-place writes into slices and transposes of activations, an in-place ReLU, and a buffer
+    read before and after the forward updates it (with a step counter): what fusion's in-place
+    writes and the runtime's view roots must keep in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, 13)
+        self.out = nn.Linear(13, 7)
+        self.register_buffer("ema", torch.linspace(-1, 1, 13))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        h = self.inp(x)
+        h[:, :3] += y[:, :3]
+        h.mul_(0.5)
+        h = F.relu(h, inplace=True).clone()
+        h[:, 5:] *= 2
+        h.t()[1:4].sub_(1.0)
+        before = h + self.ema
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(h.mean(0) * 0.5)
+            self.calls += 1
+        return self.out(before + self.ema * h), (self.ema[None] * before).sum(-1) * self.calls
+
 def _codebook_batch(g: torch.Generator) -> tuple:
     return (torch.randn(13, 7, generator=g),)
 
@@ -142,6 +168,10 @@ def _index_batch(g: torch.Generator) -> tuple:
 
 def test_codebook_updated_in_forward_keeps_gradients_of_the_lookup():
     check_training(CodebookEMA, _codebook_batch)
+
+
+def test_in_place_writes_on_views_and_buffers_match():
+    check_training(InPlaceOnViews, lambda g: (torch.randn(7, 13, generator=g), torch.randn(7, 13, generator=g)))
 
 
 def test_tensor_constant_in_forward_compiles_and_matches():

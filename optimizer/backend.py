@@ -95,10 +95,34 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     """Split the joint graph into forward and backward, recomputing cheap pointwise values in the
     backward instead of saving them: the min-cut partitioner under the cost rules of a fusing
     compiler, since our kernels recompute such values inside loops that run anyway."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     layout.channels_last_convolutions(joint)
-    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor",
+    mutated = mutated_inputs(joint)
+    pair = min_cut_rematerialization_partition(_copy(joint) if mutated else joint, joint_inputs, compiler="inductor",
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
+    if not mutated or not mutated & {n.name for n in pair[1].graph.find_nodes(op="placeholder")}:
+        return pair
+    # The min-cut saved an input the step mutates (an EMA buffer, a codebook updated in forward) to
+    # recompute from it in the backward, which runs after the update and would read the new value:
+    # silently wrong gradients (torch's own min-cut does this, Inductor's too). The default partition
+    # saves what eager autograd saves, and eager's version counters forbid reading a mutated input.
+    log.info("tfsn: the recomputing partition reads inputs mutated by the step (%s) in the backward; saving "
+             "activations instead", ", ".join(sorted(mutated)))
+    return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+
+def mutated_inputs(joint: torch.fx.GraphModule) -> set[str]:
+    """Names of the joint graph's nodes that alias an input the graph writes (copy_ into a placeholder):
+    the placeholder and every view of it, what a backward must not read once the forward has run."""
+    written = {n.args[0] for n in joint.graph.find_nodes(op="call_function", target=aten.copy_.default)
+               if n.args[0].op == "placeholder"}
+    names = set()
+    for node in joint.graph.nodes:
+        base = node.args[0] if node.op == "call_function" and node.args else None
+        if node in written or (isinstance(base, torch.fx.Node) and base.name in names
+                               and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view):
+            names.add(node.name)
+    return names
 
 
 PARTITION_PLANS = 8     # fusion plans per graph priced for the recompute-vs-store decision
@@ -109,8 +133,6 @@ def searched_partition(spec=None) -> Callable:
     saving every one the backward reads (the default partition), by the cost model's prediction of
     the forward and backward graphs each yields: the step's recompute-vs-store decision."""
     def choose(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
-        import copy
-
         from torch._functorch.partitioners import default_partition
 
         from optimizer import ir, search
@@ -119,7 +141,7 @@ def searched_partition(spec=None) -> Callable:
         from optimizer.hardware import cpu_spec
 
         layout.channels_last_convolutions(joint)       # before the two partitions: both see it
-        recompute = partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        recompute = partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         store = None
         try:
             chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
@@ -127,7 +149,7 @@ def searched_partition(spec=None) -> Callable:
             path = search_cache_path(ir.from_fx(joint), chip, threads, gemm, str(num_fwd_outputs), suffix=".partition")
             choice = path.read_text() if path.exists() else ""
             if choice not in ("recompute", "store"):       # not decided here before
-                store = default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                store = default_partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                           **kwargs)
                 # each side by the model alone, over a few fusion plans: the decision is between two
                 # graphs, and the full search of the chosen one follows
@@ -142,9 +164,20 @@ def searched_partition(spec=None) -> Callable:
             return recompute
         if choice == "recompute":
             return recompute
-        return store or default_partition(copy.deepcopy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
+        return store or default_partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                           **kwargs)
     return choose
+
+
+def _copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the joint graph for one partitioner to cut. Outside AOTAutograd's fake mode: a tensor
+    constant of the model (`torch.tensor([0, 3])` in a forward) is a real tensor attribute of the graph,
+    and copying its storage under the fake mode fails the whole compile."""
+    import copy
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return copy.deepcopy(joint)
 
 
 def default_top_k() -> int:

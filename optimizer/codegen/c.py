@@ -31,9 +31,10 @@ PRELUDE = """#include <stdint.h>
 /* exp for fp32, inline so it vectorizes with no call: Cody-Waite range reduction and a degree-6
    polynomial (Cephes' coefficients, ~1 ulp). Why our own: libmvec's vector expf leaves the SIMD
    path for a whole vector when one lane is out of range, and a causal mask makes half the lanes
-   -inf. Results below 2.5e-38 flush to 0 (ATen would give that tiny value or a denormal). */
+   -inf. 2^n is applied as two factors 2^(n/2) so that results down to the smallest denormal come out
+   as ATen's do (exp(-90) is 8.2e-40, and a log after it -90, not -inf); below exp(-104) it is 0. */
 static inline __attribute__((always_inline)) float tfsn_expf(float x) {
-  const float hi = 88.72283935f, lo = -86.6f;
+  const float hi = 88.72283935f, lo = -104.0f;
   const float xc = x > hi ? hi : (x < lo ? lo : x);
   const float n = rintf(xc * 1.44269504088896341f);
   float r = fmaf(n, -0.693359375f, xc);
@@ -45,10 +46,12 @@ static inline __attribute__((always_inline)) float tfsn_expf(float x) {
   p = fmaf(p, r, 1.6666665459e-1f);
   p = fmaf(p, r, 5.0000001201e-1f);
   p = fmaf(p, r * r, r) + 1.0f;
-  const int32_t bits = ((int32_t)n + 126) << 23;      /* 2^(n-1): 2^128 itself is no float */
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  float y = p * scale * 2.0f;
+  const int32_t n1 = (int32_t)n >> 1, n2 = (int32_t)n - n1;    /* each in [-75, 64]: a normal 2^k */
+  const int32_t bits1 = (n1 + 127) << 23, bits2 = (n2 + 127) << 23;
+  float scale1, scale2;
+  memcpy(&scale1, &bits1, sizeof scale1);
+  memcpy(&scale2, &bits2, sizeof scale2);
+  float y = p * scale1 * scale2;
   y = x < lo ? 0.0f : y;
   y = x > hi ? INFINITY : y;
   return x != x ? x : y;

@@ -14,6 +14,7 @@ CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": 
           "int16": "int16_t", "int8": "int8_t", "uint8": "uint8_t",
           "bool": "uint8_t"}   # torch bools are bytes of 0/1; GCC will not vectorize loads of _Bool
 FLOATS = ("float32", "float64")
+NARROW_INTS = ("int16", "int8", "uint8")
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,16 @@ NONE = Operand("None", "none", True)   # an argument that is not a value (a size
 
 def cast(op: Operand, dtype: str) -> str:
     """`op` as a C value of `dtype` (the compiler folds casts of literals). To bool is a test against
-    zero, as torch casts: `(uint8_t)0.5` is 0 and `(uint8_t)256` is 0 where torch gives True."""
+    zero, as torch casts: `(uint8_t)0.5` is 0 and `(uint8_t)256` is 0 where torch gives True. A float
+    to a narrow integer goes through int64, whose conversion wraps as torch's does (300.0 -> uint8 44,
+    -129.5 -> int8 127); C leaves a float out of the narrow type's range undefined, and GCC kept the
+    int32 value (int8 -135 where torch has 121)."""
     if op.dtype == dtype:
         return op.expr
     if dtype == "bool":
         return f"(({op.expr}) != 0)"
+    if op.dtype in FLOATS and dtype in NARROW_INTS:
+        return f"(({CTYPES[dtype]})(int64_t)({op.expr}))"
     return f"(({CTYPES[dtype]})({op.expr}))"
 
 

@@ -127,3 +127,15 @@ def test_half_written_checkpoint_is_ignored_then_replaced_and_a_corrupt_one_refu
     with pytest.warns(UserWarning, match="step_000000003: checksum mismatch"):
         assert restore(url, {"model": fresh}).step == 2
     assert torch.equal(fresh.weight, torch.full((4, 4), 2.0))
+
+
+def test_a_scheme_in_capitals_is_the_same_store(bucket) -> None:
+    """URL schemes are case-insensitive (validate takes GS:// as an object store), fsspec's registry is not: the store
+    is the same one, not 'Protocol not known: GS' at the job's first save on the cloud."""
+    fs, url = bucket
+    model = torch.nn.Linear(4, 4)
+    saved = save(url.replace("gs://", "GS://"), 1, {"model": model})
+    assert saved.path == f"{url}/step_000000001" and f"step_000000001/{checkpoint.MANIFEST}" in keys(fs, url)
+    fresh = torch.nn.Linear(4, 4)
+    assert restore(url.replace("gs://", "Gs://"), {"model": fresh}).step == 1
+    assert torch.equal(fresh.weight, model.weight)

@@ -6,8 +6,6 @@ keep-N, a half-written checkpoint (shards, no manifest) ignored and then replace
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 pytest.importorskip("gcsfs")
@@ -16,9 +14,10 @@ pytest.importorskip("gcp_storage_emulator")
 import torch  # noqa: E402
 
 from orchestrator.sdk import checkpoint  # noqa: E402
-from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save  # noqa: E402
+from orchestrator.sdk.checkpoint import restore, save  # noqa: E402
 from tests.emulators.gcs import gcs_server as cloud_storage  # noqa: E402
-from tests.test_checkpoint import TOTAL_STEPS, assert_same_state, make_objects, train  # noqa: E402
+from tests.objectstore_checks import (corrupted_shard_is_refused, half_written_is_ignored_then_replaced,  # noqa: E402
+                                      resume_is_bit_exact_and_keep_prunes)
 
 BUCKET = "tfsn-ckpt"
 
@@ -61,72 +60,18 @@ def keys(fs, url: str) -> list[str]:
 
 def test_save_resume_and_keep_on_gcs(bucket) -> None:
     fs, url = bucket
-    reference = make_objects(0)
-    assert restore(url, reference) is None   # nothing there yet: a fresh start
-    train(reference, 0, 4)
-    saved = save(url, 4, reference, keep=2)
-    assert saved.path == f"{url}/step_000000004" and saved.bytes > 0
-    assert "step_000000004/" + checkpoint.MANIFEST in keys(fs, url)
-    train(reference, 4, TOTAL_STEPS)
-
-    resumed = make_objects(123, fresh=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        info = restore(url, resumed)
-    assert info is not None and info.step == 4 and info.path == saved.path
-    train(resumed, 4, TOTAL_STEPS)
-    assert_same_state(reference, resumed)
-
-    for step in (5, 6, 7):
-        save(url, step, reference, keep=2)
-    assert {k.split("/")[0] for k in keys(fs, url)} == {"step_000000006", "step_000000007"}
-    assert [i.step for i in list_checkpoints(url)] == [7, 6]
-    tensors = load_tensors(f"{url}/step_000000007")
-    assert torch.equal(tensors["model.0.weight"], reference["model"].state_dict()["0.weight"])
+    resume_is_bit_exact_and_keep_prunes(url, lambda: keys(fs, url))
 
 
-class _Crash(BaseException):
-    """Stands in for the process being killed between the last shard and the manifest."""
-
-
-def test_half_written_checkpoint_is_ignored_then_replaced_and_a_corrupt_one_refused(bucket, monkeypatch) -> None:
+def test_half_written_checkpoint_is_ignored_then_replaced(bucket, monkeypatch) -> None:
     fs, url = bucket
-    model = torch.nn.Linear(4, 4)
-    for step in (1, 2):
-        with torch.no_grad():
-            model.weight.fill_(step)
-        save(url, step, {"model": model}, keep=5)
+    half_written_is_ignored_then_replaced(url, lambda: keys(fs, url), monkeypatch)
 
-    def crash(*args: object) -> None:
-        raise _Crash
 
-    with torch.no_grad():
-        model.weight.fill_(3)
-    with monkeypatch.context() as patched, pytest.raises(_Crash):
-        patched.setattr(checkpoint, "_commit", crash)
-        save(url, 3, {"model": model}, keep=5)
-    written = [k for k in keys(fs, url) if k.startswith("step_000000003/")]
-    assert any(k.endswith(".distcp") for k in written) and f"step_000000003/{checkpoint.MANIFEST}" not in written
-    fresh = torch.nn.Linear(4, 4)
-    with pytest.warns(UserWarning, match="step_000000003: manifest missing"):   # no manifest: no checkpoint
-        assert restore(url, {"model": fresh}).step == 2
-    assert torch.equal(fresh.weight, torch.full((4, 4), 2.0))
-
-    with torch.no_grad():
-        model.weight.fill_(30)
-    save(url, 3, {"model": model}, keep=5)   # the same step again: the half one is replaced, not mixed in
-    assert torch.equal(load_tensors(f"{url}/step_000000003")["model.weight"], torch.full((4, 4), 30.0))
-
-    shard = next(f"{url}/{k}" for k in keys(fs, url) if k.startswith("step_000000003/") and k.endswith(".distcp"))
-    data = bytearray(fs.cat_file(shard))
-    data[len(data) // 2] ^= 0xFF
-    fs.pipe_file(shard, bytes(data))
-    with pytest.raises(CheckpointError, match=r"step_000000003: checksum mismatch in __0_0\.distcp; the checkpoint "
-                                              r"is corrupt"):
-        load_tensors(f"{url}/step_000000003")
-    with pytest.warns(UserWarning, match="step_000000003: checksum mismatch"):
-        assert restore(url, {"model": fresh}).step == 2
-    assert torch.equal(fresh.weight, torch.full((4, 4), 2.0))
+def test_corrupted_shard_is_refused(bucket) -> None:
+    fs, url = bucket
+    corrupted_shard_is_refused(url, lambda: keys(fs, url), lambda key: fs.cat_file(f"{url}/{key}"),
+                               lambda key, data: fs.pipe_file(f"{url}/{key}", data))
 
 
 def test_a_scheme_in_capitals_is_the_same_store(bucket) -> None:

@@ -101,3 +101,28 @@ def corrupted_shard_is_refused(url: str, keys: Keys, read: Callable[[str], bytes
         assert restore(url, {"model": fresh}).step == 1
     assert torch.equal(fresh.weight, torch.full((4, 4), 1.0))
     assert shard in keys()   # restore never deletes
+
+
+def fsspec_keys(fs, url: str) -> list[str]:
+    """The objects under `url`, relative to it, as the store's own fsspec filesystem lists them now."""
+    fs.invalidate_cache()
+    prefix = url.split("://", 1)[1] + "/"
+    return sorted(path[len(prefix):] for path in fs.find(url))
+
+
+class FsspecStoreChecks:
+    """The checks as tests, for a store a test module reaches through its fsspec filesystem: the module gives the
+    `store` fixture, (that filesystem, a checkpoint URL of the test's own), and a `Test...` subclass."""
+
+    def test_save_resume_and_keep(self, store) -> None:
+        fs, url = store
+        resume_is_bit_exact_and_keep_prunes(url, lambda: fsspec_keys(fs, url))
+
+    def test_half_written_checkpoint_is_ignored_then_replaced(self, store, monkeypatch) -> None:
+        fs, url = store
+        half_written_is_ignored_then_replaced(url, lambda: fsspec_keys(fs, url), monkeypatch)
+
+    def test_corrupted_shard_is_refused(self, store) -> None:
+        fs, url = store
+        corrupted_shard_is_refused(url, lambda: fsspec_keys(fs, url), lambda key: fs.cat_file(f"{url}/{key}"),
+                                   lambda key, data: fs.pipe_file(f"{url}/{key}", data))

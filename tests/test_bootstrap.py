@@ -20,7 +20,8 @@ from packaging.requirements import Requirement
 
 from orchestrator.control.api import ApiServer
 from orchestrator.control.artifacts import repack_installed
-from orchestrator.control.boot import BOOT_FAILURES_PER_OFFER, NODE_WORKDIR, boot_files
+from orchestrator.control.boot import (BOOT_FAILURES_PER_OFFER, NODE_WORKDIR, boot_files, prepare_artifacts,
+                                       record_artifacts)
 from orchestrator.control.controller import Controller
 from orchestrator.control.credentials import agent_token
 from orchestrator.control.provisioning import agent_command, agent_env
@@ -355,3 +356,33 @@ def test_with_an_install_spec_no_wheel_is_built_and_an_ended_jobs_archive_goes_w
                                         workdir=NODE_WORKDIR, boot=files))
     assert '\npython3 -m pip install --quiet --disable-pip-version-check "$TFSN_INSTALL_SPEC"\n' in script
     assert "tfsn_fetch" in script and ".whl" not in script.split("tfsn_stage=install")[1]
+
+
+def test_an_archive_packed_for_one_job_survives_another_jobs_record_before_its_own(tmp_path, monkeypatch):
+    """Two cloud jobs packed in workers at once: the loop records one, and its pruning must not delete the other's
+    archive (no active job names it yet), nor an ended job's same archive that a relaunch just packed again (before:
+    deleted, so the second record failed and its VMs' code downloads found nothing)."""
+    monkeypatch.setenv("TFSN_INSTALL_SPEC", "tfsn @ https://wheels.example/tfsn-0.1.0-py3-none-any.whl")
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(home / "tfsn.db")
+    ctx = Controller(store, home, providers={}).ctx
+    jobs = {}
+    for name in ("a", "b", "a-again"):
+        code = tmp_path / name.removesuffix("-again")
+        code.mkdir(exist_ok=True)
+        (code / "train.py").write_text(f"print({name.removesuffix('-again')!r})\n")
+        spec = JobSpec.model_validate({"name": name, "run": "python train.py", "workdir": str(code)})
+        jobs[name] = (store.create_job(name, spec.model_dump(mode="json"), "p", "s"), spec)
+    first, spec = jobs["a"]
+    record_artifacts(ctx, first, spec, prepare_artifacts(ctx, first, spec))
+    store.transition(first.id, JobState.FAILED)   # a's code, recorded by an ended job only
+    packed = {name: prepare_artifacts(ctx, *jobs[name]) for name in ("b", "a-again")}   # workers: both packed
+    assert packed["a-again"]["code"] == store.job(first.id).artifacts["code"]
+    for name in ("b", "a-again"):   # the loop records them one by one, each pruning
+        job, spec = jobs[name]
+        record_artifacts(ctx, store.job(job.id), spec, packed[name])
+    for name in ("b", "a-again"):
+        job, spec = jobs[name]
+        files = boot_files(ctx, store.job(job.id), spec)
+        assert files.code_sha256 == packed[name]["code"] and ctx.artifacts.path(files.code_sha256) is not None, name

@@ -108,6 +108,29 @@ def test_restore_resumes_bit_exact(tmp_path: Path) -> None:
     assert "model.0.weight" in tensors and "optimizer.state.0.weight.exp_avg" in tensors
 
 
+def test_a_save_whose_storage_draws_random_numbers_leaves_the_training_s_rngs_as_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage libraries draw from the process's RNGs as they write (gcsfs's and botocore's retry backoff use
+    `random.random()`): the run that saved must go on from the RNG states it saved, or it is not the run a resume
+    from that checkpoint replays (seen on gs://: a retried request during the save, and resume was not bit exact)."""
+    commit = ckptstore.FolderStore.commit
+
+    def drawing_commit(self, *args: object) -> None:
+        random.random(), np.random.rand(), torch.rand(1)   # a retry's jitter, as the library draws it
+        commit(self, *args)
+
+    monkeypatch.setattr(ckptstore.FolderStore, "commit", drawing_commit)
+    reference = make_objects(0)
+    train(reference, 0, 4)
+    save(tmp_path, 4, reference)
+    train(reference, 4, TOTAL_STEPS)
+
+    resumed = make_objects(123, fresh=True)
+    assert restore(tmp_path, resumed).step == 4
+    train(resumed, 4, TOTAL_STEPS)
+    assert_same_state(reference, resumed)
+
+
 def test_restore_into_ddp_free_model_and_plain_stateful(tmp_path: Path) -> None:
     class Counter:
         def __init__(self) -> None:

@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-import warnings
+from typing import Callable
 
 import pytest
 
@@ -18,14 +18,15 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import boto3  # noqa: E402
-import torch  # noqa: E402
 
 from orchestrator.sdk import checkpoint, ckptstore  # noqa: E402
-from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, load_tensors, restore, save  # noqa: E402
+from orchestrator.sdk.checkpoint import CheckpointError, list_checkpoints, restore  # noqa: E402
 from tests.awsfaults import forget_s3_clients, moto_server  # noqa: E402
 from tests.conftest import EXAMPLE, FAST_MODEL  # noqa: E402
+from tests.objectstore_checks import (corrupted_shard_is_refused, half_written_is_ignored_then_replaced,  # noqa: E402
+                                      resume_is_bit_exact_and_keep_prunes)
 from tests.test_checkpoint import (  # noqa: E402
-    RESAVE_DEATHS, TOTAL_STEPS, assert_same_state, check_a_resave_that_dies, make_objects, train)
+    RESAVE_DEATHS, check_a_resave_that_dies, make_objects)
 
 BUCKET = "tfsn-ckpt"
 
@@ -56,93 +57,23 @@ def keys(s3, bucket: str) -> list[str]:
     return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []))
 
 
+def on(s3, name: str) -> tuple[str, Callable[[], list[str]]]:
+    """The checkpoint URL of the bucket's `run/` prefix, and its objects' keys relative to it."""
+    return f"s3://{name}/run", lambda: [k.removeprefix("run/") for k in keys(s3, name) if k.startswith("run/")]
+
+
 def test_save_resume_and_keep_on_s3(bucket) -> None:
-    s3, name = bucket
-    url = f"s3://{name}/run"
-    reference = make_objects(0)
-    assert restore(url, reference) is None   # nothing there yet: a fresh start
-    train(reference, 0, 4)
-    saved = save(url, 4, reference, keep=2)
-    assert saved.path == f"{url}/step_000000004" and saved.bytes > 0
-    train(reference, 4, TOTAL_STEPS)
-
-    resumed = make_objects(123, fresh=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        info = restore(url, resumed)
-    assert info is not None and info.step == 4 and info.path == saved.path
-    train(resumed, 4, TOTAL_STEPS)
-    assert_same_state(reference, resumed)
-
-    for step in (5, 6, 7):
-        save(url, step, reference, keep=2)
-    assert {k.split("/")[1] for k in keys(s3, name)} == {"step_000000006", "step_000000007"}
-    assert [i.step for i in list_checkpoints(url)] == [7, 6]
-    assert f"run/step_000000007/{checkpoint.MANIFEST}" in keys(s3, name)
-    tensors = load_tensors(f"{url}/step_000000007")
-    assert torch.equal(tensors["model.0.weight"], reference["model"].state_dict()["0.weight"])
-
-
-def save_two(url: str) -> torch.nn.Linear:
-    """Checkpoints at steps 1 and 2 whose weights are filled with 1 and 2."""
-    model = torch.nn.Linear(4, 4)
-    for step in (1, 2):
-        with torch.no_grad():
-            model.weight.fill_(step)
-        save(url, step, {"model": model}, keep=5)
-    return model
-
-
-class _Crash(BaseException):
-    """Stands in for the process being killed between the last shard and the manifest."""
+    resume_is_bit_exact_and_keep_prunes(*on(*bucket))
 
 
 def test_half_written_checkpoint_is_ignored_then_replaced(bucket, monkeypatch) -> None:
-    s3, name = bucket
-    url = f"s3://{name}/run"
-    model = save_two(url)
-
-    def crash(*args: object) -> None:
-        raise _Crash
-
-    monkeypatch.setattr(checkpoint, "_commit", crash)
-    with torch.no_grad():
-        model.weight.fill_(3)
-    with pytest.raises(_Crash):
-        save(url, 3, {"model": model}, keep=5)
-    monkeypatch.undo()
-    written = [k for k in keys(s3, name) if k.startswith("run/step_000000003/")]
-    assert any(k.endswith(".distcp") for k in written) and f"run/step_000000003/{checkpoint.MANIFEST}" not in written
-
-    fresh = torch.nn.Linear(4, 4)
-    with pytest.warns(UserWarning, match="step_000000003: manifest missing"):   # no manifest: no checkpoint
-        assert restore(url, {"model": fresh}).step == 2
-    assert torch.equal(fresh.weight, torch.full((4, 4), 2.0))
-    assert [i.step for i in list_checkpoints(url)] == [2, 1]
-
-    with torch.no_grad():
-        model.weight.fill_(30)
-    save(url, 3, {"model": model}, keep=5)   # the same step again: the half one is replaced, not mixed in
-    assert torch.equal(load_tensors(f"{url}/step_000000003")["model.weight"], torch.full((4, 4), 30.0))
+    half_written_is_ignored_then_replaced(*on(*bucket), monkeypatch)
 
 
 def test_corrupted_shard_is_refused(bucket) -> None:
     s3, name = bucket
-    url = f"s3://{name}/run"
-    save_two(url)
-    shard = next(k for k in keys(s3, name) if k.startswith("run/step_000000002/") and k.endswith(".distcp"))
-    data = bytearray(s3.get_object(Bucket=name, Key=shard)["Body"].read())
-    data[len(data) // 2] ^= 0xFF
-    s3.put_object(Bucket=name, Key=shard, Body=bytes(data))
-
-    with pytest.raises(CheckpointError, match=r"step_000000002: checksum mismatch in __0_0\.distcp; the checkpoint "
-                                              r"is corrupt"):
-        load_tensors(f"{url}/step_000000002")
-    fresh = torch.nn.Linear(4, 4)
-    with pytest.warns(UserWarning, match="step_000000002: checksum mismatch"):
-        assert restore(url, {"model": fresh}).step == 1
-    assert torch.equal(fresh.weight, torch.full((4, 4), 1.0))
-    assert shard in keys(s3, name)   # restore never deletes
+    corrupted_shard_is_refused(*on(s3, name), lambda key: s3.get_object(Bucket=name, Key=f"run/{key}")["Body"].read(),
+                               lambda key, data: s3.put_object(Bucket=name, Key=f"run/{key}", Body=data))
 
 
 def test_example_trains_to_s3_in_the_background_and_resumes(bucket) -> None:

@@ -50,6 +50,10 @@ class Artifacts:
         self.folder = home / "artifacts"
         self._wheel: Wheel | None = None
         self._lock = threading.Lock()
+        # Archives packed (in a worker) and not yet recorded on their job: `prune` leaves them, though no active job
+        # names them yet (or only an ended job does: a relaunch of the same code packs the same digest).
+        self._unrecorded: dict[str, int] = {}
+        self._packing = threading.Lock()
 
     def _ready(self) -> Path:
         self.folder.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
@@ -63,7 +67,8 @@ class Artifacts:
         return path if path.is_file() else None
 
     def add_code(self, workdir: Path) -> str:
-        """Pack `workdir` (codesync.pack: ignore files, size cap) and keep the archive; its sha256."""
+        """Pack `workdir` (codesync.pack: ignore files, size cap) and keep the archive; its sha256. It is kept from
+        `prune` until `settled` says its job names it (or never will)."""
         folder = self._ready()
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".code-", delete=False) as out:
             try:
@@ -72,8 +77,19 @@ class Artifacts:
                 os.unlink(out.name)
                 raise
         os.chmod(out.name, PRIVATE_FILE)
-        os.replace(out.name, folder / digest)
+        with self._packing:
+            self._unrecorded[digest] = self._unrecorded.get(digest, 0) + 1
+            os.replace(out.name, folder / digest)
         return digest
+
+    def settled(self, digest: str) -> None:
+        """The archive `add_code` returned is on its job now, or no job will take it: `prune` decides for it again."""
+        with self._packing:
+            left = self._unrecorded.get(digest, 0) - 1
+            if left > 0:
+                self._unrecorded[digest] = left
+            else:
+                self._unrecorded.pop(digest, None)
 
     @property
     def wheel_digest(self) -> str | None:
@@ -108,13 +124,16 @@ class Artifacts:
         return wheel
 
     def prune(self, keep: set[str]) -> None:
-        """Delete the code archives that no job needs any more (`keep`: the digests still wanted); wheels stay."""
+        """Delete the code archives that no job needs any more (`keep`: the digests still wanted); wheels stay, and
+        so do archives packed and not yet recorded."""
         if not self.folder.is_dir():
             return
         wheels = {json.loads(p.read_text()).get("sha256") for p in self.folder.glob("wheel-*.json")}
-        for path in self.folder.iterdir():
-            if len(path.name) == DIGEST_CHARS and path.name not in keep | wheels | {self.wheel_digest}:
-                path.unlink(missing_ok=True)
+        with self._packing:
+            for path in self.folder.iterdir():
+                if len(path.name) == DIGEST_CHARS and path.name not in (
+                        keep | wheels | {self.wheel_digest} | self._unrecorded.keys()):
+                    path.unlink(missing_ok=True)
 
 
 def _version() -> str:

@@ -43,9 +43,15 @@ def prepare_artifacts(ctx: ControlContext, job: Job, spec: JobSpec) -> dict[str,
     archive, the wheel built on first use. The job's artifacts record as it should be. CodeSyncError or
     ArtifactError when either cannot be made (the message says how to fix it)."""
     recorded = dict(job.artifacts)
-    if "code" not in recorded:
+    packed = "code" not in recorded
+    if packed:
         recorded["code"] = ctx.artifacts.add_code(Path(spec.workdir))
-    wheel = None if os.environ.get(INSTALL_SPEC_ENV) else ctx.artifacts.wheel()
+    try:
+        wheel = None if os.environ.get(INSTALL_SPEC_ENV) else ctx.artifacts.wheel()
+    except BaseException:
+        if packed:   # no job will record the archive: pruning may take it
+            ctx.artifacts.settled(recorded["code"])
+        raise
     if wheel is not None:
         recorded["wheel"] = wheel.sha256
     return recorded
@@ -53,11 +59,13 @@ def prepare_artifacts(ctx: ControlContext, job: Job, spec: JobSpec) -> dict[str,
 
 def record_artifacts(ctx: ControlContext, job: Job, spec: JobSpec, recorded: dict[str, str]) -> None:
     """On the loop: keep `recorded` on the job, so that every node of it (replacements too) gets the same files;
-    a fresh archive is said in the job's events, and archives no active job needs are pruned."""
+    a fresh archive is said in the job's events, and archives no active job needs are pruned (not those packed for
+    a job and not yet recorded: their jobs are not active by their archive yet)."""
     packed = job.artifacts.get("code") != recorded["code"]
     if recorded != job.artifacts:
         ctx.store.update_job(job.id, artifacts=recorded)
     if packed:
+        ctx.artifacts.settled(recorded["code"])   # the job names it now
         size = ctx.artifacts.path(recorded["code"]).stat().st_size
         ctx.event(job.id, "code", f"packed {spec.workdir} for the nodes: {size / 2**20:.1f} MiB, sha256 "
                                   f"{recorded['code'][:12]}")

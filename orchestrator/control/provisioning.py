@@ -234,6 +234,8 @@ class Provisioner:
         def prepared(call: Call) -> None:
             now = self.ctx.store.job(job.id)
             if now.state.terminal:
+                if call.error is None and "code" not in job.artifacts:   # it was packed, for no one now
+                    self.ctx.artifacts.settled(call.value["code"])
                 return
             if isinstance(call.error, (CodeSyncError, ArtifactError, DeadlineError)):
                 self.nodes.give_up(now, str(call.error))

@@ -80,7 +80,8 @@ class CheckpointError(Exception):
 
 
 def save(directory: str | Path, step: int, objects: Mapping[str, object], *, keep: int = 3) -> CheckpointInfo:
-    """Save ``objects`` (plus every rank's RNG state) as the checkpoint for ``step``, now.
+    """Save ``objects`` (plus every rank's RNG state) as the checkpoint for ``step``, now; the RNGs are left as
+    saved, whatever the storage library drew from them while it wrote.
 
     Collective when a process group is initialized: all ranks must call it. Keeps the newest
     ``keep`` valid checkpoints (always including this one) and deletes older ones. A step that is already
@@ -94,9 +95,14 @@ def save(directory: str | Path, step: int, objects: Mapping[str, object], *, kee
         state, failure = SaveSession.state(objects), None
     except Exception as e:   # the other ranks hear of it in the save's first round, then this rank raises it
         state, failure = {}, e
-    session = SaveSession.start(directory, step, keep, _sync_group, failure)
-    session.write(state)
-    return session.finish()
+    rng = state.get(_RNG_KEY.format(_dist_info()[1]))
+    try:
+        session = SaveSession.start(directory, step, keep, _sync_group, failure)
+        session.write(state)
+        return session.finish()
+    finally:   # what the storage library drew (gcsfs's, botocore's retry jitter) is not the training's: a resume
+        if rng is not None:   # from this checkpoint replays these states
+            _set_rng_state(rng)
 
 
 def save_group(group: SaveGroup | None, step: int) -> SaveGroup:

@@ -144,6 +144,7 @@ class ObjectStore:
 
     def __init__(self, url: str) -> None:
         scheme = checkpoint_url_scheme(url) or url.partition("://")[0]
+        url = f"{scheme}://{url.partition('://')[2]}"   # S3:// is s3:// (schemes are case-insensitive; fsspec's are not)
         # The driver's options, for the store and DCP's writer and reader alike; an explicit AZURE_STORAGE_ANON wins.
         self.options = {} if scheme == "az" and "AZURE_STORAGE_ANON" in os.environ else _STORAGE_OPTIONS.get(scheme, {})
         try:

@@ -124,30 +124,44 @@ class HttpEmulator:
         return Response(404, {"error": {"code": 404, "message": f"no route for {method} {parts.path}"}})
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        emulator = self
+        def answer(method: str, target: str, headers: dict[str, str], raw: bytes) -> Answer:
+            response = self._dispatch(method, target, raw)
+            payload = b"" if response.body is None else json.dumps(response.body).encode()
+            return response.status, [("Content-Type", "application/json; charset=utf-8"),
+                                     ("Content-Length", str(len(payload))), *(response.headers or {}).items()], payload
 
-        class _Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        return handler_class(answer)
 
-            def _serve(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                response = emulator._dispatch(self.command, self.path, raw)
-                payload = b"" if response.body is None else json.dumps(response.body).encode()
-                self.send_response(response.status)
-                self.send_header("Content-Type", "application/json; charset=utf-8")
-                self.send_header("Content-Length", str(len(payload)))
-                for name, value in (response.headers or {}).items():
-                    self.send_header(name, value)
-                self.end_headers()
+
+# What a server answers: (status, headers in the order sent, payload).
+Answer = tuple[int, list[tuple[str, str]], bytes]
+
+
+def handler_class(answer: Callable[[str, str, dict[str, str], bytes], Answer]) -> type[BaseHTTPRequestHandler]:
+    """A request handler that answers each request with `answer(method, target, headers (lower-case names), body)`;
+    the payload is not sent to a HEAD."""
+
+    class _Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            status, headers, payload = answer(self.command, self.path, {k.lower(): v for k, v in self.headers.items()},
+                                              raw)
+            self.send_response(status)
+            for name, value in headers:
+                self.send_header(name, value)
+            self.end_headers()
+            if self.command != "HEAD":
                 self.wfile.write(payload)
 
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _serve
 
-            def log_message(self, *args) -> None:  # keep test output clean
-                pass
+        def log_message(self, *args) -> None:  # keep test output clean
+            pass
 
-        return _Handler
+    return _Handler
 
 
 def _make_certificates(folder: Path) -> tuple[str, str, str]:

@@ -13,9 +13,10 @@ runs as jax.jit(step_fn), with the reason logged: a generator bug must not stop 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 
@@ -26,11 +27,30 @@ log = logging.getLogger("tfsn.optimizer")
 __all__ = ["optimize", "compile_jaxpr"]
 
 
+# Threads each generated kernel runs with inside the XLA program: one, on the XLA worker thread that
+# calls it, since XLA's pool already runs independent ops on every core (codegen/xla_ffi.py says why).
+KERNEL_THREADS = 1
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's (OpenMP's and MKL's) thread count set to n for the search, which prices and times the
+    kernels with it: they run with as many under XLA."""
+    import torch
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int | None = None,
-                  donate: Sequence[int] = ()) -> tuple[Callable, dict]:
+                  donate: Sequence[int] = (), threads: int = KERNEL_THREADS) -> tuple[Callable, dict]:
     """A ClosedJaxpr as a jitted function of its flat inputs returning its flat outputs, and what
     was generated ({"kernels": n, "externs": n}). Without a fixed `schedule`, the plan and every
-    kernel's schedule come from the search (cached on disk, as for torch graphs)."""
+    kernel's schedule come from the search (cached on disk, as for torch graphs), priced and timed
+    with the `threads` each kernel runs with."""
     from optimizer import fusion
     from optimizer.backend import default_top_k, searched_plan
     from optimizer.codegen import c, compiler, xla_ffi
@@ -43,11 +63,12 @@ def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int |
         plan = fusion.plan(graph, gemm=gemm)
         schedules = [schedule] * len(plan.groups)
     else:
-        plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
+        with _torch_threads(threads):
+            plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan (jax):\n%s", fusion.describe(graph, plan))
     _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
-    targets = xla_ffi.register(kernels) if any(kernels) else {}
+    targets = xla_ffi.register(kernels, threads) if any(kernels) else {}
     program = Program(graph, plan.groups, kernels, targets)
     stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels)}
     return jax.jit(program, donate_argnums=tuple(donate)), stats

@@ -2,8 +2,8 @@
 
     nice python benchmarks/jax_vs_xla.py [--json] [--rounds 5] [--steps 10] [--size small|bench]
 
-For each model (the MLP and the transformer block of tests/test_optimizer_jax.py, in plain
-jax.numpy), one training step = value_and_grad of the loss and a hand-written Adam update, jitted
+For each model (the MLP, the transformer block and the convnet of tests/test_optimizer_jax.py, in
+plain jax.numpy; the convnet's convolutions stay XLA ops), one training step = value_and_grad of the loss and a hand-written Adam update, jitted
 two ways side by side in this process: `xla` is jax.jit(step); `tfsn` is tfsn.jax.optimize(step)
 (its kernels XLA FFI custom calls, the rest XLA's). Compile time is the first call's time minus a
 steady step, tfsn's with an empty TFSN_CACHE. Steady figures are medians over rounds of `steps`
@@ -32,21 +32,27 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import tfsn  # noqa: E402
-from tests.test_optimizer_jax import (adam_state, adam_step, block_loss, block_params, mlp_loss,  # noqa: E402
-                                      mlp_params, normal)
+from tests.test_optimizer_jax import (adam_state, adam_step, block_loss, block_params, conv_params,  # noqa: E402
+                                      convnet_loss, mlp_loss, mlp_params, normal)
 
-SIZES = {"small": {"mlp": (32, (64, 128, 10)), "block": (2, 16, 48, 96)},
-         "bench": {"mlp": (256, (512, 1024, 10)), "block": (8, 64, 192, 768)}}
+# mlp: batch, layer sizes; block: batch, tokens, width, hidden; convnet: batch, height, width, channels, classes
+SIZES = {"small": {"mlp": (32, (64, 128, 10)), "block": (2, 16, 48, 96), "convnet": (8, 16, 16, (3, 8, 16), 10)},
+         "bench": {"mlp": (256, (512, 1024, 10)), "block": (8, 64, 192, 768), "convnet": (32, 32, 32, (3, 32, 64), 10)}}
 
 
 def models(size: str) -> dict:
     (batch, dims), (b, t, d, hidden) = SIZES[size]["mlp"], SIZES[size]["block"]
-    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    n, height, width, channels, classes = SIZES[size]["convnet"]
+    keys = jax.random.split(jax.random.PRNGKey(0), 9)
     mlp = mlp_params(keys[0], dims)
     labels = jax.random.randint(keys[1], (batch,), 0, dims[-1], jnp.int32)
     blk = block_params(keys[2], d, hidden)
+    conv = conv_params(keys[6], channels, classes)
+    conv_batch = (normal(keys[7], (n, height, width, channels[0])),
+                  jax.random.randint(keys[8], (n,), 0, classes, jnp.int32))
     return {"mlp": (mlp_loss, mlp, (normal(keys[3], (batch, dims[0])), labels)),
-            "block": (block_loss, blk, (normal(keys[4], (b, t, d)), normal(keys[5], (b, t, d))))}
+            "block": (block_loss, blk, (normal(keys[4], (b, t, d)), normal(keys[5], (b, t, d)))),
+            "convnet": (convnet_loss, conv, conv_batch)}
 
 
 def timed(step, params, batch, n: int) -> float:

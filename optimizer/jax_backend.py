@@ -89,6 +89,18 @@ class Optimized:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run, out_tree, leaves = self._program(args, kwargs)
+        return jax.tree_util.tree_unflatten(out_tree, run(*leaves))
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The XLA program these arguments run, as jax.jit(fn).lower(...) gives it (its .as_text(),
+        its .compile().as_text() after XLA's passes): where the generated kernels' custom calls are seen."""
+        run, _, leaves = self._program(args, kwargs)
+        return run.lower(*leaves)
+
+    def _program(self, args: tuple, kwargs: dict) -> tuple[Callable, Any, list]:
+        """The jitted program of these arguments' signature (compiled on its first call), its
+        output tree and the arguments' flat leaves."""
         static = tuple(args[i] for i in self.static_argnums if i < len(args))
         static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
         dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
@@ -100,7 +112,7 @@ class Optimized:
             run, out_tree, self.stats[key] = self._compile(args, dict(static_kw), dynamic, dynamic_kw)
             self.compiled[key] = run, out_tree
         run, out_tree = self.compiled[key]
-        return jax.tree_util.tree_unflatten(out_tree, run(*leaves))
+        return run, out_tree, leaves
 
     def _compile(self, args: tuple, static_kw: dict, dynamic: list, dynamic_kw: dict) -> tuple[Callable, Any, dict]:
         def flat_fn(dynamic_args: list, kw: dict) -> Any:

@@ -250,6 +250,19 @@ def test_keyword_static_and_donated_arguments():
     assert_tree_close(static(jnp.arange(6.0).reshape(2, 3), 3), jnp.array([27.0, 65.0, 133.0]), "static")
 
 
+def test_weight_gradient_is_written_in_the_weights_order():
+    """JAX's gradient of x @ w for w is dot_general(g, x) transposed: tfsn computes it as x^T g, so
+    the Adam update reads it row by row, not through a transposed view (one element per row)."""
+    x, w = normal(jax.random.PRNGKey(18), (7, 5)), normal(jax.random.PRNGKey(19), (5, 3))
+    fn = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+    graph = from_jaxpr(jax.make_jaxpr(fn)(w, x))
+    products = [n for n in graph.nodes if n.kind == Kind.MATMUL]
+    assert [n.type.shape for n in products] == [(7, 3), (5, 3)]
+    assert not any(n.op == "aten.permute.default" and graph.nodes[n.args[0].index].kind == Kind.MATMUL
+                   for n in graph.nodes)
+    assert_tree_close(tfsn.jax.optimize(fn, schedule=Schedule())(w, x), jax.jit(fn)(w, x), "weight gradient")
+
+
 @pytest.mark.parametrize("shape,strides,new,expected", [
     ((4, 6), (6, 1), (24,), (1,)), ((4, 6), (6, 1), (2, 2, 3, 2), (12, 6, 2, 1)),
     ((6, 4), (1, 6), (24,), None),                        # a transposed matrix flattened: no strides do it

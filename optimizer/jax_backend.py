@@ -46,19 +46,41 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int | None = None,
-                  donate: Sequence[int] = (), threads: int = KERNEL_THREADS) -> tuple[Callable, dict]:
+                  donate: Sequence[int] = (), threads: int = KERNEL_THREADS,
+                  matmuls: str | None = None) -> tuple[Callable, dict]:
     """A ClosedJaxpr as a jitted function of its flat inputs returning its flat outputs, and what
-    was generated ({"kernels": n, "externs": n}). Without a fixed `schedule`, the plan and every
-    kernel's schedule come from the search (cached on disk, as for torch graphs), priced and timed
-    with the `threads` each kernel runs with."""
-    from optimizer import fusion
-    from optimizer.backend import default_top_k, searched_plan
-    from optimizer.codegen import c, compiler, xla_ffi
+    was generated ({"kernels": n, "externs": n, "matmuls": "tfsn" | "xla"}). Without a fixed
+    `schedule`, the plan and every kernel's schedule come from the search (cached on disk, as for
+    torch graphs), priced and timed with the `threads` each kernel runs with, and the matmuls run
+    where the step measured faster (_faster): as tfsn's GEMMs with their fused epilogues, or as
+    XLA's dots with the rest of the step generated around them; `matmuls` ("tfsn" or "xla") fixes
+    that choice (a fixed `schedule` without it: "tfsn")."""
+    from optimizer.codegen import compiler
     from optimizer.frontends.jax import from_jaxpr
-    from optimizer.jax_runtime import Program
+    from optimizer.ir import Kind
 
     graph = from_jaxpr(closed)
     gemm = compiler.sgemm_address() is not None
+    if matmuls is not None or schedule is not None or not gemm or not any(n.kind == Kind.MATMUL for n in graph.nodes):
+        program, stats = _program(graph, gemm and matmuls != "xla", schedule, top_k, threads)
+        return jax.jit(program, donate_argnums=tuple(donate)), stats
+    candidates = [_program(graph, True, None, top_k, threads), _program(from_jaxpr(closed), False, None, top_k, threads)]
+    jitted = [jax.jit(program) for program, _ in candidates]
+    times = _faster(jitted, [v.aval for v in closed.jaxpr.invars])
+    best = min(range(len(times)), key=times.__getitem__)
+    program, stats = candidates[best]
+    stats = {**stats, "matmuls": ("tfsn", "xla")[best], "measured_ms": {"tfsn": times[0] * 1e3, "xla": times[1] * 1e3}}
+    return (jax.jit(program, donate_argnums=tuple(donate)) if donate else jitted[best]), stats
+
+
+def _program(graph: Any, gemm: bool, schedule: Schedule | None, top_k: int | None, threads: int) -> tuple[Any, dict]:
+    """The graph's plan, its kernels registered with XLA, as a traceable Program; `gemm=False`
+    leaves every matmul to XLA's dot."""
+    from optimizer import fusion
+    from optimizer.backend import default_top_k, searched_plan
+    from optimizer.codegen import c, xla_ffi
+    from optimizer.jax_runtime import Program
+
     if schedule is not None:
         plan = fusion.plan(graph, gemm=gemm)
         schedules = [schedule] * len(plan.groups)
@@ -69,9 +91,38 @@ def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int |
         log.debug("tfsn fusion plan (jax):\n%s", fusion.describe(graph, plan))
     _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
     targets = xla_ffi.register(kernels, threads) if any(kernels) else {}
-    program = Program(graph, plan.groups, kernels, targets)
-    stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels)}
-    return jax.jit(program, donate_argnums=tuple(donate)), stats
+    stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels),
+             "matmuls": "tfsn" if gemm else "xla"}
+    return Program(graph, plan.groups, kernels, targets), stats
+
+
+STEP_ROUNDS = 7                  # rounds of the step variants' race; each round runs every variant once
+ROUND_S = 0.002                  # calls per round: enough to last about this long
+
+
+def _faster(variants: Sequence[Callable], avals: Sequence[Any]) -> list[float]:
+    """Median seconds per call of each jitted variant on inputs of the step's shapes (ones: no
+    denormals, indices in range), timed round-robin so that a burst of load hits all alike."""
+    import statistics
+    import time
+
+    inputs = [jax.numpy.ones(a.shape, a.dtype) for a in avals]
+    once = []
+    for fn in variants:                               # compiles, and one call's time sizes the rounds
+        jax.block_until_ready(fn(*inputs))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        once.append(time.perf_counter() - t0)
+    calls = max(1, int(ROUND_S / max(min(once), 1e-6)))
+    rounds: list[list[float]] = [[] for _ in variants]
+    for _ in range(STEP_ROUNDS):
+        for fn, times in zip(variants, rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*inputs)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / calls)
+    return [statistics.median(t) for t in rounds]
 
 
 class Optimized:
@@ -151,11 +202,16 @@ def _donated_leaves(args: tuple, static: Sequence[int], donated: Sequence[int]) 
 
 def optimize(fn: Callable, *, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
              donate_argnums: int | Sequence[int] = (), schedule: Schedule | None = None,
-             top_k: int | None = None) -> Callable:
+             top_k: int | None = None, matmuls: str | None = None) -> Callable:
     """`fn` (a function of JAX arrays: a training step, a loss and its gradients) compiled through
     tfsn's optimizer; called as jax.jit(fn, static_argnums=..., static_argnames=..., donate_argnums=...)
-    is. `schedule` fixes every kernel's schedule (no search); `top_k`: candidates the search times."""
+    is. `schedule` fixes every kernel's schedule (no search); `top_k`: candidates the search times;
+    `matmuls`: "tfsn" (generated or library GEMMs with fused epilogues) or "xla" (XLA's dots) for
+    every matmul, where None times the step both ways and keeps the faster."""
+    if matmuls not in (None, "tfsn", "xla"):
+        raise ValueError(f"tfsn.jax.optimize: matmuls={matmuls!r}; give 'tfsn', 'xla' or None (measured)")
+
     def as_tuple(v):
         return (v,) if isinstance(v, (int, str)) else tuple(v)
     return Optimized(fn, as_tuple(static_argnums), as_tuple(static_argnames), as_tuple(donate_argnums),
-                     {"schedule": schedule, "top_k": top_k})
+                     {"schedule": schedule, "top_k": top_k, "matmuls": matmuls})

@@ -159,6 +159,23 @@ def test_mlp_loss_and_gradients_match_jit():
     assert torch.get_num_threads() == threads     # the kernels' one thread was the XLA call's only
     stats = generated(step)
     assert stats["kernels"] >= 5 and stats["externs"] >= 2      # gather and scatter-add stay in XLA
+    assert stats["matmuls"] in stats["measured_ms"]              # the faster of tfsn's GEMMs and XLA's dots
+
+
+def test_matmuls_left_to_xla_dots():
+    """matmuls="xla" (what the step's race picks where XLA's dot is faster): the products are XLA
+    dots, everything around them generated kernels, with the same results."""
+    params = block_params(jax.random.PRNGKey(20))
+    x, target = normal(jax.random.PRNGKey(21), (2, 5, 24)), normal(jax.random.PRNGKey(22), (2, 5, 24))
+    fn = jax.value_and_grad(block_loss)
+    step = tfsn.jax.optimize(fn, schedule=Schedule(), matmuls="xla")
+    assert_tree_close(step(params, x, target), jax.jit(fn)(params, x, target), "block with XLA dots")
+    stats = generated(step)
+    assert stats["matmuls"] == "xla" and stats["kernels"] >= 10
+    hlo = step.lower(params, x, target).compile().as_text()
+    assert hlo.count(" dot(") >= 10 and custom_calls(step, params, x, target) == stats["kernels"]
+    with pytest.raises(ValueError, match="matmuls='blas'"):
+        tfsn.jax.optimize(fn, matmuls="blas")
 
 
 def test_transformer_block_forward_and_gradients_match_jit():

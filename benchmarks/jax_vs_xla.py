@@ -6,7 +6,7 @@ For each model (the MLP, the transformer block and the convnet of tests/test_opt
 plain jax.numpy; the convnet's convolutions stay XLA ops), one training step = value_and_grad of the loss and a hand-written Adam update, jitted
 two ways side by side in this process: `xla` is jax.jit(step); `tfsn` is tfsn.jax.optimize(step)
 (its kernels XLA FFI custom calls, the rest XLA's; its matmuls tfsn's GEMMs or XLA's dots,
-whichever its own race of the two measured faster). Compile time is the first call's time minus a
+and its kernels' threads, whichever its own race of the ways measured fastest). Compile time is the first call's time minus a
 steady step, tfsn's with an empty TFSN_CACHE. Steady figures are medians over rounds of `steps`
 steps; rounds interleave the peers so that noise on a shared machine hits both alike. Target
 (issue 20): geomean >= 1.0x jax.jit. Needs the `jax` extra.
@@ -86,12 +86,12 @@ def main() -> None:
         rows[name] = {"xla_ms": med["xla"] * 1e3, "tfsn_ms": med["tfsn"] * 1e3, "speedup": med["xla"] / med["tfsn"],
                       "compile_s": {p: max(first[p] - med[p], 0.0) for p in peers},
                       "kernels": stats.get("kernels", 0), "externs": stats.get("externs", 0),
-                      "matmuls": stats.get("matmuls"),
+                      "matmuls": stats.get("matmuls"), "threads": stats.get("threads"),
                       "fallback": stats.get("fallback")}
         r = rows[name]
         print(f"{name:6s} xla {r['xla_ms']:8.3f} ms  tfsn {r['tfsn_ms']:8.3f} ms  {r['speedup']:.2f}x jax.jit  "
               f"compile xla {r['compile_s']['xla']:.2f} s tfsn {r['compile_s']['tfsn']:.2f} s  "
-              f"{r['kernels']} kernels, {r['externs']} XLA ops, matmuls by {r['matmuls']}" + (f"  FELL BACK: {r['fallback']}" if r["fallback"] else ""))
+              f"{r['kernels']} kernels, {r['externs']} XLA ops, matmuls by {r['matmuls']}, {r['threads']} thread(s)" + (f"  FELL BACK: {r['fallback']}" if r["fallback"] else ""))
     geomean = math.exp(statistics.mean(math.log(r["speedup"]) for r in rows.values()))
     print(f"geomean {geomean:.2f}x jax.jit (target >= 1.0x)")
     if args.json:

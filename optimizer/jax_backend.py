@@ -27,8 +27,9 @@ log = logging.getLogger("tfsn.optimizer")
 __all__ = ["optimize", "compile_jaxpr"]
 
 
-# Threads each generated kernel runs with inside the XLA program: one, on the XLA worker thread that
-# calls it, since XLA's pool already runs independent ops on every core (codegen/xla_ffi.py says why).
+# Threads each generated kernel runs with inside the XLA program, where the step is not raced: one,
+# on the XLA worker thread that calls it, since XLA's pool already runs independent ops on every core
+# (codegen/xla_ffi.py says why). A searched step races one thread against torch's count.
 KERNEL_THREADS = 1
 
 
@@ -46,36 +47,46 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int | None = None,
-                  donate: Sequence[int] = (), threads: int = KERNEL_THREADS,
+                  donate: Sequence[int] = (), threads: int | None = None,
                   matmuls: str | None = None) -> tuple[Callable, dict]:
     """A ClosedJaxpr as a jitted function of its flat inputs returning its flat outputs, and what
-    was generated ({"kernels": n, "externs": n, "matmuls": "tfsn" | "xla"}). Without a fixed
-    `schedule`, the plan and every kernel's schedule come from the search (cached on disk, as for
-    torch graphs), priced and timed with the `threads` each kernel runs with, and the matmuls run
-    where the step measured faster (_faster): as tfsn's GEMMs with their fused epilogues, or as
-    XLA's dots with the rest of the step generated around them; `matmuls` ("tfsn" or "xla") fixes
-    that choice (a fixed `schedule` without it: "tfsn")."""
+    was generated ({"kernels": n, "externs": n, "matmuls": "tfsn" | "xla", "threads": n}). Without a
+    fixed `schedule`, the plan and every kernel's schedule come from the search (cached on disk, as
+    for torch graphs), priced and timed with the threads each kernel runs with, and the step is
+    built each way that `matmuls` and `threads` leave open and the fastest kept (_faster): the
+    matmuls as tfsn's GEMMs with their fused epilogues or as XLA's dots with the rest of the step
+    generated around them; the kernels on one thread or on torch's count. A fixed `schedule` takes
+    tfsn's GEMMs and one thread unless told otherwise."""
+    import torch
+
     from optimizer.codegen import compiler
     from optimizer.frontends.jax import from_jaxpr
     from optimizer.ir import Kind
 
     graph = from_jaxpr(closed)
     gemm = compiler.sgemm_address() is not None
-    if matmuls is not None or schedule is not None or not gemm or not any(n.kind == Kind.MATMUL for n in graph.nodes):
-        program, stats = _program(graph, gemm and matmuls != "xla", schedule, top_k, threads)
+    products = gemm and any(n.kind == Kind.MATMUL for n in graph.nodes)
+    if schedule is not None:
+        ways = [(matmuls != "xla" and gemm, threads or KERNEL_THREADS)]
+    else:
+        ways = [(g, t) for g in ([gemm and matmuls != "xla"] if matmuls or not products else [True, False])
+                for t in ([threads] if threads else sorted({1, torch.get_num_threads()}))]
+    if len(ways) == 1:
+        program, stats = _program(graph, *ways[0], schedule, top_k)
         return jax.jit(program, donate_argnums=tuple(donate)), stats
-    candidates = [_program(graph, True, None, top_k, threads), _program(from_jaxpr(closed), False, None, top_k, threads)]
+    candidates = [_program(from_jaxpr(closed), g, t, None, top_k) for g, t in ways]
     jitted = [jax.jit(program) for program, _ in candidates]
     times = _faster(jitted, [v.aval for v in closed.jaxpr.invars])
     best = min(range(len(times)), key=times.__getitem__)
     program, stats = candidates[best]
-    stats = {**stats, "matmuls": ("tfsn", "xla")[best], "measured_ms": {"tfsn": times[0] * 1e3, "xla": times[1] * 1e3}}
+    raced = {f"{s['matmuls']}/{s['threads']}": t * 1e3 for (_, s), t in zip(candidates, times)}
+    stats = {**stats, "measured_ms": raced}
     return (jax.jit(program, donate_argnums=tuple(donate)) if donate else jitted[best]), stats
 
 
-def _program(graph: Any, gemm: bool, schedule: Schedule | None, top_k: int | None, threads: int) -> tuple[Any, dict]:
-    """The graph's plan, its kernels registered with XLA, as a traceable Program; `gemm=False`
-    leaves every matmul to XLA's dot."""
+def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, top_k: int | None) -> tuple[Any, dict]:
+    """The graph's plan, its kernels registered with XLA to run on `threads` threads, as a traceable
+    Program; `gemm=False` leaves every matmul to XLA's dot."""
     from optimizer import fusion
     from optimizer.backend import default_top_k, searched_plan
     from optimizer.codegen import c, xla_ffi
@@ -92,7 +103,7 @@ def _program(graph: Any, gemm: bool, schedule: Schedule | None, top_k: int | Non
     _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
     targets = xla_ffi.register(kernels, threads) if any(kernels) else {}
     stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels),
-             "matmuls": "tfsn" if gemm else "xla"}
+             "matmuls": "tfsn" if gemm else "xla", "threads": threads}
     return Program(graph, plan.groups, kernels, targets), stats
 
 
@@ -202,16 +213,19 @@ def _donated_leaves(args: tuple, static: Sequence[int], donated: Sequence[int]) 
 
 def optimize(fn: Callable, *, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
              donate_argnums: int | Sequence[int] = (), schedule: Schedule | None = None,
-             top_k: int | None = None, matmuls: str | None = None) -> Callable:
+             top_k: int | None = None, matmuls: str | None = None, threads: int | None = None) -> Callable:
     """`fn` (a function of JAX arrays: a training step, a loss and its gradients) compiled through
     tfsn's optimizer; called as jax.jit(fn, static_argnums=..., static_argnames=..., donate_argnums=...)
     is. `schedule` fixes every kernel's schedule (no search); `top_k`: candidates the search times;
     `matmuls`: "tfsn" (generated or library GEMMs with fused epilogues) or "xla" (XLA's dots) for
-    every matmul, where None times the step both ways and keeps the faster."""
+    every matmul; `threads`: each kernel's threads. Where either is None, the step is timed each way
+    and the fastest kept (compile_jaxpr)."""
     if matmuls not in (None, "tfsn", "xla"):
         raise ValueError(f"tfsn.jax.optimize: matmuls={matmuls!r}; give 'tfsn', 'xla' or None (measured)")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"tfsn.jax.optimize: threads={threads!r}; give a thread count >= 1 or None (measured)")
 
     def as_tuple(v):
         return (v,) if isinstance(v, (int, str)) else tuple(v)
     return Optimized(fn, as_tuple(static_argnums), as_tuple(static_argnames), as_tuple(donate_argnums),
-                     {"schedule": schedule, "top_k": top_k, "matmuls": matmuls})
+                     {"schedule": schedule, "top_k": top_k, "matmuls": matmuls, "threads": threads})

@@ -11,9 +11,10 @@ Threads: XLA calls a handler on one of its own worker threads, and runs independ
 calls at once on its pool of one thread per core. An OpenMP team forked from there (and MKL's,
 inside a generated GEMM) competes with that pool for the same cores, and its threads spin after each
 region on cores XLA has work for: the small MLP step took 0.93 ms with two-thread kernels and 0.20 ms
-with one-thread kernels (XLA's own step: 0.18 ms). So a handler runs its kernel with `threads`
-OpenMP and MKL threads on the calling thread (the search priced and timed it so, jax_backend.py),
-and puts the calling thread's settings back after.
+with one-thread kernels (XLA's own step: 0.18 ms); on larger steps more threads can pay. So a
+handler runs its kernel with the `threads` OpenMP and MKL threads the library was built for (one
+unless the step's race chose more, jax_backend.py; the search priced and timed them so) on the
+calling thread, and puts the calling thread's settings back after.
 """
 from __future__ import annotations
 

@@ -107,14 +107,16 @@ def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, to
     return Program(graph, plan.groups, kernels, targets), stats
 
 
-STEP_ROUNDS = 7                  # rounds of the step variants' race; each round runs every variant once
-ROUND_S = 0.002                  # calls per round: enough to last about this long
+STEP_ROUNDS = 9                  # rounds of the step variants' race; each round runs every variant once
+ROUND_S = 0.004                  # calls per round: enough to last about this long
 
 
 def _faster(variants: Sequence[Callable], avals: Sequence[Any]) -> list[float]:
-    """Median seconds per call of each jitted variant on inputs of the step's shapes (ones: no
-    denormals, indices in range), timed round-robin so that a burst of load hits all alike."""
-    import statistics
+    """Seconds per call of each jitted variant on inputs of the step's shapes (ones: no denormals,
+    indices in range), timed round-robin; a variant's time is its best round, as the search's
+    timing takes it (measure.py): other processes on a shared machine only ever add time. Calls
+    are not left to overlap: in training each step reads the last one's parameters, and calls in
+    flight at once would favour the variant that leaves cores idle."""
     import time
 
     inputs = [jax.numpy.ones(a.shape, a.dtype) for a in avals]
@@ -129,11 +131,10 @@ def _faster(variants: Sequence[Callable], avals: Sequence[Any]) -> list[float]:
     for _ in range(STEP_ROUNDS):
         for fn, times in zip(variants, rounds):
             t0 = time.perf_counter()
-            for _ in range(calls):
-                out = fn(*inputs)
-            jax.block_until_ready(out)
+            for _ in range(calls):        # each call waited for, as a step that the next one reads
+                jax.block_until_ready(fn(*inputs))
             times.append((time.perf_counter() - t0) / calls)
-    return [statistics.median(t) for t in rounds]
+    return [min(t) for t in rounds]
 
 
 class Optimized:

@@ -201,7 +201,7 @@ def test_convnet_forward_and_gradients_match_jit():
     images = normal(jax.random.PRNGKey(15), (3, 11, 13, 3))          # odd batch and image sizes
     labels = jnp.array([5, 0, 2], jnp.int32)
     fn = jax.value_and_grad(convnet_loss)
-    step = tfsn.jax.optimize(fn)
+    step = tfsn.jax.optimize(fn, schedule=Schedule())
     assert_tree_close(step(params, images, labels), jax.jit(fn)(params, images, labels), "convnet value_and_grad")
     stats = generated(step)
     graph = from_jaxpr(jax.make_jaxpr(fn)(params, images, labels))

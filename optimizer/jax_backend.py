@@ -13,9 +13,10 @@ runs as jax.jit(step_fn), with the reason logged: a generator bug must not stop 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 
@@ -26,31 +27,114 @@ log = logging.getLogger("tfsn.optimizer")
 __all__ = ["optimize", "compile_jaxpr"]
 
 
+# Threads each generated kernel runs with inside the XLA program, where the step is not raced: one,
+# on the XLA worker thread that calls it, since XLA's pool already runs independent ops on every core
+# (codegen/xla_ffi.py says why). A searched step races one thread against torch's count.
+KERNEL_THREADS = 1
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's (OpenMP's and MKL's) thread count set to n for the search, which prices and times the
+    kernels with it: they run with as many under XLA."""
+    import torch
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int | None = None,
-                  donate: Sequence[int] = ()) -> tuple[Callable, dict]:
+                  donate: Sequence[int] = (), threads: int | None = None,
+                  matmuls: str | None = None) -> tuple[Callable, dict]:
     """A ClosedJaxpr as a jitted function of its flat inputs returning its flat outputs, and what
-    was generated ({"kernels": n, "externs": n}). Without a fixed `schedule`, the plan and every
-    kernel's schedule come from the search (cached on disk, as for torch graphs)."""
-    from optimizer import fusion
-    from optimizer.backend import default_top_k, searched_plan
-    from optimizer.codegen import c, compiler, xla_ffi
+    was generated ({"kernels": n, "externs": n, "matmuls": "tfsn" | "xla", "threads": n}). Without a
+    fixed `schedule`, the plan and every kernel's schedule come from the search (cached on disk, as
+    for torch graphs), priced and timed with the threads each kernel runs with, and the step is
+    built each way that `matmuls` and `threads` leave open and the fastest kept (_faster): the
+    matmuls as tfsn's GEMMs with their fused epilogues or as XLA's dots with the rest of the step
+    generated around them; the kernels on one thread or on torch's count. A fixed `schedule` takes
+    tfsn's GEMMs and one thread unless told otherwise."""
+    import torch
+
+    from optimizer.codegen import compiler
     from optimizer.frontends.jax import from_jaxpr
-    from optimizer.jax_runtime import Program
+    from optimizer.ir import Kind
 
     graph = from_jaxpr(closed)
     gemm = compiler.sgemm_address() is not None
+    products = gemm and any(n.kind == Kind.MATMUL for n in graph.nodes)
+    if schedule is not None:
+        ways = [(matmuls != "xla" and gemm, threads or KERNEL_THREADS)]
+    else:
+        ways = [(g, t) for g in ([gemm and matmuls != "xla"] if matmuls or not products else [True, False])
+                for t in ([threads] if threads else sorted({1, torch.get_num_threads()}))]
+    if len(ways) == 1:
+        program, stats = _program(graph, *ways[0], schedule, top_k)
+        return jax.jit(program, donate_argnums=tuple(donate)), stats
+    candidates = [_program(from_jaxpr(closed), g, t, None, top_k) for g, t in ways]
+    jitted = [jax.jit(program) for program, _ in candidates]
+    times = _faster(jitted, [v.aval for v in closed.jaxpr.invars])
+    best = min(range(len(times)), key=times.__getitem__)
+    program, stats = candidates[best]
+    raced = {f"{s['matmuls']}/{s['threads']}": t * 1e3 for (_, s), t in zip(candidates, times)}
+    stats = {**stats, "measured_ms": raced}
+    return (jax.jit(program, donate_argnums=tuple(donate)) if donate else jitted[best]), stats
+
+
+def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, top_k: int | None) -> tuple[Any, dict]:
+    """The graph's plan, its kernels registered with XLA to run on `threads` threads, as a traceable
+    Program; `gemm=False` leaves every matmul to XLA's dot."""
+    from optimizer import fusion
+    from optimizer.backend import default_top_k, searched_plan
+    from optimizer.codegen import c, xla_ffi
+    from optimizer.jax_runtime import Program
+
     if schedule is not None:
         plan = fusion.plan(graph, gemm=gemm)
         schedules = [schedule] * len(plan.groups)
     else:
-        plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
+        with _torch_threads(threads):
+            plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan (jax):\n%s", fusion.describe(graph, plan))
     _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
-    targets = xla_ffi.register(kernels) if any(kernels) else {}
-    program = Program(graph, plan.groups, kernels, targets)
-    stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels)}
-    return jax.jit(program, donate_argnums=tuple(donate)), stats
+    targets = xla_ffi.register(kernels, threads) if any(kernels) else {}
+    stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels),
+             "matmuls": "tfsn" if gemm else "xla", "threads": threads}
+    return Program(graph, plan.groups, kernels, targets), stats
+
+
+STEP_ROUNDS = 9                  # rounds of the step variants' race; each round runs every variant once
+ROUND_S = 0.004                  # calls per round: enough to last about this long
+
+
+def _faster(variants: Sequence[Callable], avals: Sequence[Any]) -> list[float]:
+    """Seconds per call of each jitted variant on inputs of the step's shapes (ones: no denormals,
+    indices in range), timed round-robin; a variant's time is its best round, as the search's
+    timing takes it (measure.py): other processes on a shared machine only ever add time. Calls
+    are not left to overlap: in training each step reads the last one's parameters, and calls in
+    flight at once would favour the variant that leaves cores idle."""
+    import time
+
+    inputs = [jax.numpy.ones(a.shape, a.dtype) for a in avals]
+    once = []
+    for fn in variants:                               # compiles, and one call's time sizes the rounds
+        jax.block_until_ready(fn(*inputs))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        once.append(time.perf_counter() - t0)
+    calls = max(1, int(ROUND_S / max(min(once), 1e-6)))
+    rounds: list[list[float]] = [[] for _ in variants]
+    for _ in range(STEP_ROUNDS):
+        for fn, times in zip(variants, rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):        # each call waited for, as a step that the next one reads
+                jax.block_until_ready(fn(*inputs))
+            times.append((time.perf_counter() - t0) / calls)
+    return [min(t) for t in rounds]
 
 
 class Optimized:
@@ -68,6 +152,18 @@ class Optimized:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run, out_tree, leaves = self._program(args, kwargs)
+        return jax.tree_util.tree_unflatten(out_tree, run(*leaves))
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The XLA program these arguments run, as jax.jit(fn).lower(...) gives it (its .as_text(),
+        its .compile().as_text() after XLA's passes): where the generated kernels' custom calls are seen."""
+        run, _, leaves = self._program(args, kwargs)
+        return run.lower(*leaves)
+
+    def _program(self, args: tuple, kwargs: dict) -> tuple[Callable, Any, list]:
+        """The jitted program of these arguments' signature (compiled on its first call), its
+        output tree and the arguments' flat leaves."""
         static = tuple(args[i] for i in self.static_argnums if i < len(args))
         static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
         dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
@@ -79,7 +175,7 @@ class Optimized:
             run, out_tree, self.stats[key] = self._compile(args, dict(static_kw), dynamic, dynamic_kw)
             self.compiled[key] = run, out_tree
         run, out_tree = self.compiled[key]
-        return jax.tree_util.tree_unflatten(out_tree, run(*leaves))
+        return run, out_tree, leaves
 
     def _compile(self, args: tuple, static_kw: dict, dynamic: list, dynamic_kw: dict) -> tuple[Callable, Any, dict]:
         def flat_fn(dynamic_args: list, kw: dict) -> Any:
@@ -118,11 +214,19 @@ def _donated_leaves(args: tuple, static: Sequence[int], donated: Sequence[int]) 
 
 def optimize(fn: Callable, *, static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
              donate_argnums: int | Sequence[int] = (), schedule: Schedule | None = None,
-             top_k: int | None = None) -> Callable:
+             top_k: int | None = None, matmuls: str | None = None, threads: int | None = None) -> Callable:
     """`fn` (a function of JAX arrays: a training step, a loss and its gradients) compiled through
     tfsn's optimizer; called as jax.jit(fn, static_argnums=..., static_argnames=..., donate_argnums=...)
-    is. `schedule` fixes every kernel's schedule (no search); `top_k`: candidates the search times."""
+    is. `schedule` fixes every kernel's schedule (no search); `top_k`: candidates the search times;
+    `matmuls`: "tfsn" (generated or library GEMMs with fused epilogues) or "xla" (XLA's dots) for
+    every matmul; `threads`: each kernel's threads. Where either is None, the step is timed each way
+    and the fastest kept (compile_jaxpr)."""
+    if matmuls not in (None, "tfsn", "xla"):
+        raise ValueError(f"tfsn.jax.optimize: matmuls={matmuls!r}; give 'tfsn', 'xla' or None (measured)")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"tfsn.jax.optimize: threads={threads!r}; give a thread count >= 1 or None (measured)")
+
     def as_tuple(v):
         return (v,) if isinstance(v, (int, str)) else tuple(v)
     return Optimized(fn, as_tuple(static_argnums), as_tuple(static_argnames), as_tuple(donate_argnums),
-                     {"schedule": schedule, "top_k": top_k})
+                     {"schedule": schedule, "top_k": top_k, "matmuls": matmuls, "threads": threads})

@@ -13,6 +13,7 @@ import pytest
 jax = pytest.importorskip("jax", reason="JAX is not installed: pip install 'tfsn[jax]'")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 import tfsn  # noqa: E402
 from optimizer.frontends.jax import from_jaxpr, view_strides  # noqa: E402
@@ -101,6 +102,31 @@ def block_loss(p, x, target):
     return jnp.mean(jnp.square(block(p, x) - target))
 
 
+def conv_params(key, channels=(3, 5, 7), classes=6):
+    keys = jax.random.split(key, 2 * len(channels))
+    convs = [{"w": normal(keys[2 * i], (3, 3, a, b), (9 * a) ** -0.5), "b": normal(keys[2 * i + 1], (b,), 0.1)}
+             for i, (a, b) in enumerate(zip(channels, channels[1:]))]
+    return {"convs": convs, "head": normal(keys[-1], (channels[-1], classes), channels[-1] ** -0.5)}
+
+
+def convnet_loss(p, images, labels):
+    """A small NHWC convnet: 3x3 convolutions (the second strided) with bias and ReLU, global mean
+    pooling and a linear head, under softmax cross-entropy."""
+    h = images
+    for i, c in enumerate(p["convs"]):
+        h = jax.lax.conv_general_dilated(h, c["w"], (1 + i, 1 + i), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jax.nn.relu(h + c["b"])
+    logits = jnp.mean(h, axis=(1, 2)) @ p["head"]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+
+def custom_calls(step, *args) -> int:
+    """The generated kernels' custom calls in the XLA program that `step` runs, after XLA's passes."""
+    return step.lower(*args).compile().as_text().count('custom_call_target="tfsn_')
+
+
 def adam_step(loss_fn, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8):
     """One hand-written Adam step of loss_fn: what a training loop jits."""
     def step(params, state, *batch):
@@ -128,9 +154,32 @@ def test_mlp_loss_and_gradients_match_jit():
     labels = jnp.array([0, 4, 2, 1, 3, 4, 0], jnp.int32)
     fn = jax.value_and_grad(mlp_loss)
     step = tfsn.jax.optimize(fn)           # the default path: the search picks plan and schedules
+    threads = torch.get_num_threads()
     assert_tree_close(step(params, x, labels), jax.jit(fn)(params, x, labels), "mlp value_and_grad")
+    assert torch.get_num_threads() == threads     # the kernels' one thread was the XLA call's only
     stats = generated(step)
     assert stats["kernels"] >= 5 and stats["externs"] >= 2      # gather and scatter-add stay in XLA
+    # the fastest of tfsn's GEMMs and XLA's dots, each with kernels on one thread and on torch's count
+    assert f"{stats['matmuls']}/{stats['threads']}" in stats["measured_ms"]
+    assert stats["measured_ms"][f"{stats['matmuls']}/{stats['threads']}"] == min(stats["measured_ms"].values())
+
+
+def test_matmuls_left_to_xla_dots():
+    """matmuls="xla" (what the step's race picks where XLA's dot is faster): the products are XLA
+    dots, everything around them generated kernels, with the same results."""
+    params = block_params(jax.random.PRNGKey(20))
+    x, target = normal(jax.random.PRNGKey(21), (2, 5, 24)), normal(jax.random.PRNGKey(22), (2, 5, 24))
+    fn = jax.value_and_grad(block_loss)
+    step = tfsn.jax.optimize(fn, schedule=Schedule(), matmuls="xla")
+    assert_tree_close(step(params, x, target), jax.jit(fn)(params, x, target), "block with XLA dots")
+    stats = generated(step)
+    assert stats["matmuls"] == "xla" and stats["kernels"] >= 10
+    hlo = step.lower(params, x, target).compile().as_text()
+    assert hlo.count(" dot(") >= 10 and custom_calls(step, params, x, target) == stats["kernels"]
+    with pytest.raises(ValueError, match="matmuls='blas'"):
+        tfsn.jax.optimize(fn, matmuls="blas")
+    with pytest.raises(ValueError, match="threads=0"):
+        tfsn.jax.optimize(fn, threads=0)
 
 
 def test_transformer_block_forward_and_gradients_match_jit():
@@ -145,11 +194,30 @@ def test_transformer_block_forward_and_gradients_match_jit():
     assert generated(step)["kernels"] >= 10
 
 
-@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_convnet_forward_and_gradients_match_jit():
+    """Convolutions and their gradients stay XLA ops; bias, ReLU and its mask, pooling, the head and
+    the loss run as generated kernels inside the same XLA program."""
+    params = conv_params(jax.random.PRNGKey(14))
+    images = normal(jax.random.PRNGKey(15), (3, 11, 13, 3))          # odd batch and image sizes
+    labels = jnp.array([5, 0, 2], jnp.int32)
+    fn = jax.value_and_grad(convnet_loss)
+    step = tfsn.jax.optimize(fn, schedule=Schedule())
+    assert_tree_close(step(params, images, labels), jax.jit(fn)(params, images, labels), "convnet value_and_grad")
+    stats = generated(step)
+    graph = from_jaxpr(jax.make_jaxpr(fn)(params, images, labels))
+    assert sum(n.op == "jax.conv_general_dilated" for n in graph.nodes) >= 5     # 2 forward, 3 backward
+    assert stats["kernels"] >= 6
+    assert custom_calls(step, params, images, labels) == stats["kernels"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "block", "convnet"])
 def test_three_adam_steps_match_jit(model):
     if model == "mlp":
         params, loss = mlp_params(jax.random.PRNGKey(5)), mlp_loss
         batch = (normal(jax.random.PRNGKey(6), (7, 13)), jnp.array([1, 0, 3, 2, 4, 4, 1], jnp.int32))
+    elif model == "convnet":
+        params, loss = conv_params(jax.random.PRNGKey(16)), convnet_loss
+        batch = (normal(jax.random.PRNGKey(17), (5, 9, 7, 3)), jnp.array([1, 0, 3, 5, 4], jnp.int32))
     else:
         params, loss = block_params(jax.random.PRNGKey(7)), block_loss
         batch = (normal(jax.random.PRNGKey(8), (2, 9, 24)), normal(jax.random.PRNGKey(9), (2, 9, 24)))
@@ -163,6 +231,7 @@ def test_three_adam_steps_match_jit(model):
         assert_tree_close((p_ours, s_ours, l_ours), (p_ref, s_ref, l_ref), f"{model} Adam step {i + 1}")
     assert float(l_ours) < float(loss(params, *batch))      # it trained
     assert len(ours.stats) == 1                              # one compile for the three steps
+    assert custom_calls(ours, p_ours, s_ours, *batch) == generated(ours)["kernels"] > 0
 
 
 def test_unsupported_primitives_run_in_xla():
@@ -200,6 +269,19 @@ def test_keyword_static_and_donated_arguments():
     static = tfsn.jax.optimize(lambda x, n: jnp.sum(x ** n, axis=0), static_argnums=1, donate_argnums=0,
                                schedule=Schedule())
     assert_tree_close(static(jnp.arange(6.0).reshape(2, 3), 3), jnp.array([27.0, 65.0, 133.0]), "static")
+
+
+def test_weight_gradient_is_written_in_the_weights_order():
+    """JAX's gradient of x @ w for w is dot_general(g, x) transposed: tfsn computes it as x^T g, so
+    the Adam update reads it row by row, not through a transposed view (one element per row)."""
+    x, w = normal(jax.random.PRNGKey(18), (7, 5)), normal(jax.random.PRNGKey(19), (5, 3))
+    fn = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+    graph = from_jaxpr(jax.make_jaxpr(fn)(w, x))
+    products = [n for n in graph.nodes if n.kind == Kind.MATMUL]
+    assert [n.type.shape for n in products] == [(7, 3), (5, 3)]
+    assert not any(n.op == "aten.permute.default" and graph.nodes[n.args[0].index].kind == Kind.MATMUL
+                   for n in graph.nodes)
+    assert_tree_close(tfsn.jax.optimize(fn, schedule=Schedule())(w, x), jax.jit(fn)(w, x), "weight gradient")
 
 
 @pytest.mark.parametrize("shape,strides,new,expected", [

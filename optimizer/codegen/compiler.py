@@ -70,14 +70,19 @@ def build_library(source: str, include_dirs: Sequence[str] = ()) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def sgemm_address() -> int | None:
-    """torch's own BLAS sgemm (Fortran ABI, 32-bit ints), or None on a build without one."""
+def torch_symbol(name: str) -> int | None:
+    """The address of a C symbol of torch's CPU library (its BLAS: MKL here), or None on a build without it."""
     import torch
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
+
+
+def sgemm_address() -> int | None:
+    """torch's own BLAS sgemm (Fortran ABI, 32-bit ints), or None on a build without one."""
+    return torch_symbol("sgemm_")
 
 
 def load_library(path: Path) -> ctypes.CDLL:

@@ -24,7 +24,7 @@ from optimizer.schedule import Schedule
 
 log = logging.getLogger("tfsn.optimizer")
 
-__all__ = ["optimize", "compile_jaxpr"]
+__all__ = ["optimize", "compile_jaxpr", "step_report"]
 
 
 # Threads each generated kernel runs with inside the XLA program, where the step is not raced: one,
@@ -105,6 +105,33 @@ def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, to
     stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels),
              "matmuls": "tfsn" if gemm else "xla", "threads": threads}
     return Program(graph, plan.groups, kernels, targets), stats
+
+
+def step_report(step_fn: Callable, inputs: Sequence[Any], spec: Any = None, top_k: int | None = None) -> Any:
+    """`tfsn optimize` of a JAX training step: the step traced once on `inputs` to one jaxpr (forward,
+    backward and update together), lowered to the IR and searched, as a StepReport of that one graph.
+    On this machine (`spec` None) the search times the top k schedules of each kernel on the threads
+    the kernels run with; for a spec of other hardware it predicts only."""
+    import time
+
+    from optimizer import search
+    from optimizer.backend import default_top_k, searched_plan
+    from optimizer.codegen import compiler
+    from optimizer.frontends.jax import from_jaxpr
+    from optimizer.step import StepReport
+
+    t0 = time.perf_counter()
+    graph = from_jaxpr(jax.make_jaxpr(step_fn)(*inputs))
+    report = StepReport(hardware="this machine" if spec is None else spec.name,
+                        kind="cpu" if spec is None else spec.kind, measured_here=spec is None, names=("step",))
+    if spec is None:
+        with _torch_threads(KERNEL_THREADS):
+            searched_plan(graph, compiler.sgemm_address() is not None,
+                          default_top_k() if top_k is None else top_k, report.graphs)
+    else:
+        report.graphs.append((graph, search.search_graph(graph, spec, timing=False)))
+    report.seconds = time.perf_counter() - t0
+    return report
 
 
 STEP_ROUNDS = 9                  # rounds of the step variants' race; each round runs every variant once

@@ -19,6 +19,9 @@ import torch
 from optimizer.hardware import HardwareSpec
 
 
+GRAPH_NAMES = ("forward", "backward")     # a torch step's graphs, as AOTAutograd captures them
+
+
 @dataclass
 class StepReport:
     hardware: str
@@ -26,6 +29,10 @@ class StepReport:
     measured_here: bool
     graphs: list[tuple[Any, Any]] = field(default_factory=list)     # (ir.Graph, search.SearchResult)
     seconds: float = 0.0                                               # capture + search + compile + one step
+    names: tuple[str, ...] = GRAPH_NAMES                               # what each graph is (a JAX step: one)
+
+    def name(self, n: int) -> str:
+        return self.names[n] if n < len(self.names) else f"graph{n}"
 
     @property
     def space_size(self) -> int:
@@ -63,9 +70,6 @@ class StepReport:
                 "measured": [m for _, r in self.graphs for m in r.measured]}
 
 
-GRAPH_NAMES = ("forward", "backward")
-
-
 def plan_json(report: StepReport) -> dict:
     """The chosen plan of every graph as data (`tfsn optimize --emit`): each fusion group with its ops,
     domain, chosen schedule and predicted time; each extern with its class, FLOPs, bytes and predicted
@@ -94,7 +98,7 @@ def plan_json(report: StepReport) -> dict:
                 entry["measured_s"] = kernel.measured_s
             groups.append(entry)
         kernels_s = sum(k.predicted_s for k in result.kernels)
-        graphs.append({"name": GRAPH_NAMES[n] if n < len(GRAPH_NAMES) else f"graph{n}",
+        graphs.append({"name": report.name(n),
                        "allow_tf32": graph.allow_tf32, "cudnn_allow_tf32": graph.cudnn_allow_tf32,
                        "groups": groups, "kernels_s": kernels_s, "externs_s": sum(result.externs.values()),
                        "predicted_s": result.predicted_s})
@@ -112,7 +116,7 @@ def triton_sources(report: StepReport) -> dict[str, tuple[str, list[str | None]]
     for n, (graph, result) in enumerate(report.graphs):
         plan = result.plan
         source, kernels = triton.write_source(graph, plan.groups, plan.buffers, result.schedules, plan.inplace)
-        name = GRAPH_NAMES[n] if n < len(GRAPH_NAMES) else f"graph{n}"
+        name = report.name(n)
         sources[name] = (source, [k.name if k is not None else None for k in kernels])
     return sources
 

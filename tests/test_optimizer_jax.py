@@ -291,3 +291,61 @@ def test_weight_gradient_is_written_in_the_weights_order():
 ])
 def test_view_strides(shape, strides, new, expected):
     assert view_strides(shape, strides, new) == expected
+
+
+JAX_STEP_FILE = '''
+import jax
+import jax.numpy as jnp
+
+
+def loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def step(params, x, y):
+    value, grads = jax.value_and_grad(loss)(params, x, y)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
+def build():
+    return step
+
+
+def inputs():
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w1": jax.random.normal(k[0], (24, 40)), "b1": jnp.zeros(40), "w2": jax.random.normal(k[1], (40, 3))}
+    return params, jax.random.normal(k[2], (16, 24)), jax.random.normal(k[3], (16, 3))
+
+
+def not_a_model():
+    return 42
+'''
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "h100"])
+def test_tfsn_optimize_takes_a_jax_step(tmp_path, hardware):
+    """`tfsn optimize --model FILE:FN` where FN returns a JAX step function: the step's one jaxpr is
+    searched (on this CPU with timing, or predicted for a GPU) and reported as a torch model's is."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from orchestrator.cli.optimizer import register
+
+    app = typer.Typer()
+    register(app)
+    path = tmp_path / "jax_step.py"
+    path.write_text(JAX_STEP_FILE)
+    result = CliRunner().invoke(app, ["optimize", "--model", f"{path}:build", "--inputs", f"{path}:inputs",
+                                      "--hardware", hardware, "--top-k", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "graph 0 (step):" in result.output and "graph 1" not in result.output
+    data = json.loads(result.output.strip().splitlines()[-1])
+    assert data["graphs"] == 1 and data["scored"] > 0 and data["predicted_step_s"] > 0
+    assert data["measured_here"] == (hardware == "cpu")
+    assert "gemm" in data["chosen"][0]             # the products were planned, not left aside
+
+    bad = CliRunner().invoke(app, ["optimize", "--model", f"{path}:not_a_model", "--inputs", f"{path}:inputs"])
+    assert bad.exit_code != 0 and "returned a int" in bad.output and "Traceback" not in bad.output

@@ -127,7 +127,7 @@ def _print_report(report) -> dict:
                f"whole step {data['seconds']:.1f} s")
     typer.echo(f"predicted step: {data['predicted_step_s'] * 1e3:.3f} ms (kernels and externs)")
     for i, chosen in enumerate(data["chosen"]):
-        typer.echo(f"graph {i} ({'forward' if i == 0 else 'backward' if i == 1 else 'graph'}):")
+        typer.echo(f"graph {i} ({report.name(i)}):")
         typer.echo(chosen)
     if data["measured"]:
         typer.echo("measured candidates (predicted -> measured, us):")
@@ -149,15 +149,16 @@ def _hardware_spec(hardware: str):
     return None if spec.kind == "cpu" and spec.name == "cpu-generic" else spec
 
 
-def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN returning the model (an nn.Module)"),
+def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN returning the model (an nn.Module), "
+                                               "or a JAX training step (a function of its inputs, as given to jax.jit)"),
                      inputs: str = typer.Option(..., "--inputs", help="MODULE:FN returning a tuple of example inputs"),
                      hardware: str = typer.Option("cpu", "--hardware", help="cpu (this machine: measured), or a "
                                                   "chip of configs/hardware: h100, h200, a100-80gb, l4, a10g, mi300x, ..."),
                      top_k: int = typer.Option(8, "--top-k", help="schedules per kernel compiled and timed (cpu only)"),
                      emit: Optional[str] = typer.Option(None, "--emit", metavar="DIR", help=EMIT_HELP),
                      json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the results.")) -> None:
-    """Search the training step (forward + backward) of a model: fusion plan and kernel schedules,
-    chosen by the cost model; on this machine the top k of each kernel are compiled and timed."""
+    """Search the training step (forward + backward) of a model, or a JAX training step: fusion plan and
+    kernel schedules, chosen by the cost model; on this machine the top k of each kernel are compiled and timed."""
     if top_k < 1:
         _fail(f"--top-k {top_k}: must be at least 1 (1: the cost model's pick, nothing timed)")
     spec = _hardware_spec(hardware)
@@ -169,18 +170,34 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
         _fail(f"building the model or its inputs failed: {type(err).__name__}: {err}", code=1)
     if not isinstance(example, tuple):
         example = (example,)
-    from optimizer.step import optimize_step
-
-    try:
-        report = optimize_step(module, example, spec, top_k=top_k)
-    except Exception as err:     # the model failed under capture: one line, the cause
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        _fail(f"the training step failed under capture: {type(err).__name__}: {first}", code=1)
+    report = _step_report(model, module, example, spec, top_k)
     data = _print_report(report)
     if folder is not None:
         _emit(folder, emit, report)
     if json_out:
         typer.echo(json.dumps(data))
+
+
+def _step_report(model: str, built, example: tuple, spec, top_k: int):
+    """The search's report of a torch model's step, or of a JAX step function's; a failure is one line."""
+    import torch
+
+    if isinstance(built, torch.nn.Module):
+        from optimizer.step import optimize_step as search_step
+    elif callable(built):
+        try:
+            from optimizer.jax_backend import step_report as search_step
+        except ImportError:
+            _fail(f"--model {model} returned a function, which tfsn reads as a JAX training step, but JAX is not "
+                  "installed. To fix: pip install 'tfsn[jax]', or return an nn.Module")
+    else:
+        _fail(f"--model {model} returned a {type(built).__name__}. To fix: return a torch.nn.Module, or a JAX "
+              "training step function")
+    try:
+        return search_step(built, example, spec, top_k=top_k)
+    except Exception as err:     # the model failed under capture: one line, the cause
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        _fail(f"the training step failed under capture: {type(err).__name__}: {first}", code=1)
 
 
 def _emit(folder: Path, emit: str, report) -> None:

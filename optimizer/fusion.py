@@ -272,6 +272,37 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
     return done
 
 
+def donated_writes(graph: Graph, groups: list[Group], buffers: set[int], donated: set[int]) -> dict[int, int]:
+    """For a step whose caller donates some inputs (jax.jit's donate_argnums): the values a kernel can
+    write over a donated input of their type, as in_place_writes maps them (value -> input). Why: the
+    update of a parameter or an optimizer moment then lands in the buffer the caller gave up, with no
+    new allocation. The kernel must read the input only at the element it writes, before writing it
+    (loopnest.lower checks that; a GEMM's epilogue may, its product may not), and be the only step that
+    reads the input: XLA, which owns the buffers, copies an input that other ops read (before or
+    after) rather than order them around the write (measured: the block's weights were copied twice)."""
+    step_of = {n: k for k, g in enumerate(groups) if g.kind != "extern" for n in g.nodes}
+    reads = [_base_reads(graph, buffers, g) for g in groups]
+    outputs = {o.index for o in graph.outputs if isinstance(o, Ref)}
+    done: dict[int, int] = {}
+    for target in sorted(donated - outputs):
+        node = graph.nodes[target]
+        if node.kind != Kind.INPUT or node.type is None or _aliased_by_extern(graph, target):
+            continue
+        readers = [k for k, r in enumerate(reads) if target in r]
+        # read by that kernel alone: XLA copies an input that other ops read before writing over it
+        if len(readers) != 1 or groups[readers[-1]].kind not in ("kernel", "gemm") or groups[readers[-1]].reduced:
+            continue
+        group = groups[readers[-1]]
+        for value in group.nodes:
+            if (value in buffers and value not in done and step_of.get(value) == readers[-1]
+                    and graph.nodes[value].type == node.type and group.domain == node.type.shape
+                    and writable(graph, group, buffers, {**{v: t for v, t in done.items() if v in group.nodes},
+                                                         value: target})):
+                done[value] = target
+                break
+    return done
+
+
 def writable(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None) -> bool:
     """Whether the group is one loop nest (with these in-place writes); loopnest.lower keeps its
     answer in graph.memo, since a search plans a graph ~50 times and most groups recur."""

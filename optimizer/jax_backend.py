@@ -72,9 +72,9 @@ def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int |
         ways = [(g, t) for g in ([gemm and matmuls != "xla"] if matmuls or not products else [True, False])
                 for t in ([threads] if threads else sorted({1, torch.get_num_threads()}))]
     if len(ways) == 1:
-        program, stats = _program(graph, *ways[0], schedule, top_k)
+        program, stats = _program(graph, *ways[0], schedule, top_k, donate)
         return jax.jit(program, donate_argnums=tuple(donate)), stats
-    candidates = [_program(from_jaxpr(closed), g, t, None, top_k) for g, t in ways]
+    candidates = [_program(from_jaxpr(closed), g, t, None, top_k, donate) for g, t in ways]
     jitted = [jax.jit(program) for program, _ in candidates]
     times = _faster(jitted, [v.aval for v in closed.jaxpr.invars])
     best = min(range(len(times)), key=times.__getitem__)
@@ -84,9 +84,11 @@ def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int |
     return (jax.jit(program, donate_argnums=tuple(donate)) if donate else jitted[best]), stats
 
 
-def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, top_k: int | None) -> tuple[Any, dict]:
+def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, top_k: int | None,
+             donate: Sequence[int] = ()) -> tuple[Any, dict]:
     """The graph's plan, its kernels registered with XLA to run on `threads` threads, as a traceable
-    Program; `gemm=False` leaves every matmul to XLA's dot."""
+    Program; `gemm=False` leaves every matmul to XLA's dot. A value that a kernel can write over a
+    `donate`d input (flat positions) is written there: its custom call aliases that input's buffer."""
     from optimizer import fusion
     from optimizer.backend import default_top_k, searched_plan
     from optimizer.codegen import c, xla_ffi
@@ -100,11 +102,12 @@ def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, to
             plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan (jax):\n%s", fusion.describe(graph, plan))
-    _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+    donated = fusion.donated_writes(graph, plan.groups, plan.buffers, {graph.inputs[i] for i in donate})
+    _, kernels = c.write_source(graph, plan.groups, plan.buffers, schedules, {**plan.inplace, **donated})
     targets = xla_ffi.register(kernels, threads) if any(kernels) else {}
     stats = {"kernels": sum(k is not None for k in kernels), "externs": sum(k is None for k in kernels),
-             "matmuls": "tfsn" if gemm else "xla", "threads": threads}
-    return Program(graph, plan.groups, kernels, targets), stats
+             "matmuls": "tfsn" if gemm else "xla", "threads": threads, "written_in_place": len(donated)}
+    return Program(graph, plan.groups, kernels, targets, {t: v for v, t in donated.items()}), stats
 
 
 def step_report(step_fn: Callable, inputs: Sequence[Any], spec: Any = None, top_k: int | None = None) -> Any:

@@ -33,8 +33,11 @@ class Program:
     outputs; meant to be traced by jax.jit."""
 
     def __init__(self, graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None],
-                 targets: dict[str, str]) -> None:
+                 targets: dict[str, str], written_over: dict[int, int] | None = None) -> None:
+        """`written_over`: donated graph input -> the value a kernel writes over its buffer (the kernel
+        was written with that in-place write: fusion.donated_writes)."""
         self.graph = graph
+        self.written_over = written_over or {}
         self.steps: list[Step] = [self._extern(g.nodes[0]) if k is None else self._kernel(g, k, targets[k.name])
                                   for g, k in zip(groups, kernels)]
 
@@ -62,8 +65,13 @@ class Program:
         ins = [root(self.graph, p) for p in operands(kernel)]
         types = [self.graph.nodes[o].type for o in kernel.outputs]
         results = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in types]
-        call = jax.ffi.ffi_call(target, results)
         outs = list(kernel.outputs)
+        # an output written over a donated input: that input is one more operand, its buffer the output's
+        over = [o for o in outs if o in self.written_over]
+        aliases = {len(ins) + j: outs.index(o) for j, o in enumerate(over)}
+        ins += over
+        call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases or None)
+        outs = [self.written_over.get(o, o) for o in outs]
 
         def step(env: list) -> None:
             if any(d == 0 for d in group.domain):           # nothing to compute: empty outputs

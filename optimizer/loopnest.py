@@ -642,6 +642,11 @@ class _Lowering:
         M, N = node.type.shape[-2:]
         gemm_operand(a.type.strides[-2:], M, a.type.shape[-1])
         gemm_operand(b.type.strides[-2:], a.type.shape[-1], N)
+        for operand in (a, b):       # the product reads every element of its operands, not only the one written
+            while operand.kind == Kind.VIEW:
+                operand = self.g.nodes[operand.args[0].index]
+            if operand.index in self.targets:
+                raise NotFusable(f"the product reads {operand.name}, which this kernel writes over")
         self.param(a.index)
         self.param(b.index)
         if mm in self.buffers:

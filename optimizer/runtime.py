@@ -127,8 +127,37 @@ class _EntryWriter:
         aliased = {n for n in inplace if any(n in g.nodes for g in groups)}
         self.owned = {n for k in kernels if k is not None for n in k.outputs
                       if graph.nodes[n].kind != Kind.INPUT and n not in aliased}
-        self.steps = [self._kernel(g, k) if k is not None else self._extern(graph.nodes[g.nodes[0]])
-                      for g, k in zip(groups, kernels)]
+        self.views = {g.nodes[0]: v for g, k in zip(groups, kernels)
+                      if k is None and graph.nodes[g.nodes[0]].kind == Kind.VIEW
+                      for v in [static_view(graph, g.nodes[0])] if v is not None}
+        self.direct = self._dense_views(groups, kernels)
+        steps = [self._kernel(g, k) if k is not None else self._extern(graph.nodes[g.nodes[0]])
+                 for g, k in zip(groups, kernels)]
+        self.steps = [s for s in steps if s is not None]
+
+    def _dense_views(self, groups: Sequence[Group], kernels: Sequence[Kernel | None]) -> dict[int, int]:
+        """Kernel outputs that are a tensor only to be viewed once, densely (a weight's gradient transposed
+        back, a row sum seen without its kept dim), and that view: the kernel writes into the view's own
+        allocation, and neither the output nor an as_strided of it is made."""
+        keep = {o.index for o in self.graph.outputs if isinstance(o, Ref)}
+        # views some tensor is made of: read by a kernel, by an extern that is no resolved view, or returned
+        read = keep | {self.roots.get(p, p) for k in kernels if k is not None for p in k.params} | {
+            i for g, k in zip(groups, kernels) if k is None and g.nodes[0] not in self.views
+            for i in self.graph.nodes[g.nodes[0]].inputs}
+        readers: dict[int, int] = {}
+        for g, k in zip(groups, kernels):
+            n = g.nodes[0]
+            if k is None and (n not in self.views or n in read):
+                for i in [self.views[n].root] if n in self.views else self.graph.nodes[n].inputs:
+                    readers[i] = readers.get(i, 0) + 1
+        direct = {}
+        for n, view in self.views.items():
+            r, root = view.root, self.graph.nodes[view.root].type
+            if r in self.owned and r not in keep and readers[r] == 1 and view.offset == 0 \
+                    and math.prod(view.shape) == math.prod(root.shape) \
+                    and _dense(root.shape, root.strides) and _dense(view.shape, view.strides):
+                direct[r] = n
+        return direct
 
     def name(self, value: Any, prefix: str = "c") -> str:
         """The namespace's name for an object (a constant argument, an op, a kernel)."""
@@ -154,12 +183,14 @@ class _EntryWriter:
 
     def _kernel(self, group: Group, kernel: Kernel) -> _Step:
         lines = []
-        for n in kernel.outputs:
+        made = [n for n in kernel.outputs if self.graph.nodes[n].kind != Kind.INPUT]
+        for n in made:
             t = self.graph.nodes[n].type
-            if self.graph.nodes[n].kind != Kind.INPUT:
-                lines.append(f"v{n} = empty({t.shape}, {t.strides}, dtype={self.name(getattr(torch, t.dtype))}, "
-                             "device=device)")
-        params = [self.roots.get(p, p) for p in kernel.params]
+            if n in self.direct:
+                n, t = self.direct[n], self.graph.nodes[self.direct[n]].type
+            lines.append(f"v{n} = empty({t.shape}, {t.strides}, dtype={self.name(getattr(torch, t.dtype))}, "
+                         "device=device)")
+        params = [self.direct.get(p, p) for p in (self.roots.get(p, p) for p in kernel.params)]
         if any(d == 0 for d in group.domain):
             pass
         elif hasattr(self.lib, "launcher"):
@@ -171,14 +202,13 @@ class _EntryWriter:
             lines.append(f"{self.name(fn, 'k')}({', '.join(f'v{p}.data_ptr()' for p in params)})")
         aliases = [(n, i) for n, i in self.inplace.items() if n in group.nodes]   # a value now held by its input
         lines += [f"v{n} = v{i}" for n, i in aliases]
-        defines = {n for n in kernel.outputs if self.graph.nodes[n].kind != Kind.INPUT} | {n for n, _ in aliases}
+        defines = {self.direct.get(n, n) for n in made} | {n for n, _ in aliases}
         return _Step(lines, set(params), defines, f"{describe(self.graph, group)} {kernel.name}")
 
-    def _extern(self, node: Node) -> _Step:
+    def _extern(self, node: Node) -> _Step | None:
         n = node.index
-        view = static_view(self.graph, n) if node.kind == Kind.VIEW else None
-        if view is not None:
-            return self._view(n, view)
+        if n in self.views:
+            return None if n in self.direct.values() else self._view(n, self.views[n])
         if node.op == "getitem" and isinstance(node.args[0], Ref) and isinstance(node.args[1], int):
             return _Step([f"v{n} = v{node.args[0].index}[{node.args[1]}]"], {node.args[0].index}, {n}, pure=True)
         lines = [f"v{n} = {self.call(node, [self.expr(a) for a in node.args])}"]
@@ -221,7 +251,7 @@ def write_entry(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel 
             continue
         fix = f"given = v{i}; v{i} = conform(v{i}, {w.name(want)}); written_back.append((given, v{i}))" \
             if i in written else f"v{i} = conform(v{i}, {w.name(want)})"
-        body.append(f"if v{i}.shape != {want.shape} or v{i}.stride() != {want.strides}: {fix}")
+        body.append(f"if v{i}.stride() != {want.strides}: {fix}")     # conform checks the shape
     last: dict[int, int] = {}
     for s, step in enumerate(steps):
         for slot in step.uses | step.defines:
@@ -239,6 +269,17 @@ def write_entry(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel 
     body += ["return [" + ", ".join(f"v{o.index}" if isinstance(o, Ref) else w.expr(o) for o in graph.outputs) + "]"]
     w.namespace["perf_counter"] = time.perf_counter
     return "def run(args):\n" + "".join(f"    {line}\n" for line in body), w.namespace
+
+
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a layout covers its storage from offset 0, each element once (so any two such layouts of as
+    many elements cover the same bytes)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, strides) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return math.prod(shape) > 0
 
 
 def _live(steps: list[_Step], keep: set[int]) -> list[_Step]:

@@ -58,6 +58,21 @@ def test_views_of_a_kernel_output_are_one_as_strided_each_and_alias_it_as_eager_
     assert not any("op" in line.split("=")[-1] for line in body), f"an ATen view op is still called:\n{graph.source}"
 
 
+def only_viewed(x, w):
+    return (torch.tanh(x @ w).t(), (x * 2).sum(1, keepdim=True).view(-1), (x * 3)[:2], (x + 4)[:, ::2],
+            (x - 1).t().unsqueeze(0))
+
+
+def test_a_kernel_output_only_viewed_densely_is_allocated_as_the_view_and_no_other():
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 7), torch.randn(7, 5)
+    graph = compiled(only_viewed, x, w)
+    same_as_eager(graph([x, w]), only_viewed(x, w))
+    # the transposed product, the row sums and x - 1 are written where their views lie; the first rows and
+    # every other column of a tensor are views of one (no kernel writes a part of a tensor alone)
+    assert sum("as_strided" in line for line in graph.source.splitlines()) == 2, graph.source
+
+
 def views_of_an_input(x):
     return x.t()[::2], x[1:, ::3], x.view(-1, 2) if x.is_contiguous() else x.reshape(-1, 2).clone(), x * 2
 

@@ -25,7 +25,7 @@ import ctypes
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -107,7 +107,6 @@ class _Step:
     defines: set[int]
     name: str = ""
     pure: bool = False          # a view: dropped when nothing reads what it makes
-    extra: list[str] = field(default_factory=list)
 
 
 class _EntryWriter:

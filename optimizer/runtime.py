@@ -1,38 +1,39 @@
-"""Runs a compiled graph: extern ATen calls and generated kernels over one slot per IR node.
+"""Runs a compiled graph as one generated Python function: its kernels, externs and views in order.
 
-A kernel is one ctypes call on the tensors' data pointers; its outputs are allocated just before
-it with the strides the code was generated for. Tensors that reach a kernel from outside (graph
-inputs, extern results) are checked against those strides and copied to them when they differ,
-so a layout the compiler did not see costs a copy, never a wrong result.
+At compile time the graph's steps are written out as the straight-line body of one function per
+graph (`write_entry`, built with compile/exec), so that a call pays for no interpreter loop over step
+objects, no slot list and no argument walking: a kernel is an allocation of its outputs with the
+strides its code was generated for and one ctypes call on the tensors' data pointers (or a Triton
+launch on the tensors), an extern is one call of its ATen op, and a tensor is dropped (`del`) right
+after its last reader.
+
+Views are resolved at compile time wherever strides are static: a view (or a chain of views) of a
+tensor the graph allocated itself becomes one `as_strided` of that tensor at an offset and strides
+computed once, on meta tensors; a view of a tensor from outside (a graph input, an extern's result)
+becomes the same `as_strided` when that tensor has the strides the graph was traced with, and replays
+the chain of ATen view ops otherwise. Views that only kernels read are no tensor at all
+(fusion.pointer_view): the kernel gets their base's data pointer.
+
+Tensors that reach a kernel from outside (graph inputs, extern results) are checked against the
+strides the kernel was generated for and copied to them when they differ, so a layout the compiler
+did not see costs a copy, never a wrong result.
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
+import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
 from optimizer.codegen.c import Kernel
 from optimizer.fusion import mutates
-from optimizer.ir import Graph, Kind, Ref, TensorType
+from optimizer.ir import Graph, Kind, Node, Ref, TensorType
 from optimizer.loopnest import Group
-
-Step = Callable[[list], None]
-
-
-def _resolve(a: Any, env: list) -> Any:
-    if isinstance(a, Ref):
-        return env[a.index]
-    if isinstance(a, (list, tuple)):
-        return type(a)(_resolve(x, env) for x in a)
-    return a
-
-
-def _holds_ref(a: Any) -> bool:
-    return isinstance(a, Ref) or isinstance(a, (list, tuple)) and any(_holds_ref(x) for x in a)
 
 
 def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
@@ -59,120 +60,253 @@ def view_roots(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel |
     return roots
 
 
+@dataclass(frozen=True)
+class StaticView:
+    """A view as its layout: `root`'s storage at `offset` (from the root's own) with `shape` and `strides`,
+    and the ATen view ops from the root (`chain`) that make it when the root's strides are not `root_strides`."""
+    root: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    root_strides: tuple[int, ...]
+    chain: tuple[Node, ...]
+
+
+def static_view(graph: Graph, n: int) -> StaticView | None:
+    """View node n as a layout of the nearest tensor that is no view, computed on meta tensors; None where
+    it is not one (a reshape that copies, a view op with a tensor argument, a root of no known type)."""
+    chain: list[Node] = []
+    node = graph.nodes[n]
+    while node.kind == Kind.VIEW:
+        if not node.args or not isinstance(node.args[0], Ref) or any(
+                isinstance(a, Ref) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
+        chain.append(node)
+        node = graph.nodes[node.args[0].index]
+    root = node.type
+    if root is None or node.kind == Kind.VIEW:
+        return None
+    base = torch.empty_strided(root.shape, root.strides, dtype=getattr(torch, root.dtype), device="meta")
+    t = base
+    try:
+        for view in reversed(chain):
+            t = view.target(t, *view.args[1:], **view.kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    want = graph.nodes[n].type
+    if not isinstance(t, torch.Tensor) or t._base is not base or want is None \
+            or (tuple(t.shape), tuple(t.stride())) != (want.shape, want.strides):
+        return None
+    return StaticView(node.index, want.shape, want.strides, t.storage_offset(), root.strides, tuple(reversed(chain)))
+
+
+@dataclass
+class _Step:
+    lines: list[str]
+    uses: set[int]
+    defines: set[int]
+    name: str = ""
+    pure: bool = False          # a view: dropped when nothing reads what it makes
+
+
+class _EntryWriter:
+    """The source of one graph's entry function, and the objects its names stand for."""
+
+    def __init__(self, graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None], lib: Any,
+                 inplace: dict[int, int]) -> None:
+        self.graph, self.lib, self.inplace = graph, lib, inplace
+        self.roots = view_roots(graph, groups, kernels)
+        self.names: dict[int, Any] = {}          # id(object) -> its name in the namespace
+        self.namespace: dict[str, Any] = {"empty": torch.empty_strided, "conform": _conform,
+                                          "device": torch.device(graph.device)}
+        kernel_params = {self.roots.get(p, p) for k in kernels if k is not None for p in k.params}
+        from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
+        self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
+        # slots that hold the very tensor a kernel step allocated (no storage offset, the graph's strides)
+        aliased = {n for n in inplace if any(n in g.nodes for g in groups)}
+        self.owned = {n for k in kernels if k is not None for n in k.outputs
+                      if graph.nodes[n].kind != Kind.INPUT and n not in aliased}
+        self.views = {g.nodes[0]: v for g, k in zip(groups, kernels)
+                      if k is None and graph.nodes[g.nodes[0]].kind == Kind.VIEW
+                      for v in [static_view(graph, g.nodes[0])] if v is not None}
+        self.direct = self._dense_views(groups, kernels)
+        steps = [self._kernel(g, k) if k is not None else self._extern(graph.nodes[g.nodes[0]])
+                 for g, k in zip(groups, kernels)]
+        self.steps = [s for s in steps if s is not None]
+
+    def _dense_views(self, groups: Sequence[Group], kernels: Sequence[Kernel | None]) -> dict[int, int]:
+        """Kernel outputs that are a tensor only to be viewed once, densely (a weight's gradient transposed
+        back, a row sum seen without its kept dim), and that view: the kernel writes into the view's own
+        allocation, and neither the output nor an as_strided of it is made."""
+        keep = {o.index for o in self.graph.outputs if isinstance(o, Ref)}
+        # views some tensor is made of: read by a kernel, by an extern that is no resolved view, or returned
+        read = keep | {self.roots.get(p, p) for k in kernels if k is not None for p in k.params} | {
+            i for g, k in zip(groups, kernels) if k is None and g.nodes[0] not in self.views
+            for i in self.graph.nodes[g.nodes[0]].inputs}
+        readers: dict[int, int] = {}
+        for g, k in zip(groups, kernels):
+            n = g.nodes[0]
+            if k is None and (n not in self.views or n in read):
+                for i in [self.views[n].root] if n in self.views else self.graph.nodes[n].inputs:
+                    readers[i] = readers.get(i, 0) + 1
+        direct = {}
+        for n, view in self.views.items():
+            r, root = view.root, self.graph.nodes[view.root].type
+            if r in self.owned and r not in keep and readers[r] == 1 and view.offset == 0 \
+                    and math.prod(view.shape) == math.prod(root.shape) \
+                    and _dense(root.shape, root.strides) and _dense(view.shape, view.strides):
+                direct[r] = n
+        return direct
+
+    def name(self, value: Any, prefix: str = "c") -> str:
+        """The namespace's name for an object (a constant argument, an op, a kernel)."""
+        if id(value) not in self.names:
+            self.names[id(value)] = f"{prefix}{len(self.names)}"
+            self.namespace[self.names[id(value)]] = value
+        return self.names[id(value)]
+
+    def expr(self, a: Any) -> str:
+        """An extern's argument as source: a node's local, a list of them, or a named constant."""
+        if isinstance(a, Ref):
+            return f"v{a.index}"
+        if isinstance(a, (list, tuple)) and any(isinstance(x, (Ref, list, tuple)) for x in a):
+            inner = ", ".join(self.expr(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner},)"
+        if a is None or isinstance(a, (bool, int, str)) or isinstance(a, float) and math.isfinite(a):
+            return repr(a)
+        return self.name(a)
+
+    def call(self, node: Node, args: list[str]) -> str:
+        kwargs = [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
+        return f"{self.name(node.target, 'op')}({', '.join(args + kwargs)})"
+
+    def _kernel(self, group: Group, kernel: Kernel) -> _Step:
+        lines = []
+        made = [n for n in kernel.outputs if self.graph.nodes[n].kind != Kind.INPUT]
+        for n in made:
+            t = self.graph.nodes[n].type
+            if n in self.direct:
+                n, t = self.direct[n], self.graph.nodes[self.direct[n]].type
+            lines.append(f"v{n} = empty({t.shape}, {t.strides}, dtype={self.name(getattr(torch, t.dtype))}, "
+                         "device=device)")
+        params = [self.direct.get(p, p) for p in (self.roots.get(p, p) for p in kernel.params)]
+        if any(d == 0 for d in group.domain):
+            pass
+        elif hasattr(self.lib, "launcher"):
+            lines.append(f"{self.name(self.lib.launcher(kernel), 'k')}([{', '.join(f'v{p}' for p in params)}])")
+        else:
+            fn = getattr(self.lib, kernel.name)
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * len(params)
+            lines.append(f"{self.name(fn, 'k')}({', '.join(f'v{p}.data_ptr()' for p in params)})")
+        aliases = [(n, i) for n, i in self.inplace.items() if n in group.nodes]   # a value now held by its input
+        lines += [f"v{n} = v{i}" for n, i in aliases]
+        defines = {self.direct.get(n, n) for n in made} | {n for n, _ in aliases}
+        return _Step(lines, set(params), defines, f"{describe(self.graph, group)} {kernel.name}")
+
+    def _extern(self, node: Node) -> _Step | None:
+        n = node.index
+        if n in self.views:
+            return None if n in self.direct.values() else self._view(n, self.views[n])
+        if node.op == "getitem" and isinstance(node.args[0], Ref) and isinstance(node.args[1], int):
+            return _Step([f"v{n} = v{node.args[0].index}[{node.args[1]}]"], {node.args[0].index}, {n}, pure=True)
+        lines = [f"v{n} = {self.call(node, [self.expr(a) for a in node.args])}"]
+        want = self.checked.get(n)
+        if want is not None:
+            lines.append(f"if v{n}.stride() != {want.strides}: v{n} = conform(v{n}, {self.name(want)})")
+        return _Step(lines, set(node.inputs), {n}, pure=node.kind == Kind.VIEW)
+
+    def _view(self, n: int, view: StaticView) -> _Step:
+        r = view.root
+        if r in self.owned:
+            line = f"v{n} = v{r}.as_strided({view.shape}, {view.strides}, {view.offset})"
+        else:
+            replay = f"v{r}"
+            for node in view.chain:
+                replay = self.call(node, [replay] + [self.expr(a) for a in node.args[1:]])
+            line = (f"v{n} = v{r}.as_strided({view.shape}, {view.strides}, v{r}.storage_offset() + {view.offset}) "
+                    f"if v{r}.stride() == {view.root_strides} else {replay}")
+        return _Step([line], {r}, {n}, pure=True)
+
+
+def write_entry(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None], lib: Any,
+                inplace: dict[int, int], profile: dict | None = None) -> tuple[str, dict[str, Any]]:
+    """The source of the graph's entry function `run(args)` (AOTAutograd's boxed convention: the list of
+    inputs, cleared on entry) and its namespace. With `profile`, each step adds its seconds and calls there."""
+    w = _EntryWriter(graph, groups, kernels, lib, inplace)
+    keep = {o.index for o in graph.outputs if isinstance(o, Ref)}
+    steps = _live(w.steps, keep)
+    written = set(inplace.values()) | {
+        n.args[0].index for n in graph.nodes if n.kind == Kind.EXTERN and n.args and isinstance(n.args[0], Ref)
+        and mutates(n)}
+    body = [f"{', '.join(f'v{i}' for i in graph.inputs)}{',' if len(graph.inputs) == 1 else ''} = args"
+            if graph.inputs else "pass", "args.clear()"]
+    write_back = any(i in written for i in w.checked)
+    if write_back:
+        body.append("written_back = []")
+    for i in graph.inputs:
+        want = w.checked.get(i)
+        if want is None:
+            continue
+        fix = f"given = v{i}; v{i} = conform(v{i}, {w.name(want)}); written_back.append((given, v{i}))" \
+            if i in written else f"v{i} = conform(v{i}, {w.name(want)})"
+        body.append(f"if v{i}.stride() != {want.strides}: {fix}")     # conform checks the shape
+    last: dict[int, int] = {}
+    for s, step in enumerate(steps):
+        for slot in step.uses | step.defines:
+            last[slot] = s
+    for s, step in enumerate(steps):
+        dead = [f"v{slot}" for slot in sorted(step.uses | step.defines) if last[slot] == s and slot not in keep]
+        lines = step.lines + ([f"del {', '.join(dead)}"] if dead else [])
+        if profile is not None:
+            record = profile.setdefault(f"{len(profile):4d} {step.name or lines[0][:70]}", [0.0, 0])
+            lines = ["t0 = perf_counter()", *lines,
+                     f"{w.name(record)}[0] += perf_counter() - t0; {w.name(record)}[1] += 1"]
+        body += lines
+    if write_back:
+        body.append("for given, conformed in written_back: given.copy_(conformed)")
+    body += ["return [" + ", ".join(f"v{o.index}" if isinstance(o, Ref) else w.expr(o) for o in graph.outputs) + "]"]
+    w.namespace["perf_counter"] = time.perf_counter
+    return "def run(args):\n" + "".join(f"    {line}\n" for line in body), w.namespace
+
+
+def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a layout covers its storage from offset 0, each element once (so any two such layouts of as
+    many elements cover the same bytes)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, strides) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return math.prod(shape) > 0
+
+
+def _live(steps: list[_Step], keep: set[int]) -> list[_Step]:
+    """The steps less the views nothing reads (a chain resolved to one as_strided leaves its links unread)."""
+    while True:
+        read = keep.union(*(s.uses for s in steps))
+        live = [s for s in steps if not s.pure or s.defines & read]
+        if len(live) == len(steps):
+            return steps
+        steps = live
+
+
 class CompiledGraph:
-    """A callable with AOTAutograd's boxed convention (one list of inputs, cleared on entry)."""
+    """A callable with AOTAutograd's boxed convention (one list of inputs, cleared on entry): the
+    graph's generated entry function (write_entry; its source is `self.source`)."""
 
     def __init__(self, graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None],
                  lib: Any, inplace: dict[int, int] | None = None) -> None:
         """`lib`: the C kernels' shared object (ctypes), or a library whose `launcher(kernel)` runs a
         kernel on its tensors (codegen/triton.py)."""
         self._boxed_call = True     # on the instance: dynamo's wrappers copy __dict__, not class attributes
-        self.size = len(graph)
-        self.inputs = list(graph.inputs)
-        self.outputs = list(graph.outputs)
-        inplace = inplace or {}
-        roots = view_roots(graph, groups, kernels)
-        kernel_params = {roots.get(p, p) for k in kernels if k is not None for p in k.params}
-        from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
-        self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
-        # (slot, strides wanted, whether a step writes over it: then a copy made to conform is copied back)
-        written = set(inplace.values()) | {
-            n.args[0].index for n in graph.nodes if n.kind == Kind.EXTERN and n.args and isinstance(n.args[0], Ref)
-            and mutates(n)}
-        self.input_checks = [(i, self.checked[i], i in written) for i in self.inputs if i in self.checked]
-        self.steps: list[Step] = []
-        uses: list[set[int]] = []
-        for group, kernel in zip(groups, kernels):
-            if kernel is None:
-                node = graph.nodes[group.nodes[0]]
-                self.steps.append(self._extern(node.index, node.target, node.args, node.kwargs))
-                uses.append(set(node.inputs))
-            else:
-                self.steps.append(self._kernel(graph, group, kernel, lib, inplace, roots, graph.device))
-                uses.append({roots.get(p, p) for p in kernel.params})
-        if os.environ.get("TFSN_PROFILE"):
-            names = [f"{k.name} {lib._name}" if k is not None else "" for k in kernels]
-            self.steps = [_profiled(step, f"{describe(graph, group)} {name}")
-                          for step, group, name in zip(self.steps, groups, names)]
-        keep = {o.index for o in self.outputs if isinstance(o, Ref)}
-        last: dict[int, int] = {}
-        for step, used in enumerate(uses):
-            for slot in used:
-                last[slot] = step
-        self.free_after = [[] for _ in self.steps]
-        for slot, step in last.items():
-            if slot not in keep:
-                self.free_after[step].append(slot)
-
-    def _extern(self, n: int, target: Any, args: tuple, kwargs: dict) -> Step:
-        want = self.checked.get(n)
-        nested = any(isinstance(a, (list, tuple)) and _holds_ref(a) for a in args)
-        if nested or any(_holds_ref(v) for v in kwargs.values()):
-            # a list of tensors (cat, stack) or a tensor keyword: the arguments resolved in full
-            def step(env: list) -> None:
-                out = target(*_resolve(args, env), **{k: _resolve(v, env) for k, v in kwargs.items()})
-                env[n] = out if want is None else _conform(out, want)
-            return step
-        # flat positional arguments (views, getitem, convolutions...): the node slots filled in place,
-        # a few microseconds less per call than walking the arguments
-        slots = [(i, a.index) for i, a in enumerate(args) if isinstance(a, Ref)]
-        template = list(args)
-
-        def flat_step(env: list) -> None:
-            call = template.copy()
-            for i, slot in slots:
-                call[i] = env[slot]
-            out = target(*call, **kwargs)
-            env[n] = out if want is None else _conform(out, want)
-        return flat_step
-
-    @staticmethod
-    def _kernel(graph: Graph, group: Group, kernel: Kernel, lib: Any, inplace: dict[int, int],
-                roots: dict[int, int], device: str) -> Step:
-        device = torch.device(device)
-        launch = lib.launcher(kernel) if hasattr(lib, "launcher") else None
-        if launch is None:
-            fn = getattr(lib, kernel.name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
-        allocs = [(n, graph.nodes[n].type.shape, graph.nodes[n].type.strides,
-                   getattr(torch, graph.nodes[n].type.dtype)) for n in kernel.outputs
-                  if graph.nodes[n].kind != Kind.INPUT]
-        aliases = [(n, i) for n, i in inplace.items() if n in group.nodes]   # a value now held by its input
-        params = [roots.get(p, p) for p in kernel.params]
-        empty = any(d == 0 for d in group.domain)
-
-        def step(env: list) -> None:
-            for n, shape, strides, dtype in allocs:
-                env[n] = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-            if empty:
-                pass
-            elif launch is None:
-                fn(*[env[p].data_ptr() for p in params])
-            else:
-                launch([env[p] for p in params])
-            for n, i in aliases:
-                env[n] = env[i]
-        return step
+        self.source, namespace = write_entry(graph, groups, kernels, lib, inplace or {},
+                                             PROFILE if os.environ.get("TFSN_PROFILE") else None)
+        exec(compile(self.source, f"<tfsn graph of {len(graph)} nodes>", "exec"), namespace)
+        self.run = namespace["run"]
 
     def __call__(self, args: list) -> list:
-        env: list = [None] * self.size
-        for slot, value in zip(self.inputs, args):
-            env[slot] = value
-        args.clear()
-        write_back = []
-        for slot, want, written in self.input_checks:
-            given = env[slot]
-            env[slot] = _conform(given, want)
-            if written and env[slot] is not given:
-                write_back.append((given, env[slot]))
-        for step, free in zip(self.steps, self.free_after):
-            step(env)
-            for slot in free:
-                env[slot] = None
-        for given, conformed in write_back:
-            given.copy_(conformed)
-        return [env[o.index] if isinstance(o, Ref) else o for o in self.outputs]
+        return self.run(args)
 
 
 PROFILE: dict[str, list[float]] = {}
@@ -181,18 +315,6 @@ PROFILE: dict[str, list[float]] = {}
 def describe(graph: Graph, group: Group) -> str:
     ops = "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in group.nodes)
     return f"{group.kind} {list(group.domain) if group.kind != 'extern' else ''} {ops[:60]}"
-
-
-def _profiled(step: Step, name: str) -> Step:
-    """TFSN_PROFILE=1: time every step; the totals print at exit, slowest first."""
-    record = PROFILE.setdefault(f"{len(PROFILE):4d} {name}", [0.0, 0])
-
-    def timed(env: list) -> None:
-        t0 = time.perf_counter()
-        step(env)
-        record[0] += time.perf_counter() - t0
-        record[1] += 1
-    return timed
 
 
 @atexit.register

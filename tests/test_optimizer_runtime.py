@@ -1,0 +1,136 @@
+"""The generated entry of a compiled graph (optimizer/runtime.py): views resolved at compile time compute
+what eager's view ops do (values, strides, aliasing), from kernels' outputs, from graph inputs whose
+layout is not the one traced, and from externs' results; and a model whose step is views, slices,
+expands, aliased outputs and an in-place update through a strided view trains as eager does."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from optimizer.backend import compile_graph, decompositions, make_backend
+from optimizer.runtime import CompiledGraph
+from optimizer.schedule import DEFAULT
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn, *args) -> CompiledGraph:
+    gm = make_fx(fn, decomposition_table=decompositions())(*args)
+    graph = compile_graph(gm, args, schedule=DEFAULT)
+    assert isinstance(graph, CompiledGraph), "the graph ran as ATen: see the log"
+    return graph
+
+
+def same_as_eager(got: list, want: tuple) -> None:
+    """Values, shapes, strides and storage offsets as eager's, and the same outputs sharing memory."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert (g.stride(), g.storage_offset()) == (w.stride(), w.storage_offset())
+    shares = [[a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in outs]
+              for outs in (got, want) for a in outs]
+    assert shares[:len(got)] == shares[len(got):], "outputs alias each other where eager's do not, or the reverse"
+
+
+def views_of_a_product(x, w):
+    y = torch.tanh(x @ w)                                  # a kernel's output: the root of every view below
+    return (y, y.t(), y[:, ::2], y[1:, 3:10:3], y.unsqueeze(0).expand(3, -1, -1), y.view(-1)[5:],
+            y.t()[::2].t(), y.view(4, 3, 12).permute(2, 0, 1)[1:, :, ::2], y.select(1, 4))
+
+
+def test_views_of_a_kernel_output_are_one_as_strided_each_and_alias_it_as_eager_does():
+    torch.manual_seed(0)
+    x, w = torch.randn(12, 7), torch.randn(7, 12)
+    graph = compiled(views_of_a_product, x, w)
+    same_as_eager(graph([x, w]), views_of_a_product(x, w))
+    body = graph.source.splitlines()
+    assert sum("as_strided" in line for line in body) == 8
+    assert not any("op" in line.split("=")[-1] for line in body), f"an ATen view op is still called:\n{graph.source}"
+
+
+def only_viewed(x, w):
+    return (torch.tanh(x @ w).t(), (x * 2).sum(1, keepdim=True).view(-1), (x * 3)[:2], (x + 4)[:, ::2],
+            (x - 1).t().unsqueeze(0))
+
+
+def test_a_kernel_output_only_viewed_densely_is_allocated_as_the_view_and_no_other():
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 7), torch.randn(7, 5)
+    graph = compiled(only_viewed, x, w)
+    same_as_eager(graph([x, w]), only_viewed(x, w))
+    # the transposed product, the row sums and x - 1 are written where their views lie; the first rows and
+    # every other column of a tensor are views of one (no kernel writes a part of a tensor alone)
+    assert sum("as_strided" in line for line in graph.source.splitlines()) == 2, graph.source
+
+
+def views_of_an_input(x):
+    return x.t()[::2], x[1:, ::3], x.view(-1, 2) if x.is_contiguous() else x.reshape(-1, 2).clone(), x * 2
+
+
+@pytest.mark.parametrize("layout", ["traced", "offset", "transposed"])
+def test_views_of_an_input_follow_the_layout_it_arrives_in(layout):
+    torch.manual_seed(0)
+    x = torch.randn(6, 8)
+    graph = compiled(lambda x: views_of_an_input(x)[:2], x)
+    given = {"traced": x, "offset": torch.randn(9, 8)[3:],                           # same strides, storage offset
+             "transposed": torch.randn(8, 6).t()}[layout]                            # other strides: the ops replayed
+    same_as_eager(graph([given]), views_of_an_input(given)[:2])
+
+
+def strided_slice_of_an_extern(x, y):
+    z = torch.cat([x, y], dim=1)                         # an ATen call: its result's layout is ATen's
+    return z[:, 1::3].t(), torch.sigmoid(z)[::2]
+
+
+def test_views_of_an_extern_result_match_eager():
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4), torch.randn(5, 7)
+    graph = compiled(strided_slice_of_an_extern, x, y)
+    same_as_eager(graph([x, y]), strided_slice_of_an_extern(x, y))
+
+
+class Viewy(nn.Module):
+    """Transposes, strided slices, expands and a running buffer updated in place through a strided view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 12)
+        self.b = nn.Linear(6, 5)
+        self.register_buffer("running", torch.zeros(8))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))                            # (n, 12)
+        left, right = h[:, ::2], h[:, 1::2]                  # strided slices of a kernel's output
+        mixed = left * right.flip(1) + h.t()[:6].t()
+        with torch.no_grad():
+            self.running[::2].mul_(0.5).add_(mixed.mean().detach())
+        out = self.b(mixed).unsqueeze(1).expand(-1, 3, -1)   # (n, 3, 5)
+        return out, out.transpose(1, 2), h.view(-1, 4, 3)[:, 1]
+
+
+def test_a_model_of_views_trains_as_eager_with_aliased_outputs_and_an_in_place_update_through_a_view():
+    torch.manual_seed(0)
+    eager = Viewy()
+    tfsn = copy.deepcopy(eager)
+    step = torch.compile(tfsn, backend=make_backend(schedule=DEFAULT))
+    for i in range(2):
+        x = torch.randn(7, 10, generator=torch.Generator().manual_seed(i))
+        outs = [step(x), eager(x)]
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert got.stride() == want.stride()
+        for o in outs:
+            (o[0].square().sum() + o[1][:, ::2].sum() + o[2].exp().sum()).backward()
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
+    torch.testing.assert_close(tfsn.running, eager.running, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from typing import Any, Callable, Iterator, Sequence
 
@@ -173,8 +174,7 @@ class Optimized:
     def __init__(self, fn: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str],
                  donate_argnums: Sequence[int], options: dict) -> None:
         self.fn = fn
-        self.static_argnums = tuple(static_argnums)
-        self.static_argnames = tuple(static_argnames)
+        self.static_argnums, self.static_argnames = _static_arguments(fn, static_argnums, static_argnames)
         self.donate_argnums = tuple(donate_argnums)
         self.options = options
         self.compiled: dict[Any, tuple[Callable, Any]] = {}
@@ -199,7 +199,7 @@ class Optimized:
         dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
         dynamic_kw = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, tree = jax.tree_util.tree_flatten((dynamic, dynamic_kw))
-        key = (tree, static, static_kw,
+        key = (tree, static, static_kw, bool(jax.config.jax_enable_x64),     # x64 changes what the trace makes
                tuple((jax.numpy.shape(x), jax.numpy.result_type(x), _weak(x)) for x in leaves))
         if key not in self.compiled:
             run, out_tree, self.stats[key] = self._compile(args, dict(static_kw), dynamic, dynamic_kw)
@@ -223,6 +223,21 @@ class Optimized:
             log.warning("tfsn: running a JAX step as jax.jit, its generated code failed: %s", str(e)[:2000])
             run, stats = jax.jit(jax.extend.core.jaxpr_as_fun(closed), donate_argnums=donate), {"fallback": str(e)}
         return run, out_tree, stats
+
+
+def _static_arguments(fn: Callable, nums: Sequence[int], names: Sequence[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The static positions and names as jax.jit reads them off fn's signature: a negative position
+    counts from the last positional parameter, and a static argument is static whether it is passed
+    by position or by name."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):     # no signature (a builtin): the positions and names as given
+        return tuple(nums), tuple(names)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positions = {n + len(positional) if n < 0 else n for n in nums} | {positional.index(n) for n in names
+                                                                       if n in positional}
+    return tuple(sorted(positions)), tuple(sorted(set(names) | {positional[n] for n in positions
+                                                                 if 0 <= n < len(positional)}))
 
 
 def _weak(x: Any) -> bool:

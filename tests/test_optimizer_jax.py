@@ -310,6 +310,28 @@ def test_a_donated_operand_of_a_product_is_not_written_over():
     assert generated(ours)["written_in_place"] == 0
 
 
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "uint32"])
+def test_a_float_converted_to_an_integer_type_is_what_xla_makes_of_it(dtype):
+    """XLA clamps an out-of-range float to the integer type's range and makes NaN 0 (C would wrap, as
+    torch does, or leave it undefined): such a conversion stays XLA's, the arithmetic around it tfsn's."""
+    x = jnp.array([300.0, -300.0, 1e10, jnp.nan, 2.7, -2.7, 70000.0], jnp.float32)
+    fn = lambda x: (x * 1.5 - 1.0).astype(dtype) + 1      # noqa: E731
+    np.testing.assert_array_equal(tfsn.jax.optimize(fn, schedule=Schedule())(x), jax.jit(fn)(x))
+
+
+def test_static_arguments_by_negative_position_and_by_name_either_way():
+    """As jax.jit reads them: static_argnums=-1 is the last positional parameter; a static argument is
+    static whether it is passed by position or by name."""
+    x = jnp.ones(2)
+    powers = lambda x, n: sum(x ** i for i in range(n))      # noqa: E731  (n must be a Python int)
+    np.testing.assert_allclose(tfsn.jax.optimize(powers, static_argnums=-1, schedule=Schedule())(x, 3), [3.0, 3.0])
+    np.testing.assert_allclose(tfsn.jax.optimize(powers, static_argnums=1, schedule=Schedule())(x, n=3), [3.0, 3.0])
+    by_name = tfsn.jax.optimize(lambda x, act: x * 2 if act == "double" else x, static_argnames="act",
+                                schedule=Schedule())
+    np.testing.assert_allclose(by_name(x, "double"), [2.0, 2.0])
+    np.testing.assert_allclose(by_name(x, act="same"), [1.0, 1.0])
+
+
 def test_weight_gradient_is_written_in_the_weights_order():
     """JAX's gradient of x @ w for w is dot_general(g, x) transposed: tfsn computes it as x^T g, so
     the Adam update reads it row by row, not through a transposed view (one element per row)."""

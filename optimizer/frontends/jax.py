@@ -185,6 +185,12 @@ class _Builder:
     def type_of(self, v: Any) -> TensorType | None:
         return self.nodes[v.index].type if isinstance(v, Ref) else None
 
+    def float_to_int(self, x: Any, dtype: Any) -> bool:
+        """Whether converting operand x to dtype takes a float to an integer type (bool aside)."""
+        t = self.type_of(x)
+        source = x.array.dtype if isinstance(x, _Literal) else jnp.dtype(t.dtype) if t is not None else None
+        return source is not None and jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(dtype, jnp.integer)
+
     def view(self, x: Ref, shape: Sequence[int]) -> Ref:
         t = self.type_of(x)
         if tuple(shape) == t.shape:
@@ -259,6 +265,8 @@ class _Builder:
         if not xs or any(isinstance(x, _Literal) and x.scalar is None for x in xs):   # iota; an array literal
             return None
         floating = jnp.issubdtype(out.dtype, jnp.floating)
+        if name == "convert_element_type" and self.float_to_int(xs[0], out.dtype):
+            return None     # XLA clamps to the type's range and makes NaN 0; the C cast wraps, as torch's does
         op = POINTWISE.get(name) or (FLOAT_ONLY.get(name) if floating else None)
         if op is not None:
             picks = tuple(range(len(xs)))

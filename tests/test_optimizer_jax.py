@@ -332,6 +332,26 @@ def test_static_arguments_by_negative_position_and_by_name_either_way():
     np.testing.assert_allclose(by_name(x, act="same"), [1.0, 1.0])
 
 
+@pytest.mark.parametrize("key_kind", ["raw", "typed", "made inside"])
+def test_a_dropout_step_keeps_its_kernels_and_its_random_bits(key_kind):
+    """A step drawing dropout masks with jax.random (an old-style uint32 key, a typed key, or a key made
+    in the step): the keys stay XLA's, the rest is generated, and the masks are jax.jit's bit for bit."""
+    def loss(w, x, key):
+        h = jnp.tanh(x @ w)
+        keep = jax.random.bernoulli(key, 0.8, h.shape)
+        return jnp.mean(jnp.where(keep, h / 0.8, 0.0) ** 2)
+
+    w, x = normal(jax.random.PRNGKey(25), (16, 24)), normal(jax.random.PRNGKey(26), (8, 16))
+    if key_kind == "made inside":
+        fn, args = jax.value_and_grad(lambda w, x: loss(w, x, jax.random.key(7))), (w, x)
+    else:
+        key = jax.random.PRNGKey(3) if key_kind == "raw" else jax.random.key(3)
+        fn, args = jax.value_and_grad(loss), (w, x, key)
+    ours = tfsn.jax.optimize(fn, schedule=Schedule())
+    assert_tree_close(ours(*args), jax.jit(fn)(*args), f"dropout step, {key_kind} key")
+    assert generated(ours)["kernels"] >= 2
+
+
 def test_weight_gradient_is_written_in_the_weights_order():
     """JAX's gradient of x @ w for w is dot_general(g, x) transposed: tfsn computes it as x^T g, so
     the Adam update reads it row by row, not through a transposed view (one element per row)."""

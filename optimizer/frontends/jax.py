@@ -20,6 +20,7 @@ import math
 import operator
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
@@ -163,6 +164,10 @@ class _Builder:
             kind: Kind | None = None, strides: Sequence[int] | None = None) -> int:
         """A node; its kind from ir.classify (extern wherever the generator is not sure) unless
         given. A view keeps `strides` over its base; any other node is contiguous."""
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):     # a PRNG key: only XLA's ops read it
+            self.nodes.append(Node(len(self.nodes), name, Kind.INPUT if kind == Kind.INPUT else Kind.EXTERN, op,
+                                   target, args, {}, None, {}))
+            return len(self.nodes) - 1
         type_ = TensorType(tuple(shape), contiguous(shape), np.dtype(dtype).name)
         kind = kind or classify(op, args, {}, type_, self.nodes)
         if kind == Kind.VIEW:

@@ -156,7 +156,8 @@ class _Scorer:
                 self.externs[node.index] = float(self.target.predict(
                     costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.threads)[0])
             else:
-                self.externs[node.index] = externs.extern_cost(self.graph, node, self.target.spec).seconds
+                self.externs[node.index] = externs.extern_cost(self.graph, node, self.target.spec,
+                                                               self.threads).seconds
         return self.externs[node.index]
 
     def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:

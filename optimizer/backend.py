@@ -37,8 +37,9 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
            "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels launched on the tensors' "
                       "device: on a GPU tfsn has a spec of, the GPU cost model's plan and launch shapes; else "
                       "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)",
-           "on_plan": "called with each searched graph's predicted seconds and whether it was searched now (False: "
-                      "read from the search cache); what `tfsn plan` prices this machine's step from"}
+           "on_plan": "called with each searched graph's expected seconds (search.SearchResult.expected_s) and "
+                      "whether it was searched now (False: read from the search cache); what `tfsn plan` prices "
+                      "this machine's step from"}
 
 # Decomposed further than core ATen, so that the generator sees their pointwise and reduction
 # parts (LayerNorm, softmax, GELU, BatchNorm, the optimizers' addcmul/lerp) and can fuse them.
@@ -312,7 +313,7 @@ def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Sche
     return result.plan, result.schedules
 
 
-SEARCH_VERSION = "7"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "8"      # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.
@@ -360,9 +361,9 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
         # checkpoint computes what the one that never stopped did); outside a job, ties are timed again
         if saved.ties and not os.environ.get(PLANNED_HARDWARE_ENV):
             ties = _retime(graph, saved.plan, saved.schedules, saved.ties)
-            atomic_write(path, _search_entry(saved.choice, saved.schedules, ties, saved.predicted_s))
+            atomic_write(path, _search_entry(saved.choice, saved.schedules, ties, saved.expected_s))
         if on_plan is not None:
-            on_plan(saved.predicted_s, False)
+            on_plan(saved.expected_s, False)
         return saved.plan, saved.schedules
     _say_why_searching(spec)
     result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
@@ -372,7 +373,7 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
     if report is not None:
         report.append((graph, result))
     if on_plan is not None:
-        on_plan(result.predicted_s, True)
+        on_plan(result.expected_s, True)
     _write_search_entry(path, result)
     return result.plan, result.schedules
 
@@ -404,7 +405,7 @@ class _SavedSearch:
     schedules: list[Schedule]
     ties: list[Tie]
     choice: dict[str, list[int]]
-    predicted_s: float
+    expected_s: float
 
 
 def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
@@ -421,7 +422,7 @@ def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
         ties = [search.Tie(t["groups"], [Schedule(**s) for s in t["schedules"]], t["retimed"])
                 for t in saved.get("unsettled", [])]
         return _SavedSearch(plan, [Schedule(**s) for s in saved["schedules"]], ties, saved["choice"],
-                            float(saved["predicted_s"]))
+                            float(saved["expected_s"]))
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
         return None
@@ -430,15 +431,16 @@ def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
 def _write_search_entry(path: Path, result) -> None:
     from optimizer.cache import atomic_write
     choice = {k: sorted(getattr(result.choice, k)) for k in ("store", "recompute", "split")}
-    atomic_write(path, _search_entry(choice, result.schedules, result.ties, result.predicted_s))
+    atomic_write(path, _search_entry(choice, result.schedules, result.ties, result.expected_s))
 
 
 def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], ties: Sequence[Tie],
-                  predicted_s: float) -> bytes:
+                  expected_s: float) -> bytes:
     """A search cache entry: the fusion choice, every group's schedule, the kernels whose choice is
-    unsettled (search.Tie) with their tied candidates and re-timings so far, and the plan's predicted time."""
+    unsettled (search.Tie) with their tied candidates and re-timings so far, and the plan's expected time
+    (search.SearchResult.expected_s)."""
     return json.dumps({"choice": choice, "schedules": [dataclasses.asdict(s) for s in schedules],
-                       "predicted_s": predicted_s,
+                       "expected_s": expected_s,
                        "unsettled": [{"groups": t.groups, "schedules": [dataclasses.asdict(s) for s in t.schedules],
                                       "retimed": t.retimed} for t in ties]}).encode()
 

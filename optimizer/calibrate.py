@@ -370,6 +370,7 @@ def host_spec(cal: Calibration) -> dict:
         "name": "host", "aliases": ["host"], "kind": "cpu", "vendor": cal.vendor,
         "cpu_model": cal.cpu_model, "threads": cal.threads,
         "peak_tflops": {"fp32": round(cal.peak_gflops_all / 1000, 4)},     # bf16 runs at this rate (no bf16 FMA)
+        "core_peak_tflops": round(cal.peak_gflops_core / 1000, 4),
         "clock_ghz": round(cal.clock_ghz, 3),
         "compute_units": cal.threads,
         "simd_width": cal.simd_width,
@@ -391,7 +392,8 @@ def write_host_spec(cal: Calibration) -> Path:
               f"at {cal.measured_at} with {cal.threads} thread(s), in {cal.seconds:.1f} s.\n"
               "# Bandwidths: best of several reads of a buffer half the size of each cache level (DRAM: at least\n"
               "# 4x L3); bandwidth_gbs with all threads, core_bandwidth_gbs with one. peak: a generated FMA kernel,\n"
-              "# all threads. library_gemm_efficiency: torch.mm over that peak, one thread, median of three\n"
+              "# all threads (core_peak_tflops: one thread). library_gemm_efficiency: torch.mm over the one-thread\n"
+              "# peak, one thread, median of three\n"
               "# shapes. Overheads: medians, best of several. allreduce_*: gloo between two processes of this\n"
               "# machine, one thread each; update_*: torch.optim.AdamW.step, one thread, fitted over three sets.\n"
               f"# clock_ghz from {cal.clock_source}.\n"

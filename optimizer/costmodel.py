@@ -179,9 +179,9 @@ class _Chip:
         core_bw = [(lv.core_bandwidth_gbs or lv.bandwidth_gbs / cores) * 1e9 for lv in levels]
         # the issue rate that makes the spec's peak: 2 FLOP x lanes x pipes per cycle (a boost clock
         # when the peak was measured by `tfsn calibrate`)
-        clock = spec.peak_flops("fp32") / cores / (2.0 * spec.simd_width * VECTOR_PIPES)
+        clock = spec.core_peak_flops("fp32") / (2.0 * spec.simd_width * VECTOR_PIPES)
         return cls(cores=float(min(threads or cores, cores)), units=cores, clock=clock, lanes=float(spec.simd_width),
-                   peak_core=spec.peak_flops("fp32") / cores, library=spec.library_gemm_efficiency,
+                   peak_core=spec.core_peak_flops("fp32"), library=spec.library_gemm_efficiency,
                    call_s=spec.call_overhead_us * 1e-6,
                    fork_s=spec.launch_overhead_us * 1e-6,
                    sizes=np.array([lv.size_mib * 2**20 for lv in levels]),

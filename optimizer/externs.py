@@ -180,15 +180,21 @@ def classify(node: Node) -> str:
     return "memory"
 
 
-def _bandwidth(spec: HardwareSpec, moved: float) -> float:
-    """Bytes/s of the smallest memory level that holds `moved` bytes (GPUs: L2 or main memory)."""
+def _bandwidth(spec: HardwareSpec, moved: float, threads: int | None = None) -> float:
+    """Bytes/s of the smallest memory level that holds `moved` bytes (GPUs: L2 or main memory); on a CPU,
+    what `threads` threads draw from it (each at most a core's bandwidth), all of the chip's when None."""
     levels = [lv for lv in spec.memory if spec.kind == "cpu" or lv.name.lower() not in _GPU_LEVELS_SKIPPED]
     level = next((lv for lv in levels if moved <= lv.size_mib * 2**20), spec.main_memory)
-    return level.bandwidth_gbs * 1e9
+    if spec.kind != "cpu" or threads is None or threads >= spec.compute_units:
+        return level.bandwidth_gbs * 1e9
+    core = level.core_bandwidth_gbs or level.bandwidth_gbs / spec.compute_units
+    return min(level.bandwidth_gbs, max(threads, 1) * core) * 1e9
 
 
-def extern_cost(graph: Graph, node: Node, spec: HardwareSpec) -> ExternCost:
-    """The predicted time of one extern node on `spec`, with its FLOPs and bytes."""
+def extern_cost(graph: Graph, node: Node, spec: HardwareSpec, threads: int | None = None) -> ExternCost:
+    """The predicted time of one extern node on `spec`, with its FLOPs and bytes; on a CPU run with `threads`
+    threads (a local worker's OMP_NUM_THREADS; all of the chip's when None): ATen's kernels use the threads
+    they are given, at one core's rate each."""
     kind = classify(node)
     if kind == "free":
         return ExternCost(node.op, kind, "", 0.0, 0.0, 0.0)
@@ -216,7 +222,8 @@ def extern_cost(graph: Graph, node: Node, spec: HardwareSpec) -> ExternCost:
     elif kind == "scatter":
         moved = out_bytes + 2.0 * in_bytes              # the output cleared, the updates read-modify-written
     compute_eff = spec.library_gemm_efficiency if spec.kind == "cpu" and kind == "gemm" else eff.compute
-    compute_s = flops / (spec.peak_flops(precision) * compute_eff) if flops else 0.0
-    memory_s = moved / (_bandwidth(spec, moved) * eff.memory)
+    peak = spec.threads_peak_flops(precision, threads) if spec.kind == "cpu" else spec.peak_flops(precision)
+    compute_s = flops / (peak * compute_eff) if flops else 0.0
+    memory_s = moved / (_bandwidth(spec, moved, threads) * eff.memory)
     overhead = (spec.launch_overhead_us if spec.kind == "gpu" else spec.call_overhead_us) * 1e-6 * launches
     return ExternCost(node.op, kind, precision, flops, moved, max(compute_s, memory_s) + overhead)

@@ -29,7 +29,7 @@ _SCALARS = ("clock_ghz", "compute_units", "simd_width", "registers_per_unit_kib"
             "shared_memory_per_unit_kib", "launch_overhead_us", "interconnect_gbs")
 _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCALARS
 # written by `tfsn calibrate`; defaults below
-_OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads")
+_OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads", "core_peak_tflops")
 # the parts of a step outside its graphs on local nodes (optimizer/calibrate_step.py): 0 = not measured
 STEP_FIGURES = ("allreduce_latency_us", "allreduce_gbs", "step_overhead_us", "update_fixed_us", "update_tensor_us",
                 "update_element_ns")
@@ -77,6 +77,7 @@ class HardwareSpec:
     library_gemm_efficiency: float = 0.85  # fraction of the fp32 FMA peak the BLAS sgemm reaches (CPU)
     cpu_model: str = ""                # the CPU a calibrated spec was measured on ("" for vendor specs)
     threads: int = 0                   # threads used by that calibration (0 for vendor specs)
+    core_peak_tflops: float = 0.0      # fp32 FMA rate of one thread alone, as calibrated (0: peak / compute_units)
     # measured by `tfsn calibrate` (calibrate_step.py), 0 elsewhere: a gloo all-reduce between two local processes
     allreduce_latency_us: float = 0.0  # ... of a tiny gradient
     allreduce_gbs: float = 0.0         # ... GB of gradient per second beyond that
@@ -97,6 +98,19 @@ class HardwareSpec:
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; a dtype the chip lacks (bf16 on a T4) runs at the fp32 rate."""
         return 1e12 * self.peak_tflops.get(dtype, self.peak_tflops["fp32"])
+
+    def core_peak_flops(self, dtype: str = "fp32") -> float:
+        """Peak FLOP/s of one core running alone. Calibrated where `tfsn calibrate` measured it: the all-thread
+        peak over the cores is low when other work shared the cores during calibration (or threads share a
+        core), while a worker's thread runs at one core's rate whenever it runs."""
+        per_core = self.core_peak_tflops * 1e12 if self.core_peak_tflops else self.peak_flops("fp32") / self.compute_units
+        return per_core * self.peak_flops(dtype) / self.peak_flops("fp32")
+
+    def threads_peak_flops(self, dtype: str, threads: int | None) -> float:
+        """Peak FLOP/s `threads` threads reach (all of the chip's when None), at most the all-thread peak."""
+        if threads is None or threads >= self.compute_units:
+            return self.peak_flops(dtype)
+        return min(self.peak_flops(dtype), max(threads, 1) * self.core_peak_flops(dtype))
 
 
 def _number(value: Any, where: str, *, minimum: float = 0.0) -> float:
@@ -132,6 +146,8 @@ def _calibration_fields(data: dict, source: str) -> dict[str, Any]:
     for name in STEP_FIGURES:
         if name in data:
             found[name] = _number(data[name], f"{source}: {name}")
+    if "core_peak_tflops" in data:
+        found["core_peak_tflops"] = _number(data["core_peak_tflops"], f"{source}: core_peak_tflops")
     if "cpu_model" in data:
         if not isinstance(data["cpu_model"], str):
             raise HardwareSpecError(f"{source}: cpu_model: must be a string, the CPU's model name")

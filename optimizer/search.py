@@ -82,6 +82,13 @@ class SearchResult:
     externs: dict[int, float] = field(default_factory=dict)   # predicted seconds of each extern group, by group
 
     @property
+    def expected_s(self) -> float:
+        """The chosen plan's time on this machine: a kernel the search timed at no less than its measured time
+        (its best run, caches warm from the runs before: inside a step it runs no faster), the rest as
+        predicted. What a step of this graph is planned to take (`tfsn plan` on local nodes)."""
+        return sum(max(k.predicted_s, k.measured_s or 0.0) for k in self.kernels) + sum(self.externs.values())
+
+    @property
     def measured(self) -> list[dict]:
         return [{"predicted_s": p, "measured_s": m} for k in self.kernels for p, m in k.timed]
 
@@ -156,7 +163,8 @@ class _Scorer:
                 self.externs[node.index] = float(self.target.predict(
                     costmodel.FeatureTable([kernel]), costmodel.Candidates.of(0, [one_call]), self.threads)[0])
             else:
-                self.externs[node.index] = externs.extern_cost(self.graph, node, self.target.spec).seconds
+                self.externs[node.index] = externs.extern_cost(self.graph, node, self.target.spec,
+                                                               self.threads).seconds
         return self.externs[node.index]
 
     def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:

@@ -60,6 +60,7 @@ def test_the_written_spec_round_trips_and_is_what_cpu_spec_returns(measured):
     assert spec.main_memory.bandwidth_gbs == pytest.approx(measured.levels[-1].all_gbs, abs=0.05)
     assert spec.peak_flops("fp32") == pytest.approx(measured.peak_gflops_all * 1e9, rel=1e-3)
     assert spec.peak_flops("bf16") == spec.peak_flops("fp32")
+    assert spec.core_peak_flops() == pytest.approx(measured.peak_gflops_core * 1e9, rel=1e-3)   # one thread's
     assert spec.call_overhead_us == pytest.approx(measured.call_overhead_us, abs=1e-3)
     assert spec.library_gemm_efficiency == pytest.approx(measured.library_gemm_efficiency, abs=1e-3)
     assert spec.launch_overhead_us == pytest.approx(measured.fork_join_us, abs=1e-3)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optimizer import costmodel, features, fusion, ir, space
+from optimizer import costmodel, externs, features, fusion, ir, space
 from optimizer.backend import decompositions
 from optimizer.costmodel import Candidates, FeatureTable, KernelFeatures, predict, predict_gpu, spearman
 from optimizer.hardware import find_hardware, load_all
@@ -194,3 +194,35 @@ def test_distinct_keeps_both_kinds_of_vector_loop():
     for width in (4, 8, 16):
         assert sorted(kept.unroll[serial & (kept.vector_width == width)].tolist()) == [1, 2]
     assert sorted(kept.unroll[serial & (kept.vector_width == 1)].tolist()) == [1, 2, 4, 8, 16]
+
+
+# ---- one worker's thread runs at one core's measured rate
+
+def _calibrated(core_peak_tflops: float):
+    """cpu-generic as a 2-core calibration under load would write it: the all-thread peak only 1.2x one
+    thread's (`core_peak_tflops`), so that peak / cores understates a core alone."""
+    return dataclasses.replace(CPU, compute_units=2, peak_tflops={"fp32": 1.2 * core_peak_tflops},
+                               core_peak_tflops=core_peak_tflops)
+
+
+def test_a_one_thread_gemm_is_priced_at_the_calibrated_core_peak():
+    graph, plan, groups, kernels = lowered(lambda a, b: a @ b, torch.randn(512, 512), torch.randn(512, 512))
+    library = Schedule(gemm="library", gemm_block_rows=512, parallel_axis=-1)
+    spec = _calibrated(0.1)
+    measured = times(kernels[0], [library], spec, threads=1)[0]
+    uncalibrated = times(kernels[0], [library], dataclasses.replace(spec, core_peak_tflops=0.0), threads=1)[0]
+    flops = 2.0 * 512 ** 3
+    assert measured == pytest.approx(flops / (spec.library_gemm_efficiency * 0.1e12), rel=0.1)
+    assert uncalibrated / measured == pytest.approx(2 / 1.2, rel=0.05)     # peak / cores: 0.06 TFLOP/s, not 0.1
+
+
+def test_a_cpu_extern_is_priced_for_the_threads_it_runs_with():
+    x, w = torch.randn(24, 12, 26, 26), torch.randn(20, 12, 3, 3)
+    graph = ir.from_fx(make_fx(lambda x, w: F.conv2d(x, w, padding=1), decomposition_table=decompositions())(x, w))
+    (node,) = [n for n in graph.nodes if n.op == "aten.convolution.default"]
+    spec = _calibrated(0.1)
+    one, every = (externs.extern_cost(graph, node, spec, threads).seconds for threads in (1, None))
+    flops = 2.0 * 24 * 20 * 26 * 26 * 12 * 9
+    assert one == pytest.approx(flops / (0.1e12 * externs.CPU["conv"].compute) + spec.call_overhead_us * 1e-6)
+    assert one / every == pytest.approx(1.2, rel=0.02)                       # the chip's 0.12 TFLOP/s with both
+    assert externs.extern_cost(graph, node, spec, 2).seconds == every

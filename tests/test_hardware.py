@@ -1,6 +1,7 @@
 """Hardware specs (configs/hardware) and the step-time / memory predictor built on them."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -64,6 +65,7 @@ GOOD = {"name": "X1", "aliases": ["x1"], "kind": "gpu", "vendor": "v", "peak_tfl
     ({"threads": 1.5}, "threads: 1.5 must be a whole number >= 1"),
     ({"threads": 0}, "threads: 0 must be a whole number >= 1"),
     ({"cpu_model": 7}, "cpu_model: must be a string"),
+    ({"core_peak_tflops": 0}, "core_peak_tflops: 0 must be a number > 0"),
     ({"library_gemm_efficiency": 85}, "library_gemm_efficiency: 85.0 is a fraction of the FMA peak"),
     ({"library_gemm_efficiency": 0}, "library_gemm_efficiency: 0 must be a number > 0"),
     ({"shared_memory_per_block_kib": None}, "shared_memory_per_block_kib: None must be a number > 0"),
@@ -92,6 +94,18 @@ def test_the_optional_calibration_fields_load_and_default(tmp_path):
     assert (generic.call_overhead_us, generic.cpu_model, generic.threads, generic.library_gemm_efficiency) == \
         (2.0, "", 0, 0.85)
     assert all(m.core_bandwidth_gbs is None for m in find_hardware("H100").memory)
+
+
+def test_a_core_runs_at_its_calibrated_peak_else_the_chip_s_share(tmp_path):
+    (tmp_path / "x1.yaml").write_text(yaml.safe_dump({**GOOD, "core_peak_tflops": 0.8}))
+    calibrated = load_spec_file(tmp_path / "x1.yaml")
+    assert calibrated.core_peak_flops() == pytest.approx(0.8e12)   # above peak / cores (0.5): a core alone
+    assert calibrated.threads_peak_flops("fp32", 1) == pytest.approx(0.8e12)
+    assert calibrated.threads_peak_flops("fp32", 2) == calibrated.threads_peak_flops("fp32", None) == 1e12
+    uncalibrated = dataclasses.replace(calibrated, core_peak_tflops=0.0)
+    assert uncalibrated.core_peak_flops() == uncalibrated.threads_peak_flops("fp32", 1) == 0.5e12
+    t4 = find_hardware("T4")
+    assert t4.core_peak_flops("fp16") / t4.core_peak_flops("fp32") == pytest.approx(65 / 8.1)
 
 
 def test_a_gpu_spec_without_its_launch_limits_is_refused(tmp_path):

@@ -240,3 +240,29 @@ def test_optimize_command_refuses_an_emit_folder_it_cannot_write(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr + proc.stdout
         assert proc.stdout == ""           # refused before any capture or search
     assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_the_plan_takes_a_timed_kernel_at_no_less_than_its_measured_time(monkeypatch):
+    """A kernel timed slower than the model priced it counts at its measured time in the step `tfsn plan`
+    prices (on_plan), when searched and when read back from the search cache; one timed faster keeps its
+    prediction (the timing's best run, caches warm, is a lower bound on its time inside a step)."""
+    real, results = search.search_graph, []
+
+    def slow_timing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        for i, k in enumerate(result.kernels):     # every other one timed 3x slower than priced, the rest 2x faster
+            k.measured_s = k.predicted_s * (3.0 if i % 2 == 0 else 0.5)
+        results.append(result)
+        return result
+
+    monkeypatch.setattr(search, "search_graph", slow_timing)
+    args = inputs()
+    gm, graph = lowered(mlp_step, args)
+    seen = []
+    for _ in range(2):
+        compile_graph(gm, args, on_plan=lambda seconds, fresh: seen.append((seconds, fresh)))
+    (result,) = results
+    expected = sum(k.predicted_s * (3.0 if i % 2 == 0 else 1.0) for i, k in enumerate(result.kernels)) \
+        + sum(result.externs.values())
+    assert len(result.kernels) >= 2 and expected > result.predicted_s and result.expected_s == pytest.approx(expected)
+    assert seen == [(pytest.approx(expected), True), (pytest.approx(expected), False)]

@@ -86,7 +86,7 @@ class ExternCost:
                 "bytes": self.bytes, "predicted_s": self.seconds}
 
 
-def _bound(node: Node) -> dict[str, Any]:
+def bound_args(node: Node) -> dict[str, Any]:
     """The call's arguments by their schema names (positional and keyword alike)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
@@ -187,14 +187,15 @@ def _bandwidth(spec: HardwareSpec, moved: float) -> float:
     return level.bandwidth_gbs * 1e9
 
 
-def extern_cost(graph: Graph, node: Node, spec: HardwareSpec) -> ExternCost:
-    """The predicted time of one extern node on `spec`, with its FLOPs and bytes."""
+def extern_cost(graph: Graph, node: Node, spec: HardwareSpec, efficiency: Efficiency | None = None) -> ExternCost:
+    """The predicted time of one extern node on `spec`, with its FLOPs and bytes; `efficiency` in place of
+    its class's (our generated attention, priced as ATen's at its own: optimizer/attention.py)."""
     kind = classify(node)
     if kind == "free":
         return ExternCost(node.op, kind, "", 0.0, 0.0, 0.0)
-    args = _bound(node)
+    args = bound_args(node)
     table = GPU if spec.kind == "gpu" else CPU
-    eff = table[kind]
+    eff = efficiency or table[kind]
     out_bytes, in_bytes = _output_bytes(graph, node), _input_bytes(graph, node)
     moved = in_bytes + out_bytes
     flops, launches, precision = 0.0, eff.launches, ""

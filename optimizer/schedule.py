@@ -30,7 +30,7 @@ class Schedule:
     gemm_kc: int = 256                # generated GEMM: depth of a cache tile of A and B
     attention: str = "library"        # an attention extern: "library" = ATen's flash attention; "generated" =
                                       # our online-softmax pair (optimizer/attention.py), where timing picks it
-    attention_block: int = 64         # generated attention: query and key rows per block
+    attention_block: int = 64         # generated attention: query and key rows per block (a multiple of 8)
 
     def __post_init__(self) -> None:
         if self.vector_width not in VECTOR_WIDTHS:
@@ -39,6 +39,9 @@ class Schedule:
             raise ValueError(f"Schedule.gemm is {self.gemm!r}; use 'library' or 'generated'")
         if self.attention not in ("library", "generated"):
             raise ValueError(f"Schedule.attention is {self.attention!r}; use 'library' or 'generated'")
+        if self.attention_block % 8:
+            raise ValueError(f"Schedule.attention_block is {self.attention_block}; use a multiple of 8 (the "
+                             "generated attention's products are tiled in vectors of 8)")
         if self.gemm == "generated" and self.vector_width == 1:
             raise ValueError("Schedule.vector_width is 1 with gemm='generated'; the generated GEMM's register "
                              "tiles are SIMD vectors: use vector_width 4, 8 or 16")

@@ -71,6 +71,8 @@ def compare_module(model: nn.Module, x: torch.Tensor, schedule: Schedule | None 
     (3, 33, 3, 8, False, 0.3),
     (1, 33, 1, 24, True, 0.7),
     (3, 7, 4, 24, True, None),
+    (1, 33, 3, 10, False, None),          # a head dim that is no whole number of vectors
+    (3, 17, 2, 12, True, 0.5),
 ])
 def test_generated_attention_in_a_model_matches_eager(batch, length, heads, head_dim, causal, scale):
     torch.manual_seed(0)

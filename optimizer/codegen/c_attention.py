@@ -45,25 +45,66 @@ def _at(name: str, strides: tuple[int, ...], *index: str) -> str:
         if any(s != 0 for s in strides) else f"{name}[0]"
 
 
+def _ceil8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _tile(width: int) -> list[str]:
+    """One step of the product's register tile: 4 rows x `width` vectors of 8 columns, over the depth."""
+    accs = [f"c{r}{v}" for r in range(4) for v in range(width)]
+    body = [f"      {'tfsn_v8 ' + ' = {0}, '.join(accs)} = {{0}};",
+            "      for (int64_t k = 0; k < depth; k++) {",
+            *[f"        const tfsn_v8 b{v} = *(const tfsn_v8*)(b + k * ldb + j + {8 * v});" for v in range(width)],
+            *[f"        const float x{r} = a{r}[k * aks];" for r in range(4)],
+            *[f"        c{r}{v} += x{r} * b{v};" for r in range(4) for v in range(width)],
+            "      }"]
+    for r in range(4):
+        stores = " ".join(f"{{ tfsn_v8* o = (tfsn_v8*)(c + (i + {r}) * ldc + j + {8 * v}); "
+                          f"if (add) *o += c{r}{v}; else *o = c{r}{v}; }}" for v in range(width))
+        body.append(f"      if (mn > {r}) {{ {stores} }}")
+    return body
+
+
+def _product(name: str) -> str:
+    """`name`_mm: c[r][0:n] = (or +=) sum over k < depth of a[r * ars + k * aks] * b[k * ldb + 0:n], r < m,
+    n a multiple of 8. Why its own register tiles (as the generated GEMM's micro-kernel): every product of
+    attention is a small GEMM, and a loop that adds one row at a time to a row of scores is store-bound."""
+    return "\n".join([
+        f"static inline void {name}_mm(float* restrict c, const int64_t ldc, const float* restrict a, "
+        "const int64_t ars, const int64_t aks,",
+        "    const float* restrict b, const int64_t ldb, const int64_t m, const int64_t n, const int64_t depth, "
+        "const int add) {",
+        "  for (int64_t i = 0; i < m; i += 4) {",
+        "    const int64_t mn = m - i < 4 ? m - i : 4;",
+        *[f"    const float* restrict a{r} = a + {f'(mn > {r} ? i + {r} : i)' if r else 'i'} * ars;" for r in range(4)],
+        "    int64_t j = 0;",
+        "    for (; j + 16 <= n; j += 16) {", *_tile(2), "    }",
+        "    for (; j < n; j += 8) {", *_tile(1), "    }",
+        "  }",
+        "}",
+    ]) + "\n"
+
+
 def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], block: int) -> str:
-    """void name(q, k, v, out, lse): `strides` of q, k, v, out and lse, in that order."""
+    """void name(q, k, v, out, lse): `strides` of q, k, v, out and lse, in that order. `block` is a
+    multiple of 16 (the product's tile)."""
     sq, sk, sv, so, sl = strides
     bq = bk = block
     qblocks = -(-s.queries // bq)
-    e, ev = s.e, s.ev
-    scratch = bq * e + e * bk + bk * ev + bq * bk + bq * ev + 2 * bq
+    e, ev, evp = s.e, s.ev, _ceil8(s.ev)
+    scratch = bq * e + e * bk + bk * evp + bq * bk + bq * evp + 2 * bq
     kend = f"({s.keys} < i0 + qn ? {s.keys} : i0 + qn)" if s.causal else str(s.keys)
     masked = "j >= kn || j0 + j > i0 + i" if s.causal else "j >= kn"
-    return f"""void {name}(const float* restrict q, const float* restrict k, const float* restrict v,
+    return _product(name) + f"""void {name}(const float* restrict q, const float* restrict k, const float* restrict v,
           float* restrict out, float* restrict lse) {{
   #pragma omp parallel
   {{
   float* buf = (float*)aligned_alloc(64, ({scratch} * sizeof(float) + 63) / 64 * 64);
   float (*restrict qb)[{e}] = (float (*)[{e}])buf;
   float (*restrict kt)[{bk}] = (float (*)[{bk}])(buf + {bq * e});
-  float (*restrict vb)[{ev}] = (float (*)[{ev}])(buf + {bq * e + e * bk});
-  float (*restrict sc)[{bk}] = (float (*)[{bk}])(buf + {bq * e + e * bk + bk * ev});
-  float (*restrict acc)[{ev}] = (float (*)[{ev}])(buf + {bq * e + e * bk + bk * ev + bq * bk});
+  float (*restrict vb)[{evp}] = (float (*)[{evp}])(buf + {bq * e + e * bk});
+  float (*restrict sc)[{bk}] = (float (*)[{bk}])(buf + {bq * e + e * bk + bk * evp});
+  float (*restrict acc)[{evp}] = (float (*)[{evp}])(buf + {bq * e + e * bk + bk * evp + bq * bk});
   float* restrict mx = buf + {scratch - 2 * bq};
   float* restrict sum = mx + {bq};
   #pragma omp for schedule(dynamic)
@@ -72,7 +113,7 @@ def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], bl
     const int64_t qn = {s.queries} - i0 < {bq} ? {s.queries} - i0 : {bq};
     for (int64_t i = 0; i < qn; i++) {{
       for (int64_t x = 0; x < {e}; x++) qb[i][x] = {_at("q", sq, "b", "h", "i0 + i", "x")};
-      for (int64_t d = 0; d < {ev}; d++) acc[i][d] = 0.0f;
+      for (int64_t d = 0; d < {evp}; d++) acc[i][d] = 0.0f;
       mx[i] = -INFINITY;
       sum[i] = 0.0f;
     }}
@@ -81,18 +122,14 @@ def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], bl
       const int64_t kn = kend - j0 < {bk} ? kend - j0 : {bk};
       for (int64_t j = 0; j < {bk}; j++) {{
         for (int64_t x = 0; x < {e}; x++) kt[x][j] = j < kn ? {_at("k", sk, "b", "h", "j0 + j", "x")} : 0.0f;
-        for (int64_t d = 0; d < {ev}; d++) vb[j][d] = j < kn ? {_at("v", sv, "b", "h", "j0 + j", "d")} : 0.0f;
+        for (int64_t d = 0; d < {evp}; d++)
+          vb[j][d] = j < kn && d < {ev} ? {_at("v", sv, "b", "h", "j0 + j", "d")} : 0.0f;
       }}
+      {name}_mm(&sc[0][0], {bk}, &qb[0][0], {e}, 1, &kt[0][0], {bk}, qn, {bk}, {e}, 0);
       for (int64_t i = 0; i < qn; i++) {{
         float* restrict si = sc[i];
-        #pragma omp simd
-        for (int64_t j = 0; j < {bk}; j++) si[j] = 0.0f;
-        for (int64_t x = 0; x < {e}; x++) {{
-          const float qx = qb[i][x];
-          #pragma omp simd
-          for (int64_t j = 0; j < {bk}; j++) si[j] += qx * kt[x][j];
-        }}
         float m = mx[i];
+        #pragma omp simd reduction(max:m)
         for (int64_t j = 0; j < {bk}; j++) {{
           si[j] = ({masked}) ? -INFINITY : si[j] * {_flt(s.scale)};
           m = si[j] > m ? si[j] : m;
@@ -109,13 +146,9 @@ def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], bl
         sum[i] = sum[i] * alpha + rowsum;
         float* restrict ai = acc[i];
         #pragma omp simd
-        for (int64_t d = 0; d < {ev}; d++) ai[d] *= alpha;
-        for (int64_t j = 0; j < kn; j++) {{
-          const float p = si[j];
-          #pragma omp simd
-          for (int64_t d = 0; d < {ev}; d++) ai[d] += p * vb[j][d];
-        }}
+        for (int64_t d = 0; d < {evp}; d++) ai[d] *= alpha;
       }}
+      {name}_mm(&acc[0][0], {evp}, &sc[0][0], {bk}, 1, &vb[0][0], {evp}, qn, {evp}, kn, 1);
     }}
     for (int64_t i = 0; i < qn; i++) {{
       const float inv = 1.0f / sum[i];
@@ -130,92 +163,72 @@ def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], bl
 
 
 def backward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], block: int) -> str:
-    """void name(grad_out, q, k, v, out, lse, dq, dk, dv): `strides` of those nine, in that order."""
+    """void name(grad_out, q, k, v, out, lse, dq, dk, dv): `strides` of those nine, in that order.
+    Rows of the head's copies are padded to whole vectors of 8 (zeros), the products' width."""
     sdo, sq, sk, sv, so, sl, sdq, sdk, sdv = strides
     bq = bk = block
     L, S, e, ev = s.queries, s.keys, s.e, s.ev
-    head = L * e + S * e + S * ev + L * ev + L * e + 2 * L       # q, k, v, dO, dQ of the head; lse, rowsum(dO O)
-    block_floats = e * bk + ev * bk + 2 * bq * bk + bk * e + bk * ev
-    scratch = head + block_floats
+    ep, evp = _ceil8(e), _ceil8(ev)
     masked = "j >= kn || j0 + j > i0 + i" if s.causal else "j >= kn"
+    columns = {"qc": ep, "kc": ep, "doc": evp, "dqc": ep, "kt": bk, "vt": bk, "pb": bk, "ds": bk,
+               "dkb": ep, "dvb": evp}
+    rows = {"qc": L, "kc": S, "doc": L, "dqc": L, "kt": e, "vt": ev, "pb": bq, "ds": bq, "dkb": bk, "dvb": bk}
     offsets, at = {}, 0
-    for buf, size in (("qc", L * e), ("kc", S * e), ("vc", S * ev), ("doc", L * ev), ("dqc", L * e), ("lv", L),
-                      ("dd", L), ("kt", e * bk), ("vt", ev * bk), ("pb", bq * bk), ("ds", bq * bk),
-                      ("dkb", bk * e), ("dvb", bk * ev)):
-        offsets[buf], at = at, at + size
-    columns = {"qc": e, "kc": e, "vc": ev, "doc": ev, "dqc": e, "kt": bk, "vt": bk, "pb": bk, "ds": bk,
-               "dkb": e, "dvb": ev}
+    for buf in columns:
+        offsets[buf], at = at, at + rows[buf] * columns[buf]
+    scratch = at + 2 * L                          # and the head's lse and rowsum(dO O)
     views = "\n".join(f"  float (*restrict {b})[{c}] = (float (*)[{c}])(buf + {offsets[b]});" for b, c in columns.items())
-    return f"""void {name}(const float* restrict go, const float* restrict q, const float* restrict k,
+    return _product(name) + f"""void {name}(const float* restrict go, const float* restrict q, const float* restrict k,
           const float* restrict v, const float* restrict o, const float* restrict lse,
           float* restrict dq, float* restrict dk, float* restrict dv) {{
   #pragma omp parallel
   {{
   float* buf = (float*)aligned_alloc(64, ({scratch} * sizeof(float) + 63) / 64 * 64);
 {views}
-  float* restrict lv = buf + {offsets["lv"]};
-  float* restrict dd = buf + {offsets["dd"]};
+  float* restrict lv = buf + {at};
+  float* restrict dd = lv + {L};
   #pragma omp for schedule(dynamic)
   for (int64_t t = 0; t < {s.batch * s.heads}; t++) {{
     const int64_t b = t / {s.heads}, h = t % {s.heads};
     for (int64_t i = 0; i < {L}; i++) {{
-      for (int64_t x = 0; x < {e}; x++) {{ qc[i][x] = {_at("q", sq, "b", "h", "i", "x")}; dqc[i][x] = 0.0f; }}
+      for (int64_t x = 0; x < {ep}; x++) {{ qc[i][x] = x < {e} ? {_at("q", sq, "b", "h", "i", "x")} : 0.0f; dqc[i][x] = 0.0f; }}
       float r = 0.0f;
-      for (int64_t d = 0; d < {ev}; d++) {{
-        doc[i][d] = {_at("go", sdo, "b", "h", "i", "d")};
-        r += doc[i][d] * {_at("o", so, "b", "h", "i", "d")};
+      for (int64_t d = 0; d < {evp}; d++) {{
+        doc[i][d] = d < {ev} ? {_at("go", sdo, "b", "h", "i", "d")} : 0.0f;
+        r += d < {ev} ? doc[i][d] * {_at("o", so, "b", "h", "i", "d")} : 0.0f;
       }}
       dd[i] = r;
       lv[i] = {_at("lse", sl, "b", "h", "i")};
     }}
-    for (int64_t j = 0; j < {S}; j++) {{
-      for (int64_t x = 0; x < {e}; x++) kc[j][x] = {_at("k", sk, "b", "h", "j", "x")};
-      for (int64_t d = 0; d < {ev}; d++) vc[j][d] = {_at("v", sv, "b", "h", "j", "d")};
-    }}
+    for (int64_t j = 0; j < {S}; j++)
+      for (int64_t x = 0; x < {ep}; x++) kc[j][x] = x < {e} ? {_at("k", sk, "b", "h", "j", "x")} : 0.0f;
     for (int64_t j0 = 0; j0 < {S}; j0 += {bk}) {{
       const int64_t kn = {S} - j0 < {bk} ? {S} - j0 : {bk};
       for (int64_t j = 0; j < {bk}; j++) {{
         for (int64_t x = 0; x < {e}; x++) kt[x][j] = j < kn ? kc[j0 + j][x] : 0.0f;
-        for (int64_t d = 0; d < {ev}; d++) vt[d][j] = j < kn ? vc[j0 + j][d] : 0.0f;
+        for (int64_t d = 0; d < {ev}; d++) vt[d][j] = j < kn ? {_at("v", sv, "b", "h", "j0 + j", "d")} : 0.0f;
       }}
       for (int64_t j = 0; j < kn; j++) {{
-        for (int64_t x = 0; x < {e}; x++) dkb[j][x] = 0.0f;
-        for (int64_t d = 0; d < {ev}; d++) dvb[j][d] = 0.0f;
+        for (int64_t x = 0; x < {ep}; x++) dkb[j][x] = 0.0f;
+        for (int64_t d = 0; d < {evp}; d++) dvb[j][d] = 0.0f;
       }}
       for (int64_t i0 = {"j0" if s.causal else "0"}; i0 < {L}; i0 += {bq}) {{
         const int64_t qn = {L} - i0 < {bq} ? {L} - i0 : {bq};
+        {name}_mm(&pb[0][0], {bk}, qc[i0], {ep}, 1, &kt[0][0], {bk}, qn, {bk}, {e}, 0);
+        {name}_mm(&ds[0][0], {bk}, doc[i0], {evp}, 1, &vt[0][0], {bk}, qn, {bk}, {ev}, 0);
         for (int64_t i = 0; i < qn; i++) {{
           float* restrict p = pb[i];
           float* restrict g = ds[i];
-          #pragma omp simd
-          for (int64_t j = 0; j < {bk}; j++) {{ p[j] = 0.0f; g[j] = 0.0f; }}
-          for (int64_t x = 0; x < {e}; x++) {{
-            const float qx = qc[i0 + i][x];
-            #pragma omp simd
-            for (int64_t j = 0; j < {bk}; j++) p[j] += qx * kt[x][j];
-          }}
-          for (int64_t d = 0; d < {ev}; d++) {{
-            const float gd = doc[i0 + i][d];
-            #pragma omp simd
-            for (int64_t j = 0; j < {bk}; j++) g[j] += gd * vt[d][j];
-          }}
           const float l = lv[i0 + i], r = dd[i0 + i];
           #pragma omp simd
           for (int64_t j = 0; j < {bk}; j++) {{
             p[j] = ({masked}) ? 0.0f : tfsn_expf(p[j] * {_flt(s.scale)} - l);
             g[j] = p[j] * (g[j] - r) * {_flt(s.scale)};
           }}
-          for (int64_t j = 0; j < kn; j++) {{
-            const float pj = p[j], gj = g[j];
-            #pragma omp simd
-            for (int64_t d = 0; d < {ev}; d++) dvb[j][d] += pj * doc[i0 + i][d];
-            #pragma omp simd
-            for (int64_t x = 0; x < {e}; x++) {{
-              dkb[j][x] += gj * qc[i0 + i][x];
-              dqc[i0 + i][x] += gj * kc[j0 + j][x];
-            }}
-          }}
         }}
+        {name}_mm(&dvb[0][0], {evp}, &pb[0][0], 1, {bk}, doc[i0], {evp}, kn, {evp}, qn, 1);
+        {name}_mm(&dkb[0][0], {ep}, &ds[0][0], 1, {bk}, qc[i0], {ep}, kn, {ep}, qn, 1);
+        {name}_mm(dqc[i0], {ep}, &ds[0][0], {bk}, 1, kc[j0], {ep}, qn, {ep}, kn, 1);
       }}
       for (int64_t j = 0; j < kn; j++) {{
         for (int64_t x = 0; x < {e}; x++) {_at("dk", sdk, "b", "h", "j0 + j", "x")} = dkb[j][x];

@@ -255,12 +255,13 @@ def _choose_attention(graph: Graph, plan: fusion.Plan, spec: HardwareSpec, timin
     decided: dict[tuple, attention.Choice | None] = {}
     for i, g in enumerate(plan.groups):
         node = graph.nodes[g.nodes[0]]
-        if g.kind != "extern" or node.op not in (attention.FORWARD, attention.BACKWARD):
+        call = attention.call_of(graph, node) if g.kind == "extern" else None
+        if call is None:
             continue
-        call = attention.call_of(graph, node)
-        key = (call, tuple(graph.nodes[n].type for n in call.operands)) if call is not None else None
+        # the code of a call: its shape and layouts (layers repeat it on other nodes)
+        key = (call.backward, call.shape, call.results, tuple(graph.nodes[n].type for n in call.operands))
         if key not in decided:
-            decided[key] = attention.choose(graph, node, spec, timing) if call is not None else None
+            decided[key] = attention.choose(graph, node, spec, timing)
         if decided[key] is not None:
             schedules[i], extern_times[i] = decided[key].schedule, decided[key].predicted_s
 

@@ -107,6 +107,18 @@ def test_generated_attention_of_cross_lengths_and_strided_operands(causal):
         close(a.grad, b.grad, f"grad of {name}")
 
 
+def test_generated_forward_alone_under_no_grad():
+    """Inference: the forward's log-sum-exp is taken by no one (its layout is then ATen's default)."""
+    torch.manual_seed(0)
+    model, x = SelfAttention(24, 2, True, None), torch.randn(3, 33, 24)
+    with torch.no_grad():
+        expected = model(x)
+        before = attention_kernels()
+        got = torch.compile(copy.deepcopy(model), backend=make_backend(schedule=GENERATED))(x)
+    assert attention_kernels() - before == 1
+    close(got, expected, "output")
+
+
 def test_multihead_attention_runs_the_generated_pair():
     """nn.MultiheadAttention (batch_first, no weights returned) reaches the flash op in training."""
     torch.manual_seed(0)

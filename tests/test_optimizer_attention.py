@@ -174,25 +174,32 @@ def _captured(fn, *inputs):
     return graphs[0]
 
 
-def _search_with_clock(monkeypatch, tmp_path, generated_faster: bool) -> int:
+def _search_with_clock(monkeypatch, tmp_path, forward_faster: bool, backward_faster: bool) -> int:
     """Compile and train a causal block through the search (a cache of its own: nothing searched before),
-    the clock stubbed to say which of ATen's and ours is faster: the generated kernels it compiled (its
-    outputs and gradients checked against eager's)."""
+    the clock stubbed to say whether ours is faster than ATen's, for the forward and for the backward: the
+    generated kernels it compiled (its outputs and gradients checked against eager's)."""
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
 
     def clock(graph, node, call, schedules):
-        return [2.0 if generated_faster else 1.0] + [1.0 if generated_faster else 2.0] * len(schedules)
+        faster = backward_faster if call.backward else forward_faster
+        return [2.0 if faster else 1.0] + [1.0 if faster else 2.0] * len(schedules)
     monkeypatch.setattr(c_attention, "time_against_library", clock)
     torch.manual_seed(0)
     return compare_module(SelfAttention(16, 2, True, None), torch.randn(3, 33, 16), schedule=None, top_k=2)
 
 
 def test_search_keeps_the_generated_pair_where_its_clock_finds_it_faster(monkeypatch, tmp_path):
-    assert _search_with_clock(monkeypatch, tmp_path, generated_faster=True) == 2
+    assert _search_with_clock(monkeypatch, tmp_path, True, True) == 2
 
 
 def test_search_keeps_aten_where_its_clock_finds_it_faster(monkeypatch, tmp_path):
-    assert _search_with_clock(monkeypatch, tmp_path, generated_faster=False) == 0
+    assert _search_with_clock(monkeypatch, tmp_path, False, False) == 0
+
+
+@pytest.mark.parametrize("forward_faster", [True, False])
+def test_generated_and_aten_halves_mix(monkeypatch, tmp_path, forward_faster):
+    """Ours for one direction, ATen's for the other: each reads the other's log-sum-exp and output."""
+    assert _search_with_clock(monkeypatch, tmp_path, forward_faster, not forward_faster) == 1
 
 
 def test_choice_times_both_and_checks_ours_against_aten():

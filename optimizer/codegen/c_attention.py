@@ -45,6 +45,13 @@ def _at(name: str, strides: tuple[int, ...], *index: str) -> str:
         if any(s != 0 for s in strides) else f"{name}[0]"
 
 
+def _scratch(floats: int) -> str:
+    """A thread's blocks: aligned, and a one-line error rather than a crash when memory runs out."""
+    return (f"(float*)aligned_alloc(64, ({floats} * sizeof(float) + 63) / 64 * 64);\n"
+            f"  if (buf == NULL) {{ fprintf(stderr, \"tfsn: out of memory for attention blocks ({floats} floats)\\n\"); "
+            "abort(); }")
+
+
 def _ceil8(n: int) -> int:
     return -(-n // 8) * 8
 
@@ -99,7 +106,7 @@ def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], bl
           float* restrict out, float* restrict lse) {{
   #pragma omp parallel
   {{
-  float* buf = (float*)aligned_alloc(64, ({scratch} * sizeof(float) + 63) / 64 * 64);
+  float* buf = {_scratch(scratch)}
   float (*restrict qb)[{e}] = (float (*)[{e}])buf;
   float (*restrict kt)[{bk}] = (float (*)[{bk}])(buf + {bq * e});
   float (*restrict vb)[{evp}] = (float (*)[{evp}])(buf + {bq * e + e * bk});
@@ -183,7 +190,7 @@ def backward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], b
           float* restrict dq, float* restrict dk, float* restrict dv) {{
   #pragma omp parallel
   {{
-  float* buf = (float*)aligned_alloc(64, ({scratch} * sizeof(float) + 63) / 64 * 64);
+  float* buf = {_scratch(scratch)}
 {views}
   float* restrict lv = buf + {at};
   float* restrict dd = lv + {L};

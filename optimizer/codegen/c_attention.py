@@ -276,7 +276,7 @@ def runner(kernel: AttentionKernel, lib) -> Callable[..., tuple[torch.Tensor, ..
     return run
 
 
-def _inputs(graph: Graph, node: Node, call: Call) -> tuple[list[torch.Tensor], dict]:
+def _inputs(graph: Graph, call: Call) -> tuple[list[torch.Tensor], dict]:
     """Seeded tensors of the operands' layouts (a backward's out and log-sum-exp from ATen's forward of
     its q, k, v, so that its probabilities are ones), and the op's other arguments."""
     generator = torch.Generator().manual_seed(0)
@@ -307,7 +307,7 @@ def time_against_library(graph: Graph, node: Node, call: Call, schedules: Sequen
     kernels = [write(graph, node, s, f"attention{i}") for i, s in enumerate(schedules)]
     lib = compiler.load_library(compiler.build_library(library_source(kernels)))
     with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
-        tensors, kwargs = _inputs(graph, node, call)
+        tensors, kwargs = _inputs(graph, call)
         op = node.target
         fixed = (0.0, call.shape.causal)
         want = op(*tensors, *fixed, **kwargs)

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tfsn.optimizer")
 aten = torch.ops.aten
 
-# What this process compiled: graphs lowered to kernels, generated kernels, graphs left to ATen, searches run.
-STATS = {"graphs": 0, "kernels": 0, "aten_graphs": 0, "searches": 0}
+# What this process compiled: graphs lowered to kernels, generated kernels (of which generated attention
+# calls, forward or backward, in place of ATen's), graphs left to ATen, searches run.
+STATS = {"graphs": 0, "kernels": 0, "attention_kernels": 0, "aten_graphs": 0, "searches": 0}
 
 OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion plan: no search",
            "fuse": "False runs the captured ATen graphs as they are, without generated kernels",
@@ -244,9 +245,11 @@ def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
 
 
 def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any) -> Callable:
+    from optimizer.codegen.c_attention import AttentionKernel
     from optimizer.runtime import CompiledGraph
     STATS["graphs"] += 1
     STATS["kernels"] += sum(k is not None for k in kernels)
+    STATS["attention_kernels"] += sum(isinstance(k, AttentionKernel) for k in kernels)
     return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
 
 
@@ -313,7 +316,7 @@ def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Sche
     return result.plan, result.schedules
 
 
-SEARCH_VERSION = "8"      # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "9"      # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

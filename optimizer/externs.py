@@ -86,7 +86,7 @@ class ExternCost:
                 "bytes": self.bytes, "predicted_s": self.seconds}
 
 
-def _bound(node: Node) -> dict[str, Any]:
+def bound_args(node: Node) -> dict[str, Any]:
     """The call's arguments by their schema names (positional and keyword alike)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
@@ -191,16 +191,18 @@ def _bandwidth(spec: HardwareSpec, moved: float, threads: int | None = None) -> 
     return min(level.bandwidth_gbs, max(threads, 1) * core) * 1e9
 
 
-def extern_cost(graph: Graph, node: Node, spec: HardwareSpec, threads: int | None = None) -> ExternCost:
+def extern_cost(graph: Graph, node: Node, spec: HardwareSpec, threads: int | None = None,
+                efficiency: Efficiency | None = None) -> ExternCost:
     """The predicted time of one extern node on `spec`, with its FLOPs and bytes; on a CPU run with `threads`
     threads (a local worker's OMP_NUM_THREADS; all of the chip's when None): ATen's kernels use the threads
-    they are given, at one core's rate each."""
+    they are given, at one core's rate each. `efficiency` in place of its class's (our generated attention,
+    priced as ATen's at its own: optimizer/attention.py)."""
     kind = classify(node)
     if kind == "free":
         return ExternCost(node.op, kind, "", 0.0, 0.0, 0.0)
-    args = _bound(node)
+    args = bound_args(node)
     table = GPU if spec.kind == "gpu" else CPU
-    eff = table[kind]
+    eff = efficiency or table[kind]
     out_bytes, in_bytes = _output_bytes(graph, node), _input_bytes(graph, node)
     moved = in_bytes + out_bytes
     flops, launches, precision = 0.0, eff.launches, ""

@@ -15,7 +15,7 @@ import ctypes
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -66,10 +66,11 @@ def agree(graph: Graph, reference: Kernel, candidates: Sequence[Kernel], lib: ct
             return {n: buffers[n] for n in kernel.outputs}
 
         want = run(reference)
-        return [_same(run(k), want) for k in candidates]
+        return [same_outputs(run(k), want) for k in candidates]
 
 
-def _same(got: dict[int, torch.Tensor], want: dict[int, torch.Tensor]) -> bool:
+def same_outputs(got: dict[int, torch.Tensor], want: dict[int, torch.Tensor]) -> bool:
+    """Whether a candidate's outputs are the reference's, by agree's tolerances."""
     if got.keys() != want.keys():
         return False
     for n, w in want.items():
@@ -134,23 +135,31 @@ def time_rounds(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rou
 def _time(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int, budget_s: float) -> list[Timing]:
     tensors = {n: _buffer(graph, n) for k, _ in kernels for n in k.params}
     calls = []
-    round_s = 0.0
     for k, lib in kernels:
         fn = getattr(lib, k.name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * len(k.params)
-        args = [tensors[p].data_ptr() for p in k.params]
+        calls.append((fn, [tensors[p].data_ptr() for p in k.params]))
+    return time_calls(calls, rounds, budget_s)
+
+
+def time_calls(calls: Sequence[tuple[Callable, Sequence[Any]]], rounds: int = 5, budget_s: float = 10.0) -> list[Timing]:
+    """Each (function, its arguments)'s seconds per call in each of the same `rounds` (round-robin, batches
+    of calls lasting TARGET_BATCH_S): what every candidate is timed by, a kernel or an ATen call."""
+    batches = []
+    round_s = 0.0
+    for fn, args in calls:
         fn(*args)                                                    # warm: page faults, caches
         t0 = time.perf_counter()
         fn(*args)
         once = time.perf_counter() - t0
         n = max(1, min(1000, int(TARGET_BATCH_S / max(once, 1e-7))))
-        calls.append((fn, args, n))
+        batches.append((fn, args, n))
         round_s += n * once
     rounds = max(1, min(rounds, int(budget_s / max(round_s, 1e-9))))
-    samples: list[list[float]] = [[] for _ in kernels]
+    samples: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
-        for i, (fn, args, n) in enumerate(calls):
+        for i, (fn, args, n) in enumerate(batches):
             t0 = time.perf_counter()
             for _ in range(n):
                 fn(*args)

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from optimizer.codegen.c import Kernel
+from optimizer.codegen.c_attention import AttentionKernel
 from optimizer.fusion import mutates
 from optimizer.ir import Graph, Kind, Node, Ref, TensorType
 from optimizer.loopnest import Group
@@ -130,7 +131,8 @@ class _EntryWriter:
                       if k is None and graph.nodes[g.nodes[0]].kind == Kind.VIEW
                       for v in [static_view(graph, g.nodes[0])] if v is not None}
         self.direct = self._dense_views(groups, kernels)
-        steps = [self._kernel(g, k) if k is not None else self._extern(graph.nodes[g.nodes[0]])
+        steps = [self._extern(graph.nodes[g.nodes[0]]) if k is None else
+                 self._attention(graph.nodes[g.nodes[0]], k) if isinstance(k, AttentionKernel) else self._kernel(g, k)
                  for g, k in zip(groups, kernels)]
         self.steps = [s for s in steps if s is not None]
 
@@ -203,6 +205,21 @@ class _EntryWriter:
         lines += [f"v{n} = v{i}" for n, i in aliases]
         defines = {self.direct.get(n, n) for n in made} | {n for n, _ in aliases}
         return _Step(lines, set(params), defines, f"{describe(self.graph, group)} {kernel.name}")
+
+    def _attention(self, node: Node, kernel: AttentionKernel) -> _Step:
+        """A generated attention in place of ATen's call: its operands at the strides it was generated for,
+        its results allocated as ATen's, and the tuple ATen's op returns, for the getitems that follow."""
+        lines = [f"if v{p}.stride() != {self.graph.nodes[p].type.strides}: v{p} = conform(v{p}, "
+                 f"{self.name(self.graph.nodes[p].type)})" for p in dict.fromkeys(kernel.params)]
+        results = [f"empty({t.shape}, {t.strides}, dtype={self.name(torch.float32)}, device=device)"
+                   for t in kernel.results]
+        fn = getattr(self.lib, kernel.name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * (len(kernel.params) + len(kernel.results))
+        lines += [f"v{node.index} = ({', '.join(results)},)",
+                  f"{self.name(fn, 'k')}({', '.join(f'v{p}.data_ptr()' for p in kernel.params)}, "
+                  f"*[r.data_ptr() for r in v{node.index}])"]
+        return _Step(lines, set(kernel.params), {node.index}, f"attention (generated) {kernel.name}")
 
     def _extern(self, node: Node) -> _Step | None:
         n = node.index

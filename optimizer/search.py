@@ -246,12 +246,32 @@ def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, to
     # given a plan its kernels are independent, so their schedules add: the space the search covers
     space_size = 2 ** len(points) * sum(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
     extern_times = {i: scorer.extern_s(g) for i, g in enumerate(plan.groups) if g.kind == "extern"}
+    _choose_attention(graph, plan, target.spec, timing and top_k > 1, scorer.threads, schedules, extern_times)
     predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values())
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=space_size, plans_scored=len(costs),
                         scored=scorer.scored, collapsed=scorer.collapsed, score_seconds=scorer.seconds,
                         feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
                         predicted_s=predicted, kernels=kernels, ties=ties, externs=extern_times)
+
+
+def _choose_attention(graph: Graph, plan: fusion.Plan, spec: HardwareSpec, timing: bool, threads: int | None,
+                      schedules: list[Schedule], extern_times: dict[int, float]) -> None:
+    """ATen's flash attention or our generated pair for each attention extern (optimizer/attention.py),
+    into `schedules` and its predicted time into `extern_times`; calls of one shape are decided once."""
+    from optimizer import attention
+    decided: dict[tuple, attention.Choice | None] = {}
+    for i, g in enumerate(plan.groups):
+        node = graph.nodes[g.nodes[0]]
+        call = attention.call_of(graph, node) if g.kind == "extern" else None
+        if call is None:
+            continue
+        # the code of a call: its shape and layouts (layers repeat it on other nodes)
+        key = (call.backward, call.shape, call.results, tuple(graph.nodes[n].type for n in call.operands))
+        if key not in decided:
+            decided[key] = attention.choose(graph, node, spec, timing, threads)
+        if decided[key] is not None:
+            schedules[i], extern_times[i] = decided[key].schedule, decided[key].predicted_s
 
 
 def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tuple[list[KernelResult], list[Tie]]:
@@ -395,7 +415,8 @@ def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:
         k = by_group.get(i)
         if k is None:
             cost = result.externs.get(i, 0.0)
-            lines.append(f"{i:3d} extern  {ops}" + (f"  predicted {cost * 1e6:.1f} us" if cost else ""))
+            generated = " [generated]" if result.schedules[i].attention == "generated" else ""
+            lines.append(f"{i:3d} extern  {ops}{generated}" + (f"  predicted {cost * 1e6:.1f} us" if cost else ""))
             continue
         s = k.schedule
         if gpu:

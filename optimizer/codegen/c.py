@@ -493,11 +493,14 @@ class KernelWriter:
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],
                  inplace: dict[int, int] | None = None) -> tuple[str, list[Kernel | None]]:
-    """One C file for a whole graph (one compile, one shared object); None for extern groups.
+    """One C file for a whole graph (one compile, one shared object); None for extern groups (but an
+    attention whose schedule says "generated": codegen/c_attention.py).
     `inplace` (member -> graph input) are values written over an input instead of a buffer of their own."""
+    from optimizer.codegen import c_attention       # it subclasses Kernel
     kernels: list[Kernel | None] = []
     for i, (group, schedule) in enumerate(zip(groups, schedules)):
-        kernels.append(None if group.kind == "extern" else
+        kernels.append(c_attention.write(graph, graph.nodes[group.nodes[0]], schedule, f"k{i}")
+                       if group.kind == "extern" else
                        KernelWriter(graph, group, buffers, schedule, f"k{i}", inplace).write())
     return library_source(kernels), kernels
 

@@ -18,11 +18,14 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Sequence
 
 MAX_CODE_BYTES_ENV = "TFSN_CODE_MAX_MB"
 DEFAULT_MAX_CODE_MB = 100           # what `pip install`-sized code is; data belongs in a bucket
-ALWAYS_LEFT_OUT = (".git",)         # a repository's history is not the job's code
+# The archive's reserved folder: the search cache entries of the job's plan (`tfsn plan` searched its step), which a
+# node's agent installs into its own cache so that its workers search nothing (optimizer.cache.install_search_entries)
+PLAN_FOLDER = ".tfsn-plan"
+ALWAYS_LEFT_OUT = (".git", PLAN_FOLDER)   # a repository's history is not the job's code; the plan is tfsn's own
 
 
 class CodeSyncError(Exception):
@@ -184,9 +187,10 @@ def check_size(workdir: Path, limit: int | None = None) -> int:
     return total
 
 
-def _entry(workdir: Path, path: str, info: os.stat_result) -> tarfile.TarInfo:
-    """A tar entry with nothing of this machine in it: no times, owners or umask (only the exec bit)."""
-    entry = tarfile.TarInfo(path)
+def _entry(workdir: Path, path: str, info: os.stat_result, name: str = "") -> tarfile.TarInfo:
+    """A tar entry (named `name`, else `path`) with nothing of this machine in it: no times, owners or umask (only
+    the exec bit)."""
+    entry = tarfile.TarInfo(name or path)
     entry.mtime, entry.uid, entry.gid, entry.uname, entry.gname = 0, 0, 0, "", ""
     if stat.S_ISDIR(info.st_mode):
         entry.type, entry.mode = tarfile.DIRTYPE, 0o755
@@ -197,8 +201,8 @@ def _entry(workdir: Path, path: str, info: os.stat_result) -> tarfile.TarInfo:
     return entry
 
 
-def _add(archive: tarfile.TarFile, workdir: Path, path: str, info: os.stat_result) -> None:
-    entry = _entry(workdir, path, info)
+def _add(archive: tarfile.TarFile, workdir: Path, path: str, info: os.stat_result, name: str = "") -> None:
+    entry = _entry(workdir, path, info, name)
     if not entry.isfile():
         archive.addfile(entry)
         return
@@ -211,10 +215,12 @@ def _add(archive: tarfile.TarFile, workdir: Path, path: str, info: os.stat_resul
                             f"{workdir / ignore_file_name(workdir)}") from None
 
 
-def pack(workdir: Path, out: BinaryIO, limit: int | None = None) -> str:
-    """Write the workdir's archive (tar.gz) to `out` and return its sha256; CodeSyncError if over the cap."""
+def pack(workdir: Path, out: BinaryIO, limit: int | None = None, plan: Sequence[Path] = ()) -> str:
+    """Write the workdir's archive (tar.gz) to `out` and return its sha256; CodeSyncError if over the cap. The files
+    `plan` (search cache entries) go under PLAN_FOLDER, by their names; one that is gone is left out."""
     workdir = Path(workdir)
     check_size(workdir, limit)
+    plan = sorted({Path(p) for p in plan if Path(p).is_file()}, key=lambda p: p.name)
     digest = hashlib.sha256()
 
     class _Hashing(io.RawIOBase):
@@ -230,4 +236,8 @@ def pack(workdir: Path, out: BinaryIO, limit: int | None = None) -> str:
             tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as archive:
         for path, info in included_files(workdir):
             _add(archive, workdir, path, info)
+        if plan:
+            archive.addfile(_entry(workdir, PLAN_FOLDER, os.stat(workdir)))
+        for entry in plan:
+            _add(archive, entry.parent, entry.name, entry.stat(), f"{PLAN_FOLDER}/{entry.name}")
     return digest.hexdigest()

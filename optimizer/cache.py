@@ -27,6 +27,9 @@ def search_dir(env: Mapping[str, str] | None = None) -> Path:
     return cache_dir(env) / "search"
 
 
+# Where a job's code archive holds the search entries of its plan (`tfsn plan` searched its step): a cloud node's
+# agent installs them into its workers' cache (install_search_entries), so that they search nothing
+PLAN_FOLDER = ".tfsn-plan"
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.json")
 
 

@@ -29,8 +29,7 @@ from typing import Any
 
 from health.metrics import Metrics
 from health.telemetry import DcgmSource, NvmlSource, TelemetryError
-from optimizer.cache import cache_dir, install_search_entries
-from orchestrator.control.codesync import PLAN_FOLDER
+from optimizer.cache import PLAN_FOLDER, cache_dir, install_search_entries
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from providers.processes import pids_with_env
 
@@ -108,7 +107,7 @@ def node_workdir(job_workdir: str) -> str:
 
 
 def install_plan(workdir: str, env: dict[str, str]) -> str:
-    """The search entries of the job's plan that came with its code (a cloud node's archive, codesync.PLAN_FOLDER)
+    """The search entries of the job's plan that came with its code (a cloud node's archive, PLAN_FOLDER)
     into the cache of workers with environment `env`, so that a worker on the planned hardware searches nothing:
     what was done, for the job's log ("" where nothing came). A failure is said, and the workers search."""
     shipped = Path(workdir, PLAN_FOLDER)

@@ -5,7 +5,8 @@ else `.gitignore` files (gitignore syntax, each file for the paths under its own
 always left out). The archive is deterministic (sorted entries, no times, owners or umask in it, gzip
 without a timestamp), so the same tree always has the same sha256: it is content-addressed, packed once
 per launch, and every node of the job (replacements too) unpacks the same bytes. Files above the size
-cap are refused with one line that names the size, the cap and how to leave files out.
+cap are refused with one line that names the size, the cap and how to leave files out. The search cache entries of
+the job's plan go in too, under the reserved folder PLAN_FOLDER: a node's agent installs them into its workers' cache.
 """
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
+from optimizer.cache import PLAN_FOLDER
+
 MAX_CODE_BYTES_ENV = "TFSN_CODE_MAX_MB"
 DEFAULT_MAX_CODE_MB = 100           # what `pip install`-sized code is; data belongs in a bucket
-# The archive's reserved folder: the search cache entries of the job's plan (`tfsn plan` searched its step), which a
-# node's agent installs into its own cache so that its workers search nothing (optimizer.cache.install_search_entries)
-PLAN_FOLDER = ".tfsn-plan"
-ALWAYS_LEFT_OUT = (".git", PLAN_FOLDER)   # a repository's history is not the job's code; the plan is tfsn's own
+# a repository's history is not the job's code; PLAN_FOLDER, the archive's reserved folder for the job's plan, is tfsn's
+ALWAYS_LEFT_OUT = (".git", PLAN_FOLDER)
 
 
 class CodeSyncError(Exception):
@@ -220,7 +221,13 @@ def pack(workdir: Path, out: BinaryIO, limit: int | None = None, plan: Sequence[
     `plan` (search cache entries) go under PLAN_FOLDER, by their names; one that is gone is left out."""
     workdir = Path(workdir)
     check_size(workdir, limit)
-    plan = sorted({Path(p) for p in plan if Path(p).is_file()}, key=lambda p: p.name)
+    found = []
+    for entry in sorted({Path(p) for p in plan}, key=lambda p: p.name):
+        try:
+            found.append((entry, entry.stat()))
+        except OSError:
+            continue   # gone from the cache: the node's workers search that graph
+
     digest = hashlib.sha256()
 
     class _Hashing(io.RawIOBase):
@@ -236,8 +243,8 @@ def pack(workdir: Path, out: BinaryIO, limit: int | None = None, plan: Sequence[
             tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as archive:
         for path, info in included_files(workdir):
             _add(archive, workdir, path, info)
-        if plan:
+        if found:
             archive.addfile(_entry(workdir, PLAN_FOLDER, os.stat(workdir)))
-        for entry in plan:
-            _add(archive, entry.parent, entry.name, entry.stat(), f"{PLAN_FOLDER}/{entry.name}")
+        for entry, info in found:
+            _add(archive, entry.parent, entry.name, info, f"{PLAN_FOLDER}/{entry.name}")
     return digest.hexdigest()

@@ -188,7 +188,8 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
         torch.set_num_threads(before)
     if backend.STATS["aten_graphs"] > aten_graphs or not seconds:
         raise ValueError("a graph of the step runs as ATen here (the generator cannot take it)")
-    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched), "entries": sorted(set(entries))}
+    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched),
+            "entries": sorted(set(entries))}
 
 
 def _hardware(name: str):

@@ -84,7 +84,7 @@ def _cloud_node(tmp_path: Path, spec, monkeypatch) -> tuple[Path, Path, str]:
     return workdir, cache, install_plan(str(workdir), {"TFSN_CACHE": str(cache)})
 
 
-def test_a_worker_runs_the_plan_searched_for_its_hardware_on_a_local_or_a_cloud_node_and_searches_only_on_other_hardware(
+def test_a_worker_on_a_local_or_a_cloud_node_runs_the_plan_searched_for_its_hardware_and_searches_only_elsewhere(
         tfsn, tmp_path, monkeypatch):
     from optimizer.hardware import GENERIC_CPU, host_cpu_model, load_all
     from orchestrator.planning.placement import local_worker_threads, planned_hardware

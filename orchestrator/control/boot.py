@@ -40,8 +40,8 @@ def artifacts_ready(ctx: ControlContext, job: Job) -> bool:
 
 def prepare_artifacts(ctx: ControlContext, job: Job, spec: JobSpec) -> dict[str, str]:
     """The slow part, safe off the loop (it writes files, not the store): the workdir packed (with the plan's search
-    entries, plan_entries) unless the job has its archive, the wheel built on first use. The job's artifacts record as it should be. CodeSyncError or
-    ArtifactError when either cannot be made (the message says how to fix it)."""
+    entries, plan_entries) unless the job has its archive, the wheel built on first use. The job's artifacts record
+    as it should be. CodeSyncError or ArtifactError when either cannot be made (the message says how to fix it)."""
     recorded = dict(job.artifacts)
     packed = "code" not in recorded
     if packed:

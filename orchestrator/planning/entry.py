@@ -44,7 +44,7 @@ class HardwareStep:
     graphs: int = 0
     cached: bool = False
     error: str | None = None
-    entries: tuple[str, ...] = ()   # the search cache entries a worker on this hardware looks up (shipped to cloud nodes)
+    entries: tuple[str, ...] = ()   # the search cache entries its workers look up (shipped to cloud nodes)
 
 
 @dataclass(frozen=True)

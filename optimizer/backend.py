@@ -39,8 +39,8 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
                       "device: on a GPU tfsn has a spec of, the GPU cost model's plan and launch shapes; else "
                       "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)",
            "on_plan": "called with each searched graph's expected seconds (search.SearchResult.expected_s) and "
-                      "whether it was searched now (False: read from the search cache); what `tfsn plan` prices "
-                      "this machine's step from"}
+                      "whether it was searched now (False: read from the search cache), and the name of its search "
+                      "cache entry; what `tfsn plan` prices this machine's step from (and ships to cloud nodes)"}
 
 # Decomposed further than core ATen, so that the generator sees their pointwise and reduction
 # parts (LayerNorm, softmax, GELU, BatchNorm, the optimizers' addcmul/lerp) and can fuse them.
@@ -195,7 +195,7 @@ def default_top_k() -> int:
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                   schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
                   report: list | None = None, codegen: str = "c",
-                  on_plan: Callable[[float, bool], None] | None = None) -> Callable:
+                  on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
@@ -346,7 +346,7 @@ def _say_why_searching(spec) -> None:
 
 
 def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
-                  on_plan: Callable[[float, bool], None] | None = None) -> tuple[Plan, list[Schedule]]:
+                  on_plan: Callable[[float, bool, str], None] | None = None) -> tuple[Plan, list[Schedule]]:
     """The search's plan and schedules for this graph on this host, from the disk cache when this
     graph was searched here before (same graph, host spec, compiler, threads and top_k): by `tfsn plan`,
     which searches a job's step this way for the host its local nodes run on, or by an earlier run. A kernel
@@ -366,7 +366,7 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
             ties = _retime(graph, saved.plan, saved.schedules, saved.ties)
             atomic_write(path, _search_entry(saved.choice, saved.schedules, ties, saved.expected_s))
         if on_plan is not None:
-            on_plan(saved.expected_s, False)
+            on_plan(saved.expected_s, False, path.name)
         return saved.plan, saved.schedules
     _say_why_searching(spec)
     result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
@@ -376,7 +376,7 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
     if report is not None:
         report.append((graph, result))
     if on_plan is not None:
-        on_plan(result.expected_s, True)
+        on_plan(result.expected_s, True, path.name)
     _write_search_entry(path, result)
     return result.plan, result.schedules
 
@@ -427,7 +427,7 @@ def _read_search_entry(path: Path, graph, gemm: bool) -> _SavedSearch | None:
         return _SavedSearch(plan, [Schedule(**s) for s in saved["schedules"]], ties, saved["choice"],
                             float(saved["expected_s"]))
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        log.info("tfsn: search cache %s unreadable (%s); searching again", path, e)
+        log.warning("tfsn: search cache %s unreadable (%s); searching again", path, e)
         return None
 
 
@@ -451,11 +451,11 @@ def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], t
 def search_cache_path(graph, spec, threads: int | None, gemm: bool, *extra: str, suffix: str) -> Path:
     """Where a search decision about `graph` is kept: named by everything it depends on (the graph,
     the chip spec, compiler, host, threads, whether BLAS is there, and the caller's own `extra`)."""
-    from optimizer.cache import cache_dir, content_key
+    from optimizer.cache import content_key, search_dir
     from optimizer.codegen import compiler
     key = content_key(graph_signature(graph), repr(spec), compiler.compiler_id(), compiler.hardware_id(),
                       SEARCH_VERSION, str(threads), str(gemm), *extra)
-    return cache_dir() / "search" / f"{key}{suffix}"
+    return search_dir() / f"{key}{suffix}"
 
 
 def graph_signature(graph) -> str:

@@ -9,16 +9,42 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 STATS = {"hits": 0, "builds": 0}
 
 
-def cache_dir() -> Path:
-    """$TFSN_CACHE, else ~/.cache/tfsn."""
-    return Path(os.environ.get("TFSN_CACHE") or "~/.cache/tfsn").expanduser()
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$TFSN_CACHE, else ~/.cache/tfsn (in `env`, default this process's environment)."""
+    return Path((os.environ if env is None else env).get("TFSN_CACHE") or "~/.cache/tfsn").expanduser()
+
+
+def search_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where the optimizer keeps its search decisions, one file per content key (backend.search_cache_path)."""
+    return cache_dir(env) / "search"
+
+
+# Where a job's code archive holds the search entries of its plan (`tfsn plan` searched its step): a cloud node's
+# agent installs them into its workers' cache (install_search_entries), so that they search nothing
+PLAN_FOLDER = ".tfsn-plan"
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.json")
+
+
+def install_search_entries(source: Path, env: Mapping[str, str] | None = None) -> int:
+    """Copy the search entries in `source` (a job's plan, shipped with its code) into the search cache of processes
+    with environment `env`, keeping any entry already there; how many were installed. A name that is not an entry's
+    is skipped: workers look entries up by content key, so one made for other hardware is never found, and a
+    corrupt one is said and searched again (backend._read_search_entry)."""
+    installed = 0
+    for path in sorted(source.iterdir()) if source.is_dir() else []:
+        target = search_dir(env) / path.name
+        if _ENTRY_NAME.fullmatch(path.name) and path.is_file() and not path.is_symlink() and not target.exists():
+            atomic_write(target, path.read_bytes())
+            installed += 1
+    return installed
 
 
 def content_key(*parts: str) -> str:

@@ -166,17 +166,19 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
     """The step compiled as the job's workers on this machine compile it (`tfsn.optimize`: tfsn's backend,
     searched and timed here, with the threads each worker gets), so that its searches and kernels land in the
     caches under the keys the workers look up and a worker searches nothing. Priced at the chosen plans'
-    predicted times; a graph the generator cannot take fails it (the workers would run it as ATen)."""
+    predicted times; a graph the generator cannot take fails it (the workers would run it as ATen). `entries`: the
+    names of those search cache entries, which the controller ships with the job's code to its cloud nodes."""
     import torch
 
     from optimizer import backend
 
-    seconds, searched = [], []
+    seconds, searched, entries = [], [], []
     aten_graphs = backend.STATS["aten_graphs"]
 
-    def on_plan(predicted_s: float, fresh: bool) -> None:
+    def on_plan(predicted_s: float, fresh: bool, entry: str) -> None:
         seconds.append(predicted_s)
         searched.append(fresh)
+        entries.append(entry)
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
@@ -186,7 +188,8 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
         torch.set_num_threads(before)
     if backend.STATS["aten_graphs"] > aten_graphs or not seconds:
         raise ValueError("a graph of the step runs as ATen here (the generator cannot take it)")
-    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched)}
+    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched),
+            "entries": sorted(set(entries))}
 
 
 def _hardware(name: str):

@@ -45,6 +45,33 @@ def test_the_same_tree_gives_the_same_archive_wherever_and_whenever_it_was_writt
     assert packed(second)[0] != digest
 
 
+def test_the_plans_search_entries_go_in_under_the_reserved_folder_and_a_node_installs_only_entries(tmp_path,
+                                                                                                    monkeypatch):
+    """The controller's side (the job's plan packed with its code) and the node's (its agent's install into the
+    workers' cache, which starts empty there): a name that is not an entry's, or an entry the node has, is kept out."""
+    from optimizer.cache import PLAN_FOLDER, install_search_entries, search_dir
+    workdir = tree(tmp_path / "code", {"train.py": "print(1)\n", f"{PLAN_FOLDER}/{'0' * 64}.json": "the user's"})
+    names = [f"{c * 64}.json" for c in "ab"]
+    cache = tree(tmp_path / "controller-cache", {f"search/{n}": f'{{"entry": "{n[0]}"}}' for n in names})
+    entries = [cache / "search" / n for n in names]
+    digest, members = packed(workdir, plan=[*entries, cache / "search" / f"{'c' * 64}.json"])   # c: gone since
+    assert sorted(members) == [PLAN_FOLDER, *(f"{PLAN_FOLDER}/{n}" for n in names), "train.py"]
+    assert packed(workdir, plan=entries[::-1])[0] == digest != packed(workdir)[0]
+
+    node = tmp_path / "node"
+    out = io.BytesIO()
+    pack(workdir, out, plan=entries)
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue()), mode="r:gz") as archive:
+        archive.extractall(node, filter="data")
+    (node / PLAN_FOLDER / "not-an-entry.json").write_text("{}")
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "node-cache"))
+    tree(search_dir(), {names[1]: "the node's own"})
+    assert install_search_entries(node / PLAN_FOLDER) == 1
+    assert sorted(p.name for p in search_dir().iterdir()) == names
+    assert (search_dir() / names[0]).read_text() == '{"entry": "a"}'
+    assert (search_dir() / names[1]).read_text() == "the node's own"
+
+
 def test_gitignore_rules_decide_what_goes_in(tmp_path):
     workdir = tree(tmp_path, {
         ".gitignore": "# data and outputs\ndata/\n*.pt\n!keep.pt\n/out\nlogs/**/*.log\n",

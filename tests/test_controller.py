@@ -231,10 +231,10 @@ class SlowArtifacts(Artifacts):
         self.release = threading.Event()
         self.packing: list[str] = []
 
-    def add_code(self, workdir):
+    def add_code(self, workdir, plan=()):
         self.packing.append(threading.current_thread().name)
         self.release.wait(60)
-        return super().add_code(workdir)
+        return super().add_code(workdir, plan)
 
 
 def test_packing_a_jobs_code_runs_off_the_loop_and_delays_no_other_jobs_recovery(tmp_path, monkeypatch):

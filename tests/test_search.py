@@ -260,7 +260,7 @@ def test_the_plan_takes_a_timed_kernel_at_no_less_than_its_measured_time(monkeyp
     gm, graph = lowered(mlp_step, args)
     seen = []
     for _ in range(2):
-        compile_graph(gm, args, on_plan=lambda seconds, fresh: seen.append((seconds, fresh)))
+        compile_graph(gm, args, on_plan=lambda seconds, fresh, entry: seen.append((seconds, fresh)))
     (result,) = results
     expected = sum(k.predicted_s * (3.0 if i % 2 == 0 else 1.0) for i, k in enumerate(result.kernels)) \
         + sum(result.externs.values())

@@ -24,10 +24,12 @@ import sys
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from health.metrics import Metrics
 from health.telemetry import DcgmSource, NvmlSource, TelemetryError
+from optimizer.cache import PLAN_FOLDER, cache_dir, install_search_entries
 from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
 from providers.processes import pids_with_env
 
@@ -102,6 +104,20 @@ def node_workdir(job_workdir: str) -> str:
     """Where the job's commands run on this node: its own copy of the code (TFSN_WORKDIR, set by a VM's boot
     script), else the job's workdir itself (a local node shares this machine's)."""
     return os.environ.get("TFSN_WORKDIR") or job_workdir
+
+
+def install_plan(workdir: str, env: dict[str, str]) -> str:
+    """The search entries of the job's plan that came with its code (a cloud node's archive, PLAN_FOLDER)
+    into the cache of workers with environment `env`, so that a worker on the planned hardware searches nothing:
+    what was done, for the job's log ("" where nothing came). A failure is said, and the workers search."""
+    shipped = Path(workdir, PLAN_FOLDER)
+    if not shipped.is_dir():
+        return ""
+    try:
+        installed = install_search_entries(shipped, env)
+    except OSError as err:
+        return f"the job's plan was not installed ({err.strerror or err}); its workers search their step here"
+    return f"{installed} search entries of the job's plan installed in {cache_dir(env)}"
 
 
 def gpu_source(node_id: str) -> tuple[NvmlSource | DcgmSource | None, list[str]]:
@@ -210,6 +226,9 @@ class Agent:
             # escaping every "$" hands bash the user's command verbatim.
             "--no-python", "bash", "-c", cmd["run"].replace("$", "$$")]
         env = _env_with_python({**cmd["env"], "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "})
+        installed = install_plan(node_workdir(cmd["workdir"]), env)
+        if installed:
+            self.logs.add(f"[tfsn] node {self.node_id}: {installed}")
         self.logs.add(f"[tfsn] node {self.node_id}: starting attempt {cmd['attempt']} as node rank "
                       f"{cmd['node_rank']} of {cmd['nnodes']}")
         self.proc = subprocess.Popen(torchrun, cwd=node_workdir(cmd["workdir"]), env=env, stdin=subprocess.DEVNULL,

@@ -57,8 +57,9 @@ def job_summary(store: Store, job: Job) -> dict[str, Any]:
                    "state": n.state.value,
                    "heartbeat_age_s": None if n.heartbeat_at is None else time.time() - n.heartbeat_at,
                    "failure": n.failure or None, "boot_log": n.boot_failure or None} for n in nodes],
-        # the planner's best candidates (what failover walks down) and what provisioning errors ruled out
-        "plan": [{k: v for k, v in c.items() if k != "offer"} for c in job.plan[:5]],
+        # the planner's best candidates (what failover walks down; their search entries are the nodes' business) and
+        # what provisioning errors ruled out
+        "plan": [{k: v for k, v in c.items() if k not in ("offer", "search_entries")} for c in job.plan[:5]],
         "blocked": [{"provider": b["offer"]["provider"], "region": b["offer"]["region"], "zone": b["offer"]["zone"],
                      "instance_type": b["offer"]["instance_type"], "scope": b["scope"], "error": b["error"]}
                     for b in job.blocked],

@@ -22,6 +22,7 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from orchestrator.control.codesync import pack
 from orchestrator.home import PRIVATE_DIR, PRIVATE_FILE, atomic_write_text
@@ -66,13 +67,13 @@ class Artifacts:
         path = self.folder / digest
         return path if path.is_file() else None
 
-    def add_code(self, workdir: Path) -> str:
-        """Pack `workdir` (codesync.pack: ignore files, size cap) and keep the archive; its sha256. It is kept from
-        `prune` until `settled` says its job names it (or never will)."""
+    def add_code(self, workdir: Path, plan: Sequence[Path] = ()) -> str:
+        """Pack `workdir` (codesync.pack: ignore files, size cap), with the search entries `plan`, and keep the
+        archive; its sha256. It is kept from `prune` until `settled` says its job names it (or never will)."""
         folder = self._ready()
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".code-", delete=False) as out:
             try:
-                digest = pack(workdir, out)
+                digest = pack(workdir, out, plan=plan)
             except BaseException:
                 os.unlink(out.name)
                 raise

@@ -39,13 +39,13 @@ def artifacts_ready(ctx: ControlContext, job: Job) -> bool:
 
 
 def prepare_artifacts(ctx: ControlContext, job: Job, spec: JobSpec) -> dict[str, str]:
-    """The slow part, safe off the loop (it writes files, not the store): the workdir packed unless the job has its
-    archive, the wheel built on first use. The job's artifacts record as it should be. CodeSyncError or
-    ArtifactError when either cannot be made (the message says how to fix it)."""
+    """The slow part, safe off the loop (it writes files, not the store): the workdir packed (with the plan's search
+    entries, plan_entries) unless the job has its archive, the wheel built on first use. The job's artifacts record
+    as it should be. CodeSyncError or ArtifactError when either cannot be made (the message says how to fix it)."""
     recorded = dict(job.artifacts)
     packed = "code" not in recorded
     if packed:
-        recorded["code"] = ctx.artifacts.add_code(Path(spec.workdir))
+        recorded["code"] = ctx.artifacts.add_code(Path(spec.workdir), plan_entries(job))
     try:
         wheel = None if os.environ.get(INSTALL_SPEC_ENV) else ctx.artifacts.wheel()
     except BaseException:
@@ -55,6 +55,13 @@ def prepare_artifacts(ctx: ControlContext, job: Job, spec: JobSpec) -> dict[str,
     if wheel is not None:
         recorded["wheel"] = wheel.sha256
     return recorded
+
+
+def plan_entries(job: Job) -> list[Path]:
+    """The search cache entries `tfsn plan` left for the workers of the job's candidates (its chosen hardware and
+    the fallbacks), shipped in its code archive: a node of that hardware finds them by the same content key."""
+    from optimizer.cache import search_dir
+    return [search_dir() / name for name in sorted({n for c in job.plan for n in c.get("search_entries", ())})]
 
 
 def record_artifacts(ctx: ControlContext, job: Job, spec: JobSpec, recorded: dict[str, str]) -> None:

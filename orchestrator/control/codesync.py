@@ -5,7 +5,8 @@ else `.gitignore` files (gitignore syntax, each file for the paths under its own
 always left out). The archive is deterministic (sorted entries, no times, owners or umask in it, gzip
 without a timestamp), so the same tree always has the same sha256: it is content-addressed, packed once
 per launch, and every node of the job (replacements too) unpacks the same bytes. Files above the size
-cap are refused with one line that names the size, the cap and how to leave files out.
+cap are refused with one line that names the size, the cap and how to leave files out. The search cache entries of
+the job's plan go in too, under the reserved folder PLAN_FOLDER: a node's agent installs them into its workers' cache.
 """
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Sequence
+
+from optimizer.cache import PLAN_FOLDER
 
 MAX_CODE_BYTES_ENV = "TFSN_CODE_MAX_MB"
 DEFAULT_MAX_CODE_MB = 100           # what `pip install`-sized code is; data belongs in a bucket
-ALWAYS_LEFT_OUT = (".git",)         # a repository's history is not the job's code
+# a repository's history is not the job's code; PLAN_FOLDER, the archive's reserved folder for the job's plan, is tfsn's
+ALWAYS_LEFT_OUT = (".git", PLAN_FOLDER)
 
 
 class CodeSyncError(Exception):
@@ -184,9 +188,10 @@ def check_size(workdir: Path, limit: int | None = None) -> int:
     return total
 
 
-def _entry(workdir: Path, path: str, info: os.stat_result) -> tarfile.TarInfo:
-    """A tar entry with nothing of this machine in it: no times, owners or umask (only the exec bit)."""
-    entry = tarfile.TarInfo(path)
+def _entry(workdir: Path, path: str, info: os.stat_result, name: str = "") -> tarfile.TarInfo:
+    """A tar entry (named `name`, else `path`) with nothing of this machine in it: no times, owners or umask (only
+    the exec bit)."""
+    entry = tarfile.TarInfo(name or path)
     entry.mtime, entry.uid, entry.gid, entry.uname, entry.gname = 0, 0, 0, "", ""
     if stat.S_ISDIR(info.st_mode):
         entry.type, entry.mode = tarfile.DIRTYPE, 0o755
@@ -197,8 +202,8 @@ def _entry(workdir: Path, path: str, info: os.stat_result) -> tarfile.TarInfo:
     return entry
 
 
-def _add(archive: tarfile.TarFile, workdir: Path, path: str, info: os.stat_result) -> None:
-    entry = _entry(workdir, path, info)
+def _add(archive: tarfile.TarFile, workdir: Path, path: str, info: os.stat_result, name: str = "") -> None:
+    entry = _entry(workdir, path, info, name)
     if not entry.isfile():
         archive.addfile(entry)
         return
@@ -211,10 +216,18 @@ def _add(archive: tarfile.TarFile, workdir: Path, path: str, info: os.stat_resul
                             f"{workdir / ignore_file_name(workdir)}") from None
 
 
-def pack(workdir: Path, out: BinaryIO, limit: int | None = None) -> str:
-    """Write the workdir's archive (tar.gz) to `out` and return its sha256; CodeSyncError if over the cap."""
+def pack(workdir: Path, out: BinaryIO, limit: int | None = None, plan: Sequence[Path] = ()) -> str:
+    """Write the workdir's archive (tar.gz) to `out` and return its sha256; CodeSyncError if over the cap. The files
+    `plan` (search cache entries) go under PLAN_FOLDER, by their names; one that is gone is left out."""
     workdir = Path(workdir)
     check_size(workdir, limit)
+    found = []
+    for entry in sorted({Path(p) for p in plan}, key=lambda p: p.name):
+        try:
+            found.append((entry, entry.stat()))
+        except OSError:
+            continue   # gone from the cache: the node's workers search that graph
+
     digest = hashlib.sha256()
 
     class _Hashing(io.RawIOBase):
@@ -230,4 +243,8 @@ def pack(workdir: Path, out: BinaryIO, limit: int | None = None) -> str:
             tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as archive:
         for path, info in included_files(workdir):
             _add(archive, workdir, path, info)
+        if found:
+            archive.addfile(_entry(workdir, PLAN_FOLDER, os.stat(workdir)))
+        for entry, info in found:
+            _add(archive, entry.parent, entry.name, info, f"{PLAN_FOLDER}/{entry.name}")
     return digest.hexdigest()

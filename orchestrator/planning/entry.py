@@ -44,6 +44,7 @@ class HardwareStep:
     graphs: int = 0
     cached: bool = False
     error: str | None = None
+    entries: tuple[str, ...] = ()   # the search cache entries its workers look up (shipped to cloud nodes)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ def _entry_step(data: dict, cached: bool = False) -> EntryStep:
     return EntryStep(params=data["params"], grad_bytes=data["grad_bytes"], example_batch=data["example_batch"],
                      dtype=data["dtype"], seconds=0.0 if cached else data["seconds"],
                      hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("overhead_s", 0.0),
-                                                  h.get("graphs", 0), cached or h.get("cached", False), h.get("error"))
+                                                  h.get("graphs", 0), cached or h.get("cached", False), h.get("error"),
+                                                  tuple(h.get("entries", ())))
                                for name, h in data["hardware"].items()})
 
 

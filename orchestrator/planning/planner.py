@@ -93,16 +93,18 @@ class PlannedOffer:
     hours: float               # predicted wall-clock hours of the run, startup and restarts included
     cost: float                # predicted USD for the run: price_per_hour x nodes x hours
     step_source: str = ROOFLINE   # SEARCHED or ROOFLINE
+    search_entries: tuple[str, ...] = ()  # the search cache entries model.entry's step left for this offer's workers
 
     def to_record(self) -> dict:
         """JSON-safe, with the whole offer (for the controller's store); `from_record` reads it back."""
-        return {"offer": asdict(self.offer), **self.to_dict()}
+        return {"offer": asdict(self.offer), **self.to_dict(), "search_entries": list(self.search_entries)}
 
     @classmethod
     def from_record(cls, record: dict) -> PlannedOffer:
         return cls(Offer(**record["offer"]), record["spot"], record["nodes"], record["price_per_hour"],
                    record["step_seconds"], record["predicted_hours"], record["predicted_cost"],
-                   record.get("step_source", ROOFLINE))      # records of older versions have none
+                   record.get("step_source", ROOFLINE),      # records of older versions have none
+                   tuple(record.get("search_entries", ())))
 
     def to_dict(self) -> dict:
         o = self.offer
@@ -201,9 +203,11 @@ class Plan:
     def candidate(self, index: int) -> PlannedOffer:
         """The candidate for offer `index` (an index into `offers`)."""
         source = ROOFLINE if self.step_source is None else str(self.step_source[index])
+        found = self.entry.hardware.get(self.hardware_keys[index]) \
+            if self.entry is not None and self.hardware_keys else None
         return PlannedOffer(self.offers[index], self.spot, self.nodes, float(self.price[index]),
                             float(self.step_seconds[index]), float(self.hours[index]), float(self.cost[index]),
-                            source)
+                            source, found.entries if found is not None else ())
 
     def hardware(self) -> list[dict]:
         """One row per hardware type among the capable offers: its key, the offers' accelerator, where

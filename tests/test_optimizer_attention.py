@@ -73,6 +73,10 @@ def compare_module(model: nn.Module, x: torch.Tensor, schedule: Schedule | None 
     (3, 7, 4, 24, True, None),
     (1, 33, 3, 10, False, None),          # a head dim that is no whole number of vectors
     (3, 17, 2, 12, True, 0.5),
+    (3, 9, 2, 1, True, None),             # head dim 1: the default scale is 1.0, a whole number
+    (1, 9, 2, 8, False, 1.0),
+    (1, 9, 2, 8, False, 0.0),             # (causal, ATen's own gives NaN: its mask times 0)
+    (1, 9, 2, 8, False, -2.0),
 ])
 def test_generated_attention_in_a_model_matches_eager(batch, length, heads, head_dim, causal, scale):
     torch.manual_seed(0)

@@ -36,7 +36,8 @@ class AttentionKernel(Kernel):
 
 
 def _flt(x: float) -> str:
-    return f"{x:.9g}f"
+    """A C float literal of x; in exponent form so that a whole number (a scale of 1.0) stays one."""
+    return f"{x:.9e}f"
 
 
 def _at(name: str, strides: tuple[int, ...], *index: str) -> str:

@@ -141,12 +141,17 @@ def choose(graph: Graph, node: Node, spec: HardwareSpec, timing: bool, threads: 
     generated = dataclasses.replace(DEFAULT, attention="generated")
     if not timing:
         return Choice(generated, generated_s) if generated_s < library_s else Choice(DEFAULT, library_s)
-    from optimizer.codegen import c_attention
+    from optimizer.codegen import c_attention, compiler
     longest = max(call.shape.queries, call.shape.keys)
     # a block past the longest length is the same kernel as the smallest such one: timed once
     blocks = [b for b in BLOCKS if b < longest] + [next((b for b in BLOCKS if b >= longest), BLOCKS[-1])]
     schedules = [dataclasses.replace(generated, attention_block=b) for b in dict.fromkeys(blocks)]
-    seconds = c_attention.time_against_library(graph, node, call, schedules)
+    try:
+        seconds = c_attention.time_against_library(graph, node, call, schedules)
+    except compiler.CompileError as e:     # a generator bug: this call's candidates lost, not the graph's
+        log.warning("tfsn search: kept ATen's attention: the generated one failed to build (a generator bug; "
+                    "please report it): %s: %s", call, str(e)[:2000])
+        return Choice(DEFAULT, library_s)
     measured = {"library": seconds[0], **{f"generated/{s.attention_block}": t
                                           for s, t in zip(schedules, seconds[1:]) if t is not None}}
     best = min(measured, key=measured.get)

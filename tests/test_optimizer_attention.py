@@ -219,3 +219,14 @@ def test_choice_times_both_and_checks_ours_against_aten():
     assert choice.schedule.attention == ("library" if fastest == "library" else "generated")
     model = attention.choose(gm, node, cpu_spec(), timing=False)
     assert model.measured == {} and model.predicted_s > 0
+
+
+def test_a_generated_attention_that_fails_to_build_leaves_aten_to_run_it(monkeypatch, tmp_path):
+    """A generator bug that gcc rejects (a bad float literal, as a whole-number scale once made) costs the
+    search that one call's candidates, not the graph's other kernels: ATen's attention runs among them."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
+    monkeypatch.setattr(c_attention, "_flt", lambda x: "1f")
+    aten_graphs, kernels = backend.STATS["aten_graphs"], backend.STATS["kernels"]
+    torch.manual_seed(0)
+    assert compare_module(SelfAttention(16, 2, True, None), torch.randn(3, 33, 16), schedule=None, top_k=2) == 0
+    assert backend.STATS["aten_graphs"] == aten_graphs and backend.STATS["kernels"] > kernels

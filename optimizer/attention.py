@@ -3,7 +3,7 @@ instead (codegen/c_attention.py), what each costs, and which one the search keep
 
 The call stays an extern node of the plan (one ATen op returning a tuple); its group's Schedule says
 which code runs it (`attention`: "library" or "generated", with `attention_block`). The generated pair
-covers what the op's signature carries (scale, is_causal, any lengths, head dims, batch and heads,
+covers what the op's signature carries (a finite scale, is_causal, any lengths, head dims, batch and heads,
 any strides) in fp32 without dropout or a mask; the rest stays ATen's. Forward and backward may differ:
 the log-sum-exp each writes is the same value, so either backward reads either forward's.
 
@@ -99,9 +99,10 @@ def call_of(graph: Graph, node: Node) -> Call | None:
             or 0 in q.shape or 0 in k.shape or 0 in v.shape:
         return None
     (b, h, length, e), keys, ev = q.shape, k.shape[2], v.shape[3]
-    scale = args.get("scale")
-    shape = Shape(b, h, length, keys, e, ev, 1.0 / math.sqrt(e) if scale is None else float(scale),
-                  bool(args.get("is_causal", False)))
+    scale = 1.0 / math.sqrt(e) if args.get("scale") is None else float(args["scale"])
+    if not math.isfinite(scale):       # no C float literal: ATen's
+        return None
+    shape = Shape(b, h, length, keys, e, ev, scale, bool(args.get("is_causal", False)))
     if backward:
         defaults = (_dense(q.shape), _dense(k.shape), _dense(v.shape))
     else:    # ATen's own: (batch, length, heads, dim) seen as (batch, heads, length, dim)

@@ -230,3 +230,13 @@ def test_a_generated_attention_that_fails_to_build_leaves_aten_to_run_it(monkeyp
     torch.manual_seed(0)
     assert compare_module(SelfAttention(16, 2, True, None), torch.randn(3, 33, 16), schedule=None, top_k=2) == 0
     assert backend.STATS["aten_graphs"] == aten_graphs and backend.STATS["kernels"] > kernels
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_a_scale_that_is_no_number_stays_aten(scale):
+    """A scale C cannot write as a float literal (inf, nan) is no call of the pair: ATen's runs it, and the
+    graph's other kernels stay generated (it used to fail gcc and send the whole graph to ATen)."""
+    gm = _captured(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale),
+                   *(torch.randn(2, 2, 7, 8) for _ in range(3)))
+    node = next(n for n in gm.nodes if n.op == attention.FORWARD)
+    assert attention.call_of(gm, node) is None

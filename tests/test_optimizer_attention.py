@@ -85,8 +85,9 @@ def test_generated_attention_in_a_model_matches_eager(batch, length, heads, head
     assert compare_module(model, x) == 2, "the forward and the backward should each run the generated kernel"
 
 
+@pytest.mark.parametrize("block", [8, 16, 24])       # any multiple of 8 a Schedule takes, not only of 16
 @pytest.mark.parametrize("causal", [False, True])
-def test_generated_attention_of_cross_lengths_and_strided_operands(causal):
+def test_generated_attention_of_cross_lengths_and_strided_operands(causal, block):
     """q, k, v as leaves: queries and keys of different odd lengths (top-left causal alignment, as ATen's),
     v read through a transpose; the gradients of q, k and v themselves."""
     g = torch.Generator().manual_seed(0)
@@ -101,7 +102,8 @@ def test_generated_attention_of_cross_lengths_and_strided_operands(causal):
     mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = fn(*ref)
     before = attention_kernels()
-    got = torch.compile(fn, backend=make_backend(schedule=GENERATED))(*mine)
+    schedule = Schedule(attention="generated", attention_block=block)
+    got = torch.compile(fn, backend=make_backend(schedule=schedule))(*mine)
     grad = torch.randn(out.shape, generator=g)
     out.backward(grad)
     got.backward(grad)
@@ -234,8 +236,8 @@ def test_a_generated_attention_that_fails_to_build_leaves_aten_to_run_it(monkeyp
 
 @pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
 def test_a_scale_that_is_no_number_stays_aten(scale):
-    """A scale C cannot write as a float literal (inf, nan) is no call of the pair: ATen's runs it, and the
-    graph's other kernels stay generated (it used to fail gcc and send the whole graph to ATen)."""
+    """A scale C cannot write as a float literal (inf, nan) is no call of the pair: ATen's runs it (gcc
+    rejected the generated one, which sent the whole graph to ATen)."""
     gm = _captured(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale),
                    *(torch.randn(2, 2, 7, 8) for _ in range(3)))
     node = next(n for n in gm.nodes if n.op == attention.FORWARD)

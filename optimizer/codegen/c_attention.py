@@ -95,7 +95,7 @@ def _product(name: str) -> str:
 
 def forward_source(name: str, s: Shape, strides: tuple[tuple[int, ...], ...], block: int) -> str:
     """void name(q, k, v, out, lse): `strides` of q, k, v, out and lse, in that order. `block` is a
-    multiple of 16 (the product's tile)."""
+    multiple of 8 (the product's vectors)."""
     sq, sk, sv, so, sl = strides
     bq = bk = block
     qblocks = -(-s.queries // bq)

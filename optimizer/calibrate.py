@@ -25,6 +25,7 @@ from optimizer.cache import atomic_write
 from optimizer.calibrate_step import StepFigures, measure
 from optimizer.codegen.compiler import build_library, hardware_id
 from optimizer.hardware import GENERIC_CPU, cpuinfo, host_cpu_model, host_spec_path, load_all
+from optimizer.threads import torch_threads
 
 SOURCE = r"""#include <stdint.h>
 #include <time.h>
@@ -235,15 +236,11 @@ def _library_gemm(torch, m: int, k: int, n: int) -> Probe:
     a, b, out = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
 
     def run(reps: int) -> float:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             t0 = time.perf_counter()
             for _ in range(reps):
                 torch.mm(a, b, out=out)
             return time.perf_counter() - t0
-        finally:
-            torch.set_num_threads(threads)
     return run, 2.0 * m * k * n / 1e9
 
 

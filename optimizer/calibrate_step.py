@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from optimizer.threads import torch_threads
+
 # Gradient sizes (floats) the all-reduce is timed at: a tiny message (the latency) and a few MiB (the rate)
 ALLREDUCE_FLOATS = (256, 1 << 20)
 # (tensors, elements each) of the optimizer sets timed: the fixed cost, the per-tensor and the per-element
@@ -122,10 +124,8 @@ def measure_update(rounds: int) -> tuple[float, float, float]:
     UPDATE_SETS (each the fastest of `rounds` steps), each clamped at zero."""
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     rows, seconds = [], []
-    try:
+    with torch_threads(1):
         for tensors, elements in UPDATE_SETS:
             params = [torch.nn.Parameter(torch.randn(elements)) for _ in range(tensors)]
             for p in params:
@@ -139,8 +139,6 @@ def measure_update(rounds: int) -> tuple[float, float, float]:
                 times.append(time.perf_counter() - t0)
             rows.append((1.0, tensors, tensors * elements))
             seconds.append(min(times))
-    finally:
-        torch.set_num_threads(before)
     fit, *_ = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)
     fixed, per_tensor, per_element = (max(float(v), 0.0) for v in fit)
     return fixed, per_tensor, per_element

@@ -168,9 +168,8 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
     caches under the keys the workers look up and a worker searches nothing. Priced at the chosen plans'
     predicted times; a graph the generator cannot take fails it (the workers would run it as ATen). `entries`: the
     names of those search cache entries, which the controller ships with the job's code to its cloud nodes."""
-    import torch
-
     from optimizer import backend
+    from optimizer.threads import torch_threads
 
     seconds, searched, entries = [], [], []
     aten_graphs = backend.STATS["aten_graphs"]
@@ -180,12 +179,8 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
         searched.append(fresh)
         entries.append(entry)
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
+    with torch_threads(threads):
         _capture(model, batch, loss_fn, backend.make_backend(on_plan=on_plan), data_parallel)
-    finally:
-        torch.set_num_threads(before)
     if backend.STATS["aten_graphs"] > aten_graphs or not seconds:
         raise ValueError("a graph of the step runs as ATen here (the generator cannot take it)")
     return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched),

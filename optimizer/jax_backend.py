@@ -13,15 +13,15 @@ runs as jax.jit(step_fn), with the reason logged: a generator bug must not stop 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
 from optimizer.schedule import Schedule
+from optimizer.threads import torch_threads
 
 log = logging.getLogger("tfsn.optimizer")
 
@@ -32,19 +32,6 @@ __all__ = ["optimize", "compile_jaxpr", "step_report"]
 # on the XLA worker thread that calls it, since XLA's pool already runs independent ops on every core
 # (codegen/xla_ffi.py says why). A searched step races one thread against torch's count.
 KERNEL_THREADS = 1
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """torch's (OpenMP's and MKL's) thread count set to n for the search, which prices and times the
-    kernels with it: they run with as many under XLA."""
-    import torch
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def compile_jaxpr(closed: Any, *, schedule: Schedule | None = None, top_k: int | None = None,
@@ -99,7 +86,7 @@ def _program(graph: Any, gemm: bool, threads: int, schedule: Schedule | None, to
         plan = fusion.plan(graph, gemm=gemm)
         schedules = [schedule] * len(plan.groups)
     else:
-        with _torch_threads(threads):
+        with torch_threads(threads):
             plan, schedules = searched_plan(graph, gemm, default_top_k() if top_k is None else top_k, None)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("tfsn fusion plan (jax):\n%s", fusion.describe(graph, plan))
@@ -129,7 +116,7 @@ def step_report(step_fn: Callable, inputs: Sequence[Any], spec: Any = None, top_
     report = StepReport(hardware="this machine" if spec is None else spec.name,
                         kind="cpu" if spec is None else spec.kind, measured_here=spec is None, names=("step",))
     if spec is None:
-        with _torch_threads(KERNEL_THREADS):
+        with torch_threads(KERNEL_THREADS):
             searched_plan(graph, compiler.sgemm_address() is not None,
                           default_top_k() if top_k is None else top_k, report.graphs)
     else:

@@ -22,7 +22,7 @@ from typing import Any
 
 from optimizer import externs
 from optimizer.hardware import HardwareSpec
-from optimizer.ir import Graph, Node, Ref, TensorType
+from optimizer.ir import Graph, Node, Ref, TensorType, contiguous_strides
 from optimizer.schedule import DEFAULT, Schedule
 
 log = logging.getLogger("tfsn.optimizer")
@@ -74,11 +74,7 @@ def _result_types(graph: Graph, node: Node, defaults: tuple[TensorType, ...]) ->
 
 
 def _dense(shape: tuple[int, ...]) -> TensorType:
-    strides, at = [], 1
-    for n in reversed(shape):
-        strides.append(at)
-        at *= max(n, 1)
-    return TensorType(shape, tuple(reversed(strides)), "float32")
+    return TensorType(shape, contiguous_strides(shape), "float32")
 
 
 def call_of(graph: Graph, node: Node) -> Call | None:

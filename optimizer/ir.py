@@ -48,6 +48,15 @@ class TensorType:
         return n
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a row-major tensor of `shape` (a dim of size 0 or 1 steps as a dim of size 1)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class Ref:
     """A reference, inside a node's args, to the value of node `index`."""

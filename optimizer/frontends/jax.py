@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from optimizer.ir import Graph, Kind, Node, Ref, TensorType, classify, reduce_params
+from optimizer.ir import Graph, Kind, Node, Ref, TensorType, classify, contiguous_strides, reduce_params
 
 # lax primitives with an ATen op of the same meaning and the same operands
 POINTWISE = {
@@ -59,19 +59,11 @@ def from_jaxpr(closed: Any) -> Graph:
     return builder.graph(inputs, outputs)
 
 
-def contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def view_strides(shape: Sequence[int], strides: Sequence[int], new: Sequence[int]) -> tuple[int, ...] | None:
     """The strides of a reshape to `new` that reads the same memory, None where there are none
     (ATen's computeStride: dims that are contiguous with each other may merge or split)."""
     if math.prod(shape) <= 1:
-        return contiguous(new)
+        return contiguous_strides(new)
     out = [0] * len(new)
     view_d = len(new) - 1
     base = strides[-1]
@@ -168,7 +160,7 @@ class _Builder:
             self.nodes.append(Node(len(self.nodes), name, Kind.INPUT if kind == Kind.INPUT else Kind.EXTERN, op,
                                    target, args, {}, None, {}))
             return len(self.nodes) - 1
-        type_ = TensorType(tuple(shape), contiguous(shape), np.dtype(dtype).name)
+        type_ = TensorType(tuple(shape), contiguous_strides(shape), np.dtype(dtype).name)
         kind = kind or classify(op, args, {}, type_, self.nodes)
         if kind == Kind.VIEW:
             if strides is None:

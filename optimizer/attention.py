@@ -125,6 +125,12 @@ class Choice:
     predicted_s: float
     measured: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    @property
+    def measured_s(self) -> float | None:
+        """The clock's seconds of the code chosen (None: not timed)."""
+        name = "library" if self.schedule.attention != "generated" else f"generated/{self.schedule.attention_block}"
+        return self.measured.get(name)
+
 
 def choose(graph: Graph, node: Node, spec: HardwareSpec, timing: bool, threads: int | None = None) -> Choice | None:
     """The schedule of an attention extern (None: not an attention the pair covers, or not a CPU):

@@ -80,13 +80,15 @@ class SearchResult:
     kernels: list[KernelResult]
     ties: list[Tie] = field(default_factory=list)     # kernels whose choice was too close to call
     externs: dict[int, float] = field(default_factory=dict)   # predicted seconds of each extern group, by group
+    externs_measured: dict[int, float] = field(default_factory=dict)   # the timed ones' (attention), by group
 
     @property
     def expected_s(self) -> float:
-        """The chosen plan's time on this machine: a kernel the search timed at no less than its measured time
-        (its best run, caches warm from the runs before: inside a step it runs no faster), the rest as
-        predicted. What a step of this graph is planned to take (`tfsn plan` on local nodes)."""
-        return sum(max(k.predicted_s, k.measured_s or 0.0) for k in self.kernels) + sum(self.externs.values())
+        """The chosen plan's time on this machine: a kernel or extern the search timed at no less than its
+        measured time (its best run, caches warm from the runs before: inside a step it runs no faster), the
+        rest as predicted. What a step of this graph is planned to take (`tfsn plan` on local nodes)."""
+        return sum(max(k.predicted_s, k.measured_s or 0.0) for k in self.kernels) + \
+            sum(max(s, self.externs_measured.get(g, 0.0)) for g, s in self.externs.items())
 
     @property
     def measured(self) -> list[dict]:
@@ -246,19 +248,24 @@ def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, to
     # given a plan its kernels are independent, so their schedules add: the space the search covers
     space_size = 2 ** len(points) * sum(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
     extern_times = {i: scorer.extern_s(g) for i, g in enumerate(plan.groups) if g.kind == "extern"}
-    _choose_attention(graph, plan, target.spec, timing and top_k > 1, scorer.threads, schedules, extern_times)
+    extern_measured: dict[int, float] = {}
+    _choose_attention(graph, plan, target.spec, timing and top_k > 1, scorer.threads, schedules, extern_times,
+                      extern_measured)
     predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values())
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=space_size, plans_scored=len(costs),
                         scored=scorer.scored, collapsed=scorer.collapsed, score_seconds=scorer.seconds,
                         feature_seconds=scorer.feature_seconds, seconds=time.perf_counter() - t0,
-                        predicted_s=predicted, kernels=kernels, ties=ties, externs=extern_times)
+                        predicted_s=predicted, kernels=kernels, ties=ties, externs=extern_times,
+                        externs_measured=extern_measured)
 
 
 def _choose_attention(graph: Graph, plan: fusion.Plan, spec: HardwareSpec, timing: bool, threads: int | None,
-                      schedules: list[Schedule], extern_times: dict[int, float]) -> None:
+                      schedules: list[Schedule], extern_times: dict[int, float],
+                      extern_measured: dict[int, float]) -> None:
     """ATen's flash attention or our generated pair for each attention extern (optimizer/attention.py),
-    into `schedules` and its predicted time into `extern_times`; calls of one shape are decided once."""
+    into `schedules`, its predicted time into `extern_times` and, where timed, the chosen one's measured
+    time into `extern_measured`; calls of one shape are decided once."""
     from optimizer import attention
     decided: dict[tuple, attention.Choice | None] = {}
     for i, g in enumerate(plan.groups):
@@ -270,8 +277,11 @@ def _choose_attention(graph: Graph, plan: fusion.Plan, spec: HardwareSpec, timin
         key = (call.backward, call.shape, call.results, tuple(graph.nodes[n].type for n in call.operands))
         if key not in decided:
             decided[key] = attention.choose(graph, node, spec, timing, threads)
-        if decided[key] is not None:
-            schedules[i], extern_times[i] = decided[key].schedule, decided[key].predicted_s
+        choice = decided[key]
+        if choice is not None:
+            schedules[i], extern_times[i] = choice.schedule, choice.predicted_s
+            if choice.measured_s is not None:
+                extern_measured[i] = choice.measured_s
 
 
 def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tuple[list[KernelResult], list[Tie]]:

@@ -242,3 +242,21 @@ def test_a_scale_that_is_no_number_stays_aten(scale):
                    *(torch.randn(2, 2, 7, 8) for _ in range(3)))
     node = next(n for n in gm.nodes if n.op == attention.FORWARD)
     assert attention.call_of(gm, node) is None
+
+
+def test_a_timed_attention_is_planned_at_no_less_than_its_measured_time(monkeypatch, tmp_path):
+    """What `tfsn plan` prices this machine's step from (SearchResult.expected_s) holds the clock's time of the
+    attention code the search chose where it timed it, as for its kernels: the model's roofline had priced
+    ATen's small-head attention at a twentieth of what a step measured."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
+    monkeypatch.setattr(c_attention, "time_against_library",
+                        lambda graph, node, call, schedules: [0.5] + [1.0] * len(schedules))   # ATen's faster
+    report = []
+    torch.manual_seed(0)
+    step = backend.optimize(SelfAttention(16, 2, True, None), report=report, top_k=2)
+    step(torch.randn(3, 33, 16)).sum().backward()
+    timed = [result for _, result in report if result.externs_measured]
+    assert len(timed) == 2                                    # the forward's graph and the backward's
+    for result in timed:
+        assert all(s == 0.5 for s in result.externs_measured.values())
+        assert result.predicted_s < 0.5 <= result.expected_s - 0.5 * (len(result.externs_measured) - 1)

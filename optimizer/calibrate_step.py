@@ -6,13 +6,15 @@ one core's share), the optimizer's update (torch.optim.AdamW, the default foreac
 ATen ops per parameter tensor), and the framework around a compiled step (dynamo's guards, AOTAutograd's
 wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
 message and copies through the kernel, AdamW a dispatch per op and tensor, the framework its Python. All are
-measured with one thread per process, as local workers run, each the fastest of its rounds (as every figure
-of `tfsn calibrate`: on a shared machine noise only ever slows a run down), and fitted as lines: all-reduce
-seconds = latency + bytes / bandwidth; update seconds = fixed + per tensor x tensors + per element x elements;
-the framework's share = a data-parallel step of a 4x4 Linear as a worker's loop runs it (compiled, DDP, AdamW,
-the SDK's vote), the median of back-to-back steps, less that update and one tiny all-reduce: the fixed cost
-every step pays. Why the median here: the job's measured step is a median, and the drift between ranks that
-the loop adds is no noise but part of every step.
+measured with one thread per process, as local workers run. The update is the fastest of its rounds (as most
+figures of `tfsn calibrate`: on a shared machine noise only ever slows a run down), fitted as a line: fixed +
+per tensor x tensors + per element x elements. The all-reduce's latency is the fastest tiny all-reduce between
+barriers. The rest is read off a data-parallel step of a Linear as a worker's loop runs it (compiled, DDP,
+AdamW, the SDK's vote), the median of back-to-back steps, at two sizes: a 4x4 one's step less its update and
+latency is the fixed share every step pays; what 768 KiB more gradient adds, less its larger update, is the
+loop's all-reduce rate. Why the median and the loop here: the job's measured step is a median, and the drift
+between ranks and the wake-ups at each collective are no noise but part of every step (between barriers a
+gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a fraction of that).
 """
 from __future__ import annotations
 
@@ -29,8 +31,11 @@ import numpy as np
 
 from optimizer.threads import torch_threads
 
-# Gradient sizes (floats) the all-reduce is timed at: a tiny message (the latency) and a few MiB (the rate)
-ALLREDUCE_FLOATS = (256, 1 << 20)
+# The all-reduce's latency: a tiny message between barriers (what each DDP bucket pays at least)
+LATENCY_FLOATS = 256
+# The data-parallel loop steps timed: a Linear too small to cost anything (the fixed share) and one with
+# 768 KiB of gradients, one DDP bucket (the rate at which the loop all-reduces gradients)
+LOOP_LINEARS = ((4, 4), (256, 768))
 # (tensors, elements each) of the optimizer sets timed: the fixed cost, the per-tensor and the per-element
 UPDATE_SETS = ((1, 1024), (96, 1024), (4, 1 << 18))
 
@@ -41,36 +46,36 @@ torch.set_num_threads(1)
 store, rank, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
 out = {}
-for n in json.loads(sys.argv[4]):
-    x = torch.ones(n)
-    for _ in range(3):
-        dist.all_reduce(x)
-    times = []
-    for _ in range(rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - t0)
-    out[n] = min(times)
-# the fixed cost of a data-parallel step as a worker's loop pays it: dynamo's guards, AOTAutograd's wrappers,
-# autograd, DDP's hooks and its all-reduce, AdamW, and the one tiny all-reduce per step in which tfsn's SDK
-# votes on checkpoints, around a model too small to cost anything itself; steps back to back, no barrier
-# between them, so the ranks' drift and each collective's wake-ups are in it as they are in a job
-from torch.nn.parallel import DistributedDataParallel as DDP
-model = DDP(torch.nn.Linear(4, 4))
-step = torch.compile(model, backend="aot_eager", dynamic=False)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-x, vote = torch.randn(2, 4), torch.zeros(2, dtype=torch.float64)
+x = torch.ones(int(sys.argv[4]))
+for _ in range(3):
+    dist.all_reduce(x)
 times = []
-dist.barrier()
-for i in range(3 * rounds + 5):
+for _ in range(rounds):
+    dist.barrier()
     t0 = time.perf_counter()
-    step(x).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    dist.all_reduce(x)
     times.append(time.perf_counter() - t0)
-out["step"] = sorted(times[5:])[len(times[5:]) // 2]
+out["latency"] = min(times)
+# a data-parallel step as a worker's loop pays it: dynamo's guards, AOTAutograd's wrappers, autograd, DDP's
+# hooks and its all-reduce, AdamW, and the one tiny all-reduce per step in which tfsn's SDK votes on
+# checkpoints; steps back to back, no barrier between them, so the ranks' drift and each collective's
+# wake-ups are in it as they are in a job
+from torch.nn.parallel import DistributedDataParallel as DDP
+for inputs, outputs in json.loads(sys.argv[5]):
+    model = DDP(torch.nn.Linear(inputs, outputs))
+    step = torch.compile(model, backend="aot_eager", dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, vote = torch.randn(2, inputs), torch.zeros(2, dtype=torch.float64)
+    times = []
+    dist.barrier()
+    for i in range(3 * rounds + 5):
+        t0 = time.perf_counter()
+        step(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        times.append(time.perf_counter() - t0)
+    out[f"step_{inputs}x{outputs}"] = sorted(times[5:])[len(times[5:]) // 2]
 if rank == 0:
     print(json.dumps(out), flush=True)
 dist.destroy_process_group()
@@ -81,20 +86,24 @@ os._exit(0)      # gloo's teardown at interpreter exit aborts now and then (SIGA
 @dataclass(frozen=True)
 class StepFigures:
     allreduce_latency_us: float      # an all-reduce of a tiny gradient between two local processes
-    allreduce_gbs: float             # bytes of gradient all-reduced per second beyond that, GB/s
+    allreduce_gbs: float             # bytes of gradient a data-parallel loop all-reduces per second beyond, GB/s
     step_overhead_us: float          # a data-parallel step's fixed share: guards, wrappers, autograd, hooks, sync
     update_fixed_us: float           # torch.optim.AdamW.step: per call
     update_tensor_us: float          # per parameter tensor
     update_element_ns: float         # per parameter element
 
 
-def measure_allreduce(rounds: int, timeout_s: float = 120.0) -> tuple[float, float, float]:
-    """(latency seconds, bytes per second) of a gloo all-reduce between two processes of this machine, and the
-    seconds a data-parallel loop step of a tiny model takes beyond that latency (its update still in it)."""
+def _step_key(inputs: int, outputs: int) -> str:
+    return f"step_{inputs}x{outputs}"
+
+
+def measure_data_parallel(rounds: int, timeout_s: float = 120.0) -> dict[str, float]:
+    """Seconds, between two processes of this machine: `latency`, a tiny gloo all-reduce between barriers; and
+    per Linear of LOOP_LINEARS (`step_IxO`), the median data-parallel loop step of it, update included."""
     with tempfile.TemporaryDirectory(prefix="tfsn-calibrate-") as folder:
         store = str(Path(folder) / "store")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        args = [str(rounds), json.dumps(list(ALLREDUCE_FLOATS))]
+        args = [str(rounds), str(LATENCY_FLOATS), json.dumps(LOOP_LINEARS)]
         procs = [subprocess.Popen([sys.executable, "-c", _ALLREDUCE_CHILD, store, str(rank), *args], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         try:
@@ -108,9 +117,7 @@ def measure_allreduce(rounds: int, timeout_s: float = 120.0) -> tuple[float, flo
     if times is None:
         tail = " | ".join(line for out in outs for line in out[1].strip().splitlines()[-2:])
         raise RuntimeError(f"the all-reduce probe failed (exit codes {[p.returncode for p in procs]}): {tail[-500:]}")
-    small, large = (times[str(n)] for n in ALLREDUCE_FLOATS)
-    rate = 4 * (ALLREDUCE_FLOATS[1] - ALLREDUCE_FLOATS[0]) / max(large - small, 1e-9)
-    return small, rate, max(times["step"] - small, 0.0)
+    return times
 
 
 def _probe_figures(stdout: str) -> dict | None:
@@ -121,7 +128,7 @@ def _probe_figures(stdout: str) -> dict | None:
         times = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         return None
-    keys = [str(n) for n in ALLREDUCE_FLOATS] + ["step"]
+    keys = ["latency"] + [_step_key(*linear) for linear in LOOP_LINEARS]
     if not isinstance(times, dict) or not all(isinstance(times.get(k), (int, float)) for k in keys):
         return None
     return times
@@ -153,10 +160,18 @@ def measure_update(rounds: int) -> tuple[float, float, float]:
 
 
 def measure(quick: bool = False) -> StepFigures:
+    """The figures, from the loop steps of LOOP_LINEARS: the tiny one's, less its update and its DDP bucket's
+    latency, is the fixed share; the gradient bytes the larger one adds over the time it adds beyond its
+    larger update, the loop's all-reduce rate (its few extra MFLOPs, some microseconds, are left in)."""
     rounds = 10 if quick else 30
-    latency, rate, loop_step = measure_allreduce(rounds)
+    times = measure_data_parallel(rounds)
     fixed, per_tensor, per_element = measure_update(rounds)
-    overhead = max(loop_step - (fixed + 2 * per_tensor + 20 * per_element), 0.0)     # the probe's update left out
+    (small, large), latency = LOOP_LINEARS, times["latency"]
+    params = [i * o + o for i, o in LOOP_LINEARS]                 # weight and bias: two tensors each
+    update = [fixed + 2 * per_tensor + n * per_element for n in params]
+    step = [times[_step_key(*small)], times[_step_key(*large)]]
+    overhead = max(step[0] - update[0] - latency, 0.0)
+    rate = 4 * (params[1] - params[0]) / max(step[1] - step[0] - (update[1] - update[0]), 1e-9)
     # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
     return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
                        step_overhead_us=max(overhead * 1e6, 1e-3),

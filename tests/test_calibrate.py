@@ -142,11 +142,11 @@ def test_the_cli_refuses_a_bad_thread_count_in_one_line(cache, threads):
 def test_the_all_reduce_probe_keeps_figures_printed_before_a_teardown_abort():
     """gloo's teardown can abort a child after rank 0 printed its figures (seen in 1 of 5 runs here): the figures
     stand; a child that printed nothing or half a line is a failure."""
-    from optimizer.calibrate_step import ALLREDUCE_FLOATS, _probe_figures
+    from optimizer.calibrate_step import LOOP_LINEARS, _probe_figures
 
-    figures = {str(n): 1e-4 * (i + 1) for i, n in enumerate(ALLREDUCE_FLOATS)} | {"step": 5e-4}
+    figures = {"latency": 1e-4} | {f"step_{i}x{o}": 5e-4 * (n + 1) for n, (i, o) in enumerate(LOOP_LINEARS)}
     printed = "a warning on stdout\n" + json.dumps(figures) + "\n"
     assert _probe_figures(printed) == figures
     assert _probe_figures("") is None
     assert _probe_figures(json.dumps(figures)[:-5]) is None
-    assert _probe_figures(json.dumps({"step": 5e-4})) is None
+    assert _probe_figures(json.dumps({"latency": 1e-4})) is None

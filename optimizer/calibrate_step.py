@@ -12,7 +12,8 @@ per tensor x tensors + per element x elements. The all-reduce's latency is the f
 barriers. The rest is read off a data-parallel step of a Linear as a worker's loop runs it (compiled, DDP,
 AdamW, the SDK's vote), the median of back-to-back steps, at two sizes: a 4x4 one's step less its update and
 latency is the fixed share every step pays; what 768 KiB more gradient adds, less its larger update, is the
-loop's all-reduce rate. Why the median and the loop here: the job's measured step is a median, and the drift
+loop's all-reduce rate; the 4x4 one's step in one process alone, less its update, the fixed share of a
+one-process job. Why the median and the loop here: the job's measured step is a median, and the drift
 between ranks and the wake-ups at each collective are no noise but part of every step (between barriers a
 gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a fraction of that).
 """
@@ -88,6 +89,7 @@ class StepFigures:
     allreduce_latency_us: float      # an all-reduce of a tiny gradient between two local processes
     allreduce_gbs: float             # bytes of gradient a data-parallel loop all-reduces per second beyond, GB/s
     step_overhead_us: float          # a data-parallel step's fixed share: guards, wrappers, autograd, hooks, sync
+    step_overhead_solo_us: float     # the fixed share of a job's only process: guards, wrappers, autograd
     update_fixed_us: float           # torch.optim.AdamW.step: per call
     update_tensor_us: float          # per parameter tensor
     update_element_ns: float         # per parameter element
@@ -159,9 +161,30 @@ def measure_update(rounds: int) -> tuple[float, float, float]:
     return fixed, per_tensor, per_element
 
 
+def measure_solo_step(rounds: int) -> float:
+    """The median back-to-back step of the tiny Linear in this process alone, as a one-process job runs it
+    (compiled, AdamW; no DDP, no collective), update included."""
+    import torch
+
+    with torch_threads(1):
+        inputs, outputs = LOOP_LINEARS[0]
+        model = torch.nn.Linear(inputs, outputs)
+        step = torch.compile(model, backend="aot_eager", dynamic=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(2, inputs)
+        times = []
+        for _ in range(3 * rounds + 5):
+            t0 = time.perf_counter()
+            step(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times[5:]))
+
+
 def measure(quick: bool = False) -> StepFigures:
     """The figures, from the loop steps of LOOP_LINEARS: the tiny one's, less its update and its DDP bucket's
-    latency, is the fixed share; the gradient bytes the larger one adds over the time it adds beyond its
+    latency, is the fixed share (in one process alone, less its update, a one-process job's); the gradient bytes the larger one adds over the time it adds beyond its
     larger update, the loop's all-reduce rate (its few extra MFLOPs, some microseconds, are left in)."""
     rounds = 10 if quick else 30
     times = measure_data_parallel(rounds)
@@ -171,9 +194,10 @@ def measure(quick: bool = False) -> StepFigures:
     update = [fixed + 2 * per_tensor + n * per_element for n in params]
     step = [times[_step_key(*small)], times[_step_key(*large)]]
     overhead = max(step[0] - update[0] - latency, 0.0)
+    solo = max(measure_solo_step(rounds) - update[0], 0.0)
     rate = 4 * (params[1] - params[0]) / max(step[1] - step[0] - (update[1] - update[0]), 1e-9)
     # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
     return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
-                       step_overhead_us=max(overhead * 1e6, 1e-3),
+                       step_overhead_us=max(overhead * 1e6, 1e-3), step_overhead_solo_us=max(solo * 1e6, 1e-3),
                        update_fixed_us=max(fixed * 1e6, 1e-3), update_tensor_us=max(per_tensor * 1e6, 1e-3),
                        update_element_ns=max(per_element * 1e9, 1e-3))

@@ -230,7 +230,8 @@ def run(request: dict) -> dict:
         out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
                                  "update_s": update if update is not None else
                                  adam_update_seconds(out["params"], out["dtype"], spec),
-                                 "overhead_s": spec.step_overhead_us * 1e-6 if name == "host" else 0.0}
+                                 "overhead_s": spec.step_overhead_us * 1e-6 if name == "host" else 0.0,
+                                 "overhead_solo_s": spec.step_overhead_solo_us * 1e-6 if name == "host" else 0.0}
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 

@@ -31,8 +31,8 @@ _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCAL
 # written by `tfsn calibrate`; defaults below
 _OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads", "core_peak_tflops")
 # the parts of a step outside its graphs on local nodes (optimizer/calibrate_step.py): 0 = not measured
-STEP_FIGURES = ("allreduce_latency_us", "allreduce_gbs", "step_overhead_us", "update_fixed_us", "update_tensor_us",
-                "update_element_ns")
+STEP_FIGURES = ("allreduce_latency_us", "allreduce_gbs", "step_overhead_us", "step_overhead_solo_us",
+                "update_fixed_us", "update_tensor_us", "update_element_ns")
 _OPTIONAL += STEP_FIGURES
 # What a GPU's occupancy depends on, besides registers_per_unit_kib and shared_memory_per_unit_kib: a GPU
 # spec must give them (a kernel the chip cannot launch is rejected by the cost model, not guessed at)
@@ -81,7 +81,8 @@ class HardwareSpec:
     # measured by `tfsn calibrate` (calibrate_step.py), 0 elsewhere: a gloo all-reduce between two local processes
     allreduce_latency_us: float = 0.0  # ... of a tiny gradient
     allreduce_gbs: float = 0.0         # ... GB of gradient per second beyond that
-    step_overhead_us: float = 0.0      # a compiled DDP step's framework share (guards, wrappers, autograd, hooks)
+    step_overhead_us: float = 0.0      # a data-parallel step's fixed share (guards, wrappers, autograd, hooks, sync)
+    step_overhead_solo_us: float = 0.0  # ... of a job's only process: no DDP, no collective
     update_fixed_us: float = 0.0       # torch.optim.AdamW.step, one thread: per call,
     update_tensor_us: float = 0.0      # per parameter tensor,
     update_element_ns: float = 0.0     # and per parameter element

@@ -352,10 +352,11 @@ def test_a_bad_model_section_is_a_spec_error_naming_line_and_field(tmp_path):
                                   "model, batch, loss_fn), or all of params, layers, hidden, seq_len, batch_size"]
 
 
-def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_framework_share(tmp_path, monkeypatch):
-    """On this machine's local nodes the step is the searched graphs + the update + the framework's share of a
-    compiled step + the gloo all-reduce that `tfsn calibrate` measured: a latency per DDP bucket and a rate;
-    one node has no all-reduce; without a calibration the offer's link prices it as before."""
+def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fixed_share(tmp_path, monkeypatch):
+    """On this machine's local nodes the step is the searched graphs + the update + the fixed share of a
+    data-parallel step + the gloo all-reduce that `tfsn calibrate` measured: a latency per DDP bucket and a rate;
+    one node has no all-reduce and pays a one-process job's fixed share; without a calibration the offer's link
+    prices the all-reduce as before."""
     from pathlib import Path
 
     import yaml
@@ -367,7 +368,8 @@ def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fram
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
     grads = 3 << 20                        # 3 MiB of gradients: DDP's 1 MiB first bucket and one more
     entry = EntryStep(params=grads // 4, grad_bytes=grads, example_batch=4, dtype="fp32",
-                      hardware={HOST: HardwareStep(0.010, update_s=0.002, overhead_s=0.001)})
+                      hardware={HOST: HardwareStep(0.010, update_s=0.002, overhead_s=0.001,
+                                                  overhead_solo_s=0.0003)})
     local = offer(provider="local", region="local", zone=None, instance="local", accelerator=None, vcpus=2,
                   memory=8, price=0.0)
 
@@ -384,4 +386,4 @@ def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fram
          "allreduce_gbs": 0.5, "step_overhead_us": 1000.0}))
     assert load_all()[GENERIC_CPU].allreduce_gbs == 0
     assert step(2) == pytest.approx(0.010 + 0.002 + 0.001 + 2 * 500e-6 + grads / 0.5e9)
-    assert step(1) == pytest.approx(0.010 + 0.002 + 0.001)
+    assert step(1) == pytest.approx(0.010 + 0.002 + 0.0003)

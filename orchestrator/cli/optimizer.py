@@ -52,7 +52,8 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
     typer.echo(f"overheads: kernel call {cal.call_overhead_us:.2f} us, OpenMP fork/join {cal.fork_join_us:.2f} us")
     step = cal.step
     typer.echo(f"outside the graphs, one thread: all-reduce between two local processes {step.allreduce_latency_us:.0f} us "
-               f"+ {step.allreduce_gbs:.2f} GB/s; a data-parallel step's fixed share {step.step_overhead_us:.0f} us; AdamW step {step.update_fixed_us:.0f} us + "
+               f"+ {step.allreduce_gbs:.2f} GB/s in a training loop; a step's fixed share {step.step_overhead_us:.0f} us "
+               f"data-parallel, {step.step_overhead_solo_us:.0f} us alone; AdamW step {step.update_fixed_us:.0f} us + "
                f"{step.update_tensor_us:.1f} us per tensor + {step.update_element_ns:.2f} ns per element")
     for note in cal.notes:
         typer.echo(f"note: {note}")

@@ -40,7 +40,8 @@ class HardwareStep:
 
     seconds: float | None
     update_s: float = 0.0      # the optimizer's update on one replica (as calibrated here, else at memory bandwidth)
-    overhead_s: float = 0.0    # the framework's share of a compiled step, as `tfsn calibrate` measured it here
+    overhead_s: float = 0.0    # a data-parallel step's fixed share, as `tfsn calibrate` measured it here
+    overhead_solo_s: float = 0.0   # ... a one-process job's (no DDP, no collective)
     graphs: int = 0
     cached: bool = False
     error: str | None = None
@@ -101,7 +102,8 @@ def _entry_step(data: dict, cached: bool = False) -> EntryStep:
     return EntryStep(params=data["params"], grad_bytes=data["grad_bytes"], example_batch=data["example_batch"],
                      dtype=data["dtype"], seconds=0.0 if cached else data["seconds"],
                      hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("overhead_s", 0.0),
-                                                  h.get("graphs", 0), cached or h.get("cached", False), h.get("error"),
+                                                  h.get("overhead_solo_s", 0.0), h.get("graphs", 0),
+                                                  cached or h.get("cached", False), h.get("error"),
                                                   tuple(h.get("entries", ())))
                                for name, h in data["hardware"].items()})
 

@@ -443,7 +443,8 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
                    link_gbs: float, here: bool = False) -> float:
     """One optimizer step from the searched step of one replica: scaled from the example's per-rank batch to
     the job's (model.batch_size over the data-parallel width; the example's own without it), plus the
-    update (found.update_s), the framework's share of a step (found.overhead_s) and the gradient all-reduce: over the offer's links, or for this machine's local
+    update (found.update_s), the fixed share of a step (found.overhead_s of a data-parallel one, found.overhead_solo_s
+    of a job's only process) and the gradient all-reduce: over the offer's links, or for this machine's local
     nodes (`here`) as `tfsn calibrate` measured it between local processes, where it did."""
     from optimizer.hardware import cpu_spec
     from optimizer.predict import local_allreduce_seconds
@@ -454,7 +455,8 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     allreduce = local_allreduce_seconds(entry.grad_bytes, per_node * nodes, cpu_spec()) if here else None
     if allreduce is None:
         allreduce = float(allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0])
-    return found.seconds * scale + found.update_s + found.overhead_s + allreduce
+    overhead = found.overhead_s if per_node * nodes > 1 else found.overhead_solo_s
+    return found.seconds * scale + found.update_s + overhead + allreduce
 
 
 def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, workload: Workload | None,

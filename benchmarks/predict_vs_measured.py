@@ -1,10 +1,12 @@
 """The plan's predicted step time on this machine against the step time the same job measures under `tfsn launch`.
 
     python benchmarks/predict_vs_measured.py [--json] [--steps 120] [--models tiny-gpt,mlp,gpt2_block,cnn,resnet,llama]
+                                             [--nodes 2]
 
 For the example (examples/tiny-gpt), models of the optimizer's suite (tests/optimizer_models.py at `bench`
 size) and held-out models of tests/user_models.py (HELD_OUT: nothing in the prediction was fitted to them),
-each trained by a script of the example's shape: DDP over 2 local nodes, `tfsn.optimize`, AdamW,
+each trained by a script of the example's shape: DDP over 2 local nodes (`--nodes`: the suite's and held-out
+models over that many, 1 = a one-process job; the example keeps its own 2), `tfsn.optimize`, AdamW,
 `model.entry` naming its build), in one fresh $TFSN_HOME and $TFSN_CACHE:
   1. `tfsn plan --json` cold, then again (cached): the chosen local offer's predicted seconds per step, and how
      long each plan took;
@@ -118,7 +120,7 @@ if __name__ == "__main__":
 
 SPEC = """\
 name: {name}
-num_nodes: 2
+num_nodes: {nodes}
 nproc_per_node: 1
 workdir: .
 run: python train.py
@@ -179,12 +181,12 @@ def measured_step(env: dict[str, str], spec: Path) -> tuple[float, float | None,
             statistics.median(cpu) if all(c is not None for c in cpu) else None, len(records))
 
 
-def case_spec(folder: Path, name: str, steps: int) -> Path:
+def case_spec(folder: Path, name: str, steps: int, nodes: int) -> Path:
     work = folder / name
     work.mkdir()
     (work / "train.py").write_text(SCRIPT)
     spec = work / "train.yaml"
-    spec.write_text(SPEC.format(name=name, steps=steps, batch=HELD_OUT.get(name, 0)))
+    spec.write_text(SPEC.format(name=name, steps=steps, batch=HELD_OUT.get(name, 0), nodes=nodes))
     return spec
 
 
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=120, help="steps of each suite model's job (the example: its own)")
     parser.add_argument("--models", default=",".join(("tiny-gpt",) + SUITE + tuple(HELD_OUT)))
+    parser.add_argument("--nodes", type=int, default=2, help="local nodes of each suite and held-out model's job")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="tfsn-predict-"))
     env = {**os.environ, "TFSN_HOME": str(folder / "home"), "TFSN_CACHE": str(folder / "cache"),
@@ -203,7 +206,7 @@ def main() -> None:
         spec_source = host_spec(env)
         for name in args.models.split(","):
             spec = ROOT / "examples" / "tiny-gpt" / "train.yaml" if name == "tiny-gpt" else \
-                case_spec(folder, name, args.steps)
+                case_spec(folder, name, args.steps, args.nodes)
             predicted, cold_s, out = plan(env, spec)
             _, cached_s, _ = plan(env, spec)
             load = os.getloadavg()[0]
@@ -211,7 +214,7 @@ def main() -> None:
             load = (load + os.getloadavg()[0]) / 2
             ratio = predicted / measured
             host = out["hardware"][0]
-            results.append({"model": name, "predicted_s": predicted, "measured_s": measured, "ratio": ratio,
+            results.append({"model": name, "nodes": 2 if name == "tiny-gpt" else args.nodes, "predicted_s": predicted, "measured_s": measured, "ratio": ratio,
                             "measured_cpu_s": cpu, "ratio_cpu": predicted / cpu if cpu else None,
                             "load_average": round(load, 2), "steps_measured": n, "plan_cold_s": cold_s,
                             "plan_cached_s": cached_s, "source": host["source"], "graphs": host.get("graphs")})

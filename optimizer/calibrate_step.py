@@ -85,6 +85,10 @@ os._exit(0)      # gloo's teardown at interpreter exit aborts now and then (SIGA
 """
 
 
+class NoisyProbe(RuntimeError):
+    """A probe whose figures noise made meaningless every time it was taken: to be run on an idle machine."""
+
+
 @dataclass(frozen=True)
 class StepFigures:
     allreduce_latency_us: float      # an all-reduce of a tiny gradient between two local processes
@@ -176,9 +180,9 @@ def measure(quick: bool = False) -> StepFigures:
         if added > 0:       # else noise slowed the tiny loop: its bytes over no time would be no rate at all
             break
     else:
-        raise RuntimeError(f"the data-parallel loop probe was too noisy {LOOP_TRIES} times (the larger Linear's "
-                           f"step, {step[1] * 1e3:.2f} ms, took no longer than the tiny one's, {step[0] * 1e3:.2f} "
-                           "ms, beyond its update); calibrate again when the machine is idle")
+        raise NoisyProbe(f"the data-parallel loop probe was too noisy {LOOP_TRIES} times (the larger Linear's "
+                         f"step, {step[1] * 1e3:.2f} ms, took no longer than the tiny one's, {step[0] * 1e3:.2f} ms, "
+                         "beyond its update)")
     latency = times["latency"]
     overhead = max(step[0] - update[0] - latency, 0.0)
     rate = 4 * (params[1] - params[0]) / added

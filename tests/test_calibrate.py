@@ -171,6 +171,18 @@ def test_a_loop_probe_that_noise_inverted_is_taken_again_not_fitted_into_an_absu
     figures = calibrate_step.measure(quick=True)
     assert not runs and 0.3 < figures.allreduce_gbs < 0.6                  # 789 KB over 1.9 ms less 0.2 ms
     monkeypatch.setattr(calibrate_step, "measure_data_parallel", lambda rounds: _loop_figures(3e-3, 2.5e-3))
-    with pytest.raises(RuntimeError, match="noisy") as err:
+    with pytest.raises(calibrate_step.NoisyProbe, match="too noisy") as err:
         calibrate_step.measure(quick=True)
     assert "\n" not in str(err.value)
+
+
+def test_the_cli_says_a_too_noisy_machine_is_to_calibrate_again_in_one_line(monkeypatch, cache):
+    from optimizer import calibrate, calibrate_step
+
+    def noisy(threads, quick):
+        raise calibrate_step.NoisyProbe("the data-parallel loop probe was too noisy 3 times")
+    monkeypatch.setattr(calibrate, "calibrate", noisy)
+    result = CliRunner().invoke(_app(), ["calibrate", "--quick"])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert "too noisy" in result.stderr and "when the machine is idle" in result.stderr
+    assert "gcc" not in result.stderr and not host_spec_path().exists()

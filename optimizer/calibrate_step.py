@@ -37,6 +37,8 @@ LATENCY_FLOATS = 256
 # The data-parallel loop steps timed: a Linear too small to cost anything (the fixed share) and one with
 # 768 KiB of gradients, one DDP bucket (the rate at which the loop all-reduces gradients)
 LOOP_LINEARS = ((4, 4), (256, 768))
+# times the loop probe is taken where noise made the larger Linear's step add nothing beyond its update
+LOOP_TRIES = 3
 # (tensors, elements each) of the optimizer sets timed: the fixed cost, the per-tensor and the per-element
 UPDATE_SETS = ((1, 1024), (96, 1024), (4, 1 << 18))
 
@@ -82,6 +84,10 @@ if rank == 0:
 dist.destroy_process_group()
 os._exit(0)      # gloo's teardown at interpreter exit aborts now and then (SIGABRT) after the figures are out
 """
+
+
+class NoisyProbe(RuntimeError):
+    """A probe whose figures noise made meaningless every time it was taken: to be run on an idle machine."""
 
 
 @dataclass(frozen=True)
@@ -184,18 +190,27 @@ def measure_solo_step(rounds: int) -> float:
 
 def measure(quick: bool = False) -> StepFigures:
     """The figures, from the loop steps of LOOP_LINEARS: the tiny one's, less its update and its DDP bucket's
-    latency, is the fixed share (in one process alone, less its update, a one-process job's); the gradient bytes the larger one adds over the time it adds beyond its
-    larger update, the loop's all-reduce rate (its few extra MFLOPs, some microseconds, are left in)."""
+    latency, is the fixed share (in one process alone, less its update, a one-process job's); the gradient
+    bytes the larger one adds over the time it adds beyond its larger update, the loop's all-reduce rate (its
+    few extra MFLOPs, some microseconds, are left in)."""
     rounds = 10 if quick else 30
-    times = measure_data_parallel(rounds)
     fixed, per_tensor, per_element = measure_update(rounds)
-    (small, large), latency = LOOP_LINEARS, times["latency"]
     params = [i * o + o for i, o in LOOP_LINEARS]                 # weight and bias: two tensors each
     update = [fixed + 2 * per_tensor + n * per_element for n in params]
-    step = [times[_step_key(*small)], times[_step_key(*large)]]
+    for _ in range(LOOP_TRIES):
+        times = measure_data_parallel(rounds)
+        step = [times[_step_key(*linear)] for linear in LOOP_LINEARS]
+        added = step[1] - step[0] - (update[1] - update[0])
+        if added > 0:       # else noise slowed the tiny loop: its bytes over no time would be no rate at all
+            break
+    else:
+        raise NoisyProbe(f"the data-parallel loop probe was too noisy {LOOP_TRIES} times (the larger Linear's "
+                         f"step, {step[1] * 1e3:.2f} ms, took no longer than the tiny one's, {step[0] * 1e3:.2f} ms, "
+                         "beyond its update)")
+    latency = times["latency"]
     overhead = max(step[0] - update[0] - latency, 0.0)
     solo = max(measure_solo_step(rounds) - update[0], 0.0)
-    rate = 4 * (params[1] - params[0]) / max(step[1] - step[0] - (update[1] - update[0]), 1e-9)
+    rate = 4 * (params[1] - params[0]) / added
     # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
     return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
                        step_overhead_us=max(overhead * 1e6, 1e-3), step_overhead_solo_us=max(solo * 1e6, 1e-3),

@@ -80,7 +80,7 @@ class HardwareSpec:
     core_peak_tflops: float = 0.0      # fp32 FMA rate of one thread alone, as calibrated (0: peak / compute_units)
     # measured by `tfsn calibrate` (calibrate_step.py), 0 elsewhere: a gloo all-reduce between two local processes
     allreduce_latency_us: float = 0.0  # ... of a tiny gradient
-    allreduce_gbs: float = 0.0         # ... GB of gradient per second beyond that
+    allreduce_gbs: float = 0.0         # ... GB of gradient per second beyond that, as a data-parallel loop pays it
     step_overhead_us: float = 0.0      # a data-parallel step's fixed share (guards, wrappers, autograd, hooks, sync)
     step_overhead_solo_us: float = 0.0  # ... of a job's only process: no DDP, no collective
     update_fixed_us: float = 0.0       # torch.optim.AdamW.step, one thread: per call,

@@ -150,3 +150,39 @@ def test_the_all_reduce_probe_keeps_figures_printed_before_a_teardown_abort():
     assert _probe_figures("") is None
     assert _probe_figures(json.dumps(figures)[:-5]) is None
     assert _probe_figures(json.dumps({"latency": 1e-4})) is None
+
+
+def _loop_figures(small_s: float, large_s: float) -> dict[str, float]:
+    from optimizer.calibrate_step import LOOP_LINEARS
+    (si, so), (li, lo) = LOOP_LINEARS
+    return {"latency": 50e-6, f"step_{si}x{so}": small_s, f"step_{li}x{lo}": large_s}
+
+
+def test_a_loop_probe_that_noise_inverted_is_taken_again_not_fitted_into_an_absurd_rate(monkeypatch):
+    """The all-reduce rate is what the larger Linear's loop step adds beyond its larger update: where noise made
+    the tiny one's median the slower (or as slow), that difference is no time at all, and 768 KiB over it a rate
+    of hundreds of TB/s that `tfsn plan` would price local all-reduces at. The probe is taken again; a machine too
+    noisy every time is a one-line failure, never a figure."""
+    from optimizer import calibrate_step
+
+    monkeypatch.setattr(calibrate_step, "measure_update", lambda rounds: (20e-6, 2e-6, 1e-9))
+    runs = [_loop_figures(3e-3, 2.5e-3), _loop_figures(1.3e-3, 3.2e-3)]       # noisy, then as the loop runs
+    monkeypatch.setattr(calibrate_step, "measure_data_parallel", lambda rounds: runs.pop(0))
+    figures = calibrate_step.measure(quick=True)
+    assert not runs and 0.3 < figures.allreduce_gbs < 0.6                  # 789 KB over 1.9 ms less 0.2 ms
+    monkeypatch.setattr(calibrate_step, "measure_data_parallel", lambda rounds: _loop_figures(3e-3, 2.5e-3))
+    with pytest.raises(calibrate_step.NoisyProbe, match="too noisy") as err:
+        calibrate_step.measure(quick=True)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_says_a_too_noisy_machine_is_to_calibrate_again_in_one_line(monkeypatch, cache):
+    from optimizer import calibrate, calibrate_step
+
+    def noisy(threads, quick):
+        raise calibrate_step.NoisyProbe("the data-parallel loop probe was too noisy 3 times")
+    monkeypatch.setattr(calibrate, "calibrate", noisy)
+    result = CliRunner().invoke(_app(), ["calibrate", "--quick"])
+    assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
+    assert "too noisy" in result.stderr and "when the machine is idle" in result.stderr
+    assert "gcc" not in result.stderr and not host_spec_path().exists()

@@ -260,3 +260,21 @@ def test_a_timed_attention_is_planned_at_no_less_than_its_measured_time(monkeypa
     for result in timed:
         assert all(s == 0.5 for s in result.externs_measured.values())
         assert result.predicted_s < 0.5 <= result.expected_s - 0.5 * (len(result.externs_measured) - 1)
+
+
+def test_a_timed_attentions_time_is_in_the_plan_read_back_from_the_search_cache(monkeypatch, tmp_path):
+    """`tfsn plan` mostly reads its step's graphs back from the search cache (its child searched them, or an earlier
+    run did): the expected seconds it reads there hold the attention's measured time as the search's own did."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
+    monkeypatch.setattr(c_attention, "time_against_library",
+                        lambda graph, node, call, schedules: [0.5] + [1.0] * len(schedules))
+    plans = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        step = backend.optimize(SelfAttention(16, 2, True, None), top_k=2,
+                                on_plan=lambda seconds, searched, name: plans.append((name, searched, seconds)))
+        step(torch.randn(3, 33, 16)).sum().backward()
+    searched = {name: s for name, now, s in plans if now}
+    read = {name: s for name, now, s in plans if not now}
+    assert len(searched) == 2 and read == searched and all(s >= 0.5 for s in read.values())

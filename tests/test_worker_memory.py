@@ -70,3 +70,15 @@ def test_the_workers_get_the_settings_and_a_jobs_envs_override_them(tmp_path):
     env = _command_env(tmp_path / "b", {"MALLOC_TRIM_THRESHOLD_": "0"})
     assert env["MALLOC_TRIM_THRESHOLD_"] == "0"
     assert env["MALLOC_MMAP_THRESHOLD_"] == WORKER_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's malloc's")
+def test_an_empty_value_in_a_jobs_envs_leaves_glibc_its_own_setting(tmp_path):
+    # glibc reads an empty MALLOC_MMAP_THRESHOLD_ as 0: every block mapped and unmapped, 3k faults a step. An
+    # empty value is how a job says "not tfsn's": no other value gives back glibc's own (a threshold that grows)
+    assert statistics.median(_step_faults({"MALLOC_MMAP_THRESHOLD_": ""})) > 3000
+    env = _command_env(tmp_path / "a", {"MALLOC_MMAP_THRESHOLD_": "", "MALLOC_TRIM_THRESHOLD_": ""})
+    assert not set(WORKER_MALLOC_ENV) & set(env)
+    env = _command_env(tmp_path / "b", {"MALLOC_MMAP_THRESHOLD_": "", "SEED": ""})
+    assert env["SEED"] == "" and "MALLOC_MMAP_THRESHOLD_" not in env
+    assert env["MALLOC_TRIM_THRESHOLD_"] == WORKER_MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"]

@@ -33,11 +33,14 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
     if threads is not None and not 1 <= threads <= cpus:
         _fail(f"--threads {threads}: this machine has {cpus} CPUs. To fix: use 1 to {cpus}, or leave it out")
     from optimizer.calibrate import calibrate, write_host_spec
+    from optimizer.calibrate_step import NoisyProbe
     from optimizer.codegen.compiler import CompileError
 
     try:
         cal = calibrate(threads=threads, quick=quick)
         path = write_host_spec(cal)
+    except NoisyProbe as err:
+        _fail(f"calibration failed: {err}. To fix: calibrate again when the machine is idle", code=1)
     except (CompileError, OSError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         _fail(f"calibration failed: {first}. To fix: calibrating needs gcc (with OpenMP) on PATH or in $CC, "

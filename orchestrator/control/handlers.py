@@ -27,7 +27,8 @@ MAX_JOB_LOG_BYTES = 4 << 30   # a job's log takes the nodes' lines up to this si
 # step (measured under `tfsn launch`: 2.9 thousand page faults and 4.2 ms of system time in a 21 ms step of a
 # small convnet, none with these). A training process needs the same memory every step, so its workers keep
 # what they freed, as PyTorch's caching allocator does on GPUs: nothing goes back below 1 GiB of free heap,
-# and blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap. A job's `envs` may set them.
+# and blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap. A job's `envs` may set them, or
+# leave glibc its own with an empty value (which glibc would read as 0: every block mapped and unmapped).
 WORKER_MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
@@ -175,8 +176,8 @@ class ApiHandlers:
 
     def _worker_env(self, job: Job, spec: JobSpec) -> dict[str, str]:
         ckpt = spec.checkpoint
-        env = {**WORKER_MALLOC_ENV, **spec.envs, "TFSN_ATTEMPT": str(job.attempt),
-               "TFSN_NUM_NODES": str(spec.num_nodes),
+        envs = {k: v for k, v in {**WORKER_MALLOC_ENV, **spec.envs}.items() if v or k not in WORKER_MALLOC_ENV}
+        env = {**envs, "TFSN_ATTEMPT": str(job.attempt), "TFSN_NUM_NODES": str(spec.num_nodes),
                "TFSN_CHECKPOINT_DIR": self._checkpoint_dir(job, spec), "TFSN_JOB_NAME": job.name,
                "TFSN_TOKEN": sdk_token(job.token)}   # the workers' own, narrower than their agent's
         # The spec overrides the script's own settings only where the user wrote them down.

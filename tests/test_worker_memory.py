@@ -51,10 +51,11 @@ def test_a_worker_with_the_settings_faults_in_no_memory_at_each_step():
     assert statistics.median(kept) == 0 and sum(kept) <= 1024, kept     # at most a block's growth of the heap
 
 
-def _command_env(tmp_path, envs: dict[str, str]) -> dict[str, str]:
+def _command_env(tmp_path, envs: dict[str, str], resources: dict | None = None) -> dict[str, str]:
     tmp_path.mkdir()
     store = Store(tmp_path / "tfsn.db")
-    spec = JobSpec.model_validate({"name": "t", "run": "python train.py", "envs": envs}).model_dump(mode="json")
+    spec = JobSpec.model_validate({"name": "t", "run": "python train.py", "envs": envs,
+                                   "resources": resources or {}}).model_dump(mode="json")
     job = store.create_job("t", spec, "p", "the-secret")
     store.add_node("n0", job.id, 0, "local", offer=None, spot=False)
     store.update_node("n0", state=NodeState.READY, handle={"provider": "local", "node_id": "n0", "data": {}})
@@ -82,3 +83,11 @@ def test_an_empty_value_in_a_jobs_envs_leaves_glibc_its_own_setting(tmp_path):
     env = _command_env(tmp_path / "b", {"MALLOC_MMAP_THRESHOLD_": "", "SEED": ""})
     assert env["SEED"] == "" and "MALLOC_MMAP_THRESHOLD_" not in env
     assert env["MALLOC_TRIM_THRESHOLD_"] == WORKER_MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"]
+
+
+def test_gpu_workers_keep_glibcs_own_settings(tmp_path):
+    """A GPU node's activations live on the device; on its heap the settings would only keep memory."""
+    env = _command_env(tmp_path / "a", {}, {"accelerators": "H100:8"})
+    assert not set(WORKER_MALLOC_ENV) & set(env)
+    env = _command_env(tmp_path / "b", {"MALLOC_TRIM_THRESHOLD_": "0"}, {"accelerators": "H100:8"})
+    assert env["MALLOC_TRIM_THRESHOLD_"] == "0" and "MALLOC_MMAP_THRESHOLD_" not in env

@@ -25,7 +25,7 @@ from orchestrator.spec import JobSpec
 MAX_JOB_LOG_BYTES = 4 << 30   # a job's log takes the nodes' lines up to this size
 # glibc's malloc hands a step's freed activations back to the kernel and faults them in again at the next
 # step (measured under `tfsn launch`: 2.9 thousand page faults and 4.2 ms of system time in a 21 ms step of a
-# small convnet, none with these). A training process needs the same memory every step, so its workers keep
+# small convnet, none with these). A training process needs the same memory every step, so its CPU workers keep
 # what they freed, as PyTorch's caching allocator does on GPUs: nothing goes back below 1 GiB of free heap,
 # and blocks up to 32 MiB (glibc's largest mmap threshold) come from the heap. A job's `envs` may set them, or
 # leave glibc its own with an empty value (which glibc would read as 0: every block mapped and unmapped).
@@ -176,7 +176,11 @@ class ApiHandlers:
 
     def _worker_env(self, job: Job, spec: JobSpec) -> dict[str, str]:
         ckpt = spec.checkpoint
-        envs = {k: v for k, v in {**WORKER_MALLOC_ENV, **spec.envs}.items() if v or k not in WORKER_MALLOC_ENV}
+        ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
+        # CPU nodes only: a GPU node's activations are not on the heap, and its data loaders would keep memory
+        on_cpus = not spec.resources.accelerators and not any((n.offer or {}).get("accelerator") for n in ranked)
+        envs = {k: v for k, v in {**(WORKER_MALLOC_ENV if on_cpus else {}), **spec.envs}.items()
+                if v or k not in WORKER_MALLOC_ENV}
         env = {**envs, "TFSN_ATTEMPT": str(job.attempt), "TFSN_NUM_NODES": str(spec.num_nodes),
                "TFSN_CHECKPOINT_DIR": self._checkpoint_dir(job, spec), "TFSN_JOB_NAME": job.name,
                "TFSN_TOKEN": sdk_token(job.token)}   # the workers' own, narrower than their agent's
@@ -189,7 +193,6 @@ class ApiHandlers:
             env["TFSN_CHECKPOINT_ASYNC"] = "1" if ckpt.async_save else "0"
         if spec.steps is not None:
             env["TFSN_STEPS"] = str(spec.steps)
-        ranked = [n for n in self.store.nodes(job.id, active_only=True) if n.rank is not None]
         if ranked and all(self.ctx.shares_host(n.provider) for n in ranked) and "OMP_NUM_THREADS" not in spec.envs:
             # Nodes that share this machine split its cores instead of each taking all of them.
             env["OMP_NUM_THREADS"] = str(local_worker_threads(spec, workers_per_node(spec, ranked)))

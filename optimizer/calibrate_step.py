@@ -12,7 +12,7 @@ per tensor x tensors + per element x elements. The all-reduce's latency is the f
 barriers. The rest is read off a data-parallel step of a Linear as a worker's loop runs it (compiled, DDP,
 AdamW, the SDK's vote), the median of back-to-back steps, at two sizes: a 4x4 one's step less its update and
 latency is the fixed share every step pays; what 768 KiB more gradient adds, less its larger update, is the
-loop's all-reduce rate; the 4x4 one's step in one process alone, less its update, the fixed share of a
+loop's all-reduce rate (at most that gradient's all-reduce alone between barriers); the 4x4 one's step in one process alone, less its update, the fixed share of a
 one-process job. Why the median and the loop here: the job's measured step is a median, and the drift
 between ranks and the wake-ups at each collective are no noise but part of every step (between barriers a
 gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a fraction of that).
@@ -20,6 +20,7 @@ gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a fraction of t
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,16 +53,17 @@ torch.set_num_threads(1)
 store, rank, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
 out = {}
-x = torch.ones(int(sys.argv[4]))
-for _ in range(3):
-    dist.all_reduce(x)
-times = []
-for _ in range(rounds):
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(x)
-    times.append(time.perf_counter() - t0)
-out["latency"] = min(times)
+for key, n in zip(("latency", "isolated"), json.loads(sys.argv[4])):
+    x = torch.ones(n)
+    for _ in range(3):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    out[key] = min(times)
 # a data-parallel step as a worker's loop pays it: dynamo's guards, AOTAutograd's wrappers, autograd, DDP's
 # hooks and its all-reduce, AdamW, and the one tiny all-reduce per step in which tfsn's SDK votes on
 # checkpoints; steps back to back, no barrier between them, so the ranks' drift and each collective's
@@ -108,13 +110,19 @@ def _step_key(inputs: int, outputs: int) -> str:
     return f"step_{inputs}x{outputs}"
 
 
+def _gradient_floats(inputs: int, outputs: int) -> int:
+    return inputs * outputs + outputs               # weight and bias
+
+
 def measure_data_parallel(rounds: int, timeout_s: float = 120.0) -> dict[str, float]:
-    """Seconds, between two processes of this machine: `latency`, a tiny gloo all-reduce between barriers; and
-    per Linear of LOOP_LINEARS (`step_IxO`), the median data-parallel loop step of it, update included."""
+    """Seconds, between two processes of this machine: `latency`, a tiny gloo all-reduce between barriers;
+    `isolated`, the larger Linear's gradient all-reduced so; and per Linear of LOOP_LINEARS (`step_IxO`), the
+    median data-parallel loop step of it, update included."""
     with tempfile.TemporaryDirectory(prefix="tfsn-calibrate-") as folder:
         store = str(Path(folder) / "store")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        args = [str(rounds), str(LATENCY_FLOATS), json.dumps(LOOP_LINEARS)]
+        alone = [LATENCY_FLOATS, _gradient_floats(*LOOP_LINEARS[-1])]     # all-reduced between barriers
+        args = [str(rounds), json.dumps(alone), json.dumps(LOOP_LINEARS)]
         procs = [subprocess.Popen([sys.executable, "-c", _ALLREDUCE_CHILD, store, str(rank), *args], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         try:
@@ -139,7 +147,7 @@ def _probe_figures(stdout: str) -> dict | None:
         times = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         return None
-    keys = ["latency"] + [_step_key(*linear) for linear in LOOP_LINEARS]
+    keys = ["latency", "isolated"] + [_step_key(*linear) for linear in LOOP_LINEARS]
     if not isinstance(times, dict) or not all(isinstance(times.get(k), (int, float)) for k in keys):
         return None
     return times
@@ -198,7 +206,7 @@ def measure(quick: bool = False) -> StepFigures:
     few extra MFLOPs, some microseconds, are left in)."""
     rounds = 10 if quick else 30
     fixed, per_tensor, per_element = measure_update(rounds)
-    params = [i * o + o for i, o in LOOP_LINEARS]                 # weight and bias: two tensors each
+    params = [_gradient_floats(*linear) for linear in LOOP_LINEARS]       # two tensors each
     update = [fixed + 2 * per_tensor + n * per_element for n in params]
     for _ in range(LOOP_TRIES):
         pairs = [measure_data_parallel(rounds) for _ in range(1 if quick else LOOP_PAIRS)]
@@ -214,7 +222,11 @@ def measure(quick: bool = False) -> StepFigures:
     latency = times["latency"]
     overhead = max(step[0] - update[0] - latency, 0.0)
     solo = max(measure_solo_step(rounds) - update[0], 0.0)
-    rate = 4 * (params[1] - params[0]) / added
+    # no faster than the same gradient all-reduced alone between barriers: a noisy loop whose larger Linear added
+    # a few microseconds would otherwise give a rate no loop reaches
+    isolated = times["isolated"] - latency
+    alone = 4 * (params[1] - LATENCY_FLOATS) / isolated if isolated > 0 else math.inf
+    rate = min(4 * (params[1] - params[0]) / added, alone)
     # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
     return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
                        step_overhead_us=max(overhead * 1e6, 1e-3), step_overhead_solo_us=max(solo * 1e6, 1e-3),

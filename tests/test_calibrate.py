@@ -144,7 +144,8 @@ def test_the_all_reduce_probe_keeps_figures_printed_before_a_teardown_abort():
     stand; a child that printed nothing or half a line is a failure."""
     from optimizer.calibrate_step import LOOP_LINEARS, _probe_figures
 
-    figures = {"latency": 1e-4} | {f"step_{i}x{o}": 5e-4 * (n + 1) for n, (i, o) in enumerate(LOOP_LINEARS)}
+    figures = {"latency": 1e-4, "isolated": 3e-4} | {f"step_{i}x{o}": 5e-4 * (n + 1)
+                                                     for n, (i, o) in enumerate(LOOP_LINEARS)}
     printed = "a warning on stdout\n" + json.dumps(figures) + "\n"
     assert _probe_figures(printed) == figures
     assert _probe_figures("") is None
@@ -152,10 +153,10 @@ def test_the_all_reduce_probe_keeps_figures_printed_before_a_teardown_abort():
     assert _probe_figures(json.dumps({"latency": 1e-4})) is None
 
 
-def _loop_figures(small_s: float, large_s: float) -> dict[str, float]:
+def _loop_figures(small_s: float, large_s: float, isolated_s: float = 50e-6) -> dict[str, float]:
     from optimizer.calibrate_step import LOOP_LINEARS
     (si, so), (li, lo) = LOOP_LINEARS
-    return {"latency": 50e-6, f"step_{si}x{so}": small_s, f"step_{li}x{lo}": large_s}
+    return {"latency": 50e-6, "isolated": isolated_s, f"step_{si}x{so}": small_s, f"step_{li}x{lo}": large_s}
 
 
 def test_a_loop_probe_that_noise_inverted_is_taken_again_not_fitted_into_an_absurd_rate(monkeypatch):
@@ -186,3 +187,15 @@ def test_the_cli_says_a_too_noisy_machine_is_to_calibrate_again_in_one_line(monk
     assert result.exit_code == 1 and result.stderr.count("\n") == 1, result.output
     assert "too noisy" in result.stderr and "when the machine is idle" in result.stderr
     assert "gcc" not in result.stderr and not host_spec_path().exists()
+
+
+def test_the_loop_rate_is_no_faster_than_the_gradient_all_reduced_alone(monkeypatch):
+    """A noisy loop whose larger Linear added only microseconds beyond its update would give a rate no loop reaches
+    (789 KB in 5 us: 158 GB/s); the same gradient all-reduced alone between barriers bounds it."""
+    from optimizer import calibrate_step
+
+    monkeypatch.setattr(calibrate_step, "measure_update", lambda rounds: (20e-6, 2e-6, 1e-9))
+    tiny_gap = 1.3e-3 + (197376 - 20) * 1e-9 + 5e-6              # the larger Linear's update, then 5 us more
+    monkeypatch.setattr(calibrate_step, "measure_data_parallel",
+                        lambda rounds: _loop_figures(1.3e-3, tiny_gap, isolated_s=50e-6 + 0.526e-3))
+    assert calibrate_step.measure(quick=True).allreduce_gbs == pytest.approx(1.5, rel=0.01)

@@ -12,10 +12,11 @@ per tensor x tensors + per element x elements. The all-reduce's latency is the f
 barriers. The rest is read off a data-parallel step of a Linear as a worker's loop runs it (compiled, DDP,
 AdamW, the SDK's vote), the median of back-to-back steps, at two sizes: a 4x4 one's step less its update and
 latency is the fixed share every step pays; what 768 KiB more gradient adds, less its larger update, is the
-loop's all-reduce rate (at most that gradient's all-reduce alone between barriers); the 4x4 one's step in one process alone, less its update, the fixed share of a
-one-process job. Why the median and the loop here: the job's measured step is a median, and the drift
-between ranks and the wake-ups at each collective are no noise but part of every step (between barriers a
-gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a fraction of that).
+loop's all-reduce rate (at most that gradient's all-reduce alone between barriers); the 4x4 one's step in one
+process alone, less its update, the fixed share of a one-process job. Why the median and the loop here: the
+job's measured step is a median, and the drift between ranks and the wake-ups at each collective are no noise
+but part of every step (between barriers a gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a
+fraction of that).
 """
 from __future__ import annotations
 

@@ -387,3 +387,25 @@ def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fixe
     assert load_all()[GENERIC_CPU].allreduce_gbs == 0
     assert step(2) == pytest.approx(0.010 + 0.002 + 0.001 + 2 * 500e-6 + grads / 0.5e9)
     assert step(1) == pytest.approx(0.010 + 0.002 + 0.0003)
+
+
+def test_plan_says_when_this_cpu_is_uncalibrated_or_calibrated_by_an_older_tfsn(tmp_path, monkeypatch):
+    """A spec written before `tfsn calibrate` measured a training loop prices that loop's figures at 0: the plan
+    says to calibrate again, as it says to calibrate at all; a current calibration says nothing."""
+    from pathlib import Path
+
+    import yaml
+
+    from optimizer.hardware import GENERIC_CPU, host_cpu_model
+    from orchestrator.planning.offers import host_calibration_note
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path))
+    assert "not calibrated" in host_calibration_note() and "tfsn calibrate" in host_calibration_note()
+    generic = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "hardware" / f"{GENERIC_CPU}.yaml").read_text())
+    host = {**generic, "name": "host", "cpu_model": host_cpu_model(), "allreduce_latency_us": 200.0,
+            "allreduce_gbs": 1.5, "step_overhead_us": 340.0}
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "host.yaml").write_text(yaml.safe_dump(host))
+    assert "older tfsn" in host_calibration_note() and "calibrate` again" in host_calibration_note()
+    (tmp_path / "hardware" / "host.yaml").write_text(yaml.safe_dump({**host, "step_overhead_solo_us": 330.0}))
+    assert host_calibration_note() is None

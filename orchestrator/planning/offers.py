@@ -52,8 +52,22 @@ def model_text(plan: Plan) -> str:
     return f"{w.params / 1e9:g}B params, {w.batch_size} x {w.seq_len} tokens, {w.dtype}: the spec's model"
 
 
+def host_calibration_note() -> str | None:
+    """What to know of this machine's spec before trusting its step: not calibrated, or calibrated by a tfsn
+    that did not yet measure a training loop's figures (the planner prices them as 0); None when current."""
+    from optimizer.hardware import load_host_spec
+    spec = load_host_spec()
+    if spec is None:
+        return "this CPU is not calibrated: priced from a generic CPU's figures. To fix: run `tfsn calibrate`"
+    if not spec.step_overhead_solo_us:
+        return ("this CPU was calibrated by an older tfsn, without a training loop's figures. "
+                "To fix: run `tfsn calibrate` again")
+    return None
+
+
 def hardware_lines(plan: Plan, rows: list[dict]) -> list[str]:
-    """Per hardware type: the predicted step of the best offer of it and where it came from (Plan.hardware)."""
+    """Per hardware type: the predicted step of the best offer of it and where it came from (Plan.hardware);
+    under this machine's, what to know of its calibration."""
     lines = ["predicted step time per hardware type:"]
     for row in rows:
         name = "this machine's CPU" if row["hardware"] == "host" else row["hardware"]
@@ -65,6 +79,9 @@ def hardware_lines(plan: Plan, rows: list[dict]) -> list[str]:
         else:
             line += f" ({row['why_fallback']})"
         lines.append(line)
+        note = host_calibration_note() if row["hardware"] == "host" else None
+        if note:
+            lines.append(f"    {note}")
     return lines
 
 

@@ -145,16 +145,16 @@ class _EntryWriter:
         read = keep | {self.roots.get(p, p) for k in kernels if k is not None for p in k.params} | {
             i for g, k in zip(groups, kernels) if k is None and g.nodes[0] not in self.views
             for i in self.graph.nodes[g.nodes[0]].inputs}
-        readers: dict[int, int] = {}
+        readers: dict[int, list[int]] = {}
         for g, k in zip(groups, kernels):
             n = g.nodes[0]
             if k is None and (n not in self.views or n in read):
                 for i in [self.views[n].root] if n in self.views else self.graph.nodes[n].inputs:
-                    readers[i] = readers.get(i, 0) + 1
+                    readers.setdefault(i, []).append(n)
         direct = {}
         for n, view in self.views.items():
             r, root = view.root, self.graph.nodes[view.root].type
-            if r in self.owned and r not in keep and readers[r] == 1 and view.offset == 0 \
+            if r in self.owned and r not in keep and readers.get(r) == [n] and view.offset == 0 \
                     and math.prod(view.shape) == math.prod(root.shape) \
                     and _dense(root.shape, root.strides) and _dense(view.shape, view.strides):
                 direct[r] = n

@@ -134,3 +134,18 @@ def test_a_model_of_views_trains_as_eager_with_aliased_outputs_and_an_in_place_u
     for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
     torch.testing.assert_close(tfsn.running, eager.running, rtol=1e-5, atol=1e-6)
+
+
+def rotated_heads(x, w):
+    q = (x @ w).view(2, 5, 2, 6).transpose(1, 2)           # a product seen once densely (heads), by a kernel
+    rotated = torch.cat((-q[..., 3:], q[..., :3]), -1)     # and sliced for an extern: rotate_half of RoPE
+    return (q * 2.0 + rotated * 3.0,)
+
+
+def test_a_product_viewed_densely_by_a_kernel_and_sliced_for_an_extern_is_allocated_once():
+    """The product may be written into its dense view's allocation only when that view is its one reader
+    at run time: here the extern's slice reads the product too (a Llama's rotate_half)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(10, 4), torch.randn(4, 12)
+    graph = compiled(rotated_heads, x, w)
+    same_as_eager(graph([x, w]), rotated_heads(x, w))

@@ -163,6 +163,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
     index_of: dict[torch.fx.Node, int] = {}
     inputs: list[int] = []
     outputs: list = []
+    split_pieces: dict[torch.fx.Node, list[tuple[Any, tuple]]] = {}
 
     def add(name, kind, op, target, args, kwargs, type_, **params) -> int:
         nodes.append(Node(len(nodes), name, kind, op, target, args, kwargs, type_, params))
@@ -192,9 +193,28 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             continue
         if fx_node.op != "call_function":
             raise Unsupported(f"FX op {fx_node.op}")
+        type_ = tensor_type(val, device)
+        if fx_node.target is operator.getitem and fx_node.args[0] in split_pieces:
+            view, view_args = split_pieces[fx_node.args[0]][fx_node.args[1]]
+            index_of[fx_node] = add(fx_node.name, classify(str(view), view_args, {}, type_, nodes, device, dtypes),
+                                    str(view), view, view_args, {}, type_)
+            continue
         args = torch.fx.node.map_aggregate(fx_node.args, ref)
         kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, ref))
-        type_ = tensor_type(val, device)
+        pieces = _pieces(fx_node, args, nodes)
+        if pieces is not None:               # a split: no node, each item a slice (or select) of the base
+            split_pieces[fx_node] = pieces
+            continue
+        if fx_node.target in FACTORIES and fx_node.users and not any(
+                u.op == "output" or isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
+                for u in fx_node.users) and type_ is not None and not _refs(args, kwargs):
+            # a range of constant bounds, read and never written nor returned: made once, here
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors
+                value = fx_node.target(*args, **kwargs)
+            index_of[fx_node] = add(fx_node.name, Kind.EXTERN, "constant", functools.partial(_constant, value),
+                                    (), {}, type_)
+            continue
         op = str(fx_node.target) if isinstance(fx_node.target, torch._ops.OpOverload) else "getitem" \
             if fx_node.target is operator.getitem else str(fx_node.target)
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
@@ -219,6 +239,39 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
 
 def _constant(value: Any) -> Any:
     return value
+
+
+# ops that make a tensor from constant arguments alone, the same at every call
+FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+
+
+def _refs(args: tuple, kwargs: dict) -> list[Ref]:
+    found: list[Ref] = []
+    torch.fx.node.map_aggregate((args, kwargs), lambda a: found.append(a) if isinstance(a, Ref) else None)
+    return found
+
+
+def _pieces(fx_node: torch.fx.Node, args: tuple, nodes: list[Node]) -> list[tuple[Any, tuple]] | None:
+    """A split's (or unbind's) items as the slice (or select) view op and args each one is, or None when
+    the node is no split whose every user takes one item. Why: ATen's split is one dispatch of several
+    microseconds, then one per item; slices are index maps a kernel reads through, or one as_strided."""
+    if fx_node.op != "call_function" or fx_node.target not in SPLITS or not isinstance(args[0], Ref) \
+            or nodes[args[0].index].type is None or fx_node.kwargs \
+            or not all(u.target is operator.getitem for u in fx_node.users):
+        return None
+    shape = nodes[args[0].index].type.shape
+    if fx_node.target is aten.unbind.int:
+        dim = (args[1] if len(args) > 1 else 0) % len(shape)
+        return [(aten.select.int, (args[0], dim, i)) for i in range(shape[dim])]
+    dim = (args[2] if len(args) > 2 else 0) % len(shape)
+    if fx_node.target is aten.split.Tensor:
+        step = args[1]
+        sizes = [min(step, shape[dim] - start) for start in range(0, shape[dim], step)] or [0]
+    else:
+        sizes = list(args[1])
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(aten.slice.Tensor, (args[0], dim, start, start + size)) for start, size in zip(starts, sizes)]
 
 
 def _tensor_args(args, kwargs, nodes) -> list[TensorType | None]:

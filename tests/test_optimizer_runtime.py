@@ -5,6 +5,7 @@ expands, aliased outputs and an in-place update through a strided view trains as
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -149,3 +150,76 @@ def test_a_product_viewed_densely_by_a_kernel_and_sliced_for_an_extern_is_alloca
     x, w = torch.randn(10, 4), torch.randn(4, 12)
     graph = compiled(rotated_heads, x, w)
     same_as_eager(graph([x, w]), rotated_heads(x, w))
+
+
+def aten_calls(graph: CompiledGraph) -> list[str]:
+    """The ATen ops the graph's entry calls at run time, once per call in its source."""
+    names = {k: str(v) for k, v in graph.run.__globals__.items() if isinstance(v, torch._ops.OpOverload)}
+    return [names[word] for line in graph.source.splitlines() for word in re.findall(r"(\w+)\(", line)
+            if word in names]
+
+
+def split_every_way(x):
+    y = torch.tanh(x)                                      # a kernel's output
+    a, b, c = y.split([2, 3, 4], dim=-1)                   # uneven sizes, a negative dim
+    d, e = x.t().chunk(2)                                  # an input's transpose, an odd size in two chunks
+    f, g, h = y[:, 1:4].unbind(1)                          # items of a slice
+    parts = torch.split(y, 4, 1)                           # the last part short
+    return a * 2 + c[:, :2], b.sum(1), d, e * 3, f + g - h, parts[2], parts[0].t()
+
+
+def test_split_chunk_and_unbind_are_slices_and_selects_not_aten_calls():
+    torch.manual_seed(0)
+    x = torch.randn(5, 9)
+    graph = compiled(split_every_way, x)
+    same_as_eager(graph([x]), split_every_way(x))
+    called = set(aten_calls(graph))
+    assert not called & {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int"}, called
+
+
+class GatedCell(nn.Module):
+    """A GRU-like cell over a short sequence: its gates are one Linear split in three, its input steps
+    an unbind, and a position range (arange) is added to the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x2h, self.h2h = nn.Linear(6, 24), nn.Linear(8, 24)
+
+    def forward(self, x):                                  # (batch, time, 6)
+        x = x + torch.arange(x.shape[1], dtype=x.dtype)[:, None] / 10
+        h = x.new_zeros(x.shape[0], 8)
+        for xt in x.unbind(1):
+            r, z, n = (self.x2h(xt) + self.h2h(h)).chunk(3, -1)
+            h = torch.sigmoid(z) * h + (1 - torch.sigmoid(z)) * torch.tanh(n * torch.sigmoid(r))
+        return h
+
+
+def test_a_cell_of_chunks_and_unbinds_trains_as_eager():
+    torch.manual_seed(0)
+    eager = GatedCell()
+    tfsn = copy.deepcopy(eager)
+    step = torch.compile(tfsn, backend=make_backend(schedule=DEFAULT))
+    x = torch.randn(3, 4, 6)
+    for model in (step, eager):
+        out = model(x)
+        out.square().sum().backward()
+    torch.testing.assert_close(step(x), eager(x), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
+
+
+def ranges(x):
+    positions = torch.arange(2, 11, 3)                     # read by a kernel only: made once, at compile time
+    return x * positions, torch.arange(4) * 0 + torch.arange(4), torch.arange(3)
+
+
+def test_a_range_read_by_kernels_is_made_once_and_a_returned_range_is_fresh_at_every_call():
+    x = torch.randn(2, 3)
+    graph = compiled(ranges, x)
+    first = graph([x])
+    same_as_eager(first, ranges(x))
+    assert sum("arange" in op for op in aten_calls(graph)) == 1, f"not only the returned range is made per call:\n{graph.source}"
+    first[2].add_(100)                                     # a caller's in-place change of a returned range
+    second = graph([x])
+    torch.testing.assert_close(second[2], torch.arange(3))
+    torch.testing.assert_close(second[0], x * torch.tensor([2, 5, 8]))

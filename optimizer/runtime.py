@@ -37,6 +37,15 @@ from optimizer.ir import Graph, Kind, Node, Ref, TensorType
 from optimizer.loopnest import Group
 
 
+def _empty_strided_cpu() -> Any:
+    """torch's private fast CPU allocator (Inductor's wrapper code calls it), or None on a torch without it."""
+    try:
+        from torch._C._dynamo.guards import _empty_strided_cpu as fast
+    except ImportError:
+        return None
+    return fast
+
+
 def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
     if t.shape != want.shape:
         raise RuntimeError(f"tfsn: a tensor of shape {tuple(t.shape)} reached a kernel compiled for {want.shape}; "
@@ -120,6 +129,9 @@ class _EntryWriter:
         self.names: dict[int, Any] = {}          # id(object) -> its name in the namespace
         self.namespace: dict[str, Any] = {"empty": torch.empty_strided, "conform": _conform,
                                           "device": torch.device(graph.device)}
+        self.fast_empty = _empty_strided_cpu() if torch.device(graph.device).type == "cpu" else None
+        if self.fast_empty is not None:
+            self.namespace["empty_cpu"] = self.fast_empty
         kernel_params = {self.roots.get(p, p) for k in kernels if k is not None for p in k.params}
         from_outside = {n.index for n in graph.nodes if n.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL)}
         self.checked = {i: graph.nodes[i].type for i in kernel_params & from_outside}
@@ -160,6 +172,13 @@ class _EntryWriter:
                 direct[r] = n
         return direct
 
+    def empty(self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype) -> str:
+        """The source of an uninitialized tensor on the graph's device: on a CPU, the allocator Inductor's
+        generated code calls (0.4 us against torch.empty_strided's 1.2 here: a small graph makes dozens)."""
+        if self.fast_empty is not None:
+            return f"empty_cpu({shape}, {strides}, {self.name(dtype)})"
+        return f"empty({shape}, {strides}, dtype={self.name(dtype)}, device=device)"
+
     def name(self, value: Any, prefix: str = "c") -> str:
         """The namespace's name for an object (a constant argument, an op, a kernel)."""
         if id(value) not in self.names:
@@ -189,8 +208,7 @@ class _EntryWriter:
             t = self.graph.nodes[n].type
             if n in self.direct:
                 n, t = self.direct[n], self.graph.nodes[self.direct[n]].type
-            lines.append(f"v{n} = empty({t.shape}, {t.strides}, dtype={self.name(getattr(torch, t.dtype))}, "
-                         "device=device)")
+            lines.append(f"v{n} = {self.empty(t.shape, t.strides, getattr(torch, t.dtype))}")
         params = [self.direct.get(p, p) for p in (self.roots.get(p, p) for p in kernel.params)]
         if any(d == 0 for d in group.domain):
             pass
@@ -211,8 +229,7 @@ class _EntryWriter:
         its results allocated as ATen's, and the tuple ATen's op returns, for the getitems that follow."""
         lines = [f"if v{p}.stride() != {self.graph.nodes[p].type.strides}: v{p} = conform(v{p}, "
                  f"{self.name(self.graph.nodes[p].type)})" for p in dict.fromkeys(kernel.params)]
-        results = [f"empty({t.shape}, {t.strides}, dtype={self.name(torch.float32)}, device=device)"
-                   for t in kernel.results]
+        results = [self.empty(t.shape, t.strides, torch.float32) for t in kernel.results]
         fn = getattr(self.lib, kernel.name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * (len(kernel.params) + len(kernel.results))

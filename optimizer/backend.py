@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from optimizer import layout, pooling
+from optimizer import layout, patches, pooling
 from optimizer.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ def decompositions() -> dict:
         table.pop(op, None)
     table.update(get_decompositions(EXTRA_DECOMPOSITIONS))
     table.update(pooling.DECOMPOSITIONS)
+    table.update(patches.DECOMPOSITIONS)
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     return table

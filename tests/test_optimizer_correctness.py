@@ -350,3 +350,27 @@ def test_concatenations_are_generated_kernels_forward_and_backward():
     in_kernels = {n for g in plan.groups if g.kind != "extern" for n in fused_nodes(graph, plan.buffers, g)}
     assert len(cats) >= 6, fusion.describe(graph, plan)          # 5 forward, the split's backward
     assert cats <= in_kernels, fusion.describe(graph, plan)
+
+
+def test_a_buffer_rolled_by_a_cat_of_its_own_slice_matches_eager():
+    """A window updated as cat(window[:, 1:], new) copied back over it: the kernel computing the cat
+    reads the window at other elements than it writes, so it must not write over it in place."""
+    class Roll(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("window", torch.arange(12.0).view(3, 4))
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.window.copy_(torch.cat([self.window[:, 1:], x.mean(1, keepdim=True)], dim=1))
+            return self.fc(self.window * x)
+
+    torch.manual_seed(0)
+    eager = Roll()
+    mine = copy.deepcopy(eager)
+    compiled = torch.compile(mine, backend=make_backend())
+    for step in range(3):
+        x = torch.randn(3, 4)
+        close(compiled(x), eager(x), f"step {step} output")
+        close(mine.window, eager.window, f"step {step} window")

@@ -17,7 +17,7 @@ from math import prod
 from typing import Sequence, Union
 
 from optimizer.expr import Const, Div, Expr, Mod, add, const, divides, mul, offset, var
-from optimizer.ir import Graph, Kind, Node, Ref
+from optimizer.ir import CAT, Graph, Kind, Node, Ref
 
 MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
 
@@ -119,6 +119,19 @@ def view_index(graph: Graph, node: Node, idx: Sequence[Expr]) -> tuple[int, tupl
     return base, reshape_index(src, dst, idx)      # view, reshape, squeeze, unsqueeze, alias
 
 
+def cat_pieces(graph: Graph, node: Node) -> tuple[int, list[tuple[int, int, int]]]:
+    """The dim of concatenation `node` and its non-empty pieces, as (node, start, size) along that dim."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim %= len(node.type.shape)
+    pieces, start = [], 0
+    for r in node.args[0]:
+        piece = graph.nodes[r.index].type
+        if piece.numel:              # an empty piece (even a legacy 1-d one of shape [0]) adds nothing
+            pieces.append((r.index, start, piece.shape[dim]))
+            start += piece.shape[dim]
+    return dim, pieces
+
+
 # ---- GEMM operands ----
 
 def gemm_operand(strides: Sequence[int], rows: int, cols: int) -> tuple[str, int]:
@@ -196,9 +209,20 @@ class GemmElement:
 
 
 @dataclass(frozen=True)
+class Select:
+    """Element `index` of concatenation `node` along its dim: values[k] for the first k whose bound
+    exceeds the index (the last value past every bound). Each value is its piece's element at an index
+    wrapped into the piece, so every load made for a value not selected reads an element that exists."""
+    node: int
+    index: Expr
+    bounds: tuple[int, ...]          # where each piece but the last ends
+    values: tuple[Name, ...]
+
+
+@dataclass(frozen=True)
 class Define:
     name: Temp
-    value: Union[Load, Apply, GemmElement]
+    value: Union[Load, Apply, Select, GemmElement]
 
 
 @dataclass(frozen=True)
@@ -414,7 +438,7 @@ class _Lowering:
         if output and n not in self.outputs:
             self.outputs.append(n)
 
-    def define(self, value: Union[Load, Apply, GemmElement], hoist: bool = False) -> Temp:
+    def define(self, value: Union[Load, Apply, Select, GemmElement], hoist: bool = False) -> Temp:
         self.tmp += 1
         name = _temp(self.tmp)
         (self.prologue if hoist else self.lines).append(Define(name, value))
@@ -465,13 +489,36 @@ class _Lowering:
             base, base_idx = view_index(self.g, node, idx)
             value = self.load(base, base_idx)
         elif node.kind == Kind.POINTWISE:
-            value = self.define(self.apply(node, idx), hoist)
+            value = self.compute(node, idx, hoist)
         else:
             raise NotFusable(f"{node.name} has no value to read")
         (self.hoisted if hoist else self.cse)[key] = value
         return value
 
+    def compute(self, node: Node, idx: tuple[Expr, ...], hoist: bool = False) -> Name:
+        """A pointwise node's value at idx."""
+        return self.concatenated(node, idx) if node.op == CAT else self.define(self.apply(node, idx), hoist)
+
+    def concatenated(self, node: Node, idx: tuple[Expr, ...]) -> Name:
+        """A concatenation's element at idx: its piece's, chosen at compile time when the index along the
+        dim is a constant, else selected among every piece's element (see Select)."""
+        dim, pieces = cat_pieces(self.g, node)
+        at = idx[dim]
+        values, bounds = [], []
+        for n, start, size in pieces:
+            if isinstance(at, Const) and not start <= at.value < start + size:
+                continue
+            within = const(at.value - start) if isinstance(at, Const) else Const(0) if size == 1 else \
+                Mod(add([at, const(-start % size)]), size)
+            values.append(self.load(n, idx[:dim] + (within,) + idx[dim + 1:]))
+            bounds.append(start + size)
+        if len(values) == 1:
+            return values[0]
+        return self.define(Select(node.index, at, tuple(bounds[:-1]), tuple(values)))
+
     def apply(self, node: Node, idx: tuple[Expr, ...]) -> Apply:
+        if node.op == CAT:
+            raise NotFusable(f"{node.name} is a concatenation, which a per-row value cannot be")
         args = []
         for a in node.args:
             if isinstance(a, Ref):
@@ -488,7 +535,7 @@ class _Lowering:
         """A pointwise member at the current index: its value, stored to its buffer if it has one."""
         node = self.g.nodes[n]
         if node.kind == Kind.POINTWISE:
-            value = self.define(self.apply(node, self.idx))
+            value = self.compute(node, self.idx)
         elif node.kind == Kind.REDUCE and not node.params["dims"]:     # of a 0-d tensor: its one element
             value = self.load(node.args[0].index, self.idx)
         else:

@@ -93,6 +93,20 @@ def _block_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
+def concatenations(x: torch.Tensor, w: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """torch.cat as models write it, on pieces of every layout: rotate_half of a projection's slices (a
+    negative dim, read by a pointwise product), a class token expanded before a sequence, a transposed
+    input's strided slices, an empty piece and a cat of one tensor; the backward of the projection's
+    split concatenates its three gradients. x: (B, T, C) with C even, w: (3C, C), token: (1, 1, C)."""
+    q, k, v = F.linear(x, w).split(x.shape[-1], dim=-1)
+    half = q.shape[-1] // 2
+    rotated = q * torch.cos(k) + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * torch.sin(k)
+    sequence = torch.cat([token.expand(x.shape[0], -1, -1), rotated * v], dim=1)
+    xt = x.transpose(1, 2)
+    sides = torch.cat([xt[:, ::2], xt.new_empty(x.shape[0], 0, x.shape[1]), torch.tanh(xt[:, 1::2])], dim=-2)
+    return torch.cat([sequence.flatten(1), sides.flatten(1), torch.cat([x.flatten(1) * 2])], dim=1)
+
+
 SIZES = {"small": 1, "bench": 4}
 
 

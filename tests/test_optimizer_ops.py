@@ -529,6 +529,48 @@ def test_view_chains_read_by_kernels_match_eager(name, case):
         compare(got[2], want[2], EXACT, what)
 
 
+# ---- concatenations: each element one piece's, read by a pointwise op ----
+
+@st.composite
+def concatenations(draw):
+    """A dim (negative or not) and 1-4 pieces of one shape but along it (0-size pieces too), each arriving
+    contiguous, transposed, or as the base of a strided slice that the graph takes."""
+    dtype = getattr(torch, draw(st.sampled_from(("float32", "int64", "bool"))))
+    nd = draw(st.integers(1, 3))
+    shape = draw(st.lists(st.integers(1, 5), min_size=nd, max_size=nd))
+    dim = draw(st.integers(-nd, nd - 1))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 16)))
+    pieces = []
+    for _ in range(draw(st.integers(1, 4))):
+        size = list(shape)
+        size[dim] = draw(st.integers(0, 4))
+        layout = draw(st.sampled_from(["contiguous", "transposed", "sliced"]))
+        stored = size[::-1] if layout == "transposed" else size[:-1] + [2 * size[-1]] if layout == "sliced" else size
+        t = (torch.randn(stored, generator=g) * 4).to(dtype)
+        pieces.append((t.permute(*reversed(range(nd))) if layout == "transposed" else t, layout == "sliced"))
+    return dim, pieces
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@FUZZ
+@given(case=concatenations())
+def test_concatenations_read_by_kernels_match_eager(name, case):
+    dim, pieces = case
+
+    def fn(*tensors):
+        cat = aten.cat.default([aten.slice.Tensor(t, -1, 0, None, 2) if sliced else t
+                                for t, (_, sliced) in zip(tensors, pieces)], dim)
+        return [cat, aten.mul.Tensor(cat, cat)]
+    inputs = [t for t, _ in pieces]
+    want = fn(*inputs)
+    compiled, graph = generated(fn, inputs, SCHEDULES[name])
+    assert_lowered(graph, {"aten.cat.default"})
+    got = compiled([same_layout(t) for t in inputs])
+    what = f"cat along {dim} of {[(tuple(t.shape), t.stride(), s) for t, s in pieces]}"
+    for g, w in zip(got, want):
+        compare(g, w, EXACT, what)
+
+
 # ---- GEMMs with epilogues ----
 
 @st.composite

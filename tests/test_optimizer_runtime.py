@@ -89,7 +89,7 @@ def test_views_of_an_input_follow_the_layout_it_arrives_in(layout):
 
 
 def strided_slice_of_an_extern(x, y):
-    z = torch.cat([x, y], dim=1)                         # an ATen call: its result's layout is ATen's
+    z = torch.cat([x, y], dim=1).flip(0)                 # flip: an ATen call, its result's layout is ATen's
     return z[:, 1::3].t(), torch.sigmoid(z)[::2]
 
 

@@ -26,7 +26,7 @@ from optimizer.backend import decompositions, make_backend  # noqa: E402
 from optimizer.codegen import triton as tt  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
-from tests.optimizer_models import suite  # noqa: E402
+from tests.optimizer_models import concatenations, suite  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +79,7 @@ CASES = {
     "attention_block": (block, lambda: (torch.randn(2, 13, 24), torch.randn(24), torch.randn(24),
                                         torch.randn(24, 24))),
     "cross_entropy": (cross_entropy, lambda: (torch.randn(21, 17), torch.randint(0, 17, (21,)))),
+    "concatenations": (concatenations, lambda: (torch.randn(3, 5, 8), torch.randn(24, 8), torch.randn(1, 1, 8))),
 }
 
 

@@ -17,8 +17,8 @@ from typing import Sequence
 from optimizer.codegen.c_ops import CTYPES, NONE, POINTWISE, Operand, literal
 from optimizer.expr import Expr, render
 from optimizer.ir import Graph, Node
-from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Stmt, Store, Temp,
-                                gemm_operand, lower)
+from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Select, Stmt, Store,
+                                Temp, gemm_operand, lower)
 from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
 
@@ -207,6 +207,12 @@ class KernelWriter:
                     else literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         return POINTWISE[node.op](operands, node.type.dtype, node.kwargs)
 
+    def select(self, v: Select) -> str:
+        """A concatenation's element: conditionals on the index along its dim (a select gcc vectorizes)."""
+        at = c_index(v.index)
+        return "(" + "".join(f"{at} < {b} ? {self.value(x)} : " for b, x in zip(v.bounds, v.values)) + \
+            f"{self.value(v.values[-1])})"
+
     def statement(self, s: Stmt) -> str:
         if isinstance(s, Define):
             v = s.value
@@ -214,6 +220,8 @@ class KernelWriter:
                 return f"const {_ctype(self.g.nodes[v.buffer])} t{s.name.id} = {self.names[v.buffer]}[{c_index(v.offset)}];"
             if isinstance(v, Apply):
                 return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.apply(v)};"
+            if isinstance(v, Select):
+                return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.select(v)};"
             return f"const float t{s.name.id} = {self.gemm_value};"
         if isinstance(s, Store):
             return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {self.value(s.value)};"

@@ -27,7 +27,7 @@ from optimizer.costmodel import GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
 from optimizer.ir import Graph
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
-                                RowSegment, Stmt, Store, Temp, lower)
+                                RowSegment, Select, Stmt, Store, Temp, lower)
 from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
@@ -337,6 +337,14 @@ class TritonWriter:
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value
 
+    def select(self, v: Select) -> str:
+        """A concatenation's element: nested tl.where (every piece's element was loaded in range)."""
+        at = triton_index(v.index)
+        chosen = self.value(v.values[-1])
+        for b, x in zip(reversed(v.bounds), reversed(v.values[:-1])):
+            chosen = f"tl.where({at} < {b}, {self.value(x)}, {chosen})"
+        return chosen
+
     def statement(self, s: Stmt) -> str:
         if isinstance(s, Define):
             v = s.value
@@ -348,6 +356,8 @@ class TritonWriter:
                         f"mask={self.mask}, other=0){widen}")
             if isinstance(v, GemmElement):
                 return f"t{s.name.id} = acc"
+            if isinstance(v, Select):
+                return f"t{s.name.id} = {self.select(v)}"
             return f"t{s.name.id} = {self.apply(v)}"
         if isinstance(s, Store):
             value = _narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)

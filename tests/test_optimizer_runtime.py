@@ -139,13 +139,13 @@ def test_a_model_of_views_trains_as_eager_with_aliased_outputs_and_an_in_place_u
 
 def rotated_heads(x, w):
     q = (x @ w).view(2, 5, 2, 6).transpose(1, 2)           # a product seen once densely (heads), by a kernel
-    rotated = torch.cat((-q[..., 3:], q[..., :3]), -1)     # and sliced for an extern: rotate_half of RoPE
+    rotated = torch.cat((-q[..., 3:], q[..., :3].flip(-1)), -1)     # and sliced for an extern (flip)
     return (q * 2.0 + rotated * 3.0,)
 
 
 def test_a_product_viewed_densely_by_a_kernel_and_sliced_for_an_extern_is_allocated_once():
     """The product may be written into its dense view's allocation only when that view is its one reader
-    at run time: here the extern's slice reads the product too (a Llama's rotate_half)."""
+    at run time: here the extern's slice reads the product too (as ATen's cat's did in a Llama's rotate_half)."""
     torch.manual_seed(0)
     x, w = torch.randn(10, 4), torch.randn(4, 12)
     graph = compiled(rotated_heads, x, w)

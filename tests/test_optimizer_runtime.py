@@ -223,3 +223,20 @@ def test_a_range_read_by_kernels_is_made_once_and_a_returned_range_is_fresh_at_e
     second = graph([x])
     torch.testing.assert_close(second[2], torch.arange(3))
     torch.testing.assert_close(second[0], x * torch.tensor([2, 5, 8]))
+
+
+def counts(x, target, ints):
+    valid = target != -100                                 # cross-entropy's targets not ignored
+    return valid.sum(), (ints * 3).sum(1), (x > 0).sum((0, 2), keepdim=True), ints.to(torch.int8).sum(), \
+        (x * valid[:, None, None]).sum()
+
+
+def test_sums_of_bools_and_integers_are_generated_in_int64_as_torch_sums_them():
+    x, target = torch.randn(5, 7, 3), torch.tensor([1, -100, 3, 4, -100])
+    ints = torch.randint(-2 ** 30, 2 ** 30, (5, 9), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    graph = compiled(counts, x, target, ints)
+    got, want = graph([x, target, ints]), counts(x, target, ints)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=0)     # integers exactly (the int32 products wrap)
+    assert not any(op.startswith("aten.sum") for op in aten_calls(graph)), graph.source

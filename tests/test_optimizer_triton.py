@@ -304,3 +304,13 @@ def test_reductions_run_several_rows_per_program(name, rows_per_program):
 
 def plan_graph(fn, args):
     return ir.from_fx(make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args))
+
+
+def test_sums_of_bools_and_integers_accumulate_in_int64():
+    def counts(x, ints):
+        return (x > 0).sum(), (ints * 3).sum(1), (x != 0).sum(0, keepdim=True)
+    ints = torch.randint(-2 ** 30, 2 ** 30, (5, 9), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    got, want, plan = run_triton(counts, [torch.randn(70, 3), ints])     # sums of 30-bit values: no fp32 sums
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.int64 and torch.equal(g.cpu(), w.cpu())
+    assert not [g for g in plan.groups if g.kind == "extern"], "a sum stayed an ATen call"

@@ -425,7 +425,7 @@ class TritonWriter:
             finish = []
             for red in segment.reductions:
                 node = self.g.nodes[red.node]
-                acc_t = "tl.float64" if node.type.dtype == "float64" else "tl.float32"
+                acc_t = {"float64": "tl.float64", "int64": "tl.int64"}.get(node.type.dtype, "tl.float32")
                 init = {"sum": "0", "mean": "0", "max": '-float("inf")', "min": 'float("inf")'}[red.op]
                 code.append(f"acc{red.node} = tl.full([XROWS, RBLOCK], {init}, {acc_t})")
                 if red.op in ("max", "min"):
@@ -448,6 +448,8 @@ class TritonWriter:
 
     def accumulate(self, s: Accumulate) -> str:
         acc, v = f"acc{s.node}", self.value(s.value)
+        if s.op in ("sum", "mean") and self.g.nodes[s.node].type.dtype == "int64":     # a count
+            return f"{acc} = {acc} + tl.where(rmask, {v}, 0).to(tl.int64)"
         if s.op in ("sum", "mean"):
             return f"{acc} = {acc} + tl.where(rmask, {v}, 0.0)"
         better = ">" if s.op == "max" else "<"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-from optimizer.codegen.c_ops import CTYPES, NONE, POINTWISE, Operand, literal
+from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, NONE, Operand, computed_in, expression, literal,
+                                     narrowed, widened)
 from optimizer.expr import Expr, render
 from optimizer.ir import Graph, Node
 from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Stmt, Store, Temp,
@@ -65,6 +66,19 @@ static inline int64_t tfsn_ipow(int64_t a, int64_t b) {
     if (b & 1) r *= a;
   return r;
 }
+/* bf16 <-> fp32 as torch converts (c10::BFloat16): a bf16 is the top 16 bits of an fp32; fp32 rounds to
+   nearest even, and every NaN becomes c10's 0x7FC0 (ATen's bf16 ops write it; its fp32 -> bf16 copy 0xFFFF) */
+static inline float tfsn_bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+static inline uint16_t tfsn_float_to_bf16(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return x != x ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 #if defined(__x86_64__) || defined(__i386__)
 #define TFSN_WIDTH(bits) __attribute__((target("prefer-vector-width=" #bits)))
 #else
@@ -104,6 +118,11 @@ SIMD_MATH = "#ifdef TFSN_LIBMVEC\n" + "".join(
     for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos")) + "#endif\n"
 
 
+# what ir.from_fx gives this renderer: bf16/fp16 loads, stores and pointwise math, but not their GEMMs (ours
+# and BLAS's sgemm multiply fp32), which stay ATen's
+LOWERING = {"half": True, "half_matmul": False}
+
+
 @dataclass(frozen=True)
 class Kernel:
     name: str
@@ -113,7 +132,13 @@ class Kernel:
 
 
 def _ctype(node: Node) -> str:
-    return CTYPES[node.type.dtype]
+    """The C type the node's values are computed in (fp32 for a half)."""
+    return CTYPES[computed_in(node.type.dtype)]
+
+
+def _buffer_ctype(node: Node) -> str:
+    """The C type of an element of the node's buffer."""
+    return BUFFER_CTYPES[node.type.dtype]
 
 
 _DEFINITION = re.compile(r"const [\w ]+ (t\d+) = (.*);")
@@ -190,7 +215,7 @@ class KernelWriter:
         code = self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction" else self.pointwise()
         code = [self.statement(d) for d in self.nest.prologue] + code
         outputs = set(self.nest.outputs)
-        args = ", ".join(f"{'' if n in outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
+        args = ", ".join(f"{'' if n in outputs else 'const '}{_buffer_ctype(self.g.nodes[n])}* restrict {p}"
                          for n, p in self.names.items())
         source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
         return Kernel(self.name, source, self.nest.params, self.nest.outputs)
@@ -203,20 +228,24 @@ class KernelWriter:
 
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]
-        operands = [Operand(self.value(x.name), x.dtype, zero_dim=x.zero_dim) if isinstance(x, LoopOperand)
-                    else literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
-        return POINTWISE[node.op](operands, node.type.dtype, node.kwargs)
+        operands = [Operand(self.value(x.name), computed_in(x.dtype), zero_dim=x.zero_dim)
+                    if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
+                    for x in a.args]
+        return expression(node.op, operands, node.type.dtype, node.kwargs)
 
     def statement(self, s: Stmt) -> str:
         if isinstance(s, Define):
             v = s.value
             if isinstance(v, Load):
-                return f"const {_ctype(self.g.nodes[v.buffer])} t{s.name.id} = {self.names[v.buffer]}[{c_index(v.offset)}];"
+                buffer = self.g.nodes[v.buffer]
+                element = f"{self.names[v.buffer]}[{c_index(v.offset)}]"
+                return f"const {_ctype(buffer)} t{s.name.id} = {widened(element, buffer.type.dtype)};"
             if isinstance(v, Apply):
                 return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.apply(v)};"
             return f"const float t{s.name.id} = {self.gemm_value};"
         if isinstance(s, Store):
-            return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {self.value(s.value)};"
+            value = narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)
+            return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {value};"
         if isinstance(s, Assign):
             return f"{self.value(s.name)} = {self.apply(s.value)};"
         acc, v = self.value(RowVar("acc", s.node)), self.value(s.value)

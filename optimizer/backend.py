@@ -139,7 +139,7 @@ def searched_partition(spec=None) -> Callable:
 
         from optimizer import ir, search
         from optimizer.cache import atomic_write
-        from optimizer.codegen import c, compiler
+        from optimizer.codegen import compiler
         from optimizer.hardware import cpu_spec
 
         layout.channels_last_convolutions(joint)       # before the two partitions: both see it
@@ -148,7 +148,7 @@ def searched_partition(spec=None) -> Callable:
         try:
             chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
             gemm = spec is not None or compiler.sgemm_address() is not None
-            path = search_cache_path(ir.from_fx(joint, **c.LOWERING), chip, threads, gemm, str(num_fwd_outputs),
+            path = search_cache_path(ir.from_fx(joint, half=True), chip, threads, gemm, str(num_fwd_outputs),
                                      suffix=".partition")
             choice = path.read_text() if path.exists() else ""
             if choice not in ("recompute", "store"):       # not decided here before
@@ -156,7 +156,7 @@ def searched_partition(spec=None) -> Callable:
                                           **kwargs)
                 # each side by the model alone, over a few fusion plans: the decision is between two
                 # graphs, and the full search of the chosen one follows
-                cost = [sum(search.search_graph(ir.from_fx(gm, **c.LOWERING), chip, gemm=gemm, timing=False,
+                cost = [sum(search.search_graph(ir.from_fx(gm, half=True), chip, gemm=gemm, timing=False,
                                                 threads=threads, max_plans=PARTITION_PLANS).predicted_s
                             for gm in pair)
                         for pair in (recompute, store)]
@@ -211,8 +211,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
-        graph = (ir.from_fx(gm, ir.graph_device(example_inputs), half=True) if codegen == "triton"
-                 else ir.from_fx(gm, **c.LOWERING))
+        graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu", half=True)
     except ir.Unsupported as e:
         log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
         STATS["aten_graphs"] += 1

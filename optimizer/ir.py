@@ -110,7 +110,7 @@ VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum", "aten.amax.default": "max",
               "aten.amin.default": "min", "aten.mean.dim": "mean", "aten.mean.default": "mean"}
 FLOAT_DTYPES = ("float32", "float64")
-HALF_DTYPES = ("bfloat16", "float16")       # generated where the renderer takes them (fp32 math, rounded as eager rounds)
+HALF_DTYPES = ("bfloat16", "float16")       # generated with from_fx(half=True) (fp32 math, rounded as eager rounds)
 
 
 def float32_precision() -> dict[str, bool]:
@@ -154,13 +154,11 @@ def graph_device(example_inputs: Sequence[Any]) -> str:
     return "cpu"
 
 
-def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False, half_matmul: bool = True) -> Graph:
+def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -> Graph:
     """Lower an ATen FX graph whose kernels will run on `device` (tensors elsewhere stay externs), with
-    bf16/fp16 tensors in generated kernels when `half` (a renderer that takes them: Triton's, C's), their
-    matmuls too unless not `half_matmul` (C's GEMM multiplies fp32 only); raises Unsupported only when
-    shapes are symbolic."""
+    bf16/fp16 tensors in generated kernels when `half` (the backend's renderers, C and Triton, take them);
+    raises Unsupported only when shapes are symbolic."""
     dtypes = DTYPES + HALF_DTYPES if half else DTYPES
-    matmul_dtypes = ("float32", *HALF_DTYPES) if half and half_matmul else ("float32",)
     nodes: list[Node] = []
     index_of: dict[torch.fx.Node, int] = {}
     inputs: list[int] = []
@@ -199,9 +197,10 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False, h
         type_ = tensor_type(val, device)
         op = str(fx_node.target) if isinstance(fx_node.target, torch._ops.OpOverload) else "getitem" \
             if fx_node.target is operator.getitem else str(fx_node.target)
-        kind = classify(op, args, kwargs, type_, nodes, device, dtypes, matmul_dtypes)
+        kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
-            mm_type = TensorType(type_.shape, type_.strides, type_.dtype)
+            # of a half addmm, the product is fp32: eager rounds once, after the bias
+            mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
             mm = add(fx_node.name + "_mm", Kind.MATMUL, "aten.mm.default", aten.mm.default, args[1:3], {}, mm_type)
             index_of[fx_node] = add(fx_node.name, Kind.POINTWISE, "aten.add.Tensor", aten.add.Tensor,
                                     (Ref(mm), args[0]), {}, type_)
@@ -231,8 +230,7 @@ def _tensor_args(args, kwargs, nodes) -> list[TensorType | None]:
 
 
 def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes: list[Node],
-             device: str = "cpu", dtypes: tuple[str, ...] = DTYPES,
-             matmul_dtypes: tuple[str, ...] = ("float32", *HALF_DTYPES)) -> Kind:
+             device: str = "cpu", dtypes: tuple[str, ...] = DTYPES) -> Kind:
     """Which kind of IR node an ATen call becomes; extern whenever the generator is not sure."""
     if type_ is None or type_.dtype not in dtypes or type_.numel == 0:
         return Kind.EXTERN
@@ -255,7 +253,7 @@ def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes
         dtype_ok = src.dtype in FLOAT_DTYPES + HALF_DTYPES and type_.dtype == src.dtype
         return Kind.REDUCE if dtype_ok and src.numel > 0 else Kind.EXTERN
     if op in ("aten.mm.default", "aten.bmm.default", "aten.addmm.default"):
-        if type_.dtype not in matmul_dtypes or any(t.dtype != type_.dtype for t in tensors):
+        if type_.dtype not in ("float32", *HALF_DTYPES) or any(t.dtype != type_.dtype for t in tensors):
             return Kind.EXTERN
         if op == "aten.addmm.default" and (kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1):
             return Kind.EXTERN

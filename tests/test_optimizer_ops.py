@@ -37,7 +37,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from optimizer import fusion, ir
 from optimizer.backend import compile_graph
-from optimizer.codegen.c import LOWERING
 from optimizer.codegen.c_ops import POINTWISE
 from optimizer.runtime import CompiledGraph
 from optimizer.schedule import Schedule
@@ -304,7 +303,7 @@ def generated(fn: Callable, inputs: list[torch.Tensor], schedule: Schedule | Non
     gm = make_fx(fn)(*inputs)
     compiled = compile_graph(gm, inputs, schedule=schedule, top_k=top_k)
     assert isinstance(compiled, CompiledGraph), "the generated code failed to build: see the log"
-    return compiled, ir.from_fx(gm, **LOWERING)
+    return compiled, ir.from_fx(gm, half=True)
 
 
 def assert_lowered(graph: ir.Graph, ops: set[str]) -> None:
@@ -548,7 +547,9 @@ def gemm_cases(draw):
             torch.randn(*lead, rows, cols, generator=g)
         return t
     a, b = operand(m, k, draw(st.booleans())), operand(k, n, draw(st.booleans()))
-    return a, b, torch.randn(n, generator=g), draw(st.sampled_from(["none", "bias", "bias_gelu", "scale_residual"]))
+    dtype = getattr(torch, draw(st.sampled_from(["float32", "float32", "bfloat16", "float16"])))
+    return (a.to(dtype), b.to(dtype), torch.randn(n, generator=g).to(dtype),
+            draw(st.sampled_from(["none", "bias", "bias_gelu", "scale_residual"])))
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
@@ -556,7 +557,10 @@ def gemm_cases(draw):
 @given(case=gemm_cases())
 def test_gemms_and_their_epilogues_match_eager(name, case):
     """mm, bmm and addmm (bias as an epilogue) with transposed operands and odd sizes, under tiles that
-    leave edges on every side; finite values (BLAS itself gives no NaN/inf guarantees)."""
+    leave edges on every side; finite values (BLAS itself gives no NaN/inf guarantees). bf16/fp16 as eager's
+    CPU GEMM: exact products summed in fp32, the result rounded once, so a product or an addmm differs from
+    eager's only where the other summation order crosses a rounding boundary (1 ulp, rarely); an epilogue
+    after it rounds once where eager rounds after each op."""
     a, b, bias, epilogue = case
 
     def fn(a, b, bias):
@@ -573,6 +577,17 @@ def test_gemms_and_their_epilogues_match_eager(name, case):
     compiled, graph = generated(fn, [a, b, bias], SCHEDULES[name])
     got = compiled([same_layout(a), same_layout(b), same_layout(bias)])
     # K products summed in another order: bounded by eps x K x |A||B|
-    scale = (a.abs() @ b.abs()).max().item() + bias.abs().max().item()
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=4 * torch.finfo(torch.float32).eps * scale,
-                               msg=lambda m: f"{tuple(a.shape)} @ {tuple(b.shape)} {epilogue}: {m}")
+    scale = (a.float().abs() @ b.float().abs()).max().item() + bias.float().abs().max().item()
+    what = f"{a.dtype}{tuple(a.shape)} @ {tuple(b.shape)} {epilogue}"
+    atol = 4 * torch.finfo(torch.float32).eps * scale
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
+        return
+    eps = torch.finfo(a.dtype).eps
+    if epilogue not in ("none", "bias"):    # eager rounds after each of 2-4 ops, of values up to `scale` (gelu's
+        atol = 4 * eps * scale              # erf(x) + 1 cancels: eager's rounded erf leaves up to eps there)
+    torch.testing.assert_close(got[0], want[0], rtol=eps if epilogue in ("none", "bias") else 4 * eps,
+                               atol=atol, msg=lambda m: f"{what}: {m}")
+    if epilogue in ("none", "bias"):        # rounded to nearest once, as eager: a truncating kernel differs at ~1/2
+        differ = (got[0] != want[0]).double().mean().item()
+        assert differ <= 0.1, f"{what}: {differ:.0%} of the elements differ from eager's"

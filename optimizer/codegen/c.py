@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, NONE, Operand, computed_in, expression, literal,
-                                     narrowed, widened)
+from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, HALVES, NONE, Operand, computed_in, expression,
+                                     literal, narrowed, widened)
 from optimizer.expr import Expr, render
 from optimizer.ir import Graph, Node
 from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Stmt, Store, Temp,
@@ -116,11 +116,6 @@ void tfsn_set_sgemm(void* fn) { sgemm_ = (sgemm_fn)fn; }
 SIMD_MATH = "#ifdef TFSN_LIBMVEC\n" + "".join(
     f"float {f}f(float) __attribute__((simd(\"notinbranch\")));\n"
     for f in ("exp", "log", "tanh", "erf", "log1p", "expm1", "sin", "cos")) + "#endif\n"
-
-
-# what ir.from_fx gives this renderer: bf16/fp16 loads, stores and pointwise math, but not their GEMMs (ours
-# and BLAS's sgemm multiply fp32), which stay ATen's
-LOWERING = {"half": True, "half_matmul": False}
 
 
 @dataclass(frozen=True)
@@ -390,19 +385,28 @@ class KernelWriter:
         batched = len(node.type.shape) == 3
         M, N = node.type.shape[-2:]
         K = a.type.shape[-1]
-        ta, lda = gemm_operand(a.type.strides[-2:], M, K)
-        tb, ldb = gemm_operand(b.type.strides[-2:], K, N)
         generated = self.s.gemm == "generated"
+        half_in, half = a.type.dtype in HALVES, node.type.dtype in HALVES   # a half addmm's product is fp32
+        batch = node.type.shape[0] if batched else 1
+        pa, pb = self.names[a.index], self.names[b.index]
+        sa = a.type.strides[0] if batched else 0
+        sb = b.type.strides[0] if batched else 0
+        a_strides, b_strides = a.type.strides[-2:], b.type.strides[-2:]
+        code = []
+        if half_in and not generated:   # sgemm multiplies fp32: the operands widened into row-major copies
+            code += self.widen("af", pa, (sa, *a_strides), batch, M, K) + \
+                self.widen("bf", pb, (sb, *b_strides), batch, K, N)
+            pa, pb, sa, sb, a_strides, b_strides = "af", "bf", M * K, K * N, (K, 1), (N, 1)
+        ta, lda = gemm_operand(a_strides, M, K)
+        tb, ldb = gemm_operand(b_strides, K, N)
         # blocks of rows let the epilogue run on a block while it is in cache; a library GEMM with
         # no epilogue is one call, as ATen would make it
         br = self.s.gemm_block_rows if epilogue or generated else M
         blocks = -(-M // br)
-        batch = node.type.shape[0] if batched else 1
-        pa, pb = self.names[a.index], self.names[b.index]
-        keep = mm in self.nest.outputs
+        # the product written straight into its own buffer, or into fp32 scratch for the epilogue (which
+        # stores a half product, rounded, itself)
+        keep = mm in self.nest.outputs and not half
         out = node.type.strides
-        sa = a.type.strides[0] if batched else 0
-        sb = b.type.strides[0] if batched else 0
         if keep:
             c_ptr = f"{self.names[mm]} + bi * {out[0] if batched else 0} + r0 * {out[-2]}"
             ldc = out[-2]
@@ -411,12 +415,14 @@ class KernelWriter:
         i_row, i_col = (c_index(e) for e in self.nest.idx[-2:])
         self.gemm_value = f"c[({i_row} - r0) * {ldc} + {i_col}]"
         lines = self.lines(self.nest.body)
+        if half and mm in self.nest.outputs:
+            offset = " + ".join(f"{_paren(c_index(e))} * {stride}" for e, stride in zip(self.nest.idx, out))
+            lines.append(f"{self.names[mm]}[{offset}] = {narrowed(self.gemm_value, node.type.dtype)};")
         epi = self.loops([len(self.nest.idx) - 1], lines, _pragma_simd(self.s))
         # threads only for GEMMs worth a fork (multiply-adds, at 16 per element of a pointwise loop)
         worth = batch * M * N * K >= 16 * self.s.parallel_min_elements
         # ... and with blocks enough to share; else BLAS threads each block itself
         par = "#pragma omp for schedule(static)" if batch * blocks >= 4 and self.s.parallel_axis >= 0 and worth else ""
-        code = []
         if generated:      # B's panels, shared by the threads: allocated before the parallel region
             width, panels = self.panels(N)
             code.append(f"float* restrict bp = tfsn_panels({batch * panels * width * K});")
@@ -428,7 +434,7 @@ class KernelWriter:
             "  const float one = 1.0f, zero = 0.0f;",
         ]
         if generated:
-            code += [f"  {line}" for line in self.pack_b(pb, b.type.strides[-2:], sb, batch, N, K, par)]
+            code += [f"  {line}" for line in self.pack_b(pb, b_strides, sb, batch, N, K, par)]
         if par:
             code.append(f"  {par}")
         code += [
@@ -439,16 +445,29 @@ class KernelWriter:
         ]
         if generated:
             code.append(f"    const float* restrict bpb = bp + bi * {panels * K * width};")
-            code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}",
-                                                                 a.type.strides[-2:], N, K)]
+            code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a_strides[0]}",
+                                                                 a_strides, N, K)]
         else:
             code.append(f"    sgemm_(\"{tb}\", \"{ta}\", &n, &rows, &k, &one, {pb} + bi * {sb}, &ldb, "
-                        f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}, &lda, &zero, c, &ldc);")
+                        f"{pa} + bi * {sa} + r0 * {a_strides[0]}, &lda, &zero, c, &ldc);")
         if batched:
             code.append(f"    const int64_t {c_index(self.nest.idx[0])} = bi;")
         code += [f"    for (int64_t {i_row} = r0; {i_row} < r0 + rows; {i_row}++) {{"] + \
             [f"      {line}" for line in epi] + ["    }", "  }", "  free(scratch);", "}"]
-        return code
+        return code + (["free(af);", "free(bf);"] if half_in and not generated else [])
+
+    def operand_dtype(self) -> str:
+        """The dtype of the GEMM's operands (both the same: ir.classify)."""
+        return self.g.nodes[self.g.nodes[self.group.nodes[0]].args[0].index].type.dtype
+
+    def widen(self, copy: str, src: str, strides: Sequence[int], batch: int, rows: int, cols: int) -> list[str]:
+        """A half operand (batch, rows, cols at `strides`) as a row-major fp32 copy named `copy`."""
+        dtype = self.operand_dtype()
+        element = f"{src}[bi * {strides[0]} + i * {strides[1]} + j * {strides[2]}]"
+        return [f"float* restrict {copy} = (float*)malloc(sizeof(float) * {batch * rows * cols});",
+                f"for (int64_t bi = 0; bi < {batch}; bi++) for (int64_t i = 0; i < {rows}; i++)",
+                f"  for (int64_t j = 0; j < {cols}; j++) {copy}[(bi * {rows} + i) * {cols} + j] = "
+                f"{widened(element, dtype)};"]
 
     def micro_kernel(self, a: str, sa: Sequence[int], N: int, K: int) -> list[str]:
         """Our own GEMM for one block of `rows` rows of A into c, B already packed in `bp` (see
@@ -461,11 +480,13 @@ class KernelWriter:
         mr, vw, kc = self.s.gemm_mr, self.s.vector_width, self.s.gemm_kc
         width, panels = self.panels(N)
         nv = width // vw
+        dtype = self.operand_dtype()
+        element = BUFFER_CTYPES[dtype]
         vec = f"tfsn_v{vw}"
         accs = [f"c{ii}_{v}" for ii in range(mr) for v in range(nv)]
         step = [f"      const {vec} b{v} = *(const {vec}*)(b + k * {width} + {v * vw});" for v in range(nv)]
         for ii in range(mr):
-            step.append(f"      const float x{ii} = a{ii}[k * {sa[1]}];")
+            step.append(f"      const float x{ii} = {widened(f'a{ii}[k * {sa[1]}]', dtype)};")
             step += [f"      c{ii}_{v} += x{ii} * b{v};" for v in range(nv)]
         store_full = [f"      {{ {vec}* o = ({vec}*)(c + (i + {ii}) * ldc + j + {v * vw}); "
                       f"if (kk == 0) *o = c{ii}_{v}; else *o += c{ii}_{v}; }}" for ii in range(mr) for v in range(nv)]
@@ -474,7 +495,7 @@ class KernelWriter:
             ["      for (int ii = 0; ii < mn; ii++) for (int64_t jj = 0; jj < nn; jj++)",
              "        c[(i + ii) * ldc + j + jj] = kk == 0 ? t[ii][jj] : c[(i + ii) * ldc + j + jj] + t[ii][jj];"]
         return [
-            f"const float* restrict A = {a};",
+            f"const {element}* restrict A = {a};",
             f"for (int64_t kk = 0; kk < {K}; kk += {kc}) {{",
             f"  const int64_t kn = {K} - kk < {kc} ? {K} - kk : {kc};",
             f"  for (int64_t jp = 0; jp < {panels}; jp++) {{",
@@ -482,7 +503,7 @@ class KernelWriter:
             f"    const int64_t j = jp * {width}, nn = {N} - j < {width} ? {N} - j : {width};",
             f"    for (int64_t i = 0; i < rows; i += {mr}) {{",
             f"      const int mn = rows - i < {mr} ? (int)(rows - i) : {mr};",
-            *[f"      const float* restrict a{ii} = A + {f'(mn > {ii} ? i + {ii} : i)' if ii else 'i'} * {sa[0]}"
+            *[f"      const {element}* restrict a{ii} = A + {f'(mn > {ii} ? i + {ii} : i)' if ii else 'i'} * {sa[0]}"
               f" + kk * {sa[1]};" for ii in range(mr)],
             f"      {vec} {' = {0}, '.join(accs)} = {{0}};",
             "      for (int64_t k = 0; k < kn; k++) {",
@@ -517,7 +538,8 @@ class KernelWriter:
                 [f"for (int64_t pj = 0; pj < {batch * panels}; pj++) {{",
                  f"  const int64_t bi = pj / {panels}, jp = pj % {panels};"] + inner +
                 [f"    const int64_t jx = jp * {width} + jj;",
-                 f"    {dst} = jx < {N} ? {src} : 0.0f;", "  }", "}"])
+                 f"    {dst} = jx < {N} ? {widened(src, self.operand_dtype())} : 0.0f;",
+                 "  }", "}"])
 
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],

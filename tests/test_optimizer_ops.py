@@ -414,7 +414,7 @@ REDUCTIONS = {
 
 @st.composite
 def reduction_cases(draw):
-    o = draw(operands(dtypes=("float32", "float64", "float32", "int64")))
+    o = draw(operands(dtypes=("float32", "float64", "float32", "int64", "bfloat16", "float16")))
     nd = o.x.dim()
     dims = sorted(draw(st.sets(st.integers(0, max(nd - 1, 0)), min_size=1))) if nd else []
     return o, draw(st.sampled_from(sorted(REDUCTIONS))), dims, draw(st.booleans())

@@ -66,18 +66,43 @@ static inline int64_t tfsn_ipow(int64_t a, int64_t b) {
     if (b & 1) r *= a;
   return r;
 }
-/* bf16 <-> fp32 as torch converts (c10::BFloat16): a bf16 is the top 16 bits of an fp32; fp32 rounds to
-   nearest even, and every NaN becomes c10's 0x7FC0 (ATen's bf16 ops write it; its fp32 -> bf16 copy 0xFFFF) */
-static inline float tfsn_bf16_to_float(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
+static inline float tfsn_f32_of_bits(uint32_t bits) {
   float x;
   memcpy(&x, &bits, sizeof x);
   return x;
 }
-static inline uint16_t tfsn_float_to_bf16(float x) {
+static inline uint32_t tfsn_bits_of_f32(float x) {
   uint32_t bits;
   memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+/* bf16 <-> fp32 as torch converts (c10::BFloat16): a bf16 is the top 16 bits of an fp32; fp32 rounds to
+   nearest even, and every NaN becomes c10's 0x7FC0 (ATen's bf16 ops write it; its fp32 -> bf16 copy 0xFFFF) */
+static inline float tfsn_bf16_to_float(uint16_t h) {
+  return tfsn_f32_of_bits((uint32_t)h << 16);
+}
+static inline uint16_t tfsn_float_to_bf16(float x) {
+  const uint32_t bits = tfsn_bits_of_f32(x);
   return x != x ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+/* fp16 <-> fp32 as torch converts (c10::Half, after Maratyszcza's FP16 library), in integer and fp32
+   arithmetic that vectorizes (gcc vectorizes no _Float16 without AVX512-FP16): exact widening, denormals
+   included; narrowing rounds to nearest even by an fp32 addition, NaN -> 0x7E00 with its sign (ATen's
+   vectorized copy keeps the payload's top bits too) */
+static inline float tfsn_fp16_to_float(uint16_t h) {
+  const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normal = tfsn_f32_of_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormal = tfsn_f32_of_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return tfsn_f32_of_bits(sign | tfsn_bits_of_f32(two_w < (1u << 27) ? denormal : normal));
+}
+static inline uint16_t tfsn_float_to_fp16(float x) {
+  const uint32_t w = tfsn_bits_of_f32(x), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  const float base = tfsn_f32_of_bits((bias >> 1) + 0x07800000u) + (fabsf(x) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t bits = tfsn_bits_of_f32(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 #if defined(__x86_64__) || defined(__i386__)
 #define TFSN_WIDTH(bits) __attribute__((target("prefer-vector-width=" #bits)))

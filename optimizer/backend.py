@@ -149,15 +149,17 @@ def searched_partition(spec=None) -> Callable:
         try:
             chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
             gemm = spec is not None or compiler.sgemm_address() is not None
-            path = search_cache_path(ir.from_fx(joint), chip, threads, gemm, str(num_fwd_outputs), suffix=".partition")
+            path = search_cache_path(ir.from_fx(joint, half=True), chip, threads, gemm, str(num_fwd_outputs),
+                                     suffix=".partition")
             choice = path.read_text() if path.exists() else ""
             if choice not in ("recompute", "store"):       # not decided here before
                 store = default_partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                           **kwargs)
                 # each side by the model alone, over a few fusion plans: the decision is between two
                 # graphs, and the full search of the chosen one follows
-                cost = [sum(search.search_graph(ir.from_fx(gm), chip, gemm=gemm, timing=False, threads=threads,
-                                                max_plans=PARTITION_PLANS).predicted_s for gm in pair)
+                cost = [sum(search.search_graph(ir.from_fx(gm, half=True), chip, gemm=gemm, timing=False,
+                                                threads=threads, max_plans=PARTITION_PLANS).predicted_s
+                            for gm in pair)
                         for pair in (recompute, store)]
                 log.info("tfsn: recompute %.3f ms vs store %.3f ms predicted", cost[0] * 1e3, cost[1] * 1e3)
                 choice = "recompute" if cost[0] <= cost[1] else "store"
@@ -210,8 +212,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
-        graph = (ir.from_fx(gm, ir.graph_device(example_inputs), half=True) if codegen == "triton"
-                 else ir.from_fx(gm))
+        graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu", half=True)
     except ir.Unsupported as e:
         log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
         STATS["aten_graphs"] += 1

@@ -337,7 +337,11 @@ def _gemm(f: FeatureTable, cand: Candidates, chip: _Chip, k: np.ndarray, lanes: 
     gen_memory = blocks * share * (b_traffic / chip.level_bandwidth(kc * width * 4.0, one)
                                    + a_traffic / chip.level_bandwidth(br * kc * 4.0, one))
     generated = np.maximum(gen_compute, gen_memory) + pack_cycles / chip.clock
-    product = np.where(cand.generated > 0, generated, library)
+    # a bf16/fp16 product for the library: both operands first widened into fp32 copies (read 2 bytes, write 4)
+    half = np.isin(f.precision[k], (PRECISIONS.index("bf16"), PRECISIONS.index("fp16")))
+    widened = batch * (m * depth + depth * n) * 6.0
+    widen_s = np.where(half, widened / chip.level_bandwidth(widened, one), 0.0)
+    product = np.where(cand.generated > 0, generated, library + widen_s)
     # the epilogue: the pointwise part of the features, on blocks the product just left in cache
     epilogue = epilogue_serial * share
     return product + epilogue + chip.call_s + np.where(outer_par, chip.fork_s, 0.0)

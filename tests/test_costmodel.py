@@ -141,6 +141,16 @@ def test_gpu_bias_gradient_is_near_its_bandwidth_bound():
     assert bound < t < 10 * bound + h100.launch_overhead_us * 1e-6
 
 
+def test_a_half_gemm_pays_for_widening_its_operands_only_in_the_library():
+    """C's library path copies bf16/fp16 operands into fp32 for sgemm; the generated GEMM widens them on load."""
+    fp32 = KernelFeatures(kind=costmodel.GEMM, elements=64 * 256, rows=64, inner=256, ops=0, m=64, n=256, k=512,
+                          write_bytes=64 * 256 * 4)
+    bf16 = dataclasses.replace(fp32, precision=float(costmodel.PRECISIONS.index("bf16")))
+    schedules = [Schedule(gemm="library", gemm_block_rows=64), Schedule(gemm="generated", gemm_mr=4, gemm_nr=32)]
+    (library32, generated32), (library16, generated16) = times(fp32, schedules), times(bf16, schedules)
+    assert library16 > library32 and generated16 == pytest.approx(generated32)
+
+
 def test_one_block_gemm_costs_the_same_serial_or_parallel():
     """The generated code forks a GEMM only for 4 blocks or more: with one, both knobs are one kernel."""
     gemm = KernelFeatures(kind=costmodel.GEMM, elements=128 * 3072, rows=128, inner=3072, ops=3, math=1,

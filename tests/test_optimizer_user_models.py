@@ -206,3 +206,49 @@ def test_scaled_dot_product_attention_matches_eager(attn: Attention):
     for a, b, name in zip(mine, ref, ("q", "k", "v", "mask")):
         if b.requires_grad:
             close(a.grad, b.grad, f"sdpa {attn.name} grad of {name}")
+
+
+def test_bf16_autocast_conversions_and_pointwise_are_generated(monkeypatch):
+    """Under bf16 autocast every fp32 <-> bf16 conversion, bf16 GEMM and bf16 pointwise op of the forward
+    and backward graphs is a generated C kernel's member (not an ATen call per op), and output, loss and
+    gradients match eager (bf16 tolerance)."""
+    from optimizer import ir
+    case = next(c for c in cases() if c.name == "resmlp_bf16")
+    seen: list = []
+    real = backend._compiled
+
+    def recording(graph, plan, kernels, lib):
+        seen.append((graph, plan))
+        return real(graph, plan, kernels, lib)
+    monkeypatch.setattr(backend, "_compiled", recording)
+    torch.manual_seed(0)
+    eager = case.build()
+    mine = copy.deepcopy(eager)
+    inputs, target = case.batch(torch.Generator().manual_seed(1))
+    inputs_e, inputs_m = leaves(inputs), leaves(inputs)
+    out_e, loss_e = case.step(eager, inputs_e, target)
+    loss_e.backward()
+    out_m, loss_m = case.step(torch.compile(mine, backend=make_backend(top_k=1)), inputs_m, target)
+    loss_m.backward()
+
+    assert len(seen) == 2, f"{len(seen)} graphs compiled where autocast's step is a forward and a backward"
+    conversions = products = halves = 0
+    for graph, plan in seen:
+        as_aten = {n for g in plan.groups if g.kind == "extern" for n in g.nodes}
+        for node in graph.nodes:
+            dtypes = {node.type.dtype, *(graph.nodes[i].type.dtype for i in node.inputs)} if node.type else set()
+            if "bfloat16" not in dtypes or node.kind == ir.Kind.VIEW:
+                continue
+            if node.op in ("aten.mm.default", "aten.addmm.default"):
+                products += 1
+            elif node.op == "aten._to_copy.default":
+                conversions += 1
+            elif node.kind == ir.Kind.POINTWISE:
+                halves += 1
+            assert node.kind != ir.Kind.EXTERN and node.index not in as_aten, f"{node.name} ({node.op}) runs as ATen"
+    assert conversions >= 10 and products >= 10 and halves > 0, \
+        f"{conversions} conversions, {products} GEMMs, {halves} bf16 pointwise ops seen"
+    close(out_m, out_e, "resmlp_bf16 output", torch.bfloat16)
+    close(loss_m, loss_e, "resmlp_bf16 loss", torch.bfloat16)
+    for name, p in mine.named_parameters():
+        close(p.grad, dict(eager.named_parameters())[name].grad, f"resmlp_bf16 grad of {name}", torch.bfloat16)

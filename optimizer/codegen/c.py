@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-from optimizer.codegen.c_ops import CTYPES, NONE, POINTWISE, Operand, literal
+from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, HALVES, NONE, Operand, computed_in, expression,
+                                     literal, narrowed, widened)
 from optimizer.expr import Expr, render
 from optimizer.ir import Graph, Node
 from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Select, Stmt, Store,
@@ -65,6 +66,44 @@ static inline int64_t tfsn_ipow(int64_t a, int64_t b) {
     if (b & 1) r *= a;
   return r;
 }
+static inline float tfsn_f32_of_bits(uint32_t bits) {
+  float x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+static inline uint32_t tfsn_bits_of_f32(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+/* bf16 <-> fp32 as torch converts (c10::BFloat16): a bf16 is the top 16 bits of an fp32; fp32 rounds to
+   nearest even, and every NaN becomes c10's 0x7FC0 (ATen's bf16 ops write it; its fp32 -> bf16 copy 0xFFFF) */
+static inline float tfsn_bf16_to_float(uint16_t h) {
+  return tfsn_f32_of_bits((uint32_t)h << 16);
+}
+static inline uint16_t tfsn_float_to_bf16(float x) {
+  const uint32_t bits = tfsn_bits_of_f32(x);
+  return x != x ? (uint16_t)0x7FC0 : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+/* fp16 <-> fp32 as torch converts (c10::Half, after Maratyszcza's FP16 library), in integer and fp32
+   arithmetic that vectorizes (gcc vectorizes no _Float16 without AVX512-FP16): exact widening, denormals
+   included; narrowing rounds to nearest even by an fp32 addition, NaN -> 0x7E00 with its sign (ATen's
+   vectorized copy keeps the payload's top bits too) */
+static inline float tfsn_fp16_to_float(uint16_t h) {
+  const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normal = tfsn_f32_of_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormal = tfsn_f32_of_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return tfsn_f32_of_bits(sign | tfsn_bits_of_f32(two_w < (1u << 27) ? denormal : normal));
+}
+static inline uint16_t tfsn_float_to_fp16(float x) {
+  const uint32_t w = tfsn_bits_of_f32(x), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  const float base = tfsn_f32_of_bits((bias >> 1) + 0x07800000u) + (fabsf(x) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t bits = tfsn_bits_of_f32(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
 #if defined(__x86_64__) || defined(__i386__)
 #define TFSN_WIDTH(bits) __attribute__((target("prefer-vector-width=" #bits)))
 #else
@@ -113,7 +152,13 @@ class Kernel:
 
 
 def _ctype(node: Node) -> str:
-    return CTYPES[node.type.dtype]
+    """The C type the node's values are computed in (fp32 for a half)."""
+    return CTYPES[computed_in(node.type.dtype)]
+
+
+def _buffer_ctype(node: Node) -> str:
+    """The C type of an element of the node's buffer."""
+    return BUFFER_CTYPES[node.type.dtype]
 
 
 _DEFINITION = re.compile(r"const [\w ]+ (t\d+) = (.*);")
@@ -190,7 +235,7 @@ class KernelWriter:
         code = self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction" else self.pointwise()
         code = [self.statement(d) for d in self.nest.prologue] + code
         outputs = set(self.nest.outputs)
-        args = ", ".join(f"{'' if n in outputs else 'const '}{_ctype(self.g.nodes[n])}* restrict {p}"
+        args = ", ".join(f"{'' if n in outputs else 'const '}{_buffer_ctype(self.g.nodes[n])}* restrict {p}"
                          for n, p in self.names.items())
         source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
         return Kernel(self.name, source, self.nest.params, self.nest.outputs)
@@ -203,9 +248,10 @@ class KernelWriter:
 
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]
-        operands = [Operand(self.value(x.name), x.dtype, zero_dim=x.zero_dim) if isinstance(x, LoopOperand)
-                    else literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
-        return POINTWISE[node.op](operands, node.type.dtype, node.kwargs)
+        operands = [Operand(self.value(x.name), computed_in(x.dtype), zero_dim=x.zero_dim)
+                    if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
+                    for x in a.args]
+        return expression(node.op, operands, node.type.dtype, node.kwargs)
 
     def select(self, v: Select) -> str:
         """A concatenation's element: conditionals on the index along its dim (a select gcc vectorizes)."""
@@ -217,14 +263,17 @@ class KernelWriter:
         if isinstance(s, Define):
             v = s.value
             if isinstance(v, Load):
-                return f"const {_ctype(self.g.nodes[v.buffer])} t{s.name.id} = {self.names[v.buffer]}[{c_index(v.offset)}];"
+                buffer = self.g.nodes[v.buffer]
+                element = f"{self.names[v.buffer]}[{c_index(v.offset)}]"
+                return f"const {_ctype(buffer)} t{s.name.id} = {widened(element, buffer.type.dtype)};"
             if isinstance(v, Apply):
                 return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.apply(v)};"
             if isinstance(v, Select):
                 return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.select(v)};"
             return f"const float t{s.name.id} = {self.gemm_value};"
         if isinstance(s, Store):
-            return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {self.value(s.value)};"
+            value = narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)
+            return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {value};"
         if isinstance(s, Assign):
             return f"{self.value(s.name)} = {self.apply(s.value)};"
         acc, v = self.value(RowVar("acc", s.node)), self.value(s.value)
@@ -369,19 +418,28 @@ class KernelWriter:
         batched = len(node.type.shape) == 3
         M, N = node.type.shape[-2:]
         K = a.type.shape[-1]
-        ta, lda = gemm_operand(a.type.strides[-2:], M, K)
-        tb, ldb = gemm_operand(b.type.strides[-2:], K, N)
         generated = self.s.gemm == "generated"
+        half_in, half = a.type.dtype in HALVES, node.type.dtype in HALVES   # a half addmm's product is fp32
+        batch = node.type.shape[0] if batched else 1
+        pa, pb = self.names[a.index], self.names[b.index]
+        sa = a.type.strides[0] if batched else 0
+        sb = b.type.strides[0] if batched else 0
+        a_strides, b_strides = a.type.strides[-2:], b.type.strides[-2:]
+        code = []
+        if half_in and not generated:   # sgemm multiplies fp32: the operands widened into row-major copies
+            code += self.widen("af", pa, (sa, *a_strides), batch, M, K) + \
+                self.widen("bf", pb, (sb, *b_strides), batch, K, N)
+            pa, pb, sa, sb, a_strides, b_strides = "af", "bf", M * K, K * N, (K, 1), (N, 1)
+        ta, lda = gemm_operand(a_strides, M, K)
+        tb, ldb = gemm_operand(b_strides, K, N)
         # blocks of rows let the epilogue run on a block while it is in cache; a library GEMM with
         # no epilogue is one call, as ATen would make it
         br = self.s.gemm_block_rows if epilogue or generated else M
         blocks = -(-M // br)
-        batch = node.type.shape[0] if batched else 1
-        pa, pb = self.names[a.index], self.names[b.index]
-        keep = mm in self.nest.outputs
+        # the product written straight into its own buffer, or into fp32 scratch for the epilogue (which
+        # stores a half product, rounded, itself)
+        keep = mm in self.nest.outputs and not half
         out = node.type.strides
-        sa = a.type.strides[0] if batched else 0
-        sb = b.type.strides[0] if batched else 0
         if keep:
             c_ptr = f"{self.names[mm]} + bi * {out[0] if batched else 0} + r0 * {out[-2]}"
             ldc = out[-2]
@@ -390,12 +448,14 @@ class KernelWriter:
         i_row, i_col = (c_index(e) for e in self.nest.idx[-2:])
         self.gemm_value = f"c[({i_row} - r0) * {ldc} + {i_col}]"
         lines = self.lines(self.nest.body)
+        if half and mm in self.nest.outputs:
+            offset = " + ".join(f"{_paren(c_index(e))} * {stride}" for e, stride in zip(self.nest.idx, out))
+            lines.append(f"{self.names[mm]}[{offset}] = {narrowed(self.gemm_value, node.type.dtype)};")
         epi = self.loops([len(self.nest.idx) - 1], lines, _pragma_simd(self.s))
         # threads only for GEMMs worth a fork (multiply-adds, at 16 per element of a pointwise loop)
         worth = batch * M * N * K >= 16 * self.s.parallel_min_elements
         # ... and with blocks enough to share; else BLAS threads each block itself
         par = "#pragma omp for schedule(static)" if batch * blocks >= 4 and self.s.parallel_axis >= 0 and worth else ""
-        code = []
         if generated:      # B's panels, shared by the threads: allocated before the parallel region
             width, panels = self.panels(N)
             code.append(f"float* restrict bp = tfsn_panels({batch * panels * width * K});")
@@ -407,7 +467,7 @@ class KernelWriter:
             "  const float one = 1.0f, zero = 0.0f;",
         ]
         if generated:
-            code += [f"  {line}" for line in self.pack_b(pb, b.type.strides[-2:], sb, batch, N, K, par)]
+            code += [f"  {line}" for line in self.pack_b(pb, b_strides, sb, batch, N, K, par)]
         if par:
             code.append(f"  {par}")
         code += [
@@ -418,16 +478,29 @@ class KernelWriter:
         ]
         if generated:
             code.append(f"    const float* restrict bpb = bp + bi * {panels * K * width};")
-            code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}",
-                                                                 a.type.strides[-2:], N, K)]
+            code += [f"    {line}" for line in self.micro_kernel(f"{pa} + bi * {sa} + r0 * {a_strides[0]}",
+                                                                 a_strides, N, K)]
         else:
             code.append(f"    sgemm_(\"{tb}\", \"{ta}\", &n, &rows, &k, &one, {pb} + bi * {sb}, &ldb, "
-                        f"{pa} + bi * {sa} + r0 * {a.type.strides[-2]}, &lda, &zero, c, &ldc);")
+                        f"{pa} + bi * {sa} + r0 * {a_strides[0]}, &lda, &zero, c, &ldc);")
         if batched:
             code.append(f"    const int64_t {c_index(self.nest.idx[0])} = bi;")
         code += [f"    for (int64_t {i_row} = r0; {i_row} < r0 + rows; {i_row}++) {{"] + \
             [f"      {line}" for line in epi] + ["    }", "  }", "  free(scratch);", "}"]
-        return code
+        return code + (["free(af);", "free(bf);"] if half_in and not generated else [])
+
+    def operand_dtype(self) -> str:
+        """The dtype of the GEMM's operands (both the same: ir.classify)."""
+        return self.g.nodes[self.g.nodes[self.group.nodes[0]].args[0].index].type.dtype
+
+    def widen(self, copy: str, src: str, strides: Sequence[int], batch: int, rows: int, cols: int) -> list[str]:
+        """A half operand (batch, rows, cols at `strides`) as a row-major fp32 copy named `copy`."""
+        dtype = self.operand_dtype()
+        element = f"{src}[bi * {strides[0]} + i * {strides[1]} + j * {strides[2]}]"
+        return [f"float* restrict {copy} = (float*)malloc(sizeof(float) * {batch * rows * cols});",
+                f"for (int64_t bi = 0; bi < {batch}; bi++) for (int64_t i = 0; i < {rows}; i++)",
+                f"  for (int64_t j = 0; j < {cols}; j++) {copy}[(bi * {rows} + i) * {cols} + j] = "
+                f"{widened(element, dtype)};"]
 
     def micro_kernel(self, a: str, sa: Sequence[int], N: int, K: int) -> list[str]:
         """Our own GEMM for one block of `rows` rows of A into c, B already packed in `bp` (see
@@ -440,11 +513,13 @@ class KernelWriter:
         mr, vw, kc = self.s.gemm_mr, self.s.vector_width, self.s.gemm_kc
         width, panels = self.panels(N)
         nv = width // vw
+        dtype = self.operand_dtype()
+        element = BUFFER_CTYPES[dtype]
         vec = f"tfsn_v{vw}"
         accs = [f"c{ii}_{v}" for ii in range(mr) for v in range(nv)]
         step = [f"      const {vec} b{v} = *(const {vec}*)(b + k * {width} + {v * vw});" for v in range(nv)]
         for ii in range(mr):
-            step.append(f"      const float x{ii} = a{ii}[k * {sa[1]}];")
+            step.append(f"      const float x{ii} = {widened(f'a{ii}[k * {sa[1]}]', dtype)};")
             step += [f"      c{ii}_{v} += x{ii} * b{v};" for v in range(nv)]
         store_full = [f"      {{ {vec}* o = ({vec}*)(c + (i + {ii}) * ldc + j + {v * vw}); "
                       f"if (kk == 0) *o = c{ii}_{v}; else *o += c{ii}_{v}; }}" for ii in range(mr) for v in range(nv)]
@@ -453,7 +528,7 @@ class KernelWriter:
             ["      for (int ii = 0; ii < mn; ii++) for (int64_t jj = 0; jj < nn; jj++)",
              "        c[(i + ii) * ldc + j + jj] = kk == 0 ? t[ii][jj] : c[(i + ii) * ldc + j + jj] + t[ii][jj];"]
         return [
-            f"const float* restrict A = {a};",
+            f"const {element}* restrict A = {a};",
             f"for (int64_t kk = 0; kk < {K}; kk += {kc}) {{",
             f"  const int64_t kn = {K} - kk < {kc} ? {K} - kk : {kc};",
             f"  for (int64_t jp = 0; jp < {panels}; jp++) {{",
@@ -461,7 +536,7 @@ class KernelWriter:
             f"    const int64_t j = jp * {width}, nn = {N} - j < {width} ? {N} - j : {width};",
             f"    for (int64_t i = 0; i < rows; i += {mr}) {{",
             f"      const int mn = rows - i < {mr} ? (int)(rows - i) : {mr};",
-            *[f"      const float* restrict a{ii} = A + {f'(mn > {ii} ? i + {ii} : i)' if ii else 'i'} * {sa[0]}"
+            *[f"      const {element}* restrict a{ii} = A + {f'(mn > {ii} ? i + {ii} : i)' if ii else 'i'} * {sa[0]}"
               f" + kk * {sa[1]};" for ii in range(mr)],
             f"      {vec} {' = {0}, '.join(accs)} = {{0}};",
             "      for (int64_t k = 0; k < kn; k++) {",
@@ -496,7 +571,8 @@ class KernelWriter:
                 [f"for (int64_t pj = 0; pj < {batch * panels}; pj++) {{",
                  f"  const int64_t bi = pj / {panels}, jp = pj % {panels};"] + inner +
                 [f"    const int64_t jx = jp * {width} + jj;",
-                 f"    {dst} = jx < {N} ? {src} : 0.0f;", "  }", "}"])
+                 f"    {dst} = jx < {N} ? {widened(src, self.operand_dtype())} : 0.0f;",
+                 "  }", "}"])
 
 
 def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],

@@ -15,6 +15,32 @@ CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": 
           "bool": "uint8_t"}   # torch bools are bytes of 0/1; GCC will not vectorize loads of _Bool
 FLOATS = ("float32", "float64")
 NARROW_INTS = ("int16", "int8", "uint8")
+# 16-bit floats (ir.HALF_DTYPES) are held and computed in fp32, as eager's opmath and Inductor do: widened
+# where loaded, rounded to nearest even where stored and where the graph converts to them (_to_copy), not
+# after every op (see codegen/triton.py's HALVES for why). In memory: their 16 bits, converted by the prelude.
+HALVES = ("bfloat16", "float16")
+BUFFER_CTYPES = {**CTYPES, "bfloat16": "uint16_t", "float16": "uint16_t"}
+CONVERSIONS = ("aten._to_copy.default",)
+
+
+def computed_in(dtype: str) -> str:
+    """The dtype a value of `dtype` is held and computed in: fp32 for the 16-bit floats."""
+    return "float32" if dtype in HALVES else dtype
+
+
+def widened(expr: str, dtype: str) -> str:
+    """A loaded element `expr` of a `dtype` buffer as the value computed with (a half as fp32, exactly)."""
+    return {"bfloat16": f"tfsn_bf16_to_float({expr})", "float16": f"tfsn_fp16_to_float({expr})"}.get(dtype, expr)
+
+
+def narrowed(expr: str, dtype: str) -> str:
+    """A computed value as an element of a `dtype` buffer (a half rounded to nearest even, as torch rounds)."""
+    return {"bfloat16": f"tfsn_float_to_bf16({expr})", "float16": f"tfsn_float_to_fp16({expr})"}.get(dtype, expr)
+
+
+def rounded(expr: str, dtype: str) -> str:
+    """An fp32 value rounded to `dtype` and held in fp32 again, where `dtype` is a half."""
+    return widened(narrowed(expr, dtype), dtype) if dtype in HALVES else expr
 
 
 @dataclass(frozen=True)
@@ -284,3 +310,19 @@ POINTWISE: dict[str, Render] = {
     "aten.fill.Scalar": _constant(1), "aten.full.default": _constant(1), "aten.full_like.default": _constant(1),
     "aten.scalar_tensor.default": _constant(0),
 }
+
+
+def expression(op: str, operands: list[Operand], out: str, kw: dict) -> str:
+    """The C expression of an `op` node of dtype `out`: a half computed in fp32, rounded where the op is a
+    conversion. Eager's pow of a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16
+    is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as for the other
+    floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
+    if out in HALVES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
+        import torch
+        exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))
+        operands = [operands[0], literal(exponent)]
+        if out == "float16" and exponent in (0.5, -0.5):
+            return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
+    value = POINTWISE[op](operands, computed_in(out), kw)
+    return rounded(value, out) if op in CONVERSIONS else value
+

@@ -471,8 +471,8 @@ class TritonWriter:
         # fp32: IEEE products, not TF32; bf16/fp16: the tensor cores' own products into the fp32 accumulator.
         # Triton's interpreter multiplies bf16 tiles as their uint16 bits, so there (tests on a CPU) they are
         # widened to fp32 first, exactly: their products and sums are then the GPU's up to summation order.
-        widen = mm.type.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
-        dot_precision = ', input_precision="ieee"' if mm.type.dtype == "float32" or widen else ""
+        widen = a.type.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
+        dot_precision = ', input_precision="ieee"' if a.type.dtype == "float32" or widen else ""
         operands = "x.to(tl.float32), y.to(tl.float32)" if widen else "x, y"
         i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
         code = ["pid = tl.program_id(0)", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",

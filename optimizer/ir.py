@@ -207,9 +207,8 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         if pieces is not None:               # a split: no node, each item a slice (or select) of the base
             split_pieces[fx_node] = pieces
             continue
-        if fx_node.target in FACTORIES and fx_node.users and not any(
-                u.op == "output" or isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable
-                for u in fx_node.users) and type_ is not None and not _refs(args, kwargs):
+        if fx_node.target in FACTORIES and fx_node.users and _only_read(fx_node) and type_ is not None \
+                and not _refs(args, kwargs):
             # a range of constant bounds, read and never written nor returned: made once, here
             from torch._subclasses.fake_tensor import unset_fake_temporarily
             with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors
@@ -247,6 +246,19 @@ def _constant(value: Any) -> Any:
 # ops that make a tensor from constant arguments alone, the same at every call
 FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+
+
+def _only_read(fx_node: torch.fx.Node) -> bool:
+    """Whether no user writes the node's tensor or returns it, directly or through views of it (a view
+    returned from a graph is the constant's storage: a caller's in-place update would change later calls)."""
+    for u in fx_node.users:
+        if u.op == "output" or isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable:
+            return False
+        aliases = u.target is operator.getitem or isinstance(u.target, torch._ops.OpOverload) and (
+            u.target.is_view or str(u.target) in VIEWS or u.target in SPLITS)
+        if aliases and not _only_read(u):
+            return False
+    return True
 
 
 def _refs(args: tuple, kwargs: dict) -> list[Ref]:

@@ -7,8 +7,9 @@ cost that dwarfs a small patch embedding: a mixer's 15x15 images in 5x5 patches 
 forward and 122 us backward per step here, for products of a few microseconds. As GEMMs and
 copies, the generator writes and fuses them (the bias becomes the GEMM's epilogue).
 
-The output has the layout a GEMM writes, one row of channels per patch (channels-last, as
-optimizer/layout.py gives every other convolution); its values are the convolution's. Input rows
+The output has ATen's strides, since the code after it was traced against them (a view merging
+channels with rows, an as_strided, a returned output): channels-last, the layout the GEMM writes,
+for a channels-last input or weight; else NCHW, a copy the generator fuses into its readers. Input rows
 and columns past the last whole patch are not read, as the convolution does not read them, and
 get a zero gradient. Every other convolution returns NotImplemented and stays ATen's.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 aten = torch.ops.aten
 
@@ -29,6 +31,11 @@ def _tiles(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int], padding
     window = tuple(weight.shape[2:])
     return tuple(stride) == window and not any(padding) and all(d == 1 for d in dilation) \
         and not any(output_padding) and x.shape[2] >= window[0] and x.shape[3] >= window[1]
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    """Whether ATen's CPU convolution (oneDNN) gives a channels-last output for this operand."""
+    return suggest_memory_format(t) == torch.channels_last
 
 
 def _patch_rows(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
@@ -48,7 +55,9 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows = _patch_rows(x, kh, kw)
     w = weight.reshape(O, -1)
     out = rows @ w.t() if bias is None else torch.addmm(bias, rows, w.t())
-    return out.view(N, H // kh, W // kw, O).permute(0, 3, 1, 2)
+    nhwc = out.view(N, H // kh, W // kw, O).permute(0, 3, 1, 2)
+    # ATen's strides: what follows (a view, an as_strided, the graph's output) was written against them
+    return nhwc if _channels_last(x) or _channels_last(weight) else nhwc.contiguous()
 
 
 def convolution_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias_sizes, stride, padding,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from optimizer import backend
 from optimizer.backend import make_backend, optimize
+from optimizer.schedule import DEFAULT
 from tests.optimizer_models import concatenations, suite
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -374,3 +375,30 @@ def test_a_buffer_rolled_by_a_cat_of_its_own_slice_matches_eager():
         x = torch.randn(3, 4)
         close(compiled(x), eager(x), f"step {step} output")
         close(mine.window, eager.window, f"step {step} window")
+
+
+def test_a_buffer_read_through_its_chunks_then_updated_in_place_matches_eager():
+    """The chunks of a buffer are slices (views) kernels read; the kernel that writes the buffer's update
+    over it in place (an inference graph keeps the mutation) must not run before a read of its old value
+    through them, even one the graph makes after the update (a clone inlined into its reader)."""
+    class Halves(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("state", torch.arange(12.0).view(4, 3))
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            first, second = self.state.chunk(2)
+            old = first.clone()                 # read (inlined into its reader) after the update
+            self.state.mul_(0.5).add_(x.mean())
+            return self.fc((x * old + second).sum(0))
+
+    torch.manual_seed(0)
+    eager = Halves()
+    mine = copy.deepcopy(eager)
+    compiled = torch.compile(mine, backend=make_backend(schedule=DEFAULT))
+    for step in range(3):
+        x = torch.randn(2, 3)
+        with torch.no_grad():
+            close(compiled(x), eager(x), f"step {step} output")
+        close(mine.state, eager.state, f"step {step} state")

@@ -67,3 +67,22 @@ def test_a_patch_embedding_is_no_aten_convolution_and_other_convolutions_are():
         "aten.convolution.default", "aten.convolution_backward.default"]
     trained_as_eager(overlapping, torch.randn(2, 3, 8, 8))
     trained_as_eager(torch.nn.Conv2d(3, 6, 2, stride=2, padding=1), torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_a_patch_embedding_has_the_strides_of_atens_convolution(layout):
+    """Code after the convolution sees the strides eager's has (NCHW for an NCHW input): a view merging
+    channels with rows failed to compile, an as_strided read other elements, and a returned output
+    took another view than eager's."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 5, 2, stride=2)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 3, 4, 6).to(memory_format=fmt)
+
+    def step(x):
+        y = conv(x)
+        return y, y.reshape(2, -1) * 2, y.as_strided((2, 30), (30, 1)) * 3
+    got, want = torch.compile(step, backend=make_backend(schedule=DEFAULT))(x), step(x)
+    for g, w in zip(got, want):
+        assert g.stride() == w.stride()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

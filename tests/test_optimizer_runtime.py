@@ -210,7 +210,7 @@ def test_a_cell_of_chunks_and_unbinds_trains_as_eager():
 
 def ranges(x):
     positions = torch.arange(2, 11, 3)                     # read by a kernel only: made once, at compile time
-    return x * positions, torch.arange(4) * 0 + torch.arange(4), torch.arange(3)
+    return x * positions, torch.arange(4) * 0 + torch.arange(4), torch.arange(3), torch.arange(6.0).view(2, 3)[1:]
 
 
 def test_a_range_read_by_kernels_is_made_once_and_a_returned_range_is_fresh_at_every_call():
@@ -218,10 +218,12 @@ def test_a_range_read_by_kernels_is_made_once_and_a_returned_range_is_fresh_at_e
     graph = compiled(ranges, x)
     first = graph([x])
     same_as_eager(first, ranges(x))
-    assert sum("arange" in op for op in aten_calls(graph)) == 1, f"not only the returned range is made per call:\n{graph.source}"
+    assert sum("arange" in op for op in aten_calls(graph)) == 2, f"not only the returned ranges are made per call:\n{graph.source}"
     first[2].add_(100)                                     # a caller's in-place change of a returned range
+    first[3].add_(100)                                     # and of a returned view of one
     second = graph([x])
     torch.testing.assert_close(second[2], torch.arange(3))
+    torch.testing.assert_close(second[3], torch.tensor([[3.0, 4.0, 5.0]]))
     torch.testing.assert_close(second[0], x * torch.tensor([2, 5, 8]))
 
 

@@ -11,14 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from optimizer.backend import decompositions, make_backend
 from optimizer.schedule import DEFAULT
-
-
-@pytest.fixture(autouse=True)
-def fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+from tests.test_optimizer_correctness import fresh  # noqa: F401  (autouse: a shared compile cache, no dynamo state)
 
 
 def trained_as_eager(conv: torch.nn.Conv2d, x: torch.Tensor) -> None:

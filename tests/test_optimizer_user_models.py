@@ -54,6 +54,19 @@ def leaves(inputs: tuple) -> tuple:
     return tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
 
 
+def stepped_eager(case: Case) -> tuple:
+    """The case's model after eager's step on its batch (forward, loss, backward), that step's inputs,
+    output and loss, and a copy of the model from before the step with fresh leaves of the same inputs."""
+    torch.manual_seed(0)
+    eager = case.build()
+    mine = copy.deepcopy(eager)
+    inputs, target = case.batch(torch.Generator().manual_seed(1))
+    inputs_e, inputs_m = leaves(inputs), leaves(inputs)
+    out_e, loss_e = case.step(eager, inputs_e, target)
+    loss_e.backward()
+    return eager, inputs_e, out_e, loss_e, mine, inputs_m, target
+
+
 def zero_grad_mask(case: Case, name: str, p: torch.Tensor) -> torch.Tensor:
     """True at the elements of parameter `name` whose gradient is exactly zero in exact arithmetic."""
     mask = torch.zeros_like(p, dtype=torch.bool)
@@ -77,13 +90,7 @@ def compare_parameters(eager: nn.Module, mine: nn.Module, what: str, dtype: torc
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
 def test_forward_and_gradients_match_eager(case):
-    torch.manual_seed(0)
-    eager = case.build()
-    mine = copy.deepcopy(eager)
-    inputs, target = case.batch(torch.Generator().manual_seed(1))
-    inputs_e, inputs_m = leaves(inputs), leaves(inputs)
-    out_e, loss_e = case.step(eager, inputs_e, target)
-    loss_e.backward()
+    eager, inputs_e, out_e, loss_e, mine, inputs_m, target = stepped_eager(case)
 
     compiled = torch.compile(mine, backend=make_backend())
     before = kernels()
@@ -221,13 +228,7 @@ def test_bf16_autocast_conversions_and_pointwise_are_generated(monkeypatch):
         seen.append((graph, plan))
         return real(graph, plan, kernels, lib)
     monkeypatch.setattr(backend, "_compiled", recording)
-    torch.manual_seed(0)
-    eager = case.build()
-    mine = copy.deepcopy(eager)
-    inputs, target = case.batch(torch.Generator().manual_seed(1))
-    inputs_e, inputs_m = leaves(inputs), leaves(inputs)
-    out_e, loss_e = case.step(eager, inputs_e, target)
-    loss_e.backward()
+    eager, inputs_e, out_e, loss_e, mine, inputs_m, target = stepped_eager(case)
     out_m, loss_m = case.step(torch.compile(mine, backend=make_backend(top_k=1)), inputs_m, target)
     loss_m.backward()
 

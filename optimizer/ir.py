@@ -208,7 +208,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             split_pieces[fx_node] = pieces
             continue
         if fx_node.target in FACTORIES and fx_node.users and _only_read(fx_node) and type_ is not None \
-                and not _refs(args, kwargs):
+                and not _tensor_args(args, kwargs, nodes):
             # a range of constant bounds, read and never written nor returned: made once, here
             from torch._subclasses.fake_tensor import unset_fake_temporarily
             with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors
@@ -259,12 +259,6 @@ def _only_read(fx_node: torch.fx.Node) -> bool:
         if aliases and not _only_read(u):
             return False
     return True
-
-
-def _refs(args: tuple, kwargs: dict) -> list[Ref]:
-    found: list[Ref] = []
-    torch.fx.node.map_aggregate((args, kwargs), lambda a: found.append(a) if isinstance(a, Ref) else None)
-    return found
 
 
 def _pieces(fx_node: torch.fx.Node, args: tuple, nodes: list[Node]) -> list[tuple[Any, tuple]] | None:

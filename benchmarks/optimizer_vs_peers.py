@@ -2,7 +2,7 @@
 over a broad suite of models, at 1 and 2 threads.
 
     nice python benchmarks/optimizer_vs_peers.py [--json] [--quick] [--models a,b] [--threads 1,2]
-                                                 [--rounds 5] [--steps 10] [--first-batch]
+                                                 [--rounds 5] [--steps 10] [--first-batch | --second-batch]
                                                  [--size bench] [--device cuda] [--codegen c|triton]
 
 The suite (`SUITE` below, issue 19): the optimizer's own four models (tests/optimizer_models.py at
@@ -100,12 +100,12 @@ class BenchCase:
     loss_rtol: float = 1e-4                                         # first loss, tfsn against eager
 
 
-def bench_cases(names: list[str], size: str, first_batch: bool) -> list[BenchCase]:
-    """The suite's models by name, one case per batch size."""
+def bench_cases(names: list[str], size: str, first_batch: bool, second_batch: bool = False) -> list[BenchCase]:
+    """The suite's models by name, one case per batch size (or only the first, or only the others)."""
     found = []
     for name in names:
         module, case_name, sizes = SUITE[name]
-        for n in sizes[:1] if first_batch else sizes:
+        for n in sizes[:1] if first_batch else sizes[1:] if second_batch else sizes:
             if module == "optimizer_models":
                 c = next(c for c in optimizer_models.suite(size) if c.name == case_name)
                 found.append(BenchCase(name, n, c.build, lambda g, c=c, n=n: _split(c.batch(g, n)),
@@ -205,7 +205,7 @@ def run_one(args: argparse.Namespace) -> int:
     codegen = args.codegen or ("c" if args.device == "cpu" else "triton")
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name(args.device)
     results = []
-    for case in bench_cases(args.models, args.size, args.first_batch):
+    for case in bench_cases(args.models, args.size, args.first_batch, args.second_batch):
         try:
             r = bench_case(case, args.rounds, args.steps, args.device, codegen)
         except Exception as e:          # noqa: BLE001  one failing model costs its row, reported, not the run
@@ -242,6 +242,7 @@ def run_threads(args: argparse.Namespace) -> int:
         cmd = [sys.executable, __file__, "--threads", str(n), "--json", "--rounds", str(args.rounds),
                "--steps", str(args.steps), "--size", args.size, "--device", args.device,
                "--models", ",".join(args.models), *(["--first-batch"] if args.first_batch else []),
+               *(["--second-batch"] if args.second_batch else []),
                *(["--codegen", args.codegen] if args.codegen else [])]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": str(n)})
         lines = proc.stdout.rstrip("\n").split("\n")
@@ -304,7 +305,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="run only these models (repeatable, comma separated; default: the whole suite)")
     parser.add_argument("--quick", action="store_true",
                         help=f"a subset in a few minutes: {', '.join(QUICK)}, first batch size, 3 rounds x 5 steps")
-    parser.add_argument("--first-batch", action="store_true", help="each model at its first batch size only")
+    batches = parser.add_mutually_exclusive_group()
+    batches.add_argument("--first-batch", action="store_true", help="each model at its first batch size only")
+    batches.add_argument("--second-batch", action="store_true", help="each model at its other batch sizes only")
     parser.add_argument("--threads", type=_thread_counts, default=None,
                         help="thread counts, comma separated (default 1,2 on a CPU; torch's on a GPU)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per peer (default 5)")
@@ -321,7 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--models: no model {', '.join(unknown)} in the suite (it has {', '.join(SUITE)})")
     if args.quick:
-        args.models, args.first_batch = args.models or list(QUICK), True
+        args.models, args.first_batch, args.second_batch = args.models or list(QUICK), True, False
         args.rounds, args.steps = args.rounds or 3, args.steps or 5
     args.models = args.models or list(SUITE)
     args.rounds, args.steps = args.rounds or 5, args.steps or 10

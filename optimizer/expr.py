@@ -24,6 +24,10 @@ class Expr:
         for c in self.children():
             yield from c.walk()
 
+    def names(self) -> set[str]:
+        """The loop variables it reads."""
+        return {x.name for x in self.walk() if isinstance(x, Var)}
+
 
 @dataclass(frozen=True)
 class Var(Expr):

@@ -20,6 +20,8 @@ from optimizer.expr import Const, Div, Expr, Mod, add, const, divides, mul, offs
 from optimizer.ir import CAT, Graph, Kind, Node, Ref
 
 MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
+TABLE_MAX = 512         # a merged loop that reads per-lane tables is at most this long (the tables stay in L1)
+LANE_COLUMNS = 64       # a column reduction keeping fewer columns than this runs its SIMD lanes across whole rows
 
 
 class NotFusable(Exception):
@@ -309,6 +311,27 @@ class LoopNest:
         return bool(self.group.reduced) and self.order[-1] not in self.group.reduced
 
     @property
+    def lane_run(self) -> tuple[int, ...] | None:
+        """A column reduction's SIMD lanes when they run across rows of whole columns (the merged
+        loop holding the kept innermost axis and the reduced axes around it in memory): its values
+        per column are arrays of one slot per lane, and its per-column statements run at the first
+        columns-many lanes (where the reduced axes of the run are 0)."""
+        if not self.column:
+            return None
+        return next((run for run in self.runs.values() if self.order[-1] in run), None)
+
+    def tabled(self, load: Load) -> bool:
+        """Whether a load is read from a table of its values along the merged loop: its offset divides
+        the merged index (a BatchNorm's per-channel weight at m % C), depends on nothing else, and
+        this kernel does not write what it reads (the table is filled before the loops)."""
+        merged = {f"m{d}" for d in self.runs}
+        return divides(load.offset, merged) and load.offset.names() <= merged and load.buffer not in self.outputs
+
+    def lanes(self, first: int) -> int:
+        """The length of the merged loop that starts at axis `first`."""
+        return prod(self.group.domain[d] for d in self.runs[first])
+
+    @property
     def kept(self) -> list[int]:
         return [d for d in self.order if d not in self.group.reduced]
 
@@ -333,15 +356,18 @@ class LoopNest:
         return f"i{inner}", dom[inner]
 
 
-def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None) -> LoopNest:
+def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None,
+          tables: bool = False) -> LoopNest:
     """The loop nest of a non-extern group, NotFusable when it is none. `inplace` (member -> graph
-    input) are values written over an input instead of a buffer of their own. Kept in graph.memo:
-    a search plans a graph ~50 times and most groups recur."""
+    input) are values written over an input instead of a buffer of their own. `tables`: the renderer
+    reads a load that repeats along a merged loop from a table of it (LoopNest.tabled), so such loads
+    no longer keep axes from merging (the C renderer; the nest is otherwise the same). Kept in
+    graph.memo: a search plans a graph ~50 times and most groups recur."""
     members_inplace = tuple(sorted((n, i) for n, i in (inplace or {}).items() if n in group.nodes))
-    key = ("loopnest", kernel_key(graph, buffers, group), members_inplace)
+    key = ("loopnest", kernel_key(graph, buffers, group), members_inplace, tables)
     if key not in graph.memo:
         try:
-            graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace)).run()
+            graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace), tables).run()
         except NotFusable as e:
             # the reason, not the exception: a kept exception keeps its traceback's frames (the whole
             # lowering), and each raise of it again would lengthen that traceback
@@ -373,12 +399,13 @@ def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:
 class _Lowering:
     """Walks a group's members in the order a loop nest computes them."""
 
-    def __init__(self, graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]) -> None:
+    def __init__(self, graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int],
+                 tables: bool = False) -> None:
         self.g, self.group, self.buffers, self.inplace = graph, group, buffers, inplace
         self.members = set(group.nodes)
         self.targets = {i for n, i in inplace.items() if n in self.members}
         self.order = self.memory_order()
-        self.merging = True
+        self.merging, self.tables, self.merge_max = True, tables, None
         self.reset()
 
     def reset(self) -> None:
@@ -399,22 +426,34 @@ class _Lowering:
         self.loads: list[tuple[int, Expr]] = []
 
     def run(self) -> LoopNest:
+        """The nest with merged loops where every offset still follows them: an offset that divides a
+        merged index undoes the merge, unless it is a load the renderer reads from a table (`tables`),
+        and then the merged loop is at most TABLE_MAX long."""
         nest = self.nest()
         merged = {f"m{d}" for d in self.runs}
-        if merged and any(divides(off, merged) for off in self.offsets(nest)):   # a merged index still divided
+        if not merged:
+            return nest
+        divided = [(s, off) for s, off in self.offsets(nest) if divides(off, merged)]
+        if any(not (self.tables and isinstance(s, Define) and nest.tabled(s.value)) for s, _ in divided):
             self.merging = False
-            self.reset()
-            nest = self.nest()
-        return nest
+        elif divided and max(nest.lanes(d) for d in self.runs) > TABLE_MAX:
+            self.merge_max = TABLE_MAX
+        else:
+            return nest
+        self.reset()
+        return self.run()
 
     @staticmethod
-    def offsets(nest: LoopNest) -> list[Expr]:
+    def offsets(nest: LoopNest) -> list[tuple[Stmt, Expr]]:
+        """The loads and stores run at every index of the merged loops, with their offsets (not the
+        per-column statements of a nest with lanes, which run at its first C indices only)."""
         stmts = list(nest.prologue) + list(nest.body) + list(nest.epilogue or [])
         for s in nest.segments:
-            stmts += s.body
-            if isinstance(s, Pass):
+            if nest.lane_run is None or isinstance(s, Pass):
+                stmts += s.body
+            if isinstance(s, Pass) and nest.lane_run is None:
                 stmts += [r.store for r in s.reductions]
-        return [s.value.offset if isinstance(s, Define) and isinstance(s.value, Load) else s.offset
+        return [(s, s.value.offset if isinstance(s, Define) else s.offset)
                 for s in stmts if isinstance(s, Store) or isinstance(s, Define) and isinstance(s.value, Load)]
 
     def nest(self) -> LoopNest:
@@ -566,17 +605,44 @@ class _Lowering:
         not 52 loops of 52 (each a SIMD remainder and a loop set-up). The axes' indices become
         divisions of the merged index, which expr.fold_splits takes out of every offset where the
         strides allow; run() checks that it did. `keep_outer`: leave one axis for the outer loop."""
-        dom = self.group.domain
         if not self.merging or len(dims) < 2:
             return
         run = [dims[-1]]
-        while len(run) < len(dims) - keep_outer and prod(dom[d] for d in run) < MERGE_BELOW:
-            outer = dims[len(dims) - 1 - len(run)]
-            if self.order.index(outer) != self.order.index(run[0]) - 1:    # not next in memory
-                break
-            run.insert(0, outer)
+        while len(run) < len(dims) - keep_outer and self.takes(run, dims[len(dims) - 1 - len(run)]):
+            run.insert(0, dims[len(dims) - 1 - len(run)])
+        self.merge_run(run)
+
+    def merge_lanes(self) -> None:
+        """A column reduction's lanes (LoopNest.lane_run): the kept innermost axis, when it is short
+        (the channels of a channels-last BatchNorm: 10 columns are one vector and a scalar remainder
+        of 2, which runs erf or exp scalar), with the reduced axes next to it in memory, to at most
+        TABLE_MAX lanes."""
+        dom, last = self.group.domain, self.order[-1]
+        if not (self.merging and self.tables and dom[last] < LANE_COLUMNS) or any(
+                self.g.nodes[n].params["reduce"] not in ("sum", "mean")
+                for n in self.group.nodes if self.g.nodes[n].kind == Kind.REDUCE):
+            return
+        run, k = [last], len(self.order) - 2
+        while k >= 0 and self.order[k] in self.group.reduced and \
+                prod(dom[d] for d in run) * dom[self.order[k]] <= TABLE_MAX:
+            run.insert(0, self.order[k])
+            k -= 1
+        self.merge_run(run)
+
+    def takes(self, run: list[int], outer: int) -> bool:
+        """Whether the merged loop `run` takes in axis `outer` next (see merge)."""
+        length = prod(self.group.domain[d] for d in run)
+        if self.order.index(outer) != self.order.index(run[0]) - 1:    # not next in memory
+            return False
+        if self.merge_max is not None:
+            return length * self.group.domain[outer] <= self.merge_max
+        return length < MERGE_BELOW
+
+    def merge_run(self, run: list[int]) -> None:
+        """Axes `run` (outermost first, contiguous in the loop order) as one loop m{run[0]}."""
         if len(run) < 2:
             return
+        dom = self.group.domain
         m, inner, idx = var(f"m{run[0]}"), 1, list(self.idx)
         for k, d in enumerate(reversed(run)):
             idx[d] = Mod(m, dom[d]) if k == 0 else Div(m, inner) if k == len(run) - 1 else Mod(Div(m, inner), dom[d])
@@ -622,6 +688,8 @@ class _Lowering:
         between them (mean, rstd), then the members over the whole domain."""
         if self.order[-1] in self.group.reduced:      # not a column reduction: the reduced axes may merge
             self.merge([d for d in self.order if d in self.group.reduced], keep_outer=False)
+        else:
+            self.merge_lanes()
         self.row = {}
         epilogue: list[int] = []
         out: list[Union[RowSegment, Pass]] = []

@@ -452,12 +452,92 @@ def test_loops_follow_the_layout_and_merge_short_axes(layout):
     source, _ = c.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
     if layout == "contiguous":        # rows of 26 are contiguous: one loop of 26 x 26 per (batch, channel)
         assert "m2 < 676;" in source and "m1 < 8112;" in source, source
-    elif layout == "channels_last":   # channels innermost, as they lie in memory
-        assert "const int64_t i1 = jb + j;" in source, source
+    elif layout == "channels_last":   # channels innermost, as they lie in memory; the 12 channels' sums
+        # run their SIMD lanes along rows of 26 pixels x 12 channels (a lane per pixel and channel)
+        assert "m3 < 312;" in source and "jb" not in source, source
     else:                             # rows 30 apart: no merged loop, whose index would need a division
         assert "m2" not in source and "i3 < 26;" in source, source
     for got, want in zip(run(gm, [x]), fn(x)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+CHANNELS_LAST_SCHEDULES = [DEFAULT, Schedule(parallel_min_elements=1), Schedule(parallel_axis=-1),
+                           Schedule(vector_width=1), Schedule(vector_width=16, chunk=3, parallel_min_elements=1)]
+
+
+@pytest.mark.parametrize("channels", [3, 10, 18, 64])
+@pytest.mark.parametrize("schedule", CHANNELS_LAST_SCHEDULES, ids=str)
+def test_channels_last_batchnorm_gelu_forward_and_backward(channels, schedule):
+    """BatchNorm + GELU over a channels-last activation, forward and backward, as training runs it:
+    a per-channel reduction whose channels are innermost in memory. With fewer than 64 channels its
+    SIMD lanes run along rows of whole pixels (a lane per pixel and channel, the channels' sums folded
+    from them), and the per-channel weight, mean and scale are read from tables along those lanes."""
+    torch.manual_seed(channels)
+    x = torch.randn(5, channels, 9, 7).contiguous(memory_format=torch.channels_last)
+    w, b = torch.rand(channels) + 0.5, torch.randn(channels)
+    g = torch.randn(5, channels, 9, 7).contiguous(memory_format=torch.channels_last)
+
+    def bn_gelu(x, w, b, g):          # BatchNorm in training as its decomposition computes it
+        mean = x.mean((0, 2, 3), keepdim=True)
+        rstd = torch.rsqrt(x.var((0, 2, 3), unbiased=False, keepdim=True) + 1e-5)
+        y = F.gelu((x - mean) * rstd * w[:, None, None] + b[:, None, None])
+        return (y, *torch.autograd.grad(y, (x, w, b), g))
+    want = bn_gelu(x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), g)
+    gm, graph, plan = trace(bn_gelu, x, w, b, g)
+    nests = [loopnest.lower(graph, k, plan.buffers, tables=True) for k in kernels(graph, plan)]
+    lanes = [n.lane_run for n in nests if n.lane_run is not None]
+    if channels < loopnest.LANE_COLUMNS:
+        assert lanes and all(n.lanes(run[0]) <= loopnest.TABLE_MAX for n, run in zip(nests, lanes)), \
+            fusion.describe(graph, plan)
+        source, _ = c.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups))
+        assert "tb0[" in source and "% " not in source.split("tb0[")[-1].split("\n}")[0], source
+    else:
+        assert not lanes
+    got = run(gm, [x.detach(), w.detach(), b.detach(), g], schedule=schedule)
+    for a, e, name in zip(got, want, ["y", "grad x", "grad w", "grad b"]):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("schedule", CHANNELS_LAST_SCHEDULES, ids=str)
+def test_per_image_channel_statistics_of_channels_last_tensors(schedule):
+    """A column reduction that also keeps an outer axis (statistics per image and channel, as an
+    instance or group norm takes them from an NHWC tensor), with a mean and the centred values after
+    it; and a max over the same axes, which keeps the column blocks (no lanes)."""
+    x = torch.randn(4, 11, 13, 6)           # N, H, W, C: channels innermost
+
+    def stats(x):
+        mean = x.mean((1, 2), keepdim=True)
+        return x - mean, (x * x).sum((1, 2))
+
+    def peaks(x):
+        return x.amax((1, 2)), x - x.amax((1, 2), keepdim=True)
+    for fn, lanes in ((stats, True), (peaks, False)):
+        gm, graph, plan = trace(fn, x)
+        nests = [loopnest.lower(graph, k, plan.buffers, tables=True) for k in kernels(graph, plan)]
+        assert any(n.lane_run is not None and n.kept[:-1] for n in nests) == lanes, fusion.describe(graph, plan)
+        for a, e in zip(run(gm, [x], schedule=schedule), fn(x)):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_running_statistics_under_channels_last_lanes():
+    """A compiled BatchNorm2d + GELU training on channels-last inputs of 10 channels: its running
+    mean and variance, updated in place by the per-channel statements, are updated once per step
+    (not once per lane), and its output and gradients match eager over three steps."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.BatchNorm2d(10), torch.nn.GELU())
+    mine = torch.nn.Sequential(torch.nn.BatchNorm2d(10), torch.nn.GELU())
+    mine.load_state_dict(eager.state_dict())
+    compiled = torch.compile(mine, backend=make_backend(top_k=1))
+    for step in range(3):
+        x = torch.randn(6, 10, 8, 8).contiguous(memory_format=torch.channels_last)
+        want, got = eager(x), compiled(x)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for (name, a), e in zip(mine.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        for (name, a), e in zip(mine.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
 
 
 def conv_chain(x, w1, w2):

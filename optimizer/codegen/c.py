@@ -229,11 +229,13 @@ class KernelWriter:
         self.inplace = inplace or {}              # member -> the graph input its value is written over
 
     def write(self) -> Kernel:
-        self.nest = lower(self.g, self.group, self.buffers, self.inplace)
+        self.nest = lower(self.g, self.group, self.buffers, self.inplace, tables=True)
         self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
+        self.tables: dict[Load, str] = {}
         shape = self.nest.shape
         code = self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction" else self.pointwise()
         code = [self.statement(d) for d in self.nest.prologue] + code
+        code = [line for load, name in self.tables.items() for line in self.fill(load, name)] + code
         outputs = set(self.nest.outputs)
         args = ", ".join(f"{'' if n in outputs else 'const '}{_buffer_ctype(self.g.nodes[n])}* restrict {p}"
                          for n, p in self.names.items())
@@ -244,7 +246,20 @@ class KernelWriter:
     def value(self, name: Name) -> str:
         if isinstance(name, Temp):
             return f"t{name.id}"
+        lanes = self.nest.lane_run
+        if lanes is not None:
+            return f"{name.kind}{name.node}[m{lanes[0]}]"
         return f"{name.kind}{name.node}[j]" if self.nest.column else f"{name.kind}{name.node}"
+
+    def fill(self, load: Load, name: str) -> list[str]:
+        """A table of a load's values along the merged loop it repeats in (LoopNest.tabled), made once
+        per call before the loops: the loop then reads it at the merged index, contiguously (a
+        remainder of the index, `w[m % C]`, does not vectorize)."""
+        (m,) = load.offset.names()
+        buffer = self.g.nodes[load.buffer]
+        element = widened(f"{self.names[load.buffer]}[{c_index(load.offset)}]", buffer.type.dtype)
+        return [f"{_ctype(buffer)} {name}[{self.nest.lanes(int(m[1:]))}];",
+                f"for (int64_t {m} = 0; {m} < {self.nest.lanes(int(m[1:]))}; {m}++) {name}[{m}] = {element};"]
 
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]
@@ -264,6 +279,9 @@ class KernelWriter:
             v = s.value
             if isinstance(v, Load):
                 buffer = self.g.nodes[v.buffer]
+                if self.nest.tabled(v):
+                    table = self.tables.setdefault(v, f"tb{len(self.tables)}")
+                    return f"const {_ctype(buffer)} t{s.name.id} = {table}[{next(iter(v.offset.names()))}];"
                 element = f"{self.names[v.buffer]}[{c_index(v.offset)}]"
                 return f"const {_ctype(buffer)} t{s.name.id} = {widened(element, buffer.type.dtype)};"
             if isinstance(v, Apply):
@@ -345,6 +363,8 @@ class KernelWriter:
         BatchNorm statistics), a "row" is a block of `column_block` columns of it instead, its values
         are arrays, and SIMD runs across the columns."""
         dom, nest = self.group.domain, self.nest
+        if nest.lane_run is not None:
+            return self.lane_reduction()
         last, column, kept, reduced = nest.order[-1], nest.column, nest.kept, nest.reduced
         count = prod(dom[d] for d in reduced)
         simd = _pragma_simd(self.s)
@@ -406,6 +426,58 @@ class KernelWriter:
             return row
         par = self.parallel(prod(dom), outer)
         return ([par] if par else []) + [f"for (int64_t r = 0; r < {outer}; r++) {{"] + \
+            [f"  {line}" for line in row] + ["}"]
+
+    def lane_reduction(self) -> list[str]:
+        """A column reduction whose SIMD lanes run across whole columns (LoopNest.lane_run): per row
+        of the kept outer axes, a pass accumulates one slot per lane over the other reduced axes, a
+        column's value is the sum of its lanes (every C-th), computed at the first C lanes and copied
+        along the others, and the members over the whole domain run on the lanes again. With one
+        row (BatchNorm's statistics), threads split the other reduced axes (OpenMP array reductions)."""
+        dom, nest = self.group.domain, self.nest
+        lanes = nest.lane_run
+        m, width, columns = f"m{lanes[0]}", nest.lanes(lanes[0]), dom[nest.order[-1]]
+        outer_kept, others = nest.kept[:-1], [d for d in nest.reduced if d not in lanes]
+        rows, steps = prod(dom[d] for d in outer_kept), prod(dom[d] for d in others)
+        split = self.parallel(prod(dom), steps) if rows == 1 else ""
+        row = self.decompose(outer_kept, "r")
+
+        def per_column(lines: list[str]) -> list[str]:
+            return [f"for (int64_t {m} = 0; {m} < {columns}; {m}++) {{"] + [f"  {line}" for line in lines] + ["}"]
+
+        def copied(names: list[str]) -> list[str]:
+            return [f"for (int64_t {m} = {columns}; {m} < {width}; {m}++) {{"] + \
+                [f"  {name}[{m}] = {name}[{m} - {columns}];" for name in names] + ["}"]
+
+        def over_lanes(lines: list[str], clauses: str = "") -> list[str]:
+            lane_loop = self.loops(list(lanes), lines, _pragma_simd(self.s))
+            return ([split + clauses] if split else []) + [f"for (int64_t q = 0; q < {steps}; q++) {{"] + \
+                [f"  {line}" for line in self.decompose(others, "q") + lane_loop] + ["}"]
+
+        for segment in nest.segments:
+            if isinstance(segment, RowSegment):
+                name = f"row{segment.node}"
+                row += [f"{_ctype(self.g.nodes[segment.node])} {name}[{width}];"] + \
+                    per_column(self.lines(segment.body)) + copied([name])
+                continue
+            clauses, finish, reds = "", [], []
+            for r in segment.reductions:
+                ct, acc, red = _ctype(self.g.nodes[r.node]), f"acc{r.node}", f"red{r.node}"
+                row += [f"{ct} {acc}[{width}];", f"{ct} {red}[{width}];",
+                        f"for (int64_t {m} = 0; {m} < {width}; {m}++) {acc}[{m}] = 0;"]
+                clauses += f" reduction(+:{acc}[:{width}])"
+                mean = f" / {prod(dom[d] for d in nest.reduced)}" if r.op == "mean" else ""
+                finish += [f"{ct} {acc}_sum = 0;",
+                           f"for (int64_t k = {m}; k < {width}; k += {columns}) {acc}_sum += {acc}[k];",
+                           f"{red}[{m}] = {acc}_sum{mean};", self.statement(r.store)]
+                reds.append(red)
+            row += over_lanes(self.lines(segment.body), clauses) + per_column(finish) + copied(reds)
+        if nest.epilogue is not None:
+            row += over_lanes(self.lines(nest.epilogue))
+        if not outer_kept:
+            return row
+        par = self.parallel(prod(dom), rows)
+        return ([par] if par else []) + [f"for (int64_t r = 0; r < {rows}; r++) {{"] + \
             [f"  {line}" for line in row] + ["}"]
 
     def gemm(self) -> list[str]:

@@ -422,11 +422,7 @@ class KernelWriter:
             row += per_row(finish)
         if nest.epilogue is not None:
             row += over_reduced(self.lines(nest.epilogue))
-        if not kept:
-            return row
-        par = self.parallel(prod(dom), outer)
-        return ([par] if par else []) + [f"for (int64_t r = 0; r < {outer}; r++) {{"] + \
-            [f"  {line}" for line in row] + ["}"]
+        return self.rows(row, outer) if kept else row
 
     def lane_reduction(self) -> list[str]:
         """A column reduction whose SIMD lanes run across whole columns (LoopNest.lane_run): per row
@@ -474,10 +470,12 @@ class KernelWriter:
             row += over_lanes(self.lines(segment.body), clauses) + per_column(finish) + copied(reds)
         if nest.epilogue is not None:
             row += over_lanes(self.lines(nest.epilogue))
-        if not outer_kept:
-            return row
-        par = self.parallel(prod(dom), rows)
-        return ([par] if par else []) + [f"for (int64_t r = 0; r < {rows}; r++) {{"] + \
+        return self.rows(row, rows) if outer_kept else row
+
+    def rows(self, row: list[str], count: int) -> list[str]:
+        """A reduction's code for one row, run for each of `count` rows (in parallel where worth it)."""
+        par = self.parallel(prod(self.group.domain), count)
+        return ([par] if par else []) + [f"for (int64_t r = 0; r < {count}; r++) {{"] + \
             [f"  {line}" for line in row] + ["}"]
 
     def gemm(self) -> list[str]:

@@ -153,8 +153,8 @@ def searched_partition(spec=None) -> Callable:
                                      suffix=".partition")
             choice = path.read_text() if path.exists() else ""
             if choice not in ("recompute", "store"):       # not decided here before
-                store = default_partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                          **kwargs)
+                store = default_partition(_merged_repeats(_copy(joint)), joint_inputs,
+                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
                 # each side by the model alone, over a few fusion plans: the decision is between two
                 # graphs, and the full search of the chosen one follows
                 cost = [sum(search.search_graph(ir.from_fx(gm, half=True), chip, gemm=gemm, timing=False,
@@ -169,9 +169,22 @@ def searched_partition(spec=None) -> Callable:
             return recompute
         if choice == "recompute":
             return recompute
-        return store or default_partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                          **kwargs)
+        return store or default_partition(_merged_repeats(_copy(joint)), joint_inputs,
+                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
     return choose
+
+
+def _merged_repeats(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`joint` with repeated computations merged (torch's fx_graph_cse, which the min-cut partitioner
+    runs first; the default partition does not): a recurrent cell unrolled in Python transposes its
+    weights once per time step, and the saving partition kept each transpose as a view of its own."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    if functorch_config.cse:
+        joint.graph = fx_graph_cse(joint.graph)
+        joint.recompile()
+    return joint
 
 
 def _copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -73,3 +73,48 @@ def test_torch_compile_by_name():
     before = backend.STATS["kernels"]
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
     assert backend.STATS["kernels"] > before
+
+
+@pytest.mark.parametrize("choice", ["recompute", "store"])
+def test_either_partition_transposes_a_reused_weight_once(choice, tmp_path, monkeypatch):
+    """A recurrent cell unrolled in Python applies the same Linear at every step, and the joint graph
+    transposes its weight once per step. Whichever partition the search chooses (the one it decided
+    is kept beside the search cache; here both are forced), the forward graph transposes it once, and
+    the forward and gradients are eager's."""
+    from functorch.compile import aot_function
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / choice))
+    w, u = torch.randn(7, 5, requires_grad=True), torch.randn(7, 7, requires_grad=True)
+    x = torch.randn(3, 4, 5)
+
+    def unrolled(x, w, u):
+        h = torch.zeros(3, 7)
+        for t in range(4):
+            h = torch.tanh(x[:, t] @ w.t() + h @ u.t())
+        return h
+
+    def run_once() -> list[torch.fx.GraphModule]:
+        graphs = []
+
+        def keep(gm, _inputs):
+            graphs.append(gm)
+            return gm
+        out = aot_function(unrolled, fw_compiler=keep, bw_compiler=keep,
+                           partition_fn=backend.searched_partition())(x, w, u)
+        grads = torch.autograd.grad(out.sum(), (w, u))
+        want = unrolled(x, w, u)
+        torch.testing.assert_close(out, want)
+        for got, ref in zip(grads, torch.autograd.grad(want.sum(), (w, u))):
+            torch.testing.assert_close(got, ref)
+        return graphs
+
+    run_once()                                            # decides, and keeps the decision
+    decisions = list((tmp_path / choice).rglob("*.partition"))
+    assert decisions, "the partition's choice was not kept"
+    for path in decisions:
+        path.write_text(choice)
+    forward = run_once()[0]
+    transposed = [n.args[0].name for n in forward.graph.nodes if n.op == "call_function"
+                  and n.target in (torch.ops.aten.t.default, torch.ops.aten.permute.default)
+                  and n.args[0].op == "placeholder"]
+    assert sorted(transposed) == ["primals_2", "primals_3"], transposed      # w.t() and u.t(), once each

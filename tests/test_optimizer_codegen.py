@@ -643,12 +643,16 @@ class _StridedResidual(torch.nn.Module):
 
 def test_input_gradient_of_a_strided_residual_block():
     """The input's gradient through both paths of a downsampling block matches eager (batch 5: at
-    batches 1 to 4 it did, at 5 to 8 it held values of 1e17 to 1e35, before and after 674d050)."""
+    batches 1 to 4 it did, at 5 to 8 it held values of 1e17 to 1e35, before and after 674d050; the
+    BatchNorm-backward kernel's gradient for a convolution's output held them, at a few elements of
+    the last image, with sane inputs). Under this schedule it failed in every run; top_k=1's plan
+    failed in most."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     eager = _StridedResidual()
     mine = _StridedResidual()
     mine.load_state_dict(eager.state_dict())
-    compiled = torch.compile(mine, backend=make_backend(top_k=1))
+    compiled = torch.compile(mine, backend=make_backend(schedule=Schedule(column_block=16, parallel_min_elements=1)))
     x = torch.randn(5, 3, 16, 16)
     grads = []
     for model in (eager, compiled):

@@ -642,11 +642,11 @@ class _StridedResidual(torch.nn.Module):
 
 
 def test_input_gradient_of_a_strided_residual_block():
-    """The input's gradient through both paths of a downsampling block matches eager (batch 5: at
-    batches 1 to 4 it did, at 5 to 8 it held values of 1e17 to 1e35, before and after 674d050; the
-    BatchNorm-backward kernel's gradient for a convolution's output held them, at a few elements of
-    the last image, with sane inputs). Under this schedule it failed in every run; top_k=1's plan
-    failed in most."""
+    """The input's gradient through both paths of a downsampling block matches eager. Its BatchNorm
+    backward (24 channels innermost, in blocks of 16, with the ReLU mask selecting the mean's gradient)
+    was miscompiled by gcc 12 at -O3 for AVX-512: values up to 1e35 at a few elements of the last
+    image, at batches 5 to 8 (compiler.host_flags now turns ivopts off). Under this schedule it
+    failed in every run."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = _StridedResidual()

@@ -41,7 +41,12 @@ def host_flags() -> tuple[str, ...]:
     """-march=native for this CPU's SIMD; libmvec (vector exp/log/tanh/erf) when glibc has it."""
     flags = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11",
              "-fno-math-errno", "-fno-trapping-math", "-fno-semantic-interposition",
-             "-fwrapv"]   # integers wrap on overflow, as torch's do (signed overflow is undefined in C)
+             "-fwrapv",   # integers wrap on overflow, as torch's do (signed overflow is undefined in C)
+             # gcc 12 at -O3 with AVX-512 computed wrong values in a BatchNorm backward whose ReLU mask
+             # selects a load made in one arm (an if-converted masked load): at -O0, for AVX2, or
+             # without ivopts (or loop-invariant motion) it computes eager's. No loss measured without
+             # ivopts on the benchmark (tests/test_optimizer_codegen.py, strided residual block).
+             "-fno-ivopts"]
     if any(Path(d, "libmvec.so").exists() for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
                                                     "/usr/lib64", "/lib64")):
         return tuple(flags + ["-DTFSN_LIBMVEC", "-lmvec", "-lm"])

@@ -605,29 +605,36 @@ class _Lowering:
         not 52 loops of 52 (each a SIMD remainder and a loop set-up). The axes' indices become
         divisions of the merged index, which expr.fold_splits takes out of every offset where the
         strides allow; run() checks that it did. `keep_outer`: leave one axis for the outer loop."""
+        dom = self.group.domain
         if not self.merging or len(dims) < 2:
             return
         run = [dims[-1]]
         while len(run) < len(dims) - keep_outer and self.takes(run, dims[len(dims) - 1 - len(run)]):
             run.insert(0, dims[len(dims) - 1 - len(run)])
-        self.merge_run(run)
+        if len(run) < 2:
+            return
+        m, inner, idx = var(f"m{run[0]}"), 1, list(self.idx)
+        for k, d in enumerate(reversed(run)):
+            idx[d] = Mod(m, dom[d]) if k == 0 else Div(m, inner) if k == len(run) - 1 else Mod(Div(m, inner), dom[d])
+            inner *= dom[d]
+        self.idx = tuple(idx)
+        self.runs[run[0]] = tuple(run)
 
     def merge_lanes(self) -> None:
         """A column reduction's lanes (LoopNest.lane_run): the kept innermost axis, when it is short
         (the channels of a channels-last BatchNorm: 10 columns are one vector and a scalar remainder
-        of 2, which runs erf or exp scalar), with the reduced axes next to it in memory, to at most
-        TABLE_MAX lanes."""
-        dom, last = self.group.domain, self.order[-1]
-        if not (self.merging and self.tables and dom[last] < LANE_COLUMNS) or any(
+        of 2, which runs erf or exp scalar), merged with the reduced axes next to it in memory, to at
+        most TABLE_MAX lanes (its values are arrays of one slot per lane)."""
+        order = self.order
+        if not (self.tables and self.group.domain[order[-1]] < LANE_COLUMNS) or any(
                 self.g.nodes[n].params["reduce"] not in ("sum", "mean")
                 for n in self.group.nodes if self.g.nodes[n].kind == Kind.REDUCE):
             return
-        run, k = [last], len(self.order) - 2
-        while k >= 0 and self.order[k] in self.group.reduced and \
-                prod(dom[d] for d in run) * dom[self.order[k]] <= TABLE_MAX:
-            run.insert(0, self.order[k])
-            k -= 1
-        self.merge_run(run)
+        first = len(order) - 1
+        while first > 0 and order[first - 1] in self.group.reduced:
+            first -= 1
+        self.merge_max = TABLE_MAX
+        self.merge(order[first:], keep_outer=False)
 
     def takes(self, run: list[int], outer: int) -> bool:
         """Whether the merged loop `run` takes in axis `outer` next (see merge)."""
@@ -637,18 +644,6 @@ class _Lowering:
         if self.merge_max is not None:
             return length * self.group.domain[outer] <= self.merge_max
         return length < MERGE_BELOW
-
-    def merge_run(self, run: list[int]) -> None:
-        """Axes `run` (outermost first, contiguous in the loop order) as one loop m{run[0]}."""
-        if len(run) < 2:
-            return
-        dom = self.group.domain
-        m, inner, idx = var(f"m{run[0]}"), 1, list(self.idx)
-        for k, d in enumerate(reversed(run)):
-            idx[d] = Mod(m, dom[d]) if k == 0 else Div(m, inner) if k == len(run) - 1 else Mod(Div(m, inner), dom[d])
-            inner *= dom[d]
-        self.idx = tuple(idx)
-        self.runs[run[0]] = tuple(run)
 
     def memory_order(self) -> tuple[int, ...]:
         """The domain's axes by decreasing stride of the group's main tensor (its first stored member of

@@ -256,10 +256,10 @@ class KernelWriter:
         per call before the loops: the loop then reads it at the merged index, contiguously (a
         remainder of the index, `w[m % C]`, does not vectorize)."""
         (m,) = load.offset.names()
-        buffer = self.g.nodes[load.buffer]
+        buffer, length = self.g.nodes[load.buffer], self.nest.lanes(int(m[1:]))
         element = widened(f"{self.names[load.buffer]}[{c_index(load.offset)}]", buffer.type.dtype)
-        return [f"{_ctype(buffer)} {name}[{self.nest.lanes(int(m[1:]))}];",
-                f"for (int64_t {m} = 0; {m} < {self.nest.lanes(int(m[1:]))}; {m}++) {name}[{m}] = {element};"]
+        return [f"{_ctype(buffer)} {name}[{length}];",
+                f"for (int64_t {m} = 0; {m} < {length}; {m}++) {name}[{m}] = {element};"]
 
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]

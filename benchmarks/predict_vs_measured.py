@@ -1,6 +1,6 @@
 """The plan's predicted step time on this machine against the step time the same job measures under `tfsn launch`.
 
-    python benchmarks/predict_vs_measured.py [--json] [--steps 120] [--models tiny-gpt,mlp,gpt2_block,cnn,resnet,llama]
+    python benchmarks/predict_vs_measured.py [--json] [--steps 120] [--models tiny-gpt,mlp,gpt2_block,cnn,resnet,llama,vit,gru]
                                              [--nodes 2]
 
 For the example (examples/tiny-gpt), models of the optimizer's suite (tests/optimizer_models.py at `bench`
@@ -41,7 +41,7 @@ from _common import print_table  # noqa: E402
 SUITE = ("mlp", "gpt2_block", "cnn")
 # Held out: models of tests/user_models.py, written as users write them, that nothing in the prediction was fitted
 # to, with the per-rank batch each is trained at here
-HELD_OUT = {"resnet": 32, "llama": 12}
+HELD_OUT = {"resnet": 32, "llama": 12, "vit": 16, "gru": 20}
 WARMUP_STEPS = 10       # the first steps compile (and load the plan's kernels): not the steady step
 
 # A user's script of the example's shape, for a model of the suite: the loss is the model's forward's output
@@ -214,11 +214,14 @@ def main() -> None:
             load = (load + os.getloadavg()[0]) / 2
             ratio = predicted / measured
             host = out["hardware"][0]
+            alone = host["searched_device_step_s"] + host["update_s"] if host.get("update_s") is not None else None
             results.append({"model": name, "nodes": 2 if name == "tiny-gpt" else args.nodes, "predicted_s": predicted, "measured_s": measured, "ratio": ratio,
+                            "step_alone_s": alone, "kernels_predicted_s": host.get("kernels_predicted_s"),
                             "measured_cpu_s": cpu, "ratio_cpu": predicted / cpu if cpu else None,
                             "load_average": round(load, 2), "steps_measured": n, "plan_cold_s": cold_s,
                             "plan_cached_s": cached_s, "source": host["source"], "graphs": host.get("graphs")})
-            rows.append([name, f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{ratio:.2f}",
+            rows.append([name, f"{alone * 1e3:.1f}" if alone else "-", f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}",
+                         f"{ratio:.2f}",
                          f"{cpu * 1e3:.1f}" if cpu else "-", f"{predicted / cpu:.2f}" if cpu else "-",
                          f"{load:.1f}", f"{cold_s:.1f}", f"{cached_s:.2f}", host["source"]])
     finally:
@@ -226,7 +229,7 @@ def main() -> None:
                        timeout=60)
         shutil.rmtree(folder, ignore_errors=True)
     print(f"host spec: {spec_source}")
-    print_table(["model", "predicted ms", "measured ms", "pred/meas", "cpu ms", "pred/cpu", "load", "plan cold s",
+    print_table(["model", "alone ms", "predicted ms", "measured ms", "pred/meas", "cpu ms", "pred/cpu", "load", "plan cold s",
                  "plan cached s", "source"], rows)
     print(f"on {os.cpu_count()} CPUs; load: the 1-minute load average around the launch (above the CPU count, the "
           "workers share their cores with other work and the wall step grows with it)")

@@ -17,6 +17,15 @@ process alone, less its update, the fixed share of a one-process job. Why the me
 job's measured step is a median, and the drift between ranks and the wake-ups at each collective are no noise
 but part of every step (between barriers a gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a
 fraction of that).
+
+What being one of two ranks costs a step beyond the same step alone is measured with both processes running,
+DDP with the vote against no collective, switched in blocks of steps (so the machine's drift weighs on both):
+at no compute (a tiny Linear: the fixed share) and at a few milliseconds of compute with as small a gradient
+(PAYLOAD): what the payload adds beyond the fixed share, over the square root of its step alone, is the wait
+of a 1 ms step. Why the square root: each rank's own delays (a wake-up, another process on its core) add up
+like a random walk over the step, and at each collective one rank waits for the other; on this 2-core VM
+the wait of steps from 2 to 50 ms alone followed it, where a share proportional to the step overshot the
+long ones. DDP's broadcast of a model's buffers at every forward is measured the same way, on and off.
 """
 from __future__ import annotations
 
@@ -46,6 +55,8 @@ LOOP_TRIES = 3
 LOOP_PAIRS = 3
 # (tensors, elements each) of the optimizer sets timed: the fixed cost, the per-tensor and the per-element
 UPDATE_SETS = ((1, 1024), (96, 1024), (4, 1 << 18))
+# (width, layers, rows) of the compute payload whose data-parallel step is timed against its step alone
+PAYLOAD = (64, 4, 2048)
 
 _ALLREDUCE_CHILD = r"""
 import json, os, sys, time
@@ -85,6 +96,57 @@ for inputs, outputs in json.loads(sys.argv[5]):
         dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         times.append(time.perf_counter() - t0)
     out[f"step_{inputs}x{outputs}"] = sorted(times[5:])[len(times[5:]) // 2]
+import copy
+BLOCK, vote = 5, torch.zeros(2, dtype=torch.float64)
+
+
+def sides(steps, inputs):
+    # median seconds of two ways to run a step (steps[True], steps[False]: callables of inputs), switched every
+    # BLOCK steps after a barrier, the first of each block left out: the ranks' rhythm and the machine's drift
+    # weigh on both alike
+    times = {True: [], False: []}
+    for i in range(2 * BLOCK * (rounds // 2 + 2)):
+        side = (i // BLOCK) % 2 == 0
+        if i % BLOCK == 0:
+            dist.barrier()
+        t0 = time.perf_counter()
+        steps[side](inputs)
+        if i >= 2 * BLOCK and i % BLOCK:
+            times[side].append(time.perf_counter() - t0)
+    return [sorted(t)[len(t) // 2] for t in (times[True], times[False])]
+
+
+def loop_step(net, parallel, **ddp):
+    # one step of `net` as a worker's loop runs it: compiled, DDP (`parallel`) with the SDK's vote, AdamW
+    model = DDP(net, **ddp) if parallel else net
+    step = torch.compile(model, backend="aot_eager", dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def run(x):
+        step(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if parallel:
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+    return run
+
+
+# what DDP's broadcast of a module's buffers (broadcast_buffers, its default: a collective at every forward) adds
+# to such a step: the tiny Linear with a buffer, its broadcast switched on and off
+net = torch.nn.Linear(*json.loads(sys.argv[5])[0])
+net.register_buffer("seen", torch.zeros(1))
+on, off = loop_step(net, True), loop_step(copy.deepcopy(net), True, broadcast_buffers=False)
+with_broadcast, without = sides({True: on, False: off}, torch.randn(2, net.in_features))
+out["broadcast"] = with_broadcast - without
+# a data-parallel step against the same step alone (both processes at once, no collective) at two sizes: the
+# tiny Linear, and a payload of compute with a gradient as small (Linear layers over many rows): what being one of
+# two ranks adds at no compute, and per second of compute
+width, layers, rows = json.loads(sys.argv[6])
+for key, net, x in (("tiny", torch.nn.Linear(*json.loads(sys.argv[5])[0]), torch.randn(2, 4)),
+                    ("payload", torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]),
+                     torch.randn(rows, width))):
+    out[f"{key}_parallel"], out[f"{key}_alone"] = sides({True: loop_step(net, True),
+                                                         False: loop_step(copy.deepcopy(net), False)}, x)
 if rank == 0:
     print(json.dumps(out), flush=True)
 dist.destroy_process_group()
@@ -102,6 +164,11 @@ class StepFigures:
     allreduce_gbs: float             # bytes of gradient a data-parallel loop all-reduces per second beyond, GB/s
     step_overhead_us: float          # a data-parallel step's fixed share: guards, wrappers, autograd, hooks, sync
     step_overhead_solo_us: float     # the fixed share of a job's only process: guards, wrappers, autograd
+    parallel_overhead_us: float      # what a data-parallel step pays beyond the same step alone, at no compute,
+                                     # its gradient's all-reduce aside
+    parallel_wait_us: float          # ... more where that step alone takes 1 ms: it grows as the square root of that
+                                     # time (each rank's own delays add up like a random walk; the other waits)
+    buffer_broadcast_us: float       # what DDP's broadcast of a model's buffers at each forward adds to a step
     update_fixed_us: float           # torch.optim.AdamW.step: per call
     update_tensor_us: float          # per parameter tensor
     update_element_ns: float         # per parameter element
@@ -123,7 +190,7 @@ def measure_data_parallel(rounds: int, timeout_s: float = 120.0) -> dict[str, fl
         store = str(Path(folder) / "store")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         alone = [LATENCY_FLOATS, _gradient_floats(*LOOP_LINEARS[-1])]     # all-reduced between barriers
-        args = [str(rounds), json.dumps(alone), json.dumps(LOOP_LINEARS)]
+        args = [str(rounds), json.dumps(alone), json.dumps(LOOP_LINEARS), json.dumps(PAYLOAD)]
         procs = [subprocess.Popen([sys.executable, "-c", _ALLREDUCE_CHILD, store, str(rank), *args], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         try:
@@ -148,7 +215,8 @@ def _probe_figures(stdout: str) -> dict | None:
         times = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         return None
-    keys = ["latency", "isolated"] + [_step_key(*linear) for linear in LOOP_LINEARS]
+    keys = ["latency", "isolated", "broadcast", "tiny_parallel", "tiny_alone", "payload_parallel",
+            "payload_alone"] + [_step_key(*linear) for linear in LOOP_LINEARS]
     if not isinstance(times, dict) or not all(isinstance(times.get(k), (int, float)) for k in keys):
         return None
     return times
@@ -225,11 +293,16 @@ def measure(quick: bool = False) -> StepFigures:
     solo = max(measure_solo_step(rounds) - update[0], 0.0)
     # no faster than the same gradient all-reduced alone between barriers: a noisy loop whose larger Linear added
     # a few microseconds would otherwise give a rate no loop reaches
+    broadcast = max(times["broadcast"], 0.0)
+    parallel = times["tiny_parallel"] - times["tiny_alone"]
+    wait = max(times["payload_parallel"] - times["payload_alone"] - parallel, 0.0) / math.sqrt(times["payload_alone"] * 1e3)
     isolated = times["isolated"] - latency
     alone = 4 * (params[1] - LATENCY_FLOATS) / isolated if isolated > 0 else math.inf
     rate = min(4 * (params[1] - params[0]) / added, alone)
     # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
     return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
                        step_overhead_us=max(overhead * 1e6, 1e-3), step_overhead_solo_us=max(solo * 1e6, 1e-3),
+                       parallel_overhead_us=max((parallel - latency) * 1e6, 1e-3),
+                       parallel_wait_us=max(wait * 1e6, 1e-3), buffer_broadcast_us=max(broadcast * 1e6, 1e-3),
                        update_fixed_us=max(fixed * 1e6, 1e-3), update_tensor_us=max(per_tensor * 1e6, 1e-3),
                        update_element_ns=max(per_element * 1e9, 1e-3))

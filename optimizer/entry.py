@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -114,10 +115,18 @@ def training_step(model: Any, loss_fn: Any) -> Any:
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def _capture(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel: bool) -> None:
+# The step as a worker's loop runs it, timed where the workers run (`price_here`): after one untimed step, at
+# least TIMED_STEPS[0] steps and then more until TIMED_STEPS[1] or TIMED_BUDGET_S
+TIMED_STEPS = (3, 30)
+TIMED_BUDGET_S = 3.0
+
+
+def _capture(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel: bool,
+             timed: bool = False) -> tuple[float, float] | None:
     """Run the step (loss and backward) once through `backend`. In a data-parallel job the graphs are split at
     DDP's gradient buckets first, as dynamo splits a DDP model's (DDPOptimizer), so that the graphs searched
-    here are the very graphs the workers compile."""
+    here are the very graphs the workers compile. `timed`: then run it as a worker's loop does and return the
+    median seconds of its forward and backward and of an AdamW update of the model's parameters."""
     import torch
 
     if data_parallel:
@@ -125,13 +134,42 @@ def _capture(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel
         backend = DDPOptimizer(bucket_bytes_cap=DDP_BUCKET_BYTES, backend_compile_fn=backend).compile_fn
     torch._dynamo.reset()
     try:
-        loss = torch.compile(training_step(model, loss_fn), backend=backend, dynamic=False)(*batch)
+        step = torch.compile(training_step(model, loss_fn), backend=backend, dynamic=False)
+        loss = step(*batch)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise ValueError("the loss is not a scalar tensor that requires grad")
         loss.backward()
+        return _timed_steps(step, model, batch) if timed else None
     finally:
         torch._dynamo.reset()
         model.zero_grad(set_to_none=True)
+
+
+def _timed_steps(step: Any, model: Any, batch: tuple) -> tuple[float, float]:
+    """(forward and backward, update): median seconds over steps of the compiled `step` as a worker's loop runs
+    it (zero_grad(set_to_none=True), backward, AdamW.step). Why: what a kernel costs inside a step differs from
+    its own timing (caches cold, outputs freshly allocated), and around the graphs the step pays dynamo's
+    guards, AOTAutograd's wrappers and autograd's engine in proportion to the model's tensors; the update, run
+    after that backward, is slower than alone. The model's parameters move (a tiny learning rate): this process
+    only prices."""
+    import torch
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-9)
+    forward_backward, update = [], []
+    began = time.perf_counter()
+    for i in range(TIMED_STEPS[1] + 1):
+        t0 = time.perf_counter()
+        loss = step(*batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        t1 = time.perf_counter()
+        optimizer.step()
+        if i:         # the first: the optimizer's state is made
+            forward_backward.append(t1 - t0)
+            update.append(time.perf_counter() - t1)
+        if i >= TIMED_STEPS[0] and time.perf_counter() - began > TIMED_BUDGET_S:
+            break
+    return statistics.median(forward_backward), statistics.median(update)
 
 
 def price(model: Any, batch: tuple, loss_fn: Any, spec: Any, threads: int | None, data_parallel: bool = False) -> dict:
@@ -180,11 +218,24 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
         entries.append(entry)
 
     with torch_threads(threads):
-        _capture(model, batch, loss_fn, backend.make_backend(on_plan=on_plan), data_parallel)
+        forward_backward, update = _capture(model, batch, loss_fn, backend.make_backend(on_plan=on_plan),
+                                            data_parallel, timed=True)
     if backend.STATS["aten_graphs"] > aten_graphs or not seconds:
         raise ValueError("a graph of the step runs as ATen here (the generator cannot take it)")
-    return {"seconds": sum(seconds), "graphs": len(seconds), "cached": not any(searched),
-            "entries": sorted(set(entries))}
+    return {"predicted_s": sum(seconds), "timed_s": forward_backward, "timed_update_s": update,
+            "graphs": len(seconds), "cached": not any(searched), "entries": sorted(set(entries))}
+
+
+def _timed_here(priced: dict, spec: Any, has_buffers: bool) -> dict:
+    """This machine's step for the planner, from the step timed alone (`_timed_steps`): its forward and
+    backward (`seconds`, what the framework adds around the graphs included) and its update. As one of several
+    local ranks, a step pays what `tfsn calibrate` measured a data-parallel step to pay beyond the same step
+    alone: a fixed share (`overhead_s`: collectives, DDP's hooks; for a model with buffers, DDP's broadcast of
+    them at each forward) and a wait for the other ranks that grows as the square root of its own time
+    (`parallel_wait_s`: a 1 ms step's)."""
+    return {"seconds": priced["timed_s"], "update_s": priced["timed_update_s"], "overhead_solo_s": 0.0,
+            "overhead_s": (spec.parallel_overhead_us + spec.buffer_broadcast_us * has_buffers) * 1e-6,
+            "parallel_wait_s": spec.parallel_wait_us * 1e-6}
 
 
 def _hardware(name: str):
@@ -201,7 +252,7 @@ def run(request: dict) -> dict:
         return {"error": {"stage": err.stage, "message": str(err)}}
     import torch
 
-    from optimizer.predict import adam_update_seconds, measured_update_seconds
+    from optimizer.predict import adam_update_seconds
 
     params = {id(p): p for p in model.parameters() if p.requires_grad}
     first = batch[0]
@@ -225,13 +276,13 @@ def run(request: dict) -> dict:
             text = str(err).strip().splitlines()
             out["hardware"][name] = {"error": f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")}
             continue
-        # this machine's update as calibrated (torch's AdamW), elsewhere at the memory's bandwidth
-        update = measured_update_seconds(len(params), out["params"], spec) if name == "host" else None
-        out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
-                                 "update_s": update if update is not None else
-                                 adam_update_seconds(out["params"], out["dtype"], spec),
-                                 "overhead_s": spec.step_overhead_us * 1e-6 if name == "host" else 0.0,
-                                 "overhead_solo_s": spec.step_overhead_solo_us * 1e-6 if name == "host" else 0.0}
+        if name == "host":
+            buffers = any(True for _ in model.buffers())
+            out["hardware"][name] = {**priced, **_timed_here(priced, spec, buffers), "spec": spec.name,
+                                     "search_s": round(time.perf_counter() - t1, 3)}
+        else:
+            out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
+                                     "update_s": adam_update_seconds(out["params"], out["dtype"], spec)}
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 

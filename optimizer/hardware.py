@@ -32,7 +32,7 @@ _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCAL
 _OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads", "core_peak_tflops")
 # the parts of a step outside its graphs on local nodes (optimizer/calibrate_step.py): 0 = not measured
 STEP_FIGURES = ("allreduce_latency_us", "allreduce_gbs", "step_overhead_us", "step_overhead_solo_us",
-                "update_fixed_us", "update_tensor_us", "update_element_ns")
+                "parallel_overhead_us", "parallel_wait_us", "buffer_broadcast_us", "update_fixed_us", "update_tensor_us", "update_element_ns")
 _OPTIONAL += STEP_FIGURES
 # What a GPU's occupancy depends on, besides registers_per_unit_kib and shared_memory_per_unit_kib: a GPU
 # spec must give them (a kernel the chip cannot launch is rejected by the cost model, not guessed at)
@@ -83,6 +83,9 @@ class HardwareSpec:
     allreduce_gbs: float = 0.0         # ... GB of gradient per second beyond that, as a data-parallel loop pays it
     step_overhead_us: float = 0.0      # a data-parallel step's fixed share (guards, wrappers, autograd, hooks, sync)
     step_overhead_solo_us: float = 0.0  # ... of a job's only process: no DDP, no collective
+    parallel_overhead_us: float = 0.0  # what a data-parallel step pays beyond the same step alone, at no compute
+    parallel_wait_us: float = 0.0      # ... more where that step alone takes 1 ms (it grows as its square root)
+    buffer_broadcast_us: float = 0.0   # what DDP's broadcast of the model's buffers (each forward) adds to a step
     update_fixed_us: float = 0.0       # torch.optim.AdamW.step, one thread: per call,
     update_tensor_us: float = 0.0      # per parameter tensor,
     update_element_ns: float = 0.0     # and per parameter element

@@ -45,6 +45,9 @@ def test_the_figures_are_plausible_for_a_cpu(measured):
     step = measured.step
     assert 1 < step.allreduce_latency_us < 100_000 and 0.01 < step.allreduce_gbs < 100
     assert 1 < step.step_overhead_us < 1_000_000        # Python around a compiled step: microseconds at least
+    # as one of two ranks a step waits (a collective's round trip at least) and DDP's broadcast is a collective
+    assert 1 < step.parallel_overhead_us < 1_000_000 and 0 < step.parallel_wait_us < 1_000_000
+    assert 0 < step.buffer_broadcast_us < 1_000_000
     assert 0.05 < step.update_element_ns < 1000 and 0.5 < step.update_tensor_us < 10_000
 
 
@@ -144,8 +147,8 @@ def test_the_all_reduce_probe_keeps_figures_printed_before_a_teardown_abort():
     stand; a child that printed nothing or half a line is a failure."""
     from optimizer.calibrate_step import LOOP_LINEARS, _probe_figures
 
-    figures = {"latency": 1e-4, "isolated": 3e-4} | {f"step_{i}x{o}": 5e-4 * (n + 1)
-                                                     for n, (i, o) in enumerate(LOOP_LINEARS)}
+    figures = {"latency": 1e-4, "isolated": 3e-4, **_parallel_figures()} | {
+        f"step_{i}x{o}": 5e-4 * (n + 1) for n, (i, o) in enumerate(LOOP_LINEARS)}
     printed = "a warning on stdout\n" + json.dumps(figures) + "\n"
     assert _probe_figures(printed) == figures
     assert _probe_figures("") is None
@@ -153,10 +156,31 @@ def test_the_all_reduce_probe_keeps_figures_printed_before_a_teardown_abort():
     assert _probe_figures(json.dumps({"latency": 1e-4})) is None
 
 
+def _parallel_figures() -> dict[str, float]:
+    """The data-parallel probe's figures against the same steps alone, and its buffers' broadcast."""
+    return {"broadcast": 4e-4, "tiny_parallel": 1.5e-3, "tiny_alone": 4e-4, "payload_parallel": 7e-3,
+            "payload_alone": 4e-3}
+
+
 def _loop_figures(small_s: float, large_s: float, isolated_s: float = 50e-6) -> dict[str, float]:
     from optimizer.calibrate_step import LOOP_LINEARS
     (si, so), (li, lo) = LOOP_LINEARS
-    return {"latency": 50e-6, "isolated": isolated_s, f"step_{si}x{so}": small_s, f"step_{li}x{lo}": large_s}
+    return {"latency": 50e-6, "isolated": isolated_s, f"step_{si}x{so}": small_s, f"step_{li}x{lo}": large_s,
+            **_parallel_figures()}
+
+
+def test_the_data_parallel_wait_grows_as_the_square_root_of_the_step_alone(monkeypatch):
+    """Being one of two ranks costs a step a fixed share beyond the same step alone (the tiny model's, less its
+    bucket's all-reduce) and a wait: what the payload adds beyond that share, over the square root of its step
+    alone in ms, is a 1 ms step's."""
+    from optimizer import calibrate_step
+
+    monkeypatch.setattr(calibrate_step, "measure_data_parallel", lambda rounds: _loop_figures(1.3e-3, 3.2e-3))
+    monkeypatch.setattr(calibrate_step, "measure_solo_step", lambda rounds: 4e-4)
+    step = calibrate_step.measure(quick=True)
+    assert step.parallel_overhead_us == pytest.approx(1100 - 50)
+    assert step.parallel_wait_us == pytest.approx((7e-3 - 4e-3 - 1.1e-3) / 2.0 * 1e6)
+    assert step.buffer_broadcast_us == pytest.approx(400)
 
 
 def test_a_loop_probe_that_noise_inverted_is_taken_again_not_fitted_into_an_absurd_rate(monkeypatch):

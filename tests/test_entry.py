@@ -97,14 +97,16 @@ def test_plan_prices_the_searched_step_and_caches_it(cli, tmp_path):
     assert host["hardware"] == "host" and host["source"] == "searched graph" and host["graphs"] >= 2
     assert first["chosen"]["step_source"] == "searched graph"
     assert first["entry"]["params"] == 32 * 64 + 64 + 64 * 4 + 4 and first["entry"]["example_batch"] == 8
-    # the offer's step: the searched forward+backward plus the update and the all-reduce between the 2 nodes
-    assert first["chosen"]["step_seconds"] > host["searched_device_step_s"] > 0
+    # the offer's step: the forward+backward (timed here, its kernels searched) plus the update and the all-reduce
+    # between the 2 nodes
+    assert first["chosen"]["step_seconds"] > host["searched_device_step_s"] > 0 and host["kernels_predicted_s"] > 0
+    assert first["chosen"]["step_seconds"] > host["searched_device_step_s"] + host["update_s"] > 0
     t0 = time.monotonic()
     second = json.loads(cli("plan", str(spec), "--json").stdout)
     assert time.monotonic() - t0 < 10
     assert second["hardware"][0]["cached"] and second["chosen"]["step_seconds"] == first["chosen"]["step_seconds"]
     text = cli("plan", str(spec)).stdout
-    assert "this machine's CPU:" in text and "searched graph" in text and "cached" in text
+    assert "this machine's CPU:" in text and "searched graph" in text and "cached" in text and "timed here" in text
 
 
 def test_the_declared_shape_alone_is_priced_by_the_roofline(cli, tmp_path):

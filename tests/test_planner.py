@@ -389,6 +389,33 @@ def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fixe
     assert step(1) == pytest.approx(0.010 + 0.002 + 0.0003)
 
 
+def test_a_local_data_parallel_step_waits_for_the_other_rank_as_the_square_root_of_its_own_time(tmp_path,
+                                                                                                  monkeypatch):
+    """As one of several local ranks, a step pays a fixed share and a wait that `tfsn calibrate` measured for a
+    1 ms step and that grows as the square root of the step's own time (forward, backward and update, at the
+    job's per-rank batch); alone it pays neither."""
+    from orchestrator.planning.entry import EntryStep, HardwareStep
+    from orchestrator.planning.planner import HOST
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path))        # not calibrated: the all-reduce priced by the link
+    local = offer(provider="local", region="local", zone=None, instance="local", accelerator=None, vcpus=2,
+                  memory=8, price=0.0)
+
+    def step(nodes: int, seconds: float, batch_size: int | None = None) -> float:
+        entry = EntryStep(params=4, grad_bytes=16, example_batch=4, dtype="fp32",
+                          hardware={HOST: HardwareStep(seconds, update_s=0.001, overhead_s=0.002,
+                                                      parallel_wait_s=0.0005)})
+        model = {"entry": "train.py:build", **({"batch_size": batch_size} if batch_size else {})}
+        job = spec({"infra": ["local"]}, num_nodes=nodes, model=model)
+        return plan_job(job, [local], entry=entry, host_providers=("local",)).chosen.step_seconds
+
+    base = step(2, 0.003) - (0.004 + 0.002 + 0.0005 * 2.0)          # a 4 ms step waits 2 x a 1 ms one's
+    assert 0 <= base < 1e-4                                         # what is left: 16 bytes' all-reduce
+    assert step(2, 0.015) == pytest.approx(0.016 + 0.002 + 0.0005 * 4.0 + base)
+    assert step(2, 0.003, batch_size=32) == pytest.approx(0.012 + 0.001 + 0.002 + 0.0005 * 13 ** 0.5 + base)
+    assert step(1, 0.003) == pytest.approx(0.004)
+
+
 def test_plan_says_when_this_cpu_is_uncalibrated_or_calibrated_by_an_older_tfsn(tmp_path, monkeypatch):
     """A spec written before `tfsn calibrate` measured a training loop prices that loop's figures at 0: the plan
     says to calibrate again, as it says to calibrate at all; a current calibration says nothing."""
@@ -407,5 +434,10 @@ def test_plan_says_when_this_cpu_is_uncalibrated_or_calibrated_by_an_older_tfsn(
     (tmp_path / "hardware").mkdir()
     (tmp_path / "hardware" / "host.yaml").write_text(yaml.safe_dump(host))
     assert "older tfsn" in host_calibration_note() and "calibrate` again" in host_calibration_note()
+    # one that timed a training loop but not yet a data-parallel step against the same step alone
     (tmp_path / "hardware" / "host.yaml").write_text(yaml.safe_dump({**host, "step_overhead_solo_us": 330.0}))
+    assert "older tfsn" in host_calibration_note()
+    (tmp_path / "hardware" / "host.yaml").write_text(yaml.safe_dump(
+        {**host, "step_overhead_solo_us": 330.0, "parallel_overhead_us": 1200.0, "parallel_wait_us": 1100.0,
+         "buffer_broadcast_us": 500.0}))
     assert host_calibration_note() is None

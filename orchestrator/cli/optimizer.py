@@ -56,8 +56,11 @@ def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End w
     step = cal.step
     typer.echo(f"outside the graphs, one thread: all-reduce between two local processes {step.allreduce_latency_us:.0f} us "
                f"+ {step.allreduce_gbs:.2f} GB/s in a training loop; a step's fixed share {step.step_overhead_us:.0f} us "
-               f"data-parallel, {step.step_overhead_solo_us:.0f} us alone; AdamW step {step.update_fixed_us:.0f} us + "
-               f"{step.update_tensor_us:.1f} us per tensor + {step.update_element_ns:.2f} ns per element")
+               f"data-parallel, {step.step_overhead_solo_us:.0f} us alone; as one of two ranks a step pays "
+               f"{step.parallel_overhead_us:.0f} us + {step.parallel_wait_us:.0f} us x sqrt(its time alone in ms), "
+               f"{step.buffer_broadcast_us:.0f} us more where DDP broadcasts buffers; AdamW step "
+               f"{step.update_fixed_us:.0f} us + {step.update_tensor_us:.1f} us per tensor + "
+               f"{step.update_element_ns:.2f} ns per element")
     for note in cal.notes:
         typer.echo(f"note: {note}")
     typer.echo(f"wrote {path}")

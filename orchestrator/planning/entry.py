@@ -36,7 +36,8 @@ _HASHED_FILES, _HASHED_BYTES = 2000, 64 << 20
 @dataclass(frozen=True)
 class HardwareStep:
     """One hardware type's searched step: the seconds of one replica's forward and backward at the
-    example batch, or the reason it could not be searched."""
+    example batch, or the reason it could not be searched. On this machine the step is also timed:
+    `seconds` is then the timed one and `predicted_s` its kernels' predicted sum."""
 
     seconds: float | None
     update_s: float = 0.0      # the optimizer's update on one replica (as calibrated here, else at memory bandwidth)
@@ -46,6 +47,8 @@ class HardwareStep:
     cached: bool = False
     error: str | None = None
     entries: tuple[str, ...] = ()   # the search cache entries its workers look up (shipped to cloud nodes)
+    predicted_s: float | None = None   # the kernels' predicted sum where `seconds` was timed
+    parallel_wait_s: float = 0.0   # a 1 ms step's wait for the other local ranks (grows as the square root)
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,9 @@ def _entry_step(data: dict, cached: bool = False) -> EntryStep:
                      hardware={name: HardwareStep(h.get("seconds"), h.get("update_s", 0.0), h.get("overhead_s", 0.0),
                                                   h.get("overhead_solo_s", 0.0), h.get("graphs", 0),
                                                   cached or h.get("cached", False), h.get("error"),
-                                                  tuple(h.get("entries", ())))
+                                                  tuple(h.get("entries", ())),
+                                                  h.get("predicted_s") if "timed_s" in h else None,
+                                                  h.get("parallel_wait_s", 0.0))
                                for name, h in data["hardware"].items()})
 
 

@@ -59,7 +59,7 @@ def host_calibration_note() -> str | None:
     spec = load_host_spec()
     if spec is None:
         return "this CPU is not calibrated: priced from a generic CPU's figures. To fix: run `tfsn calibrate`"
-    if not spec.step_overhead_solo_us:
+    if not spec.parallel_wait_us:
         return ("this CPU was calibrated by an older tfsn, without a training loop's figures. "
                 "To fix: run `tfsn calibrate` again")
     return None
@@ -73,9 +73,11 @@ def hardware_lines(plan: Plan, rows: list[dict]) -> list[str]:
         name = "this machine's CPU" if row["hardware"] == "host" else row["hardware"]
         line = f"  {name}: {row['step_seconds'] * 1e3:,.2f} ms/step, {row['source']}"
         if row["searched_device_step_s"] is not None:
+            timed = row["kernels_predicted_s"] is not None
             line += (f" ({row['graphs']} graph(s), {row['searched_device_step_s'] * 1e3:,.2f} ms forward+backward "
-                     f"per replica at the example batch{', cached' if row['cached'] else ''}; "
-                     f"optimizer update {row['update_s'] * 1e3:,.2f} ms)")
+                     f"per replica at the example batch" + (f", timed here (its kernels predicted "
+                                                           f"{row['kernels_predicted_s'] * 1e3:,.2f} ms)" if timed else "")
+                     + f"{', cached' if row['cached'] else ''}; optimizer update {row['update_s'] * 1e3:,.2f} ms)")
         else:
             line += f" ({row['why_fallback']})"
         lines.append(line)

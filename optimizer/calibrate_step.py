@@ -1,9 +1,9 @@
 """The parts of a training step outside its captured graphs, measured on this machine by `tfsn calibrate`.
 
-A job's step on local nodes is its forward and backward (what the search prices) plus three things the
-graphs do not hold: DDP's gradient all-reduce between the nodes' processes (gloo over loopback, each process
-one core's share), the optimizer's update (torch.optim.AdamW, the default foreach implementation, many small
-ATen ops per parameter tensor), and the framework around a compiled step (dynamo's guards, AOTAutograd's
+A job's step on local nodes is its forward and backward (what the planner times, or the search prices) plus
+three things the graphs do not hold: DDP's gradient all-reduce between the nodes' processes (gloo over
+loopback, each process one core's share), the optimizer's update (torch.optim.AdamW, the default foreach
+implementation, many small ATen ops per parameter tensor), and the framework around a compiled step (dynamo's guards, AOTAutograd's
 wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
 message and copies through the kernel, AdamW a dispatch per op and tensor, the framework its Python. All are
 measured with one thread per process, as local workers run. The update is the fastest of its rounds (as most
@@ -139,10 +139,11 @@ on, off = loop_step(net, True), loop_step(copy.deepcopy(net), True, broadcast_bu
 with_broadcast, without = sides({True: on, False: off}, torch.randn(2, net.in_features))
 out["broadcast"] = with_broadcast - without
 # a data-parallel step against the same step alone (both processes at once, no collective) at two sizes: the
-# tiny Linear, and a payload of compute with a gradient as small (Linear layers over many rows): what being one of
-# two ranks adds at no compute, and per second of compute
+# tiny Linear, and a payload of compute with a small gradient (Linear layers over many rows): what being one of
+# two ranks adds at no compute, and with some
 width, layers, rows = json.loads(sys.argv[6])
-for key, net, x in (("tiny", torch.nn.Linear(*json.loads(sys.argv[5])[0]), torch.randn(2, 4)),
+tiny = torch.nn.Linear(*json.loads(sys.argv[5])[0])
+for key, net, x in (("tiny", tiny, torch.randn(2, tiny.in_features)),
                     ("payload", torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]),
                      torch.randn(rows, width))):
     out[f"{key}_parallel"], out[f"{key}_alone"] = sides({True: loop_step(net, True),
@@ -272,37 +273,43 @@ def measure(quick: bool = False) -> StepFigures:
     """The figures, from the loop steps of LOOP_LINEARS: the tiny one's, less its update and its DDP bucket's
     latency, is the fixed share (in one process alone, less its update, a one-process job's); the gradient
     bytes the larger one adds over the time it adds beyond its larger update, the loop's all-reduce rate (its
-    few extra MFLOPs, some microseconds, are left in)."""
+    few extra MFLOPs, some microseconds, are left in). Against the same steps alone: the tiny model's data-parallel
+    step adds a fixed share (at least its bucket's round trip), and what the payload's adds beyond that and its
+    own gradient's all-reduce, over the square root of its step alone in ms, is a 1 ms step's wait. A probe
+    whose noise left no rate or no wait is taken again."""
     rounds = 10 if quick else 30
     fixed, per_tensor, per_element = measure_update(rounds)
     params = [_gradient_floats(*linear) for linear in LOOP_LINEARS]       # two tensors each
     update = [fixed + 2 * per_tensor + n * per_element for n in params]
+    width, layers, _ = PAYLOAD
     for _ in range(LOOP_TRIES):
         pairs = [measure_data_parallel(rounds) for _ in range(1 if quick else LOOP_PAIRS)]
         times = {key: float(np.median([pair[key] for pair in pairs])) for key in pairs[0]}
         step = [times[_step_key(*linear)] for linear in LOOP_LINEARS]
         added = step[1] - step[0] - (update[1] - update[0])
-        if added > 0:       # else noise slowed the tiny loop: its bytes over no time would be no rate at all
+        if added <= 0:      # noise slowed the tiny loop: its bytes over no time would be no rate at all
+            continue
+        latency = times["latency"]
+        # no faster than the same gradient all-reduced alone between barriers: a noisy loop whose larger Linear
+        # added a few microseconds would otherwise give a rate no loop reaches
+        isolated = times["isolated"] - latency
+        alone = 4 * (params[1] - LATENCY_FLOATS) / isolated if isolated > 0 else math.inf
+        rate = min(4 * (params[1] - params[0]) / added, alone)
+        parallel = max(times["tiny_parallel"] - times["tiny_alone"], latency)
+        payload = times["payload_parallel"] - times["payload_alone"] - 4 * layers * (width + 1) * width / rate
+        if payload > parallel:  # else noise slowed the payload's steps alone as much as its data-parallel ones
             break
     else:
-        raise NoisyProbe(f"the data-parallel loop probe was too noisy {LOOP_TRIES} times (the larger Linear's "
-                         f"step, {step[1] * 1e3:.2f} ms, took no longer than the tiny one's, {step[0] * 1e3:.2f} ms, "
-                         "beyond its update)")
-    latency = times["latency"]
+        raise NoisyProbe(f"the data-parallel loop probe was too noisy {LOOP_TRIES} times (the larger Linear's step "
+                         f"took no longer than the tiny one's beyond its update, or a data-parallel step of "
+                         f"{times['payload_alone'] * 1e3:.1f} ms of compute waited no longer than one of none)")
+    wait = (payload - parallel) / math.sqrt(times["payload_alone"] * 1e3)
     overhead = max(step[0] - update[0] - latency, 0.0)
     solo = max(measure_solo_step(rounds) - update[0], 0.0)
-    # no faster than the same gradient all-reduced alone between barriers: a noisy loop whose larger Linear added
-    # a few microseconds would otherwise give a rate no loop reaches
-    broadcast = max(times["broadcast"], 0.0)
-    parallel = times["tiny_parallel"] - times["tiny_alone"]
-    wait = max(times["payload_parallel"] - times["payload_alone"] - parallel, 0.0) / math.sqrt(times["payload_alone"] * 1e3)
-    isolated = times["isolated"] - latency
-    alone = 4 * (params[1] - LATENCY_FLOATS) / isolated if isolated > 0 else math.inf
-    rate = min(4 * (params[1] - params[0]) / added, alone)
+    broadcast = max(times["broadcast"], latency)      # a collective: a round trip at least
     # figures of a spec are > 0: a fitted zero is written as the smallest the spec's rounding keeps
     return StepFigures(allreduce_latency_us=max(latency * 1e6, 1e-3), allreduce_gbs=max(rate / 1e9, 1e-3),
                        step_overhead_us=max(overhead * 1e6, 1e-3), step_overhead_solo_us=max(solo * 1e6, 1e-3),
-                       parallel_overhead_us=max((parallel - latency) * 1e6, 1e-3),
-                       parallel_wait_us=max(wait * 1e6, 1e-3), buffer_broadcast_us=max(broadcast * 1e6, 1e-3),
-                       update_fixed_us=max(fixed * 1e6, 1e-3), update_tensor_us=max(per_tensor * 1e6, 1e-3),
-                       update_element_ns=max(per_element * 1e9, 1e-3))
+                       parallel_overhead_us=max((parallel - latency) * 1e6, 1e-3), parallel_wait_us=wait * 1e6,
+                       buffer_broadcast_us=broadcast * 1e6, update_fixed_us=max(fixed * 1e6, 1e-3),
+                       update_tensor_us=max(per_tensor * 1e6, 1e-3), update_element_ns=max(per_element * 1e9, 1e-3))

@@ -18,6 +18,7 @@ keeps the user's imports, threads and crashes out of the planner, and lets it be
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,7 +27,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 STAGES = ("file", "import", "function", "call", "shape")
 
@@ -121,12 +122,11 @@ TIMED_STEPS = (3, 30)
 TIMED_BUDGET_S = 3.0
 
 
-def _capture(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel: bool,
-             timed: bool = False) -> tuple[float, float] | None:
-    """Run the step (loss and backward) once through `backend`. In a data-parallel job the graphs are split at
-    DDP's gradient buckets first, as dynamo splits a DDP model's (DDPOptimizer), so that the graphs searched
-    here are the very graphs the workers compile. `timed`: then run it as a worker's loop does and return the
-    median seconds of its forward and backward and of an AdamW update of the model's parameters."""
+@contextlib.contextmanager
+def _captured(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel: bool) -> Iterator[Any]:
+    """Run the step (loss and backward) once through `backend` and give the compiled step. In a data-parallel
+    job the graphs are split at DDP's gradient buckets first, as dynamo splits a DDP model's (DDPOptimizer), so
+    that the graphs searched here are the very graphs the workers compile."""
     import torch
 
     if data_parallel:
@@ -139,36 +139,44 @@ def _capture(model: Any, batch: tuple, loss_fn: Any, backend: Any, data_parallel
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.requires_grad):
             raise ValueError("the loss is not a scalar tensor that requires grad")
         loss.backward()
-        return _timed_steps(step, model, batch) if timed else None
+        yield step
     finally:
         torch._dynamo.reset()
         model.zero_grad(set_to_none=True)
 
 
-def _timed_steps(step: Any, model: Any, batch: tuple) -> tuple[float, float]:
+def _timed_steps(step: Any, model: Any, batch: tuple) -> tuple[float, float] | None:
     """(forward and backward, update): median seconds over steps of the compiled `step` as a worker's loop runs
-    it (zero_grad(set_to_none=True), backward, AdamW.step). Why: what a kernel costs inside a step differs from
-    its own timing (caches cold, outputs freshly allocated), and around the graphs the step pays dynamo's
-    guards, AOTAutograd's wrappers and autograd's engine in proportion to the model's tensors; the update, run
-    after that backward, is slower than alone. The model's parameters move (a tiny learning rate): this process
-    only prices."""
+    it (zero_grad(set_to_none=True), backward, AdamW.step); None where that loop cannot run (no trainable
+    parameter, sparse gradients). Why: what a kernel costs inside a step differs from its own timing (caches
+    cold, outputs freshly allocated), around the graphs the step pays dynamo's guards, AOTAutograd's wrappers
+    and autograd's engine in proportion to the model's tensors, and the update after that backward is slower
+    than alone. The model's state (parameters, buffers) is put back afterwards."""
     import torch
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-9)
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = {name: value.detach().clone() for name, value in model.state_dict().items()}
     forward_backward, update = [], []
-    began = time.perf_counter()
-    for i in range(TIMED_STEPS[1] + 1):
-        t0 = time.perf_counter()
-        loss = step(*batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        t1 = time.perf_counter()
-        optimizer.step()
-        if i:         # the first: the optimizer's state is made
-            forward_backward.append(t1 - t0)
-            update.append(time.perf_counter() - t1)
-        if i >= TIMED_STEPS[0] and time.perf_counter() - began > TIMED_BUDGET_S:
-            break
+    try:
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        began = time.perf_counter()
+        for i in range(TIMED_STEPS[1] + 1):
+            t0 = time.perf_counter()
+            loss = step(*batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            t1 = time.perf_counter()
+            optimizer.step()
+            if i:         # the first: the optimizer's state is made
+                forward_backward.append(t1 - t0)
+                update.append(time.perf_counter() - t1)
+            if i >= TIMED_STEPS[0] and time.perf_counter() - began > TIMED_BUDGET_S:
+                break
+    except (RuntimeError, ValueError):      # torch's AdamW refuses the parameters: the step is not timed
+        return None
+    finally:
+        with torch.no_grad():
+            model.load_state_dict(saved)
     return statistics.median(forward_backward), statistics.median(update)
 
 
@@ -194,7 +202,8 @@ def price(model: Any, batch: tuple, loss_fn: Any, spec: Any, threads: int | None
         seconds.append(result.predicted_s)
         cached.append(False)
 
-    _capture(model, batch, loss_fn, predicting_backend(spec, on_graph, unsupported.append), data_parallel)
+    with _captured(model, batch, loss_fn, predicting_backend(spec, on_graph, unsupported.append), data_parallel):
+        pass
     if unsupported:
         raise ValueError(f"a graph the optimizer cannot express: {unsupported[0].splitlines()[0]}")
     return {"seconds": sum(seconds), "graphs": len(seconds), "cached": all(cached)}
@@ -217,23 +226,36 @@ def price_here(model: Any, batch: tuple, loss_fn: Any, threads: int | None, data
         searched.append(fresh)
         entries.append(entry)
 
-    with torch_threads(threads):
-        forward_backward, update = _capture(model, batch, loss_fn, backend.make_backend(on_plan=on_plan),
-                                            data_parallel, timed=True)
+    with torch_threads(threads), _captured(model, batch, loss_fn, backend.make_backend(on_plan=on_plan),
+                                           data_parallel) as step:
+        graphs = len(seconds)
+        timed = _timed_steps(step, model, batch)
+        if len(seconds) > graphs:     # it compiled again while timed (a forward that changes Python state):
+            timed = None              # those steps paid compiles, and its workers will run it as ATen
+            del seconds[graphs:], searched[graphs:], entries[graphs:]
     if backend.STATS["aten_graphs"] > aten_graphs or not seconds:
         raise ValueError("a graph of the step runs as ATen here (the generator cannot take it)")
-    return {"predicted_s": sum(seconds), "timed_s": forward_backward, "timed_update_s": update,
-            "graphs": len(seconds), "cached": not any(searched), "entries": sorted(set(entries))}
+    return {"predicted_s": sum(seconds), "graphs": len(seconds), "cached": not any(searched),
+            "entries": sorted(set(entries)),
+            **({"timed_s": timed[0], "timed_update_s": timed[1]} if timed is not None else {})}
 
 
-def _timed_here(priced: dict, spec: Any, has_buffers: bool) -> dict:
-    """This machine's step for the planner, from the step timed alone (`_timed_steps`): its forward and
-    backward (`seconds`, what the framework adds around the graphs included) and its update. As one of several
-    local ranks, a step pays what `tfsn calibrate` measured a data-parallel step to pay beyond the same step
-    alone: a fixed share (`overhead_s`: collectives, DDP's hooks; for a model with buffers, DDP's broadcast of
-    them at each forward) and a wait for the other ranks that grows as the square root of its own time
-    (`parallel_wait_s`: a 1 ms step's)."""
-    return {"seconds": priced["timed_s"], "update_s": priced["timed_update_s"], "overhead_solo_s": 0.0,
+def _host_step(priced: dict, spec: Any, tensors: int, params: int, has_buffers: bool) -> dict:
+    """This machine's step for the planner. Forward and backward: as timed alone (`_timed_steps`), less the
+    fixed share of a one-process step that `tfsn calibrate` measured (`overhead_solo_s`, paid whatever the
+    batch) in `seconds` (what a larger per-rank batch scales); where the step was not timed, its kernels'
+    predicted sum. The update: as timed, else as calibrated (torch's AdamW per call, tensor and element). As one
+    of several local ranks a step also pays what `tfsn calibrate` measured a data-parallel step to pay beyond
+    the same step alone: a fixed share (`overhead_s`: collectives, DDP's hooks; for a model with buffers, DDP's
+    broadcast of them at each forward) and a wait for the other ranks that grows as the square root of its own
+    time (`parallel_wait_s`: a 1 ms step's)."""
+    from optimizer.predict import measured_update_seconds
+
+    solo = spec.step_overhead_solo_us * 1e-6
+    timed = "timed_s" in priced
+    return {"seconds": max(priced["timed_s"] - solo, priced["predicted_s"]) if timed else priced["predicted_s"],
+            "update_s": priced["timed_update_s"] if timed else measured_update_seconds(tensors, params, spec) or 0.0,
+            "overhead_solo_s": solo,
             "overhead_s": (spec.parallel_overhead_us + spec.buffer_broadcast_us * has_buffers) * 1e-6,
             "parallel_wait_s": spec.parallel_wait_us * 1e-6}
 
@@ -278,8 +300,8 @@ def run(request: dict) -> dict:
             continue
         if name == "host":
             buffers = any(True for _ in model.buffers())
-            out["hardware"][name] = {**priced, **_timed_here(priced, spec, buffers), "spec": spec.name,
-                                     "search_s": round(time.perf_counter() - t1, 3)}
+            out["hardware"][name] = {**priced, **_host_step(priced, spec, len(params), out["params"], buffers),
+                                     "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3)}
         else:
             out["hardware"][name] = {**priced, "spec": spec.name, "search_s": round(time.perf_counter() - t1, 3),
                                      "update_s": adam_update_seconds(out["params"], out["dtype"], spec)}

@@ -32,7 +32,8 @@ _FIELDS = ("name", "aliases", "kind", "vendor", "peak_tflops", "memory") + _SCAL
 _OPTIONAL = ("call_overhead_us", "library_gemm_efficiency", "cpu_model", "threads", "core_peak_tflops")
 # the parts of a step outside its graphs on local nodes (optimizer/calibrate_step.py): 0 = not measured
 STEP_FIGURES = ("allreduce_latency_us", "allreduce_gbs", "step_overhead_us", "step_overhead_solo_us",
-                "parallel_overhead_us", "parallel_wait_us", "buffer_broadcast_us", "update_fixed_us", "update_tensor_us", "update_element_ns")
+                "parallel_overhead_us", "parallel_wait_us", "buffer_broadcast_us",
+                "update_fixed_us", "update_tensor_us", "update_element_ns")
 _OPTIONAL += STEP_FIGURES
 # What a GPU's occupancy depends on, besides registers_per_unit_kib and shared_memory_per_unit_kib: a GPU
 # spec must give them (a kernel the chip cannot launch is rejected by the cost model, not guessed at)

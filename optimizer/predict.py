@@ -220,3 +220,12 @@ def local_allreduce_seconds(grad_bytes: float, ranks: int, hardware: HardwareSpe
         return 0.0
     return (ranks - 1) * ddp_buckets(grad_bytes) * hardware.allreduce_latency_us * 1e-6 \
         + 2.0 * (ranks - 1) / ranks * grad_bytes / (hardware.allreduce_gbs * 1e9)
+
+
+def measured_update_seconds(tensors: int, params: float, hardware: HardwareSpec) -> float | None:
+    """Seconds of torch.optim.AdamW.step over `tensors` parameter tensors of `params` elements in all, from the
+    figures `tfsn calibrate` measured on this machine (None where it did not)."""
+    if not hardware.update_element_ns:
+        return None
+    return (hardware.update_fixed_us + hardware.update_tensor_us * tensors) * 1e-6 \
+        + hardware.update_element_ns * 1e-9 * params

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 GOOD = """\
 import torch
@@ -87,7 +88,7 @@ def test_a_script_that_trains_at_import_is_stopped_at_the_timeout(cli, tmp_path)
     t0 = time.monotonic()
     line = _refused(cli, spec)
     assert time.monotonic() - t0 < 60
-    assert "did not import, build and capture its step within 2 s" in line and "entry_timeout" in line, line
+    assert "did not import, build, capture and time its step within 2 s" in line and "entry_timeout" in line, line
 
 
 def test_plan_prices_the_searched_step_and_caches_it(cli, tmp_path):
@@ -124,3 +125,57 @@ def test_the_child_sees_the_jobs_envs(cli, tmp_path):
     spec = _job(tmp_path, "import os\n" + script)
     spec.write_text(spec.read_text() + "envs:\n  BATCH: 3\n")
     assert json.loads(cli("plan", str(spec), "--json").stdout)["entry"]["example_batch"] == 3
+
+
+class _Counting(torch.nn.Module):
+    """An MLP whose forward counts its calls in a Python attribute, as a step counter would: dynamo compiles it
+    again at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.nn.functional.cross_entropy(self.net(x), y) * (1.0 + 0.0 * self.calls)
+
+
+def _price_here(model: torch.nn.Module, monkeypatch, tmp_path) -> dict:
+    from optimizer.entry import price_here
+
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TFSN_TOP_K", "1")
+    g = torch.Generator().manual_seed(0)
+    return price_here(model, (torch.randn(8, 32, generator=g), torch.randint(4, (8,), generator=g)), None, 1)
+
+
+def test_this_machines_step_is_timed_and_the_model_left_as_it_was(monkeypatch, tmp_path):
+    """Priced here, the compiled step is also timed as a worker's loop runs it (AdamW included); the timing's
+    updates are undone, so whatever prices the model next sees the model the user built."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 4))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    priced = _price_here(_Loss(model), monkeypatch, tmp_path)
+    assert priced["timed_s"] > 0 and priced["timed_update_s"] > 0 and priced["predicted_s"] > 0
+    after = model.state_dict()
+    for name, value in before.items():     # the capture's one step moves BatchNorm's statistics, never a weight
+        if "running" not in name and "num_batches" not in name:
+            assert torch.equal(after[name], value), name
+
+
+def test_a_step_that_compiles_again_at_every_call_is_priced_by_its_kernels_not_timed(monkeypatch, tmp_path):
+    """A forward that changes Python state is compiled again at every call: timing it would time compiles (and
+    count each compile's graphs again). Its kernels' predicted sum prices it, over the graphs of one step."""
+    torch.manual_seed(0)
+    counting = _price_here(_Counting(), monkeypatch, tmp_path)
+    assert "timed_s" not in counting and counting["predicted_s"] > 0 and counting["graphs"] == 2
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.model(x), y)

@@ -353,10 +353,10 @@ def test_a_bad_model_section_is_a_spec_error_naming_line_and_field(tmp_path):
 
 
 def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fixed_share(tmp_path, monkeypatch):
-    """On this machine's local nodes the step is the searched graphs + the update + the fixed share of a
-    data-parallel step + the gloo all-reduce that `tfsn calibrate` measured: a latency per DDP bucket and a rate;
-    one node has no all-reduce and pays a one-process job's fixed share; without a calibration the offer's link
-    prices the all-reduce as before."""
+    """On this machine's local nodes the step is the searched graphs + the update + the fixed share every step
+    pays + what a data-parallel one pays beyond it + the gloo all-reduce that `tfsn calibrate` measured: a latency
+    per DDP bucket and a rate; one node has neither the data-parallel share nor an all-reduce; without a
+    calibration the offer's link prices the all-reduce as before."""
     from pathlib import Path
 
     import yaml
@@ -385,15 +385,16 @@ def test_a_local_step_pays_the_calibrated_all_reduce_per_ddp_bucket_and_the_fixe
         {**generic, "name": "host", "cpu_model": host_cpu_model(), "allreduce_latency_us": 500.0,
          "allreduce_gbs": 0.5, "step_overhead_us": 1000.0}))
     assert load_all()[GENERIC_CPU].allreduce_gbs == 0
-    assert step(2) == pytest.approx(0.010 + 0.002 + 0.001 + 2 * 500e-6 + grads / 0.5e9)
+    assert step(2) == pytest.approx(0.010 + 0.002 + 0.0003 + 0.001 + 2 * 500e-6 + grads / 0.5e9)
     assert step(1) == pytest.approx(0.010 + 0.002 + 0.0003)
 
 
 def test_a_local_data_parallel_step_waits_for_the_other_rank_as_the_square_root_of_its_own_time(tmp_path,
                                                                                                   monkeypatch):
     """As one of several local ranks, a step pays a fixed share and a wait that `tfsn calibrate` measured for a
-    1 ms step and that grows as the square root of the step's own time (forward, backward and update, at the
-    job's per-rank batch); alone it pays neither."""
+    1 ms step and that grows as the square root of the step's own time (forward, backward, update and the fixed
+    share every step pays, at the job's per-rank batch); alone it pays neither. A larger per-rank batch scales
+    the graphs' share only."""
     from orchestrator.planning.entry import EntryStep, HardwareStep
     from orchestrator.planning.planner import HOST
 
@@ -404,16 +405,16 @@ def test_a_local_data_parallel_step_waits_for_the_other_rank_as_the_square_root_
     def step(nodes: int, seconds: float, batch_size: int | None = None) -> float:
         entry = EntryStep(params=4, grad_bytes=16, example_batch=4, dtype="fp32",
                           hardware={HOST: HardwareStep(seconds, update_s=0.001, overhead_s=0.002,
-                                                      parallel_wait_s=0.0005)})
+                                                      overhead_solo_s=0.0005, parallel_wait_s=0.0005)})
         model = {"entry": "train.py:build", **({"batch_size": batch_size} if batch_size else {})}
         job = spec({"infra": ["local"]}, num_nodes=nodes, model=model)
         return plan_job(job, [local], entry=entry, host_providers=("local",)).chosen.step_seconds
 
-    base = step(2, 0.003) - (0.004 + 0.002 + 0.0005 * 2.0)          # a 4 ms step waits 2 x a 1 ms one's
+    base = step(2, 0.0025) - (0.004 + 0.002 + 0.0005 * 2.0)         # a 4 ms step waits 2 x a 1 ms one's
     assert 0 <= base < 1e-4                                         # what is left: 16 bytes' all-reduce
-    assert step(2, 0.015) == pytest.approx(0.016 + 0.002 + 0.0005 * 4.0 + base)
-    assert step(2, 0.003, batch_size=32) == pytest.approx(0.012 + 0.001 + 0.002 + 0.0005 * 13 ** 0.5 + base)
-    assert step(1, 0.003) == pytest.approx(0.004)
+    assert step(2, 0.0145) == pytest.approx(0.016 + 0.002 + 0.0005 * 4.0 + base)
+    assert step(2, 0.0025, batch_size=32) == pytest.approx(0.0115 + 0.002 + 0.0005 * 11.5 ** 0.5 + base)
+    assert step(1, 0.0025) == pytest.approx(0.004)
 
 
 def test_plan_says_when_this_cpu_is_uncalibrated_or_calibrated_by_an_older_tfsn(tmp_path, monkeypatch):

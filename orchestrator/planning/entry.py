@@ -40,9 +40,9 @@ class HardwareStep:
     `seconds` is then the timed one and `predicted_s` its kernels' predicted sum."""
 
     seconds: float | None
-    update_s: float = 0.0      # the optimizer's update on one replica (as calibrated here, else at memory bandwidth)
-    overhead_s: float = 0.0    # a data-parallel step's fixed share, as `tfsn calibrate` measured it here
-    overhead_solo_s: float = 0.0   # ... a one-process job's (no DDP, no collective)
+    update_s: float = 0.0      # the optimizer's update on one replica (timed here, else at memory bandwidth)
+    overhead_s: float = 0.0    # what a data-parallel step pays beyond a step alone, as `tfsn calibrate` measured here
+    overhead_solo_s: float = 0.0   # the fixed share every step pays around its graphs (guards, wrappers, autograd)
     graphs: int = 0
     cached: bool = False
     error: str | None = None
@@ -167,7 +167,7 @@ def _run_child(spec: JobSpec, hardware: Sequence[tuple[str, int | None]], data_p
                 code = child.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 _kill_group(child)
-                raise _fail(spec, f"{file} did not import, build and capture its step within {timeout:g} s",
+                raise _fail(spec, f"{file} did not import, build, capture and time its step within {timeout:g} s",
                             "keep the script's training under `if __name__ == \"__main__\":`, or raise "
                             "model.entry_timeout") from None
             finally:

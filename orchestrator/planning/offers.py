@@ -73,11 +73,12 @@ def hardware_lines(plan: Plan, rows: list[dict]) -> list[str]:
         name = "this machine's CPU" if row["hardware"] == "host" else row["hardware"]
         line = f"  {name}: {row['step_seconds'] * 1e3:,.2f} ms/step, {row['source']}"
         if row["searched_device_step_s"] is not None:
-            timed = row["kernels_predicted_s"] is not None
+            timed = "" if row["kernels_predicted_s"] is None else (
+                f", timed here less a step's fixed share (its kernels predicted "
+                f"{row['kernels_predicted_s'] * 1e3:,.2f} ms)")
             line += (f" ({row['graphs']} graph(s), {row['searched_device_step_s'] * 1e3:,.2f} ms forward+backward "
-                     f"per replica at the example batch" + (f", timed here (its kernels predicted "
-                                                           f"{row['kernels_predicted_s'] * 1e3:,.2f} ms)" if timed else "")
-                     + f"{', cached' if row['cached'] else ''}; optimizer update {row['update_s'] * 1e3:,.2f} ms)")
+                     f"per replica at the example batch{timed}{', cached' if row['cached'] else ''}; "
+                     f"optimizer update {row['update_s'] * 1e3:,.2f} ms)")
         else:
             line += f" ({row['why_fallback']})"
         lines.append(line)

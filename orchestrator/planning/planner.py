@@ -443,11 +443,12 @@ def hardware_key(offer: Offer, spec: HardwareSpec | None, host_providers: Sequen
 def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec, count: int, nodes: int,
                    link_gbs: float, here: bool = False) -> float:
     """One optimizer step from the searched step of one replica: scaled from the example's per-rank batch to
-    the job's (model.batch_size over the data-parallel width; the example's own without it), plus the
-    update (found.update_s), the fixed share of a step (found.overhead_s of a data-parallel one, found.overhead_solo_s
-    of a job's only process), a data-parallel one's wait for the other ranks (found.parallel_wait_s, a 1 ms
-    step's: it grows as the square root of the step's own time) and the gradient all-reduce: over the offer's links, or for this machine's local
-    nodes (`here`) as `tfsn calibrate` measured it between local processes, where it did."""
+    the job's (model.batch_size over the data-parallel width; the example's own without it), plus the update
+    (found.update_s) and the fixed share every step pays around its graphs (found.overhead_solo_s); as one of
+    several ranks, plus what a data-parallel step pays beyond that (found.overhead_s) and its wait for the other
+    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time); and the
+    gradient all-reduce: over the offer's links, or for this machine's local nodes (`here`) as `tfsn calibrate`
+    measured it between local processes, where it did."""
     from optimizer.hardware import cpu_spec
     from optimizer.predict import local_allreduce_seconds
 
@@ -457,10 +458,10 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     allreduce = local_allreduce_seconds(entry.grad_bytes, per_node * nodes, cpu_spec()) if here else None
     if allreduce is None:
         allreduce = float(allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0])
-    own = found.seconds * scale + found.update_s
+    own = found.seconds * scale + found.update_s + found.overhead_solo_s
     if per_node * nodes > 1:
         return own + found.overhead_s + found.parallel_wait_s * math.sqrt(own * 1e3) + allreduce
-    return own + found.overhead_solo_s + allreduce
+    return own + allreduce
 
 
 def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, workload: Workload | None,

@@ -3,8 +3,8 @@
 A job's step on local nodes is its forward and backward (what the planner times, or the search prices) plus
 three things the graphs do not hold: DDP's gradient all-reduce between the nodes' processes (gloo over
 loopback, each process one core's share), the optimizer's update (torch.optim.AdamW, the default foreach
-implementation, many small ATen ops per parameter tensor), and the framework around a compiled step (dynamo's guards, AOTAutograd's
-wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
+implementation, many small ATen ops per parameter tensor), and the framework around a compiled step
+(dynamo's guards, AOTAutograd's wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
 message and copies through the kernel, AdamW a dispatch per op and tensor, the framework its Python. All are
 measured with one thread per process, as local workers run. The update is the fastest of its rounds (as most
 figures of `tfsn calibrate`: on a shared machine noise only ever slows a run down), fitted as a line: fixed +

@@ -3,20 +3,20 @@
 A job's step on local nodes is its forward and backward (what the planner times, or the search prices) plus
 three things the graphs do not hold: DDP's gradient all-reduce between the nodes' processes (gloo over
 loopback, each process one core's share), the optimizer's update (torch.optim.AdamW, the default foreach
-implementation, many small ATen ops per parameter tensor), and the framework around a compiled step
-(dynamo's guards, AOTAutograd's wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo pays a round trip per
-message and copies through the kernel, AdamW a dispatch per op and tensor, the framework its Python. All are
-measured with one thread per process, as local workers run. The update is the fastest of its rounds (as most
-figures of `tfsn calibrate`: on a shared machine noise only ever slows a run down), fitted as a line: fixed +
-per tensor x tensors + per element x elements. The all-reduce's latency is the fastest tiny all-reduce between
-barriers. The rest is read off a data-parallel step of a Linear as a worker's loop runs it (compiled, DDP,
-AdamW, the SDK's vote), the median of back-to-back steps, at two sizes: a 4x4 one's step less its update and
-latency is the fixed share every step pays; what 768 KiB more gradient adds, less its larger update, is the
-loop's all-reduce rate (at most that gradient's all-reduce alone between barriers); the 4x4 one's step in one
-process alone, less its update, the fixed share of a one-process job. Why the median and the loop here: the
-job's measured step is a median, and the drift between ranks and the wake-ups at each collective are no noise
-but part of every step (between barriers a gloo all-reduce of a few MiB moved 1.5-5 GB/s here; in the loop, a
-fraction of that).
+implementation, many small ATen ops per parameter tensor), and the framework around a compiled step (dynamo's
+guards, AOTAutograd's wrappers, the autograd engine, DDP's hooks). None runs at a memory roofline here: gloo
+pays a round trip per message and copies through the kernel, AdamW a dispatch per op and tensor, the framework
+its Python. All are measured with one thread per process, as local workers run. The update is the fastest of
+its rounds (as most figures of `tfsn calibrate`: on a shared machine noise only ever slows a run down), fitted
+as a line: fixed + per tensor x tensors + per element x elements. The all-reduce's latency is the fastest tiny
+all-reduce between barriers. The rest is read off a data-parallel step of a Linear as a worker's loop runs it
+(compiled, DDP, AdamW, the SDK's vote), the median of back-to-back steps, at two sizes: a 4x4 one's step less
+its update and latency is the fixed share every step pays; what 768 KiB more gradient adds, less its larger
+update, is the loop's all-reduce rate (at most that gradient's all-reduce alone between barriers); the 4x4
+one's step in one process alone, less its update, the fixed share of a one-process job. Why the median and the
+loop here: the job's measured step is a median, and the drift between ranks and the wake-ups at each
+collective are no noise but part of every step (between barriers a gloo all-reduce of a few MiB moved 1.5-5
+GB/s here; in the loop, a fraction of that).
 
 What being one of two ranks costs a step beyond the same step alone is measured with both processes running,
 DDP with the vote against no collective, switched in blocks of steps (so the machine's drift weighs on both):

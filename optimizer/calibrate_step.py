@@ -76,44 +76,14 @@ for key, n in zip(("latency", "isolated"), json.loads(sys.argv[4])):
         dist.all_reduce(x)
         times.append(time.perf_counter() - t0)
     out[key] = min(times)
-# a data-parallel step as a worker's loop pays it: dynamo's guards, AOTAutograd's wrappers, autograd, DDP's
-# hooks and its all-reduce, AdamW, and the one tiny all-reduce per step in which tfsn's SDK votes on
-# checkpoints; steps back to back, no barrier between them, so the ranks' drift and each collective's
-# wake-ups are in it as they are in a job
-from torch.nn.parallel import DistributedDataParallel as DDP
-for inputs, outputs in json.loads(sys.argv[5]):
-    model = DDP(torch.nn.Linear(inputs, outputs))
-    step = torch.compile(model, backend="aot_eager", dynamic=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, vote = torch.randn(2, inputs), torch.zeros(2, dtype=torch.float64)
-    times = []
-    dist.barrier()
-    for i in range(3 * rounds + 5):
-        t0 = time.perf_counter()
-        step(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        times.append(time.perf_counter() - t0)
-    out[f"step_{inputs}x{outputs}"] = sorted(times[5:])[len(times[5:]) // 2]
 import copy
-BLOCK, vote = 5, torch.zeros(2, dtype=torch.float64)
+from torch.nn.parallel import DistributedDataParallel as DDP
+BLOCK, vote, linears = 5, torch.zeros(2, dtype=torch.float64), json.loads(sys.argv[5])
 
 
-def sides(steps, inputs):
-    # median seconds of two ways to run a step (steps[True], steps[False]: callables of inputs), switched every
-    # BLOCK steps after a barrier, the first of each block left out: the ranks' rhythm and the machine's drift
-    # weigh on both alike
-    times = {True: [], False: []}
-    for i in range(2 * BLOCK * (rounds // 2 + 2)):
-        side = (i // BLOCK) % 2 == 0
-        if i % BLOCK == 0:
-            dist.barrier()
-        t0 = time.perf_counter()
-        steps[side](inputs)
-        if i >= 2 * BLOCK and i % BLOCK:
-            times[side].append(time.perf_counter() - t0)
-    return [sorted(t)[len(t) // 2] for t in (times[True], times[False])]
+def middle(times):
+    # the median of the times (the upper one of an even count)
+    return sorted(times)[len(times) // 2]
 
 
 def loop_step(net, parallel, **ddp):
@@ -131,9 +101,40 @@ def loop_step(net, parallel, **ddp):
     return run
 
 
+# a data-parallel step as a worker's loop pays it: dynamo's guards, AOTAutograd's wrappers, autograd, DDP's
+# hooks and its all-reduce, AdamW, and the one tiny all-reduce per step in which tfsn's SDK votes on
+# checkpoints; steps back to back, no barrier between them, so the ranks' drift and each collective's
+# wake-ups are in it as they are in a job
+for inputs, outputs in linears:
+    run, x = loop_step(torch.nn.Linear(inputs, outputs), True), torch.randn(2, inputs)
+    times = []
+    dist.barrier()
+    for i in range(3 * rounds + 5):
+        t0 = time.perf_counter()
+        run(x)
+        times.append(time.perf_counter() - t0)
+    out[f"step_{inputs}x{outputs}"] = middle(times[5:])
+
+
+def sides(steps, inputs):
+    # median seconds of two ways to run a step (steps[True], steps[False]: callables of inputs), switched every
+    # BLOCK steps after a barrier, the first of each block left out: the ranks' rhythm and the machine's drift
+    # weigh on both alike
+    times = {True: [], False: []}
+    for i in range(2 * BLOCK * (rounds // 2 + 2)):
+        side = (i // BLOCK) % 2 == 0
+        if i % BLOCK == 0:
+            dist.barrier()
+        t0 = time.perf_counter()
+        steps[side](inputs)
+        if i >= 2 * BLOCK and i % BLOCK:
+            times[side].append(time.perf_counter() - t0)
+    return middle(times[True]), middle(times[False])
+
+
 # what DDP's broadcast of a module's buffers (broadcast_buffers, its default: a collective at every forward) adds
 # to such a step: the tiny Linear with a buffer, its broadcast switched on and off
-net = torch.nn.Linear(*json.loads(sys.argv[5])[0])
+net = torch.nn.Linear(*linears[0])
 net.register_buffer("seen", torch.zeros(1))
 on, off = loop_step(net, True), loop_step(copy.deepcopy(net), True, broadcast_buffers=False)
 with_broadcast, without = sides({True: on, False: off}, torch.randn(2, net.in_features))
@@ -142,7 +143,7 @@ out["broadcast"] = with_broadcast - without
 # tiny Linear, and a payload of compute with a small gradient (Linear layers over many rows): what being one of
 # two ranks adds at no compute, and with some
 width, layers, rows = json.loads(sys.argv[6])
-tiny = torch.nn.Linear(*json.loads(sys.argv[5])[0])
+tiny = torch.nn.Linear(*linears[0])
 for key, net, x in (("tiny", tiny, torch.randn(2, tiny.in_features)),
                     ("payload", torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]),
                      torch.randn(rows, width))):
@@ -296,7 +297,7 @@ def measure(quick: bool = False) -> StepFigures:
         alone = 4 * (params[1] - LATENCY_FLOATS) / isolated if isolated > 0 else math.inf
         rate = min(4 * (params[1] - params[0]) / added, alone)
         parallel = max(times["tiny_parallel"] - times["tiny_alone"], latency)
-        payload = times["payload_parallel"] - times["payload_alone"] - 4 * layers * (width + 1) * width / rate
+        payload = times["payload_parallel"] - times["payload_alone"] - 4 * layers * _gradient_floats(width, width) / rate
         if payload > parallel:  # else noise slowed the payload's steps alone as much as its data-parallel ones
             break
     else:

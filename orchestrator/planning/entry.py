@@ -37,7 +37,8 @@ _HASHED_FILES, _HASHED_BYTES = 2000, 64 << 20
 class HardwareStep:
     """One hardware type's searched step: the seconds of one replica's forward and backward at the
     example batch, or the reason it could not be searched. On this machine the step is also timed:
-    `seconds` is then the timed one and `predicted_s` its kernels' predicted sum."""
+    `seconds` is then the timed one less the fixed share every step pays (`overhead_solo_s`), and
+    `predicted_s` its kernels' predicted sum."""
 
     seconds: float | None
     update_s: float = 0.0      # the optimizer's update on one replica (timed here, else at memory bandwidth)

@@ -38,6 +38,8 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
            "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels launched on the tensors' "
                       "device: on a GPU tfsn has a spec of, the GPU cost model's plan and launch shapes; else "
                       "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)",
+           "cuda_graphs": "False launches a GPU graph's kernels one by one (default: each graph is replayed as one "
+                          "CUDA graph after two calls, optimizer/graphs.py; also TFSN_CUDA_GRAPHS=0)",
            "on_plan": "called with each searched graph's expected seconds (search.SearchResult.expected_s) and "
                       "whether it was searched now (False: read from the search cache), and the name of its search "
                       "cache entry; what `tfsn plan` prices this machine's step from (and ships to cloud nodes)"}
@@ -210,7 +212,7 @@ def default_top_k() -> int:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                   schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
-                  report: list | None = None, codegen: str = "c",
+                  report: list | None = None, codegen: str = "c", cuda_graphs: bool = True,
                   on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
@@ -231,7 +233,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     if codegen == "triton":
-        return _triton_graph(gm, graph, schedule, report)
+        return _triton_graph(gm, graph, schedule, report, cuda_graphs)
     gemm = compiler.sgemm_address() is not None
     try:
         if schedule is not None:
@@ -248,7 +250,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         return _as_aten(gm, "its generated code failed", e)
-    return _compiled(graph, plan, kernels, lib)
+    return _compiled(graph, plan, kernels, lib, cuda_graphs)
 
 
 def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
@@ -259,16 +261,26 @@ def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
     return make_boxed_func(gm.forward)
 
 
-def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any) -> Callable:
+def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any, cuda_graphs: bool = False) -> Callable:
+    """The graph's entry; replayed as one CUDA graph where its device records them (optimizer/graphs.py)."""
+    from optimizer import graphs
     from optimizer.codegen.c_attention import AttentionKernel
-    from optimizer.runtime import CompiledGraph
+    from optimizer.runtime import CompiledGraph, written_nodes
     STATS["graphs"] += 1
     STATS["kernels"] += sum(k is not None for k in kernels)
     STATS["attention_kernels"] += sum(isinstance(k, AttentionKernel) for k in kernels)
-    return CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+    compiled = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+    recorder = graphs.recorder_for(graph.device) if cuda_graphs else None
+    if recorder is None:
+        return compiled
+    written = written_nodes(graph, plan.inplace)
+    return graphs.GraphReplay(compiled.run, graph.device, [p for p, i in enumerate(graph.inputs) if i in written],
+                              recorder, f"a graph of {len(graph)} nodes and {sum(k is not None for k in kernels)} "
+                              "kernels")
 
 
-def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, report: list | None) -> Callable:
+def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, report: list | None,
+                  cuda_graphs: bool) -> Callable:
     """The graph as Triton kernels; ATen where a kernel cannot be written (logged, as for C). On a GPU
     whose spec tfsn knows, the fusion plan and each kernel's launch shape are the GPU cost model's
     picks (search over plans and gpu_kernel_space, untimed); elsewhere, or under a fixed `schedule`,
@@ -289,7 +301,7 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
             lib.precompile(graph, kernels)
     except (NotFusable, triton.Unsupported) as e:
         return _as_aten(gm, "its Triton code failed", e)
-    return _compiled(graph, plan, kernels, lib)
+    return _compiled(graph, plan, kernels, lib, cuda_graphs)
 
 
 def gpu_spec(device: str):
@@ -490,6 +502,8 @@ def make_backend(**options: Any) -> Callable:
         raise ValueError(f"tfsn: schedule must be an optimizer.schedule.Schedule, not {type(schedule).__name__}")
     if options.get("codegen", "c") not in ("c", "triton"):
         raise ValueError(f"tfsn: codegen must be 'c' or 'triton', not {options['codegen']!r}")
+    if not isinstance(options.get("cuda_graphs", True), bool):
+        raise ValueError(f"tfsn: cuda_graphs must be True or False, not {options['cuda_graphs']!r}")
     top_k = options.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"tfsn: top_k must be a whole number >= 1, not {top_k!r}")

@@ -270,9 +270,7 @@ def write_entry(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel 
     w = _EntryWriter(graph, groups, kernels, lib, inplace)
     keep = {o.index for o in graph.outputs if isinstance(o, Ref)}
     steps = _live(w.steps, keep)
-    written = set(inplace.values()) | {
-        n.args[0].index for n in graph.nodes if n.kind == Kind.EXTERN and n.args and isinstance(n.args[0], Ref)
-        and mutates(n)}
+    written = written_nodes(graph, inplace)
     body = [f"{', '.join(f'v{i}' for i in graph.inputs)}{',' if len(graph.inputs) == 1 else ''} = args"
             if graph.inputs else "pass", "args.clear()"]
     write_back = any(i in written for i in w.checked)
@@ -302,6 +300,14 @@ def write_entry(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel 
     body += ["return [" + ", ".join(f"v{o.index}" if isinstance(o, Ref) else w.expr(o) for o in graph.outputs) + "]"]
     w.namespace["perf_counter"] = time.perf_counter
     return "def run(args):\n" + "".join(f"    {line}\n" for line in body), w.namespace
+
+
+def written_nodes(graph: Graph, inplace: dict[int, int]) -> set[int]:
+    """The nodes whose tensor the graph writes over: inputs a kernel writes in place (an optimizer's
+    update, BatchNorm's running statistics) and the first argument of every mutating extern."""
+    return set(inplace.values()) | {
+        n.args[0].index for n in graph.nodes if n.kind == Kind.EXTERN and n.args and isinstance(n.args[0], Ref)
+        and mutates(n)}
 
 
 def _dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

@@ -1,0 +1,222 @@
+"""A compiled graph replayed as one CUDA graph: its launches recorded once, then issued by one call.
+
+Why: at the sizes researchers debug and fine-tune at, a step on a GPU is bound by launching its
+kernels from Python, tens of microseconds each (the suite's steps ran at 0.44-0.60x eager on an H200
+with every kernel launched one by one). A CUDA graph issues every launch of a graph, its ATen calls
+included, for the price of one.
+
+A replay reads its inputs and writes its outputs at the addresses its capture saw. How each of those
+assumptions is kept, so that a replay never computes something other than the graph would:
+- Inputs. A tensor input whose address did not change over the calls before the capture (a parameter,
+  an optimizer's state, an activation a replayed forward saved for the backward) is read where it lives
+  ("borrowed"), and so is one that is an output of another replayed graph (whose address stays while
+  that graph does). Any other ("owned") is copied into a buffer of the graph's own before each replay,
+  and copied back after it when the graph writes it. A borrowed input that arrives elsewhere later
+  becomes owned, and the graph is captured again.
+- Outputs. A replay writes over the outputs of the previous one. When one of those is still held (a
+  loss kept for logging, two forwards before one backward, gradients accumulated without zero_grad),
+  that call runs unrecorded, that output is returned as a copy from then on, and the graph is captured
+  again (its earlier outputs stay with whoever holds them).
+- Host. A graph with an input off its device, called under inference mode, or whose capture fails (an
+  op that synchronizes with the host) runs unrecorded, as it would without this module. So does one
+  captured MAX_CAPTURES times already.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+log = logging.getLogger("tfsn.optimizer")
+
+WARMUP_CALLS = 2        # unrecorded calls before the capture: Triton and cuBLAS set up, addresses seen twice
+MAX_CAPTURES = 4        # a graph whose inputs keep moving or whose outputs keep being held runs unrecorded
+
+# What this process's graphs did: captures, calls replayed, calls run unrecorded once recording was tried, and
+# inputs copied into a graph's own buffers.
+COUNTS = {"captures": 0, "replays": 0, "unrecorded": 0, "inputs_copied": 0}
+
+# Storages (by address) that replayed graphs write their outputs to: fixed while their graph is kept.
+REPLAYED: set[int] = set()
+
+Run = Callable[[list], list]            # AOTAutograd's boxed convention: the list of inputs, cleared
+Replay = Callable[[list], None]
+
+
+class Recorder(Protocol):
+    """Records a graph's run and replays it."""
+
+    def capture(self, run: Run, inputs: list) -> tuple[list, Replay]:
+        """`run(inputs)` recorded, not run: its outputs (where every replay writes them) and the replay,
+        which is given the inputs (at the addresses recorded) each time."""
+
+
+class CudaRecorder:
+    """torch.cuda.CUDAGraph on a private memory pool, captured on a side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def capture(self, run: Run, inputs: list) -> tuple[list, Replay]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = run(list(inputs))
+        return outputs, lambda _inputs: graph.replay()
+
+
+def recorder_for(device: str) -> Recorder | None:
+    """The recorder of a graph's device: CUDA graphs on an NVIDIA GPU unless TFSN_CUDA_GRAPHS=0, else
+    none (a CPU step has no launch to save; a ROCm build's graphs are not tested)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or torch.version.hip is not None or os.environ.get("TFSN_CUDA_GRAPHS", "1") == "0":
+        return None
+    return CudaRecorder(dev)
+
+
+def _address(x: Any) -> Any:
+    return (x.device, x.data_ptr()) if isinstance(x, torch.Tensor) else x
+
+
+def _uses(storage: torch.UntypedStorage) -> int:
+    """How many tensors (and storage objects) hold this storage now."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+class GraphReplay:
+    """A compiled graph's entry (`run`) under the rules of this module's docstring; callable as `run`."""
+
+    def __init__(self, run: Run, device: str, written: Sequence[int], recorder: Recorder, name: str) -> None:
+        """`written`: the positions of the inputs the graph writes over."""
+        self._boxed_call = True
+        self.run, self.device, self.written, self.recorder, self.name = run, torch.device(device), set(written), \
+            recorder, name
+        self.calls = self.captures = self.replays = 0
+        self.seen: list[Any] | None = None          # each input's address (or value) on every call so far
+        self.moved: set[int] = set()                # tensor inputs seen at more than one address
+        self.copied: set[int] = set()               # outputs returned as copies
+        self.off = ""                               # why this graph runs unrecorded from now on
+        self._drop()
+
+    def _drop(self) -> None:
+        """Forget the capture: its pool is freed once nothing holds its outputs."""
+        for storage, _, _ in getattr(self, "watched", []):
+            REPLAYED.discard(storage.data_ptr())
+        self.replay: Replay | None = None
+        self.buffers: dict[int, torch.Tensor] = {}      # owned input -> the buffer the graph reads
+        self.addresses: list[Any] = []                  # each input's address (or value) at the capture
+        self.outputs: list = []
+        self.watched: list[tuple[torch.UntypedStorage, int, list[int]]] = []   # (storage, uses when free, outputs)
+
+    def _stop(self, why: str) -> None:
+        self.off = why
+        self._drop()
+        log.info("tfsn: %s runs unrecorded (no CUDA graph): %s", self.name, why)
+
+    def __call__(self, args: list) -> list:
+        if self.off:
+            return self.run(args)
+        inputs = list(args)
+        args.clear()
+        if torch.is_inference_mode_enabled():
+            self._stop("called under inference mode")
+            return self.run(inputs)
+        if self.replay is None:
+            why = self._observe(inputs)
+            if why:
+                self._stop(why)
+                return self.run(inputs)
+            if self.calls <= WARMUP_CALLS:
+                return self.run(inputs)
+            return self._capture(inputs)
+        if self._held() or self._moved(inputs):
+            if self.captures >= MAX_CAPTURES:
+                self._stop(f"captured {self.captures} times: its inputs keep moving or its outputs are kept")
+            else:
+                self._drop()            # the next call captures again, with what was learned
+            COUNTS["unrecorded"] += 1
+            return self.run(inputs)
+        return self._replay(inputs)
+
+    def _observe(self, inputs: list) -> str:
+        """Notes where each input is on a call before the capture; why the graph cannot be recorded, or ''."""
+        self.calls += 1
+        for i, x in enumerate(inputs):
+            if isinstance(x, torch.Tensor) and x.device != self.device:
+                return f"input {i} is on {x.device}, not {self.device}"
+        now = [_address(x) for x in inputs]
+        if self.seen is not None:
+            for i, (a, b) in enumerate(zip(self.seen, now)):
+                if a != b:
+                    if not isinstance(inputs[i], torch.Tensor):
+                        return f"input {i} changes value between calls ({a!r}, {b!r})"
+                    self.moved.add(i)
+        self.seen = now
+        return ""
+
+    def _capture(self, inputs: list) -> list:
+        owned = {i for i in self.moved if inputs[i].untyped_storage().data_ptr() not in REPLAYED}
+        for i in owned:
+            x = inputs[i]
+            if torch._debug_has_internal_overlap(x) != 0:      # 0: no element shares its memory
+                self._stop(f"input {i} moves between calls and overlaps itself (strides {x.stride()})")
+                return self.run(inputs)
+        self.buffers = {i: torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
+                                               device=self.device) for i in owned}
+        static = [self.buffers.get(i, x) for i, x in enumerate(inputs)]
+        try:
+            outputs, replay = self.recorder.capture(self.run, static)
+        except Exception as e:          # an op that synchronizes, a library that cannot be captured
+            self._stop(f"its capture failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+            return self.run(inputs)
+        self.captures += 1
+        COUNTS["captures"] += 1
+        self.replay, self.outputs = replay, outputs
+        self.addresses = [_address(x) for x in static]
+        borrowed = {x.untyped_storage().data_ptr() for i, x in enumerate(inputs)
+                    if isinstance(x, torch.Tensor) and i not in self.buffers}
+        by_storage: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
+        for j, o in enumerate(outputs):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in borrowed:
+                storage = o.untyped_storage()
+                by_storage.setdefault(storage.data_ptr(), (storage, []))[1].append(j)
+        del static
+        self.watched = [(storage, _uses(storage), js) for storage, js in by_storage.values()]
+        REPLAYED.update(by_storage)
+        log.debug("tfsn: %s captured (%d owned inputs, %d outputs watched)", self.name, len(self.buffers),
+                  len(self.watched))
+        return self._replay(inputs)
+
+    def _held(self) -> bool:
+        """Whether an output of the last replay is still held outside; its outputs are copies from now on."""
+        held = False
+        for storage, free, js in self.watched:
+            if _uses(storage) > free:
+                self.copied.update(js)
+                held = True
+        return held
+
+    def _moved(self, inputs: list) -> bool:
+        """Whether a borrowed input arrived at another address than its capture's (it is owned from now on)."""
+        moved = False
+        for i, (x, a) in enumerate(zip(inputs, self.addresses)):
+            if i not in self.buffers and _address(x) != a:
+                if not isinstance(x, torch.Tensor):
+                    self._stop(f"input {i} changes value between calls ({a!r}, {x!r})")
+                    return True
+                self.moved.add(i)
+                moved = True
+        return moved
+
+    def _replay(self, inputs: list) -> list:
+        for i, buffer in self.buffers.items():
+            buffer.copy_(inputs[i])
+        self.replay([self.buffers.get(i, x) for i, x in enumerate(inputs)])
+        self.replays += 1
+        COUNTS["replays"] += 1
+        COUNTS["inputs_copied"] += len(self.buffers)
+        for i in self.written & self.buffers.keys():
+            inputs[i].copy_(self.buffers[i])
+        return [(o.clone() if j in self.copied else o.detach()) if isinstance(o, torch.Tensor) else o
+                for j, o in enumerate(self.outputs)]

@@ -1,0 +1,246 @@
+"""Compiled graphs replayed as CUDA graphs (optimizer/graphs.py), in the ways users write training loops.
+
+On this CPU a stand-in keeps a CUDA graph's contract (`Rerun`): its capture runs nothing, its outputs
+stay where the capture put them and every replay writes over them, and a replay whose inputs are not
+where the capture saw them fails the test (a real graph would read stale memory). Every loop is
+compared with eager PyTorch, step by step. With TFSN_TEST_DEVICE=cuda (benchmarks/gpu_check.sh) the
+same loops run on the GPU's own CUDA graphs and Triton kernels.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from optimizer import graphs
+from optimizer.backend import make_backend
+from optimizer.schedule import DEFAULT
+from tests.optimizer_models import Block
+
+DEVICE = os.environ.get("TFSN_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels run on CPU tensors
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TFSN_TEST_DEVICE=cuda but torch sees no GPU", allow_module_level=True)
+STEPS = 6
+
+
+class Rerun:
+    """A CUDA graph's contract on a CPU (see the module's docstring)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def capture(self, run, inputs):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        before = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        outputs = run(list(inputs))
+        for x, b in zip(inputs, before):        # a capture runs nothing: what it wrote is put back,
+            if isinstance(x, torch.Tensor):     # its version unchanged (autograd checks saved tensors')
+                x.data.copy_(b)
+        mine = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+        for o in outputs:                       # and what it allocated holds no value yet
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.untyped_storage().data_ptr() not in mine:
+                o.data.fill_(float("nan"))
+        addresses = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+        def replay(now):
+            assert [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in now] == addresses, \
+                "replayed with an input away from the address its capture read"
+            for o, n in zip(outputs, run(list(now))):
+                if isinstance(o, torch.Tensor):
+                    o.data.copy_(n)       # as a graph writes: no version counted
+        return outputs, replay
+
+
+@pytest.fixture(autouse=True)
+def setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    if DEVICE == "cpu":
+        monkeypatch.setattr(graphs, "recorder_for", lambda device: Rerun())
+    torch._dynamo.reset()
+    for k in graphs.COUNTS:
+        graphs.COUNTS[k] = 0
+    yield
+    torch._dynamo.reset()
+
+
+class Net(nn.Module):
+    """A GPT-2 block and a head: LayerNorm, attention, GELU MLP, residuals. The attention's input bias is
+    frozen: its key part's gradient is exactly zero in eager and rounding noise in any other order of
+    sums, which AdamW turns into full steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = Block(24, 2), nn.Linear(24, 5)
+        self.block.qkv.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x)).mean(1)
+
+
+def backend(codegen: str = "c"):
+    """Triton's kernels on a GPU; here the C kernels, or Triton's under its interpreter."""
+    if DEVICE == "cuda":
+        return make_backend(codegen="triton")
+    return make_backend(schedule=DEFAULT, codegen=codegen)
+
+
+def pair(build=Net):
+    torch.manual_seed(0)
+    eager = build().to(DEVICE)
+    return eager, copy.deepcopy(eager)
+
+
+def batches(n: int, shape=(3, 7, 24)):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(*shape, generator=g).to(DEVICE), torch.randint(0, 5, shape[:1], generator=g).to(DEVICE))
+            for _ in range(n)]
+
+
+def close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5, msg=lambda m: f"{what}: {m}")
+
+
+def trainers(eager, tfsn, codegen: str = "c"):
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_t = torch.optim.AdamW(tfsn.parameters(), lr=1e-2)
+    return opt_e, opt_t, torch.compile(tfsn, backend=backend(codegen)), \
+        torch.compile(opt_t.step, backend=backend(codegen))
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=pytest.mark.skipif(
+    DEVICE == "cuda", reason="on a GPU every test runs Triton's kernels"))])
+def test_a_training_loop_is_replayed_from_its_third_step_and_matches_eager(codegen):
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    eager, tfsn = pair()
+    opt_e, opt_t, model, step = trainers(eager, tfsn, codegen)
+    for i, (x, y) in enumerate(batches(STEPS)):
+        opt_e.zero_grad(set_to_none=True)
+        opt_t.zero_grad(set_to_none=True)
+        want = F.cross_entropy(eager(x), y)
+        want.backward()
+        opt_e.step()
+        got = F.cross_entropy(model(x), y)
+        got.backward()
+        step()
+        close(got.item(), want.item(), f"loss at step {i}")
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        close(q, p, f"{name} after {STEPS} steps")
+    # forward, backward and the optimizer's step: captured once each at the third step, replayed after;
+    # copied in: the batch and the loss's gradient; the backward reads the activations where the forward's
+    # replay left them, the optimizer the gradients where the backward's did, and both the weights in place
+    replayed = STEPS - graphs.WARMUP_CALLS
+    assert graphs.COUNTS == {"captures": 3, "replays": 3 * replayed, "unrecorded": 0, "inputs_copied": 2 * replayed}
+
+
+def test_losses_kept_across_steps_are_not_overwritten_by_later_replays():
+    eager, tfsn = pair()
+    opt_e, opt_t, model, step = trainers(eager, tfsn)
+    kept_e, kept_t = [], []
+    for x, y in batches(STEPS):
+        for m, opt, kept, s in ((eager, opt_e, kept_e, opt_e.step), (model, opt_t, kept_t, step)):
+            opt.zero_grad()
+            logits = m(x)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            s()
+            kept.append((loss.detach(), logits.detach()))
+    for i, ((le, oe), (lt, ot)) in enumerate(zip(kept_e, kept_t)):
+        close(lt, le, f"loss kept from step {i}")
+        close(ot, oe, f"logits kept from step {i}")
+    assert graphs.COUNTS["replays"] >= 2 * (STEPS - graphs.WARMUP_CALLS) - 2, graphs.COUNTS
+
+
+def test_gradients_accumulated_over_micro_batches_without_zero_grad():
+    eager, tfsn = pair()
+    opt_e, opt_t, model, step = trainers(eager, tfsn)
+    data = batches(3 * STEPS)
+    for i in range(STEPS):
+        for m, opt, s in ((eager, opt_e, opt_e.step), (model, opt_t, step)):
+            for x, y in data[3 * i: 3 * i + 3]:
+                (F.cross_entropy(m(x), y) / 3).backward()
+            s()
+            opt.zero_grad(set_to_none=i % 2 == 0)      # both ways: None, and zeros written in place
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        close(q, p, f"{name} after {STEPS} accumulated steps")
+    assert graphs.COUNTS["replays"] > 0, graphs.COUNTS
+
+
+def test_two_forwards_before_one_backward():
+    """The second forward's replay would write over the activations the first saved for the backward."""
+    eager, tfsn = pair()
+    model = torch.compile(tfsn, backend=backend())
+    for i, ((x1, _), (x2, _)) in enumerate(zip(batches(STEPS), batches(STEPS, (3, 7, 24))[::-1])):
+        for m in (eager, model):
+            m.zero_grad()
+            (m(x1).square().sum() - m(x2).sum()).backward()
+        for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+            close(q.grad, p.grad, f"grad of {name} at step {i}")
+
+
+def test_a_parameter_given_new_storage_is_read_from_there():
+    """`p.data = ...` moves a borrowed input: the replay must not read the old address."""
+    eager, tfsn = pair()
+    model = torch.compile(tfsn, backend=backend())
+    for i, (x, _) in enumerate(batches(STEPS)):
+        if i == 4:
+            for m in (eager, tfsn):
+                m.head.weight.data = torch.full_like(m.head.weight, 0.01) + m.head.weight
+        with torch.no_grad():
+            close(model(x), eager(x), f"output at step {i}")
+    assert graphs.COUNTS["replays"] > 0, graphs.COUNTS
+
+
+class Scaled(nn.Module):
+    """A forward that writes over its input (kept in the graph as an in-place write) and a BatchNorm,
+    whose running statistics it writes too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(24, 24), nn.BatchNorm1d(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)
+        return self.bn(self.lin(x))
+
+
+def test_inputs_the_graph_writes_reach_the_caller():
+    eager, tfsn = pair(Scaled)
+    model = torch.compile(tfsn, backend=backend())
+    for i, (x, _) in enumerate(batches(STEPS)):
+        xe, xt = x.clone(), x.clone()
+        with torch.no_grad():
+            close(model(xt), eager(xe), f"output at step {i}")
+        close(xt, xe, f"the input written over at step {i}")
+        close(tfsn.bn.running_mean, eager.bn.running_mean, f"running mean at step {i}")
+    assert graphs.COUNTS["replays"] >= STEPS - graphs.WARMUP_CALLS, graphs.COUNTS
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in's failure; a GPU's own failures are its own")
+def test_a_graph_whose_capture_fails_runs_unrecorded(monkeypatch):
+    monkeypatch.setattr(graphs, "recorder_for", lambda device: Rerun(fail=True))
+    eager, tfsn = pair()
+    model = torch.compile(tfsn, backend=backend())
+    for i, (x, _) in enumerate(batches(STEPS)):
+        with torch.no_grad():
+            close(model(x), eager(x), f"output at step {i}")
+    assert graphs.COUNTS["replays"] == 0 and graphs.COUNTS["captures"] == 0
+
+
+def test_cuda_graphs_can_be_turned_off():
+    eager, tfsn = pair()
+    off = make_backend(cuda_graphs=False, **({"codegen": "triton"} if DEVICE == "cuda" else {"schedule": DEFAULT}))
+    model = torch.compile(tfsn, backend=off)
+    for x, _ in batches(4):
+        with torch.no_grad():
+            close(model(x), eager(x), "output")
+    assert not any(graphs.COUNTS.values()), graphs.COUNTS
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        make_backend(cuda_graphs="no")

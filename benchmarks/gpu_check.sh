@@ -12,14 +12,16 @@
 #    .whl), else from the package index.
 # 2. The optimizer's tests that apply on a GPU: cost model, hardware specs, GPU cost model; the generated
 #    kernels' correctness suite on the GPU (tests/test_*triton*.py) once optimizer/codegen/triton.py
-#    exists, else "triton renderer not available".
-# 3. The suite's training steps with eager, Inductor and tfsn side by side
-#    (benchmarks/optimizer_vs_peers.py --device cuda).
+#    exists, else "triton renderer not available"; the training loops replayed as CUDA graphs
+#    (tests/test_optimizer_graphs.py: kept losses, accumulation, two forwards, moved parameters).
+# 3. The suite's training steps with eager, Inductor and tfsn side by side, and on the GPU Inductor's
+#    and tfsn's CUDA graphs against their launches one by one (benchmarks/optimizer_vs_peers.py --device
+#    cuda; gpt2_block, the target's model, first).
 # 4. The cost model's predicted times against measured ones for library kernels and eager ops
 #    (benchmarks/gpu_costmodel_check.py: GEMMs in fp32/tf32/bf16, softmax, LayerNorm, SDPA, conv;
 #    Spearman per class, top-1 regret).
-# Each part runs under its own time limit (the tests and the Triton tests side by side, 120 s; the models'
-# steps 240 s together, 80 s at most each; the cost model and the generated kernels' launch shapes 100 s:
+# Each part runs under its own time limit (the tests, the Triton tests and the graphs' tests side by side,
+# 120 s; the models' steps 240 s together, 90 s at most each; the cost model and the generated kernels' launch shapes 100 s:
 # under 8 minutes); a part that fails or runs
 # out is reported in the JSON line and the others still run. With $OUT set (the lent machine), every
 # part's log is kept in $OUT/gpu_check.log.
@@ -85,6 +87,10 @@ note "tests"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/tests.xml" \
   tests/test_costmodel.py tests/test_hardware.py tests/test_gpu_costmodel.py > "$WORK/tests.log" 2>&1 &
 TESTS_PID=$!
+# the training loops of tests/test_optimizer_graphs.py on the GPU's own CUDA graphs (on this CPU: the stand-in)
+TFSN_TEST_DEVICE=$DEVICE timeout 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/graphs.xml" \
+  tests/test_optimizer_graphs.py > "$WORK/graphs.log" 2>&1 &
+GRAPHS_PID=$!
 TRITON="triton renderer not available"
 if [ -f optimizer/codegen/triton.py ] && ls tests/test_*triton*.py >/dev/null 2>&1; then
   TRITON=tests
@@ -93,12 +99,12 @@ if [ -f optimizer/codegen/triton.py ] && ls tests/test_*triton*.py >/dev/null 2>
   TFSN_TEST_DEVICE=$DEVICE timeout 120 "$PY" -m pytest -q -p no:cacheprovider $PARALLEL \
     --junitxml="$WORK/triton.xml" tests/test_*triton*.py > "$WORK/triton.log" 2>&1
 fi
-wait $TESTS_PID
+wait $TESTS_PID $GRAPHS_PID
 
 # 3. training steps, eager vs Inductor vs tfsn: one model at a time, so that one slow compile costs its row only
 note "training steps"
 if [ "$MODE" = gpu ]; then
-  MODELS="mlp lm_head_ce gpt2_block cnn"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=80; BUDGET=240
+  MODELS="gpt2_block mlp cnn lm_head_ce"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=90; BUDGET=240
 else
   MODELS="mlp"; STEPS="--size small --rounds 2 --steps 3 --threads 1"; LIMIT=300; BUDGET=300
 fi
@@ -158,7 +164,9 @@ def steps():
         found = last_json(f"steps-{model}")
         if "results" in found:
             r = found["results"][0]
-            rows[model] = {"ms": r["ms"], "vs_eager": round(r["vs_eager"], 3), "vs_inductor": round(r["vs_inductor"], 3)}
+            rows[model] = {"ms": r["ms"], **{k: round(r[k], 3) for k in ("vs_eager", "vs_inductor", "vs_inductor_cudagraphs",
+                                                                         "cuda_graphs_gain") if k in r},
+                           **({"cuda_graph_replays": r["cuda_graph_replays"]} if "cuda_graph_replays" in r else {})}
         else:
             rc = (work / f"steps-{model}.rc").read_text().strip()
             errors[model] = f"ran out of time ({limit} s per model, 240 s in all)" if rc in ("124", "137") else found.get("error")
@@ -169,7 +177,8 @@ def steps():
 import torch
 costmodel = last_json("costmodel")
 result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-          "tests": tests("tests"), "triton": tests("triton") if triton == "tests" else triton, "steps": steps(),
+          "tests": tests("tests"), "triton": tests("triton") if triton == "tests" else triton,
+          "cuda_graphs": tests("graphs"), "steps": steps(),
           "costmodel": {k: costmodel.get(k) for k in ("spec", "spearman", "classes", "top1_regret", "max_top1_regret",
                                                      "generated_kernels", "error") if k in costmodel}}
 print(json.dumps(result))

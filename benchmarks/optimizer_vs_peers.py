@@ -63,10 +63,14 @@ os.environ["TFSN_CACHE"] = os.path.join(_tmp, "tfsn")
 import torch
 
 from _common import print_table
+from optimizer import graphs
 from optimizer.backend import STATS, make_backend
 from tests import optimizer_models, user_models
 
 PEERS = ("eager", "inductor", "tfsn")
+# on a GPU also: Inductor with its CUDA graphs (mode="reduce-overhead"), and tfsn launching its kernels one
+# by one (cuda_graphs=False), what each gains from replaying its graphs
+GPU_PEERS = ("inductor_cudagraphs", "tfsn_launches")
 TARGETS = {"vs_eager": 1.25, "vs_inductor": 1.10, "worst_vs_eager": 0.95}     # issue 19
 
 # name: (module, its case's name, batch sizes); user_models' cases run at their test dimensions
@@ -122,11 +126,12 @@ def _split(batch: tuple) -> tuple:
     return tuple(inputs), target
 
 
-def make_step(model: torch.nn.Module, case: BenchCase, inputs: tuple, target: torch.Tensor, backend):
-    """One training step of `model` (compiled with `backend`, or eager when None)."""
+def make_step(model: torch.nn.Module, case: BenchCase, inputs: tuple, target: torch.Tensor, backend,
+              mode: str | None = None):
+    """One training step of `model` (compiled with `backend` in `mode`, or eager when None)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fwd = model if backend is None else torch.compile(model, backend=backend)
-    opt_step = opt.step if backend is None else torch.compile(opt.step, backend=backend)
+    fwd = model if backend is None else torch.compile(model, backend=backend, mode=mode)
+    opt_step = opt.step if backend is None else torch.compile(opt.step, backend=backend, mode=mode)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -149,27 +154,33 @@ def bench_case(case: BenchCase, rounds: int, steps: int, device: str = "cpu", co
     base = case.build().to(device)
     inputs, target = case.batch(torch.Generator().manual_seed(1))
     inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
-    backends = {"eager": None, "inductor": "inductor", "tfsn": make_backend(codegen=codegen)}
+    backends = {"eager": (None, None), "inductor": ("inductor", None), "tfsn": (make_backend(codegen=codegen), None),
+                "inductor_cudagraphs": ("inductor", "reduce-overhead"),
+                "tfsn_launches": (make_backend(codegen=codegen, cuda_graphs=False), None)}
+    peers = PEERS + (GPU_PEERS if device != "cpu" else ())
     fns, compile_s, first_loss = {}, {}, {}
-    before = dict(STATS)
-    for peer in PEERS:
+    before, replays = dict(STATS), graphs.COUNTS["replays"]
+    for peer in peers:
         torch._dynamo.reset()
-        fns[peer] = make_step(copy.deepcopy(base), case, inputs, target, backends[peer])
+        fns[peer] = make_step(copy.deepcopy(base), case, inputs, target, *backends[peer])
         t0 = time.perf_counter()
         first_loss[peer] = fns[peer]()
         compile_s[peer] = time.perf_counter() - t0
-    for peer in PEERS:      # the reset before a later peer emptied Dynamo's cache: recompiled here, untimed
+    for peer in peers:      # the reset before a later peer emptied Dynamo's cache: recompiled here, untimed
         fns[peer]()
         fns[peer]()
-    times = {p: [] for p in PEERS}
+    times = {p: [] for p in peers}
     for _ in range(rounds):
-        for peer in PEERS:
+        for peer in peers:
             times[peer].append(timed(fns[peer], steps))
-    med = {p: statistics.median(times[p]) for p in PEERS}
-    for peer in PEERS:
+    med = {p: statistics.median(times[p]) for p in peers}
+    for peer in peers:
         compile_s[peer] = max(compile_s[peer] - med[peer], 0.0)
-    return {"model": case.name, "batch": case.batch_size, "ms": {p: med[p] * 1e3 for p in PEERS},
-            "vs_eager": med["eager"] / med["tfsn"], "vs_inductor": med["inductor"] / med["tfsn"],
+    gpu = {"vs_inductor_cudagraphs": med["inductor_cudagraphs"] / med["tfsn"],
+           "cuda_graphs_gain": med["tfsn_launches"] / med["tfsn"],
+           "cuda_graph_replays": graphs.COUNTS["replays"] - replays} if device != "cpu" else {}
+    return {"model": case.name, "batch": case.batch_size, "ms": {p: med[p] * 1e3 for p in peers},
+            "vs_eager": med["eager"] / med["tfsn"], "vs_inductor": med["inductor"] / med["tfsn"], **gpu,
             "compile_s": {"inductor": compile_s["inductor"], "tfsn": compile_s["tfsn"]},
             "loss_matches": abs(first_loss["tfsn"] - first_loss["eager"]) <= case.loss_rtol * max(1.0, abs(first_loss["eager"])),
             "first_loss": {"eager": first_loss["eager"], "tfsn": first_loss["tfsn"]},
@@ -228,6 +239,14 @@ def run_one(args: argparse.Namespace) -> int:
           f"{where}, tfsn codegen {codegen}")
     print_table(["model", "batch", "eager ms", "inductor ms", "tfsn ms", "tfsn vs eager", "tfsn vs inductor",
                  "inductor compile s", "tfsn compile s", "tfsn kernels / graphs left to ATen"], rows)
+    if args.device != "cpu":
+        print("on the GPU, with CUDA graphs: Inductor's (mode='reduce-overhead') and tfsn's (default; "
+              "'launches': cuda_graphs=False)")
+        print_table(["model", "batch", "inductor cudagraphs ms", "tfsn launches ms", "tfsn vs inductor cudagraphs",
+                     "tfsn graphs gain", "tfsn graph replays"],
+                    [[r["model"], r["batch"], f"{r['ms']['inductor_cudagraphs']:.2f}", f"{r['ms']['tfsn_launches']:.2f}",
+                      f"{r['vs_inductor_cudagraphs']:.2f}x", f"{r['cuda_graphs_gain']:.2f}x", r["cuda_graph_replays"]]
+                     for r in results if "error" not in r])
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in s["targets"].items()))
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "device": args.device, "codegen": codegen,

@@ -99,6 +99,10 @@ class GraphReplay:
         self.off = ""                               # why this graph runs unrecorded from now on
         self._drop()
 
+    def __del__(self) -> None:
+        for storage, _, _ in getattr(self, "watched", []):
+            REPLAYED.discard(storage.data_ptr())
+
     def _drop(self) -> None:
         """Forget the capture: its pool is freed once nothing holds its outputs."""
         for storage, _, _ in getattr(self, "watched", []):

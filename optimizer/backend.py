@@ -233,7 +233,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     if codegen == "triton":
-        return _triton_graph(gm, graph, schedule, report, cuda_graphs)
+        return _triton_graph(gm, graph, schedule, report, cuda_graphs, top_k)
     gemm = compiler.sgemm_address() is not None
     try:
         if schedule is not None:
@@ -280,18 +280,18 @@ def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any, cuda_graphs: 
 
 
 def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, report: list | None,
-                  cuda_graphs: bool) -> Callable:
+                  cuda_graphs: bool, top_k: int | None) -> Callable:
     """The graph as Triton kernels; ATen where a kernel cannot be written (logged, as for C). On a GPU
-    whose spec tfsn knows, the fusion plan and each kernel's launch shape are the GPU cost model's
-    picks (search over plans and gpu_kernel_space, untimed); elsewhere, or under a fixed `schedule`,
-    the heuristic plan under that one schedule."""
+    whose spec tfsn knows, the fusion plan is the GPU cost model's pick and each kernel's launch shape
+    the fastest on the GPU of the model's top k (gpu_searched_plan); elsewhere, or under a fixed
+    `schedule`, the heuristic plan under that one schedule."""
     from optimizer import fusion
     from optimizer.codegen import triton
     from optimizer.loopnest import NotFusable
     try:
         spec = gpu_spec(graph.device) if schedule is None else None
         if spec is not None:
-            plan, schedules = gpu_searched_plan(graph, spec, report)
+            plan, schedules = gpu_searched_plan(graph, spec, report, top_k)
         else:
             plan = fusion.plan(graph)
             schedules = [schedule or Schedule()] * len(plan.groups)
@@ -326,16 +326,22 @@ def _log_once(message: str) -> None:
     log.warning(message)
 
 
-def gpu_searched_plan(graph, spec, report: list | None) -> tuple[Plan, list[Schedule]]:
-    """The GPU cost model's plan and launch shapes for this graph on `spec`, from the disk cache when
-    this graph was searched for that chip before."""
+GPU_TOP_K = 4      # launch shapes per kernel built and timed on the GPU (each a Triton compile of ~0.5 s)
+
+
+def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None) -> tuple[Plan, list[Schedule]]:
+    """The GPU cost model's plan for this graph on `spec`, and each kernel's launch shape: the fastest
+    measured on the graph's GPU of the model's top `top_k` (default GPU_TOP_K; 1: the model's pick),
+    from the disk cache when this graph was searched for that chip before."""
     from optimizer import search
-    path = search_cache_path(graph, spec, None, True, "triton", suffix=".json")
+    from optimizer.target import target_for
+    top_k = GPU_TOP_K if top_k is None else top_k
+    path = search_cache_path(graph, spec, None, True, "triton", f"top{top_k}", suffix=".json")
     saved = _read_search_entry(path, graph, True) if report is None else None
     if saved is not None:
         return saved.plan, saved.schedules
     _say_why_searching(spec)
-    result = search.search_graph(graph, spec, gemm=True, timing=False)
+    result = search.search_graph(graph, target_for(spec, graph.device), gemm=True, top_k=top_k, timing=top_k > 1)
     STATS["searches"] += 1
     if report is not None:
         report.append((graph, result))

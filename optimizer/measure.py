@@ -33,9 +33,11 @@ TARGET_BATCH_S = 0.001        # calls per timed batch: enough to last this long 
 ABS_TOLERANCE = 1e-3
 
 
-def _buffer(graph: Graph, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def buffer(graph: Graph, n: int, generator: torch.Generator | None = None, device: str = "cpu") -> torch.Tensor:
+    """A tensor of node n's shape, strides and dtype on `device`: random floats (`generator` on that
+    device), zero integers."""
     t = graph.nodes[n].type
-    out = torch.empty_strided(t.shape, t.strides, dtype=getattr(torch, t.dtype))
+    out = torch.empty_strided(t.shape, t.strides, dtype=getattr(torch, t.dtype), device=device)
     if out.is_floating_point():
         out.normal_(generator=generator)
     else:
@@ -43,27 +45,47 @@ def _buffer(graph: Graph, n: int, generator: torch.Generator | None = None) -> t
     return out
 
 
+def c_function(lib: ctypes.CDLL, kernel: Kernel) -> Callable[..., None]:
+    """A C kernel of `lib`, called with its parameters' data pointers."""
+    fn = getattr(lib, kernel.name)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
+    return fn
+
+
+def c_call(lib: ctypes.CDLL, kernel: Kernel) -> Callable[[Sequence[torch.Tensor]], None]:
+    """A C kernel of `lib` as a call on its parameters' tensors."""
+    fn = c_function(lib, kernel)
+    return lambda tensors: fn(*[t.data_ptr() for t in tensors])
+
+
 def agree(graph: Graph, reference: Kernel, candidates: Sequence[Kernel], lib: ctypes.CDLL) -> list[bool]:
-    """Whether each candidate (a schedule of the reference's group, in the same library) writes what
-    the reference writes from the same seeded inputs, each run on its own copy of every buffer (a
-    kernel may write over an input): floats to rtol 1e-4 and atol ABS_TOLERANCE x the largest finite
-    reference magnitude, NaN where the reference has NaN; integers and bools exactly. Why: a schedule
-    the generator gets wrong must never win on speed (tinygrad's BEAM_VALIDATE)."""
+    """Whether each C candidate (a schedule of the reference's group, in the same library) writes what
+    the reference writes (agree_on)."""
+    return agree_on(graph, reference, candidates, lambda k: c_call(lib, k))
+
+
+def agree_on(graph: Graph, reference: Any, candidates: Sequence[Any],
+             call: Callable[[Any], Callable[[Sequence[torch.Tensor]], None]], device: str = "cpu") -> list[bool]:
+    """Whether each candidate (a schedule of the reference's group; `call(kernel)` runs one on its
+    parameters' tensors) writes what the reference writes from the same seeded inputs, each run on its
+    own copy of every buffer (a kernel may write over an input): floats to rtol 1e-4 and atol
+    ABS_TOLERANCE x the largest finite reference magnitude, NaN where the reference has NaN; integers
+    and bools exactly. Why: a schedule the generator gets wrong must never win on speed (tinygrad's
+    BEAM_VALIDATE)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
         generator = torch.Generator().manual_seed(0)
         params = dict.fromkeys(p for k in (reference, *candidates) for p in k.params)
-        inputs = {n: _buffer(graph, n, generator) for n in params}
+        inputs = {n: buffer(graph, n, generator) for n in params}
 
-        def run(kernel: Kernel) -> dict[int, torch.Tensor]:
-            buffers = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for n, t in inputs.items()}
+        def run(kernel: Any) -> dict[int, torch.Tensor]:
+            buffers = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                       for n, t in inputs.items()}
             for n, t in inputs.items():      # the whole storage: a kernel addresses it by the node's strides
                 buffers[n].untyped_storage().copy_(t.untyped_storage())
-            fn = getattr(lib, kernel.name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * len(kernel.params)
-            fn(*[buffers[p].data_ptr() for p in kernel.params])
-            return {n: buffers[n] for n in kernel.outputs}
+            call(kernel)([buffers[p] for p in kernel.params])
+            return {n: buffers[n].cpu() for n in kernel.outputs}
 
         want = run(reference)
         return [same_outputs(run(k), want) for k in candidates]
@@ -133,25 +155,24 @@ def time_rounds(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rou
 
 
 def _time(graph: Graph, kernels: Sequence[tuple[Kernel, ctypes.CDLL]], rounds: int, budget_s: float) -> list[Timing]:
-    tensors = {n: _buffer(graph, n) for k, _ in kernels for n in k.params}
-    calls = []
-    for k, lib in kernels:
-        fn = getattr(lib, k.name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * len(k.params)
-        calls.append((fn, [tensors[p].data_ptr() for p in k.params]))
+    tensors = {n: buffer(graph, n) for k, _ in kernels for n in k.params}
+    calls = [(c_function(lib, k), [tensors[p].data_ptr() for p in k.params]) for k, lib in kernels]
     return time_calls(calls, rounds, budget_s)
 
 
-def time_calls(calls: Sequence[tuple[Callable, Sequence[Any]]], rounds: int = 5, budget_s: float = 10.0) -> list[Timing]:
+def time_calls(calls: Sequence[tuple[Callable, Sequence[Any]]], rounds: int = 5, budget_s: float = 10.0,
+               sync: Callable[[], None] = lambda: None) -> list[Timing]:
     """Each (function, its arguments)'s seconds per call in each of the same `rounds` (round-robin, batches
-    of calls lasting TARGET_BATCH_S): what every candidate is timed by, a kernel or an ATen call."""
+    of calls lasting TARGET_BATCH_S): what every candidate is timed by, a kernel or an ATen call. `sync`
+    waits for the calls made so far (a GPU's launches return before their kernels end)."""
     batches = []
     round_s = 0.0
     for fn, args in calls:
         fn(*args)                                                    # warm: page faults, caches
+        sync()
         t0 = time.perf_counter()
         fn(*args)
+        sync()
         once = time.perf_counter() - t0
         n = max(1, min(1000, int(TARGET_BATCH_S / max(once, 1e-7))))
         batches.append((fn, args, n))
@@ -160,8 +181,10 @@ def time_calls(calls: Sequence[tuple[Callable, Sequence[Any]]], rounds: int = 5,
     samples: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for i, (fn, args, n) in enumerate(batches):
+            sync()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn(*args)
+            sync()
             samples[i].append((time.perf_counter() - t0) / n)
     return [Timing(tuple(s)) for s in samples]

@@ -3,8 +3,8 @@
 The search (optimizer/search.py) works on loop nests and the cost model; a `Target` gives it the
 schedule space of a kernel, the model's prediction of each candidate, the code of a kernel under
 a schedule, and a way to build, check and time candidates on the chip when the chip is here.
-The CPU target is C/OpenMP (optimizer/codegen/c_target.py); `target_for` picks the target of a
-hardware spec.
+The CPU target is C/OpenMP (optimizer/codegen/c_target.py), the GPU one Triton
+(optimizer/codegen/triton_target.py); `target_for` picks the target of a hardware spec.
 """
 from __future__ import annotations
 
@@ -64,9 +64,12 @@ class Target(Protocol):
         """Seconds per call of each (built group, schedule index), timed in the same rounds."""
 
 
-def target_for(spec: HardwareSpec) -> Target:
-    """The target of a hardware spec. Every chip kind is priced by its own model; the code and the
-    timings are the C target's until a renderer for that kind lands (a GPU spec is searched with
-    timing=False: its code is written only to tell identical kernels apart)."""
+def target_for(spec: HardwareSpec, device: str | None = None) -> Target:
+    """The target of a hardware spec. Every chip kind is priced by its own model. A GPU spec with the
+    device its kernels run on is the Triton target (built, checked and timed there); without one, the
+    C target's code only tells identical kernels apart, searched with timing=False."""
+    if spec.kind == "gpu" and device is not None:
+        from optimizer.codegen.triton_target import TritonTarget
+        return TritonTarget(spec, device)
     from optimizer.codegen.c_target import CTarget
     return CTarget(spec)

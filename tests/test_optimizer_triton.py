@@ -20,12 +20,14 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 pytest.importorskip("triton")
 
 import copy  # noqa: E402
+import dataclasses  # noqa: E402
 
 from optimizer import backend, fusion, ir  # noqa: E402
 from optimizer.backend import decompositions, make_backend  # noqa: E402
 from optimizer.codegen import triton as tt  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
+from optimizer.target import Timing  # noqa: E402
 from tests.optimizer_models import concatenations, suite  # noqa: E402
 
 
@@ -160,6 +162,68 @@ def test_gpu_cost_model_picks_compute_what_eager_does(name):
     searches = backend.STATS["searches"]
     again = backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), spec, None)
     assert backend.STATS["searches"] == searches and again[1] == schedules
+
+
+def searched_on_triton(monkeypatch, name: str, top_k: int = 3):
+    """A case's forward+backward graph searched on the Triton target with its top k launch shapes built,
+    checked and timed on DEVICE (each kernel timed, whatever the model predicts), and the graph."""
+    from optimizer import search
+    from optimizer.codegen.triton_target import TritonTarget
+    from optimizer.hardware import find_hardware
+    monkeypatch.setattr(search, "MIN_TIMED_S", 0.0)
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    args = [a.to(DEVICE) for a in make()]
+    gm = make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args)
+    graph = ir.from_fx(gm, ir.graph_device(args))
+    result = search.search_graph(graph, TritonTarget(find_hardware("H200"), DEVICE), top_k=top_k)
+    source, kernels = tt.write_source(graph, result.plan.groups, result.plan.buffers, result.schedules,
+                                      result.plan.inplace)
+    got = CompiledGraph(graph, result.plan.groups, kernels, tt.TritonLibrary(source), result.plan.inplace)(list(args))
+    for g, w in zip(got, gm(*args)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    return result
+
+
+def test_the_search_times_launch_shapes_on_the_triton_target(monkeypatch):
+    """Where the GPU is, each kernel's launch shape is the fastest measured there of the model's top k
+    (under the interpreter: the same path on this CPU), and the kernels chosen compute what eager does."""
+    result = searched_on_triton(monkeypatch, "attention_block")
+    timed = [k for k in result.kernels if k.measured_s is not None]
+    assert timed and all(len(k.timed) >= 2 for k in timed), [k.timed for k in result.kernels]
+    assert {result.plan.groups[k.group].kind for k in timed} == {"gemm", "kernel"}     # GEMM tiles and the rest
+
+
+def test_a_wrong_triton_candidate_is_discarded_before_it_is_timed(monkeypatch, caplog):
+    """The first launch shape other than the default that the search builds is made to store x + 1 (a
+    planted generator bug) and is timed the fastest by far: without the check it would win."""
+    import logging
+    import re
+
+    from optimizer.codegen.triton_target import TritonTarget
+    planted, timed = [], []
+    write = tt.TritonWriter.write
+
+    def planted_write(self):
+        kernel = write(self)
+        if self.s != DEFAULT and self.name.startswith("v") and not planted:     # TritonTarget.build's
+            planted.append((self.s, self.group))
+        if planted and (self.s, self.group) == planted[0]:
+            return dataclasses.replace(kernel, source=re.sub(r"\((t\d+)\)\.to\(", r"(\1 + 1.0).to(", kernel.source)
+                                       + "# planted\n")
+        return kernel
+
+    def clock(target, graph, kernels, rounds, budget_s):
+        sources = [built[0][i].source for built, i in kernels]
+        timed.extend(sources)
+        return [Timing((1e-7,) * 3 if "planted" in src else (1e-5,) * 3) for src in sources]
+    monkeypatch.setattr(tt.TritonWriter, "write", planted_write)
+    monkeypatch.setattr(TritonTarget, "time", clock)
+    with caplog.at_level(logging.WARNING, logger="tfsn.optimizer"):
+        searched_on_triton(monkeypatch, "mlp")
+    assert planted, "the search built no candidate but the default"
+    assert any("discarded a candidate" in r.getMessage() for r in caplog.records)
+    assert timed and not any("planted" in src for src in timed), "the wrong candidate was timed"
 
 
 def close(actual, expected, what):

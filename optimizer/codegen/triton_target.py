@@ -1,0 +1,65 @@
+"""The GPU target: Triton kernels (codegen/triton.py), priced by the GPU model and, where the GPU is
+present, built, checked against the reference schedule and timed on it, as the CPU target does with
+its C (what the search settles a kernel's launch shape by when the model's ranking is close: its
+Spearman on reductions was 0.55-0.70 on an H200).
+
+Under TRITON_INTERPRET=1 the device is this CPU: the kernels are checked and timed by the interpreter,
+which tests the path, not the speed."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from optimizer import costmodel, measure, space
+from optimizer.codegen.triton import PRELUDE, TritonKernel, TritonLibrary, TritonWriter
+from optimizer.hardware import HardwareSpec
+from optimizer.ir import Graph
+from optimizer.loopnest import Group
+from optimizer.schedule import Schedule
+from optimizer.target import Timing
+
+Built = tuple[list[TritonKernel], TritonLibrary]      # a group's kernels, one per schedule, and their module
+
+
+class TritonTarget:
+    """optimizer.target.Target for a GPU spec and the device its kernels run on."""
+
+    def __init__(self, spec: HardwareSpec, device: str) -> None:
+        self.spec, self.device = spec, device
+        self._space = space.space_for(spec.kind)
+
+    def schedule_space(self, kernel: int, features: costmodel.KernelFeatures) -> costmodel.Candidates:
+        return self._space(kernel, features)
+
+    def predict(self, features: costmodel.FeatureTable, candidates: costmodel.Candidates,
+                threads: int | None) -> np.ndarray:
+        return costmodel.predict_on(features, candidates, self.spec, threads=threads)
+
+    def render(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule,
+               inplace: dict[int, int] | None) -> str:
+        return TritonWriter(graph, group, buffers, schedule, "k", inplace).write().source
+
+    def build(self, graph: Graph, variants: Sequence[tuple[Group, Sequence[Schedule]]], buffers: set[int],
+              inplace: dict[int, int] | None) -> list[Built]:
+        """Every variant in one module, compiled ahead for the device on a pool of threads."""
+        kernels = [[TritonWriter(graph, group, buffers, s, f"v{g}_{i}", inplace).write() for i, s in enumerate(schedules)]
+                   for g, (group, schedules) in enumerate(variants)]
+        lib = TritonLibrary(PRELUDE + "\n\n".join(k.source for ks in kernels for k in ks))
+        lib.precompile(graph, [k for ks in kernels for k in ks])
+        return [(ks, lib) for ks in kernels]
+
+    def check(self, graph: Graph, built: Built, reference: int, candidates: Sequence[int]) -> list[bool]:
+        kernels, lib = built
+        return measure.agree_on(graph, kernels[reference], [kernels[i] for i in candidates], lib.launcher,
+                                self.device)
+
+    def time(self, graph: Graph, kernels: Sequence[tuple[Built, int]], rounds: int, budget_s: float) -> list[Timing]:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
+            chosen = [built[0][i] for built, i in kernels]
+            tensors = {n: measure.buffer(graph, n, device=self.device) for k in chosen for n in k.params}
+            calls = [(built[1].launcher(k), ([tensors[p] for p in k.params],)) for (built, _), k in zip(kernels, chosen)]
+            sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else lambda: None
+            return measure.time_calls(calls, rounds, budget_s, sync)

@@ -112,6 +112,7 @@ class Candidates:
     mr: np.ndarray
     nr: np.ndarray
     kc: np.ndarray
+    stages: np.ndarray         # GPU GEMM: tiles in flight (Schedule.gemm_stages)
 
     def __len__(self) -> int:
         return len(self.kernel)
@@ -131,7 +132,7 @@ class Candidates:
                         chunk=int(self.chunk[row]), column_block=int(self.column_block[row]),
                         gemm="generated" if self.generated[row] else "library",
                         gemm_block_rows=int(self.block_rows[row]), gemm_mr=int(self.mr[row]),
-                        gemm_nr=int(self.nr[row]), gemm_kc=int(self.kc[row]))
+                        gemm_nr=int(self.nr[row]), gemm_kc=int(self.kc[row]), gemm_stages=int(self.stages[row]))
 
     @classmethod
     def of(cls, kernel: int, schedules: Sequence[Schedule]) -> Candidates:
@@ -143,7 +144,7 @@ class Candidates:
                    parallel=col(lambda s: float(s.parallel_axis >= 0)), chunk=col(lambda s: s.chunk),
                    column_block=col(lambda s: s.column_block), generated=col(lambda s: float(s.gemm == "generated")),
                    block_rows=col(lambda s: s.gemm_block_rows), mr=col(lambda s: s.gemm_mr),
-                   nr=col(lambda s: s.gemm_nr), kc=col(lambda s: s.gemm_kc))
+                   nr=col(lambda s: s.gemm_nr), kc=col(lambda s: s.gemm_kc), stages=col(lambda s: s.gemm_stages))
 
 
 class FeatureTable:
@@ -379,7 +380,6 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 # file; a candidate that does not is rejected (an infinite time), as the compiler would refuse it or spill.
 # How many programs share an SM (occupancy) is the least that the spec's limits allow; programs run in
 # waves of that many per SM, and the last wave's idle SMs count (wave quantization).
-GPU_STAGES = 3                  # software pipeline depth of a GEMM's shared-memory tiles (Triton's default)
 GPU_FULL_TILE = 128 * 128       # a BM x BN tile this large reaches the tensor cores' peak; smaller ones less
 GPU_COLUMNS_PER_PROGRAM = 32    # a column reduction (bias gradient): columns one program sums
 GPU_MATH_OPS = 8.0              # SFU-assisted exp/erf/tanh, in FMA-equivalents per element
@@ -457,7 +457,7 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     bm, bn, bk = cand.block_rows, cand.nr, cand.kc
     m, n, depth, batch = features.m[k], features.n[k], features.k[k], features.batch[k]
     tiles = batch * np.ceil(m / bm) * np.ceil(n / bn)
-    shared = (bm + bn) * bk * itemsize * GPU_STAGES
+    shared = (bm + bn) * bk * itemsize * cand.stages
     # fp32 accumulators of the tile spread over the threads, plus the A and B fragments of one MMA step
     registers = GPU_REGISTER_BASE + (bm * bn + (bm + bn) * GPU_MMA_K * itemsize / 4.0) / threads
     per_unit = gpu_occupancy(spec, threads, registers, shared)
@@ -470,5 +470,9 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     reread = batch * (m * depth * (np.ceil(n / bn) - 1) + depth * n * (np.ceil(m / bm) - 1)) * itemsize
     memory = unique / (spec.main_memory.bandwidth_gbs * 1e9) + reread / (l2.bandwidth_gbs * 1e9)
     epilogue = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) / (spec.peak_flops("fp32") / 2)
-    gemm = np.maximum(compute, memory) + epilogue + spec.launch_overhead_us * 1e-6
+    # with s stages, s - 1 tiles load while one is multiplied: two in flight hide a load (Triton's default of
+    # 3); with one stage each tile is loaded, then multiplied
+    overlap = np.minimum(1.0, (cand.stages - 1) / 2.0)
+    gemm = np.maximum(compute, memory) + (1.0 - overlap) * np.minimum(compute, memory) + epilogue \
+        + spec.launch_overhead_us * 1e-6
     return np.where(per_unit > 0, gemm, np.inf)

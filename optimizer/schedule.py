@@ -28,6 +28,8 @@ class Schedule:
     gemm_mr: int = 4                  # generated GEMM: register tile rows
     gemm_nr: int = 32                 # generated GEMM: register tile columns (a multiple of vector_width)
     gemm_kc: int = 256                # generated GEMM: depth of a cache tile of A and B
+    gemm_stages: int = 3              # GPU GEMM: tiles of A and B in flight in shared memory (Triton's
+                                      # num_stages; 1: each tile loaded, then multiplied)
     attention: str = "library"        # an attention extern: "library" = ATen's flash attention; "generated" =
                                       # our online-softmax pair (optimizer/attention.py), where timing picks it
     attention_block: int = 64         # generated attention: query and key rows per block (a multiple of 8)
@@ -45,8 +47,8 @@ class Schedule:
         if self.gemm == "generated" and self.vector_width == 1:
             raise ValueError("Schedule.vector_width is 1 with gemm='generated'; the generated GEMM's register "
                              "tiles are SIMD vectors: use vector_width 4, 8 or 16")
-        for knob in ("vector_width", "unroll", "gemm_block_rows", "gemm_mr", "gemm_nr", "gemm_kc", "column_block",
-                     "attention_block"):
+        for knob in ("vector_width", "unroll", "gemm_block_rows", "gemm_mr", "gemm_nr", "gemm_kc", "gemm_stages",
+                     "column_block", "attention_block"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"Schedule.{knob} is {getattr(self, knob)}; it must be at least 1")
         if self.parallel_axis not in (0, -1) or self.chunk < 0 or self.parallel_min_elements < 0:

@@ -28,7 +28,7 @@ def _table(kernel: int, rows: list[dict]) -> Candidates:
     d = DEFAULT
     base = dict(vector_width=d.vector_width, unroll=d.unroll, parallel=1, chunk=d.chunk,
                 column_block=d.column_block, generated=0, block_rows=d.gemm_block_rows, mr=d.gemm_mr,
-                nr=d.gemm_nr, kc=d.gemm_kc)
+                nr=d.gemm_nr, kc=d.gemm_kc, stages=d.gemm_stages)
     cols = {name: np.array([r.get(name, v) for r in rows], dtype=np.float64) for name, v in base.items()}
     return Candidates(kernel=np.full(len(rows), kernel, dtype=np.int64), **cols)
 
@@ -69,21 +69,23 @@ def _cpu_template(kind: int, column: bool) -> Candidates:
 GPU_TILES = (32, 64, 128, 256)
 GPU_DEPTHS = (16, 32, 64)
 GPU_WARPS = (1, 2, 4, 8, 16)
+GPU_STAGES = (1, 2, 3, 4)
 GPU_ELEMENTS = (256, 512, 1024, 2048, 4096, 8192)
 GPU_ROWS = (1, 2, 4, 8, 16)
 
 
 def gpu_kernel_space(kernel: int, features: KernelFeatures) -> Candidates:
     """Candidate launch shapes of one kernel on a GPU, in the columns costmodel.predict_gpu reads:
-    BM x BN x BK tiles and warps for GEMMs, elements or rows per program and warps otherwise."""
+    BM x BN x BK tiles, warps and pipeline stages for GEMMs, elements or rows per program and warps
+    otherwise."""
     return _with_kernel(_gpu_template(features.kind), kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def _gpu_template(kind: int) -> Candidates:
     if kind == GEMM:
-        rows = [dict(block_rows=bm, nr=bn, kc=bk, mr=w) for bm, bn, bk, w in
-                itertools.product(GPU_TILES, GPU_TILES, GPU_DEPTHS, (2, 4, 8))]
+        rows = [dict(block_rows=bm, nr=bn, kc=bk, mr=w, stages=s) for bm, bn, bk, w, s in
+                itertools.product(GPU_TILES, GPU_TILES, GPU_DEPTHS, (2, 4, 8), GPU_STAGES)]
     else:
         per = GPU_ROWS if kind == REDUCTION else GPU_ELEMENTS
         rows = [dict(chunk=c, mr=w) for c, w in itertools.product(per, GPU_WARPS)]

@@ -75,7 +75,6 @@ def plan_json(report: StepReport) -> dict:
     domain, chosen schedule and predicted time; each extern with its class, FLOPs, bytes and predicted
     time; and the totals. GPU schedules read as launch shapes (see costmodel.predict_gpu)."""
     from optimizer import externs, fusion, search
-    from optimizer.costmodel import GPU_STAGES
 
     graphs = []
     for n, (graph, result) in enumerate(report.graphs):
@@ -92,7 +91,7 @@ def plan_json(report: StepReport) -> dict:
             kind = "gemm" if group.kind == "gemm" else "reduction" if group.reduced else "pointwise"
             entry = {"group": i, "kind": kind, "ops": ops,
                      "domain": list(group.domain), "predicted_s": kernel.predicted_s}
-            entry["schedule"] = _gpu_launch(group, kernel.schedule, GPU_STAGES) if report.kind == "gpu" \
+            entry["schedule"] = _gpu_launch(group, kernel.schedule) if report.kind == "gpu" \
                 else dataclasses.asdict(kernel.schedule)
             if kernel.measured_s is not None:
                 entry["measured_s"] = kernel.measured_s
@@ -121,11 +120,11 @@ def triton_sources(report: StepReport) -> dict[str, tuple[str, list[str | None]]
     return sources
 
 
-def _gpu_launch(group, schedule, stages: int) -> dict:
+def _gpu_launch(group, schedule) -> dict:
     """A GPU candidate's schedule as the launch shape it stands for (the columns predict_gpu reads)."""
     if group.kind == "gemm":
         return {"block_m": schedule.gemm_block_rows, "block_n": schedule.gemm_nr, "block_k": schedule.gemm_kc,
-                "num_warps": schedule.gemm_mr, "num_stages": stages}
+                "num_warps": schedule.gemm_mr, "num_stages": schedule.gemm_stages}
     per = "rows_per_program" if group.reduced else "elements_per_program"
     return {per: schedule.chunk, "num_warps": schedule.gemm_mr}
 

@@ -183,6 +183,20 @@ def test_gemm_tiles_over_the_shared_memory_or_register_limits_are_rejected():
     assert np.isfinite(predict_gpu(table16, cands16, A100)[1])      # bf16 operands: half the shared memory
 
 
+def test_pipeline_stages_trade_shared_memory_for_hidden_loads():
+    """Schedule.gemm_stages (Triton's num_stages): each stage holds a (BM + BN) x BK tile of both operands in
+    shared memory, and a load is hidden behind the multiply of the tile before it only with two in flight."""
+    table, cands = gemm_rows([(128, 128, 64, 4)] * 4)
+    cands.stages = np.array([1.0, 2.0, 3.0, 4.0])
+    h100, a100 = predict_gpu(table, cands, H100), predict_gpu(table, cands, A100)
+    assert h100[0] > h100[1] > h100[2] and np.isinf(h100[3])        # 64 KB a stage: 4 (256 KB) over 227 KB
+    assert np.isfinite(a100[1]) and np.isinf(a100[2])               # A100: 163 KB a block holds 2, not 3
+    big, big_cands = gemm_rows([(256, 256, 64, 8)] * 2)
+    big_cands.stages = np.array([1.0, 3.0])
+    assert np.isinf(predict_gpu(big, big_cands, H100)[1])           # the 3-stage default never fits
+    assert space.gpu_kernel_space(0, table.kernels[0]).stages.tolist().count(1.0) > 0
+
+
 def test_the_search_never_picks_a_rejected_program():
     graph = capture(lambda a, b: (a @ b).relu().softmax(-1), (2048, 2048), (2048, 2048))
     for spec in (H100, T4, find_hardware("MI300X")):

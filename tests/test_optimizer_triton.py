@@ -115,17 +115,22 @@ def test_16_bit_floats_as_close_to_the_truth_as_eager(name, dtype):
         assert err <= max(3 * eager_err, torch.finfo(dtype).eps * scale), (err, eager_err, scale)
 
 
-@pytest.mark.parametrize("schedule", [Schedule(chunk=16, gemm_block_rows=16, gemm_nr=16, gemm_kc=16, gemm_mr=2),
-                                      Schedule(chunk=256, gemm_block_rows=64, gemm_nr=32, gemm_kc=32, gemm_mr=8)])
-def test_block_sizes_and_warps_are_schedule_knobs(schedule):
+@pytest.mark.parametrize("schedule", [Schedule(chunk=16, gemm_block_rows=16, gemm_nr=16, gemm_kc=16, gemm_mr=2,
+                                               gemm_stages=1),
+                                      Schedule(chunk=256, gemm_block_rows=64, gemm_nr=32, gemm_kc=32, gemm_mr=8,
+                                               gemm_stages=4)])
+def test_block_sizes_warps_and_stages_are_schedule_knobs(schedule):
     fn, make = CASES["mlp"]
     torch.manual_seed(0)
     got, want, plan = run_triton(forward_and_backward(fn), make(), schedule)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     graph = ir.from_fx(make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*make()))
-    source, _ = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups))
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups))
     assert 'input_precision="ieee"' in source and "tl.dot(" in source
+    launches = [(g, dict(k.meta)) for g, k in zip(plan.groups, kernels) if k is not None]
+    assert all(m["num_warps"] == schedule.gemm_mr for _, m in launches)
+    assert {m.get("num_stages") for g, m in launches if g.kind == "gemm"} == {schedule.gemm_stages}
 
 
 def test_fp32_gemm_epilogue_runs_in_the_dot_kernel():

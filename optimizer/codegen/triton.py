@@ -317,7 +317,7 @@ class TritonWriter:
         prologue = [self.statement(d) for d in self.nest.prologue]
         args = ", ".join([*self.names.values(), *(f"{k}: tl.constexpr" for k, _ in meta)])
         lines = ["@triton.jit", f"def {self.name}({args}):"] + [f"    {line}" for line in prologue + body]
-        launch = (*meta, ("num_warps", self.warps()))
+        launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if shape == "gemm" else ()))
         return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch)
 
     def warps(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -35,9 +36,10 @@ OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion
            "top_k": "schedules per kernel compiled and timed by the search (default 8, or $TFSN_TOP_K); "
                     "1 keeps the cost model's pick untimed",
            "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to",
-           "codegen": "'c' (C/OpenMP, searched; the default) or 'triton' (Triton kernels launched on the tensors' "
-                      "device: on a GPU tfsn has a spec of, the GPU cost model's plan and launch shapes; else "
-                      "the heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU)",
+           "codegen": "'c' (C/OpenMP, searched) or 'triton' (Triton kernels launched on the tensors' device: on a "
+                      "GPU tfsn has a spec of, the GPU cost model's plan and launch shapes timed there; else the "
+                      "heuristic plan under `schedule`; TRITON_INTERPRET=1 runs them on a CPU); default: Triton "
+                      "for a graph on a GPU, C for one on the CPU",
            "cuda_graphs": "False launches a GPU graph's kernels one by one (default: each graph is replayed as one "
                           "CUDA graph after two calls, optimizer/graphs.py; also TFSN_CUDA_GRAPHS=0)",
            "on_plan": "called with each searched graph's expected seconds (search.SearchResult.expected_s) and "
@@ -139,6 +141,7 @@ def searched_partition(spec=None) -> Callable:
     the forward and backward graphs each yields: the step's recompute-vs-store decision."""
     def choose(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         from torch._functorch.partitioners import default_partition
+        from torch.utils import _pytree as pytree
 
         from optimizer import ir, search
         from optimizer.cache import atomic_write
@@ -147,6 +150,8 @@ def searched_partition(spec=None) -> Callable:
 
         layout.channels_last_convolutions(joint)       # before the two partitions: both see it
         recompute = partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if spec is None and ir.graph_device(pytree.tree_leaves(joint_inputs)) != "cpu":   # priced for this CPU
+            return recompute
         store = None
         try:
             chip, threads = spec or cpu_spec(), torch.get_num_threads() if spec is None else None
@@ -212,7 +217,7 @@ def default_top_k() -> int:
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                   schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
-                  report: list | None = None, codegen: str = "c", cuda_graphs: bool = True,
+                  report: list | None = None, codegen: str | None = None, cuda_graphs: bool = True,
                   on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
@@ -226,6 +231,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     if not fuse:
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
+    if codegen is None:
+        codegen = default_codegen(example_inputs)
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
         graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu", half=True)
     except ir.Unsupported as e:
@@ -251,6 +258,19 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         return _as_aten(gm, "its generated code failed", e)
     return _compiled(graph, plan, kernels, lib, cuda_graphs)
+
+
+def default_codegen(example_inputs: Sequence[Any]) -> str:
+    """Triton for a graph on a GPU (C kernels run on the host: a CUDA tensor would leave every op to ATen),
+    C for one on the CPU; C too where triton is not installed (said once)."""
+    from optimizer import ir
+    if ir.graph_device(example_inputs) == "cpu":
+        return "c"
+    if importlib.util.find_spec("triton") is None:
+        _log_once("tfsn: triton is not installed, so a GPU graph runs as ATen; install it (pip install "
+                  "'tfsn[gpu]') to get generated kernels")
+        return "c"
+    return "triton"
 
 
 def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
@@ -506,7 +526,7 @@ def make_backend(**options: Any) -> Callable:
     schedule = options.get("schedule")
     if schedule is not None and not isinstance(schedule, Schedule):
         raise ValueError(f"tfsn: schedule must be an optimizer.schedule.Schedule, not {type(schedule).__name__}")
-    if options.get("codegen", "c") not in ("c", "triton"):
+    if options.get("codegen") not in (None, "c", "triton"):
         raise ValueError(f"tfsn: codegen must be 'c' or 'triton', not {options['codegen']!r}")
     if not isinstance(options.get("cuda_graphs", True), bool):
         raise ValueError(f"tfsn: cuda_graphs must be True or False, not {options['cuda_graphs']!r}")
@@ -516,7 +536,7 @@ def make_backend(**options: Any) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
 
     compiler = functools.partial(compile_graph, **options)
-    searched = schedule is None and options.get("fuse") is not False and options.get("codegen", "c") == "c"
+    searched = schedule is None and options.get("fuse") is not False and options.get("codegen") != "triton"
     partition_fn = searched_partition() if searched else partition
     # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
     # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)

@@ -85,9 +85,10 @@ class Net(nn.Module):
 
 
 def backend(codegen: str = "c"):
-    """Triton's kernels on a GPU; here the C kernels, or Triton's under its interpreter."""
+    """On a GPU the default backend (Triton's kernels for a graph there); here the C kernels, or Triton's
+    under its interpreter."""
     if DEVICE == "cuda":
-        return make_backend(codegen="triton")
+        return make_backend()
     return make_backend(schedule=DEFAULT, codegen=codegen)
 
 
@@ -236,7 +237,7 @@ def test_a_graph_whose_capture_fails_runs_unrecorded(monkeypatch):
 
 def test_cuda_graphs_can_be_turned_off():
     eager, tfsn = pair()
-    off = make_backend(cuda_graphs=False, **({"codegen": "triton"} if DEVICE == "cuda" else {"schedule": DEFAULT}))
+    off = make_backend(cuda_graphs=False, **({} if DEVICE == "cuda" else {"schedule": DEFAULT}))
     model = torch.compile(tfsn, backend=off)
     for x, _ in batches(4):
         with torch.no_grad():
@@ -244,3 +245,17 @@ def test_cuda_graphs_can_be_turned_off():
     assert not any(graphs.COUNTS.values()), graphs.COUNTS
     with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
         make_backend(cuda_graphs="no")
+
+
+def test_a_graph_on_a_gpu_gets_triton_kernels_by_default():
+    """tfsn.optimize(model) on a GPU: C kernels run on the host and would leave every CUDA op to ATen."""
+    from optimizer.backend import default_codegen
+    assert default_codegen([torch.empty(2, device="meta"), torch.empty(2)]) == "triton"
+    assert default_codegen([torch.empty(2), 3]) == "c"
+    if DEVICE == "cuda":
+        from optimizer import backend as b
+        kernels = b.STATS["kernels"]
+        eager, tfsn = pair()
+        x, _ = batches(1)[0]
+        close(torch.compile(tfsn, backend=make_backend())(x), eager(x), "output")
+        assert b.STATS["kernels"] > kernels

@@ -76,7 +76,8 @@ def recorder_for(device: str) -> Recorder | None:
 
 
 def _address(x: Any) -> Any:
-    return (x.device, x.data_ptr()) if isinstance(x, torch.Tensor) else x
+    """Where a tensor input is read (its device is checked before any capture), or a value's self."""
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x
 
 
 def _uses(storage: torch.UntypedStorage) -> int:

@@ -167,8 +167,10 @@ class GraphReplay:
             if torch._debug_has_internal_overlap(x) != 0:      # 0: no element shares its memory
                 self._stop(f"input {i} moves between calls and overlaps itself (strides {x.stride()})")
                 return self.run(inputs)
+        # filled with this call's values: a capture that runs its ops (a recorder without a GPU's) must not read
+        # garbage, which indices (labels, token ids) turn into errors; on a GPU one copy per capture
         self.buffers = {i: torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
-                                               device=self.device) for i in owned}
+                                               device=self.device).copy_(inputs[i]) for i in owned}
         static = [self.buffers.get(i, x) for i, x in enumerate(inputs)]
         try:
             outputs, replay = self.recorder.capture(self.run, static)

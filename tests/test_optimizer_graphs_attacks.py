@@ -333,3 +333,44 @@ def test_compiled_adamw_after_a_parameter_moves_and_inference_mode_evaluation():
     for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
         close(q, p, f"{name} at the end")
     assert graphs.COUNTS["replays"] > 0, graphs.COUNTS
+
+
+def test_two_threads_serving_one_compiled_model(monkeypatch):
+    """An inference server: request threads share one compiled model. A replay that lets go of the GIL
+    (a GPU's graph.replay() does; the stand-in sleeps to say so) lets another thread's replay write over
+    the outputs the first is about to return."""
+    import threading
+    import time
+
+    class Slow(base.Rerun):
+        def capture(self, run, inputs):
+            outputs, replay = super().capture(run, inputs)
+
+            def slow(now):
+                replay(now)
+                time.sleep(0.01)
+            return outputs, slow
+
+    monkeypatch.setattr(graphs, "recorder_for", lambda device: Slow())
+    eager, tfsn = pair(Layer)
+    model = torch.compile(tfsn, backend=backend())
+    static = {k: torch.zeros(3, 7, 24) for k in range(2)}
+    wrong = []
+
+    def serve(k):
+        g = torch.Generator().manual_seed(k)
+        for i in range(STEPS):
+            static[k].copy_(torch.randn(3, 7, 24, generator=g))      # each thread's own request buffer
+            with torch.no_grad():
+                got, want = model(static[k]), eager(static[k])
+            if not torch.allclose(got, want, rtol=2e-4, atol=2e-5):
+                wrong.append((k, i))
+    with torch.no_grad():
+        for _ in range(3):
+            model(static[0])            # captured before the threads start
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, f"(thread, request) answered with another request's output: {wrong}; {graphs.COUNTS}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -98,6 +99,7 @@ class GraphReplay:
         self.moved: set[int] = set()                # tensor inputs seen at more than one address
         self.copied: set[int] = set()               # outputs returned as copies
         self.off = ""                               # why this graph runs unrecorded from now on
+        self.lock = threading.Lock()                # one call at a time: threads share the buffers and outputs
         self._drop()
 
     def __del__(self) -> None:
@@ -122,6 +124,10 @@ class GraphReplay:
     def __call__(self, args: list) -> list:
         if self.off:
             return self.run(args)
+        with self.lock:         # another thread's call sees this one's outputs held once it has them
+            return self._call(args)
+
+    def _call(self, args: list) -> list:
         inputs = list(args)
         args.clear()
         if torch.is_inference_mode_enabled():

@@ -374,3 +374,25 @@ def test_two_threads_serving_one_compiled_model(monkeypatch):
     for t in threads:
         t.join()
     assert not wrong, f"(thread, request) answered with another request's output: {wrong}; {graphs.COUNTS}"
+
+
+def test_epochs_whose_last_batch_is_smaller_keep_replaying():
+    """DataLoader's default drop_last=False: each epoch ends on a smaller batch, which makes Dynamo compile a
+    graph of symbolic batch size that serves every later step; its size is an input whose value changes at
+    the end of every epoch."""
+    eager, tfsn = pair()
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_t = torch.optim.SGD(tfsn.parameters(), lr=0.1)
+    model = torch.compile(tfsn, backend=backend())
+    epoch = batches(4) + batches(1, (2, 7, 24))
+    replays = []
+    for e in range(4):
+        for i, (x, y) in enumerate(epoch):
+            for m, opt in ((eager, opt_e), (model, opt_t)):
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+        replays.append(graphs.COUNTS["replays"])
+    for (name, p), q in zip(eager.named_parameters(), tfsn.parameters()):
+        close(q, p, f"{name} at the end")
+    assert replays[-1] > replays[-2], f"replays counted after each epoch: {replays}; {graphs.COUNTS}"

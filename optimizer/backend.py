@@ -236,7 +236,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
         graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu", half=True)
     except ir.Unsupported as e:
-        log.info("tfsn: running a graph as ATen (%s); mark nothing dynamic to get generated kernels", e)
+        log.info("tfsn: running a graph as ATen (%s)", e)
+        _log_once("tfsn: a graph of symbolic sizes (Dynamo's dynamic shapes, e.g. after a smaller last batch) runs "
+                  "as ATen, without generated kernels: compile with torch.compile(..., dynamic=False), as "
+                  "tfsn.optimize does (each new shape then compiles once)")
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     if codegen == "triton":

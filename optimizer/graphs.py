@@ -54,16 +54,40 @@ class Recorder(Protocol):
         which is given the inputs (at the addresses recorded) each time."""
 
 
+POOL_SHARE = 0.1        # a graph whose private pool would hold more of its GPU's memory is not kept
+_CAPTURING = threading.Lock()           # one capture at a time in this process, as Inductor's
+_STREAMS: dict[torch.device, Any] = {}  # the side stream each device captures on
+
+
 class CudaRecorder:
-    """torch.cuda.CUDAGraph on a private memory pool, captured on a side stream."""
+    """torch.cuda.CUDAGraph on a private memory pool, captured on a side stream of tfsn's own per device.
+    cuBLAS keeps a workspace per stream: it is dropped before and after the capture, so that one made
+    while capturing lives in this graph's pool and no later run shares it (Inductor does the same). A
+    capture that fails leaves the thread on the stream it was on. A graph whose pool would hold more
+    than POOL_SHARE of the GPU's memory is not kept: that memory is worth more than its launches."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def capture(self, run: Run, inputs: list) -> tuple[list, Replay]:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = run(list(inputs))
+        with _CAPTURING, torch.cuda.device(self.device):
+            stream = _STREAMS.setdefault(self.device, torch.cuda.Stream(self.device))
+            before = torch.cuda.current_stream()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved(self.device)
+            graph = torch.cuda.CUDAGraph()
+            torch._C._cuda_clearCublasWorkspaces()
+            try:
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    outputs = run(list(inputs))
+            finally:
+                torch.cuda.set_stream(before)       # torch.cuda.graph leaves it on the side stream when capture fails
+                torch._C._cuda_clearCublasWorkspaces()
+            grown = torch.cuda.memory_reserved(self.device) - reserved
+            if grown > POOL_SHARE * torch.cuda.get_device_properties(self.device).total_memory:
+                raise MemoryError(f"its memory pool would hold {grown / 2 ** 30:.1f} GiB, over {POOL_SHARE:.0%} "
+                                  "of the GPU's")
         return outputs, lambda _inputs: graph.replay()
 
 
@@ -79,6 +103,15 @@ def recorder_for(device: str) -> Recorder | None:
 def _address(x: Any) -> Any:
     """Where a tensor input is read (its device is checked before any capture), or a value's self."""
     return x.data_ptr() if isinstance(x, torch.Tensor) else x
+
+
+def _buffer_like(x: torch.Tensor) -> torch.Tensor:
+    """A tensor of x's layout and values whose data pointer has x's alignment to 16 bytes (so a Triton kernel
+    specialized on the calls before the capture, which checks it, is not compiled again while capturing)."""
+    offset = x.storage_offset() % max(1, 16 // x.element_size())
+    span = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) if x.numel() else 0
+    base = torch.empty(offset + span, dtype=x.dtype, device=x.device)
+    return base.as_strided(x.shape, x.stride(), offset).copy_(x)
 
 
 def _uses(storage: torch.UntypedStorage) -> int:
@@ -175,8 +208,7 @@ class GraphReplay:
                 return self.run(inputs)
         # filled with this call's values: a capture that runs its ops (a recorder without a GPU's) must not read
         # garbage, which indices (labels, token ids) turn into errors; on a GPU one copy per capture
-        self.buffers = {i: torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=inputs[i].dtype,
-                                               device=self.device).copy_(inputs[i]) for i in owned}
+        self.buffers = {i: _buffer_like(inputs[i]) for i in owned}
         static = [self.buffers.get(i, x) for i, x in enumerate(inputs)]
         try:
             outputs, replay = self.recorder.capture(self.run, static)

@@ -259,3 +259,14 @@ def test_a_graph_on_a_gpu_gets_triton_kernels_by_default():
         x, _ = batches(1)[0]
         close(torch.compile(tfsn, backend=make_backend())(x), eager(x), "output")
         assert b.STATS["kernels"] > kernels
+
+
+def test_a_copied_input_keeps_its_alignment_and_values():
+    """A moving input's buffer: same layout and values, and its data pointer as far from a 16-byte boundary
+    as the input's (Triton specializes a kernel on that; a capture must not compile a new one)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        base = torch.arange(40).to(dtype)
+        for x in (base[1:31].view(5, 6)[:, 1:], base[3:27].view(4, 6).t(), base[8:]):
+            buf = graphs._buffer_like(x)
+            assert buf.stride() == x.stride() and torch.equal(buf, x)
+            assert buf.data_ptr() % 16 == x.data_ptr() % 16 and buf.data_ptr() != x.data_ptr()

@@ -14,6 +14,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from optimizer import costmodel, space
 from optimizer.costmodel import Candidates, FeatureTable, KernelFeatures
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph
@@ -62,6 +63,20 @@ class Target(Protocol):
 
     def time(self, graph: Graph, kernels: Sequence[tuple[Any, int]], rounds: int, budget_s: float) -> list[Timing]:
         """Seconds per call of each (built group, schedule index), timed in the same rounds."""
+
+
+class SpecModel:
+    """What every target shares: its chip's schedule space and cost model, from the hardware spec."""
+
+    def __init__(self, spec: HardwareSpec) -> None:
+        self.spec = spec
+        self._space = space.space_for(spec.kind)
+
+    def schedule_space(self, kernel: int, features: KernelFeatures) -> Candidates:
+        return self._space(kernel, features)
+
+    def predict(self, features: FeatureTable, candidates: Candidates, threads: int | None) -> np.ndarray:
+        return costmodel.predict_on(features, candidates, self.spec, threads=threads)
 
 
 def target_for(spec: HardwareSpec, device: str | None = None) -> Target:

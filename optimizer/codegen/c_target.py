@@ -5,32 +5,18 @@ from __future__ import annotations
 import ctypes
 from typing import Sequence
 
-import numpy as np
-
-from optimizer import costmodel, measure, space
+from optimizer import measure
 from optimizer.codegen.c import Kernel, KernelWriter
-from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph
 from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
-from optimizer.target import Timing
+from optimizer.target import SpecModel, Timing
 
 Built = tuple[list[Kernel], ctypes.CDLL]      # a group's kernels, one per schedule, and their library
 
 
-class CTarget:
+class CTarget(SpecModel):
     """optimizer.target.Target for C/OpenMP (for a GPU spec: its model, with C to tell kernels apart)."""
-
-    def __init__(self, spec: HardwareSpec) -> None:
-        self.spec = spec
-        self._space = space.space_for(spec.kind)
-
-    def schedule_space(self, kernel: int, features: costmodel.KernelFeatures) -> costmodel.Candidates:
-        return self._space(kernel, features)
-
-    def predict(self, features: costmodel.FeatureTable, candidates: costmodel.Candidates,
-                threads: int | None) -> np.ndarray:
-        return costmodel.predict_on(features, candidates, self.spec, threads=threads)
 
     def render(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule,
                inplace: dict[int, int] | None) -> str:

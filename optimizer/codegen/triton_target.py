@@ -9,33 +9,25 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from optimizer import costmodel, measure, space
+from optimizer import measure
 from optimizer.codegen.triton import PRELUDE, TritonKernel, TritonLibrary, TritonWriter
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph
 from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
-from optimizer.target import Timing
+from optimizer.target import SpecModel, Timing
 
 Built = tuple[list[TritonKernel], TritonLibrary]      # a group's kernels, one per schedule, and their module
 
 
-class TritonTarget:
+class TritonTarget(SpecModel):
     """optimizer.target.Target for a GPU spec and the device its kernels run on."""
 
     def __init__(self, spec: HardwareSpec, device: str) -> None:
-        self.spec, self.device = spec, device
-        self._space = space.space_for(spec.kind)
-
-    def schedule_space(self, kernel: int, features: costmodel.KernelFeatures) -> costmodel.Candidates:
-        return self._space(kernel, features)
-
-    def predict(self, features: costmodel.FeatureTable, candidates: costmodel.Candidates,
-                threads: int | None) -> np.ndarray:
-        return costmodel.predict_on(features, candidates, self.spec, threads=threads)
+        super().__init__(spec)
+        self.device = device
 
     def render(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule,
                inplace: dict[int, int] | None) -> str:

@@ -197,6 +197,19 @@ def test_pipeline_stages_trade_shared_memory_for_hidden_loads():
     assert space.gpu_kernel_space(0, table.kernels[0]).stages.tolist().count(1.0) > 0
 
 
+def test_a_stage_that_hides_nothing_more_is_never_predicted_faster():
+    """Two stages in flight already hide a tile's load (Triton's default of 3); a fourth only takes shared
+    memory, so fewer programs fit an SM. Where the GEMM has fewer tiles than SMs each runs alone on its SM
+    either way: the fourth stage must not be priced faster (else the search picks 4 stages, and the most
+    shared memory, for every small GEMM). Failed with 8.1 us for 4 stages against 12.3 us for 3 (64^3,
+    128x128x32, 8 warps, H100: one tile on 132 SMs)."""
+    for m in (64, 512):
+        table, cands = gemm_rows([(128, 128, 32, 8), (128, 128, 32, 8), (64, 64, 32, 4), (64, 64, 32, 4)], m=m)
+        cands.stages = np.array([3.0, 4.0, 3.0, 4.0])
+        t = predict_gpu(table, cands, H100)
+        assert t[1] >= t[0] and t[3] >= t[2], (m, t)
+
+
 def test_the_search_never_picks_a_rejected_program():
     graph = capture(lambda a, b: (a @ b).relu().softmax(-1), (2048, 2048), (2048, 2048))
     for spec in (H100, T4, find_hardware("MI300X")):

@@ -464,7 +464,10 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     gemm_waves = np.ceil(tiles / (units * np.maximum(per_unit, 1)))
     padded = batch * np.ceil(m / bm) * bm * np.ceil(n / bn) * bn * depth * 2.0
     tile_eff = np.minimum(1.0, (bm * bn / GPU_FULL_TILE) ** 0.5)
-    quantized = gemm_waves * units * per_unit / np.maximum(tiles, 1)
+    # a wave's time is that of the most programs one SM runs in it: `per_unit` in a full wave, fewer where
+    # there are fewer tiles than slots (a tile alone on its SM runs at the SM's rate, however many could fit)
+    busiest = np.minimum(per_unit, np.ceil(tiles / units))
+    quantized = gemm_waves * units * busiest / np.maximum(tiles, 1)
     compute = padded * quantized / (peak * tile_eff)
     unique = batch * (m * depth + depth * n + m * n) * itemsize
     reread = batch * (m * depth * (np.ceil(n / bn) - 1) + depth * n * (np.ceil(m / bm) - 1)) * itemsize

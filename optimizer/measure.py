@@ -12,6 +12,7 @@ the same output as its group's reference schedule on the same inputs (`agree`).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from optimizer.ir import Graph
 from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
 from optimizer.target import Timing
+
+log = logging.getLogger("tfsn.optimizer")
 
 TARGET_BATCH_S = 0.001        # calls per timed batch: enough to last this long (timer resolution, noise)
 # A candidate's error allowed near zero, relative to its output's largest value: sums in another order
@@ -88,7 +91,17 @@ def agree_on(graph: Graph, reference: Any, candidates: Sequence[Any],
             return {n: buffers[n].cpu() for n in kernel.outputs}
 
         want = run(reference)
-        return [same_outputs(run(k), want) for k in candidates]
+        return [_agrees(lambda: run(k), want) for k in candidates]
+
+
+def _agrees(run: Callable[[], dict[int, torch.Tensor]], want: dict[int, torch.Tensor]) -> bool:
+    """Whether a candidate's run writes `want`; False where it cannot run: a GPU compiler refuses a launch
+    shape it has not the resources for (Triton's OutOfResources), which the model only estimates."""
+    try:
+        return same_outputs(run(), want)
+    except Exception as e:     # noqa: BLE001 - whatever the compiler or the launch raises: not a candidate
+        log.warning("tfsn search: a candidate failed to run (%s: %s)", type(e).__name__, e)
+        return False
 
 
 def same_outputs(got: dict[int, torch.Tensor], want: dict[int, torch.Tensor]) -> bool:

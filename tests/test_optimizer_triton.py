@@ -264,6 +264,33 @@ def test_a_launch_shape_that_fails_to_launch_is_discarded_not_fatal(monkeypatch)
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+def test_every_launch_shape_the_search_runs_fits_the_chip(monkeypatch):
+    """The search on a GPU launches each kernel's reference schedule beside its candidates (to check them):
+    every GEMM launched must fit a block's shared memory by the model's own count ((BM + BN) x BK x stages
+    operands), or Triton refuses it on the GPU and the reference's failure fails the compile. DEFAULT's
+    GEMM (BM 64, BN 32, BK 256, 3 stages) over a depth of 512 is 288 KiB of fp32, over an H100 block's 227."""
+    from optimizer import search
+    from optimizer.codegen.triton_target import TritonTarget
+    from optimizer.hardware import find_hardware
+    monkeypatch.setattr(search, "MIN_TIMED_S", 0.0)
+    spec = find_hardware("H100")
+    launched = []
+    launcher = tt.TritonLibrary.launcher
+
+    def recording(self, kernel):
+        launched.append(dict(kernel.meta))
+        return launcher(self, kernel)
+    monkeypatch.setattr(tt.TritonLibrary, "launcher", recording)
+    torch.manual_seed(0)
+    args = [torch.randn(128, 512, device=DEVICE), torch.randn(512, 128, device=DEVICE)]
+    graph = ir.from_fx(make_fx(lambda a, b: (a @ b).relu())(*args), ir.graph_device(args))
+    search.search_graph(graph, TritonTarget(spec, DEVICE), top_k=2)
+    gemms = [m for m in launched if "BK" in m]
+    assert gemms, "no GEMM was launched"
+    shared = [(m["BM"] + m["BN"]) * m["BK"] * 4 * m["num_stages"] / 1024 for m in gemms]
+    assert max(shared) <= spec.shared_memory_per_block_kib, list(zip(gemms, shared))
+
+
 def close(actual, expected, what):
     """As tests/test_optimizer_correctness.py: rtol 1e-4, atol 1e-5 of the expected tensor's largest magnitude."""
     scale = expected.detach().abs().max().item() if expected.numel() else 1.0

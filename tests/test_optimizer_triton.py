@@ -291,6 +291,27 @@ def test_every_launch_shape_the_search_runs_fits_the_chip(monkeypatch):
     assert max(shared) <= spec.shared_memory_per_block_kib, list(zip(gemms, shared))
 
 
+def test_tfsn_top_k_sets_the_launch_shapes_timed_on_a_gpu(monkeypatch):
+    """$TFSN_TOP_K is the search's top k wherever `top_k=` is not given (OPTIONS, README): 1, the model's
+    pick untimed, holds for a GPU graph too. Failed: the GPU search ran with GPU_TOP_K (4) whatever it said."""
+    from optimizer import search
+    from optimizer.hardware import find_hardware
+    monkeypatch.setattr(backend, "gpu_spec", lambda device: find_hardware("H200"))
+    monkeypatch.setenv("TFSN_TOP_K", "1")
+    ran = []
+    searched = search.search_graph
+
+    def recording(graph, target, **kwargs):
+        ran.append((kwargs["top_k"], kwargs["timing"]))
+        return searched(graph, target, **kwargs)
+    monkeypatch.setattr(search, "search_graph", recording)
+    fn, make = CASES["mlp"]
+    args = [a.to(DEVICE) for a in make()]
+    gm = make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args)
+    backend.compile_graph(gm, list(args), codegen="triton")
+    assert ran == [(1, False)]
+
+
 def close(actual, expected, what):
     """As tests/test_optimizer_correctness.py: rtol 1e-4, atol 1e-5 of the expected tensor's largest magnitude."""
     scale = expected.detach().abs().max().item() if expected.numel() else 1.0

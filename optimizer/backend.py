@@ -33,7 +33,8 @@ STATS = {"graphs": 0, "kernels": 0, "attention_kernels": 0, "aten_graphs": 0, "s
 
 OPTIONS = {"schedule": "one Schedule for every kernel, with the heuristic fusion plan: no search",
            "fuse": "False runs the captured ATen graphs as they are, without generated kernels",
-           "top_k": "schedules per kernel compiled and timed by the search (default 8, or $TFSN_TOP_K); "
+           "top_k": "schedules per kernel compiled and timed by the search (default $TFSN_TOP_K, else 8 on "
+                    "a CPU and 4 on a GPU); "
                     "1 keeps the cost model's pick untimed",
            "report": "a list the search appends each graph's (ir.Graph, search.SearchResult) to",
            "codegen": "'c' (C/OpenMP, searched) or 'triton' (Triton kernels launched on the tensors' device: on a "
@@ -205,11 +206,12 @@ def _copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return copy.deepcopy(joint)
 
 
-def default_top_k() -> int:
+def default_top_k(default: int | None = None) -> int:
+    """$TFSN_TOP_K, else `default` (the CPU search's search.TOP_K when None)."""
     from optimizer.search import TOP_K
     value = os.environ.get("TFSN_TOP_K", "")
     if not value:
-        return TOP_K
+        return TOP_K if default is None else default
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"TFSN_TOP_K is {value!r}; set it to a whole number >= 1 (1: no timing)")
     return int(value)
@@ -354,11 +356,11 @@ GPU_TOP_K = 4      # launch shapes per kernel built and timed on the GPU (each a
 
 def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None) -> tuple[Plan, list[Schedule]]:
     """The GPU cost model's plan for this graph on `spec`, and each kernel's launch shape: the fastest
-    measured on the graph's GPU of the model's top `top_k` (default GPU_TOP_K; 1: the model's pick),
+    measured on the graph's GPU of the model's top `top_k` (default $TFSN_TOP_K, else GPU_TOP_K; 1: the model's pick),
     from the disk cache when this graph was searched for that chip before."""
     from optimizer import search
     from optimizer.target import target_for
-    top_k = GPU_TOP_K if top_k is None else top_k
+    top_k = default_top_k(GPU_TOP_K) if top_k is None else top_k
     path = search_cache_path(graph, spec, None, True, "triton", f"top{top_k}", suffix=".json")
     saved = _read_search_entry(path, graph, True) if report is None else None
     if saved is not None:

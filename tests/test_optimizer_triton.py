@@ -249,7 +249,8 @@ def test_a_launch_shape_that_fails_to_launch_is_discarded_not_fatal(monkeypatch)
         if self.s != DEFAULT and self.name.startswith("v") and not planted:     # TritonTarget.build's
             planted.append((self.s, self.group))
         if self.name.startswith("v") and planted and (self.s, self.group) == planted[0]:
-            return dataclasses.replace(kernel, source=kernel.source + "    raise RuntimeError('planted: out of resources')\n")
+            refused = "    raise RuntimeError('planted: out of resources')\n"
+            return dataclasses.replace(kernel, source=kernel.source + refused)
         return kernel
     monkeypatch.setattr(tt.TritonWriter, "write", planted_write)
     fn, make = CASES["mlp"]

@@ -261,7 +261,7 @@ def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
             compiled = CompiledGraph(graph, plan.groups, kernels, tt.TritonLibrary(source), plan.inplace)
             case = Case(name, "generated", "fp32", lambda *a: compiled(list(a)), shapes)
             rows.append({"schedule": {f: getattr(schedules[g], f) for f in ("chunk", "gemm_block_rows", "gemm_nr",
-                                                                             "gemm_kc", "gemm_mr")},
+                                                                             "gemm_kc", "gemm_mr", "gemm_stages")},
                          "predicted_s": float(predicted[row]), "measured_s": measure(case, device, xs=xs)})
         best = min(r["measured_s"] for r in rows)
         per_kernel[name] = {"spearman": round(spearman([r["predicted_s"] for r in rows],

@@ -313,6 +313,41 @@ def test_tfsn_top_k_sets_the_launch_shapes_timed_on_a_gpu(monkeypatch):
     assert ran == [(1, False)]
 
 
+def test_a_triton_kernel_writing_over_its_inputs_is_checked_on_what_it_writes_there(monkeypatch):
+    """As tests/test_search_validation.py's C version, on the Triton target: an optimizer update writes over
+    the parameter and the moment, each candidate is run on its own copies of them (a second run on the
+    reference's leftovers would differ), and one that writes them wrong is caught."""
+    import re
+
+    from optimizer.codegen.triton_target import TritonTarget
+    from optimizer.hardware import find_hardware
+
+    def momentum_update(p, g, m):
+        m.mul_(0.9).add_(g, alpha=0.1)
+        p.sub_(m * 0.01 + p * 1e-3)
+    inputs = [torch.randn(16, 256, device=DEVICE) for _ in range(3)]
+    gm = make_fx(torch.func.functionalize(momentum_update, remove="mutations"),
+                 decomposition_table=decompositions())(*inputs)
+    graph = ir.from_fx(gm, ir.graph_device(inputs))
+    plan = fusion.plan(graph)
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    target = TritonTarget(find_hardware("H100"), DEVICE)
+    schedules = [DEFAULT, Schedule(chunk=256, gemm_mr=2)]
+    (built,) = target.build(graph, [(group, schedules)], plan.buffers, plan.inplace)
+    assert set(built[0][1].outputs) == set(plan.inplace.values()) <= set(graph.inputs)
+    assert target.check(graph, built, 0, [0, 1]) == [True, True]
+    write = tt.TritonWriter.write
+
+    def planted_write(self):       # the candidate stores x + 1 where it stored x
+        kernel = write(self)
+        if self.s == DEFAULT:
+            return kernel
+        return dataclasses.replace(kernel, source=re.sub(r"\((t\d+)\)\.to\(", r"(\1 + 1.0).to(", kernel.source))
+    monkeypatch.setattr(tt.TritonWriter, "write", planted_write)
+    (planted,) = target.build(graph, [(group, schedules)], plan.buffers, plan.inplace)
+    assert target.check(graph, planted, 0, [1]) == [False]
+
+
 def close(actual, expected, what):
     """As tests/test_optimizer_correctness.py: rtol 1e-4, atol 1e-5 of the expected tensor's largest magnitude."""
     scale = expected.detach().abs().max().item() if expected.numel() else 1.0

@@ -348,6 +348,22 @@ def test_a_triton_kernel_writing_over_its_inputs_is_checked_on_what_it_writes_th
     assert target.check(graph, planted, 0, [1]) == [False]
 
 
+def test_on_plan_hears_of_each_graph_searched_for_a_gpu(monkeypatch):
+    """make_backend(on_plan=...) is called with each searched graph's expected seconds (OPTIONS: what `tfsn
+    plan` prices this machine's step from; entry.price_here raises without a call), for a GPU graph too now
+    that one gets Triton kernels by default: searched now, then read from the cache. Failed: never called."""
+    from optimizer.hardware import find_hardware
+    monkeypatch.setattr(backend, "gpu_spec", lambda device: find_hardware("H200"))
+    heard = []
+    fn, make = CASES["mlp"]
+    args = [a.to(DEVICE) for a in make()]
+    gm = make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args)
+    for _ in range(2):
+        backend.compile_graph(gm, list(args), codegen="triton", top_k=1,
+                              on_plan=lambda seconds, fresh, entry: heard.append((seconds > 0, fresh, entry)))
+    assert [h[:2] for h in heard] == [(True, True), (True, False)] and heard[0][2] == heard[1][2]
+
+
 def close(actual, expected, what):
     """As tests/test_optimizer_correctness.py: rtol 1e-4, atol 1e-5 of the expected tensor's largest magnitude."""
     scale = expected.detach().abs().max().item() if expected.numel() else 1.0

@@ -245,7 +245,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     if codegen == "triton":
-        return _triton_graph(gm, graph, schedule, report, cuda_graphs, top_k)
+        return _triton_graph(gm, graph, schedule, report, cuda_graphs, top_k, on_plan)
     gemm = compiler.sgemm_address() is not None
     try:
         if schedule is not None:
@@ -305,7 +305,8 @@ def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any, cuda_graphs: 
 
 
 def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, report: list | None,
-                  cuda_graphs: bool, top_k: int | None) -> Callable:
+                  cuda_graphs: bool, top_k: int | None,
+                  on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
     """The graph as Triton kernels; ATen where a kernel cannot be written (logged, as for C). On a GPU
     whose spec tfsn knows, the fusion plan is the GPU cost model's pick and each kernel's launch shape
     the fastest on the GPU of the model's top k (gpu_searched_plan); elsewhere, or under a fixed
@@ -316,7 +317,7 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
     try:
         spec = gpu_spec(graph.device) if schedule is None else None
         if spec is not None:
-            plan, schedules = gpu_searched_plan(graph, spec, report, top_k)
+            plan, schedules = gpu_searched_plan(graph, spec, report, top_k, on_plan)
         else:
             plan = fusion.plan(graph)
             schedules = [schedule or Schedule()] * len(plan.groups)
@@ -354,22 +355,27 @@ def _log_once(message: str) -> None:
 GPU_TOP_K = 4      # launch shapes per kernel built and timed on the GPU (each a Triton compile of ~0.5 s)
 
 
-def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None) -> tuple[Plan, list[Schedule]]:
+def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None,
+                      on_plan: Callable[[float, bool, str], None] | None = None) -> tuple[Plan, list[Schedule]]:
     """The GPU cost model's plan for this graph on `spec`, and each kernel's launch shape: the fastest
     measured on the graph's GPU of the model's top `top_k` (default $TFSN_TOP_K, else GPU_TOP_K; 1: the model's pick),
-    from the disk cache when this graph was searched for that chip before."""
+    from the disk cache when this graph was searched for that chip before; `on_plan` as searched_plan's."""
     from optimizer import search
     from optimizer.target import target_for
     top_k = default_top_k(GPU_TOP_K) if top_k is None else top_k
     path = search_cache_path(graph, spec, None, True, "triton", f"top{top_k}", suffix=".json")
     saved = _read_search_entry(path, graph, True) if report is None else None
     if saved is not None:
+        if on_plan is not None:
+            on_plan(saved.expected_s, False, path.name)
         return saved.plan, saved.schedules
     _say_why_searching(spec)
     result = search.search_graph(graph, target_for(spec, graph.device), gemm=True, top_k=top_k, timing=top_k > 1)
     STATS["searches"] += 1
     if report is not None:
         report.append((graph, result))
+    if on_plan is not None:
+        on_plan(result.expected_s, True, path.name)
     _write_search_entry(path, result)
     return result.plan, result.schedules
 

@@ -388,6 +388,7 @@ GPU_REGISTER_BASE = 32          # registers of a kernel beyond its tile's values
 GPU_REGISTER_GRANULE = 8        # registers are allocated per warp in units of 256, 8 per thread (CUDA Occupancy
                                 # Calculator, "register allocation unit size")
 GPU_MMA_K = 16                  # depth of one MMA step: the A and B fragments a thread holds per step
+GPU_MAX_DEPTH = 64             # a GEMM's BK at most (Triton's; a CPU schedule's 256 would not fit a block)
 GPU_REDUCTION_BLOCK = 1024      # elements of a row a reduction program holds per pass at most (longer rows loop)
 
 
@@ -454,7 +455,7 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     precision = features.precision[k].astype(np.int64)
     itemsize = np.array(PRECISION_BYTES, dtype=np.float64)[precision]
     peak = np.array([spec.peak_flops(p) for p in PRECISIONS])[precision]
-    bm, bn, bk = cand.block_rows, cand.nr, cand.kc
+    bm, bn, bk = cand.block_rows, cand.nr, np.minimum(cand.kc, GPU_MAX_DEPTH)
     m, n, depth, batch = features.m[k], features.n[k], features.k[k], features.batch[k]
     tiles = batch * np.ceil(m / bm) * np.ceil(n / bn)
     shared = (bm + bn) * bk * itemsize * cand.stages

@@ -169,6 +169,12 @@ class _Scorer:
                                                                self.threads).seconds
         return self.externs[node.index]
 
+    def fits(self, group: Group, buffers: set[int], schedule: Schedule) -> bool:
+        """Whether the chip can run this kernel under `schedule`, by the model (which prices a launch a GPU
+        refuses, a tile over a block's shared memory or registers, at infinity)."""
+        table = costmodel.FeatureTable([self.features[self.index[self.key(group, buffers)]]])
+        return bool(np.isfinite(self.target.predict(table, costmodel.Candidates.of(0, [schedule]), self.threads)[0]))
+
     def ranked(self, group: Group, buffers: set[int]) -> tuple[costmodel.Candidates, np.ndarray]:
         i = self.index[self.key(group, buffers)]
         order = np.argsort(self.predicted[i], kind="stable")
@@ -298,7 +304,9 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tup
         cands, predicted = scorer.ranked(group, plan.buffers)
         result = KernelResult(i, float(predicted[0]), None, cands.schedule(0))
         results.append(result)
-        reference, code = _reference(scorer.target, graph, plan, i, cands.schedule(0))
+        # a GEMM's default tile is priced as launched; other kernels' default shapes are the renderer's own
+        reference, code = _reference(scorer.target, graph, plan, i, cands.schedule(0),
+                                     group.kind != "gemm" or scorer.fits(group, plan.buffers, DEFAULT))
         if code in first:                     # the same loop nest on the same shapes: timed once
             copies.append((result, first[code]))
             continue
@@ -342,15 +350,19 @@ def retime(graph: Graph, plan: fusion.Plan, ties: list[Tie], target: Target) -> 
     return settled
 
 
-def _reference(target: Target, graph: Graph, plan: fusion.Plan, group: int, top: Schedule) -> tuple[Schedule, str]:
-    """The schedule a group's candidates must agree with, and its code: the hand-written default,
-    or the model's `top` candidate where the default cannot be written."""
+def _reference(target: Target, graph: Graph, plan: fusion.Plan, group: int, top: Schedule,
+               default_fits: bool = True) -> tuple[Schedule, str]:
+    """The schedule a group's candidates must agree with, and its code: the hand-written default, or the
+    model's `top` candidate where the default cannot be written or does not fit the chip (a GPU GEMM
+    tile over a block's shared memory would not launch, and a reference that fails fails the compile)."""
     def code(schedule: Schedule) -> str:
         return target.render(graph, plan.groups[group], plan.buffers, schedule, plan.inplace)
-    try:
-        return DEFAULT, code(DEFAULT)
-    except NotFusable:
-        return top, code(top)
+    if default_fits:
+        try:
+            return DEFAULT, code(DEFAULT)
+        except NotFusable:
+            pass
+    return top, code(top)
 
 
 def _checked_timings(target: Target, graph: Graph, plan: fusion.Plan, todo: list[tuple[int, list[Schedule], Schedule]]

@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from optimizer.costmodel import GEMM, REDUCTION, Candidates, KernelFeatures
+from optimizer.costmodel import GEMM, GPU_MAX_DEPTH, REDUCTION, Candidates, KernelFeatures
 from optimizer.schedule import DEFAULT, VECTOR_WIDTHS
 
 UNROLLS = (1, 2, 4, 8, 16)
@@ -67,7 +67,7 @@ def _cpu_template(kind: int, column: bool) -> Candidates:
 
 
 GPU_TILES = (32, 64, 128, 256)
-GPU_DEPTHS = (16, 32, 64)
+GPU_DEPTHS = (16, 32, GPU_MAX_DEPTH)
 GPU_WARPS = (1, 2, 4, 8, 16)
 GPU_STAGES = (1, 2, 3, 4)
 GPU_ELEMENTS = (256, 512, 1024, 2048, 4096, 8192)

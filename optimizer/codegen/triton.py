@@ -23,7 +23,7 @@ from math import prod
 from typing import Any, Callable, Sequence
 
 from optimizer.cache import atomic_write, cache_dir, content_key
-from optimizer.costmodel import GPU_REDUCTION_BLOCK
+from optimizer.costmodel import GPU_MAX_DEPTH, GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
 from optimizer.ir import Graph
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
@@ -465,7 +465,7 @@ class TritonWriter:
         batch = mm.type.shape[0] if batched else 1
         bm = min(_pow2(self.s.gemm_block_rows, 16), _pow2(M, 16))
         bn = min(_pow2(self.s.gemm_nr, 16), _pow2(N, 16))
-        bk = min(_pow2(self.s.gemm_kc, 16), _pow2(K, 16))
+        bk = min(_pow2(self.s.gemm_kc, 16), _pow2(K, 16), GPU_MAX_DEPTH)
         sa, sb = a.type.strides, b.type.strides
         pa, pb = self.names[a.index], self.names[b.index]
         # fp32: IEEE products, not TF32; bf16/fp16: the tensor cores' own products into the fp32 accumulator.

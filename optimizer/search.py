@@ -255,9 +255,8 @@ def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, to
     space_size = 2 ** len(points) * sum(len(scorer.tables[scorer.index[k]]) for k in keys if k in scorer.index)
     extern_times = {i: scorer.extern_s(g) for i, g in enumerate(plan.groups) if g.kind == "extern"}
     extern_measured: dict[int, float] = {}
-    # the generated attention is C: timed only where the kernels are (the Triton path leaves attention to ATen)
-    _choose_attention(graph, plan, target.spec, timing and top_k > 1 and target.spec.kind == "cpu", scorer.threads,
-                      schedules, extern_times, extern_measured)
+    _choose_attention(graph, plan, target.spec, timing and top_k > 1, scorer.threads, schedules, extern_times,
+                      extern_measured)
     predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values())
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=space_size, plans_scored=len(costs),

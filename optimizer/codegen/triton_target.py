@@ -7,7 +7,8 @@ Under TRITON_INTERPRET=1 the device is this CPU: the kernels are checked and tim
 which tests the path, not the speed."""
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Any, Sequence
 
 import torch
 
@@ -42,14 +43,19 @@ class TritonTarget(SpecModel):
         lib.precompile(graph, [k for ks in kernels for k in ks])
         return [(ks, lib) for ks in kernels]
 
+    def _on_device(self) -> Any:
+        """The graph's GPU made current (Triton launches on the current device, and a sync waits for it)."""
+        return torch.cuda.device(self.device) if torch.device(self.device).type == "cuda" else contextlib.nullcontext()
+
     def check(self, graph: Graph, built: Built, reference: int, candidates: Sequence[int]) -> list[bool]:
         kernels, lib = built
-        return measure.agree_on(graph, kernels[reference], [kernels[i] for i in candidates], lib.launcher,
-                                self.device)
+        with self._on_device():
+            return measure.agree_on(graph, kernels[reference], [kernels[i] for i in candidates], lib.launcher,
+                                    self.device)
 
     def time(self, graph: Graph, kernels: Sequence[tuple[Built, int]], rounds: int, budget_s: float) -> list[Timing]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
-        with unset_fake_temporarily():     # inside torch.compile the ambient mode makes fake tensors: ours are real
+        with unset_fake_temporarily(), self._on_device():    # inside torch.compile fake tensors are made: ours are real
             chosen = [built[0][i] for built, i in kernels]
             tensors = {n: measure.buffer(graph, n, device=self.device) for k in chosen for n in k.params}
             calls = [(built[1].launcher(k), ([tensors[p] for p in k.params],)) for (built, _), k in zip(kernels, chosen)]

@@ -311,7 +311,7 @@ def _settle(graph: Graph, plan: fusion.Plan, scorer: _Scorer, top_k: int) -> tup
             continue
         first[code] = result
         if top_k > 1 and predicted[0] >= MIN_TIMED_S:
-            rows = _diverse_top(cands, predicted, top_k)
+            rows = _diverse_top(cands, predicted, top_k, gpu=scorer.target.spec.kind == "gpu")
             timed.append((result, [cands.schedule(r) for r in rows], [float(predicted[r]) for r in rows], reference))
     ties: dict[int, Tie] = {}                 # by the group of the kernel's first copy
     measured = _checked_timings(scorer.target, graph, plan, [(r.group, picks, ref) for r, picks, _, ref in timed])
@@ -402,12 +402,14 @@ def _ops(graph: Graph, nodes: Sequence[int]) -> str:
     return "+".join(graph.nodes[n].op.removeprefix("aten.").split(".")[0] for n in nodes)
 
 
-def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int) -> list[int]:
-    """Rows to time (`cands` sorted by prediction): first the best of each vector width, GEMM
-    kind (and tile depth) and kind of vector loop (omp simd, or unrolled) predicted within NEAR_BEST of
-    the best, then the next best. Why: the model cannot tell a 512-bit vector run on 256-bit pipes from
-    a native one, nor how well gcc vectorizes a loop of mixed types or unrolls a vector one; close calls
-    between such classes are settled by the clock, not by the model."""
+def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int, gpu: bool = False) -> list[int]:
+    """Rows to time (`cands` sorted by prediction): first the best of each class predicted within NEAR_BEST
+    of the best, then the next best. On a CPU the classes are vector width, GEMM kind (and tile depth) and
+    kind of vector loop (omp simd, or unrolled): the model cannot tell a 512-bit vector run on 256-bit
+    pipes from a native one, nor how well gcc vectorizes a loop of mixed types or unrolls a vector one.
+    On a GPU they are warps and pipeline stages: on an H200 a reduction's launch shapes predicted within
+    6% of each other ran 1.8x apart, mostly with their warps, and stages the model prices alike (3 and 4)
+    are twins to time once. Close calls between such classes are settled by the clock, not by the model."""
     near = predicted <= predicted[0] * NEAR_BEST
     picks, classes = [], set()
     # a generated GEMM's tiles also by how many accumulators they keep in flight (< 8, 8-15, 16+):
@@ -415,7 +417,8 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int)
     chains = np.where(cands.generated > 0,
                       np.minimum(cands.mr * np.ceil(cands.nr / cands.vector_width) // 8, 2), 0)
     for r in np.flatnonzero(near):
-        cls = (cands.vector_width[r], cands.generated[r], chains[r], cands.vector_width[r] > 1 and cands.unroll[r] > 1)
+        cls = (cands.mr[r], min(cands.stages[r], 3)) if gpu else \
+            (cands.vector_width[r], cands.generated[r], chains[r], cands.vector_width[r] > 1 and cands.unroll[r] > 1)
         if cls not in classes:
             classes.add(cls)
             picks.append(int(r))

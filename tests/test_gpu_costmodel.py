@@ -215,3 +215,23 @@ def test_the_search_never_picks_a_rejected_program():
     for spec in (H100, T4, find_hardware("MI300X")):
         result = predicted(graph, spec)
         assert np.isfinite(result.predicted_s) and all(np.isfinite(k.predicted_s) for k in result.kernels)
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.softmax(x, -1), lambda x: F.gelu(x @ x.t())], ids=["softmax", "gemm"])
+def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
+    """A GPU kernel's top k for the clock: the best of each warp count and pipeline depth the model calls
+    close, not near-twins (on an H200 a reduction's shapes predicted within 6% ran 1.8x apart, mostly with
+    their warps; 3 and 4 stages are priced alike where both hide every load)."""
+    from optimizer import features, fusion
+    graph = capture(fn, (2048, 1024))
+    plan = fusion.plan(graph)
+    for group in (g for g in plan.groups if g.kind != "extern"):
+        kernel = features.kernel_features(graph, group, plan.buffers)
+        cands = space.gpu_kernel_space(0, kernel)
+        predicted = predict_gpu(FeatureTable([kernel]), cands, H100)
+        order = np.argsort(predicted, kind="stable")
+        cands, predicted = cands.take(order), predicted[order]
+        rows = search._diverse_top(cands, predicted, 4, gpu=True)
+        classes = [(cands.mr[r], min(cands.stages[r], 3)) for r in rows]
+        near = {(cands.mr[r], min(cands.stages[r], 3)) for r in np.flatnonzero(predicted <= predicted[0] * search.NEAR_BEST)}
+        assert rows[0] == 0 and len(set(classes)) == min(4, len(near)), (group.kind, classes, near)

@@ -224,9 +224,9 @@ def test_bf16_autocast_conversions_and_pointwise_are_generated(monkeypatch):
     seen: list = []
     real = backend._compiled
 
-    def recording(graph, plan, kernels, lib):
+    def recording(graph, plan, kernels, lib, *more):
         seen.append((graph, plan))
-        return real(graph, plan, kernels, lib)
+        return real(graph, plan, kernels, lib, *more)
     monkeypatch.setattr(backend, "_compiled", recording)
     eager, inputs_e, out_e, loss_e, mine, inputs_m, target = stepped_eager(case)
     out_m, loss_m = case.step(torch.compile(mine, backend=make_backend(top_k=1)), inputs_m, target)

@@ -136,8 +136,7 @@ class GraphReplay:
         self._drop()
 
     def __del__(self) -> None:
-        for storage, _, _ in getattr(self, "watched", []):
-            REPLAYED.discard(storage.data_ptr())
+        self._drop()
 
     def _drop(self) -> None:
         """Forget the capture: its pool is freed once nothing holds its outputs."""
@@ -149,10 +148,10 @@ class GraphReplay:
         self.outputs: list = []
         self.watched: list[tuple[torch.UntypedStorage, int, list[int]]] = []   # (storage, uses when free, outputs)
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, level: int = logging.INFO) -> None:
         self.off = why
         self._drop()
-        log.info("tfsn: %s runs unrecorded (no CUDA graph): %s", self.name, why)
+        log.log(level, "tfsn: %s runs unrecorded (no CUDA graph): %s", self.name, why)
 
     def __call__(self, args: list) -> list:
         if self.off:
@@ -213,7 +212,8 @@ class GraphReplay:
         try:
             outputs, replay = self.recorder.capture(self.run, static)
         except Exception as e:          # an op that synchronizes, a library that cannot be captured
-            self._stop(f"its capture failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+            self._stop(f"its capture failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}",
+                       logging.WARNING)       # what a slow step on a GPU is then explained by
             return self.run(inputs)
         self.captures += 1
         COUNTS["captures"] += 1

@@ -9,6 +9,7 @@ same loops run on the GPU's own CUDA graphs and Triton kernels.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 
 import pytest
@@ -225,14 +226,17 @@ def test_inputs_the_graph_writes_reach_the_caller():
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the stand-in's failure; a GPU's own failures are its own")
-def test_a_graph_whose_capture_fails_runs_unrecorded(monkeypatch):
+def test_a_graph_whose_capture_fails_runs_unrecorded_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(graphs, "recorder_for", lambda device: Rerun(fail=True))
     eager, tfsn = pair()
     model = torch.compile(tfsn, backend=backend())
-    for i, (x, _) in enumerate(batches(STEPS)):
-        with torch.no_grad():
-            close(model(x), eager(x), f"output at step {i}")
+    with caplog.at_level(logging.WARNING, logger="tfsn.optimizer"):
+        for i, (x, _) in enumerate(batches(STEPS)):
+            with torch.no_grad():
+                close(model(x), eager(x), f"output at step {i}")
     assert graphs.COUNTS["replays"] == 0 and graphs.COUNTS["captures"] == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("capture failed: operation not permitted when stream is capturing" in m for m in said), said
 
 
 def test_cuda_graphs_can_be_turned_off():

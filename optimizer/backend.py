@@ -286,7 +286,7 @@ def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
     return make_boxed_func(gm.forward)
 
 
-def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any, cuda_graphs: bool = False) -> Callable:
+def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any, cuda_graphs: bool) -> Callable:
     """The graph's entry; replayed as one CUDA graph where its device records them (optimizer/graphs.py)."""
     from optimizer import graphs
     from optimizer.codegen.c_attention import AttentionKernel

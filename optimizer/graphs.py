@@ -127,7 +127,7 @@ class GraphReplay:
         self._boxed_call = True
         self.run, self.device, self.written, self.recorder, self.name = run, torch.device(device), set(written), \
             recorder, name
-        self.calls = self.captures = self.replays = 0
+        self.calls = self.captures = 0
         self.seen: list[Any] | None = None          # each input's address (or value) on every call so far
         self.moved: set[int] = set()                # tensor inputs seen at more than one address
         self.copied: set[int] = set()               # outputs returned as copies
@@ -258,7 +258,6 @@ class GraphReplay:
         for i, buffer in self.buffers.items():
             buffer.copy_(inputs[i])
         self.replay([self.buffers.get(i, x) for i, x in enumerate(inputs)])
-        self.replays += 1
         COUNTS["replays"] += 1
         COUNTS["inputs_copied"] += len(self.buffers)
         for i in self.written & self.buffers.keys():

@@ -29,6 +29,7 @@ class TritonTarget(SpecModel):
     def __init__(self, spec: HardwareSpec, device: str) -> None:
         super().__init__(spec)
         self.device = device
+        self.on_gpu = torch.device(device).type == "cuda"
 
     def render(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule,
                inplace: dict[int, int] | None) -> str:
@@ -45,7 +46,7 @@ class TritonTarget(SpecModel):
 
     def _on_device(self) -> Any:
         """The graph's GPU made current (Triton launches on the current device, and a sync waits for it)."""
-        return torch.cuda.device(self.device) if torch.device(self.device).type == "cuda" else contextlib.nullcontext()
+        return torch.cuda.device(self.device) if self.on_gpu else contextlib.nullcontext()
 
     def check(self, graph: Graph, built: Built, reference: int, candidates: Sequence[int]) -> list[bool]:
         kernels, lib = built
@@ -59,5 +60,5 @@ class TritonTarget(SpecModel):
             chosen = [built[0][i] for built, i in kernels]
             tensors = {n: measure.buffer(graph, n, device=self.device) for k in chosen for n in k.params}
             calls = [(built[1].launcher(k), ([tensors[p] for p in k.params],)) for (built, _), k in zip(kernels, chosen)]
-            sync = torch.cuda.synchronize if torch.device(self.device).type == "cuda" else lambda: None
+            sync = torch.cuda.synchronize if self.on_gpu else lambda: None
             return measure.time_calls(calls, rounds, budget_s, sync)

@@ -17,8 +17,8 @@ predicted and measured microseconds and their ratio, then:
                   predicts faster / the faster measured one
 Generated kernels: for a few fused groups as tfsn plans them (a softmax, a LayerNorm, a bias + GELU,
 a GEMM with its bias + GELU epilogue, in fp32), up to 8 launch shapes of the GPU schedule space
-(optimizer/space.py: the model's pick and others evenly spread over its ranking) are rendered as Triton,
-run, and timed: per kernel, Spearman of predicted vs measured over its launch shapes, and the top-1
+(optimizer/space.py: the model's pick and others evenly spread over its ranking; for the GEMM, also its
+product left to cuBLAS with the epilogue's program after it) are rendered as Triton, run, and timed: per kernel, Spearman of predicted vs measured over its launch shapes, and the top-1
 regret (measured time of the model's pick / the fastest measured). On a CPU this part runs only under
 TRITON_INTERPRET=1, at small shapes (to test the script; the times mean nothing).
 Timing: CUDA events around repeated calls after a warm-up (median of batches); on the CPU, the median
@@ -253,6 +253,8 @@ def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
         order = [int(i) for i in np.argsort(predicted, kind="stable") if np.isfinite(predicted[i])]
         picks = list(dict.fromkeys(order[round(j * (len(order) - 1) / max(shapes_each - 1, 1))]
                                    for j in range(shapes_each)))
+        picks += [i for i in order if cands.generated[i] == 0 and i not in picks][:1] if kernel.kind == costmodel.GEMM \
+            else []     # a GEMM's product by the library (cuBLAS), beside the tiles: what the search times too
         rows = []
         for row in picks:
             schedules = [DEFAULT] * len(plan.groups)
@@ -260,8 +262,9 @@ def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
             source, kernels = tt.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
             compiled = CompiledGraph(graph, plan.groups, kernels, tt.TritonLibrary(source), plan.inplace)
             case = Case(name, "generated", "fp32", lambda *a: compiled(list(a)), shapes)
-            rows.append({"schedule": {f: getattr(schedules[g], f) for f in ("chunk", "gemm_block_rows", "gemm_nr",
-                                                                             "gemm_kc", "gemm_mr", "gemm_stages")},
+            rows.append({"schedule": {f: getattr(schedules[g], f) for f in ("chunk", "gemm", "gemm_block_rows",
+                                                                             "gemm_nr", "gemm_kc", "gemm_mr",
+                                                                             "gemm_stages")},
                          "predicted_s": float(predicted[row]), "measured_s": measure(case, device, xs=xs)})
         best = min(r["measured_s"] for r in rows)
         per_kernel[name] = {"spearman": round(spearman([r["predicted_s"] for r in rows],

@@ -390,6 +390,10 @@ GPU_REGISTER_GRANULE = 8        # registers are allocated per warp in units of 2
 GPU_MMA_K = 16                  # depth of one MMA step: the A and B fragments a thread holds per step
 GPU_MAX_DEPTH = 64             # a GEMM's BK at most (Triton's; a CPU schedule's 256 would not fit a block)
 GPU_REDUCTION_BLOCK = 1024      # elements of a row a reduction program holds per pass at most (longer rows loop)
+# A GEMM left to the vendor's library (cuBLAS through torch): its fraction of the precision's peak and of the
+# memory bandwidth (measured on an H200: see optimizer/externs.py, which prices a matmul extern with them)
+GPU_LIBRARY_GEMM_COMPUTE = 0.80
+GPU_LIBRARY_GEMM_MEMORY = 0.85
 
 
 def gpu_occupancy(spec: HardwareSpec, threads: np.ndarray, registers: np.ndarray, shared: np.ndarray) -> np.ndarray:
@@ -448,7 +452,8 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
 
 
 def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, threads: np.ndarray) -> np.ndarray:
-    """GEMM rows: BM x BN tiles in waves of the programs an SM holds, at the rate of the GEMM's precision."""
+    """GEMM rows: generated, BM x BN tiles in waves of the programs an SM holds, at the rate of the GEMM's
+    precision; library, the vendor's product and then the epilogue's program."""
     k = cand.kernel
     units = float(spec.compute_units)
     l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
@@ -477,6 +482,17 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     # with s stages, s - 1 tiles load while one is multiplied: two in flight hide a load (Triton's default of
     # 3); with one stage each tile is loaded, then multiplied
     overlap = np.minimum(1.0, (cand.stages - 1) / 2.0)
-    gemm = np.maximum(compute, memory) + (1.0 - overlap) * np.minimum(compute, memory) + epilogue \
-        + spec.launch_overhead_us * 1e-6
-    return np.where(per_unit > 0, gemm, np.inf)
+    launch = spec.launch_overhead_us * 1e-6
+    gemm = np.maximum(compute, memory) + (1.0 - overlap) * np.minimum(compute, memory) + epilogue + launch
+    # the library's product (generated == 0): the whole product at the library's rate (it picks its own tiles)
+    # into fp32, then a tiled program reads it back with the group's other inputs and runs the epilogue; none
+    # when a fp32 product has no epilogue (it is written where the graph wants it)
+    operands = batch * (m * depth + depth * n) * itemsize
+    product = batch * m * n * 4.0
+    library = np.maximum(batch * m * n * depth * 2.0 / (peak * GPU_LIBRARY_GEMM_COMPUTE),
+                         (operands + product) / (spec.main_memory.bandwidth_gbs * 1e9 * GPU_LIBRARY_GEMM_MEMORY)) + launch
+    rest = np.maximum(features.read_bytes[k] - operands, 0.0) + product + features.write_bytes[k]
+    rest_bw = np.where(rest <= l2.size_mib * 2**20, l2.bandwidth_gbs, spec.main_memory.bandwidth_gbs) * 1e9
+    alone = (features.ops[k] + features.math[k] == 0) & (itemsize == 4)
+    library = library + np.where(alone, 0.0, np.maximum(epilogue, rest / rest_bw) + launch)
+    return np.where(cand.generated > 0, np.where(per_unit > 0, gemm, np.inf), library)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from optimizer.costmodel import GPU_LIBRARY_GEMM_COMPUTE, GPU_LIBRARY_GEMM_MEMORY
 from optimizer.features import gemm_precision
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import VIEWS, Graph, Kind, Node, Ref
@@ -46,7 +47,7 @@ class Efficiency:
 # a device-to-device copy moved 4.3 TB/s of an H200's 4.8 (KINDS.md), 0.90; ATen's elementwise kernels
 # somewhat less, 0.80. gather (embedding, index): rows at random, 0.60 (assumption). scatter (embedding
 # backward, index_put with accumulate): atomic read-modify-write of the rows, 0.40 (assumption).
-GPU = {"gemm": Efficiency(0.80, 0.85), "conv": Efficiency(0.60, 0.80), "attention": Efficiency(0.40, 0.80),
+GPU = {"gemm": Efficiency(GPU_LIBRARY_GEMM_COMPUTE, GPU_LIBRARY_GEMM_MEMORY), "conv": Efficiency(0.60, 0.80), "attention": Efficiency(0.40, 0.80),
        "memory": Efficiency(1.0, 0.80), "gather": Efficiency(1.0, 0.60), "scatter": Efficiency(1.0, 0.40, 2.0)}
 # CPUs: the BLAS at the spec's library_gemm_efficiency (measured by `tfsn calibrate`; the 0.85 of a vendor
 # spec otherwise); oneDNN convolutions and ATen's CPU flash attention at lower fractions of the FMA peak,

@@ -409,18 +409,25 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int,
     pipes from a native one, nor how well gcc vectorizes a loop of mixed types or unrolls a vector one.
     On a GPU they are warps and pipeline stages: on an H200 a reduction's launch shapes predicted within
     6% of each other ran 1.8x apart, mostly with their warps, and stages the model prices alike (3 and 4)
-    are twins to time once. Close calls between such classes are settled by the clock, not by the model."""
+    are twins to time once; and a GEMM's product by the vendor's library is always timed beside the
+    generated tiles (how near Triton's tiles come to cuBLAS is what the model knows least). Close calls
+    between such classes are settled by the clock, not by the model."""
     near = predicted <= predicted[0] * NEAR_BEST
-    picks, classes = [], set()
     # a generated GEMM's tiles also by how many accumulators they keep in flight (< 8, 8-15, 16+):
     # the latency of a thin tile is as close a call as its vector width
     chains = np.where(cands.generated > 0,
                       np.minimum(cands.mr * np.ceil(cands.nr / cands.vector_width) // 8, 2), 0)
-    for r in np.flatnonzero(near):
-        cls = (cands.mr[r], min(cands.stages[r], 3)) if gpu else \
+
+    def cls(r: int) -> tuple:
+        return (cands.generated[r], cands.mr[r], min(cands.stages[r], 3)) if gpu else \
             (cands.vector_width[r], cands.generated[r], chains[r], cands.vector_width[r] > 1 and cands.unroll[r] > 1)
-        if cls not in classes:
-            classes.add(cls)
+    picks: list[int] = []
+    if gpu and (cands.generated > 0).any():
+        picks.append(int(np.flatnonzero(cands.generated == 0)[0]))
+    classes = {cls(r) for r in picks}
+    for r in np.flatnonzero(near):
+        if cls(r) not in classes:
+            classes.add(cls(r))
             picks.append(int(r))
     for r in range(len(cands)):
         if len(picks) >= top_k:

@@ -72,20 +72,23 @@ GPU_WARPS = (1, 2, 4, 8, 16)
 GPU_STAGES = (1, 2, 3, 4)
 GPU_ELEMENTS = (256, 512, 1024, 2048, 4096, 8192)
 GPU_ROWS = (1, 2, 4, 8, 16)
+# the library GEMM's one row: the product by cuBLAS, its epilogue a program per 64 x 64 tile on 4 warps
+GPU_LIBRARY_EPILOGUE = dict(block_rows=64, nr=64, kc=GPU_MAX_DEPTH, mr=4, stages=1)
 
 
 def gpu_kernel_space(kernel: int, features: KernelFeatures) -> Candidates:
     """Candidate launch shapes of one kernel on a GPU, in the columns costmodel.predict_gpu reads:
-    BM x BN x BK tiles, warps and pipeline stages for GEMMs, elements or rows per program and warps
-    otherwise."""
+    BM x BN x BK `tl.dot` tiles, warps and pipeline stages for GEMMs, and the product left to the
+    vendor's library (one row); elements or rows per program and warps otherwise."""
     return _with_kernel(_gpu_template(features.kind), kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def _gpu_template(kind: int) -> Candidates:
     if kind == GEMM:
-        rows = [dict(block_rows=bm, nr=bn, kc=bk, mr=w, stages=s) for bm, bn, bk, w, s in
+        rows = [dict(generated=1, block_rows=bm, nr=bn, kc=bk, mr=w, stages=s) for bm, bn, bk, w, s in
                 itertools.product(GPU_TILES, GPU_TILES, GPU_DEPTHS, (2, 4, 8), GPU_STAGES)]
+        rows.append(dict(generated=0, **GPU_LIBRARY_EPILOGUE))
     else:
         per = GPU_ROWS if kind == REDUCTION else GPU_ELEMENTS
         rows = [dict(chunk=c, mr=w) for c, w in itertools.product(per, GPU_WARPS)]

@@ -14,6 +14,7 @@ from optimizer import costmodel, externs, ir, search, space
 from optimizer.backend import decompositions
 from optimizer.costmodel import Candidates, FeatureTable, KernelFeatures, gpu_occupancy, predict_gpu
 from optimizer.hardware import find_hardware
+from optimizer.schedule import Schedule
 
 H100, A100, T4 = find_hardware("H100"), find_hardware("A100-80GB"), find_hardware("T4")
 
@@ -163,7 +164,7 @@ def gemm_rows(tiles, precision=0, m=4096):
     kernel = KernelFeatures(kind=costmodel.GEMM, elements=m * m, rows=m, inner=m, ops=0, m=m, n=m, k=m,
                             precision=precision)
     col = lambda i: np.array([float(t[i]) for t in tiles])      # noqa: E731
-    cands = Candidates.of(0, [space.DEFAULT] * len(tiles))
+    cands = Candidates.of(0, [Schedule(gemm="generated")] * len(tiles))      # Triton tiles (tl.dot)
     cands.block_rows, cands.nr, cands.kc, cands.mr = col(0), col(1), col(2), col(3)
     return FeatureTable([kernel]), cands
 
@@ -221,7 +222,8 @@ def test_the_search_never_picks_a_rejected_program():
 def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
     """A GPU kernel's top k for the clock: the best of each warp count and pipeline depth the model calls
     close, not near-twins (on an H200 a reduction's shapes predicted within 6% ran 1.8x apart, mostly with
-    their warps; 3 and 4 stages are priced alike where both hide every load)."""
+    their warps; 3 and 4 stages are priced alike where both hide every load), and for a GEMM the library's
+    product however the model prices it."""
     from optimizer import features, fusion
     graph = capture(fn, (2048, 1024))
     plan = fusion.plan(graph)
@@ -232,6 +234,33 @@ def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
         order = np.argsort(predicted, kind="stable")
         cands, predicted = cands.take(order), predicted[order]
         rows = search._diverse_top(cands, predicted, 4, gpu=True)
-        classes = [(cands.mr[r], min(cands.stages[r], 3)) for r in rows]
-        near = {(cands.mr[r], min(cands.stages[r], 3)) for r in np.flatnonzero(predicted <= predicted[0] * search.NEAR_BEST)}
-        assert rows[0] == 0 and len(set(classes)) == min(4, len(near)), (group.kind, classes, near)
+        library = np.flatnonzero(cands.generated == 0) if group.kind == "gemm" else []
+        assert (group.kind == "gemm") == (len(library) == 1)
+        tiles = [r for r in rows if r not in library]
+        classes = [(cands.mr[r], min(cands.stages[r], 3)) for r in tiles]
+        near = {(cands.mr[r], min(cands.stages[r], 3)) for r in np.flatnonzero(predicted <= predicted[0] * search.NEAR_BEST)
+                if r not in library}
+        assert rows[0] == 0 and len(set(classes)) == min(4 - len(library), len(near)), (group.kind, classes, near)
+        assert all(r in rows for r in library)
+
+
+def test_a_library_gemm_is_priced_as_the_library_product_then_its_epilogue():
+    """The GEMM space's library row (cuBLAS through torch): the whole product at the library's share of the
+    precision's peak; a fp32 product with nothing after it is written in place, anything else is read back
+    by one more program (the epilogue's, or bf16's rounding), which costs at least that read."""
+    m = 4096
+    library = Candidates.of(0, [Schedule()])
+    flops = 2.0 * m ** 3
+
+    def price(ops: float, precision: int) -> float:
+        kernel = KernelFeatures(kind=costmodel.GEMM, elements=m * m, rows=m, inner=m, ops=ops, m=m, n=m, k=m,
+                                precision=precision, read_bytes=2 * m * m * 4.0, write_bytes=m * m * 4.0)
+        return float(predict_gpu(FeatureTable([kernel]), library, H100)[0])
+    fp32 = costmodel.PRECISIONS.index("fp32")
+    bf16 = costmodel.PRECISIONS.index("bf16")
+    alone = flops / (H100.peak_flops("fp32") * costmodel.GPU_LIBRARY_GEMM_COMPUTE) + H100.launch_overhead_us * 1e-6
+    assert price(0, fp32) == pytest.approx(alone)
+    read_back = m * m * 4.0 / (H100.main_memory.bandwidth_gbs * 1e9)
+    assert price(2, fp32) >= alone + read_back
+    assert price(0, bf16) >= flops / (H100.peak_flops("bf16") * costmodel.GPU_LIBRARY_GEMM_COMPUTE) + read_back
+    assert externs.GPU["gemm"].compute == costmodel.GPU_LIBRARY_GEMM_COMPUTE   # a matmul extern, priced alike

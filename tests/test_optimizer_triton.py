@@ -85,27 +85,32 @@ CASES = {
 }
 
 
+GENERATED = Schedule(gemm="generated")      # GEMMs as tl.dot tiles (DEFAULT leaves the product to the library)
+
+
+@pytest.mark.parametrize("schedule", [DEFAULT, GENERATED], ids=["library", "generated"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_generated_triton_matches_eager_forward_and_backward(name):
+def test_generated_triton_matches_eager_forward_and_backward(name, schedule):
     fn, make = CASES[name]
     torch.manual_seed(0)
-    got, want, plan = run_triton(forward_and_backward(fn), make())
+    got, want, plan = run_triton(forward_and_backward(fn), make(), schedule)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("schedule", [DEFAULT, GENERATED], ids=["library", "generated"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_16_bit_floats_as_close_to_the_truth_as_eager(name, dtype):
-    """bf16/fp16 graphs (GEMMs on tl.dot with an fp32 accumulator, the rest computed in fp32 and rounded
-    where eager rounds: each op's result) are as close to an fp64 reference as eager's own 16-bit run,
-    forward and backward."""
+def test_16_bit_floats_as_close_to_the_truth_as_eager(name, dtype, schedule):
+    """bf16/fp16 graphs (GEMMs on tl.dot with an fp32 accumulator or by the library into fp32, the rest
+    computed in fp32 and rounded where eager rounds: each op's result) are as close to an fp64 reference
+    as eager's own 16-bit run, forward and backward."""
     fn, make = CASES[name]
     torch.manual_seed(0)
     exact = [a.double() if a.is_floating_point() else a for a in make()]
     low = [a.to(dtype) if a.is_floating_point() else a for a in exact]
-    got, want, plan = run_triton(forward_and_backward(fn), low)
+    got, want, plan = run_triton(forward_and_backward(fn), low, schedule)
     assert any(g.kind == "gemm" for g in plan.groups) or name == "cross_entropy"
     truth = forward_and_backward(fn)(*exact)
     for g, w, t in zip(got, want, truth):
@@ -115,10 +120,10 @@ def test_16_bit_floats_as_close_to_the_truth_as_eager(name, dtype):
         assert err <= max(3 * eager_err, torch.finfo(dtype).eps * scale), (err, eager_err, scale)
 
 
-@pytest.mark.parametrize("schedule", [Schedule(chunk=16, gemm_block_rows=16, gemm_nr=16, gemm_kc=16, gemm_mr=2,
-                                               gemm_stages=1),
-                                      Schedule(chunk=256, gemm_block_rows=64, gemm_nr=32, gemm_kc=32, gemm_mr=8,
-                                               gemm_stages=4)])
+@pytest.mark.parametrize("schedule", [Schedule(chunk=16, gemm="generated", gemm_block_rows=16, gemm_nr=16, gemm_kc=16,
+                                               gemm_mr=2, gemm_stages=1),
+                                      Schedule(chunk=256, gemm="generated", gemm_block_rows=64, gemm_nr=32, gemm_kc=32,
+                                               gemm_mr=8, gemm_stages=4)])
 def test_block_sizes_warps_and_stages_are_schedule_knobs(schedule):
     fn, make = CASES["mlp"]
     torch.manual_seed(0)
@@ -134,6 +139,8 @@ def test_block_sizes_warps_and_stages_are_schedule_knobs(schedule):
 
 
 def test_fp32_gemm_epilogue_runs_in_the_dot_kernel():
+    """Generated: the epilogue on the tl.dot tile; library: on the tile of torch's product, in the one
+    program that runs after it, which the launch passes the product (the kernel's last pointer)."""
     fn, make = CASES["mlp"]
     args = make()
     gm = make_fx(fn, decomposition_table=decompositions())(*args)
@@ -141,9 +148,43 @@ def test_fp32_gemm_epilogue_runs_in_the_dot_kernel():
     plan = fusion.plan(graph)
     gemms = [g for g in plan.groups if g.kind == "gemm"]
     assert gemms and any(len(g.nodes) > 1 for g in gemms), "no GEMM took its epilogue"
-    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
-    k = next(k for g, k in zip(plan.groups, kernels) if g.kind == "gemm" and len(g.nodes) > 1)
-    assert "tl.dot(" in k.source and "tl.erf(" in k.source     # GELU on the tile
+    for schedule in (GENERATED, DEFAULT):
+        source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups))
+        k = next(k for g, k in zip(plan.groups, kernels) if g.kind == "gemm" and len(g.nodes) > 1)
+        assert "tl.erf(" in k.source                      # GELU on the tile
+        assert ("tl.dot(" in k.source) == (schedule == GENERATED) == (k.product is None)
+    assert k.product.epilogue and "tl.load(prod + " in k.source
+
+
+def test_a_lone_fp32_library_product_is_written_where_the_graph_wants_it():
+    """x @ w with nothing after it: torch's matmul writes the graph's output (a transposed one too), and no
+    program runs; in bf16 the product goes through fp32 and is rounded once, by the program after it."""
+    for fn in (lambda x, w: x @ w, lambda x, w: (x @ w).t()):
+        for dtype in (torch.float32, torch.bfloat16):
+            args = (torch.randn(37, 24, dtype=dtype), torch.randn(24, 40, dtype=dtype))
+            got, want, plan = run_triton(fn, args)
+            torch.testing.assert_close(got[0], want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+            graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args))
+            _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+            k = next(k for k in kernels if k is not None)
+            assert k.product.epilogue == (dtype == torch.bfloat16), (fn, dtype)
+
+
+def test_fp32_products_take_tf32_only_where_torch_allowed_it():
+    """The graph records torch's float32 matmul precision at capture: 'high' (TF32) renders tl.dot in TF32,
+    as eager's cuBLAS would run; the default ('highest') in IEEE fp32."""
+    fn, make = CASES["mlp"]
+    args = make()
+    for precision, dot in (("highest", 'input_precision="ieee"'), ("high", 'input_precision="tf32"')):
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(precision)
+        try:
+            graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args))
+        finally:
+            torch.set_float32_matmul_precision(before)
+        plan = fusion.plan(graph)
+        source, _ = tt.write_source(graph, plan.groups, plan.buffers, [GENERATED] * len(plan.groups))
+        assert dot in source and source.count("tl.dot(") == source.count(dot), precision
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -374,17 +415,19 @@ def close(actual, expected, what):
                                msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("gemm", ["library", "generated"])
 @pytest.mark.parametrize("case", suite(), ids=lambda c: c.name)
-def test_suite_training_step_through_triton_matches_eager(case):
-    """Every suite model's forward, backward and AdamW step as Triton kernels. The step is given
-    eager's gradients: the attention key bias's gradient is exactly zero in eager and rounding noise
-    here, which Adam would turn into a full step (see test_optimizer_correctness)."""
+def test_suite_training_step_through_triton_matches_eager(case, gemm):
+    """Every suite model's forward, backward and AdamW step as Triton kernels, its GEMMs by the library
+    (torch's matmul, then the epilogue's program) or as generated tiles. The step is given eager's
+    gradients: the attention key bias's gradient is exactly zero in eager and rounding noise here,
+    which Adam would turn into a full step (see test_optimizer_correctness)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     eager = case.build().to(DEVICE)
     tfsn = copy.deepcopy(eager)
     batch = tuple(t.to(DEVICE) for t in case.batch(torch.Generator().manual_seed(1)))
-    triton_backend = make_backend(codegen="triton")
+    triton_backend = make_backend(codegen="triton", schedule=Schedule(gemm=gemm))
     kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
     loss = case.loss(eager, batch)
     loss.backward()

@@ -7,12 +7,18 @@ Three kernel shapes, as the loop nest's:
   reductions is a loop over the reduced axes in blocks of up to GPU_REDUCTION_BLOCK elements, accumulated
   in fp32 (fp64 for fp64) and summed along the block at the end, the per-row values between passes
   are [rows, 1] columns, then one more block loop runs the members over the whole domain;
-- GEMM: a `tl.dot` tile of gemm_block_rows x gemm_nr over depth steps of gemm_kc (fp32 in IEEE
-  precision, no TF32), the epilogue on the tile while it is in registers, `gemm_mr` warps.
+- GEMM, generated (Schedule.gemm "generated"): a `tl.dot` tile of gemm_block_rows x gemm_nr over depth
+  steps of gemm_kc (fp32 in IEEE precision, TF32 only where the graph was captured with TF32 allowed),
+  the epilogue on the tile while it is in registers, `gemm_mr` warps;
+- GEMM, library ("library"): the product by the vendor's BLAS through torch (cuBLAS on NVIDIA: what
+  eager and Inductor run), in fp32 for 16-bit operands as the generated tile's accumulator, then the
+  same tiled program with the tile loaded from the product in place of the depth loop; no program at
+  all when the product goes straight into a graph's fp32 tensor with nothing after it.
 Launched on the tensors' device; under TRITON_INTERPRET=1 on CPU tensors (the tests).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import math
@@ -286,6 +292,44 @@ class Unsupported(Exception):
 
 
 @dataclass(frozen=True)
+class LibraryProduct:
+    """A GEMM group's product left to torch's matmul (`Schedule.gemm == "library"`): which parameters are its
+    operands, the views of them it multiplies, and where the product goes; the kernel (if `epilogue`) then
+    reads it as one more pointer argument, after the group's parameters."""
+    a: int                           # positions in the kernel's params
+    b: int
+    a_view: tuple[tuple[int, ...], tuple[int, ...]]     # the operand's shape and strides, from its pointer
+    b_view: tuple[tuple[int, ...], tuple[int, ...]]
+    shape: tuple[int, ...]           # the product's shape and strides
+    strides: tuple[int, ...]
+    into: int | None                 # position of the output the product is written into; None: a fp32 scratch
+    epilogue: bool                   # whether the kernel runs after the product
+
+    def run(self, tensors: Sequence[Any]) -> Any:
+        """The product of the operands among `tensors`, in fp32 (or their dtype when wider)."""
+        import torch
+        a, b = (tensors[i].as_strided(*view) for i, view in ((self.a, self.a_view), (self.b, self.b_view)))
+        out = tensors[self.into].as_strided(self.shape, self.strides) if self.into is not None else \
+            torch.empty_strided(self.shape, self.strides, dtype=torch.promote_types(a.dtype, torch.float32),
+                                device=a.device)
+        matmul = torch.bmm if len(self.shape) == 3 else torch.mm
+        if a.dtype == out.dtype:
+            matmul(a, b, out=out)
+        elif a.is_cuda and _sums_16_bits_into_fp32():    # 16-bit operands on the tensor cores, summed into fp32
+            matmul(a, b, out_dtype=out.dtype, out=out)
+        else:          # no 16-bit-in, fp32-out product here (a CPU, an older torch): the operands widened, exactly
+            matmul(a.to(out.dtype), b.to(out.dtype), out=out)
+        return out
+
+
+@functools.cache
+def _sums_16_bits_into_fp32() -> bool:
+    """Whether torch has mm and bmm of 16-bit operands into a fp32 result (aten::mm.dtype_out, CUDA only)."""
+    import torch
+    return all(hasattr(getattr(torch.ops.aten, op), "dtype_out") for op in ("mm", "bmm"))
+
+
+@dataclass(frozen=True)
 class TritonKernel:
     name: str
     source: str
@@ -293,6 +337,7 @@ class TritonKernel:
     outputs: tuple[int, ...]
     grid: tuple[int, ...]            # programs along each launch axis
     meta: tuple[tuple[str, int], ...]   # constexpr arguments (block sizes) and num_warps / num_stages
+    product: LibraryProduct | None = None     # a library GEMM's product, computed before the kernel runs
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -312,13 +357,17 @@ class TritonWriter:
         self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
         self.mask, self.zero = "None", "0"
         shape = self.nest.shape
+        self.product: LibraryProduct | None = None
         body, grid, meta = (self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction"
                             else self.pointwise())
         prologue = [self.statement(d) for d in self.nest.prologue]
-        args = ", ".join([*self.names.values(), *(f"{k}: tl.constexpr" for k, _ in meta)])
+        pointers = [*self.names.values(), *(["prod"] if self.product is not None else [])]
+        args = ", ".join([*pointers, *(f"{k}: tl.constexpr" for k, _ in meta)])
         lines = ["@triton.jit", f"def {self.name}({args}):"] + [f"    {line}" for line in prologue + body]
-        launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if shape == "gemm" else ()))
-        return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch)
+        stages = shape == "gemm" and self.product is None
+        launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if stages else ()))
+        return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch,
+                            self.product)
 
     def warps(self) -> int:
         return self.s.gemm_mr if self.s.gemm_mr in (1, 2, 4, 8, 16) else 4
@@ -472,32 +521,59 @@ class TritonWriter:
         # Triton's interpreter multiplies bf16 tiles as their uint16 bits, so there (tests on a CPU) they are
         # widened to fp32 first, exactly: their products and sums are then the GPU's up to summation order.
         widen = a.type.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
-        dot_precision = ', input_precision="ieee"' if a.type.dtype == "float32" or widen else ""
+        fp32_dot = "tf32" if self.g.allow_tf32 else "ieee"    # TF32 where torch allowed it for this graph
+        dot_precision = f', input_precision="{"ieee" if widen else fp32_dot}"' if a.type.dtype == "float32" or widen \
+            else ""
         operands = "x.to(tl.float32), y.to(tl.float32)" if widen else "x, y"
         i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
         code = ["pid = tl.program_id(0)", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
                 "bi = pid // tiles", "pm = (pid % tiles) // tiles_n", "pn = pid % tiles_n",
-                "rm = pm * BM + tl.arange(0, BM)", "rn = pn * BN + tl.arange(0, BN)",
-                "acc = tl.zeros([BM, BN], tl.float32)",
-                f"for k0 in range(0, {K}, BK):",
-                "    rk = k0 + tl.arange(0, BK)",
-                f"    x = tl.load({pa} + bi * {sa[0] if batched else 0} + rm[:, None] * {sa[-2]} + rk[None, :] * {sa[-1]}, "
-                f"mask=(rm[:, None] < {M}) & (rk[None, :] < {K}), other=0.0)",
-                f"    y = tl.load({pb} + bi * {sb[0] if batched else 0} + rk[:, None] * {sb[-2]} + rn[None, :] * {sb[-1]}, "
-                f"mask=(rk[:, None] < {K}) & (rn[None, :] < {N}), other=0.0)",
-                f"    acc += tl.dot({operands}{dot_precision})",
-                f"{i_row} = rm[:, None]", f"{i_col} = rn[None, :]",
-                f"cmask = ({i_row} < {M}) & ({i_col} < {N})", f"czero = {i_row} * 0 + {i_col} * 0"]
+                "rm = pm * BM + tl.arange(0, BM)", "rn = pn * BN + tl.arange(0, BN)"]
+        stored = mm.index in self.nest.outputs
+        if self.s.gemm == "library":
+            code += self._library_product(mm, a, b, batched, stored)
+            stored = stored and self.product.into is None
+        else:
+            code += ["acc = tl.zeros([BM, BN], tl.float32)",
+                     f"for k0 in range(0, {K}, BK):",
+                     "    rk = k0 + tl.arange(0, BK)",
+                     f"    x = tl.load({pa} + bi * {sa[0] if batched else 0} + rm[:, None] * {sa[-2]} + "
+                     f"rk[None, :] * {sa[-1]}, mask=(rm[:, None] < {M}) & (rk[None, :] < {K}), other=0.0)",
+                     f"    y = tl.load({pb} + bi * {sb[0] if batched else 0} + rk[:, None] * {sb[-2]} + "
+                     f"rn[None, :] * {sb[-1]}, mask=(rk[:, None] < {K}) & (rn[None, :] < {N}), other=0.0)",
+                     f"    acc += tl.dot({operands}{dot_precision})"]
+        code += [f"{i_row} = rm[:, None]", f"{i_col} = rn[None, :]",
+                 f"cmask = ({i_row} < {M}) & ({i_col} < {N})", f"czero = {i_row} * 0 + {i_col} * 0"]
         if batched:
             code.append(f"{triton_index(self.nest.idx[0])} = bi")
         self.mask, self.zero = "cmask", "czero"
-        if mm.index in self.nest.outputs:
+        if stored:
             out = mm.type.strides
             code.append(f"tl.store({self.names[mm.index]} + bi * {out[0] if batched else 0} + {i_row} * {out[-2]} + "
                         f"{i_col} * {out[-1]}, {_narrowed('acc', mm.type.dtype)}, mask=cmask)")
         code += self.lines(self.nest.body)
         grid = (batch * -(-M // bm) * -(-N // bn),)
-        return code, grid, (("BM", bm), ("BN", bn), ("BK", bk))
+        return code, grid, (("BM", bm), ("BN", bn)) + ((("BK", bk),) if self.product is None else ())
+
+    def _library_product(self, mm, a, b, batched: bool, stored: bool) -> list[str]:
+        """The tile loaded from the library's product (self.product, set here): straight from the graph's
+        own tensor when the product is written there (a fp32 output no other kernel writes over), else from
+        a fp32 scratch. The kernel then runs only if it has more to do than that store."""
+        params = list(self.nest.params)
+        t = mm.type
+        direct = stored and t.dtype == a.type.dtype == "float32" and mm.index not in self.inplace
+        scratch = t.strides if direct else tuple(prod(t.shape[i + 1:]) for i in range(len(t.shape)))
+        self.product = LibraryProduct(
+            params.index(a.index), params.index(b.index), (a.type.shape, a.type.strides),
+            (b.type.shape, b.type.strides), t.shape, scratch, params.index(mm.index) if direct else None,
+            epilogue=not direct or bool(self.nest.body) or len(self.nest.outputs) > 1)
+        M, N = t.shape[-2:]
+        names = [self.names[a.index], self.names[b.index]]
+        return [f"# prod = {names[0]}{list(a.type.shape)}:{list(a.type.strides)} @ "        # what runs before: the
+                f"{names[1]}{list(b.type.shape)}:{list(b.type.strides)}, by the library",  # code says all it does
+                f"acc = tl.load(prod + bi * {scratch[0] if batched else 0} + rm[:, None] * {scratch[-2]} + "
+                f"rn[None, :] * {scratch[-1]}, mask=(rm[:, None] < {M}) & (rn[None, :] < {N}), other=0.0)"
+                ".to(tl.float32)"]
 
 
 def _horner(var: str, coefficients: Sequence[float]) -> str:
@@ -640,10 +716,12 @@ class TritonLibrary:
         import torch
         if graph.device == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
             return
-        todo = [k for k in kernels if k is not None]
+        todo = [k for k in kernels if k is not None and (k.product is None or k.product.epilogue)]
 
         def compile_one(k: TritonKernel) -> None:
             dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in k.params]
+            if k.product is not None:
+                dtypes.append(torch.promote_types(dtypes[k.product.a], torch.float32))
             with torch.cuda.device(torch.device(graph.device)):
                 getattr(self.module, k.name).warmup(*dtypes, grid=k.grid, **dict(k.meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
@@ -656,7 +734,13 @@ class TritonLibrary:
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]
         meta = dict(kernel.meta)
-
-        def launch(tensors: Sequence[Any]) -> None:
-            fn(*tensors, **meta)
+        product = kernel.product
+        if product is None:
+            def launch(tensors: Sequence[Any]) -> None:
+                fn(*tensors, **meta)
+        elif product.epilogue:
+            def launch(tensors: Sequence[Any]) -> None:
+                fn(*tensors, product.run(tensors), **meta)
+        else:
+            launch = product.run
         return launch

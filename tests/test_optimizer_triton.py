@@ -519,3 +519,21 @@ def test_sums_of_bools_and_integers_accumulate_in_int64():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == torch.int64 and torch.equal(g.cpu(), w.cpu())
     assert not [g for g in plan.groups if g.kind == "extern"], "a sum stayed an ATen call"
+
+
+def test_a_graph_on_a_second_gpu_launches_its_kernels_with_that_gpu_current():
+    """Triton launches on the current device (and its current stream), whatever device the tensors are on: a
+    graph on cuda:1 called while cuda:0 is current would launch in cuda:0's context on cuda:1's memory. Read
+    from the entry's source (no second GPU here): every step between the unpacking of the inputs and the
+    return runs under the guard; a CPU graph has none."""
+    fn, make = CASES["mlp"]
+    graph = plan_graph(fn, make())
+    plan = fusion.plan(graph)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    lib = tt.TritonLibrary(source)
+    on_cpu = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+    assert "on_device" not in on_cpu.source
+    second = CompiledGraph(dataclasses.replace(graph, device="cuda:1"), plan.groups, kernels, lib, plan.inplace)
+    lines = second.source.splitlines()
+    assert lines[3] == "    with on_device(1):" and second.run.__globals__["on_device"] is torch.cuda._DeviceGuard
+    assert all(line.startswith("        ") for line in lines[4:]) and any(line.strip().startswith("k") for line in lines[4:])

@@ -638,9 +638,11 @@ class TritonLibrary:
         would compile each at its first launch, one after another (its LLVM and ptxas stages run outside
         the GIL). A kernel that fails here is left to compile, or fail, at its launch."""
         import torch
+        from triton.runtime import driver
         if graph.device == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
             return
         todo = [k for k in kernels if k is not None]
+        driver.active       # made here, once: its first use builds and loads Triton's C utilities, unlocked
 
         def compile_one(k: TritonKernel) -> None:
             dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in k.params]

@@ -537,3 +537,29 @@ def test_a_graph_on_a_second_gpu_launches_its_kernels_with_that_gpu_current():
     lines = second.source.splitlines()
     assert lines[3] == "    with on_device(1):" and second.run.__globals__["on_device"] is torch.cuda._DeviceGuard
     assert all(line.startswith("        ") for line in lines[4:]) and any(line.strip().startswith("k") for line in lines[4:])
+
+
+def test_a_tensor_of_2_to_the_31_elements_is_indexed_in_int64():
+    """Triton's program ids and aranges are int32: the logits of a 128k-vocabulary LM head over 32k tokens (2**32
+    elements) wrapped their offsets, which a GPU runs as an illegal address. Written from meta tensors (no such
+    buffers here): the kernels over the big tensor index in int64, one over small tensors of the same graph not."""
+    def f(logits, bias):
+        return torch.softmax(logits, -1), bias * 2
+    args = [torch.empty(2 ** 15, 2 ** 17, device="meta"), torch.empty(64, device="meta")]
+    graph = ir.from_fx(make_fx(f, decomposition_table=decompositions())(*args), "meta")
+    plan = fusion.plan(graph)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    wide = {k.name: "tl.int64" in k.source for k in kernels if k is not None}
+    big = [k.name for k in kernels if k is not None and any(graph.nodes[p].type.numel >= 2 ** 31 for p in k.params)]
+    assert big and all(wide[name] for name in big) and not all(wide.values()), wide
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernels_indexed_in_int64_match_eager(monkeypatch, name):
+    """The int64 indexing of the test above, run: every kernel of every case made wide by a limit of 1."""
+    monkeypatch.setattr(tt, "INT32_INDEX_LIMIT", 1)
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    got, want, _ = run_triton(forward_and_backward(fn), make())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

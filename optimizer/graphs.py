@@ -63,8 +63,9 @@ class CudaRecorder:
     """torch.cuda.CUDAGraph on a private memory pool, captured on a side stream of tfsn's own per device.
     cuBLAS keeps a workspace per stream: it is dropped before and after the capture, so that one made
     while capturing lives in this graph's pool and no later run shares it (Inductor does the same). A
-    capture that fails leaves the thread on the stream it was on. A graph whose pool would hold more
-    than POOL_SHARE of the GPU's memory is not kept: that memory is worth more than its launches."""
+    capture that fails leaves the thread on the stream it was on, and the allocator no longer capturing
+    (_end_failed_capture). A graph whose pool would hold more than POOL_SHARE of the GPU's memory is not
+    kept: that memory is worth more than its launches."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -77,10 +78,14 @@ class CudaRecorder:
             torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(self.device)
             graph = torch.cuda.CUDAGraph()
+            pool = torch.cuda.graph_pool_handle()      # named here, so that a failed capture can hand it back
             torch._C._cuda_clearCublasWorkspaces()
             try:
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     outputs = run(list(inputs))
+            except BaseException:
+                _end_failed_capture(torch.cuda.current_device(), pool)
+                raise
             finally:
                 torch.cuda.set_stream(before)       # torch.cuda.graph leaves it on the side stream when capture fails
                 torch._C._cuda_clearCublasWorkspaces()
@@ -89,6 +94,20 @@ class CudaRecorder:
                 raise MemoryError(f"its memory pool would hold {grown / 2 ** 30:.1f} GiB, over {POOL_SHARE:.0%} "
                                   "of the GPU's")
         return outputs, lambda _inputs: graph.replay()
+
+
+def _end_failed_capture(device: int, pool: Any) -> None:
+    """After a capture that raised, the caching allocator told that it ended, and the pool given back.
+    Why: CUDAGraph::capture_end tells the allocator only after cudaStreamEndCapture succeeds, which it
+    does not for a capture invalidated by a synchronizing op; the allocator then stays "capturing" for
+    good, and every later torch.cuda.empty_cache() (the next graph's capture, the user's own) fails its
+    assertion that no capture is underway. Where capture_end got as far as telling it ("not currently
+    recording"), the graph's own destruction releases the pool."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        return
+    torch._C._cuda_releasePool(device, pool)
 
 
 def recorder_for(device: str) -> Recorder | None:

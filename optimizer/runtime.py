@@ -299,6 +299,13 @@ def write_entry(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel 
         body.append("for given, conformed in written_back: given.copy_(conformed)")
     body += ["return [" + ", ".join(f"v{o.index}" if isinstance(o, Ref) else w.expr(o) for o in graph.outputs) + "]"]
     w.namespace["perf_counter"] = time.perf_counter
+    device = torch.device(graph.device)
+    if hasattr(lib, "launcher") and device.type == "cuda" and device.index is not None:
+        # Triton launches on the current device's current stream, not the tensors': a graph on cuda:1 called
+        # with cuda:0 current would run its kernels in cuda:0's context on cuda:1's memory (Inductor's
+        # generated code guards the same way)
+        w.namespace["on_device"] = torch.cuda._DeviceGuard
+        body = body[:2] + [f"with on_device({device.index}):"] + [f"    {line}" for line in body[2:]]
     return "def run(args):\n" + "".join(f"    {line}\n" for line in body), w.namespace
 
 

@@ -274,3 +274,42 @@ def test_a_copied_input_keeps_its_alignment_and_values():
             buf = graphs._buffer_like(x)
             assert buf.stride() == x.stride() and torch.equal(buf, x)
             assert buf.data_ptr() % 16 == x.data_ptr() % 16 and buf.data_ptr() != x.data_ptr()
+
+
+def test_a_failed_capture_leaves_the_allocator_capturing_nothing(monkeypatch):
+    """A capture invalidated by a synchronizing op: CUDAGraph::capture_end raises before it tells the caching
+    allocator that the capture ended, so tfsn does (else every later empty_cache fails an assertion); one whose
+    capture_end told it already ("not currently recording") is not ended twice, nor its pool released twice.
+    The allocator's two calls are modelled here; the GPU test below runs the real ones."""
+    underway, released = {(0, 7)}, []
+
+    def end(device, pool):
+        if pool not in underway:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        underway.discard(pool)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: released.append(pool), raising=False)
+    graphs._end_failed_capture(0, (0, 7))
+    assert not underway and released == [(0, 7)]
+    graphs._end_failed_capture(0, (0, 8))
+    assert released == [(0, 7)]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the real allocator's state after a failed CUDA graph capture")
+def test_after_a_capture_a_sync_invalidated_the_gpu_empties_its_cache_and_captures_again():
+    recorder = graphs.CudaRecorder(torch.device("cuda", torch.cuda.current_device()))
+    x = torch.arange(4.0, device="cuda")
+
+    def syncs(inputs):
+        y = inputs[0] * 2
+        y.sum().item()              # a sync: not permitted while the stream is capturing
+        return [y]
+    stream = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError):
+        recorder.capture(syncs, [x])
+    assert torch.cuda.current_stream() == stream
+    torch.cuda.empty_cache()        # "captures_underway.empty() INTERNAL ASSERT FAILED" without _end_failed_capture
+    outputs, replay = recorder.capture(lambda inputs: [inputs[0] * 3], [x])
+    replay([x])
+    torch.cuda.synchronize()
+    assert torch.equal(outputs[0], x * 3)

@@ -562,3 +562,47 @@ def test_sums_of_bools_and_integers_accumulate_in_int64():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == torch.int64 and torch.equal(g.cpu(), w.cpu())
     assert not [g for g in plan.groups if g.kind == "extern"], "a sum stayed an ATen call"
+
+
+def test_a_graph_on_a_second_gpu_launches_its_kernels_with_that_gpu_current():
+    """Triton launches on the current device (and its current stream), whatever device the tensors are on: a
+    graph on cuda:1 called while cuda:0 is current would launch in cuda:0's context on cuda:1's memory. Read
+    from the entry's source (no second GPU here): every step between the unpacking of the inputs and the
+    return runs under the guard; a CPU graph has none."""
+    fn, make = CASES["mlp"]
+    graph = plan_graph(fn, make())
+    plan = fusion.plan(graph)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    lib = tt.TritonLibrary(source)
+    on_cpu = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+    assert "on_device" not in on_cpu.source
+    second = CompiledGraph(dataclasses.replace(graph, device="cuda:1"), plan.groups, kernels, lib, plan.inplace)
+    lines = second.source.splitlines()
+    assert lines[3] == "    with on_device(1):" and second.run.__globals__["on_device"] is torch.cuda._DeviceGuard
+    assert all(line.startswith("        ") for line in lines[4:]) and any(line.strip().startswith("k") for line in lines[4:])
+
+
+def test_a_tensor_of_2_to_the_31_elements_is_indexed_in_int64():
+    """Triton's program ids and aranges are int32: the logits of a 128k-vocabulary LM head over 32k tokens (2**32
+    elements) wrapped their offsets, which a GPU runs as an illegal address. Written from meta tensors (no such
+    buffers here): the kernels over the big tensor index in int64, one over small tensors of the same graph not."""
+    def f(logits, bias):
+        return torch.softmax(logits, -1), bias * 2
+    args = [torch.empty(2 ** 15, 2 ** 17, device="meta"), torch.empty(64, device="meta")]
+    graph = ir.from_fx(make_fx(f, decomposition_table=decompositions())(*args), "meta")
+    plan = fusion.plan(graph)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    wide = {k.name: "tl.int64" in k.source for k in kernels if k is not None}
+    big = [k.name for k in kernels if k is not None and any(graph.nodes[p].type.numel >= 2 ** 31 for p in k.params)]
+    assert big and all(wide[name] for name in big) and not all(wide.values()), wide
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernels_indexed_in_int64_match_eager(monkeypatch, name):
+    """The int64 indexing of the test above, run: every kernel of every case made wide by a limit of 1."""
+    monkeypatch.setattr(tt, "INT32_INDEX_LIMIT", 1)
+    fn, make = CASES[name]
+    torch.manual_seed(0)
+    got, want, _ = run_triton(forward_and_backward(fn), make())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 from optimizer.cache import atomic_write, cache_dir, content_key
 from optimizer.costmodel import GPU_MAX_DEPTH, GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
-from optimizer.ir import Graph
+from optimizer.ir import Graph, Kind, Ref
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
                                 RowSegment, Select, Stmt, Store, Temp, lower)
 from optimizer.loopnest import Operand as LoopOperand
@@ -76,6 +76,9 @@ DEFAULT_BLOCK = 1024        # elements per program when the schedule names none 
 # A row reduction's program: `chunk` rows (a GPU schedule's rows per program, space.GPU_ROWS; 1 for any other
 # chunk) by GPU_REDUCTION_BLOCK reduced elements per pass at most (longer rows loop): costmodel.predict_gpu's shape.
 MAX_ROWS_PER_PROGRAM = max(GPU_ROWS)
+# Triton's program ids and aranges are int32: a kernel whose domain or tensors reach this many elements (the
+# logits of a 128k-vocabulary LM head over 32k tokens: 2**32) computes its indices in int64, as Inductor does.
+INT32_INDEX_LIMIT = 2 ** 31
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,7 @@ class TritonWriter:
         self.nest: LoopNest = lower(self.g, self.group, self.buffers, self.inplace)
         self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
         self.mask, self.zero = "None", "0"
+        self.wide = self.widest() >= INT32_INDEX_LIMIT
         shape = self.nest.shape
         self.product: LibraryProduct | None = None
         body, grid, meta = (self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction"
@@ -368,6 +372,28 @@ class TritonWriter:
         launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if stages else ()))
         return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch,
                             self.product)
+
+    def widest(self) -> int:
+        """Elements the kernel's indices reach: its domain's, or a parameter's span from its base pointer (a view
+        is passed as the tensor it views)."""
+        spans = [prod(self.group.domain)]
+        for p in self.nest.params:
+            node = self.g.nodes[p]
+            while True:
+                t = node.type
+                if t is not None and all(t.shape):
+                    spans.append(1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.strides)))
+                if node.kind != Kind.VIEW or not node.args or not isinstance(node.args[0], Ref):
+                    break
+                node = self.g.nodes[node.args[0].index]
+        return max(spans)
+
+    def program(self) -> str:
+        """This program's id, in int64 where the kernel's indices can pass int32 (self.wide)."""
+        return "tl.program_id(0).to(tl.int64)" if self.wide else "tl.program_id(0)"
+
+    def arange(self, block: str) -> str:
+        return f"tl.arange(0, {block}).to(tl.int64)" if self.wide else f"tl.arange(0, {block})"
 
     def warps(self) -> int:
         return self.s.gemm_mr if self.s.gemm_mr in (1, 2, 4, 8, 16) else 4
@@ -443,7 +469,7 @@ class TritonWriter:
         numel = prod(dom)
         block = min(_pow2(self.s.chunk if self.s.chunk >= 16 else DEFAULT_BLOCK), _pow2(numel, 16))
         self.mask, self.zero = ("xmask" if dom else "None"), "xzero"
-        code = ["x = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)", f"xmask = x < {numel}", "xzero = x * 0"]
+        code = [f"x = {self.program()} * XBLOCK + tl.arange(0, XBLOCK)", f"xmask = x < {numel}", "xzero = x * 0"]
         code += self.decompose("x", list(range(len(dom))))
         code += self.lines(self.nest.body)
         return code, (-(-numel // block),), (("XBLOCK", block),)
@@ -457,12 +483,12 @@ class TritonWriter:
         per = min(per, _pow2(rows))
         block = min(GPU_REDUCTION_BLOCK, _pow2(count, 16))
         # rows down the tile's first axis ([XROWS, 1]), the reduced elements of a pass along its second
-        code = ["row = tl.program_id(0) * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {rows}",
+        code = [f"row = {self.program()} * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {rows}",
                 "xzero = row * 0"] + [line for line in self.decompose("row", kept) if line.startswith("i")]
 
         def block_loop(body: list[str]) -> list[str]:
             return [f"for r0 in range(0, {count}, RBLOCK):",
-                    "    r = r0 + tl.arange(0, RBLOCK)[None, :]", f"    rmask = (r < {count}) & xmask",
+                    f"    r = r0 + {self.arange('RBLOCK')}[None, :]", f"    rmask = (r < {count}) & xmask",
                     "    rzero = r * 0 + xzero"] + \
                 [f"    {line}" for line in self.decompose("r", reduced)] + [f"    {line}" for line in body]
 
@@ -526,7 +552,7 @@ class TritonWriter:
             else ""
         operands = "x.to(tl.float32), y.to(tl.float32)" if widen else "x, y"
         i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
-        code = ["pid = tl.program_id(0)", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
+        code = [f"pid = {self.program()}", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
                 "bi = pid // tiles", "pm = (pid % tiles) // tiles_n", "pn = pid % tiles_n",
                 "rm = pm * BM + tl.arange(0, BM)", "rn = pn * BN + tl.arange(0, BN)"]
         stored = mm.index in self.nest.outputs
@@ -536,7 +562,7 @@ class TritonWriter:
         else:
             code += ["acc = tl.zeros([BM, BN], tl.float32)",
                      f"for k0 in range(0, {K}, BK):",
-                     "    rk = k0 + tl.arange(0, BK)",
+                     f"    rk = k0 + {self.arange('BK')}",
                      f"    x = tl.load({pa} + bi * {sa[0] if batched else 0} + rm[:, None] * {sa[-2]} + "
                      f"rk[None, :] * {sa[-1]}, mask=(rm[:, None] < {M}) & (rk[None, :] < {K}), other=0.0)",
                      f"    y = tl.load({pb} + bi * {sb[0] if batched else 0} + rk[:, None] * {sb[-2]} + "
@@ -714,9 +740,11 @@ class TritonLibrary:
         would compile each at its first launch, one after another (its LLVM and ptxas stages run outside
         the GIL). A kernel that fails here is left to compile, or fail, at its launch."""
         import torch
+        from triton.runtime import driver
         if graph.device == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
             return
         todo = [k for k in kernels if k is not None and (k.product is None or k.product.epilogue)]
+        driver.active       # made here, once: its first use builds and loads Triton's C utilities, unlocked
 
         def compile_one(k: TritonKernel) -> None:
             dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in k.params]

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
+import time  # noqa: E402
 
 from optimizer import backend, fusion, ir  # noqa: E402
 from optimizer.backend import decompositions, make_backend  # noqa: E402
@@ -606,3 +607,51 @@ def test_kernels_indexed_in_int64_match_eager(monkeypatch, name):
     got, want, _ = run_triton(forward_and_backward(fn), make())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+class GraphOfLaunches:
+    """A stand-in for graphs.CudaRecorder: a capture runs nothing but counts what the graph holds, and a
+    replay takes `replay_s`, as a GPU running the captured kernels back to back would."""
+
+    def __init__(self, replay_s: float, fail: bool = False) -> None:
+        self.replay_s, self.fail, self.held = replay_s, fail, []
+
+    def capture(self, run, inputs):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.held.append(run)
+
+        def replay(_inputs):
+            time.sleep(self.replay_s)
+        return [], replay
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["captured", "capture_fails"])
+def test_on_a_gpu_launch_shapes_are_timed_in_cuda_graphs(monkeypatch, caplog, fail):
+    """Each candidate is timed as the replay of a graph of GRAPHED_LAUNCHES of its launches, its time the
+    replay's share per launch (a step's graphs run kernels back to back: Triton's launch from Python is
+    not what the step pays); where a capture fails, every candidate is timed as launched instead."""
+    import logging
+
+    from optimizer import graphs
+    from optimizer.codegen import triton_target
+    from optimizer.hardware import find_hardware
+    stand_in = GraphOfLaunches(replay_s=0.02, fail=fail)
+    monkeypatch.setattr(graphs, "recorder_for", lambda device: stand_in)
+    fn, make = CASES["cross_entropy"]
+    args = make()
+    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args))
+    plan = fusion.plan(graph)
+    group = next(g for g in plan.groups if g.kind != "extern")
+    target = triton_target.TritonTarget(find_hardware("H100"), DEVICE)
+    shapes = [Schedule(chunk=1, gemm_mr=1), Schedule(chunk=4, gemm_mr=2)]
+    [built] = target.build(graph, [(group, shapes)], plan.buffers, plan.inplace)
+    with caplog.at_level(logging.INFO, logger="tfsn.optimizer"):
+        timings = target.time(graph, [(built, 0), (built, 1)], rounds=2, budget_s=1.0)
+    assert len(timings) == 2
+    if fail:
+        assert "not in a CUDA graph" in caplog.text and not stand_in.held
+        return
+    assert len(stand_in.held) == 2 and all(len(run([])) == triton_target.GRAPHED_LAUNCHES for run in stand_in.held)
+    per_launch = 0.02 / triton_target.GRAPHED_LAUNCHES
+    assert all(per_launch <= t.best < 5 * per_launch for t in timings), [t.best for t in timings]

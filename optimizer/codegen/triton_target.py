@@ -8,17 +8,20 @@ which tests the path, not the speed."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
 
-from optimizer import measure
+from optimizer import graphs, measure
 from optimizer.codegen.triton import PRELUDE, TritonKernel, TritonLibrary, TritonWriter
 from optimizer.hardware import HardwareSpec
 from optimizer.ir import Graph
 from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
 from optimizer.target import SpecModel, Timing
+
+log = logging.getLogger("tfsn.optimizer")
 
 Built = tuple[list[TritonKernel], TritonLibrary]      # a group's kernels, one per schedule, and their module
 
@@ -64,4 +67,32 @@ class TritonTarget(SpecModel):
             tensors = {n: measure.buffer(graph, n, device=self.device) for k in chosen for n in k.params}
             calls = [(built[1].launcher(k), ([tensors[p] for p in k.params],)) for (built, _), k in zip(kernels, chosen)]
             sync = torch.cuda.synchronize if self.on_gpu else lambda: None
-            return measure.time_calls(calls, rounds, budget_s, sync)
+            recorder = graphs.recorder_for(self.device)
+            graphed = _graphed(recorder, calls) if recorder is not None else None
+            if graphed is None:
+                return measure.time_calls(calls, rounds, budget_s, sync)
+            return [Timing(tuple(s / GRAPHED_LAUNCHES for s in t.samples))
+                    for t in measure.time_calls(graphed, rounds, budget_s, sync)]
+
+
+# Launches of one candidate per CUDA graph it is timed in: a step's graphs replay its kernels back to back,
+# so a kernel's time there is the GPU's, not Triton's launch from Python (~10-20 us, more than many kernels
+# take: timed one launch at a time, every short candidate would time alike and the pick would be noise).
+GRAPHED_LAUNCHES = 20
+
+
+def _graphed(recorder: graphs.Recorder, calls: Sequence[tuple[Any, tuple]]) -> list[tuple[Any, tuple]] | None:
+    """Each call as the replay of a graph of GRAPHED_LAUNCHES of its launches (each call made once first:
+    Triton compiles nothing during a capture); None where one cannot be captured, to time them all alike
+    as launched (the step would then run unrecorded too)."""
+    replays = []
+    for fn, args in calls:
+        fn(*args)
+        try:
+            _, replay = recorder.capture(lambda _inputs, fn=fn, args=args: [fn(*args) for _ in range(GRAPHED_LAUNCHES)],
+                                         [])
+        except Exception as e:     # noqa: BLE001 - whatever the capture raised, the launches are timed instead
+            log.info("tfsn search: launch shapes timed as launched, not in a CUDA graph (%s: %s)", type(e).__name__, e)
+            return None
+        replays.append((replay, ([],)))
+    return replays

@@ -22,7 +22,8 @@ class Schedule:
     parallel_min_elements: int = 65536  # below this many elements a kernel runs on one thread (ATen: 2 x grain)
     chunk: int = 0                    # OpenMP static chunk in outer iterations; 0 = one block per thread
     column_block: int = 64            # reductions that keep the last axis: columns per block (SIMD across them)
-    gemm: str = "library"             # "library" = BLAS sgemm per row block; "generated" = our micro-kernel
+    gemm: str = "library"             # "library" = BLAS sgemm per row block (a GPU: cuBLAS's product, then the
+                                      # epilogue's program); "generated" = our micro-kernel (a GPU: tl.dot tiles)
                                       # (the default keeps the library: MKL is near peak on this CPU)
     gemm_block_rows: int = 64         # rows of C per GEMM block: the epilogue runs on a block while in cache
     gemm_mr: int = 4                  # generated GEMM: register tile rows

@@ -22,6 +22,8 @@ product left to cuBLAS with the epilogue's program after it) are rendered as Tri
 kernel, Spearman of predicted vs measured over its launch shapes, and the top-1 regret (measured time of
 the model's pick / the fastest measured). On a CPU this part runs only under TRITON_INTERPRET=1, at small
 shapes and priced for an H100 (to test the script; the times mean nothing).
+Launch cost (GPU only): microseconds per launch of a tiny generated kernel, launched one by one from Python
+and replayed from a CUDA graph, beside the spec's launch_overhead_us.
 Timing: CUDA events around repeated calls after a warm-up (median of batches); on the CPU, the median
 of perf_counter batches. The machine may be shared: medians and ratios, never one absolute time.
 """
@@ -285,6 +287,47 @@ def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
     return per_kernel
 
 
+LAUNCHES = 200      # launches per timed batch in launch_costs
+
+
+def launch_costs(device: str, spec: HardwareSpec) -> dict:
+    """Microseconds per launch of a tiny generated kernel (x + 1 over 1024 floats), the median of 5 batches
+    of LAUNCHES: launched one by one from Python, and replayed from a CUDA graph of them (what a step's
+    graphs pay, optimizer/graphs.py). What the GPU specs' launch_overhead_us (an order of magnitude from
+    NVIDIA's blog) stands for, measured."""
+    if device == "cpu":
+        return {"error": "not on a CPU"}
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from optimizer import fusion, graphs
+    from optimizer import measure as timing
+    from optimizer.codegen import triton as tt
+    from optimizer.schedule import DEFAULT
+    x = torch.randn(1024, device=device)
+    graph = ir.from_fx(make_fx(lambda t: t + 1)(x), ir.graph_device([x]))
+    plan = fusion.plan(graph)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    kernel = next(k for k in kernels if k is not None)
+    launch = tt.TritonLibrary(source).launcher(kernel)
+    tensors = [timing.buffer(graph, p, device=device) for p in kernel.params]
+    launch(tensors)
+
+    def per_launch_us(run: Callable[[], object]) -> float:
+        samples = []
+        for _ in range(5):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize(device)
+            samples.append((time.perf_counter() - t0) / LAUNCHES * 1e6)
+        return round(statistics.median(samples), 2)
+    launches = per_launch_us(lambda: [launch(tensors) for _ in range(LAUNCHES)])
+    _, replay = graphs.CudaRecorder(torch.device(device)).capture(
+        lambda _inputs: [launch(tensors) for _ in range(LAUNCHES)], [])
+    return {"launched_us": launches, "graph_replayed_us": per_launch_us(lambda: replay([])),
+            "spec_launch_overhead_us": spec.launch_overhead_us}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Spearman and median measured/predicted per class and overall; top-1 regret per alternative pair."""
     by_kind: dict[str, list[dict]] = {}
@@ -345,9 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in generated.items():
             for f in v.get("failed", []):
                 print(f"  {k}: launch shape {f['schedule']} failed: {f['error']}")
+    try:
+        launches = launch_costs(args.device, spec)
+    except Exception as e:     # noqa: BLE001 - a figure missing, not the script's other figures
+        launches = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(f"a tiny generated kernel's launch: {launches}")
     if args.json:
         print(json.dumps({"device": where, "spec": spec.name, "torch": torch.__version__, **summary,
-                          "generated_kernels": generated,
+                          "generated_kernels": generated, "launch_us": launches,
                           "cases": [{k: v for k, v in r.items()} for r in rows]}))
     return 0
 

@@ -514,12 +514,28 @@ def _search_entry(choice: dict[str, list[int]], schedules: Sequence[Schedule], t
 
 def search_cache_path(graph, spec, threads: int | None, gemm: bool, *extra: str, suffix: str) -> Path:
     """Where a search decision about `graph` is kept: named by everything it depends on (the graph,
-    the chip spec, compiler, host, threads, whether BLAS is there, and the caller's own `extra`)."""
+    the chip spec, what builds and runs its kernels, threads, whether BLAS is there, and the caller's own
+    `extra`)."""
     from optimizer.cache import content_key, search_dir
-    from optimizer.codegen import compiler
-    key = content_key(graph_signature(graph), repr(spec), compiler.compiler_id(), compiler.hardware_id(),
-                      SEARCH_VERSION, str(threads), str(gemm), *extra)
+    key = content_key(graph_signature(graph), repr(spec), *_builder_ids(graph.device), SEARCH_VERSION, str(threads),
+                      str(gemm), *extra)
     return search_dir() / f"{key}{suffix}"
+
+
+def _builder_ids(device: str) -> tuple[str, ...]:
+    """What a graph's kernels are built by and timed on: on a CPU the C compiler and the CPU model; on a GPU
+    the GPU (its name and compute capability), Triton and torch (cuBLAS), and whether the step's graphs
+    replay as CUDA graphs (the search times in them or not). The host's CPU and compiler are not a GPU
+    search's: the same GPU on another host reads the same entry."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        from optimizer.codegen import compiler
+        return compiler.compiler_id(), compiler.hardware_id()
+    import triton
+    from optimizer import graphs
+    major, minor = torch.cuda.get_device_capability(dev)
+    return (torch.cuda.get_device_name(dev), f"sm_{major}{minor}", f"triton {triton.__version__}",
+            f"torch {torch.__version__}", f"cuda graphs {graphs.recorder_for(device) is not None}")
 
 
 def graph_signature(graph) -> str:

@@ -3,7 +3,9 @@ through the entry point, and optimize(model, **options)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.metadata
+import os
 
 import pytest
 import torch
@@ -118,3 +120,37 @@ def test_either_partition_transposes_a_reused_weight_once(choice, tmp_path, monk
                   and n.target in (torch.ops.aten.t.default, torch.ops.aten.permute.default)
                   and n.args[0].op == "placeholder"]
     assert sorted(transposed) == ["primals_2", "primals_3"], transposed      # w.t() and u.t(), once each
+
+
+def test_a_gpu_search_is_cached_by_the_gpu_not_by_the_host(monkeypatch):
+    """A GPU graph's search entry is named by the GPU (name, compute capability), Triton, torch and whether
+    its graphs replay as CUDA graphs: the same GPU on a host with another compiler or CPU reads it, another
+    GPU or graphs turned off do not; a CPU graph's entry still names the compiler and CPU model."""
+    pytest.importorskip("triton")
+    from optimizer import graphs, ir
+    from optimizer.codegen import compiler
+    from optimizer.hardware import find_hardware
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu["capability"])
+    monkeypatch.setattr(graphs, "recorder_for",
+                        lambda device: None if os.environ.get("TFSN_CUDA_GRAPHS") == "0" else object())
+    host = {"cc": "gcc 12"}
+    monkeypatch.setattr(compiler, "compiler_id", lambda: host["cc"])
+    graph = ir.from_fx(torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1))
+    h100 = find_hardware("H100")
+
+    def key(device: str) -> str:
+        return backend.search_cache_path(dataclasses.replace(graph, device=device), h100, None, True,
+                                         suffix=".json").name
+    first = key("cuda:0")
+    host["cc"] = "clang 17"
+    assert key("cuda:0") == first                           # another host, the same GPU
+    on_clang = key("cpu")
+    host["cc"] = "gcc 12"
+    assert key("cpu") != on_clang                           # a CPU graph's entry names the compiler
+    gpu["capability"] = (8, 0)
+    assert key("cuda:0") != first
+    gpu["capability"] = (9, 0)
+    monkeypatch.setenv("TFSN_CUDA_GRAPHS", "0")
+    assert key("cuda:0") != first

@@ -359,18 +359,21 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
                       on_plan: Callable[[float, bool, str], None] | None = None) -> tuple[Plan, list[Schedule]]:
     """The GPU cost model's plan for this graph on `spec`, and each kernel's launch shape: the fastest
     measured on the graph's GPU of the model's top `top_k` (default $TFSN_TOP_K, else GPU_TOP_K; 1: the model's pick),
-    from the disk cache when this graph was searched for that chip before; `on_plan` as searched_plan's."""
+    from the disk cache when this graph was searched for that GPU before (its ties timed again, as
+    searched_plan's); `on_plan` as searched_plan's."""
     from optimizer import search
     from optimizer.target import target_for
     top_k = default_top_k(GPU_TOP_K) if top_k is None else top_k
     path = search_cache_path(graph, spec, None, True, "triton", f"top{top_k}", suffix=".json")
     saved = _read_search_entry(path, graph, True) if report is None else None
+    target = target_for(spec, graph.device)
     if saved is not None:
+        _retime_ties(path, graph, saved, target)
         if on_plan is not None:
             on_plan(saved.expected_s, False, path.name)
         return saved.plan, saved.schedules
     _say_why_searching(spec)
-    result = search.search_graph(graph, target_for(spec, graph.device), gemm=True, top_k=top_k, timing=top_k > 1)
+    result = search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1)
     STATS["searches"] += 1
     if report is not None:
         report.append((graph, result))
@@ -417,18 +420,14 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
     whose choice the search could not call (search.Tie) has its tied candidates timed again on each
     of the next few runs, until one wins clearly or search.RETIMES is reached."""
     from optimizer import search
-    from optimizer.cache import atomic_write
     from optimizer.hardware import cpu_spec
+    from optimizer.target import target_for
 
     spec, threads = cpu_spec(), torch.get_num_threads()
     path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
     saved = _read_search_entry(path, graph, gemm) if report is None else None
     if saved is not None:
-        # a job's workers run the plan as it was searched (restarts and ranks alike, so that a run resumed from a
-        # checkpoint computes what the one that never stopped did); outside a job, ties are timed again
-        if saved.ties and not os.environ.get(PLANNED_HARDWARE_ENV):
-            ties = _retime(graph, saved.plan, saved.schedules, saved.ties)
-            atomic_write(path, _search_entry(saved.choice, saved.schedules, ties, saved.expected_s))
+        _retime_ties(path, graph, saved, target_for(spec))
         if on_plan is not None:
             on_plan(saved.expected_s, False, path.name)
         return saved.plan, saved.schedules
@@ -445,24 +444,28 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
     return result.plan, result.schedules
 
 
-def _retime(graph, plan: Plan, schedules: list[Schedule], ties: list[Tie]) -> list[Tie]:
-    """`ties` (search.Tie) timed again, each one's winner written into `schedules`: the ties still open."""
+def _retime_ties(path: Path, graph, saved: _SavedSearch, target) -> None:
+    """A cached search's ties (search.Tie) timed again on `target`, each one's winner written into
+    `saved.schedules`, and the entry rewritten with the ties still open. A job's workers run the plan as it
+    was searched instead (restarts and ranks alike, so that a run resumed from a checkpoint computes what
+    the one that never stopped did)."""
     from optimizer import search
+    from optimizer.cache import atomic_write
     from optimizer.codegen import compiler
-    from optimizer.hardware import cpu_spec
     from optimizer.loopnest import NotFusable
-    from optimizer.target import target_for
+    if not saved.ties or os.environ.get(PLANNED_HARDWARE_ENV):
+        return
     try:
-        settled = search.retime(graph, plan, ties, target_for(cpu_spec()))
+        settled = search.retime(graph, saved.plan, saved.ties, target)
     except (NotFusable, compiler.CompileError) as e:    # the cached choice still runs: keep it, settled
         log.warning("tfsn: tied kernels not timed again, their code failed: %s", str(e)[:2000])
-        return []
-    for tie, (schedule, _) in zip(ties, settled):
+        settled = []
+    for tie, (schedule, _) in zip(saved.ties, settled):
         for g in tie.groups:
-            schedules[g] = schedule
+            saved.schedules[g] = schedule
     still = [tie for _, tie in settled if tie is not None]
-    log.info("tfsn search: %d tied kernels timed again, %d still tied", len(ties), len(still))
-    return still
+    log.info("tfsn search: %d tied kernels timed again, %d still tied", len(saved.ties), len(still))
+    atomic_write(path, _search_entry(saved.choice, saved.schedules, still, saved.expected_s))
 
 
 @dataclasses.dataclass

@@ -655,3 +655,38 @@ def test_on_a_gpu_launch_shapes_are_timed_in_cuda_graphs(monkeypatch, caplog, fa
     assert len(stand_in.held) == 2 and all(len(run([])) == triton_target.GRAPHED_LAUNCHES for run in stand_in.held)
     per_launch = 0.02 / triton_target.GRAPHED_LAUNCHES
     assert all(per_launch <= t.best < 5 * per_launch for t in timings), [t.best for t in timings]
+
+
+def test_a_gpu_tie_is_timed_again_on_the_next_compiles(monkeypatch):
+    """Launch shapes whose timings overlap are an unsettled choice on a GPU as on a CPU: each later compile
+    of the graph times just the tied shapes again, until search.RETIMES re-timings, then keeps its pick."""
+    import json
+
+    from optimizer import search
+    from optimizer.cache import cache_dir
+    from optimizer.codegen.triton_target import TritonTarget
+    from optimizer.hardware import find_hardware
+    calls = []
+
+    def clock(self, graph, kernels, rounds, budget_s):       # everyone's best within everyone's spread
+        calls.append(len(kernels))
+        return [Timing((1e-5, 1.2e-5, 1.3e-5)) for _ in kernels]
+    monkeypatch.setattr(TritonTarget, "time", clock)
+    monkeypatch.setattr(search, "MIN_TIMED_S", 0.0)
+    fn, make = CASES["cross_entropy"]
+    args = make()
+    gm = make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args)
+    h100 = find_hardware("H100")
+    backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), h100, None)
+    searched = len(calls)
+    (path,) = (cache_dir() / "search").glob("*.json")
+    ties = json.loads(path.read_text())["unsettled"]
+    assert searched >= 1 and ties and all(t["retimed"] == 0 for t in ties)
+    for retimed in range(1, search.RETIMES + 1):
+        backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), h100, None)
+        assert calls[searched:] == [len(t["schedules"]) for t in ties], "the tied shapes were not timed again"
+        del calls[searched:]
+        entry = json.loads(path.read_text())
+        assert entry["unsettled"] == ([] if retimed == search.RETIMES else [{**t, "retimed": retimed} for t in ties])
+    backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), h100, None)
+    assert len(calls) == searched, "timed again past the bound"

@@ -642,10 +642,11 @@ def tfsn_ipow(a, b):
 
 @triton.jit
 def tfsn_bf16_nearest(x):
-    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN kept)."""
+    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN and zeros
+    kept: a zero nudged is a subnormal, which the interpreter's conversion turns into 1.2e-38, not 0)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return tl.where((x != x) | (x == 0), x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -187,6 +187,8 @@ def test_a_lone_fp32_library_product_is_written_where_the_graph_wants_it():
             _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
             k = next(k for k in kernels if k is not None)
             assert k.product.epilogue == (dtype == torch.bfloat16), (fn, dtype)
+            # its source (what `tfsn optimize --emit` writes and plan.json names) says when it is not launched
+            assert ("not launched" in k.source) == (not k.product.epilogue), k.source
 
 
 def test_fp32_products_take_tf32_only_where_torch_allowed_it():

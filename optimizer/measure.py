@@ -77,8 +77,8 @@ def agree_on(graph: Graph, reference: Any, candidates: Sequence[Any],
              rtol: float = RTOL) -> list[bool]:
     """Whether each candidate (a schedule of the reference's group; `call(kernel)` runs one on its
     parameters' tensors) writes what the reference writes from the same seeded inputs, each run on its
-    own copy of every buffer (a kernel may write over an input): floats to `rtol` (at least their dtype's eps) and atol
-    ABS_TOLERANCE x the largest finite reference magnitude, NaN where the reference has NaN; integers
+    own copy of every buffer (a kernel may write over an input): floats to `rtol` (at least their dtype's
+    eps) and atol ABS_TOLERANCE x the largest finite reference magnitude, NaN where the reference has NaN; integers
     and bools exactly. Why: a schedule the generator gets wrong must never win on speed (tinygrad's
     BEAM_VALIDATE)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily

@@ -77,8 +77,8 @@ def agree_on(graph: Graph, reference: Any, candidates: Sequence[Any],
              rtol: float = RTOL) -> list[bool]:
     """Whether each candidate (a schedule of the reference's group; `call(kernel)` runs one on its
     parameters' tensors) writes what the reference writes from the same seeded inputs, each run on its
-    own copy of every buffer (a kernel may write over an input): floats to `rtol` and atol
-    ABS_TOLERANCE x the largest finite reference magnitude, NaN where the reference has NaN; integers
+    own copy of every buffer (a kernel may write over an input): floats to `rtol` (at least their dtype's
+    eps) and atol ABS_TOLERANCE x the largest finite reference magnitude, NaN where the reference has NaN; integers
     and bools exactly. Why: a schedule the generator gets wrong must never win on speed (tinygrad's
     BEAM_VALIDATE)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -120,7 +120,10 @@ def same_outputs(got: dict[int, torch.Tensor], want: dict[int, torch.Tensor], rt
             continue
         finite = w[torch.isfinite(w)]
         scale = finite.abs().max().item() if finite.numel() else 0.0
-        if not torch.allclose(got[n], w, rtol=rtol, atol=ABS_TOLERANCE * scale, equal_nan=True):
+        # never finer than the dtype's own step: two right sums of a bf16 or fp16 product, in other orders (a
+        # tile and the library's), round to neighbouring values one ulp apart (up to eps relative)
+        close = max(rtol, torch.finfo(w.dtype).eps)
+        if not torch.allclose(got[n], w, rtol=close, atol=ABS_TOLERANCE * scale, equal_nan=True):
             return False
     return True
 

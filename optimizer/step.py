@@ -122,9 +122,12 @@ def triton_sources(report: StepReport) -> dict[str, tuple[str, list[str | None]]
 
 def _gpu_launch(group, schedule) -> dict:
     """A GPU candidate's schedule as the launch shape it stands for (the columns predict_gpu reads)."""
+    if group.kind == "gemm" and schedule.gemm == "library":    # cuBLAS's product, then the epilogue's tiles
+        return {"gemm": "library", "block_m": schedule.gemm_block_rows, "block_n": schedule.gemm_nr,
+                "num_warps": schedule.gemm_mr}
     if group.kind == "gemm":
-        return {"block_m": schedule.gemm_block_rows, "block_n": schedule.gemm_nr, "block_k": schedule.gemm_kc,
-                "num_warps": schedule.gemm_mr, "num_stages": schedule.gemm_stages}
+        return {"gemm": "generated", "block_m": schedule.gemm_block_rows, "block_n": schedule.gemm_nr,
+                "block_k": schedule.gemm_kc, "num_warps": schedule.gemm_mr, "num_stages": schedule.gemm_stages}
     per = "rows_per_program" if group.reduced else "elements_per_program"
     return {per: schedule.chunk, "num_warps": schedule.gemm_mr}
 

@@ -595,8 +595,10 @@ class TritonWriter:
             epilogue=not direct or bool(self.nest.body) or len(self.nest.outputs) > 1)
         M, N = t.shape[-2:]
         names = [self.names[a.index], self.names[b.index]]
+        lone = [] if self.product.epilogue else [f"# not launched: the product is written into {self.names[mm.index]}"]
         return [f"# prod = {names[0]}{list(a.type.shape)}:{list(a.type.strides)} @ "        # what runs before: the
                 f"{names[1]}{list(b.type.shape)}:{list(b.type.strides)}, by the library",  # code says all it does
+                *lone,
                 f"acc = tl.load(prod + bi * {scratch[0] if batched else 0} + rm[:, None] * {scratch[-2]} + "
                 f"rn[None, :] * {scratch[-1]}, mask=(rm[:, None] < {M}) & (rn[None, :] < {N}), other=0.0)"
                 ".to(tl.float32)"]
@@ -642,10 +644,11 @@ def tfsn_ipow(a, b):
 
 @triton.jit
 def tfsn_bf16_nearest(x):
-    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN kept)."""
+    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN and zeros
+    kept: a zero nudged is a subnormal, which the interpreter's conversion turns into 1.2e-38, not 0)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return tl.where((x != x) | (x == 0), x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

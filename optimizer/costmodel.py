@@ -394,6 +394,11 @@ GPU_REDUCTION_BLOCK = 1024      # elements of a row a reduction program holds pe
 # memory bandwidth (measured on an H200: see optimizer/externs.py, which prices a matmul extern with them)
 GPU_LIBRARY_GEMM_COMPUTE = 0.80
 GPU_LIBRARY_GEMM_MEMORY = 0.85
+# A generated tile's fp32 product in IEEE precision runs on the FMA units, a path Triton does not tune (its
+# maintainers, triton-lang/triton#762) and that users measured at 85-95% of cuBLAS's on an A100 (#2491): the
+# share of the fp32 peak it reaches at most, below the library's 0.80 (an assumption until gpu_costmodel_check
+# times both on the GPU)
+GPU_FMA_DOT = 0.70
 
 
 def gpu_occupancy(spec: HardwareSpec, threads: np.ndarray, registers: np.ndarray, shared: np.ndarray) -> np.ndarray:
@@ -469,7 +474,7 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     per_unit = gpu_occupancy(spec, threads, registers, shared)
     gemm_waves = np.ceil(tiles / (units * np.maximum(per_unit, 1)))
     padded = batch * np.ceil(m / bm) * bm * np.ceil(n / bn) * bn * depth * 2.0
-    tile_eff = np.minimum(1.0, (bm * bn / GPU_FULL_TILE) ** 0.5)
+    tile_eff = np.minimum(1.0, (bm * bn / GPU_FULL_TILE) ** 0.5) * np.where(precision == 0, GPU_FMA_DOT, 1.0)
     # a wave's time is that of the most programs one SM runs in it: `per_unit` in a full wave, fewer where
     # there are fewer tiles than slots (a tile alone on its SM runs at the SM's rate, however many could fit)
     busiest = np.minimum(per_unit, np.ceil(tiles / units))
@@ -484,15 +489,15 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     overlap = np.minimum(1.0, (cand.stages - 1) / 2.0)
     launch = spec.launch_overhead_us * 1e-6
     gemm = np.maximum(compute, memory) + (1.0 - overlap) * np.minimum(compute, memory) + epilogue + launch
-    # the library's product (generated == 0): the whole product at the library's rate (it picks its own tiles)
-    # into fp32, then a tiled program reads it back with the group's other inputs and runs the epilogue; none
-    # when a fp32 product has no epilogue (it is written where the graph wants it)
+    # the library's product (generated == 0): the whole product at the library's rate (it picks its own tiles),
+    # written where the graph wants it when nothing follows it, else into fp32, which a tiled program reads back
+    # with the group's other inputs to run the epilogue
+    alone = features.ops[k] + features.math[k] == 0
     operands = batch * (m * depth + depth * n) * itemsize
-    product = batch * m * n * 4.0
+    product = batch * m * n * np.where(alone, itemsize, 4.0)
     library = np.maximum(batch * m * n * depth * 2.0 / (peak * GPU_LIBRARY_GEMM_COMPUTE),
                          (operands + product) / (spec.main_memory.bandwidth_gbs * 1e9 * GPU_LIBRARY_GEMM_MEMORY)) + launch
     rest = np.maximum(features.read_bytes[k] - operands, 0.0) + product + features.write_bytes[k]
     rest_bw = np.where(rest <= l2.size_mib * 2**20, l2.bandwidth_gbs, spec.main_memory.bandwidth_gbs) * 1e9
-    alone = (features.ops[k] + features.math[k] == 0) & (itemsize == 4)
     library = library + np.where(alone, 0.0, np.maximum(epilogue, rest / rest_bw) + launch)
     return np.where(cand.generated > 0, np.where(per_unit > 0, gemm, np.inf), library)

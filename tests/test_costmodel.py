@@ -126,9 +126,10 @@ def test_gpu_predictions_rank_chips_and_sizes():
         best[chip] = (t[cands.kernel == 0].min(), t[cands.kernel == 1].min())
     assert best["H100"][1] < best["A10G"][1]
     assert best["H100"][0] < best["H100"][1]
-    # an fp32 GEMM (the model did not allow TF32) near the fp32 peak on an H100, never above it
+    # an fp32 GEMM (the model did not allow TF32) near the library's share of the fp32 peak on an H100 (above
+    # the generated tiles' FMA path), never above it
     flops = 2 * 4096 ** 3
-    assert 0.8 < flops / best["H100"][1] / find_hardware("H100").peak_flops("fp32") <= 1.0
+    assert 0.75 < flops / best["H100"][1] / find_hardware("H100").peak_flops("fp32") <= costmodel.GPU_LIBRARY_GEMM_COMPUTE
 
 
 def test_gpu_bias_gradient_is_near_its_bandwidth_bound():

@@ -175,18 +175,20 @@ def test_fp32_gemm_epilogue_runs_in_the_dot_kernel():
     assert k.product.epilogue and "tl.load(prod + " in k.source
 
 
-def test_a_lone_fp32_library_product_is_written_where_the_graph_wants_it():
-    """x @ w with nothing after it: torch's matmul writes the graph's output (a transposed one too), and no
-    program runs; in bf16 the product goes through fp32 and is rounded once, by the program after it."""
-    for fn in (lambda x, w: x @ w, lambda x, w: (x @ w).t()):
+def test_a_lone_library_product_is_written_where_the_graph_wants_it():
+    """x @ w with nothing after it: torch's matmul writes the graph's output (a transposed one too, in fp32
+    or 16 bits: the library sums in fp32 and rounds once, as a tile would), and no program runs; with an
+    epilogue, a 16-bit product goes through fp32 and is rounded once, by the program after it."""
+    for fn in (lambda x, w: x @ w, lambda x, w: (x @ w).t(), lambda x, w: (x @ w) * 2):
         for dtype in (torch.float32, torch.bfloat16):
             args = (torch.randn(37, 24, dtype=dtype), torch.randn(24, 40, dtype=dtype))
             got, want, plan = run_triton(fn, args)
             torch.testing.assert_close(got[0], want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
-            graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args))
+            graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)   # run_triton's
             _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
-            k = next(k for k in kernels if k is not None)
-            assert k.product.epilogue == (dtype == torch.bfloat16), (fn, dtype)
+            (k,) = [k for k in kernels if k is not None]
+            epilogue = "mul" in {graph.nodes[n].op.split(".")[1] for n in k.outputs}
+            assert k.product.epilogue == epilogue and (k.product.into is None) == epilogue    # a scratch for x @ w
             # its source (what `tfsn optimize --emit` writes and plan.json names) says when it is not launched
             assert ("not launched" in k.source) == (not k.product.epilogue), k.source
 

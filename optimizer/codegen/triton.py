@@ -13,7 +13,7 @@ Three kernel shapes, as the loop nest's:
 - GEMM, library ("library"): the product by the vendor's BLAS through torch (cuBLAS on NVIDIA: what
   eager and Inductor run), in fp32 for 16-bit operands as the generated tile's accumulator, then the
   same tiled program with the tile loaded from the product in place of the depth loop; no program at
-  all when the product goes straight into a graph's fp32 tensor with nothing after it.
+  all when the product goes straight into the graph's tensor with nothing after it.
 Launched on the tensors' device; under TRITON_INTERPRET=1 on CPU tensors (the tests).
 """
 from __future__ import annotations
@@ -583,11 +583,13 @@ class TritonWriter:
 
     def _library_product(self, mm, a, b, batched: bool, stored: bool) -> list[str]:
         """The tile loaded from the library's product (self.product, set here): straight from the graph's
-        own tensor when the product is written there (a fp32 output no other kernel writes over), else from
-        a fp32 scratch. The kernel then runs only if it has more to do than that store."""
+        own tensor when the product is written there (an output no other kernel writes over, in fp32, or in
+        16 bits with nothing after it: the library sums in fp32 and rounds once, as the tile would), else
+        from a fp32 scratch. The kernel then runs only if it has more to do than that store."""
         params = list(self.nest.params)
         t = mm.type
-        direct = stored and t.dtype == a.type.dtype == "float32" and mm.index not in self.inplace
+        alone = not self.nest.body and len(self.nest.outputs) == 1    # nothing after the product but its store
+        direct = stored and mm.index not in self.inplace and (t.dtype == "float32" or alone)
         scratch = t.strides if direct else tuple(prod(t.shape[i + 1:]) for i in range(len(t.shape)))
         self.product = LibraryProduct(
             params.index(a.index), params.index(b.index), (a.type.shape, a.type.strides),

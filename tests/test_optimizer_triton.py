@@ -519,3 +519,18 @@ def test_sums_of_bools_and_integers_accumulate_in_int64():
     for g, w in zip(got, want):
         assert g.dtype == w.dtype == torch.int64 and torch.equal(g.cpu(), w.cpu())
     assert not [g for g in plan.groups if g.kind == "extern"], "a sum stayed an ATen call"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_whole_scalars_out_of_a_narrow_integers_range_wrap_as_torchs(dtype):
+    """int8 + 200 is int8 + (-56) in torch, and uint8 * -1 is uint8 * 255: a Python int meets a narrow
+    integer tensor as that dtype, wrapped, in arithmetic and in comparisons (int8 > 200 is int8 > -56).
+    Triton refuses the bare literal (`Scalar 200 is out of range for type int8`), at compile time on a GPU."""
+    info = torch.iinfo(dtype)
+    x = torch.tensor([info.min, -1 if info.min else 1, 0, 3, 100, info.max], dtype=dtype)
+    cases = {"+ 200": lambda x: x + 200, "- 300": lambda x: x - 300, "* -1": lambda x: x * -1,
+             "+ 2 ** 16 + 5": lambda x: x + (2 ** 16 + 5), "> 200": lambda x: x > 200,
+             "< -129": lambda x: x < -129}
+    for what, fn in cases.items():
+        got, want = run_op(fn, x)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{dtype} x {what}: {got.tolist()} != {want.tolist()}"

@@ -81,12 +81,25 @@ class Value:
     value: Any = None
 
 
+NARROW_INTEGERS = {"int8": (8, True), "uint8": (8, False), "int16": (16, True), "int32": (32, True)}
+
+
+def _wrapped(value: int, dtype: str) -> int:
+    """A whole number as a narrow integer `dtype` holds it, wrapped: torch gives a Python int the tensor's
+    dtype (int8 + 200 is int8 + -56), where Triton refuses a literal out of the dtype's range."""
+    bits, signed = NARROW_INTEGERS[dtype]
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if signed and value >> (bits - 1) else value
+
+
 def _cast(v: Value, dtype: str) -> str:
     if v.dtype == dtype or v.scalar and dtype in FLOATS and v.dtype in FLOATS:
         return v.expr
     if dtype == "bool":
         return f"({v.expr} != 0)"
     if v.scalar:
+        if dtype in NARROW_INTEGERS:
+            return str(_wrapped(int(v.value), dtype))
         return v.expr if dtype in FLOATS or v.dtype != "float64" else str(int(v.value))
     return f"({v.expr}).to({TL_TYPES[dtype]})"
 

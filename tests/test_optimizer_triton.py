@@ -534,3 +534,15 @@ def test_whole_scalars_out_of_a_narrow_integers_range_wrap_as_torchs(dtype):
     for what, fn in cases.items():
         got, want = run_op(fn, x)
         assert got.dtype == want.dtype and torch.equal(got, want), f"{dtype} x {what}: {got.tolist()} != {want.tolist()}"
+
+
+def test_sums_of_bools_are_logical_ors_as_torchs():
+    """mask_a + mask_b of two bool tensors is their logical or in torch (True + True is True); Triton's
+    1-bit integers wrap (True + True is False), so the sum is computed wider and tested against zero."""
+    a = torch.tensor([True, True, False, False])
+    b = torch.tensor([True, False, True, False])
+    cases = {"a + b": lambda a, b: a + b, "a + True": lambda a, b: a + True,
+             "add alpha": lambda a, b: torch.add(a, b, alpha=True), "a + b + b": lambda a, b: a + b + b}
+    for what, fn in cases.items():
+        got, want = run_op(fn, a, b)
+        assert got.dtype == want.dtype == torch.bool and torch.equal(got, want), f"{what}: {got.tolist()}"

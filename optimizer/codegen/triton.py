@@ -138,6 +138,8 @@ def _binary(fmt: str) -> Callable:
 
 def _alpha(sign: str, reverse: bool = False) -> Callable:
     def render(ops, out, kw):
+        if out == "bool":    # torch's bool + bool is a logical or; Triton's 1-bit ints wrap (True + True is False)
+            return f"({render(ops, 'int32', kw)} != 0)"
         a, b = (_cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
         alpha = kw.get("alpha", 1)
         if alpha != 1:

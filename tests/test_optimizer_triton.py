@@ -546,3 +546,14 @@ def test_sums_of_bools_are_logical_ors_as_torchs():
     for what, fn in cases.items():
         got, want = run_op(fn, a, b)
         assert got.dtype == want.dtype == torch.bool and torch.equal(got, want), f"{what}: {got.tolist()}"
+
+
+def test_zeros_convert_to_bf16_as_zeros():
+    """0 (from fp32, int64, bool) to bf16 is 0 and -0.0 is -0.0. Under the interpreter the conversion is
+    rounded by nudging the fp32 bits (tfsn_bf16_nearest): zero's nudged bits were an fp32 subnormal, which
+    the interpreter's own fp32 -> bf16 conversion turns into 1.1e-38."""
+    floats = torch.tensor([0.0, -0.0, 1.0, -2.5, 3.0e-3, 1.0e30])
+    for x in (floats, torch.tensor([0, 1, -3, 0]), torch.tensor([False, True, False])):
+        got, want = run_op(lambda x: x.to(torch.bfloat16), x)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), \
+            f"{x.dtype} -> bf16: {got.tolist()} (torch: {want.tolist()})"

@@ -555,9 +555,11 @@ def tfsn_ipow(a, b):
 
 @triton.jit
 def tfsn_bf16_nearest(x):
-    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN kept)."""
+    """fp32 x rounded to the nearest even bf16 value, held in fp32 (NaN kept): its bits nudged, then the low 16
+    cleared, so that the truncation after it is exact (zero's nudged bits were an fp32 subnormal, which the
+    interpreter's conversion to bf16 makes 1.1e-38)."""
     bits = x.to(tl.int32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536      # -65536: 0xFFFF0000 as an int32
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 

@@ -537,12 +537,15 @@ def test_whole_scalars_out_of_a_narrow_integers_range_wrap_as_torchs(dtype):
 
 
 def test_sums_of_bools_are_logical_ors_as_torchs():
-    """mask_a + mask_b of two bool tensors is their logical or in torch (True + True is True); Triton's
-    1-bit integers wrap (True + True is False), so the sum is computed wider and tested against zero."""
+    """mask_a + mask_b of two bool tensors is their logical or in torch (True + True is True), and so is
+    prims.fma's a * b + c; Triton's 1-bit integers wrap (True + True is False), so the sum is computed wider
+    and tested against zero."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
     a = torch.tensor([True, True, False, False])
     b = torch.tensor([True, False, True, False])
     cases = {"a + b": lambda a, b: a + b, "a + True": lambda a, b: a + True,
-             "add alpha": lambda a, b: torch.add(a, b, alpha=True), "a + b + b": lambda a, b: a + b + b}
+             "add alpha": lambda a, b: torch.add(a, b, alpha=True), "a + b + b": lambda a, b: a + b + b,
+             "fma": lambda a, b: torch.ops.prims.fma(a, b, a)}
     for what, fn in cases.items():
         got, want = run_op(fn, a, b)
         assert got.dtype == want.dtype == torch.bool and torch.equal(got, want), f"{what}: {got.tolist()}"
@@ -557,3 +560,17 @@ def test_zeros_convert_to_bf16_as_zeros():
         got, want = run_op(lambda x: x.to(torch.bfloat16), x)
         assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), \
             f"{x.dtype} -> bf16: {got.tolist()} (torch: {want.tolist()})"
+
+
+def test_values_of_one_element_broadcast_into_blocks():
+    """A tensor of one element read by a kernel over blocks: the backward of a max over all elements (which
+    tests isnan(max) & isnan(x) per element) and GeM pooling's learned exponent of shape (1,) (tfsn_pow by
+    it). Under the interpreter a scalar comparison's result broadcast into a block came out fp32, and `&`
+    with a bool block failed the kernel."""
+    x, p = torch.randn(5, 8), torch.tensor([3.0])
+
+    def gem(x, p):
+        return x.clamp(min=1e-6).pow(p).mean(-1).pow(1.0 / p) + x.abs().max() * 2
+    got, want, _ = run_triton(forward_and_backward(gem), [x, p])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

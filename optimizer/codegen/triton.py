@@ -72,6 +72,13 @@ DEFAULT_BLOCK = 1024        # elements per program when the schedule names none 
 MAX_ROWS_PER_PROGRAM = max(GPU_ROWS)
 
 
+# Added to a pointer read or written at one element outside any block: a one-element block, not a scalar.
+# Triton's interpreter gives a comparison of scalars the operands' dtype, so where the result is broadcast it
+# becomes fp32 and `&` with a bool block fails (isnan(max) & isnan(x), amax's backward; tfsn_pow by a 0-d
+# exponent); broadcasting a one-element block keeps the bools.
+ONE = " + tl.zeros([1], tl.int32)"
+
+
 @dataclass(frozen=True)
 class Value:
     """A rendered operand: a Triton expression and its dtype."""
@@ -136,10 +143,17 @@ def _binary(fmt: str) -> Callable:
     return render
 
 
+def _or_for_bools(render: Callable) -> Callable:
+    """`render` of a sum, made torch's logical or where the result is bool: computed in int32 and tested
+    against zero, since Triton's 1-bit integers wrap (True + True is False)."""
+    def rendered(ops, out, kw):
+        return f"({render(ops, 'int32', kw)} != 0)" if out == "bool" else render(ops, out, kw)
+    return rendered
+
+
 def _alpha(sign: str, reverse: bool = False) -> Callable:
+    @_or_for_bools
     def render(ops, out, kw):
-        if out == "bool":    # torch's bool + bool is a logical or; Triton's 1-bit ints wrap (True + True is False)
-            return f"({render(ops, 'int32', kw)} != 0)"
         a, b = (_cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
         alpha = kw.get("alpha", 1)
         if alpha != 1:
@@ -265,7 +279,8 @@ OPS: dict[str, Callable] = {
     "aten.bitwise_not.default": _bitwise_not,
     "aten.sign.default": _unary("(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))"),
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
-    "prims.fma.default": lambda o, out, kw: f"({_cast(o[0], out)} * {_cast(o[1], out)} + {_cast(o[2], out)})",
+    "prims.fma.default": _or_for_bools(lambda o, out, kw: f"({_cast(o[0], out)} * {_cast(o[1], out)} + "
+                                                          f"{_cast(o[2], out)})"),
     "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),
@@ -366,7 +381,7 @@ class TritonWriter:
             if isinstance(v, Load):
                 widen = ".to(tl.float32)" if self.g.nodes[v.buffer].type.dtype in HALVES else ""
                 if isinstance(v.offset, Const) or self.mask == "None":
-                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)}){widen}"
+                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)}{ONE}){widen}"
                 return (f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, "
                         f"mask={self.mask}, other=0){widen}")
             if isinstance(v, GemmElement):
@@ -378,7 +393,7 @@ class TritonWriter:
             value = _narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)
             pointer = f"{self.names[s.buffer]} + {triton_index(s.offset)}"
             if self.mask == "None":
-                return f"tl.store({pointer}, {value})"
+                return f"tl.store({pointer}{ONE}, {value})"
             # masked: the pointer as a block of the mask's shape, even where the offset is one element
             return f"tl.store({pointer} + {self.zero}, {value}, mask={self.mask})"
         if isinstance(s, Assign):

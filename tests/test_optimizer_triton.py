@@ -552,9 +552,9 @@ def test_sums_of_bools_are_logical_ors_as_torchs():
 
 
 def test_zeros_convert_to_bf16_as_zeros():
-    """0 (from fp32, int64, bool) to bf16 is 0 and -0.0 is -0.0. Under the interpreter the conversion is
-    rounded by nudging the fp32 bits (tfsn_bf16_nearest): zero's nudged bits were an fp32 subnormal, which
-    the interpreter's own fp32 -> bf16 conversion turns into 1.1e-38."""
+    """0 (from fp32, int64, bool) to bf16 is 0 and -0.0 is -0.0. Under the interpreter the conversion was
+    rounded by nudging the fp32 bits before the interpreter's own conversion: zero's nudged bits were an fp32
+    subnormal, which that conversion turned into 1.1e-38."""
     floats = torch.tensor([0.0, -0.0, 1.0, -2.5, 3.0e-3, 1.0e30])
     for x in (floats, torch.tensor([0, 1, -3, 0]), torch.tensor([False, True, False])):
         got, want = run_op(lambda x: x.to(torch.bfloat16), x)
@@ -574,3 +574,16 @@ def test_values_of_one_element_broadcast_into_blocks():
     got, want, _ = run_triton(forward_and_backward(gem), [x, p])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_subnormals_convert_as_torchs():
+    """fp32 -> bf16 -> fp32 of subnormals (bf16 has fp32's exponent range, so 1e-40 is a bf16 subnormal, not 0)
+    and of values rounded to nearest even, ties included, and infinities; a bf16 input's subnormals load
+    exactly. The interpreter's own conversions gave 0 for 1e-40 (the GPU's give torch's)."""
+    x = torch.tensor([1e-40, -1e-40, 9.2e-41, 1.1e-38, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8),
+                      3.4e38, float("inf"), 0.0, -0.0, 1.0])
+    got, want = run_op(lambda x: x.to(torch.bfloat16).to(torch.float32) * 1.0, x)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"{got.tolist()} != {want.tolist()}"
+    half = x.to(torch.bfloat16)
+    got, want = run_op(lambda h: h.float() * 2.0, half)
+    assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"

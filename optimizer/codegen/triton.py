@@ -46,13 +46,23 @@ HALVES = ("bfloat16", "float16")
 CONVERSIONS = ("aten._to_copy.default",)
 
 
+def _interpreted_bf16(dtype: str) -> bool:
+    """Whether conversions between fp32 and `dtype` are made by their bits: bf16 under Triton's interpreter,
+    whose own conversions truncate instead of rounding to nearest even and mangle subnormals (1e-40 -> 0,
+    and a bf16 subnormal back to fp32 likewise). On a GPU they are the hardware's, as torch's."""
+    return dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _narrowed(expr: str, dtype: str) -> str:
-    """`expr` converted to `dtype` (for a store, or a conversion the graph asks for). The GPU rounds fp32 to
-    bf16 to nearest even; Triton's interpreter truncates, so there (tests on a CPU) the value is first
-    nudged by its low bits (tfsn_bf16_nearest) so that truncating it rounds to nearest even."""
-    if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
-        return f"tfsn_bf16_nearest(tl.cast({expr}, tl.float32)).to(tl.bfloat16)"
+    """`expr` converted to `dtype` (for a store, or a conversion the graph asks for)."""
+    if _interpreted_bf16(dtype):
+        return f"tfsn_bf16_of(tl.cast({expr}, tl.float32))"
     return f"({expr}).to({TL_TYPES[dtype]})"
+
+
+def _widened(expr: str, dtype: str) -> str:
+    """`expr`, a 16-bit float of `dtype`, as fp32 (exact)."""
+    return f"tfsn_bf16_widened({expr})" if _interpreted_bf16(dtype) else f"({expr}).to(tl.float32)"
 
 
 def _computed_in(dtype: str) -> str:
@@ -65,7 +75,7 @@ def _rounded(expr: str, dtype: str) -> str:
     if dtype not in HALVES:
         return expr
     # made fp32 first: `expr` may be a whole literal, and Triton's interpreter turns int -> bf16 into 0
-    return f"{_narrowed(f'tl.cast({expr}, tl.float32)', dtype)}.to(tl.float32)"
+    return _widened(_narrowed(f'tl.cast({expr}, tl.float32)', dtype), dtype)
 DEFAULT_BLOCK = 1024        # elements per program when the schedule names none (a CPU schedule)
 # A row reduction's program: `chunk` rows (a GPU schedule's rows per program, space.GPU_ROWS; 1 for any other
 # chunk) by GPU_REDUCTION_BLOCK reduced elements per pass at most (longer rows loop): costmodel.predict_gpu's shape.
@@ -379,11 +389,13 @@ class TritonWriter:
         if isinstance(s, Define):
             v = s.value
             if isinstance(v, Load):
-                widen = ".to(tl.float32)" if self.g.nodes[v.buffer].type.dtype in HALVES else ""
+                stored = self.g.nodes[v.buffer].type.dtype
                 if isinstance(v.offset, Const) or self.mask == "None":
-                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)}{ONE}){widen}"
-                return (f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, "
-                        f"mask={self.mask}, other=0){widen}")
+                    load = f"tl.load({self.names[v.buffer]} + {triton_index(v.offset)}{ONE})"
+                else:
+                    load = f"tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, " \
+                           f"mask={self.mask}, other=0)"
+                return f"t{s.name.id} = {_widened(load, stored) if stored in HALVES else load}"
             if isinstance(v, GemmElement):
                 return f"t{s.name.id} = acc"
             if isinstance(v, Select):
@@ -503,7 +515,7 @@ class TritonWriter:
         # widened to fp32 first, exactly: their products and sums are then the GPU's up to summation order.
         widen = a.type.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
         dot_precision = ', input_precision="ieee"' if a.type.dtype == "float32" or widen else ""
-        operands = "x.to(tl.float32), y.to(tl.float32)" if widen else "x, y"
+        operands = f"{_widened('x', 'bfloat16')}, {_widened('y', 'bfloat16')}" if widen else "x, y"
         i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
         code = ["pid = tl.program_id(0)", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
                 "bi = pid // tiles", "pm = (pid % tiles) // tiles_n", "pn = pid % tiles_n",
@@ -569,13 +581,17 @@ def tfsn_ipow(a, b):
 
 
 @triton.jit
-def tfsn_bf16_nearest(x):
-    """fp32 x rounded to the nearest even bf16 value, held in fp32 (NaN kept): its bits nudged, then the low 16
-    cleared, so that the truncation after it is exact (zero's nudged bits were an fp32 subnormal, which the
-    interpreter's conversion to bf16 makes 1.1e-38)."""
+def tfsn_bf16_of(x):
+    """fp32 x as bf16, rounded to nearest even by its bits (NaN -> 0x7FC0, as torch's): the interpreter's path."""
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536      # -65536: 0xFFFF0000 as an int32
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    top = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+    return top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def tfsn_bf16_widened(x):
+    """bf16 x as fp32 by its bits (exact, subnormals too): the interpreter's path."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -28,7 +28,11 @@ from optimizer.codegen import triton as tt  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
 from optimizer.target import Timing  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+
+from tests import test_optimizer_ops as ops_fuzz  # noqa: E402
 from tests.optimizer_models import concatenations, suite  # noqa: E402
+from tests.test_optimizer_ops import EXAMPLES, FUZZ, operands  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -587,3 +591,12 @@ def test_bf16_subnormals_convert_as_torchs():
     half = x.to(torch.bfloat16)
     got, want = run_op(lambda h: h.float() * 2.0, half)
     assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
+
+
+@settings(FUZZ, max_examples=max(2, EXAMPLES // 4))          # ~7 s an example under the interpreter
+@given(o=operands())
+def test_pointwise_table_matches_eager_through_triton(o):
+    """tests/test_optimizer_ops.py's differential fuzz of every pointwise entry (dtypes, layouts, special
+    values), rendered by Triton: its renderer has its own table (it found bool sums wrapping, narrow integer
+    scalars refused, and the interpreter's bf16 conversions)."""
+    ops_fuzz.run_table(o, None, codegen="triton")

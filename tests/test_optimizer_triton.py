@@ -600,3 +600,19 @@ def test_pointwise_table_matches_eager_through_triton(o):
     values), rendered by Triton: its renderer has its own table (it found bool sums wrapping, narrow integer
     scalars refused, and the interpreter's bf16 conversions)."""
     ops_fuzz.run_table(o, None, codegen="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_powers_by_scalars_as_eagers(dtype):
+    """Eager's pow of a half by a scalar rounds the exponent to the half (bf16 x ** 1.7 is x ** 1.703125), and
+    for fp16 by 0.5 or -0.5 is pow itself: (-inf) ** 0.5 is inf and (-0.0) ** -0.5 is inf, where sqrt gives
+    NaN and -inf (C's kernels do the same: codegen/c_ops.expression)."""
+    big = 1e10 if dtype == torch.bfloat16 else 300.0     # bf16 1e10 ** 1.7 is 7% off 1e10 ** 1.703125
+    x = torch.tensor([float("-inf"), -0.0, 0.0, 2.0, 7.25, 0.3, big, float("inf"), -2.0], dtype=dtype)
+    for e in (0.5, -0.5, 1.7, -1.3, 2.0):
+        got, want = run_op(lambda x: x ** e, x)
+        # fp32 libm values rounded to the half: one half ulp apart at most
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True,
+                                   msg=lambda m: f"x ** {e}: {m}")
+        zero = want == 0
+        assert torch.equal(got[zero].signbit(), want[zero].signbit()), f"x ** {e}: sign of zero"

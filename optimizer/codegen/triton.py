@@ -196,6 +196,17 @@ def _powi(b: str, n: int) -> str:
     return f"({expr})"
 
 
+def _half_pow(base: Value, exponent: float, dtype: str) -> str:
+    """A 16-bit float to a scalar power as eager computes it (and codegen/c_ops.expression): the exponent
+    rounded to the half first (bf16 x ** 1.7 is x ** 1.703125), and fp16 by 0.5 or -0.5 is pow itself,
+    not sqrt or 1 / sqrt (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN; pow(-0.0, -0.5) is +inf)."""
+    import torch
+    rounded = float(torch.tensor(float(exponent), dtype=torch.float64).to(getattr(torch, dtype)))
+    if dtype == "float16" and rounded in (0.5, -0.5):
+        return f"(tfsn_pow({base.expr}, {rounded!r} + tl.zeros_like({base.expr})))"
+    return f"({_pow([base, _literal(rounded)], 'float32', {})})"
+
+
 def _pow(ops, out, kw):
     """torch.pow: integers exact and wrapping; floats with C's pow's values (a negative base to a whole
     power has the power's sign, to a fractional one NaN; x ** 0 and 1 ** y are 1), whole exponents up to
@@ -374,6 +385,8 @@ class TritonWriter:
         ops = [Value(self.value(x.name), _computed_in(x.dtype)) if isinstance(x, LoopOperand) else
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
+        if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
+            return _half_pow(ops[0], ops[1].value, out)
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value
 

@@ -297,11 +297,12 @@ def eager_calls(recipes: list[Recipe], o: Operands) -> list[tuple[Recipe, torch.
     return out
 
 
-def generated(fn: Callable, inputs: list[torch.Tensor], schedule: Schedule | None, top_k: int = 2):
+def generated(fn: Callable, inputs: list[torch.Tensor], schedule: Schedule | None, top_k: int = 2,
+              codegen: str | None = None):
     """fn traced to ATen (no decomposition: the graph holds exactly the ops called) and compiled by
-    tfsn under `schedule` (None: the search); the compiled callable and the lowered graph."""
+    tfsn under `schedule` (None: the search), as C or as `codegen`; the compiled callable and the lowered graph."""
     gm = make_fx(fn)(*inputs)
-    compiled = compile_graph(gm, inputs, schedule=schedule, top_k=top_k)
+    compiled = compile_graph(gm, inputs, schedule=schedule, top_k=top_k, codegen=codegen)
     assert isinstance(compiled, CompiledGraph), "the generated code failed to build: see the log"
     return compiled, ir.from_fx(gm, half=True)
 
@@ -316,14 +317,15 @@ def assert_lowered(graph: ir.Graph, ops: set[str]) -> None:
             assert node.index not in as_aten, f"{node.name} was not generated"
 
 
-def run_table(o: Operands, schedule: Schedule | None, recipes: list[Recipe] = RECIPES) -> None:
+def run_table(o: Operands, schedule: Schedule | None, recipes: list[Recipe] = RECIPES,
+              codegen: str | None = None) -> None:
     calls = eager_calls(recipes, o)
     inputs = [o.x, o.x2, o.y, o.c]
 
     def fn(x, x2, y, c):
         ops = Operands(x, x2, y, c, o.s)
         return [r.call(ops) for r, _ in calls]
-    compiled, graph = generated(fn, inputs, schedule)
+    compiled, graph = generated(fn, inputs, schedule, codegen=codegen)
     assert_lowered(graph, {r.op for r, _ in calls})
     outs = compiled([same_layout(t) for t in inputs])
     for (r, want), got in zip(calls, outs):

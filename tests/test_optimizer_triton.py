@@ -29,7 +29,11 @@ from optimizer.codegen import triton as tt  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
 from optimizer.target import Timing  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+
+from tests import test_optimizer_ops as ops_fuzz  # noqa: E402
 from tests.optimizer_models import concatenations, suite  # noqa: E402
+from tests.test_optimizer_ops import EXAMPLES, FUZZ, operands  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -732,3 +736,96 @@ def test_a_gpu_tie_is_timed_again_on_the_next_compiles(monkeypatch):
         assert entry["unsettled"] == ([] if retimed == search.RETIMES else [{**t, "retimed": retimed} for t in ties])
     backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), h100, None)
     assert len(calls) == searched, "timed again past the bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_whole_scalars_out_of_a_narrow_integers_range_wrap_as_torchs(dtype):
+    """int8 + 200 is int8 + (-56) in torch, and uint8 * -1 is uint8 * 255: a Python int meets a narrow
+    integer tensor as that dtype, wrapped, in arithmetic and in comparisons (int8 > 200 is int8 > -56).
+    Triton refuses the bare literal (`Scalar 200 is out of range for type int8`), at compile time on a GPU."""
+    info = torch.iinfo(dtype)
+    x = torch.tensor([info.min, -1 if info.min else 1, 0, 3, 100, info.max], dtype=dtype)
+    cases = {"+ 200": lambda x: x + 200, "- 300": lambda x: x - 300, "* -1": lambda x: x * -1,
+             "+ 2 ** 16 + 5": lambda x: x + (2 ** 16 + 5), "> 200": lambda x: x > 200,
+             "< -129": lambda x: x < -129}
+    for what, fn in cases.items():
+        got, want = run_op(fn, x)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{dtype} x {what}: {got.tolist()} != {want.tolist()}"
+
+
+def test_sums_of_bools_are_logical_ors_as_torchs():
+    """mask_a + mask_b of two bool tensors is their logical or in torch (True + True is True), and so is
+    prims.fma's a * b + c; Triton's 1-bit integers wrap (True + True is False), so the sum is computed wider
+    and tested against zero."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
+    a = torch.tensor([True, True, False, False])
+    b = torch.tensor([True, False, True, False])
+    cases = {"a + b": lambda a, b: a + b, "a + True": lambda a, b: a + True,
+             "add alpha": lambda a, b: torch.add(a, b, alpha=True), "a + b + b": lambda a, b: a + b + b,
+             "fma": lambda a, b: torch.ops.prims.fma(a, b, a)}
+    for what, fn in cases.items():
+        got, want = run_op(fn, a, b)
+        assert got.dtype == want.dtype == torch.bool and torch.equal(got, want), f"{what}: {got.tolist()}"
+
+
+def test_zeros_convert_to_bf16_as_zeros():
+    """0 (from fp32, int64, bool) to bf16 is 0 and -0.0 is -0.0. Under the interpreter the conversion was
+    rounded by nudging the fp32 bits before the interpreter's own conversion: zero's nudged bits were an fp32
+    subnormal, which that conversion turned into 1.1e-38."""
+    floats = torch.tensor([0.0, -0.0, 1.0, -2.5, 3.0e-3, 1.0e30])
+    for x in (floats, torch.tensor([0, 1, -3, 0]), torch.tensor([False, True, False])):
+        got, want = run_op(lambda x: x.to(torch.bfloat16), x)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), \
+            f"{x.dtype} -> bf16: {got.tolist()} (torch: {want.tolist()})"
+
+
+def test_values_of_one_element_broadcast_into_blocks():
+    """A tensor of one element read by a kernel over blocks: the backward of a max over all elements (which
+    tests isnan(max) & isnan(x) per element) and GeM pooling's learned exponent of shape (1,) (tfsn_pow by
+    it). Under the interpreter a scalar comparison's result broadcast into a block came out fp32, and `&`
+    with a bool block failed the kernel."""
+    x, p = torch.randn(5, 8), torch.tensor([3.0])
+
+    def gem(x, p):
+        return x.clamp(min=1e-6).pow(p).mean(-1).pow(1.0 / p) + x.abs().max() * 2
+    got, want, _ = run_triton(forward_and_backward(gem), [x, p])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_subnormals_convert_as_torchs():
+    """fp32 -> bf16 -> fp32 of subnormals (bf16 has fp32's exponent range, so 1e-40 is a bf16 subnormal, not 0)
+    and of values rounded to nearest even, ties included, and infinities; a bf16 input's subnormals load
+    exactly. The interpreter's own conversions gave 0 for 1e-40 (the GPU's give torch's)."""
+    x = torch.tensor([1e-40, -1e-40, 9.2e-41, 1.1e-38, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8),
+                      3.4e38, float("inf"), 0.0, -0.0, 1.0])
+    got, want = run_op(lambda x: x.to(torch.bfloat16).to(torch.float32) * 1.0, x)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"{got.tolist()} != {want.tolist()}"
+    half = x.to(torch.bfloat16)
+    got, want = run_op(lambda h: h.float() * 2.0, half)
+    assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
+
+
+@settings(FUZZ, max_examples=max(2, EXAMPLES // 4))          # ~7 s an example under the interpreter
+@given(o=operands())
+def test_pointwise_table_matches_eager_through_triton(o):
+    """tests/test_optimizer_ops.py's differential fuzz of every pointwise entry (dtypes, layouts, special
+    values), rendered by Triton: its renderer has its own table (it found bool sums wrapping, narrow integer
+    scalars refused, and the interpreter's bf16 conversions)."""
+    ops_fuzz.run_table(o, None, codegen="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_powers_by_scalars_as_eagers(dtype):
+    """Eager's pow of a half by a scalar rounds the exponent to the half (bf16 x ** 1.7 is x ** 1.703125), and
+    for fp16 by 0.5 or -0.5 is pow itself: (-inf) ** 0.5 is inf and (-0.0) ** -0.5 is inf, where sqrt gives
+    NaN and -inf (C's kernels do the same: codegen/c_ops.expression)."""
+    big = 1e10 if dtype == torch.bfloat16 else 300.0     # bf16 1e10 ** 1.7 is 7% off 1e10 ** 1.703125
+    x = torch.tensor([float("-inf"), -0.0, 0.0, 2.0, 7.25, 0.3, big, float("inf"), -2.0], dtype=dtype)
+    for e in (0.5, -0.5, 1.7, -1.3, 2.0):
+        got, want = run_op(lambda x: x ** e, x)
+        # fp32 libm values rounded to the half: one half ulp apart at most
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True,
+                                   msg=lambda m: f"x ** {e}: {m}")
+        zero = want == 0
+        assert torch.equal(got[zero].signbit(), want[zero].signbit()), f"x ** {e}: sign of zero"

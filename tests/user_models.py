@@ -413,6 +413,103 @@ def tiny_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
+# --- 12. T5-style relative position buckets and a padding mask ---------------------------------------
+
+class T5Attention(nn.Module):
+    """Self-attention with T5's learned bias per bucket of relative position: buckets made in the
+    forward with integer ops, a log of the distance and a clamp; padded keys masked with -inf."""
+
+    def __init__(self, d: int = 20, heads: int = 4, buckets: int = 8, max_distance: int = 16) -> None:
+        super().__init__()
+        self.heads, self.buckets, self.max_distance = heads, buckets, max_distance
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.rel = nn.Embedding(buckets, heads)
+
+    def bucket(self, rel: Tensor) -> Tensor:
+        half = self.buckets // 2                                # one half per direction
+        exact = half // 2
+        n = rel.abs()
+        far = exact + (torch.log(n.float() / exact) / math.log(self.max_distance / exact) * (half - exact)).long()
+        return (rel > 0).long() * half + torch.where(n < exact, n, far.clamp(max=half - 1))
+
+    def forward(self, x: Tensor, pad: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        pos = torch.arange(T)
+        bias = self.rel(self.bucket(pos[None, :] - pos[:, None])).permute(2, 0, 1)     # (heads, T, T)
+        scores = (q @ k.transpose(-1, -2) + bias).masked_fill(pad[:, None, None, :], float("-inf"))
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class T5Classifier(nn.Module):
+    def __init__(self, vocab: int = 31, d: int = 20, classes: int = 5) -> None:
+        super().__init__()
+        self.emb, self.norm, self.attn = nn.Embedding(vocab, d), nn.LayerNorm(d), T5Attention(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx: Tensor, pad: Tensor) -> Tensor:
+        x = self.emb(idx)
+        x = x + self.attn(self.norm(x), pad)
+        keep = (~pad).float()[..., None]
+        return self.head((x * keep).sum(1) / keep.sum(1))          # mean over the tokens that are not padding
+
+
+# --- 13. a mixture of experts with top-k routing ---------------------------------------------------
+
+class TopKMoE(nn.Module):
+    """Each token goes to its top 2 of 5 experts (weights per expert in one parameter, einsum), gated
+    by a softmax over the chosen logits; a load-balancing term counts the choices with scatter_add."""
+
+    def __init__(self, d: int = 14, experts: int = 5, hidden: int = 18, classes: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, d, hidden) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, d) * 0.2)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)
+        logits = self.router(flat)
+        top, chosen = torch.topk(logits, 2, dim=-1)
+        gates = top.softmax(-1)
+        out = torch.zeros_like(flat)
+        for e in range(self.w1.shape[0]):
+            gate = (gates * (chosen == e)).sum(-1, keepdim=True)
+            out = out + gate * torch.einsum("nh,hd->nd", F.gelu(torch.einsum("nd,dh->nh", flat, self.w1[e])), self.w2[e])
+        counts = torch.zeros(logits.shape[1]).scatter_add(0, chosen.flatten(), torch.ones(chosen.numel()))
+        balance = (logits.softmax(-1).mean(0) * counts / chosen.numel()).sum() * logits.shape[1]
+        return self.head((out.view(B, T, D) + x).mean(1)), balance
+
+
+# --- 14. message passing on a graph ----------------------------------------------------------------
+
+class GraphNet(nn.Module):
+    """A GCN layer and a GAT-style attention over edge lists: degree normalization with pow(-0.5) (inf
+    at a node without edges, masked to 0), index_add aggregation, scores softmaxed per destination
+    node with scatter_reduce(amax) and scatter_add."""
+
+    def __init__(self, d: int = 8, hidden: int = 12, classes: int = 3) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(d, hidden), nn.Linear(hidden, classes)
+        self.att_src = nn.Parameter(torch.randn(hidden) * 0.3)
+        self.att_dst = nn.Parameter(torch.randn(hidden) * 0.3)
+
+    def forward(self, x: Tensor, edges: Tensor) -> Tensor:
+        n = x.shape[0]
+        src, dst = edges
+        inv_sqrt = torch.zeros(n).index_add(0, dst, torch.ones(dst.shape[0])).pow(-0.5)
+        inv_sqrt = inv_sqrt.masked_fill(inv_sqrt == float("inf"), 0.0)
+        h = self.lin1(x)
+        h = F.relu(torch.zeros_like(h).index_add(0, dst, h[src] * (inv_sqrt[src] * inv_sqrt[dst])[:, None]))
+        score = F.leaky_relu((h[src] * self.att_src).sum(-1) + (h[dst] * self.att_dst).sum(-1), 0.2)
+        top = torch.full((n,), float("-inf")).scatter_reduce(0, dst, score, reduce="amax")
+        w = torch.exp(score - top[dst])
+        alpha = w / (torch.zeros(n).scatter_add(0, dst, w)[dst] + 1e-16)
+        out = torch.zeros_like(h).scatter_add(0, dst[:, None].expand(-1, h.shape[1]), h[src] * alpha[:, None])
+        return self.lin2(out + h)
+
+
 # --- the cases -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -441,6 +538,12 @@ def classify_bf16(model: nn.Module, inputs: tuple, target: Tensor) -> tuple:
 def language_model(model: nn.Module, inputs: tuple, target: Tensor) -> tuple:
     """nanoGPT style: forward returns (logits, loss), the cross-entropy compiled with the model."""
     return model(*inputs, target)
+
+
+def moe_step(model: nn.Module, inputs: tuple, target: Tensor) -> tuple:
+    """The classifier's loss plus the router's load-balancing term, as MoE training adds it."""
+    out, balance = model(*inputs)
+    return out, F.cross_entropy(out, target) + 0.01 * balance
 
 
 def _key_bias(prefix: str, d: int) -> tuple:
@@ -494,6 +597,21 @@ def _tiny_batch(g: torch.Generator, n: int = 8) -> tuple:
     return (torch.randn(n, 10, generator=g),), torch.randint(0, 4, (n,), generator=g)
 
 
+def _t5_batch(g: torch.Generator, n: int = 3) -> tuple:
+    lengths = torch.tensor([11, 6, 3]).repeat(-(-n // 3))[:n]      # no sequence is all padding
+    pad = torch.arange(11)[None] >= lengths[:, None]
+    return (torch.randint(0, 31, (n, 11), generator=g), pad), torch.randint(0, 5, (n,), generator=g)
+
+
+def _moe_batch(g: torch.Generator, n: int = 4) -> tuple:
+    return (torch.randn(n, 5, 14, generator=g),), torch.randint(0, 3, (n,), generator=g)
+
+
+def _graph_batch(g: torch.Generator, n: int = 9) -> tuple:
+    edges = torch.randint(0, n - 1, (2, 20), generator=g)          # the last node has no edges
+    return (torch.randn(n, 8, generator=g), edges), torch.randint(0, 3, (n,), generator=g)
+
+
 def cases() -> list[Case]:
     gpt_key_bias = tuple((f"blocks.{i}.attn.c_attn.bias", slice(36, 72)) for i in range(2))
     mha = [Case(f"mha_{mask or 'nomask'}{'' if need else '_sdpa'}",
@@ -523,6 +641,9 @@ def cases() -> list[Case]:
         Case("gru", GRUClassifier, _gru_batch, classify),
         Case("resnet", ResNet, _resnet_batch, classify),
         Case("tiny_mlp", tiny_mlp, _tiny_batch, classify),
+        Case("t5_relative", T5Classifier, _t5_batch, classify),
+        Case("moe_top2", TopKMoE, _moe_batch, moe_step),
+        Case("graph", GraphNet, _graph_batch, classify),
     ]
 
 

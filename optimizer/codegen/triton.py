@@ -52,13 +52,23 @@ HALVES = ("bfloat16", "float16")
 CONVERSIONS = ("aten._to_copy.default",)
 
 
+def _interpreted_bf16(dtype: str) -> bool:
+    """Whether conversions between fp32 and `dtype` are made by their bits: bf16 under Triton's interpreter,
+    whose own conversions truncate instead of rounding to nearest even and mangle subnormals (1e-40 -> 0,
+    and a bf16 subnormal back to fp32 likewise). On a GPU they are the hardware's, as torch's."""
+    return dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _narrowed(expr: str, dtype: str) -> str:
-    """`expr` converted to `dtype` (for a store, or a conversion the graph asks for). The GPU rounds fp32 to
-    bf16 to nearest even; Triton's interpreter truncates, so there (tests on a CPU) the value is first
-    nudged by its low bits (tfsn_bf16_nearest) so that truncating it rounds to nearest even."""
-    if dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1":
-        return f"tfsn_bf16_nearest(tl.cast({expr}, tl.float32)).to(tl.bfloat16)"
+    """`expr` converted to `dtype` (for a store, or a conversion the graph asks for)."""
+    if _interpreted_bf16(dtype):
+        return f"tfsn_bf16_of(tl.cast({expr}, tl.float32))"
     return f"({expr}).to({TL_TYPES[dtype]})"
+
+
+def _widened(expr: str, dtype: str) -> str:
+    """`expr`, a 16-bit float of `dtype`, as fp32 (exact)."""
+    return f"tfsn_bf16_widened({expr})" if _interpreted_bf16(dtype) else f"({expr}).to(tl.float32)"
 
 
 def _computed_in(dtype: str) -> str:
@@ -71,7 +81,7 @@ def _rounded(expr: str, dtype: str) -> str:
     if dtype not in HALVES:
         return expr
     # made fp32 first: `expr` may be a whole literal, and Triton's interpreter turns int -> bf16 into 0
-    return f"{_narrowed(f'tl.cast({expr}, tl.float32)', dtype)}.to(tl.float32)"
+    return _widened(_narrowed(f'tl.cast({expr}, tl.float32)', dtype), dtype)
 DEFAULT_BLOCK = 1024        # elements per program when the schedule names none (a CPU schedule)
 # A row reduction's program: `chunk` rows (a GPU schedule's rows per program, space.GPU_ROWS; 1 for any other
 # chunk) by GPU_REDUCTION_BLOCK reduced elements per pass at most (longer rows loop): costmodel.predict_gpu's shape.
@@ -79,6 +89,13 @@ MAX_ROWS_PER_PROGRAM = max(GPU_ROWS)
 # Triton's program ids and aranges are int32: a kernel whose domain or tensors reach this many elements (the
 # logits of a 128k-vocabulary LM head over 32k tokens: 2**32) computes its indices in int64, as Inductor does.
 INT32_INDEX_LIMIT = 2 ** 31
+
+
+# Added to a pointer read or written at one element outside any block: a one-element block, not a scalar.
+# Triton's interpreter gives a comparison of scalars the operands' dtype, so where the result is broadcast it
+# becomes fp32 and `&` with a bool block fails (isnan(max) & isnan(x), amax's backward; tfsn_pow by a 0-d
+# exponent); broadcasting a one-element block keeps the bools.
+ONE = " + tl.zeros([1], tl.int32)"
 
 
 @dataclass(frozen=True)
@@ -90,12 +107,25 @@ class Value:
     value: Any = None
 
 
+NARROW_INTEGERS = {"int8": (8, True), "uint8": (8, False), "int16": (16, True), "int32": (32, True)}
+
+
+def _wrapped(value: int, dtype: str) -> int:
+    """A whole number as a narrow integer `dtype` holds it, wrapped: torch gives a Python int the tensor's
+    dtype (int8 + 200 is int8 + -56), where Triton refuses a literal out of the dtype's range."""
+    bits, signed = NARROW_INTEGERS[dtype]
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if signed and value >> (bits - 1) else value
+
+
 def _cast(v: Value, dtype: str) -> str:
     if v.dtype == dtype or v.scalar and dtype in FLOATS and v.dtype in FLOATS:
         return v.expr
     if dtype == "bool":
         return f"({v.expr} != 0)"
     if v.scalar:
+        if dtype in NARROW_INTEGERS:
+            return str(_wrapped(int(v.value), dtype))
         return v.expr if dtype in FLOATS or v.dtype != "float64" else str(int(v.value))
     return f"({v.expr}).to({TL_TYPES[dtype]})"
 
@@ -132,7 +162,16 @@ def _binary(fmt: str) -> Callable:
     return render
 
 
+def _or_for_bools(render: Callable) -> Callable:
+    """`render` of a sum, made torch's logical or where the result is bool: computed in int32 and tested
+    against zero, since Triton's 1-bit integers wrap (True + True is False)."""
+    def rendered(ops, out, kw):
+        return f"({render(ops, 'int32', kw)} != 0)" if out == "bool" else render(ops, out, kw)
+    return rendered
+
+
 def _alpha(sign: str, reverse: bool = False) -> Callable:
+    @_or_for_bools
     def render(ops, out, kw):
         a, b = (_cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
         alpha = kw.get("alpha", 1)
@@ -164,6 +203,17 @@ def _powi(b: str, n: int) -> str:
     for bit in bin(n)[3:]:
         expr = f"tfsn_square({expr})" + (f" * {b}" if bit == "1" else "")
     return f"({expr})"
+
+
+def _half_pow(base: Value, exponent: float, dtype: str) -> str:
+    """A 16-bit float to a scalar power as eager computes it (and codegen/c_ops.expression): the exponent
+    rounded to the half first (bf16 x ** 1.7 is x ** 1.703125), and fp16 by 0.5 or -0.5 is pow itself,
+    not sqrt or 1 / sqrt (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN; pow(-0.0, -0.5) is +inf)."""
+    import torch
+    rounded = float(torch.tensor(float(exponent), dtype=torch.float64).to(getattr(torch, dtype)))
+    if dtype == "float16" and rounded in (0.5, -0.5):
+        return f"(tfsn_pow({base.expr}, {rounded!r} + tl.zeros_like({base.expr})))"
+    return f"({_pow([base, _literal(rounded)], 'float32', {})})"
 
 
 def _pow(ops, out, kw):
@@ -259,7 +309,8 @@ OPS: dict[str, Callable] = {
     "aten.bitwise_not.default": _bitwise_not,
     "aten.sign.default": _unary("(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))"),
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
-    "prims.fma.default": lambda o, out, kw: f"({_cast(o[0], out)} * {_cast(o[1], out)} + {_cast(o[2], out)})",
+    "prims.fma.default": _or_for_bools(lambda o, out, kw: f"({_cast(o[0], out)} * {_cast(o[1], out)} + "
+                                                          f"{_cast(o[2], out)})"),
     "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),
@@ -409,6 +460,8 @@ class TritonWriter:
         ops = [Value(self.value(x.name), _computed_in(x.dtype)) if isinstance(x, LoopOperand) else
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
+        if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
+            return _half_pow(ops[0], ops[1].value, out)
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value
 
@@ -424,11 +477,13 @@ class TritonWriter:
         if isinstance(s, Define):
             v = s.value
             if isinstance(v, Load):
-                widen = ".to(tl.float32)" if self.g.nodes[v.buffer].type.dtype in HALVES else ""
+                stored = self.g.nodes[v.buffer].type.dtype
                 if isinstance(v.offset, Const) or self.mask == "None":
-                    return f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)}){widen}"
-                return (f"t{s.name.id} = tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, "
-                        f"mask={self.mask}, other=0){widen}")
+                    load = f"tl.load({self.names[v.buffer]} + {triton_index(v.offset)}{ONE})"
+                else:
+                    load = f"tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, " \
+                           f"mask={self.mask}, other=0)"
+                return f"t{s.name.id} = {_widened(load, stored) if stored in HALVES else load}"
             if isinstance(v, GemmElement):
                 return f"t{s.name.id} = acc"
             if isinstance(v, Select):
@@ -438,7 +493,7 @@ class TritonWriter:
             value = _narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)
             pointer = f"{self.names[s.buffer]} + {triton_index(s.offset)}"
             if self.mask == "None":
-                return f"tl.store({pointer}, {value})"
+                return f"tl.store({pointer}{ONE}, {value})"
             # masked: the pointer as a block of the mask's shape, even where the offset is one element
             return f"tl.store({pointer} + {self.zero}, {value}, mask={self.mask})"
         if isinstance(s, Assign):
@@ -550,7 +605,7 @@ class TritonWriter:
         fp32_dot = "tf32" if self.g.allow_tf32 else "ieee"    # TF32 where torch allowed it for this graph
         dot_precision = f', input_precision="{"ieee" if widen else fp32_dot}"' if a.type.dtype == "float32" or widen \
             else ""
-        operands = "x.to(tl.float32), y.to(tl.float32)" if widen else "x, y"
+        operands = f"{_widened('x', 'bfloat16')}, {_widened('y', 'bfloat16')}" if widen else "x, y"
         i_row, i_col = (triton_index(e) for e in self.nest.idx[-2:])
         code = [f"pid = {self.program()}", f"tiles_n = {-(-N // bn)}", f"tiles = {-(-M // bm)} * tiles_n",
                 "bi = pid // tiles", "pm = (pid % tiles) // tiles_n", "pn = pid % tiles_n",
@@ -645,12 +700,17 @@ def tfsn_ipow(a, b):
 
 
 @triton.jit
-def tfsn_bf16_nearest(x):
-    """fp32 x with its low 16 bits nudged so that truncating it to bf16 rounds to nearest even (NaN and zeros
-    kept: a zero nudged is a subnormal, which the interpreter's conversion turns into 1.2e-38, not 0)."""
+def tfsn_bf16_of(x):
+    """fp32 x as bf16, rounded to nearest even by its bits (NaN -> 0x7FC0, as torch's): the interpreter's path."""
     bits = x.to(tl.int32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return tl.where((x != x) | (x == 0), x, bits.to(tl.float32, bitcast=True))
+    top = tl.where(x != x, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+    return top.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def tfsn_bf16_widened(x):
+    """bf16 x as fp32 by its bits (exact, subnormals too): the interpreter's path."""
+    return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -649,13 +649,14 @@ class TritonWriter:
         self.product = LibraryProduct(
             params.index(a.index), params.index(b.index), (a.type.shape, a.type.strides),
             (b.type.shape, b.type.strides), t.shape, scratch, params.index(mm.index) if direct else None,
-            epilogue=not direct or bool(self.nest.body) or len(self.nest.outputs) > 1)
+            epilogue=not (direct and alone))
         M, N = t.shape[-2:]
         names = [self.names[a.index], self.names[b.index]]
-        lone = [] if self.product.epilogue else [f"# not launched: the product is written into {self.names[mm.index]}"]
+        unlaunched = [] if self.product.epilogue else [f"# not launched: the product is written into "
+                                                       f"{self.names[mm.index]}"]
         return [f"# prod = {names[0]}{list(a.type.shape)}:{list(a.type.strides)} @ "        # what runs before: the
                 f"{names[1]}{list(b.type.shape)}:{list(b.type.strides)}, by the library",  # code says all it does
-                *lone,
+                *unlaunched,
                 f"acc = tl.load(prod + bi * {scratch[0] if batched else 0} + rm[:, None] * {scratch[-2]} + "
                 f"rn[None, :] * {scratch[-1]}, mask=(rm[:, None] < {M}) & (rn[None, :] < {N}), other=0.0)"
                 ".to(tl.float32)"]

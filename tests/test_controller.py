@@ -271,6 +271,7 @@ def test_packing_a_jobs_code_runs_off_the_loop_and_delays_no_other_jobs_recovery
         loop.join(15)
         for job_id in (local, vm):
             store.request_stop(job_id)
+            controller.reconcile(job_id)
         server.shutdown()
         server.server_close()
 

@@ -210,8 +210,14 @@ def test_fp32_products_take_tf32_only_where_torch_allowed_it():
         finally:
             torch.set_float32_matmul_precision(before)
         plan = fusion.plan(graph)
-        source, _ = tt.write_source(graph, plan.groups, plan.buffers, [GENERATED] * len(plan.groups))
+        source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [GENERATED] * len(plan.groups))
         assert dot in source and source.count("tl.dot(") == source.count(dot), precision
+        # the search checks such products (cuBLAS's or a tile's) at TF32's tolerance, every other kernel at fp32's
+        for schedule in (GENERATED, DEFAULT):
+            _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups))
+            gemms = [k.tf32 for g, k in zip(plan.groups, kernels) if k is not None and g.kind == "gemm"]
+            others = [k.tf32 for g, k in zip(plan.groups, kernels) if k is not None and g.kind != "gemm"]
+            assert gemms and set(gemms) == {precision == "high"} and not any(others), (precision, schedule)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

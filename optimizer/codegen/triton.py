@@ -359,13 +359,19 @@ class LibraryProduct:
     into: int | None                 # position of the output the product is written into; None: a fp32 scratch
     epilogue: bool                   # whether the kernel runs after the product
 
+    @staticmethod
+    def scratch_dtype(operands: Any) -> Any:
+        """The dtype of a product not written into the graph's tensor: fp32, the accumulator a tile would
+        have, or the operands' dtype when wider."""
+        import torch
+        return torch.promote_types(operands, torch.float32)
+
     def run(self, tensors: Sequence[Any]) -> Any:
-        """The product of the operands among `tensors`, in fp32 (or their dtype when wider)."""
+        """The product of the operands among `tensors`, into the graph's tensor or a scratch."""
         import torch
         a, b = (tensors[i].as_strided(*view) for i, view in ((self.a, self.a_view), (self.b, self.b_view)))
         out = tensors[self.into].as_strided(self.shape, self.strides) if self.into is not None else \
-            torch.empty_strided(self.shape, self.strides, dtype=torch.promote_types(a.dtype, torch.float32),
-                                device=a.device)
+            torch.empty_strided(self.shape, self.strides, dtype=self.scratch_dtype(a.dtype), device=a.device)
         matmul = torch.bmm if len(self.shape) == 3 else torch.mm
         if a.dtype == out.dtype:
             matmul(a, b, out=out)
@@ -392,6 +398,7 @@ class TritonKernel:
     grid: tuple[int, ...]            # programs along each launch axis
     meta: tuple[tuple[str, int], ...]   # constexpr arguments (block sizes) and num_warps / num_stages
     product: LibraryProduct | None = None     # a library GEMM's product, computed before the kernel runs
+    tf32: bool = False               # a product of fp32 operands that may round them to TF32 (the graph allowed it)
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -413,6 +420,7 @@ class TritonWriter:
         self.wide = self.widest() >= INT32_INDEX_LIMIT
         shape = self.nest.shape
         self.product: LibraryProduct | None = None
+        self.tf32 = False
         body, grid, meta = (self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction"
                             else self.pointwise())
         prologue = [self.statement(d) for d in self.nest.prologue]
@@ -422,7 +430,7 @@ class TritonWriter:
         stages = shape == "gemm" and self.product is None
         launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if stages else ()))
         return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch,
-                            self.product)
+                            self.product, self.tf32)
 
     def widest(self) -> int:
         """Elements the kernel's indices reach: its domain's, or a parameter's span from its base pointer (a view
@@ -598,11 +606,13 @@ class TritonWriter:
         bk = min(_pow2(self.s.gemm_kc, 16), _pow2(K, 16), GPU_MAX_DEPTH)
         sa, sb = a.type.strides, b.type.strides
         pa, pb = self.names[a.index], self.names[b.index]
-        # fp32: IEEE products, not TF32; bf16/fp16: the tensor cores' own products into the fp32 accumulator.
+        # fp32: IEEE products, or TF32 where torch allowed it for this graph; bf16/fp16: the tensor cores' own
+        # products into the fp32 accumulator.
         # Triton's interpreter multiplies bf16 tiles as their uint16 bits, so there (tests on a CPU) they are
         # widened to fp32 first, exactly: their products and sums are then the GPU's up to summation order.
         widen = a.type.dtype == "bfloat16" and os.environ.get("TRITON_INTERPRET") == "1"
-        fp32_dot = "tf32" if self.g.allow_tf32 else "ieee"    # TF32 where torch allowed it for this graph
+        self.tf32 = self.g.allow_tf32 and a.type.dtype == "float32"
+        fp32_dot = "tf32" if self.tf32 else "ieee"
         dot_precision = f', input_precision="{"ieee" if widen else fp32_dot}"' if a.type.dtype == "float32" or widen \
             else ""
         operands = f"{_widened('x', 'bfloat16')}, {_widened('y', 'bfloat16')}" if widen else "x, y"
@@ -815,7 +825,7 @@ class TritonLibrary:
         def compile_one(k: TritonKernel) -> None:
             dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in k.params]
             if k.product is not None:
-                dtypes.append(torch.promote_types(dtypes[k.product.a], torch.float32))
+                dtypes.append(LibraryProduct.scratch_dtype(dtypes[k.product.a]))
             with torch.cuda.device(torch.device(graph.device)):
                 getattr(self.module, k.name).warmup(*dtypes, grid=k.grid, **dict(k.meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:

@@ -53,12 +53,10 @@ class TritonTarget(SpecModel):
 
     def check(self, graph: Graph, built: Built, reference: int, candidates: Sequence[int]) -> list[bool]:
         kernels, lib = built
-        ref = kernels[reference]       # a GEMM (a BM x BN tile) of fp32 tensors in a graph that allows TF32
-        tf32 = graph.allow_tf32 and "BM" in dict(ref.meta) and any(graph.nodes[p].type.dtype == "float32"
-                                                                  for p in ref.params)
+        rtol = measure.TF32_RTOL if kernels[reference].tf32 else measure.RTOL
         with self._on_device():
             return measure.agree_on(graph, kernels[reference], [kernels[i] for i in candidates], lib.launcher,
-                                    self.device, measure.TF32_RTOL if tf32 else measure.RTOL)
+                                    self.device, rtol)
 
     def time(self, graph: Graph, kernels: Sequence[tuple[Built, int]], rounds: int, budget_s: float) -> list[Timing]:
         from torch._subclasses.fake_tensor import unset_fake_temporarily

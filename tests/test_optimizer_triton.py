@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 pytest.importorskip("triton")
 
 import copy  # noqa: E402
+import re  # noqa: E402
 import dataclasses  # noqa: E402
 import time  # noqa: E402
 
@@ -536,6 +537,26 @@ def test_pow_of_negative_bases_matches_torch(dtype):
             torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0,
                                        equal_nan=True, msg=lambda m: f"{what}: {m}")
             assert torch.equal(torch.signbit(got[got == 0]), torch.signbit(want[got == 0])), f"{what}: sign of 0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_negative_zero_scalars_keep_their_sign(dtype):
+    """A -0.0 in the model is -0.0 in the kernel: Triton before 3.7 (the GPU machine's 3.6) makes every zero
+    literal +0.0, so (-0.0) ** -1 came out +inf and x * -0.0 lost its sign there; the kernels make it at run
+    time, and no zero literal with a sign is left in their source."""
+    x = torch.tensor(SPECIAL, dtype=dtype)
+    cases = {"-0 ** y": lambda x: torch.pow(-0.0, x), "x * -0": lambda x: x * -0.0,
+             "where": lambda x: torch.where(x > 0, x, -0.0), "x + -0": lambda x: torch.add(x, -0.0)}
+    for what, fn in cases.items():
+        gm = make_fx(fn, decomposition_table=decompositions())(x)
+        graph = ir.from_fx(gm, ir.graph_device([x]), half=True)
+        plan = fusion.plan(graph)
+        source, _ = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+        body = source[len(tt.PRELUDE):]
+        assert not re.search(r"-\s*0\.0(?!\d)", body), (what, body)
+        got, want = run_op(fn, x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+        assert torch.equal(torch.signbit(got[got == 0]), torch.signbit(want[got == 0])), f"{what}: sign of 0"
 
 
 def test_integer_pow_matches_torch():

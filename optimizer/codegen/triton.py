@@ -119,6 +119,9 @@ def _wrapped(value: int, dtype: str) -> int:
 
 
 def _cast(v: Value, dtype: str) -> str:
+    if v.scalar and dtype in FLOATS and v.dtype in FLOATS and v.value == 0 and math.copysign(1.0, v.value) < 0:
+        # -0.0 made at run time: Triton before 3.7 turns a zero literal into +0.0 (`value == 0`), on a GPU too
+        return f"(tl.full([], -1.0, {TL_TYPES[dtype]}) * 0.0)"
     if v.dtype == dtype or v.scalar and dtype in FLOATS and v.dtype in FLOATS:
         return v.expr
     if dtype == "bool":
@@ -279,6 +282,8 @@ def _neg(ops, out, kw):
 
 def _bitwise_not(ops, out, kw):
     a = _cast(ops[0], out)
+    if out == "uint8":      # as ~, which Triton 3.6's interpreter cannot build for unsigned types (np.full(-1))
+        return f"({a} ^ 255)"
     return f"({a} == 0)" if out == "bool" else f"(~{a})"
 
 

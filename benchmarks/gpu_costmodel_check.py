@@ -16,7 +16,7 @@ predicted and measured microseconds and their ratio, then:
                   matmul; a GEMM with B transposed or not), measured time of the form the model
                   predicts faster / the faster measured one
 Generated kernels: for a few fused groups as tfsn plans them (a softmax, a LayerNorm, a bias + GELU,
-a GEMM with its bias + GELU epilogue, in fp32), up to 8 launch shapes of the GPU schedule space
+a bias gradient (a column sum), a GEMM with its bias + GELU epilogue, in fp32), up to 8 launch shapes of the GPU schedule space
 (optimizer/space.py: the model's pick and others evenly spread over its ranking; for the GEMM, also its
 product left to cuBLAS with the epilogue's program after it) are rendered as Triton, run, and timed: per
 kernel, Spearman of predicted vs measured over its launch shapes, and the top-1 regret (measured time of
@@ -224,6 +224,10 @@ def _linear_gelu(x, w, b):
     return F.gelu(F.linear(x, w, b))
 
 
+def _column_sum(x):
+    return x.sum(0)
+
+
 def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
     """Predicted vs measured for launch shapes of tfsn's own Triton kernels (see the module's docstring)."""
     import os
@@ -241,7 +245,8 @@ def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
     r, c = (32768, 4096) if big else (64, 128)
     m, k, n = (2048, 2048, 2048) if big else (32, 48, 64)
     graphs = [("softmax", _softmax, ((r, c),)), ("layernorm", _layernorm, ((r, c), (c,), (c,))),
-              ("bias+gelu", _gelu_bias, ((r, c), (c,))), ("gemm+bias+gelu", _linear_gelu, ((m, k), (n, k), (n,)))]
+              ("bias+gelu", _gelu_bias, ((r, c), (c,))), ("column sum", _column_sum, ((r, c),)),
+              ("gemm+bias+gelu", _linear_gelu, ((m, k), (n, k), (n,)))]
     per_kernel, shapes_each = {}, 6 if quick else 8
     for name, fn, shapes in graphs:
         xs = [torch.randn(sh, device=device) for sh in shapes]

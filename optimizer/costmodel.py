@@ -381,7 +381,8 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 # How many programs share an SM (occupancy) is the least that the spec's limits allow; programs run in
 # waves of that many per SM, and the last wave's idle SMs count (wave quantization).
 GPU_FULL_TILE = 128 * 128       # a BM x BN tile this large reaches the tensor cores' peak; smaller ones less
-GPU_COLUMNS_PER_PROGRAM = 32    # a column reduction (bias gradient): columns one program sums
+GPU_SECTOR_BYTES = 32           # the unit NVIDIA's L1 and L2 move (CUDA C++ Best Practices Guide, "Coalesced Access
+                                # to Global Memory"): a load that uses fewer of a sector's bytes still moves it
 GPU_MATH_OPS = 8.0              # SFU-assisted exp/erf/tanh, in FMA-equivalents per element
 GPU_REGISTER_BASE = 32          # registers of a kernel beyond its tile's values: indices, pointers, masks, loop
                                 # counters (assumption: ptxas -v reports ~30 for a small Triton pointwise kernel)
@@ -433,13 +434,15 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     moved = features.read_bytes[k] + features.write_bytes[k]
     bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, hbm.bandwidth_gbs) * 1e9
     threads = float(spec.simd_width) * np.maximum(cand.mr, 1)       # warps (NVIDIA: 32) or wavefronts (AMD: 64)
-    # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs
+    # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs. A column reduction
+    # (a bias gradient: the last axis kept) is written as a row reduction whose rows are its columns, `chunk`
+    # adjacent columns a program, each pass a block of the reduced rows (codegen/triton.py's reduction)
     per_program = np.maximum(cand.chunk, 1)
     column = (kind == REDUCTION) & (features.columns[k] > 0)
-    rows = np.where(column, features.rows[k] * np.ceil(features.columns[k] / GPU_COLUMNS_PER_PROGRAM),
-                    features.rows[k])
+    rows = np.where(column, features.rows[k] * features.columns[k], features.rows[k])
     programs = np.where(kind == REDUCTION, np.ceil(rows / per_program), np.ceil(features.elements[k] / per_program))
-    row_block = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(features.inner[k], 1))), GPU_REDUCTION_BLOCK)
+    reduced = np.where(column, features.elements[k] / np.maximum(rows, 1), features.inner[k])
+    row_block = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(reduced, 1))), GPU_REDUCTION_BLOCK)
     held = np.where(kind == REDUCTION, per_program * row_block, per_program)     # a program's values per pass
     registers = GPU_REGISTER_BASE + np.ceil(held / threads) * _values(features, k)
     resident = gpu_occupancy(spec, threads, registers, np.zeros_like(threads))
@@ -451,7 +454,12 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) \
         + features.rows[k] * features.row_ops[k]
     compute = lane_ops / (spec.peak_flops("fp32") / 2)
-    loop = np.maximum(compute, moved / bandwidth) / np.maximum(fill, 1e-3) + launch
+    # a column program reads `chunk` adjacent elements of each reduced row: a load of fewer bytes than a sector
+    # still moves the whole sector from L2 (the other columns' programs may find the rest there, not in memory)
+    element = np.clip(features.read_bytes[k] / np.maximum(features.elements[k], 1), 1.0, 8.0)
+    used = np.where(column, np.minimum(1.0, per_program * element / GPU_SECTOR_BYTES), 1.0)
+    sectors = features.read_bytes[k] / used / (l2.bandwidth_gbs * 1e9)
+    loop = np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3) + launch
     loop = np.where(resident > 0, loop, np.inf)
     return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
 

@@ -220,6 +220,27 @@ def test_the_search_never_picks_a_rejected_program():
         assert np.isfinite(result.predicted_s) and all(np.isfinite(k.predicted_s) for k in result.kernels)
 
 
+@pytest.mark.parametrize("spec", [H100, A100], ids=["h100", "a100"])
+def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sectors_they_read(spec):
+    """A bias gradient (x.sum(0): every row adds into the same columns) is written with `chunk` adjacent
+    columns a program (codegen/triton.py). With one, a load of each row uses 4 bytes of a 32-byte sector. The
+    model priced every chunk as programs of 32 columns, so its pick was the one-column program (`tfsn optimize
+    --hardware h100` chose rows/program=1 for every bias gradient of the GPT-2 block)."""
+    from optimizer import features, fusion
+    r, c = 16384, 3072
+    graph = capture(lambda x: x.sum(0), (r, c))
+    plan = fusion.plan(graph)
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    kernel = features.kernel_features(graph, group, plan.buffers)
+    cands = space.gpu_kernel_space(0, kernel)
+    t = predict_gpu(FeatureTable([kernel]), cands, spec)
+    best = int(np.argmin(t))
+    assert cands.chunk[best] > 1 and t[cands.chunk == 1].min() >= 2 * t[best]
+    # the pick streams the tensor once, at the memory's rate
+    roof = r * c * 4 / (spec.main_memory.bandwidth_gbs * 1e9) + spec.launch_overhead_us * 1e-6
+    assert roof <= t[best] <= 1.25 * roof
+
+
 @pytest.mark.parametrize("fn", [lambda x: torch.softmax(x, -1), lambda x: F.gelu(x @ x.t())], ids=["softmax", "gemm"])
 def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
     """A GPU kernel's top k for the clock: the best of each warp count and pipeline depth the model calls

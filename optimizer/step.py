@@ -185,7 +185,7 @@ def predicting_backend(spec: HardwareSpec, on_graph: Callable[[Any], None],
 
     def compile_for_spec(gm: torch.fx.GraphModule, example_inputs):
         try:
-            graph = ir.from_fx(gm)
+            graph = ir.from_fx(gm, half=True)
         except ir.Unsupported as err:
             if on_unsupported is not None:
                 on_unsupported(str(err))

@@ -296,3 +296,22 @@ def test_a_library_gemm_is_priced_as_the_library_product_then_its_epilogue():
     assert flops / tiles.min() <= costmodel.GPU_FMA_DOT * H100.peak_flops("fp32")
     assert cands.generated[np.argmin(predicted)] == 0
     assert externs.GPU["gemm"].compute == costmodel.GPU_LIBRARY_GEMM_COMPUTE   # a matmul extern, priced alike
+
+
+def test_a_bf16_step_priced_for_a_gpu_is_the_plan_tfsn_runs_there():
+    """`tfsn optimize --hardware` and the planner capture the step with the 16-bit tensors the backend
+    generates (ir.from_fx(half=True), as on the GPU), not as ATen calls around fp32 kernels: a bf16
+    LayerNorm was priced as its converts and its weight's mul and bias's add, each an extern reading and
+    writing the whole tensor (gpu_costmodel_check priced eager's LayerNorm at 11x its memory roof, softmax 6x)."""
+    from optimizer.step import optimize_step
+    torch.manual_seed(0)
+    model = torch.nn.LayerNorm(1024).to(torch.bfloat16)
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16, requires_grad=True)
+    report = optimize_step(model, (x,), H100)
+    assert report.graphs
+    for graph, result in report.graphs:
+        ops = [graph.nodes[n].op for g in result.externs for n in result.plan.groups[g].nodes]
+        assert not [op for op in ops if "_to_copy" in op or op in ("aten.mul.Tensor", "aten.add.Tensor")], ops
+    forward = report.graphs[0][1]
+    roof = 2 * x.numel() * 2 / (H100.main_memory.bandwidth_gbs * 1e9)    # read x, write y, in bf16
+    assert forward.predicted_s <= 1.5 * roof + 4 * H100.launch_overhead_us * 1e-6, (forward.predicted_s, roof)

@@ -35,6 +35,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -263,15 +264,24 @@ def generated_kernels(device: str, spec: HardwareSpec, quick: bool) -> dict:
                                    for j in range(shapes_each)))
         picks += [i for i in order if cands.generated[i] == 0 and i not in picks][:1] if kernel.kind == costmodel.GEMM \
             else []     # a GEMM's product by the library (cuBLAS), beside the tiles: what the search times too
-        rows, failed = [], []
+        built = []
         for row in picks:
             schedules = [DEFAULT] * len(plan.groups)
             schedules[g] = cands.schedule(row)
-            shape = {f: getattr(schedules[g], f) for f in ("chunk", "gemm", "gemm_block_rows", "gemm_nr", "gemm_kc",
-                                                           "gemm_mr", "gemm_stages")}
             source, kernels = tt.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
-            compiled = CompiledGraph(graph, plan.groups, kernels, tt.TritonLibrary(source), plan.inplace)
-            case = Case(name, "generated", "fp32", lambda *a: compiled(list(a)), shapes)
+            built.append((row, schedules[g], kernels, tt.TritonLibrary(source)))
+        # the shapes compiled side by side (each compile's LLVM and ptxas run outside the GIL), not one by one at
+        # their first launch: 30-40 compiles in a row took most of this part's time limit. The first alone: it
+        # makes Triton's driver, whose setup is not locked
+        built[0][3].precompile(graph, built[0][2])
+        with ThreadPoolExecutor(max_workers=len(built)) as pool:
+            list(pool.map(lambda b: b[3].precompile(graph, b[2]), built[1:]))
+        rows, failed = [], []
+        for row, schedule, kernels, lib in built:
+            shape = {f: getattr(schedule, f) for f in ("chunk", "gemm", "gemm_block_rows", "gemm_nr", "gemm_kc",
+                                                       "gemm_mr", "gemm_stages")}
+            compiled = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+            case = Case(name, "generated", "fp32", lambda *a, compiled=compiled: compiled(list(a)), shapes)
             try:
                 measured = measure(case, device, xs=xs)
             except Exception as e:  # noqa: BLE001 - Triton refuses a shape the model fits (OutOfResources): said, not fatal

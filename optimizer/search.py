@@ -413,6 +413,8 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int,
     generated tiles (how near Triton's tiles come to cuBLAS is what the model knows least). Close calls
     between such classes are settled by the clock, not by the model."""
     near = predicted <= predicted[0] * NEAR_BEST
+    if gpu and (cands.chunk > 0).all():      # programs of `chunk` elements or rows: pointwise, reductions
+        return _spread_top(cands, predicted, near, top_k)
     # a generated GEMM's tiles also by how many accumulators they keep in flight (< 8, 8-15, 16+):
     # the latency of a thin tile is as close a call as its vector width
     chains = np.where(cands.generated > 0,
@@ -435,6 +437,30 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int,
         if r not in picks:
             picks.append(r)
     return sorted(picks[:top_k], key=lambda r: predicted[r])
+
+
+def _spread_top(cands: costmodel.Candidates, predicted: np.ndarray, near: np.ndarray, top_k: int) -> list[int]:
+    """A GPU pointwise or reduction kernel's rows to time: the model's pick, then each time a close call of
+    warps not yet picked (on an H200 a reduction's shapes predicted within 6% ran 1.8x apart, mostly with
+    their warps), the farthest from those picked in elements (rows) per program and warps, on log scales. The
+    model prices many of these shapes alike (a bias + GELU's 27 within 3% on an H100), and the next ones by
+    its order were the space's first, the smallest programs (all four of that GELU's timed shapes were 256
+    elements a program), so the clock gets shapes from across the close calls instead."""
+    rows = np.flatnonzero(near)
+    warps = cands.mr[rows]
+    at = np.stack([np.log2(cands.chunk[rows]), np.log2(np.maximum(warps, 1))], axis=1)
+    span = np.ptp(at, axis=0)
+    at = at / np.where(span > 0, span, 1.0)
+    picked = [0]
+    apart = np.linalg.norm(at - at[0], axis=1)
+    while len(picked) < min(top_k, len(rows)) and apart.max() > 0:
+        new = ~np.isin(warps, warps[picked])
+        i = int(np.argmax(np.where(new, apart, -1.0) if new.any() else apart))   # the first of equals: better predicted
+        picked.append(i)
+        apart = np.minimum(apart, np.linalg.norm(at - at[i], axis=1))
+    chosen = [int(rows[i]) for i in picked]
+    chosen += [r for r in range(len(cands)) if r not in chosen][:max(0, top_k - len(chosen))]
+    return sorted(chosen, key=lambda r: predicted[r])
 
 
 def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:

@@ -267,6 +267,27 @@ def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
         assert all(r in rows for r in library)
 
 
+def test_pointwise_shapes_the_model_prices_alike_are_timed_from_across_the_space():
+    """A bias + GELU over 32768x4096: the model prices its launch shapes within a few percent of each other;
+    the four timed are of four warp counts and of programs from the smallest to the largest, not the space's
+    first four (all four were programs of 256 elements; on an H200 such shapes ran up to 1.26x apart)."""
+    from optimizer import features, fusion
+    graph = capture(lambda x, b: F.gelu(x + b), (32768, 4096), (4096,))
+    plan = fusion.plan(graph)
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    kernel = features.kernel_features(graph, group, plan.buffers)
+    cands = space.gpu_kernel_space(0, kernel)
+    predicted = predict_gpu(FeatureTable([kernel]), cands, H100)
+    order = np.argsort(predicted, kind="stable")
+    cands, predicted = cands.take(order), predicted[order]
+    near = np.flatnonzero(predicted <= predicted[0] * search.NEAR_BEST)
+    assert predicted[near[-1]] < 1.05 * predicted[0], "the model's close calls (else this test tests nothing)"
+    rows = search._diverse_top(cands, predicted, 4, gpu=True)
+    assert rows[0] == 0 and len({cands.mr[r] for r in rows}) == 4
+    chunks = [cands.chunk[r] for r in rows]
+    assert min(chunks) <= 2 * cands.chunk[near].min() and max(chunks) >= cands.chunk[near].max() / 2, chunks
+
+
 def test_a_library_gemm_is_priced_as_the_library_product_then_its_epilogue():
     """The GEMM space's library row (cuBLAS through torch): the whole product at the library's share of the
     precision's peak; a product with nothing after it is written in place, one with an epilogue is read back

@@ -88,6 +88,7 @@ class KernelFeatures:
     row_bytes: float = 0.0     # bytes one pass over one row reads
     carried: float = 0.0       # passes whose innermost loop carries a reduction (latency-bound)
     columns: float = 0.0       # column reductions (last axis kept): the columns blocked by column_block
+    load_bytes: float = 4.0    # bytes of one load's element (the narrowest input read whole): column reductions'
     m: float = 0.0             # GEMM: rows of C, columns of C, depth, batch
     n: float = 0.0
     k: float = 0.0
@@ -456,8 +457,7 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     compute = lane_ops / (spec.peak_flops("fp32") / 2)
     # a column program reads `chunk` adjacent elements of each reduced row: a load of fewer bytes than a sector
     # still moves the whole sector from L2 (the other columns' programs may find the rest there, not in memory)
-    element = np.clip(features.read_bytes[k] / np.maximum(features.elements[k], 1), 1.0, 8.0)
-    used = np.where(column, np.minimum(1.0, per_program * element / GPU_SECTOR_BYTES), 1.0)
+    used = np.where(column, np.minimum(1.0, per_program * features.load_bytes[k] / GPU_SECTOR_BYTES), 1.0)
     sectors = features.read_bytes[k] / used / (l2.bandwidth_gbs * 1e9)
     loop = np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3) + launch
     loop = np.where(resident > 0, loop, np.inf)

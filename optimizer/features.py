@@ -62,11 +62,16 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
         passes += 1.0 if any(graph.nodes[n].kind == Kind.POINTWISE and graph.nodes[n].type.numel == elements
                              for n in group.nodes) else 0.0
     row_bytes = read_bytes / max(rows, 1.0) if reduced and not column else 0.0
+    # a column program loads `chunk` adjacent elements of each input a row, one input after the other: the
+    # narrowest input read whole decides how much of a sector its loads use (none: the bytes read per element)
+    whole = [_itemsize(graph, p) for p in reads if graph.nodes[p].type.numel >= elements]
+    load_bytes = float(min(whole)) if whole else min(max(read_bytes / max(elements, 1.0), 1.0), 8.0)
     return KernelFeatures(
         kind=REDUCTION if reduced else POINTWISE, elements=elements, rows=rows, inner=float(inner),
         ops=ops, math=math, row_ops=row_ops, read_bytes=read_bytes, write_bytes=write_bytes,
         strided_bytes=sum(_bytes(graph, n) for n in strided), passes=passes, row_bytes=row_bytes,
         carried=carried if reduced and not column else 0.0, columns=float(dom[last]) if column else 0.0,
+        load_bytes=load_bytes,
         flat=1.0 if len(dom) == 1 and not reduced else 0.0)
 
 

@@ -241,6 +241,26 @@ def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sector
     assert roof <= t[best] <= 1.25 * roof
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spec", [H100, A100], ids=["h100", "a100"])
+def test_a_column_reduction_of_two_inputs_loads_its_columns_as_one_of_one_input(spec, dtype):
+    """A program loads `chunk` adjacent columns of each input in turn, so what a load uses of a sector is the
+    chunk times one input's element, whatever else the kernel reads: (x * y).sum(0) (a LayerNorm's weight
+    gradient) picks the columns a program that x.sum(0) picks. The model took the bytes of all inputs per
+    element as one load's, so two fp32 inputs looked like one fp64 and it picked half the columns (loads of 8
+    bytes, a quarter of a sector)."""
+    from optimizer import features, fusion
+    picks = []
+    for fn, n in ((lambda x: x.sum(0), 1), (lambda x, y: (x * y).sum(0), 2)):
+        graph = capture(fn, *[(16384, 3072)] * n, dtype=dtype)
+        plan = fusion.plan(graph)
+        (group,) = [g for g in plan.groups if g.kind != "extern"]
+        kernel = features.kernel_features(graph, group, plan.buffers)
+        cands = space.gpu_kernel_space(0, kernel)
+        picks.append(cands.chunk[int(np.argmin(predict_gpu(FeatureTable([kernel]), cands, spec)))])
+    assert picks[0] == picks[1], picks
+
+
 @pytest.mark.parametrize("fn", [lambda x: torch.softmax(x, -1), lambda x: F.gelu(x @ x.t())], ids=["softmax", "gemm"])
 def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
     """A GPU kernel's top k for the clock: the best of each warp count and pipeline depth the model calls

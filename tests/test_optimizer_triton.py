@@ -546,7 +546,9 @@ def test_negative_zero_scalars_keep_their_sign(dtype):
     time, and no zero literal with a sign is left in their source."""
     x = torch.tensor(SPECIAL, dtype=dtype)
     cases = {"-0 ** y": lambda x: torch.pow(-0.0, x), "x * -0": lambda x: x * -0.0,
-             "where": lambda x: torch.where(x > 0, x, -0.0), "x + -0": lambda x: torch.add(x, -0.0)}
+             "where": lambda x: torch.where(x > 0, x, -0.0), "x + -0": lambda x: torch.add(x, -0.0),
+             # SGD's param.add_(grad, alpha=-lr) at a warmup's lr of 0
+             "alpha -0": lambda x: torch.add(x, x.abs(), alpha=-0.0)}
     for what, fn in cases.items():
         gm = make_fx(fn, decomposition_table=decompositions())(x)
         graph = ir.from_fx(gm, ir.graph_device([x]), half=True)
@@ -557,6 +559,15 @@ def test_negative_zero_scalars_keep_their_sign(dtype):
         got, want = run_op(fn, x)
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
         assert torch.equal(torch.signbit(got[got == 0]), torch.signbit(want[got == 0])), f"{what}: sign of 0"
+
+
+def test_non_finite_alphas_are_rendered_as_floats():
+    """add/sub's alpha is a scalar like any other: an infinite or NaN one is float("inf"), not Python's
+    repr `inf` (a NameError in the kernel)."""
+    x, y = torch.tensor([1.0, -2.0, 0.0, 3.0]), torch.tensor([1.0, 2.0, -1.0, 0.0])
+    for alpha in (float("inf"), float("-inf"), float("nan")):
+        got, want = run_op(lambda x, y: torch.sub(x, y, alpha=alpha), x, y)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"alpha {alpha}: {m}")
 
 
 def test_integer_pow_matches_torch():

@@ -178,8 +178,8 @@ def _alpha(sign: str, reverse: bool = False) -> Callable:
     def render(ops, out, kw):
         a, b = (_cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
         alpha = kw.get("alpha", 1)
-        if alpha != 1:
-            b = f"({alpha!r} * {b})"
+        if alpha != 1:      # a scalar as any other: -0.0 made at run time, inf as float("inf")
+            b = f"({_cast(_literal(alpha), out)} * {b})"
         return f"({a} {sign} {b})"
     return render
 

@@ -159,7 +159,8 @@ def predict(case: Case, spec: HardwareSpec) -> float:
     from torch.fx.experimental.proxy_tensor import make_fx
     with float32_precision(case.precision):
         shapes = [torch.empty(s, dtype=DTYPES[case.precision], requires_grad=case.grad) for s in case.shapes]
-        graph = ir.from_fx(make_fx(_step(case), decomposition_table=decompositions(), tracing_mode="fake")(*shapes), half=True)
+        gm = make_fx(_step(case), decomposition_table=decompositions(), tracing_mode="fake")(*shapes)
+        graph = ir.from_fx(gm, half=True)
     threads = torch.get_num_threads() if spec.kind == "cpu" else None
     return search.search_graph(graph, spec, gemm=False, timing=False, threads=threads).predicted_s
 

@@ -88,7 +88,8 @@ class KernelFeatures:
     row_bytes: float = 0.0     # bytes one pass over one row reads
     carried: float = 0.0       # passes whose innermost loop carries a reduction (latency-bound)
     columns: float = 0.0       # column reductions (last axis kept): the columns blocked by column_block
-    load_bytes: float = 4.0    # bytes of one load's element (the narrowest input read whole): a column reduction's sector use
+    load_bytes: float = 4.0    # bytes of one load's element (the narrowest input read whole): how much of a
+                               # sector a column reduction's loads use
     m: float = 0.0             # GEMM: rows of C, columns of C, depth, batch
     n: float = 0.0
     k: float = 0.0

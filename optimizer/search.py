@@ -447,6 +447,8 @@ def _spread_top(cands: costmodel.Candidates, predicted: np.ndarray, near: np.nda
     its order were the space's first, the smallest programs (all four of that GELU's timed shapes were 256
     elements a program), so the clock gets shapes from across the close calls instead."""
     rows = np.flatnonzero(near)
+    if not rows.size or rows[0] != 0:          # no finite prediction to be near: the model's order
+        return list(range(min(top_k, len(cands))))
     warps = cands.mr[rows]
     at = np.stack([np.log2(cands.chunk[rows]), np.log2(np.maximum(warps, 1))], axis=1)
     span = np.ptp(at, axis=0)

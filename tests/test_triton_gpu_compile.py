@@ -9,8 +9,10 @@ tests/test_optimizer_ops.py in each of its dtypes. Compiled for an H100 (sm_90) 
 A100 (sm_80), whose matrix instructions differ."""
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from optimizer import fusion, ir, search  # noqa: E402
 from optimizer.backend import decompositions  # noqa: E402
@@ -32,6 +33,7 @@ from tests.optimizer_models import suite  # noqa: E402
 H100, A100 = GPUTarget("cuda", 90, 32), GPUTarget("cuda", 80, 32)
 GENERATED = Schedule(gemm="generated")
 COMPILED: set = set()          # kernels compiled already (the same source, signature and launch), per target
+WORKER = Path(__file__).with_name("triton_compile_worker.py")
 POINTERS = {"float32": "*fp32", "float64": "*fp64", "bfloat16": "*bf16", "float16": "*fp16", "int64": "*i64",
             "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
 
@@ -42,28 +44,15 @@ def private_caches(tmp_path, monkeypatch):
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "tfsn"))
 
 
-def jit_module(source: str, path: Path):
-    """The kernels' module with Triton's compiler behind @triton.jit, even where TRITON_INTERPRET=1 is set
-    for the interpreter's tests (it is read as the module runs its decorators)."""
-    path.write_text(source)
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
-    return module
-
-
 def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarget, path: Path,
                   gemms_only: bool = False) -> int:
     """Every kernel the graph launches (or its GEMMs'), compiled for `target` as its launch would (pointer
-    dtypes, block sizes, warps, stages), each distinct one once; Triton's error, with the kernel's name and
-    source, if one does not compile. How many were."""
+    dtypes, block sizes, warps, stages), each distinct one once, one at a time (CPython 3.11's ast.parse is
+    not thread-safe: side by side, 1 run in 3 failed with "AST constructor recursion depth mismatch"), in a
+    process without the interpreter (tests/triton_compile_worker.py); Triton's error, with the kernel's name
+    and source, if one does not compile. How many were."""
     source, kernels = tt.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
-    module = jit_module(source, path)
+    path.write_text(source)
     todo = {}
     for group, k in zip(plan.groups, kernels):
         if k is None or (k.product is not None and not k.product.epilogue) or gemms_only and group.kind != "gemm":
@@ -78,18 +67,19 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
         key = (k.source.split("\n", 1)[1], tuple(signature.items()), tuple(meta.items()), tuple(options.items()),
                target.arch)
         if key not in COMPILED:
-            todo[key] = (k, signature, meta, options)
-
-    def compile_one(item) -> None:
-        k, signature, meta, options = item
-        try:
-            triton.compile(ASTSource(getattr(module, k.name), signature, constexprs=meta), target=target,
-                           options=options)
-        except Exception as err:  # noqa: BLE001 - any refusal of Triton's compiler is the finding
-            raise AssertionError(f"{k.name} does not compile for sm_{target.arch}: {type(err).__name__}: "
-                                 f"{str(err)[:2000]}\n{k.source}") from None
-    for item in todo.values():        # one at a time: CPython 3.11's ast.parse is not thread-safe (compiles
-        compile_one(item)              # side by side failed 1 in 3 runs: "AST constructor recursion depth mismatch")
+            todo[key] = {"name": k.name, "signature": signature, "constexprs": meta, "options": options}
+    if todo:
+        job = path.with_suffix(".json")
+        job.write_text(json.dumps({"module": str(path), "target": [target.backend, target.arch, target.warp_size],
+                                   "kernels": list(todo.values())}))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, str(WORKER), str(job)], capture_output=True, text=True, env=env,
+                             timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        sources = {k.name: k.source for k in kernels if k is not None}
+        failed = json.loads(run.stdout.strip().splitlines()[-1])["failed"]
+        assert not failed, "\n".join(f"{f['name']} does not compile for sm_{target.arch}: {f['error']}\n"
+                                      f"{sources[f['name']]}" for f in failed)
     COMPILED.update(todo)
     return len(todo)
 

@@ -414,7 +414,19 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int,
     between such classes are settled by the clock, not by the model."""
     near = predicted <= predicted[0] * NEAR_BEST
     if gpu and (cands.chunk > 0).all():      # programs of `chunk` elements or rows: pointwise, reductions
-        return _spread_top(cands, predicted, near, top_k)
+        picks = _spread(cands, near, top_k)
+    else:
+        picks = _best_of_each_class(cands, near, gpu)
+    for r in range(len(cands)):
+        if len(picks) >= top_k:
+            break
+        if r not in picks:
+            picks.append(r)
+    return sorted(picks[:top_k], key=lambda r: predicted[r])
+
+
+def _best_of_each_class(cands: costmodel.Candidates, near: np.ndarray, gpu: bool) -> list[int]:
+    """The best close call of each class (see _diverse_top), a GPU GEMM's library product first."""
     # a generated GEMM's tiles also by how many accumulators they keep in flight (< 8, 8-15, 16+):
     # the latency of a thin tile is as close a call as its vector width
     chains = np.where(cands.generated > 0,
@@ -431,15 +443,10 @@ def _diverse_top(cands: costmodel.Candidates, predicted: np.ndarray, top_k: int,
         if cls(r) not in classes:
             classes.add(cls(r))
             picks.append(int(r))
-    for r in range(len(cands)):
-        if len(picks) >= top_k:
-            break
-        if r not in picks:
-            picks.append(r)
-    return sorted(picks[:top_k], key=lambda r: predicted[r])
+    return picks
 
 
-def _spread_top(cands: costmodel.Candidates, predicted: np.ndarray, near: np.ndarray, top_k: int) -> list[int]:
+def _spread(cands: costmodel.Candidates, near: np.ndarray, top_k: int) -> list[int]:
     """A GPU pointwise or reduction kernel's rows to time: the model's pick, then each time a close call of
     warps not yet picked (on an H200 a reduction's shapes predicted within 6% ran 1.8x apart, mostly with
     their warps), the farthest from those picked in elements (rows) per program and warps, on log scales. The
@@ -448,7 +455,7 @@ def _spread_top(cands: costmodel.Candidates, predicted: np.ndarray, near: np.nda
     elements a program), so the clock gets shapes from across the close calls instead."""
     rows = np.flatnonzero(near)
     if not rows.size or rows[0] != 0:          # no finite prediction to be near: the model's order
-        return list(range(min(top_k, len(cands))))
+        return []
     warps = cands.mr[rows]
     at = np.stack([np.log2(cands.chunk[rows]), np.log2(np.maximum(warps, 1))], axis=1)
     span = np.ptp(at, axis=0)
@@ -460,9 +467,7 @@ def _spread_top(cands: costmodel.Candidates, predicted: np.ndarray, near: np.nda
         i = int(np.argmax(np.where(new, apart, -1.0) if new.any() else apart))   # the first of equals: better predicted
         picked.append(i)
         apart = np.minimum(apart, np.linalg.norm(at - at[i], axis=1))
-    chosen = [int(rows[i]) for i in picked]
-    chosen += [r for r in range(len(cands)) if r not in chosen][:max(0, top_k - len(chosen))]
-    return sorted(chosen, key=lambda r: predicted[r])
+    return [int(rows[i]) for i in picked]
 
 
 def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:

@@ -57,10 +57,8 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
     for group, k in zip(plan.groups, kernels):
         if k is None or (k.product is not None and not k.product.epilogue) or gemms_only and group.kind != "gemm":
             continue
-        signature = {f"p{i}": POINTERS[graph.nodes[p].type.dtype] for i, p in enumerate(k.params)}
-        if k.product is not None:
-            operand = getattr(torch, graph.nodes[k.params[k.product.a]].type.dtype)
-            signature["prod"] = POINTERS[str(tt.LibraryProduct.scratch_dtype(operand)).removeprefix("torch.")]
+        names = [f"p{i}" for i in range(len(k.params))] + (["prod"] if k.product is not None else [])
+        signature = {name: POINTERS[str(d).removeprefix("torch.")] for name, d in zip(names, k.pointer_dtypes(graph))}
         meta = dict(k.meta)
         options = {name: meta.pop(name) for name in ("num_warps", "num_stages") if name in meta}
         signature.update({name: "constexpr" for name in meta})

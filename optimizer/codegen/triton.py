@@ -405,6 +405,14 @@ class TritonKernel:
     product: LibraryProduct | None = None     # a library GEMM's product, computed before the kernel runs
     tf32: bool = False               # a product of fp32 operands that may round them to TF32 (the graph allowed it)
 
+    def pointer_dtypes(self, graph: Graph) -> list[Any]:
+        """The torch dtypes of the pointers it is launched with: its parameters', then a library product's."""
+        import torch
+        dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in self.params]
+        if self.product is not None:
+            dtypes.append(LibraryProduct.scratch_dtype(dtypes[self.product.a]))
+        return dtypes
+
 
 def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, 1 << max(0, (int(n) - 1).bit_length()))
@@ -828,11 +836,8 @@ class TritonLibrary:
         driver.active       # made here, once: its first use builds and loads Triton's C utilities, unlocked
 
         def compile_one(k: TritonKernel) -> None:
-            dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in k.params]
-            if k.product is not None:
-                dtypes.append(LibraryProduct.scratch_dtype(dtypes[k.product.a]))
             with torch.cuda.device(torch.device(graph.device)):
-                getattr(self.module, k.name).warmup(*dtypes, grid=k.grid, **dict(k.meta))
+                getattr(self.module, k.name).warmup(*k.pointer_dtypes(graph), grid=k.grid, **dict(k.meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
             compiled = [(k, pool.submit(compile_one, k)) for k in todo]
             for k, future in compiled:

@@ -393,6 +393,10 @@ GPU_REGISTER_GRANULE = 8        # registers are allocated per warp in units of 2
 GPU_MMA_K = 16                  # depth of one MMA step: the A and B fragments a thread holds per step
 GPU_MAX_DEPTH = 64             # a GEMM's BK at most (Triton's; a CPU schedule's 256 would not fit a block)
 GPU_REDUCTION_BLOCK = 1024      # elements of a row a reduction program holds per pass at most (longer rows loop)
+GPU_MEMORY_LATENCY = 700e-9     # seconds from a load's issue to its data, HBM under load (assumption: ~600 cycles
+                                # unloaded on Hopper, more under load; gpu_costmodel_check's shapes ground it). By
+                                # Little's law a chip moves at most the bytes its programs have in flight per
+                                # latency: one round of loads per wave of programs (and per block of a row)
 # A GEMM left to the vendor's library (cuBLAS through torch): its fraction of the precision's peak and of the
 # memory bandwidth (measured on an H200: see optimizer/externs.py, which prices a matmul extern with them)
 GPU_LIBRARY_GEMM_COMPUTE = 0.80
@@ -460,7 +464,12 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     # still moves the whole sector from L2 (the other columns' programs may find the rest there, not in memory)
     used = np.where(column, np.minimum(1.0, per_program * features.load_bytes[k] / GPU_SECTOR_BYTES), 1.0)
     sectors = features.read_bytes[k] / used / (l2.bandwidth_gbs * 1e9)
-    loop = np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3) + launch
+    # a program's loads are issued together and it waits one latency for them, once per block of its rows on the
+    # first pass (later passes find the rows in cache): programs of few bytes on few slots cannot keep enough in
+    # flight to reach the bandwidth, whatever the bytes
+    blocks = np.where(kind == REDUCTION, np.ceil(reduced / row_block), 1.0)
+    latency = waves * blocks * GPU_MEMORY_LATENCY
+    loop = np.maximum(np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3), latency) + launch
     loop = np.where(resident > 0, loop, np.inf)
     return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
 

@@ -220,6 +220,27 @@ def test_the_search_never_picks_a_rejected_program():
         assert np.isfinite(result.predicted_s) and all(np.isfinite(k.predicted_s) for k in result.kernels)
 
 
+@pytest.mark.parametrize("spec", [H100, find_hardware("H200")], ids=["h100", "h200"])
+def test_programs_with_too_few_loads_in_flight_are_priced_by_the_memory_latency(spec):
+    """Little's law: an SM moves at most the bytes its resident programs have in flight per memory latency.
+    An fp32 add of 256 elements a program on 16 warps (512 threads) fits 4 programs an SM, 2 KB of loads in
+    flight where an H100 needs ~18 KB to reach its bandwidth; 1024 elements on 4 warps fit 16 programs, 32 KB.
+    The model priced both at the roof (every shape of a large pointwise kernel within 7%)."""
+    from optimizer import features, fusion
+    graph = capture(lambda x, y: x + y, (4096, 4096), (4096, 4096))
+    plan = fusion.plan(graph)
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    kernel = features.kernel_features(graph, group, plan.buffers)
+    cands = space.gpu_kernel_space(0, kernel)
+    t = predict_gpu(FeatureTable([kernel]), cands, spec)
+    shape = {(int(c), int(w)): float(v) for c, w, v in zip(cands.chunk, cands.mr, t)}
+    roof = 3 * 4096 * 4096 * 4 / (spec.main_memory.bandwidth_gbs * 1e9) + spec.launch_overhead_us * 1e-6
+    assert shape[1024, 4] <= 1.1 * roof
+    programs, resident = 4096 * 4096 / 256, spec.threads_per_unit // 512
+    rounds = np.ceil(programs / (spec.compute_units * resident))
+    assert shape[256, 16] >= rounds * costmodel.GPU_MEMORY_LATENCY >= 1.3 * shape[1024, 4]
+
+
 @pytest.mark.parametrize("spec", [H100, A100], ids=["h100", "a100"])
 def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sectors_they_read(spec):
     """A bias gradient (x.sum(0): every row adds into the same columns) is written with `chunk` adjacent
@@ -288,7 +309,7 @@ def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
 
 
 def test_pointwise_shapes_the_model_prices_alike_are_timed_from_across_the_space():
-    """A bias + GELU over 32768x4096: the model prices its launch shapes within a few percent of each other;
+    """A bias + GELU over 32768x4096: the model prices most of its launch shapes within a few percent of each other;
     the four timed are of four warp counts and of programs from the smallest to the largest, not the space's
     first four (all four were programs of 256 elements; on an H200 such shapes ran up to 1.26x apart)."""
     from optimizer import features, fusion
@@ -301,11 +322,12 @@ def test_pointwise_shapes_the_model_prices_alike_are_timed_from_across_the_space
     order = np.argsort(predicted, kind="stable")
     cands, predicted = cands.take(order), predicted[order]
     near = np.flatnonzero(predicted <= predicted[0] * search.NEAR_BEST)
-    assert predicted[near[-1]] < 1.05 * predicted[0], "the model's close calls (else this test tests nothing)"
+    alike = near[predicted[near] < 1.05 * predicted[0]]
+    assert len(alike) >= 20, "the model's close calls (else this test tests nothing)"
     rows = search._diverse_top(cands, predicted, 4, gpu=True)
     assert rows[0] == 0 and len({cands.mr[r] for r in rows}) == 4
     chunks = [cands.chunk[r] for r in rows]
-    assert min(chunks) <= 2 * cands.chunk[near].min() and max(chunks) >= cands.chunk[near].max() / 2, chunks
+    assert min(chunks) <= 2 * cands.chunk[alike].min() and max(chunks) >= cands.chunk[alike].max() / 2, chunks
 
 
 def test_a_library_gemm_is_priced_as_the_library_product_then_its_epilogue():

@@ -97,6 +97,7 @@ class KernelFeatures:
     b_strided: float = 0.0     # GEMM: B's columns are not contiguous (a transposed operand)
     flat: float = 0.0          # a 1-D loop: its "rows" are FLAT_ROW elements, its chunks count elements
     precision: float = 0.0     # GEMM: index in PRECISIONS of the rate its product runs at (GPUs)
+    bias: float = 0.0          # GEMM: its whole epilogue is a bias the library's addmm adds (loopnest.bias_epilogue)
 
 
 @dataclass
@@ -508,9 +509,9 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     launch = spec.launch_overhead_us * 1e-6
     gemm = np.maximum(compute, memory) + (1.0 - overlap) * np.minimum(compute, memory) + epilogue + launch
     # the library's product (generated == 0): the whole product at the library's rate (it picks its own tiles),
-    # written where the graph wants it when nothing follows it, else into fp32, which a tiled program reads back
-    # with the group's other inputs to run the epilogue
-    alone = features.ops[k] + features.math[k] == 0
+    # written where the graph wants it when nothing follows it but a bias it adds itself (addmm), else into fp32,
+    # which a tiled program reads back with the group's other inputs to run the epilogue
+    alone = (features.ops[k] + features.math[k] == 0) | (features.bias[k] > 0)
     operands = batch * (m * depth + depth * n) * itemsize
     product = batch * m * n * np.where(alone, itemsize, 4.0)
     library = np.maximum(batch * m * n * depth * 2.0 / (peak * GPU_LIBRARY_GEMM_COMPUTE),

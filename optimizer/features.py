@@ -10,7 +10,7 @@ from math import prod
 from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, PRECISIONS, REDUCTION, KernelFeatures
 from optimizer.expr import stride_along
 from optimizer.ir import Graph, Kind, Node
-from optimizer.loopnest import Group, LoopNest, Pass, fused_nodes, lower
+from optimizer.loopnest import Group, LoopNest, Pass, bias_epilogue, fused_nodes, lower
 from optimizer.ops import EXPENSIVE
 
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -105,4 +105,5 @@ def _gemm_features(graph: Graph, group: Group, nest: LoopNest, members: set[int]
         matmul_features(graph, mm), ops=len(pointwise) - math, math=math,
         read_bytes=sum(_bytes(graph, p) for p in epilogue_reads),
         write_bytes=sum(_bytes(graph, p) for p in nest.outputs),
-        strided_bytes=sum(_bytes(graph, i) for i in strided))
+        strided_bytes=sum(_bytes(graph, i) for i in strided),
+        bias=0.0 if bias_epilogue(graph, nest) is None else 1.0)

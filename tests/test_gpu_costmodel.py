@@ -361,6 +361,27 @@ def test_a_library_gemm_is_priced_as_the_library_product_then_its_epilogue():
     assert externs.GPU["gemm"].compute == costmodel.GPU_LIBRARY_GEMM_COMPUTE   # a matmul extern, priced alike
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_bias_left_to_the_library_costs_no_program(dtype):
+    """A Linear's bias is added by the library's addmm as it writes the output (loopnest.bias_epilogue): its
+    library row is priced as the lone product, where a bias then a scale is read back by one more program."""
+    from optimizer import features, fusion
+    m = 4096
+    library = Candidates.of(0, [Schedule()])
+    prices = []
+    for fn in (lambda x, w: x @ w.t(), lambda x, w, b: F.linear(x, w, b), lambda x, w, b: F.linear(x, w, b) * 2):
+        shapes = [(m, m), (m, m), (m,)][:fn.__code__.co_argcount]
+        graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions(), tracing_mode="fake")(
+            *[torch.empty(s, dtype=dtype) for s in shapes]), half=True)
+        plan = fusion.plan(graph)
+        (group,) = [g for g in plan.groups if g.kind == "gemm"]
+        kernel = features.kernel_features(graph, group, plan.buffers)
+        prices.append(float(predict_gpu(FeatureTable([kernel]), library, H100)[0]))
+    alone, linear, scaled = prices
+    assert linear == pytest.approx(alone, rel=0.01)
+    assert scaled >= linear + H100.launch_overhead_us * 1e-6 + m * m * 4.0 / (H100.main_memory.bandwidth_gbs * 1e9)
+
+
 def test_a_bf16_step_priced_for_a_gpu_is_the_plan_tfsn_runs_there():
     """`tfsn optimize --hardware` and the planner capture the step with the 16-bit tensors the backend
     generates (ir.from_fx(half=True), as on the GPU), not as ATen calls around fp32 kernels: a bf16

@@ -198,6 +198,27 @@ def test_a_lone_library_product_is_written_where_the_graph_wants_it():
             assert ("not launched" in k.source) == (not k.product.epilogue), k.source
 
 
+def test_a_linear_bias_is_added_by_the_library_addmm():
+    """A Linear's epilogue is only its bias: the library's addmm adds it while it writes the output (16-bit
+    operands summed and biased in fp32, rounded once) and no program runs; before, the product went to a fp32
+    scratch that one more program read back to add the bias (two launches, the product written and read)."""
+    g = torch.Generator().manual_seed(0)
+    cases = ((lambda x, w, b: F.linear(x, w, b), True), (lambda x, w, b: b + x @ w.t(), True),
+             (lambda x, w, b: F.linear(x, w, b).t(), True), (lambda x, w, b: F.linear(x, w, b) * 2, False),
+             (lambda x, w, b: torch.add(x @ w.t(), b, alpha=2), False))
+    for fn, addmm in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            args = tuple(torch.randn(*s, generator=g).to(dtype) for s in ((37, 24), (40, 24), (40,)))
+            got, want, plan = run_triton(fn, args)
+            expected = fn(*(a.double() for a in args)).to(dtype)      # one rounding of the exact value
+            torch.testing.assert_close(got[0], expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+            graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+            _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+            (k,) = [k for g_, k in zip(plan.groups, kernels) if g_.kind == "gemm"]
+            assert (k.product.bias is not None) == addmm and k.product.epilogue != addmm, (dtype, k.source)
+            assert ("not launched" in k.source) == addmm
+
+
 def test_fp32_products_take_tf32_only_where_torch_allowed_it():
     """The graph records torch's float32 matmul precision at capture: 'high' (TF32) renders tl.dot in TF32,
     as eager's cuBLAS would run; the default ('highest') in IEEE fp32."""

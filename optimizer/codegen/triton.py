@@ -33,7 +33,7 @@ from optimizer.costmodel import GPU_MAX_DEPTH, GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
 from optimizer.ir import Graph, Kind, Ref
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
-                                RowSegment, Select, Stmt, Store, Temp, lower)
+                                RowSegment, Select, Stmt, Store, Temp, bias_epilogue, lower)
 from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
@@ -363,6 +363,7 @@ class LibraryProduct:
     strides: tuple[int, ...]
     into: int | None                 # position of the output the product is written into; None: a fp32 scratch
     epilogue: bool                   # whether the kernel runs after the product
+    bias: int | None = None          # position of a bias the library adds along the rows (addmm), the whole epilogue
 
     @staticmethod
     def scratch_dtype(operands: Any) -> Any:
@@ -378,7 +379,13 @@ class LibraryProduct:
         out = tensors[self.into].as_strided(self.shape, self.strides) if self.into is not None else \
             torch.empty_strided(self.shape, self.strides, dtype=self.scratch_dtype(a.dtype), device=a.device)
         matmul = torch.bmm if len(self.shape) == 3 else torch.mm
-        if a.dtype == out.dtype:
+        if self.bias is not None:
+            bias = tensors[self.bias]
+            if a.is_cuda or a.dtype == torch.float32:
+                torch.addmm(bias, a, b, out=out)
+            else:      # a 16-bit addmm on a CPU: summed and biased in fp32, rounded once, as on a GPU
+                out.copy_(torch.addmm(bias.float(), a.float(), b.float()))
+        elif a.dtype == out.dtype:
             matmul(a, b, out=out)
         elif a.is_cuda and _sums_16_bits_into_fp32():    # 16-bit operands on the tensor cores, summed into fp32
             matmul(a, b, out_dtype=out.dtype, out=out)
@@ -669,16 +676,24 @@ class TritonWriter:
         alone = not self.nest.body and len(self.nest.outputs) == 1    # nothing after the product but its store
         direct = stored and mm.index not in self.inplace and (t.dtype == "float32" or alone)
         scratch = t.strides if direct else tuple(prod(t.shape[i + 1:]) for i in range(len(t.shape)))
+        bias = bias_epilogue(self.g, self.nest)
+        out = self.g.nodes[self.nest.outputs[0]]
+        if bias is not None and out.index not in self.inplace:     # the library's addmm writes the group's output
+            into, shape, strides, epilogue = out, out.type.shape, out.type.strides, False
+        else:
+            bias, into, shape, strides, epilogue = None, mm, t.shape, scratch, not (direct and alone)
         self.product = LibraryProduct(
             params.index(a.index), params.index(b.index), (a.type.shape, a.type.strides),
-            (b.type.shape, b.type.strides), t.shape, scratch, params.index(mm.index) if direct else None,
-            epilogue=not (direct and alone))
+            (b.type.shape, b.type.strides), shape, strides,
+            params.index(into.index) if direct or bias is not None else None, epilogue=epilogue,
+            bias=None if bias is None else params.index(bias))
         M, N = t.shape[-2:]
         names = [self.names[a.index], self.names[b.index]]
         unlaunched = [] if self.product.epilogue else [f"# not launched: the product is written into "
-                                                       f"{self.names[mm.index]}"]
+                                                       f"{self.names[into.index]}"]
+        plus = f" + {self.names[bias]}[None, :]" if bias is not None else ""
         return [f"# prod = {names[0]}{list(a.type.shape)}:{list(a.type.strides)} @ "        # what runs before: the
-                f"{names[1]}{list(b.type.shape)}:{list(b.type.strides)}, by the library",  # code says all it does
+                f"{names[1]}{list(b.type.shape)}:{list(b.type.strides)}{plus}, by the library",  # code says all it does
                 *unlaunched,
                 f"acc = tl.load(prod + bi * {scratch[0] if batched else 0} + rm[:, None] * {scratch[-2]} + "
                 f"rn[None, :] * {scratch[-1]}, mask=(rm[:, None] < {M}) & (rn[None, :] < {N}), other=0.0)"

@@ -381,7 +381,7 @@ class LibraryProduct:
         matmul = torch.bmm if len(self.shape) == 3 else torch.mm
         if self.bias is not None:
             bias = tensors[self.bias]
-            if a.is_cuda or a.dtype == torch.float32:
+            if a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
                 torch.addmm(bias, a, b, out=out)
             else:      # a 16-bit addmm on a CPU: summed and biased in fp32, rounded once, as on a GPU
                 out.copy_(torch.addmm(bias.float(), a.float(), b.float()))

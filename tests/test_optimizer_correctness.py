@@ -123,6 +123,64 @@ def test_adamw_step_alone_matches_eager_and_is_generated():
     assert generated == len(params) + 1, f"the AdamW update took {generated} kernels, not {len(params) + 1}"
 
 
+def _foreach_arguments(op) -> list:
+    """Arguments for a foreach overload, from its schema: lists of two tensors of other shapes (positive, so that
+    sqrt, log and pow stay real), a scalar, a list of two scalars, a 0-d tensor."""
+    g = torch.Generator().manual_seed(0)
+
+    def tensors() -> list[torch.Tensor]:
+        return [torch.rand(3, 5, generator=g) + 0.5, torch.rand(7, generator=g) + 0.5]
+    made = {"List[Tensor]": tensors, "number": lambda: 0.75, "List[number]": lambda: [0.75, 1.5],
+            "Tensor": lambda: torch.tensor(1.25)}
+    return [made[str(a.type)]() for a in op._schema.arguments if not a.kwarg_only]
+
+
+@pytest.mark.parametrize("op", sorted(backend.foreach_decompositions(), key=str), ids=str)
+def test_foreach_decompositions_compute_what_the_foreach_op_does(op):
+    args = _foreach_arguments(op)
+    want = op(*args)
+    got = backend.foreach_decompositions()[op](*args)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+FOREACH_OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=True),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                               foreach=True),
+}
+
+
+@pytest.mark.parametrize("name", FOREACH_OPTIMIZERS)
+def test_foreach_optimizer_steps_match_eager_and_are_generated(name):
+    """torch.optim's foreach updates (the default on a GPU) as generated kernels, one per parameter that writes
+    parameter and state in place: no foreach op or copy back left to ATen."""
+    torch.manual_seed(0)
+    params = [torch.randn(37, 19), torch.randn(83), torch.randn(5, 3, 7)]
+    mine = [p.clone().requires_grad_() for p in params]
+    ref = [p.clone().requires_grad_() for p in params]
+    opt_ref, opt_mine = FOREACH_OPTIMIZERS[name](ref), FOREACH_OPTIMIZERS[name](mine)
+    report: list = []
+    step = torch.compile(opt_mine.step, backend=make_backend(report=report))
+    for i in range(3):
+        for p, q in zip(mine, ref):
+            p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+        opt_ref.step()
+        step()
+    for p, q in zip(mine, ref):
+        close(p, q, f"{name} parameter")
+        for key, value in opt_ref.state[q].items():
+            close(opt_mine.state[p][key], value, f"{name} {key}")
+    assert report, "the step was not searched: no graph compiled to kernels"
+    for graph, result in report:
+        left = [graph.nodes[g.nodes[0]].op for g in result.plan.groups if g.kind == "extern"]
+        assert not [op for op in left if "_foreach_" in op or "copy_" in op], left
+        kernels = [g for g in result.plan.groups if g.kind != "extern"]
+        assert len(kernels) <= len(params) + 1, f"{len(kernels)} kernels for {len(params)} parameters"
+
+
 class OddShapes(nn.Module):
     """Residual add + LayerNorm + softmax + bias/GELU on sizes no SIMD width divides."""
 

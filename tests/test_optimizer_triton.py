@@ -526,6 +526,32 @@ def test_suite_training_step_through_triton_matches_eager(case, gemm):
     torch._dynamo.reset()
 
 
+def test_foreach_adamw_step_through_triton_matches_eager():
+    """AdamW with foreach=True (its default for CUDA parameters) as Triton kernels: the foreach ops taken per
+    tensor, so that each parameter's update is one kernel writing parameter and moments in place, and one more
+    the step counts."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    params = [torch.randn(5, 7, device=DEVICE), torch.randn(9, device=DEVICE)]
+    mine = [p.clone().requires_grad_() for p in params]
+    ref = [p.clone().requires_grad_() for p in params]
+    opt_ref, opt_mine = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True) for ps in (ref, mine))
+    step = torch.compile(opt_mine.step, backend=make_backend(codegen="triton"))
+    kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
+    for i in range(2):
+        for p, q in zip(mine, ref):
+            p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+        opt_ref.step()
+        step()
+    assert backend.STATS["aten_graphs"] == aten, "the step ran as ATen"
+    assert backend.STATS["kernels"] - kernels == len(params) + 1, backend.STATS["kernels"] - kernels
+    for p, q in zip(mine, ref):
+        close(p, q, "parameter after two AdamW steps")
+        for key in ("exp_avg", "exp_avg_sq"):
+            close(opt_mine.state[p][key], opt_ref.state[q][key], f"AdamW {key}")
+    torch._dynamo.reset()
+
+
 # ---- op lowerings whose obvious Triton forms are wrong: values torch gets right ----
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, -3.0, 1.5, -1.5, 7.25, -7.25, 1e-3, -1e-3,

@@ -50,9 +50,10 @@ def _conform(t: torch.Tensor, want: TensorType) -> torch.Tensor:
     if t.shape != want.shape:
         raise RuntimeError(f"tfsn: a tensor of shape {tuple(t.shape)} reached a kernel compiled for {want.shape}; "
                            "this is a bug in tfsn's guards, please report it")
-    if t.stride() == want.strides:
+    dtype = getattr(torch, want.dtype)
+    if t.stride() == want.strides and t.dtype == dtype:
         return t
-    return torch.empty_strided(want.shape, want.strides, dtype=t.dtype, device=t.device).copy_(t)
+    return torch.empty_strided(want.shape, want.strides, dtype=dtype, device=t.device).copy_(t)
 
 
 def view_roots(graph: Graph, groups: Sequence[Group], kernels: Sequence[Kernel | None]) -> dict[int, int]:
@@ -243,12 +244,26 @@ class _EntryWriter:
         if n in self.views:
             return None if n in self.direct.values() else self._view(n, self.views[n])
         if node.op == "getitem" and isinstance(node.args[0], Ref) and isinstance(node.args[1], int):
-            return _Step([f"v{n} = v{node.args[0].index}[{node.args[1]}]"], {node.args[0].index}, {n}, pure=True)
+            lines = [f"v{n} = v{node.args[0].index}[{node.args[1]}]", *self._as_traced(node)]
+            return _Step(lines, {node.args[0].index}, {n}, pure=True)
         lines = [f"v{n} = {self.call(node, [self.expr(a) for a in node.args])}"]
-        want = self.checked.get(n)
-        if want is not None:
-            lines.append(f"if v{n}.stride() != {want.strides}: v{n} = conform(v{n}, {self.name(want)})")
+        if node.kind != Kind.VIEW:
+            lines += self._as_traced(node)
         return _Step(lines, set(node.inputs), {n}, pure=node.kind == Kind.VIEW)
+
+    def _as_traced(self, node: Node) -> list[str]:
+        """Source that gives an extern's result the dtype it was traced with, and the strides a kernel reading
+        it was generated for. Kernels, and the graphs that take a saved tensor, read raw memory as the traced
+        dtype, and ATen's kernel can disagree with torch's meta function: native_group_norm of a bf16 input with
+        fp32 weight returns fp32 mean and rstd where the trace says bf16 (bf16 GroupNorm's gradients were NaN)."""
+        n, t = node.index, node.type
+        if t is None:
+            return []
+        dtype = self.name(getattr(torch, t.dtype))
+        want = self.checked.get(n)
+        if want is None:
+            return [f"if v{n}.dtype != {dtype}: v{n} = v{n}.to({dtype})"]
+        return [f"if v{n}.stride() != {want.strides} or v{n}.dtype != {dtype}: v{n} = conform(v{n}, {self.name(want)})"]
 
     def _view(self, n: int, view: StaticView) -> _Step:
         r = view.root

@@ -18,6 +18,7 @@ of their scale apart, about three roundings; outputs and loss equal.)
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
@@ -90,9 +91,15 @@ def compare_parameters(eager: nn.Module, mine: nn.Module, what: str, dtype: torc
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
 def test_forward_and_gradients_match_eager(case):
+    check_forward_and_gradients(case, make_backend())
+
+
+def check_forward_and_gradients(case: Case, compile_with: Callable) -> None:
+    """One step of `case` compiled with `compile_with` against eager's: output, loss, input and parameter
+    gradients, buffers; and the compiled step generated kernels."""
     eager, inputs_e, out_e, loss_e, mine, inputs_m, target = stepped_eager(case)
 
-    compiled = torch.compile(mine, backend=make_backend())
+    compiled = torch.compile(mine, backend=compile_with)
     before = kernels()
     out_m, loss_m = case.step(compiled, inputs_m, target)
     loss_m.backward()
@@ -106,10 +113,13 @@ def test_forward_and_gradients_match_eager(case):
             close(a.grad, b.grad, f"{case.name} grad of input {i}", dtype)
     # All of the gradient's scale, for the elements whose gradient is zero in exact arithmetic: what
     # either run has there is cancellation noise of terms of the size of the model's gradients.
-    grad_scale = max(p.grad.abs().max().item() for p in eager.parameters())
-    _, atol = TOLERANCE[dtype or torch.float32]
     grads = dict(mine.named_parameters())
-    for name, p in eager.named_parameters():
+    trained = [(name, p) for name, p in eager.named_parameters() if p.grad is not None]
+    for name, p in eager.named_parameters():       # frozen, or read only under no_grad
+        assert p.grad is not None or grads[name].grad is None, f"{case.name}: tfsn gives {name} a gradient, eager none"
+    grad_scale = max(p.grad.abs().max().item() for _, p in trained)
+    _, atol = TOLERANCE[dtype or torch.float32]
+    for name, p in trained:
         zero = zero_grad_mask(case, name, p)
         close(grads[name].grad[~zero], p.grad[~zero], f"{case.name} grad of {name}", dtype)
         if zero.any():
@@ -153,6 +163,10 @@ TRAINED = ["gpt", "mha_key_padding", "encoder_postnorm_relu", "encoder_prenorm_g
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("case", [c for c in cases() if c.name in TRAINED], ids=lambda c: c.name)
 def test_training_steps_match_eager(case, optimizer):
+    check_training(case, optimizer)
+
+
+def check_training(case: Case, optimizer: str) -> None:
     """Three steps on one batch: the loss of each step against eager's; after SGD with momentum
     also every parameter and buffer.
 

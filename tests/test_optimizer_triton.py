@@ -617,6 +617,19 @@ def test_non_finite_alphas_are_rendered_as_floats():
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"alpha {alpha}: {m}")
 
 
+def test_fp64_scalars_standing_alone_keep_fp64_precision():
+    """Triton makes a float literal an fp32 constant: fp64 fills, where's and masked_fill's scalar operand and
+    threshold's value came out rounded to fp32 (1/7 off by 4e-8 relative); each is exactly torch's now. A
+    scalar out of fp32's range is the fp64 value too."""
+    x = torch.randn(13, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    cases = {"full_like": lambda x: torch.full_like(x, 1 / 7), "where": lambda x: torch.where(x > 0, 1 / 7, x),
+             "masked_fill": lambda x: x.masked_fill(x > 0, -1 / 3), "threshold": lambda x: F.threshold(x, 0.1, 1 / 7),
+             "huge fill": lambda x: x.masked_fill(x < 0, 1e300)}
+    for what, fn in cases.items():
+        got, want = run_op(fn, x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
 def test_integer_pow_matches_torch():
     """Integers to whole powers are exact and wrap as torch's do (no float rounding): 3 ** 39 needs 62 bits."""
     base = torch.tensor([3, -3, 2, -2, 0, 1, -1, 7, -5, 3], dtype=torch.int64)

@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import math
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
@@ -122,6 +123,10 @@ def _cast(v: Value, dtype: str) -> str:
     if v.scalar and dtype in FLOATS and v.dtype in FLOATS and v.value == 0 and math.copysign(1.0, v.value) < 0:
         # -0.0 made at run time: Triton before 3.7 turns a zero literal into +0.0 (`value == 0`), on a GPU too
         return f"(tl.full([], -1.0, {TL_TYPES[dtype]}) * 0.0)"
+    if dtype == "float64" and v.scalar and v.dtype in FLOATS and _inexact_in_fp32(v.value):
+        # Triton makes a float literal an fp32 constant: where it is a value of its own (a fill, where's or
+        # masked_fill's operand, threshold's) and not one side of an fp64 arithmetic op, it stays fp32-rounded
+        return f"tl.full([], {v.expr}, tl.float64)"
     if v.dtype == dtype or v.scalar and dtype in FLOATS and v.dtype in FLOATS:
         return v.expr
     if dtype == "bool":
@@ -131,6 +136,16 @@ def _cast(v: Value, dtype: str) -> str:
             return str(_wrapped(int(v.value), dtype))
         return v.expr if dtype in FLOATS or v.dtype != "float64" else str(int(v.value))
     return f"({v.expr}).to({TL_TYPES[dtype]})"
+
+
+def _inexact_in_fp32(value: Any) -> bool:
+    """Whether a Python float changes when rounded to fp32 (1/7 and 1e300 do; 0.5, inf and NaN do not)."""
+    if not isinstance(value, float) or not math.isfinite(value):
+        return False
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0] != value
+    except OverflowError:          # beyond fp32's range
+        return True
 
 
 def _literal(a: bool | int | float) -> Value:

@@ -54,7 +54,7 @@ EXTRA_DECOMPOSITIONS = [
     aten._log_softmax, aten._log_softmax_backward_data, aten.gelu, aten.gelu_backward, aten.silu,
     aten.silu_backward, aten.addcmul, aten.addcdiv, aten.lerp,
     aten._native_batch_norm_legit_functional, aten.native_batch_norm_backward, aten.sigmoid_backward,
-    aten.tanh_backward, aten.tril, aten.triu, aten.linalg_vector_norm,
+    aten.tanh_backward, aten.tril, aten.triu, aten.linalg_vector_norm, aten.native_group_norm,
 ]
 
 

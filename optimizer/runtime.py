@@ -254,8 +254,9 @@ class _EntryWriter:
     def _as_traced(self, node: Node) -> list[str]:
         """Source that gives an extern's result the dtype it was traced with, and the strides a kernel reading
         it was generated for. Kernels, and the graphs that take a saved tensor, read raw memory as the traced
-        dtype, and ATen's kernel can disagree with torch's meta function: native_group_norm of a bf16 input with
-        fp32 weight returns fp32 mean and rstd where the trace says bf16 (bf16 GroupNorm's gradients were NaN)."""
+        dtype, and a kernel can disagree with its meta function: ATen's native_group_norm of a bf16 input with
+        fp32 weight returns fp32 mean and rstd where the trace says bf16 (bf16 GroupNorm's gradients were NaN
+        while it ran as an extern), and so may a custom op."""
         n, t = node.index, node.type
         if t is None:
             return []

@@ -70,6 +70,19 @@ def test_residual_add_and_layernorm_are_one_row_kernel():
     torch.testing.assert_close(run(gm, [x, r, w, b]), layer_norm(x + r, w, b), rtol=1e-4, atol=1e-5)
 
 
+def test_group_norm_is_generated_not_left_to_aten():
+    """GroupNorm (UNets, diffusion models, after a conv) is decomposed like LayerNorm: its statistics are a row
+    kernel over each group's channels and pixels, and the normalization, per-channel weight and bias and the
+    activation after it are generated too; before, native_group_norm ran as one ATen call between kernels."""
+    x, w, b = torch.randn(3, 6, 5, 7), torch.randn(6), torch.randn(6)
+    fn = lambda x, w, b: F.silu(F.group_norm(x, 2, w, b))  # noqa: E731
+    gm, graph, plan = trace(fn, x, w, b)
+    externs = {graph.nodes[g.nodes[0]].op for g in plan.groups if g.kind == "extern"}
+    assert not any("group_norm" in op for op in externs), externs
+    assert any(g.reduced for g in kernels(graph, plan)), fusion.describe(graph, plan)
+    torch.testing.assert_close(run(gm, [x, w, b]), fn(x, w, b), rtol=1e-4, atol=1e-5)
+
+
 def test_softmax_and_cross_entropy_rows_fuse():
     x = torch.randn(6, 37)
     gm, graph, plan = trace(lambda x: F.softmax(x, dim=-1), x)

@@ -280,3 +280,27 @@ def test_a_malformed_identity_is_refused_naming_the_field_and_the_fix(tfsn, tmp_
     launched = tfsn("launch", "--detach", spec, check=False)
     assert launched.returncode == 2 and launched.stderr == proc.stderr
     assert json.loads(tfsn("status", "--json").stdout) == []
+
+
+# ---- two live jobs must not share a checkpoint folder ---------------------------------------------------------
+
+def test_a_second_live_job_saving_into_the_same_checkpoint_dir_is_refused_naming_the_first(in_process, tmp_path):
+    """Two jobs launched with one checkpoint.dir restored each other's half-trained steps, pruned each other's
+    checkpoints and failed on "Directory not empty" when both saved one step: the second launch is refused."""
+    (tmp_path / "code").mkdir()
+    first, other = tmp_path / "train.yaml", tmp_path / "code" / "again.yaml"
+    first.write_text("run: python train.py\nworkdir: code\ncheckpoint:\n  dir: ckpt\n")
+    other.write_text("run: python train.py\ncheckpoint:\n  keep: 2\n  dir: ./ckpt/\n")   # the same folder, other words
+    assert in_process("launch", "--detach", str(first))[0] == 0
+    code, out, err = in_process("launch", "--detach", str(other))
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert line.startswith(f"tfsn: error: {other}:4: checkpoint.dir: {tmp_path / 'code' / 'ckpt'} is in use by job 1 ")
+    assert "To fix: stop it first (tfsn stop 1)" in line
+    store = Store(tmp_path / "home" / "tfsn.db")
+    assert [j.id for j in store.jobs()] == [1]                 # nothing stored for the refused launch
+
+    store.transition(1, JobState.STOPPED, "by user")            # once the first has ended, its folder is free
+    assert in_process("launch", "--detach", str(other))[0] == 0
+    (tmp_path / "code" / "default.yaml").write_text("run: python train.py\n")   # each its own default folder
+    assert [in_process("launch", "--detach", str(tmp_path / "code" / "default.yaml"))[0] for _ in "ab"] == [0, 0]

@@ -6,11 +6,12 @@ controller is running to act on it. Bad input ends with one line on stderr and e
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from pydantic import ValidationError
@@ -25,7 +26,7 @@ from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text, hardware_lines, model_text
-from orchestrator.spec import JobSpec, SpecError, load_spec, spec_line
+from orchestrator.spec import JobSpec, SpecError, checkpoint_url_scheme, load_spec, spec_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
@@ -90,6 +91,28 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     return checkpoint_problem(spec)
 
 
+def _same_folder(a: str, b: str) -> bool:
+    """Do two checkpoint.dir values name one folder (an object-store URL compared as written)?"""
+    if checkpoint_url_scheme(a) or checkpoint_url_scheme(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def refuse_shared_checkpoints(file: Path, spec: JobSpec) -> Callable[[list[Job]], None]:
+    """A guard for `Store.create_job`: two live jobs saving into one checkpoint.dir would restore and prune
+    each other's checkpoints and collide on a step's name; the second is refused, naming the first."""
+    def guard(active: list[Job]) -> None:
+        mine = spec.checkpoint.dir
+        for job in active if mine is not None else ():
+            theirs = (job.spec.get("checkpoint") or {}).get("dir") if isinstance(job.spec, dict) else None
+            if isinstance(theirs, str) and _same_folder(mine, theirs):
+                raise UsageError(
+                    f"{file}:{spec_line(file, ('checkpoint', 'dir'))}: checkpoint.dir: {mine} is in use by job "
+                    f"{job.id} ({job.name}, {job.state.value}); two jobs saving there would overwrite each other's "
+                    f"checkpoints. To fix: stop it first (tfsn stop {job.id}) or give this job another checkpoint.dir")
+    return guard
+
+
 def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:
     """`file` as a launch takes it: valid, and able to run. `validate` is this very check, so the two
     commands accept and refuse the same files with the same messages, and print the same warnings: what
@@ -124,7 +147,8 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
             raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 63), "
                              "starting with a letter or digit") from None
     store = _store()
-    job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32))
+    job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32),
+                           guard=refuse_shared_checkpoints(file, spec))
     daemon.ensure_controller()
     if detach:
         console.print(f"job {job.id} ({job.name}) submitted.  Follow: tfsn logs {job.id} --follow   "

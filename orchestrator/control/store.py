@@ -291,9 +291,14 @@ class Store:
         return None if row is None else row["job_id"]
 
     # ---- jobs -----------------------------------------------------------------------------------
-    def create_job(self, name: str, spec: dict[str, Any], spec_path: str, token: str) -> Job:
+    def create_job(self, name: str, spec: dict[str, Any], spec_path: str, token: str,
+                   guard: Callable[[list[Job]], None] | None = None) -> Job:
+        """A new PENDING job. `guard`, given the jobs not yet ended, may refuse it by raising: it runs in the
+        transaction that inserts the job, so two launches at once cannot both pass it."""
         now = time.time()
         with self._tx() as db:
+            if guard is not None:
+                guard(self.jobs(active_only=True))
             cur = db.execute(
                 "INSERT INTO jobs (name, state, spec, spec_path, token, created_at, updated_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -802,6 +802,42 @@ def _key_problems(root: yaml.Node) -> list[tuple[int, str]]:
     return sorted(problems)
 
 
+_TEXT_AS_WRITTEN = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "bool", "timestamp")}
+
+
+def _field_nodes(node: yaml.Node, seen: set[int] | None = None) -> dict[str, yaml.Node]:
+    """A mapping node's values by key, merges ('<<') included as YAML applies them: its own keys first,
+    then the merged mappings' in order (aliases may loop: each mapping is read once)."""
+    seen = set() if seen is None else seen
+    if not isinstance(node, yaml.MappingNode) or id(node) in seen:
+        return {}
+    seen.add(id(node))
+    found: dict[str, yaml.Node] = {}
+    merged: list[yaml.Node] = []
+    for key, value in node.value:
+        if key.tag == _MERGE_TAG:
+            merged.extend(value.value if isinstance(value, yaml.SequenceNode) else [value])
+        elif isinstance(key, yaml.ScalarNode):
+            found[key.value] = value
+    for mapping in merged:
+        for key, value in _field_nodes(mapping, seen).items():
+            found.setdefault(key, value)
+    return found
+
+
+def _envs_as_written(data: dict, root: yaml.Node) -> None:
+    """Environment values reach the workers as written: YAML would turn `VERSION: 1.10` into 1.1, `MODE: 010`
+    into 8, `AT: 12:30` into 750 and `DEBUG: yes` into true, so unquoted numbers, bools and dates keep their
+    text (a null stays None, refused by the model with a fix)."""
+    envs = data.get("envs")
+    node = _field_nodes(root).get("envs")
+    if not isinstance(envs, dict) or node is None:
+        return
+    for key, value in _field_nodes(node).items():
+        if key in envs and isinstance(value, yaml.ScalarNode) and value.style is None and value.tag in _TEXT_AS_WRITTEN:
+            envs[key] = value.value
+
+
 def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
     if isinstance(err, yaml.MarkedYAMLError):
         mark = err.problem_mark or err.context_mark
@@ -936,6 +972,7 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
         raise fail([(root.start_mark.line + 1, f"the top level must be a mapping of fields, not "
                                                f"{kind}. To fix: write e.g. 'run: python train.py'")])
     data.setdefault("name", _default_name(shown))
+    _envs_as_written(data, root)
     if overrides:
         for key in overrides:
             if not isinstance(key, str) or not _ENV_RE.fullmatch(key):

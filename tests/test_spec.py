@@ -187,6 +187,27 @@ def test_env_overrides(tmp_path):
                     "To fix: use letters, digits and '_', not starting with a digit"]
 
 
+def test_env_values_reach_the_workers_as_written(tmp_path):
+    """YAML reads unquoted `1.10` as 1.1, `010` as 8, `12:30` as 750 and `yes` as true: a worker got
+    CUDA_VERSION=1.1 or a job id of 8. Unquoted numbers, bools and dates keep their text, merged ones too."""
+    spec = load_spec(write(tmp_path, """\
+        run: x
+        envs:
+          <<: {BASE_LR: 3.0e-4, VERSION: 2.0}
+          VERSION: 1.10
+          JOB: 010
+          MASK: 0x1F
+          AT: 12:30
+          DEBUG: yes
+          FLAG: True
+          DAY: 2024-01-01
+          QUOTED: "1.10"
+          SEED: 1337
+        """))
+    assert spec.envs == {"BASE_LR": "3.0e-4", "VERSION": "1.10", "JOB": "010", "MASK": "0x1F", "AT": "12:30",
+                         "DEBUG": "yes", "FLAG": "True", "DAY": "2024-01-01", "QUOTED": "1.10", "SEED": "1337"}
+
+
 def test_json_round_trip(tmp_path):
     for text in (FULL, "run: x\n", "run: x\nresources:\n  accelerators: {H100: 8, A100: 8}\n",
                  "run: x\nresources: {accelerators: [H100:8, L4]}\ncheckpoint: {interval: 50}\n"):

@@ -1,7 +1,9 @@
 """The node agent and its workers, without a controller (its posts go nowhere and are kept for later)."""
 from __future__ import annotations
 
-from orchestrator.agent.node import Agent
+import pytest
+
+from orchestrator.agent.node import Agent, failure_summary
 from orchestrator.sdk.client import ControllerClient
 from tests.awsfaults import free_port
 from tests.vmsandbox import wait_for
@@ -45,3 +47,35 @@ def test_the_plan_that_came_with_the_code_is_in_the_workers_cache_before_they_st
         assert f"1 search entries of the job's plan installed in {cache}" in "".join(agent.logs.tail)
     finally:
         agent.stop_workers()
+
+
+# torchrun's report after a worker that printed no Python error exited with code 2 (a `run: python trian.py` typo),
+# as a local node's log held it.
+TORCHRUN_ROOT_CAUSE = """\
+E1205 22:11:21.868000 9102 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0
+Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+bash FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 9112)
+============================================================""".splitlines()
+
+
+@pytest.mark.parametrize("said, code", [
+    ("python: can't open file '/home/me/proj/trian.py': [Errno 2] No such file or directory", 2),
+    ("bash: line 1: pythn: command not found", 127),
+    ("config.toml has no [model] section; giving up", 3),
+])
+def test_a_worker_that_fails_without_a_python_error_is_summed_up_by_its_last_line(said, code):
+    """A worker that exits without a traceback was summed up as "workers exited with code 1" (torchrun's code,
+    not the worker's): `tfsn launch` ended on that line, and the cause was only in the job's log."""
+    lines = [f"[rank1]: {said}", f"[rank0]: {said}"] + [l.replace("exitcode  : 2", f"exitcode  : {code}")
+                                                         for l in TORCHRUN_ROOT_CAUSE]
+    assert failure_summary(lines, 1) == (f"workers exited with code {code}; their last line: [rank0]: {said}", None)
+    assert failure_summary(lines[2:], 1) == (f"workers exited with code {code}", None)   # nothing printed

@@ -46,6 +46,7 @@ LOG_BATCH_BYTES = 4 << 20
 SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
+_WORKER_LINE = re.compile(r"^\[rank\d+\]:\s*\S")
 
 
 class LogShipper:
@@ -141,20 +142,27 @@ def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]
     """The user-facing error of a failed run and the signal that killed the first worker, if any.
 
     torchrun prints a "Root Cause (first observed failure)" block whose `exitcode` is negative when
-    a signal killed the worker; the error is the last `SomethingError: ...` line the workers printed.
+    a signal killed the worker; the error is the last `SomethingError: ...` line the workers printed, else
+    (bash's "command not found", python's "can't open file", a script's own message before `sys.exit(3)`)
+    the worker's exit code and the last line the workers printed.
     """
-    sig = None
+    sig, code = None, returncode
     for i, line in enumerate(lines):
         if "Root Cause" in line:
             match = next((m for m in map(_EXITCODE.search, lines[i:]) if m), None)
             if match and int(match.group(1)) < 0:
                 sig = -int(match.group(1))
+            elif match:
+                code = int(match.group(1))
     error = next((line for line in reversed(lines) if _ERROR_LINE.search(line) and "ChildFailedError" not in line
                   and "torch.distributed.elastic" not in line), "")
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         return f"a worker was killed by {name}" + (f" ({error.strip()})" if error else ""), sig
-    return (error.strip() or f"workers exited with code {returncode}"), None
+    if error:
+        return error.strip(), None
+    last = next((line.strip() for line in reversed(lines) if _WORKER_LINE.match(line)), "")
+    return f"workers exited with code {code}" + (f"; their last line: {last}" if last else ""), None
 
 
 def route_address(url: str) -> str:

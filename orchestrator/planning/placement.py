@@ -113,6 +113,22 @@ SHARED_DISK_PROVIDERS = ("local",)
 _BUCKET_URL = {"aws": "s3://BUCKET/PATH", "gcp": "gs://BUCKET/PATH", "azure": "az://CONTAINER/PATH"}
 
 
+def folder_problem(path: str) -> str | None:
+    """Why this machine could not save into folder `path` (made on the first save if missing), as one line with
+    the fix; or None. Said at launch: the job would otherwise train up to its first checkpoint, fail there, and
+    fail again after a restart."""
+    probe = path
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:   # the nearest part that exists
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "is a file" if probe == path else f"is below {probe}, a file"
+        return f"{path} {what}, not a folder. To fix: name a folder (it is made if missing)"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return (f"{path}: this user cannot write in {probe}. To fix: choose a folder you can write to, or change "
+                "its permissions")
+    return None
+
+
 def checkpoint_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     """Why the job's checkpoints would be lost with a node, as (field, one line with the fix); or None.
 
@@ -124,7 +140,8 @@ def checkpoint_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     allowed = allowed_providers(spec)
     remote = [name for name in allowed if name not in SHARED_DISK_PROVIDERS]
     if not remote:
-        return None
+        unusable = ckpt.dir and folder_problem(ckpt.dir)
+        return (("checkpoint", "dir"), f"checkpoint.dir: {unusable}") if unusable else None
     where = (f"checkpoint.dir: {ckpt.dir} is" if ckpt.dir
              else "checkpoint.dir: unset, checkpoints go to the controller's disk,")
     urls = " or ".join(dict.fromkeys(_BUCKET_URL.get(name, "s3://, gs:// or az://BUCKET/PATH") for name in remote))

@@ -844,6 +844,9 @@ def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
         what = err.problem or err.context or "malformed YAML"
         if err.context and err.problem and err.context_mark is not None:
             what = f"{what} ({err.context} on line {err.context_mark.line + 1})"
+        if "'\\t'" in what and mark is not None:        # an editor's tab: YAML indents and separates with spaces only
+            what = (f"a tab at column {mark.column + 1}: YAML indents and separates with spaces only. To fix: "
+                    "replace the tabs with spaces")
         return (mark.line + 1 if mark else 1), f"invalid YAML: {what}"
     if isinstance(err, yaml.reader.ReaderError):
         return text[:err.position].count("\n") + 1, (

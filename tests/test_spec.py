@@ -296,8 +296,9 @@ def test_yaml_syntax_error(tmp_path):
     path = write(tmp_path, "run: x\nresources:\n  accelerators: [H100:8\nsteps: 3\n")
     msgs = errors(path)
     assert len(msgs) == 1 and re.match(rf"{re.escape(str(path))}:\d+: invalid YAML: ", msgs[0])
-    path = write(tmp_path, "run: x\n\tsteps: 3\n")
-    assert errors(path) == [f"{path}:2: invalid YAML: found character '\\t' that cannot start any token"]
+    path = write(tmp_path, "run: x\nresources:\n  cpus: 2\n\taccelerators: H100:8\n")    # an editor's tab
+    assert errors(path) == [f"{path}:4: invalid YAML: a tab at column 1: YAML indents and separates with spaces "
+                            "only. To fix: replace the tabs with spaces"]
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n", "~\n"])

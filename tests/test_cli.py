@@ -103,6 +103,7 @@ NOT_LAUNCHABLE = [
     ("resources:\n  accelerators: H10:8\n", "did you mean 'H100'?"),
     ("workdir: nowhere\n", "workdir: "),
     ("num_nodes: 4096\n", "num_nodes 4096: this machine runs at most"),   # no cloud: 4096 local agents
+    ("resources:\n  memory: 4000\n", "train.yaml:4: no capable offer: resources.memory 4000"),   # its line, not 1
     # a job that could never save (it failed at its first checkpoint, and again after a restart)
     ("checkpoint:\n  dir: ../train.yaml\n", "train.yaml is a file, not a folder"),
     ("checkpoint:\n  dir: ../train.yaml/ckpt\n", "ckpt is below "),

@@ -26,6 +26,7 @@ preference first and ranks by cost within each choice. The planner knows no prov
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -534,7 +535,9 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     if f.emptied_by is not None or not capable.size:
         what, fix = f.emptied_by or ("the constraints", "relax the resources")
         left = int(f.before.sum()) if f.before is not None else 0
-        raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {len(offers)}. To fix: {fix}")
+        named = re.match(r"(resources|model)\.(\w+)", what)      # the field to blame, for its line in the spec
+        raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {len(offers)}. To fix: {fix}",
+                        field=named.groups() if named else ())
     return _ranked(spec, offers, c, capable, preference, step, steps, dict(
         workload=workload, reference_workload=is_reference, step_source=source, entry=entry, hardware_keys=keys))
 

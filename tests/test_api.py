@@ -462,3 +462,32 @@ def test_a_client_that_vanishes_mid_request_is_not_logged_as_a_bug(server, capsy
     agent(api, job).post("/nodes/n0/heartbeat", {"state": "ready"})   # served on as before
     printed = capsys.readouterr()
     assert "Traceback" not in printed.out + printed.err, printed.out + printed.err
+
+
+def test_a_restart_that_restores_nothing_is_said_not_taken_for_a_resume(server, tmp_path, monkeypatch):
+    """A job restarted 'from the checkpoint at step 10' whose checkpoints were all corrupt trained from step 0 with
+    nothing in the job's log but the workers' warnings: the controller now says what was restored, and warns when
+    it is not the last checkpoint the job saved."""
+    import torch
+
+    from orchestrator.sdk.run import Run
+    api, store, _ = server
+    root = tmp_path / "ckpt"
+    spec = JobSpec.model_validate({"name": "r", "run": "x", "checkpoint": {"dir": str(root)}})
+    job = store.create_job("r", spec.model_dump(mode="json"), "p", "r-secret")
+    sdk(api, job).post("/checkpoint", {"step": 10, "path": f"{root}/step_000000010"})   # the last save heard of
+    for name, value in {"TFSN_CONTROLLER_URL": api.url, "TFSN_TOKEN": sdk_token(job.token),
+                        "TFSN_JOB_ID": str(job.id)}.items():
+        monkeypatch.setenv(name, value)
+    run = Run(checkpoint_dir=str(root), checkpoint_interval=5, keep=2, total_steps=5)   # nothing readable there
+    assert run.restore(model=torch.nn.Linear(2, 2)) == 0
+    run.finish()
+    said = [e.message for e in store.events(job.id) if e.kind == "checkpoint"][-1]
+    assert said == (f"no checkpoint to restore in {root}: training starts at step 0; WARNING: the last checkpoint "
+                    f"saved was step 10 ({root}/step_000000010), and it could not be restored (the workers' "
+                    "warnings say why)")
+    assert store.job(job.id).restored_step == 0
+    with pytest.raises(ControllerRejected, match="400"):      # only its own folder, and only as 'nothing restored'
+        sdk(api, job).post("/checkpoint", {"step": 0, "path": "/etc", "restored": True})
+    with pytest.raises(ControllerRejected, match="400"):
+        sdk(api, job).post("/checkpoint", {"step": 3, "path": str(root)})

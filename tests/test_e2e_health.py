@@ -104,7 +104,7 @@ def test_stopped_worker_is_found_hung_and_replaced(tfsn, tmp_path):
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 30, what="training to start")
     stuck_node = next(n["id"] for n in st["nodes"] if n["rank"] == 0)
     os.kill(worker_pid(tfsn, 1, rank=0), signal.SIGSTOP)  # for good
-    st = tfsn.wait(1, lambda s: s["restarts"] >= 1 and s["state"] == "RUNNING" and s["restored_step"] is not None,
+    st = tfsn.wait(1, lambda s: s["restarts"] >= 1 and s["state"] == "RUNNING" and (s["restored_step"] or 0) > 0,
                    timeout=120, what="the hung node to be replaced and training resumed")
     events = [e["message"] for e in st["events"]]
     assert any(m.startswith("hang") and stuck_node in m for m in events), events

@@ -143,11 +143,12 @@ class ApiHandlers:
         step, path = int(body["step"]), str(body["path"])
         job = self.store.job(job_id)
         root = self._checkpoint_dir(job, JobSpec.model_validate(job.spec))
-        if not _inside(path, root):
+        nothing = bool(body.get("restored")) and step == 0 and path.rstrip("/") == root.rstrip("/")
+        if not nothing and not _inside(path, root):
             raise ValueError(f"checkpoint path {path!r} is not in the job's checkpoint directory {root}")
         if body.get("restored"):
             self.store.update_job(job_id, restored_step=step)
-            self.ctx.event(job_id, "checkpoint", f"restored step {step} from {path}")
+            self.ctx.event(job_id, "checkpoint", _restored_text(job, step, path, nothing, root))
         else:
             self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
             watch = self.health.existing(job_id)
@@ -211,6 +212,17 @@ class ApiHandlers:
         if active and not node.state.active:
             raise ValueError(f"node {node_id} is {node.state.value}: it takes no more reports")
         return node
+
+
+def _restored_text(job: Job, step: int, path: str, nothing: bool, root: str) -> str:
+    """What a restore found, said so that a restart that could not resume from the last checkpoint the job saved
+    (corrupt, deleted, unreadable: the workers' warnings say why) is never taken for a resume."""
+    text = f"no checkpoint to restore in {root}: training starts at step 0" if nothing else \
+        f"restored step {step} from {path}"
+    if job.checkpoint_step and job.checkpoint_step > step:
+        text += (f"; WARNING: the last checkpoint saved was step {job.checkpoint_step} ({job.checkpoint_path}), "
+                 "and it could not be restored (the workers' warnings say why)")
+    return text
 
 
 def _inside(path: str, root: str) -> bool:

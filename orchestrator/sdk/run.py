@@ -306,11 +306,13 @@ class Run:
             with self._phases.phase(phases.CHECKPOINT):
                 self._wait_for_write()
         info = ckpt.restore(self.checkpoint_dir, objects)
+        if self._telemetry is not None and self.rank == 0:   # nothing restored is said too: a restart from step 0
+            self._telemetry.event("/checkpoint", {           # is no resume (every checkpoint may have been corrupt)
+                "step": info.step if info else 0, "path": str(info.path if info else self.checkpoint_dir),
+                "restored": True})
         if info is None:
             return 0
         self.last_checkpoint = info
-        if self._telemetry is not None and self.rank == 0:
-            self._telemetry.event("/checkpoint", {"step": info.step, "path": str(info.path), "restored": True})
         return info.step
 
     def _due(self, completed: int) -> bool:

@@ -79,3 +79,24 @@ def test_a_worker_that_fails_without_a_python_error_is_summed_up_by_its_last_lin
                                                          for l in TORCHRUN_ROOT_CAUSE]
     assert failure_summary(lines, 1) == (f"workers exited with code {code}; their last line: [rank0]: {said}", None)
     assert failure_summary(lines[2:], 1) == (f"workers exited with code {code}", None)   # nothing printed
+
+
+def test_a_python_error_is_summed_up_with_where_the_users_code_raised_it():
+    """The summary that ends `tfsn launch` was "[rank0]: [rank0]: RuntimeError: boom" or "SyntaxError: '(' was
+    never closed", with no file or line: it now says where, in the job's workdir when a frame is there."""
+    raised = ["[rank0]: [rank0]: Traceback (most recent call last):",
+              '[rank0]: [rank0]:   File "/home/me/my proj/train.py", line 23, in <module>',
+              "[rank0]: [rank0]:     main()",
+              '[rank0]: [rank0]:   File "/home/me/my proj/train.py", line 20, in main',
+              "[rank0]: [rank0]:     loss = step(model, batch)",
+              '[rank0]: [rank0]:   File "/venv/lib/python3.11/site-packages/torch/nn/functional.py", line 9, in mse',
+              "[rank0]: [rank0]: RuntimeError: shape mismatch: [8, 512] vs [8, 768]"]
+    assert failure_summary(raised + TORCHRUN_ROOT_CAUSE, 1, "/home/me/my proj") == (
+        "[rank0]: RuntimeError: shape mismatch: [8, 512] vs [8, 768] (at train.py:20)", None)
+    assert failure_summary(raised, 1)[0].endswith("(at /venv/lib/python3.11/site-packages/torch/nn/functional.py:9)")
+    syntax = ['[rank0]:   File "/home/me/my proj/train.py", line 2', "[rank0]:     x = (1,", "[rank0]:         ^",
+              "[rank0]: SyntaxError: '(' was never closed"]
+    assert failure_summary(syntax + TORCHRUN_ROOT_CAUSE, 1, "/home/me/my proj/") == (
+        "[rank0]: SyntaxError: '(' was never closed (at train.py:2)", None)
+    assert failure_summary(["[rank0]: ValueError: bad learning rate"], 1) == ("[rank0]: ValueError: bad learning rate",
+                                                                              None)   # no traceback shown: no place

@@ -47,6 +47,8 @@ SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 _WORKER_LINE = re.compile(r"^\[rank\d+\]:\s*\S")
+_RANK_PREFIX = re.compile(r"^((\[rank\d+\]:\s*)+)")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 class LogShipper:
@@ -138,7 +140,34 @@ def gpu_source(node_id: str) -> tuple[NvmlSource | DcgmSource | None, list[str]]
                     for gpu, why in source.unwatched.items()]
 
 
-def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]:
+def _one_prefix(line: str) -> str:
+    """`[rank0]: [rank0]: X` (torchrun's prefix over torch's own, on a worker's stderr) as `[rank0]: X`."""
+    match = _RANK_PREFIX.match(line)
+    return line if match is None else match.group(2).strip() + " " + line[match.end():]
+
+
+def _where(lines: list[str], error_at: int, workdir: str | None) -> str:
+    """Where the error at `lines[error_at]` was raised, as ' (at FILE:LINE)': the innermost frame of its traceback
+    in the job's workdir (relative to it), else the innermost frame; '' where the lines show none."""
+    rank = _RANK_PREFIX.match(lines[error_at])
+    frames = []
+    for line in reversed(lines[:error_at]):
+        if rank is not None and not line.startswith(rank.group(2)):
+            break                                    # the traceback is the rank's lines just above its error
+        if "Traceback (most recent call last)" in line or "exception was the direct cause" in line:
+            break
+        found = _FRAME.search(line)
+        if found:
+            frames.append((found.group(1), found.group(2)))
+    root = os.path.join(os.path.abspath(workdir), "") if workdir else None
+    mine = [(path, n) for path, n in frames if root and os.path.abspath(path).startswith(root)]
+    path, n = (mine or frames or [("", "")])[0]
+    if not path:
+        return ""
+    return f" (at {os.path.relpath(path, root) if mine else path}:{n})"
+
+
+def failure_summary(lines: list[str], returncode: int, workdir: str | None = None) -> tuple[str, int | None]:
     """The user-facing error of a failed run and the signal that killed the first worker, if any.
 
     torchrun prints a "Root Cause (first observed failure)" block whose `exitcode` is negative when
@@ -154,14 +183,15 @@ def failure_summary(lines: list[str], returncode: int) -> tuple[str, int | None]
                 sig = -int(match.group(1))
             elif match:
                 code = int(match.group(1))
-    error = next((line for line in reversed(lines) if _ERROR_LINE.search(line) and "ChildFailedError" not in line
-                  and "torch.distributed.elastic" not in line), "")
+    error_at = next((i for i in range(len(lines) - 1, -1, -1) if _ERROR_LINE.search(lines[i])
+                     and "ChildFailedError" not in lines[i] and "torch.distributed.elastic" not in lines[i]), None)
+    error = "" if error_at is None else _one_prefix(lines[error_at].strip()) + _where(lines, error_at, workdir)
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         return f"a worker was killed by {name}" + (f" ({error.strip()})" if error else ""), sig
     if error:
         return error.strip(), None
-    last = next((line.strip() for line in reversed(lines) if _WORKER_LINE.match(line)), "")
+    last = next((_one_prefix(line.strip()) for line in reversed(lines) if _WORKER_LINE.match(line)), "")
     return f"workers exited with code {code}" + (f"; their last line: {last}" if last else ""), None
 
 
@@ -185,6 +215,7 @@ class Agent:
         self.proc: subprocess.Popen | None = None
         self._pump_thread: threading.Thread | None = None
         self.attempt = 0                  # the attempt `proc` runs
+        self.workdir: str | None = None   # where it runs: a failure's frames there are the user's code
         self.done: set[int] = set()       # attempts that ended here (reported or queued)
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
@@ -242,6 +273,7 @@ class Agent:
         self.proc = subprocess.Popen(torchrun, cwd=node_workdir(cmd["workdir"]), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.attempt = cmd["attempt"]
+        self.workdir = node_workdir(cmd["workdir"])
         self._stopping = False
         self._pump_thread = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
         self._pump_thread.start()
@@ -276,7 +308,7 @@ class Agent:
             return
         rc = self.proc.returncode
         self._pump_thread.join(timeout=5)  # torchrun's root-cause block comes last: read it all
-        summary, sig = failure_summary(list(self.logs.tail), rc) if rc != 0 else ("", None)
+        summary, sig = failure_summary(list(self.logs.tail), rc, self.workdir) if rc != 0 else ("", None)
         self.reports.append({"attempt": self.attempt, "returncode": rc, "signal": sig,
                              "stopped": self._stopping, "summary": summary})
         self.logs.add(f"[tfsn] node {self.node_id}: attempt {self.attempt} ended with code {rc}"

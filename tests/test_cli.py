@@ -308,3 +308,19 @@ def test_a_second_live_job_saving_into_the_same_checkpoint_dir_is_refused_naming
     assert in_process("launch", "--detach", str(other))[0] == 0
     (tmp_path / "code" / "default.yaml").write_text("run: python train.py\n")   # each its own default folder
     assert [in_process("launch", "--detach", str(tmp_path / "code" / "default.yaml"))[0] for _ in "ab"] == [0, 0]
+
+
+def test_a_heartbeat_timeout_of_a_few_heartbeats_is_a_warning_naming_the_field(in_process, tmp_path):
+    """heartbeat_timeout: 1s was accepted without a word, and failed both healthy nodes of a local job as it
+    started: a restart and two new nodes for nothing."""
+    (tmp_path / "code").mkdir()
+    spec = tmp_path / "train.yaml"
+    spec.write_text("run: python train.py\nworkdir: code\nhealth:\n  heartbeat_timeout: 1s\n")
+    code, out, err = in_process("validate", str(spec))
+    assert code == 0 and "valid job" in out
+    [line] = err.splitlines()
+    assert line.startswith(f"tfsn: warning: {spec}:4: health.heartbeat_timeout: 1s is a few heartbeats ")
+    assert "To fix: 10s or more" in line
+    assert in_process("launch", "--detach", str(spec))[::2] == (0, err)
+    spec.write_text("run: python train.py\nworkdir: code\nhealth:\n  heartbeat_timeout: 10s\n")
+    assert in_process("validate", str(spec))[::2] == (0, "")

@@ -113,6 +113,23 @@ def refuse_shared_checkpoints(file: Path, spec: JobSpec) -> Callable[[list[Job]]
     return guard
 
 
+SAFE_HEARTBEAT_TIMEOUT_S = 10.0   # a node's agent beats every second, late by seconds on a loaded machine
+
+
+def heartbeat_warnings(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
+    """A heartbeat_timeout within a few heartbeats fails healthy nodes: 1s replaced both nodes of a local job as
+    its first attempt started (a restart and two new nodes for nothing; on a cloud, two new VMs)."""
+    from orchestrator.agent.node import HEARTBEAT_S
+
+    timeout = spec.health.heartbeat_timeout
+    if timeout >= SAFE_HEARTBEAT_TIMEOUT_S:
+        return []
+    return [(("health", "heartbeat_timeout"),
+             f"health.heartbeat_timeout: {timeout:g}s is a few heartbeats of a node's agent (one every {HEARTBEAT_S:g}s, "
+             "later on a busy node): healthy nodes may be failed and replaced. To fix: "
+             f"{SAFE_HEARTBEAT_TIMEOUT_S:g}s or more (default 30s)")]
+
+
 def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec:
     """`file` as a launch takes it: valid, and able to run. `validate` is this very check, so the two
     commands accept and refuse the same files with the same messages, and print the same warnings: what
@@ -120,7 +137,7 @@ def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec
     from orchestrator.planning.placement import identity_warnings
 
     spec = load_spec(file, overrides, check=launch_problem)
-    for field, message in identity_warnings(spec):
+    for field, message in identity_warnings(spec) + heartbeat_warnings(spec):
         print(f"tfsn: warning: {file}:{spec_line(file, field)}: {message}", file=sys.stderr)
     return spec
 

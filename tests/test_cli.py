@@ -324,3 +324,22 @@ def test_a_heartbeat_timeout_of_a_few_heartbeats_is_a_warning_naming_the_field(i
     assert in_process("launch", "--detach", str(spec))[::2] == (0, err)
     spec.write_text("run: python train.py\nworkdir: code\nhealth:\n  heartbeat_timeout: 10s\n")
     assert in_process("validate", str(spec))[::2] == (0, "")
+
+
+@pytest.mark.parametrize("args", [("ls",), ("status", "1"), ("controller", "start"), ("controller", "stop"),
+                                  ("controller", "status"), ("launch", "SPEC")])
+def test_a_tfsn_home_that_cannot_be_used_is_one_line_naming_it(tfsn, tmp_path, args):
+    """TFSN_HOME set to a file, or holding a tfsn.db that is not a store, ended every command in a traceback."""
+    home_file = tmp_path / "not-a-folder"
+    home_file.write_text("")
+    (tmp_path / "train.yaml").write_text("run: python train.py\n")
+    args = tuple(str(tmp_path / "train.yaml") if a == "SPEC" else a for a in args)
+    tfsn.env["TFSN_HOME"] = str(home_file)
+    assert_one_line_error(tfsn(*args, check=False), f"TFSN_HOME {home_file} is a file", "To fix: set TFSN_HOME")
+    if args[0] == "controller":
+        return                                  # no store opened
+    tfsn.env["TFSN_HOME"] = str(tmp_path)
+    (tmp_path / "tfsn.db").write_text("my notes, not a database\n" * 100)
+    assert_one_line_error(tfsn(*args, check=False), f"{tmp_path / 'tfsn.db'}: cannot open tfsn's store",
+                          "To fix: move the file away")
+    assert (tmp_path / "tfsn.db").read_text() == "my notes, not a database\n" * 100     # left as it was

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,24 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2."""
 
 
+def _home() -> Path:
+    """tfsn's folder, or a one-line error naming TFSN_HOME: a file there, or a place this user cannot write."""
+    try:
+        return tfsn_home()
+    except OSError as err:
+        where = os.environ.get("TFSN_HOME") or "~/.tfsn"
+        why = "is a file" if os.path.isfile(os.path.expanduser(where)) else f"cannot be used ({err.strerror or err})"
+        raise UsageError(f"TFSN_HOME {where} {why}: tfsn keeps its jobs in that folder. To fix: set TFSN_HOME to a "
+                         "folder you can write to") from None
+
+
 def _store() -> Store:
-    return Store(daemon.store_path(tfsn_home()))
+    path = daemon.store_path(_home())
+    try:
+        return Store(path)
+    except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only disk
+        raise UsageError(f"{path}: cannot open tfsn's store ({err}). To fix: move the file away (tfsn starts an "
+                         "empty store) or set TFSN_HOME to another folder") from None
 
 
 register_down_command(app, _store)
@@ -275,6 +292,7 @@ def stop(job: str = typer.Argument(..., help="job id or name"),
 @controller_app.command("start")
 def controller_start() -> None:
     """Start the controller in the background (it also starts on demand)."""
+    _home()                          # a one-line error where TFSN_HOME cannot be used
     info = daemon.ensure_controller()
     console.print(f"controller {info['pid']} on {info['url']}")
 
@@ -282,13 +300,13 @@ def controller_start() -> None:
 @controller_app.command("stop")
 def controller_stop() -> None:
     """Stop the controller; running jobs keep running and are picked up by the next one."""
-    console.print("controller stopped" if daemon.stop_controller() else "no controller running")
+    console.print("controller stopped" if daemon.stop_controller(_home()) else "no controller running")
 
 
 @controller_app.command("status")
 def controller_status() -> None:
     """Is the controller running?"""
-    info = daemon.read_info(tfsn_home())
+    info = daemon.read_info(_home())
     console.print(f"controller {info['pid']} on {info['url']}, Prometheus metrics on {info['metrics_url']}"
                   if info else "no controller running")
 

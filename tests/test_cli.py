@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 
 import pytest
 import yaml
@@ -343,3 +344,26 @@ def test_a_tfsn_home_that_cannot_be_used_is_one_line_naming_it(tfsn, tmp_path, a
     assert_one_line_error(tfsn(*args, check=False), f"{tmp_path / 'tfsn.db'}: cannot open tfsn's store",
                           "To fix: move the file away")
     assert (tmp_path / "tfsn.db").read_text() == "my notes, not a database\n" * 100     # left as it was
+
+
+def test_a_followed_job_whose_controller_died_gets_it_back(in_process, tmp_path, monkeypatch):
+    """The controller of a foreground `tfsn launch` was killed: the launch showed nothing more and never ended
+    while the workers trained on unwatched, and its Ctrl-C waited 120 s for a stop no one acted on, then said
+    'job 24 RUNNING'. The launch now starts a controller again (which takes the job back), as `status` does."""
+    from orchestrator.cli import view
+    monkeypatch.setattr(view, "KEEP_ALIVE_S", 0.2)
+    monkeypatch.setattr(daemon, "read_info", lambda home: None)             # no controller answers
+    (tmp_path / "home").mkdir()
+    store = Store(tmp_path / "home" / "tfsn.db")
+    started = []
+
+    def start_controller() -> dict:            # the first start is the launch's own; a later one takes the job back
+        started.append(time.monotonic())
+        if len(started) > 1:
+            store.transition(1, JobState.STOPPED, "stopped by the user")
+        return {}
+    monkeypatch.setattr(daemon, "ensure_controller", start_controller)
+    (tmp_path / "train.yaml").write_text("run: python train.py\n")
+    code, out, err = in_process("launch", str(tmp_path / "train.yaml"))
+    assert code == 1 and "job 1 STOPPED" in out and len(started) == 2, (code, out, err)
+    assert err == "tfsn: the controller had stopped; starting it again (running jobs carry on)\n"

@@ -142,8 +142,8 @@ def heartbeat_warnings(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     if timeout >= SAFE_HEARTBEAT_TIMEOUT_S:
         return []
     return [(("health", "heartbeat_timeout"),
-             f"health.heartbeat_timeout: {timeout:g}s is a few heartbeats of a node's agent (one every {HEARTBEAT_S:g}s, "
-             "later on a busy node): healthy nodes may be failed and replaced. To fix: "
+             f"health.heartbeat_timeout: {timeout:g}s is a few heartbeats of a node's agent (one every "
+             f"{HEARTBEAT_S:g}s, later on a busy node): healthy nodes may be failed and replaced. To fix: "
              f"{SAFE_HEARTBEAT_TIMEOUT_S:g}s or more (default 30s)")]
 
 
@@ -190,10 +190,12 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
         return
     console.print(f"job {job.id} ({job.name}) submitted; Ctrl-C stops it.", highlight=False)
     try:
-        final = follow(store, job.id, job_dir(job.id) / "job.log", console)
+        final = follow(store, job.id, job_dir(job.id) / "job.log", console,
+                       keep_alive=lambda: _revive_controller(store))
     except KeyboardInterrupt:
         store.request_stop(job.id)
         console.print(f"stopping job {job.id}...")
+        _revive_controller(store)                     # the one that acts on the stop
         final = _wait_terminal(store, job.id, timeout=120)
     _finish_message(store, final)
     raise typer.Exit(0 if final.state == JobState.SUCCEEDED else 1)
@@ -221,7 +223,9 @@ def _wait_terminal(store: Store, job_id: int, timeout: float) -> Job:
 
 def _revive_controller(store: Store) -> None:
     """A controller that died with jobs in flight is started again, which picks them up."""
-    if store.jobs(active_only=True):
+    if store.jobs(active_only=True) and daemon.read_info(_home()) is None:
+        err_console.print("tfsn: the controller had stopped; starting it again (running jobs carry on)",
+                          highlight=False, markup=False)
         daemon.ensure_controller()
 
 
@@ -270,7 +274,8 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
             sys.stdout.write(log.read_text(errors="replace"))
         return
     _revive_controller(store)
-    follow(store, record.id, log, Console(force_terminal=False, soft_wrap=True))
+    follow(store, record.id, log, Console(force_terminal=False, soft_wrap=True),
+           keep_alive=lambda: _revive_controller(store))
 
 
 @app.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -162,10 +162,25 @@ def _read_new(log: Path, offset: int) -> tuple[list[str], int]:
     return data[:end].decode(errors="replace").splitlines(), offset + end
 
 
-def follow(store: Store, job_id: int, log: Path, console: Console, poll_s: float = 0.5) -> Job:
-    """Show the job until it ends: a live panel on a terminal, plain lines otherwise."""
+KEEP_ALIVE_S = 5.0   # how often `follow` checks that the job's controller still runs
+
+
+def follow(store: Store, job_id: int, log: Path, console: Console, poll_s: float = 0.5,
+           keep_alive: Callable[[], None] | None = None) -> Job:
+    """Show the job until it ends: a live panel on a terminal, plain lines otherwise. `keep_alive` is called
+    every KEEP_ALIVE_S while it runs: a job whose controller died would never end, and show nothing more."""
     tail: deque[str] = deque(maxlen=8)
-    offset = 0
+    offset, checked = 0, time.monotonic()
+
+    def running(job: Job) -> bool:
+        nonlocal checked
+        if job.state.terminal:
+            return False
+        if keep_alive is not None and time.monotonic() - checked >= KEEP_ALIVE_S:
+            keep_alive()
+            checked = time.monotonic()
+        return True
+
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             while True:
@@ -173,7 +188,7 @@ def follow(store: Store, job_id: int, log: Path, console: Console, poll_s: float
                 tail.extend(line[:console.width - 6] for line in lines)
                 job = store.job(job_id)
                 live.update(job_panel(store, job, list(tail)))
-                if job.state.terminal:
+                if not running(job):
                     return job
                 time.sleep(poll_s)
     while True:  # not a terminal: stream the job log as it grows
@@ -181,7 +196,7 @@ def follow(store: Store, job_id: int, log: Path, console: Console, poll_s: float
         for line in lines:
             console.print(line, markup=False, highlight=False)
         job = store.job(job_id)
-        if job.state.terminal:
+        if not running(job):
             lines, offset = _read_new(log, offset)
             for line in lines:
                 console.print(line, markup=False, highlight=False)

@@ -100,3 +100,15 @@ def test_a_python_error_is_summed_up_with_where_the_users_code_raised_it():
         "[rank0]: SyntaxError: '(' was never closed (at train.py:2)", None)
     assert failure_summary(["[rank0]: ValueError: bad learning rate"], 1) == ("[rank0]: ValueError: bad learning rate",
                                                                               None)   # no traceback shown: no place
+
+
+def test_the_error_is_the_first_failed_ranks_not_its_peers_after_it():
+    """Rank 1 of a 2-worker node raised; rank 0 then failed in its next collective, and the job ended on rank 0's
+    'Connection closed by peer' (printed last) instead of rank 1's error, which torchrun names as the root cause."""
+    lines = ["[rank1]: [rank1]: RuntimeError: boom at step 12",
+             "[rank0]: [rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+             "[127.0.0.1]:6553. This is typically caused by a remote worker crashing."]
+    root = [line.replace("rank      : 0 (local_rank: 0)", "rank      : 1 (local_rank: 1)")
+            for line in TORCHRUN_ROOT_CAUSE]
+    assert failure_summary(lines + root, 1) == ("[rank1]: RuntimeError: boom at step 12", None)
+    assert failure_summary(lines + TORCHRUN_ROOT_CAUSE, 1)[0].startswith("[rank0]: RuntimeError: [../gloo")

@@ -45,6 +45,7 @@ LOG_LINE_CHARS = 16_000
 LOG_BATCH_BYTES = 4 << 20
 SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 _WORKER_LINE = re.compile(r"^\[rank\d+\]:\s*\S")
 _RANK_PREFIX = re.compile(r"^((\[rank\d+\]:\s*)+)")
@@ -170,12 +171,13 @@ def _where(lines: list[str], error_at: int, workdir: str | None) -> str:
 def failure_summary(lines: list[str], returncode: int, workdir: str | None = None) -> tuple[str, int | None]:
     """The user-facing error of a failed run and the signal that killed the first worker, if any.
 
-    torchrun prints a "Root Cause (first observed failure)" block whose `exitcode` is negative when
-    a signal killed the worker; the error is the last `SomethingError: ...` line the workers printed, else
-    (bash's "command not found", python's "can't open file", a script's own message before `sys.exit(3)`)
-    the worker's exit code and the last line the workers printed.
+    torchrun prints a "Root Cause (first observed failure)" block naming the first rank to fail, with an `exitcode`
+    that is negative when a signal killed it. The error is the last `SomethingError: ...` line that rank printed
+    (not its peers' "Connection closed by peer" after it; any rank's where it printed none); else (bash's "command
+    not found", python's "can't open file", a script's own message before `sys.exit(3)`) the worker's exit code
+    and the last line the workers printed.
     """
-    sig, code = None, returncode
+    sig, code, first = None, returncode, None
     for i, line in enumerate(lines):
         if "Root Cause" in line:
             match = next((m for m in map(_EXITCODE.search, lines[i:]) if m), None)
@@ -183,8 +185,11 @@ def failure_summary(lines: list[str], returncode: int, workdir: str | None = Non
                 sig = -int(match.group(1))
             elif match:
                 code = int(match.group(1))
-    error_at = next((i for i in range(len(lines) - 1, -1, -1) if _ERROR_LINE.search(lines[i])
-                     and "ChildFailedError" not in lines[i] and "torch.distributed.elastic" not in lines[i]), None)
+            rank = next((m for m in map(_ROOT_RANK.match, lines[i:]) if m), None)
+            first = f"[rank{rank.group(1)}]:" if rank else None
+    errors = [i for i in range(len(lines) - 1, -1, -1) if _ERROR_LINE.search(lines[i])
+              and "ChildFailedError" not in lines[i] and "torch.distributed.elastic" not in lines[i]]
+    error_at = next((i for i in errors if first and lines[i].startswith(first)), errors[0] if errors else None)
     error = "" if error_at is None else _one_prefix(lines[error_at].strip()) + _where(lines, error_at, workdir)
     if sig is not None:
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)

@@ -566,6 +566,14 @@ class ModelSpec(BaseModel):
         return match["file"], match["function"]
 
 
+# What tfsn itself gives every worker, over the job's envs or under them (its agent's): a value in envs would be
+# ignored (a checkpoint folder the script never sees), or would cut the workers off from their controller.
+# Refused in a spec file or --env (load_spec), not by the model: a job stored by an older tfsn still loads.
+_TFSN_SETS = {"TFSN_CHECKPOINT_DIR": "set checkpoint.dir instead", "TFSN_JOB_NAME": "set name instead",
+              **{name: "remove it" for name in ("TFSN_ATTEMPT", "TFSN_NUM_NODES", "TFSN_TOKEN", "TFSN_JOB_ID",
+                                                "TFSN_NODE_ID", "TFSN_CONTROLLER_URL")}}
+
+
 def _env_name(key: str) -> str:
     if not _ENV_RE.fullmatch(key):
         raise ValueError(f"{_show(key)} is not a valid environment variable name. To fix: use "
@@ -996,6 +1004,12 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
         raise fail(sorted(by_path.values())) from None
     except Exception as e:        # a validator bug must still come out as a one-line SpecError
         raise fail([(1, f"cannot validate the spec: {type(e).__name__}: {e}")]) from None
+    taken = []
+    for key in (k for k in spec.envs if k in _TFSN_SETS):
+        line, where = (1, f"--env {key}") if key in (overrides or {}) else (_line(root, ("envs", key)), f"envs.{key}")
+        taken.append((line, f"{where}: tfsn sets {key} for every worker itself. To fix: {_TFSN_SETS[key]}"))
+    if taken:
+        raise fail(taken)
     problem = check(spec) if check is not None else None
     if problem is not None:
         field, what = problem

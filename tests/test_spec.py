@@ -208,6 +208,20 @@ def test_env_values_reach_the_workers_as_written(tmp_path):
                          "DEBUG": "yes", "FLAG": "True", "DAY": "2024-01-01", "QUOTED": "1.10", "SEED": "1337"}
 
 
+def test_envs_that_tfsn_sets_itself_are_refused_with_the_field_to_use(tmp_path):
+    """`envs: {TFSN_CHECKPOINT_DIR: /data/ckpt}` was accepted and ignored (the workers saved where tfsn said);
+    TFSN_JOB_ID or TFSN_CONTROLLER_URL there replaced the agent's own and cut the workers off their controller."""
+    path = write(tmp_path, "run: x\nenvs:\n  SEED: 1\n  TFSN_CHECKPOINT_DIR: /data/ckpt\n  TFSN_JOB_ID: 3\n")
+    assert errors(path) == [
+        f"{path}:4: envs.TFSN_CHECKPOINT_DIR: tfsn sets TFSN_CHECKPOINT_DIR for every worker itself. To fix: set "
+        "checkpoint.dir instead",
+        f"{path}:5: envs.TFSN_JOB_ID: tfsn sets TFSN_JOB_ID for every worker itself. To fix: remove it"]
+    path = write(tmp_path, "run: x\nenvs: {TFSN_STEPS: 5, TFSN_CACHE: /c}\n")     # read by the SDK: the user's to set
+    assert errors(path, {"TFSN_CONTROLLER_URL": "http://x"}) == [
+        f"{path}:1: --env TFSN_CONTROLLER_URL: tfsn sets TFSN_CONTROLLER_URL for every worker itself. To fix: remove it"]
+    assert load_spec(path).envs == {"TFSN_STEPS": "5", "TFSN_CACHE": "/c"}
+
+
 def test_json_round_trip(tmp_path):
     for text in (FULL, "run: x\n", "run: x\nresources:\n  accelerators: {H100: 8, A100: 8}\n",
                  "run: x\nresources: {accelerators: [H100:8, L4]}\ncheckpoint: {interval: 50}\n"):

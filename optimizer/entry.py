@@ -68,7 +68,11 @@ def load_entry(workdir: Path, file: str, function: str) -> tuple[Any, Any, Any]:
         raise EntryProblem("import", f"importing {file} failed: {_where(err, path)}") from None
     build = getattr(module, function, None)
     if not callable(build):
-        raise EntryProblem("function", f"{file} has no function {function!r}")
+        import difflib            # a near name defined in the file (Build for build, build_model for buildmodel)
+        near = difflib.get_close_matches(function, [n for n, v in vars(module).items() if callable(v)
+                                                    and getattr(v, "__module__", None) == "tfsn_entry"], n=1)
+        raise EntryProblem("function", f"{file} has no function {function!r}"
+                           + (f"; did you mean {near[0]!r}?" if near else ""))
     try:
         built = build()
     except BaseException as err:

@@ -68,6 +68,11 @@ def test_a_missing_function_is_named(cli, tmp_path):
     assert "train.py has no function 'build'" in line and "define that function" in line, line
 
 
+def test_a_misspelled_function_gets_a_suggestion(cli, tmp_path):
+    line = _refused(cli, _job(tmp_path, GOOD, entry="train.py:Build"))
+    assert "train.py has no function 'Build'; did you mean 'build'?" in line, line
+
+
 def test_a_missing_file_is_named(cli, tmp_path):
     line = _refused(cli, _job(tmp_path, GOOD, entry="model.py:build"))
     assert "no file model.py in the workdir" in line, line

@@ -73,6 +73,16 @@ def test_a_misspelled_function_gets_a_suggestion(cli, tmp_path):
     assert "train.py has no function 'Build'; did you mean 'build'?" in line, line
 
 
+def test_a_step_that_cannot_be_searched_says_why(cli, tmp_path):
+    """A model that returns no loss (loss_fn None) was refused with 'its step could not be searched ... see `tfsn
+    plan` for why the search failed', and `tfsn plan` refused it with the same line: the why was never shown."""
+    script = "import torch\n\ndef build():\n    return torch.nn.Linear(2, 2), torch.randn(4, 2), None\n"
+    for command in ("validate", "plan"):
+        line = _refused(cli, _job(tmp_path, script), command)
+        assert "searched for these offers' hardware: ValueError: the loss is not a scalar tensor" in line, line
+        assert "To fix: make model.entry's step run (its error is above)" in line, line
+
+
 def test_a_missing_file_is_named(cli, tmp_path):
     line = _refused(cli, _job(tmp_path, GOOD, entry="model.py:build"))
     assert "no file model.py in the workdir" in line, line

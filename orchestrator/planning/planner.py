@@ -528,9 +528,14 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     capable = np.flatnonzero(f.mask)
     if capable.size and f.emptied_by is None:
         step, source = _step_seconds(offers, c, capable, workload, hardware, spec, predictor, entry, keys)
-        f.apply(~np.isnan(step), "model.entry (its step could not be searched for these offers' hardware, and the "
-                "model declares no shape to fall back on)", "add the shape (params, layers, hidden, seq_len, "
-                "batch_size) under model:, or see `tfsn plan` for why the search failed")
+        # why the search failed (e.g. "the loss is not a scalar tensor"): `tfsn plan` cannot show it once no offer is left
+        found = [entry.hardware.get(keys[int(i)]) for i in capable if np.isnan(step[int(i)])] if entry else []
+        why = sorted({h.error for h in found if h is not None and h.error})
+        f.apply(~np.isnan(step), "model.entry (its step could not be searched for these offers' hardware"
+                + (f": {'; '.join(why)}" if why else "") + "; and the model declares no shape to fall back on)",
+                ("make model.entry's step run (its error is above)" if why else
+                 "see `tfsn plan` for why the search failed") + ", or add the shape (params, layers, hidden, "
+                "seq_len, batch_size) under model:")
         capable = np.flatnonzero(f.mask)
     if f.emptied_by is not None or not capable.size:
         what, fix = f.emptied_by or ("the constraints", "relax the resources")

@@ -30,10 +30,9 @@ from typing import Any
 from health.metrics import Metrics
 from health.telemetry import DcgmSource, NvmlSource, TelemetryError
 from optimizer.cache import PLAN_FOLDER, cache_dir, install_search_entries
-from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from orchestrator.sdk.client import HEARTBEAT_S, ControllerClient, ControllerRejected, ControllerUnavailable
 from providers.processes import pids_with_env
 
-HEARTBEAT_S = 1.0
 IDLE_POLL_S = 0.25       # polled faster while no workers run, so a restart starts without delay
 GPU_SAMPLE_S = 5.0       # NVML / DCGM sampling period
 TICK_S = 0.2

@@ -136,7 +136,7 @@ SAFE_HEARTBEAT_TIMEOUT_S = 10.0   # a node's agent beats every second, late by s
 def heartbeat_warnings(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
     """A heartbeat_timeout within a few heartbeats fails healthy nodes: 1s replaced both nodes of a local job as
     its first attempt started (a restart and two new nodes for nothing; on a cloud, two new VMs)."""
-    from orchestrator.agent.node import HEARTBEAT_S
+    from orchestrator.sdk.client import HEARTBEAT_S
 
     timeout = spec.health.heartbeat_timeout
     if timeout >= SAFE_HEARTBEAT_TIMEOUT_S:

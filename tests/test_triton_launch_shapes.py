@@ -122,8 +122,8 @@ def test_every_gpu_launch_shape_matches_eager(name):
     assert max(len(s) for s in shapes.values()) >= 4, shapes      # more than the heuristic's one shape
     for i in range(max(len(s) for s in shapes.values())):
         schedules = [shapes[k][i % len(shapes[k])] if k in shapes else Schedule() for k in range(len(plan.groups))]
-        assert_matches(run(graph, plan, schedules, args), want, TOLERANCE[dtype],
-                       f"launch shapes {[(s.gemm, s.chunk, s.gemm_block_rows, s.gemm_nr, s.gemm_kc) for s in schedules]}")
+        shown = [(s.gemm, s.chunk, s.gemm_block_rows, s.gemm_nr, s.gemm_kc) for s in schedules]
+        assert_matches(run(graph, plan, schedules, args), want, TOLERANCE[dtype], f"launch shapes {shown}")
 
 
 PICKED = {     # (function, inputs, dtype of the run)

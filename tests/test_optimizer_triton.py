@@ -219,6 +219,32 @@ def test_a_linear_bias_is_added_by_the_library_addmm():
             assert ("not launched" in k.source) == addmm
 
 
+def test_epilogues_that_only_look_like_a_bias_keep_their_program():
+    """The library's addmm adds one contiguous [N] row of the operands' dtype and writes the only output: a bias
+    broadcast along the other axis, a full or 0-d addend, a strided or offset slice, one of another dtype (the
+    add promotes) and a product also returned are left to the epilogue's program, and match eager."""
+    g = torch.Generator().manual_seed(1)
+    m, k, n = 12, 8, 10
+    cases = {"[1, N]": (lambda x, w, b: x @ w.t() + b, (1, n)), "[M, 1]": (lambda x, w, b: x @ w.t() + b, (m, 1)),
+             "[M, N]": (lambda x, w, b: x @ w.t() + b, (m, n)), "0-d": (lambda x, w, b: x @ w.t() + b, ()),
+             "b[::2]": (lambda x, w, b: F.linear(x, w, b[::2]), (2 * n,)),
+             "b[3:3 + N]": (lambda x, w, b: F.linear(x, w, b[3:3 + n]), (n + 5,)),
+             "fp64 bias": (lambda x, w, b: x @ w.t() + b.double(), (n,)),
+             "product returned too": (lambda x, w, b: (lambda h: (h, h + b))(x @ w.t()), (n,))}
+    for what, (fn, bias_shape) in cases.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            args = tuple(torch.randn(s, generator=g).to(dtype) for s in ((m, k), (n, k), bias_shape))
+            got, want, plan = run_triton(fn, args)
+            want = want if isinstance(want, tuple) else (want,)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.shape == b.shape, what
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=lambda e: f"{what} {dtype}: {e}")
+            graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+            _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+            products = [k.product for g_, k in zip(plan.groups, kernels) if g_.kind == "gemm"]
+            assert products and all(p.bias is None for p in products), (what, dtype)
+
+
 def test_fp32_products_take_tf32_only_where_torch_allowed_it():
     """The graph records torch's float32 matmul precision at capture: 'high' (TF32) renders tl.dot in TF32,
     as eager's cuBLAS would run; the default ('highest') in IEEE fp32."""

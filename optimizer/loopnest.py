@@ -358,27 +358,38 @@ class LoopNest:
 
 def bias_epilogue(graph: Graph, nest: LoopNest) -> int | None:
     """The bias of a 2-D GEMM whose whole epilogue is `product + bias` along its rows, stored in the operands'
-    dtype (a Linear's addmm): the node of that 1-D bias, which the library's addmm adds itself (a 16-bit one
-    sums in fp32 and rounds once, as the tile would); None for any other epilogue."""
-    if nest.shape != "gemm" or len(nest.body) != 4 or len(nest.outputs) != 1:
+    dtype (a Linear's addmm), the bias maybe cast to that dtype first (autocast's): the node of that 1-D bias,
+    which the library's addmm adds itself (a 16-bit one sums in fp32 and rounds once, as the tile would); None
+    for any other epilogue."""
+    if nest.shape != "gemm" or len(nest.body) not in (4, 5) or len(nest.outputs) != 1:
         return None
     mm = graph.nodes[nest.group.nodes[0]]
     defined = {s.name: s.value for s in nest.body if isinstance(s, Define)}
     store = nest.body[-1]
-    if len(mm.type.shape) != 2 or len(defined) != 3 or not isinstance(store, Store) or \
+    if len(mm.type.shape) != 2 or len(defined) != len(nest.body) - 1 or not isinstance(store, Store) or \
             not isinstance(defined.get(store.value), Apply):
         return None
-    add = graph.nodes[store.buffer]
-    apply = defined[store.value]
+    add, apply = graph.nodes[store.buffer], defined[store.value]
+    args = [defined.get(getattr(a, "name", None)) for a in apply.args]
     loads = [v for v in defined.values() if isinstance(v, Load)]
     if add.op != "aten.add.Tensor" or add.kwargs.get("alpha", 1) != 1 or apply.node != add.index or \
-            len(loads) != 1 or loads[0].offset != nest.idx[-1] or \
-            sorted(type(defined.get(getattr(a, "name", None))).__name__ for a in apply.args) != ["GemmElement", "Load"]:
+            len(args) != 2 or sum(isinstance(a, GemmElement) for a in args) != 1 or len(loads) != 1 or \
+            loads[0].offset != nest.idx[-1]:
         return None
-    bias = graph.nodes[loads[0].buffer]
+    bias = next(a for a in args if not isinstance(a, GemmElement))
+    if isinstance(bias, Apply):              # a cast of the loaded bias to the output's dtype, and nothing else
+        cast = graph.nodes[bias.node]
+        if cast.op != "aten._to_copy.default" or set(cast.kwargs) != {"dtype"} or len(bias.args) != 1 or \
+                defined.get(getattr(bias.args[0], "name", None)) != loads[0] or \
+                not graph.nodes[loads[0].buffer].type.dtype.startswith(("float", "bfloat")):
+            return None
+    elif bias != loads[0]:
+        return None
     dtype = graph.nodes[mm.args[0].index].type.dtype
-    same = bias.type.dtype == add.type.dtype == dtype and graph.nodes[mm.args[1].index].type.dtype == dtype
-    return bias.index if same and bias.type.shape == (mm.type.shape[1],) else None
+    raw = graph.nodes[loads[0].buffer]
+    bias_dtype = graph.nodes[bias.node].type.dtype if isinstance(bias, Apply) else raw.type.dtype
+    same = bias_dtype == add.type.dtype == dtype and graph.nodes[mm.args[1].index].type.dtype == dtype
+    return raw.index if same and raw.type.shape == (mm.type.shape[1],) else None
 
 
 def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int] | None = None,

@@ -218,6 +218,18 @@ def test_a_linear_bias_is_added_by_the_library_addmm():
             assert (k.product.bias is not None) == addmm and k.product.epilogue != addmm, (dtype, k.source)
             assert ("not launched" in k.source) == addmm
 
+    def autocast_linear(x, w, b):      # fp32 parameters, their bf16 casts made in the graph (the bias's in the epilogue)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.linear(x, w, b)
+    args = tuple(torch.randn(*s, generator=g) for s in ((37, 24), (40, 24), (40,)))
+    got, want, plan = run_triton(autocast_linear, args)
+    expected = F.linear(*(a.bfloat16().double() for a in args)).bfloat16()
+    torch.testing.assert_close(got[0], expected, rtol=1e-2, atol=1e-2)
+    graph = ir.from_fx(make_fx(autocast_linear, decomposition_table=decompositions())(*args), half=True)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
+    (k,) = [k for g_, k in zip(plan.groups, kernels) if g_.kind == "gemm"]
+    assert k.product.bias is not None and not k.product.epilogue, k.source
+
 
 def test_epilogues_that_only_look_like_a_bias_keep_their_program():
     """The library's addmm adds one contiguous [N] row of the operands' dtype and writes the only output: a bias

@@ -379,6 +379,7 @@ class LibraryProduct:
     into: int | None                 # position of the output the product is written into; None: a fp32 scratch
     epilogue: bool                   # whether the kernel runs after the product
     bias: int | None = None          # position of a bias the library adds along the rows (addmm), the whole epilogue
+                                     # but a cast of it to the output's dtype
 
     @staticmethod
     def scratch_dtype(operands: Any) -> Any:
@@ -395,7 +396,7 @@ class LibraryProduct:
             torch.empty_strided(self.shape, self.strides, dtype=self.scratch_dtype(a.dtype), device=a.device)
         matmul = torch.bmm if len(self.shape) == 3 else torch.mm
         if self.bias is not None:
-            bias = tensors[self.bias]
+            bias = tensors[self.bias].to(out.dtype)     # a cast the epilogue made (autocast's), rounded as there
             if a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
                 torch.addmm(bias, a, b, out=out)
             else:      # a 16-bit addmm on a CPU: summed and biased in fp32, rounded once, as on a GPU

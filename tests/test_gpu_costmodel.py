@@ -223,8 +223,9 @@ def test_the_search_never_picks_a_rejected_program():
 @pytest.mark.parametrize("spec", [H100, find_hardware("H200")], ids=["h100", "h200"])
 def test_programs_with_too_few_loads_in_flight_are_priced_by_the_memory_latency(spec):
     """Little's law: an SM moves at most the bytes its resident programs have in flight per memory latency.
-    An fp32 add of 256 elements a program on 16 warps (512 threads) fits 4 programs an SM, 2 KB of loads in
-    flight where an H100 needs ~18 KB to reach its bandwidth; 1024 elements on 4 warps fit 16 programs, 32 KB.
+    An fp32 add of 256 elements a program on 16 warps (512 threads) fits 4 programs an SM, 8 KB of loads in
+    flight (2 KB each) where an H100 needs ~18 KB to reach its bandwidth; 1024 elements on 4 warps fit 16
+    programs, 128 KB.
     The model priced both at the roof (every shape of a large pointwise kernel within 7%)."""
     from optimizer import features, fusion
     graph = capture(lambda x, y: x + y, (4096, 4096), (4096, 4096))

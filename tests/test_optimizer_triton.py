@@ -564,30 +564,38 @@ def test_suite_training_step_through_triton_matches_eager(case, gemm):
     torch._dynamo.reset()
 
 
+def adamw_steps(params: list, steps: int, foreach: bool, **options) -> tuple[list, list, int]:
+    """`steps` AdamW steps on copies of `params`, eager's and compiled by tfsn (`options` to make_backend), on
+    the same gradients: (eager's parameters and moments, tfsn's in the same order, the kernels tfsn made). A
+    graph of the step run as ATen fails."""
+    torch._dynamo.reset()
+    mine, ref = ([p.clone().requires_grad_() for p in params] for _ in range(2))
+    opt_mine, opt_ref = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=foreach) for ps in (mine, ref))
+    step = torch.compile(opt_mine.step, backend=make_backend(codegen="triton", **options))
+    kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
+    for i in range(steps):
+        for p, q in zip(mine, ref):
+            p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(p.device)
+        opt_ref.step()
+        step()
+    assert backend.STATS["aten_graphs"] == aten, "the step ran as ATen"
+    torch._dynamo.reset()
+
+    def tensors(opt, ps):
+        return [t.detach() for p in ps for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+    return tensors(opt_ref, ref), tensors(opt_mine, mine), backend.STATS["kernels"] - kernels
+
+
 def test_foreach_adamw_step_through_triton_matches_eager():
     """AdamW with foreach=True (its default for CUDA parameters) as Triton kernels: the foreach ops taken per
     tensor, so that each parameter's update is one kernel writing parameter and moments in place, and one more
     the step counts."""
-    torch._dynamo.reset()
     torch.manual_seed(0)
     params = [torch.randn(5, 7, device=DEVICE), torch.randn(9, device=DEVICE)]
-    mine = [p.clone().requires_grad_() for p in params]
-    ref = [p.clone().requires_grad_() for p in params]
-    opt_ref, opt_mine = (torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True) for ps in (ref, mine))
-    step = torch.compile(opt_mine.step, backend=make_backend(codegen="triton"))
-    kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
-    for i in range(2):
-        for p, q in zip(mine, ref):
-            p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE)
-        opt_ref.step()
-        step()
-    assert backend.STATS["aten_graphs"] == aten, "the step ran as ATen"
-    assert backend.STATS["kernels"] - kernels == len(params) + 1, backend.STATS["kernels"] - kernels
-    for p, q in zip(mine, ref):
-        close(p, q, "parameter after two AdamW steps")
-        for key in ("exp_avg", "exp_avg_sq"):
-            close(opt_mine.state[p][key], opt_ref.state[q][key], f"AdamW {key}")
-    torch._dynamo.reset()
+    want, got, kernels = adamw_steps(params, 2, foreach=True)
+    assert kernels == len(params) + 1, kernels
+    for g, w in zip(got, want):
+        close(g, w, "parameter and moments after two AdamW steps")
 
 
 # ---- op lowerings whose obvious Triton forms are wrong: values torch gets right ----

@@ -470,7 +470,8 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     # flight to reach the bandwidth, whatever the bytes
     blocks = np.where(kind == REDUCTION, np.ceil(reduced / row_block), 1.0)
     latency = waves * blocks * GPU_MEMORY_LATENCY
-    loop = np.maximum(np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3), latency) + launch
+    throughput = np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3)
+    loop = np.maximum(throughput, latency) + launch
     loop = np.where(resident > 0, loop, np.inf)
     return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
 

@@ -696,17 +696,15 @@ class TritonWriter:
         out = self.g.nodes[self.nest.outputs[0]]
         if bias is not None and out.index not in self.inplace:     # the library's addmm writes the group's output
             into, shape, strides, epilogue = out, out.type.shape, out.type.strides, False
-        else:
-            bias, into, shape, strides, epilogue = None, mm, t.shape, scratch, not (direct and alone)
+        else:                                                      # into None: a fp32 scratch
+            bias, into, shape, strides, epilogue = None, mm if direct else None, t.shape, scratch, not (direct and alone)
         self.product = LibraryProduct(
             params.index(a.index), params.index(b.index), (a.type.shape, a.type.strides),
-            (b.type.shape, b.type.strides), shape, strides,
-            params.index(into.index) if direct or bias is not None else None, epilogue=epilogue,
-            bias=None if bias is None else params.index(bias))
+            (b.type.shape, b.type.strides), shape, strides, None if into is None else params.index(into.index),
+            epilogue=epilogue, bias=None if bias is None else params.index(bias))
         M, N = t.shape[-2:]
         names = [self.names[a.index], self.names[b.index]]
-        unlaunched = [] if self.product.epilogue else [f"# not launched: the product is written into "
-                                                       f"{self.names[into.index]}"]
+        unlaunched = [] if epilogue else [f"# not launched: the product is written into {self.names[into.index]}"]
         plus = f" + {self.names[bias]}[None, :]" if bias is not None else ""
         return [f"# prod = {names[0]}{list(a.type.shape)}:{list(a.type.strides)} @ "        # what runs before: the
                 f"{names[1]}{list(b.type.shape)}:{list(b.type.strides)}{plus}, by the library",  # code says all it does

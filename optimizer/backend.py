@@ -22,6 +22,7 @@ from optimizer.schedule import Schedule
 
 if TYPE_CHECKING:
     from optimizer.fusion import Plan
+    from optimizer.loopnest import Group
     from optimizer.search import Tie
 
 log = logging.getLogger("tfsn.optimizer")
@@ -298,7 +299,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         lib = compiler.load_library(compiler.build_library(source)) if any(kernels) else None
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         return _as_aten(gm, "its generated code failed", e)
-    return _compiled(graph, plan, kernels, lib, cuda_graphs)
+    return _compiled(graph, plan.groups, plan.inplace, kernels, lib, cuda_graphs)
 
 
 def default_codegen(example_inputs: Sequence[Any]) -> str:
@@ -322,19 +323,21 @@ def _as_aten(gm: torch.fx.GraphModule, why: str, error: Exception) -> Callable:
     return make_boxed_func(gm.forward)
 
 
-def _compiled(graph, plan: Plan, kernels: Sequence[Any], lib: Any, cuda_graphs: bool) -> Callable:
-    """The graph's entry; replayed as one CUDA graph where its device records them (optimizer/graphs.py)."""
+def _compiled(graph, groups: Sequence[Group], inplace: dict[int, int], kernels: Sequence[Any], lib: Any,
+              cuda_graphs: bool) -> Callable:
+    """The graph's entry, running `groups` by their `kernels` (None: an extern); replayed as one CUDA graph
+    where its device records them (optimizer/graphs.py)."""
     from optimizer import graphs
     from optimizer.codegen.c_attention import AttentionKernel
     from optimizer.runtime import CompiledGraph, written_nodes
     STATS["graphs"] += 1
     STATS["kernels"] += sum(k is not None for k in kernels)
     STATS["attention_kernels"] += sum(isinstance(k, AttentionKernel) for k in kernels)
-    compiled = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)
+    compiled = CompiledGraph(graph, groups, kernels, lib, inplace)
     recorder = graphs.recorder_for(graph.device) if cuda_graphs else None
     if recorder is None:
         return compiled
-    written = written_nodes(graph, plan.inplace)
+    written = written_nodes(graph, inplace)
     return graphs.GraphReplay(compiled.run, graph.device, [p for p, i in enumerate(graph.inputs) if i in written],
                               recorder, f"a graph of {len(graph)} nodes and {sum(k is not None for k in kernels)} "
                               "kernels")
@@ -349,6 +352,7 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
     `schedule`, the heuristic plan under that one schedule."""
     from optimizer import fusion
     from optimizer.codegen import triton
+    from optimizer.codegen.triton_combo import write_program
     from optimizer.loopnest import NotFusable
     try:
         spec = gpu_spec(graph.device) if schedule is None else None
@@ -357,13 +361,13 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
         else:
             plan = fusion.plan(graph)
             schedules = [schedule or Schedule()] * len(plan.groups)
-        source, kernels = triton.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
-        lib = triton.TritonLibrary(source) if any(kernels) else None
+        program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+        lib = triton.TritonLibrary(program.source) if any(program.kernels) else None
         if lib is not None:
-            lib.precompile(graph, kernels)
+            lib.precompile(graph, program.kernels)
     except (NotFusable, triton.Unsupported) as e:
         return _as_aten(gm, "its Triton code failed", e)
-    return _compiled(graph, plan, kernels, lib, cuda_graphs)
+    return _compiled(graph, program.groups, plan.inplace, program.kernels, lib, cuda_graphs)
 
 
 def gpu_spec(device: str):

@@ -110,13 +110,12 @@ def plan_json(report: StepReport) -> dict:
 def triton_sources(report: StepReport) -> dict[str, tuple[str, list[str | None]]]:
     """Each graph's chosen plan as one Triton module (`tfsn optimize --hardware GPU --emit`): its source and
     the kernel name of every group (None for an extern), by graph name."""
-    from optimizer.codegen import triton
+    from optimizer.codegen.triton_combo import write_program
     sources = {}
     for n, (graph, result) in enumerate(report.graphs):
         plan = result.plan
-        source, kernels = triton.write_source(graph, plan.groups, plan.buffers, result.schedules, plan.inplace)
-        name = report.name(n)
-        sources[name] = (source, [k.name if k is not None else None for k in kernels])
+        program = write_program(graph, plan.groups, plan.buffers, result.schedules, plan.inplace)
+        sources[report.name(n)] = (program.source, program.kernel_names)
     return sources
 
 

@@ -27,6 +27,7 @@ import time  # noqa: E402
 from optimizer import backend, fusion, ir  # noqa: E402
 from optimizer.backend import decompositions, make_backend  # noqa: E402
 from optimizer.codegen import triton as tt  # noqa: E402
+from optimizer.codegen.triton_combo import write_program  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
 from optimizer.target import Timing  # noqa: E402
@@ -59,10 +60,10 @@ def run_triton(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True):
     gm = make_fx(fn, decomposition_table=decompositions())(*args)
     graph = ir.from_fx(gm, ir.graph_device(args), half=True)
     plan = fusion.plan(graph, gemm=gemm)
-    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
-    assert any(kernels), "nothing was generated"
-    lib = tt.TritonLibrary(source)
-    got = CompiledGraph(graph, plan.groups, kernels, lib, plan.inplace)(list(args))
+    program = write_program(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
+    assert any(program.kernels), "nothing was generated"
+    lib = tt.TritonLibrary(program.source)
+    got = CompiledGraph(graph, program.groups, program.kernels, lib, plan.inplace)(list(args))
     return got, gm(*args), plan
 
 
@@ -588,14 +589,62 @@ def adamw_steps(params: list, steps: int, foreach: bool, **options) -> tuple[lis
 
 def test_foreach_adamw_step_through_triton_matches_eager():
     """AdamW with foreach=True (its default for CUDA parameters) as Triton kernels: the foreach ops taken per
-    tensor, so that each parameter's update is one kernel writing parameter and moments in place, and one more
-    the step counts."""
+    tensor, each parameter's update written in place, all parameters' updates launched as one kernel (a
+    parameter of several programs among them), after one more that counts the steps they read."""
     torch.manual_seed(0)
-    params = [torch.randn(5, 7, device=DEVICE), torch.randn(9, device=DEVICE)]
+    params = [torch.randn(5, 7, device=DEVICE), torch.randn(9, device=DEVICE), torch.randn(3000, device=DEVICE),
+              torch.randn(2, 3, 4, device=DEVICE)]
     want, got, kernels = adamw_steps(params, 2, foreach=True)
-    assert kernels == len(params) + 1, kernels
+    assert kernels == 2, kernels
     for g, w in zip(got, want):
         close(g, w, "parameter and moments after two AdamW steps")
+
+
+def test_only_independent_kernels_launch_as_one():
+    """Consecutive kernels run as one launch when none writes what another reads or writes: the in-place update
+    of p must wait for the kernel that reads p transposed (side by side on a GPU, their programs would race; the
+    interpreter runs them in order, so the launch count is the check), the update of w need not."""
+    def f(p, g, w):
+        y = p.t().contiguous() * 3
+        p.sub_(g)
+        w.mul_(2)
+        return y
+    torch._dynamo.reset()
+    args = [torch.randn(6, 5, device=DEVICE), torch.randn(6, 5, device=DEVICE), torch.randn(7, device=DEVICE)]
+    mine = [a.clone() for a in args]
+    kernels = backend.STATS["kernels"]
+    got = torch.compile(f, backend=make_backend(codegen="triton"))(*mine)
+    torch._dynamo.reset()
+    assert backend.STATS["kernels"] - kernels == 2
+    want = f(*args)
+    assert torch.equal(got, want) and all(torch.equal(m, a) for m, a in zip(mine, args))
+
+
+def test_a_combined_kernels_parts_share_no_value():
+    """In the suite's forward and backward graphs, no part of a combined kernel reads a value another part
+    computes (read off the graph's own edges, through views), and the combined kernels are there to check."""
+    combined = 0
+    for name, (fn, make) in sorted(CASES.items()):
+        graph = plan_graph(fn, make())
+        plan = fusion.plan(graph)
+        program = write_program(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+        for group, kernel in zip(program.groups, program.kernels):
+            if kernel is None or not kernel.name.startswith("c"):
+                continue
+            combined += 1
+            parts = [set(g.nodes) for g in plan.groups if set(g.nodes) <= set(group.nodes)]
+            assert sum(len(p) for p in parts) == len(group.nodes), (name, kernel.name)
+            for part in parts:
+                reads = set()
+                for n in part:
+                    todo = list(graph.nodes[n].inputs)
+                    while todo:
+                        i = todo.pop()
+                        reads.add(i)
+                        if graph.nodes[i].kind == ir.Kind.VIEW:
+                            todo += graph.nodes[i].inputs
+                assert not reads & (set(group.nodes) - part), f"{name}: {kernel.name}'s parts depend on each other"
+    assert combined >= 3, combined
 
 
 # ---- op lowerings whose obvious Triton forms are wrong: values torch gets right ----

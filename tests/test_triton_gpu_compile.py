@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from optimizer import fusion, ir, search  # noqa: E402
 from optimizer.backend import decompositions  # noqa: E402
-from optimizer.codegen import triton as tt  # noqa: E402
+from optimizer.codegen.triton_combo import write_program  # noqa: E402
 from optimizer.hardware import find_hardware  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
 from tests import test_optimizer_ops as ops_table  # noqa: E402
@@ -51,10 +51,11 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
     not thread-safe: side by side, 1 run in 3 failed with "AST constructor recursion depth mismatch"), in a
     process without the interpreter (tests/triton_compile_worker.py); Triton's error, with the kernel's name
     and source, if one does not compile. How many were."""
-    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
-    path.write_text(source)
+    program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+    path.write_text(program.source)
+    kernels = program.kernels
     todo = {}
-    for group, k in zip(plan.groups, kernels):
+    for group, k in zip(program.groups, kernels):
         if k is None or (k.product is not None and not k.product.epilogue) or gemms_only and group.kind != "gemm":
             continue
         names = [f"p{i}" for i in range(len(k.params))] + (["prod"] if k.product is not None else [])

@@ -445,9 +445,11 @@ class TritonWriter:
     """Writes one group's loop nest as a Triton kernel. Raises NotFusable (no loop nest) or Unsupported."""
 
     def __init__(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule, name: str,
-                 inplace: dict[int, int] | None = None) -> None:
+                 inplace: dict[int, int] | None = None, part: bool = False) -> None:
+        """`part`: written as a function of its program id (argument `pid`), for a kernel that runs several
+        (codegen/triton_combo.py), not one launched on its own."""
         self.g, self.group, self.buffers, self.s, self.name = graph, group, buffers, schedule, name
-        self.inplace = inplace or {}
+        self.inplace, self.part = inplace or {}, part
 
     def write(self) -> TritonKernel:
         self.nest: LoopNest = lower(self.g, self.group, self.buffers, self.inplace)
@@ -461,7 +463,7 @@ class TritonWriter:
                             else self.pointwise())
         prologue = [self.statement(d) for d in self.nest.prologue]
         pointers = [*self.names.values(), *(["prod"] if self.product is not None else [])]
-        args = ", ".join([*pointers, *(f"{k}: tl.constexpr" for k, _ in meta)])
+        args = ", ".join([*pointers, *(["pid"] if self.part else []), *(f"{k}: tl.constexpr" for k, _ in meta)])
         lines = ["@triton.jit", f"def {self.name}({args}):"] + [f"    {line}" for line in prologue + body]
         stages = shape == "gemm" and self.product is None
         launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if stages else ()))
@@ -485,7 +487,8 @@ class TritonWriter:
 
     def program(self) -> str:
         """This program's id, in int64 where the kernel's indices can pass int32 (self.wide)."""
-        return "tl.program_id(0).to(tl.int64)" if self.wide else "tl.program_id(0)"
+        pid = "pid" if self.part else "tl.program_id(0)"
+        return f"{pid}.to(tl.int64)" if self.wide else pid
 
     def arange(self, block: str) -> str:
         return f"tl.arange(0, {block}).to(tl.int64)" if self.wide else f"tl.arange(0, {block})"

@@ -76,7 +76,8 @@ class SearchResult:
     score_seconds: float               # time in the cost model's scoring
     feature_seconds: float             # time reading the kernels' features off the generator
     seconds: float                     # the whole search, timing included
-    predicted_s: float                 # the chosen plan at its chosen schedules, predicted (what the model prices)
+    predicted_s: float                 # the chosen plan at its chosen schedules, predicted (what the model prices;
+                                       # on a GPU, less the launches its kernels run together save)
     kernels: list[KernelResult]
     ties: list[Tie] = field(default_factory=list)     # kernels whose choice was too close to call
     externs: dict[int, float] = field(default_factory=dict)   # predicted seconds of each extern group, by group
@@ -257,7 +258,8 @@ def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, to
     extern_measured: dict[int, float] = {}
     _choose_attention(graph, plan, target.spec, timing and top_k > 1, scorer.threads, schedules, extern_times,
                       extern_measured)
-    predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values())
+    predicted = sum(k.predicted_s for k in kernels) + sum(extern_times.values()) - \
+        target.launches_saved(graph, plan, schedules) * target.spec.launch_overhead_us * 1e-6
     return SearchResult(plan=plan, choice=fusion.choice_of(points, flips), schedules=schedules,
                         space_size=space_size, plans_scored=len(costs),
                         scored=scorer.scored, collapsed=scorer.collapsed, score_seconds=scorer.seconds,

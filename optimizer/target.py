@@ -50,6 +50,9 @@ class Target(Protocol):
     def predict(self, features: FeatureTable, candidates: Candidates, threads: int | None) -> np.ndarray:
         """The model's seconds for each candidate."""
 
+    def launches_saved(self, graph: Graph, plan: Any, schedules: Sequence[Schedule]) -> int:
+        """Launches the plan's program under `schedules` makes fewer than its kernels (kernels run as one)."""
+
     def render(self, graph: Graph, group: Group, buffers: set[int], schedule: Schedule,
                inplace: dict[int, int] | None) -> str:
         """The code of one group under one schedule (raises loopnest.NotFusable)."""
@@ -77,6 +80,20 @@ class SpecModel:
 
     def predict(self, features: FeatureTable, candidates: Candidates, threads: int | None) -> np.ndarray:
         return costmodel.predict_on(features, candidates, self.spec, threads=threads)
+
+    def launches_saved(self, graph: Graph, plan: Any, schedules: Sequence[Schedule]) -> int:
+        """Launches a plan's program makes fewer than its kernels: on a GPU, the runs of kernels its Triton
+        program launches as one (codegen/triton_combo.py); none on a CPU, whose C kernels are each a call."""
+        if self.spec.kind != "gpu":
+            return 0
+        from optimizer.codegen.triton import Unsupported, write_source
+        from optimizer.codegen.triton_combo import combined_runs
+        from optimizer.loopnest import NotFusable
+        try:
+            _, kernels = write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+        except (NotFusable, Unsupported):     # no Triton program of this plan: its kernels priced one by one
+            return 0
+        return sum(len(run) - 1 for run in combined_runs(graph, plan.groups, kernels, plan.inplace))
 
 
 def target_for(spec: HardwareSpec, device: str | None = None) -> Target:

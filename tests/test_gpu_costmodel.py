@@ -400,3 +400,17 @@ def test_a_bf16_step_priced_for_a_gpu_is_the_plan_tfsn_runs_there():
     forward = report.graphs[0][1]
     roof = 2 * x.numel() * 2 / (H100.main_memory.bandwidth_gbs * 1e9)    # read x, write y, in bf16
     assert forward.predicted_s <= 1.5 * roof + 4 * H100.launch_overhead_us * 1e-6, (forward.predicted_s, roof)
+
+
+def test_kernels_run_as_one_launch_are_priced_one_launch():
+    """Independent updates of tensors of several shapes (an optimizer's step, taken per tensor) are launched as
+    one kernel on a GPU (codegen/triton_combo.py): the step is predicted that many launches shorter than its
+    kernels one by one; on a CPU, whose C kernels are each a call, it is not."""
+    def updates(a, b, c, ga, gb, gc):
+        return a - 0.1 * ga, b * 0.9 + gb, (c + gc).clamp(-1, 1)
+    graph = capture(updates, (64, 32), (48,), (3, 5, 7), (64, 32), (48,), (3, 5, 7))
+    for spec, saved in ((H100, 2), (find_hardware("cpu-generic"), 0)):
+        result = predicted(graph, spec)
+        assert sum(g.kind != "extern" for g in result.plan.groups) == 3
+        alone = sum(k.predicted_s for k in result.kernels) + sum(result.externs.values())
+        assert result.predicted_s == pytest.approx(alone - saved * spec.launch_overhead_us * 1e-6), spec.name

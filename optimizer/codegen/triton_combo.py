@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from optimizer.codegen.triton import PRELUDE, TritonKernel, TritonWriter
+from optimizer.codegen.triton import PRELUDE, TritonKernel, TritonWriter, write_source
 from optimizer.ir import Graph, Kind, Ref
 from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
@@ -40,17 +40,9 @@ def write_program(graph: Graph, groups: Sequence[Group], buffers: set[int], sche
                   inplace: dict[int, int] | None = None) -> Program:
     """The graph's kernels (triton.write_source's), each run of consecutive independent small ones combined."""
     inplace = inplace or {}
-    kernels = [None if g.kind == "extern" else TritonWriter(graph, g, buffers, s, f"k{i}", inplace).write()
-               for i, (g, s) in enumerate(zip(groups, schedules))]
-    runs: list[list[int]] = []
-    for i, (group, kernel) in enumerate(zip(groups, kernels)):
-        if _combinable(group, kernel) and runs and runs[-1][-1] == i - 1 and \
-                _joins(graph, inplace, [kernels[j] for j in runs[-1]], kernel):
-            runs[-1].append(i)
-        elif _combinable(group, kernel):
-            runs.append([i])
+    _, kernels = write_source(graph, groups, buffers, schedules, inplace)
     out_groups, out_kernels, names = list(groups), list(kernels), [None if k is None else k.name for k in kernels]
-    for run in reversed([r for r in runs if len(r) > 1]):
+    for run in reversed(combined_runs(graph, groups, kernels, inplace)):
         parts = [TritonWriter(graph, groups[i], buffers, schedules[i], f"k{i}_part", inplace, part=True).write()
                  for i in run]
         combined = _combined(f"c{run[0]}", parts)
@@ -61,6 +53,19 @@ def write_program(graph: Graph, groups: Sequence[Group], buffers: set[int], sche
             names[i] = combined.name
     source = PRELUDE + "\n\n".join(k.source for k in out_kernels if k is not None)
     return Program(source, out_groups, out_kernels, names)
+
+
+def combined_runs(graph: Graph, groups: Sequence[Group], kernels: Sequence[TritonKernel | None],
+                  inplace: dict[int, int]) -> list[list[int]]:
+    """The runs of two or more consecutive groups whose kernels (write_source's) run as one launch."""
+    runs: list[list[int]] = []
+    for i, (group, kernel) in enumerate(zip(groups, kernels)):
+        if _combinable(group, kernel) and runs and runs[-1][-1] == i - 1 and \
+                _joins(graph, inplace, [kernels[j] for j in runs[-1]], kernel):
+            runs[-1].append(i)
+        elif _combinable(group, kernel):
+            runs.append([i])
+    return [r for r in runs if len(r) > 1]
 
 
 def _combinable(group: Group, kernel: TritonKernel | None) -> bool:

@@ -363,10 +363,13 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
             schedules = [schedule or Schedule()] * len(plan.groups)
         program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         lib = triton.TritonLibrary(program.source) if any(program.kernels) else None
-        if lib is not None:
-            lib.precompile(graph, program.kernels)
+        failed = lib.precompile(graph, program.kernels) if lib is not None else []
     except (NotFusable, triton.Unsupported) as e:
         return _as_aten(gm, "its Triton code failed", e)
+    if failed:       # launched, the kernel would fail the training step
+        name, error = failed[0]
+        return _as_aten(gm, f"Triton did not compile {len(failed)} of its kernels (kernel {name} of "
+                            f"{lib.path})", error)
     return _compiled(graph, program.groups, plan.inplace, program.kernels, lib, cuda_graphs)
 
 

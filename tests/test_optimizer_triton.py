@@ -620,6 +620,24 @@ def test_only_independent_kernels_launch_as_one():
     assert torch.equal(got, want) and all(torch.equal(m, a) for m, a in zip(mine, args))
 
 
+def test_a_graph_whose_kernel_triton_does_not_compile_runs_as_aten(monkeypatch, caplog):
+    """Triton's compiler can refuse what its interpreter ran (a literal out of an int8's range did, on an H200):
+    the kernels are compiled before the first step, and a graph with one that failed runs as ATen, said with
+    Triton's error, instead of failing the training step at that kernel's launch."""
+    def refused(self, graph, kernels):
+        return [(next(k.name for k in kernels if k is not None), RuntimeError("PTX assembly failed: stand-in"))]
+    monkeypatch.setattr(tt.TritonLibrary, "precompile", refused)
+    torch._dynamo.reset()
+    x = torch.randn(6, 5, device=DEVICE)
+    aten = backend.STATS["aten_graphs"]
+    with caplog.at_level("WARNING", logger="tfsn.optimizer"):
+        got = torch.compile(lambda x: (x.sin() * 2).sum(1), backend=make_backend(codegen="triton"))(x)
+    torch._dynamo.reset()
+    assert backend.STATS["aten_graphs"] == aten + 1
+    assert torch.equal(got, (x.sin() * 2).sum(1))
+    assert "Triton did not compile 1 of its kernels" in caplog.text and "PTX assembly failed" in caplog.text
+
+
 def test_a_combined_kernels_parts_share_no_value():
     """In the suite's forward and backward graphs, no part of a combined kernel reads a value another part
     computes (read off the graph's own edges, through views), and the combined kernels are there to check."""

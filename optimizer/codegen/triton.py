@@ -854,16 +854,16 @@ class TritonLibrary:
         spec = importlib.util.spec_from_file_location(f"tfsn_triton_{path.stem}", path)
         self.module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(self.module)
-        self._name = str(path)
+        self.path = path
 
-    def precompile(self, graph: Graph, kernels: Sequence[TritonKernel | None]) -> None:
+    def precompile(self, graph: Graph, kernels: Sequence[TritonKernel | None]) -> list[tuple[str, BaseException]]:
         """Every kernel compiled for the graph's GPU before the first step, on a pool of threads: Triton
         would compile each at its first launch, one after another (its LLVM and ptxas stages run outside
-        the GIL). A kernel that fails here is left to compile, or fail, at its launch."""
+        the GIL). The kernels that failed, by name, with Triton's error: run, they would fail the step."""
         import torch
         from triton.runtime import driver
         if graph.device == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
-            return
+            return []
         todo = [k for k in kernels if k is not None and (k.product is None or k.product.epilogue)]
         driver.active       # made here, once: its first use builds and loads Triton's C utilities, unlocked
 
@@ -872,10 +872,7 @@ class TritonLibrary:
                 getattr(self.module, k.name).warmup(*k.pointer_dtypes(graph), grid=k.grid, **dict(k.meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
             compiled = [(k, pool.submit(compile_one, k)) for k in todo]
-            for k, future in compiled:
-                if future.exception() is not None:
-                    log.info("tfsn: Triton kernel %s not compiled ahead (%s); it compiles at its launch", k.name,
-                             future.exception())
+            return [(k.name, future.exception()) for k, future in compiled if future.exception() is not None]
 
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]

@@ -306,6 +306,14 @@ class LoopNest:
         return "gemm" if self.group.kind == "gemm" else "reduction" if self.group.reduced else "pointwise"
 
     @property
+    def splittable(self) -> bool:
+        """Whether its reductions may run as partial results over slices of the reduced axes, combined by a
+        second kernel (a GPU's split reduction): one pass, first (no per-row value feeds it), and nothing but
+        per-row values after it (they run in the second kernel); its sums, means, maxima and minima combine."""
+        return (self.shape == "reduction" and self.epilogue is None and len(self.segments) > 0
+                and isinstance(self.segments[0], Pass) and not any(isinstance(s, Pass) for s in self.segments[1:]))
+
+    @property
     def column(self) -> bool:
         """A reduction that keeps the axis innermost in memory (a bias gradient): SIMD across columns."""
         return bool(self.group.reduced) and self.order[-1] not in self.group.reduced
@@ -354,6 +362,11 @@ class LoopNest:
             if inner in run:
                 return f"m{first}", prod(dom[d] for d in run)
         return f"i{inner}", dom[inner]
+
+
+def accumulator_dtype(dtype: str) -> str:
+    """The dtype a reduction of `dtype` values accumulates in: fp64 and int64 (counts) as themselves, else fp32."""
+    return dtype if dtype in ("float64", "int64") else "float32"
 
 
 def bias_epilogue(graph: Graph, nest: LoopNest) -> int | None:

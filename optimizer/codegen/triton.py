@@ -616,87 +616,87 @@ class TritonWriter:
 
     def reduction(self) -> tuple[list[str], tuple[int, ...], tuple]:
         dom, nest = self.group.domain, self.nest
-        kept, reduced = sorted(nest.kept), sorted(nest.reduced)
-        count = prod(dom[d] for d in reduced)
-        rows = prod(dom[d] for d in kept)
+        self.count = prod(dom[d] for d in nest.reduced)
+        self.rows = prod(dom[d] for d in nest.kept)
         per = _pow2(self.s.chunk) if 1 <= self.s.chunk <= MAX_ROWS_PER_PROGRAM else 1
-        per = min(per, _pow2(rows))
-        block = min(GPU_REDUCTION_BLOCK, _pow2(count, 16))
-        programs = -(-rows // per)
+        meta = (("XROWS", min(per, _pow2(self.rows))), ("RBLOCK", min(GPU_REDUCTION_BLOCK, _pow2(self.count, 16))))
+        programs = -(-self.rows // meta[0][1])
         # a split's slices are whole blocks, none of them empty
-        span = -(-count // max(self.s.reduction_split, 1) // block) * block
-        split = -(-count // span) if nest.splittable else 1
-
-        def header(program: str) -> list[str]:
-            """Rows down the tile's first axis ([XROWS, 1]), the reduced elements of a pass along its second."""
-            return [f"row = {program} * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {rows}",
-                    "xzero = row * 0"] + [line for line in self.decompose("row", kept) if line.startswith("i")]
-
-        def block_loop(body: list[str], start: str = "", extent: int = count) -> list[str]:
-            return [f"for r0 in range(0, {extent}, RBLOCK):",
-                    f"    r = {start}r0 + {self.arange('RBLOCK')}[None, :]", f"    rmask = (r < {count}) & xmask",
-                    "    rzero = r * 0 + xzero"] + \
-                [f"    {line}" for line in self.decompose("r", reduced)] + [f"    {line}" for line in body]
-
-        def accumulated(segment: Pass, start: str = "", extent: int = count) -> list[str]:
-            """The pass's block loop into acc{node} (and, for max and min, whether a NaN was met: nan{node})."""
-            code = []
-            for red in segment.reductions:
-                acc_t = TL_TYPES[accumulator_dtype(self.g.nodes[red.node].type.dtype)]
-                code.append(f"acc{red.node} = tl.full([XROWS, RBLOCK], {REDUCTION_INITS[red.op]}, {acc_t})")
-                if red.op in ("max", "min"):
-                    code.append(f"nan{red.node} = tl.zeros([XROWS, RBLOCK], tl.int32)")
-            self.mask, self.zero = "rmask", "rzero"
-            code += block_loop([self.accumulate(s) if isinstance(s, Accumulate) else self.statement(s)
-                                for s in segment.body], start, extent)
-            self.mask, self.zero = "xmask", "xzero"
-            return code
-
-        if split > 1:
-            return self.split_reduction(header, accumulated, rows, count, programs, split, span, per, block)
-        code = header(self.program())
+        span = -(-self.count // max(self.s.reduction_split, 1) // meta[1][1]) * meta[1][1]
+        if nest.splittable and span < self.count:
+            return self.split_reduction(programs, span, meta)
+        code = self.row_block(self.program())
         for segment in nest.segments:
             if isinstance(segment, RowSegment):
-                self.mask, self.zero = "xmask", "xzero"
                 code += self.lines(segment.body)
                 continue
-            code += accumulated(segment)
+            code += self.accumulated(segment)
             for red in segment.reductions:
-                code += self.combined(red, f"acc{red.node}", f"nan{red.node}", count)
+                code += self.combined(red, f"acc{red.node}", f"nan{red.node}", self.count)
             code += [self.statement(r.store) for r in segment.reductions]
         if nest.epilogue is not None:
             self.mask, self.zero = "rmask", "rzero"
-            code += block_loop(self.lines(nest.epilogue))
-        return code, (programs,), (("XROWS", per), ("RBLOCK", block))
+            code += self.block_loop(self.lines(nest.epilogue))
+        return code, (programs,), meta
 
-    def split_reduction(self, header: Callable[[str], list[str]], accumulated: Callable[..., list[str]], rows: int,
-                        count: int, programs: int, split: int, span: int, per: int,
-                        block: int) -> tuple[list[str], tuple[int, ...], tuple]:
+    def row_block(self, program: str) -> list[str]:
+        """A reduction program's rows down its tile's first axis ([XROWS, 1]; the reduced elements of a pass
+        run along its second), for the program `program`; per-row statements are masked to them."""
+        self.mask, self.zero = "xmask", "xzero"
+        return [f"row = {program} * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {self.rows}",
+                "xzero = row * 0"] + [line for line in self.decompose("row", sorted(self.nest.kept))
+                                      if line.startswith("i")]
+
+    def block_loop(self, body: list[str], start: str = "", extent: int | None = None) -> list[str]:
+        """`body` over `extent` reduced elements (all of them) from `start` on, in blocks of RBLOCK."""
+        return [f"for r0 in range(0, {self.count if extent is None else extent}, RBLOCK):",
+                f"    r = {start}r0 + {self.arange('RBLOCK')}[None, :]", f"    rmask = (r < {self.count}) & xmask",
+                "    rzero = r * 0 + xzero"] + \
+            [f"    {line}" for line in self.decompose("r", sorted(self.nest.reduced)) + body]
+
+    def accumulated(self, segment: Pass, start: str = "", extent: int | None = None) -> list[str]:
+        """The pass's block loop into acc{node} (and, for max and min, whether a NaN was met: nan{node})."""
+        code = []
+        for red in segment.reductions:
+            acc_t = TL_TYPES[accumulator_dtype(self.g.nodes[red.node].type.dtype)]
+            code.append(f"acc{red.node} = tl.full([XROWS, RBLOCK], {REDUCTION_INITS[red.op]}, {acc_t})")
+            if red.op in ("max", "min"):
+                code.append(f"nan{red.node} = tl.zeros([XROWS, RBLOCK], tl.int32)")
+        self.mask, self.zero = "rmask", "rzero"
+        code += self.block_loop([self.accumulate(s) if isinstance(s, Accumulate) else self.statement(s)
+                                 for s in segment.body], start, extent)
+        self.mask, self.zero = "xmask", "xzero"
+        return code
+
+    def split_reduction(self, programs: int, span: int, meta: tuple) -> tuple[list[str], tuple[int, ...], tuple]:
         """A split reduction (LoopNest.splittable): this kernel's programs each reduce one slice of `span`
-        reduced elements of XROWS rows into a scratch of [rows, split] partial results per reduction (in its
+        reduced elements of XROWS rows into a scratch of [rows, slices] partial results per reduction (in its
         accumulator's dtype, NaN where a max or min met one); a second kernel (self.split) combines each
-        row's partials, means divided by the whole count once, then runs the per-row values after them."""
+        row's partials, a mean divided by the whole count once, then runs the per-row values after them."""
+        split = -(-self.count // span)
         first, *after = self.nest.segments
         scratch = [f"s{j}" for j in range(len(first.reductions))]
-        code = [f"pid = {self.program()}", f"part = pid % {split}", *header(f"(pid // {split})"),
-                *accumulated(first, f"part * {span} + ", span)]
+        code = [f"pid = {self.program()}", f"part = pid % {split}", *self.row_block(f"(pid // {split})"),
+                *self.accumulated(first, f"part * {span} + ", span)]
         for red, at in zip(first.reductions, scratch):
             code += self.combined(red, f"acc{red.node}", f"nan{red.node}", None)
             code.append(f"tl.store({at} + row * {split} + part + xzero, red{red.node}, mask=xmask)")
-        combine = header(self.program()) + [f"s = {self.arange('SBLOCK')}[None, :]", f"smask = (s < {split}) & xmask"]
+        combine = self.row_block(self.program()) + [f"s = {self.arange('SBLOCK')}[None, :]",
+                                                     f"smask = (s < {split}) & xmask"]
         for red, at in zip(first.reductions, scratch):
             combine.append(f"part{red.node} = tl.load({at} + row * {split} + s, mask=smask, "
                            f"other={REDUCTION_INITS[red.op]})")
-            combine += self.combined(red, f"part{red.node}", f"(part{red.node} != part{red.node}).to(tl.int32)", count)
+            combine += self.combined(red, f"part{red.node}", f"(part{red.node} != part{red.node}).to(tl.int32)",
+                                     self.count)
         combine += [self.statement(r.store) for r in first.reductions]
         for segment in after:
             combine += self.lines(segment.body)
-        dtypes = tuple(accumulator_dtype(self.g.nodes[r.node].type.dtype) for r in first.reductions)
         self.combine = combine
-        self.split = SplitReduction(f"{self.name}_combine", (programs,), (("XROWS", per), ("SBLOCK", _pow2(split)),
-                                                                          ("num_warps", self.warps())),
-                                    (rows, split), dtypes)
-        return code, (programs * split,), (("XROWS", per), ("RBLOCK", block))
+        self.split = SplitReduction(f"{self.name}_combine", (programs,),
+                                    (meta[0], ("SBLOCK", _pow2(split)), ("num_warps", self.warps())),
+                                    (self.rows, split),
+                                    tuple(accumulator_dtype(self.g.nodes[r.node].type.dtype) for r in first.reductions))
+        return code, (programs * split,), meta
 
     def combined(self, red: Reduction, values: str, nans: str, count: int | None) -> list[str]:
         """red{node}: a [XROWS, n] block of `values` combined along its rows, NaN where a max or min's `nans`

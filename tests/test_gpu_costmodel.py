@@ -264,8 +264,8 @@ def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sector
 
 
 def unsplit_and_picked(fn, *shapes, spec=H100) -> tuple[float, float, int]:
-    """The best prediction of fn's one reduction kernel without a split, and the search's pick: its
-    prediction and its split."""
+    """The best prediction of fn's one reduction kernel without a split, and the model's pick: its
+    prediction and its split, which the search's schedule for the kernel takes."""
     from optimizer import features, fusion
     graph = capture(fn, *shapes)
     plan = fusion.plan(graph)
@@ -274,6 +274,9 @@ def unsplit_and_picked(fn, *shapes, spec=H100) -> tuple[float, float, int]:
     cands = space.gpu_kernel_space(0, kernel)
     t = predict_gpu(FeatureTable([kernel]), cands, spec)
     best = int(np.argmin(t))
+    searched = predicted(graph, spec)
+    assert [s.reduction_split for g, s in zip(searched.plan.groups, searched.schedules) if g.kind != "extern"] == \
+        [int(cands.split[best])]
     return float(t[cands.split == 1].min()), float(t[best]), int(cands.split[best])
 
 
@@ -298,6 +301,8 @@ def test_few_long_reductions_are_split_over_the_sms(fn, shape, gain):
     (lambda x: x.sum(-1), (4096, 8192)),       # splits are priced (few rows of 8192): programs enough without one
 ], ids=["softmax", "layer_norm", "row_sums_4096x8192"])
 def test_reductions_over_many_rows_are_not_split(fn, shape):
+    """Rows enough for the SMs keep one launch: a softmax or LayerNorm (whose nests cannot split: two passes,
+    or the whole domain after the pass) and row sums of 4096 rows, where the splits are priced and lose."""
     assert unsplit_and_picked(fn, shape)[2] == 1
 
 

@@ -450,17 +450,18 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     reduced = np.where(column, features.elements[k] / np.maximum(rows, 1), features.inner[k])
     lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k])
     # a split reduction (Schedule.reduction_split, where the nest may split): a first launch whose rows are the
-    # slices of every row, each writing its partial results, then a second that combines each row's partials
-    # and runs the per-row values after them
+    # slices of every row, each writing its partial results (and the members over the whole domain), then a
+    # second that combines each row's partials and runs the per-row values after them, writing about a row's
+    # partials' bytes a row
     split = np.where(reduction & (features.partials[k] > 0), np.maximum(cand.split, 1), 1.0)
     partial_bytes = rows * split * features.partials[k]
     first = _gpu_loop(spec, reduction, column, rows * split, np.ceil(reduced / split), features.elements[k],
                       lane_ops + np.where(split > 1, 0.0, features.rows[k] * features.row_ops[k]),
-                      features.read_bytes[k], np.where(split > 1, partial_bytes, features.write_bytes[k]),
+                      features.read_bytes[k], features.write_bytes[k] + np.where(split > 1, partial_bytes, 0.0),
                       per_program, threads, _values(features, k), features.load_bytes[k])
     second = _gpu_loop(spec, reduction, np.zeros_like(column), rows, split, rows * split,
                        rows * split + features.rows[k] * features.row_ops[k], partial_bytes,
-                       features.write_bytes[k], per_program, threads, np.full_like(threads, 2.0),
+                       rows * features.partials[k], per_program, threads, np.full_like(threads, 2.0),
                        features.load_bytes[k])
     loop = first + np.where(split > 1, second, 0.0)
     return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)

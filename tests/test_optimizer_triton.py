@@ -779,6 +779,7 @@ SPLIT_CASES = {     # reductions over 3000 elements: each split into 3 slices
     "column_sum_and_max": lambda x: (x.t().sum(0), x.t().amax(0, keepdim=True), x.t().mean(0)),
     "count": lambda x: ((x > 0).sum(-1), (x > 0).sum()),
     "rstd_after_the_mean": lambda x: (torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6),),
+    "column_sum_beside_a_product": lambda x: ((x.t() * 3).sum(0), x.t() * 3),      # the product on each slice
 }
 
 

@@ -672,7 +672,8 @@ class TritonWriter:
         """A split reduction (LoopNest.splittable): this kernel's programs each reduce one slice of `span`
         reduced elements of XROWS rows into a scratch of [rows, slices] partial results per reduction (in its
         accumulator's dtype, NaN where a max or min met one); a second kernel (self.split) combines each
-        row's partials, a mean divided by the whole count once, then runs the per-row values after them."""
+        row's partials, a mean divided by the whole count once, then runs the per-row values after them.
+        Members over the whole domain run here, on each slice after its pass."""
         split = -(-self.count // span)
         first, *after = self.nest.segments
         scratch = [f"s{j}" for j in range(len(first.reductions))]
@@ -681,6 +682,9 @@ class TritonWriter:
         for red, at in zip(first.reductions, scratch):
             code += self.combined(red, f"acc{red.node}", f"nan{red.node}", None)
             code.append(f"tl.store({at} + row * {split} + part + xzero, red{red.node}, mask=xmask)")
+        if self.nest.epilogue is not None:       # reading no per-row value: on the slice just read
+            self.mask, self.zero = "rmask", "rzero"
+            code += self.block_loop(self.lines(self.nest.epilogue), f"part * {span} + ", span)
         combine = self.row_block(self.program()) + [f"s = {self.arange('SBLOCK')}[None, :]",
                                                      f"smask = (s < {split}) & xmask"]
         for red, at in zip(first.reductions, scratch):

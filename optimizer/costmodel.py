@@ -98,6 +98,8 @@ class KernelFeatures:
     flat: float = 0.0          # a 1-D loop: its "rows" are FLAT_ROW elements, its chunks count elements
     precision: float = 0.0     # GEMM: index in PRECISIONS of the rate its product runs at (GPUs)
     bias: float = 0.0          # GEMM: its whole epilogue is a bias the library's addmm adds (loopnest.bias_epilogue)
+    partials: float = 0.0      # reduction: bytes of one row's partial results of one slice where it may split
+                               # (LoopNest.splittable; a GPU's split reduction), 0 where it may not
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Candidates:
     nr: np.ndarray
     kc: np.ndarray
     stages: np.ndarray         # GPU GEMM: tiles in flight (Schedule.gemm_stages)
+    split: np.ndarray          # GPU reduction: slices of the reduced axes (Schedule.reduction_split)
 
     def __len__(self) -> int:
         return len(self.kernel)
@@ -135,7 +138,8 @@ class Candidates:
                         chunk=int(self.chunk[row]), column_block=int(self.column_block[row]),
                         gemm="generated" if self.generated[row] else "library",
                         gemm_block_rows=int(self.block_rows[row]), gemm_mr=int(self.mr[row]),
-                        gemm_nr=int(self.nr[row]), gemm_kc=int(self.kc[row]), gemm_stages=int(self.stages[row]))
+                        gemm_nr=int(self.nr[row]), gemm_kc=int(self.kc[row]), gemm_stages=int(self.stages[row]),
+                        reduction_split=int(self.split[row]))
 
     @classmethod
     def of(cls, kernel: int, schedules: Sequence[Schedule]) -> Candidates:
@@ -147,7 +151,8 @@ class Candidates:
                    parallel=col(lambda s: float(s.parallel_axis >= 0)), chunk=col(lambda s: s.chunk),
                    column_block=col(lambda s: s.column_block), generated=col(lambda s: float(s.gemm == "generated")),
                    block_rows=col(lambda s: s.gemm_block_rows), mr=col(lambda s: s.gemm_mr),
-                   nr=col(lambda s: s.gemm_nr), kc=col(lambda s: s.gemm_kc), stages=col(lambda s: s.gemm_stages))
+                   nr=col(lambda s: s.gemm_nr), kc=col(lambda s: s.gemm_kc), stages=col(lambda s: s.gemm_stages),
+                   split=col(lambda s: s.reduction_split))
 
 
 class FeatureTable:
@@ -433,47 +438,67 @@ def _values(features: FeatureTable, k: np.ndarray) -> np.ndarray:
 def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) -> np.ndarray:
     """Predicted seconds of every candidate row on a GPU spec; `inf` for a program the chip cannot run."""
     k = cand.kernel
-    units = float(spec.compute_units)
-    launch = spec.launch_overhead_us * 1e-6
-    l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
-    hbm = spec.main_memory
     kind = features.kind[k]
-    moved = features.read_bytes[k] + features.write_bytes[k]
-    bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, hbm.bandwidth_gbs) * 1e9
+    reduction = kind == REDUCTION
     threads = float(spec.simd_width) * np.maximum(cand.mr, 1)       # warps (NVIDIA: 32) or wavefronts (AMD: 64)
-    # pointwise and reductions: programs of `chunk` elements / rows, in waves over the SMs. A column reduction
-    # (a bias gradient: the last axis kept) is written as a row reduction whose rows are its columns, `chunk`
-    # adjacent columns a program, each pass a block of the reduced rows (codegen/triton.py's reduction)
+    # pointwise and reductions: programs of `chunk` elements / rows. A column reduction (a bias gradient: the
+    # last axis kept) is written as a row reduction whose rows are its columns, `chunk` adjacent columns a
+    # program, each pass a block of the reduced rows (codegen/triton.py's reduction)
     per_program = np.maximum(cand.chunk, 1)
-    column = (kind == REDUCTION) & (features.columns[k] > 0)
+    column = reduction & (features.columns[k] > 0)
     rows = np.where(column, features.rows[k] * features.columns[k], features.rows[k])
-    programs = np.where(kind == REDUCTION, np.ceil(rows / per_program), np.ceil(features.elements[k] / per_program))
     reduced = np.where(column, features.elements[k] / np.maximum(rows, 1), features.inner[k])
+    lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k])
+    # a split reduction (Schedule.reduction_split, where the nest may split): a first launch whose rows are the
+    # slices of every row, each writing its partial results (and the members over the whole domain), then a
+    # second that combines each row's partials and runs the per-row values after them, writing about a row's
+    # partials' bytes a row
+    split = np.where(reduction & (features.partials[k] > 0), np.maximum(cand.split, 1), 1.0)
+    partial_bytes = rows * split * features.partials[k]
+    first = _gpu_loop(spec, reduction, column, rows * split, np.ceil(reduced / split), features.elements[k],
+                      lane_ops + np.where(split > 1, 0.0, features.rows[k] * features.row_ops[k]),
+                      features.read_bytes[k], features.write_bytes[k] + np.where(split > 1, partial_bytes, 0.0),
+                      per_program, threads, _values(features, k), features.load_bytes[k])
+    second = _gpu_loop(spec, reduction, np.zeros_like(column), rows, split, rows * split,
+                       rows * split + features.rows[k] * features.row_ops[k], partial_bytes,
+                       rows * features.partials[k], per_program, threads, np.full_like(threads, 2.0),
+                       features.load_bytes[k])
+    loop = first + np.where(split > 1, second, 0.0)
+    return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
+
+
+def _gpu_loop(spec: HardwareSpec, reduction: np.ndarray, column: np.ndarray, rows: np.ndarray, reduced: np.ndarray,
+              elements: np.ndarray, lane_ops: np.ndarray, read: np.ndarray, write: np.ndarray,
+              per_program: np.ndarray, threads: np.ndarray, values: np.ndarray, load_bytes: np.ndarray) -> np.ndarray:
+    """Seconds of one launch of a loop kernel: programs of `per_program` elements (pointwise) or rows of
+    `reduced` elements each (reductions), in waves over the SMs; `inf` where a program does not fit."""
+    units = float(spec.compute_units)
+    l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
+    moved = read + write
+    bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, spec.main_memory.bandwidth_gbs) * 1e9
+    programs = np.where(reduction, np.ceil(rows / per_program), np.ceil(elements / per_program))
     row_block = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(reduced, 1))), GPU_REDUCTION_BLOCK)
-    held = np.where(kind == REDUCTION, per_program * row_block, per_program)     # a program's values per pass
-    registers = GPU_REGISTER_BASE + np.ceil(held / threads) * _values(features, k)
+    held = np.where(reduction, per_program * row_block, per_program)     # a program's values per pass
+    registers = GPU_REGISTER_BASE + np.ceil(held / threads) * values
     resident = gpu_occupancy(spec, threads, registers, np.zeros_like(threads))
     slots = units * np.maximum(resident, 1)
     waves = np.ceil(programs / slots)
     # SMs in use: a launch of fewer programs than SMs leaves the rest idle; more waves than one
     # leave the last one partly empty
     fill = np.minimum(1.0, programs / units) * np.where(waves > 1, programs / (waves * slots), 1.0)
-    lane_ops = features.elements[k] * (features.ops[k] + GPU_MATH_OPS * features.math[k]) \
-        + features.rows[k] * features.row_ops[k]
     compute = lane_ops / (spec.peak_flops("fp32") / 2)
     # a column program reads `chunk` adjacent elements of each reduced row: a load of fewer bytes than a sector
     # still moves the whole sector from L2 (the other columns' programs may find the rest there, not in memory)
-    used = np.where(column, np.minimum(1.0, per_program * features.load_bytes[k] / GPU_SECTOR_BYTES), 1.0)
-    sectors = features.read_bytes[k] / used / (l2.bandwidth_gbs * 1e9)
+    used = np.where(column, np.minimum(1.0, per_program * load_bytes / GPU_SECTOR_BYTES), 1.0)
+    sectors = read / used / (l2.bandwidth_gbs * 1e9)
     # a program's loads are issued together and it waits one latency for them, once per block of its rows on the
     # first pass (later passes find the rows in cache): programs of few bytes on few slots cannot keep enough in
     # flight to reach the bandwidth, whatever the bytes
-    blocks = np.where(kind == REDUCTION, np.ceil(reduced / row_block), 1.0)
+    blocks = np.where(reduction, np.ceil(reduced / row_block), 1.0)
     latency = waves * blocks * GPU_MEMORY_LATENCY
     throughput = np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3)
-    loop = np.maximum(throughput, latency) + launch
-    loop = np.where(resident > 0, loop, np.inf)
-    return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
+    loop = np.maximum(throughput, latency) + spec.launch_overhead_us * 1e-6
+    return np.where(resident > 0, loop, np.inf)
 
 
 def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, threads: np.ndarray) -> np.ndarray:

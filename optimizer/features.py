@@ -10,7 +10,7 @@ from math import prod
 from optimizer.costmodel import FLAT_ROW, GEMM, POINTWISE, PRECISIONS, REDUCTION, KernelFeatures
 from optimizer.expr import stride_along
 from optimizer.ir import Graph, Kind, Node
-from optimizer.loopnest import Group, LoopNest, Pass, bias_epilogue, fused_nodes, lower
+from optimizer.loopnest import Group, LoopNest, Pass, accumulator_dtype, bias_epilogue, fused_nodes, lower
 from optimizer.ops import EXPENSIVE
 
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -71,8 +71,15 @@ def kernel_features(graph: Graph, group: Group, buffers: set[int]) -> KernelFeat
         ops=ops, math=math, row_ops=row_ops, read_bytes=read_bytes, write_bytes=write_bytes,
         strided_bytes=sum(_bytes(graph, n) for n in strided), passes=passes, row_bytes=row_bytes,
         carried=carried if reduced and not column else 0.0, columns=float(dom[last]) if column else 0.0,
-        load_bytes=load_bytes,
+        load_bytes=load_bytes, partials=_partials(graph, nest),
         flat=1.0 if len(dom) == 1 and not reduced else 0.0)
+
+
+def _partials(graph: Graph, nest: LoopNest) -> float:
+    """Bytes of one row's partial results of one slice of a split reduction (0: the nest cannot split)."""
+    if not nest.splittable:
+        return 0.0
+    return float(sum(ITEMSIZE[accumulator_dtype(graph.nodes[r.node].type.dtype)] for r in nest.segments[0].reductions))
 
 
 def gemm_precision(dtype: str, allow_tf32: bool) -> str:

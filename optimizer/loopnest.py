@@ -306,6 +306,24 @@ class LoopNest:
         return "gemm" if self.group.kind == "gemm" else "reduction" if self.group.reduced else "pointwise"
 
     @property
+    def splittable(self) -> bool:
+        """Whether its reductions may run as partial results over slices of the reduced axes, combined by a
+        second kernel (a GPU's split reduction): one pass, first (no per-row value feeds it), and nothing but
+        per-row values after it (they run in the second kernel); its sums, means, maxima and minima combine.
+        Members over the whole domain may follow where they read no per-row value (a LayerNorm backward's
+        weight gradient beside its input's): they run on each slice after its pass, so nothing the kernel
+        writes may be read (in place) by it."""
+        if self.shape != "reduction" or not self.segments or not isinstance(self.segments[0], Pass) \
+                or any(isinstance(s, Pass) for s in self.segments[1:]):
+            return False
+        if self.epilogue is None:
+            return True
+        names = [n for s in self.epilogue for n in _names(s)]
+        loads = [s.value.buffer for s in self.segments[0].body + self.epilogue
+                 if isinstance(s, Define) and isinstance(s.value, Load)]
+        return not any(isinstance(n, RowVar) for n in names) and not set(loads) & set(self.outputs)
+
+    @property
     def column(self) -> bool:
         """A reduction that keeps the axis innermost in memory (a bias gradient): SIMD across columns."""
         return bool(self.group.reduced) and self.order[-1] not in self.group.reduced
@@ -354,6 +372,21 @@ class LoopNest:
             if inner in run:
                 return f"m{first}", prod(dom[d] for d in run)
         return f"i{inner}", dom[inner]
+
+
+def _names(s: Stmt) -> list[Name]:
+    """The values statement `s` reads."""
+    v = s.value
+    if isinstance(v, Apply):
+        return [a.name for a in v.args if isinstance(a, Operand)]
+    if isinstance(v, Select):
+        return list(v.values)
+    return [v] if isinstance(v, (Temp, RowVar)) else []
+
+
+def accumulator_dtype(dtype: str) -> str:
+    """The dtype a reduction of `dtype` values accumulates in: fp64 and int64 (counts) as themselves, else fp32."""
+    return dtype if dtype in ("float64", "int64") else "float32"
 
 
 def bias_epilogue(graph: Graph, nest: LoopNest) -> int | None:

@@ -34,6 +34,8 @@ class Schedule:
     attention: str = "library"        # an attention extern: "library" = ATen's flash attention; "generated" =
                                       # our online-softmax pair (optimizer/attention.py), where timing picks it
     attention_block: int = 64         # generated attention: query and key rows per block (a multiple of 8)
+    reduction_split: int = 1          # GPU reduction: slices of the reduced axes run by programs of their own, their
+                                      # partial results combined by a second kernel (1: one program per row block)
 
     def __post_init__(self) -> None:
         if self.vector_width not in VECTOR_WIDTHS:
@@ -49,7 +51,7 @@ class Schedule:
             raise ValueError("Schedule.vector_width is 1 with gemm='generated'; the generated GEMM's register "
                              "tiles are SIMD vectors: use vector_width 4, 8 or 16")
         for knob in ("vector_width", "unroll", "gemm_block_rows", "gemm_mr", "gemm_nr", "gemm_kc", "gemm_stages",
-                     "column_block", "attention_block"):
+                     "column_block", "attention_block", "reduction_split"):
             if getattr(self, knob) < 1:
                 raise ValueError(f"Schedule.{knob} is {getattr(self, knob)}; it must be at least 1")
         if self.parallel_axis not in (0, -1) or self.chunk < 0 or self.parallel_min_elements < 0:

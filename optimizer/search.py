@@ -490,7 +490,8 @@ def describe(graph: Graph, result: SearchResult, gpu: bool = False) -> str:
             library = g.kind == "gemm" and s.gemm == "library"      # cuBLAS's product, then the epilogue's tiles
             knobs = (f"library, epilogue tile={s.gemm_block_rows}x{s.gemm_nr}" if library
                      else f"tile={s.gemm_block_rows}x{s.gemm_nr}x{s.gemm_kc} stages={s.gemm_stages}" if g.kind == "gemm"
-                     else f"{'rows' if g.reduced else 'elements'}/program={s.chunk}") + f" warps={s.gemm_mr}"
+                     else f"{'rows' if g.reduced else 'elements'}/program={s.chunk}") + f" warps={s.gemm_mr}" + \
+                (f" split={s.reduction_split}" if s.reduction_split > 1 else "")
             lines.append(f"{i:3d} {g.kind:7s} {ops}  [{knobs}]  predicted {k.predicted_s * 1e6:.1f} us")
             continue
         knobs = (f"gemm={s.gemm}" + (f" tile={s.gemm_mr}x{s.gemm_nr}x{s.gemm_kc}" if s.gemm == "generated" else "")

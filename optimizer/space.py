@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from optimizer.costmodel import GEMM, GPU_MAX_DEPTH, REDUCTION, Candidates, KernelFeatures
+from optimizer.costmodel import GEMM, GPU_MAX_DEPTH, GPU_REDUCTION_BLOCK, REDUCTION, Candidates, KernelFeatures
 from optimizer.schedule import DEFAULT, VECTOR_WIDTHS
 
 UNROLLS = (1, 2, 4, 8, 16)
@@ -28,7 +28,7 @@ def _table(kernel: int, rows: list[dict]) -> Candidates:
     d = DEFAULT
     base = dict(vector_width=d.vector_width, unroll=d.unroll, parallel=1, chunk=d.chunk,
                 column_block=d.column_block, generated=0, block_rows=d.gemm_block_rows, mr=d.gemm_mr,
-                nr=d.gemm_nr, kc=d.gemm_kc, stages=d.gemm_stages)
+                nr=d.gemm_nr, kc=d.gemm_kc, stages=d.gemm_stages, split=d.reduction_split)
     cols = {name: np.array([r.get(name, v) for r in rows], dtype=np.float64) for name, v in base.items()}
     return Candidates(kernel=np.full(len(rows), kernel, dtype=np.int64), **cols)
 
@@ -80,7 +80,32 @@ def gpu_kernel_space(kernel: int, features: KernelFeatures) -> Candidates:
     """Candidate launch shapes of one kernel on a GPU, in the columns costmodel.predict_gpu reads:
     BM x BN x BK `tl.dot` tiles, warps and pipeline stages for GEMMs, and the product left to the
     vendor's library (one row); elements or rows per program and warps otherwise."""
-    return _with_kernel(_gpu_template(features.kind), kernel)
+    template = _gpu_template(features.kind)
+    splits = gpu_splits(features)
+    if splits:
+        template = Candidates.concat([template] + [dataclasses.replace(template, split=np.full(len(template), float(s)))
+                                                   for s in splits])
+    return _with_kernel(template, kernel)
+
+
+# A split reduction (Schedule.reduction_split) is tried where a launch has few row programs for a GPU's SMs and
+# their rows are long: fewer rows than SPLIT_ROWS (a column sum's rows are its columns) of at least SPLIT_REDUCED
+# elements each; its slices at least a block of GPU_REDUCTION_BLOCK long, and at most that many slices (the
+# second kernel combines a row's partials in one block)
+GPU_SPLITS = tuple(2 ** i for i in range(1, 11))
+SPLIT_ROWS = 8192
+SPLIT_REDUCED = 8192
+
+
+def gpu_splits(features: KernelFeatures) -> tuple[int, ...]:
+    """The splits of a reduction's extent worth pricing (none where its nest cannot split)."""
+    if features.kind != REDUCTION or features.partials <= 0:
+        return ()
+    rows = features.rows * features.columns if features.columns > 0 else features.rows
+    reduced = features.elements / max(rows, 1.0)
+    if rows >= SPLIT_ROWS or reduced < SPLIT_REDUCED:
+        return ()
+    return tuple(s for s in GPU_SPLITS if s <= GPU_REDUCTION_BLOCK and reduced / s >= GPU_REDUCTION_BLOCK)
 
 
 @functools.lru_cache(maxsize=None)

@@ -263,6 +263,49 @@ def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sector
     assert roof <= t[best] <= 1.25 * roof
 
 
+def unsplit_and_picked(fn, *shapes, spec=H100) -> tuple[float, float, int]:
+    """The best prediction of fn's one reduction kernel without a split, and the model's pick: its
+    prediction and its split, which the search's schedule for the kernel takes."""
+    from optimizer import features, fusion
+    graph = capture(fn, *shapes)
+    plan = fusion.plan(graph)
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    kernel = features.kernel_features(graph, group, plan.buffers)
+    cands = space.gpu_kernel_space(0, kernel)
+    t = predict_gpu(FeatureTable([kernel]), cands, spec)
+    best = int(np.argmin(t))
+    searched = predicted(graph, spec)
+    assert [s.reduction_split for g, s in zip(searched.plan.groups, searched.schedules) if g.kind != "extern"] == \
+        [int(cands.split[best])]
+    return float(t[cands.split == 1].min()), float(t[best]), int(cands.split[best])
+
+
+@pytest.mark.parametrize("fn, shape, gain", [
+    (lambda x: x.sum(), (64 * 2 ** 20,), 100),        # one program over 64M elements: 45.9 ms -> 0.09 ms
+    (lambda x: x.sum(0), (262144, 64), 4),            # a narrow layer's bias gradient: 16 programs
+    (lambda x: x.sum(0), (16384, 768), 1),            # 192 programs of 4 columns: at the L2's roof unsplit
+], ids=["sum_64m", "column_sum_262144x64", "column_sum_16384x768"])
+def test_few_long_reductions_are_split_over_the_sms(fn, shape, gain):
+    """A reduction of few rows, each long, leaves most SMs idle in one program per row block: split
+    (Schedule.reduction_split), its slices' partials in a first launch and their combination in a second, it
+    is predicted `gain` times faster, and the search picks a split."""
+    unsplit, picked, split = unsplit_and_picked(fn, shape)
+    assert split > 1 and picked * gain <= unsplit
+    l2 = next(level for level in H100.memory if level.name.lower() == "l2")      # the fastest the bytes could come
+    assert picked >= np.prod(shape) * 4 / (max(l2.bandwidth_gbs, H100.main_memory.bandwidth_gbs) * 1e9)
+
+
+@pytest.mark.parametrize("fn, shape", [
+    (lambda x: torch.softmax(x, -1), (16384, 768)),
+    (lambda x: F.layer_norm(x, (768,)), (16384, 768)),
+    (lambda x: x.sum(-1), (4096, 8192)),       # splits are priced (few rows of 8192): programs enough without one
+], ids=["softmax", "layer_norm", "row_sums_4096x8192"])
+def test_reductions_over_many_rows_are_not_split(fn, shape):
+    """Rows enough for the SMs keep one launch: a softmax or LayerNorm (whose nests cannot split: two passes,
+    or the whole domain after the pass) and row sums of 4096 rows, where the splits are priced and lose."""
+    assert unsplit_and_picked(fn, shape)[2] == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spec", [H100, A100], ids=["h100", "a100"])
 def test_a_column_reduction_of_two_inputs_loads_its_columns_as_one_of_one_input(spec, dtype):
@@ -279,6 +322,7 @@ def test_a_column_reduction_of_two_inputs_loads_its_columns_as_one_of_one_input(
         (group,) = [g for g in plan.groups if g.kind != "extern"]
         kernel = features.kernel_features(graph, group, plan.buffers)
         cands = space.gpu_kernel_space(0, kernel)
+        cands = cands.take(np.flatnonzero(cands.split == 1))     # the columns of one launch, not a split's
         picks.append(cands.chunk[int(np.argmin(predict_gpu(FeatureTable([kernel]), cands, spec)))])
     assert picks[0] == picks[1], picks
 

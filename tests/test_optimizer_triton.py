@@ -822,6 +822,84 @@ def test_sums_of_bools_and_integers_accumulate_in_int64():
     assert not [g for g in plan.groups if g.kind == "extern"], "a sum stayed an ATen call"
 
 
+SPLIT = Schedule(chunk=2, reduction_split=4)     # 3000 reduced elements: 3 slices of one block of 1024 each
+
+
+def split_kernels(fn, args, schedule: Schedule = SPLIT) -> list[tt.TritonKernel]:
+    """fn's Triton kernels under `schedule` that run as split reductions."""
+    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+    plan = fusion.plan(graph)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
+    return [k for k in kernels if k is not None and k.split is not None]
+
+
+def with_nans(x: torch.Tensor) -> torch.Tensor:
+    """x with a NaN in its second row past its first slice (a max or min must come out NaN there)."""
+    x = x.clone()
+    x.view(-1, x.shape[-1])[1, -5] = float("nan")
+    return x
+
+
+SPLIT_CASES = {     # reductions over 3000 elements: each split into 3 slices
+    "sum_mean_max_min_of_rows": lambda x: (x.sum(-1), x.mean(-1, keepdim=True), x.amax(-1), x.amin(-1)),
+    "whole_tensor": lambda x: (x.sum(), x.mean(), x.amax(), x.amin()),
+    "column_sum_and_max": lambda x: (x.t().sum(0), x.t().amax(0, keepdim=True), x.t().mean(0)),
+    "count": lambda x: ((x > 0).sum(-1), (x > 0).sum()),
+    "rstd_after_the_mean": lambda x: (torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6),),
+    "column_sum_beside_a_product": lambda x: ((x.t() * 3).sum(0), x.t() * 3),      # the product on each slice
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(SPLIT_CASES))
+def test_split_reductions_match_eager(name, dtype):
+    """Sums, means, maxima, minima and counts as split reductions (Schedule.reduction_split: slices of 3000
+    elements reduced to partials, then combined): eager's values, a NaN in the last slice of a row made that
+    row's max and min NaN, counts exact, the per-row values after a mean (an rstd) run on the combined mean."""
+    fn = SPLIT_CASES[name]
+    torch.manual_seed(0)
+    x = with_nans(torch.randn(3, 3000)).to(dtype)
+    clean = torch.randn(3, 3000).to(dtype)
+    assert split_kernels(fn, [x]), "no reduction was split"
+    for args in ([x], [clean]):
+        got, want, _ = run_triton(fn, args, SPLIT)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            if not w.is_floating_point():
+                assert torch.equal(g.cpu(), w.cpu())
+                continue
+            assert torch.equal(g.isnan().cpu(), w.isnan().cpu())
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2       # bf16: one rounding of a fp32 result
+            torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance * 3000 ** 0.5, equal_nan=True)
+
+
+def layer_norm_linear(x, lw, lb, w, b):
+    return torch.tanh(F.linear(F.layer_norm(x, (x.shape[-1],), lw, lb), w, b))
+
+
+def test_a_bias_gradient_split_matches_eager_forward_and_backward():
+    """A LayerNorm then a Linear over 3000 rows: the backward's bias and LayerNorm weight gradients are column
+    sums down 3000 rows, run split; every output and gradient as eager's."""
+    torch.manual_seed(0)
+    args = [torch.randn(3000, 8), torch.randn(8), torch.randn(8), torch.randn(5, 8), torch.randn(5)]
+    step = forward_and_backward(layer_norm_linear)
+    assert len(split_kernels(step, args)) >= 2, "the bias and weight gradients were not split"
+    got, want, _ = run_triton(step, args, SPLIT)
+    for i, (g, w) in enumerate(zip(got, want)):
+        close(g, w, f"result {i}")
+
+
+@pytest.mark.parametrize("fn", [lambda x: (torch.softmax(x, -1),), lambda x: (x - x.mean(-1, keepdim=True),)],
+                         ids=["softmax", "centered"])
+def test_reductions_that_cannot_split_run_whole(fn):
+    """A row read in two passes (softmax: max, then the sum of exps) or over the whole domain after its mean
+    keeps one program per row block, whatever the schedule's split, and computes eager's values."""
+    x = torch.randn(3, 3000)
+    assert not split_kernels(fn, [x])
+    got, want, _ = run_triton(fn, [x], SPLIT)
+    close(got[0], want[0], "result")
+
+
 def test_a_graph_on_a_second_gpu_launches_its_kernels_with_that_gpu_current():
     """Triton launches on the current device (and its current stream), whatever device the tensors are on: a
     graph on cuda:1 called while cuda:0 is current would launch in cuda:0's context on cuda:1's memory. Read

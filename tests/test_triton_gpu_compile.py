@@ -58,15 +58,17 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
     for group, k in zip(program.groups, kernels):
         if k is None or (k.product is not None and not k.product.epilogue) or gemms_only and group.kind != "gemm":
             continue
-        names = [f"p{i}" for i in range(len(k.params))] + (["prod"] if k.product is not None else [])
-        signature = {name: POINTERS[str(d).removeprefix("torch.")] for name, d in zip(names, k.pointer_dtypes(graph))}
-        meta = dict(k.meta)
-        options = {name: meta.pop(name) for name in ("num_warps", "num_stages") if name in meta}
-        signature.update({name: "constexpr" for name in meta})
-        key = (k.source.split("\n", 1)[1], tuple(signature.items()), tuple(meta.items()), tuple(options.items()),
-               target.arch)
-        if key not in COMPILED:
-            todo[key] = {"name": k.name, "signature": signature, "constexprs": meta, "options": options}
+        names = [f"p{i}" for i in range(len(k.params))] + (["prod"] if k.product is not None else []) + \
+            [f"s{j}" for j in range(len(k.split.dtypes) if k.split is not None else 0)]
+        pointers = {name: POINTERS[str(d).removeprefix("torch.")] for name, d in zip(names, k.pointer_dtypes(graph))}
+        for name, _, launch in k.launches():         # a split reduction's second kernel too
+            meta = dict(launch)
+            options = {option: meta.pop(option) for option in ("num_warps", "num_stages") if option in meta}
+            signature = pointers | {constant: "constexpr" for constant in meta}
+            key = (k.source.split("\n", 1)[1], name, tuple(signature.items()), tuple(meta.items()),
+                   tuple(options.items()), target.arch)
+            if key not in COMPILED:
+                todo[key] = {"name": name, "signature": signature, "constexprs": meta, "options": options}
     if todo:
         job = path.with_suffix(".json")
         job.write_text(json.dumps({"module": str(path), "target": [target.backend, target.arch, target.warp_size],
@@ -75,7 +77,7 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
         run = subprocess.run([sys.executable, str(WORKER), str(job)], capture_output=True, text=True, env=env,
                              timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]
-        sources = {k.name: k.source for k in kernels if k is not None}
+        sources = {name: k.source for k in kernels if k is not None for name, _, _ in k.launches()}
         failed = json.loads(run.stdout.strip().splitlines()[-1])["failed"]
         assert not failed, "\n".join(f"{f['name']} does not compile for sm_{target.arch}: {f['error']}\n"
                                       f"{sources[f['name']]}" for f in failed)
@@ -147,3 +149,26 @@ def test_the_pointwise_table_compiles_for_an_h100(dtype, tmp_path):
     graph = ir.from_fx(make_fx(fn)(o.x, o.x2, o.y, o.c), half=True)
     plan = fusion.plan(graph)
     assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / f"table_{dtype}.py") >= 1
+
+
+def test_split_reductions_compile_for_an_h100(tmp_path, monkeypatch):
+    """Both kernels of the split reductions tests/test_optimizer_triton.py runs (sums, means, maxima, minima and
+    counts of rows, of a whole tensor and of columns; a LayerNorm and Linear's forward and backward), in fp32,
+    bf16 and fp64, and the H100 model's pick for x.sum() over 64M elements (1024 slices of 64k)."""
+    from tests.test_optimizer_triton import SPLIT, SPLIT_CASES, forward_and_backward, layer_norm_linear
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)     # set by that module: kernels rendered for a GPU
+    graphs = [(f"{name}_{dtype}", fn, [torch.randn(3, 3000).to(dtype)]) for name, fn in SPLIT_CASES.items()
+              for dtype in (torch.float32, torch.bfloat16, torch.float64)]
+    graphs.append(("layer_norm_linear", forward_and_backward(layer_norm_linear),
+                   [torch.randn(3000, 8), torch.randn(8), torch.randn(8), torch.randn(5, 8), torch.randn(5)]))
+    compiled = 0
+    for name, fn, args in graphs:
+        graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+        plan = fusion.plan(graph)
+        compiled += compile_graph(graph, plan, [SPLIT] * len(plan.groups), H100, tmp_path / f"{name}.py")
+    graph = ir.from_fx(make_fx(lambda x: x.sum(), decomposition_table=decompositions(),
+                               tracing_mode="fake")(torch.empty(64 * 2 ** 20)))
+    picked = search.search_graph(graph, find_hardware("h100"), timing=False)
+    assert any(s.reduction_split > 1 for s in picked.schedules)
+    compiled += compile_graph(graph, picked.plan, picked.schedules, H100, tmp_path / "sum_64m.py")
+    assert compiled > 2 * len(graphs)

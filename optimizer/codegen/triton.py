@@ -6,7 +6,10 @@ Three kernel shapes, as the loop nest's:
 - row reduction: one program per `chunk` rows of kept indices (a [rows, block] tile); each pass of
   reductions is a loop over the reduced axes in blocks of up to GPU_REDUCTION_BLOCK elements, accumulated
   in fp32 (fp64 for fp64) and summed along the block at the end, the per-row values between passes
-  are [rows, 1] columns, then one more block loop runs the members over the whole domain;
+  are [rows, 1] columns, then one more block loop runs the members over the whole domain; split
+  (Schedule.reduction_split, where LoopNest.splittable): the programs of a first kernel each reduce one slice
+  of the reduced axes into a scratch of partial results, and a second kernel combines each row's partials
+  and runs the per-row values after them, so that a few long rows (x.sum(), a bias gradient) fill the SMs;
 - GEMM, generated (Schedule.gemm "generated"): a `tl.dot` tile of gemm_block_rows x gemm_nr over depth
   steps of gemm_kc (fp32 in IEEE precision, TF32 only where the graph was captured with TF32 allowed),
   the epilogue on the tile while it is in registers, `gemm_mr` warps;
@@ -33,8 +36,9 @@ from optimizer.cache import atomic_write, cache_dir, content_key
 from optimizer.costmodel import GPU_MAX_DEPTH, GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
 from optimizer.ir import Graph, Kind, Ref
-from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name,
-                                RowSegment, Select, Stmt, Store, Temp, bias_epilogue, lower)
+from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name, Pass,
+                                Reduction, RowSegment, Select, Stmt, Store, Temp, accumulator_dtype, bias_epilogue,
+                                lower)
 from optimizer.loopnest import Operand as LoopOperand
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
@@ -356,6 +360,10 @@ OPS: dict[str, Callable] = {
 }
 
 
+REDUCTION_INITS = {"sum": "0", "mean": "0", "max": '-float("inf")', "min": 'float("inf")'}
+REDUCTION_TOTALS = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}
+
+
 def triton_index(e: Expr) -> str:
     """An index expression in Python/Triton syntax (non-negative values: // is C's /)."""
     return render(e, lambda a, k: f"({a}) * {k}", lambda a, d: f"(({a}) // {d})", lambda a, n: f"(({a}) % {n})")
@@ -418,6 +426,23 @@ def _sums_16_bits_into_fp32() -> bool:
 
 
 @dataclass(frozen=True)
+class SplitReduction:
+    """A split reduction's second kernel (TritonWriter.split_reduction) and the scratch both kernels take after
+    the group's parameters: per reduction, a [rows, slices] tensor of partial results in its accumulator's
+    dtype, made at each launch on the tensors' device (in a CUDA graph's capture, from its private pool, as a
+    library product's scratch)."""
+    name: str
+    grid: tuple[int, ...]
+    meta: tuple[tuple[str, int], ...]      # constexpr arguments, then num_warps
+    shape: tuple[int, int]
+    dtypes: tuple[str, ...]
+
+    def scratch(self, device: Any) -> list[Any]:
+        import torch
+        return [torch.empty(self.shape, dtype=getattr(torch, d), device=device) for d in self.dtypes]
+
+
+@dataclass(frozen=True)
 class TritonKernel:
     name: str
     source: str
@@ -427,13 +452,22 @@ class TritonKernel:
     meta: tuple[tuple[str, int], ...]   # constexpr arguments (block sizes) and num_warps / num_stages
     product: LibraryProduct | None = None     # a library GEMM's product, computed before the kernel runs
     tf32: bool = False               # a product of fp32 operands that may round them to TF32 (the graph allowed it)
+    split: SplitReduction | None = None     # a split reduction's second kernel, launched after this one
+
+    def launches(self) -> list[tuple[str, tuple[int, ...], tuple[tuple[str, int], ...]]]:
+        """Its kernels' names, grids and launch arguments, in the order they run."""
+        return [(self.name, self.grid, self.meta)] + ([] if self.split is None else
+                                                      [(self.split.name, self.split.grid, self.split.meta)])
 
     def pointer_dtypes(self, graph: Graph) -> list[Any]:
-        """The torch dtypes of the pointers it is launched with: its parameters', then a library product's."""
+        """The torch dtypes of the pointers it is launched with: its parameters', then a library product's or a
+        split reduction's scratch."""
         import torch
         dtypes = [getattr(torch, graph.nodes[p].type.dtype) for p in self.params]
         if self.product is not None:
             dtypes.append(LibraryProduct.scratch_dtype(dtypes[self.product.a]))
+        if self.split is not None:
+            dtypes += [getattr(torch, d) for d in self.split.dtypes]
         return dtypes
 
 
@@ -458,17 +492,24 @@ class TritonWriter:
         self.wide = self.widest() >= INT32_INDEX_LIMIT
         shape = self.nest.shape
         self.product: LibraryProduct | None = None
+        self.split: SplitReduction | None = None
         self.tf32 = False
         body, grid, meta = (self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction"
                             else self.pointwise())
         prologue = [self.statement(d) for d in self.nest.prologue]
-        pointers = [*self.names.values(), *(["prod"] if self.product is not None else [])]
-        args = ", ".join([*pointers, *(["pid"] if self.part else []), *(f"{k}: tl.constexpr" for k, _ in meta)])
-        lines = ["@triton.jit", f"def {self.name}({args}):"] + [f"    {line}" for line in prologue + body]
+        pointers = [*self.names.values(), *(["prod"] if self.product is not None else []),
+                    *(f"s{j}" for j in range(len(self.split.dtypes) if self.split is not None else 0))]
+
+        def function(name: str, code: list[str], constants: tuple) -> list[str]:
+            args = ", ".join([*pointers, *(["pid"] if self.part else []), *(f"{k}: tl.constexpr" for k, _ in constants)])
+            return ["@triton.jit", f"def {name}({args}):"] + [f"    {line}" for line in prologue + code]
+        lines = function(self.name, body, meta)
+        if self.split is not None:
+            lines += ["", ""] + function(self.split.name, self.combine, self.split.meta[:-1])
         stages = shape == "gemm" and self.product is None
         launch = (*meta, ("num_warps", self.warps()), *((("num_stages", self.s.gemm_stages),) if stages else ()))
         return TritonKernel(self.name, "\n".join(lines) + "\n", self.nest.params, self.nest.outputs, grid, launch,
-                            self.product, self.tf32)
+                            self.product, self.tf32, self.split)
 
     def widest(self) -> int:
         """Elements the kernel's indices reach: its domain's, or a parameter's span from its base pointer (a view
@@ -578,50 +619,100 @@ class TritonWriter:
 
     def reduction(self) -> tuple[list[str], tuple[int, ...], tuple]:
         dom, nest = self.group.domain, self.nest
-        kept, reduced = sorted(nest.kept), sorted(nest.reduced)
-        count = prod(dom[d] for d in reduced)
-        rows = prod(dom[d] for d in kept)
+        self.count = prod(dom[d] for d in nest.reduced)
+        self.rows = prod(dom[d] for d in nest.kept)
         per = _pow2(self.s.chunk) if 1 <= self.s.chunk <= MAX_ROWS_PER_PROGRAM else 1
-        per = min(per, _pow2(rows))
-        block = min(GPU_REDUCTION_BLOCK, _pow2(count, 16))
-        # rows down the tile's first axis ([XROWS, 1]), the reduced elements of a pass along its second
-        code = [f"row = {self.program()} * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {rows}",
-                "xzero = row * 0"] + [line for line in self.decompose("row", kept) if line.startswith("i")]
-
-        def block_loop(body: list[str]) -> list[str]:
-            return [f"for r0 in range(0, {count}, RBLOCK):",
-                    f"    r = r0 + {self.arange('RBLOCK')}[None, :]", f"    rmask = (r < {count}) & xmask",
-                    "    rzero = r * 0 + xzero"] + \
-                [f"    {line}" for line in self.decompose("r", reduced)] + [f"    {line}" for line in body]
-
+        meta = (("XROWS", min(per, _pow2(self.rows))), ("RBLOCK", min(GPU_REDUCTION_BLOCK, _pow2(self.count, 16))))
+        programs = -(-self.rows // meta[0][1])
+        # a split's slices are whole blocks, none of them empty
+        span = -(-self.count // max(self.s.reduction_split, 1) // meta[1][1]) * meta[1][1]
+        if nest.splittable and span < self.count:
+            return self.split_reduction(programs, span, meta)
+        code = self.row_block(self.program())
         for segment in nest.segments:
             if isinstance(segment, RowSegment):
-                self.mask, self.zero = "xmask", "xzero"
                 code += self.lines(segment.body)
                 continue
-            finish = []
+            code += self.accumulated(segment)
             for red in segment.reductions:
-                node = self.g.nodes[red.node]
-                acc_t = {"float64": "tl.float64", "int64": "tl.int64"}.get(node.type.dtype, "tl.float32")
-                init = {"sum": "0", "mean": "0", "max": '-float("inf")', "min": 'float("inf")'}[red.op]
-                code.append(f"acc{red.node} = tl.full([XROWS, RBLOCK], {init}, {acc_t})")
-                if red.op in ("max", "min"):
-                    code.append(f"nan{red.node} = tl.zeros([XROWS, RBLOCK], tl.int32)")
-                total = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}[red.op]
-                finish.append(f"red{red.node} = {total}(acc{red.node}, 1)[:, None]"
-                              + (f" / {count}" if red.op == "mean" else ""))
-                if red.op in ("max", "min"):
-                    finish.append(f"red{red.node} = tl.where(tl.max(nan{red.node}, 1)[:, None] > 0, float(\"nan\"), "
-                                  f"red{red.node})")
-            self.mask, self.zero = "rmask", "rzero"
-            code += block_loop([self.accumulate(s) if isinstance(s, Accumulate) else self.statement(s)
-                                for s in segment.body])
-            self.mask, self.zero = "xmask", "xzero"
-            code += finish + [self.statement(r.store) for r in segment.reductions]
+                code += self.combined(red, f"acc{red.node}", f"nan{red.node}", self.count)
+            code += [self.statement(r.store) for r in segment.reductions]
         if nest.epilogue is not None:
             self.mask, self.zero = "rmask", "rzero"
-            code += block_loop(self.lines(nest.epilogue))
-        return code, (-(-rows // per),), (("XROWS", per), ("RBLOCK", block))
+            code += self.block_loop(self.lines(nest.epilogue))
+        return code, (programs,), meta
+
+    def row_block(self, program: str) -> list[str]:
+        """A reduction program's rows down its tile's first axis ([XROWS, 1]; the reduced elements of a pass
+        run along its second), for the program `program`; per-row statements are masked to them."""
+        self.mask, self.zero = "xmask", "xzero"
+        return [f"row = {program} * XROWS + tl.arange(0, XROWS)[:, None]", f"xmask = row < {self.rows}",
+                "xzero = row * 0"] + [line for line in self.decompose("row", sorted(self.nest.kept))
+                                      if line.startswith("i")]
+
+    def block_loop(self, body: list[str], start: str = "", extent: int | None = None) -> list[str]:
+        """`body` over `extent` reduced elements (all of them) from `start` on, in blocks of RBLOCK."""
+        return [f"for r0 in range(0, {self.count if extent is None else extent}, RBLOCK):",
+                f"    r = {start}r0 + {self.arange('RBLOCK')}[None, :]", f"    rmask = (r < {self.count}) & xmask",
+                "    rzero = r * 0 + xzero"] + \
+            [f"    {line}" for line in self.decompose("r", sorted(self.nest.reduced)) + body]
+
+    def accumulated(self, segment: Pass, start: str = "", extent: int | None = None) -> list[str]:
+        """The pass's block loop into acc{node} (and, for max and min, whether a NaN was met: nan{node})."""
+        code = []
+        for red in segment.reductions:
+            acc_t = TL_TYPES[accumulator_dtype(self.g.nodes[red.node].type.dtype)]
+            code.append(f"acc{red.node} = tl.full([XROWS, RBLOCK], {REDUCTION_INITS[red.op]}, {acc_t})")
+            if red.op in ("max", "min"):
+                code.append(f"nan{red.node} = tl.zeros([XROWS, RBLOCK], tl.int32)")
+        self.mask, self.zero = "rmask", "rzero"
+        code += self.block_loop([self.accumulate(s) if isinstance(s, Accumulate) else self.statement(s)
+                                 for s in segment.body], start, extent)
+        self.mask, self.zero = "xmask", "xzero"
+        return code
+
+    def split_reduction(self, programs: int, span: int, meta: tuple) -> tuple[list[str], tuple[int, ...], tuple]:
+        """A split reduction (LoopNest.splittable): this kernel's programs each reduce one slice of `span`
+        reduced elements of XROWS rows into a scratch of [rows, slices] partial results per reduction (in its
+        accumulator's dtype, NaN where a max or min met one); a second kernel (self.split) combines each
+        row's partials, a mean divided by the whole count once, then runs the per-row values after them.
+        Members over the whole domain run here, on each slice after its pass."""
+        split = -(-self.count // span)
+        first, *after = self.nest.segments
+        scratch = [f"s{j}" for j in range(len(first.reductions))]
+        code = [f"pid = {self.program()}", f"part = pid % {split}", *self.row_block(f"(pid // {split})"),
+                *self.accumulated(first, f"part * {span} + ", span)]
+        for red, at in zip(first.reductions, scratch):
+            code += self.combined(red, f"acc{red.node}", f"nan{red.node}", None)
+            code.append(f"tl.store({at} + row * {split} + part + xzero, red{red.node}, mask=xmask)")
+        if self.nest.epilogue is not None:       # reading no per-row value: on the slice just read
+            self.mask, self.zero = "rmask", "rzero"
+            code += self.block_loop(self.lines(self.nest.epilogue), f"part * {span} + ", span)
+        combine = self.row_block(self.program()) + [f"s = {self.arange('SBLOCK')}[None, :]",
+                                                     f"smask = (s < {split}) & xmask"]
+        for red, at in zip(first.reductions, scratch):
+            combine.append(f"part{red.node} = tl.load({at} + row * {split} + s, mask=smask, "
+                           f"other={REDUCTION_INITS[red.op]})")
+            combine += self.combined(red, f"part{red.node}", f"(part{red.node} != part{red.node}).to(tl.int32)",
+                                     self.count)
+        combine += [self.statement(r.store) for r in first.reductions]
+        for segment in after:
+            combine += self.lines(segment.body)
+        self.combine = combine
+        self.split = SplitReduction(f"{self.name}_combine", (programs,),
+                                    (meta[0], ("SBLOCK", _pow2(split)), ("num_warps", self.warps())),
+                                    (self.rows, split),
+                                    tuple(accumulator_dtype(self.g.nodes[r.node].type.dtype) for r in first.reductions))
+        return code, (programs * split,), meta
+
+    def combined(self, red: Reduction, values: str, nans: str, count: int | None) -> list[str]:
+        """red{node}: a [XROWS, n] block of `values` combined along its rows, NaN where a max or min's `nans`
+        flag one, a mean divided by `count` (None: a partial sum)."""
+        lines = [f"red{red.node} = {REDUCTION_TOTALS[red.op]}({values}, 1)[:, None]"
+                 + (f" / {count}" if red.op == "mean" and count is not None else "")]
+        if red.op in ("max", "min"):
+            lines.append(f'red{red.node} = tl.where(tl.max({nans}, 1)[:, None] > 0, float("nan"), red{red.node})')
+        return lines
 
     def accumulate(self, s: Accumulate) -> str:
         acc, v = f"acc{s.node}", self.value(s.value)
@@ -869,7 +960,8 @@ class TritonLibrary:
 
         def compile_one(k: TritonKernel) -> None:
             with torch.cuda.device(torch.device(graph.device)):
-                getattr(self.module, k.name).warmup(*k.pointer_dtypes(graph), grid=k.grid, **dict(k.meta))
+                for name, grid, meta in k.launches():
+                    getattr(self.module, name).warmup(*k.pointer_dtypes(graph), grid=grid, **dict(meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
             compiled = [(k, pool.submit(compile_one, k)) for k in todo]
             return [(k.name, future.exception()) for k, future in compiled if future.exception() is not None]
@@ -877,8 +969,15 @@ class TritonLibrary:
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]
         meta = dict(kernel.meta)
-        product = kernel.product
-        if product is None:
+        product, split = kernel.product, kernel.split
+        if split is not None:
+            combine, combine_meta = getattr(self.module, split.name)[split.grid], dict(split.meta)
+
+            def launch(tensors: Sequence[Any]) -> None:
+                scratch = split.scratch(tensors[0].device)
+                fn(*tensors, *scratch, **meta)
+                combine(*tensors, *scratch, **combine_meta)
+        elif product is None:
             def launch(tensors: Sequence[Any]) -> None:
                 fn(*tensors, **meta)
         elif product.epilogue:

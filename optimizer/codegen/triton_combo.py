@@ -70,9 +70,10 @@ def combined_runs(graph: Graph, groups: Sequence[Group], kernels: Sequence[Trito
 
 def _combinable(group: Group, kernel: TritonKernel | None) -> bool:
     """A pointwise or reduction kernel of one launch axis and few programs (a GEMM's tile or the library's
-    product runs alone; a kernel of an empty domain is not launched)."""
-    return kernel is not None and group.kind == "kernel" and kernel.product is None and len(kernel.grid) == 1 \
-        and all(group.domain) and kernel.grid[0] <= COMBINED_PROGRAMS
+    product runs alone, and so does a split reduction, two launches; a kernel of an empty domain is not
+    launched)."""
+    return kernel is not None and group.kind == "kernel" and kernel.product is None and kernel.split is None \
+        and len(kernel.grid) == 1 and all(group.domain) and kernel.grid[0] <= COMBINED_PROGRAMS
 
 
 def _joins(graph: Graph, inplace: dict[int, int], run: Sequence[TritonKernel], kernel: TritonKernel) -> bool:

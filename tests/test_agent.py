@@ -1,12 +1,16 @@
 """The node agent and its workers, without a controller (its posts go nowhere and are kept for later)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from orchestrator.agent.node import Agent, failure_summary
 from orchestrator.sdk.client import ControllerClient
 from tests.awsfaults import free_port
 from tests.vmsandbox import wait_for
+
+ROOT = str(Path(__file__).resolve().parent.parent)   # this tfsn, for the agent's torchrun wrapper
 
 
 def test_a_workers_lines_reach_the_log_while_it_runs(tmp_path, monkeypatch):
@@ -112,3 +116,51 @@ def test_the_error_is_the_first_failed_ranks_not_its_peers_after_it():
             for line in TORCHRUN_ROOT_CAUSE]
     assert failure_summary(lines + root, 1) == ("[rank1]: RuntimeError: boom at step 12", None)
     assert failure_summary(lines + TORCHRUN_ROOT_CAUSE, 1)[0].startswith("[rank0]: RuntimeError: [../gloo")
+
+
+def test_a_failed_attempt_leaves_the_workers_traceback_once_prefixed_and_none_of_torchruns(tmp_path, monkeypatch):
+    """A worker that raised after joining its process group showed its traceback as '[rank0]: [rank0]: ...' (torch's
+    excepthook prefix under torchrun's), followed by torchrun's own traceback through runpy and launcher/api.py
+    (ChildFailedError): the job log's only traceback is now the user's, prefixed once, and the summary is the same."""
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                       "raise RuntimeError('boom at step 3')\n")
+    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "fail-0")
+    agent._start({"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1",
+                  "master_port": free_port(), "run": "python train.py", "attempt": 1,
+                  "workdir": str(tmp_path), "env": {"TFSN_NODE_ID": "fail-0", "TFSN_ATTEMPT": "1", "PYTHONPATH": ROOT}})
+    try:
+        wait_for(lambda: agent.proc.poll() is not None, 60, "the worker's failure")
+        agent._collect()
+    finally:
+        agent.stop_workers()
+    lines = list(agent.logs.tail)
+    assert "[rank0]: RuntimeError: boom at step 3" in lines, lines
+    assert not [line for line in lines if "[rank0]: [rank0]:" in line], lines
+    assert [line for line in lines if "Traceback" in line] == ["[rank0]: Traceback (most recent call last):"], lines
+    assert any("Root Cause" in line for line in lines), lines        # torchrun's summary block stays
+    assert agent.reports[0]["summary"] == "[rank0]: RuntimeError: boom at step 3 (at train.py:3)"
+
+
+def test_torchruns_exit_barrier_error_is_one_line(capsys):
+    """A node whose workers finished waits for its peers at torchrun's exit barrier; a peer that never came was
+    logged with `logger.exception`, a traceback through store_util in the job log."""
+    import logging
+
+    from orchestrator.agent.torchrun import EXIT_BARRIER_LOGGER, OneLine
+    logger = logging.getLogger(EXIT_BARRIER_LOGGER)
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    logger.addFilter(one_line := OneLine())
+    try:
+        try:
+            raise RuntimeError("Socket Timeout\n  waiting for 1 of 2")
+        except RuntimeError:
+            logger.exception("Error waiting on exit barrier. Elapsed: %s seconds", 300.2)
+    finally:
+        logger.removeFilter(one_line)
+        logger.removeHandler(handler)
+    lines = capsys.readouterr().err.splitlines()   # ours, and torch's own handler's (glog-style) when it has one
+    assert lines and all(line.endswith("Error waiting on exit barrier. Elapsed: 300.2 seconds: "
+                                       "RuntimeError: Socket Timeout waiting for 1 of 2") for line in lines), lines

@@ -48,6 +48,7 @@ _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 _WORKER_LINE = re.compile(r"^\[rank\d+\]:\s*\S")
 _RANK_PREFIX = re.compile(r"^((\[rank\d+\]:\s*)+)")
+_TWO_PREFIXES = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]: ?")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -260,7 +261,7 @@ class Agent:
         torchrun = [
             # -u: torchrun copies its workers' lines to its stdout, a pipe here; buffered, they would come only
             # when the attempt ends (tfsn logs --follow, and a VM's boot log, would show nothing of a running job)
-            sys.executable, "-u", "-m", "torch.distributed.run",
+            sys.executable, "-u", "-m", "orchestrator.agent.torchrun",
             "--nnodes", str(cmd["nnodes"]), "--node-rank", str(cmd["node_rank"]),
             "--nproc-per-node", str(cmd["nproc_per_node"]),
             "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),
@@ -285,7 +286,8 @@ class Agent:
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             if not self._stopping:  # torchrun's traceback for the SIGTERM we sent is noise
-                self.logs.add(line)
+                # torch prefixes a worker's uncaught exception with its rank, as torchrun does every worker line
+                self.logs.add(_TWO_PREFIXES.sub(r"\1", line))
 
     def stop_workers(self) -> None:
         """Stop the running workers: torchrun forwards SIGTERM to them; SIGKILL after a grace period."""

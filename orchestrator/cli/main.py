@@ -204,7 +204,7 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
 def _finish_message(store: Store, job: Job) -> None:
     took = (job.finished_at or time.time()) - job.created_at
     line = (f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s); "
-            f"cost: {cost_text(job_cost(job, store.nodes(job.id)))}")
+            f"cost: {cost_text(job_cost(job, store.nodes(job.id)), job.spec)}")
     if job.checkpoint_step:
         line += f"; last checkpoint: step {job.checkpoint_step} at {job.checkpoint_path}"
     console.print(line, highlight=False)

@@ -103,6 +103,31 @@ def test_the_same_storage_error_twice_with_other_temp_names_and_no_progress_fail
     assert "failed the same way twice" in store.job(job.id).error
 
 
+@pytest.mark.parametrize("last_step, checkpoint, note", [
+    (2, 4, " at step 4 of 8 (the workers exited with code 0 before `steps`; their last lines are in `tfsn logs`)"),
+    (7, 8, ""),        # every step done
+    (None, None, ""),  # a script without the SDK reports no step
+])
+def test_workers_that_exit_0_before_the_specs_steps_succeed_with_a_note(tmp_path, last_step, checkpoint, note):
+    """A script that called sys.exit(0) at step 4 of 8 ended 'SUCCEEDED: all 1 node(s) finished', as a finished
+    run does: nothing said the training stopped halfway."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    spec = JobSpec.model_validate({"name": "j", "run": "true", "steps": 8})
+    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="running")
+    store.add_node("j-1-n0", job.id, 0, "local")
+    store.update_node("j-1-n0", state=NodeState.READY)
+    if last_step is not None:
+        store.record_steps(job.id, 1, 0, [{"step": last_step, "at": time.time(), "step_time": 0.1}])
+        store.update_job(job.id, checkpoint_step=checkpoint)
+    store.record_result(job.id, "j-1-n0", 1, 0, None, False, "")
+    controller.recovery.watch_attempt(store.job(job.id), spec)
+    assert store.job(job.id).state == JobState.SUCCEEDED
+    assert store.events(job.id)[-1].message == "SUCCEEDED: all 1 node(s) finished" + note
+
+
 # ---- issue 16: the loop never waits on a cloud ----
 
 def _ended(calls: ProviderCalls, timeout_s: float = 10.0) -> None:

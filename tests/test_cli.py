@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 
@@ -14,7 +16,8 @@ from hypothesis import strategies as st
 from orchestrator.cli.main import main
 from orchestrator.control import daemon
 from orchestrator.control.store import JobState, Store
-from tests.conftest import EXAMPLE, write_job
+from orchestrator.spec import JobSpec
+from tests.conftest import EXAMPLE, ROOT, write_job
 
 
 def assert_one_line_error(proc, *needles: str) -> None:
@@ -367,3 +370,48 @@ def test_a_followed_job_whose_controller_died_gets_it_back(in_process, tmp_path,
     code, out, err = in_process("launch", str(tmp_path / "train.yaml"))
     assert code == 1 and "job 1 STOPPED" in out and len(started) == 2, (code, out, err)
     assert err == "tfsn: the controller had stopped; starting it again (running jobs carry on)\n"
+
+
+def read_only_run(tfsn, *args: str) -> subprocess.CompletedProcess:
+    """`tfsn ARGS` with TFSN_HOME read-only: a read-only bind mount in a mount namespace of its own for root (whom
+    no mode bit stops), else the folder's and its files' write bits cleared."""
+    cli = [sys.executable, str(ROOT / "tfsn.py"), *args]
+    if os.geteuid() != 0:
+        for path in [tfsn.home, *tfsn.home.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        try:
+            return subprocess.run(cli, env=tfsn.env, capture_output=True, text=True, timeout=60)
+        finally:
+            for path in [tfsn.home, *tfsn.home.rglob("*")]:
+                path.chmod(path.stat().st_mode | 0o200)
+    mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", mount, str(tfsn.home), *cli], env=tfsn.env,
+                          capture_output=True, text=True, timeout=60)
+    if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+        pytest.skip(f"no read-only mount here: {proc.stderr.strip()}")
+    return proc
+
+
+def test_a_read_only_tfsn_home_shows_its_jobs_and_refuses_changes_in_one_line(tfsn, tmp_path):
+    """A read-only (or full) TFSN_HOME ended every command in a traceback: ls and status in OSError: [Errno 30]
+    Read-only file system (the store's chmod, then the controller's log), launch and stop in sqlite3's
+    OperationalError. Reading still works, with a warning that the controller cannot start; a change is one line."""
+    tfsn.home.chmod(0o700)                                     # as tfsn makes it
+    store = Store(tfsn.home / "tfsn.db")
+    spec = JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json")
+    job = store.create_job("j", spec, "train.yaml", "token")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING)                 # live, and no controller runs for it
+    store._db.close()
+    (tmp_path / "train.yaml").write_text("run: python train.py\n")
+    for args in (("ls",), ("status", "1", "--json")):
+        proc = read_only_run(tfsn, *args)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert "tfsn: warning: cannot start the controller: " in proc.stderr and "To fix:" in proc.stderr
+    assert json.loads(proc.stdout)["state"] == "RUNNING"
+    for args in (("launch", "--detach", str(tmp_path / "train.yaml")), ("stop", "1"), ("controller", "start")):
+        proc = read_only_run(tfsn, *args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        [line] = proc.stderr.splitlines()
+        assert line.startswith("tfsn: error: ") and "To fix:" in line, line
+    assert Store(tfsn.home / "tfsn.db").job(job.id).state == JobState.RUNNING    # nothing lost

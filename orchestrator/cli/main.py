@@ -63,6 +63,13 @@ def _store() -> Store:
     try:
         return Store(path)
     except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only disk
+        if path.is_file() and not os.access(path.parent, os.W_OK):
+            try:
+                return Store(path, read_only=True)      # its jobs can still be shown; a change is refused
+            except sqlite3.DatabaseError:
+                pass
+            raise UsageError(f"{path}: cannot open tfsn's store ({err}): TFSN_HOME is not writable. To fix: make it "
+                             "writable, or set TFSN_HOME to another folder") from None
         raise UsageError(f"{path}: cannot open tfsn's store ({err}). To fix: move the file away (tfsn starts an "
                          "empty store) or set TFSN_HOME to another folder") from None
 
@@ -226,7 +233,10 @@ def _revive_controller(store: Store) -> None:
     if store.jobs(active_only=True) and daemon.read_info(_home()) is None:
         err_console.print("tfsn: the controller had stopped; starting it again (running jobs carry on)",
                           highlight=False, markup=False)
-        daemon.ensure_controller()
+        try:
+            daemon.ensure_controller()
+        except daemon.ControllerStartError as err:   # what the store says can still be shown
+            err_console.print(f"tfsn: warning: {err}", highlight=False, markup=False)
 
 
 @app.command()
@@ -486,4 +496,9 @@ def main() -> None:
         sys.exit(2)
     except daemon.ControllerStartError as err:
         print(f"tfsn: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except sqlite3.OperationalError as err:   # a store that opened but cannot be written: a read-only or full disk
+        where = os.path.join(os.environ.get("TFSN_HOME") or "~/.tfsn", daemon.store_path(Path()).name)
+        print(f"tfsn: error: {where}: {err}. To fix: make TFSN_HOME writable (or free space on its disk), or set "
+              "TFSN_HOME to another folder", file=sys.stderr)
         sys.exit(1)

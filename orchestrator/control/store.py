@@ -227,9 +227,19 @@ def _json_or_none(value: str | None) -> Any:
 class Store:
     """Thread-safe access to the SQLite store (WAL mode, so the CLI reads while the controller writes)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_only: bool = False) -> None:
+        """`read_only`: a store on a disk nothing can write (a read-only mount), read as it is; its WAL was
+        checkpointed when its last writer closed it, or SQLite could have opened it for reading the usual way."""
         self.path = path
         self._lock = threading.RLock()
+        if read_only:
+            self._db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?immutable=1", uri=True,
+                                       check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+            self.owner = "" if row is None else row[0]
+            self.on_change = None
+            return
         self._db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -241,7 +251,7 @@ class Store:
         # too, and `tfsn down` run from another store (TFSN_HOME, machine, colleague) leaves them alone.
         self.owner: str = self._owner()
         for part in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):   # every job's secret is in there
-            if str(path) != ":memory:" and part.exists():
+            if str(path) != ":memory:" and part.exists() and part.stat().st_mode & 0o777 != 0o600:
                 part.chmod(0o600)
         # Called with a job's id after a write to the job or one of its nodes commits (not for telemetry):
         # the Kubernetes operator copies the job into its TfsnJob's status, the store that outlives it.

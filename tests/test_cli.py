@@ -372,6 +372,29 @@ def test_a_followed_job_whose_controller_died_gets_it_back(in_process, tmp_path,
     assert err == "tfsn: the controller had stopped; starting it again (running jobs carry on)\n"
 
 
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_ctrl_c_while_the_launchs_controller_starts_stops_the_job(in_process, tmp_path, monkeypatch, detach):
+    """Ctrl-C a second into `tfsn launch` (the job stored, its controller starting) printed nothing and exited,
+    and the job trained on unseen: only a Ctrl-C once 'Ctrl-C stops it' was printed stopped it."""
+    monkeypatch.setattr(daemon, "read_info", lambda home: None)             # no controller answers yet
+    (tmp_path / "home").mkdir()
+    store = Store(tmp_path / "home" / "tfsn.db")
+    started = []
+
+    def start_controller() -> dict:            # the user's Ctrl-C lands in the launch's own start of it
+        started.append(time.monotonic())
+        if len(started) == 1:
+            raise KeyboardInterrupt
+        if store.job(1).stop_requested:        # the controller started again acts on the stop
+            store.transition(1, JobState.STOPPED, "stopped by the user")
+        return {}
+    monkeypatch.setattr(daemon, "ensure_controller", start_controller)
+    (tmp_path / "train.yaml").write_text("run: python train.py\n")
+    code, out, err = in_process("launch", *(["--detach"] if detach else []), str(tmp_path / "train.yaml"))
+    assert code == 1 and "stopping job 1..." in out and "job 1 STOPPED" in out, (code, out, err)
+    assert store.job(1).state == JobState.STOPPED
+
+
 def read_only_run(tfsn, *args: str) -> subprocess.CompletedProcess:
     """`tfsn ARGS` with TFSN_HOME read-only: a read-only bind mount in a mount namespace of its own for root (whom
     no mode bit stops), else the folder's and its files' write bits cleared."""

@@ -190,13 +190,13 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
     store = _store()
     job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32),
                            guard=refuse_shared_checkpoints(file, spec))
-    daemon.ensure_controller()
-    if detach:
-        console.print(f"job {job.id} ({job.name}) submitted.  Follow: tfsn logs {job.id} --follow   "
-                      f"Status: tfsn status {job.id}   Stop: tfsn stop {job.id}", highlight=False)
-        return
-    console.print(f"job {job.id} ({job.name}) submitted; Ctrl-C stops it.", highlight=False)
-    try:
+    try:   # from here on the job exists: a Ctrl-C while its controller starts stops it too, not only one later
+        daemon.ensure_controller()
+        if detach:
+            console.print(f"job {job.id} ({job.name}) submitted.  Follow: tfsn logs {job.id} --follow   "
+                          f"Status: tfsn status {job.id}   Stop: tfsn stop {job.id}", highlight=False)
+            return
+        console.print(f"job {job.id} ({job.name}) submitted; Ctrl-C stops it.", highlight=False)
         final = follow(store, job.id, job_dir(job.id) / "job.log", console,
                        keep_alive=lambda: _revive_controller(store))
     except KeyboardInterrupt:
@@ -497,6 +497,9 @@ def main() -> None:
     except daemon.ControllerStartError as err:
         print(f"tfsn: error: {err}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:       # a second Ctrl-C (while a stop is waited for), or one the command had no use for
+        print("tfsn: interrupted", file=sys.stderr)
+        sys.exit(130)
     except sqlite3.OperationalError as err:   # a store that opened but cannot be written: a read-only or full disk
         where = os.path.join(os.environ.get("TFSN_HOME") or "~/.tfsn", daemon.store_path(Path()).name)
         print(f"tfsn: error: {where}: {err}. To fix: make TFSN_HOME writable (or free space on its disk), or set "

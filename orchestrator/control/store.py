@@ -224,24 +224,27 @@ def _json_or_none(value: str | None) -> Any:
     return None if value is None else json.loads(value)
 
 
+def _immutable(path: Path) -> sqlite3.Connection:
+    """A store on a read-only disk, opened without the -shm file SQLite would make: its WAL was checkpointed when
+    its last writer closed it (SQLite opens one that still has its -shm for reading the usual way)."""
+    return sqlite3.connect(f"{Path(path).resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False,
+                           isolation_level=None)
+
+
 class Store:
     """Thread-safe access to the SQLite store (WAL mode, so the CLI reads while the controller writes)."""
 
     def __init__(self, path: Path, read_only: bool = False) -> None:
-        """`read_only`: a store on a disk nothing can write (a read-only mount), read as it is; its WAL was
-        checkpointed when its last writer closed it, or SQLite could have opened it for reading the usual way."""
+        """`read_only`: a store on a disk nothing can write, read as it is (see `_immutable`)."""
         self.path = path
         self._lock = threading.RLock()
-        if read_only:
-            self._db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?immutable=1", uri=True,
-                                       check_same_thread=False, isolation_level=None)
-            self._db.row_factory = sqlite3.Row
-            row = self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
-            self.owner = "" if row is None else row[0]
-            self.on_change = None
-            return
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._db = _immutable(path) if read_only else sqlite3.connect(path, timeout=30, check_same_thread=False,
+                                                                        isolation_level=None)
         self._db.row_factory = sqlite3.Row
+        if read_only:
+            self.owner, self.on_change = (self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+                                          or [""])[0], None
+            return
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=30000")

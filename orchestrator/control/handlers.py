@@ -148,7 +148,8 @@ class ApiHandlers:
             raise ValueError(f"checkpoint path {path!r} is not in the job's checkpoint directory {root}")
         if body.get("restored"):
             self.store.update_job(job_id, restored_step=step)
-            self.ctx.event(job_id, "checkpoint", _restored_text(job, step, path, nothing, root, body.get("skipped", [])))
+            self.ctx.event(job_id, "checkpoint",
+                           _restored_text(job, step, path, nothing, root, body.get("skipped", [])))
         else:
             self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
             watch = self.health.existing(job_id)

@@ -128,6 +128,26 @@ def test_workers_that_exit_0_before_the_specs_steps_succeed_with_a_note(tmp_path
     assert store.events(job.id)[-1].message == "SUCCEEDED: all 1 node(s) finished" + note
 
 
+def test_an_attempt_failed_for_a_hang_restarts_saying_what_was_found(tmp_path):
+    """A deadlock ended the attempt and the restart said 'RECOVERING: restart 1 of 1 from the checkpoint at step 6:
+    no single node to blame: fail the attempt so that it restarts from the last checkpoint', the policy's action
+    in place of the cause; `tfsn launch` ended its line with it too."""
+    from health.findings import Action, Decision, Finding, FindingKind, Severity
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    spec = JobSpec.model_validate({"name": "j", "run": "true", "recovery": {"max_restarts": 1}})
+    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="running")
+    evidence = "no rank finished a step for 10s (timeout 10s) after step 4; every rank still heartbeats"
+    hang = Finding(FindingKind.HANG, Severity.CRITICAL, "", None, (0, 1), evidence, time.time(), 4)
+    controller.health._apply(store.job(job.id), None, Decision(Action.FAIL, "", hang, "no single node to blame"),
+                             {}, time.time())
+    controller.recovery.recover(store.job(job.id), spec, {}, [])
+    assert store.job(job.id).state == JobState.RECOVERING
+    assert store.events(job.id)[-1].message.endswith(f"from the checkpoint at step 0: hang: {evidence}")
+
+
 # ---- issue 16: the loop never waits on a cloud ----
 
 def _ended(calls: ProviderCalls, timeout_s: float = 10.0) -> None:

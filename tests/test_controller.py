@@ -145,7 +145,21 @@ def test_an_attempt_failed_for_a_hang_restarts_saying_what_was_found(tmp_path):
                              {}, time.time())
     controller.recovery.recover(store.job(job.id), spec, {}, [])
     assert store.job(job.id).state == JobState.RECOVERING
-    assert store.events(job.id)[-1].message.endswith(f"from the checkpoint at step 0: hang: {evidence}")
+    assert store.events(job.id)[-1].message == ("RECOVERING: restart 1 of 1 from the newest valid checkpoint (none "
+                                                f"reported yet): hang: {evidence}")
+
+
+def test_a_restart_does_not_claim_the_last_reported_checkpoint_is_the_one_restored(tmp_path):
+    """A worker killed at step 5 had committed step 4 but not yet reported it: the restart said 'from the checkpoint
+    at step 2' and the workers then restored step 4. The newest valid checkpoint is what they restore."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    job = store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, checkpoint_step=2)
+    _fail_attempt(controller, job.id, "workers exited with code 7")
+    assert store.events(job.id)[-1].message == ("RECOVERING: restart 1 of 3 from the newest valid checkpoint (last "
+                                                "reported: step 2): workers exited with code 7")
 
 
 # ---- issue 16: the loop never waits on a cloud ----

@@ -112,8 +112,11 @@ class Recovery:
             self.nodes.give_up(job, f"gave up after {job.restarts} restart(s) (recovery.max_restarts); "
                                     f"last failure: {summary}")
             return
+        # the workers restore the newest valid checkpoint: one committed just before the failure may not have been
+        # reported yet (a crash at step 5 said 'step 2', and the restart restored step 4)
+        reported = f"last reported: step {job.checkpoint_step}" if job.checkpoint_step else "none reported yet"
         self.ctx.transition(job, JobState.RECOVERING, f"restart {job.restarts + 1} of {spec.recovery.max_restarts}"
-                            f" from the checkpoint at step {job.checkpoint_step or 0}: {summary}",
+                            f" from the newest valid checkpoint ({reported}): {summary}",
                             restarts=job.restarts + 1, attempt_state="idle", attempt_changed_at=time.time(),
                             last_failure=signature, pending_replace="", pending_reason="")
         self.ctx.metrics.restart(str(job.id))

@@ -3,18 +3,19 @@ failures are lines, not Python tracebacks of torchrun's internals in the job log
 
 torchrun ends a failed attempt by raising ChildFailedError out of its main (a traceback through runpy and
 launcher/api.py above the "Root Cause" block), and logs a node that finished first but whose peers never reached
-the exit barrier with `logger.exception` (a traceback through store_util). The user's own tracebacks come from
-the workers, prefixed with their rank, and are untouched.
+the exit barrier with `logger.exception` (a traceback through store_util). Its C++ side warns of a store connection
+that the node hosting it closed first with the C++ stack (`frame #0: c10::Error::Error ...`): once the job is done
+on the node that hosts the store, the others' last read at the exit barrier races its exit. The user's own
+tracebacks come from the workers, prefixed with their rank, and are untouched, as is their TORCH_CPP_LOG_LEVEL.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun_main
-
 EXIT_BARRIER_LOGGER = "torch.distributed.elastic.agent.server.api"
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 
 class OneLine(logging.Filter):
@@ -33,6 +34,14 @@ def main() -> int:
     """torchrun's exit code: 0, or 1 with its error on stderr: for failed workers the Root Cause block (which the
     agent's failure summary reads), for torchrun's own error (a rendezvous that timed out, a port in use) its
     type and message."""
+    workers_level = os.environ.get(CPP_LOG_LEVEL)
+    os.environ[CPP_LOG_LEVEL] = "ERROR"          # read as libtorch loads: this process's C++ warnings only
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+    if workers_level is None:                    # the workers inherit this environment: theirs as it was
+        del os.environ[CPP_LOG_LEVEL]
+    else:
+        os.environ[CPP_LOG_LEVEL] = workers_level
     logging.getLogger(EXIT_BARRIER_LOGGER).addFilter(OneLine())
     try:
         torchrun_main()

@@ -184,3 +184,17 @@ def test_torchruns_own_cpp_warnings_are_off_and_the_workers_level_is_theirs(tmp_
                           "echo level=${TORCH_CPP_LOG_LEVEL-unset}"], env=env, cwd=tmp_path, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and f"level={users or 'unset'}" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_the_job(monkeypatch, capsys):
+    """The agent copied every line to its stdout (a local node's log file in TFSN_HOME, a VM's boot log) with no
+    bound, while the job's log stops at 4 GiB: a worker printing without end filled the disk through that copy."""
+    from orchestrator.agent import node
+    monkeypatch.setattr(node, "MAX_PRINTED_BYTES", 1000)
+    shipper = node.LogShipper(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "flood-0")
+    for i in range(100):
+        shipper.add(f"[rank0]: line {i:03d} " + "x" * 80)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 11 and printed[-1].startswith("[tfsn] node flood-0: this node's own log passed "), printed
+    assert sum(len(line) + 1 for line in printed[:-1]) < 1000
+    assert len(shipper._pending) == 100                     # every line is still sent to the job's log

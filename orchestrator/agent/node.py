@@ -42,6 +42,8 @@ TAIL_LINES = 200
 LOG_BATCH_LINES = 2000   # lines per post, characters per line, and JSON bytes per post: within the API's caps
 LOG_LINE_CHARS = 16_000
 LOG_BATCH_BYTES = 4 << 20
+MAX_PRINTED_BYTES = 4 << 30   # the node's own copy of its lines (a local node's log file, a VM's boot log): a flood
+                              # stops there, as the job's log does, instead of filling the node's disk
 SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -57,15 +59,21 @@ class LogShipper:
 
     def __init__(self, client: ControllerClient, node_id: str, max_buffer: int = 20000) -> None:
         self.client = client
+        self.node_id = node_id
         self.path = f"/nodes/{node_id}/logs"
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
         self._lock = threading.Lock()
+        self._printed = 0
         threading.Thread(target=self._loop, name="tfsn-logs", daemon=True).start()
 
     def add(self, line: str) -> None:
         line = line.rstrip("\n")
-        print(line, flush=True)
+        if self._printed < MAX_PRINTED_BYTES:
+            self._printed += len(line) + 1
+            print(line if self._printed < MAX_PRINTED_BYTES else
+                  f"[tfsn] node {self.node_id}: this node's own log passed {MAX_PRINTED_BYTES >> 20} MiB: its "
+                  "lines are no longer copied here (the job's log has them: tfsn logs)", flush=True)
         with self._lock:
             self.tail.append(line)
             self._pending.append(line)

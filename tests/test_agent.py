@@ -198,3 +198,36 @@ def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_
     assert len(printed) == 11 and printed[-1].startswith("[tfsn] node flood-0: this node's own log passed "), printed
     assert sum(len(line) + 1 for line in printed[:-1]) < 1000
     assert len(shipper._pending) == 100                     # every line is still sent to the job's log
+
+
+def test_the_agents_last_flush_beside_the_background_one_sends_each_line_once(monkeypatch):
+    """The agent flushes its lines at exit while its background thread flushes every 0.5 s: both took the same
+    pending lines and posted them ('node X: attempt 2 ended with code 0' twice in the job's log), then both removed
+    as many, the second removing lines that had not been sent."""
+    import threading
+
+    from orchestrator.agent import node
+    posted: list[str] = []
+    entered = threading.Barrier(2, timeout=2)
+
+    class Slow(ControllerClient):
+        def post(self, path, body, timeout=None):
+            try:
+                entered.wait()        # a second flush gets here while the first one's post is in flight
+            except threading.BrokenBarrierError:
+                pass
+            posted.extend(body["lines"])
+            return {}
+    monkeypatch.setattr(node.LogShipper, "_loop", lambda self: None)     # the two flushes are the test's own
+    shipper = node.LogShipper(Slow("http://127.0.0.1:9", "token", 1), "twice-0")
+    for line in ("[rank0]: done", "[tfsn] node twice-0: attempt 2 ended with code 0"):
+        shipper.add(line)
+    flushes = [threading.Thread(target=shipper.flush) for _ in range(2)]
+    for thread in flushes:
+        thread.start()
+    shipper.add("[tfsn] node twice-0: a line added meanwhile")
+    for thread in flushes:
+        thread.join()
+    shipper.flush()
+    assert posted == ["[rank0]: done", "[tfsn] node twice-0: attempt 2 ended with code 0",
+                      "[tfsn] node twice-0: a line added meanwhile"]

@@ -64,6 +64,8 @@ class LogShipper:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
+        self._dropped = 0   # lines a full buffer dropped unsent, oldest first
         self._printed = 0
         threading.Thread(target=self._loop, name="tfsn-logs", daemon=True).start()
 
@@ -76,10 +78,19 @@ class LogShipper:
                   "lines are no longer copied here (the job's log has them: tfsn logs)", flush=True)
         with self._lock:
             self.tail.append(line)
+            self._dropped += len(self._pending) == self._pending.maxlen   # its oldest line goes
             self._pending.append(line)
 
     def flush(self, timeout: float = 5.0) -> None:
+        """Post the oldest pending lines. One flush at a time: the agent's last flush ran beside the background one,
+        both posted the same lines (its 'attempt N ended' twice in the job's log) and both removed them, the second
+        taking lines never sent."""
+        with self._flushing:
+            self._flush(timeout)
+
+    def _flush(self, timeout: float) -> None:
         with self._lock:
+            dropped = self._dropped
             lines, size = [], 0
             for line in itertools.islice(self._pending, LOG_BATCH_LINES):
                 line = line[:LOG_LINE_CHARS]
@@ -95,8 +106,8 @@ class LogShipper:
             return       # kept for the next try
         except ControllerRejected:
             pass         # refused for good (the job ended): not sent again, or nothing after it would be
-        with self._lock:
-            for _ in range(min(len(lines), len(self._pending))):
+        with self._lock:     # those of them that a full buffer dropped meanwhile are gone already
+            for _ in range(min(len(lines) - (self._dropped - dropped), len(self._pending))):
                 self._pending.popleft()
 
     def _loop(self) -> None:

@@ -64,7 +64,7 @@ class JobWatch:
                 self._restart_from, self._last_step_at = self._last_step_at, 0.0
             self.attempt = attempt
             self._rank_nodes = tuple(rank_nodes)
-            self._monitor = Monitor(self.config, self._rank_nodes, self.phases)
+            self._monitor = Monitor(self.config, self._rank_nodes, self.phases, time.time())
             self._active = {}
 
     def observe(self, attempt: int, rank: int, records: list[dict[str, Any]], heartbeat: float | None) -> None:

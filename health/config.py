@@ -76,6 +76,11 @@ class HealthConfig:
                     raise ValueError(f"health: unknown key {key!r}{_did_you_mean(key, ['thresholds', 'actions'])}")
             values.update(_thresholds(overrides.get("thresholds") or {}, "health.thresholds"))
             actions.update(_actions(overrides.get("actions") or {}, "health.actions"))
+        low, high = values["phase_timeout_min_s"], values["phase_timeout_max_s"]
+        if high < low:     # the clamp would give every phase, and an attempt's first step, `high` seconds
+            raise ValueError(f"health.thresholds: phase_timeout_max_s {high:g} is below phase_timeout_min_s {low:g}: "
+                             f"a save, an eval or a first step longer than {high:g}s would be a hang. To fix: make "
+                             "phase_timeout_max_s at least phase_timeout_min_s")
         return cls(**values, actions=MappingProxyType(actions))
 
 

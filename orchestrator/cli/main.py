@@ -502,6 +502,8 @@ def main() -> None:
         sys.exit(130)
     except sqlite3.OperationalError as err:   # a store that opened but cannot be written: a read-only or full disk
         where = os.path.join(os.environ.get("TFSN_HOME") or "~/.tfsn", daemon.store_path(Path()).name)
-        print(f"tfsn: error: {where}: {err}. To fix: make TFSN_HOME writable (or free space on its disk), or set "
-              "TFSN_HOME to another folder", file=sys.stderr)
+        disk = any(word in str(err) for word in ("readonly", "full", "disk I/O", "unable to open"))
+        print(f"tfsn: error: {where}: {err}. To fix: " + ("make TFSN_HOME writable (or free space on its disk), or "
+              "set TFSN_HOME to another folder" if disk else "try again (another tfsn may hold the store)"),
+              file=sys.stderr)
         sys.exit(1)

@@ -231,3 +231,18 @@ def test_the_agents_last_flush_beside_the_background_one_sends_each_line_once(mo
     shipper.flush()
     assert posted == ["[rank0]: done", "[tfsn] node twice-0: attempt 2 ended with code 0",
                       "[tfsn] node twice-0: a line added meanwhile"]
+
+
+@pytest.mark.parametrize("script, summary", [
+    ("echo installing deps; false", "setup exited with code 1; its last lines: installing deps"),
+    ("exit 3", "setup exited with code 3"),
+])
+def test_a_failed_setup_is_summed_up_with_its_exit_code_and_last_lines(tmp_path, monkeypatch, script, summary):
+    """'job 1 FAILED: setup failed on node b2-1-n0-81b1: [setup] installing deps' read as if installing failed
+    with no error: a command that fails silently after an echo left only the echo, and never the exit code."""
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "setup-0")
+    agent._setup(script, str(tmp_path))
+    wait_for(lambda: agent.state != "setup", 30, "the setup's end")
+    assert agent.state == "setup-failed" and agent.reports[0]["summary"] == summary

@@ -354,11 +354,12 @@ class Agent:
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for line in proc.stdout:
                     self.logs.add(f"[setup] {line}")
-                if proc.wait() != 0:
-                    tail = [line for line in self.logs.tail if line.startswith("[setup]")][-5:]
+                if proc.wait() != 0:    # its code and what it said last (a failed command says nothing, a pip
+                    tail = [line.removeprefix("[setup] ") for line in self.logs.tail   # error its last lines)
+                            if line.startswith("[setup]")][-5:]
                     self.reports.append({"attempt": 0, "returncode": proc.returncode, "signal": None,
-                                         "stopped": False, "summary": " | ".join(tail) or
-                                         f"setup exited with code {proc.returncode}"})
+                                         "stopped": False, "summary": f"setup exited with code {proc.returncode}"
+                                         + (f"; its last lines: {' | '.join(tail)}" if tail else "")})
                     self.state = "setup-failed"
                     return
             self.state = "ready"

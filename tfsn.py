@@ -35,7 +35,10 @@ def __getattr__(name: str) -> Any:
 
 def main() -> None:
     """The `tfsn` console script."""
-    from orchestrator.cli.main import main as cli_main
+    try:
+        from orchestrator.cli.main import main as cli_main
+    except KeyboardInterrupt:            # Ctrl-C while the CLI loads: nothing was done yet
+        raise SystemExit(130) from None
     cli_main()
 
 

@@ -76,6 +76,11 @@ class HealthConfig:
                     raise ValueError(f"health: unknown key {key!r}{_did_you_mean(key, ['thresholds', 'actions'])}")
             values.update(_thresholds(overrides.get("thresholds") or {}, "health.thresholds"))
             actions.update(_actions(overrides.get("actions") or {}, "health.actions"))
+        low, high = values["phase_timeout_min_s"], values["phase_timeout_max_s"]
+        if high < low:     # the clamp would give every phase, and an attempt's first step, `high` seconds
+            raise ValueError(f"health.thresholds: phase_timeout_max_s {high:g} is below phase_timeout_min_s {low:g}: "
+                             f"a save, an eval or a first step longer than {high:g}s would be a hang. To fix: make "
+                             "phase_timeout_max_s at least phase_timeout_min_s")
         return cls(**values, actions=MappingProxyType(actions))
 
 
@@ -88,6 +93,7 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
 # memory, so a typo of 10^12 there must be refused, not tried (2 x 4096 steps x 4096 ranks x 8 B = 256 MiB).
 MAX_RING, MAX_COUNT = 4096, 10**9
 _RINGS = {"straggler_window", "straggler_baseline", "gather_steps"}   # gather_steps: steps of every rank held
+_KEEP_SHIPPED = f"change it, or remove it to keep the shipped value (configs/{SHIPPED})"
 
 
 def _thresholds(raw: Any, where: str) -> dict[str, int | float]:
@@ -102,13 +108,13 @@ def _thresholds(raw: Any, where: str) -> dict[str, int | float]:
         whole = types[name] == "int"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and value != int(value)):
             kind = "a whole number" if whole else "a number"
-            raise ValueError(f"{where}.{name}: expected {kind}, got {value!r}")
+            raise ValueError(f"{where}.{name}: expected {kind}, got {value!r}. To fix: {_KEEP_SHIPPED}")
         most = MAX_RING if name in _RINGS else MAX_COUNT
         if not value > 0 or (name in _RATIOS and not value < 1) or not math.isfinite(value) or (
                 whole and value > most):
             bound = ("between 0 and 1" if name in _RATIOS else "greater than 0" if not value > 0
                      else f"at most {most}" if whole else "a finite number")
-            raise ValueError(f"{where}.{name}: must be {bound}, got {value!r}")
+            raise ValueError(f"{where}.{name}: must be {bound}, got {value!r}. To fix: {_KEEP_SHIPPED}")
         out[name] = int(value) if whole else float(value)
     return out
 

@@ -71,8 +71,11 @@ class HangWatch:
     """When each rank last finished a step and last sent anything, the phase it is in, and the job's
     recent step intervals."""
 
-    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], history: PhaseHistory | None = None) -> None:
+    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], history: PhaseHistory | None = None,
+                 started_at: float = math.nan) -> None:
+        """`started_at`: when the attempt began (NaN: unknown), from which a first step is awaited."""
         self.config = config
+        self._started_at = started_at
         self.rank_nodes = tuple(rank_nodes)
         self.history = history or PhaseHistory(config)
         n = len(self.rank_nodes)
@@ -127,8 +130,8 @@ class HangWatch:
     def findings(self, now: float, step: int | None) -> list[Finding]:
         """Ranks with no step progress for longer than the job's steps, or their phase, can explain."""
         cfg = self.config
-        if math.isnan(self._first_at):
-            return []                  # nothing finished yet: the first step may compile for minutes
+        if math.isnan(self._first_at):  # the first step may compile, load data, wait for peers for minutes ...
+            return self._no_first_step(now, step)
         timeout = step_timeout(cfg, self._interval[~np.isnan(self._interval)])
         since = np.where(np.isnan(self._progress_at), self._first_at, self._progress_at)
         stuck, phased = self._stuck(now, since, timeout)
@@ -152,6 +155,17 @@ class HangWatch:
         return [Finding(FindingKind.HANG, Severity.CRITICAL, "", None, tuple(range(len(self.rank_nodes))),
                         f"no rank finished a step for {idle:.0f}s (timeout {timeout:.0f}s) after step "
                         f"{step}; {why}" + self._phase_note(phased, now), now, step)]
+
+    def _no_first_step(self, now: float, step: int | None) -> list[Finding]:
+        """... but not past the ceiling of a phase never seen (`phase_timeout_max_s`): a first step that never
+        ends (a data loader, or a first collective, that hangs) was never called a hang, and the job waited for
+        ever. No rank is to blame: none has a pace to fall behind."""
+        waited, limit = now - self._started_at, self.config.phase_timeout_max_s
+        if not waited > limit:         # NaN too: the attempt's start is unknown
+            return []
+        return [Finding(FindingKind.HANG, Severity.CRITICAL, "", None, tuple(range(len(self.rank_nodes))),
+                        f"no rank finished a first step in {waited:.0f}s since the attempt began (timeout "
+                        f"{limit:.0f}s, phase_timeout_max_s: the longest a step never seen may take)", now, step)]
 
     def _stuck(self, now: float, since: np.ndarray, timeout: float) -> tuple[np.ndarray, np.ndarray]:
         """(stuck, in a phase): a rank in a phase that still heartbeats is stuck past its phase's timeout;

@@ -38,13 +38,15 @@ class _Pending:
 class Monitor:
     """Every detector over one attempt of one job; start a new one when the job restarts."""
 
-    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], phases: PhaseHistory | None = None) -> None:
-        """`phases`: the job's phase durations so far (kept across attempts by the caller)."""
+    def __init__(self, config: HealthConfig, rank_nodes: Sequence[str], phases: PhaseHistory | None = None,
+                 started_at: float = math.nan) -> None:
+        """`phases`: the job's phase durations so far (kept across attempts by the caller); `started_at`: when
+        the attempt began."""
         self.config = config
         self.rank_nodes = tuple(rank_nodes)
         self._straggler = StragglerTest(config, self.rank_nodes)
         self._devices = DeviceWatch(config)
-        self._hang = HangWatch(config, self.rank_nodes, phases)
+        self._hang = HangWatch(config, self.rank_nodes, phases, started_at)
         self._step: int | None = None
         self._step_at = math.nan
         self._started = 0                                   # steps with data, warm-up included

@@ -1,12 +1,16 @@
 """The node agent and its workers, without a controller (its posts go nowhere and are kept for later)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from orchestrator.agent.node import Agent, failure_summary
 from orchestrator.sdk.client import ControllerClient
 from tests.awsfaults import free_port
 from tests.vmsandbox import wait_for
+
+ROOT = str(Path(__file__).resolve().parent.parent)   # this tfsn, for the agent's torchrun wrapper
 
 
 def test_a_workers_lines_reach_the_log_while_it_runs(tmp_path, monkeypatch):
@@ -112,3 +116,133 @@ def test_the_error_is_the_first_failed_ranks_not_its_peers_after_it():
             for line in TORCHRUN_ROOT_CAUSE]
     assert failure_summary(lines + root, 1) == ("[rank1]: RuntimeError: boom at step 12", None)
     assert failure_summary(lines + TORCHRUN_ROOT_CAUSE, 1)[0].startswith("[rank0]: RuntimeError: [../gloo")
+
+
+def test_a_failed_attempt_leaves_the_workers_traceback_once_prefixed_and_none_of_torchruns(tmp_path, monkeypatch):
+    """A worker that raised after joining its process group showed its traceback as '[rank0]: [rank0]: ...' (torch's
+    excepthook prefix under torchrun's), followed by torchrun's own traceback through runpy and launcher/api.py
+    (ChildFailedError): the job log's only traceback is now the user's, prefixed once, and the summary is the same."""
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "train.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                       "raise RuntimeError('boom at step 3')\n")
+    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "fail-0")
+    agent._start({"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1",
+                  "master_port": free_port(), "run": "python train.py", "attempt": 1,
+                  "workdir": str(tmp_path), "env": {"TFSN_NODE_ID": "fail-0", "TFSN_ATTEMPT": "1", "PYTHONPATH": ROOT}})
+    try:
+        wait_for(lambda: agent.proc.poll() is not None, 60, "the worker's failure")
+        agent._collect()
+    finally:
+        agent.stop_workers()
+    lines = list(agent.logs.tail)
+    assert "[rank0]: RuntimeError: boom at step 3" in lines, lines
+    assert not [line for line in lines if "[rank0]: [rank0]:" in line], lines
+    assert [line for line in lines if "Traceback" in line] == ["[rank0]: Traceback (most recent call last):"], lines
+    assert any("Root Cause" in line for line in lines), lines        # torchrun's summary block stays
+    assert agent.reports[0]["summary"] == "[rank0]: RuntimeError: boom at step 3 (at train.py:3)"
+
+
+def test_torchruns_exit_barrier_error_is_one_line(capsys):
+    """A node whose workers finished waits for its peers at torchrun's exit barrier; a peer that never came was
+    logged with `logger.exception`, a traceback through store_util in the job log."""
+    import logging
+
+    from orchestrator.agent.torchrun import EXIT_BARRIER_LOGGER, OneLine
+    logger = logging.getLogger(EXIT_BARRIER_LOGGER)
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    logger.addFilter(one_line := OneLine())
+    try:
+        try:
+            raise RuntimeError("Socket Timeout\n  waiting for 1 of 2")
+        except RuntimeError:
+            logger.exception("Error waiting on exit barrier. Elapsed: %s seconds", 300.2)
+    finally:
+        logger.removeFilter(one_line)
+        logger.removeHandler(handler)
+    lines = capsys.readouterr().err.splitlines()   # ours, and torch's own handler's (glog-style) when it has one
+    assert lines and all(line.endswith("Error waiting on exit barrier. Elapsed: 300.2 seconds: "
+                                       "RuntimeError: Socket Timeout waiting for 1 of 2") for line in lines), lines
+
+
+@pytest.mark.parametrize("users", [None, "INFO"])
+def test_torchruns_own_cpp_warnings_are_off_and_the_workers_level_is_theirs(tmp_path, users):
+    """A 2-node job that succeeded ended its log with torchrun's C++ warning of a store closed by the node that
+    hosts it ('[W... TCPStore.cpp:138] recvValueWithTimeout failed ... Exception raised from recvBytes', then 35
+    lines 'frame #N: c10::Error::Error ...'): the exit barrier's last read races that node's exit. torchrun runs
+    with TORCH_CPP_LOG_LEVEL=ERROR; its workers keep the level they were given, or none."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    if users:
+        env["TORCH_CPP_LOG_LEVEL"] = users
+    out = subprocess.run([sys.executable, "-m", "orchestrator.agent.torchrun", "--nnodes", "1", "--nproc-per-node",
+                          "1", "--master-port", str(free_port()), "--no-python", "bash", "-c",
+                          "echo level=${TORCH_CPP_LOG_LEVEL-unset}"], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and f"level={users or 'unset'}" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_the_job(monkeypatch, capsys):
+    """The agent copied every line to its stdout (a local node's log file in TFSN_HOME, a VM's boot log) with no
+    bound, while the job's log stops at 4 GiB: a worker printing without end filled the disk through that copy."""
+    from orchestrator.agent import node
+    monkeypatch.setattr(node, "MAX_PRINTED_BYTES", 1000)
+    shipper = node.LogShipper(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "flood-0")
+    for i in range(100):
+        shipper.add(f"[rank0]: line {i:03d} " + "x" * 80)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 11 and printed[-1].startswith("[tfsn] node flood-0: this node's own log passed "), printed
+    assert sum(len(line) + 1 for line in printed[:-1]) < 1000
+    assert len(shipper._pending) == 100                     # every line is still sent to the job's log
+
+
+def test_the_agents_last_flush_beside_the_background_one_sends_each_line_once(monkeypatch):
+    """The agent flushes its lines at exit while its background thread flushes every 0.5 s: both took the same
+    pending lines and posted them ('node X: attempt 2 ended with code 0' twice in the job's log), then both removed
+    as many, the second removing lines that had not been sent."""
+    import threading
+
+    from orchestrator.agent import node
+    posted: list[str] = []
+    entered = threading.Barrier(2, timeout=2)
+
+    class Slow(ControllerClient):
+        def post(self, path, body, timeout=None):
+            try:
+                entered.wait()        # a second flush gets here while the first one's post is in flight
+            except threading.BrokenBarrierError:
+                pass
+            posted.extend(body["lines"])
+            return {}
+    monkeypatch.setattr(node.LogShipper, "_loop", lambda self: None)     # the two flushes are the test's own
+    shipper = node.LogShipper(Slow("http://127.0.0.1:9", "token", 1), "twice-0")
+    for line in ("[rank0]: done", "[tfsn] node twice-0: attempt 2 ended with code 0"):
+        shipper.add(line)
+    flushes = [threading.Thread(target=shipper.flush) for _ in range(2)]
+    for thread in flushes:
+        thread.start()
+    shipper.add("[tfsn] node twice-0: a line added meanwhile")
+    for thread in flushes:
+        thread.join()
+    shipper.flush()
+    assert posted == ["[rank0]: done", "[tfsn] node twice-0: attempt 2 ended with code 0",
+                      "[tfsn] node twice-0: a line added meanwhile"]
+
+
+@pytest.mark.parametrize("script, summary", [
+    ("echo installing deps; false", "setup exited with code 1; its last lines: installing deps"),
+    ("exit 3", "setup exited with code 3"),
+])
+def test_a_failed_setup_is_summed_up_with_its_exit_code_and_last_lines(tmp_path, monkeypatch, script, summary):
+    """'job 1 FAILED: setup failed on node b2-1-n0-81b1: [setup] installing deps' read as if installing failed
+    with no error: a command that fails silently after an echo left only the echo, and never the exit code."""
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "setup-0")
+    agent._setup(script, str(tmp_path))
+    wait_for(lambda: agent.state != "setup", 30, "the setup's end")
+    assert agent.state == "setup-failed" and agent.reports[0]["summary"] == summary

@@ -491,3 +491,37 @@ def test_a_restart_that_restores_nothing_is_said_not_taken_for_a_resume(server, 
         sdk(api, job).post("/checkpoint", {"step": 0, "path": "/etc", "restored": True})
     with pytest.raises(ControllerRejected, match="400"):
         sdk(api, job).post("/checkpoint", {"step": 3, "path": str(root)})
+
+
+def test_a_restore_that_skips_a_corrupt_checkpoint_says_which_and_why_in_the_jobs_events(server, tmp_path,
+                                                                                        monkeypatch, capfd):
+    """A corrupt newest checkpoint was skipped with a Python warning in the workers' output ('.../run.py:308:
+    UserWarning: skipping checkpoint: ...' and the source line under it) and the job's event said only 'restored
+    step 6': the event now names the checkpoint passed over and why, and the worker says it in one line."""
+    import torch
+
+    from orchestrator.sdk.run import Run
+    api, store, _ = server
+    root = tmp_path / "ckpt"
+    spec = JobSpec.model_validate({"name": "r", "run": "x", "checkpoint": {"dir": str(root)}})
+    job = store.create_job("r", spec.model_dump(mode="json"), "p", "r-secret")
+    for name, value in {"TFSN_CONTROLLER_URL": api.url, "TFSN_TOKEN": sdk_token(job.token),
+                        "TFSN_JOB_ID": str(job.id)}.items():
+        monkeypatch.setenv(name, value)
+    model = torch.nn.Linear(2, 2)
+    run = Run(checkpoint_dir=str(root), checkpoint_interval=2, keep=3, total_steps=4)
+    for _ in run.steps(run.restore(model=model)):
+        run.checkpoint(model=model)
+    run.finish()
+    shard = next((root / "step_000000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0" if shard.read_bytes()[-1:] != b"\0" else b"\1")
+    run = Run(checkpoint_dir=str(root), checkpoint_interval=2, keep=3, total_steps=4)
+    assert run.restore(model=model) == 2
+    run.finish()
+    said = [e.message for e in store.events(job.id) if e.kind == "checkpoint"][-1]
+    assert said.startswith(f"restored step 2 from {root}/step_000000002; WARNING: the last checkpoint saved was "
+                           "step 4"), said
+    assert said.endswith(f"could not be restored; skipped 1 newer: {root}/step_000000004: checksum mismatch in "
+                         f"{shard.name}; the checkpoint is corrupt"), said
+    err = capfd.readouterr().err
+    assert "UserWarning" not in err and f"tfsn: skipping checkpoint: {root}/step_000000004: checksum mismatch" in err

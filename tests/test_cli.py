@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 
@@ -14,7 +16,8 @@ from hypothesis import strategies as st
 from orchestrator.cli.main import main
 from orchestrator.control import daemon
 from orchestrator.control.store import JobState, Store
-from tests.conftest import EXAMPLE, write_job
+from orchestrator.spec import JobSpec
+from tests.conftest import EXAMPLE, ROOT, write_job
 
 
 def assert_one_line_error(proc, *needles: str) -> None:
@@ -104,6 +107,7 @@ NOT_LAUNCHABLE = [
     ("resources:\n  accelerators: H10:8\n", "did you mean 'H100'?"),
     ("workdir: nowhere\n", "workdir: "),
     ("num_nodes: 4096\n", "num_nodes 4096: this machine runs at most"),   # no cloud: 4096 local agents
+    ("nproc_per_node: 256\n", "train.yaml:3: no capable offer: nproc_per_node 256 on 1 node(s) is 256 workers"),
     ("resources:\n  memory: 4000\n", "train.yaml:4: no capable offer: resources.memory 4000"),   # its line, not 1
     # a job that could never save (it failed at its first checkpoint, and again after a restart)
     ("checkpoint:\n  dir: ../train.yaml\n", "train.yaml is a file, not a folder"),
@@ -367,3 +371,71 @@ def test_a_followed_job_whose_controller_died_gets_it_back(in_process, tmp_path,
     code, out, err = in_process("launch", str(tmp_path / "train.yaml"))
     assert code == 1 and "job 1 STOPPED" in out and len(started) == 2, (code, out, err)
     assert err == "tfsn: the controller had stopped; starting it again (running jobs carry on)\n"
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_ctrl_c_while_the_launchs_controller_starts_stops_the_job(in_process, tmp_path, monkeypatch, detach):
+    """Ctrl-C a second into `tfsn launch` (the job stored, its controller starting) printed nothing and exited,
+    and the job trained on unseen: only a Ctrl-C once 'Ctrl-C stops it' was printed stopped it."""
+    monkeypatch.setattr(daemon, "read_info", lambda home: None)             # no controller answers yet
+    (tmp_path / "home").mkdir()
+    store = Store(tmp_path / "home" / "tfsn.db")
+    started = []
+
+    def start_controller() -> dict:            # the user's Ctrl-C lands in the launch's own start of it
+        started.append(time.monotonic())
+        if len(started) == 1:
+            raise KeyboardInterrupt
+        if store.job(1).stop_requested:        # the controller started again acts on the stop
+            store.transition(1, JobState.STOPPED, "stopped by the user")
+        return {}
+    monkeypatch.setattr(daemon, "ensure_controller", start_controller)
+    (tmp_path / "train.yaml").write_text("run: python train.py\n")
+    code, out, err = in_process("launch", *(["--detach"] if detach else []), str(tmp_path / "train.yaml"))
+    assert code == 1 and "stopping job 1..." in out and "job 1 STOPPED" in out, (code, out, err)
+    assert store.job(1).state == JobState.STOPPED
+
+
+def read_only_run(tfsn, *args: str) -> subprocess.CompletedProcess:
+    """`tfsn ARGS` with TFSN_HOME read-only: a read-only bind mount in a mount namespace of its own for root (whom
+    no mode bit stops), else the folder's and its files' write bits cleared."""
+    cli = [sys.executable, str(ROOT / "tfsn.py"), *args]
+    if os.geteuid() != 0:
+        for path in [tfsn.home, *tfsn.home.rglob("*")]:
+            path.chmod(path.stat().st_mode & ~0o222)
+        try:
+            return subprocess.run(cli, env=tfsn.env, capture_output=True, text=True, timeout=60)
+        finally:
+            for path in [tfsn.home, *tfsn.home.rglob("*")]:
+                path.chmod(path.stat().st_mode | 0o200)
+    mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", mount, str(tfsn.home), *cli], env=tfsn.env,
+                          capture_output=True, text=True, timeout=60)
+    if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+        pytest.skip(f"no read-only mount here: {proc.stderr.strip()}")
+    return proc
+
+
+def test_a_read_only_tfsn_home_shows_its_jobs_and_refuses_changes_in_one_line(tfsn, tmp_path):
+    """A read-only (or full) TFSN_HOME ended every command in a traceback: ls and status in OSError: [Errno 30]
+    Read-only file system (the store's chmod, then the controller's log), launch and stop in sqlite3's
+    OperationalError. Reading still works, with a warning that the controller cannot start; a change is one line."""
+    tfsn.home.chmod(0o700)                                     # as tfsn makes it
+    store = Store(tfsn.home / "tfsn.db")
+    spec = JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json")
+    job = store.create_job("j", spec, "train.yaml", "token")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING)                 # live, and no controller runs for it
+    store._db.close()
+    (tmp_path / "train.yaml").write_text("run: python train.py\n")
+    for args in (("ls",), ("status", "1", "--json")):
+        proc = read_only_run(tfsn, *args)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert "tfsn: warning: cannot start the controller: " in proc.stderr and "To fix:" in proc.stderr
+    assert json.loads(proc.stdout)["state"] == "RUNNING"
+    for args in (("launch", "--detach", str(tmp_path / "train.yaml")), ("stop", "1"), ("controller", "start")):
+        proc = read_only_run(tfsn, *args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        [line] = proc.stderr.splitlines()
+        assert line.startswith("tfsn: error: ") and "To fix:" in line, line
+    assert Store(tfsn.home / "tfsn.db").job(job.id).state == JobState.RUNNING    # nothing lost

@@ -103,6 +103,65 @@ def test_the_same_storage_error_twice_with_other_temp_names_and_no_progress_fail
     assert "failed the same way twice" in store.job(job.id).error
 
 
+@pytest.mark.parametrize("last_step, checkpoint, note", [
+    (2, 4, " at step 4 of 8 (the workers exited with code 0 before `steps`; their last lines are in `tfsn logs`)"),
+    (7, 8, ""),        # every step done
+    (None, None, ""),  # a script without the SDK reports no step
+])
+def test_workers_that_exit_0_before_the_specs_steps_succeed_with_a_note(tmp_path, last_step, checkpoint, note):
+    """A script that called sys.exit(0) at step 4 of 8 ended 'SUCCEEDED: all 1 node(s) finished', as a finished
+    run does: nothing said the training stopped halfway."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    spec = JobSpec.model_validate({"name": "j", "run": "true", "steps": 8})
+    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="running")
+    store.add_node("j-1-n0", job.id, 0, "local")
+    store.update_node("j-1-n0", state=NodeState.READY)
+    if last_step is not None:
+        store.record_steps(job.id, 1, 0, [{"step": last_step, "at": time.time(), "step_time": 0.1}])
+        store.update_job(job.id, checkpoint_step=checkpoint)
+    store.record_result(job.id, "j-1-n0", 1, 0, None, False, "")
+    controller.recovery.watch_attempt(store.job(job.id), spec)
+    assert store.job(job.id).state == JobState.SUCCEEDED
+    assert store.events(job.id)[-1].message == "SUCCEEDED: all 1 node(s) finished" + note
+
+
+def test_an_attempt_failed_for_a_hang_restarts_saying_what_was_found(tmp_path):
+    """A deadlock ended the attempt and the restart said 'RECOVERING: restart 1 of 1 from the checkpoint at step 6:
+    no single node to blame: fail the attempt so that it restarts from the last checkpoint', the policy's action
+    in place of the cause; `tfsn launch` ended its line with it too."""
+    from health.findings import Action, Decision, Finding, FindingKind, Severity
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    spec = JobSpec.model_validate({"name": "j", "run": "true", "recovery": {"max_restarts": 1}})
+    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="running")
+    evidence = "no rank finished a step for 10s (timeout 10s) after step 4; every rank still heartbeats"
+    hang = Finding(FindingKind.HANG, Severity.CRITICAL, "", None, (0, 1), evidence, time.time(), 4)
+    controller.health._apply(store.job(job.id), None, Decision(Action.FAIL, "", hang, "no single node to blame"),
+                             {}, time.time())
+    controller.recovery.recover(store.job(job.id), spec, {}, [])
+    assert store.job(job.id).state == JobState.RECOVERING
+    assert store.events(job.id)[-1].message == ("RECOVERING: restart 1 of 1 from the newest valid checkpoint (none "
+                                                f"reported yet): hang: {evidence}")
+
+
+def test_a_restart_does_not_claim_the_last_reported_checkpoint_is_the_one_restored(tmp_path):
+    """A worker killed at step 5 had committed step 4 but not yet reported it: the restart said 'from the checkpoint
+    at step 2' and the workers then restored step 4. The newest valid checkpoint is what they restore."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    job = store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, checkpoint_step=2)
+    _fail_attempt(controller, job.id, "workers exited with code 7")
+    assert store.events(job.id)[-1].message == ("RECOVERING: restart 1 of 3 from the newest valid checkpoint (last "
+                                                "reported: step 2): workers exited with code 7")
+
+
 # ---- issue 16: the loop never waits on a cloud ----
 
 def _ended(calls: ProviderCalls, timeout_s: float = 10.0) -> None:

@@ -18,6 +18,9 @@ GCP = Offer(provider="gcp", region="us-central1", zone="us-central1-a", instance
             accelerator="A100", accelerator_count=8, accelerator_memory_gib=40, vcpus=96, memory_gib=680, price=3.0)
 
 
+MODEL = {"params": 1.3e9, "layers": 24, "hidden": 2048, "seq_len": 2048, "batch_size": 256, "dtype": "bf16"}
+
+
 def plan() -> list[dict]:
     """The planner's ranked candidates as the controller stores them: GCP first, then AWS spot and on-demand."""
     return [PlannedOffer(GCP, False, 2, 3.0, 1.0, 3.0, 18.0).to_record(),
@@ -37,7 +40,8 @@ def node(store: Store, job_id: int, node_id: str, offer: Offer, spot: bool, crea
 def finished_job(tfsn) -> int:
     """A job that ran on AWS after GCP refused it: a node on demand for half an hour, one on spot for two hours."""
     store = Store(tfsn.home / "tfsn.db")
-    job = store.create_job("train", {"name": "train", "num_nodes": 2, "steps": 100}, "train.yaml", "token")
+    job = store.create_job("train", {"name": "train", "num_nodes": 2, "steps": 100, "model": MODEL}, "train.yaml",
+                           "token")
     store.transition(job.id, JobState.PROVISIONING, plan=plan())
     node(store, job.id, "train-1-n0", GCP, False, created=T0 - 60)                       # refused: never billed
     node(store, job.id, "train-1-n1", AWS, False, created=T0 - 30, provisioned=T0, released=T0 + 1800)
@@ -53,6 +57,17 @@ def test_status_json_has_node_hours_dollars_spent_and_the_predicted_total(tfsn, 
     assert cost == {"node_hours": 2.5, "spent_usd": 5.0, "predicted_node_hours": 7.0, "predicted_usd": 10.5}
     [listed] = json.loads(tfsn("status", "--json").stdout)
     assert listed["cost"] == cost
+
+
+def test_a_job_without_model_has_no_prediction_and_says_why(tfsn):
+    """Without `model:` the planner ranks offers with its 1.3B-parameter reference workload; its hours were shown
+    as the job's prediction ('$0.00 spent of $0.00 predicted (22.94 node-h)' for an 8-step job of a Linear)."""
+    store = Store(tfsn.home / "tfsn.db")
+    job = store.create_job("train", {"name": "train", "num_nodes": 2, "steps": 8, "model": None}, "train.yaml", "t")
+    store.transition(job.id, JobState.PROVISIONING, plan=plan())
+    assert tfsn.status(job.id)["cost"]["predicted_usd"] is None
+    assert ("cost: 0.00 node-h, $0.00 spent (no prediction: the spec has no model:)"
+            in tfsn("status", str(job.id)).stdout)
 
 
 def test_status_tables_show_the_cost_columns(tfsn, finished_job):

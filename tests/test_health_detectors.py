@@ -438,3 +438,19 @@ def test_phase_names_learned_per_job_are_bounded():
     history.observe("checkpoint", 60.0)                                    # a known phase still learns
     assert history.timeout("checkpoint") == CONFIG.phase_timeout_factor * 60.0
     assert history.timeout("p9999") == CONFIG.phase_timeout_max_s          # an unlearned one: the ceiling
+
+
+def test_a_first_step_that_never_ends_is_a_hang_of_the_job_past_the_ceiling():
+    """A rank stuck before its first step (a data loader, a first all-reduce) was never a hang ('nothing finished
+    yet: the first step may compile for minutes'): the job waited for ever. Past phase_timeout_max_s since the
+    attempt began it is the whole job's hang, heartbeats or not."""
+    monitor = Monitor(CONFIG, nodes(8), started_at=100.0)
+    for t in np.arange(105.0, 100 + CONFIG.phase_timeout_max_s + 60, 5.0):   # every rank heartbeats, none steps
+        for rank in range(8):
+            monitor.observe(Sample(time=t, node=f"n{rank // GPUS}", rank=rank))
+    assert monitor.check(100 + CONFIG.phase_timeout_max_s - 1) == []           # compiling for 30 min is allowed
+    (finding,) = monitor.check(100 + CONFIG.phase_timeout_max_s + 30)
+    assert (finding.kind, finding.severity, finding.node, finding.ranks) == \
+        (FindingKind.HANG, Severity.CRITICAL, "", tuple(range(8)))
+    assert f"no rank finished a first step in {CONFIG.phase_timeout_max_s + 30:.0f}s" in finding.evidence
+    assert Monitor(CONFIG, nodes(8)).check(1e9) == []                          # an attempt whose start is unknown

@@ -155,6 +155,7 @@ def test_bad_overrides_are_one_line_errors(overrides, message):
     with pytest.raises(ValueError) as err:
         HealthConfig.load(overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+    assert "To fix: " in str(err.value) or "did you mean" in str(err.value) or "mapping" in str(err.value)
 
 
 # ---- rule 4b: replace a slow node only when it pays (issue 18, deliverable 2) ---------------------------

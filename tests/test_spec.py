@@ -589,6 +589,18 @@ def test_health_thresholds_that_would_exhaust_memory_or_never_fire_are_refused(t
         load_spec(path)
 
 
+@pytest.mark.parametrize("thresholds", ["{phase_timeout_max_s: 1, phase_timeout_min_s: 100}",
+                                        "{phase_timeout_max_s: 60}"])     # under the shipped minimum, 120 s
+def test_a_phase_timeout_ceiling_below_its_floor_is_refused(tmp_path, thresholds):
+    """phase_timeout_max_s under phase_timeout_min_s was accepted: every save, eval and first step past the
+    ceiling became a hang (with the first-step rule, every attempt of a job that compiles for a minute)."""
+    path = tmp_path / "train.yaml"
+    path.write_text(f"run: python train.py\nhealth:\n  thresholds: {thresholds}\n")
+    with pytest.raises(SpecError, match="health.thresholds: phase_timeout_max_s .* is below phase_timeout_min_s .* "
+                                        "To fix: make phase_timeout_max_s at least phase_timeout_min_s"):
+        load_spec(path)
+
+
 ACCEPTED_IDENTITIES = {
     "aws": ["tfsn-node", "team+ml=prod,x.y@z-1", "arn:aws:iam::123456789012:instance-profile/tfsn-node",
             "arn:aws:iam::123456789012:instance-profile/team/ml/tfsn-node",

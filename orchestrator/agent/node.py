@@ -42,12 +42,15 @@ TAIL_LINES = 200
 LOG_BATCH_LINES = 2000   # lines per post, characters per line, and JSON bytes per post: within the API's caps
 LOG_LINE_CHARS = 16_000
 LOG_BATCH_BYTES = 4 << 20
+MAX_PRINTED_BYTES = 4 << 30   # the node's own copy of its lines (a local node's log file, a VM's boot log): a flood
+                              # stops there, as the job's log does, instead of filling the node's disk
 SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 _WORKER_LINE = re.compile(r"^\[rank\d+\]:\s*\S")
 _RANK_PREFIX = re.compile(r"^((\[rank\d+\]:\s*)+)")
+_TWO_PREFIXES = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]: ?")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -56,21 +59,38 @@ class LogShipper:
 
     def __init__(self, client: ControllerClient, node_id: str, max_buffer: int = 20000) -> None:
         self.client = client
+        self.node_id = node_id
         self.path = f"/nodes/{node_id}/logs"
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
+        self._dropped = 0   # lines a full buffer dropped unsent, oldest first
+        self._printed = 0
         threading.Thread(target=self._loop, name="tfsn-logs", daemon=True).start()
 
     def add(self, line: str) -> None:
         line = line.rstrip("\n")
-        print(line, flush=True)
+        if self._printed < MAX_PRINTED_BYTES:
+            self._printed += len(line) + 1
+            print(line if self._printed < MAX_PRINTED_BYTES else
+                  f"[tfsn] node {self.node_id}: this node's own log passed {MAX_PRINTED_BYTES >> 20} MiB: its "
+                  "lines are no longer copied here (the job's log has them: tfsn logs)", flush=True)
         with self._lock:
             self.tail.append(line)
+            self._dropped += len(self._pending) == self._pending.maxlen   # its oldest line goes
             self._pending.append(line)
 
     def flush(self, timeout: float = 5.0) -> None:
+        """Post the oldest pending lines. One flush at a time: the agent's last flush ran beside the background one,
+        both posted the same lines (its 'attempt N ended' twice in the job's log) and both removed them, the second
+        taking lines never sent."""
+        with self._flushing:
+            self._flush(timeout)
+
+    def _flush(self, timeout: float) -> None:
         with self._lock:
+            dropped = self._dropped
             lines, size = [], 0
             for line in itertools.islice(self._pending, LOG_BATCH_LINES):
                 line = line[:LOG_LINE_CHARS]
@@ -86,8 +106,8 @@ class LogShipper:
             return       # kept for the next try
         except ControllerRejected:
             pass         # refused for good (the job ended): not sent again, or nothing after it would be
-        with self._lock:
-            for _ in range(min(len(lines), len(self._pending))):
+        with self._lock:     # those of them that a full buffer dropped meanwhile are gone already
+            for _ in range(min(len(lines) - (self._dropped - dropped), len(self._pending))):
                 self._pending.popleft()
 
     def _loop(self) -> None:
@@ -260,7 +280,7 @@ class Agent:
         torchrun = [
             # -u: torchrun copies its workers' lines to its stdout, a pipe here; buffered, they would come only
             # when the attempt ends (tfsn logs --follow, and a VM's boot log, would show nothing of a running job)
-            sys.executable, "-u", "-m", "torch.distributed.run",
+            sys.executable, "-u", "-m", "orchestrator.agent.torchrun",
             "--nnodes", str(cmd["nnodes"]), "--node-rank", str(cmd["node_rank"]),
             "--nproc-per-node", str(cmd["nproc_per_node"]),
             "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),
@@ -285,7 +305,8 @@ class Agent:
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             if not self._stopping:  # torchrun's traceback for the SIGTERM we sent is noise
-                self.logs.add(line)
+                # torch prefixes a worker's uncaught exception with its rank, as torchrun does every worker line
+                self.logs.add(_TWO_PREFIXES.sub(r"\1", line))
 
     def stop_workers(self) -> None:
         """Stop the running workers: torchrun forwards SIGTERM to them; SIGKILL after a grace period."""
@@ -333,11 +354,12 @@ class Agent:
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 for line in proc.stdout:
                     self.logs.add(f"[setup] {line}")
-                if proc.wait() != 0:
-                    tail = [line for line in self.logs.tail if line.startswith("[setup]")][-5:]
+                if proc.wait() != 0:    # its code and what it said last (a failed command says nothing, a pip
+                    tail = [line.removeprefix("[setup] ") for line in self.logs.tail   # error its last lines)
+                            if line.startswith("[setup]")][-5:]
                     self.reports.append({"attempt": 0, "returncode": proc.returncode, "signal": None,
-                                         "stopped": False, "summary": " | ".join(tail) or
-                                         f"setup exited with code {proc.returncode}"})
+                                         "stopped": False, "summary": f"setup exited with code {proc.returncode}"
+                                         + (f"; its last lines: {' | '.join(tail)}" if tail else "")})
                     self.state = "setup-failed"
                     return
             self.state = "ready"

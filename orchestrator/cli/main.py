@@ -63,6 +63,13 @@ def _store() -> Store:
     try:
         return Store(path)
     except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only disk
+        if path.is_file() and not os.access(path.parent, os.W_OK):
+            try:
+                return Store(path, read_only=True)      # its jobs can still be shown; a change is refused
+            except sqlite3.DatabaseError:
+                pass
+            raise UsageError(f"{path}: cannot open tfsn's store ({err}): TFSN_HOME is not writable. To fix: make it "
+                             "writable, or set TFSN_HOME to another folder") from None
         raise UsageError(f"{path}: cannot open tfsn's store ({err}). To fix: move the file away (tfsn starts an "
                          "empty store) or set TFSN_HOME to another folder") from None
 
@@ -183,13 +190,13 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
     store = _store()
     job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32),
                            guard=refuse_shared_checkpoints(file, spec))
-    daemon.ensure_controller()
-    if detach:
-        console.print(f"job {job.id} ({job.name}) submitted.  Follow: tfsn logs {job.id} --follow   "
-                      f"Status: tfsn status {job.id}   Stop: tfsn stop {job.id}", highlight=False)
-        return
-    console.print(f"job {job.id} ({job.name}) submitted; Ctrl-C stops it.", highlight=False)
-    try:
+    try:   # from here on the job exists: a Ctrl-C while its controller starts stops it too, not only one later
+        daemon.ensure_controller()
+        if detach:
+            console.print(f"job {job.id} ({job.name}) submitted.  Follow: tfsn logs {job.id} --follow   "
+                          f"Status: tfsn status {job.id}   Stop: tfsn stop {job.id}", highlight=False)
+            return
+        console.print(f"job {job.id} ({job.name}) submitted; Ctrl-C stops it.", highlight=False)
         final = follow(store, job.id, job_dir(job.id) / "job.log", console,
                        keep_alive=lambda: _revive_controller(store))
     except KeyboardInterrupt:
@@ -204,7 +211,7 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
 def _finish_message(store: Store, job: Job) -> None:
     took = (job.finished_at or time.time()) - job.created_at
     line = (f"job {job.id} {job.state.value} in {took:.0f}s after {job.restarts} restart(s); "
-            f"cost: {cost_text(job_cost(job, store.nodes(job.id)))}")
+            f"cost: {cost_text(job_cost(job, store.nodes(job.id)), job.spec)}")
     if job.checkpoint_step:
         line += f"; last checkpoint: step {job.checkpoint_step} at {job.checkpoint_path}"
     console.print(line, highlight=False)
@@ -226,7 +233,10 @@ def _revive_controller(store: Store) -> None:
     if store.jobs(active_only=True) and daemon.read_info(_home()) is None:
         err_console.print("tfsn: the controller had stopped; starting it again (running jobs carry on)",
                           highlight=False, markup=False)
-        daemon.ensure_controller()
+        try:
+            daemon.ensure_controller()
+        except daemon.ControllerStartError as err:   # what the store says can still be shown
+            err_console.print(f"tfsn: warning: {err}", highlight=False, markup=False)
 
 
 @app.command()
@@ -486,4 +496,14 @@ def main() -> None:
         sys.exit(2)
     except daemon.ControllerStartError as err:
         print(f"tfsn: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:       # a second Ctrl-C (while a stop is waited for), or one the command had no use for
+        print("tfsn: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except sqlite3.OperationalError as err:   # a store that opened but cannot be written: a read-only or full disk
+        where = os.path.join(os.environ.get("TFSN_HOME") or "~/.tfsn", daemon.store_path(Path()).name)
+        disk = any(word in str(err) for word in ("readonly", "full", "disk I/O", "unable to open"))
+        print(f"tfsn: error: {where}: {err}. To fix: " + ("make TFSN_HOME writable (or free space on its disk), or "
+              "set TFSN_HOME to another folder" if disk else "try again (another tfsn may hold the store)"),
+              file=sys.stderr)
         sys.exit(1)

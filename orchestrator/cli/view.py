@@ -95,11 +95,14 @@ def _dollars(value: float | None) -> str:
     return "-" if value is None else f"${value:,.2f}"
 
 
-def cost_text(cost: JobCost) -> str:
-    """`1.50 node-h, $3.00 spent of $10.00 predicted (8.00 node-h)`."""
+def cost_text(cost: JobCost, spec: dict) -> str:
+    """`1.50 node-h, $3.00 spent of $10.00 predicted (8.00 node-h)`; a job without `model:` says why it has no
+    prediction."""
     text = f"{cost.node_hours:,.2f} node-h, {_dollars(cost.spent_usd)} spent"
     if cost.predicted_usd is not None:
         text += f" of {_dollars(cost.predicted_usd)} predicted ({cost.predicted_node_hours:,.2f} node-h)"
+    elif spec.get("model") is None:
+        text += " (no prediction: the spec has no model:)"
     return text
 
 
@@ -143,7 +146,7 @@ def job_panel(store: Store, job: Job, log_tail: list[str]) -> Panel:
         + ("" if p["eta_s"] is None or job.state.terminal else f"   ETA {_age(p['eta_s'])}")
         + ("" if job.checkpoint_step is None else f"   checkpoint @ step {job.checkpoint_step}"))
     nodes = store.nodes(job.id)
-    parts: list[Any] = [head, figures, Text(f"cost: {cost_text(job_cost(job, nodes))}"),
+    parts: list[Any] = [head, figures, Text(f"cost: {cost_text(job_cost(job, nodes), job.spec)}"),
                         _nodes_table([n for n in nodes if job.state.terminal or n.state.active])]
     if job.error:
         parts.append(Text(f"error: {job.error}", style="red"))

@@ -4,7 +4,9 @@ Spent: every node is billed from the moment its provider confirmed it (`provisio
 provider confirmed its deletion (`released_at`), at the node-hour price of the offer it was requested
 on (spot or on-demand). A node whose deletion is not confirmed yet is still billed: it counts until
 now. Predicted: the planner's cost of the run on the offer the job runs on (its newest node's), which
-is the price times the nodes times the predicted hours of the run.
+is the price times the nodes times the predicted hours of the run. A job whose spec has no `model:` has none:
+its plan ranked the offers with the planner's reference workload (a 1.3B-parameter transformer), whose hours
+say nothing of the job's own.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from orchestrator.control.store import Job, Node
 class JobCost:
     node_hours: float                    # node-hours billed so far
     spent_usd: float                     # their price
-    predicted_node_hours: float | None   # the plan's nodes x predicted hours (None: the job has no plan)
+    predicted_node_hours: float | None   # the plan's nodes x predicted hours (None: no plan, or no model: in it)
     predicted_usd: float | None          # the plan's predicted cost of the whole run
 
     def to_dict(self) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def job_cost(job: Job, nodes: list[Node], now: float | None = None) -> JobCost:
     """The job's cost so far and the plan's prediction (see the module docstring)."""
     now = time.time() if now is None else now
     hours = [(billed_hours(n, now), hourly_price(n)) for n in nodes]
-    candidate = chosen_candidate(job, nodes)
+    candidate = chosen_candidate(job, nodes) if job.spec.get("model") is not None else None
     return JobCost(
         node_hours=sum(h for h, _ in hours), spent_usd=sum(h * price for h, price in hours),
         predicted_node_hours=None if candidate is None else candidate["predicted_hours"] * candidate["nodes"],

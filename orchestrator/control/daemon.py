@@ -57,7 +57,12 @@ def ensure_controller(home: Path | None = None) -> dict:
     info = read_info(home)
     if info is not None:
         return info
-    log = private_open(home / "controller.log", "ab")
+    try:
+        log = private_open(home / "controller.log", "ab")
+    except OSError as err:      # a read-only or full disk: the controller could not write its store either
+        raise ControllerStartError(f"cannot start the controller: {home / 'controller.log'}: {err.strerror or err}. "
+                                   "To fix: make that folder writable (or free space on its disk), or set TFSN_HOME "
+                                   "to another folder") from None
     subprocess.Popen([sys.executable, "-m", "orchestrator.control.daemon"], env={**os.environ, "TFSN_HOME": str(home)},
                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()

@@ -148,7 +148,8 @@ class ApiHandlers:
             raise ValueError(f"checkpoint path {path!r} is not in the job's checkpoint directory {root}")
         if body.get("restored"):
             self.store.update_job(job_id, restored_step=step)
-            self.ctx.event(job_id, "checkpoint", _restored_text(job, step, path, nothing, root))
+            self.ctx.event(job_id, "checkpoint",
+                           _restored_text(job, step, path, nothing, root, body.get("skipped", [])))
         else:
             self.store.update_job(job_id, checkpoint_step=step, checkpoint_path=path, checkpoint_at=time.time())
             watch = self.health.existing(job_id)
@@ -214,14 +215,16 @@ class ApiHandlers:
         return node
 
 
-def _restored_text(job: Job, step: int, path: str, nothing: bool, root: str) -> str:
+def _restored_text(job: Job, step: int, path: str, nothing: bool, root: str, skipped: list[str]) -> str:
     """What a restore found, said so that a restart that could not resume from the last checkpoint the job saved
-    (corrupt, deleted, unreadable: the workers' warnings say why) is never taken for a resume."""
+    (corrupt, deleted, unreadable: `skipped` says why) is never taken for a resume."""
     text = f"no checkpoint to restore in {root}: training starts at step 0" if nothing else \
         f"restored step {step} from {path}"
     if job.checkpoint_step and job.checkpoint_step > step:
         text += (f"; WARNING: the last checkpoint saved was step {job.checkpoint_step} ({job.checkpoint_path}), "
-                 "and it could not be restored (the workers' warnings say why)")
+                 "and it could not be restored" + ("" if skipped else " (the workers' warnings say why)"))
+    if skipped:
+        text += f"; skipped {len(skipped)} newer: " + "; ".join(skipped)
     return text
 
 

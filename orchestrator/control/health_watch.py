@@ -64,7 +64,7 @@ class JobWatch:
                 self._restart_from, self._last_step_at = self._last_step_at, 0.0
             self.attempt = attempt
             self._rank_nodes = tuple(rank_nodes)
-            self._monitor = Monitor(self.config, self._rank_nodes, self.phases)
+            self._monitor = Monitor(self.config, self._rank_nodes, self.phases, time.time())
             self._active = {}
 
     def observe(self, attempt: int, rank: int, records: list[dict[str, Any]], heartbeat: float | None) -> None:
@@ -190,7 +190,9 @@ class HealthWatch:
             store.update_job(job.id, checkpoint_request=now)
             self.ctx.event(job.id, "health", f"checkpoint requested: {decision.reason}")
         elif decision.action == Action.FAIL:
-            store.update_job(job.id, attempt_state="stopping", attempt_changed_at=now, pending_reason=decision.reason)
+            # the attempt's failure is what was found (the restart says it), the decision's reason why it fails
+            found = f"{decision.finding.kind.value}: {decision.finding.evidence}"
+            store.update_job(job.id, attempt_state="stopping", attempt_changed_at=now, pending_reason=found)
             self.ctx.event(job.id, "health", f"failing attempt {job.attempt}: {decision.reason}")
         elif decision.action == Action.REPLACE_NODE and decision.node in nodes:
             store.update_job(job.id, health=watch.policy.state())   # it excluded the node

@@ -46,6 +46,17 @@ _VOLATILE = [
 ]
 
 
+def _short_of_steps(job: Job, spec: JobSpec) -> str:
+    """' at step 4 of 8 (...)' for workers that all exited 0 before the spec's `steps` (a script's early
+    sys.exit(0), a loop of its own length): the job still succeeds, as torchrun says, but not silently. '' when
+    the steps were done, or the job reported none (a script without the SDK)."""
+    done = max(job.step + 1 if job.step_time is not None else 0, job.checkpoint_step or 0)
+    if not spec.steps or not 0 < done < spec.steps:
+        return ""
+    return (f" at step {done} of {spec.steps} (the workers exited with code 0 before `steps`; "
+            "their last lines are in `tfsn logs`)")
+
+
 class Recovery:
     """Ends a RUNNING attempt: success, or a stop of every rank followed by a restart decision."""
 
@@ -72,7 +83,8 @@ class Recovery:
                 self.ctx.wake.set()
             elif len(ranked) == spec.num_nodes and all(by_node.get(n.id) for n in ranked):
                 self.nodes.teardown(job)
-                self.ctx.transition(job, JobState.SUCCEEDED, f"all {spec.num_nodes} node(s) finished")
+                self.ctx.transition(job, JobState.SUCCEEDED, f"all {spec.num_nodes} node(s) finished"
+                                    + _short_of_steps(job, spec))
             return
         # stopping: wait until every live ranked node reported (or the grace ran out), then decide
         waiting = [n for n in ranked if n.id not in by_node]
@@ -100,8 +112,11 @@ class Recovery:
             self.nodes.give_up(job, f"gave up after {job.restarts} restart(s) (recovery.max_restarts); "
                                     f"last failure: {summary}")
             return
+        # the workers restore the newest valid checkpoint: one committed just before the failure may not have been
+        # reported yet (a crash at step 5 said 'step 2', and the restart restored step 4)
+        reported = f"last reported: step {job.checkpoint_step}" if job.checkpoint_step else "none reported yet"
         self.ctx.transition(job, JobState.RECOVERING, f"restart {job.restarts + 1} of {spec.recovery.max_restarts}"
-                            f" from the checkpoint at step {job.checkpoint_step or 0}: {summary}",
+                            f" from the newest valid checkpoint ({reported}): {summary}",
                             restarts=job.restarts + 1, attempt_state="idle", attempt_changed_at=time.time(),
                             last_failure=signature, pending_replace="", pending_reason="")
         self.ctx.metrics.restart(str(job.id))

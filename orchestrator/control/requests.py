@@ -6,6 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.sdk.client import SKIPPED_CHARS, SKIPPED_MAX
+
 Text = Annotated[str, Field(max_length=255)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
 Seconds = Annotated[float, Field(ge=0, le=10**10, allow_inf_nan=False)]
@@ -91,6 +93,8 @@ class Checkpoint(_Body):
     path: Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00-\x1f\x7f]*$")]   # one line
     seconds: Seconds = 0.0
     restored: bool = False
+    skipped: Annotated[list[Annotated[str, Field(max_length=SKIPPED_CHARS, pattern=r"^[^\x00-\x1f\x7f]*$")]],
+                       Field(max_length=SKIPPED_MAX)] = []   # a restore's reasons for passing newer ones over
 
 
 class BootFailure(_Body):

@@ -224,14 +224,27 @@ def _json_or_none(value: str | None) -> Any:
     return None if value is None else json.loads(value)
 
 
+def _immutable(path: Path) -> sqlite3.Connection:
+    """A store on a read-only disk, opened without the -shm file SQLite would make: its WAL was checkpointed when
+    its last writer closed it (SQLite opens one that still has its -shm for reading the usual way)."""
+    return sqlite3.connect(f"{Path(path).resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False,
+                           isolation_level=None)
+
+
 class Store:
     """Thread-safe access to the SQLite store (WAL mode, so the CLI reads while the controller writes)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_only: bool = False) -> None:
+        """`read_only`: a store on a disk nothing can write, read as it is (see `_immutable`)."""
         self.path = path
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._db = _immutable(path) if read_only else sqlite3.connect(path, timeout=30, check_same_thread=False,
+                                                                        isolation_level=None)
         self._db.row_factory = sqlite3.Row
+        if read_only:
+            self.owner, self.on_change = (self._db.execute("SELECT value FROM meta WHERE key = 'owner'").fetchone()
+                                          or [""])[0], None
+            return
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=30000")
@@ -241,7 +254,7 @@ class Store:
         # too, and `tfsn down` run from another store (TFSN_HOME, machine, colleague) leaves them alone.
         self.owner: str = self._owner()
         for part in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):   # every job's secret is in there
-            if str(path) != ":memory:" and part.exists():
+            if str(path) != ":memory:" and part.exists() and part.stat().st_mode & 0o777 != 0o600:
                 part.chmod(0o600)
         # Called with a job's id after a write to the job or one of its nodes commits (not for telemetry):
         # the Kubernetes operator copies the job into its TfsnJob's status, the store that outlives it.

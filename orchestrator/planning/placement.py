@@ -60,12 +60,18 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
                         "on this machine's CPUs", field=("resources", "accelerators"))
     offers = offers_for(spec, providers, catalog, planning_only)
     most = local_node_limit()
-    if spec.num_nodes > most:   # local nodes are processes of this machine: a core each, or a runaway
-        offers = [o for o in offers if o.provider != "local"]
-        if allowed == ["local"]:
+    workers = spec.num_nodes * spec.nprocs(0)
+    if spec.num_nodes > most or workers > most:   # local nodes and workers are processes of this machine:
+        offers = [o for o in offers if o.provider != "local"]      # a core each, or a runaway
+        if allowed == ["local"] and spec.num_nodes > most:
             raise PlanError(f"no capable offer: num_nodes {spec.num_nodes}: this machine runs at most {most} local "
                             "nodes (one per core, 4 at least). To fix: lower num_nodes, or name clouds in "
                             "resources.infra", field=("num_nodes",))
+        if allowed == ["local"]:    # 256 workers importing torch on a laptop: out of memory before the first step
+            raise PlanError(f"no capable offer: nproc_per_node {spec.nprocs(0)} on {spec.num_nodes} node(s) is "
+                            f"{workers} workers: this machine runs at most {most} local workers (one per core, 4 at "
+                            "least). To fix: lower nproc_per_node, or name clouds in resources.infra",
+                            field=("nproc_per_node",))
     entry = _searched_entry(spec, offers) if spec.model is not None and spec.model.entry else None
     return plan_job(spec, offers, entry=entry, host_providers=HOST_PROVIDERS)
 

@@ -23,7 +23,7 @@ import re
 import secrets
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,17 +247,25 @@ class SaveSession:
             self.store.remove(self.written)
 
 
-def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointInfo | None:
+def restore(directory: str | Path, objects: Mapping[str, object],
+            skipped: list[str] | None = None) -> CheckpointInfo | None:
     """Load the newest valid checkpoint into ``objects`` in place; None when there is none.
 
     Collective when a process group is initialized. Corrupt or partial checkpoints are skipped
-    with a warning; nothing is deleted.
+    with a warning (on rank 0), or with their reason appended to ``skipped`` where one is given;
+    nothing is deleted.
     """
     distributed, rank, world_size = _dist_info()
     found: list[tuple[Location, dict[str, Any]]] | str = []
+
+    def skip(reason: str) -> None:
+        if skipped is None:
+            warnings.warn(f"skipping checkpoint: {reason}", stacklevel=3)
+        else:
+            skipped.append(reason)
     if rank == 0:
         try:
-            found = _committed(_open(directory))
+            found = _committed(_open(directory), skip)
         except CheckpointError as e:
             found = str(e)
         except Exception as e:
@@ -278,7 +286,7 @@ def restore(directory: str | Path, objects: Mapping[str, object]) -> CheckpointI
             _load(store, info, manifest, objects)
             return info
         if rank == 0:
-            warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
+            skip(problem)
     return None
 
 
@@ -480,14 +488,15 @@ def _prune(store: Store, current: CheckpointInfo, keep: int, started: float) -> 
     store.remove_stale(started)
 
 
-def _committed(store: Store) -> list[tuple[Location, dict[str, Any]]]:
-    """Checkpoints whose manifest is there and readable, newest first (their files still unchecked)."""
+def _committed(store: Store, skip: Callable[[str], None]) -> list[tuple[Location, dict[str, Any]]]:
+    """Checkpoints whose manifest is there and readable, newest first (their files still unchecked); `skip` is
+    told why each other one is left out."""
     found = []
     for location in store.step_dirs():
         try:
             found.append((location, _read_manifest(store, location)))
         except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint: {e}", stacklevel=4)
+            skip(str(e))
     return found
 
 

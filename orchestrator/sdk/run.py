@@ -33,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.sdk import checkpoint as ckpt
 from orchestrator.sdk import commtimer, phases
 from orchestrator.sdk.asyncsave import AsyncSaver, PendingSave
-from orchestrator.sdk.client import ControllerClient, ControllerRejected, ControllerUnavailable
+from orchestrator.sdk.client import (SKIPPED_CHARS, SKIPPED_MAX, ControllerClient, ControllerRejected,
+                                     ControllerUnavailable)
 from orchestrator.spec import checkpoint_url_scheme, parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often
@@ -305,11 +306,14 @@ class Run:
         if self._saver is not None:
             with self._phases.phase(phases.CHECKPOINT):
                 self._wait_for_write()
-        info = ckpt.restore(self.checkpoint_dir, objects)
+        skipped: list[str] = []     # why newer checkpoints were passed over: said once, in the job's events too
+        info = ckpt.restore(self.checkpoint_dir, objects, skipped)
+        for reason in skipped:
+            print(f"tfsn: skipping checkpoint: {reason}", file=sys.stderr, flush=True)
         if self._telemetry is not None and self.rank == 0:   # nothing restored is said too: a restart from step 0
             self._telemetry.event("/checkpoint", {           # is no resume (every checkpoint may have been corrupt)
                 "step": info.step if info else 0, "path": str(info.path if info else self.checkpoint_dir),
-                "restored": True})
+                "restored": True, "skipped": [" ".join(r.split())[:SKIPPED_CHARS] for r in skipped[:SKIPPED_MAX]]})
         if info is None:
             return 0
         self.last_checkpoint = info

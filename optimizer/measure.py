@@ -42,14 +42,16 @@ TF32_RTOL = 1e-2
 
 def buffer(graph: Graph, n: int, generator: torch.Generator | None = None, device: str = "cpu") -> torch.Tensor:
     """A tensor of node n's shape, strides and dtype on `device`: random floats (`generator` on that
-    device), zero integers."""
+    device), zero integers. The values are written into the storage, which is then viewed with the
+    node's strides: a broadcast input (stride 0, elements sharing memory) refuses an in-place fill."""
     t = graph.nodes[n].type
-    out = torch.empty_strided(t.shape, t.strides, dtype=getattr(torch, t.dtype), device=device)
-    if out.is_floating_point():
-        out.normal_(generator=generator)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.strides)) if all(t.shape) else 0
+    storage = torch.empty(extent, dtype=getattr(torch, t.dtype), device=device)
+    if storage.is_floating_point():
+        storage.normal_(generator=generator)
     else:
-        out.zero_()           # an index or a mask of zeros is valid for any op that reads it
-    return out
+        storage.zero_()           # an index or a mask of zeros is valid for any op that reads it
+    return storage.as_strided(t.shape, t.strides)
 
 
 def c_function(lib: ctypes.CDLL, kernel: Kernel) -> Callable[..., None]:

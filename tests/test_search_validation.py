@@ -122,6 +122,15 @@ def test_a_kernel_writing_over_its_inputs_is_checked_on_what_it_writes_there():
     assert measure.agree(graph, reference, [planted], lib) == [False]
 
 
+def test_a_broadcast_input_is_checked_and_compiled():
+    """A graph input expanded from one row (stride 0: its elements share memory, as a user's
+    `x.expand(...)` or a batched product's broadcast operand) gets the check's random values too:
+    filling it in place raised out of the search, and torch.compile failed on the model."""
+    row = torch.randn(1, 1024, generator=torch.Generator().manual_seed(0)).expand(384, 1024)
+    gm = make_fx(tanh2, decomposition_table=decompositions())(row)
+    torch.testing.assert_close(compile_graph(gm, [row], top_k=4)([row])[0], tanh2(row))
+
+
 def test_a_tie_is_timed_again_on_the_next_runs_then_kept(monkeypatch, gm):
     """Candidates whose rounds overlap are an unsettled choice: each later compile times just them
     again and counts it, until search.RETIMES re-timings; then the choice stays and nothing is timed."""

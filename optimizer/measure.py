@@ -41,16 +41,20 @@ TF32_RTOL = 1e-2
 
 
 def buffer(graph: Graph, n: int, generator: torch.Generator | None = None, device: str = "cpu") -> torch.Tensor:
-    """A tensor of node n's shape, strides and dtype on `device`: random floats (`generator` on that
-    device), zero integers. The values are written into the storage, which is then viewed with the
-    node's strides: a broadcast input (stride 0, elements sharing memory) refuses an in-place fill."""
+    """A tensor of node n's shape, strides and dtype on `device`: random floats and booleans (`generator`
+    on that device; a candidate that gets a mask wrong then writes other values), zero integers (an index of
+    zeros is valid for any op that reads it, where a random one could read out of bounds). The values are
+    written into the storage, which is then viewed with the node's strides: a broadcast input (stride 0,
+    elements sharing memory) refuses an in-place fill."""
     t = graph.nodes[n].type
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.strides)) if all(t.shape) else 0
     storage = torch.empty(extent, dtype=getattr(torch, t.dtype), device=device)
     if storage.is_floating_point():
         storage.normal_(generator=generator)
+    elif storage.dtype == torch.bool:
+        storage.copy_(torch.rand(extent, generator=generator, device=device) < 0.5)
     else:
-        storage.zero_()           # an index or a mask of zeros is valid for any op that reads it
+        storage.zero_()
     return storage.as_strided(t.shape, t.strides)
 
 

@@ -184,3 +184,16 @@ def test_a_clear_win_is_cached_settled_and_not_timed_again(monkeypatch, gm):
 def test_spread_is_median_minus_best():
     timing = measure.Timing((3e-6, 1e-6, 2e-6, 9e-6))
     assert timing.best == 1e-6 and timing.spread == pytest.approx(1.5e-6)
+
+
+def test_the_checks_masks_hold_both_values_and_its_indices_are_zeros():
+    """The inputs a candidate is checked on: a mask of random booleans (all False, as before, every candidate
+    that mishandled a mask would agree with the reference), indices of zeros (in bounds for any read)."""
+    def masked(x, mask, index):
+        return torch.where(mask, x, 0.0).sum(1), x.gather(1, index)
+    args = [torch.randn(64, 32), torch.rand(64, 32) < 0.5, torch.zeros(64, 4, dtype=torch.long)]
+    graph = ir.from_fx(make_fx(masked, decomposition_table=decompositions())(*args))
+    mask = measure.buffer(graph, graph.inputs[1], torch.Generator().manual_seed(0))
+    index = measure.buffer(graph, graph.inputs[2], torch.Generator().manual_seed(0))
+    assert mask.dtype == torch.bool and 0.3 < mask.float().mean().item() < 0.7
+    assert index.dtype == torch.long and not index.any()

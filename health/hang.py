@@ -159,13 +159,16 @@ class HangWatch:
     def _no_first_step(self, now: float, step: int | None) -> list[Finding]:
         """... but not past the ceiling of a phase never seen (`phase_timeout_max_s`): a first step that never
         ends (a data loader, or a first collective, that hangs) was never called a hang, and the job waited for
-        ever. No rank is to blame: none has a pace to fall behind."""
+        ever. No rank is to blame: none has a pace to fall behind. Only ranks that were heard (the SDK's
+        heartbeats) are awaited: a script without the SDK reports no step ever, and ran for 30 minutes only."""
         waited, limit = now - self._started_at, self.config.phase_timeout_max_s
-        if not waited > limit:         # NaN too: the attempt's start is unknown
+        if not waited > limit or np.isnan(self._beat_at).all():   # NaN too: the attempt's start is unknown
             return []
         return [Finding(FindingKind.HANG, Severity.CRITICAL, "", None, tuple(range(len(self.rank_nodes))),
                         f"no rank finished a first step in {waited:.0f}s since the attempt began (timeout "
-                        f"{limit:.0f}s, phase_timeout_max_s: the longest a step never seen may take)", now, step)]
+                        f"{limit:.0f}s, phase_timeout_max_s: the longest a step never seen may take; for a first "
+                        "step this slow (a download, a long compile) raise health.thresholds.phase_timeout_max_s)",
+                        now, step)]
 
     def _stuck(self, now: float, since: np.ndarray, timeout: float) -> tuple[np.ndarray, np.ndarray]:
         """(stuck, in a phase): a rank in a phase that still heartbeats is stuck past its phase's timeout;

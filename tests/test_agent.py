@@ -200,6 +200,18 @@ def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_
     assert len(shipper._pending) == 100                     # every line is still sent to the job's log
 
 
+def test_the_nodes_log_cap_counts_bytes_not_characters(monkeypatch, capsys):
+    """The cap counted characters: a worker's tqdm bars ('█', 3 bytes in UTF-8) wrote 3 x the cap to the disk."""
+    from orchestrator.agent import node
+    monkeypatch.setattr(node, "MAX_PRINTED_BYTES", 1000)
+    shipper = node.LogShipper(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "bars-0")
+    for _ in range(100):
+        shipper.add("[rank0]: " + "█" * 80)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("[tfsn] node bars-0: this node's own log passed "), printed
+    assert sum(len(line.encode()) + 1 for line in printed[:-1]) < 1000
+
+
 def test_the_agents_last_flush_beside_the_background_one_sends_each_line_once(monkeypatch):
     """The agent flushes its lines at exit while its background thread flushes every 0.5 s: both took the same
     pending lines and posted them ('node X: attempt 2 ended with code 0' twice in the job's log), then both removed

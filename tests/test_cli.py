@@ -108,6 +108,8 @@ NOT_LAUNCHABLE = [
     ("workdir: nowhere\n", "workdir: "),
     ("num_nodes: 4096\n", "num_nodes 4096: this machine runs at most"),   # no cloud: 4096 local agents
     ("nproc_per_node: 256\n", "train.yaml:3: no capable offer: nproc_per_node 256 on 1 node(s) is 256 workers"),
+    # clouds allowed, but a CPU job fits only this machine: its limit is the cause, not the clouds' GPUs
+    ("nproc_per_node: 256\nresources:\n  infra: [local, aws]\n", "train.yaml:3: no capable offer: nproc_per_node 256"),
     ("resources:\n  memory: 4000\n", "train.yaml:4: no capable offer: resources.memory 4000"),   # its line, not 1
     # a job that could never save (it failed at its first checkpoint, and again after a restart)
     ("checkpoint:\n  dir: ../train.yaml\n", "train.yaml is a file, not a folder"),

@@ -443,7 +443,7 @@ def test_phase_names_learned_per_job_are_bounded():
 def test_a_first_step_that_never_ends_is_a_hang_of_the_job_past_the_ceiling():
     """A rank stuck before its first step (a data loader, a first all-reduce) was never a hang ('nothing finished
     yet: the first step may compile for minutes'): the job waited for ever. Past phase_timeout_max_s since the
-    attempt began it is the whole job's hang, heartbeats or not."""
+    attempt began it is the whole job's hang."""
     monitor = Monitor(CONFIG, nodes(8), started_at=100.0)
     for t in np.arange(105.0, 100 + CONFIG.phase_timeout_max_s + 60, 5.0):   # every rank heartbeats, none steps
         for rank in range(8):
@@ -454,3 +454,14 @@ def test_a_first_step_that_never_ends_is_a_hang_of_the_job_past_the_ceiling():
         (FindingKind.HANG, Severity.CRITICAL, "", tuple(range(8)))
     assert f"no rank finished a first step in {CONFIG.phase_timeout_max_s + 30:.0f}s" in finding.evidence
     assert Monitor(CONFIG, nodes(8)).check(1e9) == []                          # an attempt whose start is unknown
+    assert "raise health.thresholds.phase_timeout_max_s" in finding.evidence   # a slow first step: the knob
+
+
+def test_an_attempt_whose_ranks_send_nothing_is_not_a_first_step_hang():
+    """A script without the SDK reports no step nor heartbeat, ever: the first-step rule failed every such job
+    as hung 30 minutes into each attempt (max_restarts times, then FAILED). Nothing heard is nothing to judge."""
+    monitor = Monitor(CONFIG, nodes(8), started_at=100.0)
+    assert monitor.check(100 + 10 * CONFIG.phase_timeout_max_s) == []
+    monitor.observe(Sample(time=150.0, node="n0", rank=0))                      # one rank's heartbeat: the SDK's
+    (finding,) = monitor.check(100 + CONFIG.phase_timeout_max_s + 30)
+    assert (finding.kind, finding.ranks) == (FindingKind.HANG, tuple(range(8)))

@@ -72,7 +72,7 @@ class LogShipper:
     def add(self, line: str) -> None:
         line = line.rstrip("\n")
         if self._printed < MAX_PRINTED_BYTES:
-            self._printed += len(line) + 1
+            self._printed += len(line.encode(errors="replace")) + 1   # bytes on disk: a tqdm bar's '█' is 3
             print(line if self._printed < MAX_PRINTED_BYTES else
                   f"[tfsn] node {self.node_id}: this node's own log passed {MAX_PRINTED_BYTES >> 20} MiB: its "
                   "lines are no longer copied here (the job's log has them: tfsn logs)", flush=True)

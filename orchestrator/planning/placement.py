@@ -59,21 +59,35 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
                         "infra: [aws, gcp]) or set TFSN_CLOUDS=aws,gcp; or remove resources.accelerators to run "
                         "on this machine's CPUs", field=("resources", "accelerators"))
     offers = offers_for(spec, providers, catalog, planning_only)
+    too_big = _too_big_for_local(spec)
+    dropped = too_big is not None and any(o.provider == "local" for o in offers)
+    if too_big is not None:   # local nodes and workers are processes of this machine: a core each, or a runaway
+        if allowed == ["local"]:
+            raise too_big
+        offers = [o for o in offers if o.provider != "local"]
+    entry = _searched_entry(spec, offers) if spec.model is not None and spec.model.entry else None
+    try:
+        return plan_job(spec, offers, entry=entry, host_providers=HOST_PROVIDERS)
+    except PlanError as err:   # the local offer was the one that fit (a CPU job): its limit is the cause, not
+        if not dropped:        # the constraint that removed the clouds' offers after it
+            raise
+        raise PlanError(f"{too_big}; and of the other offers: {err}", field=too_big.field) from None
+
+
+def _too_big_for_local(spec: JobSpec) -> PlanError | None:
+    """Why the local provider cannot run the job (more nodes, or workers, than this machine has cores), or None."""
     most = local_node_limit()
     workers = spec.num_nodes * spec.nprocs(0)
-    if spec.num_nodes > most or workers > most:   # local nodes and workers are processes of this machine:
-        offers = [o for o in offers if o.provider != "local"]      # a core each, or a runaway
-        if allowed == ["local"] and spec.num_nodes > most:
-            raise PlanError(f"no capable offer: num_nodes {spec.num_nodes}: this machine runs at most {most} local "
-                            "nodes (one per core, 4 at least). To fix: lower num_nodes, or name clouds in "
-                            "resources.infra", field=("num_nodes",))
-        if allowed == ["local"]:    # 256 workers importing torch on a laptop: out of memory before the first step
-            raise PlanError(f"no capable offer: nproc_per_node {spec.nprocs(0)} on {spec.num_nodes} node(s) is "
-                            f"{workers} workers: this machine runs at most {most} local workers (one per core, 4 at "
-                            "least). To fix: lower nproc_per_node, or name clouds in resources.infra",
-                            field=("nproc_per_node",))
-    entry = _searched_entry(spec, offers) if spec.model is not None and spec.model.entry else None
-    return plan_job(spec, offers, entry=entry, host_providers=HOST_PROVIDERS)
+    if spec.num_nodes > most:
+        return PlanError(f"no capable offer: num_nodes {spec.num_nodes}: this machine runs at most {most} local "
+                         "nodes (one per core, 4 at least). To fix: lower num_nodes, or name clouds in "
+                         "resources.infra", field=("num_nodes",))
+    if workers > most:   # 256 workers importing torch on a laptop: out of memory before the first step
+        return PlanError(f"no capable offer: nproc_per_node {spec.nprocs(0)} on {spec.num_nodes} node(s) is "
+                         f"{workers} workers: this machine runs at most {most} local workers (one per core, 4 at "
+                         "least). To fix: lower nproc_per_node, or name clouds in resources.infra",
+                         field=("nproc_per_node",))
+    return None
 
 
 # Providers whose offers are this machine: their step is searched with this CPU's spec (calibrated where

@@ -350,11 +350,17 @@ def _aliased_by_extern(graph: Graph, n: int) -> bool:
         if node.kind == Kind.VIEW:
             todo += node.users
             continue
-        schema = getattr(node.target, "_schema", None)
-        if node.kind == Kind.EXTERN and schema is not None and not schema.is_mutable and any(
-                r.alias_info is not None for r in schema.returns):
+        if returns_alias(node):
             return True
     return False
+
+
+def returns_alias(node: Node) -> bool:
+    """Whether an extern returns an alias of a tensor argument (its schema says so: diagonal, as_strided,
+    split) without writing it."""
+    schema = getattr(node.target, "_schema", None)
+    return node.kind == Kind.EXTERN and schema is not None and not schema.is_mutable and any(
+        r.alias_info is not None for r in schema.returns)
 
 
 # views that keep their base's first element (no slice or select), so a view's data pointer is its base's

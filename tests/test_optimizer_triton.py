@@ -665,6 +665,71 @@ def test_a_combined_kernels_parts_share_no_value():
     assert combined >= 3, combined
 
 
+def _memory_of(graph: ir.Graph, inplace: dict[int, int], n: int) -> int:
+    """The node whose allocation node n's tensor lies in, found independently of triton_combo: through
+    in-place writes, the IR's views and every ATen call whose schema says it returns an alias (diagonal,
+    as_strided, split...), and getitems of those."""
+    while True:
+        node = graph.nodes[n]
+        schema = getattr(node.target, "_schema", None)
+        aliases = schema is not None and not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+        if n in inplace:
+            n = inplace[n]
+        elif node.inputs and (node.kind == ir.Kind.VIEW or aliases or node.op == "getitem"):
+            n = node.inputs[0]
+        else:
+            return n
+
+
+def _updates_beside_views(p, q, g):
+    """In-place updates of two inputs after a read of one through a view the IR sees (a transpose)."""
+    out = p.t().contiguous() * 3,
+    q.mul_(0.5)
+    p.sub_(g)
+    return out
+
+
+def _updates_beside_aliases(p, q, g):
+    """The same after a read through an alias only ATen makes (a diagonal)."""
+    out = torch.diagonal(p) * 3,
+    q.mul_(0.5)
+    p.sub_(g)
+    return out
+
+
+@pytest.mark.parametrize("step", [_updates_beside_views, _updates_beside_aliases], ids=["view", "alias"])
+def test_no_part_of_a_combined_kernel_writes_memory_another_part_touches(step, monkeypatch):
+    """Every combined kernel of a step that reads an input through a view or an ATen alias beside in-place
+    updates: no part writes memory (found by an alias walk of its own, not triton_combo's) that another part
+    reads or writes (on a GPU their programs race; the interpreter runs them in order and cannot show it), and
+    the results and updated inputs are eager's."""
+    import optimizer.codegen.triton_combo as combo
+    programs = []
+
+    def recorded(graph, groups, buffers, schedules, inplace=None):
+        programs.append((graph, list(groups), buffers, list(schedules), dict(inplace or {})))
+        return write_program(graph, groups, buffers, schedules, inplace)
+    monkeypatch.setattr(combo, "write_program", recorded)
+    torch._dynamo.reset()
+    args = [torch.randn(6, 5, device=DEVICE), torch.randn(7, device=DEVICE), torch.randn(6, 5, device=DEVICE)]
+    mine = [a.clone() for a in args]
+    got = torch.compile(step, backend=make_backend(codegen="triton"))(*mine)
+    torch._dynamo.reset()
+    want = step(*args)
+    assert all(torch.allclose(x, y) for x, y in zip((*got, *mine), (*want, *args)))
+    combined = 0
+    for graph, groups, buffers, schedules, inplace in programs:
+        _, kernels = tt.write_source(graph, groups, buffers, schedules, inplace)
+        for run in combo.combined_runs(graph, groups, kernels, inplace):
+            combined += 1
+            touched = [{_memory_of(graph, inplace, n) for n in kernels[i].params} for i in run]
+            written = [{_memory_of(graph, inplace, n) for n in kernels[i].outputs} for i in run]
+            for a in range(len(run)):
+                for b in range(len(run)):
+                    assert a == b or not written[a] & touched[b], (graph.nodes[min(written[a] & touched[b])].name)
+    assert combined, "no kernels were combined: nothing was checked"
+
+
 # ---- op lowerings whose obvious Triton forms are wrong: values torch gets right ----
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, -3.0, 1.5, -1.5, 7.25, -7.25, 1e-3, -1e-3,

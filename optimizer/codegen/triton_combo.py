@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from optimizer.codegen.triton import PRELUDE, TritonKernel, TritonWriter, write_source
+from optimizer.fusion import returns_alias
 from optimizer.ir import Graph, Kind, Ref
 from optimizer.loopnest import Group
 from optimizer.schedule import Schedule
@@ -89,12 +90,15 @@ def _joins(graph: Graph, inplace: dict[int, int], run: Sequence[TritonKernel], k
 
 def _storage(graph: Graph, inplace: dict[int, int], n: int) -> int:
     """The node whose tensor holds node n's memory: through in-place writes (a value held by the input it
-    is written over) and views (their base)."""
+    is written over), views (their base), the aliases ATen calls return (a diagonal, as_strided: their first
+    argument) and getitems (the call they take from, so a split's piece is its input's). Fusion writes no input
+    in place that such an alias is of; this check does not rely on it."""
     while True:
         node = graph.nodes[n]
         if n in inplace:
             n = inplace[n]
-        elif node.kind == Kind.VIEW and node.args and isinstance(node.args[0], Ref):
+        elif (node.kind == Kind.VIEW or returns_alias(node) or node.op == "getitem") and node.args \
+                and isinstance(node.args[0], Ref):
             n = node.args[0].index
         else:
             return n

@@ -132,14 +132,20 @@ def test_restarts_are_bounded(tfsn, tmp_path):
     assert "max_restarts" in st["error"]
 
 
+def agent_pids(node_id: str) -> list[int]:
+    """The node's agent process (`python -m orchestrator.agent`), not the torchrun it runs
+    (`python -m orchestrator.agent.torchrun`)."""
+    return [p for p in pids_with_env(TFSN_NODE_ID=node_id)
+            if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text().split("\0")]
+
+
 def test_killed_agent_is_replaced_by_a_spare_and_stop_tears_down(tfsn, tmp_path):
     spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, recovery={"spares": 1})
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     spare = next(n for n in st["nodes"] if n["rank"] is None)
     node = next(n for n in st["nodes"] if n["rank"] == 0)
-    agent = [p for p in pids_with_env(TFSN_NODE_ID=node["id"])
-             if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
+    agent = agent_pids(node["id"])
     assert len(agent) == 1
     os.kill(agent[0], signal.SIGKILL)
     st = tfsn.wait(1, lambda s: s["restarts"] == 1 and s["state"] == "RUNNING" and s["step"] >= 3,
@@ -160,8 +166,7 @@ def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     node = next(n for n in st["nodes"] if n["rank"] == 1)
-    agent = [p for p in pids_with_env(TFSN_NODE_ID=node["id"])
-             if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text()]
+    agent = agent_pids(node["id"])
     os.kill(agent[0], signal.SIGSTOP)  # alive but silent
     st = tfsn.wait(1, lambda s: s["restarts"] == 1 and s["state"] == "RUNNING", what="the silent node's replacement")
     failed = next(n for n in st["nodes"] if n["id"] == node["id"])

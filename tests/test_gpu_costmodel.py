@@ -248,14 +248,8 @@ def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sector
     columns a program (codegen/triton.py). With one, a load of each row uses 4 bytes of a 32-byte sector. The
     model priced every chunk as programs of 32 columns, so its pick was the one-column program (`tfsn optimize
     --hardware h100` chose rows/program=1 for every bias gradient of the GPT-2 block)."""
-    from optimizer import features, fusion
     r, c = 16384, 3072
-    graph = capture(lambda x: x.sum(0), (r, c))
-    plan = fusion.plan(graph)
-    (group,) = [g for g in plan.groups if g.kind != "extern"]
-    kernel = features.kernel_features(graph, group, plan.buffers)
-    cands = space.gpu_kernel_space(0, kernel)
-    t = predict_gpu(FeatureTable([kernel]), cands, spec)
+    cands, t = launch_shapes_predicted(capture(lambda x: x.sum(0), (r, c)), spec)
     best = int(np.argmin(t))
     assert cands.chunk[best] > 1 and t[cands.chunk == 1].min() >= 2 * t[best]
     # the pick streams the tensor once, at the memory's rate
@@ -263,16 +257,21 @@ def test_a_column_reduction_is_priced_by_the_programs_it_launches_and_the_sector
     assert roof <= t[best] <= 1.25 * roof
 
 
-def unsplit_and_picked(fn, *shapes, spec=H100) -> tuple[float, float, int]:
-    """The best prediction of fn's one reduction kernel without a split, and the model's pick: its
-    prediction and its split, which the search's schedule for the kernel takes."""
+def launch_shapes_predicted(graph: ir.Graph, spec) -> tuple[Candidates, np.ndarray]:
+    """The GPU launch shapes of the graph's one kernel (under the heuristic plan) and the model's seconds for each."""
     from optimizer import features, fusion
-    graph = capture(fn, *shapes)
     plan = fusion.plan(graph)
     (group,) = [g for g in plan.groups if g.kind != "extern"]
     kernel = features.kernel_features(graph, group, plan.buffers)
     cands = space.gpu_kernel_space(0, kernel)
-    t = predict_gpu(FeatureTable([kernel]), cands, spec)
+    return cands, predict_gpu(FeatureTable([kernel]), cands, spec)
+
+
+def unsplit_and_picked(fn, *shapes, spec=H100) -> tuple[float, float, int]:
+    """The best prediction of fn's one reduction kernel without a split, and the model's pick: its
+    prediction and its split, which the search's schedule for the kernel takes."""
+    graph = capture(fn, *shapes)
+    cands, t = launch_shapes_predicted(graph, spec)
     best = int(np.argmin(t))
     searched = predicted(graph, spec)
     assert [s.reduction_split for g, s in zip(searched.plan.groups, searched.schedules) if g.kind != "extern"] == \

@@ -238,9 +238,9 @@ def test_bf16_autocast_conversions_and_pointwise_are_generated(monkeypatch):
     seen: list = []
     real = backend._compiled
 
-    def recording(graph, plan, kernels, lib, *more):
-        seen.append((graph, plan))
-        return real(graph, plan, kernels, lib, *more)
+    def recording(graph, groups, *more):
+        seen.append((graph, groups))
+        return real(graph, groups, *more)
     monkeypatch.setattr(backend, "_compiled", recording)
     eager, inputs_e, out_e, loss_e, mine, inputs_m, target = stepped_eager(case)
     out_m, loss_m = case.step(torch.compile(mine, backend=make_backend(top_k=1)), inputs_m, target)
@@ -248,8 +248,8 @@ def test_bf16_autocast_conversions_and_pointwise_are_generated(monkeypatch):
 
     assert len(seen) == 2, f"{len(seen)} graphs compiled where autocast's step is a forward and a backward"
     conversions = products = halves = 0
-    for graph, plan in seen:
-        as_aten = {n for g in plan.groups if g.kind == "extern" for n in g.nodes}
+    for graph, groups in seen:
+        as_aten = {n for g in groups if g.kind == "extern" for n in g.nodes}
         for node in graph.nodes:
             dtypes = {node.type.dtype, *(graph.nodes[i].type.dtype for i in node.inputs)} if node.type else set()
             if "bfloat16" not in dtypes or node.kind == ir.Kind.VIEW:

@@ -707,7 +707,7 @@ class TritonWriter:
 
     def combined(self, red: Reduction, values: str, nans: str, count: int | None) -> list[str]:
         """red{node}: a [XROWS, n] block of `values` combined along its rows, NaN where a max or min's `nans`
-        flag one, a mean divided by `count` (None: a partial sum)."""
+        flag is set, a mean divided by `count` (None: a partial sum)."""
         lines = [f"red{red.node} = {REDUCTION_TOTALS[red.op]}({values}, 1)[:, None]"
                  + (f" / {count}" if red.op == "mean" and count is not None else "")]
         if red.op in ("max", "min"):

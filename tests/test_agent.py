@@ -186,6 +186,19 @@ def test_torchruns_own_cpp_warnings_are_off_and_the_workers_level_is_theirs(tmp_
     assert out.returncode == 0 and f"level={users or 'unset'}" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_package_of_the_users_named_orchestrator_does_not_replace_the_torchrun_wrapper(tmp_path):
+    """The agent ran `python -m orchestrator.agent.torchrun` in the user's workdir, where -m looks first: a project
+    with its own `orchestrator` package (a name users pick) ran that instead, and no attempt could start."""
+    import subprocess
+    from orchestrator.agent import node
+    (tmp_path / "orchestrator").mkdir()
+    (tmp_path / "orchestrator" / "__init__.py").write_text("raise ImportError('the user\'s own orchestrator')\n")
+    cmd = {"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1", "master_port": free_port(),
+           "run": "echo worker ran"}
+    out = subprocess.run(node.torchrun_command(cmd), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "worker ran" in out.stdout, out.stdout + out.stderr
+
+
 def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_the_job(monkeypatch, capsys):
     """The agent copied every line to its stdout (a local node's log file in TFSN_HOME, a VM's boot log) with no
     bound, while the job's log stops at 4 GiB: a worker printing without end filled the disk through that copy."""

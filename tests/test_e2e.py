@@ -134,7 +134,7 @@ def test_restarts_are_bounded(tfsn, tmp_path):
 
 def agent_pids(node_id: str) -> list[int]:
     """The node's agent process (`python -m orchestrator.agent`), not the torchrun it runs
-    (`python -m orchestrator.agent.torchrun`)."""
+    (`python .../orchestrator/agent/torchrun.py`)."""
     return [p for p in pids_with_env(TFSN_NODE_ID=node_id)
             if "orchestrator.agent" in Path(f"/proc/{p}/cmdline").read_text().split("\0")]
 

@@ -53,6 +53,26 @@ _RANK_PREFIX = re.compile(r"^((\[rank\d+\]:\s*)+)")
 _TWO_PREFIXES = re.compile(r"^(\[rank(\d+)\]: )\[rank\2\]: ?")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
+# The torchrun wrapper runs by its file's path, not as `-m orchestrator.agent.torchrun`: -m searches the working
+# directory first, the user's workdir here, where a package of theirs named `orchestrator` would be run instead.
+TORCHRUN_WRAPPER = Path(__file__).resolve().with_name("torchrun.py")
+
+
+def torchrun_command(cmd: dict[str, Any]) -> list[str]:
+    """The command that runs an attempt's workers on this node: torchrun (through its wrapper) over the user's
+    `run`, as the controller's start command says."""
+    return [
+        # -u: torchrun copies its workers' lines to its stdout, a pipe here; buffered, they would come only
+        # when the attempt ends (tfsn logs --follow, and a VM's boot log, would show nothing of a running job)
+        sys.executable, "-u", str(TORCHRUN_WRAPPER),
+        "--nnodes", str(cmd["nnodes"]), "--node-rank", str(cmd["node_rank"]),
+        "--nproc-per-node", str(cmd["nproc_per_node"]),
+        "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),
+        "--max-restarts", "0", "--monitor-interval", "0.2", "--tee", "3",
+        # torchrun expands its ${local_rank} macro with string.Template, which turns "$$" into "$":
+        # escaping every "$" hands bash the user's command verbatim.
+        "--no-python", "bash", "-c", cmd["run"].replace("$", "$$")]
+
 
 class LogShipper:
     """Collects output lines and posts them to the controller in batches, off the hot path."""
@@ -277,17 +297,7 @@ class Agent:
 
     # ---- workers ------------------------------------------------------------------------------
     def _start(self, cmd: dict[str, Any]) -> None:
-        torchrun = [
-            # -u: torchrun copies its workers' lines to its stdout, a pipe here; buffered, they would come only
-            # when the attempt ends (tfsn logs --follow, and a VM's boot log, would show nothing of a running job)
-            sys.executable, "-u", "-m", "orchestrator.agent.torchrun",
-            "--nnodes", str(cmd["nnodes"]), "--node-rank", str(cmd["node_rank"]),
-            "--nproc-per-node", str(cmd["nproc_per_node"]),
-            "--master-addr", cmd["master_addr"], "--master-port", str(cmd["master_port"]),
-            "--max-restarts", "0", "--monitor-interval", "0.2", "--tee", "3",
-            # torchrun expands its ${local_rank} macro with string.Template, which turns "$$" into "$":
-            # escaping every "$" hands bash the user's command verbatim.
-            "--no-python", "bash", "-c", cmd["run"].replace("$", "$$")]
+        torchrun = torchrun_command(cmd)
         env = _env_with_python({**cmd["env"], "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "})
         installed = install_plan(node_workdir(cmd["workdir"]), env)
         if installed:

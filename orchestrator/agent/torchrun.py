@@ -1,4 +1,4 @@
-"""torchrun as the agent runs it: `python -m orchestrator.agent.torchrun ARGS` is `torchrun ARGS`, but its own
+"""torchrun as the agent runs it: `python orchestrator/agent/torchrun.py ARGS` is `torchrun ARGS`, but its own
 failures are lines, not Python tracebacks of torchrun's internals in the job log.
 
 torchrun ends a failed attempt by raising ChildFailedError out of its main (a traceback through runpy and

@@ -10,13 +10,17 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.resources import files
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import yaml
 
 from health.findings import Action, FindingKind
+
+# The configs package shipped beside this one, by path: imported by name, a `configs` folder of the user's (first
+# on sys.path as the training script's folder is) would be read in its place.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 SHIPPED = "health.yaml"
 _RATIOS = {"straggler_min_slowdown", "throttle_clock_ratio"}   # must lie strictly between 0 and 1
@@ -61,7 +65,7 @@ class HealthConfig:
     @classmethod
     def load(cls, overrides: Mapping[str, Any] | None = None) -> HealthConfig:
         """The shipped defaults with a job's `health:` mapping ({thresholds: ..., actions: ...}) on top."""
-        shipped = yaml.safe_load(files("configs").joinpath(SHIPPED).read_text())
+        shipped = yaml.safe_load((SHIPPED_CONFIGS / SHIPPED).read_text())
         values = _thresholds(shipped.get("thresholds") or {}, f"configs/{SHIPPED}: thresholds")
         actions = _actions(shipped.get("actions") or {}, f"configs/{SHIPPED}: actions")
         missing = ({f.name for f in dataclasses.fields(cls)} - {"actions"}) - set(values)

@@ -15,13 +15,16 @@ import functools
 import math
 import platform
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from optimizer.cache import cache_dir
+
+# The configs package shipped beside this one, by path: imported by name, a `configs` folder of the user's (first
+# on sys.path as the training script's folder is) would be read in its place.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 KINDS = ("gpu", "cpu")
@@ -245,7 +248,7 @@ def load_spec_file(path: str | Path) -> HardwareSpec:
 
 
 def _shipped_dir() -> Path:
-    return Path(str(files("configs").joinpath("hardware")))
+    return SHIPPED_CONFIGS / "hardware"
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,11 +21,14 @@ import os
 import re
 import tempfile
 from dataclasses import replace
-from importlib.resources import files
 from pathlib import Path
 from typing import Iterable
 
 from providers.base import Offer
+
+# The configs package shipped beside this one, by path: imported by name, a `configs` folder of the user's (first
+# on sys.path as the training script's folder is) would be read in its place.
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 CATALOG_PROVIDERS = ("aws", "gcp", "azure")
 COLUMNS = ("InstanceType", "vCPUs", "MemoryGiB", "AcceleratorName", "AcceleratorCount", "GPUInfo",
@@ -63,7 +66,7 @@ def cache_dir() -> Path:
 
 
 def snapshot_dir() -> Path:
-    return Path(str(files("configs").joinpath("catalog")))
+    return SHIPPED_CONFIGS / "catalog"
 
 
 def skypilot_catalog(provider: str) -> Path | None:

@@ -131,17 +131,24 @@ def check_forward_and_gradients(case: Case, compile_with: Callable) -> None:
 
 
 OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    "adamw": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
 }
 
 
-def train(model: nn.Module, case: Case, optimizer: str, compile_with=None) -> tuple[list[float], int]:
-    """TRAIN_STEPS steps on one batch, the optimizer step compiled too when a backend is given; the
-    losses, and how many kernels the compiled optimizer step generated."""
-    opt = OPTIMIZERS[optimizer](model.parameters())
+def train(model: nn.Module, case: Case, make_optimizer: Callable, compile_with=None,
+          clip: float | None = None) -> tuple[list[float], int]:
+    """TRAIN_STEPS steps on one batch, each clipping the gradients' norm to `clip` first where given; with a
+    backend the model and the step (the optimizer's, or the clip + step function) are compiled. The losses,
+    and how many kernels the compiled step generated."""
+    opt = make_optimizer(model)
+
+    def clip_and_step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    step = opt.step if clip is None else clip_and_step
     fwd = model if compile_with is None else torch.compile(model, backend=compile_with)
-    opt_step = opt.step if compile_with is None else torch.compile(opt.step, backend=compile_with)
+    step = step if compile_with is None else torch.compile(step, backend=compile_with)
     inputs, target = case.batch(torch.Generator().manual_seed(1))
     losses, step_kernels = [], 0
     for _ in range(TRAIN_STEPS):
@@ -149,7 +156,7 @@ def train(model: nn.Module, case: Case, optimizer: str, compile_with=None) -> tu
         _, loss = case.step(fwd, inputs, target)
         loss.backward()
         before = kernels()
-        opt_step()
+        step()
         step_kernels += kernels() - before
         losses.append(loss.item())
     return losses, step_kernels
@@ -166,9 +173,11 @@ def test_training_steps_match_eager(case, optimizer):
     check_training(case, optimizer)
 
 
-def check_training(case: Case, optimizer: str) -> None:
-    """Three steps on one batch: the loss of each step against eager's; after SGD with momentum
-    also every parameter and buffer.
+def check_training(case: Case, optimizer: str, make_optimizer: Callable | None = None, compile_with=None,
+                   clip: float | None = None) -> None:
+    """Three steps on one batch (`optimizer`: OPTIMIZERS' or made by `make_optimizer`; the gradients' norm
+    clipped to `clip` first where given; compiled with `compile_with`, default the backend timing 2
+    schedules): the loss of each step against eager's; after SGD (with momentum) also every parameter and buffer.
 
     Parameters after AdamW are not compared. Adam's step is lr * m / sqrt(v), about lr * sign(g) at
     first: it divides out the gradient's size, so an element's relative rounding error becomes an
@@ -182,21 +191,23 @@ def check_training(case: Case, optimizer: str) -> None:
     given the same gradients, is compared exactly in test_optimizer_correctness.py
     (test_adamw_step_alone_matches_eager_and_is_generated). SGD moves every element by lr times its
     gradient, so its parameters carry the gradients' own tolerance: compared, zero-grad ones too."""
+    make_optimizer = make_optimizer or OPTIMIZERS[optimizer]
     torch.manual_seed(0)
     eager = case.build()
     mine = copy.deepcopy(eager)
-    expected, _ = train(eager, case, optimizer)
+    expected, _ = train(eager, case, make_optimizer, clip=clip)
     before = kernels()
-    actual, step_kernels = train(mine, case, optimizer, make_backend(top_k=2))
+    actual, step_kernels = train(mine, case, make_optimizer, compile_with or make_backend(top_k=2), clip)
+    what = f"{'clipped ' if clip is not None else ''}{optimizer}"
     assert kernels() > before, "the backend generated no kernel: the model ran as plain ATen"
-    assert step_kernels > 0, f"the {optimizer} step generated no kernel: it ran as plain ATen"
+    assert step_kernels > 0, f"the {what} step generated no kernel: it ran as plain ATen"
     assert expected[-1] < expected[0], "the eager run should learn on one batch"
 
     rtol = TOLERANCE[torch.bfloat16][0] if case.bf16 else LOSS_RTOL
     for step, (a, e) in enumerate(zip(actual, expected)):
-        assert abs(a - e) <= rtol * max(1.0, abs(e)), f"{case.name} {optimizer} step {step}: tfsn loss {a} vs eager {e}"
-    if optimizer == "sgd":
-        compare_parameters(eager, mine, f"{case.name} after {TRAIN_STEPS} SGD steps",
+        assert abs(a - e) <= rtol * max(1.0, abs(e)), f"{case.name} {what} step {step}: tfsn loss {a} vs eager {e}"
+    if optimizer.startswith("sgd"):
+        compare_parameters(eager, mine, f"{case.name} after {TRAIN_STEPS} {what} steps",
                            torch.bfloat16 if case.bf16 else None)
 
 

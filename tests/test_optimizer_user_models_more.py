@@ -7,6 +7,7 @@ no graph to ATen: a model that fell back would test nothing."""
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
@@ -31,15 +32,22 @@ def no_graph_left_to_aten(check) -> None:
     assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen: see the log for why"
 
 
-@pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
-def test_forward_and_gradients_match_eager(case):
-    no_graph_left_to_aten(lambda: check_forward_and_gradients(case, make_backend()))
+def forward_and_gradient_tests(suite: list, through_triton: list[str]) -> tuple[Callable, Callable]:
+    """A suite's two tests of forward outputs and gradients against eager: every case on the C target, and
+    those named in `through_triton` through the Triton kernels; bound to test_* names, pytest runs them."""
+    @pytest.mark.parametrize("case", suite, ids=lambda c: c.name)
+    def test_forward_and_gradients_match_eager(case):
+        no_graph_left_to_aten(lambda: check_forward_and_gradients(case, make_backend()))
+
+    @pytest.mark.parametrize("case", [c for c in suite if c.name in through_triton], ids=lambda c: c.name)
+    def test_through_triton_forward_and_gradients_match_eager(case):
+        pytest.importorskip("triton")
+        no_graph_left_to_aten(lambda: check_forward_and_gradients(case, make_backend(codegen="triton")))
+    return test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager
 
 
-@pytest.mark.parametrize("case", [c for c in cases() if c.name in THROUGH_TRITON], ids=lambda c: c.name)
-def test_through_triton_forward_and_gradients_match_eager(case):
-    pytest.importorskip("triton")
-    no_graph_left_to_aten(lambda: check_forward_and_gradients(case, make_backend(codegen="triton")))
+test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \
+    forward_and_gradient_tests(cases(), THROUGH_TRITON)
 
 
 @pytest.mark.parametrize("case", [c for c in cases() if c.name in TRAINED], ids=lambda c: c.name)

@@ -8,7 +8,6 @@ and a larger lr for biases and norms), SGD with Nesterov momentum and weight dec
 the step compiled together. Every compiled step must generate kernels and leave no graph to ATen."""
 from __future__ import annotations
 
-import copy
 import os
 
 if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
@@ -18,31 +17,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from optimizer import backend  # noqa: E402
 from optimizer.backend import make_backend  # noqa: E402
 from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
-from tests.test_optimizer_user_models import LOSS_RTOL, check_forward_and_gradients, compare_parameters  # noqa: E402
-from tests.test_optimizer_user_models_more import no_graph_left_to_aten  # noqa: E402
-from tests.user_models import Case  # noqa: E402
+from tests.test_optimizer_user_models import check_training  # noqa: E402
+from tests.test_optimizer_user_models_more import forward_and_gradient_tests, no_graph_left_to_aten  # noqa: E402
 from tests.user_models_third import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
 THROUGH_TRITON = ["index_moe", "scan_masks_fp64", "ties", "masked_rows", "views_zoo", "stateful", "pure_bf16"]
 TRAINED = ["index_moe", "stateful"]    # gather/index_add routing; buffers written in forward (a tied head: user_models' gpt)
 TRAINED_THROUGH_TRITON = ["stateful"]
-TRAIN_STEPS = 3
 CLIP = 0.5                                               # below the gradients' norm: clipping scales them
 
 
-@pytest.mark.parametrize("case", cases(), ids=lambda c: c.name)
-def test_forward_and_gradients_match_eager(case):
-    no_graph_left_to_aten(lambda: check_forward_and_gradients(case, make_backend()))
-
-
-@pytest.mark.parametrize("case", [c for c in cases() if c.name in THROUGH_TRITON], ids=lambda c: c.name)
-def test_through_triton_forward_and_gradients_match_eager(case):
-    pytest.importorskip("triton")
-    no_graph_left_to_aten(lambda: check_forward_and_gradients(case, make_backend(codegen="triton")))
+test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \
+    forward_and_gradient_tests(cases(), THROUGH_TRITON)
 
 
 def param_groups(model: nn.Module, lr: float) -> list[dict]:
@@ -60,30 +49,6 @@ OPTIMIZERS = {
 }
 
 
-def train(model: nn.Module, case: Case, optimizer: str, compile_with=None) -> tuple[list[float], int]:
-    """TRAIN_STEPS steps on one batch, each clipping the gradients' norm to CLIP then stepping; with a
-    backend the model and the clip + step function are compiled. The losses, and how many kernels the
-    compiled clip + step generated."""
-    opt = OPTIMIZERS[optimizer](model)
-
-    def clip_and_step() -> None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-    fwd = model if compile_with is None else torch.compile(model, backend=compile_with)
-    step = clip_and_step if compile_with is None else torch.compile(clip_and_step, backend=compile_with)
-    inputs, target = case.batch(torch.Generator().manual_seed(1))
-    losses, step_kernels = [], 0
-    for _ in range(TRAIN_STEPS):
-        opt.zero_grad(set_to_none=True)
-        _, loss = case.step(fwd, inputs, target)
-        loss.backward()
-        before = backend.STATS["kernels"]
-        step()
-        step_kernels += backend.STATS["kernels"] - before
-        losses.append(loss.item())
-    return losses, step_kernels
-
-
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("case, codegen", [(c, "c") for c in cases() if c.name in TRAINED]
                          + [(c, "triton") for c in cases() if c.name in TRAINED_THROUGH_TRITON],
@@ -94,17 +59,5 @@ def test_clipped_training_steps_match_eager(case, codegen, optimizer):
     gradient moves its element by up to lr (see tests/test_optimizer_user_models.py's check_training)."""
     if codegen == "triton":
         pytest.importorskip("triton")
-    torch.manual_seed(0)
-    eager = case.build()
-    mine = copy.deepcopy(eager)
-    expected, _ = train(eager, case, optimizer)
-
-    def compiled() -> None:
-        actual, step_kernels = train(mine, case, optimizer, make_backend(codegen=codegen))
-        assert step_kernels > 0, f"the clipped {optimizer} step generated no kernel: it ran as plain ATen"
-        assert expected[-1] < expected[0], "the eager run should learn on one batch"
-        for n, (a, e) in enumerate(zip(actual, expected)):
-            assert abs(a - e) <= LOSS_RTOL * max(1.0, abs(e)), f"{case.name} {optimizer} step {n}: tfsn {a}, eager {e}"
-    no_graph_left_to_aten(compiled)
-    if optimizer.startswith("sgd"):
-        compare_parameters(eager, mine, f"{case.name} after {TRAIN_STEPS} clipped {optimizer} steps", None)
+    no_graph_left_to_aten(lambda: check_training(case, optimizer, OPTIMIZERS[optimizer], make_backend(codegen=codegen),
+                                                 clip=CLIP))

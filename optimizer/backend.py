@@ -433,19 +433,13 @@ SEARCH_VERSION = "19"     # bump when the search or the model changes what a cac
 PLANNED_HARDWARE_ENV = "TFSN_PLANNED_HARDWARE"
 
 
-def planned_hardware(spec) -> str:
-    """How a job's plan names the hardware it searched for: the spec's name and a digest of its figures (a
-    calibrated spec of another CPU, or the same name measured again, is other hardware)."""
-    from optimizer.cache import content_key
-    return f"{spec.name}@{content_key(repr(spec))[:12]}"
-
-
 def _say_why_searching(spec) -> None:
     """In a job tfsn launched, a search on the node is news: its plan was searched at `tfsn plan`. Say why
     (in the job log), once per process: the node is another hardware type, or this graph was not planned."""
     planned = os.environ.get(PLANNED_HARDWARE_ENV, "")
     if not planned:
         return
+    from optimizer.hardware import planned_hardware
     here = planned_hardware(spec)
     if planned != here:
         _log_once(f"tfsn: this node's hardware ({here}) is not what the job's plan was searched for ({planned}): "

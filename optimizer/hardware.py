@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from optimizer.cache import cache_dir
+from optimizer.cache import cache_dir, content_key
 
 # The configs package shipped beside this one, by path: imported by name, a `configs` folder of the user's (first
 # on sys.path as the training script's folder is) would be read in its place.
@@ -331,6 +331,14 @@ def load_host_spec() -> HardwareSpec | None:
 def _cpu_spec(path: str, stamp: tuple[int, int, int] | None) -> HardwareSpec:
     host = _load_host(Path(path)) if stamp else None
     return host or load_all()[GENERIC_CPU]
+
+
+def planned_hardware(spec: HardwareSpec) -> str:
+    """How a job's plan names the hardware it searched for: the spec's name and a digest of its figures (a
+    calibrated spec of another CPU, or the same name measured again, is other hardware). Here, not beside the
+    backend, so that the controller names it without importing torch (seconds, during which it answered no
+    heartbeat)."""
+    return f"{spec.name}@{content_key(repr(spec))[:12]}"
 
 
 def cpu_spec() -> HardwareSpec:

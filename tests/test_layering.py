@@ -38,6 +38,20 @@ def test_the_cli_does_not_import_torch_nor_cryptography_on_start():
                                         "TLS) out of its imports")
 
 
+def test_the_controller_answers_a_nodes_attempt_without_importing_torch():
+    """The answer to an agent's `attempt` request names the planned hardware; that name came from the optimizer's
+    backend, whose import loads torch: seconds in which the controller answered no heartbeat, and on a busy
+    machine it failed both nodes of a job for 'no heartbeat for 3s' as their first attempt began."""
+    import subprocess
+    import sys
+    code = ("import sys, orchestrator.control.controller, orchestrator.control.handlers\n"
+            "from orchestrator.planning.placement import planned_hardware\n"
+            "names = planned_hardware({}, True), planned_hardware({'accelerator': 'H100'}, False)\n"
+            "print(all('@' in n for n in names), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
 def imported_modules(package: str) -> dict[str, set[str]]:
     """For each module of the package, the package's modules it imports (TYPE_CHECKING and local imports too)."""
     modules = {path.stem for path in (ROOT / package).glob("*.py")} - {"__init__"}

@@ -114,10 +114,9 @@ def local_worker_threads(spec: JobSpec, workers_per_node: int) -> int:
 
 def planned_hardware(offer: dict, on_this_machine: bool) -> str:
     """The hardware model.entry's step was searched for on nodes of `offer` (an Offer's fields), as the workers'
-    tfsn.optimize names its own (optimizer.backend.planned_hardware): this machine's CPU for its local nodes,
+    tfsn.optimize names its own (optimizer.hardware.planned_hardware): this machine's CPU for its local nodes,
     else the offer's accelerator (a CPU-only cloud node: `?`, nothing was searched for it)."""
-    from optimizer.backend import planned_hardware as named
-    from optimizer.hardware import cpu_spec, find_hardware
+    from optimizer.hardware import cpu_spec, find_hardware, planned_hardware as named
 
     spec = cpu_spec() if on_this_machine else find_hardware(offer.get("accelerator"))
     return named(spec) if spec is not None else "?"

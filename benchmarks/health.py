@@ -124,7 +124,7 @@ def main() -> int:
     parser.add_argument("--days", type=float, default=7.0, help="simulated days of the 16,384-GPU job")
     parser.add_argument("--save-stall", type=float, default=None,
                         help=f"seconds the training stalls per save (default health/sim.py's measured "
-                             f"{ASYNC_SAVE_STALL_SHARE:.1%} of a step)")
+                             f"{ASYNC_SAVE_STALL_SHARE * 100:.1f}%% of a step)")
     parser.add_argument("--restart", type=float, default=RESTART_S,
                         help=f"seconds a restart takes once the fault is known (default {RESTART_S})")
     parser.add_argument("--hidden-restart", type=float, default=RESTART_S,

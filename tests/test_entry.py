@@ -70,7 +70,7 @@ def test_a_missing_function_is_named(cli, tmp_path):
 
 def test_a_misspelled_function_gets_a_suggestion(cli, tmp_path):
     line = _refused(cli, _job(tmp_path, GOOD, entry="train.py:Build"))
-    assert "train.py has no function 'Build'; did you mean 'build'?" in line, line
+    assert "train.py has no function 'Build'; did you mean 'build'? To fix:" in line, line
 
 
 def test_a_step_that_cannot_be_searched_says_why(cli, tmp_path):
@@ -90,7 +90,7 @@ def test_a_missing_file_is_named(cli, tmp_path):
 
 def test_a_wrong_return_shape_says_what_was_expected(cli, tmp_path):
     line = _refused(cli, _job(tmp_path, "def build():\n    return 42\n"))
-    assert "build() returned a int; expected (model, batch, loss_fn)" in line, line
+    assert "build() returned an int; expected (model, batch, loss_fn)" in line, line
 
 
 def test_a_function_that_raises_names_its_line(cli, tmp_path):

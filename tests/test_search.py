@@ -183,14 +183,18 @@ def test_optimize_command_measures_here_and_predicts_elsewhere(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "nowhere.py:mlp", "--inputs", f"{MODELS}:mlp_inputs"], "no file nowhere.py"),
-    (["--model", f"{MODELS}:missing", "--inputs", f"{MODELS}:mlp_inputs"], "has no function 'missing'"),
-    (["--model", f"{MODELS}", "--inputs", f"{MODELS}:mlp_inputs"], "expected MODULE:FN"),
+    (["--model", f"{MODELS}:missing", "--inputs", f"{MODELS}:mlp_inputs"], "has no function 'missing'. To fix:"),
+    (["--model", f"{MODELS}:mpl", "--inputs", f"{MODELS}:mlp_inputs"], f"Did you mean 'mlp'? To fix: --model {MODELS}:mlp"),
+    (["--model", "nosuchmodule:mlp", "--inputs", f"{MODELS}:mlp_inputs"], "no module nosuchmodule importable from"),
+    # the model's builder given as its inputs: 'Block' object has no attribute 'shape', from inside the capture
+    (["--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp"], "returned a Sequential, not the model's example inputs"),
+    (["--model", f"{MODELS}", "--inputs", f"{MODELS}:mlp_inputs"], "expected MODULE:FN, e.g. examples/optimize/models.py"),
     (["--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--hardware", "tpu9"], "not a known chip"),
     (["--model", f"{MODELS}:mlp", "--inputs", f"{MODELS}:mlp_inputs", "--top-k", "0"], "--top-k 0"),
 ])
 def test_optimize_command_bad_input_is_one_line(tmp_path, argv, message):
     proc = tfsn("optimize", *argv, cache=tmp_path)
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and proc.stderr.startswith("tfsn: error: ")
     assert message in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
     assert len(proc.stderr.strip().splitlines()) == 1
 

@@ -18,7 +18,7 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"tfsn: error: {message}", err=True)
     raise typer.Exit(2)
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 
 def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"tfsn: error: {message}", err=True)
     raise typer.Exit(code)
 
 
@@ -76,7 +76,7 @@ def load_callable(ref: str, option: str):
 
     module_name, sep, attr = ref.rpartition(":")
     if not sep or not module_name or not attr:
-        _fail(f"{option} {ref!r}: expected MODULE:FN, e.g. examples/optimize_demo.py:gpt2_block or mypkg.models:build")
+        _fail(f"{option} {ref!r}: expected MODULE:FN, e.g. examples/optimize/models.py:gpt2_block or mypkg.models:build")
     try:
         if module_name.endswith(".py") or "/" in module_name:
             path = Path(module_name)
@@ -91,12 +91,35 @@ def load_callable(ref: str, option: str):
             module = importlib.import_module(module_name)
     except typer.Exit:
         raise
+    except ModuleNotFoundError as err:
+        if err.name is not None and module_name.startswith(err.name):    # the module named, not one it imports
+            _fail(f"{option}: no module {module_name} importable from {os.getcwd()}. To fix: give the path of a "
+                  f"Python file (e.g. models.py:{attr}), or run from the folder the module is importable from")
+        _fail(f"{option}: importing {module_name} failed: {type(err).__name__}: {err}", code=1)
     except Exception as err:      # the user's module failed to import: say where, without a traceback
         _fail(f"{option}: importing {module_name} failed: {type(err).__name__}: {err}", code=1)
     fn = getattr(module, attr, None)
     if not callable(fn):
-        _fail(f"{option}: {module_name} has no function {attr!r}")
+        import difflib
+        near = difflib.get_close_matches(attr, [n for n, v in vars(module).items() if callable(v)
+                                               and getattr(v, "__module__", None) == module.__name__], n=1)
+        _fail(f"{option}: {module_name} has no function {attr!r}"
+              + (f". Did you mean {near[0]!r}? To fix: {option} {module_name}:{near[0]}" if near
+                 else f". To fix: name a function defined in {module_name}"))
     return fn
+
+
+def example_inputs(ref: str, made: Any) -> tuple:
+    """What `--inputs` returned, as the model's positional arguments: a tuple (a single value is one argument).
+    A model, a function or a module is not inputs (`--inputs` pointed at the model's builder, say)."""
+    import torch
+
+    example = made if isinstance(made, tuple) else (made,)
+    for value in example:
+        if isinstance(value, torch.nn.Module) or (callable(value) and not hasattr(value, "shape")):
+            _fail(f"--inputs {ref} returned a {type(value).__name__}, not the model's example inputs. To fix: point --inputs at a function returning a tuple of tensors, "
+                  "e.g. examples/optimize/models.py:gpt2_inputs")
+    return example
 
 
 EMIT_HELP = ("write the chosen plan to DIR/plan.json (created if missing): every graph's fusion groups, each "
@@ -175,9 +198,7 @@ def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN r
         module, example = build(), make_inputs()
     except Exception as err:
         _fail(f"building the model or its inputs failed: {type(err).__name__}: {err}", code=1)
-    if not isinstance(example, tuple):
-        example = (example,)
-    report = _step_report(model, module, example, spec, top_k)
+    report = _step_report(model, module, example_inputs(inputs, example), spec, top_k)
     data = _print_report(report)
     if folder is not None:
         _emit(folder, emit, report)

@@ -354,7 +354,7 @@ class Store:
     def job(self, job_id: int) -> Job:
         row = _first(self._query("SELECT * FROM jobs WHERE id = ?", (job_id,)))
         if row is None:
-            raise StoreError(f"no job with id {job_id}")
+            raise StoreError(f"no job with id {job_id}. To fix: run `tfsn ls` to see the jobs")
         return self._job(row)
 
     def find_job(self, ref: str) -> Job:
@@ -399,7 +399,7 @@ class Store:
         with self._tx() as db:
             row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
-                raise StoreError(f"no job with id {job_id}")
+                raise StoreError(f"no job with id {job_id}. To fix: run `tfsn ls` to see the jobs")
             old = JobState(row["state"])
             if old == new:
                 return

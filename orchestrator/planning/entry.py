@@ -66,7 +66,8 @@ class EntryStep:
 
 
 def _fail(spec: JobSpec, what: str, fix: str) -> PlanError:
-    return PlanError(f"model.entry {spec.model.entry}: {what}. To fix: {fix}", field=ENTRY_FIELD)
+    end = "" if what.endswith(("?", ".")) else "."      # "did you mean 'build'?" ends its own sentence
+    return PlanError(f"model.entry {spec.model.entry}: {what}{end} To fix: {fix}", field=ENTRY_FIELD)
 
 
 def _child_env(spec: JobSpec) -> dict[str, str]:

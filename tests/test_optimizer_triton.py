@@ -638,6 +638,43 @@ def test_a_graph_whose_kernel_triton_does_not_compile_runs_as_aten(monkeypatch, 
     assert "Triton did not compile 1 of its kernels" in caplog.text and "PTX assembly failed" in caplog.text
 
 
+def test_precompile_reports_only_kernels_that_fail_when_compiled_alone(monkeypatch):
+    """CPython 3.11's ast.parse, which Triton runs on each kernel's source, is not thread-safe: on the compile
+    pool a parse can raise a spurious SystemError (python/cpython#106905), which would send the whole graph to
+    ATen. Such a kernel, compiled again alone, compiles; a kernel Triton refuses every time is still reported.
+    On a GPU only (precompile does nothing on a CPU): the device, its driver and Triton's compile stood in."""
+    import contextlib
+    import triton.runtime
+    graph = plan_graph(lambda x: (x.sin() * 2).sum(1), [torch.randn(6, 5)])
+    plan = fusion.plan(graph)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    names = [k.name for k in kernels if k is not None]
+    assert len(names) >= 2
+    lib = tt.TritonLibrary(source)
+    monkeypatch.setattr(triton.runtime, "driver", type("Driver", (), {"active": None})())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    calls = []
+
+    class Warmup:
+        def __init__(self, name: str, error: BaseException | None, times: int) -> None:
+            self.name, self.error, self.times = name, error, times
+
+        def warmup(self, *dtypes, grid, **meta):
+            calls.append(self.name)
+            if self.error is not None and calls.count(self.name) <= self.times:
+                raise self.error
+    flaky, refused = names[0], names[1]
+    monkeypatch.setattr(lib.module, flaky, Warmup(flaky, SystemError("AST constructor recursion depth mismatch "
+                                                                      "(before=24, after=16)"), 1))
+    monkeypatch.setattr(lib.module, refused, Warmup(refused, RuntimeError("PTX assembly failed: stand-in"), 99))
+    for name in names[2:]:
+        monkeypatch.setattr(lib.module, name, Warmup(name, None, 0))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    failed = lib.precompile(dataclasses.replace(graph, device="cuda:0"), kernels)
+    assert [(name, str(e)) for name, e in failed] == [(refused, "PTX assembly failed: stand-in")]
+    assert calls.count(flaky) == 2
+
+
 def test_a_combined_kernels_parts_share_no_value():
     """In the suite's forward and backward graphs, no part of a combined kernel reads a value another part
     computes (read off the graph's own edges, through views), and the combined kernels are there to check."""

@@ -964,7 +964,18 @@ class TritonLibrary:
                     getattr(self.module, name).warmup(*k.pointer_dtypes(graph), grid=grid, **dict(meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
             compiled = [(k, pool.submit(compile_one, k)) for k in todo]
-            return [(k.name, future.exception()) for k, future in compiled if future.exception() is not None]
+        # Triton parses each kernel's source with ast.parse, which CPython 3.11 does not make thread-safe: a parse
+        # while another thread's garbage collection runs Python code can raise a spurious SystemError ("AST
+        # constructor recursion depth mismatch", python/cpython#106905), which would send the graph to ATen. So a
+        # kernel that failed on the pool is compiled again here, alone: only one that fails then has failed.
+        failed = []
+        for k, future in compiled:
+            if future.exception() is not None:
+                try:
+                    compile_one(k)
+                except Exception as e:  # noqa: BLE001 - whatever Triton raised is the caller's report
+                    failed.append((k.name, e))
+        return failed
 
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]

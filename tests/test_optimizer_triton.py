@@ -928,8 +928,8 @@ SPLIT = Schedule(chunk=2, reduction_split=4)     # 3000 reduced elements: 3 slic
 
 
 def split_kernels(fn, args, schedule: Schedule = SPLIT) -> list[tt.TritonKernel]:
-    """fn's Triton kernels under `schedule` that run as split reductions."""
-    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+    """fn's Triton kernels under `schedule` that run as split reductions (for meta tensors too)."""
+    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), ir.graph_device(args), half=True)
     plan = fusion.plan(graph)
     _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
     return [k for k in kernels if k is not None and k.split is not None]
@@ -1033,6 +1033,26 @@ def test_a_tensor_of_2_to_the_31_elements_is_indexed_in_int64():
     wide = {k.name: "tl.int64" in k.source for k in kernels if k is not None}
     big = [k.name for k in kernels if k is not None and any(graph.nodes[p].type.numel >= 2 ** 31 for p in k.params)]
     assert big and all(wide[name] for name in big) and not all(wide.values()), wide
+
+
+def test_a_split_whose_last_slice_runs_past_2_to_the_31_is_indexed_in_int64(monkeypatch):
+    """A split reduction's slices are whole blocks: the last one's indices run past the count, up to slices x
+    span. x.sum() of 2**31 - 1 elements in 3 slices runs to 2**31 + 1023, which int32 wraps into negative indices
+    that pass `r < count` (reads before the tensor, on a GPU), though the tensor alone stays under 2**31. Written
+    from a meta tensor; then run, with the limit lowered to a small tensor's padded extent, against eager."""
+    def total(x):
+        return (x.sum(),)
+    split = Schedule(reduction_split=3)
+    [kernel] = split_kernels(total, [torch.empty(2 ** 31 - 1, device="meta")], split)
+    assert "tl.int64" in kernel.source
+    x = torch.randn(3000, dtype=torch.float64)
+    [small] = split_kernels(total, [x], split)
+    assert "tl.int64" not in small.source       # 3 slices of 1024: 3072
+    monkeypatch.setattr(tt, "INT32_INDEX_LIMIT", 3001)
+    [wide] = split_kernels(total, [x], split)
+    assert "tl.int64" in wide.source
+    got, want, _ = run_triton(total, [x], split)
+    torch.testing.assert_close(got[0], want[0])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -678,6 +678,9 @@ class TritonWriter:
         row's partials, a mean divided by the whole count once, then runs the per-row values after them.
         Members over the whole domain run here, on each slice after its pass."""
         split = -(-self.count // span)
+        # the last slice's blocks run up to split * span, past the count: an index of int32 would wrap there (a split
+        # other than a power of 2 of 2**31 - 1 elements) into a negative one that passes `r < count`
+        self.wide = self.wide or split * span >= INT32_INDEX_LIMIT
         first, *after = self.nest.segments
         scratch = [f"s{j}" for j in range(len(first.reductions))]
         code = [f"pid = {self.program()}", f"part = pid % {split}", *self.row_block(f"(pid // {split})"),

@@ -47,10 +47,10 @@ def private_caches(tmp_path, monkeypatch):
 def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarget, path: Path,
                   gemms_only: bool = False) -> int:
     """Every kernel the graph launches (or its GEMMs'), compiled for `target` as its launch would (pointer
-    dtypes, block sizes, warps, stages), each distinct one once, one at a time (CPython 3.11's ast.parse is
-    not thread-safe: side by side, 1 run in 3 failed with "AST constructor recursion depth mismatch"), in a
-    process without the interpreter (tests/triton_compile_worker.py); Triton's error, with the kernel's name
-    and source, if one does not compile. How many were."""
+    dtypes and 16-byte alignment, block sizes, warps, stages), each distinct one once, one at a time (CPython
+    3.11's ast.parse is not thread-safe: side by side, 1 run in 3 failed with "AST constructor recursion depth
+    mismatch"), in a process without the interpreter (tests/triton_compile_worker.py); Triton's error, with the
+    kernel's name and source, if one does not compile. How many were."""
     program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
     path.write_text(program.source)
     kernels = program.kernels

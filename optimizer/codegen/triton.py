@@ -250,8 +250,8 @@ def _pow(ops, out, kw):
     b, e = _cast(base, out), _cast(exponent, out)
     if exponent.scalar:
         y = float(exponent.value)
-        special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: f"tl.sqrt({b})", 1.0: b,
-                   -1.0: f"(1.0 / {b})", -0.5: f"(1.0 / tl.sqrt({b}))", -2.0: f"(1.0 / ({b} * {b}))",
+        special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: _sqrt(b, out), 1.0: b,
+                   -1.0: f"(1.0 / {b})", -0.5: f"(1.0 / {_sqrt(b, out)})", -2.0: f"(1.0 / ({b} * {b}))",
                    0.0: f"(tl.zeros_like({b}) + 1.0)"}
         if y in special:
             return special[y]
@@ -264,6 +264,19 @@ def _pow(ops, out, kw):
     if base.scalar:      # spread over the exponent's shape, the sign of -0.0 kept
         return f"tfsn_pow((tl.zeros_like({e}) + 1.0) * {b}, {e})"
     return f"tfsn_pow({b}, {e})"
+
+
+def _sqrt(x: str, dtype: str) -> str:
+    """sqrt(x) correctly rounded, subnormals kept, as eager's (and Inductor's tl.sqrt_rn): Triton's tl.sqrt of fp32
+    is the GPU's approximation flushing subnormals to zero (sqrt.approx.ftz.f32: sqrt(1e-40) is 0, not 1e-20);
+    of fp64 it is sqrt.rn.f64 already."""
+    return f"tl.sqrt_rn({x})" if dtype == "float32" else f"tl.sqrt({x})"
+
+
+def _rsqrt(ops, out, kw):
+    """1 / sqrt(x), of the correctly rounded sqrt: Triton's tl.rsqrt is an approximation in fp64 too
+    (rsqrt.approx.f64) and flushes fp32 subnormals (rsqrt.approx.ftz.f32: inf for 1e-40)."""
+    return f"(1.0 / {_sqrt(_cast(ops[0], out), out)})"
 
 
 def _clamp(ops, out, kw):
@@ -318,7 +331,7 @@ OPS: dict[str, Callable] = {
     "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
     "aten.expm1.default": _unary("tfsn_expm1({a})"), "aten.log.default": _unary("tl.log({a})"),
     "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tfsn_log1p({a})"),
-    "aten.sqrt.default": _unary("tl.sqrt({a})"), "aten.rsqrt.default": _unary("tl.rsqrt({a})"),
+    "aten.sqrt.default": lambda o, out, kw: _sqrt(_cast(o[0], out), out), "aten.rsqrt.default": _rsqrt,
     "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
     "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("tfsn_tanh({a})"),
     "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),

@@ -638,6 +638,43 @@ def test_a_graph_whose_kernel_triton_does_not_compile_runs_as_aten(monkeypatch, 
     assert "Triton did not compile 1 of its kernels" in caplog.text and "PTX assembly failed" in caplog.text
 
 
+def test_precompile_reports_only_kernels_that_fail_when_compiled_alone(monkeypatch):
+    """CPython 3.11's ast.parse, which Triton runs on each kernel's source, is not thread-safe: on the compile
+    pool a parse can raise a spurious SystemError (python/cpython#106905), which would send the whole graph to
+    ATen. Such a kernel, compiled again alone, compiles; a kernel Triton refuses every time is still reported.
+    On a GPU only (precompile does nothing on a CPU): the device, its driver and Triton's compile stood in."""
+    import contextlib
+    import triton.runtime
+    graph = plan_graph(lambda x: (x.sin() * 2).sum(1), [torch.randn(6, 5)])
+    plan = fusion.plan(graph)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    names = [k.name for k in kernels if k is not None]
+    assert len(names) >= 2
+    lib = tt.TritonLibrary(source)
+    monkeypatch.setattr(triton.runtime, "driver", type("Driver", (), {"active": None})())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    calls = []
+
+    class Warmup:
+        def __init__(self, name: str, error: BaseException | None, times: int) -> None:
+            self.name, self.error, self.times = name, error, times
+
+        def warmup(self, *dtypes, grid, **meta):
+            calls.append(self.name)
+            if self.error is not None and calls.count(self.name) <= self.times:
+                raise self.error
+    flaky, refused = names[0], names[1]
+    monkeypatch.setattr(lib.module, flaky, Warmup(flaky, SystemError("AST constructor recursion depth mismatch "
+                                                                      "(before=24, after=16)"), 1))
+    monkeypatch.setattr(lib.module, refused, Warmup(refused, RuntimeError("PTX assembly failed: stand-in"), 99))
+    for name in names[2:]:
+        monkeypatch.setattr(lib.module, name, Warmup(name, None, 0))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    failed = lib.precompile(dataclasses.replace(graph, device="cuda:0"), kernels)
+    assert [(name, str(e)) for name, e in failed] == [(refused, "PTX assembly failed: stand-in")]
+    assert calls.count(flaky) == 2
+
+
 def test_a_combined_kernels_parts_share_no_value():
     """In the suite's forward and backward graphs, no part of a combined kernel reads a value another part
     computes (read off the graph's own edges, through views), and the combined kernels are there to check."""
@@ -891,8 +928,8 @@ SPLIT = Schedule(chunk=2, reduction_split=4)     # 3000 reduced elements: 3 slic
 
 
 def split_kernels(fn, args, schedule: Schedule = SPLIT) -> list[tt.TritonKernel]:
-    """fn's Triton kernels under `schedule` that run as split reductions."""
-    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+    """fn's Triton kernels under `schedule` that run as split reductions (for meta tensors too)."""
+    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), ir.graph_device(args), half=True)
     plan = fusion.plan(graph)
     _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
     return [k for k in kernels if k is not None and k.split is not None]
@@ -996,6 +1033,26 @@ def test_a_tensor_of_2_to_the_31_elements_is_indexed_in_int64():
     wide = {k.name: "tl.int64" in k.source for k in kernels if k is not None}
     big = [k.name for k in kernels if k is not None and any(graph.nodes[p].type.numel >= 2 ** 31 for p in k.params)]
     assert big and all(wide[name] for name in big) and not all(wide.values()), wide
+
+
+def test_a_split_whose_last_slice_runs_past_2_to_the_31_is_indexed_in_int64(monkeypatch):
+    """A split reduction's slices are whole blocks: the last one's indices run past the count, up to slices x
+    span. x.sum() of 2**31 - 1 elements in 3 slices runs to 2**31 + 1023, which int32 wraps into negative indices
+    that pass `r < count` (reads before the tensor, on a GPU), though the tensor alone stays under 2**31. Written
+    from a meta tensor; then run, with the limit lowered to a small tensor's padded extent, against eager."""
+    def total(x):
+        return (x.sum(),)
+    split = Schedule(reduction_split=3)
+    [kernel] = split_kernels(total, [torch.empty(2 ** 31 - 1, device="meta")], split)
+    assert "tl.int64" in kernel.source
+    x = torch.randn(3000, dtype=torch.float64)
+    [small] = split_kernels(total, [x], split)
+    assert "tl.int64" not in small.source       # 3 slices of 1024: 3072
+    monkeypatch.setattr(tt, "INT32_INDEX_LIMIT", 3001)
+    [wide] = split_kernels(total, [x], split)
+    assert "tl.int64" in wide.source
+    got, want, _ = run_triton(total, [x], split)
+    torch.testing.assert_close(got[0], want[0])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

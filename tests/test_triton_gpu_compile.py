@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +46,12 @@ def private_caches(tmp_path, monkeypatch):
 
 
 def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarget, path: Path,
-                  gemms_only: bool = False) -> int:
+                  gemms_only: bool = False, ptx: dict[str, str] | None = None) -> int:
     """Every kernel the graph launches (or its GEMMs'), compiled for `target` as its launch would (pointer
-    dtypes, block sizes, warps, stages), each distinct one once, one at a time (CPython 3.11's ast.parse is
-    not thread-safe: side by side, 1 run in 3 failed with "AST constructor recursion depth mismatch"), in a
-    process without the interpreter (tests/triton_compile_worker.py); Triton's error, with the kernel's name
-    and source, if one does not compile. How many were."""
+    dtypes and 16-byte alignment, block sizes, warps, stages), each distinct one once, one at a time (CPython
+    3.11's ast.parse is not thread-safe: side by side, 1 run in 3 failed with "AST constructor recursion depth
+    mismatch"), in a process without the interpreter (tests/triton_compile_worker.py); Triton's error, with the
+    kernel's name and source, if one does not compile. How many were; each one's PTX into `ptx` if given."""
     program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
     path.write_text(program.source)
     kernels = program.kernels
@@ -67,18 +68,21 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
             signature = pointers | {constant: "constexpr" for constant in meta}
             key = (k.source.split("\n", 1)[1], name, tuple(signature.items()), tuple(meta.items()),
                    tuple(options.items()), target.arch)
-            if key not in COMPILED:
+            if key not in COMPILED or ptx is not None:
                 todo[key] = {"name": name, "signature": signature, "constexprs": meta, "options": options}
     if todo:
         job = path.with_suffix(".json")
         job.write_text(json.dumps({"module": str(path), "target": [target.backend, target.arch, target.warp_size],
-                                   "kernels": list(todo.values())}))
+                                   "kernels": list(todo.values()), "ptx": ptx is not None}))
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         run = subprocess.run([sys.executable, str(WORKER), str(job)], capture_output=True, text=True, env=env,
                              timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]
         sources = {name: k.source for k in kernels if k is not None for name, _, _ in k.launches()}
-        failed = json.loads(run.stdout.strip().splitlines()[-1])["failed"]
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        failed = result["failed"]
+        if ptx is not None:
+            ptx.update(result["ptx"])
         assert not failed, "\n".join(f"{f['name']} does not compile for sm_{target.arch}: {f['error']}\n"
                                       f"{sources[f['name']]}" for f in failed)
     COMPILED.update(todo)
@@ -172,3 +176,20 @@ def test_split_reductions_compile_for_an_h100(tmp_path, monkeypatch):
     assert any(s.reduction_split > 1 for s in picked.schedules)
     compiled += compile_graph(graph, picked.plan, picked.schedules, H100, tmp_path / "sum_64m.py")
     assert compiled > 2 * len(graphs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
+def test_square_roots_compile_to_the_gpus_correctly_rounded_instructions(dtype, tmp_path):
+    """sqrt, rsqrt and powers of 0.5 and -0.5 are eager's: correctly rounded square roots, subnormals kept. Triton's
+    tl.sqrt of fp32 is the GPU's approximation that flushes subnormals to zero (sqrt.approx.ftz.f32: the sqrt of
+    1e-40 is 0 where eager's is 1e-20), and tl.rsqrt is an approximation in fp64 too (rsqrt.approx.f64); the
+    interpreter computes both exactly, so only the instructions compiled for the GPU show it."""
+    def roots(x):
+        return x.sqrt(), x.rsqrt(), x ** 0.5, x ** -0.5
+    x = torch.rand(6, 7).to(dtype)
+    graph = ir.from_fx(make_fx(roots, decomposition_table=decompositions())(x), half=True)
+    plan = fusion.plan(graph)
+    ptx: dict[str, str] = {}
+    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "roots.py", ptx=ptx) >= 1
+    roots_compiled = set(re.findall(r"\br?sqrt\.[a-z0-9.]+", "\n".join(ptx.values())))
+    assert roots_compiled and not any("approx" in r for r in roots_compiled), roots_compiled

@@ -4,6 +4,7 @@ run kernels in a process, triton.language stays patched there and the compiler f
 ('value' object has no attribute 'dtype').
 
     python tests/triton_compile_worker.py JOB.json   ->  one JSON line: {"failed": [{"name", "error"}]}
+                                                         (and "ptx": {name: PTX} where JOB asks "ptx": true)
 
 JOB: {"module": path of the kernels' module, "target": [backend, arch, warp size],
       "kernels": [{"name", "signature", "constexprs", "options"}]}
@@ -26,14 +27,21 @@ def main(job_path: str) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     target = GPUTarget(*job["target"])
-    failed = []
+    failed, ptx = [], {}
     for k in job["kernels"]:
+        fn = getattr(module, k["name"])
+        # every pointer 16-byte aligned, as a launch on torch's tensors (and TritonLibrary.precompile's warmup)
+        # specializes it: the variant a GPU runs (vectorized loads; a GEMM's tiles pipelined over num_stages)
+        aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in k["signature"].items()
+                   if kind.startswith("*")}
         try:
-            triton.compile(ASTSource(getattr(module, k["name"]), k["signature"], constexprs=k["constexprs"]),
-                           target=target, options=k["options"])
+            compiled = triton.compile(ASTSource(fn, k["signature"], constexprs=k["constexprs"], attrs=aligned),
+                                      target=target, options=k["options"])
+            if job.get("ptx"):
+                ptx[k["name"]] = compiled.asm["ptx"]
         except Exception as err:  # noqa: BLE001 - any refusal of Triton's compiler is the finding
             failed.append({"name": k["name"], "error": f"{type(err).__name__}: {str(err)[:2000]}"})
-    print(json.dumps({"failed": failed}))
+    print(json.dumps({"failed": failed} | ({"ptx": ptx} if job.get("ptx") else {})))
 
 
 if __name__ == "__main__":

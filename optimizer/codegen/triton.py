@@ -250,8 +250,8 @@ def _pow(ops, out, kw):
     b, e = _cast(base, out), _cast(exponent, out)
     if exponent.scalar:
         y = float(exponent.value)
-        special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: f"tl.sqrt({b})", 1.0: b,
-                   -1.0: f"(1.0 / {b})", -0.5: f"(1.0 / tl.sqrt({b}))", -2.0: f"(1.0 / ({b} * {b}))",
+        special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: _sqrt(b, out), 1.0: b,
+                   -1.0: f"(1.0 / {b})", -0.5: f"(1.0 / {_sqrt(b, out)})", -2.0: f"(1.0 / ({b} * {b}))",
                    0.0: f"(tl.zeros_like({b}) + 1.0)"}
         if y in special:
             return special[y]
@@ -264,6 +264,19 @@ def _pow(ops, out, kw):
     if base.scalar:      # spread over the exponent's shape, the sign of -0.0 kept
         return f"tfsn_pow((tl.zeros_like({e}) + 1.0) * {b}, {e})"
     return f"tfsn_pow({b}, {e})"
+
+
+def _sqrt(x: str, dtype: str) -> str:
+    """sqrt(x) correctly rounded, subnormals kept, as eager's (and Inductor's tl.sqrt_rn): Triton's tl.sqrt of fp32
+    is the GPU's approximation flushing subnormals to zero (sqrt.approx.ftz.f32: sqrt(1e-40) is 0, not 1e-20);
+    of fp64 it is sqrt.rn.f64 already."""
+    return f"tl.sqrt_rn({x})" if dtype == "float32" else f"tl.sqrt({x})"
+
+
+def _rsqrt(ops, out, kw):
+    """1 / sqrt(x), of the correctly rounded sqrt: Triton's tl.rsqrt is an approximation in fp64 too
+    (rsqrt.approx.f64) and flushes fp32 subnormals (rsqrt.approx.ftz.f32: inf for 1e-40)."""
+    return f"(1.0 / {_sqrt(_cast(ops[0], out), out)})"
 
 
 def _clamp(ops, out, kw):
@@ -318,7 +331,7 @@ OPS: dict[str, Callable] = {
     "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
     "aten.expm1.default": _unary("tfsn_expm1({a})"), "aten.log.default": _unary("tl.log({a})"),
     "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tfsn_log1p({a})"),
-    "aten.sqrt.default": _unary("tl.sqrt({a})"), "aten.rsqrt.default": _unary("tl.rsqrt({a})"),
+    "aten.sqrt.default": lambda o, out, kw: _sqrt(_cast(o[0], out), out), "aten.rsqrt.default": _rsqrt,
     "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
     "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("tfsn_tanh({a})"),
     "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),
@@ -678,6 +691,9 @@ class TritonWriter:
         row's partials, a mean divided by the whole count once, then runs the per-row values after them.
         Members over the whole domain run here, on each slice after its pass."""
         split = -(-self.count // span)
+        # the last slice's blocks run up to split * span, past the count: an index of int32 would wrap there (a split
+        # other than a power of 2 of 2**31 - 1 elements) into a negative one that passes `r < count`
+        self.wide = self.wide or split * span >= INT32_INDEX_LIMIT
         first, *after = self.nest.segments
         scratch = [f"s{j}" for j in range(len(first.reductions))]
         code = [f"pid = {self.program()}", f"part = pid % {split}", *self.row_block(f"(pid // {split})"),
@@ -964,7 +980,18 @@ class TritonLibrary:
                     getattr(self.module, name).warmup(*k.pointer_dtypes(graph), grid=grid, **dict(meta))
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
             compiled = [(k, pool.submit(compile_one, k)) for k in todo]
-            return [(k.name, future.exception()) for k, future in compiled if future.exception() is not None]
+        # Triton parses each kernel's source with ast.parse, which CPython 3.11 does not make thread-safe: a parse
+        # while another thread's garbage collection runs Python code can raise a spurious SystemError ("AST
+        # constructor recursion depth mismatch", python/cpython#106905), which would send the graph to ATen. So a
+        # kernel that failed on the pool is compiled again here, alone: only one that fails then has failed.
+        failed = []
+        for k, future in compiled:
+            if future.exception() is not None:
+                try:
+                    compile_one(k)
+                except Exception as e:  # noqa: BLE001 - whatever Triton raised is the caller's report
+                    failed.append((k.name, e))
+        return failed
 
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]

@@ -361,7 +361,7 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
         else:
             plan = fusion.plan(graph)
             schedules = [schedule or Schedule()] * len(plan.groups)
-        program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+        program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace, spec)
         lib = triton.TritonLibrary(program.source) if any(program.kernels) else None
         failed = lib.precompile(graph, program.kernels) if lib is not None else []
     except (NotFusable, triton.Unsupported) as e:

@@ -811,6 +811,29 @@ def _apart(x, w, y):
     return x.sum(0), x @ w, y.sin().sum(1)
 
 
+@pytest.mark.parametrize("warps", [1, 4, 8])
+def test_a_part_runs_in_one_wave_of_the_gpu(warps):
+    """A kernel combines while its programs fit on the spec's GPU at once (its SMs times the programs of its warps
+    one SM holds): the GPT-2 block's q, k and v copies at the benchmark's size, 1044 programs each, do on an H100
+    at any warps; one program more than the wave and it runs alone. Without a spec, COMBINED_PROGRAMS."""
+    import optimizer.codegen.triton_combo as combo
+    from optimizer.hardware import find_hardware
+    spec = find_hardware("h100")
+    gm = make_fx(_apart, decomposition_table=decompositions())(torch.randn(6, 5), torch.randn(5, 4),
+                                                                  torch.randn(7, 3))
+    graph = ir.from_fx(gm, "cpu", half=True)
+    plan = fusion.plan(graph)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    assert combo.combined_runs(graph, plan.groups, kernels, plan.inplace, spec) == [[0, 2]]
+    wave = spec.compute_units * min(spec.blocks_per_unit, spec.threads_per_unit // (warps * spec.simd_width))
+
+    def runs(programs: int, on=spec) -> list:
+        kernel = dataclasses.replace(kernels[2], grid=(programs,), meta=(("num_warps", warps),))
+        return combo.combined_runs(graph, plan.groups, [*kernels[:2], kernel], plan.inplace, on)
+    assert wave >= 1044 and runs(1044) == runs(wave) == [[0, 2]] and runs(wave + 1) == []
+    assert runs(combo.COMBINED_PROGRAMS, None) == [[0, 2]] and runs(combo.COMBINED_PROGRAMS + 1, None) == []
+
+
 def _after_an_extern(x, w, y):
     """A reduction; a GEMM and an extern of its product; reductions of the extern's result, directly and through
     a kernel between; and a reduction of neither."""

@@ -11,7 +11,8 @@ each pointer reaches, through views and in-place writes). A run's kernels need n
 combined kernel runs at the first's place, so each later part moves earlier past the steps between, which it
 may only where it reads no value they compute (through the graph's edges, transitively) and no storage one
 writes is touched by the other; an extern that may write what it is not seen to (a mutating or unknown op)
-is passed by none. A GPT-2 block's q, k and v copies, with a GEMM and attention's mask between, so run as one."""
+is passed by none. A GPT-2 block's forward (tests/optimizer_models.py, at the benchmark's size on an H100) so
+runs its q, k and v copies and attention's mask, with views, a constant and the scores' GEMM between, as two."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -361,7 +361,7 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
         else:
             plan = fusion.plan(graph)
             schedules = [schedule or Schedule()] * len(plan.groups)
-        program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
+        program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace, spec)
         lib = triton.TritonLibrary(program.source) if any(program.kernels) else None
         failed = lib.precompile(graph, program.kernels) if lib is not None else []
     except (NotFusable, triton.Unsupported) as e:
@@ -426,7 +426,7 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
     return result.plan, result.schedules
 
 
-SEARCH_VERSION = "19"     # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "20"     # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

@@ -111,10 +111,10 @@ def triton_sources(report: StepReport) -> dict[str, tuple[str, list[str | None]]
     """Each graph's chosen plan as one Triton module (`tfsn optimize --hardware GPU --emit`): its source and
     the kernel name of every group (None for an extern), by graph name."""
     from optimizer.codegen.triton_combo import write_program
-    sources = {}
+    sources, spec = {}, _spec_of(report)
     for n, (graph, result) in enumerate(report.graphs):
         plan = result.plan
-        program = write_program(graph, plan.groups, plan.buffers, result.schedules, plan.inplace)
+        program = write_program(graph, plan.groups, plan.buffers, result.schedules, plan.inplace, spec)
         sources[report.name(n)] = (program.source, program.kernel_names)
     return sources
 

@@ -93,7 +93,7 @@ class SpecModel:
             _, kernels = write_source(graph, plan.groups, plan.buffers, schedules, plan.inplace)
         except (NotFusable, Unsupported):     # no Triton program of this plan: its kernels priced one by one
             return 0
-        return sum(len(run) - 1 for run in combined_runs(graph, plan.groups, kernels, plan.inplace))
+        return sum(len(run) - 1 for run in combined_runs(graph, plan.groups, kernels, plan.inplace, self.spec))
 
 
 def target_for(spec: HardwareSpec, device: str | None = None) -> Target:

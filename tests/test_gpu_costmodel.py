@@ -15,6 +15,7 @@ from optimizer.backend import decompositions
 from optimizer.costmodel import Candidates, FeatureTable, KernelFeatures, gpu_occupancy, predict_gpu
 from optimizer.hardware import find_hardware
 from optimizer.schedule import Schedule
+from optimizer.target import target_for
 
 H100, A100, T4 = find_hardware("H100"), find_hardware("A100-80GB"), find_hardware("T4")
 
@@ -127,8 +128,10 @@ def test_a_training_step_with_attention_and_a_convolution_prices_their_forward_a
     assert conv_back.flops == conv.flops and conv_back.seconds > conv.seconds / 2   # the weight's gradient alone
     result = predicted(small)
     kernels = sum(k.predicted_s for k in result.kernels)
+    # less a launch for each kernel the Triton program runs as part of another's (codegen/triton_combo.py)
+    saved = target_for(H100).launches_saved(small, result.plan, result.schedules) * H100.launch_overhead_us * 1e-6
     assert sum(result.externs.values()) > 0 and result.predicted_s == pytest.approx(
-        kernels + sum(result.externs.values()))
+        kernels + sum(result.externs.values()) - saved)
 
 
 def test_views_and_tuple_items_are_free_and_memory_ops_cost_their_bytes():

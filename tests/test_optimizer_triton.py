@@ -55,16 +55,41 @@ def forward_and_backward(fn):
     return step
 
 
-def run_triton(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True):
+@dataclasses.dataclass
+class Programmed:
+    """A graph's plan as write_program was given it, and the program it wrote."""
+    graph: ir.Graph
+    groups: list
+    buffers: set
+    schedules: list
+    inplace: dict
+    program: object
+
+    def kernels(self) -> list:
+        """The plan's kernels, each alone (write_source's)."""
+        return tt.write_source(self.graph, self.groups, self.buffers, self.schedules, self.inplace)[1]
+
+
+def run_program(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True, order=None):
+    """fn's outputs as its graph's Triton program computes them, eager's, the plan and what was programmed;
+    `order(graph, groups)` gives the plan's steps another order of the graph's."""
     args = [a.to(DEVICE) for a in args]
     gm = make_fx(fn, decomposition_table=decompositions())(*args)
     graph = ir.from_fx(gm, ir.graph_device(args), half=True)
     plan = fusion.plan(graph, gemm=gemm)
-    program = write_program(graph, plan.groups, plan.buffers, [schedule] * len(plan.groups), plan.inplace)
+    if order is not None:
+        plan = dataclasses.replace(plan, groups=order(graph, plan.groups))
+    schedules = [schedule] * len(plan.groups)
+    program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace)
     assert any(program.kernels), "nothing was generated"
     lib = tt.TritonLibrary(program.source)
     got = CompiledGraph(graph, program.groups, program.kernels, lib, plan.inplace)(list(args))
-    return got, gm(*args), plan
+    return got, gm(*args), plan, Programmed(graph, plan.groups, plan.buffers, schedules, plan.inplace, program)
+
+
+def run_triton(fn, args, schedule: Schedule = DEFAULT, gemm: bool = True):
+    got, want, plan, _ = run_program(fn, args, schedule, gemm)
+    return got, want, plan
 
 
 def mlp(x, w1, b1, w2, b2):
@@ -734,6 +759,26 @@ def _updates_beside_aliases(p, q, g):
     return out
 
 
+def _compiled_as_eager(step, args, monkeypatch) -> list[Programmed]:
+    """Runs `step` compiled by the Triton backend on copies of `args`, asserts its results and the inputs it
+    updated are eager's, and returns what each of its graphs was planned and programmed as."""
+    import optimizer.codegen.triton_combo as combo
+    recorded: list[Programmed] = []
+
+    def recording(graph, groups, buffers, schedules, inplace=None, spec=None):
+        program = write_program(graph, groups, buffers, schedules, inplace, spec)
+        recorded.append(Programmed(graph, list(groups), buffers, list(schedules), dict(inplace or {}), program))
+        return program
+    monkeypatch.setattr(combo, "write_program", recording)
+    torch._dynamo.reset()
+    mine = [a.clone() for a in args]
+    got = torch.compile(step, backend=make_backend(codegen="triton"))(*mine)
+    torch._dynamo.reset()
+    want = step(*args)
+    assert all(torch.allclose(x, y) for x, y in zip((*got, *mine), (*want, *args)))
+    return recorded
+
+
 @pytest.mark.parametrize("step", [_updates_beside_views, _updates_beside_aliases], ids=["view", "alias"])
 def test_no_part_of_a_combined_kernel_writes_memory_another_part_touches(step, monkeypatch):
     """Every combined kernel of a step that reads an input through a view or an ATen alias beside in-place
@@ -741,30 +786,219 @@ def test_no_part_of_a_combined_kernel_writes_memory_another_part_touches(step, m
     reads or writes (on a GPU their programs race; the interpreter runs them in order and cannot show it), and
     the results and updated inputs are eager's."""
     import optimizer.codegen.triton_combo as combo
-    programs = []
-
-    def recorded(graph, groups, buffers, schedules, inplace=None):
-        programs.append((graph, list(groups), buffers, list(schedules), dict(inplace or {})))
-        return write_program(graph, groups, buffers, schedules, inplace)
-    monkeypatch.setattr(combo, "write_program", recorded)
-    torch._dynamo.reset()
     args = [torch.randn(6, 5, device=DEVICE), torch.randn(7, device=DEVICE), torch.randn(6, 5, device=DEVICE)]
-    mine = [a.clone() for a in args]
-    got = torch.compile(step, backend=make_backend(codegen="triton"))(*mine)
-    torch._dynamo.reset()
-    want = step(*args)
-    assert all(torch.allclose(x, y) for x, y in zip((*got, *mine), (*want, *args)))
     combined = 0
-    for graph, groups, buffers, schedules, inplace in programs:
-        _, kernels = tt.write_source(graph, groups, buffers, schedules, inplace)
-        for run in combo.combined_runs(graph, groups, kernels, inplace):
+    for r in _compiled_as_eager(step, args, monkeypatch):
+        kernels = r.kernels()
+        for run in combo.combined_runs(r.graph, r.groups, kernels, r.inplace):
             combined += 1
-            touched = [{_memory_of(graph, inplace, n) for n in kernels[i].params} for i in run]
-            written = [{_memory_of(graph, inplace, n) for n in kernels[i].outputs} for i in run]
+            touched = [{_memory_of(r.graph, r.inplace, n) for n in kernels[i].params} for i in run]
+            written = [{_memory_of(r.graph, r.inplace, n) for n in kernels[i].outputs} for i in run]
             for a in range(len(run)):
                 for b in range(len(run)):
-                    assert a == b or not written[a] & touched[b], (graph.nodes[min(written[a] & touched[b])].name)
+                    assert a == b or not written[a] & touched[b], (r.graph.nodes[min(written[a] & touched[b])].name)
     assert combined, "no kernels were combined: nothing was checked"
+
+
+def _reordered_pairs(r: Programmed) -> list[tuple[int, int]]:
+    """The pairs of plan steps (a, b), a first in the plan, that the program runs b before a (a combined kernel
+    runs its parts at the first's place), each checked independent by walks of the test's own: b computes from
+    no value of a's (the graph's edges, transitively), and neither writes memory the other reads or writes (an
+    extern touches its inputs and its result; one that may write its arguments, by its schema or for want of
+    one, touches nothing safely)."""
+    graph, kernels = r.graph, r.kernels()
+    position = {}
+    for s, step in enumerate(r.program.groups):
+        for i, group in enumerate(r.groups):
+            if i not in position and set(group.nodes) <= set(step.nodes):
+                position[i] = s
+
+    def memory(i: int) -> tuple[set, set]:
+        """(touched, written) of plan step i."""
+        if kernels[i] is not None:
+            return ({_memory_of(graph, r.inplace, n) for n in kernels[i].params},
+                    {_memory_of(graph, r.inplace, n) for n in kernels[i].outputs})
+        node = graph.nodes[r.groups[i].nodes[0]]
+        schema = getattr(node.target, "_schema", None)
+        inputs = {_memory_of(graph, r.inplace, n) for n in node.inputs}
+        unsafe = node.kind == ir.Kind.EXTERN and node.op not in ("getitem", "constant") and (
+            schema is None or schema.is_mutable)
+        return inputs | {node.index}, ({node.index} | inputs) if unsafe else {node.index}
+
+    pairs = []
+    for b in range(len(r.groups)):
+        for a in range(b):
+            if position[a] <= position[b]:
+                continue
+            pairs.append((a, b))
+            needs, todo = set(), [n for n in r.groups[b].nodes]
+            while todo:
+                for i in graph.nodes[todo.pop()].inputs:
+                    if i not in needs:
+                        needs.add(i)
+                        todo.append(i)
+            assert not needs & set(r.groups[a].nodes), f"step {b} moved before step {a}, whose value it reads"
+            (touched_a, written_a), (touched_b, written_b) = memory(a), memory(b)
+            assert not written_a & touched_b and not written_b & touched_a, f"steps {a} and {b} share memory"
+    return pairs
+
+
+def _apart(x, w, y):
+    """Two reductions with a GEMM between that neither reads."""
+    return x.sum(0), x @ w, y.sin().sum(1)
+
+
+@pytest.mark.parametrize("warps", [1, 4, 8])
+def test_a_part_runs_in_one_wave_of_the_gpu(warps):
+    """A kernel combines while its programs fit on the spec's GPU at once (its SMs times the programs of its warps
+    one SM holds): the GPT-2 block's q, k and v copies at the benchmark's size, 1044 programs each, do on an H100
+    at any warps; one program more than the wave and it runs alone. Without a spec, COMBINED_PROGRAMS."""
+    import optimizer.codegen.triton_combo as combo
+    from optimizer.hardware import find_hardware
+    spec = find_hardware("h100")
+    gm = make_fx(_apart, decomposition_table=decompositions())(torch.randn(6, 5), torch.randn(5, 4),
+                                                                  torch.randn(7, 3))
+    graph = ir.from_fx(gm, "cpu", half=True)
+    plan = fusion.plan(graph)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    assert combo.combined_runs(graph, plan.groups, kernels, plan.inplace, spec) == [[0, 2]]
+    wave = spec.compute_units * min(spec.blocks_per_unit, spec.threads_per_unit // (warps * spec.simd_width))
+
+    def runs(programs: int, on=spec) -> list:
+        kernel = dataclasses.replace(kernels[2], grid=(programs,), meta=(("num_warps", warps),))
+        return combo.combined_runs(graph, plan.groups, [*kernels[:2], kernel], plan.inplace, on)
+    assert wave >= 1044 and runs(1044) == runs(wave) == [[0, 2]] and runs(wave + 1) == []
+    assert runs(combo.COMBINED_PROGRAMS, None) == [[0, 2]] and runs(combo.COMBINED_PROGRAMS + 1, None) == []
+
+
+def _after_an_extern(x, w, y):
+    """A reduction; a GEMM and an extern of its product; reductions of the extern's result, directly and through
+    a kernel between; and a reduction of neither."""
+    a = x.sum(0)
+    c = torch.cumsum(x @ w, 0)
+    d = c.exp() + 1
+    return a, c, (c * 2).sum(1), d, d.sum(1), y.sin().sum(1)
+
+
+def _combined_apart(r: Programmed) -> list[list[int]]:
+    """The plan steps each combined kernel of the program runs, where some step runs between them in the plan."""
+    runs = [[i for i, g in enumerate(r.groups) if set(g.nodes) <= set(step.nodes)]
+            for step, kernel in zip(r.program.groups, r.program.kernels) if kernel is not None and
+            kernel.name.startswith("c")]
+    return [run for run in runs if run[-1] - run[0] >= len(run)]
+
+
+def test_independent_kernels_apart_combine_as_eager_forward_and_backward():
+    """Two small kernels with a GEMM between them run as one kernel (the later moved to the first's place, as it
+    reads nothing the GEMM computes): forward and backward are eager's, and the steps the program reorders are
+    independent."""
+    torch.manual_seed(0)
+    got, want, _, r = run_program(forward_and_backward(_apart), [torch.randn(6, 5), torch.randn(5, 4),
+                                                                 torch.randn(7, 3)])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert _combined_apart(r) and _reordered_pairs(r)
+
+
+def _inputs_first(graph: ir.Graph, groups: list) -> list:
+    """The plan's kernels that compute from the graph's inputs alone (through no step's value, a view's either)
+    first, the other steps after in order."""
+    stepped = {g.nodes[0] for g in groups if g.kind == "extern"}
+
+    def of_inputs(group) -> bool:
+        todo, seen = list(group.nodes), set(group.nodes)
+        while todo:
+            node = graph.nodes[todo.pop()]
+            if node.kind not in (ir.Kind.INPUT, ir.Kind.POINTWISE, ir.Kind.REDUCE, ir.Kind.VIEW) \
+                    or node.index in stepped:
+                return False
+            todo += [i for i in node.inputs if i not in seen]
+            seen.update(node.inputs)
+        return group.kind == "kernel"
+    return sorted(groups, key=lambda g: not of_inputs(g))
+
+
+def test_a_kernel_that_reads_what_a_step_between_computes_does_not_move_before_it():
+    """Kernels computing from an extern's result (directly, and through a kernel between) stay after the extern,
+    though a run of small kernels before it could take them (reductions of the inputs alone, put first): the
+    steps the program reorders are independent, and forward and backward are eager's."""
+    torch.manual_seed(0)
+    got, want, _, r = run_program(forward_and_backward(_after_an_extern), [torch.randn(6, 5), torch.randn(5, 4),
+                                                                           torch.randn(7, 3)], order=_inputs_first)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    _reordered_pairs(r)
+    cumsum = next(i for i, g in enumerate(r.groups) if r.graph.nodes[g.nodes[0]].op == "aten.cumsum.default")
+    assert cumsum > 0 and r.groups[0].kind == "kernel", "no kernel before the extern to move to"
+
+
+def _of_a_slice(x, y, w):
+    """A reduction, and a GEMM and a reduction of a slice (a view made by a step of its own)."""
+    a = x.sum(0)
+    v = y[1:]
+    return a, v @ w, v.sin().sum(1)
+
+
+def test_a_kernel_that_reads_a_view_made_between_does_not_move_before_it():
+    """A kernel reading a view made by a step between (a slice: a view writes no memory, so only the graph's
+    edges show the kernel needs it) stays after that step; forward and backward are eager's."""
+    torch.manual_seed(0)
+    got, want, _, r = run_program(forward_and_backward(_of_a_slice), [torch.randn(6, 5), torch.randn(7, 3),
+                                                                      torch.randn(3, 4)], order=_inputs_first)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    _reordered_pairs(r)
+    ops = [r.graph.nodes[g.nodes[0]].op for g in r.groups]
+    assert r.groups[0].kind == "kernel" and "aten.slice.Tensor" in ops[1:], "no view made after a kernel"
+
+
+def _update_after_a_read(p, w, x):
+    """An input updated in place after a GEMM reads it, with an independent reduction before the GEMM (whose
+    product is no output itself: fusion writes no input in place that an output reads)."""
+    out = x.sum(0), (p @ w) * 2
+    p.mul_(0.5)
+    return out
+
+
+def _update_after_a_view_read(p, w, x):
+    """The same, the GEMM reading the input through a view (a transpose)."""
+    out = x.sum(0), (p.t() @ w) * 2
+    p.mul_(0.5)
+    return out
+
+
+@pytest.mark.parametrize("step", [_update_after_a_read, _update_after_a_view_read], ids=["direct", "view"])
+def test_an_update_in_place_does_not_move_before_a_read_of_its_input(step, monkeypatch):
+    """An in-place update of an input is not combined with a kernel before a GEMM that reads the input (through a
+    view too): the results and the updated input are eager's, and the steps the program reorders are
+    independent."""
+    args = [torch.randn(5, 5, device=DEVICE), torch.randn(5, 4, device=DEVICE), torch.randn(7, 3, device=DEVICE)]
+    (r,) = _compiled_as_eager(step, args, monkeypatch)
+    assert r.inplace, "the update was not written in place"
+    update = next(i for i, g in enumerate(r.groups) if set(r.inplace) & set(g.nodes))
+    assert r.groups[0].kind == "kernel" and any(g.kind == "gemm" for g in r.groups[1:update]), \
+        "no kernel before the GEMM to move the update to"
+    _reordered_pairs(r)
+
+
+def _beside_a_write_in_place(p, x, y):
+    """Reductions of two inputs with an ATen op between that writes a third in place (make_fx keeps it: an
+    extern of a mutable schema)."""
+    a = x.sum(0)
+    p.mul_(0.5)
+    return a, y.sin().sum(1)
+
+
+def test_no_kernel_moves_past_an_extern_that_writes_in_place():
+    """An extern that writes in place is passed by no kernel (what it writes is the schema's word per argument,
+    not followed here): the reductions either side of it, independent as they are, run as two kernels, as
+    eager."""
+    args = [torch.randn(5, 5), torch.randn(6, 5), torch.randn(7, 3)]
+    got, want, _, r = run_program(_beside_a_write_in_place, args)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    assert [(g.kind, r.graph.nodes[g.nodes[0]].op) for g in r.groups][1] == ("extern", "aten.mul_.Tensor")
+    assert [g.kind for g in r.program.groups] == ["kernel", "extern", "kernel"]
 
 
 # ---- op lowerings whose obvious Triton forms are wrong: values torch gets right ----

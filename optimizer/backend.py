@@ -143,7 +143,9 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     layout.channels_last_convolutions(joint)
     mutated = mutated_inputs(joint)
-    pair = min_cut_rematerialization_partition(_copy(joint) if mutated else joint, joint_inputs, compiler="inductor",
+    cut = _copy(joint) if mutated else joint        # the fallback below takes the joint untagged
+    recompute_constants(cut)
+    pair = min_cut_rematerialization_partition(cut, joint_inputs, compiler="inductor",
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
     if not mutated or not mutated & {n.name for n in pair[1].graph.find_nodes(op="placeholder")}:
         return pair
@@ -153,7 +155,57 @@ def partition(joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs
     # saves what eager autograd saves, and eager's version counters forbid reading a mutated input.
     log.info("tfsn: the recomputing partition reads inputs mutated by the step (%s) in the backward; saving "
              "activations instead", ", ".join(sorted(mutated)))
-    return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    return default_partition(copy_constants(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+
+def constants(joint: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The forward's values computed from no input (a causal mask from ones().tril() or from arange
+    comparisons, a scalar_tensor), random ops aside, in graph order. Why: saved for the backward, such
+    a mask is written by a forward kernel of its own (one launch per step) and read from memory, where
+    each graph can compute it inside the kernels that read it."""
+    from torch._functorch.partitioners import _has_tag_is_forward
+    found: set[torch.fx.Node] = set()
+    for node in joint.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags \
+                and isinstance(node.meta.get("val"), torch.Tensor) and _has_tag_is_forward(node) \
+                and all(i in found for i in node.all_input_nodes):
+            found.add(node)
+    return [n for n in joint.graph.nodes if n in found]
+
+
+def recompute_constants(joint: torch.fx.GraphModule) -> None:
+    """Tag the `constants` for the min-cut partitioner to recompute in the backward, never to save
+    (it saved the causal mask, untagged)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    for node in constants(joint):
+        node.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def copy_constants(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`joint` with the backward reading copies of the `constants` of its own, for the default
+    partition, which saves every forward value the backward reads (and takes no recompute tags on a
+    graph that mutates inputs). Run after any CSE pass (_merged_repeats): that would merge them back."""
+    from torch._functorch.partitioners import _has_tag_is_forward
+    found = constants(joint)
+    read = {n: [u for u in n.users if not _has_tag_is_forward(u) and u.op != "output"] for n in found}
+    first = next((n for n in joint.graph.nodes if any(n in users for users in read.values())), None)
+    if first is None:
+        return joint
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    with joint.graph.inserting_before(first):
+        for node in found:                          # graph order: a node's inputs are copied before it
+            copies[node] = joint.graph.node_copy(node, lambda i: copies[i])
+            copies[node].meta = {k: v for k, v in node.meta.items() if k != "partitioner_tag"}
+    for node, users in read.items():
+        for u in users:
+            u.replace_input_with(node, copies[node])
+    for copy in reversed(copies.values()):          # the copies the backward does not read
+        if not copy.users:
+            joint.graph.erase_node(copy)
+    joint.recompile()
+    return joint
 
 
 def mutated_inputs(joint: torch.fx.GraphModule) -> set[str]:
@@ -186,6 +238,10 @@ def searched_partition(spec=None) -> Callable:
         from optimizer.codegen import compiler
         from optimizer.hardware import cpu_spec
 
+        def saving() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+            return default_partition(copy_constants(_merged_repeats(_copy(joint))), joint_inputs,
+                                     num_fwd_outputs=num_fwd_outputs, **kwargs)
+
         layout.channels_last_convolutions(joint)       # before the two partitions: both see it
         recompute = partition(_copy(joint), joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         if spec is None and ir.graph_device(pytree.tree_leaves(joint_inputs)) != "cpu":   # priced for this CPU
@@ -198,8 +254,7 @@ def searched_partition(spec=None) -> Callable:
                                      suffix=".partition")
             choice = path.read_text() if path.exists() else ""
             if choice not in ("recompute", "store"):       # not decided here before
-                store = default_partition(_merged_repeats(_copy(joint)), joint_inputs,
-                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
+                store = saving()
                 # each side by the model alone, over a few fusion plans: the decision is between two
                 # graphs, and the full search of the chosen one follows
                 cost = [sum(search.search_graph(ir.from_fx(gm, half=True), chip, gemm=gemm, timing=False,
@@ -214,8 +269,7 @@ def searched_partition(spec=None) -> Callable:
             return recompute
         if choice == "recompute":
             return recompute
-        return store or default_partition(_merged_repeats(_copy(joint)), joint_inputs,
-                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
+        return store or saving()
     return choose
 
 

@@ -44,6 +44,52 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+class MaskedAttention(nn.Module):
+    """Causal self-attention with its mask written the ways users write it: `mask` "tril" builds
+    torch.tril(torch.ones(T, T)) in forward, "arange" compares torch.arange(T)[:, None] >= torch.arange(T),
+    "buffer" reads a tril of ones registered as a buffer (nanoGPT's `bias`)."""
+
+    def __init__(self, mask: str, n_embd: int = 24, n_head: int = 2, block: int = 16) -> None:
+        super().__init__()
+        self.mask, self.n_head = mask, n_head
+        self.qkv, self.proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)
+        if mask == "buffer":
+            self.register_buffer("bias", torch.tril(torch.ones(block, block)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (k.size(-1) ** 0.5))
+        if self.mask == "tril":
+            hidden = torch.tril(torch.ones(T, T, device=x.device)) == 0
+        elif self.mask == "arange":
+            pos = torch.arange(T, device=x.device)
+            hidden = ~(pos[:, None] >= pos)
+        else:
+            hidden = self.bias[:T, :T] == 0
+        y = F.softmax(att.masked_fill(hidden, float("-inf")), dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def input_free(graph) -> set[int]:
+    """The IR nodes of a graph (optimizer.ir.Graph) that read no graph input, directly or not: values
+    made from constants alone, such as a causal mask built in forward."""
+    from optimizer.ir import Kind
+    found: set[int] = set()
+    for node in graph.nodes:
+        if node.kind != Kind.INPUT and all(i in found for i in node.inputs):
+            found.add(node.index)
+    return found
+
+
+def input_free_kernels(graph, groups) -> list:
+    """The kernels among `groups` (optimizer.loopnest.Group) whose members read no graph input: launches
+    a step need not make, since each reader can compute such a value itself."""
+    free = input_free(graph)
+    return [g for g in groups if g.kind != "extern" and set(g.nodes) <= free]
+
+
 class GPT(nn.Module):
     """Embedding + blocks + LM head: the language-model step, cross-entropy included."""
 

@@ -122,6 +122,47 @@ def test_either_partition_transposes_a_reused_weight_once(choice, tmp_path, monk
     assert sorted(transposed) == ["primals_2", "primals_3"], transposed      # w.t() and u.t(), once each
 
 
+@pytest.mark.parametrize("choice", ["recompute", "store"])
+def test_either_partition_leaves_a_causal_mask_built_in_forward_to_each_graph(choice, tmp_path, monkeypatch):
+    """A causal mask built in forward from constants (torch.tril(torch.ones(T, T))) is not saved for the
+    backward by either partition (both forced, as above): each graph computes it from no input, so their
+    kernels can compute it where they read it; the gradients are eager's."""
+    from functorch.compile import aot_function
+
+    from tests.optimizer_models import MaskedAttention
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / choice))
+    torch.manual_seed(0)
+    model, x = MaskedAttention("tril"), torch.randn(2, 11, 24)
+    params = dict(model.named_parameters())
+
+    def loss(x, params):
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    def run_once() -> torch.fx.GraphModule:
+        graphs = []
+
+        def keep(gm, _inputs):
+            graphs.append(gm)
+            return gm
+        got = torch.autograd.grad(aot_function(loss, fw_compiler=keep, bw_compiler=keep,
+                                               partition_fn=backend.searched_partition())(x, params),
+                                  list(params.values()))
+        for g, want in zip(got, torch.autograd.grad(loss(x, params), list(params.values()))):
+            torch.testing.assert_close(g, want)
+        return graphs[0]
+
+    run_once()
+    for path in (tmp_path / choice).rglob("*.partition"):
+        path.write_text(choice)
+    forward = run_once()
+    free: set[torch.fx.Node] = set()
+    for node in forward.graph.nodes:
+        if node.op == "call_function" and all(i in free for i in node.all_input_nodes):
+            free.add(node)
+    saved = [n.name for n in forward.graph.find_nodes(op="output")[0].all_input_nodes if n in free]
+    assert not saved, f"the {choice} partition saves values made from no input: {saved}"
+
+
 def test_a_gpu_search_is_cached_by_the_gpu_not_by_the_host(monkeypatch):
     """A GPU graph's search entry is named by the GPU (name, compute capability), Triton, torch and whether
     its graphs replay as CUDA graphs: the same GPU on a host with another compiler or CPU reads it, another

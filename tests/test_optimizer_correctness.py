@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from optimizer import backend
 from optimizer.backend import make_backend, optimize
 from optimizer.schedule import DEFAULT
-from tests.optimizer_models import concatenations, suite
+from optimizer.ir import Ref
+from tests.optimizer_models import MaskedAttention, concatenations, input_free, input_free_kernels, suite
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -334,6 +335,46 @@ def test_sdpa_gradients_match_eager(causal):
     close(got, out, "sdpa output")
     for a, b, name in zip(mine, (q, k, v), "qkv"):
         close(a.grad, b.grad, f"sdpa grad of {name}")
+
+
+def masked_attention_matches_eager(monkeypatch, mask: str, **options) -> None:
+    """MaskedAttention(mask) compiled by make_backend(**options): loss and gradients as eager's, and no
+    value made from constants alone (the causal mask) is a kernel of its own or saved for the backward."""
+    compiled: list = []
+    real = backend._compiled
+
+    def recording(graph, groups, *more):
+        compiled.append((graph, groups))
+        return real(graph, groups, *more)
+    monkeypatch.setattr(backend, "_compiled", recording)
+    torch.manual_seed(0)
+    eager = MaskedAttention(mask)
+    mine = copy.deepcopy(eager)
+    x = torch.randn(3, 13, 24)
+    x_eager, x_mine = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss = eager(x_eager).square().mean()
+    loss.backward()
+    got = torch.compile(mine, backend=make_backend(**options))(x_mine).square().mean()
+    got.backward()
+    close(got, loss, f"{mask} loss")
+    close(x_mine.grad, x_eager.grad, f"{mask} grad of x")
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        close(q.grad, p.grad, f"{mask} grad of {name}")
+    assert len(compiled) == 2, f"{len(compiled)} graphs compiled where the step is a forward and a backward"
+    for graph, groups in compiled:
+        assert not input_free_kernels(graph, groups), f"a kernel computes the mask alone: {groups}"
+    forward = compiled[0][0]
+    saved = {o.index for o in forward.outputs if isinstance(o, Ref)} & input_free(forward)
+    assert not saved, f"the forward returns values made from constants: {[forward.nodes[i].name for i in saved]}"
+
+
+@pytest.mark.parametrize("mask", ["tril", "arange", "buffer"])
+def test_causal_mask_is_computed_in_the_kernels_that_read_it(monkeypatch, mask):
+    """A causal mask built in forward (a tril of ones, an arange comparison) is computed inside the
+    softmax kernels of the forward and of the backward: no launch of its own, not saved between them.
+    (The min-cut already recomputed the arange form; the tril form was saved. A mask kept as a buffer
+    is a graph input: that case checks the values only.)"""
+    masked_attention_matches_eager(monkeypatch, mask)
 
 
 def matches_eager(fn, *args) -> None:

@@ -36,6 +36,7 @@ from hypothesis import given, settings  # noqa: E402
 from tests import test_optimizer_ops as ops_fuzz  # noqa: E402
 from tests.optimizer_models import concatenations, suite  # noqa: E402
 from tests.test_optimizer_ops import EXAMPLES, FUZZ, operands  # noqa: E402
+from tests.test_optimizer_correctness import masked_attention_matches_eager  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -1474,3 +1475,10 @@ def test_16_bit_powers_by_scalars_as_eagers(dtype):
                                    msg=lambda m: f"x ** {e}: {m}")
         zero = want == 0
         assert torch.equal(got[zero].signbit(), want[zero].signbit()), f"x ** {e}: sign of zero"
+
+
+@pytest.mark.parametrize("mask", ["tril", "arange", "buffer"])
+def test_causal_mask_is_computed_in_the_kernels_that_read_it(monkeypatch, mask):
+    """As the C target's test (test_optimizer_correctness): the mask built in forward is computed inside
+    the Triton softmax kernels of both graphs, and the step matches eager."""
+    masked_attention_matches_eager(monkeypatch, mask, codegen="triton")

@@ -480,7 +480,7 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
     return result.plan, result.schedules
 
 
-SEARCH_VERSION = "20"     # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "21"     # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

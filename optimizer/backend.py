@@ -416,8 +416,13 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
             plan = fusion.plan(graph)
             schedules = [schedule or Schedule()] * len(plan.groups)
         program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace, spec)
-        lib = triton.TritonLibrary(program.source) if any(program.kernels) else None
-        failed = lib.precompile(graph, program.kernels) if lib is not None else []
+        lib, failed = _precompiled(graph, program)
+        refused = [(name, e) for name, e in failed if name in program.combined]
+        if refused:     # each part compiles alone (the parts are the kernels of the plan): launched one by one
+            log.warning("tfsn: Triton did not compile the combined kernel %s of %s (%s); its parts run as kernels "
+                        "of their own", refused[0][0], lib.path, str(refused[0][1]).splitlines()[0][:300])
+            program = write_program(graph, plan.groups, plan.buffers, schedules, plan.inplace, spec, combine=False)
+            lib, failed = _precompiled(graph, program)
     except (NotFusable, triton.Unsupported) as e:
         return _as_aten(gm, "its Triton code failed", e)
     if failed:       # launched, the kernel would fail the training step
@@ -425,6 +430,13 @@ def _triton_graph(gm: torch.fx.GraphModule, graph, schedule: Schedule | None, re
         return _as_aten(gm, f"Triton did not compile {len(failed)} of its kernels (kernel {name} of "
                             f"{lib.path})", error)
     return _compiled(graph, program.groups, plan.inplace, program.kernels, lib, cuda_graphs)
+
+
+def _precompiled(graph, program) -> tuple[Any, list[tuple[str, BaseException]]]:
+    """The program's module, its kernels compiled ahead for the graph's GPU, and those Triton refused."""
+    from optimizer.codegen import triton
+    lib = triton.TritonLibrary(program.source) if any(program.kernels) else None
+    return lib, lib.precompile(graph, program.kernels) if lib is not None else []
 
 
 def gpu_spec(device: str):

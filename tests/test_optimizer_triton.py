@@ -664,6 +664,30 @@ def test_a_graph_whose_kernel_triton_does_not_compile_runs_as_aten(monkeypatch, 
     assert "Triton did not compile 1 of its kernels" in caplog.text and "PTX assembly failed" in caplog.text
 
 
+def test_a_combined_kernel_triton_does_not_compile_runs_as_its_parts(monkeypatch, caplog):
+    """A combined kernel is new code, its parts' bodies side by side: where Triton refuses it (registers, an
+    argument list too long) the graph ran as ATen. Its parts are the plan's own kernels: they run one by one."""
+    def refuses_combined(self, graph, kernels):
+        return [(k.name, RuntimeError("out of resources: stand-in")) for k in kernels
+                if k is not None and k.name.startswith("c")]
+    monkeypatch.setattr(tt.TritonLibrary, "precompile", refuses_combined)
+
+    def f(p, g, w):
+        p.sub_(g)
+        w.mul_(2)
+        return p.sum()
+    torch._dynamo.reset()
+    args = [torch.randn(6, 5, device=DEVICE), torch.randn(6, 5, device=DEVICE), torch.randn(7, device=DEVICE)]
+    mine = [a.clone() for a in args]
+    aten, kernels = backend.STATS["aten_graphs"], backend.STATS["kernels"]
+    with caplog.at_level("WARNING", logger="tfsn.optimizer"):
+        got = torch.compile(f, backend=make_backend(codegen="triton"))(*mine)
+    torch._dynamo.reset()
+    assert backend.STATS["aten_graphs"] == aten and backend.STATS["kernels"] - kernels == 3
+    assert "did not compile the combined kernel" in caplog.text and "out of resources" in caplog.text
+    assert torch.allclose(got, f(*args)) and all(torch.equal(m, a) for m, a in zip(mine, args))
+
+
 def test_precompile_reports_only_kernels_that_fail_when_compiled_alone(monkeypatch):
     """CPython 3.11's ast.parse, which Triton runs on each kernel's source, is not thread-safe: on the compile
     pool a parse can raise a spurious SystemError (python/cpython#106905), which would send the whole graph to

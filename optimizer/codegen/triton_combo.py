@@ -42,17 +42,20 @@ class Program:
     groups: list[Group]
     kernels: list[TritonKernel | None]
     kernel_names: list[str | None]
+    combined: frozenset[str] = frozenset()      # the names of the kernels that run several groups' parts
 
 
 def write_program(graph: Graph, groups: Sequence[Group], buffers: set[int], schedules: Sequence[Schedule],
-                  inplace: dict[int, int] | None = None, spec: HardwareSpec | None = None) -> Program:
+                  inplace: dict[int, int] | None = None, spec: HardwareSpec | None = None,
+                  combine: bool = True) -> Program:
     """The graph's kernels (triton.write_source's), each run of independent small ones (for `spec`'s GPU, see
-    part_programs) combined into one kernel at its first's place: the steps in the order they run."""
+    part_programs) combined into one kernel at its first's place, unless not `combine`: the steps in the order
+    they run."""
     inplace = inplace or {}
     _, kernels = write_source(graph, groups, buffers, schedules, inplace)
     names = [None if k is None else k.name for k in kernels]
     steps: dict[int, tuple[Group, TritonKernel | None]] = {i: (g, k) for i, (g, k) in enumerate(zip(groups, kernels))}
-    for run in combined_runs(graph, groups, kernels, inplace, spec):
+    for run in combined_runs(graph, groups, kernels, inplace, spec) if combine else []:
         parts = [TritonWriter(graph, groups[i], buffers, schedules[i], f"k{i}_part", inplace, part=True).write()
                  for i in run]
         combined = _combined(f"c{run[0]}", parts)
@@ -64,7 +67,7 @@ def write_program(graph: Graph, groups: Sequence[Group], buffers: set[int], sche
     out_groups = [steps[i][0] for i in sorted(steps)]
     out_kernels = [steps[i][1] for i in sorted(steps)]
     source = PRELUDE + "\n\n".join(k.source for k in out_kernels if k is not None)
-    return Program(source, out_groups, out_kernels, names)
+    return Program(source, out_groups, out_kernels, names, frozenset(n for n in names if names.count(n) > 1))
 
 
 def combined_runs(graph: Graph, groups: Sequence[Group], kernels: Sequence[TritonKernel | None],

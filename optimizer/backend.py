@@ -474,22 +474,9 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
     from optimizer.target import target_for
     top_k = default_top_k(GPU_TOP_K) if top_k is None else top_k
     path = search_cache_path(graph, spec, None, True, "triton", f"top{top_k}", suffix=".json")
-    saved = _read_search_entry(path, graph, True) if report is None else None
     target = target_for(spec, graph.device)
-    if saved is not None:
-        _retime_ties(path, graph, saved, target)
-        if on_plan is not None:
-            on_plan(saved.expected_s, False, path.name)
-        return saved.plan, saved.schedules
-    _say_why_searching(spec)
-    result = search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1)
-    STATS["searches"] += 1
-    if report is not None:
-        report.append((graph, result))
-    if on_plan is not None:
-        on_plan(result.expected_s, True, path.name)
-    _write_search_entry(path, result)
-    return result.plan, result.schedules
+    return _saved_or_searched(path, graph, True, target, report, on_plan,
+                              lambda: search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1))
 
 
 SEARCH_VERSION = "21"     # bump when the search or the model changes what a cached result means
@@ -528,14 +515,23 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
 
     spec, threads = cpu_spec(), torch.get_num_threads()
     path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
+    return _saved_or_searched(path, graph, gemm, target_for(spec), report, on_plan,
+                              lambda: search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads))
+
+
+def _saved_or_searched(path: Path, graph, gemm: bool, target, report: list | None,
+                       on_plan: Callable[[float, bool, str], None] | None,
+                       search_now: Callable[[], Any]) -> tuple[Plan, list[Schedule]]:
+    """The plan and schedules saved at `path` (its ties timed again on `target`; not when a `report` wants the
+    search itself), else `search_now()`'s, saved there; `on_plan` is told either way."""
     saved = _read_search_entry(path, graph, gemm) if report is None else None
     if saved is not None:
-        _retime_ties(path, graph, saved, target_for(spec))
+        _retime_ties(path, graph, saved, target)
         if on_plan is not None:
             on_plan(saved.expected_s, False, path.name)
         return saved.plan, saved.schedules
-    _say_why_searching(spec)
-    result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
+    _say_why_searching(target.spec)
+    result = search_now()
     STATS["searches"] += 1
     log.info("tfsn search: %d plans, %d candidates scored in %.3f s, %d timed; %.2f s in all",
              result.plans_scored, result.scored, result.score_seconds, len(result.measured), result.seconds)

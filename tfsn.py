@@ -25,16 +25,17 @@ class ShadowedPackage(ImportError):
     """A module of the user's has the name of one of tfsn's packages and comes first on sys.path."""
 
 
-def check_packages() -> None:
+def check_packages(names: tuple[str, ...] = PACKAGES) -> None:
     """Fail in one line where a training script's own `optimizer.py` (or `health.py`, ...), first on sys.path
-    as the script's folder is, would be imported in place of tfsn's package of that name: tfsn then failed deep
-    in an import ("'optimizer' is not a package"). Two modules cannot share a top-level name: one must be renamed."""
+    as the script's folder is, would be imported in place of tfsn's package of that name (of `names`, those the
+    caller imports): tfsn then failed deep in an import ("'optimizer' is not a package"). Two modules cannot share
+    a top-level name: one must be renamed."""
     import importlib.util
     import sys
     from pathlib import Path
 
     home = Path(__file__).resolve().parent
-    for name in PACKAGES:
+    for name in names:
         module = sys.modules.get(name)
         spec = module.__spec__ if module is not None else importlib.util.find_spec(name)
         if spec is None:
@@ -48,8 +49,10 @@ def check_packages() -> None:
 
 def __getattr__(name: str) -> Any:
     """The SDK is imported on first use: the CLI must not pay for importing torch."""
-    if name in ("Run", "init", "optimize", "jax", "tfsn_backend"):
+    if name in ("Run", "init"):
         check_packages()
+    if name in ("optimize", "jax", "tfsn_backend"):
+        check_packages(("optimizer",))          # it imports no other of tfsn's packages: a user's health.py may stay
     if name in ("Run", "init"):
         from orchestrator.sdk import run
         return getattr(run, name)

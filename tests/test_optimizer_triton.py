@@ -825,6 +825,20 @@ def test_no_part_of_a_combined_kernel_writes_memory_another_part_touches(step, m
     assert combined, "no kernels were combined: nothing was checked"
 
 
+@pytest.mark.parametrize("step", [_updates_beside_views, _updates_beside_aliases], ids=["view", "alias"])
+def test_a_combined_kernels_parts_run_in_reverse_order_as_eager(step, monkeypatch):
+    """The interpreter runs a combined kernel's programs in id order, so a part reading what an earlier part writes
+    would read it fresh and match eager; a GPU runs them at once. With the parts' order reversed (the last part's
+    programs first) such a race reads stale memory: the in-place updates beside views and aliases still match."""
+    import optimizer.codegen.triton_combo as combo
+    real = combo._combined
+    monkeypatch.setattr(combo, "_combined", lambda name, parts: real(name, list(reversed(parts))))
+    args = [torch.randn(6, 5, device=DEVICE), torch.randn(7, device=DEVICE), torch.randn(6, 5, device=DEVICE)]
+    recorded = _compiled_as_eager(step, args, monkeypatch)
+    assert any(k is not None and k.name.startswith("c") for r in recorded for k in r.program.kernels), \
+        "no kernels were combined: nothing was checked"
+
+
 def _reordered_pairs(r: Programmed) -> list[tuple[int, int]]:
     """The pairs of plan steps (a, b), a first in the plan, that the program runs b before a (a combined kernel
     runs its parts at the first's place), each checked independent by walks of the test's own: b computes from

@@ -199,6 +199,20 @@ def test_optimize_command_bad_input_is_one_line(tmp_path, argv, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_module_whose_import_fails_is_not_called_missing(tmp_path, monkeypatch, capsys):
+    """--model mlp_models:build, whose file imports a missing `mlp`: the import's own error, not 'no module
+    mlp_models' (the module's name merely begins with the missing one's)."""
+    import typer
+
+    from orchestrator.cli.optimizer import load_callable
+    (tmp_path / "mlp_models.py").write_text("import mlp\n\ndef build():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(typer.Exit) as exit_:
+        load_callable("mlp_models:build", "--model")
+    err = capsys.readouterr().err
+    assert exit_.value.exit_code == 1 and "No module named 'mlp'" in err and "no module mlp_models" not in err, err
+
+
 def test_optimize_command_emits_the_plan_with_kernels_and_externs_priced(tmp_path):
     out = tmp_path / "plan-h100"
     proc = tfsn("optimize", "--model", f"{MODELS}:gpt2_block", "--inputs", f"{MODELS}:gpt2_inputs", "--hardware",

@@ -50,3 +50,15 @@ def test_a_users_configs_folder_does_not_replace_tfsns_shipped_configs(tmp_path)
     ]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["H100-SXM", "True", "True"]
+
+
+def test_the_optimizer_runs_beside_a_users_module_named_as_another_tfsn_package(tmp_path):
+    """The optimizer imports no other tfsn package: a project's own health.py or providers/ beside the script does
+    not stop torch.compile(backend="tfsn") or tfsn.optimize (it did: every entry checked all four names)."""
+    (tmp_path / "health.py").write_text("OK = True\n")
+    (tmp_path / "providers").mkdir()
+    (tmp_path / "providers" / "__init__.py").write_text("")
+    out = run_script(tmp_path, "import tfsn, health, providers\ntfsn.optimize, tfsn.tfsn_backend\nprint(health.OK)\n")
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr
+    out = run_script(tmp_path, "import tfsn\ntfsn.init\n")         # the SDK imports them: still named
+    assert out.returncode != 0 and "ShadowedPackage" in out.stderr.strip().splitlines()[-1], out.stderr

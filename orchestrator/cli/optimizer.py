@@ -92,7 +92,8 @@ def load_callable(ref: str, option: str):
     except typer.Exit:
         raise
     except ModuleNotFoundError as err:
-        if err.name is not None and module_name.startswith(err.name):    # the module named, not one it imports
+        # the module named or its package, not a module it imports (mlp_models importing a missing mlp)
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):
             _fail(f"{option}: no module {module_name} importable from {os.getcwd()}. To fix: give the path of a "
                   f"Python file (e.g. models.py:{attr}), or run from the folder the module is importable from")
         _fail(f"{option}: importing {module_name} failed: {type(err).__name__}: {err}", code=1)

@@ -80,7 +80,7 @@ def load_entry(workdir: Path, file: str, function: str) -> tuple[Any, Any, Any]:
     return checked(built, function)
 
 
-def _a(name: str) -> str:
+def with_article(name: str) -> str:
     """`a list`, `an int`: a type's name with its article."""
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
@@ -91,18 +91,18 @@ def checked(built: Any, function: str) -> tuple[Any, tuple, Any]:
 
     expected = "(model, batch, loss_fn): an nn.Module, a tensor or tuple of tensors, and a function or None"
     if not isinstance(built, (tuple, list)) or len(built) != 3:
-        what = _a(type(built).__name__) + (f" of {len(built)}" if isinstance(built, (tuple, list)) else "")
+        what = with_article(type(built).__name__) + (f" of {len(built)}" if isinstance(built, (tuple, list)) else "")
         raise EntryProblem("shape", f"{function}() returned {what}; expected {expected}")
     model, batch, loss_fn = built
     if not isinstance(model, torch.nn.Module):
-        raise EntryProblem("shape", f"{function}() returned {_a(type(model).__name__)} as the model; expected {expected}")
+        raise EntryProblem("shape", f"{function}() returned {with_article(type(model).__name__)} as the model; expected {expected}")
     batch = (batch,) if isinstance(batch, torch.Tensor) else batch
     if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor) \
             or batch[0].dim() < 1:
         raise EntryProblem("shape", f"{function}() returned a batch whose first item is not a tensor with a batch "
                                     f"dimension; expected {expected}")
     if loss_fn is not None and not callable(loss_fn):
-        raise EntryProblem("shape", f"{function}() returned {_a(type(loss_fn).__name__)} as loss_fn; expected {expected}")
+        raise EntryProblem("shape", f"{function}() returned {with_article(type(loss_fn).__name__)} as loss_fn; expected {expected}")
     return model, tuple(batch), loss_fn
 
 

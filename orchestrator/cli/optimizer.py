@@ -115,11 +115,13 @@ def example_inputs(ref: str, made: Any) -> tuple:
     A model, a function or a module is not inputs (`--inputs` pointed at the model's builder, say)."""
     import torch
 
+    from optimizer.entry import with_article
     example = made if isinstance(made, tuple) else (made,)
     for value in example:
         if isinstance(value, torch.nn.Module) or (callable(value) and not hasattr(value, "shape")):
-            _fail(f"--inputs {ref} returned a {type(value).__name__}, not the model's example inputs. To fix: point --inputs at a function returning a tuple of tensors, "
-                  "e.g. examples/optimize/models.py:gpt2_inputs")
+            _fail(f"--inputs {ref} returned {with_article(type(value).__name__)}, not the model's example inputs. "
+                  "To fix: point --inputs at a function returning a tuple of tensors, e.g. "
+                  "examples/optimize/models.py:gpt2_inputs")
     return example
 
 

@@ -349,7 +349,8 @@ def test_the_command_sweeps_aws_and_says_which_clouds_it_skipped(aws_account, tm
 
     unknown = tfsn("77")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
-    assert unknown.stderr.strip().splitlines() == ["tfsn: error: no job with id 77"]
+    assert unknown.stderr.strip().splitlines() == \
+        ["tfsn: error: no job with id 77. To fix: run `tfsn ls` to see the jobs"]
 
     done = tfsn()
     assert done.returncode == 0, done.stderr

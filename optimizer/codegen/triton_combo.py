@@ -55,11 +55,13 @@ def write_program(graph: Graph, groups: Sequence[Group], buffers: set[int], sche
     _, kernels = write_source(graph, groups, buffers, schedules, inplace)
     names = [None if k is None else k.name for k in kernels]
     steps: dict[int, tuple[Group, TritonKernel | None]] = {i: (g, k) for i, (g, k) in enumerate(zip(groups, kernels))}
+    combined_names: set[str] = set()
     for run in combined_runs(graph, groups, kernels, inplace, spec) if combine else []:
         parts = [TritonWriter(graph, groups[i], buffers, schedules[i], f"k{i}_part", inplace, part=True).write()
                  for i in run]
         combined = _combined(f"c{run[0]}", parts)
         steps[run[0]] = (Group("kernel", tuple(n for i in run for n in groups[i].nodes)), combined)
+        combined_names.add(combined.name)
         for i in run:
             names[i] = combined.name
             if i != run[0]:
@@ -67,7 +69,7 @@ def write_program(graph: Graph, groups: Sequence[Group], buffers: set[int], sche
     out_groups = [steps[i][0] for i in sorted(steps)]
     out_kernels = [steps[i][1] for i in sorted(steps)]
     source = PRELUDE + "\n\n".join(k.source for k in out_kernels if k is not None)
-    return Program(source, out_groups, out_kernels, names, frozenset(n for n in names if names.count(n) > 1))
+    return Program(source, out_groups, out_kernels, names, frozenset(combined_names))
 
 
 def combined_runs(graph: Graph, groups: Sequence[Group], kernels: Sequence[TritonKernel | None],

@@ -337,9 +337,8 @@ def test_sdpa_gradients_match_eager(causal):
         close(a.grad, b.grad, f"sdpa grad of {name}")
 
 
-def masked_attention_matches_eager(monkeypatch, mask: str, **options) -> None:
-    """MaskedAttention(mask) compiled by make_backend(**options): loss and gradients as eager's, and no
-    value made from constants alone (the causal mask) is a kernel of its own or saved for the backward."""
+def record_compiled(monkeypatch) -> list:
+    """Each graph the backend compiles from now on, as (ir.Graph, the groups it runs), in the list returned."""
     compiled: list = []
     real = backend._compiled
 
@@ -347,6 +346,13 @@ def masked_attention_matches_eager(monkeypatch, mask: str, **options) -> None:
         compiled.append((graph, groups))
         return real(graph, groups, *more)
     monkeypatch.setattr(backend, "_compiled", recording)
+    return compiled
+
+
+def masked_attention_matches_eager(monkeypatch, mask: str, **options) -> None:
+    """MaskedAttention(mask) compiled by make_backend(**options): loss and gradients as eager's, and no
+    value made from constants alone (the causal mask) is a kernel of its own or saved for the backward."""
+    compiled = record_compiled(monkeypatch)
     torch.manual_seed(0)
     eager = MaskedAttention(mask)
     mine = copy.deepcopy(eager)

@@ -27,6 +27,7 @@ import torch.nn as nn
 from optimizer import backend
 from optimizer.backend import make_backend
 from tests.test_optimizer_correctness import fresh  # noqa: F401  (autouse: a shared compile cache, no dynamo state)
+from tests.test_optimizer_correctness import record_compiled
 from tests.user_models import ATTENTION, Attention, Case, cases
 
 TOLERANCE = {                     # dtype of the compared values: (rtol, atol factor of the scale)
@@ -246,13 +247,7 @@ def test_bf16_autocast_conversions_and_pointwise_are_generated(monkeypatch):
     gradients match eager (bf16 tolerance)."""
     from optimizer import ir
     case = next(c for c in cases() if c.name == "resmlp_bf16")
-    seen: list = []
-    real = backend._compiled
-
-    def recording(graph, groups, *more):
-        seen.append((graph, groups))
-        return real(graph, groups, *more)
-    monkeypatch.setattr(backend, "_compiled", recording)
+    seen = record_compiled(monkeypatch)
     eager, inputs_e, out_e, loss_e, mine, inputs_m, target = stepped_eager(case)
     out_m, loss_m = case.step(torch.compile(mine, backend=make_backend(top_k=1)), inputs_m, target)
     loss_m.backward()

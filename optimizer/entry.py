@@ -95,14 +95,16 @@ def checked(built: Any, function: str) -> tuple[Any, tuple, Any]:
         raise EntryProblem("shape", f"{function}() returned {what}; expected {expected}")
     model, batch, loss_fn = built
     if not isinstance(model, torch.nn.Module):
-        raise EntryProblem("shape", f"{function}() returned {with_article(type(model).__name__)} as the model; expected {expected}")
+        raise EntryProblem("shape", f"{function}() returned {with_article(type(model).__name__)} as the model; "
+                                    f"expected {expected}")
     batch = (batch,) if isinstance(batch, torch.Tensor) else batch
     if not isinstance(batch, (tuple, list)) or not batch or not isinstance(batch[0], torch.Tensor) \
             or batch[0].dim() < 1:
         raise EntryProblem("shape", f"{function}() returned a batch whose first item is not a tensor with a batch "
                                     f"dimension; expected {expected}")
     if loss_fn is not None and not callable(loss_fn):
-        raise EntryProblem("shape", f"{function}() returned {with_article(type(loss_fn).__name__)} as loss_fn; expected {expected}")
+        raise EntryProblem("shape", f"{function}() returned {with_article(type(loss_fn).__name__)} as loss_fn; "
+                                    f"expected {expected}")
     return model, tuple(batch), loss_fn
 
 

@@ -76,7 +76,8 @@ def load_callable(ref: str, option: str):
 
     module_name, sep, attr = ref.rpartition(":")
     if not sep or not module_name or not attr:
-        _fail(f"{option} {ref!r}: expected MODULE:FN, e.g. examples/optimize/models.py:gpt2_block or mypkg.models:build")
+        _fail(f"{option} {ref!r}: expected MODULE:FN, e.g. examples/optimize/models.py:gpt2_block or "
+              "mypkg.models:build")
     try:
         if module_name.endswith(".py") or "/" in module_name:
             path = Path(module_name)

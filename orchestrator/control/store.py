@@ -54,6 +54,9 @@ class NodeState(str, enum.Enum):
         return self in (NodeState.REQUESTED, NodeState.STARTING, NodeState.READY)
 
 
+SEE_JOBS = "To fix: run `tfsn ls` to see the jobs"     # the fix for a job id or name the store has not
+
+
 class StoreError(Exception):
     """An invalid request to the store (unknown job, forbidden transition)."""
 
@@ -354,7 +357,7 @@ class Store:
     def job(self, job_id: int) -> Job:
         row = _first(self._query("SELECT * FROM jobs WHERE id = ?", (job_id,)))
         if row is None:
-            raise StoreError(f"no job with id {job_id}. To fix: run `tfsn ls` to see the jobs")
+            raise StoreError(f"no job with id {job_id}. {SEE_JOBS}")
         return self._job(row)
 
     def find_job(self, ref: str) -> Job:
@@ -363,7 +366,7 @@ class Store:
             return self.job(int(ref))
         row = _first(self._query("SELECT * FROM jobs WHERE name = ? ORDER BY id DESC LIMIT 1", (ref,)))
         if row is None:
-            raise StoreError(f"no job with id or name '{ref}'. To fix: run `tfsn ls` to see the jobs")
+            raise StoreError(f"no job with id or name '{ref}'. {SEE_JOBS}")
         return self._job(row)
 
     def jobs(self, active_only: bool = False) -> list[Job]:
@@ -399,7 +402,7 @@ class Store:
         with self._tx() as db:
             row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
-                raise StoreError(f"no job with id {job_id}. To fix: run `tfsn ls` to see the jobs")
+                raise StoreError(f"no job with id {job_id}. {SEE_JOBS}")
             old = JobState(row["state"])
             if old == new:
                 return

@@ -738,3 +738,45 @@ def test_a_controller_that_stalls_again_and_again_pardons_only_the_nodes_it_hear
     assert events[0] == "controller stalled for 100s: heartbeat clocks restarted"
     assert events[1:] == ([] if gap < 30 else [f"controller stalled for {gap}s: heartbeat clocks restarted"]
                           * (stalled // gap + 10))
+
+
+def _post(controller: Controller, job_id: int, step: int | None) -> None:
+    """Every rank of the job posts as the SDK does: step `step` just finished (None: only its heartbeat)."""
+    job, now = controller.store.job(job_id), time.time()
+    records = [] if step is None else [{"step": step, "at": now, "step_time": 1.0}]
+    for rank in range(16):          # two nodes of eight GPUs
+        controller.handlers.telemetry(job_id, {"attempt": job.attempt, "rank": rank, "records": records,
+                                               "heartbeat": now})
+
+
+def _hangs(store: Store, job_id: int) -> list[str]:
+    return [e.message for e in store.events(job_id) if e.message.startswith("hang")]
+
+
+@pytest.mark.parametrize("gap", [5, 20])
+def test_a_controller_stall_is_no_hang_and_a_real_hang_is_still_found_one_timeout_after(tmp_path, monkeypatch, gap):
+    """Before: ranks that trained on while the controller did not run for longer than the hang timeout (120 s)
+    were all called hung at its first pass after the resume (no step heard for that long), and the attempt failed.
+    After it, ranks that heartbeat but finish no step are hung one hang timeout after the resume, even when the
+    controller keeps stalling (every `gap` seconds: 20 s is past the stall bound of the 30 s heartbeat timeout)."""
+    clock, controller, job_id, first, second = _running_pair(tmp_path, monkeypatch)
+    store = controller.store
+    for step in range(20):
+        clock.advance(1)
+        _post(controller, job_id, step)
+        controller.reconcile(job_id)
+    clock.advance(200)
+    controller.reconcile(job_id)
+    assert _hangs(store, job_id) == [] and store.job(job_id).attempt_state == "running"
+    assert [store.node(n).state for n in (first, second)] == [NodeState.READY] * 2
+
+    waited = 0
+    while not _hangs(store, job_id) and waited < 600:   # the ranks are stuck now: they only heartbeat
+        clock.advance(gap)
+        waited += gap
+        for node in (first, second):
+            controller.handlers.heartbeat(job_id, node, {"state": "ready"})
+        _post(controller, job_id, None)
+        controller.reconcile(job_id)
+    assert 120 < waited <= 120 + gap, _hangs(store, job_id)
+    assert "every rank still heartbeats" in _hangs(store, job_id)[0]

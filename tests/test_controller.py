@@ -709,6 +709,29 @@ def test_a_controller_stall_restarts_the_heartbeat_clocks_and_a_dead_node_is_fai
     assert len(_stall_events(store, job_id)) == 1
 
 
+def test_a_controller_stall_while_a_node_boots_restarts_its_wait_for_a_first_heartbeat(tmp_path, monkeypatch):
+    """The wait for a new node's first heartbeat (its boot) is a heartbeat clock too: a stall during it failed the
+    node 'no heartbeat within 30s of start' at the resume; now it waits one timeout more, no longer."""
+    clock = WallClock(monkeypatch)
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1, health={"heartbeat_timeout": "30s"})
+    controller.reconcile(job_id)
+    (node,) = store.nodes(job_id)
+    clock.advance(100)
+    controller.reconcile(job_id)
+    assert store.node(node.id).state == NodeState.STARTING
+    assert _stall_events(store, job_id) == ["controller stalled for 100s: heartbeat clocks restarted"]
+    clock.advance(30)
+    controller.reconcile(job_id)
+    assert store.node(node.id).state == NodeState.STARTING
+    clock.advance(1)
+    controller.reconcile(job_id)
+    assert store.node(node.id).failure == ("no heartbeat within 30s of start (31s since the controller ran again "
+                                           "after a stall)")
+
+
 @pytest.mark.parametrize("gap", [20, 45])
 def test_a_controller_that_stalls_again_and_again_pardons_only_the_nodes_it_hears_between_stalls(tmp_path, monkeypatch,
                                                                                                 gap):

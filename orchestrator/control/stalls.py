@@ -10,7 +10,10 @@ longer than a job's `bound` is a stall for that job. A node last heard before a 
 the stall's end (a fresh window, as after a controller restart), but only from the first stall since it was
 last heard: one pardon per silence (`Pardons`). A node really dead is so failed within one timeout after the
 controller runs again, whatever follows; a controller that stalls again and again (each gap just past the
-bound) keeps pardoning the nodes it hears between stalls, never one it does not.
+bound) keeps pardoning the nodes it hears between stalls, never one it does not. (Kubernetes' node lifecycle
+controller infers its own trouble instead, when every node of a zone looks down at once, and stops evicting;
+measuring the loop's own gap says it directly, and blames no node for it.) The job's health watch pardons its
+ranks' step and heartbeat clocks alike (health/hang.py).
 
 Gaps are measured with `time.time()`, the clock of `heartbeat_at` (stored, so it outlives a controller
 restart): the pardon must cover the silence as the timeout measures it. On Linux `time.monotonic()` stops

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-STALL_PASSES = 4     # a gap of this many of the loop's passes is never an ordinary pass, however loaded
+STALL_PASSES = 4     # a gap longer than this many of the loop's sleeps is not an ordinary pass
 KEPT_GAPS = 1024     # gaps kept for the jobs' next checks; one dropped only pardons less (the old behaviour)
 
 

@@ -67,6 +67,26 @@ class PhaseHistory:
                 f"{self.config.phase_timeout_max_s:.0f}]s")
 
 
+class Pardons:
+    """One pardon per silence, per rank, as the controller gives its nodes (orchestrator/control/stalls.py): a
+    rank last heard before the controller stopped listening (a suspend, a SIGSTOP) counts its silence from when
+    it listened again, but only once until it is heard anew, so a rank really stuck is still found one timeout
+    after the controller runs again, however often it stalls."""
+
+    def __init__(self, n: int) -> None:
+        self._heard = np.full(n, np.nan)    # each rank's last word when it was pardoned ...
+        self._until = np.full(n, np.nan)    # ... and when its silence counts from since
+
+    def grant(self, heard: np.ndarray, until: float) -> None:
+        """Nothing was heard until `until`: ranks last `heard` before it, not pardoned since, start again there."""
+        fresh = (heard < until) & (self._heard != heard)
+        self._heard[fresh], self._until[fresh] = heard[fresh], until
+
+    def window(self, heard: np.ndarray) -> np.ndarray:
+        """When each rank's silence counts from, last heard at `heard`."""
+        return np.where(self._heard == heard, self._until, heard)
+
+
 class HangWatch:
     """When each rank last finished a step and last sent anything, the phase it is in, and the job's
     recent step intervals."""
@@ -90,6 +110,8 @@ class HangWatch:
         self._beat_at = np.full(n, np.nan)                  # when each rank last sent anything
         self._beats = np.zeros(n, bool)                     # ranks that send heartbeats between steps
         self._first_at = math.nan                           # the job's first finished step
+        # The controller's stalls, pardoned once per silence: of steps, of heartbeats, of the first step's wait.
+        self._pardons = {"progress": Pardons(n), "beat": Pardons(n), "start": Pardons(1)}
 
     def steps_finished(self, seen: np.ndarray, now: float) -> None:
         """The `seen` ranks (a boolean mask) finished a step at `now`."""
@@ -127,17 +149,28 @@ class HangWatch:
         self._interval[self._pos] = seconds / steps
         self._pos = (self._pos + 1) % self._interval.size
 
+    def pardon(self, until: float) -> None:
+        """The controller heard nothing until `until` (it stalled): that silence is no rank's, once (`Pardons`)."""
+        self._pardons["progress"].grant(self._progress_since(), until)
+        self._pardons["beat"].grant(self._beat_at, until)
+        self._pardons["start"].grant(np.array([self._started_at]), until)
+
+    def _progress_since(self) -> np.ndarray:
+        """When each rank last finished a step (the job's first step for a rank that finished none)."""
+        return np.where(np.isnan(self._progress_at), self._first_at, self._progress_at)
+
     def findings(self, now: float, step: int | None) -> list[Finding]:
         """Ranks with no step progress for longer than the job's steps, or their phase, can explain."""
         cfg = self.config
         if math.isnan(self._first_at):  # the first step may compile, load data, wait for peers for minutes ...
             return self._no_first_step(now, step)
         timeout = step_timeout(cfg, self._interval[~np.isnan(self._interval)])
-        since = np.where(np.isnan(self._progress_at), self._first_at, self._progress_at)
-        stuck, phased = self._stuck(now, since, timeout)
+        since = self._pardons["progress"].window(self._progress_since())
+        beat_at = self._pardons["beat"].window(self._beat_at)
+        stuck, phased = self._stuck(now, since, beat_at, timeout)
         if not stuck.any():
             return []
-        silent = self._beats & (now - self._beat_at > cfg.heartbeat_timeout_s)
+        silent = self._beats & (now - beat_at > cfg.heartbeat_timeout_s)
         idle = now - since.max() if stuck.all() else 0.0
         if not stuck.all():            # the others went on: this rank's process or telemetry is gone
             return self._by_node(np.flatnonzero(stuck), now, step, Severity.WARNING,
@@ -147,7 +180,7 @@ class HangWatch:
         if silent.any():               # all wait in a collective; the silent ones are the ones they wait on
             return self._by_node(np.flatnonzero(silent), now, step, Severity.CRITICAL,
                                  lambda r: f"no rank finished a step for {idle:.0f}s (timeout {timeout:.0f}s); "
-                                           f"rank(s) {r} silent for {now - np.nanmax(self._beat_at[silent]):.0f}s "
+                                           f"rank(s) {r} silent for {now - np.nanmax(beat_at[silent]):.0f}s "
                                            f"(heartbeat timeout {cfg.heartbeat_timeout_s:.0f}s) while the others "
                                            "keep beating: the job waits on them")
         why = ("every rank still heartbeats: a deadlock, or a wait outside the job" if self._beats.all()
@@ -161,7 +194,8 @@ class HangWatch:
         ends (a data loader, or a first collective, that hangs) was never called a hang, and the job waited for
         ever. No rank is to blame: none has a pace to fall behind. Only ranks that were heard (the SDK's
         heartbeats) are awaited: a script without the SDK reports no step ever, and ran for 30 minutes only."""
-        waited, limit = now - self._started_at, self.config.phase_timeout_max_s
+        waited = now - self._pardons["start"].window(np.array([self._started_at]))[0]
+        limit = self.config.phase_timeout_max_s
         if not waited > limit or np.isnan(self._beat_at).all():   # NaN too: the attempt's start is unknown
             return []
         return [Finding(FindingKind.HANG, Severity.CRITICAL, "", None, tuple(range(len(self.rank_nodes))),
@@ -170,10 +204,11 @@ class HangWatch:
                         "step this slow (a download, a long compile) raise health.thresholds.phase_timeout_max_s)",
                         now, step)]
 
-    def _stuck(self, now: float, since: np.ndarray, timeout: float) -> tuple[np.ndarray, np.ndarray]:
+    def _stuck(self, now: float, since: np.ndarray, beat_at: np.ndarray,
+               timeout: float) -> tuple[np.ndarray, np.ndarray]:
         """(stuck, in a phase): a rank in a phase that still heartbeats is stuck past its phase's timeout;
         a training rank past the step timeout, unless a live rank's phase still explains the wait."""
-        live = now - self._beat_at <= self.config.heartbeat_timeout_s
+        live = now - beat_at <= self.config.heartbeat_timeout_s
         phased = live & ~np.isnan(self._phase_since)
         limits = np.array([self.history.timeout(p) for p in self._phase]) if phased.any() else 0.0
         ends = np.where(phased, np.fmax(self._phase_since, since) + limits, since + timeout)

@@ -119,6 +119,11 @@ class Monitor:
             del self._pending[oldest]
             self.observe_step(oldest, first.values, first.time)
 
+    def pardon(self, until: float) -> None:
+        """The controller heard nothing until `until` (its own process stalled): no rank is hung for that silence
+        (once per silence: health/hang.py's `Pardons`)."""
+        self._hang.pardon(until)
+
     # ---- output ---------------------------------------------------------------------------------
     def check(self, now: float) -> list[Finding]:
         """Every finding that holds now, plus the events (Xids) seen since the last check."""

@@ -17,7 +17,7 @@ from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Result, Store
 from providers.base import NodeHandle, NodeRequest, Offer
 from providers.local import NODE_TAG, LocalProvider, tagged_pids
-from tests.test_failover import ScriptedProvider, h100
+from tests.test_failover import URL, ScriptedProvider, h100, submit
 
 
 def test_a_node_recorded_but_unconfirmed_before_a_crash_is_not_leaked(tmp_path):
@@ -647,3 +647,159 @@ def test_a_node_released_while_its_create_ran_is_billed_from_its_answer_to_its_d
     node = store.node(node.id)
     assert node.id in cloud.terminated and node.provisioned_at is not None
     assert node.provisioned_at <= node.released_at and billed_hours(node, time.time()) > 0
+
+
+# ---- the controller's own stalls (a suspended laptop, a SIGSTOP, a starved process) are not the nodes' fault ----
+
+class WallClock:
+    """`time.time()` standing still but moved forward at will, `time.monotonic()` left alone: what a process sees
+    across a suspend (or a SIGSTOP, as far as heartbeat ages go). Every timestamp the controller keeps or compares
+    reads it, and no pass's own time blurs what a test measures."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.skew = 0.0
+        start = time.time()
+        monkeypatch.setattr(time, "time", lambda: start + self.skew)
+
+    def advance(self, seconds: float) -> None:
+        self.skew += seconds
+
+
+def _running_pair(tmp_path, monkeypatch) -> tuple[WallClock, Controller, int, str, str]:
+    """A two-node cloud job (heartbeat timeout 30s) whose nodes both heartbeat: the clock, the controller, the job's
+    id and its two nodes' ids."""
+    clock = WallClock(monkeypatch)
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2, health={"heartbeat_timeout": "30s"})
+    controller.reconcile(job_id)
+    first, second = store.nodes(job_id)
+    for addr, node in enumerate((first, second)):
+        controller.handlers.heartbeat(job_id, node.id, {"state": "ready", "addr": f"10.0.1.{addr + 1}"})
+    controller.reconcile(job_id)
+    assert store.job(job_id).state == JobState.RUNNING
+    return clock, controller, job_id, first.id, second.id
+
+
+def _stall_events(store: Store, job_id: int) -> list[str]:
+    return [e.message for e in store.events(job_id) if "controller stalled" in e.message]
+
+
+def test_a_controller_stall_restarts_the_heartbeat_clocks_and_a_dead_node_is_failed_one_timeout_after(tmp_path,
+                                                                                                     monkeypatch):
+    """Before: a controller that did not run for longer than the heartbeat timeout (the laptop running `tfsn
+    launch` suspended) failed every node at its first pass after it resumed, and the job restarted all of them."""
+    clock, controller, job_id, live, dead = _running_pair(tmp_path, monkeypatch)
+    store = controller.store
+    clock.advance(100)              # suspended for 100 s: the loop did not run, no heartbeat was recorded
+    controller.reconcile(job_id)    # the loop's first pass after the resume comes before any heartbeat
+    assert [store.node(n).state for n in (live, dead)] == [NodeState.READY] * 2
+    assert _stall_events(store, job_id) == ["controller stalled for 100s: heartbeat clocks restarted"]
+
+    waited = 0
+    while store.node(dead).state == NodeState.READY and waited < 120:
+        clock.advance(5)            # the loop runs on; only the live node's agent speaks again
+        waited += 5
+        controller.handlers.heartbeat(job_id, live, {"state": "ready"})
+        controller.reconcile(job_id)
+    assert waited == 35, "a dead node is failed at the first pass past one timeout after the controller resumed"
+    assert store.node(dead).failure == "no heartbeat for 135s (35s since the controller ran again after a stall)"
+    assert store.node(live).state == NodeState.READY
+    assert len(_stall_events(store, job_id)) == 1
+
+
+def test_a_controller_stall_while_a_node_boots_restarts_its_wait_for_a_first_heartbeat(tmp_path, monkeypatch):
+    """The wait for a new node's first heartbeat (its boot) is a heartbeat clock too: a stall during it failed the
+    node 'no heartbeat within 30s of start' at the resume; now it waits one timeout more, no longer."""
+    clock = WallClock(monkeypatch)
+    store = Store(tmp_path / "tfsn.db")
+    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1, health={"heartbeat_timeout": "30s"})
+    controller.reconcile(job_id)
+    (node,) = store.nodes(job_id)
+    clock.advance(100)
+    controller.reconcile(job_id)
+    assert store.node(node.id).state == NodeState.STARTING
+    assert _stall_events(store, job_id) == ["controller stalled for 100s: heartbeat clocks restarted"]
+    clock.advance(30)
+    controller.reconcile(job_id)
+    assert store.node(node.id).state == NodeState.STARTING
+    clock.advance(1)
+    controller.reconcile(job_id)
+    assert store.node(node.id).failure == ("no heartbeat within 30s of start (31s since the controller ran again "
+                                           "after a stall)")
+
+
+@pytest.mark.parametrize("gap", [20, 45])
+def test_a_controller_that_stalls_again_and_again_pardons_only_the_nodes_it_hears_between_stalls(tmp_path, monkeypatch,
+                                                                                                gap):
+    """After a first stall of 100 s, each pass comes `gap` seconds after the last (a starved controller): past the
+    stall bound (half the 30 s timeout), below and above the timeout. A node heard between two stalls is pardoned
+    again; a dead one only once, so it is failed within a timeout (and one gap) of the first stall, however long
+    the stalling goes on."""
+    clock, controller, job_id, live, dead = _running_pair(tmp_path, monkeypatch)
+    store = controller.store
+    clock.advance(100)
+    controller.reconcile(job_id)
+    controller.handlers.heartbeat(job_id, live, {"state": "ready"})   # heard after the loop's pass
+    stalled = 0
+    while store.node(dead).state == NodeState.READY and stalled < 400:
+        clock.advance(gap)
+        stalled += gap
+        controller.reconcile(job_id)
+        controller.handlers.heartbeat(job_id, live, {"state": "ready"})
+    assert stalled <= 30 + gap, f"the dead node was pardoned for {stalled}s of stalls after the first"
+    for _ in range(10):             # and the live one never
+        clock.advance(gap)
+        controller.reconcile(job_id)
+        controller.handlers.heartbeat(job_id, live, {"state": "ready"})
+    assert store.node(live).state == NodeState.READY, store.node(live).failure
+    # a stall shorter than the timeout fails no node by itself: said only when it would have
+    events = _stall_events(store, job_id)
+    assert events[0] == "controller stalled for 100s: heartbeat clocks restarted"
+    assert events[1:] == ([] if gap < 30 else [f"controller stalled for {gap}s: heartbeat clocks restarted"]
+                          * (stalled // gap + 10))
+
+
+def _post(controller: Controller, job_id: int, step: int | None) -> None:
+    """Every rank of the job posts as the SDK does: step `step` just finished (None: only its heartbeat)."""
+    job, now = controller.store.job(job_id), time.time()
+    records = [] if step is None else [{"step": step, "at": now, "step_time": 1.0}]
+    for rank in range(16):          # two nodes of eight GPUs
+        controller.handlers.telemetry(job_id, {"attempt": job.attempt, "rank": rank, "records": records,
+                                               "heartbeat": now})
+
+
+def _hangs(store: Store, job_id: int) -> list[str]:
+    return [e.message for e in store.events(job_id) if e.message.startswith("hang")]
+
+
+@pytest.mark.parametrize("gap", [5, 20])
+def test_a_controller_stall_is_no_hang_and_a_real_hang_is_still_found_one_timeout_after(tmp_path, monkeypatch, gap):
+    """Before: ranks that trained on while the controller did not run for longer than the hang timeout (120 s)
+    were all called hung at its first pass after the resume (no step heard for that long), and the attempt failed.
+    After it, ranks that heartbeat but finish no step are hung one hang timeout after the resume, even when the
+    controller keeps stalling (every `gap` seconds: 20 s is past the stall bound of the 30 s heartbeat timeout)."""
+    clock, controller, job_id, first, second = _running_pair(tmp_path, monkeypatch)
+    store = controller.store
+    for step in range(20):
+        clock.advance(1)
+        _post(controller, job_id, step)
+        controller.reconcile(job_id)
+    clock.advance(200)
+    controller.reconcile(job_id)
+    assert _hangs(store, job_id) == [] and store.job(job_id).attempt_state == "running"
+    assert [store.node(n).state for n in (first, second)] == [NodeState.READY] * 2
+
+    waited = 0
+    while not _hangs(store, job_id) and waited < 600:   # the ranks are stuck now: they only heartbeat
+        clock.advance(gap)
+        waited += gap
+        for node in (first, second):
+            controller.handlers.heartbeat(job_id, node, {"state": "ready"})
+        _post(controller, job_id, None)
+        controller.reconcile(job_id)
+    assert 120 < waited <= 120 + gap, _hangs(store, job_id)
+    assert "every rank still heartbeats" in _hangs(store, job_id)[0]

@@ -1,8 +1,10 @@
 """End to end on the local provider: real controller, agents, torchrun workers, DCP checkpoints."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,6 +174,37 @@ def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
     failed = next(n for n in st["nodes"] if n["id"] == node["id"])
     assert failed["state"] == "FAILED" and "no heartbeat" in failed["failure"]
     assert not pids_with_env(TFSN_NODE_ID=node["id"]), "the silent node's processes were not killed"
+    tfsn("stop", "1")
+
+
+def test_a_suspended_controller_fails_no_node_when_it_resumes(tfsn, tmp_path):
+    """The laptop running the controller and a local job suspends (here: SIGSTOP of the controller and the
+    agents for twice the heartbeat timeout). Before: the controller's loop, running again before any agent could
+    speak, failed every node for its silence, and the job restarted all of them from the last checkpoint."""
+    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, health={"heartbeat_timeout": "5s"})
+    tfsn("launch", str(spec), "--detach")
+    st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
+    controller = json.loads((tfsn.home / "controller.json").read_text())["pid"]
+    agents = [pid for node in st["nodes"] for pid in agent_pids(node["id"])]
+    assert len(agents) == len(st["nodes"]) == 2
+    for pid in (controller, *agents):
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(10)
+    os.kill(controller, signal.SIGCONT)
+    log = tfsn.home / "jobs" / "1" / "job.log"
+    stalled = re.compile(r"\[tfsn\] controller stalled for (\d+)s: heartbeat clocks restarted")
+    judged = re.compile(stalled.pattern + r"|\[tfsn\] node \S+ failed")
+    deadline = time.monotonic() + 30   # the agents speak again once the loop has judged their silence
+    while not judged.search(log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in agents:
+        with contextlib.suppress(ProcessLookupError):   # a node failed meanwhile is killed: said below
+            os.kill(pid, signal.SIGCONT)
+    resumed = tfsn.status(1)["step"]
+    st = tfsn.wait(1, lambda s: s["step"] >= resumed + 5 or s["restarts"] > 0, what="training to go on")
+    assert st["restarts"] == 0 and [n["state"] for n in st["nodes"]] == ["READY"] * 2, st["nodes"]
+    stalls = [int(seconds) for seconds in stalled.findall(log.read_text())]
+    assert len(stalls) == 1 and 10 <= stalls[0] <= 11, log.read_text()[-4000:]   # since its last pass
     tfsn("stop", "1")
 
 

@@ -48,7 +48,7 @@ class Controller:
     def __init__(self, store: Store, home: Path, providers: dict[str, Provider], url: str = "") -> None:
         self.ctx = ControlContext(store, home, providers, url)
         self.store = store
-        self.nodes = Nodes(self.ctx)
+        self.nodes = Nodes(self.ctx, PASS_S)
         self.health = HealthWatch(self.ctx, self.nodes)
         self.provisioner = Provisioner(self.ctx, self.nodes, self.health)
         self.recovery = Recovery(self.ctx, self.nodes, self.health)
@@ -84,6 +84,7 @@ class Controller:
         self.nodes.reconcile_intents()
         idle_since = time.monotonic()
         while not stop.is_set():
+            self.nodes.stalls.ran()   # the loop's own tick: a gap since the last is a stall (stalls.py)
             self.wake.clear()
             self.calls.collect()
             active = self.store.jobs(active_only=True)
@@ -113,6 +114,7 @@ class Controller:
         finally:   # a job that ended is never reconciled again: whatever failed after, drop its watch now
             if self.store.job(job_id).state.terminal:
                 self.health.forget(job_id)
+                self.nodes.forget(job_id)
 
     def _step(self, job_id: int) -> None:
         job = self.store.job(job_id)

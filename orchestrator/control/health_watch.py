@@ -7,6 +7,7 @@ hysteresis and cooldowns survive restarts). Metrics for Prometheus are updated o
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,7 @@ class JobWatch:
         self._monitor: Monitor | None = None
         self._rank_nodes: tuple[str, ...] = ()
         self._active: dict[tuple[str, str, int | None], str] = {}   # (kind, node, gpu) -> severity, last check
+        self.checked_at = -math.inf            # the controller's stalls since are news to this job's monitor
         self._lock = threading.Lock()
 
     def start_attempt(self, attempt: int, rank_nodes: Sequence[str]) -> None:
@@ -117,6 +119,12 @@ class JobWatch:
                 self._monitor.observe(sample)
             self.metrics.observe(self.label, sample)
 
+    def pardon(self, until: float) -> None:
+        """The controller heard nothing until `until` (it stalled): that silence is no rank's (once per silence)."""
+        with self._lock:
+            if self._monitor is not None:
+                self._monitor.pardon(until)
+
     def check(self, now: float, step_s: float | None = None,
               remaining_steps: int | None = None) -> tuple[list[Finding], list[Decision]]:
         """The findings that are new since the last check (a condition is reported by the monitor
@@ -169,7 +177,10 @@ class HealthWatch:
         ranked = [n for n in self.ctx.store.nodes(job.id, active_only=True) if n.rank is not None]
         if len(ranked) == spec.num_nodes:  # e.g. after a controller restart
             watch.start_attempt(job.attempt, rank_nodes(ranked, workers_per_node(spec, ranked)))
-        now = time.time()
+        now = self.nodes.stalls.ran()
+        for stall in self.nodes.stalls.since(watch.checked_at, spec.health.heartbeat_timeout):
+            watch.pardon(stall.end)
+        watch.checked_at = now
         findings, decisions = watch.check(now, job.step_time, max(0, spec.steps - job.step) if spec.steps else None)
         for finding in findings:
             self.ctx.event(job.id, "finding", f"{finding.kind.value} ({finding.severity.value}) on "

@@ -15,6 +15,7 @@ from typing import Any
 from orchestrator.control.boot import BOOT_FAILURES_PER_OFFER, failed_boots_on
 from orchestrator.control.calls import Call, deadline_s
 from orchestrator.control.context import ControlContext
+from orchestrator.control.stalls import Gap, Pardons, Stalls
 from orchestrator.control.store import Job, JobState, Node, NodeState
 from orchestrator.planning.planner import blocked_record
 from orchestrator.spec import JobSpec
@@ -29,16 +30,23 @@ RELEASE_RETRY_MAX_S = 600.0      # at each failure in a row up to this (it is ne
 class Nodes:
     """Liveness and release of nodes; what the provisioning, recovery and health parts call to fail one."""
 
-    def __init__(self, ctx: ControlContext) -> None:
+    def __init__(self, ctx: ControlContext, pass_s: float) -> None:
+        """`pass_s`: the loop's longest sleep between two passes (what a stall of the controller is measured by)."""
         self.ctx = ctx
-        self.started_at = time.time()   # no node is blamed for silence while no controller listened
+        self.started_at = time.time()   # no node is blamed for silence while no controller listened ...
+        self.stalls = Stalls(pass_s)    # ... nor, once per silence, while this one did not run (stalls.py)
+        self._pardons = Pardons()
+        self._checked: dict[int, float] = {}   # job id -> its last check (its stalls since are new)
         self._seen: dict[str, tuple[float, NodeStatus]] = {}   # node id -> (when, provider status)
         self._release_retry: dict[str, tuple[int, float]] = {}  # node id -> (terminates failed in a row, retry at)
 
     def check(self, job: Job, spec: JobSpec) -> None:
-        """Fail every node whose agent is gone or silent."""
-        now = time.time()
+        """Fail every node whose agent is gone or silent; silence while the controller stalled is pardoned once."""
+        now = self.stalls.ran()
         timeout = spec.health.heartbeat_timeout
+        stalls = self.stalls.since(self._checked.get(job.id, -math.inf), timeout)
+        self._checked[job.id] = now
+        pardoned: set[Gap] = set()   # the new stalls without which a node would be failed now
         for node in self.ctx.store.nodes(job.id, active_only=True):
             if node.handle is None:
                 continue
@@ -46,21 +54,33 @@ class Nodes:
                 self._boot_failed(job, node)
                 continue
             status = self._status(node, now)
-            # A VM boots and installs tfsn before its agent speaks; a local process speaks at once.
-            start_timeout = getattr(self.ctx.provider(node.provider), "start_timeout_s", DEFAULT_START_TIMEOUT_S)
-            first_timeout = max(timeout, start_timeout)
             if status == NodeStatus.TERMINATED:
                 self.fail(job, node, "the node's agent exited")
-            elif node.heartbeat_at is None and now - max(node.provisioned_at or node.created_at,
-                                                         self.started_at) > first_timeout:
-                if status == NodeStatus.PENDING and node.offer is not None:
-                    # never scheduled (a Kubernetes pod with no room, a VM stuck in a queue): no room for this
-                    # offer (Kubernetes offers have no zone: a wider block would take the whole cluster)
-                    self.block(job, node.offer, node.spot, f"node {node.id} still pending after "
-                               f"{first_timeout:.0f}s", "offer")
-                self.fail(job, node, f"no heartbeat within {first_timeout:.0f}s of start")
-            elif node.heartbeat_at is not None and now - max(node.heartbeat_at, self.started_at) > timeout:
-                self.fail(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s")
+                continue
+            # A VM boots and installs tfsn before its agent speaks; a local process speaks at once.
+            start_timeout = getattr(self.ctx.provider(node.provider), "start_timeout_s", DEFAULT_START_TIMEOUT_S)
+            limit = timeout if node.heartbeat_at is not None else max(timeout, start_timeout)
+            heard = max(node.heartbeat_at or node.provisioned_at or node.created_at, self.started_at)
+            since = self._pardons.window(node.id, heard, stalls)
+            if now - since <= limit:
+                if now - heard > limit:
+                    pardoned.update(g for g in stalls if g.end == since)
+                continue
+            stalled = f" ({now - since:.0f}s since the controller ran again after a stall)" if since > heard else ""
+            if node.heartbeat_at is not None:
+                self.fail(job, node, f"no heartbeat for {now - node.heartbeat_at:.0f}s{stalled}")
+                continue
+            if status == NodeStatus.PENDING and node.offer is not None:
+                # never scheduled (a Kubernetes pod with no room, a VM stuck in a queue): no room for this
+                # offer (Kubernetes offers have no zone: a wider block would take the whole cluster)
+                self.block(job, node.offer, node.spot, f"node {node.id} still pending after {limit:.0f}s", "offer")
+            self.fail(job, node, f"no heartbeat within {limit:.0f}s of start{stalled}")
+        for stall in sorted(pardoned):
+            self.ctx.event(job.id, "node", f"controller stalled for {stall.seconds:.0f}s: heartbeat clocks restarted")
+
+    def forget(self, job_id: int) -> None:
+        """The job ended: drop when it was last checked."""
+        self._checked.pop(job_id, None)
 
     def _boot_failed(self, job: Job, node: Node) -> None:
         """Fail a node whose boot failed; BOOT_FAILURES_PER_OFFER of them on one offer block it for the job."""
@@ -109,6 +129,7 @@ class Nodes:
         """Ask the provider to delete the node, off the loop; until it confirms, `released` stays 0 and the sweep
         asks again (also where a call for the node, its create, is still in flight: it goes first)."""
         self._seen.pop(node.id, None)
+        self._pardons.forget(node.id)
         self.ctx.calls.cancel(("change", node.id))   # a create still queued need not run: delete what may exist
         handle = NodeHandle(**node.handle) if node.handle else _intended_handle(node)
         try:

@@ -163,11 +163,11 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             if g is not keep and (everything or any(owner.get(d) is g for d in deps)):
                 close(g)
 
-    def fits(group: _Open, n: int) -> bool:
-        """Whether the group with n is one loop nest."""
-        return writable(graph, Group(group.kind, (*group.nodes, n), group.domain, group.reduced), buffers)
+    def fits(group: _Open, n: int, reduced: tuple[int, ...]) -> bool:
+        """Whether the group with n, reducing `reduced`, is one loop nest."""
+        return writable(graph, Group(group.kind, (*group.nodes, n), group.domain, reduced), buffers)
 
-    for node in scalars_first(graph):
+    for node in sums_early(graph, scalars_first(graph), buffers, reads):
         n = node.index
         if node.kind == Kind.INPUT or (node.kind == Kind.POINTWISE and n not in buffers):
             continue
@@ -196,17 +196,22 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             domain, reduced = node.type.shape, None
         joined = None
         for g in reversed(open_groups):
+            reads_member = any(owner.get(d) is g for d in deps)
             same = g.domain == domain and (reduced is None or (g.kind == "kernel" and g.reduced == reduced)) \
                 or reduced is None and g.kind == "kernel" and domain in row_shapes(g.domain, g.reduced)
-            related = any(owner.get(d) is g for d in deps) or bool(g.reads & deps) or domain == ()
+            # a reduction of a stored pointwise value (a bias gradient) sums it in the pass that computes it
+            summed = reduced is not None and g.kind == "kernel" and not g.reduced and g.domain == domain \
+                and reads_member
+            related = reads_member or bool(g.reads & deps) or domain == ()
             split = g.kind == "gemm" and g.nodes[0] in choice.split
-            if same and related and not split and fits(g, n):
+            if (same and related or summed) and not split and fits(g, n, g.reduced or reduced or ()):
                 joined = g
                 break
         close_owners(deps, keep=joined)
         if joined is None:
             joined = _Open("kernel", [], domain, reduced or ())
             open_groups.append(joined)
+        joined.reduced = joined.reduced or reduced or ()
         joined.nodes.append(n)
         joined.reads |= {d for d in deps if owner.get(d) is not joined}
         owner[n] = joined
@@ -406,6 +411,20 @@ def scalars_first(graph: Graph) -> list[Node]:
                 graph.nodes[i].kind == Kind.INPUT or i in scalar for i in node.inputs):
             scalar.add(node.index)
     return [graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar]
+
+
+def sums_early(graph: Graph, nodes: list[Node], buffers: set[int], reads) -> list[Node]:
+    """`nodes` with each reduction of a stored pointwise value (a bias gradient's sum of the gradient
+    GEMMs also read) moved up to just after the last value it reads, so that it meets that value's group
+    while it is still open: a GEMM reading the value closes it."""
+    position = {n.index: k for k, n in enumerate(nodes)}
+
+    def key(node: Node) -> tuple[int, int]:
+        arg = node.args[0] if node.kind == Kind.REDUCE else None
+        if isinstance(arg, Ref) and graph.nodes[arg.index].kind == Kind.POINTWISE and arg.index in buffers:
+            return max(position[d] for d in reads(node.index)), 1
+        return position[node.index], 0
+    return sorted(nodes, key=key)
 
 
 def describe(graph: Graph, plan: Plan) -> str:

@@ -30,6 +30,7 @@ from optimizer.features import kernel_features  # noqa: E402
 from optimizer.hardware import find_hardware  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import Schedule  # noqa: E402
+from tests.optimizer_models import forward_and_backward  # noqa: E402
 from tests.test_optimizer_triton import adamw_steps  # noqa: E402
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")     # how the GPU runs a program, not what it computes
@@ -38,18 +39,6 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")     # how the GPU runs a program, n
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
-
-
-def forward_and_backward(fn):
-    """fn's outputs and the gradients of the sum of their squares with respect to every float input
-    (squares: the sum of a softmax or a normalized row has a zero gradient, which would test nothing)."""
-    def step(*args):
-        args = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
-        out = fn(*args)
-        outs = out if isinstance(out, tuple) else (out,)
-        loss = sum((o.float() ** 2).sum() for o in outs if o.is_floating_point())
-        return (*outs, *torch.autograd.grad(loss, [a for a in args if a.requires_grad]))
-    return step
 
 
 def traced(fn, args) -> tuple[torch.fx.GraphModule, ir.Graph]:

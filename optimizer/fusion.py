@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from optimizer.ir import Graph, Kind, Node, Ref
 from optimizer.loopnest import Group, NotFusable, fused_nodes, gemm_fits, lower, row_shapes
@@ -413,7 +414,8 @@ def scalars_first(graph: Graph) -> list[Node]:
     return [graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar]
 
 
-def sums_early(graph: Graph, nodes: list[Node], buffers: set[int], reads) -> list[Node]:
+def sums_early(graph: Graph, nodes: list[Node], buffers: set[int],
+               reads: Callable[[int], frozenset[int]]) -> list[Node]:
     """`nodes` with each reduction of a stored pointwise value (a bias gradient's sum of the gradient
     GEMMs also read) moved up to just after the last value it reads, so that it meets that value's group
     while it is still open: a GEMM reading the value closes it."""

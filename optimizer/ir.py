@@ -270,10 +270,11 @@ def axis_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[tuple[int, .
 
 
 def _reduced_through_view(op: str, args: tuple, params: dict, nodes: list[Node]) -> tuple[int, tuple[int, ...]] | None:
-    """For a reduction of a reshape of x that only merges x's axes (a bias gradient: `sum(view(g, [B*T, C]),
-    [0])` of a [B, T, C] g), each of its reduced axes a merge of x's: x and x's axes that it reduces. Why: reduced over x's
-    own domain, the sum can share one kernel with the pointwise ops that compute and store x. The result
-    keeps its shape ([1, C] where keepdim), which then need not be x's with the reduced axes dropped or 1."""
+    """For a reduction of a reshape that only merges axes of x (a bias gradient: `sum(view(g, [B*T, C]), [0])`
+    of a [B, T, C] g): x and the axes of x that it reduces. Why: reduced over x's own domain, the sum can share
+    one kernel with the pointwise ops that compute and store x. The result keeps its shape ([1, C] where
+    keepdim), which then need not be x's with the reduced axes dropped or 1. A reshape that splits an axis of x
+    stays: a kernel over its domain may hold the sum (LayerNorm's backward over [B, T, C] views of [B*T, C])."""
     if op not in DIM_REDUCTIONS or not isinstance(args[0], Ref):
         return None
     view = nodes[args[0].index]
@@ -281,16 +282,9 @@ def _reduced_through_view(op: str, args: tuple, params: dict, nodes: list[Node])
         return None
     base = nodes[view.args[0].index]
     runs = axis_runs(base.type.shape, view.type.shape)
-    if runs is None:
+    if runs is None or any(len(d_run) > 1 for _, d_run in runs):
         return None
-    dims, reduced = [], set(params["dims"])
-    for s_run, d_run in runs:
-        if len(d_run) > 1:
-            return None                  # a split of x's axes: a kernel over the view's domain may hold it (LayerNorm's)
-        if set(d_run) <= reduced:
-            dims += s_run
-        elif set(d_run) & reduced:
-            return None                  # a run partly reduced: no axes of x to reduce instead
+    dims = [d for s_run, (d_run,) in runs if d_run in params["dims"] for d in s_run]
     return (base.index, tuple(sorted(dims))) if dims else None
 
 

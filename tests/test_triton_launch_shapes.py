@@ -30,7 +30,7 @@ from optimizer.features import kernel_features  # noqa: E402
 from optimizer.hardware import find_hardware  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import Schedule  # noqa: E402
-from tests.optimizer_models import forward_and_backward  # noqa: E402
+from tests.optimizer_models import SUMMED_STORES, forward_and_backward  # noqa: E402
 from tests.test_optimizer_triton import adamw_steps  # noqa: E402
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")     # how the GPU runs a program, not what it computes
@@ -94,6 +94,9 @@ SWEPT = {
                                        torch.float64),
     "bmm_relu_2x65x40x33": (lambda a, b: torch.bmm(a, b).relu(), lambda: (R(2, 65, 40), R(2, 40, 33)),
                             torch.float32),
+    # GELU's gradient stored and summed down 3 x 401 rows (the bias gradient) by one kernel, 1..8 columns a program
+    "linear_gelu_bias_gradient_3x401x5": (SUMMED_STORES["linear_gelu"][0],
+                                          lambda: (R(3, 401, 7), R(5, 7), R(5), R(3, 5)), torch.float64),
 }
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -683,7 +683,8 @@ def test_a_combined_kernel_triton_does_not_compile_runs_as_its_parts(monkeypatch
     with caplog.at_level("WARNING", logger="tfsn.optimizer"):
         got = torch.compile(f, backend=make_backend(codegen="triton"))(*mine)
     torch._dynamo.reset()
-    assert backend.STATS["aten_graphs"] == aten and backend.STATS["kernels"] - kernels == 3
+    # two parts: p - g (written over p) and its sum in one kernel, w * 2 in another
+    assert backend.STATS["aten_graphs"] == aten and backend.STATS["kernels"] - kernels == 2
     assert "did not compile the combined kernel" in caplog.text and "out of resources" in caplog.text
     assert torch.allclose(got, f(*args)) and all(torch.equal(m, a) for m, a in zip(mine, args))
 

@@ -168,8 +168,11 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
         """Whether the group with n, reducing `reduced`, is one loop nest."""
         return writable(graph, Group(group.kind, (*group.nodes, n), group.domain, reduced), buffers)
 
-    for node in sums_early(graph, scalars_first(graph), buffers, reads):
+    placed: set[int] = set()
+    for node, early in sums_early(graph, scalars_first(graph), buffers, reads):
         n = node.index
+        if n in placed:
+            continue
         if node.kind == Kind.INPUT or (node.kind == Kind.POINTWISE and n not in buffers):
             continue
         if node.kind == Kind.VIEW:
@@ -208,7 +211,10 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             if (same and related or summed) and not split and fits(g, n, g.reduced or reduced or ()):
                 joined = g
                 break
+        if early and joined is None:     # no kernel to join yet: the sum waits for its place in the graph
+            continue
         close_owners(deps, keep=joined)
+        placed.add(n)
         if joined is None:
             joined = _Open("kernel", [], domain, reduced or ())
             open_groups.append(joined)
@@ -415,18 +421,18 @@ def scalars_first(graph: Graph) -> list[Node]:
 
 
 def sums_early(graph: Graph, nodes: list[Node], buffers: set[int],
-               reads: Callable[[int], frozenset[int]]) -> list[Node]:
-    """`nodes` with each reduction of a stored pointwise value (a bias gradient's sum of the gradient
-    GEMMs also read) moved up to just after the last value it reads, so that it meets that value's group
-    while it is still open: a GEMM reading the value closes it."""
+               reads: Callable[[int], frozenset[int]]) -> list[tuple[Node, bool]]:
+    """`nodes`, each as (node, False), and each reduction of a stored pointwise value (a bias gradient's sum
+    of the gradient GEMMs also read) once more as (node, True) just after the last value it reads: there it
+    meets that value's group while it is still open (a GEMM reading the value closes it), and it is planned
+    there if it joins a group, else at its own place."""
     position = {n.index: k for k, n in enumerate(nodes)}
-
-    def key(node: Node) -> tuple[int, int]:
+    order = [((k, 0), (node, False)) for k, node in enumerate(nodes)]
+    for node in nodes:
         arg = node.args[0] if node.kind == Kind.REDUCE else None
         if isinstance(arg, Ref) and graph.nodes[arg.index].kind == Kind.POINTWISE and arg.index in buffers:
-            return max(position[d] for d in reads(node.index)), 1
-        return position[node.index], 0
-    return sorted(nodes, key=key)
+            order.append(((max(position[d] for d in reads(node.index)), 1), (node, True)))
+    return [item for _, item in sorted(order, key=lambda o: o[0])]
 
 
 def describe(graph: Graph, plan: Plan) -> str:

@@ -118,6 +118,19 @@ def test_a_later_pass_and_the_epilogue_compute_a_stored_value_again_without_stor
                for s in nest.segments[1].body + nest.epilogue) == 2
 
 
+def test_a_sum_that_cannot_join_its_values_kernel_leaves_that_kernel_open():
+    """A GEMM epilogue's value summed over rows cannot be summed by the GEMM's kernel: the sum waits for its own
+    place, and the pointwise op after the epilogue still joins the GEMM's kernel."""
+    def fn(x, w):
+        y = torch.relu(x @ w)
+        return y, y * 3, y.sum(0)
+    graph, plan = lowered(fn, torch.randn(7, 11), torch.randn(11, 5))
+    (y,) = [n.index for n in graph.nodes if n.op == "aten.relu.default"]
+    (triple,) = [n.index for n in graph.nodes if n.op == "aten.mul.Tensor"]
+    (gemm,) = [g for g in plan.groups if g.kind == "gemm"]
+    assert y in gemm.nodes and triple in gemm.nodes, fusion.describe(graph, plan)
+
+
 def test_a_group_that_is_no_loop_nest_is_refused_alike_each_time_without_keeping_frames():
     """The search asks ~50 times per graph: the answer is remembered, but not as the exception raised first
     (re-raising one object chained each raise's frames onto its traceback, and kept the whole lowering)."""

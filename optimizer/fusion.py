@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from optimizer.ir import Graph, Kind, Node, Ref
 from optimizer.loopnest import Group, NotFusable, fused_nodes, gemm_fits, lower, row_shapes
@@ -163,12 +164,15 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             if g is not keep and (everything or any(owner.get(d) is g for d in deps)):
                 close(g)
 
-    def fits(group: _Open, n: int) -> bool:
-        """Whether the group with n is one loop nest."""
-        return writable(graph, Group(group.kind, (*group.nodes, n), group.domain, group.reduced), buffers)
+    def fits(group: _Open, n: int, reduced: tuple[int, ...]) -> bool:
+        """Whether the group with n, reducing `reduced`, is one loop nest."""
+        return writable(graph, Group(group.kind, (*group.nodes, n), group.domain, reduced), buffers)
 
-    for node in scalars_first(graph):
+    placed: set[int] = set()
+    for node, early in sums_early(graph, scalars_first(graph), buffers, reads):
         n = node.index
+        if n in placed:
+            continue
         if node.kind == Kind.INPUT or (node.kind == Kind.POINTWISE and n not in buffers):
             continue
         if node.kind == Kind.VIEW:
@@ -196,17 +200,25 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
             domain, reduced = node.type.shape, None
         joined = None
         for g in reversed(open_groups):
+            reads_member = any(owner.get(d) is g for d in deps)
             same = g.domain == domain and (reduced is None or (g.kind == "kernel" and g.reduced == reduced)) \
                 or reduced is None and g.kind == "kernel" and domain in row_shapes(g.domain, g.reduced)
-            related = any(owner.get(d) is g for d in deps) or bool(g.reads & deps) or domain == ()
+            # a reduction of a stored pointwise value (a bias gradient) sums it in the pass that computes it
+            summed = reduced is not None and g.kind == "kernel" and not g.reduced and g.domain == domain \
+                and reads_member
+            related = reads_member or bool(g.reads & deps) or domain == ()
             split = g.kind == "gemm" and g.nodes[0] in choice.split
-            if same and related and not split and fits(g, n):
+            if (same and related or summed) and not split and fits(g, n, g.reduced or reduced or ()):
                 joined = g
                 break
+        if early and joined is None:     # no kernel to join yet: the sum waits for its place in the graph
+            continue
         close_owners(deps, keep=joined)
+        placed.add(n)
         if joined is None:
             joined = _Open("kernel", [], domain, reduced or ())
             open_groups.append(joined)
+        joined.reduced = joined.reduced or reduced or ()
         joined.nodes.append(n)
         joined.reads |= {d for d in deps if owner.get(d) is not joined}
         owner[n] = joined
@@ -406,6 +418,21 @@ def scalars_first(graph: Graph) -> list[Node]:
                 graph.nodes[i].kind == Kind.INPUT or i in scalar for i in node.inputs):
             scalar.add(node.index)
     return [graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar]
+
+
+def sums_early(graph: Graph, nodes: list[Node], buffers: set[int],
+               reads: Callable[[int], frozenset[int]]) -> list[tuple[Node, bool]]:
+    """`nodes`, each as (node, False), and each reduction of a stored pointwise value (a bias gradient's sum
+    of the gradient GEMMs also read) once more as (node, True) just after the last value it reads: there it
+    meets that value's group while it is still open (a GEMM reading the value closes it), and it is planned
+    there if it joins a group, else at its own place."""
+    position = {n.index: k for k, n in enumerate(nodes)}
+    order = [((k, 0), (node, False)) for k, node in enumerate(nodes)]
+    for node in nodes:
+        arg = node.args[0] if node.kind == Kind.REDUCE else None
+        if isinstance(arg, Ref) and graph.nodes[arg.index].kind == Kind.POINTWISE and arg.index in buffers:
+            order.append(((max(position[d] for d in reads(node.index)), 1), (node, True)))
+    return [item for _, item in sorted(order, key=lambda o: o[0])]
 
 
 def describe(graph: Graph, plan: Plan) -> str:

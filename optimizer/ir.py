@@ -229,6 +229,11 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         params = {}
         if kind == Kind.REDUCE:
             params = reduce_params(op, args, kwargs, nodes)
+            unviewed = _reduced_through_view(op, args, params, nodes)
+            if unviewed is not None:       # the same result, its shape as it was (loopnest.row_index maps it)
+                base, dims = unviewed
+                args = (Ref(base), list(dims), *args[2:])
+                params = {**params, "dims": dims}
         index_of[fx_node] = add(fx_node.name, kind, op, fx_node.target, args, kwargs, type_, **params)
     for node in nodes:
         for i in node.inputs:
@@ -237,6 +242,50 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         if isinstance(o, Ref):
             nodes[o.index].users.append(-1)   # -1: the graph's output
     return Graph(nodes, inputs, outputs, **float32_precision(), device=device)
+
+
+RESHAPES = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
+DIM_REDUCTIONS = {"aten.sum.dim_IntList", "aten.mean.dim", "aten.amax.default", "aten.amin.default"}
+
+
+def axis_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """A reshape of `src` into `dst` as runs of axes (src axes, dst axes) of equal size product, the fewest
+    axes each (size-1 axes left out); None when the sizes do not match."""
+    s_dims = [i for i, n in enumerate(src) if n != 1]
+    d_dims = [i for i, n in enumerate(dst) if n != 1]
+    runs, si, di = [], 0, 0
+    while si < len(s_dims) and di < len(d_dims):
+        s_run, d_run = [s_dims[si]], [d_dims[di]]
+        s_prod, d_prod = src[s_dims[si]], dst[d_dims[di]]
+        si, di = si + 1, di + 1
+        while s_prod != d_prod:
+            if s_prod < d_prod and si < len(s_dims):
+                s_run.append(s_dims[si]); s_prod *= src[s_dims[si]]; si += 1
+            elif d_prod < s_prod and di < len(d_dims):
+                d_run.append(d_dims[di]); d_prod *= dst[d_dims[di]]; di += 1
+            else:
+                return None
+        runs.append((tuple(s_run), tuple(d_run)))
+    return runs if si == len(s_dims) and di == len(d_dims) else None
+
+
+def _reduced_through_view(op: str, args: tuple, params: dict, nodes: list[Node]) -> tuple[int, tuple[int, ...]] | None:
+    """For a reduction of a reshape that only merges axes of x (a bias gradient: `sum(view(g, [B*T, C]), [0])`
+    of a [B, T, C] g): x and the axes of x that it reduces. Why: reduced over x's own domain, the sum can share
+    one kernel with the pointwise ops that compute and store x. The result keeps its shape ([1, C] where
+    keepdim), which then need not be x's with the reduced axes dropped or 1. A reshape that splits an axis of x
+    stays: a kernel over its domain may hold the sum (LayerNorm's backward over [B, T, C] views of [B*T, C])."""
+    if op not in DIM_REDUCTIONS or not isinstance(args[0], Ref):
+        return None
+    view = nodes[args[0].index]
+    if view.kind != Kind.VIEW or view.op not in RESHAPES or not isinstance(view.args[0], Ref):
+        return None
+    base = nodes[view.args[0].index]
+    runs = axis_runs(base.type.shape, view.type.shape)
+    if runs is None or any(len(d_run) > 1 for _, d_run in runs):
+        return None
+    dims = [d for s_run, (d_run,) in runs if d_run in params["dims"] for d in s_run]
+    return (base.index, tuple(sorted(dims))) if dims else None
 
 
 def _constant(value: Any) -> Any:

@@ -487,6 +487,7 @@ class _Lowering:
         self.cse: dict[tuple, Name] = {}
         self.locals: dict[int, Name] = {}         # members already computed at the current index
         self.row: dict[int, RowVar] = {}          # per-row values of the current row
+        self.computed: set[int] = set()           # members over the domain an earlier pass computed and stored
         self.idx: tuple[Expr, ...] = tuple(var(f"i{d}") for d in range(len(self.group.domain)))
         self.gemm = False
         self.tmp = 0
@@ -557,11 +558,14 @@ class _Lowering:
             node.type.shape in row_shapes(self.group.domain, self.group.reduced)
 
     def row_index(self, node: Node) -> tuple[Expr, ...]:
-        """The index at which a per-row member's value belongs to the current row."""
+        """The index at which a per-row member's value belongs to the current row: a reduction reduced
+        through a reshape (ir._reduced_through_view) may be of another shape of the kept axes."""
         red = self.group.reduced
-        if len(node.type.shape) == len(self.idx):
+        ones, dropped = row_shapes(self.group.domain, red)
+        if node.type.shape == ones:
             return tuple(Const(0) if d in red else e for d, e in enumerate(self.idx))
-        return tuple(e for d, e in enumerate(self.idx) if d not in red)
+        kept = tuple(e for d, e in enumerate(self.idx) if d not in red)
+        return kept if node.type.shape == dropped else reshape_index(node.type.shape, dropped, kept)
 
     def offset(self, node: Node, idx: Sequence[Expr]) -> Expr:
         return offset(idx, node.type.strides, node.type.shape)
@@ -584,6 +588,8 @@ class _Lowering:
                 value = self.define(GemmElement())
             elif n in self.locals and idx == self.idx:
                 return self.locals[n]
+            elif n in self.computed and idx == self.idx:     # stored by an earlier pass: computed again
+                value = self.compute(node, idx)
             else:
                 raise NotFusable(f"{node.name} is read at another index, or before it is computed")
         elif n in self.buffers or node.kind in (Kind.INPUT, Kind.EXTERN, Kind.MATMUL, Kind.REDUCE):
@@ -754,7 +760,7 @@ class _Lowering:
             self.merge([d for d in self.order if d in self.group.reduced], keep_outer=False)
         else:
             self.merge_lanes()
-        self.row = {}
+        self.row, self.computed = {}, set()
         epilogue: list[int] = []
         out: list[Union[RowSegment, Pass]] = []
         for kind, nodes in self.segments(epilogue):
@@ -771,6 +777,9 @@ class _Lowering:
             reductions = []
             for n in nodes:
                 node = self.g.nodes[n]
+                if node.kind != Kind.REDUCE:          # a member over the whole domain that the pass reads
+                    self.compute_member(n)
+                    continue
                 op = node.params["reduce"]
                 value = self.load(node.args[0].index, self.idx)
                 self.lines.append(Accumulate(n, op, value))
@@ -778,23 +787,37 @@ class _Lowering:
                 reductions.append(Reduction(n, op, self.store(n, self.row_index(node), red)))
                 self.row[n] = red
             out.append(Pass(reductions, self.lines))
+            self.computed.update(n for n in nodes if self.g.nodes[n].kind != Kind.REDUCE)
         return out, (self.body(epilogue) if epilogue else None)
 
     def segments(self, epilogue: list[int]) -> list[tuple[str, list[int]]]:
-        """Members in order as row segments: ("pass", reductions sharing one pass over the row) or
-        ("row", [a per-row pointwise value]); members over the whole domain go to `epilogue`."""
+        """Members in order as row segments: ("pass", reductions sharing one pass over the row, after the
+        members over the whole domain they read, which the pass computes and stores: a bias gradient's
+        pointwise gradient) or ("row", [a per-row pointwise value]); the other members over the whole
+        domain go to `epilogue`."""
         out: list[tuple[str, list[int]]] = []
+        pending: list[int] = []              # members over the whole domain, not yet in a pass
         for n in self.group.nodes:
             node = self.g.nodes[n]
             if node.kind == Kind.REDUCE:
-                if out and out[-1][0] == "pass" and not self.reads(n) & set(out[-1][1]):
-                    out[-1][1].append(n)
+                needed, todo, deps = set(), [n], set()
+                while todo:                  # the pending members it reads, through each other
+                    found = self.reads(todo.pop())
+                    deps |= found
+                    todo += [m for m in found if m in pending and m not in needed]
+                    needed |= found & set(pending)
+                computed = [m for m in pending if m in needed]
+                pending = [m for m in pending if m not in needed]
+                last = out[-1][1] if out and out[-1][0] == "pass" else []
+                if last and not deps & {m for m in last if self.g.nodes[m].kind == Kind.REDUCE}:
+                    last += computed + [n]
                 else:
-                    out.append(("pass", [n]))
+                    out.append(("pass", computed + [n]))
             elif self.is_row_value(node):
                 out.append(("row", [n]))
             else:
-                epilogue.append(n)
+                pending.append(n)
+        epilogue += pending
         return out
 
     def reads(self, n: int) -> set[int]:

@@ -153,6 +153,56 @@ def concatenations(x: torch.Tensor, w: torch.Tensor, token: torch.Tensor) -> tor
     return torch.cat([sequence.flatten(1), sides.flatten(1), torch.cat([x.flatten(1) * 2])], dim=1)
 
 
+def forward_and_backward(fn: Callable) -> Callable:
+    """fn's outputs and the gradients of the sum of their squares with respect to every float input
+    (squares: the sum of a softmax or a normalized row has a zero gradient, which would test nothing)."""
+    def step(*args):
+        args = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        loss = sum((o.float() ** 2).sum() for o in outs if o.is_floating_point())
+        return (*outs, *torch.autograd.grad(loss, [a for a in args if a.requires_grad]))
+    return step
+
+
+def _linear_gelu(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2)
+
+
+def _merged_sums(x: torch.Tensor, w: torch.Tensor) -> tuple:
+    """Sums of a [2, 3, 24] value over views of it: rows of merged axes (a bias gradient), keepdim, a kept run
+    merged (2*3 rows of 24), and a split of its last axis (no merge of its axes)."""
+    y = x * w
+    return (y, y.view(-1, 24).sum(0), y.reshape(-1, 24).sum(0, keepdim=True), y.view(6, 24).sum(1),
+            y.view(2, 3, 4, 6).sum(1))
+
+
+def _centered(x: torch.Tensor, w: torch.Tensor) -> tuple:
+    """A stored value read by two passes over its rows and by the members after them."""
+    y = x * w
+    m = y.mean(-1, keepdim=True)
+    return y, m, ((y - m) ** 2).sum(-1), (y - m) * 2
+
+
+def _channels_last_bias(x: torch.Tensor, w: torch.Tensor) -> tuple:
+    """A per-channel scale of an NCHW tensor stored channels-last, and its sum over rows of channels (a bias
+    gradient of a 1x1 convolution as a Linear over pixels)."""
+    y = x * w[:, None, None]
+    return y, y.permute(0, 2, 3, 1).reshape(-1, y.shape[1]).sum(0)
+
+
+# pointwise values stored (returned, or read by a GEMM) and summed over rows: name -> (fn, its arguments);
+# run through forward_and_backward, as eager's
+SUMMED_STORES: dict[str, tuple[Callable, Callable[[], tuple]]] = {
+    "linear_gelu": (_linear_gelu, lambda: (torch.randn(3, 7, 11), torch.randn(13, 11), torch.randn(13),
+                                           torch.randn(5, 13))),
+    "merged_sums": (_merged_sums, lambda: (torch.randn(2, 3, 24), torch.randn(24))),
+    "centered": (_centered, lambda: (torch.randn(3, 7, 11), torch.randn(11))),
+    "channels_last": (_channels_last_bias, lambda: (
+        torch.randn(2, 5, 3, 4).contiguous(memory_format=torch.channels_last), torch.randn(5))),
+}
+
+
 SIZES = {"small": 1, "bench": 4}
 
 

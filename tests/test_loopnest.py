@@ -16,6 +16,7 @@ from optimizer.backend import decompositions
 from optimizer.codegen import c, c_ops, triton
 from optimizer.codegen.c_target import CTarget
 from optimizer.hardware import load_all
+from tests.optimizer_models import SUMMED_STORES, forward_and_backward
 
 HOST = load_all()["cpu-generic"]
 
@@ -70,6 +71,64 @@ def test_a_read_at_another_index_is_not_one_loop_nest():
     mul, add = (n.index for n in graph.nodes if n.op in ("aten.mul.Tensor", "aten.add.Tensor"))
     with pytest.raises(loopnest.NotFusable, match="another index"):
         loopnest.lower(graph, loopnest.Group("kernel", (mul, add), (9, 9)), plan.buffers | {mul})
+
+
+def test_a_sum_over_merged_axes_reduces_the_axes_they_merge():
+    """The IR reduces x itself over the axes that a view of x merged into the reduced ones, its result in the shape
+    it had, so that the sum's domain is x's; a view that splits an axis of x stays what the sum reads."""
+    fn, make = SUMMED_STORES["merged_sums"]
+    graph, _ = lowered(fn, *make())
+    sums = [n for n in graph.nodes if n.kind == ir.Kind.REDUCE]
+    read = [(graph.nodes[n.args[0].index].op, n.params["dims"], n.type.shape) for n in sums]
+    assert read == [("aten.mul.Tensor", (0, 1), (24,)), ("aten.mul.Tensor", (0, 1), (1, 24)),
+                    ("aten.mul.Tensor", (2,), (6,)), ("aten.view.default", (1,), (2, 4, 6))]
+
+
+def stores_of(nest: loopnest.LoopNest, n: int) -> list[str]:
+    """Where the nest writes node n: "pass" or "epilogue", once per store."""
+    found = [("pass", s) for seg in nest.segments if isinstance(seg, loopnest.Pass) for s in seg.body]
+    found += [("epilogue", s) for s in nest.epilogue or []]
+    return [where for where, s in found if isinstance(s, loopnest.Store) and s.buffer == n]
+
+
+def test_a_stored_value_summed_over_rows_is_stored_by_the_pass_that_sums_it():
+    """A Linear + GELU's backward: the bias gradient sums over rows the pointwise gradient that the GEMMs read,
+    in the kernel that computes and stores it, once."""
+    fn, make = SUMMED_STORES["linear_gelu"]
+    graph, plan = lowered(forward_and_backward(fn), *make())
+    (bias,) = [n for n in graph.nodes if n.kind == ir.Kind.REDUCE and n.type.numel == 13]
+    value = bias.args[0].index
+    assert graph.nodes[value].kind == ir.Kind.POINTWISE and value in plan.buffers and any(
+        graph.nodes[r].kind == ir.Kind.MATMUL for r in fusion.compute_readers(graph, value))
+    (group,) = [g for g in plan.groups if bias.index in g.nodes]
+    assert value in group.nodes and group.reduced == (0, 1), fusion.describe(graph, plan)
+    nest = loopnest.lower(graph, group, plan.buffers)
+    assert stores_of(nest, value) == ["pass"] and nest.splittable
+
+
+def test_a_later_pass_and_the_epilogue_compute_a_stored_value_again_without_storing_it():
+    fn, make = SUMMED_STORES["centered"]
+    graph, plan = lowered(fn, *make())
+    (group,) = [g for g in plan.groups if g.kind != "extern"]
+    nest = loopnest.lower(graph, group, plan.buffers)
+    (y,) = [n.index for n in graph.nodes if n.op == "aten.mul.Tensor" and n.args[1] == ir.Ref(1)]
+    assert [type(s).__name__ for s in nest.segments] == ["Pass", "Pass"] and nest.epilogue
+    assert stores_of(nest, y) == ["pass"]
+    assert sum(isinstance(s, loopnest.Define) and isinstance(s.value, loopnest.Apply) and s.value.node == y
+               for s in nest.segments[1].body + nest.epilogue) == 2
+
+
+def test_a_sum_that_cannot_join_its_values_kernel_leaves_that_kernel_open():
+    """A GEMM epilogue's value summed over rows cannot be summed by the GEMM's kernel: the sum waits for its own
+    place, and the pointwise op after the epilogue still joins the GEMM's kernel."""
+    def fn(x, w):
+        y = torch.relu(x @ w)
+        return y, y * 3, y.sum(0)
+    graph, plan = lowered(fn, torch.randn(7, 11), torch.randn(11, 5))
+    (y,) = [n.index for n in graph.nodes if n.op == "aten.relu.default"]
+    (triple,) = [n.index for n in graph.nodes if n.op == "aten.mul.Tensor"]
+    (gemm,) = [g for g in plan.groups if g.kind == "gemm"]
+    assert y in gemm.nodes and triple in gemm.nodes, fusion.describe(graph, plan)
 
 
 def test_a_group_that_is_no_loop_nest_is_refused_alike_each_time_without_keeping_frames():

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from optimizer import backend
 from optimizer.backend import make_backend, optimize
 from optimizer.schedule import DEFAULT
-from optimizer.ir import Ref
+from optimizer.fusion import compute_readers
+from optimizer.ir import Kind, Ref
 from tests.optimizer_models import MaskedAttention, concatenations, input_free, input_free_kernels, suite
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -96,6 +97,30 @@ def test_training_with_adamw_tracks_the_eager_loss_curve(name):
     # Weights are not compared here: the key bias of attention has an exactly-zero gradient
     # (softmax ignores a per-row constant), and Adam turns rounding noise there into full steps.
     # test_adamw_step_alone_matches_eager_and_is_generated checks the update itself.
+
+
+def test_gpt2_blocks_bias_gradients_are_summed_by_the_kernels_that_store_their_gradients(monkeypatch):
+    """In the GPT-2 block's backward, each value a GEMM reads and a Linear's bias gradient sums over rows (GELU's
+    gradient, the attention output's, the concatenated q, k, v gradient) is summed by the kernel that computes
+    and stores it, not by a kernel of its own; the step's gradients as eager's."""
+    compiled = record_compiled(monkeypatch)
+    case = next(c for c in suite() if c.name == "gpt2_block")
+    torch.manual_seed(0)
+    eager = case.build()
+    mine = copy.deepcopy(eager)
+    batch = case.batch(torch.Generator().manual_seed(0))
+    case.loss(eager, batch).backward()
+    case.loss(torch.compile(mine, backend=make_backend()), batch).backward()
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        close(q.grad, p.grad, f"grad of {name}")
+    graph, groups = compiled[-1]
+    group_of = {n: k for k, g in enumerate(groups) for n in g.nodes}
+    summed = [(n.index, n.args[0].index) for n in graph.nodes if n.kind == Kind.REDUCE
+              and graph.nodes[n.args[0].index].kind == Kind.POINTWISE and any(
+                  graph.nodes[r].kind == Kind.MATMUL for r in compute_readers(graph, n.args[0].index))]
+    assert len(summed) >= 3, "the backward's bias gradients no longer sum values a GEMM reads"
+    apart = [graph.nodes[s].name for s, value in summed if group_of.get(s) != group_of.get(value)]
+    assert not apart, f"summed by kernels of their own: {apart}"
 
 
 def test_adamw_step_alone_matches_eager_and_is_generated():

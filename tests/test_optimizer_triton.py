@@ -34,7 +34,7 @@ from optimizer.target import Timing  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 
 from tests import test_optimizer_ops as ops_fuzz  # noqa: E402
-from tests.optimizer_models import concatenations, suite  # noqa: E402
+from tests.optimizer_models import SUMMED_STORES, concatenations, suite  # noqa: E402
 from tests.test_optimizer_ops import EXAMPLES, FUZZ, operands  # noqa: E402
 from tests.test_optimizer_correctness import masked_attention_matches_eager  # noqa: E402
 
@@ -683,7 +683,8 @@ def test_a_combined_kernel_triton_does_not_compile_runs_as_its_parts(monkeypatch
     with caplog.at_level("WARNING", logger="tfsn.optimizer"):
         got = torch.compile(f, backend=make_backend(codegen="triton"))(*mine)
     torch._dynamo.reset()
-    assert backend.STATS["aten_graphs"] == aten and backend.STATS["kernels"] - kernels == 3
+    # two parts: p - g (written over p) and its sum in one kernel, w * 2 in another
+    assert backend.STATS["aten_graphs"] == aten and backend.STATS["kernels"] - kernels == 2
     assert "did not compile the combined kernel" in caplog.text and "out of resources" in caplog.text
     assert torch.allclose(got, f(*args)) and all(torch.equal(m, a) for m, a in zip(mine, args))
 
@@ -1259,6 +1260,35 @@ def test_a_bias_gradient_split_matches_eager_forward_and_backward():
     args = [torch.randn(3000, 8), torch.randn(8), torch.randn(8), torch.randn(5, 8), torch.randn(5)]
     step = forward_and_backward(layer_norm_linear)
     assert len(split_kernels(step, args)) >= 2, "the bias and weight gradients were not split"
+    got, want, _ = run_triton(step, args, SPLIT)
+    for i, (g, w) in enumerate(zip(got, want)):
+        close(g, w, f"result {i}")
+
+
+@pytest.mark.parametrize("name", sorted(SUMMED_STORES))
+def test_values_summed_where_they_are_stored_match_eager_forward_and_backward(name):
+    """Pointwise values stored and summed over rows by the kernel that computes them (a bias gradient), read
+    again by later passes, kept dims, channels-last: outputs and gradients as eager's."""
+    fn, make = SUMMED_STORES[name]
+    torch.manual_seed(0)
+    got, want, _ = run_triton(forward_and_backward(fn), make())
+    for i, (g, w) in enumerate(zip(got, want)):
+        close(g, w, f"result {i}")
+
+
+def test_a_bias_gradient_stored_by_its_split_sum_matches_eager_forward_and_backward():
+    """A Linear + GELU over 3000 rows: the backward's bias gradient sums the pointwise gradient the GEMMs read in
+    the kernel that stores it, split into slices, each slice storing the elements it reads; all as eager's."""
+    fn, _ = SUMMED_STORES["linear_gelu"]
+    torch.manual_seed(0)
+    args = [torch.randn(3, 1000, 4), torch.randn(6, 4), torch.randn(6), torch.randn(3, 6)]
+    step = forward_and_backward(fn)
+    graph = ir.from_fx(make_fx(step, decomposition_table=decompositions())(*args), half=True)
+    plan = fusion.plan(graph)
+    _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [SPLIT] * len(plan.groups), plan.inplace)
+    (bias,) = [n for n in graph.nodes if n.kind == ir.Kind.REDUCE and n.type.numel == 6]
+    (kernel,) = [k for g, k in zip(plan.groups, kernels) if bias.index in g.nodes]
+    assert kernel.split is not None and bias.args[0].index in kernel.outputs, fusion.describe(graph, plan)
     got, want, _ = run_triton(step, args, SPLIT)
     for i, (g, w) in enumerate(zip(got, want)):
         close(g, w, f"result {i}")

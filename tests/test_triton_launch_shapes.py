@@ -30,6 +30,7 @@ from optimizer.features import kernel_features  # noqa: E402
 from optimizer.hardware import find_hardware  # noqa: E402
 from optimizer.runtime import CompiledGraph  # noqa: E402
 from optimizer.schedule import Schedule  # noqa: E402
+from tests.optimizer_models import SUMMED_STORES, forward_and_backward  # noqa: E402
 from tests.test_optimizer_triton import adamw_steps  # noqa: E402
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")     # how the GPU runs a program, not what it computes
@@ -38,18 +39,6 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")     # how the GPU runs a program, n
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
-
-
-def forward_and_backward(fn):
-    """fn's outputs and the gradients of the sum of their squares with respect to every float input
-    (squares: the sum of a softmax or a normalized row has a zero gradient, which would test nothing)."""
-    def step(*args):
-        args = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
-        out = fn(*args)
-        outs = out if isinstance(out, tuple) else (out,)
-        loss = sum((o.float() ** 2).sum() for o in outs if o.is_floating_point())
-        return (*outs, *torch.autograd.grad(loss, [a for a in args if a.requires_grad]))
-    return step
 
 
 def traced(fn, args) -> tuple[torch.fx.GraphModule, ir.Graph]:
@@ -105,6 +94,9 @@ SWEPT = {
                                        torch.float64),
     "bmm_relu_2x65x40x33": (lambda a, b: torch.bmm(a, b).relu(), lambda: (R(2, 65, 40), R(2, 40, 33)),
                             torch.float32),
+    # GELU's gradient stored and summed down 3 x 401 rows (the bias gradient) by one kernel, 1..8 columns a program
+    "linear_gelu_bias_gradient_3x401x5": (SUMMED_STORES["linear_gelu"][0],
+                                          lambda: (R(3, 401, 7), R(5, 7), R(5), R(3, 5)), torch.float64),
 }
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -116,6 +116,68 @@ def test_epochs_ending_on_a_smaller_batch_with_validation_between_match_eager_wi
     assert backend.STATS["aten_graphs"] == 0, f"a graph ran as ATen: {backend.STATS}"
 
 
+class CumulativeNorm(nn.Module):
+    """BatchNorm with momentum=None (a cumulative average: 1 / num_batches_tracked, a graph break in Dynamo)
+    and one that keeps no running stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16, momentum=None), \
+            nn.Linear(16, 3, bias=False)
+        self.out = nn.BatchNorm1d(3, affine=False, track_running_stats=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.fc2(F.relu(self.bn(self.fc1(x)))))
+
+
+def whole_step(model, opt, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward, step and zero_grad in one function, compiled as one (Dynamo splits it)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def ema_loop(average: nn.Module, model: nn.Module, decay: float) -> None:
+    """An EMA by a Python loop over parameters, buffers copied."""
+    with torch.no_grad():
+        for a, p in zip(average.parameters(), model.parameters()):
+            a.mul_(decay).add_(p.detach(), alpha=1 - decay)
+        for a, b in zip(average.buffers(), model.buffers()):
+            a.copy_(b)
+
+
+def test_one_compiled_step_function_train_mode_under_no_grad_eval_with_input_gradients_and_a_loop_ema():
+    """Beside the steps: a train-mode forward under no_grad (BatchNorm's stats still move), an eval forward
+    with gradients on and an input that requires them (a saliency map), and an EMA of another module."""
+    be = make_backend(schedule=DEFAULT)
+    torch.manual_seed(0)
+    eager = CumulativeNorm()
+    mine = copy.deepcopy(eager)
+    averages = copy.deepcopy(eager), copy.deepcopy(eager)
+    model = torch.compile(mine, backend=be)
+    opt_e, opt_m = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, mine))
+    step, ema = torch.compile(whole_step, backend=be), torch.compile(ema_loop, backend=be)
+    for i, (x, y) in enumerate(loader([6] * 6)):
+        close(step(model, opt_m, x, y), whole_step(eager, opt_e, x, y), f"loss at step {i}")
+        ema(averages[1], mine, 0.8)
+        ema_loop(averages[0], eager, 0.8)
+        with torch.no_grad():
+            close(model(x), eager(x), f"train-mode output under no_grad at step {i}")
+        eager.eval(), mine.eval()
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        outs = [eager(inputs[0]), model(inputs[1])]
+        close(outs[1], outs[0], f"eval output at step {i}")
+        for out in outs:
+            out.sum().backward()
+        close(inputs[1].grad, inputs[0].grad, f"input's gradient in eval at step {i}")
+        eager.train(), mine.train()
+        same_weights(mine, eager, f"at step {i}")
+        same_weights(averages[1], averages[0], f"(EMA) at step {i}")
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
 class Tokens(nn.Module):
     """Embedding, LayerNorm, a GELU MLP and a head, over sequences of any length."""
 

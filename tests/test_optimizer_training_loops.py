@@ -417,3 +417,28 @@ def test_a_checkpoint_of_a_compiled_model_restores_into_a_plain_one_and_back(tmp
         rest = train(build(), not saved_compiled, 6, tfsn.init(checkpoint_dir=folder, checkpoint_interval=3,
                                                                async_save=False))
         torch.testing.assert_close(first[:3] + rest, uninterrupted, rtol=1e-5, atol=1e-6)
+
+
+def test_adversarial_training_alternating_inputs_that_require_grad_and_not_matches_eager(replayed):
+    """FGSM: the input's gradient by autograd.grad (a batch that requires grad: forward and backward graphs
+    of their own), then a step on the perturbed batch (one that does not), replayed."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3))
+    mine = copy.deepcopy(eager)
+    model = torch.compile(mine, backend=make_backend(schedule=DEFAULT))
+    opt_e, opt_m = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, mine))
+    for i, (x, y) in enumerate(loader([6] * 6)):
+        results = []
+        for m, opt in ((eager, opt_e), (model, opt_m)):
+            attacked = x.clone().requires_grad_()
+            loss = F.cross_entropy(m(attacked), y)
+            grad, = torch.autograd.grad(loss, attacked)
+            opt.zero_grad()
+            adversarial = F.cross_entropy(m((x + 0.1 * grad.sign()).detach()), y)
+            adversarial.backward()
+            opt.step()
+            results.append((loss.detach(), grad, adversarial.detach()))
+        for got, want, what in zip(*results[::-1], ("loss", "input's gradient", "adversarial loss")):
+            close(got, want, f"{what} at step {i}")
+        same_weights(mine, eager, f"at step {i}")
+    assert replayed["replays"] > 0 and backend.STATS["aten_graphs"] == 0, (replayed, backend.STATS)

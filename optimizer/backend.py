@@ -383,16 +383,31 @@ class PerShape:
         self._boxed_call = True
         self.gm, self.compile = gm, compile
         self.graphs: dict[tuple, Callable] = {}
+        self.aten: Callable | None = None       # the graph as ATen, for good: no shape makes it static
 
     def __call__(self, args: list) -> Any:
+        if self.aten is not None:
+            return self.aten(args)
         key = _shape_key(args)
         graph = self.graphs.get(key)
         if graph is None:
-            from torch.fx.experimental.proxy_tensor import make_fx
-            specialized = make_fx(self.gm, tracing_mode="fake")(*args)      # sizes now constants: nothing runs
-            example = [n.meta.get("val", a) for n, a in zip(specialized.graph.find_nodes(op="placeholder"), args)]
-            graph = self.graphs[key] = self.compile(specialized, example)
+            graph = self._specialized(key, args)
         return graph(args)
+
+    def _specialized(self, key: tuple, args: list) -> Callable:
+        from torch.fx.experimental.proxy_tensor import make_fx
+        try:
+            specialized = make_fx(self.gm, tracing_mode="fake")(*args)      # sizes now constants: nothing runs
+        except Exception as e:      # a generator bug must not stop training
+            self.aten = _as_aten(self.gm, "it could not be traced again at its call's sizes", e)
+            return self.aten
+        if _symbolic(specialized):  # sizes that depend on values (nonzero, a boolean mask): specialized again,
+            self.aten = _as_aten(self.gm, "its sizes depend on its values",   # it would be a PerShape again
+                                 ValueError("a data-dependent size (an unbacked symbol)"))
+            return self.aten
+        example = [n.meta.get("val", a) for n, a in zip(specialized.graph.find_nodes(op="placeholder"), args)]
+        graph = self.graphs[key] = self.compile(specialized, example)
+        return graph
 
 
 def default_codegen(example_inputs: Sequence[Any]) -> str:

@@ -293,6 +293,25 @@ def test_dynamic_shapes_compile_once_per_shape_and_stay_correct():
     assert backend.STATS["graphs"] == before["graphs"] + 2, "not one graph for each of the two shapes"
 
 
+@pytest.mark.timeout(120)
+def test_sizes_that_depend_on_values_run_as_aten_and_stay_correct():
+    """A boolean mask's and nonzero's sizes (captured by Dynamo when asked) stay symbolic at any input shape:
+    such a graph runs as ATen. Regression: traced again for its shape, it was a PerShape again, recursing
+    without end."""
+    lin = nn.Linear(6, 6)
+
+    def masked(x):
+        h = lin(x)
+        return h[h > 0].sum() + x.nonzero().shape[0]
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = optimize(masked)
+        before = backend.STATS["aten_graphs"]
+        for rows in (4, 5):
+            x = torch.randn(rows, 6)
+            close(compiled(x), masked(x), f"{rows} rows")
+    assert backend.STATS["aten_graphs"] > before
+
+
 def test_cast_to_bool_is_a_test_against_zero():
     """Regression: the generated cast was `(uint8_t)x`, so 0.5 and the int64 256 became False."""
     def fn(x, n):

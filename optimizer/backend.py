@@ -329,10 +329,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
         graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu", half=True)
     except ir.Unsupported as e:
-        log.info("tfsn: running a graph as ATen (%s)", e)
-        _log_once("tfsn: a graph of symbolic sizes (Dynamo's dynamic shapes, e.g. after a smaller last batch) runs "
-                  "as ATen, without generated kernels: compile with torch.compile(..., dynamic=False), as "
-                  "tfsn.optimize does (each new shape then compiles once)")
+        if _symbolic(gm):
+            log.info("tfsn: a graph of symbolic sizes (%s) compiles once per shape it is called with", e)
+            return PerShape(gm, functools.partial(compile_graph, schedule=schedule, fuse=fuse, top_k=top_k,
+                                                  report=report, codegen=codegen, cuda_graphs=cuda_graphs,
+                                                  on_plan=on_plan))
+        log.warning("tfsn: running a graph as ATen (%s)", e)
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
     if codegen == "triton":
@@ -354,6 +356,58 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     except (NotFusable, compiler.CompileError) as e:   # a generator bug must not stop training
         return _as_aten(gm, "its generated code failed", e)
     return _compiled(graph, plan.groups, plan.inplace, kernels, lib, cuda_graphs)
+
+
+def _symbolic(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph has sizes or scalars Dynamo left symbolic (its dynamic shapes)."""
+    def symbolic(v: Any) -> bool:
+        if isinstance(v, torch.Tensor):
+            return any(not isinstance(s, int) for s in (*v.shape, *v.stride()))
+        return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
+    return any(symbolic(n.meta.get("val")) for n in gm.graph.nodes)
+
+
+def _shape_key(args: Sequence[Any]) -> tuple:
+    """What a graph specialized to `args` was generated for: each tensor's shape, strides, dtype and device, and
+    each other argument's value (a size Dynamo passes for a symbol)."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class PerShape:
+    """A graph of symbolic sizes (Dynamo's automatic dynamic shapes: after a smaller last batch, or sequence
+    lengths that change), traced again with its sizes fixed and compiled at each new shape it is called with. Generated kernels are specialized to their shapes: without this, such a graph ran
+    as ATen, and so did every later step, the full batches included (Dynamo's newest graph, the dynamic one,
+    is the one it tries first)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compile: Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]):
+        self._boxed_call = True
+        self.gm, self.compile = gm, compile
+        self.graphs: dict[tuple, Callable] = {}
+        self.aten: Callable | None = None       # the graph as ATen, for good: no shape makes it static
+
+    def __call__(self, args: list) -> Any:
+        if self.aten is not None:
+            return self.aten(args)
+        key = _shape_key(args)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._specialized(key, args)
+        return graph(args)
+
+    def _specialized(self, key: tuple, args: list) -> Callable:
+        from torch.fx.experimental.proxy_tensor import make_fx
+        try:
+            specialized = make_fx(self.gm, tracing_mode="fake")(*args)      # sizes now constants: nothing runs
+        except Exception as e:      # a generator bug must not stop training
+            self.aten = _as_aten(self.gm, "it could not be traced again at its call's sizes", e)
+            return self.aten
+        if _symbolic(specialized):  # sizes that depend on values (nonzero, a boolean mask): specialized again,
+            self.aten = _as_aten(self.gm, "its sizes depend on its values",   # it would be a PerShape again
+                                 ValueError("a data-dependent size (an unbacked symbol)"))
+            return self.aten
+        example = [n.meta.get("val", a) for n, a in zip(specialized.graph.find_nodes(op="placeholder"), args)]
+        graph = self.graphs[key] = self.compile(specialized, example)
+        return graph
 
 
 def default_codegen(example_inputs: Sequence[Any]) -> str:
@@ -678,7 +732,10 @@ def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Cal
     return make_backend()(gm, example_inputs)
 
 
-def optimize(model: Any, *, dynamic: bool | None = False, fullgraph: bool = False, **options: Any) -> Any:
-    """`torch.compile(model, backend="tfsn")` with options. Shapes are static by default: a new
-    shape recompiles, since generated kernels are specialized to their shapes and strides."""
+def optimize(model: Any, *, dynamic: bool | None = None, fullgraph: bool = False, **options: Any) -> Any:
+    """`torch.compile(model, backend="tfsn")` with options. Generated kernels are specialized to their shapes
+    and strides: each new shape compiles once, also in a graph Dynamo made dynamic (`PerShape`). Dynamo's
+    default `dynamic=None` is kept: with `dynamic=False` a float argument or attribute that changes every
+    step (an annealed temperature, a loss weight) recompiled the frame every step, until Dynamo's recompile
+    limit (8) sent the model to eager for good."""
     return torch.compile(model, backend=make_backend(**options), dynamic=dynamic, fullgraph=fullgraph)

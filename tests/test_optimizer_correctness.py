@@ -305,14 +305,35 @@ def test_new_shape_recompiles_and_stays_correct():
         close(compiled(x), model(x), f"{rows} rows")
 
 
-def test_dynamic_shapes_run_as_aten_and_stay_correct():
+def test_dynamic_shapes_compile_once_per_shape_and_stay_correct():
+    """A graph of symbolic sizes is generated for each shape it runs at (backend.PerShape), not run as ATen."""
     torch.manual_seed(0)
     model = OddShapes()
     compiled = optimize(copy.deepcopy(model), dynamic=True)
-    before = backend.STATS["aten_graphs"]
-    for rows in (4, 9):
+    before = dict(backend.STATS)
+    for rows in (4, 9, 4):
         x = torch.randn(rows, 13)
         close(compiled(x), model(x), f"{rows} rows, dynamic")
+    assert backend.STATS["aten_graphs"] == before["aten_graphs"]
+    assert backend.STATS["graphs"] == before["graphs"] + 2, "not one graph for each of the two shapes"
+
+
+@pytest.mark.timeout(120)
+def test_sizes_that_depend_on_values_run_as_aten_and_stay_correct():
+    """A boolean mask's and nonzero's sizes (captured by Dynamo when asked) stay symbolic at any input shape:
+    such a graph runs as ATen. Regression: traced again for its shape, it was a PerShape again, recursing
+    without end."""
+    lin = nn.Linear(6, 6)
+
+    def masked(x):
+        h = lin(x)
+        return h[h > 0].sum() + x.nonzero().shape[0]
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = optimize(masked)
+        before = backend.STATS["aten_graphs"]
+        for rows in (4, 5):
+            x = torch.randn(rows, 6)
+            close(compiled(x), masked(x), f"{rows} rows")
     assert backend.STATS["aten_graphs"] > before
 
 

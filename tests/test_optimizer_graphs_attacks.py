@@ -376,15 +376,17 @@ def test_two_threads_serving_one_compiled_model(monkeypatch):
     assert not wrong, f"(thread, request) answered with another request's output: {wrong}; {graphs.COUNTS}"
 
 
-def test_epochs_whose_last_batch_is_smaller_keep_replaying():
-    """DataLoader's default drop_last=False: each epoch ends on a smaller batch. Compiled as tfsn.optimize
-    does (dynamic=False): a graph for each batch size, each recorded apart. (Left to Dynamo's automatic
-    dynamic shapes, the smaller batch makes a graph of symbolic sizes serve every later step, and tfsn runs
-    such a graph as ATen: no kernel of its own and no replay from the first epoch's end on.)"""
+@pytest.mark.parametrize("dynamic", [False, None])
+def test_epochs_whose_last_batch_is_smaller_keep_replaying(dynamic):
+    """DataLoader's default drop_last=False: each epoch ends on a smaller batch. With dynamic=False a graph for
+    each batch size, each recorded apart; left to Dynamo's automatic dynamic shapes (tfsn.optimize's default),
+    the smaller batch makes a graph of symbolic sizes serve every later step, which tfsn compiles at each
+    shape (backend.PerShape), each of those recorded apart. (It ran such a graph as ATen: no kernel of its
+    own and no replay from the first epoch's end on.)"""
     eager, tfsn = pair()
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
     opt_t = torch.optim.SGD(tfsn.parameters(), lr=0.1)
-    model = torch.compile(tfsn, backend=backend(), dynamic=False)
+    model = torch.compile(tfsn, backend=backend(), dynamic=dynamic)
     epoch = batches(4) + batches(1, (2, 7, 24))
     replays = []
     for e in range(4):

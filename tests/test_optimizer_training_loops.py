@@ -1,0 +1,444 @@
+"""Compiled models across training loops as researchers write them, step by step against eager PyTorch:
+validation in eval mode and under no_grad / inference_mode between steps, epochs that end on a smaller
+batch, sequence lengths that change every batch, a temperature annealed every step, an lr schedule with
+the optimizer's step compiled, fine-tuning (layers frozen mid-run, a parameter group added), loss scaling
+with skipped steps, clipping by value, an EMA of the weights, seeded dropout, and a checkpoint of a compiled
+model restored into a plain one. Besides the values, each test counts what was compiled: a recompile every
+step, or a graph left to ATen, is a failure here, not only a slow step.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import tfsn
+from optimizer import backend, graphs
+from optimizer.backend import make_backend
+from optimizer.schedule import DEFAULT
+from tests.test_optimizer_graphs import Rerun, close
+
+
+@pytest.fixture(autouse=True)
+def fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(backend, "STATS", dict.fromkeys(backend.STATS, 0))    # what this test compiled
+    yield
+    torch._dynamo.reset()
+
+
+class SeededRerun(Rerun):
+    """Rerun, drawing no random numbers while capturing: a CUDA graph's capture runs nothing, and each replay
+    draws what an eager run would (the generator's offset is advanced per replay)."""
+
+    def capture(self, run, inputs):
+        state = torch.get_rng_state()
+        try:
+            return super().capture(run, inputs)
+        finally:
+            torch.set_rng_state(state)
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """Every graph replayed as the stand-in of a CUDA graph (optimizer/graphs.py's contract on this CPU)."""
+    monkeypatch.setattr(graphs, "recorder_for", lambda device: SeededRerun())
+    for k in graphs.COUNTS:
+        graphs.COUNTS[k] = 0
+    return graphs.COUNTS
+
+
+def frames() -> int:
+    """Frames Dynamo compiled so far (each recompile is one more)."""
+    return counters["stats"]["unique_graphs"]
+
+
+def same_weights(mine: nn.Module, eager: nn.Module, what: str) -> None:
+    for (name, p), q in zip(eager.state_dict().items(), mine.state_dict().values()):
+        close(q.float(), p.float(), f"{name} {what}")
+
+
+class BatchNormNet(nn.Module):
+    """Linear (no bias: BatchNorm removes it, its gradient is exactly zero only in eager's order of sums),
+    BatchNorm, ReLU, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.bn(self.fc1(x))))
+
+
+def loader(sizes, seed: int = 1) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_epochs_ending_on_a_smaller_batch_with_validation_between_match_eager_with_generated_kernels(codegen):
+    """DataLoader(drop_last=False) through `torch.compile(model, backend=...)`: the smaller last batch makes
+    Dynamo's graph dynamic, and that graph serves every later step. It ran as ATen (a log line once), so from
+    the first epoch's end nothing was generated; it now compiles at each shape it meets (backend.PerShape).
+    Between epochs: eval under no_grad and under inference_mode, then train again (BatchNorm switches to its
+    running stats and back, which must match eager's)."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    eager = BatchNormNet()
+    mine = copy.deepcopy(eager)
+    model = torch.compile(mine, backend=make_backend(schedule=DEFAULT, codegen=codegen))
+    opt_e, opt_m = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, mine))
+    epoch, (val, _) = loader((6, 6, 4)), loader((5,), seed=2)[0]
+    for e in range(2):
+        for i, (x, y) in enumerate(epoch):
+            losses = []
+            for m, opt in ((eager, opt_e), (model, opt_m)):
+                opt.zero_grad()
+                losses.append(F.cross_entropy(m(x), y))
+                losses[-1].backward()
+                opt.step()
+            close(losses[1], losses[0], f"loss at epoch {e} batch {i}")
+        eager.eval(), mine.eval()
+        with torch.no_grad():
+            close(model(val), eager(val), f"validation under no_grad after epoch {e}")
+        with torch.inference_mode():
+            close(model(val), eager(val), f"validation under inference_mode after epoch {e}")
+        eager.train(), mine.train()
+        same_weights(mine, eager, f"after epoch {e}")
+    assert backend.STATS["aten_graphs"] == 0, f"a graph ran as ATen: {backend.STATS}"
+
+
+class CumulativeNorm(nn.Module):
+    """BatchNorm with momentum=None (a cumulative average: 1 / num_batches_tracked, a graph break in Dynamo)
+    and one that keeps no running stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16, momentum=None), \
+            nn.Linear(16, 3, bias=False)
+        self.out = nn.BatchNorm1d(3, affine=False, track_running_stats=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.fc2(F.relu(self.bn(self.fc1(x)))))
+
+
+def whole_step(model, opt, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward, step and zero_grad in one function, compiled as one (Dynamo splits it)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def ema_loop(average: nn.Module, model: nn.Module, decay: float) -> None:
+    """An EMA by a Python loop over parameters, buffers copied."""
+    with torch.no_grad():
+        for a, p in zip(average.parameters(), model.parameters()):
+            a.mul_(decay).add_(p.detach(), alpha=1 - decay)
+        for a, b in zip(average.buffers(), model.buffers()):
+            a.copy_(b)
+
+
+def test_one_compiled_step_function_train_mode_under_no_grad_eval_with_input_gradients_and_a_loop_ema():
+    """Beside the steps: a train-mode forward under no_grad (BatchNorm's stats still move), an eval forward
+    with gradients on and an input that requires them (a saliency map), and an EMA of another module."""
+    be = make_backend(schedule=DEFAULT)
+    torch.manual_seed(0)
+    eager = CumulativeNorm()
+    mine = copy.deepcopy(eager)
+    averages = copy.deepcopy(eager), copy.deepcopy(eager)
+    model = torch.compile(mine, backend=be)
+    opt_e, opt_m = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (eager, mine))
+    step, ema = torch.compile(whole_step, backend=be), torch.compile(ema_loop, backend=be)
+    for i, (x, y) in enumerate(loader([6] * 6)):
+        close(step(model, opt_m, x, y), whole_step(eager, opt_e, x, y), f"loss at step {i}")
+        ema(averages[1], mine, 0.8)
+        ema_loop(averages[0], eager, 0.8)
+        with torch.no_grad():
+            close(model(x), eager(x), f"train-mode output under no_grad at step {i}")
+        eager.eval(), mine.eval()
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        outs = [eager(inputs[0]), model(inputs[1])]
+        close(outs[1], outs[0], f"eval output at step {i}")
+        for out in outs:
+            out.sum().backward()
+        close(inputs[1].grad, inputs[0].grad, f"input's gradient in eval at step {i}")
+        eager.train(), mine.train()
+        same_weights(mine, eager, f"at step {i}")
+        same_weights(averages[1], averages[0], f"(EMA) at step {i}")
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
+class Tokens(nn.Module):
+    """Embedding, LayerNorm, a GELU MLP and a head, over sequences of any length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln, self.fc, self.head = nn.Embedding(11, 12), nn.LayerNorm(12), nn.Linear(12, 12), \
+            nn.Linear(12, 11)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + F.gelu(self.fc(self.ln(h)))
+        return self.head(h)
+
+
+def test_sequence_lengths_that_change_every_batch_are_all_generated_past_dynamos_recompile_limit():
+    """tfsn.optimize compiled with dynamic=False: a frame recompiled at each length until Dynamo's limit (8),
+    then ran in eager for good (a warning from Dynamo). Now Dynamo's graph turns dynamic at the second length
+    and tfsn generates each length once."""
+    torch.manual_seed(0)
+    eager = Tokens()
+    mine = copy.deepcopy(eager)
+    model = tfsn.optimize(mine, schedule=DEFAULT)
+    g = torch.Generator().manual_seed(1)
+    lengths = range(3, 13)
+    for t in lengths:
+        tokens = torch.randint(0, 11, (2, t), generator=g)
+        before = backend.STATS["graphs"]
+        for m in (eager, model):
+            F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        assert backend.STATS["graphs"] == before + 2, f"length {t}: no forward and backward generated"
+        for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+            close(q.grad, p.grad, f"grad of {name} after length {t}")
+    assert frames() <= 2, f"{frames()} frames compiled for {len(lengths)} lengths"
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.tau = nn.Linear(8, 5), 1.0
+
+    def forward(self, x: torch.Tensor, weight: float) -> torch.Tensor:
+        return F.log_softmax(self.fc(x) / self.tau, -1) * weight
+
+
+def test_a_temperature_annealed_every_step_compiles_once_through_tfsn_optimize():
+    """A float attribute and a float argument that change every step: Dynamo makes them graph inputs from
+    their second value. With tfsn.optimize's former dynamic=False they were constants: 8 recompiles, then
+    eager for the rest of the run."""
+    eager = Tempered()
+    mine = copy.deepcopy(eager)
+    model = tfsn.optimize(mine, schedule=DEFAULT)
+    x = torch.randn(4, 8)
+    for i in range(12):
+        eager.tau = mine.tau = 1.0 - 0.05 * i
+        outs = [m(x, 0.5 + 0.1 * i) for m in (eager, model)]
+        for out in outs:
+            out.sum().backward()
+        close(outs[1], outs[0], f"output at step {i}")
+        close(mine.fc.weight.grad, eager.fc.weight.grad, f"weight's gradient at step {i}")
+    assert frames() <= 2, f"{frames()} frames compiled for 12 steps"
+    assert backend.STATS["graphs"] <= 4 and backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
+def warmup_cosine(step: int) -> float:
+    return min(1.0, (step + 1) / 4) * 0.5 * (1 + math.cos(math.pi * step / 12))
+
+
+def test_an_lr_schedule_changing_lr_every_step_with_the_step_compiled_matches_eager_without_recompiles():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    mine = copy.deepcopy(eager)
+    model = torch.compile(mine, backend=make_backend(schedule=DEFAULT))
+    opt_e, opt_m = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (eager, mine))
+    sched_e, sched_m = (torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine) for o in (opt_e, opt_m))
+    step = torch.compile(opt_m.step, backend=make_backend(schedule=DEFAULT))
+    for i, (x, y) in enumerate(loader([6] * 12)):
+        for m, opt, s, sched in ((eager, opt_e, opt_e.step, sched_e), (model, opt_m, step, sched_m)):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            s()
+            sched.step()
+        same_weights(mine, eager, f"at step {i}")
+    assert frames() <= 5, f"{frames()} frames compiled for 12 steps: the lr recompiles the step"
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
+class FineTuned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU())
+        self.head, self.extra = nn.Linear(16, 3), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + 0.5 * self.extra(h)
+
+
+def ema_update(average: list, params: list, decay: float) -> None:
+    with torch.no_grad():
+        torch._foreach_mul_(average, decay)
+        torch._foreach_add_(average, [p.detach() for p in params], alpha=1 - decay)
+
+
+def unscale(params: list, inverse_scale: float) -> torch.Tensor:
+    """GradScaler's unscale_ by hand: whether every gradient is finite."""
+    grads = [p.grad for p in params if p.grad is not None]
+    torch._foreach_mul_(grads, inverse_scale)
+    return torch.stack([torch.isfinite(g).all() for g in grads]).all()
+
+
+def fine_tune(codegen: str) -> None:
+    """Head only at first (extra frozen), then the body frozen at step 4 and extra unfrozen as a new param group
+    at step 6; loss scaled by 2**10 and unscaled in a compiled function (by inf at step 7: skipped), gradients
+    clipped by value, an EMA of the weights updated by a compiled foreach function; zero_grad to None and to
+    zeros in turn. Every step against eager."""
+    be = make_backend(schedule=DEFAULT, codegen=codegen)
+    torch.manual_seed(0)
+    eager = FineTuned()
+    mine = copy.deepcopy(eager)
+    for m in (eager, mine):
+        m.extra.requires_grad_(False)
+    averages = [[p.detach().clone() for p in m.parameters()] for m in (eager, mine)]
+    opts = [torch.optim.AdamW([p for n, p in m.named_parameters() if not n.startswith("extra")], lr=1e-2,
+                              weight_decay=0.1) for m in (eager, mine)]
+    runs = [(eager, eager, opts[0], opts[0].step, unscale, ema_update, averages[0]),
+            (mine, torch.compile(mine, backend=be), opts[1], torch.compile(opts[1].step, backend=be),
+             torch.compile(unscale, backend=be), torch.compile(ema_update, backend=be), averages[1])]
+    for i, (x, y) in enumerate(loader([6] * 9)):
+        if i == 4:
+            for m, *_ in runs:
+                m.body.requires_grad_(False)
+        if i == 6:
+            for m, _, opt, *_ in runs:
+                m.extra.requires_grad_(True)
+                opt.add_param_group({"params": list(m.extra.parameters()), "lr": 3e-3})
+        scale = float("inf") if i == 7 else 2.0 ** 10      # an overflow: the step is skipped
+        finite = []
+        for m, call, opt, step, unscale_, ema, average in runs:
+            opt.zero_grad(set_to_none=i % 2 == 0)
+            (F.cross_entropy(call(x), y) * scale).backward()
+            finite.append(bool(unscale_(list(m.parameters()), 1 / scale)))
+            torch.nn.utils.clip_grad_value_(m.parameters(), 0.05)
+            if finite[-1]:
+                step()
+            ema(average, list(m.parameters()), 0.9)
+        assert finite == [i != 7] * 2, f"step {i}: finite gradients (eager, tfsn) {finite}"
+        same_weights(mine, eager, f"at step {i}")
+        for a, b in zip(*averages):
+            close(b, a, f"EMA at step {i}")
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_fine_tuning_with_frozen_layers_a_new_group_loss_scaling_clipping_and_an_ema_matches_eager(codegen):
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    fine_tune(codegen)
+
+
+def test_fine_tuning_replayed_as_cuda_graphs_matches_eager(replayed):
+    fine_tune("c")
+    assert replayed["replays"] > 0, replayed
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(8, 32), nn.Dropout(0.3), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+
+def dropout_losses(compile_with, seed: int = 0) -> list[float]:
+    """Training losses (dropout on) and validation losses (eval: off) of a seeded run."""
+    torch.manual_seed(0)
+    net = Dropped()
+    model = torch.compile(net, backend=compile_with)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    torch.manual_seed(seed)
+    losses = []
+    for x, y in loader([5] * 5):
+        net.train()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        net.eval()
+        with torch.no_grad():
+            losses += [loss.item(), F.cross_entropy(model(x), y).item()]
+    return losses
+
+
+def test_seeded_dropout_gives_the_same_losses_run_to_run_and_aot_eagers(replayed):
+    """The same seed, the same masks: tfsn draws dropout's random numbers as AOTAutograd's graph does (ATen's
+    rand), replayed or not."""
+    tfsn_backend = make_backend(schedule=DEFAULT)
+    first = dropout_losses(tfsn_backend)
+    assert dropout_losses(tfsn_backend) == first
+    assert dropout_losses(tfsn_backend, seed=1) != first
+    torch.testing.assert_close(first, dropout_losses("aot_eager"), rtol=1e-5, atol=1e-6)
+    assert replayed["replays"] > 0, replayed
+
+
+def test_a_checkpoint_of_a_compiled_model_restores_into_a_plain_one_and_back(tmp_path):
+    """torch.compile's module keys its state `_orig_mod.`-prefixed (load_state_dict between a compiled and a
+    plain model fails, as with any backend); the SDK's checkpoints are keyed without it, so a run saved
+    compiled resumes plain and the other way, its losses those of an uninterrupted run."""
+    def build():
+        torch.manual_seed(0)
+        return BatchNormNet()
+    data = loader([6] * 6)
+
+    def train(net, compiled: bool, stop: int, run=None) -> list[float]:
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        model = tfsn.optimize(net, schedule=DEFAULT) if compiled else net
+        step = torch.compile(opt.step, backend=make_backend(schedule=DEFAULT)) if compiled else opt.step
+        start = run.restore(model=model, optimizer=opt) if run else 0
+        losses = []
+        for i in range(start, stop):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(data[i][0]), data[i][1])
+            loss.backward()
+            step()
+            losses.append(loss.item())
+            if run:
+                run.step = i
+                run.checkpoint(model=model, optimizer=opt)
+        return losses
+    assert list(tfsn.optimize(build()).state_dict())[0].startswith("_orig_mod.")
+    uninterrupted = train(build(), False, 6)
+    for saved_compiled in (True, False):
+        folder = tmp_path / str(saved_compiled)
+        first = train(build(), saved_compiled, 4, tfsn.init(checkpoint_dir=folder, checkpoint_interval=3,
+                                                            async_save=False))
+        rest = train(build(), not saved_compiled, 6, tfsn.init(checkpoint_dir=folder, checkpoint_interval=3,
+                                                               async_save=False))
+        torch.testing.assert_close(first[:3] + rest, uninterrupted, rtol=1e-5, atol=1e-6)
+
+
+def test_adversarial_training_alternating_inputs_that_require_grad_and_not_matches_eager(replayed):
+    """FGSM: the input's gradient by autograd.grad (a batch that requires grad: forward and backward graphs
+    of their own), then a step on the perturbed batch (one that does not), replayed."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3))
+    mine = copy.deepcopy(eager)
+    model = torch.compile(mine, backend=make_backend(schedule=DEFAULT))
+    opt_e, opt_m = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, mine))
+    for i, (x, y) in enumerate(loader([6] * 6)):
+        results = []
+        for m, opt in ((eager, opt_e), (model, opt_m)):
+            attacked = x.clone().requires_grad_()
+            loss = F.cross_entropy(m(attacked), y)
+            grad, = torch.autograd.grad(loss, attacked)
+            opt.zero_grad()
+            adversarial = F.cross_entropy(m((x + 0.1 * grad.sign()).detach()), y)
+            adversarial.backward()
+            opt.step()
+            results.append((loss.detach(), grad, adversarial.detach()))
+        for got, want, what in zip(*results[::-1], ("loss", "input's gradient", "adversarial loss")):
+            close(got, want, f"{what} at step {i}")
+        same_weights(mine, eager, f"at step {i}")
+    assert replayed["replays"] > 0 and backend.STATS["aten_graphs"] == 0, (replayed, backend.STATS)

@@ -373,17 +373,23 @@ def _shape_key(args: Sequence[Any]) -> tuple:
     return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+SHAPES_PER_GRAPH = 8   # shapes a graph of symbolic sizes is generated for; later ones run as ATen (Dynamo's own
+                       # recompile limit is 8 too): each is a search and a compile, seconds to a minute
+
+
 class PerShape:
     """A graph of symbolic sizes (Dynamo's automatic dynamic shapes: after a smaller last batch, or sequence
-    lengths that change), traced again with its sizes fixed and compiled at each new shape it is called with. Generated kernels are specialized to their shapes: without this, such a graph ran
-    as ATen, and so did every later step, the full batches included (Dynamo's newest graph, the dynamic one,
-    is the one it tries first)."""
+    lengths that change), traced again with its sizes fixed and compiled at each new shape it is called with,
+    up to SHAPES_PER_GRAPH of them. Generated kernels are specialized to their shapes: without this, such a
+    graph ran as ATen, and so did every later step, the full batches included (Dynamo's newest graph, the
+    dynamic one, is the one it tries first)."""
 
     def __init__(self, gm: torch.fx.GraphModule, compile: Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]):
         self._boxed_call = True
         self.gm, self.compile = gm, compile
         self.graphs: dict[tuple, Callable] = {}
         self.aten: Callable | None = None       # the graph as ATen, for good: no shape makes it static
+        self.beyond: Callable | None = None     # the graph as ATen for shapes past SHAPES_PER_GRAPH
 
     def __call__(self, args: list) -> Any:
         if self.aten is not None:
@@ -391,8 +397,16 @@ class PerShape:
         key = _shape_key(args)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._specialized(key, args)
+            graph = self._specialized(key, args) if len(self.graphs) < SHAPES_PER_GRAPH else self._beyond()
         return graph(args)
+
+    def _beyond(self) -> Callable:
+        """ATen for a shape past the limit: a compile at every new length would cost more than it saves."""
+        if self.beyond is None:
+            self.beyond = _as_aten(self.gm, f"at shapes past the {SHAPES_PER_GRAPH} it was generated for (pad "
+                                   "batches to a few lengths, or drop the smaller last batch)",
+                                   ValueError(f"more than {SHAPES_PER_GRAPH} shapes"))
+        return self.beyond
 
     def _specialized(self, key: tuple, args: list) -> Callable:
         from torch.fx.experimental.proxy_tensor import make_fx

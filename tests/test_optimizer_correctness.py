@@ -318,6 +318,21 @@ def test_dynamic_shapes_compile_once_per_shape_and_stay_correct():
     assert backend.STATS["graphs"] == before["graphs"] + 2, "not one graph for each of the two shapes"
 
 
+def test_shapes_past_the_limit_run_as_aten_and_the_first_keep_their_kernels(monkeypatch):
+    """Sequence lengths that change at every batch would search and compile the graph at each: past
+    SHAPES_PER_GRAPH shapes a new one runs as ATen (said once), while the shapes generated keep their kernels."""
+    monkeypatch.setattr(backend, "SHAPES_PER_GRAPH", 2)
+    torch.manual_seed(0)
+    model = OddShapes()
+    compiled = optimize(copy.deepcopy(model), dynamic=True)
+    before = dict(backend.STATS)
+    for rows in (4, 9, 5, 6, 4, 9):
+        x = torch.randn(rows, 13)
+        close(compiled(x), model(x), f"{rows} rows, dynamic")
+    assert backend.STATS["graphs"] == before["graphs"] + 2, "not one graph for each of the first two shapes"
+    assert backend.STATS["aten_graphs"] == before["aten_graphs"] + 1, "shapes past the limit not one ATen graph"
+
+
 @pytest.mark.timeout(120)
 def test_sizes_that_depend_on_values_run_as_aten_and_stay_correct():
     """A boolean mask's and nonzero's sizes (captured by Dynamo when asked) stay symbolic at any input shape:

@@ -535,3 +535,39 @@ def test_weight_norm_gradients_match_eager_in_every_float_dtype(dtype):
     pairs += [(q.grad, p.grad, f"grad of {n}") for (n, p), q in zip(eager.named_parameters(), mine.parameters())]
     for a, e, what in pairs:
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol * e.abs().max().item(), msg=lambda m: f"{what}: {m}")
+
+
+def test_dropout_under_activation_checkpointing_is_generated_and_matches_eager():
+    """Regression: a dropout inside torch.utils.checkpoint (use_reentrant=False) saves the generator's state
+    for the backward's recomputation, a byte tensor whose fake size is symbolic; both graphs ran as ATen
+    ("symbolic shapes"). Now generated, and with eager's seed the same mask: output and gradients as eager's."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def dropped(self, x):
+            return F.dropout(torch.tanh(self.fc(x)), 0.3, training=True)
+
+        def forward(self, x):
+            return self.out(checkpoint(self.dropped, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    eager = Block()
+    mine = copy.deepcopy(eager)
+    x = torch.randn(5, 8)
+    torch.manual_seed(3)
+    out_e = eager(x)
+    out_e.square().sum().backward()
+    compiled = torch.compile(mine, backend=make_backend())
+    before, kernels = backend.STATS["aten_graphs"], backend.STATS["kernels"]
+    torch.manual_seed(3)
+    out_m = compiled(x)
+    out_m.square().sum().backward()
+    assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen"
+    assert backend.STATS["kernels"] > kernels, "no kernel was generated"
+    close(out_m, out_e, "output")
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        close(q.grad, p.grad, f"grad of {name}")

@@ -305,7 +305,7 @@ def _latent(g: torch.Generator) -> tuple:
 
 
 def _tokens(g: torch.Generator) -> tuple:
-    return (torch.randint(0, 17, (3, 6), generator=g),), torch.randint(0, 3, (3,), generator=g)
+    return (torch.randint(0, 17, (3, 4), generator=g),), torch.randint(0, 3, (3,), generator=g)
 
 
 def _seq2seq(g: torch.Generator) -> tuple:

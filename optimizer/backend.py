@@ -86,6 +86,17 @@ def _var(x: torch.Tensor, dim=None, *, correction=None, keepdim: bool = False):
     return _var_mean(x, dim, correction=correction, keepdim=keepdim)[0]
 
 
+def _weight_norm_backward(grad_w: torch.Tensor, v: torch.Tensor, g: torch.Tensor, norm: torch.Tensor, dim: int):
+    """weight_norm's gradients (ATen's formula, in fp32 for fp16/bf16 as its kernels sum), for any dtype of
+    `norm`. Why: core ATen's forward decomposition returns fp16 norms for fp16 weights, which ATen's CPU
+    backward refuses (it wants the fp32 norms its own forward returns): every fp16 weight_norm step failed."""
+    acc = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+    grad_w, v32, g32, norm = (t.to(acc) for t in (grad_w, v, g, norm))
+    sums = aten.sum.dim_IntList(grad_w * v32, [d for d in range(v.dim()) if d != dim % v.dim()], True)
+    grad_v = g32 / norm * (grad_w - v32 * (sums / (norm * norm)))
+    return grad_v.to(v.dtype), (sums / norm).to(g.dtype)
+
+
 # torch.optim's foreach updates (foreach=True: the default for CUDA parameters) and other elementwise `_foreach_*`
 # ops, per tensor. Left whole, each is one ATen call over every parameter and each result is copied back over its
 # parameter or state by one more ATen call (AdamW on 12 parameters: 19 foreach calls and 48 copy_, no generated
@@ -132,6 +143,7 @@ def decompositions() -> dict:
     table.update(patches.DECOMPOSITIONS)
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
+    table[aten._weight_norm_interface_backward.default] = _weight_norm_backward
     table.update(foreach_decompositions())
     return table
 

@@ -181,7 +181,8 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise Unsupported("symbolic scalars")
         if fx_node.op == "placeholder":
-            index_of[fx_node] = add(fx_node.name, Kind.INPUT, "input", None, (), {}, tensor_type(val, device))
+            type_ = None if _rng_state(fx_node) else tensor_type(val, device)
+            index_of[fx_node] = add(fx_node.name, Kind.INPUT, "input", None, (), {}, type_)
             inputs.append(index_of[fx_node])
             continue
         if fx_node.op == "output":
@@ -195,7 +196,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             continue
         if fx_node.op != "call_function":
             raise Unsupported(f"FX op {fx_node.op}")
-        type_ = tensor_type(val, device)
+        type_ = None if _rng_state(fx_node) else tensor_type(val, device)
         if fx_node.target is operator.getitem and fx_node.args[0] in split_pieces:
             view, view_args = split_pieces[fx_node.args[0]][fx_node.args[1]]
             index_of[fx_node] = add(fx_node.name, classify(str(view), view_args, {}, type_, nodes, device, dtypes),
@@ -290,6 +291,21 @@ def _reduced_through_view(op: str, args: tuple, params: dict, nodes: list[Node])
 
 def _constant(value: Any) -> Any:
     return value
+
+
+def _rng_state(fx_node: torch.fx.Node) -> bool:
+    """Whether the node is a random generator's state that activation checkpointing saves for the backward's
+    recomputation of a random op (run_and_save_rng_state's first output, run_with_rng_state's first input).
+    Why: its fake tensor has a symbolic size (a generator's state is as long as its device makes it), which
+    sent every graph of a dropout under torch.utils.checkpoint to ATen; only those ops read it, so it is an
+    opaque value that ATen calls pass along (type None)."""
+    hops = torch.ops.higher_order
+    if fx_node.op == "call_function" and fx_node.target is operator.getitem and fx_node.args[1] == 0:
+        source = fx_node.args[0]
+        if isinstance(source, torch.fx.Node) and source.target is hops.run_and_save_rng_state:
+            return True
+    users = list(fx_node.users)
+    return bool(users) and all(u.target is hops.run_with_rng_state and u.args[0] is fx_node for u in users)
 
 
 # ops that make a tensor from constant arguments alone, the same at every call

@@ -14,6 +14,8 @@ another order and its output rounds to the neighbouring bf16 value), the two dif
 rounding, and these models chain a few (input Linear, two blocks of two Linears, head) between
 input and loss: rtol = atol factor = 2^-5, four bf16 roundings. (Measured: gradients up to 1.2e-2
 of their scale apart, about three roundings; outputs and loss equal.)
+fp16 (autocast, or a model cast to it): 11 significant bits, one rounding moves a value by up to 2^-11
+relative; four such roundings, rtol = atol factor = 2^-9.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ TOLERANCE = {                     # dtype of the compared values: (rtol, atol fa
     torch.float32: (1e-4, 1e-5),
     torch.float64: (1e-4 * 2.0 ** -29, 1e-5 * 2.0 ** -29),
     torch.bfloat16: (2.0 ** -5, 2.0 ** -5),
+    torch.float16: (2.0 ** -9, 2.0 ** -9),
 }
 LOSS_RTOL = 1e-4                  # losses over training steps, fp32 (as the existing suite)
 TRAIN_STEPS = 3
@@ -45,6 +48,11 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str, dtype: torch.
     scale = expected.detach().abs().max().item() if expected.numel() else 1.0
     torch.testing.assert_close(actual.detach(), expected.detach(), rtol=rtol, atol=atol * max(scale, 1e-3),
                                check_dtype=True, msg=lambda m: f"{what}: {m}")
+
+
+def low_precision(case: Case) -> torch.dtype | None:
+    """The 16-bit dtype whose tolerance all of the case's values get (its loss in fp32 too), else None."""
+    return torch.bfloat16 if case.bf16 else torch.float16 if case.fp16 else None
 
 
 def kernels() -> int:
@@ -106,7 +114,7 @@ def check_forward_and_gradients(case: Case, compile_with: Callable) -> None:
     loss_m.backward()
     assert kernels() > before, "the backend generated no kernel: the model ran as plain ATen"
 
-    dtype = torch.bfloat16 if case.bf16 else None
+    dtype = low_precision(case)
     close(out_m, out_e, f"{case.name} output", dtype)
     close(loss_m, loss_e, f"{case.name} loss", dtype)
     for i, (a, b) in enumerate(zip(inputs_m, inputs_e)):
@@ -204,12 +212,12 @@ def check_training(case: Case, optimizer: str, make_optimizer: Callable | None =
     assert step_kernels > 0, f"the {what} step generated no kernel: it ran as plain ATen"
     assert expected[-1] < expected[0], "the eager run should learn on one batch"
 
-    rtol = TOLERANCE[torch.bfloat16][0] if case.bf16 else LOSS_RTOL
+    low = low_precision(case)
+    rtol = TOLERANCE[low][0] if low else LOSS_RTOL
     for step, (a, e) in enumerate(zip(actual, expected)):
         assert abs(a - e) <= rtol * max(1.0, abs(e)), f"{case.name} {what} step {step}: tfsn loss {a} vs eager {e}"
     if optimizer.startswith("sgd"):
-        compare_parameters(eager, mine, f"{case.name} after {TRAIN_STEPS} {what} steps",
-                           torch.bfloat16 if case.bf16 else None)
+        compare_parameters(eager, mine, f"{case.name} after {TRAIN_STEPS} {what} steps", low)
 
 
 @pytest.mark.parametrize("attn", ATTENTION, ids=lambda a: a.name)

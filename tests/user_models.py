@@ -520,6 +520,7 @@ class Case:
     step: Callable[[nn.Module, tuple, Tensor], tuple]    # (output, loss), as a training loop computes them
     zero_grad: tuple = ()          # (parameter name, slice): elements with an exactly-zero gradient
     bf16: bool = False             # run under torch.autocast("cpu", dtype=torch.bfloat16)
+    fp16: bool = False             # run in float16 (autocast, or the model cast): compared at fp16's tolerance
 
 
 def classify(model: nn.Module, inputs: tuple, target: Tensor) -> tuple:

@@ -415,8 +415,9 @@ class PerShape:
     def _beyond(self) -> Callable:
         """ATen for a shape past the limit: a compile at every new length would cost more than it saves."""
         if self.beyond is None:
-            self.beyond = _as_aten(self.gm, f"at shapes past the {SHAPES_PER_GRAPH} it was generated for (pad "
-                                   "batches to a few lengths, or drop the smaller last batch)",
+            self.beyond = _as_aten(self.gm, f"at sizes past the {SHAPES_PER_GRAPH} it was generated for (a "
+                                   "length or an int argument that changes at every call: pad batches to a "
+                                   "few lengths, pass a changing int such as a step number as a tensor)",
                                    ValueError(f"more than {SHAPES_PER_GRAPH} shapes"))
         return self.beyond
 

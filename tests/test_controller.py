@@ -665,15 +665,22 @@ class WallClock:
         self.skew += seconds
 
 
-def _running_pair(tmp_path, monkeypatch) -> tuple[WallClock, Controller, int, str, str]:
-    """A two-node cloud job (heartbeat timeout 30s) whose nodes both heartbeat: the clock, the controller, the job's
-    id and its two nodes' ids."""
+def _stall_job(tmp_path, monkeypatch, num_nodes: int) -> tuple[WallClock, Store, Controller, int]:
+    """A cloud job (heartbeat timeout 30s) reconciled once under a steerable wall clock: the clock, the store, the
+    controller and the job's id."""
     clock = WallClock(monkeypatch)
     store = Store(tmp_path / "tfsn.db")
     aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
     controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
-    job_id = submit(store, tmp_path, num_nodes=2, health={"heartbeat_timeout": "30s"})
+    job_id = submit(store, tmp_path, num_nodes=num_nodes, health={"heartbeat_timeout": "30s"})
     controller.reconcile(job_id)
+    return clock, store, controller, job_id
+
+
+def _running_pair(tmp_path, monkeypatch) -> tuple[WallClock, Controller, int, str, str]:
+    """A two-node cloud job (heartbeat timeout 30s) whose nodes both heartbeat: the clock, the controller, the job's
+    id and its two nodes' ids."""
+    clock, store, controller, job_id = _stall_job(tmp_path, monkeypatch, 2)
     first, second = store.nodes(job_id)
     for addr, node in enumerate((first, second)):
         controller.handlers.heartbeat(job_id, node.id, {"state": "ready", "addr": f"10.0.1.{addr + 1}"})
@@ -712,12 +719,7 @@ def test_a_controller_stall_restarts_the_heartbeat_clocks_and_a_dead_node_is_fai
 def test_a_controller_stall_while_a_node_boots_restarts_its_wait_for_a_first_heartbeat(tmp_path, monkeypatch):
     """The wait for a new node's first heartbeat (its boot) is a heartbeat clock too: a stall during it failed the
     node 'no heartbeat within 30s of start' at the resume; now it waits one timeout more, no longer."""
-    clock = WallClock(monkeypatch)
-    store = Store(tmp_path / "tfsn.db")
-    aws = ScriptedProvider("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
-    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
-    job_id = submit(store, tmp_path, num_nodes=1, health={"heartbeat_timeout": "30s"})
-    controller.reconcile(job_id)
+    clock, store, controller, job_id = _stall_job(tmp_path, monkeypatch, 1)
     (node,) = store.nodes(job_id)
     clock.advance(100)
     controller.reconcile(job_id)

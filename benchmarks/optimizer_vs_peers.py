@@ -134,6 +134,8 @@ def make_step(model: torch.nn.Module, case: BenchCase, inputs: tuple, target: to
     opt_step = opt.step if backend is None else torch.compile(opt.step, backend=backend, mode=mode)
 
     def step() -> float:
+        if mode == "reduce-overhead":   # Inductor's CUDA graph trees: a new step, so last step's outputs may go
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         loss = case.loss(fwd, inputs, target)
         loss.backward()

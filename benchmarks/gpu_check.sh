@@ -24,8 +24,8 @@
 #    (benchmarks/gpu_costmodel_check.py: GEMMs in fp32/tf32/bf16, softmax, LayerNorm, SDPA, conv;
 #    Spearman per class, top-1 regret).
 # Each part runs under its own time limit (the tests, the Triton tests and the graphs' tests side by side,
-# 200 s; the models' steps 170 s together, 60 s at most each (gpt2_block, the target's, 110 s); the cost model and
-# the generated kernels' launch shapes 90 s: under 8 minutes); a part that fails or runs out is reported in the
+# 200 s; the models' steps 150 s together, 60 s at most each (gpt2_block, the target's, 100 s); the cost model and
+# the generated kernels' launch shapes 120 s: under 8 minutes); a part that fails or runs out is reported in the
 # JSON line and the others still run. A failing test is named in the log, with the end of its report, when it
 # fails (benchmarks/failures_now.py): a part its limit cuts still says what failed. With $OUT set (the lent
 # machine), every part's log is kept in $OUT/gpu_check.log.
@@ -118,7 +118,7 @@ wait $PIDS
 # 3. training steps, eager vs Inductor vs tfsn: one model at a time, so that one slow compile costs its row only
 part steps && note "training steps"
 if [ "$MODE" = gpu ]; then
-  MODELS="gpt2_block mlp cnn lm_head_ce"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=60; BUDGET=170
+  MODELS="gpt2_block mlp cnn lm_head_ce"; STEPS="--size bench --rounds 3 --steps 10"; LIMIT=60; BUDGET=150
 else
   MODELS="mlp"; STEPS="--size small --rounds 2 --steps 3 --threads 1"; LIMIT=300; BUDGET=300
 fi
@@ -126,7 +126,7 @@ part steps || MODELS=""
 STEPS_END=$((SECONDS + BUDGET))
 for model in $MODELS; do
   # the target's model first, with the most time: its five peers compile cold (tfsn times 4 launch shapes a kernel)
-  cap=$LIMIT; if [ "$MODE" = gpu ] && [ $model = gpt2_block ]; then cap=110; fi
+  cap=$LIMIT; if [ "$MODE" = gpu ] && [ $model = gpt2_block ]; then cap=100; fi
   left=$((STEPS_END - SECONDS)); limit=$((left < cap ? left : cap))
   echo $limit > "$WORK/steps-$model.limit"
   if [ $limit -lt 15 ]; then echo 124 > "$WORK/steps-$model.rc"; continue; fi
@@ -137,7 +137,7 @@ done
 
 # 4. the cost model against measured kernels
 part costmodel && note "cost model vs measured"
-part costmodel && timeout 90 "$PY" benchmarks/gpu_costmodel_check.py --device $DEVICE --quick --json > "$WORK/costmodel.log" 2>&1
+part costmodel && timeout 120 "$PY" benchmarks/gpu_costmodel_check.py --device $DEVICE --quick --json > "$WORK/costmodel.log" 2>&1
 
 if [ -n "${OUT:-}" ]; then             # the lent machine: every log back in one file (at most 8 files return)
   for f in "$WORK"/*.log; do echo "=== $(basename "$f")"; cat "$f"; done > "$OUT/gpu_check.log"

@@ -399,19 +399,27 @@ GPU_REGISTER_GRANULE = 8        # registers are allocated per warp in units of 2
 GPU_MMA_K = 16                  # depth of one MMA step: the A and B fragments a thread holds per step
 GPU_MAX_DEPTH = 64             # a GEMM's BK at most (Triton's; a CPU schedule's 256 would not fit a block)
 GPU_REDUCTION_BLOCK = 1024      # elements of a row a reduction program holds per pass at most (longer rows loop)
-GPU_MEMORY_LATENCY = 700e-9     # seconds from a load's issue to its data, HBM under load (assumption: ~600 cycles
-                                # unloaded on Hopper, more under load; gpu_costmodel_check's shapes ground it). By
-                                # Little's law a chip moves at most the bytes its programs have in flight per
-                                # latency: one round of loads per wave of programs (and per block of a row)
+GPU_MEMORY_LATENCY = 1.0e-6     # seconds from a load's issue to its data, HBM under load. By Little's law a chip
+                                # moves at most the bytes its programs have in flight per latency: one round of
+                                # loads per wave of programs (and per block of a row). ~600 cycles unloaded on
+                                # Hopper; 1.0 us fits the 2026-12-06 H100 run (benchmarks/gpu_runs: bias + GELU at
+                                # 256 elements a program, 4% slower than at 1024, as 331 waves of 1 us say)
+GPU_L2_REUSE = 0.5              # the share of L2 a reduction's rows, read again by its later passes, keep hitting
+                                # in (assumption: NVIDIA's L2 is two partitions and an SM's reuse stays in its own;
+                                # H100 run: softmax and LayerNorm over 32768 x 4096 fp32 took 1.6-1.9x as long with
+                                # 34-67 MB of rows resident at once, by this model's occupancy, as with 6.5 MB)
+GPU_OVERLAP_WARPS = 0.5         # the share of an SM's warps resident that hides compute behind memory entirely
+                                # (assumption: the usual rule of half occupancy for a memory-bound kernel; H100 run:
+                                # bias + GELU at 64 elements a thread, 12 warps an SM, was 18% slower than at 48)
 # A GEMM left to the vendor's library (cuBLAS through torch): its fraction of the precision's peak and of the
 # memory bandwidth (measured on an H200: see optimizer/externs.py, which prices a matmul extern with them)
 GPU_LIBRARY_GEMM_COMPUTE = 0.80
 GPU_LIBRARY_GEMM_MEMORY = 0.85
 # A generated tile's fp32 product in IEEE precision runs on the FMA units, a path Triton does not tune (its
-# maintainers, triton-lang/triton#762) and that users measured at 85-95% of cuBLAS's on an A100 (#2491): the
-# share of the fp32 peak it reaches at most, below the library's 0.80 (an assumption until gpu_costmodel_check
-# times both on the GPU)
-GPU_FMA_DOT = 0.70
+# maintainers, triton-lang/triton#762): the share of the fp32 peak it reaches at most. Users measured 85-95% of
+# cuBLAS's on an A100 (#2491); on the 2026-12-06 H100 run (benchmarks/gpu_runs, a 2048^3 product + bias + GELU)
+# the best of 5 tiles took 1.08 ms, cuBLAS 0.354 ms with its epilogue: a third of the library's rate
+GPU_FMA_DOT = 0.35
 
 
 def gpu_occupancy(spec: HardwareSpec, threads: np.ndarray, registers: np.ndarray, shared: np.ndarray) -> np.ndarray:
@@ -458,24 +466,27 @@ def predict_gpu(features: FeatureTable, cand: Candidates, spec: HardwareSpec) ->
     first = _gpu_loop(spec, reduction, column, rows * split, np.ceil(reduced / split), features.elements[k],
                       lane_ops + np.where(split > 1, 0.0, features.rows[k] * features.row_ops[k]),
                       features.read_bytes[k], features.write_bytes[k] + np.where(split > 1, partial_bytes, 0.0),
-                      per_program, threads, _values(features, k), features.load_bytes[k])
+                      per_program, threads, _values(features, k), features.load_bytes[k],
+                      features.row_bytes[k] / split, np.where(split > 1, np.minimum(features.passes[k], 2.0),
+                                                              features.passes[k]))
     second = _gpu_loop(spec, reduction, np.zeros_like(column), rows, split, rows * split,
                        rows * split + features.rows[k] * features.row_ops[k], partial_bytes,
                        rows * features.partials[k], per_program, threads, np.full_like(threads, 2.0),
-                       features.load_bytes[k])
+                       features.load_bytes[k], np.zeros_like(threads), np.ones_like(threads))
     loop = first + np.where(split > 1, second, 0.0)
     return np.where(kind == GEMM, _gpu_gemm(features, cand, spec, threads), loop)
 
 
 def _gpu_loop(spec: HardwareSpec, reduction: np.ndarray, column: np.ndarray, rows: np.ndarray, reduced: np.ndarray,
               elements: np.ndarray, lane_ops: np.ndarray, read: np.ndarray, write: np.ndarray,
-              per_program: np.ndarray, threads: np.ndarray, values: np.ndarray, load_bytes: np.ndarray) -> np.ndarray:
+              per_program: np.ndarray, threads: np.ndarray, values: np.ndarray, load_bytes: np.ndarray,
+              row_bytes: np.ndarray, passes: np.ndarray) -> np.ndarray:
     """Seconds of one launch of a loop kernel: programs of `per_program` elements (pointwise) or rows of
     `reduced` elements each (reductions), in waves over the SMs; `inf` where a program does not fit."""
     units = float(spec.compute_units)
     l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
-    moved = read + write
-    bandwidth = np.where(moved <= l2.size_mib * 2**20, l2.bandwidth_gbs, spec.main_memory.bandwidth_gbs) * 1e9
+    l2_bytes, l2_bandwidth = l2.size_mib * 2**20, l2.bandwidth_gbs * 1e9
+    in_l2 = read + write <= l2_bytes
     programs = np.where(reduction, np.ceil(rows / per_program), np.ceil(elements / per_program))
     row_block = np.minimum(2.0 ** np.ceil(np.log2(np.maximum(reduced, 1))), GPU_REDUCTION_BLOCK)
     held = np.where(reduction, per_program * row_block, per_program)     # a program's values per pass
@@ -483,21 +494,35 @@ def _gpu_loop(spec: HardwareSpec, reduction: np.ndarray, column: np.ndarray, row
     resident = gpu_occupancy(spec, threads, registers, np.zeros_like(threads))
     slots = units * np.maximum(resident, 1)
     waves = np.ceil(programs / slots)
-    # SMs in use: a launch of fewer programs than SMs leaves the rest idle; more waves than one
-    # leave the last one partly empty
+    # SMs in use: a launch of fewer programs than SMs leaves the rest idle; more waves than one leave the last
+    # one partly empty. That slows what the SMs compute, not what memory moves while enough is in flight (the
+    # latency below): a column sum's 4096 programs of one column in two waves, the second 48% full, took the
+    # time of the bytes (2026-12-06 H100 run, benchmarks/gpu_runs)
     fill = np.minimum(1.0, programs / units) * np.where(waves > 1, programs / (waves * slots), 1.0)
-    compute = lane_ops / (spec.peak_flops("fp32") / 2)
+    compute = lane_ops / (spec.peak_flops("fp32") / 2) / np.maximum(fill, 1e-3)
     # a column program reads `chunk` adjacent elements of each reduced row: a load of fewer bytes than a sector
-    # still moves the whole sector from L2 (the other columns' programs may find the rest there, not in memory)
+    # still moves the whole sector, from where the data lives (H100, a column sum of 512 MiB in fp32: 1.1 ms at a
+    # column a program, 0.59 ms at two, 0.34-0.40 ms at four, 0.24 ms at sixteen, the sectors' bytes from HBM:
+    # the other columns' programs do not find the rest in L2)
     used = np.where(column, np.minimum(1.0, per_program * load_bytes / GPU_SECTOR_BYTES), 1.0)
-    sectors = read / used / (l2.bandwidth_gbs * 1e9)
+    moved = read / used + write
+    # a reduction's later passes read each row again: from L2 while the rows of the programs resident at once
+    # fit in the part of it they keep (GPU_L2_REUSE), else in part from memory again, through L2 either way
+    again = np.where(reduction, rows * row_bytes * (passes - 1), 0.0)
+    footprint = np.minimum(programs, slots) * per_program * row_bytes
+    missed = np.clip(1.0 - GPU_L2_REUSE * l2_bytes / np.maximum(footprint, 1.0), 0.0, 1.0)
+    memory = np.where(in_l2, (moved + again) / l2_bandwidth,
+                      np.maximum((moved + again * missed) / (spec.main_memory.bandwidth_gbs * 1e9),
+                                 (moved + again) / l2_bandwidth))
     # a program's loads are issued together and it waits one latency for them, once per block of its rows on the
-    # first pass (later passes find the rows in cache): programs of few bytes on few slots cannot keep enough in
-    # flight to reach the bandwidth, whatever the bytes
+    # first pass: programs of few bytes on few slots cannot keep enough in flight to reach the bandwidth
     blocks = np.where(reduction, np.ceil(reduced / row_block), 1.0)
-    latency = waves * blocks * GPU_MEMORY_LATENCY
-    throughput = np.maximum(np.maximum(compute, moved / bandwidth), sectors) / np.maximum(fill, 1e-3)
-    loop = np.maximum(throughput, latency) + spec.launch_overhead_us * 1e-6
+    memory = np.maximum(memory, waves * blocks * GPU_MEMORY_LATENCY)
+    # compute and memory overlap while an SM holds enough warps to run some while others wait on memory; with
+    # fewer (programs of many registers a thread), part of one adds to the other
+    warps = resident * threads / spec.simd_width
+    hidden = np.minimum(1.0, warps / (GPU_OVERLAP_WARPS * spec.threads_per_unit / spec.simd_width))
+    loop = np.maximum(compute, memory) + (1.0 - hidden) * np.minimum(compute, memory) + spec.launch_overhead_us * 1e-6
     return np.where(resident > 0, loop, np.inf)
 
 
@@ -517,13 +542,16 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     # fp32 accumulators of the tile spread over the threads, plus the A and B fragments of one MMA step
     registers = GPU_REGISTER_BASE + (bm * bn + (bm + bn) * GPU_MMA_K * itemsize / 4.0) / threads
     per_unit = gpu_occupancy(spec, threads, registers, shared)
-    gemm_waves = np.ceil(tiles / (units * np.maximum(per_unit, 1)))
+    slots = units * np.maximum(per_unit, 1)
     padded = batch * np.ceil(m / bm) * bm * np.ceil(n / bn) * bn * depth * 2.0
     tile_eff = np.minimum(1.0, (bm * bn / GPU_FULL_TILE) ** 0.5) * np.where(precision == 0, GPU_FMA_DOT, 1.0)
-    # a wave's time is that of the most programs one SM runs in it: `per_unit` in a full wave, fewer where
-    # there are fewer tiles than slots (a tile alone on its SM runs at the SM's rate, however many could fit)
-    busiest = np.minimum(per_unit, np.ceil(tiles / units))
-    quantized = gemm_waves * units * busiest / np.maximum(tiles, 1)
+    # a wave's time is that of the most programs one SM runs in it: `per_unit` in a full wave, fewer in the last
+    # one where fewer tiles are left than slots (a tile alone on its SM runs at the SM's rate, however many could
+    # fit). H100 run: 512 fp32 tiles of 256 x 32, three an SM, in a full wave and a third of one, took the time of
+    # 512 tiles of 32 x 256 one an SM in four full waves (1.08 and 1.12 ms)
+    full = np.floor(tiles / slots)
+    busiest = full * np.maximum(per_unit, 1) + np.ceil((tiles - full * slots) / units)
+    quantized = busiest * units / np.maximum(tiles, 1)
     compute = padded * quantized / (peak * tile_eff)
     unique = batch * (m * depth + depth * n + m * n) * itemsize
     reread = batch * (m * depth * (np.ceil(n / bn) - 1) + depth * n * (np.ceil(m / bm) - 1)) * itemsize

@@ -3,6 +3,8 @@ priced by their roofline, and programs over a chip's register or shared-memory l
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -334,9 +336,10 @@ def test_the_launch_shapes_timed_on_a_gpu_are_of_other_warps_or_stages(fn):
     """A GPU kernel's top k for the clock: the best of each warp count and pipeline depth the model calls
     close, not near-twins (on an H200 a reduction's shapes predicted within 6% ran 1.8x apart, mostly with
     their warps; 3 and 4 stages are priced alike where both hide every load), and for a GEMM the library's
-    product however the model prices it."""
+    product however the model prices it. (The GEMM in bf16: in fp32, Triton's FMA tiles are priced at a third
+    of the library's rate, as an H100 measured them, and none is a close call.)"""
     from optimizer import features, fusion
-    graph = capture(fn, (2048, 1024))
+    graph = capture(fn, (2048, 1024), dtype=torch.bfloat16)
     plan = fusion.plan(graph)
     for group in (g for g in plan.groups if g.kind != "extern"):
         kernel = features.kernel_features(graph, group, plan.buffers)
@@ -370,7 +373,7 @@ def test_pointwise_shapes_the_model_prices_alike_are_timed_from_across_the_space
     cands, predicted = cands.take(order), predicted[order]
     near = np.flatnonzero(predicted <= predicted[0] * search.NEAR_BEST)
     alike = near[predicted[near] < 1.05 * predicted[0]]
-    assert len(alike) >= 20, "the model's close calls (else this test tests nothing)"
+    assert len(alike) >= len(cands) // 2, "the model's close calls (else this test tests nothing)"
     rows = search._diverse_top(cands, predicted, 4, gpu=True)
     assert rows[0] == 0 and len({cands.mr[r] for r in rows}) == 4
     chunks = [cands.chunk[r] for r in rows]
@@ -460,3 +463,40 @@ def test_kernels_run_as_one_launch_are_priced_one_launch():
         assert sum(g.kind != "extern" for g in result.plan.groups) == 3
         alone = sum(k.predicted_s for k in result.kernels) + sum(result.externs.values())
         assert result.predicted_s == pytest.approx(alone - saved * spec.launch_overhead_us * 1e-6), spec.name
+
+
+H100_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_runs" / "2026-12-06-h100.log"
+
+
+def _measured_kernels(run: Path) -> dict:
+    """The launch shapes of tfsn's own Triton kernels an H100 timed (gpu_costmodel_check's JSON line in a
+    gpu_check.sh log): kernel name -> its rows of the GPU space with their measured seconds."""
+    line = next(line for line in run.read_text().splitlines() if line.startswith('{"device"'))
+    return {name: [(s["row"], s["measured_s"]) for s in kernel["shapes"]]
+            for name, kernel in json.loads(line)["generated_kernels"].items()}
+
+
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "bias+gelu", "column sum", "gemm+bias+gelu"])
+def test_the_gpu_model_ranks_the_launch_shapes_an_h100_timed_as_it_timed_them(name):
+    """What a real H100 measured (benchmarks/gpu_runs, 2026-12-06), kept as a check of every later change to the
+    GPU model: for each kernel, the model's ranking of the six launch shapes timed agrees with the clock (Spearman
+    >= 0.8, the issue's target; 0.52 for bias + GELU and 0.77 for the column sum before the model read sectors from
+    where the data lives and let few resident warps expose compute). The graphs are those gpu_costmodel_check
+    times (its functions), captured here on fake tensors: the rows of the space are the same."""
+    from optimizer import features, fusion
+    r, c, n = 32768, 4096, 2048
+    graphs = {"softmax": (lambda x: torch.softmax(x, dim=-1), [(r, c)]),
+              "layernorm": (lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b), [(r, c), (c,), (c,)]),
+              "bias+gelu": (lambda x, b: F.gelu(x + b), [(r, c), (c,)]), "column sum": (lambda x: x.sum(0), [(r, c)]),
+              "gemm+bias+gelu": (lambda x, w, b: F.gelu(F.linear(x, w, b)), [(n, n), (n, n), (n,)])}
+    fn, shapes = graphs[name]
+    graph = capture(fn, *shapes)
+    plan = fusion.plan(graph, gemm=True)
+    g = max((i for i, grp in enumerate(plan.groups) if grp.kind != "extern"),
+            key=lambda i: (plan.groups[i].kind == "gemm", len(plan.groups[i].nodes)))
+    kernel = features.kernel_features(graph, plan.groups[g], plan.buffers)
+    predicted = predict_gpu(FeatureTable([kernel]), space.gpu_kernel_space(0, kernel), H100)
+    timed = _measured_kernels(H100_RUN)[name]
+    assert len(timed) == 6
+    rho = costmodel.spearman([predicted[row] for row, _ in timed], [seconds for _, seconds in timed])
+    assert rho >= 0.8, (name, rho)

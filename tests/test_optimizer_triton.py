@@ -237,7 +237,7 @@ def test_a_linear_bias_is_added_by_the_library_addmm():
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
             args = tuple(torch.randn(*s, generator=g).to(dtype) for s in ((37, 24), (40, 24), (40,)))
             got, want, plan = run_triton(fn, args)
-            expected = fn(*(a.double() for a in args)).to(dtype)      # one rounding of the exact value
+            expected = fn(*(a.double() for a in args)).to(got[0].device, dtype)      # one rounding of the exact value
             torch.testing.assert_close(got[0], expected, rtol=tol, atol=tol)
             graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
             _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
@@ -246,11 +246,11 @@ def test_a_linear_bias_is_added_by_the_library_addmm():
             assert ("not launched" in k.source) == addmm
 
     def autocast_linear(x, w, b):      # fp32 parameters, their bf16 casts made in the graph (the bias's in the epilogue)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             return F.linear(x, w, b)
     args = tuple(torch.randn(*s, generator=g) for s in ((37, 24), (40, 24), (40,)))
     got, want, plan = run_triton(autocast_linear, args)
-    expected = F.linear(*(a.bfloat16().double() for a in args)).bfloat16()
+    expected = F.linear(*(a.bfloat16().double() for a in args)).to(got[0].device, torch.bfloat16)
     torch.testing.assert_close(got[0], expected, rtol=1e-2, atol=1e-2)
     graph = ir.from_fx(make_fx(autocast_linear, decomposition_table=decompositions())(*args), half=True)
     _, kernels = tt.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups))
@@ -1434,7 +1434,7 @@ def test_a_gpu_tie_is_timed_again_on_the_next_compiles(monkeypatch):
     monkeypatch.setattr(TritonTarget, "time", clock)
     monkeypatch.setattr(search, "MIN_TIMED_S", 0.0)
     fn, make = CASES["cross_entropy"]
-    args = make()
+    args = [a.to(DEVICE) for a in make()]
     gm = make_fx(forward_and_backward(fn), decomposition_table=decompositions())(*args)
     h100 = find_hardware("H100")
     backend.gpu_searched_plan(ir.from_fx(gm, ir.graph_device(args)), h100, None)
@@ -1525,8 +1525,9 @@ def test_bf16_subnormals_convert_as_torchs():
 def test_pointwise_table_matches_eager_through_triton(o):
     """tests/test_optimizer_ops.py's differential fuzz of every pointwise entry (dtypes, layouts, special
     values), rendered by Triton: its renderer has its own table (it found bool sums wrapping, narrow integer
-    scalars refused, and the interpreter's bf16 conversions)."""
-    ops_fuzz.run_table(o, None, codegen="triton")
+    scalars refused, and the interpreter's bf16 conversions); on DEVICE, against eager there."""
+    on_device = (ops_fuzz.same_layout(t, DEVICE) for t in (o.x, o.x2, o.y, o.c))
+    ops_fuzz.run_table(ops_fuzz.Operands(*on_device, o.s), None, codegen="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -1549,4 +1550,4 @@ def test_16_bit_powers_by_scalars_as_eagers(dtype):
 def test_causal_mask_is_computed_in_the_kernels_that_read_it(monkeypatch, mask):
     """As the C target's test (test_optimizer_correctness): the mask built in forward is computed inside
     the Triton softmax kernels of both graphs, and the step matches eager."""
-    masked_attention_matches_eager(monkeypatch, mask, codegen="triton")
+    masked_attention_matches_eager(monkeypatch, mask, DEVICE, codegen="triton")

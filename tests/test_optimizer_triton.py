@@ -730,6 +730,45 @@ def test_precompile_reports_only_kernels_that_fail_when_compiled_alone(monkeypat
     assert calls.count(flaky) == 2
 
 
+def test_kernels_launch_and_precompile_with_the_gpus_launch_options(monkeypatch):
+    """TritonLibrary launches and precompiles every kernel (a split reduction's second one too) with
+    tt.launch_options(): on an NVIDIA GPU, libdevice keeping subnormals as eager does (tests/test_triton_gpu_compile
+    reads that off the PTX). Failed: launched with the schedule's block sizes and warps only. The GPU, its driver
+    and Triton's launch stood in (no GPU here)."""
+    import contextlib
+    import triton.runtime
+    options = {"enable_reflect_ftz": False}
+    monkeypatch.setattr(tt, "launch_options", lambda: options)
+    x = torch.randn(3, 3000)
+    graph = ir.from_fx(make_fx(lambda x: (x.sin().sum(1),), decomposition_table=decompositions())(x), "cpu")
+    plan = fusion.plan(graph)
+    source, kernels = tt.write_source(graph, plan.groups, plan.buffers, [SPLIT] * len(plan.groups), plan.inplace)
+    (kernel,) = [k for k in kernels if k is not None]
+    assert kernel.split is not None
+    lib = tt.TritonLibrary(source)
+    launched = []
+
+    class Recorded:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *tensors, **meta: launched.append((self.name, meta))
+
+        def warmup(self, *dtypes, grid, **meta):
+            launched.append((self.name, meta))
+    for name, _, _ in kernel.launches():
+        monkeypatch.setattr(lib.module, name, Recorded(name))
+    lib.launcher(kernel)([torch.empty(3, 3000), torch.empty(3)])
+    monkeypatch.setattr(triton.runtime, "driver", type("Driver", (), {"active": None})())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert lib.precompile(dataclasses.replace(graph, device="cuda:0"), kernels) == []
+    names = [name for name, _, _ in kernel.launches()]
+    assert [name for name, _ in launched] == names * 2, launched
+    assert all(meta.items() >= options.items() for _, meta in launched), launched
+
+
 def test_a_combined_kernels_parts_share_no_value():
     """In the suite's forward and backward graphs, no part of a combined kernel reads a value another part
     computes (read off the graph's own edges, through views), and the combined kernels are there to check."""

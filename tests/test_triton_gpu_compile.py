@@ -205,7 +205,7 @@ def test_math_functions_keep_subnormals_as_eagers(tmp_path):
     (libdevice's erf has an ex2.approx.ftz of its own, whatever the option, in a term of its tail where erf is 1.)"""
     from triton.backends.nvidia.compiler import CUDAOptions
     if "enable_reflect_ftz" not in CUDAOptions.__dataclass_fields__:
-        pytest.skip("this Triton has no enable_reflect_ftz (before 3.6): its libdevice flushes subnormals")
+        pytest.skip("this Triton has no enable_reflect_ftz (triton-lang/triton#8762): libdevice flushes subnormals")
 
     def functions(x, y):
         return x.log(), x.log2(), x.log1p(), x ** y, x.sin(), x.cos(), x.exp()

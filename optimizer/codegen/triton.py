@@ -448,9 +448,9 @@ def launch_options() -> dict[str, Any]:
 
 def nvidia_launch_options() -> dict[str, Any]:
     """libdevice's functions (log, log2, exp2, sin, erf... of fp32) keep subnormals, as torch's CUDA kernels do,
-    where this Triton lets one ask (enable_reflect_ftz, Triton 3.6 on): by default Triton compiles libdevice to
-    flush them to zero (nvvm-reflect-ftz: fma.rn.ftz, ex2.approx.ftz in the PTX), and log(1e-40) was -inf where
-    eager's is -92.1, 1e-40 ** -0.5 inf where it is 1e20."""
+    where this Triton lets one ask (enable_reflect_ftz, triton-lang/triton#8762, 2025-11): by default Triton
+    compiles libdevice to flush them to zero (nvvm-reflect-ftz: fma.rn.ftz, ex2.approx.ftz in the PTX), and
+    log(1e-40) was -inf where eager's is -92.1, 1e-40 ** -0.5 inf where it is 1e20."""
     from triton.backends.nvidia.compiler import CUDAOptions
     return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__ else {}
 

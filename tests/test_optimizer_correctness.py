@@ -410,14 +410,14 @@ def record_compiled(monkeypatch) -> list:
     return compiled
 
 
-def masked_attention_matches_eager(monkeypatch, mask: str, **options) -> None:
-    """MaskedAttention(mask) compiled by make_backend(**options): loss and gradients as eager's, and no
-    value made from constants alone (the causal mask) is a kernel of its own or saved for the backward."""
+def masked_attention_matches_eager(monkeypatch, mask: str, device: str = "cpu", **options) -> None:
+    """MaskedAttention(mask) on `device` compiled by make_backend(**options): loss and gradients as eager's, and
+    no value made from constants alone (the causal mask) is a kernel of its own or saved for the backward."""
     compiled = record_compiled(monkeypatch)
     torch.manual_seed(0)
-    eager = MaskedAttention(mask)
+    eager = MaskedAttention(mask).to(device)
     mine = copy.deepcopy(eager)
-    x = torch.randn(3, 13, 24)
+    x = torch.randn(3, 13, 24).to(device)
     x_eager, x_mine = x.clone().requires_grad_(), x.clone().requires_grad_()
     loss = eager(x_eager).square().mean()
     loss.backward()

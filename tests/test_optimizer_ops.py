@@ -280,10 +280,10 @@ def magnitude(o: Operands) -> float:
     return max(top * max(1.0, abs(float(o.s))), top * top)      # a product's magnitude too (fma)
 
 
-def same_layout(t: torch.Tensor) -> torch.Tensor:
-    """A copy with t's strides (clone() makes a strided slice contiguous, and some ATen kernels round
-    differently on the two layouts: the comparison must be of the same call)."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t)
+def same_layout(t: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """A copy with t's strides, on t's device or `device` (clone() makes a strided slice contiguous, and some
+    ATen kernels round differently on the two layouts: the comparison must be of the same call)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device).copy_(t)
 
 
 def eager_calls(recipes: list[Recipe], o: Operands) -> list[tuple[Recipe, torch.Tensor]]:

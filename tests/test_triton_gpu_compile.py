@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from optimizer import fusion, ir, search  # noqa: E402
 from optimizer.backend import decompositions  # noqa: E402
+from optimizer.codegen import triton as tt  # noqa: E402
 from optimizer.codegen.triton_combo import write_program  # noqa: E402
 from optimizer.hardware import find_hardware  # noqa: E402
 from optimizer.schedule import DEFAULT, Schedule  # noqa: E402
@@ -64,7 +65,8 @@ def compile_graph(graph: ir.Graph, plan: fusion.Plan, schedules, target: GPUTarg
         pointers = {name: POINTERS[str(d).removeprefix("torch.")] for name, d in zip(names, k.pointer_dtypes(graph))}
         for name, _, launch in k.launches():         # a split reduction's second kernel too
             meta = dict(launch)
-            options = {option: meta.pop(option) for option in ("num_warps", "num_stages") if option in meta}
+            options = {option: meta.pop(option) for option in ("num_warps", "num_stages") if option in meta} | \
+                tt.nvidia_launch_options()          # what TritonLibrary launches with on an NVIDIA GPU
             signature = pointers | {constant: "constexpr" for constant in meta}
             key = (k.source.split("\n", 1)[1], name, tuple(signature.items()), tuple(meta.items()),
                    tuple(options.items()), target.arch)
@@ -193,3 +195,24 @@ def test_square_roots_compile_to_the_gpus_correctly_rounded_instructions(dtype, 
     assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "roots.py", ptx=ptx) >= 1
     roots_compiled = set(re.findall(r"\br?sqrt\.[a-z0-9.]+", "\n".join(ptx.values())))
     assert roots_compiled and not any("approx" in r for r in roots_compiled), roots_compiled
+
+
+def test_math_functions_keep_subnormals_as_eagers(tmp_path):
+    """log, log2, log1p, pow (exp2 of log2), sin, cos and exp of fp32 keep subnormal inputs and results, as torch's
+    CUDA kernels: Triton compiles libdevice, where most come from, to flush subnormals to zero unless asked not to
+    (nvvm-reflect-ftz), so on a GPU log(1e-40) was -inf where eager's is -92.1, 1e-40 ** -0.5 inf where it is 1e20.
+    The interpreter computes them with numpy, so only the instructions compiled for the GPU show it: none is .ftz.
+    (libdevice's erf has an ex2.approx.ftz of its own, whatever the option, in a term of its tail where erf is 1.)"""
+    from triton.backends.nvidia.compiler import CUDAOptions
+    if "enable_reflect_ftz" not in CUDAOptions.__dataclass_fields__:
+        pytest.skip("this Triton has no enable_reflect_ftz (triton-lang/triton#8762): libdevice flushes subnormals")
+
+    def functions(x, y):
+        return x.log(), x.log2(), x.log1p(), x ** y, x.sin(), x.cos(), x.exp()
+    args = (torch.rand(6, 7), torch.randn(6, 7))
+    graph = ir.from_fx(make_fx(functions, decomposition_table=decompositions())(*args), half=True)
+    plan = fusion.plan(graph)
+    ptx: dict[str, str] = {}
+    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "functions.py", ptx=ptx) >= 1
+    flushing = sorted({i for p in ptx.values() for i in re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.[a-z0-9.]+", p)})
+    assert not flushing, flushing

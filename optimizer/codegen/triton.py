@@ -438,6 +438,23 @@ def _sums_16_bits_into_fp32() -> bool:
     return all(hasattr(getattr(torch.ops.aten, op), "dtype_out") for op in ("mm", "bmm"))
 
 
+@functools.cache
+def launch_options() -> dict[str, Any]:
+    """Triton compiler options every kernel is launched (and precompiled) with on this machine's GPU: on NVIDIA's,
+    nvidia_launch_options(); none elsewhere (a CPU under the interpreter, which takes none, an AMD GPU)."""
+    import torch
+    return nvidia_launch_options() if torch.cuda.is_available() and not torch.version.hip else {}
+
+
+def nvidia_launch_options() -> dict[str, Any]:
+    """libdevice's functions (log, log2, exp2, sin, erf... of fp32) keep subnormals, as torch's CUDA kernels do,
+    where this Triton lets one ask (enable_reflect_ftz, triton-lang/triton#8762, 2025-11): by default Triton
+    compiles libdevice to flush them to zero (nvvm-reflect-ftz: fma.rn.ftz, ex2.approx.ftz in the PTX), and
+    log(1e-40) was -inf where eager's is -92.1, 1e-40 ** -0.5 inf where it is 1e20."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+    return {"enable_reflect_ftz": False} if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__ else {}
+
+
 @dataclass(frozen=True)
 class SplitReduction:
     """A split reduction's second kernel (TritonWriter.split_reduction) and the scratch both kernels take after
@@ -977,7 +994,8 @@ class TritonLibrary:
         def compile_one(k: TritonKernel) -> None:
             with torch.cuda.device(torch.device(graph.device)):
                 for name, grid, meta in k.launches():
-                    getattr(self.module, name).warmup(*k.pointer_dtypes(graph), grid=grid, **dict(meta))
+                    getattr(self.module, name).warmup(*k.pointer_dtypes(graph), grid=grid, **dict(meta),
+                                                      **launch_options())
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
             compiled = [(k, pool.submit(compile_one, k)) for k in todo]
         # Triton parses each kernel's source with ast.parse, which CPython 3.11 does not make thread-safe: a parse
@@ -995,10 +1013,10 @@ class TritonLibrary:
 
     def launcher(self, kernel: TritonKernel) -> Callable[[Sequence[Any]], None]:
         fn = getattr(self.module, kernel.name)[kernel.grid]
-        meta = dict(kernel.meta)
+        meta = dict(kernel.meta) | launch_options()
         product, split = kernel.product, kernel.split
         if split is not None:
-            combine, combine_meta = getattr(self.module, split.name)[split.grid], dict(split.meta)
+            combine, combine_meta = getattr(self.module, split.name)[split.grid], dict(split.meta) | launch_options()
 
             def launch(tensors: Sequence[Any]) -> None:
                 scratch = split.scratch(tensors[0].device)

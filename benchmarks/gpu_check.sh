@@ -99,8 +99,8 @@ if part tests; then
   PIDS="$PIDS $!"
 fi
 if part graphs; then  # the training loops of tests/test_optimizer_graphs.py on the GPU's own CUDA graphs (here: the stand-in)
-  TFSN_TEST_DEVICE=$DEVICE timeout $TESTS_LIMIT "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/graphs.xml" \
-    -p benchmarks.failures_now tests/test_optimizer_graphs.py > "$WORK/graphs.log" 2>&1 &
+  ( TFSN_TEST_DEVICE=$DEVICE timeout $TESTS_LIMIT "$PY" -m pytest -q -p no:cacheprovider --junitxml="$WORK/graphs.xml" \
+    -p benchmarks.failures_now tests/test_optimizer_graphs.py > "$WORK/graphs.log" 2>&1; echo $? > "$WORK/graphs.rc" ) &
   PIDS="$PIDS $!"
 fi
 TRITON="triton renderer not available"
@@ -112,6 +112,7 @@ elif [ -f optimizer/codegen/triton.py ] && [ -f tests/test_optimizer_triton.py ]
   if [ "$MODE" = gpu ] && "$PY" -c "import xdist" 2>/dev/null; then PARALLEL="-n $(nproc)"; fi
   TFSN_TEST_DEVICE=$DEVICE timeout $TESTS_LIMIT "$PY" -m pytest -q -p no:cacheprovider $PARALLEL \
     -p benchmarks.failures_now --junitxml="$WORK/triton.xml" tests/test_optimizer_triton.py > "$WORK/triton.log" 2>&1
+  echo $? > "$WORK/triton.rc"
 fi
 wait $PIDS
 
@@ -162,8 +163,11 @@ def tests(name):
         log = (work / f"{name}.log").read_text()
     except OSError:
         return {"error": "no output (not run?)"}
-    failed = re.findall(r"^FAILED (\S+) \(", log, re.MULTILINE)
+    failed = re.findall(r"^FAILED (.+) \((?:setup|call|teardown), ", log, re.MULTILINE)   # ids may hold spaces
     done = "".join(re.findall(r"^([.FEsxX]+)(?: +\[ *\d+%\])?$", log, re.MULTILINE))
+    rc = (work / f"{name}.rc").read_text().strip() if (work / f"{name}.rc").is_file() else "124"
+    if rc not in ("124", "137"):    # it died before its report (a crash, as a kernel's illegal access can), not cut
+        return {"error": f"pytest ended with exit status {rc} after {len(done)} tests: {tail(name)}", "failed": failed}
     return {"error": f"cut by its time limit after {len(done)} tests" if done else tail(name), "failed": failed}
 
 def last_json(name):

@@ -36,3 +36,11 @@ def test_a_crashed_test_run_is_reported_as_a_crash_with_its_failures_named(tmp_p
                                    "def test_crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
     assert "time limit" not in triton["error"] and "139" in triton["error"], triton
     assert triton["failed"] == ["tests/test_optimizer_triton.py::test_spaced[a b]"], triton
+
+
+def test_parts_that_name_no_part_are_refused_before_anything_runs():
+    """A typo in PARTS would spend a lent GPU's minutes running nothing it asked for: refused in one line, exit 2."""
+    for parts in ("bogus", "tests,TRITON", ",", " "):
+        done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "PARTS": parts, "PYTHON": sys.executable}, timeout=60)
+        assert done.returncode == 2 and "PARTS names" in done.stderr and not done.stdout, (parts, done)

@@ -484,7 +484,7 @@ def _gpu_loop(spec: HardwareSpec, reduction: np.ndarray, column: np.ndarray, row
     """Seconds of one launch of a loop kernel: programs of `per_program` elements (pointwise) or rows of
     `reduced` elements each (reductions), in waves over the SMs; `inf` where a program does not fit."""
     units = float(spec.compute_units)
-    l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
+    l2 = spec.last_level_cache
     l2_bytes, l2_bandwidth = l2.size_mib * 2**20, l2.bandwidth_gbs * 1e9
     in_l2 = read + write <= l2_bytes
     programs = np.where(reduction, np.ceil(rows / per_program), np.ceil(elements / per_program))
@@ -531,7 +531,7 @@ def _gpu_gemm(features: FeatureTable, cand: Candidates, spec: HardwareSpec, thre
     precision; library, the vendor's product and then the epilogue's program."""
     k = cand.kernel
     units = float(spec.compute_units)
-    l2 = next((lv for lv in spec.memory if lv.name.lower() == "l2"), spec.memory[-1])
+    l2 = spec.last_level_cache
     precision = features.precision[k].astype(np.int64)
     itemsize = np.array(PRECISION_BYTES, dtype=np.float64)[precision]
     peak = np.array([spec.peak_flops(p) for p in PRECISIONS])[precision]

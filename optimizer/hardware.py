@@ -103,6 +103,11 @@ class HardwareSpec:
     def main_memory(self) -> MemoryLevel:
         return self.memory[-1]
 
+    @property
+    def last_level_cache(self) -> MemoryLevel:
+        """A GPU's L2 (what its SMs share, where their re-reads land), else the main memory."""
+        return next((level for level in self.memory if level.name.lower() == "l2"), self.main_memory)
+
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; a dtype the chip lacks (bf16 on a T4) runs at the fp32 rate."""
         return 1e12 * self.peak_tflops.get(dtype, self.peak_tflops["fp32"])

@@ -295,7 +295,7 @@ def test_few_long_reductions_are_split_over_the_sms(fn, shape, gain):
     is predicted `gain` times faster, and the search picks a split."""
     unsplit, picked, split = unsplit_and_picked(fn, shape)
     assert split > 1 and picked * gain <= unsplit
-    l2 = next(level for level in H100.memory if level.name.lower() == "l2")      # the fastest the bytes could come
+    l2 = H100.last_level_cache      # the fastest the bytes could come
     assert picked >= np.prod(shape) * 4 / (max(l2.bandwidth_gbs, H100.main_memory.bandwidth_gbs) * 1e9)
 
 

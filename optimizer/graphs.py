@@ -124,6 +124,9 @@ def _address(x: Any) -> Any:
     return x.data_ptr() if isinstance(x, torch.Tensor) else x
 
 
+_DATA_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)   # CUDA builds only
+
+
 def _buffer_like(x: torch.Tensor) -> torch.Tensor:
     """A tensor of x's layout and values whose data pointer has x's alignment to 16 bytes (so a Triton kernel
     specialized on the calls before the capture, which checks it, is not compiled again while capturing)."""
@@ -164,6 +167,9 @@ class GraphReplay:
         self.replay: Replay | None = None
         self.buffers: dict[int, torch.Tensor] = {}      # owned input -> the buffer the graph reads
         self.addresses: list[Any] = []                  # each input's address (or value) at the capture
+        self.borrowed: list[int] = []                   # the tensor inputs read where they live
+        self.borrowed_at: list[int] = []                # and their addresses
+        self.values: list[tuple[int, Any]] = []         # the inputs that are values, with their value
         self.outputs: list = []
         self.watched: list[tuple[torch.UntypedStorage, int, list[int]]] = []   # (storage, uses when free, outputs)
 
@@ -238,6 +244,9 @@ class GraphReplay:
         COUNTS["captures"] += 1
         self.replay, self.outputs = replay, outputs
         self.addresses = [_address(x) for x in static]
+        self.borrowed = [i for i, x in enumerate(static) if isinstance(x, torch.Tensor) and i not in self.buffers]
+        self.borrowed_at = [self.addresses[i] for i in self.borrowed]
+        self.values = [(i, x) for i, x in enumerate(static) if not isinstance(x, torch.Tensor)]
         borrowed = {x.untyped_storage().data_ptr() for i, x in enumerate(inputs)
                     if isinstance(x, torch.Tensor) and i not in self.buffers}
         by_storage: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
@@ -261,8 +270,18 @@ class GraphReplay:
                 held = True
         return held
 
+    def _borrowed_in_place(self, inputs: list) -> bool:
+        """Whether every borrowed input is at its capture's address: in C++ where this torch has it (CUDA builds:
+        Inductor's CUDA graphs check their static inputs with it), else in Python."""
+        if _DATA_PTRS_EQUAL is not None:
+            return _DATA_PTRS_EQUAL(inputs, self.addresses, self.borrowed)
+        return [inputs[i].data_ptr() for i in self.borrowed] == self.borrowed_at
+
     def _moved(self, inputs: list) -> bool:
-        """Whether a borrowed input arrived at another address than its capture's (it is owned from now on)."""
+        """Whether a borrowed input arrived at another address than its capture's (it is owned from now on).
+        Checked on every call, so first in one pass (a step's optimizer graph takes hundreds of tensors)."""
+        if self._borrowed_in_place(inputs) and all(inputs[i] == v for i, v in self.values):
+            return False
         moved = False
         for i, (x, a) in enumerate(zip(inputs, self.addresses)):
             if i not in self.buffers and _address(x) != a:
@@ -274,9 +293,13 @@ class GraphReplay:
         return moved
 
     def _replay(self, inputs: list) -> list:
-        for i, buffer in self.buffers.items():
-            buffer.copy_(inputs[i])
-        self.replay([self.buffers.get(i, x) for i, x in enumerate(inputs)])
+        static = inputs
+        if self.buffers:        # copied in one launch on a GPU, not one each
+            torch._foreach_copy_(list(self.buffers.values()), [inputs[i] for i in self.buffers])
+            static = list(inputs)
+            for i, buffer in self.buffers.items():
+                static[i] = buffer
+        self.replay(static)
         COUNTS["replays"] += 1
         COUNTS["inputs_copied"] += len(self.buffers)
         for i in self.written & self.buffers.keys():

@@ -276,6 +276,24 @@ def test_a_copied_input_keeps_its_alignment_and_values():
             assert buf.data_ptr() % 16 == x.data_ptr() % 16 and buf.data_ptr() != x.data_ptr()
 
 
+def test_a_replay_reads_each_calls_inputs_after_a_tensor_moves_or_a_value_changes():
+    """What every replay checks first, in one pass over the inputs (an optimizer step's graph takes hundreds): a
+    borrowed tensor found at another address is read from there (copied into the graph's buffer from then on),
+    and a value input that changes stops the recording. Each call's result is the graph's on that call's inputs."""
+    def run(args):
+        x, w, k = args
+        return [x * w + k]
+    replay = graphs.GraphReplay(run, DEVICE, [], graphs.recorder_for(DEVICE), "x * w + k")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 5, generator=g).to(DEVICE)
+    calls = [(w, 3)] * 4 + [(w.clone() * 2, 3)] * 5 + [(w, 4)] * 2
+    for i, (weight, k) in enumerate(calls):
+        x = torch.randn(4, 5, generator=g).to(DEVICE)       # a new batch each call: copied into a buffer
+        close(replay([x, weight, k])[0], x * weight + k, f"call {i}")
+    assert graphs.COUNTS["captures"] == 2 and graphs.COUNTS["replays"] >= 5, graphs.COUNTS
+    assert replay.off.startswith("input 2 changes value"), replay.off
+
+
 def test_a_failed_capture_leaves_the_allocator_capturing_nothing(monkeypatch):
     """A capture invalidated by a synchronizing op: CUDAGraph::capture_end raises before it tells the caching
     allocator that the capture ended, so tfsn does (else every later empty_cache fails an assertion); one whose

@@ -2,8 +2,8 @@
 
 The earlier sets (tests/user_models.py, _more, _third, _fourth) cover transformers, convnets, recurrent
 nets, many losses and view idioms. These follow the reference code people copy for what they do not:
-LoRA adapters on frozen Linears (loralib's form, and a layer that merges B @ A into the weight in
-forward), with only the adapters and the head trained; ConvNeXt blocks (depthwise 7x7 conv, NHWC
+LoRA adapters on frozen Linears (loralib's form, a layer that merges B @ A into the weight in forward,
+and minLoRA's parametrization), with only the adapters and the head trained; ConvNeXt blocks (depthwise 7x7 conv, NHWC
 LayerNorm, inverted MLP, layer scale) with ConvNeXt's hand-written channels-first LayerNorm in the
 downsampling layer and ConvNeXt V2's global response norm; Swin's shifted-window attention (torch.roll,
 window partition by view/permute, a relative position bias table indexed by a long buffer, the
@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from tests.user_models import Case, classify
 from tests.user_models_more import fp64, own_loss
@@ -57,15 +58,31 @@ class LoRALinear(nn.Linear):
         return result + adapted * self.scaling
 
 
+class LoRAParametrization(nn.Module):
+    """minLoRA's form (and PyTorch's parametrize tutorial's): the adapter as a parametrization of the weight,
+    W + (B @ A) * scaling, registered with torch.nn.utils.parametrize on a plain nn.Linear."""
+
+    def __init__(self, fan_in: int, fan_out: int, rank: int = 2, alpha: float = 3.0) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(rank, fan_in))
+        self.lora_B = nn.Parameter(torch.randn(fan_out, rank) * 0.1)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scaling = alpha / rank
+
+    def forward(self, X: Tensor) -> Tensor:
+        return X + torch.matmul(self.lora_B, self.lora_A).view(X.shape) * self.scaling
+
+
 class LoRABlock(nn.Module):
-    """A pre-norm transformer block whose q and v projections carry adapters (the paper's choice), the
-    rest frozen; the MLP's first Linear merges its adapter into the weight."""
+    """A pre-norm transformer block whose q and v projections carry adapters (the paper's choice), k one as
+    a parametrization, the rest frozen; the MLP's first Linear merges its adapter into the weight."""
 
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.q, self.k, self.v = LoRALinear(d, d), nn.Linear(d, d), LoRALinear(d, d)
+        parametrize.register_parametrization(self.k, "weight", LoRAParametrization(d, d))
         self.o = nn.Linear(d, d)
         self.fc1, self.fc2 = LoRALinear(d, 2 * d, merge=True), nn.Linear(2 * d, d)
 

@@ -11,7 +11,7 @@ shifted-window mask built in __init__, patch merging); a Perceiver (learned late
 batch, cross-attention by hand with a boolean mask filled with -finfo.max, latent self-attention
 through nn.MultiheadAttention, GEGLU); sinusoidal position embeddings computed in forward and a
 diffusion UNet's timestep embedding driving a scale-shift; a VAE (eps as an input, sigmoid with
-F.binary_cross_entropy and the KL term); the full nn.Transformer with a causal mask; MAE's random
+F.binary_cross_entropy and the KL term); MAE's random
 masking (argsort of a noise, gather, the order restored by gather, the patchify einsum); a guided-diffusion
 UNet (GroupNorm in fp32, scale-shift ResBlocks, QKV attention by einsum, alphas_cumprod indexed by t);
 SegNet's MaxUnpool2d by pooling indices with mixup against soft targets, weighted per-pixel cross-entropy
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from tests.user_models import Case, classify
-from tests.user_models_more import fp64, own_loss
+from tests.user_models_more import _images, fp64, own_loss
 
 Tensor = torch.Tensor
 
@@ -419,30 +419,6 @@ class VAE(nn.Module):
         return recon, (bce + kld) / x.shape[0]
 
 
-# --- the full nn.Transformer -----------------------------------------------------------------------
-
-class Translator(nn.Module):
-    """nn.Transformer (one encoder and one decoder layer, with their final norms) between shared
-    embeddings with sinusoidal positions; a causal tgt_mask from generate_square_subsequent_mask and a
-    padding mask of the source; cross-entropy with label smoothing over the target's next tokens."""
-
-    def __init__(self, vocab: int = 17, d: int = 8) -> None:
-        super().__init__()
-        self.d = d
-        self.emb = nn.Embedding(vocab, d)
-        self.transformer = nn.Transformer(d, 2, 1, 1, 3 * d, dropout=0.0, batch_first=True)
-        self.generator = nn.Linear(d, vocab)
-
-    def forward(self, src: Tensor, tgt: Tensor, src_pad: Tensor) -> tuple:
-        embed = lambda t: self.emb(t) * math.sqrt(self.d) + sinusoidal_positions(t.shape[1], self.d)  # noqa: E731
-        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
-        mask = self.transformer.generate_square_subsequent_mask(tgt_in.shape[1])
-        y = self.transformer(embed(src), embed(tgt_in), tgt_mask=mask, src_key_padding_mask=src_pad,
-                             memory_key_padding_mask=src_pad)
-        logits = self.generator(y)
-        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1), label_smoothing=0.1)
-
-
 # --- a masked autoencoder --------------------------------------------------------------------------
 
 def sincos_2d(d: int, grid: int, cls_token: bool) -> Tensor:
@@ -636,10 +612,6 @@ def _lora(g: torch.Generator) -> tuple:
     return (torch.randint(0, 23, (3, 7), generator=g),), torch.randint(0, 4, (3,), generator=g)
 
 
-def _images(g: torch.Generator, n: int, size: int, classes: int) -> tuple:
-    return (torch.randn(n, 3, size, size, generator=g),), torch.randint(0, classes, (n,), generator=g)
-
-
 def _perceiver(g: torch.Generator) -> tuple:
     keep = torch.ones(3, 9, dtype=torch.bool)
     keep[0, 6:] = False
@@ -654,12 +626,6 @@ def _denoise(g: torch.Generator) -> tuple:
 
 def _vae(g: torch.Generator) -> tuple:
     return (torch.rand(5, 13, generator=g), torch.randn(5, 3, generator=g)), None
-
-
-def _translate(g: torch.Generator) -> tuple:
-    src_pad = torch.zeros(2, 7, dtype=torch.bool)
-    src_pad[1, 4:] = True
-    return (torch.randint(1, 17, (2, 7), generator=g), torch.randint(1, 17, (2, 6), generator=g), src_pad), None
 
 
 def _mae(g: torch.Generator) -> tuple:
@@ -686,7 +652,6 @@ def cases() -> list[Case]:
         Case("swin", Swin, lambda g: _images(g, 2, 12, 4), classify),
         Case("perceiver", Perceiver, _perceiver, classify),
         denoiser, vae,
-        Case("transformer_seq2seq", Translator, _translate, own_loss),
         Case("mae", MAE, _mae, own_loss),
         Case("diffusion_unet", DiffusionUNet, _diffusion, own_loss),
         Case("segnet_mixup", SegNet, _segnet, own_loss, (("enc.0.bias", slice(None)),)),   # a bias before BatchNorm

@@ -1550,6 +1550,19 @@ def test_values_of_one_element_broadcast_into_blocks():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+def test_elements_read_at_a_constant_index_of_a_matrix_match_eager():
+    """x * x[2, 3] and its kin: the element is loaded once before the kernel's blocks (its index is constant),
+    at the offset 2 * 8 + 3 which is an expression, not a number. That load was written masked by the block's
+    mask, which is defined after it: every such kernel failed with 'xzero' unbound (seen in torch.cumprod of
+    a clone with y[2, 3] = 0 written into it, forward and backward)."""
+    def fn(x):
+        return torch.tanh(x) * x[2, 3], (x * x[4, 5].exp()).sum(1)
+
+    got, want, _ = run_triton(forward_and_backward(fn), [torch.randn(6, 8)])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_bf16_subnormals_convert_as_torchs():
     """fp32 -> bf16 -> fp32 of subnormals (bf16 has fp32's exponent range, so 1e-40 is a bf16 subnormal, not 0)
     and of values rounded to nearest even, ties included, and infinities; a bf16 input's subnormals load

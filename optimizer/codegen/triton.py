@@ -526,6 +526,9 @@ class TritonWriter:
         self.tf32 = False
         body, grid, meta = (self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction"
                             else self.pointwise())
+        # the prologue runs before the kernel's blocks (and their masks) exist: its loads are at constant offsets,
+        # which may still be expressions ((2) * 8 + 3 for x[2, 3]), read unmasked
+        self.mask, self.zero = "None", "0"
         prologue = [self.statement(d) for d in self.nest.prologue]
         pointers = [*self.names.values(), *(["prod"] if self.product is not None else []),
                     *(f"s{j}" for j in range(len(self.split.dtypes) if self.split is not None else 0))]

@@ -132,6 +132,14 @@ def foreach_decompositions() -> dict:
     return table
 
 
+def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
+    """aten._efficientzerotensor as a dense zeros. Autograd formulas make it for a gradient known to be zero
+    (torch.func's jacrev/hessian of a function of parameters and inputs: the mm backward of a weight with
+    no tangent); the ZeroTensor it returns has no data (data_ptr 0), which only ATen's ZeroTensor dispatch
+    knows: a generated kernel or GEMM reading it as an extern's output dereferenced null and segfaulted."""
+    return aten.full.default(size, 0, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+
+
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
@@ -144,6 +152,7 @@ def decompositions() -> dict:
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     table[aten._weight_norm_interface_backward.default] = _weight_norm_backward
+    table[aten._efficientzerotensor.default] = _efficient_zeros
     table.update(foreach_decompositions())
     return table
 

@@ -632,3 +632,36 @@ def test_dropout_under_activation_checkpointing_is_generated_and_matches_eager()
     close(out_m, out_e, "output")
     for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
         close(q.grad, p.grad, f"grad of {name}")
+
+
+def test_efficient_zero_tensors_of_a_torch_func_hessian_are_generated_as_zeros(monkeypatch):
+    """Regression: a PINN's Laplacian by torch.func (vmap of hessian of a functional_call) has a backward graph
+    with aten._efficientzerotensor (autograd's gradient known to be zero). It ran as an extern whose ZeroTensor
+    has no data (data_ptr 0), and the generated GEMM that read it segfaulted the process. Now a dense zeros:
+    no graph holds the op, gradients as eager's (the last bias gets none: the Laplacian does not depend on it)."""
+    from torch.func import functional_call, hessian, vmap
+    compiled = record_compiled(monkeypatch)
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    mine = copy.deepcopy(eager)
+
+    def laplacian_loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def u(params, point):
+            return functional_call(net, params, (point,)).squeeze(-1)
+        h = vmap(hessian(u, argnums=1), in_dims=(None, 0))(dict(net.named_parameters()), x)
+        return h.diagonal(dim1=-2, dim2=-1).sum(-1).pow(2).mean()
+
+    x = torch.rand(9, 2)
+    loss_e = laplacian_loss(eager, x)
+    loss_e.backward()
+    before = backend.STATS["aten_graphs"]
+    loss_m = torch.compile(lambda x: laplacian_loss(mine, x), backend=make_backend())(x)
+    loss_m.backward()
+    assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen"
+    assert len(compiled) == 2, f"{len(compiled)} graphs compiled where a forward and a backward were expected"
+    assert not [n.name for graph, _ in compiled for n in graph.nodes if n.op == "aten._efficientzerotensor.default"]
+    close(loss_m, loss_e, "loss")
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{name}: a gradient in one run only"
+        if p.grad is not None:
+            close(q.grad, p.grad, f"grad of {name}")

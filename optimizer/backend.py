@@ -140,6 +140,19 @@ def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=N
     return aten.full.default(size, 0, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
 
 
+def _neg_copy(x: torch.Tensor) -> torch.Tensor:
+    """aten._neg_view as a negated copy. `z.conj().imag` traces to view_as_real, _neg_view, select: the view
+    only sets a lazy negation bit on the same memory, which an extern's result keeps and a kernel reading the
+    memory ignored (the imaginary parts of a conjugate came out with their sign flipped)."""
+    return aten.neg.default(x)
+
+
+def _conj_copy(x: torch.Tensor) -> torch.Tensor:
+    """aten._conj as a conjugated copy (conj_physical): the view only sets a lazy conjugation bit, which the
+    memory a kernel reads does not hold (the pair of _neg_view)."""
+    return aten.conj_physical.default(x)
+
+
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
@@ -153,6 +166,8 @@ def decompositions() -> dict:
     table[aten.var.correction] = _var
     table[aten._weight_norm_interface_backward.default] = _weight_norm_backward
     table[aten._efficientzerotensor.default] = _efficient_zeros
+    table[aten._neg_view.default] = _neg_copy
+    table[aten._conj.default] = _conj_copy
     table.update(foreach_decompositions())
     return table
 

@@ -665,3 +665,34 @@ def test_efficient_zero_tensors_of_a_torch_func_hessian_are_generated_as_zeros(m
         assert (p.grad is None) == (q.grad is None), f"{name}: a gradient in one run only"
         if p.grad is not None:
             close(q.grad, p.grad, f"grad of {name}")
+
+
+def test_imaginary_parts_of_a_conjugate_keep_their_sign():
+    """Regression: `z.conj().imag` traces to _conj, view_as_real, _neg_view and select; the two views only set
+    lazy conjugation and negation bits on the same memory, and they ran as externs whose results a kernel read
+    as raw memory: every imaginary part of a conjugate came out with its sign flipped (the spectrum of an
+    rfft, as a Fourier layer reads it), while the gradients were right. Now negated and conjugated copies:
+    outputs and gradients as eager's, and a write through such a view still lands in its base."""
+    def spectrum(x, w):
+        z = torch.fft.rfft(x * w).conj()
+        return torch.tanh(z.imag) * 2 + z.real.sin()
+
+    def written_through(z):
+        y = z * 1.0
+        y.conj().imag.mul_(2)
+        return y
+
+    x, w = torch.randn(3, 8), torch.randn(3, 8)
+    xe, we, xm, wm = (t.clone().requires_grad_() for t in (x, w, x, w))
+    before = backend.STATS["aten_graphs"]
+    out_e, out_m = spectrum(xe, we), torch.compile(spectrum, backend=make_backend())(xm, wm)
+    grad = torch.randn(out_e.shape)
+    out_e.backward(grad)
+    out_m.backward(grad)
+    z = torch.randn(3, 4, dtype=torch.cfloat)
+    got = torch.compile(written_through, backend=make_backend())(z)
+    assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen"
+    close(out_m, out_e, "output")
+    close(xm.grad, xe.grad, "grad of x")
+    close(wm.grad, we.grad, "grad of w")
+    torch.testing.assert_close(got, written_through(z))

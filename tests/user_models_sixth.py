@@ -3,15 +3,19 @@
 The other suites cover transformers, convnets, recurrent cells, GANs and many losses. These are what
 scientific-ML and generative-modelling code looks like, written as the reference implementations people
 copy: a SIREN (sin(w0 x) activations with its uniform init, fitting a field by MSE); a NeRF (positional
-encoding, an MLP with a skip concatenation, volume rendering along rays with torch.diff, 1 - exp(-sigma
-delta) and an exclusive torch.cumprod transmittance); a RealNVP / Glow-lite flow (ActNorm, an invertible
-1x1 convolution with its slogdet, affine couplings with checkerboard and channel masks held as buffers,
-the NLL under a standard normal prior); a WaveNet (causal dilated Conv1d by F.pad on the left, gated
-tanh * sigmoid units, residual and skip 1x1 convs, cross-entropy over mu-law classes quantized in
-forward); a mixture density network (-logsumexp of log_softmax(pi) and a hand-written Normal log-prob);
-Deep Sets with a padding mask (masked sum and mean pooling, an empty set included); SimCLR's NT-Xent
-with in-batch negatives (the diagonal masked with -inf); a hypernetwork (per-sample weight matrices
-applied with torch.bmm and einsum). Sizes are odd and tiny. Each model comes as a `tests.user_models.Case`.
+encoding, an MLP with a skip concatenation, volume rendering with torch.diff, 1 - exp(-sigma delta) and an
+exclusive torch.cumprod transmittance; hierarchical sampling by cumsum, searchsorted, gather and sort); a
+RealNVP / Glow-lite flow (ActNorm, 1x1 convolutions by slogdet and by LU, affine couplings with
+checkerboard and channel masks held as buffers, a squeeze, a split under a learned prior, the NLL in bits
+per dimension); a WaveNet (one-hot mu-law classes quantized in forward, causal dilated Conv1d by F.pad on
+the left, speaker conditioning, gated tanh * sigmoid units, residual and skip 1x1 convs); a mixture
+density network (-logsumexp of log_softmax(pi) and a Normal log-prob by hand, and by torch.distributions);
+Deep Sets with a padding mask (masked sum, mean and max pooling, an empty set, ties at zero); SimCLR's
+NT-Xent (the diagonal masked with -inf); a hypernetwork (per-sample weights applied with torch.bmm and
+einsum); a Fourier neural operator (rfft2, complex weights mixed by einsum into a zero spectrum, irfft2);
+a neural ODE integrated by RK4 in a Python loop; a Poisson PINN whose Laplacian is torch.func's vmapped
+hessian (its backward held aten._efficientzerotensor, a tensor with a null data pointer: the generated
+GEMM that read it segfaulted). Sizes are odd and tiny. Each model comes as a `tests.user_models.Case`.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.func import functional_call, hessian, vmap
 
 from tests.user_models import Case, classify
 from tests.user_models_more import fp64, own_loss
@@ -297,7 +302,8 @@ class MDN(nn.Module):
     log-density by hand or (`distributions`) by torch.distributions' MixtureSameFamily of Independent
     Normals with a softplus scale. forward returns (pi logits, loss)."""
 
-    def __init__(self, d_in: int = 5, hidden: int = 11, k: int = 3, d_out: int = 2, distributions: bool = False) -> None:
+    def __init__(self, d_in: int = 5, hidden: int = 11, k: int = 3, d_out: int = 2,
+                 distributions: bool = False) -> None:
         super().__init__()
         self.k, self.d_out, self.distributions = k, d_out, distributions
         self.trunk = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
@@ -458,6 +464,26 @@ class NeuralODE(nn.Module):
         return trajectory, F.mse_loss(y, y1) + 0.01 * trajectory.pow(2).mean()
 
 
+class PoissonPINN(nn.Module):
+    """A physics-informed net for laplacian(u) = f: the Laplacian at interior points as the trace of
+    torch.func's hessian of a functional_call of the MLP, vmapped over points, and a boundary term u = 0.
+    forward returns (Laplacian, loss)."""
+
+    def __init__(self, hidden: int = 6) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, 1))
+
+    def u(self, params: dict, x: Tensor) -> Tensor:
+        return functional_call(self.net, params, (x,)).squeeze(-1)
+
+    def forward(self, interior: Tensor, boundary: Tensor, f: Tensor) -> tuple:
+        params = dict(self.net.named_parameters())
+        laplacian = vmap(hessian(self.u, argnums=1), in_dims=(None, 0))(params, interior)
+        laplacian = laplacian.diagonal(dim1=-2, dim2=-1).sum(-1)
+        return laplacian, (laplacian - f).pow(2).mean() + self.net(boundary).pow(2).mean()
+
+
 # --- the cases --------------------------------------------------------------------------------------------
 
 def _field(g: torch.Generator) -> tuple:
@@ -505,6 +531,12 @@ def _states(g: torch.Generator) -> tuple:
     return (torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)), None
 
 
+def _collocation(g: torch.Generator) -> tuple:
+    interior = torch.rand(9, 2, generator=g)
+    boundary = torch.stack([torch.rand(4, generator=g), torch.tensor([0.0, 1.0, 0.0, 1.0])], -1)
+    return (interior, boundary, torch.randn(9, generator=g)), None
+
+
 def _contexts(g: torch.Generator) -> tuple:
     return ((torch.randn(3, 4, generator=g), torch.randn(3, 6, 3, generator=g)),
             torch.randint(0, 3, (3,), generator=g))
@@ -526,6 +558,7 @@ def cases() -> list[Case]:
             Case("simclr_nt_xent", SimCLR, _views, own_loss, _BATCHNORM_ZERO), hyper,
             Case("fno", FNO2d, _fields, own_loss),
             Case("neural_ode_rk4", NeuralODE, _states, own_loss),
+            Case("pinn_poisson_hessian", PoissonPINN, _collocation, own_loss),
             # fp64: fp32's tolerance in units of fp64's epsilon, so a value computed in fp32 anywhere fails
             # (the smaller models, for the test time; not the FNO: Module.double() leaves complex64 weights be)
             *(fp64(c) for c in (siren, mdn, sets, hyper))]

@@ -132,6 +132,27 @@ def foreach_decompositions() -> dict:
     return table
 
 
+def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
+    """aten._efficientzerotensor as a dense zeros. Autograd formulas make it for a gradient known to be zero
+    (torch.func's jacrev/hessian of a function of parameters and inputs: the mm backward of a weight with
+    no tangent); the ZeroTensor it returns has no data (data_ptr 0), which only ATen's ZeroTensor dispatch
+    knows: a generated kernel or GEMM reading it as an extern's output dereferenced null and segfaulted."""
+    return aten.full.default(size, 0, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory)
+
+
+def _neg_copy(x: torch.Tensor) -> torch.Tensor:
+    """aten._neg_view as a negated copy. `z.conj().imag` traces to view_as_real, _neg_view, select: the view
+    only sets a lazy negation bit on the same memory, which an extern's result keeps and a kernel reading the
+    memory ignored (the imaginary parts of a conjugate came out with their sign flipped)."""
+    return aten.neg.default(x)
+
+
+def _conj_copy(x: torch.Tensor) -> torch.Tensor:
+    """aten._conj as a conjugated copy (conj_physical): the view only sets a lazy conjugation bit, which the
+    memory a kernel reads does not hold (the pair of _neg_view)."""
+    return aten.conj_physical.default(x)
+
+
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
@@ -144,6 +165,9 @@ def decompositions() -> dict:
     table[aten.var_mean.correction] = _var_mean
     table[aten.var.correction] = _var
     table[aten._weight_norm_interface_backward.default] = _weight_norm_backward
+    table[aten._efficientzerotensor.default] = _efficient_zeros
+    table[aten._neg_view.default] = _neg_copy
+    table[aten._conj.default] = _conj_copy
     table.update(foreach_decompositions())
     return table
 
@@ -320,13 +344,47 @@ def default_top_k(default: int | None = None) -> int:
     return int(value)
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
-                  schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
-                  report: list | None = None, codegen: str | None = None, cuda_graphs: bool = True,
-                  on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
+    compiled = _compile_graph(gm, example_inputs, **options)
+    lazy = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and (a.is_neg() or a.is_conj())]
+    return LazyInputsResolved(compiled, lazy, _written_inputs(gm)) if lazy else compiled
+
+
+def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """The positions of the graph's inputs that it writes over (copy_ into them: AOTAutograd's input mutations)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return {i for i, p in enumerate(placeholders)
+            if any(u.target is aten.copy_.default and u.args[0] is p for u in p.users)}
+
+
+class LazyInputsResolved:
+    """A compiled graph called with inputs that carry a lazy negation or conjugation bit (`z.conj().imag`,
+    which Dynamo guards on, so the same positions each call): their memory holds the values before the
+    bit, which a generated kernel would read as they are (it reads data pointers). Each is resolved to a
+    copy before the call, and the copies of inputs the graph writes are copied back through the bit."""
+
+    def __init__(self, compiled: Callable, lazy: Sequence[int], written: set[int]) -> None:
+        self._boxed_call = True
+        self.compiled, self.lazy, self.written = compiled, lazy, [i for i in lazy if i in written]
+
+    def __call__(self, args: list) -> Any:
+        given = [args[i] for i in self.written]
+        for i in self.lazy:
+            args[i] = args[i].resolve_conj().resolve_neg()
+        resolved = [args[i] for i in self.written]
+        out = self.compiled(args)
+        for g, r in zip(given, resolved):
+            g.copy_(r)
+        return out
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                   schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
+                   report: list | None = None, codegen: str | None = None, cuda_graphs: bool = True,
+                   on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
     from torch._functorch.aot_autograd import make_boxed_func
 
     from optimizer import fusion, ir
@@ -343,7 +401,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     except ir.Unsupported as e:
         if _symbolic(gm):
             log.info("tfsn: a graph of symbolic sizes (%s) compiles once per shape it is called with", e)
-            return PerShape(gm, functools.partial(compile_graph, schedule=schedule, fuse=fuse, top_k=top_k,
+            return PerShape(gm, functools.partial(_compile_graph, schedule=schedule, fuse=fuse, top_k=top_k,
                                                   report=report, codegen=codegen, cuda_graphs=cuda_graphs,
                                                   on_plan=on_plan))
         log.warning("tfsn: running a graph as ATen (%s)", e)

@@ -632,3 +632,93 @@ def test_dropout_under_activation_checkpointing_is_generated_and_matches_eager()
     close(out_m, out_e, "output")
     for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
         close(q.grad, p.grad, f"grad of {name}")
+
+
+def test_efficient_zero_tensors_of_a_torch_func_hessian_are_generated_as_zeros(monkeypatch):
+    """Regression: a PINN's Laplacian by torch.func (vmap of hessian of a functional_call) has a backward graph
+    with aten._efficientzerotensor (autograd's gradient known to be zero). It ran as an extern whose ZeroTensor
+    has no data (data_ptr 0), and the generated GEMM that read it segfaulted the process. Now a dense zeros:
+    no graph holds the op, gradients as eager's (the last bias gets none: the Laplacian does not depend on it)."""
+    from torch.func import functional_call, hessian, vmap
+    compiled = record_compiled(monkeypatch)
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    mine = copy.deepcopy(eager)
+
+    def laplacian_loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def u(params, point):
+            return functional_call(net, params, (point,)).squeeze(-1)
+        h = vmap(hessian(u, argnums=1), in_dims=(None, 0))(dict(net.named_parameters()), x)
+        return h.diagonal(dim1=-2, dim2=-1).sum(-1).pow(2).mean()
+
+    x = torch.rand(9, 2)
+    loss_e = laplacian_loss(eager, x)
+    loss_e.backward()
+    before = backend.STATS["aten_graphs"]
+    loss_m = torch.compile(lambda x: laplacian_loss(mine, x), backend=make_backend())(x)
+    loss_m.backward()
+    assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen"
+    assert len(compiled) == 2, f"{len(compiled)} graphs compiled where a forward and a backward were expected"
+    assert not [n.name for graph, _ in compiled for n in graph.nodes if n.op == "aten._efficientzerotensor.default"]
+    close(loss_m, loss_e, "loss")
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{name}: a gradient in one run only"
+        if p.grad is not None:
+            close(q.grad, p.grad, f"grad of {name}")
+
+
+def test_imaginary_parts_of_a_conjugate_keep_their_sign():
+    """Regression: `z.conj().imag` traces to _conj, view_as_real, _neg_view and select; the two views only set
+    lazy conjugation and negation bits on the same memory, and they ran as externs whose results a kernel read
+    as raw memory: every imaginary part of a conjugate came out with its sign flipped (the spectrum of an
+    rfft, as a Fourier layer reads it), while the gradients were right. Now negated and conjugated copies:
+    outputs and gradients as eager's, and a write through such a view still lands in its base."""
+    def spectrum(x, w):
+        z = torch.fft.rfft(x * w).conj()
+        return torch.tanh(z.imag) * 2 + z.real.sin()
+
+    def written_through(z):
+        y = z * 1.0
+        y.conj().imag.mul_(2)
+        return y
+
+    x, w = torch.randn(3, 8), torch.randn(3, 8)
+    xe, we, xm, wm = (t.clone().requires_grad_() for t in (x, w, x, w))
+    before = backend.STATS["aten_graphs"]
+    out_e, out_m = spectrum(xe, we), torch.compile(spectrum, backend=make_backend())(xm, wm)
+    grad = torch.randn(out_e.shape)
+    out_e.backward(grad)
+    out_m.backward(grad)
+    z = torch.randn(3, 4, dtype=torch.cfloat)
+    got = torch.compile(written_through, backend=make_backend())(z)
+    assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen"
+    close(out_m, out_e, "output")
+    close(xm.grad, xe.grad, "grad of x")
+    close(wm.grad, we.grad, "grad of w")
+    torch.testing.assert_close(got, written_through(z))
+
+
+def test_inputs_with_a_lazy_negation_bit_are_read_as_their_values():
+    """Regression: an input that is `z.conj().imag` (the imaginary parts of a conjugated spectrum) carries a
+    lazy negation bit over z's memory; the generated kernels read its data pointer and so the values without
+    their sign (every element off, by up to 3.5 here). Now resolved before the call: outputs as eager's, and
+    a write into such an input lands in z as eager's does. Through Triton: tests/test_optimizer_triton.py."""
+    lazy_negation_inputs_match_eager("c")
+
+
+def lazy_negation_inputs_match_eager(codegen: str) -> None:
+    def scaled(x, w):
+        return (x * w).exp()
+
+    def written(x, w):
+        x.add_(w)
+        return x.sin() * 2
+
+    z, w = torch.randn(3, 4, dtype=torch.cfloat), torch.randn(3, 4)
+    close(torch.compile(scaled, backend=make_backend(codegen=codegen))(z.conj().imag, w), scaled(z.conj().imag, w),
+          "output")
+    z_eager, z_mine = z.clone(), z.clone()
+    expected = written(z_eager.conj().imag, w)
+    close(torch.compile(written, backend=make_backend(codegen=codegen))(z_mine.conj().imag, w), expected,
+          "output of the in-place graph")
+    torch.testing.assert_close(z_mine, z_eager)

@@ -36,7 +36,8 @@ from hypothesis import given, settings  # noqa: E402
 from tests import test_optimizer_ops as ops_fuzz  # noqa: E402
 from tests.optimizer_models import SUMMED_STORES, concatenations, suite  # noqa: E402
 from tests.test_optimizer_ops import EXAMPLES, FUZZ, operands  # noqa: E402
-from tests.test_optimizer_correctness import masked_attention_matches_eager  # noqa: E402
+from tests.test_optimizer_correctness import (  # noqa: E402
+    lazy_negation_inputs_match_eager, masked_attention_matches_eager)
 
 
 @pytest.fixture(autouse=True)
@@ -1607,3 +1608,9 @@ def test_causal_mask_is_computed_in_the_kernels_that_read_it(monkeypatch, mask):
     """As the C target's test (test_optimizer_correctness): the mask built in forward is computed inside
     the Triton softmax kernels of both graphs, and the step matches eager."""
     masked_attention_matches_eager(monkeypatch, mask, DEVICE, codegen="triton")
+
+
+def test_inputs_with_a_lazy_negation_bit_are_read_as_their_values():
+    """tests/test_optimizer_correctness.py's regression through the Triton kernels: an input `z.conj().imag`
+    (a lazy negation bit over z's memory) read by its data pointer lost its sign."""
+    lazy_negation_inputs_match_eager("triton")

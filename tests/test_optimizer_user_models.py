@@ -38,6 +38,8 @@ TOLERANCE = {                     # dtype of the compared values: (rtol, atol fa
     torch.bfloat16: (2.0 ** -5, 2.0 ** -5),
     torch.float16: (2.0 ** -9, 2.0 ** -9),
 }
+# complex parameters (an FNO's spectral weights): the tolerance of their real and imaginary parts' dtype
+TOLERANCE.update({torch.complex64: TOLERANCE[torch.float32], torch.complex128: TOLERANCE[torch.float64]})
 LOSS_RTOL = 1e-4                  # losses over training steps, fp32 (as the existing suite)
 TRAIN_STEPS = 3
 

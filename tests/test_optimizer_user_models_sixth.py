@@ -1,0 +1,36 @@
+"""A sixth set of user models (tests/user_models_sixth.py: SIREN, NeRF volume rendering and hierarchical
+sampling, a RealNVP / Glow-lite flow, WaveNet, a mixture density network, Deep Sets, SimCLR's NT-Xent, a
+hypernetwork, a Fourier neural operator with complex weights, an RK4 neural ODE, a PINN by torch.func),
+compiled with the tfsn backend against eager PyTorch as tests/test_optimizer_user_models.py compares its
+own (the same checks and tolerances): forward output, loss, input and parameter gradients (complex ones
+too) and buffers (the flow's masks, BatchNorm statistics), in fp32 and fp64, on the C target and a subset
+through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then SGD and AdamW training steps for
+one. Every compiled step must generate kernels and leave no graph to ATen."""
+from __future__ import annotations
+
+import os
+
+if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
+
+import pytest  # noqa: E402
+
+from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
+from tests.test_optimizer_user_models import OPTIMIZERS, check_training  # noqa: E402
+from tests.test_optimizer_user_models_more import forward_and_gradient_tests, no_graph_left_to_aten  # noqa: E402
+from tests.user_models_sixth import cases  # noqa: E402
+
+# small ones: Triton's interpreter runs each program in Python
+THROUGH_TRITON = ["siren", "hypernet"]
+# masked sum, mean and max pooling (ties at zero) over steps that move the weights
+TRAINED = ["deep_sets"]
+
+
+test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \
+    forward_and_gradient_tests(cases(), THROUGH_TRITON)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("case", [c for c in cases() if c.name in TRAINED], ids=lambda c: c.name)
+def test_training_steps_match_eager(case, optimizer):
+    no_graph_left_to_aten(lambda: check_training(case, optimizer))

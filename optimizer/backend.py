@@ -344,11 +344,15 @@ def default_top_k(default: int | None = None) -> int:
     return int(value)
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **options: Any) -> Callable:
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                  schedule: Schedule | None = None, fuse: bool = True, top_k: int | None = None,
+                  report: list | None = None, codegen: str | None = None, cuda_graphs: bool = True,
+                  on_plan: Callable[[float, bool, str], None] | None = None) -> Callable:
     """One ATen graph (forward, backward or inference) to a callable; never fails on an op:
     whatever the generator does not cover runs as ATen. Without a fixed `schedule`, the fusion plan
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
-    compiled = _compile_graph(gm, example_inputs, **options)
+    compiled = _compile_graph(gm, example_inputs, schedule=schedule, fuse=fuse, top_k=top_k, report=report,
+                              codegen=codegen, cuda_graphs=cuda_graphs, on_plan=on_plan)
     lazy = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and (a.is_neg() or a.is_conj())]
     return LazyInputsResolved(compiled, lazy, _written_inputs(gm)) if lazy else compiled
 

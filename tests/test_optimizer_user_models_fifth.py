@@ -11,11 +11,9 @@ import os
 if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
-import pytest  # noqa: E402
 
 from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
-from tests.test_optimizer_user_models import OPTIMIZERS, check_training  # noqa: E402
-from tests.test_optimizer_user_models_more import forward_and_gradient_tests, no_graph_left_to_aten  # noqa: E402
+from tests.test_optimizer_user_models_more import forward_and_gradient_tests, training_steps_test  # noqa: E402
 from tests.user_models_fifth import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
@@ -27,8 +25,4 @@ TRAINED = ["lora"]
 test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \
     forward_and_gradient_tests(cases(), THROUGH_TRITON)
 
-
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("case", [c for c in cases() if c.name in TRAINED], ids=lambda c: c.name)
-def test_training_steps_match_eager(case, optimizer):
-    no_graph_left_to_aten(lambda: check_training(case, optimizer))
+test_training_steps_match_eager = training_steps_test(cases(), TRAINED)

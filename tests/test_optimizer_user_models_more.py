@@ -46,6 +46,18 @@ def forward_and_gradient_tests(suite: list, through_triton: list[str]) -> tuple[
     return test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager
 
 
+def training_steps_test(suite: list, trained: list[str]) -> Callable:
+    """A suite's test of training steps against eager, with each of OPTIMIZERS, for the cases named in `trained`;
+    bound to a test_* name, pytest runs it."""
+    from tests.test_optimizer_user_models import OPTIMIZERS
+
+    @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+    @pytest.mark.parametrize("case", [c for c in suite if c.name in trained], ids=lambda c: c.name)
+    def test_training_steps_match_eager(case, optimizer):
+        no_graph_left_to_aten(lambda: check_training(case, optimizer))
+    return test_training_steps_match_eager
+
+
 test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \
     forward_and_gradient_tests(cases(), THROUGH_TRITON)
 

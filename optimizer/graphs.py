@@ -273,14 +273,18 @@ class GraphReplay:
     def _borrowed_in_place(self, inputs: list) -> bool:
         """Whether every borrowed input is at its capture's address: in C++ where this torch has it (CUDA builds:
         Inductor's CUDA graphs check their static inputs with it), else in Python."""
-        if _DATA_PTRS_EQUAL is not None:
-            return _DATA_PTRS_EQUAL(inputs, self.addresses, self.borrowed)
-        return [inputs[i].data_ptr() for i in self.borrowed] == self.borrowed_at
+        try:
+            if _DATA_PTRS_EQUAL is not None:
+                return _DATA_PTRS_EQUAL(inputs, self.addresses, self.borrowed)
+            return [inputs[i].data_ptr() for i in self.borrowed] == self.borrowed_at
+        except (AttributeError, RuntimeError):      # a value where the capture had a tensor: _moved's loop stops
+            return False                            # the graph
 
     def _moved(self, inputs: list) -> bool:
         """Whether a borrowed input arrived at another address than its capture's (it is owned from now on).
-        Checked on every call, so first in one pass (a step's optimizer graph takes hundreds of tensors)."""
-        if self._borrowed_in_place(inputs) and all(inputs[i] == v for i, v in self.values):
+        Checked on every call, so first in one pass (a step's optimizer graph takes hundreds of tensors); a value
+        input is compared as the loop below compares it, by _address (a tensor arriving there equals no value)."""
+        if self._borrowed_in_place(inputs) and all(_address(inputs[i]) == v for i, v in self.values):
             return False
         moved = False
         for i, (x, a) in enumerate(zip(inputs, self.addresses)):

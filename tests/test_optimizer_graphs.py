@@ -276,10 +276,28 @@ def test_a_copied_input_keeps_its_alignment_and_values():
             assert buf.data_ptr() % 16 == x.data_ptr() % 16 and buf.data_ptr() != x.data_ptr()
 
 
-def test_a_replay_reads_each_calls_inputs_after_a_tensor_moves_or_a_value_changes():
+def cuda_data_ptrs_equal(tensors: list, data_ptrs: list, indices: list) -> bool:
+    """torch._C._tensors_data_ptrs_at_indices_equal as CUDA builds have it (C++, pybind11 lists): each indexed
+    element cast to a tensor and its recorded address to an int64, a failed cast a RuntimeError."""
+    assert all(type(a) is list for a in (tensors, data_ptrs, indices))
+    for i in indices:
+        if not isinstance(tensors[i], torch.Tensor) or type(data_ptrs[i]) is not int:
+            raise RuntimeError(f"Unable to cast Python instance of type {type(tensors[i])} to C++ type 'at::Tensor'")
+        if tensors[i].data_ptr() != data_ptrs[i]:
+            return False
+    return True
+
+
+CHECKS = [None, graphs._DATA_PTRS_EQUAL or cuda_data_ptrs_equal]     # the C++ helper itself where torch has it
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=["python", "cuda-build"])
+def test_a_replay_reads_each_calls_inputs_after_a_tensor_moves_or_a_value_changes(monkeypatch, check):
     """What every replay checks first, in one pass over the inputs (an optimizer step's graph takes hundreds): a
     borrowed tensor found at another address is read from there (copied into the graph's buffer from then on),
     and a value input that changes stops the recording. Each call's result is the graph's on that call's inputs."""
+    monkeypatch.setattr(graphs, "_DATA_PTRS_EQUAL", check)
+
     def run(args):
         x, w, k = args
         return [x * w + k]
@@ -292,6 +310,25 @@ def test_a_replay_reads_each_calls_inputs_after_a_tensor_moves_or_a_value_change
         close(replay([x, weight, k])[0], x * weight + k, f"call {i}")
     assert graphs.COUNTS["captures"] == 2 and graphs.COUNTS["replays"] >= 5, graphs.COUNTS
     assert replay.off.startswith("input 2 changes value"), replay.off
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=["python", "cuda-build"])
+def test_an_input_that_turns_from_tensor_to_value_or_back_is_read_not_replayed(monkeypatch, check):
+    """The one-pass check of every replay, in this CPU's Python and as a CUDA build's C++ helper: a value where
+    the capture had a tensor, or a tensor (of one element or many) where it had a value, is what this call
+    computes with, and no error: the graph's own result on this call's inputs."""
+    monkeypatch.setattr(graphs, "_DATA_PTRS_EQUAL", check)
+
+    def run(args):
+        return [args[0] * 2 + args[1]]
+
+    x = torch.arange(3.0).to(DEVICE)
+    for first, then in [(3, torch.full((3,), 5.0)), (3, torch.tensor(3.0)), (torch.ones(3), 2.0)]:
+        replay = graphs.GraphReplay(run, DEVICE, [], graphs.recorder_for(DEVICE), "x * 2 + k")
+        first = first.to(DEVICE) if isinstance(first, torch.Tensor) else first
+        then = then.to(DEVICE) if isinstance(then, torch.Tensor) else then
+        for i, k in enumerate([first] * 4 + [then] * 4):
+            close(replay([x, k])[0], x * 2 + k, f"call {i} of {first!r} then {then!r}")
 
 
 def test_a_failed_capture_leaves_the_allocator_capturing_nothing(monkeypatch):

@@ -1,9 +1,9 @@
 """A fifth set of user models (tests/user_models_fifth.py: LoRA, ConvNeXt, Swin, Perceiver, sinusoidal and
-timestep embeddings, a VAE, MAE, a diffusion UNet, SegNet with mixup), compiled with the tfsn backend against eager PyTorch as
-tests/test_optimizer_user_models.py compares its own (the same checks and tolerances): forward output,
-loss, input and parameter gradients (and none for frozen parameters) and buffers, in fp32 and fp64, on
-the C target and a subset through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then SGD and
-AdamW training steps for a few. Every compiled step must generate kernels and leave no graph to ATen."""
+timestep embeddings, a VAE, MAE, a diffusion UNet, SegNet with mixup), compiled with the tfsn backend against
+eager PyTorch as tests/test_optimizer_user_models.py compares its own (the same checks and tolerances):
+forward output, loss, input and parameter gradients (and none for frozen parameters) and buffers, in fp32 and
+fp64, on the C target and a subset through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then SGD
+and AdamW training steps for a few. Every compiled step must generate kernels and leave no graph to ATen."""
 from __future__ import annotations
 
 import os

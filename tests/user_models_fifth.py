@@ -1,23 +1,21 @@
 """A fifth set of models written the way users write them, for tests/test_optimizer_user_models_fifth.py.
 
-The earlier sets (tests/user_models.py, _more, _third, _fourth) cover transformers, convnets, recurrent
-nets, many losses and view idioms. These follow the reference code people copy for what they do not:
-LoRA adapters on frozen Linears (loralib's form, a layer that merges B @ A into the weight in forward,
-and minLoRA's parametrization), with only the adapters and the head trained; ConvNeXt blocks (depthwise 7x7 conv, NHWC
+The earlier sets (tests/user_models.py, _more, _third, _fourth) cover transformers, convnets, recurrent nets,
+many losses and view idioms. These follow the reference code people copy for what they do not: LoRA adapters
+on frozen Linears (loralib's form, a layer that merges B @ A into the weight in forward, and minLoRA's
+parametrization), with only the adapters and the head trained; ConvNeXt blocks (depthwise 7x7 conv, NHWC
 LayerNorm, inverted MLP, layer scale) with ConvNeXt's hand-written channels-first LayerNorm in the
-downsampling layer and ConvNeXt V2's global response norm; Swin's shifted-window attention (torch.roll,
-window partition by view/permute, a relative position bias table indexed by a long buffer, the
-shifted-window mask built in __init__, patch merging); a Perceiver (learned latents expanded to the
-batch, cross-attention by hand with a boolean mask filled with -finfo.max, latent self-attention
-through nn.MultiheadAttention, GEGLU); sinusoidal position embeddings computed in forward and a
-diffusion UNet's timestep embedding driving a scale-shift; a VAE (eps as an input, sigmoid with
-F.binary_cross_entropy and the KL term); MAE's random
-masking (argsort of a noise, gather, the order restored by gather, the patchify einsum); a guided-diffusion
-UNet (GroupNorm in fp32, scale-shift ResBlocks, QKV attention by einsum, alphas_cumprod indexed by t);
-SegNet's MaxUnpool2d by pooling indices with mixup against soft targets, weighted per-pixel cross-entropy
-with ignore_index and label smoothing, and a Dice loss. Sizes are odd and tiny. Each model comes as a
-`tests.user_models.Case`.
-"""
+downsampling layer and ConvNeXt V2's global response norm; Swin's shifted-window attention (torch.roll, window
+partition by view/permute, a relative position bias table indexed by a long buffer, the shifted-window mask
+built in __init__, patch merging); a Perceiver (learned latents expanded to the batch, cross-attention by hand
+with a boolean mask filled with -finfo.max, latent self-attention through nn.MultiheadAttention, GEGLU);
+sinusoidal position embeddings computed in forward and a diffusion UNet's timestep embedding driving a
+scale-shift; a VAE (eps as an input, sigmoid with F.binary_cross_entropy and the KL term); MAE's random masking
+(argsort of a noise, gather, the order restored by gather, the patchify einsum); a guided-diffusion UNet
+(GroupNorm in fp32, scale-shift ResBlocks, QKV attention by einsum, alphas_cumprod indexed by t); SegNet's
+MaxUnpool2d by pooling indices with mixup against soft targets, weighted per-pixel cross-entropy with
+ignore_index and label smoothing, and a Dice loss. Sizes are odd and tiny. Each model comes as a
+`tests.user_models.Case`."""
 from __future__ import annotations
 
 import math

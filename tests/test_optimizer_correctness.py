@@ -444,26 +444,40 @@ def test_causal_mask_is_computed_in_the_kernels_that_read_it(monkeypatch, mask):
     masked_attention_matches_eager(monkeypatch, mask)
 
 
-def matches_eager(fn, *args) -> None:
-    """fn compiled by tfsn gives eager's results exactly (NaN equal to NaN), with kernels generated."""
+def matches_eager(fn, *args, **options) -> None:
+    """fn compiled by tfsn (with these backend options) gives eager's results exactly (NaN equal to NaN),
+    with kernels generated."""
     torch._dynamo.reset()
     before = backend.STATS["kernels"]
-    got = torch.compile(fn, backend=make_backend())(*args)
+    got = torch.compile(fn, backend=make_backend(**options))(*args)
     assert backend.STATS["kernels"] > before, "no kernel was generated"
     for g, w in zip(got, fn(*args)):
         torch.testing.assert_close(g, w, equal_nan=True, rtol=1.3e-6, atol=1e-6)
 
 
-def test_comparisons_promote_as_aten_does():
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_comparisons_promote_as_aten_does(codegen):
     """Regression (review): a 0-d fp64 operand (how dynamo passes a Python float after the first call)
-    made the comparison fp64 where eager compares in fp32; integers were always compared as int64,
-    where eager wraps the scalar into the tensor's type (uint8 > -1 is False)."""
+    made the comparison fp64 where eager compares in fp32 (Triton's too, until the dtype idioms fuzz);
+    integers were always compared as int64, where eager wraps the scalar into the tensor's type (uint8 >
+    -1 is False). Regression (dtype idioms fuzz): a bf16/fp16 tensor was compared with a Python float or
+    a 0-d fp32/fp64 tensor in fp32, where eager rounds the other side to the half first: fp16 x == 0.1
+    was False for x = fp16(0.1), and bf16(0.2) > 0.2 True."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
     x = torch.tensor([0.1, 0.2, 0.3])
     for threshold in (0.1, 0.2):
-        matches_eager(lambda x, t: (x == t, x <= t, x > t), x, torch.tensor(threshold, dtype=torch.float64))
-    matches_eager(lambda u: (u + 0 > -1, u * 1 == 255), torch.tensor([0, 3, 255], dtype=torch.uint8))
-    matches_eager(lambda i: (i + 0 == 256, i * 1 < 2.5), torch.tensor([0, 1, -128], dtype=torch.int8))
-    matches_eager(lambda n, t: (n * 1 > t,), torch.tensor([16777216, 3]), torch.tensor(16777216.5, dtype=torch.float64))
+        matches_eager(lambda x, t: (x == t, x <= t, x > t), x, torch.tensor(threshold, dtype=torch.float64),
+                      codegen=codegen)
+    matches_eager(lambda u: (u + 0 > -1, u * 1 == 255), torch.tensor([0, 3, 255], dtype=torch.uint8), codegen=codegen)
+    matches_eager(lambda i: (i + 0 == 256, i * 1 < 2.5), torch.tensor([0, 1, -128], dtype=torch.int8), codegen=codegen)
+    matches_eager(lambda n, t: (n * 1 > t,), torch.tensor([16777216, 3]), torch.tensor(16777216.5, dtype=torch.float64),
+                  codegen=codegen)
+    for half in (torch.float16, torch.bfloat16):
+        h = torch.tensor([0.1, 0.2, 0.3, 1 / 3], dtype=half)
+        matches_eager(lambda h: (h == 0.1, h > 0.2, h <= 0.3, h * (h < 1 / 3), torch.where(h != 0.2, h, 0.0)), h,
+                      codegen=codegen)
+        matches_eager(lambda h, t: (h == t, h >= t.double()), h, torch.tensor(0.1), codegen=codegen)
 
 
 def test_nan_clamp_bounds_var_over_no_dims_and_0d_reductions():

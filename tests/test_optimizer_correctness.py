@@ -480,6 +480,32 @@ def test_comparisons_promote_as_aten_does(codegen):
         matches_eager(lambda h, t: (h == t, h >= t.double()), h, torch.tensor(0.1), codegen=codegen)
 
 
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_conversions_from_halves_round_as_eager(codegen):
+    """Regression (dtype idioms fuzz): a bf16/fp16 value computed in fp32 and converted from its half (h.float(),
+    .int(), a half softmax's upcast) kept its fp32 bits where eager's value is the half: HF's fp16 mask
+    s + finfo.min is -65504 whatever s, so eager's fully masked row has a uniform softmax, tfsn's was
+    softmax(s); and the gradient of x.half() * scale (fp32 x) was no fp16 value (4e-4 relative off)."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    s = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    keep = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 1, 1]])
+    for half in (torch.float16, torch.bfloat16):
+        def masked(s, keep, half=half):
+            scores = s.to(half) + (1.0 - keep.to(half)) * torch.finfo(half).min
+            return scores.float().softmax(-1), scores.softmax(-1), (s.to(half) * 7.3).int()
+        matches_eager(masked, s, keep, codegen=codegen)
+
+    def gradient(fn, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        (fn(x).float() * torch.linspace(-2, 2, x.numel()).view(x.shape)).sum().backward()
+        return x.grad
+    scaled = lambda x: x.half() * torch.tensor(0.3)
+    torch._dynamo.reset()
+    torch.testing.assert_close(gradient(torch.compile(scaled, backend=make_backend(codegen=codegen)), s),
+                               gradient(scaled, s), rtol=0, atol=0)
+
+
 def test_nan_clamp_bounds_var_over_no_dims_and_0d_reductions():
     """Regressions (review): a NaN clamp bound was ignored; var/var_mean with dim=[] counted one
     element; a 0-d tensor reduced over dim 0 crashed the lowering; an integer prims.fma went

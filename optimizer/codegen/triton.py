@@ -28,7 +28,7 @@ import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Callable, Sequence
 
@@ -51,9 +51,10 @@ TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bf
             "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
 FLOATS = ("float32", "float64")
 # 16-bit floats are loaded into fp32 and computed in fp32, as Inductor does: rounded where a value is stored
-# and where the graph converts to them (x.to(torch.bfloat16)), not after every op. Eager rounds after every
-# op, but it runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed: rounding each
-# piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well within it.
+# and where the graph converts to or from them (x.to(torch.bfloat16), h.float()), not after every op. Eager
+# rounds after every op, but it runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed:
+# rounding each piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well
+# within it.
 HALVES = ("bfloat16", "float16")
 CONVERSIONS = ("aten._to_copy.default",)
 
@@ -576,6 +577,9 @@ class TritonWriter:
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             return _half_pow(ops[0], ops[1].value, out)
+        if node.op in CONVERSIONS and ops[0].half not in (None, out):
+            # a half computed in fp32 and converted: eager's value was the half, rounded (C's expression)
+            ops = [replace(ops[0], expr=_rounded(ops[0].expr, ops[0].half)), *ops[1:]]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value
 

@@ -478,6 +478,11 @@ def test_comparisons_promote_as_aten_does(codegen):
         matches_eager(lambda h: (h == 0.1, h > 0.2, h <= 0.3, h * (h < 1 / 3), torch.where(h != 0.2, h, 0.0)), h,
                       codegen=codegen)
         matches_eager(lambda h, t: (h == t, h >= t.double()), h, torch.tensor(0.1), codegen=codegen)
+    # GradScaler's overflow test of fp16 values times the scale: isinf and nan_to_num compare |x| with inf,
+    # which the product reaches only rounded to fp16 (all-finite was True where eager finds the overflow)
+    h = torch.tensor([1.5, -3.0, 0.25], dtype=torch.float16)
+    matches_eager(lambda h, s: (torch.isfinite(h * s).all(), torch.isinf(h * s), torch.nan_to_num(h * s)), h,
+                  torch.tensor(65536.0), codegen=codegen)
 
 
 @pytest.mark.parametrize("codegen", ["c", "triton"])

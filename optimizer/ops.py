@@ -4,6 +4,8 @@ model agree on, whatever the target. Each renderer has a table with one entry pe
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 DTYPES = ("float32", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 POINTWISE_OPS = frozenset({
@@ -32,3 +34,34 @@ EXPENSIVE = frozenset({
     "aten.log.default", "aten.log1p.default", "aten.pow.Tensor_Tensor", "aten.rsqrt.default",
     "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
 })
+
+
+def comparison_dtype(operands: Iterable[tuple[str, bool, bool]]) -> str:
+    """The dtype a comparison of (dtype, is a Python scalar, is a 0-d tensor) operands is made in: ATen's
+    result_type. Dimensioned tensors decide, then 0-d tensors, then Python scalars (a float one as the
+    default float32); a lower rank counts only where its category (bool < integer < float) is higher. So
+    an fp32 tensor is compared with a 0-d fp64 threshold in fp32, a uint8 tensor with -1 in uint8 (-1
+    wraps to 255), and an fp16 tensor with 0.1 in fp16 (0.1 rounded to 0.0999755859375), as eager does."""
+    import torch
+
+    def promoted(dtypes: list[str]):
+        out = None
+        for d in dtypes:
+            t = getattr(torch, d)
+            out = t if out is None else torch.promote_types(out, t)
+        return out
+
+    values = [(d, scalar, zero_dim) for d, scalar, zero_dim in operands if d != "none"]
+    dims = promoted([d for d, scalar, zero_dim in values if not scalar and not zero_dim])
+    zeros = promoted([d for d, scalar, zero_dim in values if zero_dim])
+    wrapped = promoted(["float32" if d in ("float32", "float64") else d for d, scalar, _ in values if scalar])
+
+    def combine(higher, lower):
+        if higher is None or lower is None:
+            return higher or lower
+        if higher.is_floating_point:
+            return higher
+        if higher == torch.bool or lower.is_floating_point:
+            return torch.promote_types(higher, lower)
+        return higher
+    return str(combine(dims, combine(zeros, wrapped))).removeprefix("torch.")

@@ -444,26 +444,71 @@ def test_causal_mask_is_computed_in_the_kernels_that_read_it(monkeypatch, mask):
     masked_attention_matches_eager(monkeypatch, mask)
 
 
-def matches_eager(fn, *args) -> None:
-    """fn compiled by tfsn gives eager's results exactly (NaN equal to NaN), with kernels generated."""
+def matches_eager(fn, *args, **options) -> None:
+    """fn compiled by tfsn (with these backend options) gives eager's results exactly (NaN equal to NaN),
+    with kernels generated."""
     torch._dynamo.reset()
     before = backend.STATS["kernels"]
-    got = torch.compile(fn, backend=make_backend())(*args)
+    got = torch.compile(fn, backend=make_backend(**options))(*args)
     assert backend.STATS["kernels"] > before, "no kernel was generated"
     for g, w in zip(got, fn(*args)):
         torch.testing.assert_close(g, w, equal_nan=True, rtol=1.3e-6, atol=1e-6)
 
 
-def test_comparisons_promote_as_aten_does():
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_comparisons_promote_as_aten_does(codegen):
     """Regression (review): a 0-d fp64 operand (how dynamo passes a Python float after the first call)
-    made the comparison fp64 where eager compares in fp32; integers were always compared as int64,
-    where eager wraps the scalar into the tensor's type (uint8 > -1 is False)."""
+    made the comparison fp64 where eager compares in fp32 (Triton's too, until the dtype idioms fuzz);
+    integers were always compared as int64, where eager wraps the scalar into the tensor's type (uint8 >
+    -1 is False). Regression (dtype idioms fuzz): a bf16/fp16 tensor was compared with a Python float or
+    a 0-d fp32/fp64 tensor in fp32, where eager rounds the other side to the half first: fp16 x == 0.1
+    was False for x = fp16(0.1), and bf16(0.2) > 0.2 True."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
     x = torch.tensor([0.1, 0.2, 0.3])
     for threshold in (0.1, 0.2):
-        matches_eager(lambda x, t: (x == t, x <= t, x > t), x, torch.tensor(threshold, dtype=torch.float64))
-    matches_eager(lambda u: (u + 0 > -1, u * 1 == 255), torch.tensor([0, 3, 255], dtype=torch.uint8))
-    matches_eager(lambda i: (i + 0 == 256, i * 1 < 2.5), torch.tensor([0, 1, -128], dtype=torch.int8))
-    matches_eager(lambda n, t: (n * 1 > t,), torch.tensor([16777216, 3]), torch.tensor(16777216.5, dtype=torch.float64))
+        matches_eager(lambda x, t: (x == t, x <= t, x > t), x, torch.tensor(threshold, dtype=torch.float64),
+                      codegen=codegen)
+    matches_eager(lambda u: (u + 0 > -1, u * 1 == 255), torch.tensor([0, 3, 255], dtype=torch.uint8), codegen=codegen)
+    matches_eager(lambda i: (i + 0 == 256, i * 1 < 2.5), torch.tensor([0, 1, -128], dtype=torch.int8), codegen=codegen)
+    matches_eager(lambda n, t: (n * 1 > t,), torch.tensor([16777216, 3]), torch.tensor(16777216.5, dtype=torch.float64),
+                  codegen=codegen)
+    for half in (torch.float16, torch.bfloat16):
+        h = torch.tensor([0.1, 0.2, 0.3, 1 / 3], dtype=half)
+        matches_eager(lambda h: (h == 0.1, h > 0.2, h <= 0.3, h * (h < 1 / 3), torch.where(h != 0.2, h, 0.0)), h,
+                      codegen=codegen)
+        matches_eager(lambda h, t: (h == t, h >= t.double()), h, torch.tensor(0.1), codegen=codegen)
+    # GradScaler's overflow test of fp16 values times the scale: isinf and nan_to_num compare |x| with inf,
+    # which the product reaches only rounded to fp16 (all-finite was True where eager finds the overflow)
+    h = torch.tensor([1.5, -3.0, 0.25], dtype=torch.float16)
+    matches_eager(lambda h, s: (torch.isfinite(h * s).all(), torch.isinf(h * s), torch.nan_to_num(h * s)), h,
+                  torch.tensor(65536.0), codegen=codegen)
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_conversions_from_halves_round_as_eager(codegen):
+    """Regression (dtype idioms fuzz): a bf16/fp16 value computed in fp32 and converted from its half (h.float(),
+    .int(), a half softmax's upcast) kept its fp32 bits where eager's value is the half: HF's fp16 mask
+    s + finfo.min is -65504 whatever s, so eager's fully masked row has a uniform softmax, tfsn's was
+    softmax(s); and the gradient of x.half() * scale (fp32 x) was no fp16 value (4e-4 relative off)."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    s = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    keep = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 0, 1, 0, 1, 1]])
+    for half in (torch.float16, torch.bfloat16):
+        def masked(s, keep, half=half):
+            scores = s.to(half) + (1.0 - keep.to(half)) * torch.finfo(half).min
+            return scores.float().softmax(-1), scores.softmax(-1), (s.to(half) * 7.3).int()
+        matches_eager(masked, s, keep, codegen=codegen)
+
+    def gradient(fn, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone().requires_grad_()
+        (fn(x).float() * torch.linspace(-2, 2, x.numel()).view(x.shape)).sum().backward()
+        return x.grad
+    scaled = lambda x: x.half() * torch.tensor(0.3)
+    torch._dynamo.reset()
+    torch.testing.assert_close(gradient(torch.compile(scaled, backend=make_backend(codegen=codegen)), s),
+                               gradient(scaled, s), rtol=0, atol=0)
 
 
 def test_nan_clamp_bounds_var_over_no_dims_and_0d_reductions():

@@ -263,7 +263,8 @@ class KernelWriter:
 
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]
-        operands = [Operand(self.value(x.name), computed_in(x.dtype), zero_dim=x.zero_dim)
+        operands = [Operand(self.value(x.name), computed_in(x.dtype), zero_dim=x.zero_dim,
+                            half=x.dtype if x.dtype in HALVES else None)
                     if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
                     for x in a.args]
         return expression(node.op, operands, node.type.dtype, node.kwargs)

@@ -7,8 +7,10 @@ optimizer.ops.POINTWISE_OPS (the target-neutral list of what is fused) and CTYPE
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
+
+from optimizer.ops import comparison_dtype
 
 CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": "int32_t",
           "int16": "int16_t", "int8": "int8_t", "uint8": "uint8_t",
@@ -51,6 +53,7 @@ class Operand:
     scalar: bool = False
     value: float | int | bool | None = None    # a Python scalar's own value, for special cases (x ** 2)
     zero_dim: bool = False                     # a 0-d tensor: ranks below dimensioned ones in promotion
+    half: str | None = None                    # a 16-bit float's own dtype, held as fp32 (dtype)
 
 
 def literal(value: float | int | bool) -> Operand:
@@ -82,36 +85,6 @@ def cast(op: Operand, dtype: str) -> str:
     if op.dtype in FLOATS and dtype in NARROW_INTS:
         return f"(({CTYPES[dtype]})(int64_t)({op.expr}))"
     return f"(({CTYPES[dtype]})({op.expr}))"
-
-
-def compare_dtype(ops: list[Operand]) -> str:
-    """The dtype a comparison is made in: ATen's result_type. Dimensioned tensors decide, then 0-d
-    tensors, then Python scalars (a float one as the default float32); a lower rank counts only
-    where its category (bool < integer < float) is higher. So an fp32 tensor is compared with a
-    0-d fp64 threshold in fp32, and a uint8 tensor with -1 in uint8 (-1 wraps to 255), as eager does."""
-    import torch
-
-    def promoted(dtypes: list[str]):
-        out = None
-        for d in dtypes:
-            t = getattr(torch, d)
-            out = t if out is None else torch.promote_types(out, t)
-        return out
-
-    values = [o for o in ops if o.dtype != "none"]
-    dims = promoted([o.dtype for o in values if not o.scalar and not o.zero_dim])
-    zeros = promoted([o.dtype for o in values if o.zero_dim])
-    wrapped = promoted(["float32" if o.dtype in FLOATS else o.dtype for o in values if o.scalar])
-
-    def combine(higher, lower):
-        if higher is None or lower is None:
-            return higher or lower
-        if higher.is_floating_point:
-            return higher
-        if higher == torch.bool or lower.is_floating_point:
-            return torch.promote_types(higher, lower)
-        return higher
-    return str(combine(dims, combine(zeros, wrapped))).removeprefix("torch.")
 
 
 Render = Callable[[list[Operand], str, dict], str]
@@ -163,9 +136,12 @@ def _exp(fmt: str) -> Render:
 
 
 def _compare(sign: str) -> Render:
+    """A comparison in its operands' result_type; in a half, both sides rounded to it as eager compares
+    (an fp16 tensor's 0.1 is 0.0999755859375, equal to fp16(0.1) and less than 0.1)."""
     def render(ops, out, kw):
-        t = compare_dtype(ops)
-        return f"({cast(ops[0], t)} {sign} {cast(ops[1], t)})"
+        t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
+        a, b = (rounded(cast(o, "float32"), t) if t in HALVES else cast(o, t) for o in ops[:2])
+        return f"({a} {sign} {b})"
     return render
 
 
@@ -314,15 +290,19 @@ POINTWISE: dict[str, Render] = {
 
 def expression(op: str, operands: list[Operand], out: str, kw: dict) -> str:
     """The C expression of an `op` node of dtype `out`: a half computed in fp32, rounded where the op is a
-    conversion. Eager's pow of a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16
-    is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as for the other
-    floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
+    conversion to or from it. Eager's pow of a half by a scalar rounds the exponent to the half first
+    (x ** 1.7 in bf16 is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as
+    for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
     if out in HALVES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
         import torch
         exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))
         operands = [operands[0], literal(exponent)]
         if out == "float16" and exponent in (0.5, -0.5):
             return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
+    if op in CONVERSIONS and operands[0].half not in (None, out):
+        # a half computed in fp32 and converted: eager's value was the half, rounded (fp16 x + finfo.min is
+        # -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
+        operands = [replace(operands[0], expr=rounded(operands[0].expr, operands[0].half)), *operands[1:]]
     value = POINTWISE[op](operands, computed_in(out), kw)
     return rounded(value, out) if op in CONVERSIONS else value
 

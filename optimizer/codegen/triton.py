@@ -28,7 +28,7 @@ import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any, Callable, Sequence
 
@@ -40,6 +40,7 @@ from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, 
                                 Reduction, RowSegment, Select, Stmt, Store, Temp, accumulator_dtype, bias_epilogue,
                                 lower)
 from optimizer.loopnest import Operand as LoopOperand
+from optimizer.ops import comparison_dtype
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
 
@@ -50,9 +51,10 @@ TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bf
             "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
 FLOATS = ("float32", "float64")
 # 16-bit floats are loaded into fp32 and computed in fp32, as Inductor does: rounded where a value is stored
-# and where the graph converts to them (x.to(torch.bfloat16)), not after every op. Eager rounds after every
-# op, but it runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed: rounding each
-# piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well within it.
+# and where the graph converts to or from them (x.to(torch.bfloat16), h.float()), not after every op. Eager
+# rounds after every op, but it runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed:
+# rounding each piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well
+# within it.
 HALVES = ("bfloat16", "float16")
 CONVERSIONS = ("aten._to_copy.default",)
 
@@ -110,6 +112,8 @@ class Value:
     dtype: str
     scalar: bool = False
     value: Any = None
+    zero_dim: bool = False          # a 0-d tensor: ranks below dimensioned ones in promotion
+    half: str | None = None         # a 16-bit float's own dtype, held as fp32 (dtype)
 
 
 NARROW_INTEGERS = {"int8": (8, True), "uint8": (8, False), "int16": (16, True), "int32": (32, True)}
@@ -164,20 +168,6 @@ def _literal(a: bool | int | float) -> Value:
     return Value(repr(float(a)), "float64", True, a)
 
 
-def _result_type(ops: Sequence[Value]) -> str:
-    """The dtype a comparison is made in: tensors decide, a float scalar makes integers float."""
-    tensors = [o.dtype for o in ops if not o.scalar and o.dtype != "none"]
-    for d in ("float64", "float32", "int64", "int32", "int16", "int8", "uint8", "bool"):
-        if d in tensors:
-            best = d
-            break
-    else:
-        best = "float32"
-    if best not in FLOATS and any(o.scalar and o.dtype in FLOATS for o in ops):
-        return "float32"
-    return best
-
-
 def _binary(fmt: str) -> Callable:
     def render(ops, out, kw):
         return fmt.format(a=_cast(ops[0], out), b=_cast(ops[1], out))
@@ -210,9 +200,12 @@ def _unary(fmt: str) -> Callable:
 
 
 def _compare(sign: str) -> Callable:
+    """A comparison in its operands' result_type (an fp32 tensor with a 0-d fp64 one in fp32); in a half,
+    both sides rounded to it as eager compares (an fp16 tensor's 0.1 is 0.0999755859375)."""
     def render(ops, out, kw):
-        t = _result_type(ops[:2])
-        return f"({_cast(ops[0], t)} {sign} {_cast(ops[1], t)})"
+        t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
+        a, b = (_rounded(_cast(o, "float32"), t) if t in HALVES else _cast(o, t) for o in ops[:2])
+        return f"({a} {sign} {b})"
     return render
 
 
@@ -578,11 +571,15 @@ class TritonWriter:
         node = self.g.nodes[a.node]
         if node.op not in OPS:
             raise Unsupported(f"no Triton rendering of {node.op}")
-        ops = [Value(self.value(x.name), _computed_in(x.dtype)) if isinstance(x, LoopOperand) else
+        ops = [Value(self.value(x.name), _computed_in(x.dtype), zero_dim=x.zero_dim,
+                     half=x.dtype if x.dtype in HALVES else None) if isinstance(x, LoopOperand) else
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             return _half_pow(ops[0], ops[1].value, out)
+        if node.op in CONVERSIONS and ops[0].half not in (None, out):
+            # a half computed in fp32 and converted: eager's value was the half, rounded (C's expression)
+            ops = [replace(ops[0], expr=_rounded(ops[0].expr, ops[0].half)), *ops[1:]]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value
 

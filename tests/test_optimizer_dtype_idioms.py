@@ -1,0 +1,155 @@
+"""Dtype idioms of real training code, combined inside fused kernels, compiled by tfsn on the C target and
+through Triton's kernels against eager PyTorch: forward values, gradients and buffers.
+
+Single ops and their dtypes are fuzzed in tests/test_optimizer_ops.py; these are the combinations a
+training step makes of them: uint8 images normalized by (3, 1, 1) buffers, int64 labels in label
+smoothing, an int64 step counter and an fp64 EMA buffer updated in forward, a tensor loss scale with an
+isfinite test of the gradients (GradScaler's), HF's position ids from a cumsum of an int mask, narrow
+integers that wrap before they meet floats, argmax over ties and NaN. Float tolerances: those of
+tests/test_optimizer_user_models.py (fp32 sums in another order). Integers and bools: exact.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Callable
+
+if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from optimizer import backend  # noqa: E402
+from optimizer.backend import make_backend  # noqa: E402
+from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
+from tests.test_optimizer_user_models import close  # noqa: E402
+
+CODEGENS = ["c", pytest.param("triton", marks=pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("triton"), reason="triton is not installed"))]
+
+
+def same(actual, expected, what: str) -> None:
+    """Eager's values: floats within their dtype's tolerance (an fp64 buffer fed by fp32 activations, within
+    fp32's), integers and bools exactly."""
+    if isinstance(expected, (tuple, list)):
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            same(a, e, f"{what}[{i}]")
+    elif expected.is_floating_point():
+        close(actual, expected, what, torch.float32 if expected.dtype == torch.float64 else None)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def compiled(fn: Callable, codegen: str) -> Callable:
+    """`fn` under torch.compile with tfsn; the caller checks it generated kernels and no graph ran as ATen."""
+    return torch.compile(fn, backend=make_backend(codegen=codegen))
+
+
+def generated(run: Callable) -> None:
+    """Run `run`; fail unless tfsn generated kernels and no graph fell back to ATen."""
+    kernels, aten = backend.STATS["kernels"], backend.STATS["aten_graphs"]
+    run()
+    assert backend.STATS["kernels"] > kernels, "no kernel was generated"
+    assert backend.STATS["aten_graphs"] == aten, "a graph ran as ATen: see the log for why"
+
+
+class ImageNet(nn.Module):
+    """A classifier normalizing uint8 images itself, counting its steps in an int64 buffer and keeping
+    an fp64 EMA of its mean logits, updated in forward as users do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1))
+        self.register_buffer("std", torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("ema", torch.zeros(5, dtype=torch.float64))
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = (img.float() / 255 - self.mean) / self.std
+        out = self.fc(self.bn(self.conv(x)).relu().mean((2, 3)))
+        self.steps += 1
+        self.ema.mul_(0.9).add_(out.detach().mean(0), alpha=0.1)
+        return out
+
+
+def scaled_step(model: nn.Module, img: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> tuple:
+    """One GradScaler-like step: label-smoothed loss from one_hot of int64 labels, backward of the loss
+    times a tensor scale, the gradients' finiteness and unscaled norm."""
+    smooth = F.one_hot(labels, 5) * 0.9 + 0.1 / 5
+    loss = -(smooth * model(img).log_softmax(-1)).sum(-1).mean()
+    (loss * scale).backward()
+    grads = [p.grad for p in model.parameters()]
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    return loss, finite, torch.stack([g.norm() for g in grads]).norm() / scale
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+def test_uint8_images_smoothed_labels_and_a_scaled_step_match_eager(codegen):
+    torch.manual_seed(0)
+    eager = ImageNet()
+    mine = copy.deepcopy(eager)
+    g = torch.Generator().manual_seed(1)
+    img, labels = torch.randint(0, 256, (2, 3, 6, 6), dtype=torch.uint8, generator=g), torch.tensor([1, 4])
+    expected = scaled_step(eager, img, labels, torch.tensor(1024.0))
+    got = []
+    generated(lambda: got.extend(compiled(scaled_step, codegen)(mine, img, labels, torch.tensor(1024.0))))
+    same(got, list(expected), "loss, finite, norm")
+    for (name, p), q in zip(mine.named_parameters(), eager.parameters()):
+        same(p.grad, q.grad, f"grad of {name}")
+    for (name, b), c in zip(mine.named_buffers(), eager.buffers()):
+        same(b, c, name)
+
+
+def position_ids(input_ids: torch.Tensor, table: torch.Tensor, padding_idx: int = 1) -> torch.Tensor:
+    """HF's create_position_ids_from_input_ids (RoBERTa), then the lookup: a cumsum of an int mask."""
+    mask = input_ids.ne(padding_idx).int()
+    positions = (torch.cumsum(mask, dim=1).type_as(mask)) * mask
+    return table[positions.long() + padding_idx]
+
+
+def wrapped_integers(u8: torch.Tensor, i8: torch.Tensor, i32: torch.Tensor, x: torch.Tensor) -> tuple:
+    """Narrow integers that wrap (uint8 + 20, int8 * 2, int32 + 1) and floor-divide before they meet floats."""
+    return (((u8 + 20) > 100) * x + (u8 - 250) * x, ((i8 * 2) + 100).float() * x,
+            (i32 + 1).double().float() * x, torch.div(i8 * 3, 7, rounding_mode="floor") * x + (i8 % -3))
+
+
+def argmax_and_counts(t: torch.Tensor) -> tuple:
+    """argmax/argmin over ties and NaN (the first of equal values; NaN wins), and counts of bools."""
+    return (t.argmax(-1), t.argmin(-1), t.argmax(0), t.max(-1).indices, (t > 2).sum(-1), torch.isnan(t).sum(),
+            (t > 2).cumsum(-1))
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+def test_integer_idioms_meeting_floats_match_eager(codegen):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, generator=g)
+    table = torch.randn(12, 3, generator=g)
+    nan = float("nan")
+    cases = [
+        (position_ids, (torch.tensor([[1, 5, 7, 1, 1], [5, 6, 7, 8, 9]]), table)),
+        (wrapped_integers, (torch.arange(240, 256, dtype=torch.uint8).view(4, 4),
+                            torch.arange(-128, 128, 16, dtype=torch.int8).view(4, 4),
+                            torch.tensor([2 ** 31 - 1, -2 ** 31, 2 ** 30, 7], dtype=torch.int32).repeat(4, 1), x)),
+        (argmax_and_counts,
+         (torch.tensor([[1., 3., 3., 2.], [5., 5., 5., 5.], [nan, 1., 2., nan], [0., nan, 9., 9.]]),)),
+    ]
+    for fn, inputs in cases:
+        torch._dynamo.reset()
+        leaves_e = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        leaves_m = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+        out_e, out_m = fn(*leaves_e), []
+        generated(lambda: out_m.append(compiled(fn, codegen)(*leaves_m)))
+        same(out_m[0], out_e, fn.__name__)
+        pairs = zip(*(o if isinstance(o, tuple) else (o,) for o in (out_m[0], out_e)))
+        floats = [(m, e) for m, e in pairs if e.requires_grad]
+        for side in (0, 1) if floats else ():
+            sum((o[side] * torch.linspace(-1, 1, o[side].numel()).view(o[side].shape)).sum() for o in floats).backward()
+        for i, (m, e) in enumerate(zip(leaves_m, leaves_e)):
+            if e.grad is not None:
+                same(m.grad, e.grad, f"{fn.__name__} grad of input {i}")

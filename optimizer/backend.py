@@ -353,7 +353,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
     compiled = _compile_graph(gm, example_inputs, schedule=schedule, fuse=fuse, top_k=top_k, report=report,
                               codegen=codegen, cuda_graphs=cuda_graphs, on_plan=on_plan)
-    lazy = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor) and (a.is_neg() or a.is_conj())]
+    # a backward's output gradients (tangents) come with whatever bits the caller's gradient has, each call
+    tangents = [i for i, p in enumerate(gm.graph.find_nodes(op="placeholder")) if p.name.startswith("tangents")]
+    lazy = [i for i, a in enumerate(example_inputs)
+            if i in tangents or isinstance(a, torch.Tensor) and (a.is_neg() or a.is_conj())]
     return LazyInputsResolved(compiled, lazy, _written_inputs(gm)) if lazy else compiled
 
 
@@ -365,10 +368,12 @@ def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
 
 
 class LazyInputsResolved:
-    """A compiled graph called with inputs that carry a lazy negation or conjugation bit (`z.conj().imag`,
-    which Dynamo guards on, so the same positions each call): their memory holds the values before the
-    bit, which a generated kernel would read as they are (it reads data pointers). Each is resolved to a
-    copy before the call, and the copies of inputs the graph writes are copied back through the bit."""
+    """A compiled graph called with inputs that may carry a lazy negation or conjugation bit: forward inputs
+    that have one (`z.conj().imag`, which Dynamo guards on, so the same positions each call), and every
+    output gradient of a backward (`out.backward(torch._neg_view(g))`: not guarded, any call). Their memory
+    holds the values before the bit, which a generated kernel would read as they are (it reads data
+    pointers). Each is resolved to a copy before the call (a no-op without a bit), and the copies of inputs
+    the graph writes are copied back through the bit."""
 
     def __init__(self, compiled: Callable, lazy: Sequence[int], written: set[int]) -> None:
         self._boxed_call = True
@@ -377,12 +382,16 @@ class LazyInputsResolved:
     def __call__(self, args: list) -> Any:
         given = [args[i] for i in self.written]
         for i in self.lazy:
-            args[i] = args[i].resolve_conj().resolve_neg()
+            if isinstance(args[i], torch.Tensor):
+                args[i] = args[i].resolve_conj().resolve_neg()
         resolved = [args[i] for i in self.written]
         out = self.compiled(args)
         for g, r in zip(given, resolved):
             g.copy_(r)
         return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)       # the compiled graph's own attributes (its source...)
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,

@@ -37,7 +37,7 @@ from tests import test_optimizer_ops as ops_fuzz  # noqa: E402
 from tests.optimizer_models import SUMMED_STORES, concatenations, suite  # noqa: E402
 from tests.test_optimizer_ops import EXAMPLES, FUZZ, operands  # noqa: E402
 from tests.test_optimizer_correctness import (  # noqa: E402
-    lazy_negation_inputs_match_eager, masked_attention_matches_eager)
+    lazy_negation_gradients_match_eager, lazy_negation_inputs_match_eager, masked_attention_matches_eager)
 
 
 @pytest.fixture(autouse=True)
@@ -1638,3 +1638,9 @@ def test_inputs_with_a_lazy_negation_bit_are_read_as_their_values():
     """tests/test_optimizer_correctness.py's regression through the Triton kernels: an input `z.conj().imag`
     (a lazy negation bit over z's memory) read by its data pointer lost its sign."""
     lazy_negation_inputs_match_eager("triton")
+
+
+def test_output_gradients_with_a_lazy_negation_bit_are_read_as_their_values():
+    """tests/test_optimizer_correctness.py's regression through the Triton kernels: a gradient given to
+    backward() with a lazy negation bit was read without its sign."""
+    lazy_negation_gradients_match_eager("triton")

@@ -247,8 +247,7 @@ def copy_constants(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def mutated_inputs(joint: torch.fx.GraphModule) -> set[str]:
     """Names of the joint graph's nodes that alias an input the graph writes (copy_ into a placeholder):
     the placeholder and every view of it, what a backward must not read once the forward has run."""
-    written = {n.args[0] for n in joint.graph.find_nodes(op="call_function", target=aten.copy_.default)
-               if n.args[0].op == "placeholder"}
+    written = _written_placeholders(joint)
     names = set()
     for node in joint.graph.nodes:
         base = node.args[0] if node.op == "call_function" and node.args else None
@@ -353,18 +352,21 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     and every kernel's schedule come from the search (optimizer/search.py), cached on disk."""
     compiled = _compile_graph(gm, example_inputs, schedule=schedule, fuse=fuse, top_k=top_k, report=report,
                               codegen=codegen, cuda_graphs=cuda_graphs, on_plan=on_plan)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
     # a backward's output gradients (tangents) come with whatever bits the caller's gradient has, each call
-    tangents = [i for i, p in enumerate(gm.graph.find_nodes(op="placeholder")) if p.name.startswith("tangents")]
+    tangents = {i for i, p in enumerate(placeholders) if p.name.startswith("tangents")}
     lazy = [i for i, a in enumerate(example_inputs)
             if i in tangents or isinstance(a, torch.Tensor) and (a.is_neg() or a.is_conj())]
-    return LazyInputsResolved(compiled, lazy, _written_inputs(gm)) if lazy else compiled
+    if not lazy:
+        return compiled
+    written = _written_placeholders(gm)
+    return LazyInputsResolved(compiled, lazy, {i for i, p in enumerate(placeholders) if p in written})
 
 
-def _written_inputs(gm: torch.fx.GraphModule) -> set[int]:
-    """The positions of the graph's inputs that it writes over (copy_ into them: AOTAutograd's input mutations)."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    return {i for i, p in enumerate(placeholders)
-            if any(u.target is aten.copy_.default and u.args[0] is p for u in p.users)}
+def _written_placeholders(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The graph's inputs it writes over (copy_ into a placeholder: AOTAutograd's input mutations)."""
+    return {n.args[0] for n in gm.graph.find_nodes(op="call_function", target=aten.copy_.default)
+            if n.args[0].op == "placeholder"}
 
 
 class LazyInputsResolved:

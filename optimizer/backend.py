@@ -147,9 +147,14 @@ def _neg_copy(x: torch.Tensor) -> torch.Tensor:
     return aten.neg.default(x)
 
 
-def _conj_copy(x: torch.Tensor) -> torch.Tensor:
+def _conj_copy(x: torch.Tensor | complex) -> Any:
     """aten._conj as a conjugated copy (conj_physical): the view only sets a lazy conjugation bit, which the
-    memory a kernel reads does not hold (the pair of _neg_view)."""
+    memory a kernel reads does not hold (the pair of _neg_view). A Python number is left to the trace as
+    aten._conj (NotImplemented): the backward of `1j * t` conjugates the scalar, which the trace holds as a
+    number, and conj_physical takes only tensors; ATen's _conj of it is a complex 0-d tensor, which only
+    externs read (kernels take no complex dtype)."""
+    if not isinstance(x, torch.Tensor):
+        return NotImplemented
     return aten.conj_physical.default(x)
 
 

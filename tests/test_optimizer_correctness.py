@@ -743,6 +743,27 @@ def test_imaginary_parts_of_a_conjugate_keep_their_sign():
     torch.testing.assert_close(got, written_through(z))
 
 
+def test_a_complex_scalar_times_a_real_tensor_differentiates():
+    """Regression: the backward of `1j * t` (S4D's A = -exp(log_A_real) + 1j * A_imag) conjugates the scalar 1j,
+    which the trace holds as a Python number; the backend's _conj decomposition called conj_physical on it,
+    which takes only tensors, and the compile failed ("Expected a value of type 'Tensor' ... found type
+    'complex'"). Now a number is left to ATen's _conj: loss and gradients as eager's."""
+    def ssm_eigenvalues(log_a, a_imag):
+        a = -torch.exp(log_a) + 1j * a_imag
+        return (torch.exp(a * 0.3) / a).real.sum()
+
+    log_a, a_imag = torch.randn(5), torch.randn(5)
+    le, ie, lm, im = (t.clone().requires_grad_() for t in (log_a, a_imag, log_a, a_imag))
+    before = backend.STATS["aten_graphs"]
+    loss_e, loss_m = ssm_eigenvalues(le, ie), torch.compile(ssm_eigenvalues, backend=make_backend())(lm, im)
+    loss_e.backward()
+    loss_m.backward()
+    assert backend.STATS["aten_graphs"] == before, "a graph ran as ATen"
+    close(loss_m, loss_e, "loss")
+    close(lm.grad, le.grad, "grad of log_a")
+    close(im.grad, ie.grad, "grad of a_imag")
+
+
 def test_inputs_with_a_lazy_negation_bit_are_read_as_their_values():
     """Regression: an input that is `z.conj().imag` (the imaginary parts of a conjugated spectrum) carries a
     lazy negation bit over z's memory; the generated kernels read its data pointer and so the values without

@@ -136,7 +136,8 @@ def _index_add(x: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Ten
     """index_add as an accumulating index_put in the op's computation dtype (fp32 for fp16/bf16), rounded
     once, as ATen's CPU index_add sums. torch's decomposition accumulates in the 16-bit dtype itself,
     rounding after every add: 600 rows of 0.1 pooled into one bf16 row (a graph's global add pool) stalled
-    at 32 where eager gives 60 (57.4 in fp16)."""
+    at 32 where eager gives 60 (57.4 in fp16); so did index_select's gradient, which autograd sums by
+    index_add."""
     from torch._decomp.decompositions import index_add
     if x.dtype not in (torch.float16, torch.bfloat16):
         return index_add(x, dim, index, source, alpha=alpha)

@@ -160,20 +160,29 @@ def global_add_pool(h: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return torch.zeros(3, h.shape[1], dtype=h.dtype).index_add_(0, batch, h) * 2
 
 
+def rows_by_index_select(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of a table picked by index_select, whose backward sums the rows' gradients by index_add."""
+    return table.index_select(0, index) * 2
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("codegen", CODEGENS)
 def test_a_16_bit_index_add_sums_as_eager(codegen, dtype):
     """Regression: index_add of fp16/bf16 values decomposed (torch's core decomposition) to an accumulating
     index_put in the 16-bit dtype, which rounds after every add, where ATen's index_add sums in fp32 and
     rounds once: 600 nodes of 0.1 pooled into one graph stalled at 32 in bf16 (57.4 in fp16) where eager
-    gives 60. Now summed in fp32: eager's values and gradients, at the suites' 16-bit tolerances."""
-    batch = torch.cat([torch.zeros(600, dtype=torch.long), torch.tensor([2, 0, 2])])
-    h = torch.cat([torch.full((600, 4), 0.1), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))]).to(dtype)
-    he, hm = h.clone().requires_grad_(), h.clone().requires_grad_()
-    out_e, out_m = global_add_pool(he, batch), []
-    generated(lambda: out_m.append(compiled(global_add_pool, codegen)(hm, batch)))
-    close(out_m[0], out_e, "pooled", dtype)
-    grad = torch.linspace(-1, 1, out_e.numel()).view(out_e.shape).to(dtype)
-    out_e.backward(grad)
-    out_m[0].backward(grad)
-    close(hm.grad, he.grad, "grad of h", dtype)
+    gives 60, and so did the gradient of a table row that index_select picked 600 times. Now summed in fp32:
+    eager's values and gradients, at the suites' 16-bit tolerances."""
+    index = torch.cat([torch.zeros(600, dtype=torch.long), torch.tensor([2, 0, 2])])
+    rows = torch.cat([torch.full((600, 4), 0.1), torch.randn(3, 4, generator=torch.Generator().manual_seed(0))])
+    rows = rows.to(dtype)
+    for fn, x, grad in ((global_add_pool, rows, torch.linspace(-1, 1, 12).view(3, 4)),
+                        (rows_by_index_select, rows[-3:], rows / 2)):
+        torch._dynamo.reset()
+        xe, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_m = fn(xe, index), []
+        generated(lambda: out_m.append(compiled(fn, codegen)(xm, index)))
+        close(out_m[0], out_e, fn.__name__, dtype)
+        out_e.backward(grad.to(dtype))
+        out_m[0].backward(grad.to(dtype))
+        close(xm.grad, xe.grad, f"{fn.__name__}: grad of the input", dtype)

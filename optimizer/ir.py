@@ -92,6 +92,9 @@ class Graph:
     outputs: list                            # Ref or a literal, in the FX graph's output order
     # answers the passes keep about this graph (fusion's trial writes: a search plans it ~50 times)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # members and inlined values loopnest.lower has lowered for this graph (its memo's misses): the
+    # measure of planning work that bounds a search (search.PLANNING_BUDGET)
+    lowered_nodes: int = field(default=0, repr=False, compare=False)
     # the float32 precision torch allowed when the graph was captured (`float32_precision`): on a GPU an
     # fp32 product runs on TF32 tensor cores only where the model asked for it, at ~7x the fp32 rate
     allow_tf32: bool = False                 # matmuls: torch.backends.cuda.matmul.allow_tf32 / 'high' | 'medium'

@@ -433,8 +433,10 @@ def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]
     no longer keep axes from merging (the C renderer; the nest is otherwise the same). Kept in
     graph.memo: a search plans a graph ~50 times and most groups recur."""
     members_inplace = tuple(sorted((n, i) for n, i in (inplace or {}).items() if n in group.nodes))
-    key = ("loopnest", kernel_key(graph, buffers, group), members_inplace, tables)
+    kernel = kernel_key(graph, buffers, group)
+    key = ("loopnest", kernel, members_inplace, tables)
     if key not in graph.memo:
+        graph.lowered_nodes += len(kernel[1])       # the fused nodes: what a lowering's time grows with
         try:
             graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace), tables).run()
         except NotFusable as e:

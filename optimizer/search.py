@@ -38,6 +38,11 @@ log = logging.getLogger("tfsn.optimizer")
 EXHAUSTIVE_MAX_DECISIONS = 6      # up to 2^6 plans: all of them
 BEAM_WIDTH = 4
 MAX_PLANS = 48                    # plans a beam search scores per graph at most (each costs a fusion pass)
+# Nodes the fusion passes of one search may lower (ir.Graph.lowered_nodes) after its first plan, ~6 s on a
+# 2-core CPU; the suite's models take under 3,000. A fusion pass lowers each group again as it grows, so
+# groups of hundreds of members (a recurrence unrolled in Python: RWKV's WKV loop over 6 tokens took 140 s
+# for 48 plans of its backward) make each plan cost seconds: such a graph scores fewer plans instead.
+PLANNING_BUDGET = 100_000
 MIN_TIMED_S = 20e-6               # kernels predicted faster than this are not worth timing: the model's pick
 TOP_K = 8
 NEAR_BEST = 1.5                   # candidates predicted within this factor of the best are close calls
@@ -220,22 +225,37 @@ def _search_graph(graph: Graph, target: Target | HardwareSpec, *, gemm: bool, to
     costs: dict[tuple[bool, ...], float] = {}
     plans: dict[tuple[bool, ...], fusion.Plan] = {}
 
+    start = (False,) * len(points)
+    planned_from = None           # graph.lowered_nodes once the first plan is built
+
+    def over_budget() -> bool:
+        return planned_from is not None and graph.lowered_nodes - planned_from > PLANNING_BUDGET
+
     def evaluate(batch: list[tuple[bool, ...]]) -> None:
-        """Plan and score every new decision vector of `batch` (one scoring call for all)."""
-        built = list(dict.fromkeys(f for f in batch if f not in costs))
-        for flips in built:
+        """Plan and score every new decision vector of `batch` (one scoring call for all), those after
+        the first plan while the planning budget lasts."""
+        nonlocal planned_from
+        built = []
+        for flips in dict.fromkeys(f for f in batch if f not in costs):
+            if over_budget():
+                log.info("tfsn: search of a %d-node graph stopped after %d plans: their fusion passes lowered "
+                         "%d nodes (PLANNING_BUDGET)", len(graph.nodes), len(costs) + len(built),
+                         graph.lowered_nodes - planned_from)
+                break
             plans[flips] = fusion.plan(graph, gemm=gemm, choice=fusion.choice_of(points, flips))
+            built.append(flips)
+            if planned_from is None:
+                planned_from = graph.lowered_nodes
         for flips, cost in zip(built, scorer.score_plans([plans[f] for f in built])):
             costs[flips] = cost
 
-    start = (False,) * len(points)
     # every plan when there are few decisions (up to 2^6 for a full search; a bounded one stays in its bound)
     if len(points) <= EXHAUSTIVE_MAX_DECISIONS and (not bounded or 2 ** len(points) <= max_plans):
         evaluate(list(itertools.product((False, True), repeat=len(points))))
     else:
         evaluate([start])
         beam = [start]
-        while len(costs) < max_plans:
+        while len(costs) < max_plans and not over_budget():
             moves = [b[:i] + (not b[i],) + b[i + 1:] for b in beam for i in range(len(points))]   # best parent first
             moves = [m for m in dict.fromkeys(moves) if m not in costs][:max_plans - len(costs)]
             evaluate(moves)

@@ -273,13 +273,21 @@ def _rsqrt(ops, out, kw):
 
 
 def _clamp(ops, out, kw):
+    """torch.clamp; a NaN bound makes every result NaN in torch (x.clamp(min=nan)), which a comparison
+    alone skips, as codegen/c_ops._clamp."""
     x = _cast(ops[0], out)
     lo = ops[1] if len(ops) > 1 else None
     hi = ops[2] if len(ops) > 2 else None
-    if lo is not None and lo.dtype != "none":
-        x = f"tl.where({x} < {_cast(lo, out)}, {_cast(lo, out)}, {x})"
-    if hi is not None and hi.dtype != "none":
-        x = f"tl.where({x} > {_cast(hi, out)}, {_cast(hi, out)}, {x})"
+    for bound, sign in ((lo, "<"), (hi, ">")):
+        if bound is None or bound.dtype == "none":
+            continue
+        b = _cast(bound, out)
+        if bound.scalar and isinstance(bound.value, float) and math.isnan(bound.value):
+            x = f"({x} + {b})"          # NaN everywhere, in the block's shape
+        elif out in FLOATS and not bound.scalar:
+            x = f"tl.where(({x} {sign} {b}) | ({b} != {b}), {b}, {x})"
+        else:
+            x = f"tl.where({x} {sign} {b}, {b}, {x})"
     return x
 
 

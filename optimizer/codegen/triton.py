@@ -273,8 +273,8 @@ def _rsqrt(ops, out, kw):
 
 
 def _clamp(ops, out, kw):
-    """torch.clamp; a NaN bound makes every result NaN in torch (x.clamp(min=nan)), which a comparison
-    alone skips, as codegen/c_ops._clamp."""
+    """torch.clamp by scalar bounds (clamp, clamp_min, clamp_max take Scalars; a tensor bound is a maximum or
+    minimum); a NaN bound makes every result NaN in torch (x.clamp(min=nan)), which a comparison alone skips."""
     x = _cast(ops[0], out)
     lo = ops[1] if len(ops) > 1 else None
     hi = ops[2] if len(ops) > 2 else None
@@ -282,10 +282,8 @@ def _clamp(ops, out, kw):
         if bound is None or bound.dtype == "none":
             continue
         b = _cast(bound, out)
-        if bound.scalar and isinstance(bound.value, float) and math.isnan(bound.value):
+        if isinstance(bound.value, float) and math.isnan(bound.value):
             x = f"({x} + {b})"          # NaN everywhere, in the block's shape
-        elif out in FLOATS and not bound.scalar:
-            x = f"tl.where(({x} {sign} {b}) | ({b} != {b}), {b}, {x})"
         else:
             x = f"tl.where({x} {sign} {b}, {b}, {x})"
     return x

@@ -295,7 +295,7 @@ def rounding(x: torch.Tensor) -> tuple:
 IDIOMS = [
     Idiom("softmax_family", softmax_family, _rows, (FP32, FP64, BF16), (FP32,)),
     Idiom("variances", variances, _rows, (FP32, FP64, BF16), (FP32,)),
-    Idiom("norms", norms, _zero_rows, (FP32, FP64), (FP32,)),
+    Idiom("norms", norms, _zero_rows, (FP32, FP64, BF16), (FP32,)),
     Idiom("distances", distances, _zero_rows, (FP32, FP64)),
     Idiom("special_functions", special_functions, _edges, (FP32, FP64)),
     Idiom("pointwise_edges", pointwise_edges, _edges, (FP32, FP64), (FP32,)),

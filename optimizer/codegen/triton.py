@@ -273,13 +273,19 @@ def _rsqrt(ops, out, kw):
 
 
 def _clamp(ops, out, kw):
+    """torch.clamp by scalar bounds (clamp, clamp_min, clamp_max take Scalars; a tensor bound is a maximum or
+    minimum); a NaN bound makes every result NaN in torch (x.clamp(min=nan)), which a comparison alone skips."""
     x = _cast(ops[0], out)
     lo = ops[1] if len(ops) > 1 else None
     hi = ops[2] if len(ops) > 2 else None
-    if lo is not None and lo.dtype != "none":
-        x = f"tl.where({x} < {_cast(lo, out)}, {_cast(lo, out)}, {x})"
-    if hi is not None and hi.dtype != "none":
-        x = f"tl.where({x} > {_cast(hi, out)}, {_cast(hi, out)}, {x})"
+    for bound, sign in ((lo, "<"), (hi, ">")):
+        if bound is None or bound.dtype == "none":
+            continue
+        b = _cast(bound, out)
+        if isinstance(bound.value, float) and math.isnan(bound.value):
+            x = f"({x} + {b})"          # NaN everywhere, in the block's shape
+        else:
+            x = f"tl.where({x} {sign} {b}, {b}, {x})"
     return x
 
 
@@ -294,7 +300,7 @@ def _float_only(fmt: str) -> Callable:
     """A rounding function: itself on floats, the identity on integers (whose value it is already)."""
     def render(ops, out, kw):
         a = _cast(ops[0], out)
-        return fmt.format(a=a, f=f"tl.floor({a} + 0.5)") if out in FLOATS else a
+        return fmt.format(a=a) if out in FLOATS else a
     return render
 
 
@@ -331,10 +337,7 @@ OPS: dict[str, Callable] = {
     "aten.relu.default": _unary("tl.where({a} < 0, 0, {a})"), "aten.floor.default": _float_only("tl.floor({a})"),
     "aten.ceil.default": _float_only("tl.ceil({a})"),
     "aten.trunc.default": _float_only("tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
-    # half to even, as torch.round: a tie that floor(x + 0.5) rounded up to an odd value goes down
-    # (a zero result takes x's sign, as torch's: round(-0.4) is -0.0; x * 0.0 carries it)
-    "aten.round.default": _float_only("tfsn_zero_signed(tl.where(({f} - {a} == 0.5) & ({f} % 2 != 0), {f} - 1.0, "
-                                      "{f}), {a})"),
+    "aten.round.default": _float_only("tfsn_round({a})"),
     "aten.bitwise_and.Tensor": _binary("({a} & {b})"), "aten.bitwise_or.Tensor": _binary("({a} | {b})"),
     "aten.bitwise_not.default": _bitwise_not,
     "aten.sign.default": _unary("(({a} > 0).to(tl.float32) - ({a} < 0).to(tl.float32))"),
@@ -952,6 +955,17 @@ def tfsn_tanh(x):
 def tfsn_zero_signed(r, x):
     """r, or a zero r with x's sign (x * 0.0 is -0.0 for a negative x)."""
     return tl.where(r == 0, x * 0.0, r)
+
+
+@triton.jit
+def tfsn_round(x):
+    """x rounded half to even, as torch.round, decided by floor(x) and x - floor(x), which is exact where it
+    can be 0.5: floor(x + 0.5) rounds x + 0.5 first (fp32 8388609.0 + 0.5 is 8388610.0, a whole number
+    rounded to its neighbour). A zero result takes x's sign (round(-0.4) is -0.0)."""
+    r = tl.floor(x)
+    d = x - r
+    up = (d > 0.5) | ((d == 0.5) & (r % 2 != 0))
+    return tfsn_zero_signed(tl.where(up, r + 1.0, r), x)
 
 
 '''

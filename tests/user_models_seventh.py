@@ -20,7 +20,7 @@ optical flow (grid_sample of a meshgrid + flow grid, a homography's warp by eins
 coordinates); a bilinear sampler written by hand (floor, four gathered neighbours, validity masks) under a
 deformable-attention head; CenterNet's max-pool NMS on a channels_last heatmap; YOLOv3-era code writing in
 place (into slices of the head's output, clamp_ on stepped views, an integer input clamped, buffers under
-no_grad). Sizes are odd and tiny. Each model comes as a `tests.user_models.Case`.
+no_grad); a feature pyramid with RetinaNet heads shared by its levels. Sizes are odd and tiny. Each model comes as a `tests.user_models.Case`.
 """
 from __future__ import annotations
 
@@ -610,6 +610,51 @@ class InPlaceYOLO(nn.Module):
         return boxes, F.smooth_l1_loss(picked, targets) + obj.sigmoid().mean()
 
 
+class FPNRetina(nn.Module):
+    """A three-stage backbone (bias-free convs before BatchNorm), a feature pyramid (1x1 laterals, the top-down
+    path by nearest F.interpolate to each lateral's odd size, 3x3 output convs) and RetinaNet's heads shared by
+    every level (their weights get one gradient summed over the levels), a learned scale per level on the box
+    logits, exp; the levels' anchors concatenated. forward returns (class logits, boxes)."""
+
+    def __init__(self, c: int = 6, classes: int = 3, na: int = 2) -> None:
+        super().__init__()
+        self.classes = classes
+        widths = (3, 4, 8, 10)
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(a, b, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(b), nn.ReLU())
+            for a, b in zip(widths, widths[1:]))
+        self.lateral = nn.ModuleList(nn.Conv2d(w, c, 1) for w in widths[1:])
+        self.smooth = nn.ModuleList(nn.Conv2d(c, c, 3, padding=1) for _ in widths[1:])
+        self.cls_head = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.GroupNorm(2, c), nn.ReLU(),
+                                      nn.Conv2d(c, na * classes, 3, padding=1))
+        self.box_head = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, na * 4, 3, padding=1))
+        self.scales = nn.Parameter(torch.tensor([1.0, 0.8, 1.2]))
+
+    def forward(self, x: Tensor) -> tuple:
+        feats = []
+        for stage in self.stages:
+            x = stage(x)
+            feats.append(x)
+        laterals = [lat(f) for lat, f in zip(self.lateral, feats)]
+        pyramid = [laterals[-1]]
+        for lat in reversed(laterals[:-1]):
+            pyramid.insert(0, lat + F.interpolate(pyramid[0], size=lat.shape[-2:], mode="nearest"))
+        logits, boxes = [], []
+        for i, p in enumerate(pyramid):
+            p = self.smooth[i](p)
+            B = p.shape[0]
+            logits.append(self.cls_head(p).permute(0, 2, 3, 1).reshape(B, -1, self.classes))
+            boxes.append((self.box_head(p) * self.scales[i]).exp().permute(0, 2, 3, 1).reshape(B, -1, 4))
+        return torch.cat(logits, 1), torch.cat(boxes, 1)
+
+
+def retina_loss(model: nn.Module, inputs: tuple, target: Tensor | None) -> tuple:
+    """BCE of the class logits to multi-hot targets, L1 of the boxes; the loss computed outside the model."""
+    images, cls_target, box_target = inputs
+    logits, boxes = model(images)
+    return logits, F.binary_cross_entropy_with_logits(logits, cls_target) + F.l1_loss(boxes, box_target)
+
+
 # --- the cases --------------------------------------------------------------------------------------------
 
 def _labelled_images(g: torch.Generator) -> tuple:
@@ -725,6 +770,13 @@ def _in_place(g: torch.Generator) -> tuple:
             torch.rand(2, 2, 3, 4, generator=g)), None
 
 
+def _pyramid(g: torch.Generator) -> tuple:
+    """Images 2 x 3 x 21 x 19: levels of 11 x 10, 6 x 5 and 3 x 3, two anchors per cell, 278 in all."""
+    anchors = 2 * (11 * 10 + 6 * 5 + 3 * 3)
+    return (torch.randn(2, 3, 21, 19, generator=g), (torch.rand(2, anchors, 3, generator=g) > 0.9).float(),
+            torch.rand(2, anchors, 4, generator=g)), None
+
+
 def _classify_3d(model: nn.Module, inputs: tuple, target: Tensor) -> tuple:
     """The model in channels_last_3d too, as video code converts it (idempotent on each call)."""
     model.to(memory_format=torch.channels_last_3d)
@@ -768,4 +820,5 @@ def cases() -> list[Case]:
             Case("deformable_sampler", DeformableSampler, lambda g: _images(g, 3, 7, 8), classify),
             Case("heatmap_peaks_nms", HeatmapPeaks, _heat_images, own_loss),
             Case("yolo_v3_in_place", InPlaceYOLO, _in_place, own_loss),
+            Case("fpn_retina_shared_heads", FPNRetina, _pyramid, retina_loss),
             *(fp64(c) for c in (stns[0], stns[1], espcn, detector, centernet))]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tests.user_models import Case, classify
+from tests.user_models_fourth import half
 from tests.user_models_more import fp64, own_loss
 
 
@@ -803,6 +804,7 @@ def cases() -> list[Case]:
     espcn = Case("espcn", ESPCN, _hr_images, own_loss)
     detector = Case("dense_detector_focal_giou", DenseDetector, _detection, own_loss)
     centernet = Case("centernet", CenterNet, _centers, own_loss, _CENTERNET_ZERO)
+    roi = Case("roi_pool_gather", RoIPoolGather, _rois, classify)
     return [*stns,
             Case("resize_zoo", ResizeZoo, _resize, classify),
             espcn,
@@ -810,7 +812,7 @@ def cases() -> list[Case]:
             Case("padded_convs", PaddedConvs, _padded, classify),
             Case("edge_filters", EdgeFilters, _edges, own_loss),
             detector,
-            Case("roi_pool_gather", RoIPoolGather, _rois, classify),
+            roi,
             centernet,
             Case("clip3d_channels_last", Clip3D, _clips, _classify_3d, _CLIP3D_ZERO),
             Case("yolo_detect", YOLOHead, _yolo, own_loss),
@@ -821,4 +823,6 @@ def cases() -> list[Case]:
             Case("heatmap_peaks_nms", HeatmapPeaks, _heat_images, own_loss),
             Case("yolo_v3_in_place", InPlaceYOLO, _in_place, own_loss),
             Case("fpn_retina_shared_heads", FPNRetina, _pyramid, retina_loss),
-            *(fp64(c) for c in (stns[0], stns[1], espcn, detector, centernet))]
+            *(fp64(c) for c in (stns[0], stns[1], espcn, detector, centernet)),
+            # fp16: the RoI's sample points floor()ed from fp16 coordinates (a kernel stepped at the fp32 value)
+            half(roi)]

@@ -290,9 +290,10 @@ POINTWISE: dict[str, Render] = {
 
 def expression(op: str, operands: list[Operand], out: str, kw: dict) -> str:
     """The C expression of an `op` node of dtype `out`: a half computed in fp32, rounded where the op is a
-    conversion to or from it or a function to whole numbers of it (floor, ceil, round, trunc). Eager's pow of a half by a scalar rounds the exponent to the half first
-    (x ** 1.7 in bf16 is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as
-    for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
+    conversion to or from it or a function of it to whole numbers (floor, ceil, round, trunc). Eager's pow of
+    a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16
+    by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where
+    sqrt(-inf) is NaN)."""
     if out in HALVES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
         import torch
         exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))

@@ -35,6 +35,18 @@ EXPENSIVE = frozenset({
     "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
 })
 
+# Functions to whole numbers: a step at each integer (or half), so where eager rounds a 16-bit operand to the
+# half before it, a generated kernel holding that operand in fp32 must too (as comparisons do): eager's fp16
+# 2.943 * 1.0195 is 3.0 and its ceil 3, where the fp32 product 3.0008 has ceil 4.
+ROUNDINGS = frozenset({"aten.ceil.default", "aten.floor.default", "aten.round.default", "aten.trunc.default"})
+
+
+def half_operand_rounded(op: str, half: str | None, out: str) -> bool:
+    """Whether op's first operand, a value of the 16-bit dtype `half` held in fp32 (None: not a half), is
+    rounded to `half` first: where eager's value was that half and the op does not round it again to the
+    same dtype (a conversion to another dtype: fp16 x + finfo.min is -65504 whatever x) or steps (ROUNDINGS)."""
+    return half is not None and (op == "aten._to_copy.default" and half != out or op in ROUNDINGS)
+
 
 def comparison_dtype(operands: Iterable[tuple[str, bool, bool]]) -> str:
     """The dtype a comparison of (dtype, is a Python scalar, is a 0-d tensor) operands is made in: ATen's

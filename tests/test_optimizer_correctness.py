@@ -511,6 +511,21 @@ def test_conversions_from_halves_round_as_eager(codegen):
                                gradient(scaled, s), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_whole_numbers_of_halves_round_the_half_first(codegen):
+    """Regression (zoo7a, RoI pooling in fp16): floor, ceil, round and trunc of a bf16/fp16 value computed in
+    fp32 stepped at the fp32 value where eager's operand is the half: fp16 2.943 * 1.0195 is 3.0 in eager, its
+    ceil 3, where the kernel's fp32 product 3.0008 had ceil 4 (round: 3.4997 in fp32 is 3.5 in fp16, and
+    eager rounds that tie to 4). A sampling grid's floor().long() indices moved by a whole pixel so."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(0)
+    for half in (torch.float16, torch.bfloat16):
+        x = torch.linspace(1, 3, 2001).to(half)
+        y = (torch.rand(2001, generator=g) * 3).to(half)
+        matches_eager(lambda x, y: ((x * y).floor(), (x * y).ceil(), (x * y).round(), (x * y).trunc(),
+                                    (x * y).floor().long()), x, y, codegen=codegen)
+
 def test_nan_clamp_bounds_var_over_no_dims_and_0d_reductions():
     """Regressions (review): a NaN clamp bound was ignored; var/var_mean with dim=[] counted one
     element; a 0-d tensor reduced over dim 0 crashed the lowering; an integer prims.fma went

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from optimizer.ops import comparison_dtype
+from optimizer.ops import comparison_dtype, half_operand_rounded
 
 CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": "int32_t",
           "int16": "int16_t", "int8": "int8_t", "uint8": "uint8_t",
@@ -290,18 +290,19 @@ POINTWISE: dict[str, Render] = {
 
 def expression(op: str, operands: list[Operand], out: str, kw: dict) -> str:
     """The C expression of an `op` node of dtype `out`: a half computed in fp32, rounded where the op is a
-    conversion to or from it. Eager's pow of a half by a scalar rounds the exponent to the half first
-    (x ** 1.7 in bf16 is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as
-    for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
+    conversion to or from it or a function of it to whole numbers (floor, ceil, round, trunc). Eager's pow of
+    a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16
+    by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where
+    sqrt(-inf) is NaN)."""
     if out in HALVES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
         import torch
         exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))
         operands = [operands[0], literal(exponent)]
         if out == "float16" and exponent in (0.5, -0.5):
             return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
-    if op in CONVERSIONS and operands[0].half not in (None, out):
-        # a half computed in fp32 and converted: eager's value was the half, rounded (fp16 x + finfo.min is
-        # -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
+    if half_operand_rounded(op, operands[0].half, out):
+        # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
+        # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
         operands = [replace(operands[0], expr=rounded(operands[0].expr, operands[0].half)), *operands[1:]]
     value = POINTWISE[op](operands, computed_in(out), kw)
     return rounded(value, out) if op in CONVERSIONS else value

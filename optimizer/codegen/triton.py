@@ -40,7 +40,7 @@ from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, 
                                 Reduction, RowSegment, Select, Stmt, Store, Temp, accumulator_dtype, bias_epilogue,
                                 lower)
 from optimizer.loopnest import Operand as LoopOperand
-from optimizer.ops import comparison_dtype
+from optimizer.ops import comparison_dtype, half_operand_rounded
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
 
@@ -580,8 +580,8 @@ class TritonWriter:
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             return _half_pow(ops[0], ops[1].value, out)
-        if node.op in CONVERSIONS and ops[0].half not in (None, out):
-            # a half computed in fp32 and converted: eager's value was the half, rounded (C's expression)
+        if half_operand_rounded(node.op, ops[0].half, out):
+            # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
             ops = [replace(ops[0], expr=_rounded(ops[0].expr, ops[0].half)), *ops[1:]]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value

@@ -56,6 +56,9 @@ EXTRA_DECOMPOSITIONS = [
     aten.silu_backward, aten.addcmul, aten.addcdiv, aten.lerp,
     aten._native_batch_norm_legit_functional, aten.native_batch_norm_backward, aten.sigmoid_backward,
     aten.tanh_backward, aten.tril, aten.triu, aten.linalg_vector_norm, aten.native_group_norm,
+    # activations core ATen keeps whole (MobileNet's relu6 is hardtanh, GANs' leaky_relu, SELU's elu), and
+    # clamp by tensor bounds: each was an ATen call between two kernels, a round trip through memory
+    aten.hardtanh, aten.leaky_relu, aten.elu, aten.clamp.Tensor,
 ]
 
 

@@ -821,3 +821,49 @@ def lazy_negation_inputs_match_eager(codegen: str) -> None:
     close(torch.compile(written, backend=make_backend(codegen=codegen))(z_mine.conj().imag, w), expected,
           "output of the in-place graph")
     torch.testing.assert_close(z_mine, z_eager)
+
+
+class ClampedActivations(nn.Module):
+    """MobileNet's ReLU6 and hardtanh, a GAN's LeakyReLU, ELU and SELU, and a clamp between per-feature
+    tensor bounds (a learned range), as layers between Linears."""
+
+    def __init__(self, d: int = 11) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+        self.low, self.high = nn.Parameter(torch.full((d,), -0.5)), nn.Parameter(torch.full((d,), 0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu6(self.a(x) * 4) + F.hardtanh(x, -0.3, 0.4) + F.leaky_relu(x, 0.2)
+        h = F.elu(self.b(h), alpha=0.7) + F.selu(h)
+        return torch.clamp(h, self.low, self.high).sum(-1)
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_clamped_activations_are_generated_not_left_to_aten(monkeypatch, codegen):
+    """relu6/hardtanh, leaky_relu, elu (SELU's too) and clamp by tensors are core ATen ops torch keeps whole:
+    each ran as an ATen call between kernels. They are decomposed into the kernels now; values and gradients
+    as eager's, at the elements on the clamps' edges too."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    compiled = record_compiled(monkeypatch)
+    torch.manual_seed(0)
+    eager = ClampedActivations()
+    mine = copy.deepcopy(eager)
+    x = torch.randn(7, 11)
+    x[0, :3] = torch.tensor([-0.3, 0.4, 0.0])
+    xe, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = eager(xe)
+    actual = torch.compile(mine, backend=make_backend(codegen=codegen))(xm)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+    actual.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(xm.grad, xe.grad, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for (name, p), q in zip(eager.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+    kept = {"aten.hardtanh.default", "aten.leaky_relu.default", "aten.elu.default", "aten.clamp.Tensor",
+            "aten.hardtanh_backward.default", "aten.leaky_relu_backward.default", "aten.elu_backward.default"}
+    assert len(compiled) == 2, "forward and backward should each be one compiled graph"
+    left = [n.op for graph, groups in compiled for g in groups if g.kind == "extern"
+            for n in (graph.nodes[g.nodes[0]],) if n.op in kept]
+    assert not left, f"left to ATen: {left}"

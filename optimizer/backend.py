@@ -147,6 +147,32 @@ def _index_add(x: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Ten
     return index_add(x.float(), dim, index, source.float(), alpha=alpha).to(x.dtype)
 
 
+def _constant_pad(x: torch.Tensor, pad: list, value: float = 0) -> torch.Tensor:
+    """constant_pad_nd (F.pad's constant mode, ZeroPad2d, causal Conv1d pads, RWKV's token shift) as slices for
+    its negative pads and a cat with `full` pieces for its positive ones, all of which the generator fuses. Left
+    whole it was an ATen call between two kernels (a launch and a round trip through memory), and torch's own
+    decomposition goes to prims.copy_to, which the generator cannot take. Like ATen, it narrows before it pads,
+    fills with the value cast to x's dtype, and returns a new tensor (a clone when nothing is padded)."""
+    if len(pad) % 2 or len(pad) // 2 > x.dim():
+        return NotImplemented                       # ATen raises its own error
+    result, padded = x, False
+    for i in range(len(pad) // 2):
+        dim, before, after = x.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if before < 0 or after < 0:
+            result = aten.narrow.default(result, dim, max(-before, 0),
+                                         result.shape[dim] + min(before, 0) + min(after, 0))
+        pieces = []
+        for amount in (before, after):
+            if amount > 0:
+                shape = list(result.shape)
+                shape[dim] = amount
+                pieces.append(aten.full.default(shape, value, dtype=x.dtype, device=x.device))
+        if pieces:
+            pieces.insert(1 if before > 0 else 0, result)
+            result, padded = aten.cat.default(pieces, dim), True
+    return result if padded else aten.clone.default(result)     # narrowing alone is a view of x
+
+
 def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
     """aten._efficientzerotensor as a dense zeros. Autograd formulas make it for a gradient known to be zero
     (torch.func's jacrev/hessian of a function of parameters and inputs: the mm backward of a weight with
@@ -189,6 +215,7 @@ def decompositions() -> dict:
     table[aten._neg_view.default] = _neg_copy
     table[aten._conj.default] = _conj_copy
     table[aten.index_add.default] = _index_add
+    table[aten.constant_pad_nd.default] = _constant_pad
     table.update(foreach_decompositions())
     return table
 
@@ -654,7 +681,7 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
                               lambda: search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1))
 
 
-SEARCH_VERSION = "28"     # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "29"     # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

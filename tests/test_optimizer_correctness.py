@@ -870,3 +870,44 @@ def test_clamped_activations_are_generated_not_left_to_aten(monkeypatch, codegen
     left = [n.op for graph, groups in compiled for g in groups if g.kind == "extern"
             for n in (graph.nodes[g.nodes[0]],) if n.op in kept]
     assert not left, f"left to ATen: {left}"
+
+
+def constant_pads(x: torch.Tensor, last: torch.Tensor, half: torch.Tensor, flags: torch.Tensor,
+                  counts: torch.Tensor) -> tuple:
+    """F.pad's constant mode as models use it: left/right and top/bottom pads, narrowing (negative) pads, a
+    -inf pad (before a max), RWKV's token shift ZeroPad2d((0, 0, 1, -1)), a pad of three dims, a pad of nothing,
+    a channels_last input, and bf16, bool and int tensors (the value cast as ATen casts it)."""
+    return (F.pad(x, (2, 1)), F.pad(x, (0, 0, 3, 1), value=1.5), F.pad(x, (-2, 1, 1, -3)),
+            F.pad(x, (1, 0), value=float("-inf")), nn.ZeroPad2d((0, 0, 1, -1))(x), F.pad(x, (1, 1, 2, 0, 0, 1)),
+            F.pad(x, (0, 0)), F.pad(last, (1, 2, -1, 1)), F.pad(half, (3, -1), value=1.5),
+            F.pad(flags, (1, 2), value=0.5), F.pad(counts, (2, -1), value=-1.7))
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_constant_pads_are_generated_not_left_to_aten(monkeypatch, codegen):
+    """constant_pad_nd ran as an ATen call between kernels (torch's decomposition goes to prims the generator
+    cannot take). It is slices and a cat of constants now, which fuse; values and gradients as eager's."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    compiled = record_compiled(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 7)
+    last, half = torch.randn(2, 3, 5, 4).to(memory_format=torch.channels_last), torch.randn(3, 6).bfloat16()
+    flags, counts = torch.randn(3, 5) > 0, torch.randint(-5, 5, (3, 5), dtype=torch.int32)
+    eager_inputs = [t.clone().requires_grad_() for t in (x, last, half)]
+    my_inputs = [t.clone().requires_grad_() for t in (x, last, half)]
+    expected = constant_pads(*eager_inputs, flags, counts)
+    actual = torch.compile(constant_pads, backend=make_backend(codegen=codegen))(*my_inputs, flags, counts)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, msg=f"output {i}")
+    assert actual[6].data_ptr() != my_inputs[0].data_ptr(), "a pad of nothing is a new tensor, not x"
+    differentiable = [i for i, e in enumerate(expected) if e.requires_grad]
+    weights = [torch.randn_like(expected[i]) for i in differentiable]
+    expected_grads = torch.autograd.grad([expected[i] for i in differentiable], eager_inputs, weights)
+    actual_grads = torch.autograd.grad([actual[i] for i in differentiable], my_inputs, weights)
+    for name, a, e in zip(("x", "channels_last", "bf16"), actual_grads, expected_grads):
+        torch.testing.assert_close(a, e, msg=f"gradient of {name}")
+    assert len(compiled) == 2, "forward and backward should each be one compiled graph"
+    left = [n.op for graph, groups in compiled for g in groups if g.kind == "extern"
+            for n in (graph.nodes[g.nodes[0]],) if n.op == "aten.constant_pad_nd.default"]
+    assert not left, f"left to ATen: {left}"

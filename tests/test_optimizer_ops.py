@@ -59,7 +59,10 @@ SCHEDULES = {
 
 FLOATS = ("float32", "float64")
 DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64", "uint8", "bool")
-SPECIAL_FLOATS = (math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-40, -3e-39, 1e30, -3e38, 1.0, -1.0, 0.5, 88.8, -104.0)
+SPECIAL_FLOATS = (math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-40, -3e-39, 5e-324, 1e30, -3e38, 3e38, 1.0, -1.0, 0.5, 88.8, -104.0)
+# Python scalars (alpha, clamp bounds, fill values, exponents) of a float op: ordinary ones, and the IEEE
+# edges a scalar argument can carry (5e-324, fp64's smallest subnormal, only for fp64: fp32 has none)
+SPECIAL_SCALARS = (math.nan, math.inf, -math.inf, -0.0, 1e-40, 3e38)
 SPECIAL_INTS = (0, 1, -1, 256, 2 ** 31 - 1, -2 ** 31, 2 ** 53 + 1, -2 ** 63, 2 ** 62 + 3, 255)
 
 
@@ -125,7 +128,12 @@ def operands(draw, dtypes=DTYPES) -> Operands:
 
     def make(shape, dtype, k):
         return values(shape, dtype, seed + k, special, draw(st.integers(0, 2)))
-    s = {"bool": True}.get(dtype, 3 if dtype.startswith(("int", "uint")) else draw(st.sampled_from([2.5, -0.75, 3.0])))
+    s = {"bool": True}.get(dtype, 3 if dtype.startswith(("int", "uint")) else draw(st.sampled_from(
+        (2.5, -0.75, 3.0) * 2 + SPECIAL_SCALARS + ((5e-324,) if dtype == "float64" else ()))))
+    if dtype in ("bfloat16", "float16"):
+        # one the dtype holds (fp16's 3e38 is inf, its 1e-40 is 0): a kernel keeps a 16-bit op's scalar in
+        # fp32 where eager rounds it to 16 bits first (the README's 16-bit handling, as Inductor's default)
+        s = torch.tensor(s, dtype=getattr(torch, dtype)).item()
     return Operands(make(shape, dtype, 0), make(shape, dtype, 1), make(draw(broadcastable(shape)), dtype, 2),
                     make(draw(broadcastable(shape)), "bool", 3), s)
 
@@ -189,7 +197,7 @@ RECIPES: list[Recipe] = [
     Recipe("aten.round.default", lambda o: aten.round.default(o.x)),
     Recipe("aten.sign.default", lambda o: aten.sign.default(o.x)),
     *[Recipe("aten.pow.Tensor_Scalar", (lambda o, e=e: aten.pow.Tensor_Scalar(o.x, e)), LIBM, True)
-      for e in (2, 3, 0.5, 1.0, -1.0, -0.5, 1.7, 0, -2, -1.5)],
+      for e in (2, 3, 0.5, 1.0, -1.0, -0.5, 1.7, 0, -2, -1.5, *SPECIAL_SCALARS)],
     Recipe("aten.pow.Tensor_Tensor", lambda o: aten.pow.Tensor_Tensor(o.x, o.y), LIBM, True),
     Recipe("aten.pow.Scalar", lambda o: aten.pow.Scalar(o.s, o.x), LIBM),
     Recipe("prims.fma.default", lambda o: _inductor_prims().fma.default(o.x, o.x2, o.x), FUSED),
@@ -256,13 +264,21 @@ def compare(got: torch.Tensor, want: torch.Tensor, accuracy: str, what: str, sca
                                              f"{want.flatten()[:12].tolist()}")
 
 
+ALPHA_PRODUCTS = {"aten.add.Tensor": "y", "aten.sub.Tensor": "y", "aten.rsub.Tensor": "x"}   # alpha times which
+
+
 def not_compared(recipe: Recipe, o: Operands) -> torch.Tensor | None:
     """Where eager's value is not the op's to give, masked out: a float -> integer cast out of the
-    target's range (undefined), and prims.fma where the product alone overflows (the prim rounds
-    once, as C's fma; eager runs its reference a * b + c, whose product is inf there)."""
+    target's range (undefined), and prims.fma and a + alpha * b where the product alone overflows
+    (fused, it rounds once and a + inf - inf gives a's inf; unfused, inf - inf is NaN: eager fuses
+    fp32 and fp64 and not bf16/fp16, gcc may contract either, the Triton interpreter never does)."""
     if recipe.op == "prims.fma.default" and o.x.is_floating_point():
         product = (o.x.double() * o.x2.double()).abs()
         return product > torch.finfo(o.x.dtype).max
+    if recipe.accuracy == FUSED and recipe.op in ALPHA_PRODUCTS and o.x.is_floating_point():
+        product = (getattr(o, ALPHA_PRODUCTS[recipe.op]).double() * float(o.s)).abs()
+        computed_in = torch.promote_types(o.x.dtype, torch.float32)          # a 16-bit op's, fp32
+        return (product > torch.finfo(computed_in).max).expand(recipe.call(o).shape)
     if recipe.op != "aten._to_copy.default" or not o.x.is_floating_point():
         return None
     target = recipe.call(o).dtype

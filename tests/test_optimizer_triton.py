@@ -1099,7 +1099,7 @@ def run_op(fn, *args):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pow_of_negative_bases_matches_torch(dtype):
     """torch.pow(-2.0, 3) is -8 and (-2.0) ** 4 is 16: a negative base with a whole exponent has a value
-    (exp2(log2(x) * y) makes it NaN); a fractional one is NaN; x ** 0 and 1 ** y are 1, even for NaN."""
+    (exp2(log2(x) * y) makes it NaN); a fractional one is NaN; x ** 0 and 1 ** y are 1, even for NaN and inf."""
     x = torch.tensor(SPECIAL, dtype=dtype)
     whole = torch.tensor([0.0, 1.0, -1.0, 2.0, 3.0, -3.0, 4.0, 5.0, -6.0, 0.5, 2.5, -2.5, 40.0, 41.0, -41.0,
                           float("inf"), float("-inf"), float("nan"), 1e-3], dtype=dtype)
@@ -1109,6 +1109,9 @@ def test_pow_of_negative_bases_matches_torch(dtype):
         "x ** 2.5": lambda x, y: x ** 2.5, "x ** 0": lambda x, y: x ** 0, "x ** y": lambda x, y: x ** y,
         "-2 ** y": lambda x, y: torch.pow(-2.0, y), "1 ** y": lambda x, y: torch.pow(1.0, y),
         "0.5 ** y": lambda x, y: torch.pow(0.5, y), "-0 ** y": lambda x, y: torch.pow(-0.0, y),
+        # inf's log is no literal (the kernel named `inf` and failed to build), and inf ** 0 is 1
+        "inf ** y": lambda x, y: torch.pow(float("inf"), y), "-inf ** y": lambda x, y: torch.pow(-float("inf"), y),
+        "nan ** y": lambda x, y: torch.pow(float("nan"), y), "3e38 ** y": lambda x, y: torch.pow(3e38, y),
     }
     for what, fn in cases.items():
         for a, b in ((x, whole), (x.flip(0), whole)):      # every base against every exponent, twice

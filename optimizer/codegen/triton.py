@@ -251,8 +251,8 @@ def _pow(ops, out, kw):
         if y.is_integer() and abs(y) <= POWI_LIMIT:
             return _powi(b, int(y)) if y > 0 else f"(1.0 / {_powi(b, int(-y))})"
         return f"tfsn_pow({b}, {e} + tl.zeros_like({b}))"
-    if base.scalar and float(base.value) > 0 and float(base.value) != 1:
-        # beta ** step (the optimizers' bias corrections): the base's log taken here
+    if base.scalar and 0 < float(base.value) < math.inf and float(base.value) != 1:
+        # beta ** step (the optimizers' bias corrections): the base's log taken here (not inf's: inf ** 0 is 1)
         return f"tl.exp2({math.log2(base.value)!r} * {e})"
     if base.scalar:      # spread over the exponent's shape, the sign of -0.0 kept
         return f"tfsn_pow((tl.zeros_like({e}) + 1.0) * {b}, {e})"

@@ -21,6 +21,7 @@ from optimizer.codegen.compiler import build_library, load_library
 from optimizer.hardware import find_hardware, load_all
 from optimizer.runtime import CompiledGraph
 from optimizer.schedule import DEFAULT
+from tests.user_models_eighth import wkv
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = load_all()["cpu-generic"]
@@ -122,23 +123,6 @@ def test_few_decisions_are_searched_exhaustively_many_by_beam(monkeypatch):
     assert beam.predicted_s >= exhaustive.predicted_s - 1e-12     # the exhaustive search found the best
 
 
-def wkv(k, v, w, u):
-    """RWKV-4's WKV recurrence over time with its max trick, unrolled in Python as its reference code is."""
-    aa, bb, pp = torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0]), torch.full_like(k[:, 0], -1e38)
-    out = []
-    for t in range(k.shape[1]):
-        kt, vt = k[:, t], v[:, t]
-        ww = u + kt
-        p = torch.maximum(pp, ww)
-        e1, e2 = torch.exp(pp - p), torch.exp(ww - p)
-        out.append((e1 * aa + e2 * vt) / (e1 * bb + e2))
-        ww = pp - torch.exp(w)
-        p = torch.maximum(ww, kt)
-        e1, e2 = torch.exp(ww - p), torch.exp(kt - p)
-        aa, bb, pp = e1 * aa + e2 * vt, e1 * bb + e2, p
-    return torch.stack(out, dim=1)
-
-
 def test_a_recurrence_unrolled_in_python_is_searched_within_the_planning_budget():
     """The gradient of 8 steps of WKV is one graph of ~1,000 nodes whose groups grow to hundreds of members;
     a fusion pass lowers each group again at each member it takes, so its 48 plans lowered ~490,000 nodes
@@ -149,7 +133,7 @@ def test_a_recurrence_unrolled_in_python_is_searched_within_the_planning_budget(
     w, u = torch.randn(6), torch.randn(6)
 
     def gradients(k, v, w, u, g):
-        return torch.autograd.grad(wkv(k, v, w, u), (k, v, w, u), g)
+        return torch.autograd.grad(wkv(k, v, -torch.exp(w), u), (k, v, w, u), g)
 
     args = [t.requires_grad_() for t in (k, v, w, u)] + [g]
     _, graph = lowered(gradients, args)

@@ -243,6 +243,26 @@ class HyenaOperator(nn.Module):
         return y, F.mse_loss(y, target)
 
 
+def wkv(k: Tensor, v: Tensor, w: Tensor, u: Tensor) -> Tensor:
+    """RWKV-4's WKV recurrence over time (k, v: (B, T, C)) with its max trick, unrolled in Python as its
+    reference code is: w the per-channel decay (negative), u the current token's bonus."""
+    aa = torch.zeros_like(k[:, 0])
+    bb = torch.zeros_like(k[:, 0])
+    pp = torch.full_like(k[:, 0], -1e38)
+    out = []
+    for t in range(k.shape[1]):
+        kt, vt = k[:, t], v[:, t]
+        ww = u + kt
+        p = torch.maximum(pp, ww)
+        e1, e2 = torch.exp(pp - p), torch.exp(ww - p)
+        out.append((e1 * aa + e2 * vt) / (e1 * bb + e2))
+        ww = pp + w
+        p = torch.maximum(ww, kt)
+        e1, e2 = torch.exp(ww - p), torch.exp(kt - p)
+        aa, bb, pp = e1 * aa + e2 * vt, e1 * bb + e2, p
+    return torch.stack(out, dim=1)
+
+
 class RWKVTimeMix(nn.Module):
     """RWKV-4's time mixing: token shift (nn.ZeroPad2d((0, 0, 1, -1))) mixed into k, v, r by learned ratios,
     the WKV recurrence over time with the max trick (p = max(pp, ww); e1 = exp(pp - p), e2 = exp(ww - p)),
@@ -261,22 +281,7 @@ class RWKVTimeMix(nn.Module):
         self.output = nn.Linear(d, d, bias=False)
 
     def wkv(self, k: Tensor, v: Tensor) -> Tensor:
-        w, u = -torch.exp(self.time_decay), self.time_first
-        aa = torch.zeros_like(k[:, 0])
-        bb = torch.zeros_like(k[:, 0])
-        pp = torch.full_like(k[:, 0], -1e38)
-        out = []
-        for t in range(k.shape[1]):
-            kt, vt = k[:, t], v[:, t]
-            ww = u + kt
-            p = torch.maximum(pp, ww)
-            e1, e2 = torch.exp(pp - p), torch.exp(ww - p)
-            out.append((e1 * aa + e2 * vt) / (e1 * bb + e2))
-            ww = pp + w
-            p = torch.maximum(ww, kt)
-            e1, e2 = torch.exp(ww - p), torch.exp(kt - p)
-            aa, bb, pp = e1 * aa + e2 * vt, e1 * bb + e2, p
-        return torch.stack(out, dim=1)
+        return wkv(k, v, -torch.exp(self.time_decay), self.time_first)
 
     def forward(self, x: Tensor) -> Tensor:
         xx = self.time_shift(x)

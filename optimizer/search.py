@@ -40,8 +40,8 @@ BEAM_WIDTH = 4
 MAX_PLANS = 48                    # plans a beam search scores per graph at most (each costs a fusion pass)
 # Nodes the fusion passes of one search may lower (ir.Graph.lowered_nodes) after its first plan, ~6 s on a
 # 2-core CPU; the suite's models take under 3,000. A fusion pass lowers each group again as it grows, so
-# groups of hundreds of members (a recurrence unrolled in Python: RWKV's WKV loop over 6 tokens took 140 s
-# for 48 plans of its backward) make each plan cost seconds: such a graph scores fewer plans instead.
+# groups of hundreds of members (a recurrence unrolled in Python: RWKV over 9 tokens took 188 s to its first
+# step, most of it in 48 plans of its backward) make each plan cost seconds: such a graph scores fewer plans.
 PLANNING_BUDGET = 100_000
 MIN_TIMED_S = 20e-6               # kernels predicted faster than this are not worth timing: the model's pick
 TOP_K = 8

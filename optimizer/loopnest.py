@@ -436,7 +436,8 @@ def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]
     kernel = kernel_key(graph, buffers, group)
     key = ("loopnest", kernel, members_inplace, tables)
     if key not in graph.memo:
-        graph.lowered_nodes += len(kernel[1])       # the fused nodes: what a lowering's time grows with
+        _, fused, _ = kernel
+        graph.lowered_nodes += len(fused)           # what a lowering's time grows with
         try:
             graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace), tables).run()
         except NotFusable as e:

@@ -414,6 +414,12 @@ def record_compiled(monkeypatch) -> list:
     return compiled
 
 
+def left_to_aten(compiled: list, ops: set[str]) -> list[str]:
+    """The calls of `ops` that graphs recorded by record_compiled run as ATen calls (externs)."""
+    return [n.op for graph, groups in compiled for g in groups if g.kind == "extern"
+            for n in (graph.nodes[g.nodes[0]],) if n.op in ops]
+
+
 def masked_attention_matches_eager(monkeypatch, mask: str, device: str = "cpu", **options) -> None:
     """MaskedAttention(mask) on `device` compiled by make_backend(**options): loss and gradients as eager's, and
     no value made from constants alone (the causal mask) is a kernel of its own or saved for the backward."""
@@ -867,8 +873,7 @@ def test_clamped_activations_are_generated_not_left_to_aten(monkeypatch, codegen
     kept = {"aten.hardtanh.default", "aten.leaky_relu.default", "aten.elu.default", "aten.clamp.Tensor",
             "aten.hardtanh_backward.default", "aten.leaky_relu_backward.default", "aten.elu_backward.default"}
     assert len(compiled) == 2, "forward and backward should each be one compiled graph"
-    left = [n.op for graph, groups in compiled for g in groups if g.kind == "extern"
-            for n in (graph.nodes[g.nodes[0]],) if n.op in kept]
+    left = left_to_aten(compiled, kept)
     assert not left, f"left to ATen: {left}"
 
 
@@ -908,6 +913,5 @@ def test_constant_pads_are_generated_not_left_to_aten(monkeypatch, codegen):
     for name, a, e in zip(("x", "channels_last", "bf16"), actual_grads, expected_grads):
         torch.testing.assert_close(a, e, msg=f"gradient of {name}")
     assert len(compiled) == 2, "forward and backward should each be one compiled graph"
-    left = [n.op for graph, groups in compiled for g in groups if g.kind == "extern"
-            for n in (graph.nodes[g.nodes[0]],) if n.op == "aten.constant_pad_nd.default"]
+    left = left_to_aten(compiled, {"aten.constant_pad_nd.default"})
     assert not left, f"left to ATen: {left}"

@@ -173,6 +173,21 @@ def _constant_pad(x: torch.Tensor, pad: list, value: float = 0) -> torch.Tensor:
     return result if padded else aten.clone.default(result)     # narrowing alone is a view of x
 
 
+def _repeat(x: torch.Tensor, repeats: list) -> torch.Tensor:
+    """Tensor.repeat (tiling) as Inductor lowers it: x viewed with a size-1 dim before each of its dims, expanded
+    to the repeats there, made contiguous and viewed as the tiled shape. The expand is an index map a kernel
+    reads through (a broadcast) and the copy a pointwise kernel, which fuses with what reads the tiles; left
+    whole, repeat was an ATen call between kernels. Repeats of 0 stay ATen's (an empty result)."""
+    if len(repeats) < x.dim() or 0 in repeats:
+        return NotImplemented                       # ATen raises its own error, or makes the empty tensor
+    shape = [1] * (len(repeats) - x.dim()) + list(x.shape)
+    interleaved = [n for size in shape for n in (1, size)]
+    tiles = [n for r, size in zip(repeats, shape) for n in (r, size)]
+    copied = aten.clone.default(aten.expand.default(aten.view.default(x, interleaved), tiles),
+                                memory_format=torch.contiguous_format)
+    return aten.view.default(copied, [r * size for r, size in zip(repeats, shape)])
+
+
 def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
     """aten._efficientzerotensor as a dense zeros. Autograd formulas make it for a gradient known to be zero
     (torch.func's jacrev/hessian of a function of parameters and inputs: the mm backward of a weight with
@@ -216,6 +231,7 @@ def decompositions() -> dict:
     table[aten._conj.default] = _conj_copy
     table[aten.index_add.default] = _index_add
     table[aten.constant_pad_nd.default] = _constant_pad
+    table[aten.repeat.default] = _repeat
     table.update(foreach_decompositions())
     return table
 

@@ -113,6 +113,7 @@ VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default
 REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum", "aten.amax.default": "max",
               "aten.amin.default": "min", "aten.mean.dim": "mean", "aten.mean.default": "mean"}
 CAT = "aten.cat.default"                    # pointwise: each element is a piece's (loopnest.Select)
+FLIP = "aten.flip.default"                  # pointwise: each element is its input's at a reversed index
 FLOAT_DTYPES = ("float32", "float64")
 INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
 HALF_DTYPES = ("bfloat16", "float16")       # generated with from_fx(half=True) (fp32 math, rounded as eager rounds)
@@ -371,6 +372,8 @@ def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes
     if op == CAT:        # torch promotes pieces of mixed dtypes: those stay ATen's
         same_rank = all(t.numel == 0 or len(t.shape) == len(type_.shape) for t in tensors)
         return Kind.POINTWISE if same_rank and all(t.dtype == type_.dtype for t in tensors) else Kind.EXTERN
+    if op == FLIP:
+        return Kind.POINTWISE
     if op in POINTWISE_OPS:
         extra = set(kwargs) - {"alpha", "dtype", "layout", "device", "pin_memory", "memory_format",
                                "non_blocking"}

@@ -17,7 +17,7 @@ from math import prod
 from typing import Sequence, Union
 
 from optimizer.expr import Const, Div, Expr, Mod, add, const, divides, mul, offset, var
-from optimizer.ir import CAT, Graph, Kind, Node, Ref
+from optimizer.ir import CAT, FLIP, Graph, Kind, Node, Ref
 
 MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
 TABLE_MAX = 512         # a merged loop that reads per-lane tables is at most this long (the tables stay in L1)
@@ -119,6 +119,15 @@ def view_index(graph: Graph, node: Node, idx: Sequence[Expr]) -> tuple[int, tupl
         i = args[2] + src[dim] if args[2] < 0 else args[2]
         return base, tuple(idx[:dim]) + (const(i),) + tuple(idx[dim:])
     return base, reshape_index(src, dst, idx)      # view, reshape, squeeze, unsqueeze, alias
+
+
+def flip_index(node: Node, idx: Sequence[Expr]) -> tuple[Expr, ...]:
+    """The index of flip `node`'s input that its element `idx` is: n - 1 - i along each flipped dim of size n,
+    an affine index like a slice's (never negative), so a flip is read in place, not copied by ATen."""
+    shape = node.type.shape
+    flipped = {d % len(shape) for d in node.args[1]} if shape else set()
+    return tuple(add([const(shape[d] - 1), mul(e, -1)]) if d in flipped and shape[d] > 1 else e
+                 for d, e in enumerate(idx))
 
 
 def cat_pieces(graph: Graph, node: Node) -> tuple[int, list[tuple[int, int, int]]]:
@@ -614,7 +623,11 @@ class _Lowering:
 
     def compute(self, node: Node, idx: tuple[Expr, ...], hoist: bool = False) -> Name:
         """A pointwise node's value at idx."""
-        return self.concatenated(node, idx) if node.op == CAT else self.define(self.apply(node, idx), hoist)
+        if node.op == CAT:
+            return self.concatenated(node, idx)
+        if node.op == FLIP:
+            return self.load(node.args[0].index, flip_index(node, idx))
+        return self.define(self.apply(node, idx), hoist)
 
     def concatenated(self, node: Node, idx: tuple[Expr, ...]) -> Name:
         """A concatenation's element at idx: its piece's, chosen at compile time when the index along the
@@ -634,8 +647,8 @@ class _Lowering:
         return self.define(Select(node.index, at, tuple(bounds[:-1]), tuple(values)))
 
     def apply(self, node: Node, idx: tuple[Expr, ...]) -> Apply:
-        if node.op == CAT:
-            raise NotFusable(f"{node.name} is a concatenation, which a per-row value cannot be")
+        if node.op in (CAT, FLIP):
+            raise NotFusable(f"{node.name} reads its inputs at other indices, which a per-row value cannot")
         args = []
         for a in node.args:
             if isinstance(a, Ref):

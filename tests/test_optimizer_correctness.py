@@ -888,30 +888,82 @@ def constant_pads(x: torch.Tensor, last: torch.Tensor, half: torch.Tensor, flags
             F.pad(flags, (1, 2), value=0.5), F.pad(counts, (2, -1), value=-1.7))
 
 
-@pytest.mark.parametrize("codegen", ["c", "triton"])
-def test_constant_pads_are_generated_not_left_to_aten(monkeypatch, codegen):
-    """constant_pad_nd ran as an ATen call between kernels (torch's decomposition goes to prims the generator
-    cannot take). It is slices and a cat of constants now, which fuse; values and gradients as eager's."""
+def shape_op_inputs() -> tuple:
+    """fp32 [2, 3, 5, 7] with NaN, +-inf and -0.0, a channels_last [2, 3, 5, 4], a bf16 [3, 6], a bool [3, 5]
+    and an int32 [3, 5]: what shape_ops_match_eager passes the function it checks."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 7)
+    x[0, 0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    last, half = torch.randn(2, 3, 5, 4).to(memory_format=torch.channels_last), torch.randn(3, 6).bfloat16()
+    flags, counts = torch.randn(3, 5) > 0, torch.randint(-5, 5, (3, 5), dtype=torch.int32)
+    return x, last, half, flags, counts
+
+
+def shape_ops_match_eager(monkeypatch, codegen: str, fn, ops: set[str]) -> tuple:
+    """fn(*shape_op_inputs()) compiled by tfsn (`codegen`): its outputs, and the gradients of its three float
+    inputs for random weights of its outputs, as eager's; no call of `ops` left to ATen, in forward or backward.
+    Returns the compiled outputs and inputs."""
     if codegen == "triton":
         pytest.importorskip("triton")
     compiled = record_compiled(monkeypatch)
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, 5, 7)
-    last, half = torch.randn(2, 3, 5, 4).to(memory_format=torch.channels_last), torch.randn(3, 6).bfloat16()
-    flags, counts = torch.randn(3, 5) > 0, torch.randint(-5, 5, (3, 5), dtype=torch.int32)
+    x, last, half, flags, counts = shape_op_inputs()
     eager_inputs = [t.clone().requires_grad_() for t in (x, last, half)]
     my_inputs = [t.clone().requires_grad_() for t in (x, last, half)]
-    expected = constant_pads(*eager_inputs, flags, counts)
-    actual = torch.compile(constant_pads, backend=make_backend(codegen=codegen))(*my_inputs, flags, counts)
+    expected = fn(*eager_inputs, flags, counts)
+    actual = torch.compile(fn, backend=make_backend(codegen=codegen))(*my_inputs, flags, counts)
     for i, (a, e) in enumerate(zip(actual, expected)):
-        torch.testing.assert_close(a, e, msg=f"output {i}")
-    assert actual[6].data_ptr() != my_inputs[0].data_ptr(), "a pad of nothing is a new tensor, not x"
+        torch.testing.assert_close(a, e, equal_nan=True, msg=lambda m: f"output {i}: {m}")
     differentiable = [i for i, e in enumerate(expected) if e.requires_grad]
     weights = [torch.randn_like(expected[i]) for i in differentiable]
     expected_grads = torch.autograd.grad([expected[i] for i in differentiable], eager_inputs, weights)
     actual_grads = torch.autograd.grad([actual[i] for i in differentiable], my_inputs, weights)
     for name, a, e in zip(("x", "channels_last", "bf16"), actual_grads, expected_grads):
-        torch.testing.assert_close(a, e, msg=f"gradient of {name}")
+        torch.testing.assert_close(a, e, equal_nan=True, msg=lambda m: f"gradient of {name}: {m}")
     assert len(compiled) == 2, "forward and backward should each be one compiled graph"
-    left = left_to_aten(compiled, {"aten.constant_pad_nd.default"})
+    left = left_to_aten(compiled, ops)
     assert not left, f"left to ATen: {left}"
+    return actual, my_inputs
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_constant_pads_are_generated_not_left_to_aten(monkeypatch, codegen):
+    """constant_pad_nd ran as an ATen call between kernels (torch's decomposition goes to prims the generator
+    cannot take). It is slices and a cat of constants now, which fuse; values and gradients as eager's."""
+    actual, my_inputs = shape_ops_match_eager(monkeypatch, codegen, constant_pads, {"aten.constant_pad_nd.default"})
+    assert actual[6].data_ptr() != my_inputs[0].data_ptr(), "a pad of nothing is a new tensor, not x"
+
+
+def flips(x: torch.Tensor, last: torch.Tensor, half: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """torch.flip as models use it: a bidirectional pass's reversed sequence concatenated with the forward one,
+    flips of several and negative dims, of a dim of size 1, of an input also read unflipped, of computed
+    values, of a transposed and a channels_last input, of a sum, a flip read by a reduction, flips of flips,
+    and bf16, fp16, fp64, bool and int tensors."""
+    h = x.tanh()
+    return (torch.cat([h, h.flip(2)], -1), x.flip((0, -1)) * 2, x[:, :1].flip(1), x.flip(3) + x,
+            x.sin().flip(1).cos(), x.transpose(1, 3).flip(1), last.flip((1, 2)), x.sum(-1, keepdim=True).flip(2),
+            (x.flip(-1) * x).sum(-1), x.flip(0).flip(0, 1), half.flip(0) * 1.5, x[0, 1].half().flip(1),
+            x.double().flip(2), flags.flip(0), counts.flip(-1))
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_flips_are_generated_not_left_to_aten(monkeypatch, codegen):
+    """torch.flip (and its backward, a flip) ran as an ATen call between kernels. A flipped element is its
+    input's at index n - 1 - i, which a kernel reads in place; values and gradients as eager's."""
+    shape_ops_match_eager(monkeypatch, codegen, flips, {"aten.flip.default"})
+
+
+def tiles(x: torch.Tensor, last: torch.Tensor, half: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """Tensor.repeat as models tile: along some dims, with new leading dims, of nothing (a new tensor), of a
+    channels_last and a transposed input, of computed values, of a 0-d sum, a tiling summed again, and bf16,
+    bool and int tensors."""
+    return (x.repeat(2, 1, 3, 1), x.repeat(2, 1, 1, 1, 2), x.repeat(1, 1, 1, 1), last.repeat(1, 2, 1, 3),
+            x.transpose(2, 3).repeat(1, 1, 2, 1), x.sin().repeat(1, 2, 1, 1).sum(1), x.sum().repeat(4),
+            half.repeat(3, 2), flags.repeat(2, 1), counts.repeat(1, 2, 2))
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_repeats_are_generated_not_left_to_aten(monkeypatch, codegen):
+    """Tensor.repeat ran as an ATen call between kernels. It is an expand read through and copied contiguous
+    (as Inductor lowers it), which fuses; values and gradients as eager's, and a new tensor."""
+    actual, my_inputs = shape_ops_match_eager(monkeypatch, codegen, tiles, {"aten.repeat.default"})
+    assert actual[2].data_ptr() != my_inputs[0].data_ptr(), "a repeat of ones is a new tensor, not x"

@@ -9,13 +9,14 @@ from typing import Iterable
 DTYPES = ("float32", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 POINTWISE_OPS = frozenset({
-    "aten._to_copy.default", "aten.abs.default", "aten.add.Scalar", "aten.add.Tensor",
+    "aten._to_copy.default", "aten.abs.default", "aten.add.Scalar", "aten.add.Tensor", "aten.atan2.default",
     "aten.bitwise_and.Tensor", "aten.bitwise_not.default", "aten.bitwise_or.Tensor", "aten.ceil.default",
     "aten.clamp.default", "aten.clamp_max.default", "aten.clamp_min.default", "aten.clone.default",
     "aten.copy.default", "aten.cos.default", "aten.div.Scalar", "aten.div.Tensor", "aten.eq.Scalar",
     "aten.eq.Tensor", "aten.erf.default", "aten.exp.default", "aten.exp2.default", "aten.expm1.default",
     "aten.fill.Scalar", "aten.floor.default", "aten.full.default", "aten.full_like.default",
-    "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor", "aten.isnan.default",
+    "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor", "aten.hypot.default",
+    "aten.isnan.default",
     "aten.le.Scalar", "aten.le.Tensor", "aten.lift_fresh_copy.default", "aten.log.default",
     "aten.log1p.default", "aten.log2.default", "aten.logical_and.default", "aten.logical_not.default",
     "aten.logical_or.default", "aten.lt.Scalar", "aten.lt.Tensor", "aten.masked_fill.Scalar",
@@ -30,9 +31,9 @@ POINTWISE_OPS = frozenset({
 
 # ops that cost a polynomial or a divide per element (the cost model's `math`, fusion's recompute cost)
 EXPENSIVE = frozenset({
-    "aten.cos.default", "aten.div.Tensor", "aten.erf.default", "aten.exp.default", "aten.expm1.default",
-    "aten.log.default", "aten.log1p.default", "aten.pow.Tensor_Tensor", "aten.rsqrt.default",
-    "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
+    "aten.atan2.default", "aten.cos.default", "aten.div.Tensor", "aten.erf.default", "aten.exp.default",
+    "aten.expm1.default", "aten.hypot.default", "aten.log.default", "aten.log1p.default", "aten.pow.Tensor_Tensor",
+    "aten.rsqrt.default", "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
 })
 
 # Functions to whole numbers: a step at each integer (or half), so where eager rounds a 16-bit operand to the

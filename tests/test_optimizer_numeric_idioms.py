@@ -315,3 +315,45 @@ RUNS = [pytest.param(i, d, "c", id=f"{i.name}-{str(d)[6:]}-c") for i in IDIOMS f
 @pytest.mark.parametrize(("idiom", "dtype", "codegen"), RUNS)
 def test_numeric_idiom_matches_eager(idiom: Idiom, dtype: torch.dtype, codegen: str) -> None:
     check(idiom, dtype, codegen)
+
+
+def _signed_grid(dtype: torch.dtype, extremes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair of signed zeros, subnormals, ones, halves, the dtype's huge values (whose squares overflow),
+    infinities and NaN (no subnormals and huge values unless `extremes`): the two operands of a pointwise
+    function of two floats, as two flat tensors."""
+    tiny, huge = {FP16: (1e-7, 6e4), FP64: (1e-310, 1e308)}.get(dtype, (1e-40, 3e38))
+    values = [0., -0., 1., -1., 0.5, -2.5, 3., INF, -INF, NAN] + ([tiny, -tiny, huge, -huge] if extremes else [])
+    grid = torch.tensor(values, dtype=torch.float64).to(dtype)
+    return grid.repeat_interleave(len(grid)), grid.repeat(len(grid))
+
+
+def atan2_and_hypot(y: torch.Tensor, x: torch.Tensor) -> tuple:
+    return torch.atan2(y, x), torch.hypot(y, x), torch.atan2(-y, x.abs()), torch.hypot(y, -x)
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [FP32, FP64, BF16, FP16], ids=str)
+def test_atan2_and_hypot_are_generated_not_left_to_aten(monkeypatch, dtype, codegen):
+    """atan2 and hypot ran as ATen calls between kernels. They are pointwise ops now (libm's in C; in Triton
+    Cephes' atan reduced from min/max of the magnitudes, and max * sqrt(1 + ratio ** 2)): values as eager's at
+    every pair of signed zeros, subnormals, huge values (hypot's squares overflow, its value does not),
+    infinities and NaN, with the sign of each zero; gradients too. (Not the gradients of bf16/fp16 subnormals
+    and huge values: eager's backward rounds x * x + y * y to the half, where it underflows or overflows, and a
+    kernel holds it in fp32, as it holds every value between two ops.)"""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    compiled_fn = torch.compile(atan2_and_hypot, backend=make_backend(codegen=codegen))
+    inputs = _signed_grid(dtype)
+    expected, actual = atan2_and_hypot(*inputs), compiled_fn(*inputs)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, rtol=TOLERANCE[dtype][0], atol=0, equal_nan=True,
+                                   msg=lambda m: f"value {i}: {m}")
+        zeros = e == 0
+        assert torch.equal(a[zeros].signbit(), e[zeros].signbit()), f"value {i}: a zero's sign differs from eager's"
+    inputs = _signed_grid(dtype, extremes=dtype in (FP32, FP64))
+    for i, (a, e) in enumerate(zip(forward_and_gradients(compiled_fn, inputs)[4:],
+                                   forward_and_gradients(atan2_and_hypot, inputs)[4:])):
+        matches(a, e, f"gradient {i}")
+    assert len(compiled) == 3, "the values' graph, then forward and backward, should each be one compiled graph"
+    left = left_to_aten(compiled, {"aten.atan2.default", "aten.hypot.default"})
+    assert not left, f"left to ATen: {left}"

@@ -125,6 +125,14 @@ def _libm(name: str) -> Render:
     return render
 
 
+def _libm2(name: str) -> Render:
+    """A libm function of two operands at their precision (`atan2f` for fp32, `atan2` for fp64): C99's Annex F
+    cases, as torch's (signed zeros and infinities of atan2, hypot's inf of an infinity and a NaN)."""
+    def render(ops, out, kw):
+        return f"{name}{'f' if out == 'float32' else ''}({cast(ops[0], out)}, {cast(ops[1], out)})"
+    return render
+
+
 def _exp(fmt: str) -> Render:
     """exp through the prelude's vectorizable tfsn_expf for fp32, libm's otherwise."""
     def render(ops, out, kw):
@@ -253,7 +261,8 @@ POINTWISE: dict[str, Render] = {
     "aten.sqrt.default": _unary("sqrt({a})"), "aten.rsqrt.default": _unary("({one} / sqrt({a}))"),
     "aten.reciprocal.default": _unary("({one} / {a})"), "aten.sin.default": _libm("sin"),
     "aten.cos.default": _libm("cos"), "aten.tanh.default": _libm("tanh"),
-    "aten.erf.default": _libm("erf"), "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
+    "aten.erf.default": _libm("erf"), "aten.atan2.default": _libm2("atan2"), "aten.hypot.default": _libm2("hypot"),
+    "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
     "aten.relu.default": _unary("({a} < 0 ? 0 : {a})"), "aten.floor.default": _float_only("floor({a})"),
     "aten.ceil.default": _float_only("ceil({a})"), "aten.trunc.default": _float_only("trunc({a})"),
     "aten.round.default": _float_only("nearbyint({a})"),

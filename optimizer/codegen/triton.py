@@ -334,6 +334,7 @@ OPS: dict[str, Callable] = {
     "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
     "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("tfsn_tanh({a})"),
     "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),
+    "aten.atan2.default": _binary("tfsn_atan2({a}, {b})"), "aten.hypot.default": _binary("tfsn_hypot({a}, {b})"),
     "aten.relu.default": _unary("tl.where({a} < 0, 0, {a})"), "aten.floor.default": _float_only("tl.floor({a})"),
     "aten.ceil.default": _float_only("tl.ceil({a})"),
     "aten.trunc.default": _float_only("tl.where({a} < 0, tl.ceil({a}), tl.floor({a}))"),
@@ -858,6 +859,13 @@ def _horner(var: str, coefficients: Sequence[float]) -> str:
 # precision on |x| < 0.5.
 _EXPM1 = {d: [1 / math.factorial(k) for k in range(1, n + 1)] for d, n in (("32", 9), ("64", 15))}
 _LOG1P = {d: [1 / (2 * k + 1) for k in range(n + 1)] for d, n in (("32", 8), ("64", 16))}
+# atan on [-0.66, 0.66] as t + t z P(z) / Q(z), z = t * t (fp64), and on [-tan(pi/8), tan(pi/8)] as t + t z P(z)
+# (fp32): Cephes' atan and atanf, lowest power first
+_ATAN_P64 = [-6.485021904942025371773E1, -1.228866684490136173410E2, -7.500855792314704667340E1,
+             -1.615753718733365076637E1, -8.750608600031904122785E-1]
+_ATAN_Q64 = [1.945506571482613964425E2, 4.853903996359136964868E2, 4.328810604912902668951E2,
+             1.650270098316988542046E2, 2.485846490142306297962E1, 1.0]
+_ATAN_P32 = [-3.33329491539E-1, 1.99777106478E-1, -1.38776856032E-1, 8.05374449538e-2]
 PRELUDE = f'''import triton
 import triton.language as tl
 
@@ -949,6 +957,57 @@ def tfsn_tanh(x):
     e = tfsn_expm1(-2.0 * tl.abs(x))
     t = e / (2.0 + e) * -1.0
     return tl.where(tfsn_signbit(x), t * -1.0, t)
+
+
+@triton.jit
+def tfsn_atan_unit(a):
+    """atan(a) for a in [0, 1] (or NaN): Cephes' range reduction to (a - 1) / (a + 1) above 0.66 (fp64) or
+    tan(pi/8) (fp32), then its rational (fp64) or polynomial (fp32) form; ~2 ulp."""
+    if a.dtype == tl.float64:
+        high = a > 0.66
+        t = tl.where(high, (a - 1.0) / (a + 1.0), a)
+        z = t * t
+        p = t + t * z * ({_horner("z", _ATAN_P64)}) / ({_horner("z", _ATAN_Q64)})
+        r = tl.where(high, p + 0.7853981633974483 + 3.061616997868383e-17, p)
+    else:
+        high = a > 0.41421356237309503
+        t = tl.where(high, (a - 1.0) / (a + 1.0), a)
+        z = t * t
+        p = t + t * z * ({_horner("z", _ATAN_P32)})
+        r = tl.where(high, p + 0.7853981633974483, p)
+    return r
+
+
+@triton.jit
+def tfsn_atan2(y, x):
+    """C's atan2: atan of min(|x|, |y|) / max(|x|, |y|) (1 where both are infinite, the NaN or 0 of the smaller
+    where the larger is 0), reflected to pi/2 - r where |y| > |x| and to pi - r where x's sign bit is set (-0.0
+    too), then given y's sign bit: atan2(-0.0, -0.0) is -pi, atan2(+-inf, -inf) +-3pi/4, NaN where either is."""
+    ax = tl.abs(x)
+    ay = tl.abs(y)
+    swap = ay > ax
+    big = tl.where(swap, ay, ax)
+    small = tl.where(swap, ax, ay)
+    a = tl.where(big == 0, small, small / big)
+    a = tl.where((ax == float("inf")) & (ay == float("inf")), 1.0, a)
+    r = tfsn_atan_unit(a)
+    r = tl.where(swap, 1.5707963267948966 - r, r)
+    r = tl.where(tfsn_signbit(x), 3.141592653589793 - r, r)
+    return tl.where(tfsn_signbit(y), r * -1.0, r)
+
+
+@triton.jit
+def tfsn_hypot(x, y):
+    """C's hypot without overflow or underflow in between: max(|x|, |y|) * sqrt(1 + r * r) of their ratio r;
+    inf where either is infinite (NaN or not the other), NaN where either is NaN otherwise."""
+    ax = tl.abs(x)
+    ay = tl.abs(y)
+    swap = ay > ax
+    big = tl.where(swap, ay, ax)
+    small = tl.where(swap, ax, ay)
+    r = tl.where(big == 0, small, small / big)
+    h = big * tl.sqrt(1.0 + r * r)
+    return tl.where((ax == float("inf")) | (ay == float("inf")), float("inf"), h)
 
 
 @triton.jit

@@ -188,6 +188,28 @@ def _repeat(x: torch.Tensor, repeats: list) -> torch.Tensor:
     return aten.view.default(copied, [r * size for r, size in zip(repeats, shape)])
 
 
+def _roll(x: torch.Tensor, shifts: list, dims: list = ()) -> torch.Tensor:
+    """torch.roll (Swin's shifted windows, a sequence shifted by some steps) as a cat of the two slices of each
+    rolled dim, which the generator fuses (a cat is an index select inside the kernel). torch's decomposition
+    gathers by index_select of (arange + shift) % n: three ATen calls between kernels, in the forward and in the
+    backward (a roll back). Without dims, x is rolled flattened, as ATen rolls it."""
+    if not dims:
+        if len(shifts) != 1:
+            return NotImplemented                   # ATen raises its own error
+        return aten.reshape.default(_roll(aten.reshape.default(x, [-1]), shifts, [0]), list(x.shape))
+    if len(shifts) != len(dims):
+        return NotImplemented
+    result, rolled = x, False
+    for shift, dim in zip(shifts, dims):
+        n = x.shape[dim]
+        if n and shift % n:
+            start = n - shift % n
+            result = aten.cat.default([aten.slice.Tensor(result, dim, start, n),
+                                       aten.slice.Tensor(result, dim, 0, start)], dim)
+            rolled = True
+    return result if rolled else aten.clone.default(x)
+
+
 def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
     """aten._efficientzerotensor as a dense zeros. Autograd formulas make it for a gradient known to be zero
     (torch.func's jacrev/hessian of a function of parameters and inputs: the mm backward of a weight with
@@ -232,6 +254,7 @@ def decompositions() -> dict:
     table[aten.index_add.default] = _index_add
     table[aten.constant_pad_nd.default] = _constant_pad
     table[aten.repeat.default] = _repeat
+    table[aten.roll.default] = _roll
     table.update(foreach_decompositions())
     return table
 

@@ -967,3 +967,23 @@ def test_repeats_are_generated_not_left_to_aten(monkeypatch, codegen):
     (as Inductor lowers it), which fuses; values and gradients as eager's, and a new tensor."""
     actual, my_inputs = shape_ops_match_eager(monkeypatch, codegen, tiles, {"aten.repeat.default"})
     assert actual[2].data_ptr() != my_inputs[0].data_ptr(), "a repeat of ones is a new tensor, not x"
+
+
+def rolls(x: torch.Tensor, last: torch.Tensor, half: torch.Tensor, flags: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """torch.roll as models use it: Swin's shifted windows rolled by (-s, -s) over two dims and back, a roll
+    along one dim, by more than its size, by 0 (a new tensor), negative dims, a roll of the flattened tensor,
+    of computed values, of a channels_last input, and bf16, bool and int tensors."""
+    shifted = x.roll((-2, -3), (2, 3))
+    return (shifted * 2, shifted.tanh().roll((2, 3), (2, 3)), x.roll(1, -1), x.roll(12, 2), x.roll(0, 1),
+            x.roll(5), x.sin().roll(1, 0).cos(), last.roll((1, -1), (1, 3)), x.roll((1, 1), (3, 3)),
+            half.roll(2, 1), flags.roll(1, 0), counts.roll(-2, -1))
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_rolls_are_generated_not_left_to_aten(monkeypatch, codegen):
+    """torch.roll ran as ATen calls between kernels (torch's decomposition: an index_select of (arange + shift)
+    % n), in the forward and in its backward. It is a cat of two slices per rolled dim now, which fuses; values
+    and gradients as eager's, and a new tensor."""
+    actual, my_inputs = shape_ops_match_eager(monkeypatch, codegen, rolls,
+                                              {"aten.roll.default", "aten.index_select.default", "aten.fmod.Scalar"})
+    assert actual[4].data_ptr() != my_inputs[0].data_ptr(), "a roll by 0 is a new tensor, not x"

@@ -3,7 +3,8 @@ target and through Triton (on this CPU under TRITON_INTERPRET=1) against eager P
 input gradients: softmax and log-sum-exp over rows that are all -inf or hold +inf and NaN; variances with
 every correction, over a dim of size 1; vector norms of every order and F.normalize at zero vectors;
 distances at equal points; special functions near their poles and edges; the IEEE edge cases of atan2,
-fmod, remainder and rounding divisions; integer divisions, remainders and shifts of negative numbers; losses
+fmod, remainder and rounding divisions; integer divisions, remainders and shifts of negative numbers; sums of
+bool masks (logical ors); losses
 with their options (probability targets with label smoothing, weights and ignore_index; targets all
 ignored; log targets; pos_weight with extreme logits); activations and clamps given NaN and inf.
 
@@ -292,6 +293,23 @@ def rounding(x: torch.Tensor) -> tuple:
     return (torch.round(x), torch.round(x * 1.0) + 0.0, torch.round(x, decimals=0), torch.round(x * 4) / 4)
 
 
+def _masks(dtype: torch.dtype) -> tuple:
+    """Lengths and SpecAugment window starts of 3 rows of 7 steps, overlapping the padding in the last row."""
+    g = torch.Generator().manual_seed(0)
+    return torch.tensor([7, 2, 4]), torch.tensor([1, 0, 3]), torch.randn(3, 7, generator=g).to(dtype)
+
+
+def mask_sums(lengths: torch.Tensor, starts: torch.Tensor, x: torch.Tensor) -> tuple:
+    """A padding mask and a window mask added, as code combines masks: torch's sum of bools is their logical or
+    (True + True is True), so where both hold it converts to 1.0 and counts once."""
+    t = torch.arange(x.shape[1])
+    padded = t[None] >= lengths[:, None]
+    window = (t[None] >= starts[:, None]) & (t[None] < starts[:, None] + 2)
+    blocked = padded + window
+    return (blocked, x * blocked, blocked.float().sum(1), x.masked_fill(blocked, 0.0),
+            torch.add(padded, window, alpha=True).to(x.dtype) * x, (blocked + padded + window).long() * 3)
+
+
 IDIOMS = [
     Idiom("softmax_family", softmax_family, _rows, (FP32, FP64, BF16), (FP32,)),
     Idiom("variances", variances, _rows, (FP32, FP64, BF16), (FP32,)),
@@ -305,6 +323,7 @@ IDIOMS = [
     Idiom("other_losses", other_losses, _logits, (FP32, FP64)),
     Idiom("activations_given_nan", activations_given_nan, _specials_row, (FP32, FP64, BF16, FP16), (FP32, FP64)),
     Idiom("rounding", rounding, _whole_and_halves, (FP32, FP64), (FP32, FP64), exact=True),
+    Idiom("mask_sums", mask_sums, _masks, (FP32, FP64), (FP32,)),
 ]
 TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 RUNS = [pytest.param(i, d, "c", id=f"{i.name}-{str(d)[6:]}-c") for i in IDIOMS for d in i.dtypes] + [

@@ -97,7 +97,17 @@ def _binary(fmt: str) -> Render:
     return render
 
 
+def _or_for_bools(render: Render) -> Render:
+    """`render` of a sum, made torch's logical or where the result is bool (True + True is True): computed in
+    int32 and tested against zero. A bool is held as an int32 in a loop and stored as a byte, so the plain
+    sum stored 2, which reads back as 2.0 where converted to a float (and counts twice where summed)."""
+    def rendered(ops, out, kw):
+        return f"({render(ops, 'int32', kw)} != 0)" if out == "bool" else render(ops, out, kw)
+    return rendered
+
+
 def _alpha(sign: str, reverse: bool = False) -> Render:
+    @_or_for_bools
     def render(ops, out, kw):
         a, b = (cast(o, out) for o in (ops[1::-1] if reverse else ops[:2]))
         alpha = kw.get("alpha", 1)
@@ -270,9 +280,9 @@ POINTWISE: dict[str, Render] = {
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
     # Inductor's prim (torch._inductor.inductor_prims), which its decompositions of lerp and addcmul
     # use once Inductor is loaded: a * b + c rounded once, as C's fma
-    "prims.fma.default": lambda o, out, kw: (f"fma({cast(o[0], out)}, {cast(o[1], out)}, {cast(o[2], out)})"
-                                             if out in FLOATS else  # integers wrap in their own type, not a double
-                                             f"({cast(o[0], out)} * {cast(o[1], out)} + {cast(o[2], out)})"),
+    "prims.fma.default": _or_for_bools(lambda o, out, kw: (
+        f"fma({cast(o[0], out)}, {cast(o[1], out)}, {cast(o[2], out)})" if out in FLOATS else
+        f"({cast(o[0], out)} * {cast(o[1], out)} + {cast(o[2], out)})")),  # integers wrap in their own type
     "aten.maximum.default": _nan_max(">="), "aten.minimum.default": _nan_max("<="),
     "aten.clamp_min.default": lambda o, out, kw: _clamp([o[0], o[1]], out, kw),
     "aten.clamp_max.default": lambda o, out, kw: _clamp([o[0], NONE, o[1]], out, kw),

@@ -1,6 +1,8 @@
 """Shared fixtures: an isolated TFSN_HOME per test and a way to run the real `tfsn` command."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +22,20 @@ EAGER = {"OPTIMIZE": "0"}
 # A smaller model than the example's default, so an e2e job takes seconds, not minutes.
 FAST_MODEL = {"N_LAYER": "1", "N_EMBD": "32", "N_HEAD": "2", "BLOCK_SIZE": "32", "BATCH_SIZE": "8",
               "CORPUS_CHARS": "20000", "LOG_INTERVAL": "5", **EAGER}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def triton_interpreter_without_dead_overflow_checks():
+    """Triton's interpreter (TRITON_INTERPRET=1) computes an overflow check for each integer +, - and * of 32
+    bits or less (sanitize_overflow, on by default), in int64, then drops it: device_assert checks nothing
+    unless the kernel runs with debug=True, which the interpreter never does, and a GPU compile deletes the
+    same dead code. Half of the interpreter's time went there; off, each kernel computes the same values."""
+    if importlib.util.find_spec("triton") is not None:     # (0.3 s) a test may import Triton only when it runs
+        from triton.runtime import interpreter
+        builder = interpreter.interpreter_builder
+        assert not builder.options.debug, "the interpreter now checks device_assert: keep its overflow checks"
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    yield
 
 
 class Tfsn:

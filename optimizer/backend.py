@@ -249,6 +249,14 @@ def corrected_autograd_decompositions():
             op._dispatch_cache.clear()
 
 
+def traced_with_corrections(trace: Callable) -> Callable:
+    """An AOTAutograd backend `trace` that traces under corrected_autograd_decompositions."""
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        with corrected_autograd_decompositions():
+            return trace(gm, example_inputs)
+    return backend
+
+
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
@@ -922,13 +930,8 @@ def make_backend(**options: Any) -> Callable:
     partition_fn = searched_partition() if searched else partition
     # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
     # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)
-    trace = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
-                         decompositions=decompositions, keep_inference_input_mutations=True)
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        with corrected_autograd_decompositions():
-            return trace(gm, example_inputs)
-    return backend
+    return traced_with_corrections(aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
+                                                decompositions=decompositions, keep_inference_input_mutations=True))
 
 
 def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

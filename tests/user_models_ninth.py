@@ -5,7 +5,8 @@ and detection models and many losses. These are the training objectives of reinf
 aware training, tabular and recommender models and probabilistic heads, written as their reference
 implementations are: PPO's clipped surrogate with torch.distributions (Categorical and Normal log_prob and
 entropy), advantage normalisation, value clipping and GAE computed by a reversed Python loop over time writing
-into a buffer in place; SAC's tanh-squashed Normal with the log-det correction by softplus, twin critics and a
+into a buffer in place; a recurrent policy (an LSTMCell stepped in a loop, its state reset at episode ends)
+with invalid actions masked out of a Categorical; SAC's tanh-squashed Normal with the log-det correction by softplus, twin critics and a
 learned temperature; DQN (gather of the chosen actions, double-DQN targets from a target network read under
 no_grad, a Huber loss) with the target network updated by lerp_ (Polyak averaging) inside forward; fake
 quantization with the straight-through estimator (x + (q - x).detach()), torch.fake_quantize_per_tensor_affine
@@ -101,6 +102,36 @@ class PPOGaussian(nn.Module):
         v_loss = 0.5 * torch.max((v - returns) ** 2, (v_clipped - returns) ** 2).mean()
         loss = pg + 0.5 * v_loss - 1e-3 * dist.entropy().sum(-1).mean() + 0.1 * approx_kl
         return mean, loss + 0.0 * clipped_fraction
+
+
+class RecurrentMaskedPolicy(nn.Module):
+    """A recurrent actor-critic as PPO-LSTM implementations write it: an LSTMCell stepped over the rollout in a
+    Python loop, its state zeroed where the previous step ended an episode; invalid actions masked out of the
+    logits with the dtype's lowest value (masked_fill) before Categorical, whose entropy then counts only the
+    valid ones; A2C's loss (policy gradient on detached advantages, value MSE, entropy bonus)."""
+
+    def __init__(self, d: int = 4, hidden: int = 6, actions: int = 5) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(d, hidden)
+        self.pi, self.v = nn.Linear(hidden, actions), nn.Linear(hidden, 1)
+
+    def forward(self, obs: Tensor, dones: Tensor, valid: Tensor, actions: Tensor, returns: Tensor) -> tuple:
+        T, N, _ = obs.shape
+        h = c = obs.new_zeros(N, self.cell.hidden_size)
+        hs = []
+        for t in range(T):
+            keep = (~dones[t]).to(obs.dtype).unsqueeze(-1)
+            h, c = self.cell(obs[t], (h * keep, c * keep))
+            hs.append(h)
+        hs = torch.stack(hs)                                        # (T, N, hidden)
+        logits = self.pi(hs)
+        logits = logits.masked_fill(~valid, torch.finfo(logits.dtype).min)
+        dist = Categorical(logits=logits)
+        values = self.v(hs).squeeze(-1)
+        advantages = (returns - values).detach()
+        loss = -(dist.log_prob(actions) * advantages).mean() + 0.5 * F.mse_loss(values, returns) \
+            - 0.01 * dist.entropy().mean()
+        return logits, loss
 
 
 class SACActor(nn.Module):
@@ -475,6 +506,15 @@ def _rollout(g: torch.Generator) -> tuple:
     return (obs, acts, old_logp, rewards, dones), None
 
 
+def _masked_rollout(g: torch.Generator) -> tuple:
+    T, N, actions = 5, 3, 5
+    valid = torch.rand(T, N, actions, generator=g) < 0.6
+    valid[..., 0] = True                                            # a no-op is always allowed
+    acts = torch.multinomial(valid.view(-1, actions).float(), 1, generator=g).view(T, N)
+    return (torch.randn(T, N, 4, generator=g), torch.rand(T, N, generator=g) < 0.25, valid, acts,
+            torch.randn(T, N, generator=g)), None
+
+
 def _continuous(g: torch.Generator) -> tuple:
     n = 11
     obs, actions = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g) * 0.8
@@ -551,10 +591,11 @@ def cases() -> list[Case]:
     tabnet = Case("tabnet_sparsemax_entmax", TabNetLite, _features(7), tabnet_loss)
     fm_dcn = Case("fm_dcn", FMDCN, _fields, own_loss)
     probabilistic = Case("probabilistic_heads", ProbabilisticHeads, _probabilistic, own_loss)
-    return [Case("ppo_categorical_gae", PPOCategoricalGAE, _rollout, own_loss), ppo_gaussian, sac,
+    recurrent = Case("recurrent_masked_policy", RecurrentMaskedPolicy, _masked_rollout, own_loss)
+    return [Case("ppo_categorical_gae", PPOCategoricalGAE, _rollout, own_loss), ppo_gaussian, sac, recurrent,
             Case("double_dqn_polyak", DQN, _transitions, own_loss),
             Case("fake_quant_mlp", FakeQuantMLP, _features(7), classify), lsq, ft, tabnet,
             Case("dlrm_embedding_bags", DLRM, _clicks, own_loss), fm_dcn, probabilistic,
             Case("loss_options", LossOptions, _loss_options, own_loss),
-            *(bf16(c) for c in (sac, ft, fm_dcn)),
+            *(bf16(c) for c in (sac, recurrent, ft, fm_dcn)),
             *(fp64(c) for c in (ppo_gaussian, lsq, tabnet, probabilistic))]

@@ -6,6 +6,7 @@ core-ATen graphs; each graph is lowered to the IR, fused, generated as C, compil
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -236,6 +237,63 @@ def _conj_copy(x: torch.Tensor | complex) -> Any:
     return aten.conj_physical.default(x)
 
 
+def _multilabel_margin_loss_forward(x: torch.Tensor, target: torch.Tensor, reduction: int) -> tuple:
+    """multilabel_margin_loss as ATen computes it: for each sample, the target slots before the first -1 each
+    add sum over non-target classes c of max(0, 1 - x[target] + x[c]) / C. torch's decomposition (run at the
+    Autograd key while AOTAutograd traces) gathered class 0 for every slot after the first -1 and summed those
+    slots too: a target row [1, -1, 0, 0] was counted as [1, 0, 0, 0] (F.multilabel_margin_loss 1.33 where eager
+    gives 0.47, and the matching wrong gradient). Also gives a 1-d input's per-sample loss ATen's 0-d shape."""
+    x2, target2 = torch.atleast_2d(x), torch.atleast_2d(target)
+    classes = torch.arange(x2.shape[1], device=x.device)
+    end = torch.amin(torch.where(target2 == -1, classes, x2.shape[1]), dim=-1, keepdim=True)
+    slot = classes < end                                                    # (N, slots): slot j holds a target
+    gathered = torch.gather(x2, -1, torch.where(slot, target2, 0))          # x at each slot's target
+    is_target = torch.any(classes == torch.where(slot, target2, -1).unsqueeze(-1), dim=1)      # (N, C)
+    hinge = torch.clamp_min(1.0 - gathered.unsqueeze(-1) + x2.unsqueeze(1), 0) / x2.shape[1]  # (N, slots, C)
+    hinge = torch.where(slot.unsqueeze(-1) & ~is_target.unsqueeze(1), hinge, 0)
+    per_sample = hinge.sum(dim=(1, 2))
+    if reduction == 1:                                                      # torch's Reduction: 0 none, 1 mean
+        loss = per_sample.mean()
+    elif reduction == 2:
+        loss = per_sample.sum()
+    else:
+        loss = per_sample.reshape(x.shape[:-1])
+    return loss, is_target.to(x.dtype).reshape(target.shape)
+
+
+# torch decompositions registered at the Autograd key (py_impl(DispatchKey.Autograd)): while AOTAutograd traces,
+# they replace the op before autograd and before the decomposition table is read, so a wrong one is corrected by
+# swapping that kernel for the trace (`corrected_autograd_decompositions`) and in the table.
+AUTOGRAD_KEY_CORRECTIONS = {aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward}
+
+
+@contextlib.contextmanager
+def corrected_autograd_decompositions():
+    """AUTOGRAD_KEY_CORRECTIONS' kernels at the Autograd key while in the block (a trace), torch's after."""
+    from torch._C import DispatchKey
+    saved = {op: op.py_kernels.get(DispatchKey.Autograd) for op in AUTOGRAD_KEY_CORRECTIONS}
+    for op, corrected in AUTOGRAD_KEY_CORRECTIONS.items():
+        op.py_kernels[DispatchKey.Autograd] = corrected
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in saved.items():
+            if kernel is None:
+                op.py_kernels.pop(DispatchKey.Autograd, None)
+            else:
+                op.py_kernels[DispatchKey.Autograd] = kernel
+            op._dispatch_cache.clear()
+
+
+def traced_with_corrections(trace: Callable) -> Callable:
+    """An AOTAutograd backend `trace` that traces under corrected_autograd_decompositions."""
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        with corrected_autograd_decompositions():
+            return trace(gm, example_inputs)
+    return backend
+
+
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, get_decompositions
@@ -255,6 +313,7 @@ def decompositions() -> dict:
     table[aten.constant_pad_nd.default] = _constant_pad
     table[aten.repeat.default] = _repeat
     table[aten.roll.default] = _roll
+    table.update(AUTOGRAD_KEY_CORRECTIONS)
     table.update(foreach_decompositions())
     return table
 
@@ -910,8 +969,8 @@ def make_backend(**options: Any) -> Callable:
     partition_fn = searched_partition() if searched else partition
     # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
     # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
-                        decompositions=decompositions, keep_inference_input_mutations=True)
+    return traced_with_corrections(aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
+                                                decompositions=decompositions, keep_inference_input_mutations=True))
 
 
 def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

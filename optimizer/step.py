@@ -180,7 +180,7 @@ def predicting_backend(spec: HardwareSpec, on_graph: Callable[[Any], None],
     from torch._functorch.aot_autograd import make_boxed_func
 
     from optimizer import ir
-    from optimizer.backend import decompositions, searched_partition
+    from optimizer.backend import decompositions, searched_partition, traced_with_corrections
 
     def compile_for_spec(gm: torch.fx.GraphModule, example_inputs):
         try:
@@ -192,5 +192,5 @@ def predicting_backend(spec: HardwareSpec, on_graph: Callable[[Any], None],
         on_graph(graph)
         return make_boxed_func(gm.forward)
 
-    return aot_autograd(fw_compiler=compile_for_spec, bw_compiler=compile_for_spec, partition_fn=searched_partition(spec),
-                        decompositions=decompositions)
+    return traced_with_corrections(aot_autograd(fw_compiler=compile_for_spec, bw_compiler=compile_for_spec,
+                                                partition_fn=searched_partition(spec), decompositions=decompositions))

@@ -263,6 +263,20 @@ def other_losses(x: torch.Tensor, p: torch.Tensor) -> tuple:
     return tuple(out)
 
 
+# multilabel_margin_loss's targets: class indices up to the first -1, the rest ignored; a row that starts with
+# -1 (no targets), one with classes after its -1, one with every class a target, one with a class twice
+MULTILABEL_TARGETS = torch.tensor([[3, 0, -1, 1, 1], [-1, 2, 0, 0, 0], [4, -1, 0, 2, 1], [0, 1, 2, 3, 4],
+                                   [2, 2, 1, -1, 4], [1, 3, 0, 4, -1]])
+
+
+def multilabel_margin(x: torch.Tensor, p: torch.Tensor) -> tuple:
+    """multilabel_margin_loss reduced each way, over a batch and over one sample (a 1-d input, whose per-sample
+    loss is 0-d). torch's decomposition summed the slots after the first -1 as more targets of class 0."""
+    out = [F.multilabel_margin_loss(x, MULTILABEL_TARGETS, reduction=r) for r in ("mean", "sum", "none")]
+    return (*out, F.multilabel_margin_loss(p[2], MULTILABEL_TARGETS[2], reduction="none"),
+            F.multilabel_margin_loss(p[2] * 4, MULTILABEL_TARGETS[2]))
+
+
 def _specials_row(dtype: torch.dtype) -> tuple:
     return (torch.tensor([[NAN, -INF, INF, -1., -0., 0., 0.5, 3., 6., 7., 1e-3, -1e-3, 2.9]]).to(dtype),)
 
@@ -321,6 +335,7 @@ IDIOMS = [
           (torch.int64,)),
     Idiom("class_losses", class_losses, _logits, (FP32, FP64), (FP32,)),
     Idiom("other_losses", other_losses, _logits, (FP32, FP64)),
+    Idiom("multilabel_margin", multilabel_margin, _logits, (FP32, FP64), (FP32,)),
     Idiom("activations_given_nan", activations_given_nan, _specials_row, (FP32, FP64, BF16, FP16), (FP32, FP64)),
     Idiom("rounding", rounding, _whole_and_halves, (FP32, FP64), (FP32, FP64), exact=True),
     Idiom("mask_sums", mask_sums, _masks, (FP32, FP64), (FP32,)),

@@ -155,13 +155,13 @@ def test_adamw_step_alone_matches_eager_and_is_generated():
 
 def _foreach_arguments(op) -> list:
     """Arguments for a foreach overload, from its schema: lists of two tensors of other shapes (positive, so that
-    sqrt, log and pow stay real), a scalar, a list of two scalars, a 0-d tensor."""
+    sqrt, log and pow stay real), a scalar, a list of two scalars, a 0-d tensor, False (copy's non_blocking)."""
     g = torch.Generator().manual_seed(0)
 
     def tensors() -> list[torch.Tensor]:
         return [torch.rand(3, 5, generator=g) + 0.5, torch.rand(7, generator=g) + 0.5]
     made = {"List[Tensor]": tensors, "number": lambda: 0.75, "List[number]": lambda: [0.75, 1.5],
-            "Tensor": lambda: torch.tensor(1.25)}
+            "Tensor": lambda: torch.tensor(1.25), "bool": lambda: False}
     return [made[str(a.type)]() for a in op._schema.arguments if not a.kwarg_only]
 
 

@@ -106,12 +106,15 @@ def _weight_norm_backward(grad_w: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 # parameter or state by one more ATen call (AdamW on 12 parameters: 19 foreach calls and 48 copy_, no generated
 # kernel). Per tensor, a parameter's whole update fuses into one generated kernel that writes parameter and state
 # in place, as the single-tensor updates (the CPU's default) already do. Core ATen has no decomposition of these.
-FOREACH_ELEMENTWISE = ("abs", "add", "addcdiv", "addcmul", "ceil", "clamp_max", "clamp_min", "cos", "div", "erf",
-                       "exp", "expm1", "floor", "lerp", "log", "log1p", "log2", "maximum", "minimum", "mul", "neg",
-                       "pow", "reciprocal", "round", "rsqrt", "sigmoid", "sign", "sin", "sqrt", "sub", "tanh", "trunc")
-# overloads with no per-tensor twin of the same arguments: a tensor of per-list scalars, a scalar maximum/minimum
-FOREACH_KEPT = {("addcdiv", "Tensor"), ("addcmul", "Tensor"), ("maximum", "Scalar"), ("maximum", "ScalarList"),
-                ("minimum", "Scalar"), ("minimum", "ScalarList")}
+FOREACH_ELEMENTWISE = ("abs", "add", "addcdiv", "addcmul", "ceil", "clamp_max", "clamp_min", "copy", "cos", "div",
+                       "erf", "exp", "expm1", "floor", "lerp", "log", "log1p", "log2", "maximum", "minimum", "mul",
+                       "neg", "pow", "reciprocal", "round", "rsqrt", "sigmoid", "sign", "sin", "sqrt", "sub", "tanh",
+                       "trunc")
+# overloads with no per-tensor twin of the same arguments: a tensor of per-list scalars
+FOREACH_KEPT = {("addcdiv", "Tensor"), ("addcmul", "Tensor")}
+# overloads whose per-tensor twin has another name: maximum/minimum take a tensor, clamp a scalar (both keep NaN)
+FOREACH_TWIN = {("maximum", "Scalar"): aten.clamp_min, ("maximum", "ScalarList"): aten.clamp_min,
+                ("minimum", "Scalar"): aten.clamp_max, ("minimum", "ScalarList"): aten.clamp_max}
 
 
 def _per_tensor(op: Any, *args: Any, **kwargs: Any) -> list:
@@ -132,7 +135,8 @@ def foreach_decompositions() -> dict:
         packet = getattr(aten, f"_foreach_{name}")
         for overload in packet.overloads():
             if not overload.endswith("out") and (name, overload) not in FOREACH_KEPT:
-                table[getattr(packet, overload)] = functools.partial(_per_tensor, getattr(aten, name))
+                twin = FOREACH_TWIN.get((name, overload), getattr(aten, name))
+                table[getattr(packet, overload)] = functools.partial(_per_tensor, twin)
     return table
 
 
@@ -779,7 +783,7 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
                               lambda: search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1))
 
 
-SEARCH_VERSION = "30"     # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "31"     # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

@@ -155,13 +155,13 @@ def test_adamw_step_alone_matches_eager_and_is_generated():
 
 def _foreach_arguments(op) -> list:
     """Arguments for a foreach overload, from its schema: lists of two tensors of other shapes (positive, so that
-    sqrt, log and pow stay real), a scalar, a list of two scalars, a 0-d tensor."""
+    sqrt, log and pow stay real), a scalar, a list of two scalars, a 0-d tensor, False (copy's non_blocking)."""
     g = torch.Generator().manual_seed(0)
 
     def tensors() -> list[torch.Tensor]:
         return [torch.rand(3, 5, generator=g) + 0.5, torch.rand(7, generator=g) + 0.5]
     made = {"List[Tensor]": tensors, "number": lambda: 0.75, "List[number]": lambda: [0.75, 1.5],
-            "Tensor": lambda: torch.tensor(1.25)}
+            "Tensor": lambda: torch.tensor(1.25), "bool": lambda: False}
     return [made[str(a.type)]() for a in op._schema.arguments if not a.kwarg_only]
 
 
@@ -180,6 +180,16 @@ FOREACH_OPTIMIZERS = {
     "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=True),
     "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01,
                                                foreach=True),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True, momentum=0.9, weight_decay=0.01,
+                                                       foreach=True),
+    "radam_decoupled": lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True,
+                                                    foreach=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2, momentum_decay=4e-3, weight_decay=0.01, foreach=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-1, lr_decay=0.01, initial_accumulator_value=0.1,
+                                              weight_decay=0.01, foreach=True),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.01, foreach=True),
+    # its sign/where step-size update, and the previous gradient kept by _foreach_copy_
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2, step_sizes=(1e-3, 0.05), foreach=True),
 }
 
 
@@ -209,6 +219,21 @@ def test_foreach_optimizer_steps_match_eager_and_are_generated(name):
         assert not [op for op in left if "_foreach_" in op or "copy_" in op], left
         kernels = [g for g in result.plan.groups if g.kind != "extern"]
         assert len(kernels) <= len(params) + 1, f"{len(kernels)} kernels for {len(params)} parameters"
+
+
+def test_foreach_scalar_maximum_minimum_match_eager_and_are_generated():
+    """_foreach_maximum/_foreach_minimum with a scalar or scalar list (ASGD's mu = max(1, ...)) as generated
+    clamps that keep NaN, as eager does: no foreach op left to ATen."""
+    xs = [torch.randn(37, 19), torch.randn(83)]
+    xs[0][3, 4] = float("nan")
+
+    def clamped(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return torch._foreach_minimum(torch._foreach_maximum(xs, -0.5), [0.5, 1.0])
+    report: list = []
+    for got, expected in zip(torch.compile(clamped, backend=make_backend(report=report))(xs), clamped(xs)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    left = [graph.nodes[g.nodes[0]].op for graph, result in report for g in result.plan.groups if g.kind == "extern"]
+    assert report and not [op for op in left if "_foreach_" in op], left
 
 
 class OddShapes(nn.Module):

@@ -676,3 +676,42 @@ def test_a_channels_last_conv_net_fed_channels_last_transposed_and_partial_batch
             close(model(batches[0]), eager(batches[0]), f"evaluation after step {i}")
         eager.train(), mine.train()
     assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
+class Constrained(nn.Module):
+    """Parametrized and stat-keeping layers that write buffers or rebuild weights at every forward: a Conv1d
+    under spectral_norm (its power iteration updates u and v in train mode), InstanceNorm1d keeping running
+    stats (averaged over the batch, then used in eval), a Linear kept orthogonal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        P = nn.utils.parametrizations
+        self.conv = P.spectral_norm(nn.Conv1d(3, 6, 3, padding=1))
+        self.norm = nn.InstanceNorm1d(6, affine=True, track_running_stats=True)
+        self.mix, self.head = P.orthogonal(nn.Linear(6, 6)), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.leaky_relu(self.norm(self.conv(x)), 0.2).mean(-1)
+        return self.head(torch.tanh(self.mix(h)))
+
+
+def test_spectral_norm_instance_norm_running_stats_and_an_orthogonal_weight_train_and_evaluate_as_eager():
+    torch.manual_seed(0)
+    eager = Constrained()
+    mine = copy.deepcopy(eager)
+    model = torch.compile(mine, backend=make_backend(schedule=DEFAULT))
+    opt_e, opt_m = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, mine))
+    g = torch.Generator().manual_seed(1)
+    validation = torch.randn(2, 3, 7, generator=g)
+    for i, n in enumerate((4, 4, 3)):
+        x = torch.randn(n, 3, 7, generator=g)
+        for m, opt in ((eager, opt_e), (model, opt_m)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        same_weights(mine, eager, f"(u, v and running stats too) at step {i}")
+        eager.eval(), mine.eval()
+        with torch.no_grad():
+            close(model(validation), eager(validation), f"validation after step {i}")
+        eager.train(), mine.train()
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS

@@ -136,6 +136,19 @@ def _buffer_like(x: torch.Tensor) -> torch.Tensor:
     return base.as_strided(x.shape, x.stride(), offset).copy_(x)
 
 
+def _overlaps_itself(x: torch.Tensor) -> bool:
+    """Whether two of x's elements may share memory (a stride-0 dim of an expand). torch's own check answers
+    "too hard" for any non-contiguous layout, a slice such as tokens[:, :-1] among them. Here, with the dims
+    of more than one element sorted by stride, each stride must pass the last element the smaller ones
+    reach: never "no" for a tensor that overlaps, "yes" only for interleaved layouts such as strides (2, 3)."""
+    reach = 0
+    for s, n in sorted((s, n) for n, s in zip(x.shape, x.stride()) if n > 1):
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
 def _uses(storage: torch.UntypedStorage) -> int:
     """How many tensors (and storage objects) hold this storage now."""
     return torch._C._storage_Use_Count(storage._cdata)
@@ -227,7 +240,7 @@ class GraphReplay:
         owned = {i for i in self.moved if inputs[i].untyped_storage().data_ptr() not in REPLAYED}
         for i in owned:
             x = inputs[i]
-            if torch._debug_has_internal_overlap(x) != 0:      # 0: no element shares its memory
+            if _overlaps_itself(x):
                 self._stop(f"input {i} moves between calls and overlaps itself (strides {x.stride()})")
                 return self.run(inputs)
         # filled with this call's values: a capture that runs its ops (a recorder without a GPU's) must not read

@@ -9,6 +9,7 @@ same loops run on the GPU's own CUDA graphs and Triton kernels.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 
@@ -375,3 +376,20 @@ def test_after_a_capture_a_sync_invalidated_the_gpu_empties_its_cache_and_captur
     replay([x])
     torch.cuda.synchronize()
     assert torch.equal(outputs[0], x * 3)
+
+
+def shares_memory_by_enumeration(x: torch.Tensor) -> bool:
+    offsets = [sum(i * s for i, s in zip(index, x.stride())) for index in itertools.product(*map(range, x.shape))]
+    return len(set(offsets)) < len(offsets)
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: b, lambda b: b[:, :-1], lambda b: b[:, 1:, ::2], lambda b: b.transpose(0, 2),
+    lambda b: b[::2, :, 1:].transpose(1, 2), lambda b: b[:1, 2:], lambda b: b[:, :0],
+    lambda b: b[:, :1].expand(7, 4, 5), lambda b: b.flatten()[:12].as_strided((3, 2), (1, 1)),
+    lambda b: b.flatten().as_strided((2, 3), (3, 1)), lambda b: b.flatten().as_strided((2, 3), (2, 1))])
+def test_self_overlap_is_found_from_strides_where_torchs_check_gives_up(make):
+    """A moving input is copied into a buffer of its layout for replay: a sliced or transposed one can be (it
+    was refused, torch's check answering "too hard"), one whose elements share memory cannot."""
+    x = make(torch.randn(7, 9, 5))
+    assert graphs._overlaps_itself(x) == shares_memory_by_enumeration(x), (x.shape, x.stride())

@@ -189,6 +189,8 @@ RECIPES: list[Recipe] = [
     Recipe("aten.cos.default", lambda o: aten.cos.default(o.x), LIBM, True),
     Recipe("aten.tanh.default", lambda o: aten.tanh.default(o.x), LIBM, True),
     Recipe("aten.erf.default", lambda o: aten.erf.default(o.x), LIBM, True),
+    Recipe("aten.atan2.default", lambda o: aten.atan2.default(o.x, o.y), LIBM, True),
+    Recipe("aten.hypot.default", lambda o: aten.hypot.default(o.x, o.y), LIBM, True),
     Recipe("aten.sigmoid.default", lambda o: aten.sigmoid.default(o.x), LIBM, True),
     Recipe("aten.relu.default", lambda o: aten.relu.default(o.x), EXACT, True),
     Recipe("aten.floor.default", lambda o: aten.floor.default(o.x)),

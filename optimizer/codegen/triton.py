@@ -979,17 +979,24 @@ def tfsn_atan_unit(a):
 
 
 @triton.jit
-def tfsn_atan2(y, x):
-    """C's atan2: atan of min(|x|, |y|) / max(|x|, |y|) (1 where both are infinite, the NaN or 0 of the smaller
-    where the larger is 0), reflected to pi/2 - r where |y| > |x| and to pi - r where x's sign bit is set (-0.0
-    too), then given y's sign bit: atan2(-0.0, -0.0) is -pi, atan2(+-inf, -inf) +-3pi/4, NaN where either is."""
+def tfsn_ordered_ratio(x, y):
+    """The reduction atan2 and hypot share: min(|x|, |y|) / max(|x|, |y|) (the smaller itself, 0 or NaN, where
+    the larger is 0), the larger, and whether |y| is the larger."""
     ax = tl.abs(x)
     ay = tl.abs(y)
     swap = ay > ax
     big = tl.where(swap, ay, ax)
     small = tl.where(swap, ax, ay)
-    a = tl.where(big == 0, small, small / big)
-    a = tl.where((ax == float("inf")) & (ay == float("inf")), 1.0, a)
+    return tl.where(big == 0, small, small / big), big, swap
+
+
+@triton.jit
+def tfsn_atan2(y, x):
+    """C's atan2: atan of min(|x|, |y|) / max(|x|, |y|) (1 where both are infinite, the NaN or 0 of the smaller
+    where the larger is 0), reflected to pi/2 - r where |y| > |x| and to pi - r where x's sign bit is set (-0.0
+    too), then given y's sign bit: atan2(-0.0, -0.0) is -pi, atan2(+-inf, -inf) +-3pi/4, NaN where either is."""
+    a, _, swap = tfsn_ordered_ratio(x, y)
+    a = tl.where((tl.abs(x) == float("inf")) & (tl.abs(y) == float("inf")), 1.0, a)
     r = tfsn_atan_unit(a)
     r = tl.where(swap, 1.5707963267948966 - r, r)
     r = tl.where(tfsn_signbit(x), 3.141592653589793 - r, r)
@@ -1000,14 +1007,9 @@ def tfsn_atan2(y, x):
 def tfsn_hypot(x, y):
     """C's hypot without overflow or underflow in between: max(|x|, |y|) * sqrt(1 + r * r) of their ratio r;
     inf where either is infinite (NaN or not the other), NaN where either is NaN otherwise."""
-    ax = tl.abs(x)
-    ay = tl.abs(y)
-    swap = ay > ax
-    big = tl.where(swap, ay, ax)
-    small = tl.where(swap, ax, ay)
-    r = tl.where(big == 0, small, small / big)
+    r, big, _ = tfsn_ordered_ratio(x, y)
     h = big * tl.sqrt(1.0 + r * r)
-    return tl.where((ax == float("inf")) | (ay == float("inf")), float("inf"), h)
+    return tl.where((tl.abs(x) == float("inf")) | (tl.abs(y) == float("inf")), float("inf"), h)
 
 
 @triton.jit

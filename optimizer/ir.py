@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from optimizer.ops import DTYPES, POINTWISE_OPS
+from optimizer.ops import DTYPES, MODULOS, POINTWISE_OPS
 
 aten = torch.ops.aten
 
@@ -359,6 +359,11 @@ def _tensor_args(args, kwargs, nodes) -> list[TensorType | None]:
     return found
 
 
+def _positive_int(a) -> bool:
+    """Whether `a` is a Python int above 0: the integer divisors a kernel divides by without a check."""
+    return isinstance(a, int) and not isinstance(a, bool) and a > 0
+
+
 def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes: list[Node],
              device: str = "cpu", dtypes: tuple[str, ...] = DTYPES) -> Kind:
     """Which kind of IR node an ATen call becomes; extern whenever the generator is not sure."""
@@ -374,6 +379,8 @@ def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes
         return Kind.POINTWISE if same_rank and all(t.dtype == type_.dtype for t in tensors) else Kind.EXTERN
     if op == FLIP:
         return Kind.POINTWISE
+    if op in MODULOS and type_.dtype in INTEGER_DTYPES and not _positive_int(args[1]):
+        return Kind.EXTERN
     if op in POINTWISE_OPS:
         extra = set(kwargs) - {"alpha", "dtype", "layout", "device", "pin_memory", "memory_format",
                                "non_blocking"}

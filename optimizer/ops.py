@@ -14,14 +14,15 @@ POINTWISE_OPS = frozenset({
     "aten.clamp.default", "aten.clamp_max.default", "aten.clamp_min.default", "aten.clone.default",
     "aten.copy.default", "aten.cos.default", "aten.div.Scalar", "aten.div.Tensor", "aten.eq.Scalar",
     "aten.eq.Tensor", "aten.erf.default", "aten.exp.default", "aten.exp2.default", "aten.expm1.default",
-    "aten.fill.Scalar", "aten.floor.default", "aten.full.default", "aten.full_like.default",
-    "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor", "aten.hypot.default",
-    "aten.isnan.default", "aten.le.Scalar", "aten.le.Tensor", "aten.lift_fresh_copy.default", "aten.log.default",
-    "aten.log1p.default", "aten.log2.default", "aten.logical_and.default", "aten.logical_not.default",
-    "aten.logical_or.default", "aten.lt.Scalar", "aten.lt.Tensor", "aten.masked_fill.Scalar",
-    "aten.masked_fill.Tensor", "aten.maximum.default", "aten.minimum.default", "aten.mul.Scalar",
-    "aten.mul.Tensor", "aten.ne.Scalar", "aten.ne.Tensor", "aten.neg.default", "aten.pow.Scalar",
-    "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.reciprocal.default", "aten.relu.default",
+    "aten.fill.Scalar", "aten.floor.default", "aten.fmod.Scalar", "aten.fmod.Tensor", "aten.full.default",
+    "aten.full_like.default", "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor",
+    "aten.hypot.default", "aten.isnan.default", "aten.le.Scalar", "aten.le.Tensor",
+    "aten.lift_fresh_copy.default", "aten.log.default", "aten.log1p.default", "aten.log2.default",
+    "aten.logical_and.default", "aten.logical_not.default", "aten.logical_or.default", "aten.lt.Scalar",
+    "aten.lt.Tensor", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.maximum.default",
+    "aten.minimum.default", "aten.mul.Scalar", "aten.mul.Tensor", "aten.ne.Scalar", "aten.ne.Tensor",
+    "aten.neg.default", "aten.pow.Scalar", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor",
+    "aten.reciprocal.default", "aten.relu.default", "aten.remainder.Scalar", "aten.remainder.Tensor",
     "aten.round.default", "aten.rsqrt.default", "aten.rsub.Scalar", "aten.rsub.Tensor",
     "aten.scalar_tensor.default", "aten.sigmoid.default", "aten.sign.default", "aten.sin.default",
     "aten.sqrt.default", "aten.sub.Scalar", "aten.sub.Tensor", "aten.tanh.default", "aten.trunc.default",
@@ -31,9 +32,15 @@ POINTWISE_OPS = frozenset({
 # ops that cost a polynomial or a divide per element (the cost model's `math`, fusion's recompute cost)
 EXPENSIVE = frozenset({
     "aten.atan2.default", "aten.cos.default", "aten.div.Tensor", "aten.erf.default", "aten.exp.default",
-    "aten.expm1.default", "aten.hypot.default", "aten.log.default", "aten.log1p.default", "aten.pow.Tensor_Tensor",
+    "aten.expm1.default", "aten.fmod.Scalar", "aten.fmod.Tensor", "aten.hypot.default", "aten.log.default",
+    "aten.log1p.default", "aten.pow.Tensor_Tensor", "aten.remainder.Scalar", "aten.remainder.Tensor",
     "aten.rsqrt.default", "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
 })
+
+# C's fmod (the dividend's sign) and Python's remainder (the divisor's): exact in floats (the renderers'
+# own algorithm where the target's is not). Integers are generated only for a positive Python int divisor:
+# a zero one raises in eager where C would trap, and INT_MIN % -1 traps too.
+MODULOS = frozenset({"aten.fmod.Scalar", "aten.fmod.Tensor", "aten.remainder.Scalar", "aten.remainder.Tensor"})
 
 # Functions to whole numbers: a step at each integer (or half), so where eager rounds a 16-bit operand to the
 # half before it, a generated kernel holding that operand in fp32 must too (as comparisons do): eager's fp16

@@ -35,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from optimizer import backend  # noqa: E402
 from optimizer.backend import make_backend  # noqa: E402
+from optimizer.ops import MODULOS  # noqa: E402
 from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
 from tests.test_optimizer_user_models import TOLERANCE  # noqa: E402
 from tests.test_optimizer_user_models_more import no_graph_left_to_aten  # noqa: E402
@@ -391,3 +392,73 @@ def test_atan2_and_hypot_are_generated_not_left_to_aten(monkeypatch, dtype, code
     assert len(compiled) == 3, "the values' graph, then forward and backward, should each be one compiled graph"
     left = left_to_aten(compiled, {"aten.atan2.default", "aten.hypot.default"})
     assert not left, f"left to ATen: {left}"
+
+
+def _exact_modulos(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """C's fmod and Python's remainder of each pair, exactly (numpy's fmod, in fp32 for the halves, whose
+    values it holds exactly; remainder's move by b rounded once in the dtype, as ATen's)."""
+    import numpy as np
+    work = np.float64 if a.dtype == FP64 else np.float32
+    x, y = (t.to(FP64 if a.dtype == FP64 else FP32).numpy() for t in (a, b))
+    with np.errstate(all="ignore"):
+        r = np.fmod(x, y)
+        moved = np.where((r != 0) & ((r < 0) != (y < 0)), r + y, r)
+    return tuple(torch.from_numpy(np.asarray(v, dtype=work)).to(a.dtype) for v in (r, moved))
+
+
+def modulos(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return torch.fmod(a, b), torch.remainder(a, b), a % 0.1, torch.fmod(a, -2.5)
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [FP32, FP64, BF16, FP16], ids=str)
+def test_fmod_and_remainder_are_generated_and_exact(monkeypatch, dtype, codegen):
+    """fmod and remainder ran as ATen calls between kernels (an angle wrapped by `% (2 * pi)`, a phase, a
+    position modulo a period). They are pointwise ops now, exact as C's fmod: libm's in C; in Triton a long
+    division by steps of 22 (fp32) or 51 (fp64) bits, each exact by one fma, since Triton's % is LLVM's
+    frem, which a GPU computes as a - trunc(a / b) * b, wrong once the quotient passes 2^24. Checked against
+    numpy's fmod at every pair of signed zeros, subnormals, huge values, infinities and NaN and at random
+    pairs of magnitudes 2^(+-60) apart (quotients past 2^24, and past the dtype's range, where eager's
+    vectorized CPU loop gives NaN: its scalar tail and CUDA give the exact value), with the sign of each
+    zero; the gradients as eager's."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    spread = torch.randn(2, 400, generator=g, dtype=FP64) * torch.exp2(torch.randn(2, 400, generator=g) * 20)
+    grid = _signed_grid(dtype, extremes=True)
+    a, b = (torch.cat([edge, rand.to(dtype)]) for edge, rand in zip(grid, spread))
+    compiled_fn = torch.compile(modulos, backend=make_backend(codegen=codegen))
+    actual = compiled_fn(a, b)
+    expected = (*_exact_modulos(a, b), _exact_modulos(a, torch.full_like(a, 0.1))[1],
+                _exact_modulos(a, torch.full_like(a, -2.5))[0])
+    for i, (got, want) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"value {i}: {m}")
+        zeros = want == 0
+        assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), f"value {i}: a zero's sign differs"
+    inputs = _signed_grid(dtype)
+    for i, (got, want) in enumerate(zip(forward_and_gradients(compiled_fn, inputs)[4:],
+                                        forward_and_gradients(modulos, inputs)[4:])):
+        matches(got, want, f"gradient {i}")
+    left = left_to_aten(compiled, set(MODULOS))
+    assert not left, f"left to ATen: {left}"
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
+def test_integer_modulos_by_a_positive_int_are_generated(monkeypatch, dtype, codegen):
+    """`positions % period` and `torch.fmod(ids, n)` of integers by a positive Python int are generated (C's
+    and Python's signs, the dtype's extremes too); by a tensor, a zero, or a negative int they stay ATen's:
+    eager raises on a zero divisor where a kernel would trap, as INT_MIN % -1 traps."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    info = torch.iinfo(dtype)
+    a = torch.tensor([info.min, info.min + 1, -7, -6, -1, 0, 1, 5, 6, 7, info.max - 1, info.max]).clamp(
+        info.min, info.max).to(dtype)
+
+    def fn(a, b):
+        return a % 3, torch.fmod(a, 5), torch.remainder(a, 1), a % b, torch.fmod(a, -3)
+    divisor = torch.full_like(a, 4)
+    for got, want in zip(torch.compile(fn, backend=make_backend(codegen=codegen))(a, divisor), fn(a, divisor)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    left = left_to_aten(compiled, set(MODULOS))
+    assert sorted(left) == ["aten.fmod.Scalar", "aten.remainder.Tensor"], f"left to ATen: {left}"

@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from optimizer import fusion, ir
 from optimizer.backend import compile_graph
 from optimizer.codegen.c_ops import POINTWISE
+from optimizer.ops import MODULOS
 from optimizer.runtime import CompiledGraph
 from optimizer.schedule import Schedule
 
@@ -192,6 +193,10 @@ RECIPES: list[Recipe] = [
     Recipe("aten.atan2.default", lambda o: aten.atan2.default(o.x, o.y), LIBM, True),
     Recipe("aten.hypot.default", lambda o: aten.hypot.default(o.x, o.y), LIBM, True),
     Recipe("aten.sigmoid.default", lambda o: aten.sigmoid.default(o.x), LIBM, True),
+    Recipe("aten.fmod.Tensor", lambda o: aten.fmod.Tensor(o.x, o.y), EXACT, True),
+    Recipe("aten.fmod.Scalar", lambda o: aten.fmod.Scalar(o.x, o.s)),
+    Recipe("aten.remainder.Tensor", lambda o: aten.remainder.Tensor(o.x, o.y), EXACT, True),
+    Recipe("aten.remainder.Scalar", lambda o: aten.remainder.Scalar(o.x, o.s)),
     Recipe("aten.relu.default", lambda o: aten.relu.default(o.x), EXACT, True),
     Recipe("aten.floor.default", lambda o: aten.floor.default(o.x)),
     Recipe("aten.ceil.default", lambda o: aten.ceil.default(o.x)),
@@ -273,7 +278,15 @@ def not_compared(recipe: Recipe, o: Operands) -> torch.Tensor | None:
     """Where eager's value is not the op's to give, masked out: a float -> integer cast out of the
     target's range (undefined), and prims.fma and a + alpha * b where the product alone overflows
     (fused, it rounds once and a + inf - inf gives a's inf; unfused, inf - inf is NaN: eager fuses
-    fp32 and fp64 and not bf16/fp16, gcc may contract either, the Triton interpreter never does)."""
+    fp32 and fp64 and not bf16/fp16, gcc may contract either, the Triton interpreter never does); and fmod
+    and remainder of floats where eager gives NaN and C's fmod a value (a finite dividend, a nonzero divisor,
+    neither NaN): eager's vectorized CPU loop (Sleef) gives NaN where the quotient overflows the dtype
+    (fmod(3e38, 0.1) in fp32), its scalar tail and CUDA the exact value (tests/test_optimizer_numeric_idioms.py
+    checks the generated kernels' values there against C's fmod)."""
+    if recipe.op in MODULOS and recipe.call(o).is_floating_point():
+        divisor = o.y if recipe.op.endswith("Tensor") else torch.tensor(float(o.s))
+        defined = o.x.isfinite() & (divisor != 0) & ~divisor.isnan()
+        return (defined & recipe.call(o).isnan()).expand(recipe.call(o).shape)
     if recipe.op == "prims.fma.default" and o.x.is_floating_point():
         product = (o.x.double() * o.x2.double()).abs()
         return product > torch.finfo(o.x.dtype).max

@@ -208,6 +208,25 @@ def test_square_roots_compile_to_the_gpus_correctly_rounded_instructions(dtype, 
     assert roots_compiled and not any("approx" in r for r in roots_compiled), roots_compiled
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fmod_and_remainder_compile_to_an_exact_long_division(dtype, tmp_path):
+    """fmod and remainder are exact only if each step of their long division is: the quotient's division
+    correctly rounded (Triton's fp32 / is div.full, 2 ulp, and its % is LLVM's frem: a - trunc(a / b) * b,
+    which NVPTX computes with that division and is wrong once the quotient passes 2^24), the remainder by a
+    fused multiply-add, and the subnormal divisors' exponent read without flushing them to zero."""
+    def modulos(a, b):
+        return torch.fmod(a, b), torch.remainder(a, b), a % 0.3
+    a, b = torch.randn(5, 9, dtype=dtype), torch.rand(5, 9, dtype=dtype) + 0.5
+    graph = ir.from_fx(make_fx(modulos, decomposition_table=decompositions())(a, b), half=True)
+    plan = fusion.plan(graph)
+    ptx: dict[str, str] = {}
+    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "modulos.py", ptx=ptx) >= 1
+    code = "\n".join(ptx.values())
+    divisions = set(re.findall(r"\bdiv\.[a-z0-9.]+", code))
+    assert divisions == {f"div.rn.f{dtype.itemsize * 8}"}, divisions
+    assert re.search(r"\bfma\.rn\.f(32|64)\b", code) and not re.search(r"\b(mul|fma|setp)[a-z0-9.]*\.ftz", code)
+
+
 def test_math_functions_keep_subnormals_as_eagers(tmp_path):
     """log, log2, log1p, pow (exp2 of log2), sin, cos and exp of fp32 keep subnormal inputs and results, as torch's
     CUDA kernels: Triton compiles libdevice, where most come from, to flush subnormals to zero unless asked not to

@@ -143,6 +143,21 @@ def _libm2(name: str) -> Render:
     return render
 
 
+def _modulo(name: str) -> Render:
+    """fmod or remainder (`name`, the prelude's for int64 and floats) in the operands' result type: libm's
+    exact fmod; a half's operands are rounded to it, as eager divides the halves (an fp16 x % 0.1 divides by
+    0.0999755859375, and a step at each multiple makes x's own rounding matter as for floor)."""
+    def render(ops, out, kw):
+        t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
+        if t in HALVES:
+            a, b = (rounded(cast(o, "float32"), t) for o in ops[:2])
+            return f"tfsn_{name}f({a}, {b})"
+        if out in FLOATS:
+            return f"tfsn_{name}{'f' if out == 'float32' else ''}({cast(ops[0], out)}, {cast(ops[1], out)})"
+        return cast(Operand(f"tfsn_{name}_i64({cast(ops[0], 'int64')}, {cast(ops[1], 'int64')})", "int64"), out)
+    return render
+
+
 def _exp(fmt: str) -> Render:
     """exp through the prelude's vectorizable tfsn_expf for fp32, libm's otherwise."""
     def render(ops, out, kw):
@@ -273,6 +288,8 @@ POINTWISE: dict[str, Render] = {
     "aten.cos.default": _libm("cos"), "aten.tanh.default": _libm("tanh"),
     "aten.erf.default": _libm("erf"), "aten.atan2.default": _libm2("atan2"), "aten.hypot.default": _libm2("hypot"),
     "aten.sigmoid.default": _exp("({one} / ({one} + {exp_neg}))"),
+    "aten.fmod.Tensor": _modulo("fmod"), "aten.fmod.Scalar": _modulo("fmod"),
+    "aten.remainder.Tensor": _modulo("remainder"), "aten.remainder.Scalar": _modulo("remainder"),
     "aten.relu.default": _unary("({a} < 0 ? 0 : {a})"), "aten.floor.default": _float_only("floor({a})"),
     "aten.ceil.default": _float_only("ceil({a})"), "aten.trunc.default": _float_only("trunc({a})"),
     "aten.round.default": _float_only("nearbyint({a})"),

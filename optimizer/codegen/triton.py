@@ -209,6 +209,24 @@ def _compare(sign: str) -> Callable:
     return render
 
 
+def _modulo(name: str) -> Callable:
+    """fmod or remainder (`name`) in the operands' result type: the prelude's exact long division for floats
+    (a half's operands rounded to it, as eager divides the halves), Triton's % for integers (C's, exact; the
+    divisor is a positive Python int, optimizer/ops.py MODULOS), moved into the divisor's sign for remainder."""
+    def render(ops, out, kw):
+        t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
+        if t in HALVES:
+            a, b = (_rounded(_cast(o, "float32"), t) for o in ops[:2])
+            return f"tfsn_{name}({a}, {b})"
+        a, b = _cast(ops[0], out), _cast(ops[1], out)
+        if out in FLOATS:
+            return f"tfsn_{name}({a}, {b})"
+        if name == "fmod":
+            return f"({a} % {b})"
+        return f"tl.where(({a} % {b}) < 0, ({a} % {b}) + {b}, {a} % {b})"     # b > 0: r moves where below 0
+    return render
+
+
 POWI_LIMIT = 32     # whole exponents up to this are products (log2 n roundings); larger ones go through tfsn_pow
 
 
@@ -334,6 +352,8 @@ OPS: dict[str, Callable] = {
     "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
     "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("tfsn_tanh({a})"),
     "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),
+    "aten.fmod.Tensor": _modulo("fmod"), "aten.fmod.Scalar": _modulo("fmod"),
+    "aten.remainder.Tensor": _modulo("remainder"), "aten.remainder.Scalar": _modulo("remainder"),
     "aten.atan2.default": _binary("tfsn_atan2({a}, {b})"), "aten.hypot.default": _binary("tfsn_hypot({a}, {b})"),
     "aten.relu.default": _unary("tl.where({a} < 0, 0, {a})"), "aten.floor.default": _float_only("tl.floor({a})"),
     "aten.ceil.default": _float_only("tl.ceil({a})"),
@@ -1010,6 +1030,86 @@ def tfsn_hypot(x, y):
     r, big, _ = tfsn_ordered_ratio(x, y)
     h = big * tl.sqrt(1.0 + r * r)
     return tl.where((tl.abs(x) == float("inf")) | (tl.abs(y) == float("inf")), float("inf"), h)
+
+
+@triton.jit
+def tfsn_exponent(v):
+    """floor(log2(v)) of a positive finite v, exactly: read off its bits, a subnormal's once scaled by 2^64."""
+    if v.dtype == tl.float64:
+        tiny = v < 2.2250738585072014e-308
+        w = tl.where(tiny, v * 18446744073709551616.0, v)
+        e = ((w.to(tl.int64, bitcast=True) >> 52) & 2047) - 1023
+    else:
+        tiny = v < 1.1754943508222875e-38
+        w = tl.where(tiny, v * 18446744073709551616.0, v)
+        e = ((w.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    return tl.where(tiny, e - 64, e)
+
+
+@triton.jit
+def tfsn_scaled(y, k):
+    """y * 2^k, exactly, for a whole 0 <= k < 2 * (the dtype's largest exponent) where the product is finite:
+    two powers of two made from their bits, each normal."""
+    h = k // 2
+    if y.dtype == tl.float64:
+        p1 = ((h + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        p2 = ((k - h + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    else:
+        p1 = ((h + 127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        p2 = ((k - h + 127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return y * p1 * p2
+
+
+@triton.jit
+def tfsn_fmod_step(r, y, ey, bits):
+    """One exact long-division step of r mod y (r, y > 0): y scaled by 2^k to s, the largest for which r / s
+    is below 2^bits (whole quotients are exact there), and r - q s by one fma (exact: a multiple of s's ulp
+    below s), q = floor(r / s) corrected by one where the division rounded across a whole number (a correctly
+    rounded division: Triton's fp32 / is the GPU's div.full, 2 ulp, which could miss by more). Each step
+    takes `bits` off the exponents' gap; r where it is below y already."""
+    k = tl.maximum(tfsn_exponent(r) - ey - bits, 0)
+    s = tfsn_scaled(y, k)
+    if r.dtype == tl.float64:
+        q = tl.floor(r / s)
+    else:
+        q = tl.floor(tl.div_rn(r, s))
+    t = tl.fma(q * -1.0, s, r)
+    t = tl.where(t < 0, t + s, t)
+    t = tl.where(t >= s, t - s, t)
+    return tl.where(r >= y, t, r)
+
+
+@triton.jit
+def tfsn_fmod(a, b):
+    """C's fmod, exactly, as torch's on either device: the remainder of |a| by |b| by long division (13 steps
+    of 22 bits cover fp32's exponents, subnormals included; 43 of 51 fp64's), with a's sign (-0.0 too); NaN
+    where b is 0, a infinite or either NaN; a itself where b is infinite. Triton's own % is LLVM's frem,
+    which NVPTX computes as a - trunc(a / b) * b: wrong once the quotient passes 2^24, or where the division
+    rounds it up to a whole number (a negative remainder). A scalar b (fmod.Scalar) is made a tensor like a
+    (its zero's sign does not matter: a zero b gives NaN)."""
+    b = b + tl.zeros_like(a)
+    x = tl.abs(a)
+    y = tl.abs(b)
+    ey = tfsn_exponent(y)
+    r = x
+    if a.dtype == tl.float64:
+        for _ in range(43):
+            r = tfsn_fmod_step(r, y, ey, 51)
+    else:
+        for _ in range(13):
+            r = tfsn_fmod_step(r, y, ey, 22)
+    r = tl.where(y == float("inf"), x, r)
+    r = tl.where(tfsn_signbit(a), r * -1.0, r)
+    return tl.where((y == 0) | (x == float("inf")) | (x != x) | (y != y), float("nan"), r)
+
+
+@triton.jit
+def tfsn_remainder(a, b):
+    """Python's (and torch's) remainder of floats: fmod, moved by b where its sign differs from b's (ATen's
+    own formula, so remainder(-1e-30, 1.0) rounds to 1.0 as eager's)."""
+    b = b + tl.zeros_like(a)
+    r = tfsn_fmod(a, b)
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
 
 @triton.jit

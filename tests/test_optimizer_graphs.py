@@ -31,6 +31,12 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 STEPS = 6
 
 
+def _distinct(x: torch.Tensor) -> torch.Tensor:
+    """x's elements at distinct addresses: each stride-0 dim (an expand, as a backward's gradient of a mean
+    returns) taken once, so that a replay can write them as a graph's kernels would."""
+    return x[tuple(slice(0, 1) if s == 0 else slice(None) for s in x.stride())]
+
+
 class Rerun:
     """A CUDA graph's contract on a CPU (see the module's docstring)."""
 
@@ -44,11 +50,11 @@ class Rerun:
         outputs = run(list(inputs))
         for x, b in zip(inputs, before):        # a capture runs nothing: what it wrote is put back,
             if isinstance(x, torch.Tensor):     # its version unchanged (autograd checks saved tensors')
-                x.data.copy_(b)
+                _distinct(x.data).copy_(_distinct(b))
         mine = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         for o in outputs:                       # and what it allocated holds no value yet
             if isinstance(o, torch.Tensor) and o.is_floating_point() and o.untyped_storage().data_ptr() not in mine:
-                o.data.fill_(float("nan"))
+                _distinct(o.data).fill_(float("nan"))
         addresses = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in inputs]
 
         def replay(now):
@@ -56,7 +62,7 @@ class Rerun:
                 "replayed with an input away from the address its capture read"
             for o, n in zip(outputs, run(list(now))):
                 if isinstance(o, torch.Tensor):
-                    o.data.copy_(n)       # as a graph writes: no version counted
+                    _distinct(o.data).copy_(_distinct(n))       # as a graph writes: no version counted
         return outputs, replay
 
 

@@ -26,9 +26,9 @@ from tests.test_optimizer_user_models_third import CLIP, OPTIMIZERS as CLIPPED_O
 from tests.user_models_eleventh import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
-THROUGH_TRITON = ["neox_parallel_partial_rotary", "mup_gpt_z_loss"]
-# routing with a capacity whose drops move as the router trains; soft-capped logits
-TRAINED = ["deepseek_mla_moe_mtp", "gemma2_softcap_local_global"]
+THROUGH_TRITON = ["neox_parallel_partial_rotary", "mup_gpt_z_loss", "switch_varlen_chunked_loss"]
+# routing with a capacity whose drops move as the router trains; soft-capped logits; a frozen reference
+TRAINED = ["deepseek_mla_moe_mtp", "gemma2_softcap_local_global", "dpo_frozen_reference"]
 # a tied head in a parameter group of its own kind; the packed model's QK-norm vectors in the no-decay group
 CLIPPED = ["mup_gpt_z_loss", "qwen_packed_qk_norm_window"]
 

@@ -540,6 +540,57 @@ class DPO(nn.Module):
         return rewards, loss
 
 
+# --- HF Llama over a left-padded batch ------------------------------------------------------------------------
+
+class LeftPaddedLlama(nn.Module):
+    """HF Llama's handling of a left-padded batch (as in RLHF rollouts): position ids from the attention
+    mask's cumsum (padding set to 1), cos/sin gathered at them, a 4-D additive mask of finfo.min from the
+    causal and the padding mask in the hidden dtype, padded query rows then unmasked entirely by multiplying
+    with ~all(row == min) (HF's _unmask_unattended, for SDPA's memory-efficient kernel); SDPA with that
+    float mask; the loss over the real tokens only."""
+
+    def __init__(self, vocab: int = 13, d: int = 12, heads: int = 3, layers: int = 2) -> None:
+        super().__init__()
+        self.heads, hd = heads, d // heads
+        self.embed = nn.Embedding(vocab, d)
+        self.rotary = Rotary(hd)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.input_layernorm, layer.post_attention_layernorm = nn.RMSNorm(d), nn.RMSNorm(d)
+            layer.q, layer.k, layer.v, layer.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+            layer.gate, layer.up, layer.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False), \
+                nn.Linear(2 * d, d, bias=False)
+            self.layers.append(layer)
+        self.norm = nn.RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: Tensor, attention_mask: Tensor) -> tuple:
+        B, T = ids.shape
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        position_ids = position_ids.masked_fill(attention_mask == 0, 1)
+        x = self.embed(ids)
+        cos, sin = self.rotary(position_ids)
+        cos, sin = cos[:, None], sin[:, None]
+        low = torch.finfo(x.dtype).min
+        causal = torch.full((T, T), low, dtype=x.dtype, device=x.device).triu(1)
+        mask = causal[None, None].expand(B, 1, T, T).clone()
+        padding = mask + attention_mask[:, None, None, :].to(x.dtype)
+        mask = mask.masked_fill(padding == 0, low)
+        mask = mask.mul(~torch.all(mask == low, dim=-1, keepdim=True))
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            q, k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2) for p in (layer.q, layer.k, layer.v))
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+            x = x + layer.o(attn.transpose(1, 2).reshape(B, T, -1))
+            h = layer.post_attention_layernorm(x)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        logits = self.lm_head(self.norm(x))
+        labels = ids.masked_fill(attention_mask == 0, IGNORE)
+        return logits, shifted_lm_loss(logits, labels)
+
+
 # --- the cases ---------------------------------------------------------------------------------------------
 
 def _lm(vocab: int, T: int, B: int = 2, pad: int = 2):
@@ -579,6 +630,12 @@ def _preferences(g: torch.Generator) -> tuple:
     return (chosen, rejected, chosen_mask, rejected_mask), None
 
 
+def _left_padded(g: torch.Generator) -> tuple:
+    ids = torch.randint(0, 13, (3, 7), generator=g)
+    attention_mask = (torch.arange(7) >= torch.tensor([0, 3, 1])[:, None]).long()    # 0, 3 and 1 pads on the left
+    return (ids, attention_mask), None
+
+
 def cases() -> list[Case]:
     neox = Case("neox_parallel_partial_rotary", NeoX, _lm(13, 7), own_loss)
     gemma = Case("gemma2_softcap_local_global", Gemma, _lm(17, 7), own_loss)
@@ -588,7 +645,8 @@ def cases() -> list[Case]:
     varlen = Case("switch_varlen_chunked_loss", SwitchVarlen, _varlen, own_loss)
     dpo = Case("dpo_frozen_reference", DPO, _preferences, own_loss)
     pure_gemma = Case("gemma2_pure_bf16", lambda: Gemma().bfloat16(), _lm(17, 7), own_loss, bf16=True)
-    return [neox, gemma, packed, deepseek, mup, varlen, dpo, pure_gemma,
+    left_padded = Case("llama_left_padded_unmasked_rows", LeftPaddedLlama, _left_padded, own_loss)
+    return [neox, gemma, packed, deepseek, mup, varlen, dpo, pure_gemma, left_padded, bf16(left_padded),
             bf16(gemma), bf16(deepseek), bf16(neox),   # not varlen: eager bf16 is 30x further from fp64 than tfsn
             # the others upcast to fp32 on purpose (norms, softmax, the router, logits.float() before the
             # loss): in fp64 their values and gradients would carry fp32's rounding, 1e-7 apart

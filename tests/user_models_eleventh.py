@@ -15,7 +15,9 @@ multi-token prediction heads; a muP-style GPT (1/d attention scale, output multi
 z-loss; a packed batch in flash-attn's varlen form (document ids by searchsorted of cu_seqlens) with a Switch
 MoE dispatching by index_put into capacity buffers (overflow to a spare slot) and the LM loss summed over
 uneven chunks; DPO with a frozen reference model under no_grad, per-sequence log-probs gathered from
-log_softmax over a response mask; Gemma cast to bf16 whole. Losses shift labels with ignore_index=-100,
+log_softmax over a response mask; Gemma cast to bf16 whole; HF Llama over a left-padded batch (a
+finfo.min mask whose all-padding rows are unmasked); gpt-oss (attention sinks, YaRN rope, a clamped SwiGLU
+MoE softmaxed over its top-k logits). Losses shift labels with ignore_index=-100,
 label smoothing and reduction='sum' / the number of labelled tokens. Sizes are odd and tiny; every input comes from a seeded generator. Each model is a
 `tests.user_models.Case`.
 """
@@ -591,6 +593,95 @@ class LeftPaddedLlama(nn.Module):
         return logits, shifted_lm_loss(logits, labels)
 
 
+# --- gpt-oss: attention sinks, YaRN rope, clamped SwiGLU, softmax over the top-k ----------------------------
+
+class YaRNRotary(nn.Module):
+    """YaRN's scaled rotary frequencies: interpolation (inv_freq / factor) and extrapolation (inv_freq) blended
+    by a linear ramp over the dims between the low and high correction dims (clamped to [0, 1]), cos and sin
+    multiplied by the attention factor 0.1 ln(factor) + 1."""
+
+    def __init__(self, dim: int, factor: float = 4.0, base: float = 10000.0, original: int = 4,
+                 beta_fast: float = 32.0, beta_slow: float = 1.0) -> None:
+        super().__init__()
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2).float() - low) / max(high - low, 1e-3)).clamp(0, 1)
+        extrapolation_weight = 1 - ramp
+        inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_factor = 0.1 * math.log(factor) + 1.0
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+
+class GptOss(nn.Module):
+    """gpt-oss's block: attention with a learned sink logit per head (concatenated to each row's scores,
+    the softmax taken with it, its column dropped), sliding-window and full layers alternating, qkv with
+    bias; an MoE whose router takes the top-k logits first and softmaxes over them, experts of a clamped
+    SwiGLU (gate clamped above, up clamped both sides, gate * sigmoid(1.702 gate) * (up + 1))."""
+
+    def __init__(self, vocab: int = 15, d: int = 12, heads: int = 3, layers: int = 2, experts: int = 4,
+                 top_k: int = 2, limit: float = 0.7, window: int = 3) -> None:
+        super().__init__()
+        self.heads, self.hd, self.top_k, self.limit, self.window = heads, d // heads, top_k, limit, window
+        self.embed = nn.Embedding(vocab, d)
+        self.rotary = YaRNRotary(self.hd)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.attn_norm, layer.mlp_norm = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+            layer.qkv, layer.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            layer.sinks = nn.Parameter(torch.randn(heads) * 0.5)
+            layer.gate = nn.Linear(d, experts)
+            layer.w_in = nn.Parameter(torch.randn(experts, d, 2 * d) * d ** -0.5)
+            layer.b_in = nn.Parameter(torch.zeros(experts, 2 * d))
+            layer.w_out = nn.Parameter(torch.randn(experts, d, d) * d ** -0.5)
+            self.layers.append(layer)
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.unembedding = nn.Linear(d, vocab, bias=False)
+
+    def attention(self, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = layer.qkv(x).view(B, T, 3, self.heads, self.hd).permute(2, 0, 3, 1, 4)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        scores = (q @ k.transpose(-1, -2)) * self.hd ** -0.5
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        sinks = layer.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+        return layer.out((probs @ v).transpose(1, 2).reshape(B, T, D))
+
+    def experts(self, layer: nn.Module, x: Tensor) -> Tensor:
+        logits = layer.gate(x)
+        top, chosen = torch.topk(logits, self.top_k, dim=-1, sorted=True)
+        weights = F.softmax(top, dim=-1)
+        h = torch.einsum("btd,edf->btef", x, layer.w_in) + layer.b_in
+        gate, up = h[..., ::2], h[..., 1::2]                                      # interleaved, as gpt-oss
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        y = torch.einsum("btef,efd->bted", gate * torch.sigmoid(1.702 * gate) * (up + 1), layer.w_out)
+        picked = torch.gather(y, 2, chosen[..., None].expand(*chosen.shape, y.shape[-1]))
+        return (picked * weights[..., None]).sum(2)
+
+    def forward(self, ids: Tensor, labels: Tensor) -> tuple:
+        T = ids.shape[1]
+        cos, sin = self.rotary(torch.arange(T, device=ids.device))
+        full = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        local = sliding_window_causal(T, self.window, ids.device)
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention(layer, layer.attn_norm(x), cos, sin, local if i % 2 == 0 else full)
+            x = x + self.experts(layer, layer.mlp_norm(x))
+        logits = self.unembedding(self.norm(x))
+        return logits, shifted_lm_loss(logits, labels)
+
+
 # --- the cases ---------------------------------------------------------------------------------------------
 
 def _lm(vocab: int, T: int, B: int = 2, pad: int = 2):
@@ -646,7 +737,9 @@ def cases() -> list[Case]:
     dpo = Case("dpo_frozen_reference", DPO, _preferences, own_loss)
     pure_gemma = Case("gemma2_pure_bf16", lambda: Gemma().bfloat16(), _lm(17, 7), own_loss, bf16=True)
     left_padded = Case("llama_left_padded_unmasked_rows", LeftPaddedLlama, _left_padded, own_loss)
+    gpt_oss = Case("gpt_oss_sinks_yarn_clamped_swiglu", GptOss, _lm(15, 8), own_loss)
     return [neox, gemma, packed, deepseek, mup, varlen, dpo, pure_gemma, left_padded, bf16(left_padded),
+            gpt_oss, bf16(gpt_oss),
             bf16(gemma), bf16(deepseek), bf16(neox),   # not varlen: eager bf16 is 30x further from fp64 than tfsn
             # the others upcast to fp32 on purpose (norms, softmax, the router, logits.float() before the
             # loss): in fp64 their values and gradients would carry fp32's rounding, 1e-7 apart

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tests.user_models import Case
+from tests.user_models_fourth import fp16_autocast, half
 from tests.user_models_more import bf16, fp64, own_loss
 
 IGNORE = -100
@@ -739,7 +740,7 @@ def cases() -> list[Case]:
     left_padded = Case("llama_left_padded_unmasked_rows", LeftPaddedLlama, _left_padded, own_loss)
     gpt_oss = Case("gpt_oss_sinks_yarn_clamped_swiglu", GptOss, _lm(15, 8), own_loss)
     return [neox, gemma, packed, deepseek, mup, varlen, dpo, pure_gemma, left_padded, bf16(left_padded),
-            gpt_oss, bf16(gpt_oss),
+            gpt_oss, bf16(gpt_oss), half(left_padded), fp16_autocast(neox), half(mup),
             bf16(gemma), bf16(deepseek), bf16(neox),   # not varlen: eager bf16 is 30x further from fp64 than tfsn
             # the others upcast to fp32 on purpose (norms, softmax, the router, logits.float() before the
             # loss): in fp64 their values and gradients would carry fp32's rounding, 1e-7 apart

@@ -28,7 +28,8 @@ from tests.user_models_eleventh import cases  # noqa: E402
 # small ones: Triton's interpreter runs each program in Python
 THROUGH_TRITON = ["neox_parallel_partial_rotary", "mup_gpt_z_loss", "switch_varlen_chunked_loss"]
 # routing with a capacity whose drops move as the router trains; soft-capped logits; a frozen reference
-TRAINED = ["deepseek_mla_moe_mtp", "gemma2_softcap_local_global", "dpo_frozen_reference", "gemma2_pure_bf16"]
+TRAINED = ["deepseek_mla_moe_mtp", "gemma2_softcap_local_global", "dpo_frozen_reference", "gemma2_pure_bf16",
+           "master_weights_bf16_casts"]
 # a tied head in a parameter group of its own kind; the packed model's QK-norm vectors in the no-decay group
 CLIPPED = ["mup_gpt_z_loss", "qwen_packed_qk_norm_window"]
 

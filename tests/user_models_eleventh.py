@@ -17,7 +17,8 @@ MoE dispatching by index_put into capacity buffers (overflow to a spare slot) an
 uneven chunks; DPO with a frozen reference model under no_grad, per-sequence log-probs gathered from
 log_softmax over a response mask; Gemma cast to bf16 whole; HF Llama over a left-padded batch (a
 finfo.min mask whose all-padding rows are unmasked); gpt-oss (attention sinks, YaRN rope, a clamped SwiGLU
-MoE softmaxed over its top-k logits). Losses shift labels with ignore_index=-100,
+MoE softmaxed over its top-k logits); manual mixed precision (fp32 master weights cast to bf16 at each
+matmul, an fp32 residual stream); fp16 casts of a few. Losses shift labels with ignore_index=-100,
 label smoothing and reduction='sum' / the number of labelled tokens. Sizes are odd and tiny; every input comes from a seeded generator. Each model is a
 `tests.user_models.Case`.
 """
@@ -683,6 +684,42 @@ class GptOss(nn.Module):
         return logits, shifted_lm_loss(logits, labels)
 
 
+# --- manual mixed precision: fp32 master weights cast to bf16 at each use ------------------------------------
+
+class MasterWeightsLM(nn.Module):
+    """Megatron/apex-style mixed precision without autocast: parameters stay fp32, each matmul casts its
+    input and weight to bf16 (F.linear(x.to(bf16), w.to(bf16))), norms upcast to fp32 and cast back, the
+    residual stream kept in fp32 (fp32 residual connection), attention by SDPA on bf16 with is_causal, and
+    the logits upcast for the loss; the gradients reach the fp32 masters through the casts."""
+
+    def __init__(self, vocab: int = 13, d: int = 12, heads: int = 3, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(2 * layers + 1))
+        self.qkv = nn.ParameterList(nn.Parameter(torch.randn(3 * d, d) * d ** -0.5) for _ in range(layers))
+        self.proj = nn.ParameterList(nn.Parameter(torch.randn(d, d) * d ** -0.5) for _ in range(layers))
+        self.fc = nn.ParameterList(nn.Parameter(torch.randn(3 * d, d) * d ** -0.5) for _ in range(layers))
+        self.fc_out = nn.ParameterList(nn.Parameter(torch.randn(d, 3 * d) * (3 * d) ** -0.5) for _ in range(layers))
+
+    @staticmethod
+    def linear(x: Tensor, w: Tensor) -> Tensor:
+        return F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
+
+    def forward(self, ids: Tensor, labels: Tensor) -> tuple:
+        B, T = ids.shape
+        x = self.embed(ids)                                                     # fp32 residual stream
+        for i in range(len(self.qkv)):
+            h = self.norms[2 * i](x.float()).to(torch.bfloat16)
+            q, k, v = self.linear(h, self.qkv[i]).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+            x = x + self.linear(a, self.proj[i]).float()
+            h = self.norms[2 * i + 1](x).to(torch.bfloat16)
+            x = x + self.linear(F.gelu(self.linear(h, self.fc[i])), self.fc_out[i]).float()
+        logits = self.linear(self.norms[-1](x), self.embed.weight)
+        return logits, shifted_lm_loss(logits, labels)
+
+
 # --- the cases ---------------------------------------------------------------------------------------------
 
 def _lm(vocab: int, T: int, B: int = 2, pad: int = 2):
@@ -741,6 +778,7 @@ def cases() -> list[Case]:
     gpt_oss = Case("gpt_oss_sinks_yarn_clamped_swiglu", GptOss, _lm(15, 8), own_loss)
     return [neox, gemma, packed, deepseek, mup, varlen, dpo, pure_gemma, left_padded, bf16(left_padded),
             gpt_oss, bf16(gpt_oss), half(left_padded), fp16_autocast(neox), half(mup),
+            Case("master_weights_bf16_casts", MasterWeightsLM, _lm(13, 7), own_loss, bf16=True),
             bf16(gemma), bf16(deepseek), bf16(neox),   # not varlen: eager bf16 is 30x further from fp64 than tfsn
             # the others upcast to fp32 on purpose (norms, softmax, the router, logits.float() before the
             # loss): in fp64 their values and gradients would carry fp32's rounding, 1e-7 apart

@@ -26,7 +26,8 @@ from tests.test_optimizer_user_models_third import CLIP, OPTIMIZERS as CLIPPED_O
 from tests.user_models_eleventh import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
-THROUGH_TRITON = ["neox_parallel_partial_rotary", "mup_gpt_z_loss", "switch_varlen_chunked_loss"]
+THROUGH_TRITON = ["neox_parallel_partial_rotary", "mup_gpt_z_loss", "switch_varlen_chunked_loss", "dpo_frozen_reference",
+                  "master_weights_bf16_casts"]
 # routing with a capacity whose drops move as the router trains; soft-capped logits; a frozen reference
 TRAINED = ["deepseek_mla_moe_mtp", "gemma2_softcap_local_global", "dpo_frozen_reference", "gemma2_pure_bf16",
            "master_weights_bf16_casts"]

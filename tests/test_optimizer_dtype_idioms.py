@@ -186,3 +186,25 @@ def test_a_16_bit_index_add_sums_as_eager(codegen, dtype):
         out_e.backward(grad.to(dtype))
         out_m[0].backward(grad.to(dtype))
         close(xm.grad, xe.grad, f"{fn.__name__}: grad of the input", dtype)
+
+
+def rounded_to_fp32_in_an_fp64_model(x: torch.Tensor) -> torch.Tensor:
+    """LLaMA's RMSNorm upcast, x.float() ... .type_as(x), met by an fp64 model (a gradient check): the value
+    rounded to fp32 and widened back; minus x, the rounding error itself."""
+    return x.float().double() * 3 - x
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+def test_fp64_rounded_through_fp32_keeps_the_rounding(codegen):
+    """Regression: gcc 12 folded the SLP-vectorized (double)(float)x of the 2 elements after a 50-element
+    loop's last whole vector to x, so those elements (and their gradients) kept their fp64 value where eager
+    rounds them to fp32. Exact arithmetic besides the rounding: eager's values at fp64's tolerance."""
+    x = torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 10
+    grad = torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xe, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_e, out_m = rounded_to_fp32_in_an_fp64_model(xe), []
+    generated(lambda: out_m.append(compiled(rounded_to_fp32_in_an_fp64_model, codegen)(xm)))
+    close(out_m[0], out_e, "x.float().double() * 3 - x")
+    out_e.backward(grad)
+    out_m[0].backward(grad)
+    close(xm.grad, xe.grad, "its gradient")

@@ -225,12 +225,19 @@ def _pragma_simd(s: Schedule, clauses: str = "") -> str:
     return f"#pragma omp simd{simdlen}{clauses}"
 
 
-def _attributes(s: Schedule) -> str:
+def _attributes(s: Schedule, mixes_fp64_and_fp32: bool) -> str:
     """The vector width as the function's own compile options: no vectorizer, or a preferred width
-    (x86 only: TFSN_WIDTH is empty elsewhere, where simdlen alone asks for the width)."""
+    (x86 only: TFSN_WIDTH is empty elsewhere, where simdlen alone asks for the width).
+
+    A kernel that computes in both fp64 and fp32 also goes without the SLP vectorizer. Why: gcc 12 (its
+    FRE pass, after SLP) folds the 2-lane vector (double)(float)x that SLP makes of the 2 or 3 elements
+    after a constant loop's last whole vector to x: x.float().double() in an fp64 model kept those
+    elements unrounded (1e-6 from eager's at |x| ~ 20). The loop vectorizer converts by pack/unpack of
+    vectors of different lane counts, which keeps the rounding, as does gcc without SLP."""
     if s.vector_width == 1:
         return '__attribute__((optimize("no-tree-vectorize"))) '
-    return f"TFSN_WIDTH({32 * s.vector_width}) "
+    no_slp = '__attribute__((optimize("no-tree-slp-vectorize"))) ' if mixes_fp64_and_fp32 else ""
+    return f"{no_slp}TFSN_WIDTH({32 * s.vector_width}) "
 
 
 _INIT = {"sum": "0", "mean": "0", "max": "-INFINITY", "min": "INFINITY"}
@@ -249,6 +256,7 @@ class KernelWriter:
         self.nest = lower(self.g, self.group, self.buffers, self.inplace, tables=True)
         self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
         self.tables: dict[Load, str] = {}
+        self.computed: set[str] = set()           # the dtypes the kernel's pointwise ops compute in
         shape = self.nest.shape
         code = self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction" else self.pointwise()
         code = [self.statement(d) for d in self.nest.prologue] + code
@@ -256,7 +264,9 @@ class KernelWriter:
         outputs = set(self.nest.outputs)
         args = ", ".join(f"{'' if n in outputs else 'const '}{_buffer_ctype(self.g.nodes[n])}* restrict {p}"
                          for n, p in self.names.items())
-        source = f"{_attributes(self.s)}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
+        computed = self.computed | {computed_in(self.g.nodes[n].type.dtype) for n in self.nest.params}
+        attributes = _attributes(self.s, {"float32", "float64"} <= computed)
+        source = f"{attributes}void {self.name}({args}) {{\n" + "\n".join(f"  {line}" for line in code) + "\n}\n"
         return Kernel(self.name, source, self.nest.params, self.nest.outputs)
 
     # ---- statements ----
@@ -284,6 +294,7 @@ class KernelWriter:
                             half=x.dtype if x.dtype in HALVES else None)
                     if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
                     for x in a.args]
+        self.computed |= {computed_in(node.type.dtype), *(o.dtype for o in operands if not o.scalar)}
         return expression(node.op, operands, node.type.dtype, node.kwargs)
 
     def select(self, v: Select) -> str:

@@ -22,7 +22,8 @@ from tests.user_models_twelfth import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
 THROUGH_TRITON = ["distribution_heads", "cox_partial_likelihood", "special_function_head", "numerics_zoo",
-                  "regression_losses_tweedie", "missing_targets_nan"]
+                  "regression_losses_tweedie", "missing_targets_nan", "weibull_aft_kumaraswamy",
+                  "weibull_aft_kumaraswamy_fp64"]
 # a learned Tweedie power, and a likelihood through lgamma
 TRAINED = ["regression_losses_tweedie", "deepar_nb_student_t"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributions import Beta, Dirichlet, Gamma, LogNormal, Poisson, StudentT
+from torch.distributions import Beta, Dirichlet, Gamma, Kumaraswamy, LogNormal, Poisson, StudentT, Weibull
 
 from tests.user_models import Case, classify
 from tests.user_models_more import bf16, fp64, own_loss
@@ -133,6 +133,29 @@ class CoxPH(nn.Module):
         log_risk_set = torch.logcumsumexp(risk, 0)
         partial = (risk - log_risk_set) * event
         return risk, -partial.sum() / event.sum().clamp(min=1)
+
+
+class WeibullAFT(nn.Module):
+    """A parametric survival model (Weibull accelerated failure time, as lifelines and pycox fit it): the
+    scale from the covariates, a learned shape; events score Weibull.log_prob of their time, censored rows
+    the log-survival -(t / scale) ** shape; a bounded severity in (0, 1) scores Kumaraswamy.log_prob. Both
+    distributions are TransformedDistributions whose log_prob takes the log of a ones_like and raises a
+    full_like to a power."""
+
+    def __init__(self, d: int = 5, hidden: int = 6) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+        self.log_shape = nn.Parameter(torch.tensor(0.2))
+
+    def forward(self, x: Tensor, time: Tensor, event: Tensor, severity: Tensor) -> tuple:
+        h = self.net(x)
+        scale, shape = F.softplus(h[:, 0]) + 0.1, self.log_shape.exp().expand_as(time)
+        events = Weibull(scale, shape).log_prob(time)
+        censored = -(time / scale) ** shape
+        survival = torch.where(event, events, censored)
+        a, b = F.softplus(h[:, 1]) + 0.2, F.softplus(h[:, 2]) + 0.2
+        bounded = Kumaraswamy(a, b).log_prob(severity)
+        return scale, -(survival.mean() + bounded.mean())
 
 
 class CoralOrdinal(nn.Module):
@@ -402,6 +425,11 @@ def _survival(g: torch.Generator) -> tuple:
     return (torch.randn(9, 6, generator=g), time, (torch.rand(9, generator=g) < 0.6).float()), None
 
 
+def _censored(g: torch.Generator) -> tuple:
+    return (torch.randn(9, 5, generator=g), torch.rand(9, generator=g) * 3 + 0.05, torch.rand(9, generator=g) < 0.6,
+            torch.rand(9, generator=g) * 0.9 + 0.05), None
+
+
 def _ordinal(g: torch.Generator) -> tuple:
     return (torch.randn(9, 5, generator=g), torch.randint(0, 5, (9,), generator=g)), None
 
@@ -453,6 +481,7 @@ def cases() -> list[Case]:
     heads = Case("distribution_heads", DistributionHeads, _distributions, own_loss)
     regression = Case("regression_losses_tweedie", RegressionLosses, _regression, own_loss)
     cox = Case("cox_partial_likelihood", CoxPH, _survival, own_loss)
+    weibull = Case("weibull_aft_kumaraswamy", WeibullAFT, _censored, own_loss)
     coral = Case("coral_ordinal", CoralOrdinal, _ordinal, own_loss)
     survival = Case("discrete_survival_cumprod", DiscreteSurvival, _intervals, own_loss)
     special = Case("special_function_head", SpecialFunctionHead, _features(5), classify)
@@ -462,6 +491,6 @@ def cases() -> list[Case]:
     tft = Case("tft_variable_selection", TFTSelection, _tft, own_loss)
     missing = Case("missing_targets_nan", MissingTargets, _missing, own_loss)
     numerics = Case("numerics_zoo", NumericsZoo, _cells, classify)
-    return [deepar, heads, regression, cox, coral, survival, special, patchtst, nbeats, tcn, tft, missing, numerics,
+    return [deepar, heads, regression, cox, weibull, coral, survival, special, patchtst, nbeats, tcn, tft, missing, numerics,
             *(bf16(c) for c in (patchtst, tcn, tft)),
-            *(fp64(c) for c in (deepar, heads, regression, cox, special, nbeats, missing, numerics))]
+            *(fp64(c) for c in (deepar, heads, regression, cox, weibull, special, nbeats, missing, numerics))]

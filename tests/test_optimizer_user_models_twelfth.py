@@ -1,6 +1,7 @@
 """A twelfth set of user models (tests/user_models_twelfth.py: DeepAR with negative-binomial and Student-t
 likelihoods, torch.distributions heads, Gaussian NLL with full=True, pinball and Tweedie losses with a learned
-power; Cox's partial likelihood by logcumsumexp, CORAL ordinal regression, discrete-time survival by cumprod; a
+power; Cox's partial likelihood by logcumsumexp, a Weibull AFT with
+Kumaraswamy severities, CORAL ordinal regression, discrete-time survival by cumprod; a
 head of torch.special functions; PatchTST with RevIN, N-BEATS' polynomial and Fourier bases, a weight-normed
 causal TCN, TFT's variable selection; targets with NaNs by nanmean and nansum; clamp with tensor bounds,
 copysign, frexp/ldexp, floor_divide and remainder of negatives), compiled with the tfsn backend against eager

@@ -7,7 +7,8 @@ negative-binomial likelihood by lgamma (digamma in its backward) and a Student-t
 torch.distributions.StudentT; torch.distributions' Gamma, Beta, Dirichlet, LogNormal and Poisson log_prob
 and a LogNormal rsample from given noise; Gaussian NLL with full=True, a pinball (quantile) loss and a
 Tweedie loss whose power is learned (pow with a tensor exponent); Cox's partial likelihood (sort by time,
-logcumsumexp, mean over the events); CORAL ordinal regression with cumulative sigmoids; a discrete-time
+logcumsumexp, mean over the events); a Weibull AFT with censoring and a Kumaraswamy severity (log_prob of
+TransformedDistributions: the log of a ones_like, a full_like raised to a power); CORAL ordinal regression with cumulative sigmoids; a discrete-time
 survival model with cumprod hazards; a head of special functions (xlogy, xlog1py, log_ndtr, ndtr, erfc,
 erfcx, i0, i0e, i1, i1e, sinc, logit with eps, expit, softplus with beta and threshold); PatchTST with RevIN
 (per-instance normalisation by hand, learned affine, de-normalisation); N-BEATS with polynomial and Fourier
@@ -492,5 +493,5 @@ def cases() -> list[Case]:
     missing = Case("missing_targets_nan", MissingTargets, _missing, own_loss)
     numerics = Case("numerics_zoo", NumericsZoo, _cells, classify)
     return [deepar, heads, regression, cox, weibull, coral, survival, special, patchtst, nbeats, tcn, tft, missing, numerics,
-            *(bf16(c) for c in (patchtst, tcn, tft)),
+            *(bf16(c) for c in (patchtst, tcn, tft, weibull)),
             *(fp64(c) for c in (deepar, heads, regression, cox, weibull, special, nbeats, missing, numerics))]

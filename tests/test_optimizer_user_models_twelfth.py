@@ -1,14 +1,13 @@
 """A twelfth set of user models (tests/user_models_twelfth.py: DeepAR with negative-binomial and Student-t
 likelihoods, torch.distributions heads, Gaussian NLL with full=True, pinball and Tweedie losses with a learned
-power; Cox's partial likelihood by logcumsumexp, a Weibull AFT with
-Kumaraswamy severities, CORAL ordinal regression, discrete-time survival by cumprod; a
-head of torch.special functions; PatchTST with RevIN, N-BEATS' polynomial and Fourier bases, a weight-normed
-causal TCN, TFT's variable selection; targets with NaNs by nanmean and nansum; clamp with tensor bounds,
-copysign, frexp/ldexp, floor_divide and remainder of negatives), compiled with the tfsn backend against eager
-PyTorch as tests/test_optimizer_user_models.py compares its own (the same checks and tolerances): forward
-output, loss, input and parameter gradients, in fp32, fp64 and under bf16 autocast, on the C target and a
-subset through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then SGD and AdamW training steps
-for two. Every compiled step must generate kernels and leave no graph to ATen."""
+power; Cox's partial likelihood by logcumsumexp, a Weibull AFT with Kumaraswamy severities, CORAL ordinal
+regression, discrete-time survival by cumprod; a head of torch.special functions; PatchTST with RevIN, N-BEATS'
+polynomial and Fourier bases, a weight-normed causal TCN, TFT's variable selection; targets with NaNs by nanmean
+and nansum; clamp with tensor bounds, copysign, frexp/ldexp, floor_divide and remainder of negatives), compiled
+with the tfsn backend against eager PyTorch as tests/test_optimizer_user_models.py compares its own (the same
+checks and tolerances): forward output, loss, input and parameter gradients, in fp32, fp64 and under bf16
+autocast, on the C target and a subset through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then
+SGD and AdamW training steps for two. Every compiled step must generate kernels and leave no graph to ATen."""
 from __future__ import annotations
 
 import os

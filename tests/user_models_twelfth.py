@@ -2,21 +2,20 @@
 
 The earlier sets cover special functions one at a time (tests/test_optimizer_numeric_idioms.py) and a few
 probabilistic heads (Normal, Categorical, Bernoulli; Poisson NLL). These are the probabilistic, statistical,
-time-series and scientific models that chain them as their reference implementations do: DeepAR with a
-negative-binomial likelihood by lgamma (digamma in its backward) and a Student-t one by
-torch.distributions.StudentT; torch.distributions' Gamma, Beta, Dirichlet, LogNormal and Poisson log_prob
-and a LogNormal rsample from given noise; Gaussian NLL with full=True, a pinball (quantile) loss and a
-Tweedie loss whose power is learned (pow with a tensor exponent); Cox's partial likelihood (sort by time,
-logcumsumexp, mean over the events); a Weibull AFT with censoring and a Kumaraswamy severity (log_prob of
-TransformedDistributions: the log of a ones_like, a full_like raised to a power); CORAL ordinal regression with cumulative sigmoids; a discrete-time
-survival model with cumprod hazards; a head of special functions (xlogy, xlog1py, log_ndtr, ndtr, erfc,
-erfcx, i0, i0e, i1, i1e, sinc, logit with eps, expit, softplus with beta and threshold); PatchTST with RevIN
-(per-instance normalisation by hand, learned affine, de-normalisation); N-BEATS with polynomial and Fourier
-bases; a TCN of causal dilated convolutions under weight_norm; TFT's gated residual networks and variable
-selection; targets with missing values (nan_to_num, torch.where on isnan, nanmean, nansum); and a numerics
-zoo (clamp with tensor bounds, copysign, frexp/ldexp, integer pow, floor_divide and remainder of negatives).
-Sizes are odd and tiny; every input and noise comes from a seeded generator. Each model is a
-`tests.user_models.Case`.
+time-series and scientific models that chain them as their reference implementations do: DeepAR with a negative-
+binomial likelihood by lgamma (digamma in its backward) and a Student-t one by torch.distributions.StudentT;
+torch.distributions' Gamma, Beta, Dirichlet, LogNormal and Poisson log_prob and a LogNormal rsample from given
+noise; Gaussian NLL with full=True, a pinball (quantile) loss and a Tweedie loss whose power is learned (pow with
+a tensor exponent); Cox's partial likelihood (sort by time, logcumsumexp, mean over the events); a Weibull AFT
+with censoring and a Kumaraswamy severity (log_prob of TransformedDistributions: the log of a ones_like, a
+full_like raised to a power); CORAL ordinal regression with cumulative sigmoids; a discrete-time survival model
+with cumprod hazards; a head of special functions (xlogy, xlog1py, log_ndtr, ndtr, erfc, erfcx, i0, i0e, i1, i1e,
+sinc, logit with eps, expit, softplus with beta and threshold); PatchTST with RevIN (per-instance normalisation
+by hand, learned affine, de-normalisation); N-BEATS with polynomial and Fourier bases; a TCN of causal dilated
+convolutions under weight_norm; TFT's gated residual networks and variable selection; targets with missing values
+(nan_to_num, torch.where on isnan, nanmean, nansum); and a numerics zoo (clamp with tensor bounds, copysign,
+frexp/ldexp, integer pow, floor_divide and remainder of negatives). Sizes are odd and tiny; every input and noise
+comes from a seeded generator. Each model is a `tests.user_models.Case`.
 """
 from __future__ import annotations
 
@@ -257,7 +256,8 @@ class NBeats(nn.Module):
     the residual (doubly residual stacking) and the forecasts summed; the loss is the sMAPE-like
     |y - f| / (|y| + |f| + eps)."""
 
-    def __init__(self, lookback: int = 9, horizon: int = 4, hidden: int = 10, degree: int = 3, harmonics: int = 2) -> None:
+    def __init__(self, lookback: int = 9, horizon: int = 4, hidden: int = 10, degree: int = 3,
+                 harmonics: int = 2) -> None:
         super().__init__()
         t_back = torch.arange(lookback) / lookback
         t_fore = torch.arange(horizon) / horizon
@@ -265,8 +265,8 @@ class NBeats(nn.Module):
         self.register_buffer("poly_back", t_back[None, :] ** powers[:, None])
         self.register_buffer("poly_fore", t_fore[None, :] ** powers[:, None])
         k = torch.arange(1, harmonics + 1)[:, None]
-        self.register_buffer("fourier_back", torch.cat([torch.cos(2 * math.pi * k * t_back), torch.sin(2 * math.pi * k * t_back)]))
-        self.register_buffer("fourier_fore", torch.cat([torch.cos(2 * math.pi * k * t_fore), torch.sin(2 * math.pi * k * t_fore)]))
+        for name, t in (("fourier_back", t_back), ("fourier_fore", t_fore)):
+            self.register_buffer(name, torch.cat([torch.cos(2 * math.pi * k * t), torch.sin(2 * math.pi * k * t)]))
         self.trend = nn.Sequential(nn.Linear(lookback, hidden), nn.ReLU(), nn.Linear(hidden, 2 * (degree + 1)))
         self.season = nn.Sequential(nn.Linear(lookback, hidden), nn.ReLU(), nn.Linear(hidden, 4 * harmonics))
 
@@ -474,7 +474,8 @@ def _missing(g: torch.Generator) -> tuple:
 
 
 def _cells(g: torch.Generator) -> tuple:
-    return (torch.randn(7, 5, generator=g), torch.randint(-9, 9, (7,), generator=g)), torch.randint(0, 3, (7,), generator=g)
+    x = torch.randn(7, 5, generator=g)
+    return (x, torch.randint(-9, 9, (7,), generator=g)), torch.randint(0, 3, (7,), generator=g)
 
 
 def cases() -> list[Case]:
@@ -492,6 +493,7 @@ def cases() -> list[Case]:
     tft = Case("tft_variable_selection", TFTSelection, _tft, own_loss)
     missing = Case("missing_targets_nan", MissingTargets, _missing, own_loss)
     numerics = Case("numerics_zoo", NumericsZoo, _cells, classify)
-    return [deepar, heads, regression, cox, weibull, coral, survival, special, patchtst, nbeats, tcn, tft, missing, numerics,
+    return [deepar, heads, regression, cox, weibull, coral, survival, special, patchtst, nbeats, tcn, tft, missing,
+            numerics,
             *(bf16(c) for c in (patchtst, tcn, tft, weibull)),
             *(fp64(c) for c in (deepar, heads, regression, cox, weibull, special, nbeats, missing, numerics))]

@@ -1166,6 +1166,28 @@ def test_fp64_scalars_standing_alone_keep_fp64_precision():
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fills_standing_alone_are_values_of_the_graphs_dtype(dtype):
+    """A fill (full_like, ones_like) that meets no block before a function is a value of the graph's dtype: an
+    int fill was an int32 literal and tl.log(1) did not compile (torch.distributions' Weibull.log_prob takes
+    the log of ones_like), an fp64 one an fp32 literal (exp of full_like(x, 2.5) 6e-8 off), and tfsn_pow,
+    tfsn_atan2 and tfsn_hypot given one beside a block failed on `&` of its comparisons in the interpreter
+    (Kumaraswamy.log_prob raises full_like(x, 0.3) to a power)."""
+    x = torch.tensor(SPECIAL, dtype=dtype)
+    cases = {"log(ones_like)": lambda x: torch.log(torch.ones_like(x)) + x,
+             "exp(full_like 2.5)": lambda x: torch.exp(torch.full_like(x, 2.5)) + x,
+             "full / full": lambda x: torch.full_like(x, 1) / torch.full_like(x, 3) + x,
+             "full ** x": lambda x: torch.pow(torch.full_like(x, 0.3), x),
+             "x ** full": lambda x: torch.pow(x, torch.full_like(x, 0.3)),
+             "atan2(full, x)": lambda x: torch.atan2(torch.full_like(x, -0.0), x),
+             "hypot(x, full)": lambda x: torch.hypot(x, torch.full_like(x, 2.0))}
+    for what, fn in cases.items():
+        got, want = run_op(fn, x)
+        # a few ulp where ATen's function is libm's (test_pow_of_negative_bases_matches_torch's bound)
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0,
+                                   equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
 def test_integer_pow_matches_torch():
     """Integers to whole powers are exact and wrap as torch's do (no float rounding): 3 ** 39 needs 62 bits."""
     base = torch.tensor([3, -3, 2, -2, 0, 1, -1, 7, -5, 3], dtype=torch.int64)

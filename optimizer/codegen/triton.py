@@ -146,6 +146,19 @@ def _cast(v: Value, dtype: str) -> str:
     return f"({v.expr}).to({TL_TYPES[dtype]})"
 
 
+def _constant(v: Value, dtype: str) -> str:
+    """A fill value as a value of its own (full, full_like, fill, scalar_tensor): a one-element block of the
+    dtype, as ONE makes a 0-d load. A bare literal is typed by Triton, not by the graph: an int one stays an
+    int32 constant (tl.log of full_like(x, 1) does not compile: Weibull.log_prob), a float one fp32 (an fp64
+    kernel's exp of full_like(x, 2.5) came out in fp32), and a helper taking it beside a block (tfsn_pow,
+    tfsn_atan2, tfsn_hypot: Kumaraswamy.log_prob) failed in the interpreter on `&` of a scalar's comparison."""
+    if dtype not in FLOATS:
+        return _cast(v, dtype)
+    if v.value == 0 and math.copysign(1.0, v.value) < 0:
+        return f"(tl.full([1], -1.0, {TL_TYPES[dtype]}) * 0.0)"        # -0.0 made at run time, as _cast does
+    return f"tl.full([1], {_literal(float(v.value)).expr}, {TL_TYPES[dtype]})"
+
+
 def _inexact_in_fp32(value: Any) -> bool:
     """Whether a Python float changes when rounded to fp32 (1/7 and 1e300 do; 0.5, inf and NaN do not)."""
     if not isinstance(value, float) or not math.isfinite(value):
@@ -384,9 +397,10 @@ OPS: dict[str, Callable] = {
     "aten.isnan.default": lambda o, out, kw: f"({o[0].expr} != {o[0].expr})",
     "aten._to_copy.default": _unary("{a}"), "aten.clone.default": _unary("{a}"),
     "aten.lift_fresh_copy.default": _unary("{a}"), "aten.copy.default": lambda o, out, kw: _cast(o[1], out),
-    "aten.fill.Scalar": lambda o, out, kw: _cast(o[1], out), "aten.full.default": lambda o, out, kw: _cast(o[1], out),
-    "aten.full_like.default": lambda o, out, kw: _cast(o[1], out),
-    "aten.scalar_tensor.default": lambda o, out, kw: _cast(o[0], out),
+    "aten.fill.Scalar": lambda o, out, kw: _constant(o[1], out),
+    "aten.full.default": lambda o, out, kw: _constant(o[1], out),
+    "aten.full_like.default": lambda o, out, kw: _constant(o[1], out),
+    "aten.scalar_tensor.default": lambda o, out, kw: _constant(o[0], out),
 }
 
 

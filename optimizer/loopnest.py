@@ -475,7 +475,7 @@ def _lowered(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, i
     229 s to compile, nearly all of it re-lowering the same members)."""
     kept = graph.memo.setdefault("kept lowerings", {})
     pointwise = group.kind == "kernel" and not group.reduced and not inplace
-    if pointwise and len(group.nodes) > 1:
+    if pointwise and len(group.nodes) > 1 and kept:
         prefix = Group(group.kind, group.nodes[:-1], group.domain)
         state = kept.get((kernel_key(graph, buffers, prefix), tables))
         if state is not None:

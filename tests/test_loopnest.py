@@ -292,12 +292,31 @@ def test_an_extended_lowering_whose_offsets_undo_a_merge_is_lowered_whole(monkey
     def fn(x, w):
         a = x.exp()
         return a, a * w.permute(2, 1, 0)
-    graph, plan = lowered(fn, torch.randn(4, 5, 6), torch.randn(6, 5, 4))
+    graph = unplanned(fn, torch.randn(4, 5, 6), torch.randn(6, 5, 4))
     a, b = (n.index for n in graph.nodes if n.op in ("aten.exp.default", "aten.mul.Tensor"))
-    assert loopnest.lower(graph, loopnest.Group("kernel", (a,), (4, 5, 6)), plan.buffers).runs
-    nest = loopnest.lower(graph, loopnest.Group("kernel", (a, b), (4, 5, 6)), plan.buffers)
+    assert loopnest.lower(graph, loopnest.Group("kernel", (a,), (4, 5, 6)), {a, b}).runs
+    nest = loopnest.lower(graph, loopnest.Group("kernel", (a, b), (4, 5, 6)), {a, b})
     assert not nest.runs and checked["extended"] == 0
-    assert [g.nodes for g in plan.groups if g.kind != "extern"] == [(a, b)]
+
+
+def unplanned(fn, *args) -> ir.Graph:
+    """fn's graph, nothing of it lowered yet."""
+    return ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args))
+
+
+def test_kept_fused_nodes_are_not_reused_under_buffers_that_store_what_they_inlined():
+    """kernel_key extends the fused nodes of a group less its last member, or reuses the group's own, only
+    where the values they inlined are still not stored."""
+    def fn(x):
+        a = x.exp() + 1
+        return a, a * 2
+    graph = unplanned(fn, torch.randn(7))
+    exp, a, n = (node.index for node in graph.nodes if node.kind == ir.Kind.POINTWISE)
+    group = loopnest.Group("kernel", (a, n), (7,))
+    for prefix in (loopnest.Group("kernel", (a,), (7,)), group):
+        inlined = loopnest.kernel_key(graph, {a, n}, prefix)[1]
+        assert exp in inlined
+        assert loopnest.kernel_key(graph, {exp, a, n}, group)[1] == (a, n)
 
 
 def test_a_member_read_before_it_is_computed_is_refused_whether_or_not_its_prefix_was_lowered(monkeypatch):
@@ -308,8 +327,8 @@ def test_a_member_read_before_it_is_computed_is_refused_whether_or_not_its_prefi
     def fn(x):
         n = x.exp()
         return n, n + 1
-    graph, plan = lowered(fn, torch.randn(7))
+    graph = unplanned(fn, torch.randn(7))
     n, a = (node.index for node in graph.nodes if node.op in ("aten.exp.default", "aten.add.Tensor"))
-    loopnest.lower(graph, loopnest.Group("kernel", (a,), (7,)), plan.buffers)
+    loopnest.lower(graph, loopnest.Group("kernel", (a,), (7,)), {n, a})
     with pytest.raises(loopnest.NotFusable, match="before it is computed"):
-        loopnest.lower(graph, loopnest.Group("kernel", (a, n), (7,)), plan.buffers)
+        loopnest.lower(graph, loopnest.Group("kernel", (a, n), (7,)), {n, a})

@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--no-gpt", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    models = {f"rnnt {lattice}": (lambda lattice=lattice: rnnt_step(lattice)) for lattice in args.lattices.split(",")}
+    models = {f"rnnt {lattice}": (lambda lattice=lattice: rnnt_step(lattice)) for lattice in args.lattices.split(",") if lattice}
     if not args.no_gpt:
         models["gpt"] = gpt_step
     first_step(*rnnt_step("2x2"))                    # imports and first-use costs, untimed

@@ -446,9 +446,9 @@ def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]
     key = ("loopnest", kernel, members_inplace, tables)
     if key not in graph.memo:
         _, fused, _ = kernel
-        graph.lowered_nodes += len(fused)           # what a lowering's time grows with
+        graph.lowered_nodes += len(fused)     # the search's budget (PLANNING_BUDGET): whole groups, extended or not
         try:
-            graph.memo[key] = _Lowering(graph, group, buffers, dict(members_inplace), tables).run()
+            graph.memo[key] = _lowered(graph, group, buffers, dict(members_inplace), tables, kernel)
         except NotFusable as e:
             # the reason, not the exception: a kept exception keeps its traceback's frames (the whole
             # lowering), and each raise of it again would lengthen that traceback
@@ -459,10 +459,91 @@ def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]
     return found
 
 
+# How many groups' lowerings (and fused nodes) are kept to be extended by one member (see _lowered and
+# _fused): the latest, since fusion grows each of its few open groups one member at a time. 0 keeps none:
+# every group is lowered whole (benchmarks/compile_time.py compares the two).
+KEPT = 64
+
+
+def _lowered(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int], tables: bool,
+             kernel: tuple) -> LoopNest:
+    """lower's nest of `group`, made by extending the kept lowering of the group less its last member
+    where there is one (a pointwise group lowers its members in order, so the nest of a group with one
+    more member is that lowering with the member computed after it); else lowered whole. Why: fusion
+    asks whether a group is one loop nest each time it would take a member, so lowering each whole
+    made a fusion pass quadratic in the size of its groups (an RNN-T loss over an 11 x 8 lattice took
+    229 s to compile, nearly all of it re-lowering the same members)."""
+    kept = graph.memo.setdefault("kept lowerings", {})
+    pointwise = group.kind == "kernel" and not group.reduced and not inplace
+    if pointwise and len(group.nodes) > 1 and kept:
+        prefix = Group(group.kind, group.nodes[:-1], group.domain)
+        state = kept.get((kernel_key(graph, buffers, prefix), tables))
+        if state is not None:
+            lowering = _Lowering(graph, group, buffers, inplace, tables)
+            nest = lowering.extended(state, kernel[1])
+            if nest is not None:
+                _keep(kept, (kernel, tables), lowering.state())
+                return nest
+    lowering = _Lowering(graph, group, buffers, inplace, tables)
+    nest = lowering.run()
+    if pointwise and lowering.first_try():
+        _keep(kept, (kernel, tables), lowering.state())
+    return nest
+
+
+def _keep(kept: dict, key: object, value: object) -> None:
+    """`value` under `key`, as the latest of the KEPT entries of `kept`."""
+    kept.pop(key, None)
+    kept[key] = value
+    while len(kept) > KEPT:
+        del kept[next(iter(kept))]
+
+
 def kernel_key(graph: Graph, buffers: set[int], group: Group) -> tuple:
     """What decides a group's loop nest: its members, the values they inline and which members are
     stored (the same group under two plans is the same kernel when these agree)."""
-    return group, tuple(fused_nodes(graph, buffers, group)), frozenset(buffers.intersection(group.nodes))
+    return group, _fused(graph, buffers, group), frozenset(buffers.intersection(group.nodes))
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A group's fused_nodes, with the buffers they depend on besides its members."""
+    nodes: tuple[int, ...]          # fused_nodes, in graph order
+    found: frozenset[int]           # the same, as a set
+    deciders: frozenset[int]        # the pointwise values the fused nodes read: each inlined unless stored
+    stored: frozenset[int]          # those of them in buffers
+
+
+def _fused(graph: Graph, buffers: set[int], group: Group) -> tuple[int, ...]:
+    """fused_nodes(graph, buffers, group), from the kept answer for the group, or for the group less its
+    last member extended by what that member inlines, where the buffers that decided the kept answer
+    agree (the walk from the members meets the same stored values, so it finds the same nodes). Why:
+    lower keys its memo on them and fusion lowers a group at each member it would take, so walking
+    every member's inlined expressions each time was quadratic in the group's size."""
+    if group.kind == "extern":
+        return tuple(fused_nodes(graph, buffers, group))
+    kept = graph.memo.setdefault("kept fused nodes", {})
+    same = kept.get(group.nodes)
+    if same is not None and buffers.intersection(same.deciders) == same.stored:
+        return same.nodes
+    prefix = kept.get(group.nodes[:-1])
+    if prefix is not None and buffers.intersection(prefix.deciders) == prefix.stored:
+        found, deciders, todo = set(prefix.found), set(prefix.deciders), [group.nodes[-1]]
+        found.add(group.nodes[-1])
+    else:
+        found, deciders, todo = set(group.nodes), set(), list(group.nodes)
+    while todo:
+        for i in graph.nodes[todo.pop()].inputs:
+            kind = graph.nodes[i].kind
+            if kind == Kind.POINTWISE:
+                deciders.add(i)
+            if i not in found and (kind == Kind.VIEW or kind == Kind.POINTWISE and i not in buffers):
+                found.add(i)
+                todo.append(i)
+    fused = _Fused(tuple(sorted(found)), frozenset(found), frozenset(deciders),
+                   frozenset(buffers.intersection(deciders)))
+    _keep(kept, group.nodes, fused)
+    return fused.nodes
 
 
 def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:
@@ -512,18 +593,55 @@ class _Lowering:
         merged index undoes the merge, unless it is a load the renderer reads from a table (`tables`),
         and then the merged loop is at most TABLE_MAX long."""
         nest = self.nest()
+        if not self.undo_merges(nest):
+            return nest
+        self.reset()
+        return self.run()
+
+    def undo_merges(self, nest: LoopNest) -> bool:
+        """Whether the nest's merged loops do not fit its offsets (see run): then the merges are undone
+        or shortened for the next try."""
         merged = {f"m{d}" for d in self.runs}
         if not merged:
-            return nest
+            return False
         divided = [(s, off) for s, off in self.offsets(nest) if divides(off, merged)]
         if any(not (self.tables and isinstance(s, Define) and nest.tabled(s.value)) for s, _ in divided):
             self.merging = False
         elif divided and max(nest.lanes(d) for d in self.runs) > TABLE_MAX:
             self.merge_max = TABLE_MAX
         else:
-            return nest
-        self.reset()
-        return self.run()
+            return False
+        return True
+
+    def first_try(self) -> bool:
+        """Whether the nest is run's first (its merges were kept)."""
+        return self.merging and self.merge_max is None
+
+    # the attributes of a pointwise lowering's state (see reset) that its nest depends on
+    _STATE = ("written", "runs", "params", "outputs", "lines", "cse", "locals", "idx", "tmp", "prologue",
+              "hoisted", "loads")
+
+    def state(self) -> dict:
+        """The lowering's state after its nest: what `extended` continues from. Its lists and dicts are
+        the nest's own (body, prologue, loads), so they are copied when it continues, never changed."""
+        return {name: getattr(self, name) for name in (*self._STATE, "order")}
+
+    def extended(self, state: dict, fused: tuple[int, ...]) -> LoopNest | None:
+        """The nest of this pointwise group from `state`, the first-try lowering of the group less its
+        last member, with that member computed after it; None where that would not be the nest run()
+        makes: the loops' order changes with the member, a value the state lowered reads it (there it
+        was loaded, here it is computed), or its offsets undo a merge. `fused`: the group's fused_nodes.
+        Raises NotFusable as run() does (its first try reaches the same member in the same state)."""
+        n = self.group.nodes[-1]
+        if self.order != state["order"] or any(u in fused for u in self.g.nodes[n].users):
+            return None
+        for name in self._STATE:
+            value = state[name]
+            setattr(self, name, value.copy() if isinstance(value, (list, dict, set)) else value)
+        self.compute_member(n)
+        nest = LoopNest(self.group, self.order, dict(self.runs), self.idx, tuple(self.params), tuple(self.outputs),
+                        self.prologue, self.loads, self.lines, [], None)
+        return None if self.undo_merges(nest) else nest
 
     @staticmethod
     def offsets(nest: LoopNest) -> list[tuple[Stmt, Expr]]:

@@ -205,3 +205,130 @@ def test_the_search_takes_its_predictions_and_code_from_the_target():
     kernels = [s for s, g in zip(result.schedules, result.plan.groups) if g.kind != "extern"]
     assert kernels and all(s.vector_width == 4 and s.unroll == 1 for s in kernels)
     assert target.rendered == len(kernels)
+
+
+def lattice_loss(blank, emit):
+    """An RNN-T loss over a (T, U + 1) lattice as users write it (tests/user_models_tenth.py's RNNT): one
+    logaddexp of two (B,) values per cell, so the graph's pointwise groups grow with the lattice."""
+    T, U = emit.shape[:2]
+    alpha = [[None] * (U + 1) for _ in range(T)]
+    alpha[0][0] = blank.new_zeros(blank.shape[-1])
+    for t in range(T):
+        for u in range(U + 1):
+            if t or u:
+                paths = [alpha[t - 1][u] + blank[t - 1, u]] if t else []
+                paths += [alpha[t][u - 1] + emit[t, u - 1]] if u else []
+                alpha[t][u] = paths[0] if len(paths) == 1 else torch.logaddexp(*paths)
+    return -(alpha[T - 1][U] + blank[T - 1, U]).mean()
+
+
+def whole_lowerings_checked(monkeypatch) -> dict[str, int]:
+    """Check every lowering made by extending a kept one, and every kept fused-nodes answer, against the
+    group lowered (and walked) whole; how many of each were checked."""
+    extended, fused = loopnest._Lowering.extended, loopnest._fused
+    checked = {"extended": 0, "fused": 0}
+
+    def whole(lowering):
+        try:
+            return loopnest._Lowering(lowering.g, lowering.group, lowering.buffers, lowering.inplace,
+                                      lowering.tables).run()
+        except loopnest.NotFusable as e:
+            return str(e)
+
+    def checked_extended(self, state, fused_nodes):
+        expected = whole(self)
+        try:
+            nest = extended(self, state, fused_nodes)
+        except loopnest.NotFusable as e:
+            assert str(e) == expected, self.group
+            raise
+        assert nest is None or nest == expected, self.group
+        checked["extended"] += nest is not None
+        return nest
+
+    def checked_fused(graph, buffers, group):
+        nodes = fused(graph, buffers, group)
+        assert list(nodes) == loopnest.fused_nodes(graph, buffers, group), group
+        checked["fused"] += 1
+        return nodes
+
+    monkeypatch.setattr(loopnest._Lowering, "extended", checked_extended)
+    monkeypatch.setattr(loopnest, "_fused", checked_fused)
+    return checked
+
+
+def test_groups_extended_member_by_member_lower_and_plan_as_lowered_whole(monkeypatch):
+    """Fusion lowers a group at each member it would take; lower extends the kept lowering of the group less
+    its last member (else an 11 x 8 lattice took minutes to compile). Under the default fusion choice of the
+    lattice loss's forward and backward and the first few flipped, each extended nest and kept fused-nodes
+    answer is the whole one's, and the plans and their kernels' nests are those of lowering groups whole."""
+    blank, emit = torch.randn(3, 3, 3), torch.randn(3, 2, 3)
+
+    def gradients(blank, emit):
+        return torch.autograd.grad(lattice_loss(blank, emit), (blank, emit))
+
+    def plans(kept: int) -> list:
+        monkeypatch.setattr(loopnest, "KEPT", kept)
+        graph, _ = lowered(gradients, blank.requires_grad_(), emit.requires_grad_())
+        points = fusion.decision_points(graph)
+        choices = [fusion.choice_of(points, [k == i for k in range(len(points))]) for i in range(-1, 3)]
+        out = []
+        for choice in choices:
+            plan = fusion.plan(graph, choice=choice)
+            out.append((plan, [loopnest.lower(graph, g, plan.buffers, tables=True) for g in plan.groups
+                               if g.kind != "extern"]))
+        return out
+
+    checked = whole_lowerings_checked(monkeypatch)
+    assert plans(loopnest.KEPT) == plans(0)
+    assert checked["extended"] > 20 and checked["fused"] > 100, checked
+
+
+def test_an_extended_lowering_whose_offsets_undo_a_merge_is_lowered_whole(monkeypatch):
+    """A member that reads a transposed tensor divides the merged index of the loops its group merged: the
+    whole lowering runs the axes as loops of their own, and so does the group extended by that member."""
+    checked = whole_lowerings_checked(monkeypatch)
+
+    def fn(x, w):
+        a = x.exp()
+        return a, a * w.permute(2, 1, 0)
+    graph = unplanned(fn, torch.randn(4, 5, 6), torch.randn(6, 5, 4))
+    a, b = (n.index for n in graph.nodes if n.op in ("aten.exp.default", "aten.mul.Tensor"))
+    assert loopnest.lower(graph, loopnest.Group("kernel", (a,), (4, 5, 6)), {a, b}).runs
+    nest = loopnest.lower(graph, loopnest.Group("kernel", (a, b), (4, 5, 6)), {a, b})
+    assert not nest.runs and checked["extended"] == 0
+
+
+def unplanned(fn, *args) -> ir.Graph:
+    """fn's graph, nothing of it lowered yet."""
+    return ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args))
+
+
+def test_kept_fused_nodes_are_not_reused_under_buffers_that_store_what_they_inlined():
+    """kernel_key extends the fused nodes of a group less its last member, or reuses the group's own, only
+    where the values they inlined are still not stored."""
+    def fn(x):
+        a = x.exp() + 1
+        return a, a * 2
+    graph = unplanned(fn, torch.randn(7))
+    exp, a, n = (node.index for node in graph.nodes if node.kind == ir.Kind.POINTWISE)
+    group = loopnest.Group("kernel", (a, n), (7,))
+    for prefix in (loopnest.Group("kernel", (a,), (7,)), group):
+        inlined = loopnest.kernel_key(graph, {a, n}, prefix)[1]
+        assert exp in inlined
+        assert loopnest.kernel_key(graph, {exp, a, n}, group)[1] == (a, n)
+
+
+def test_a_member_read_before_it_is_computed_is_refused_whether_or_not_its_prefix_was_lowered(monkeypatch):
+    """Lowering (a,) loads n from its buffer; (a, n) computes n after a, which reads it: no loop nest, as the
+    whole lowering says, not the prefix's nest with n computed after it."""
+    whole_lowerings_checked(monkeypatch)
+
+    def fn(x):
+        n = x.exp()
+        return n, n + 1
+    graph = unplanned(fn, torch.randn(7))
+    n, a = (node.index for node in graph.nodes if node.op in ("aten.exp.default", "aten.add.Tensor"))
+    loopnest.lower(graph, loopnest.Group("kernel", (a,), (7,)), {n, a})
+    with pytest.raises(loopnest.NotFusable, match="before it is computed"):
+        loopnest.lower(graph, loopnest.Group("kernel", (a, n), (7,)), {n, a})

@@ -215,6 +215,32 @@ def _roll(x: torch.Tensor, shifts: list, dims: list = ()) -> torch.Tensor:
     return result if rolled else aten.clone.default(x)
 
 
+def _nll_loss_backward(grad_output: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                       reduction: int, ignore_index: int, total_weight: torch.Tensor) -> torch.Tensor:
+    """nll_loss's gradient (cross-entropy's, and nll_loss2d's over pixels) as ATen's kernel computes it:
+    -weight[t] * grad (divided by the total weight for a mean) at each row's target t, 0 elsewhere and on rows
+    of ignore_index; as a where over the class positions, which fuses with log_softmax's backward. torch's
+    decomposition scatters -1 at the targets into zeros: a zeros kernel and an ATen scatter over the whole
+    [rows, classes] tensor (a language model's logits), read again by the softmax's backward. The targets
+    are in range: the forward's gather (an ATen call, which checks them) read them."""
+    channel = 0 if x.dim() < 2 else 1
+    if x.dim() == 1 and target.dim() > 0:           # no batch dim: ATen reads target[0] only
+        target = aten.select.int(target, 0, 0)
+    target = aten.unsqueeze.default(target, channel)
+    kept = aten.ne.Scalar(target, ignore_index)
+    grad = aten.div.Tensor(grad_output, total_weight) if reduction == 1 else grad_output    # 1: Reduction.MEAN
+    if x.dim() > grad.dim() > 0:
+        grad = aten.unsqueeze.default(grad, channel)
+    along = [1] * x.dim()
+    along[channel] = x.shape[channel]
+    if weight is not None:
+        grad = aten.mul.Tensor(grad, aten.view.default(weight, along))
+    positions = aten.view.default(aten.arange.default(x.shape[channel], dtype=target.dtype, device=x.device), along)
+    at_target = aten.logical_and.default(aten.eq.Tensor(positions, target), kept)
+    zero = aten.full.default([], 0, dtype=x.dtype, device=x.device)
+    return aten.where.self(at_target, aten.neg.default(grad), zero)
+
+
 def _efficient_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
     """aten._efficientzerotensor as a dense zeros. Autograd formulas make it for a gradient known to be zero
     (torch.func's jacrev/hessian of a function of parameters and inputs: the mm backward of a weight with
@@ -317,6 +343,8 @@ def decompositions() -> dict:
     table[aten.constant_pad_nd.default] = _constant_pad
     table[aten.repeat.default] = _repeat
     table[aten.roll.default] = _roll
+    table[aten.nll_loss_backward.default] = _nll_loss_backward
+    table[aten.nll_loss2d_backward.default] = _nll_loss_backward
     table.update(AUTOGRAD_KEY_CORRECTIONS)
     table.update(foreach_decompositions())
     return table
@@ -783,7 +811,7 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
                               lambda: search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1))
 
 
-SEARCH_VERSION = "32"     # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "33"     # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

@@ -462,3 +462,36 @@ def test_integer_modulos_by_a_positive_int_are_generated(monkeypatch, dtype, cod
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     left = left_to_aten(compiled, set(MODULOS))
     assert sorted(left) == ["aten.fmod.Scalar", "aten.remainder.Tensor"], f"left to ATen: {left}"
+
+
+def nll_gradients(x: torch.Tensor, target: torch.Tensor) -> tuple:
+    """cross_entropy and nll_loss in the forms whose backward scatters at the targets: mean, sum with an
+    ignore_index, unreduced with class weights, label smoothing, a 1-d input (no batch dim), and the 2-d
+    (per pixel) loss of a segmentation map."""
+    w = torch.tensor([1., 0.5, 2., 0., 1.5, 1., 3.], dtype=x.dtype)
+    pixels = x[:4].reshape(2, 2, 7).transpose(1, 2).reshape(2, 7, 2, 1)            # N, C=7, H=2, W=1
+    return (F.cross_entropy(x, target), F.cross_entropy(x, target, reduction="sum", ignore_index=2),
+            F.cross_entropy(x, target, weight=w, reduction="none"),
+            F.cross_entropy(x, target, weight=w, ignore_index=1, label_smoothing=0.1),
+            F.nll_loss(F.log_softmax(x[0], -1), target[0]),
+            F.cross_entropy(pixels, target[:4].reshape(2, 2, 1), weight=w, ignore_index=3))
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [FP32, FP64, BF16], ids=str)
+def test_cross_entropy_backward_is_generated_not_scattered(monkeypatch, dtype, codegen):
+    """Cross-entropy's backward was a zeros kernel and an ATen scatter of -1 at the targets over the whole
+    [rows, classes] gradient (a language model's logits: its largest tensor), read again by the softmax's
+    backward. It is a where over the class positions now, fused into that backward: gradients as eager's in
+    every form of nll_loss, no scatter left to ATen (fails before: one per loss)."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(9, 7, generator=g) * 2).to(dtype)
+    target = torch.tensor([0, 6, 2, 3, 1, 2, 5, 1, 4])
+    actual = forward_and_gradients(torch.compile(nll_gradients, backend=make_backend(codegen=codegen)), (x, target))
+    expected = forward_and_gradients(nll_gradients, (x, target))
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        matches(a, e, f"value {i}")
+    left = left_to_aten(compiled, {"aten.scatter.value", "aten.scatter.src"})
+    assert not left, f"left to ATen: {left}"

@@ -227,6 +227,23 @@ def test_fmod_and_remainder_compile_to_an_exact_long_division(dtype, tmp_path):
     assert re.search(r"\bfma\.rn\.f(32|64)\b", code) and not re.search(r"\b(mul|fma|setp)[a-z0-9.]*\.ftz", code)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_atan2_and_hypot_compile_to_correctly_rounded_divisions_and_roots(dtype, tmp_path):
+    """atan2's and hypot's ratio of the smaller magnitude to the larger, and hypot's root, are the GPU's
+    correctly rounded instructions, as eager's are: Triton's fp32 / is div.full (2 ulp) and its tl.sqrt
+    sqrt.approx, which the interpreter, computing them exactly, does not show."""
+    def angles(y, x):
+        return torch.atan2(y, x), torch.hypot(y, x)
+    y, x = torch.randn(5, 9).to(dtype), torch.randn(5, 9).to(dtype)
+    graph = ir.from_fx(make_fx(angles, decomposition_table=decompositions())(y, x), half=True)
+    plan = fusion.plan(graph)
+    ptx: dict[str, str] = {}
+    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "angles.py", ptx=ptx) >= 1
+    code = "\n".join(ptx.values())
+    found = set(re.findall(r"\b(?:div|sqrt)\.[a-z0-9.]+", code))
+    assert found == {"div.rn.f32", "sqrt.rn.f32"}, found
+
+
 def test_math_functions_keep_subnormals_as_eagers(tmp_path):
     """log, log2, log1p, pow (exp2 of log2), sin, cos and exp of fp32 keep subnormal inputs and results, as torch's
     CUDA kernels: Triton compiles libdevice, where most come from, to flush subnormals to zero unless asked not to

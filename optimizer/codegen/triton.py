@@ -1005,7 +1005,7 @@ def tfsn_atan_unit(a):
         r = tl.where(high, p + 0.7853981633974483 + 3.061616997868383e-17, p)
     else:
         high = a > 0.41421356237309503
-        t = tl.where(high, (a - 1.0) / (a + 1.0), a)
+        t = tl.where(high, tl.div_rn(a - 1.0, a + 1.0), a)     # fp32 / is the GPU's div.full (2 ulp)
         z = t * t
         p = t + t * z * ({_horner("z", _ATAN_P32)})
         r = tl.where(high, p + 0.7853981633974483, p)
@@ -1021,7 +1021,11 @@ def tfsn_ordered_ratio(x, y):
     swap = ay > ax
     big = tl.where(swap, ay, ax)
     small = tl.where(swap, ax, ay)
-    return tl.where(big == 0, small, small / big), big, swap
+    if x.dtype == tl.float64:
+        ratio = small / big
+    else:
+        ratio = tl.div_rn(small, big)       # Triton's fp32 / is the GPU's div.full (2 ulp)
+    return tl.where(big == 0, small, ratio), big, swap
 
 
 @triton.jit
@@ -1042,7 +1046,10 @@ def tfsn_hypot(x, y):
     """C's hypot without overflow or underflow in between: max(|x|, |y|) * sqrt(1 + r * r) of their ratio r;
     inf where either is infinite (NaN or not the other), NaN where either is NaN otherwise."""
     r, big, _ = tfsn_ordered_ratio(x, y)
-    h = big * tl.sqrt(1.0 + r * r)
+    if x.dtype == tl.float64:
+        h = big * tl.sqrt(1.0 + r * r)
+    else:
+        h = big * tl.sqrt_rn(1.0 + r * r)   # tl.sqrt of fp32 is the GPU's sqrt.approx
     return tl.where((tl.abs(x) == float("inf")) | (tl.abs(y) == float("inf")), float("inf"), h)
 
 

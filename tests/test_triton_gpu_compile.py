@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -191,6 +192,16 @@ def test_split_reductions_compile_for_an_h100(tmp_path, monkeypatch):
     assert compiled > 2 * len(graphs)
 
 
+def compiled_ptx(fn: Callable, args: tuple, path: Path) -> str:
+    """The PTX of every kernel of `fn`'s graph (decomposed as the backend decomposes, heuristic schedule)
+    compiled for an H100, as one text: the instructions the GPU would run, which the interpreter does not."""
+    graph = ir.from_fx(make_fx(fn, decomposition_table=decompositions())(*args), half=True)
+    plan = fusion.plan(graph)
+    ptx: dict[str, str] = {}
+    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, path, ptx=ptx) >= 1
+    return "\n".join(ptx.values())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
 def test_square_roots_compile_to_the_gpus_correctly_rounded_instructions(dtype, tmp_path):
     """sqrt, rsqrt and powers of 0.5 and -0.5 are eager's: correctly rounded square roots, subnormals kept. Triton's
@@ -200,11 +211,8 @@ def test_square_roots_compile_to_the_gpus_correctly_rounded_instructions(dtype, 
     def roots(x):
         return x.sqrt(), x.rsqrt(), x ** 0.5, x ** -0.5
     x = torch.rand(6, 7).to(dtype)
-    graph = ir.from_fx(make_fx(roots, decomposition_table=decompositions())(x), half=True)
-    plan = fusion.plan(graph)
-    ptx: dict[str, str] = {}
-    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "roots.py", ptx=ptx) >= 1
-    roots_compiled = set(re.findall(r"\br?sqrt\.[a-z0-9.]+", "\n".join(ptx.values())))
+    code = compiled_ptx(roots, (x,), tmp_path / "roots.py")
+    roots_compiled = set(re.findall(r"\br?sqrt\.[a-z0-9.]+", code))
     assert roots_compiled and not any("approx" in r for r in roots_compiled), roots_compiled
 
 
@@ -217,11 +225,7 @@ def test_fmod_and_remainder_compile_to_an_exact_long_division(dtype, tmp_path):
     def modulos(a, b):
         return torch.fmod(a, b), torch.remainder(a, b), a % 0.3
     a, b = torch.randn(5, 9, dtype=dtype), torch.rand(5, 9, dtype=dtype) + 0.5
-    graph = ir.from_fx(make_fx(modulos, decomposition_table=decompositions())(a, b), half=True)
-    plan = fusion.plan(graph)
-    ptx: dict[str, str] = {}
-    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "modulos.py", ptx=ptx) >= 1
-    code = "\n".join(ptx.values())
+    code = compiled_ptx(modulos, (a, b), tmp_path / "modulos.py")
     divisions = set(re.findall(r"\bdiv\.[a-z0-9.]+", code))
     assert divisions == {f"div.rn.f{dtype.itemsize * 8}"}, divisions
     assert re.search(r"\bfma\.rn\.f(32|64)\b", code) and not re.search(r"\b(mul|fma|setp)[a-z0-9.]*\.ftz", code)
@@ -235,11 +239,7 @@ def test_atan2_and_hypot_compile_to_correctly_rounded_divisions_and_roots(dtype,
     def angles(y, x):
         return torch.atan2(y, x), torch.hypot(y, x)
     y, x = torch.randn(5, 9).to(dtype), torch.randn(5, 9).to(dtype)
-    graph = ir.from_fx(make_fx(angles, decomposition_table=decompositions())(y, x), half=True)
-    plan = fusion.plan(graph)
-    ptx: dict[str, str] = {}
-    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "angles.py", ptx=ptx) >= 1
-    code = "\n".join(ptx.values())
+    code = compiled_ptx(angles, (y, x), tmp_path / "angles.py")
     found = set(re.findall(r"\b(?:div|sqrt)\.[a-z0-9.]+", code))
     assert found == {"div.rn.f32", "sqrt.rn.f32"}, found
 
@@ -257,9 +257,6 @@ def test_math_functions_keep_subnormals_as_eagers(tmp_path):
     def functions(x, y):
         return x.log(), x.log2(), x.log1p(), x ** y, x.sin(), x.cos(), x.exp()
     args = (torch.rand(6, 7), torch.randn(6, 7))
-    graph = ir.from_fx(make_fx(functions, decomposition_table=decompositions())(*args), half=True)
-    plan = fusion.plan(graph)
-    ptx: dict[str, str] = {}
-    assert compile_graph(graph, plan, [DEFAULT] * len(plan.groups), H100, tmp_path / "functions.py", ptx=ptx) >= 1
-    flushing = sorted({i for p in ptx.values() for i in re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.[a-z0-9.]+", p)})
+    code = compiled_ptx(functions, args, tmp_path / "functions.py")
+    flushing = sorted(set(re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.[a-z0-9.]+", code)))
     assert not flushing, flushing

@@ -67,22 +67,17 @@ static inline int64_t tfsn_ipow(int64_t a, int64_t b) {
   return r;
 }
 /* C's fmod (the dividend's sign; exact) and Python's remainder (the divisor's), as ATen's: fmod, moved by
-   the divisor where the signs differ; integers for a positive divisor only (optimizer/ops.py MODULOS) */
-static inline float tfsn_fmodf(float a, float b) { return fmodf(a, b); }
-static inline double tfsn_fmod(double a, double b) { return fmod(a, b); }
-static inline int64_t tfsn_fmod_i64(int64_t a, int64_t b) { return a % b; }
-static inline float tfsn_remainderf(float a, float b) {
-  const float r = fmodf(a, b);
-  return r != 0 && (r < 0) != (b < 0) ? r + b : r;
-}
-static inline double tfsn_remainder(double a, double b) {
-  const double r = fmod(a, b);
-  return r != 0 && (r < 0) != (b < 0) ? r + b : r;
-}
-static inline int64_t tfsn_remainder_i64(int64_t a, int64_t b) {
-  const int64_t r = a % b;
-  return r != 0 && (r < 0) != (b < 0) ? r + b : r;
-}
+   the divisor where the signs differ; one pair per type the renderer computes them in (the integers' for a
+   positive divisor only: optimizer/ops.py MODULOS) */
+#define TFSN_MODULOS(T, suffix, fmod_of_a_b) \\
+  static inline T tfsn_fmod##suffix(T a, T b) { return fmod_of_a_b; } \\
+  static inline T tfsn_remainder##suffix(T a, T b) { \\
+    const T r = fmod_of_a_b; \\
+    return r != 0 && (r < 0) != (b < 0) ? r + b : r; \\
+  }
+TFSN_MODULOS(float, f, fmodf(a, b))
+TFSN_MODULOS(double, , fmod(a, b))
+TFSN_MODULOS(int64_t, _i64, a % b)
 static inline float tfsn_f32_of_bits(uint32_t bits) {
   float x;
   memcpy(&x, &bits, sizeof x);

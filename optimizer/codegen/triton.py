@@ -229,11 +229,12 @@ def _modulo(name: str) -> Callable:
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
         if t in HALVES:
-            a, b = (_rounded(_cast(o, "float32"), t) for o in ops[:2])
+            a, b = (_rounded(_constant(o, "float32") if o.scalar else _cast(o, "float32"), t) for o in ops[:2])
             return f"tfsn_{name}({a}, {b})"
+        if out in FLOATS:     # a scalar divisor as a block (_constant): the prelude's functions take blocks
+            b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
+            return f"tfsn_{name}({_cast(ops[0], out)}, {b})"
         a, b = _cast(ops[0], out), _cast(ops[1], out)
-        if out in FLOATS:
-            return f"tfsn_{name}({a}, {b})"
         if name == "fmod":
             return f"({a} % {b})"
         return f"tl.where(({a} % {b}) < 0, ({a} % {b}) + {b}, {a} % {b})"     # b > 0: r moves where below 0
@@ -1106,9 +1107,7 @@ def tfsn_fmod(a, b):
     of 22 bits cover fp32's exponents, subnormals included; 43 of 51 fp64's), with a's sign (-0.0 too); NaN
     where b is 0, a infinite or either NaN; a itself where b is infinite. Triton's own % is LLVM's frem,
     which NVPTX computes as a - trunc(a / b) * b: wrong once the quotient passes 2^24, or where the division
-    rounds it up to a whole number (a negative remainder). A scalar b (fmod.Scalar) is made a tensor like a
-    (its zero's sign does not matter: a zero b gives NaN)."""
-    b = b + tl.zeros_like(a)
+    rounds it up to a whole number (a negative remainder)."""
     x = tl.abs(a)
     y = tl.abs(b)
     ey = tfsn_exponent(y)
@@ -1128,7 +1127,6 @@ def tfsn_fmod(a, b):
 def tfsn_remainder(a, b):
     """Python's (and torch's) remainder of floats: fmod, moved by b where its sign differs from b's (ATen's
     own formula, so remainder(-1e-30, 1.0) rounds to 1.0 as eager's)."""
-    b = b + tl.zeros_like(a)
     r = tfsn_fmod(a, b)
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 

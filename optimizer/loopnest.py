@@ -532,6 +532,17 @@ def _fused(graph: Graph, buffers: set[int], group: Group) -> tuple[int, ...]:
         found.add(group.nodes[-1])
     else:
         found, deciders, todo = set(group.nodes), set(), list(group.nodes)
+    _inline(graph, buffers, found, todo, deciders)
+    fused = _Fused(tuple(sorted(found)), frozenset(found), frozenset(deciders),
+                   frozenset(buffers.intersection(deciders)))
+    _keep(kept, group.nodes, fused)
+    return fused.nodes
+
+
+def _inline(graph: Graph, buffers: set[int], found: set[int], todo: list[int], deciders: set[int]) -> None:
+    """Into `found`, the values inlined into the nodes of `todo` and into those, transitively: views, and
+    pointwise values not stored (in `buffers`); into `deciders`, every pointwise value the walk reads, whose
+    being stored or not decided what it found."""
     while todo:
         for i in graph.nodes[todo.pop()].inputs:
             kind = graph.nodes[i].kind
@@ -540,22 +551,15 @@ def _fused(graph: Graph, buffers: set[int], group: Group) -> tuple[int, ...]:
             if i not in found and (kind == Kind.VIEW or kind == Kind.POINTWISE and i not in buffers):
                 found.add(i)
                 todo.append(i)
-    fused = _Fused(tuple(sorted(found)), frozenset(found), frozenset(deciders),
-                   frozenset(buffers.intersection(deciders)))
-    _keep(kept, group.nodes, fused)
-    return fused.nodes
 
 
 def fused_nodes(graph: Graph, buffers: set[int], group: Group) -> list[int]:
     """A group's members and the values inlined into them, in graph order."""
-    found, todo = set(group.nodes), list(group.nodes)
-    while todo:
-        for i in graph.nodes[todo.pop()].inputs:
-            node = graph.nodes[i]
-            if i not in found and (node.kind == Kind.VIEW or node.kind == Kind.POINTWISE and i not in buffers):
-                found.add(i)
-                todo.append(i)
-    return sorted(found) if group.kind != "extern" else list(group.nodes)
+    if group.kind == "extern":
+        return list(group.nodes)
+    found = set(group.nodes)
+    _inline(graph, buffers, found, list(group.nodes), set())
+    return sorted(found)
 
 
 class _Lowering:

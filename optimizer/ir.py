@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from optimizer.ops import DTYPES, MODULOS, POINTWISE_OPS
+from optimizer.ops import DTYPES, MODULOS, POINTWISE_OPS, ROUNDED_DIVISIONS
 
 aten = torch.ops.aten
 
@@ -359,9 +359,15 @@ def _tensor_args(args, kwargs, nodes) -> list[TensorType | None]:
     return found
 
 
-def _positive_int(a) -> bool:
-    """Whether `a` is a Python int above 0: the integer divisors a kernel divides by without a check."""
-    return isinstance(a, int) and not isinstance(a, bool) and a > 0
+def _positive_int(a, dtype: str) -> bool:
+    """Whether `a` is a Python int above 0 that integer `dtype` holds: the divisors a kernel divides by without a
+    check (eager wraps a larger one into the dtype: int8 % 200 divides by -56)."""
+    return isinstance(a, int) and not isinstance(a, bool) and dtype != "bool" and \
+        0 < a <= torch.iinfo(getattr(torch, dtype)).max
+
+
+def _number(a) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool)
 
 
 def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes: list[Node],
@@ -379,11 +385,15 @@ def classify(op: str, args: tuple, kwargs: dict, type_: TensorType | None, nodes
         return Kind.POINTWISE if same_rank and all(t.dtype == type_.dtype for t in tensors) else Kind.EXTERN
     if op == FLIP:
         return Kind.POINTWISE
-    if op in MODULOS and type_.dtype in INTEGER_DTYPES and not _positive_int(args[1]):
-        return Kind.EXTERN
+    if op in MODULOS | ROUNDED_DIVISIONS:
+        if type_.dtype in INTEGER_DTYPES and not _positive_int(args[1], type_.dtype):
+            return Kind.EXTERN
+        if op in ROUNDED_DIVISIONS and (kwargs.get("rounding_mode") not in ("trunc", "floor")
+                                        or type_.dtype in HALF_DTYPES and not _number(args[1])):
+            return Kind.EXTERN
     if op in POINTWISE_OPS:
         extra = set(kwargs) - {"alpha", "dtype", "layout", "device", "pin_memory", "memory_format",
-                               "non_blocking"}
+                               "non_blocking", "rounding_mode"}
         made_on = kwargs.get("device")
         if extra or (made_on is not None and not same_device(made_on, device)):
             return Kind.EXTERN

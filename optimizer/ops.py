@@ -12,16 +12,16 @@ POINTWISE_OPS = frozenset({
     "aten._to_copy.default", "aten.abs.default", "aten.add.Scalar", "aten.add.Tensor", "aten.atan2.default",
     "aten.bitwise_and.Tensor", "aten.bitwise_not.default", "aten.bitwise_or.Tensor", "aten.ceil.default",
     "aten.clamp.default", "aten.clamp_max.default", "aten.clamp_min.default", "aten.clone.default",
-    "aten.copy.default", "aten.cos.default", "aten.div.Scalar", "aten.div.Tensor", "aten.eq.Scalar",
-    "aten.eq.Tensor", "aten.erf.default", "aten.exp.default", "aten.exp2.default", "aten.expm1.default",
-    "aten.fill.Scalar", "aten.floor.default", "aten.fmod.Scalar", "aten.fmod.Tensor", "aten.full.default",
-    "aten.full_like.default", "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor",
-    "aten.hypot.default", "aten.isnan.default", "aten.le.Scalar", "aten.le.Tensor",
-    "aten.lift_fresh_copy.default", "aten.log.default", "aten.log1p.default", "aten.log2.default",
-    "aten.logical_and.default", "aten.logical_not.default", "aten.logical_or.default", "aten.lt.Scalar",
-    "aten.lt.Tensor", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor", "aten.maximum.default",
-    "aten.minimum.default", "aten.mul.Scalar", "aten.mul.Tensor", "aten.ne.Scalar", "aten.ne.Tensor",
-    "aten.neg.default", "aten.pow.Scalar", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor",
+    "aten.copy.default", "aten.cos.default", "aten.div.Scalar", "aten.div.Scalar_mode", "aten.div.Tensor",
+    "aten.div.Tensor_mode", "aten.eq.Scalar", "aten.eq.Tensor", "aten.erf.default", "aten.exp.default",
+    "aten.exp2.default", "aten.expm1.default", "aten.fill.Scalar", "aten.floor.default", "aten.fmod.Scalar",
+    "aten.fmod.Tensor", "aten.full.default", "aten.full_like.default", "aten.ge.Scalar", "aten.ge.Tensor",
+    "aten.gt.Scalar", "aten.gt.Tensor", "aten.hypot.default", "aten.isnan.default", "aten.le.Scalar",
+    "aten.le.Tensor", "aten.lift_fresh_copy.default", "aten.log.default", "aten.log1p.default",
+    "aten.log2.default", "aten.logical_and.default", "aten.logical_not.default", "aten.logical_or.default",
+    "aten.lt.Scalar", "aten.lt.Tensor", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor",
+    "aten.maximum.default", "aten.minimum.default", "aten.mul.Scalar", "aten.mul.Tensor", "aten.ne.Scalar",
+    "aten.ne.Tensor", "aten.neg.default", "aten.pow.Scalar", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor",
     "aten.reciprocal.default", "aten.relu.default", "aten.remainder.Scalar", "aten.remainder.Tensor",
     "aten.round.default", "aten.rsqrt.default", "aten.rsub.Scalar", "aten.rsub.Tensor",
     "aten.scalar_tensor.default", "aten.sigmoid.default", "aten.sign.default", "aten.sin.default",
@@ -31,21 +31,29 @@ POINTWISE_OPS = frozenset({
 
 # ops that cost a polynomial or a divide per element (the cost model's `math`, fusion's recompute cost)
 EXPENSIVE = frozenset({
-    "aten.atan2.default", "aten.cos.default", "aten.div.Tensor", "aten.erf.default", "aten.exp.default",
-    "aten.expm1.default", "aten.fmod.Scalar", "aten.fmod.Tensor", "aten.hypot.default", "aten.log.default",
-    "aten.log1p.default", "aten.pow.Tensor_Tensor", "aten.remainder.Scalar", "aten.remainder.Tensor",
-    "aten.rsqrt.default", "aten.sigmoid.default", "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
+    "aten.atan2.default", "aten.cos.default", "aten.div.Scalar_mode", "aten.div.Tensor", "aten.div.Tensor_mode",
+    "aten.erf.default", "aten.exp.default", "aten.expm1.default", "aten.fmod.Scalar", "aten.fmod.Tensor",
+    "aten.hypot.default", "aten.log.default", "aten.log1p.default", "aten.pow.Tensor_Tensor",
+    "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.rsqrt.default", "aten.sigmoid.default",
+    "aten.sin.default", "aten.sqrt.default", "aten.tanh.default",
 })
 
 # C's fmod (the dividend's sign) and Python's remainder (the divisor's): exact in floats (the renderers'
-# own algorithm where the target's is not). Integers are generated only for a positive Python int divisor:
-# a zero one raises in eager where C would trap, and INT_MIN % -1 traps too.
+# own algorithm where the target's is not). Integers are generated only for a positive Python int divisor that
+# the dtype holds: a zero one raises in eager where C would trap, INT_MIN % -1 traps too, and eager wraps the
+# int into the dtype first (an int8 % 200 is by -56, % 256 raises).
 MODULOS = frozenset({"aten.fmod.Scalar", "aten.fmod.Tensor", "aten.remainder.Scalar", "aten.remainder.Tensor"})
+
+# torch.div with rounding_mode "trunc" or "floor" (`//`, floor_divide): exact as ATen's, whose floor division of
+# floats goes through fmod. Integers as MODULOS. A 16-bit float only by a Python number: eager divides by one
+# in fp32 and rounds once, where by a tensor its vectorized loop rounds every step to the half.
+ROUNDED_DIVISIONS = frozenset({"aten.div.Scalar_mode", "aten.div.Tensor_mode"})
 
 # Functions to whole numbers: a step at each integer (or half), so where eager rounds a 16-bit operand to the
 # half before it, a generated kernel holding that operand in fp32 must too (as comparisons do): eager's fp16
 # 2.943 * 1.0195 is 3.0 and its ceil 3, where the fp32 product 3.0008 has ceil 4.
-ROUNDINGS = frozenset({"aten.ceil.default", "aten.floor.default", "aten.round.default", "aten.trunc.default"})
+ROUNDINGS = frozenset({"aten.ceil.default", "aten.floor.default", "aten.round.default", "aten.trunc.default",
+                       *ROUNDED_DIVISIONS})
 
 
 def half_operand_rounded(op: str, half: str | None, out: str) -> bool:

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from optimizer import backend  # noqa: E402
 from optimizer.backend import make_backend  # noqa: E402
-from optimizer.ops import MODULOS  # noqa: E402
+from optimizer.ops import MODULOS, ROUNDED_DIVISIONS  # noqa: E402
 from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
 from tests.test_optimizer_user_models import TOLERANCE  # noqa: E402
 from tests.test_optimizer_user_models_more import no_graph_left_to_aten  # noqa: E402
@@ -462,6 +462,59 @@ def test_integer_modulos_by_a_positive_int_are_generated(monkeypatch, dtype, cod
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     left = left_to_aten(compiled, set(MODULOS))
     assert sorted(left) == ["aten.fmod.Scalar", "aten.remainder.Tensor"], f"left to ATen: {left}"
+
+
+def rounded_divisions(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return (torch.div(a, b, rounding_mode="floor"), torch.div(a, b, rounding_mode="trunc"), a // 0.1,
+            torch.div(a, -2.5, rounding_mode="trunc"), torch.floor_divide(a, 3), a // -0.0)
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [FP32, FP64, BF16, FP16], ids=str)
+def test_rounded_divisions_are_generated_and_exact(monkeypatch, dtype, codegen):
+    """`x // step` and torch.div(..., rounding_mode="trunc" / "floor") ran as ATen calls between kernels (a
+    bin index, a period count, a quantizer's level). They are pointwise ops now, bit for bit eager's: trunc of
+    the correctly rounded quotient (Triton's fp32 / is 2 ulp on a GPU, which can cross a whole number), floor
+    division by ATen's own formula through the exact fmod. Checked at every pair of signed zeros, subnormals,
+    huge values, infinities and NaN and at random pairs 2^(+-60) apart, with each zero's sign (-0.0 divisors
+    too). A half by a tensor stays ATen's: eager's vectorized loop rounds each of its steps to the half."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    spread = torch.randn(2, 400, generator=g, dtype=FP64) * torch.exp2(torch.randn(2, 400, generator=g) * 20)
+    grid = _signed_grid(dtype, extremes=True)
+    a, b = (torch.cat([edge, rand.to(dtype)]) for edge, rand in zip(grid, spread))
+    actual = torch.compile(rounded_divisions, backend=make_backend(codegen=codegen))(a, b)
+    for i, (got, want) in enumerate(zip(actual, rounded_divisions(a, b))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"value {i}: {m}")
+        zeros = want == 0
+        assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), f"value {i}: a zero's sign differs"
+    left = left_to_aten(compiled, set(ROUNDED_DIVISIONS))
+    assert sorted(left) == (["aten.div.Tensor_mode"] * 2 if dtype in (BF16, FP16) else []), f"left to ATen: {left}"
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
+def test_integer_rounded_divisions_by_a_positive_int_are_generated(monkeypatch, dtype, codegen):
+    """`positions // block` and torch.div(ids, n, rounding_mode="trunc") of integers by a positive Python int
+    are generated (negative dividends, the dtype's extremes); by a tensor or a negative int they stay ATen's,
+    and so does an int the dtype does not hold: eager wraps it into the dtype first (int8 // 200 and int8 % 200
+    divide by -56; the kernel divided by 200, and % 256 would have trapped where eager raises)."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    info = torch.iinfo(dtype)
+    a = torch.tensor([info.min, info.min + 1, -7, -6, -1, 0, 1, 5, 6, 7, 100, info.max - 1, info.max]).clamp(
+        info.min, info.max).to(dtype)
+
+    def fn(a, b):
+        return (a // 3, torch.div(a, 5, rounding_mode="trunc"), torch.div(a, 1, rounding_mode="floor"), a // b,
+                torch.div(a, -3, rounding_mode="trunc"), a // 200, a % 200)
+    divisor = torch.full_like(a, 4)
+    for got, want in zip(torch.compile(fn, backend=make_backend(codegen=codegen))(a, divisor), fn(a, divisor)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    wrapped = ["aten.div.Tensor_mode", "aten.remainder.Scalar"] if dtype == torch.int8 else []
+    left = left_to_aten(compiled, set(ROUNDED_DIVISIONS | MODULOS))
+    assert sorted(left) == sorted(["aten.div.Tensor_mode"] * 2 + wrapped), f"left to ATen: {left}"
 
 
 def nll_gradients(x: torch.Tensor, target: torch.Tensor) -> tuple:

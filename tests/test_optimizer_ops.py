@@ -197,6 +197,10 @@ RECIPES: list[Recipe] = [
     Recipe("aten.fmod.Scalar", lambda o: aten.fmod.Scalar(o.x, o.s)),
     Recipe("aten.remainder.Tensor", lambda o: aten.remainder.Tensor(o.x, o.y), EXACT, True),
     Recipe("aten.remainder.Scalar", lambda o: aten.remainder.Scalar(o.x, o.s)),
+    *[Recipe("aten.div.Tensor_mode", (lambda o, m=m: aten.div.Tensor_mode(o.x, o.y, rounding_mode=m)), EXACT, True)
+      for m in ("trunc", "floor")],
+    *[Recipe("aten.div.Scalar_mode", (lambda o, m=m: aten.div.Scalar_mode(o.x, o.s, rounding_mode=m)))
+      for m in ("trunc", "floor")],
     Recipe("aten.relu.default", lambda o: aten.relu.default(o.x), EXACT, True),
     Recipe("aten.floor.default", lambda o: aten.floor.default(o.x)),
     Recipe("aten.ceil.default", lambda o: aten.ceil.default(o.x)),

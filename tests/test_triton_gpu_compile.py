@@ -231,6 +231,20 @@ def test_fmod_and_remainder_compile_to_an_exact_long_division(dtype, tmp_path):
     assert re.search(r"\bfma\.rn\.f(32|64)\b", code) and not re.search(r"\b(mul|fma|setp)[a-z0-9.]*\.ftz", code)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rounded_divisions_compile_to_correctly_rounded_divisions(dtype, tmp_path):
+    """torch.div with rounding_mode "trunc" and "floor" (`//`) are eager's only if the quotient they truncate or
+    round is correctly rounded (Triton's fp32 / is div.full, 2 ulp: 6.0 / 3.0 may come out below 2.0, whose
+    trunc is 1), floor's fmod exact as fmod's own, and nothing flushes subnormals."""
+    def divisions(a, b):
+        return torch.div(a, b, rounding_mode="trunc"), a // b, a // 0.3
+    a, b = torch.randn(5, 9, dtype=dtype), torch.rand(5, 9, dtype=dtype) + 0.5
+    code = compiled_ptx(divisions, (a, b), tmp_path / "divisions.py")
+    divisions_compiled = set(re.findall(r"\bdiv\.[a-z0-9.]+", code))
+    assert divisions_compiled == {f"div.rn.f{dtype.itemsize * 8}"}, divisions_compiled
+    assert not re.search(r"\b(mul|fma|setp|add|sub)[a-z0-9.]*\.ftz", code)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_atan2_and_hypot_compile_to_correctly_rounded_divisions_and_roots(dtype, tmp_path):
     """atan2's and hypot's ratio of the smaller magnitude to the larger, and hypot's root, are the GPU's

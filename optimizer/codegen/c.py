@@ -78,6 +78,26 @@ static inline int64_t tfsn_ipow(int64_t a, int64_t b) {
 TFSN_MODULOS(float, f, fmodf(a, b))
 TFSN_MODULOS(double, , fmod(a, b))
 TFSN_MODULOS(int64_t, _i64, a % b)
+/* torch's floor division (`//`, rounding_mode="floor"), as ATen's: of floats, (a - fmod(a, b)) / b (a whole
+   number up to the division's rounding), one less where fmod's sign differs from b's, then rounded to the
+   nearest whole number; a zero with a / b's sign, and a / b itself for a zero b. Of integers, C's quotient,
+   one less where the remainder's sign differs from b's (b positive: optimizer/ops.py ROUNDED_DIVISIONS). */
+#define TFSN_DIV_FLOOR(T, suffix) \\
+  static inline T tfsn_div_floor##suffix(T a, T b) { \\
+    if (b == 0) return a / b; \\
+    const T mod = tfsn_fmod##suffix(a, b); \\
+    T q = (a - mod) / b; \\
+    if (mod != 0 && (b < 0) != (mod < 0)) q -= 1; \\
+    if (q == 0) return copysign##suffix(0, a / b); \\
+    const T whole = floor##suffix(q); \\
+    return q - whole > (T)0.5 ? whole + 1 : whole; \\
+  }
+TFSN_DIV_FLOOR(float, f)
+TFSN_DIV_FLOOR(double, )
+static inline int64_t tfsn_div_floor_i64(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return a % b != 0 && (a < 0) != (b < 0) ? q - 1 : q;
+}
 static inline float tfsn_f32_of_bits(uint32_t bits) {
   float x;
   memcpy(&x, &bits, sizeof x);

@@ -158,6 +158,19 @@ def _modulo(name: str) -> Render:
     return render
 
 
+def _rounded_division(ops, out, kw):
+    """torch.div with rounding_mode "trunc" or "floor" (`//`), as ATen's: the correctly rounded quotient
+    truncated, or the prelude's tfsn_div_floor (ATen's own, through fmod). A half is divided in fp32 by a
+    Python number, as eager does (no rounding of either to the half); an integer by a positive Python int
+    (optimizer/ops.py ROUNDED_DIVISIONS)."""
+    floor = kw["rounding_mode"] == "floor"
+    if out in FLOATS:
+        a, b, suffix = cast(ops[0], out), cast(ops[1], out), "f" if out == "float32" else ""
+        return f"tfsn_div_floor{suffix}({a}, {b})" if floor else f"trunc{suffix}({a} / {b})"
+    a, b = cast(ops[0], "int64"), cast(ops[1], "int64")
+    return cast(Operand(f"tfsn_div_floor_i64({a}, {b})" if floor else f"({a} / {b})", "int64"), out)
+
+
 def _exp(fmt: str) -> Render:
     """exp through the prelude's vectorizable tfsn_expf for fp32, libm's otherwise."""
     def render(ops, out, kw):
@@ -279,6 +292,7 @@ POINTWISE: dict[str, Render] = {
     "aten.rsub.Tensor": _alpha("-", True),
     "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
     "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
+    "aten.div.Tensor_mode": _rounded_division, "aten.div.Scalar_mode": _rounded_division,
     "aten.neg.default": _unary("(-{a})"), "aten.abs.default": _abs,
     "aten.exp.default": _exp("{exp}"), "aten.exp2.default": _unary("exp2({a})"),
     "aten.expm1.default": _libm("expm1"), "aten.log.default": _libm("log"),

@@ -241,6 +241,20 @@ def _modulo(name: str) -> Callable:
     return render
 
 
+def _rounded_division(ops, out, kw):
+    """torch.div with rounding_mode "trunc" or "floor" (`//`), as ATen's: the prelude's tfsn_div_trunc and
+    tfsn_div_floor for floats (a correctly rounded quotient: Triton's fp32 / is div.full, 2 ulp, which can
+    cross a whole number), a half divided in fp32 by a Python number as eager does; for integers by a
+    positive Python int (optimizer/ops.py ROUNDED_DIVISIONS) Triton's //, C's truncation, one less for floor
+    where the remainder is below 0."""
+    floor = kw["rounding_mode"] == "floor"
+    if out in FLOATS:      # a scalar divisor as a block (_constant): the prelude's functions take blocks
+        b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
+        return f"tfsn_div_{'floor' if floor else 'trunc'}({_cast(ops[0], out)}, {b})"
+    a, b = _cast(ops[0], out), _cast(ops[1], out)
+    return f"tl.where(({a} % {b}) < 0, {a} // {b} - 1, {a} // {b})" if floor else f"({a} // {b})"
+
+
 POWI_LIMIT = 32     # whole exponents up to this are products (log2 n roundings); larger ones go through tfsn_pow
 
 
@@ -358,6 +372,7 @@ OPS: dict[str, Callable] = {
     "aten.rsub.Tensor": _alpha("-", True),
     "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
     "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
+    "aten.div.Tensor_mode": _rounded_division, "aten.div.Scalar_mode": _rounded_division,
     "aten.neg.default": _neg, "aten.abs.default": _unary("tl.abs({a})"),
     "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
     "aten.expm1.default": _unary("tfsn_expm1({a})"), "aten.log.default": _unary("tl.log({a})"),
@@ -1055,6 +1070,16 @@ def tfsn_hypot(x, y):
 
 
 @triton.jit
+def tfsn_div_rn(a, b):
+    """a / b correctly rounded (fp64's / is; fp32's is the GPU's div.full, 2 ulp)."""
+    if a.dtype == tl.float64:
+        q = a / b
+    else:
+        q = tl.div_rn(a, b)
+    return q
+
+
+@triton.jit
 def tfsn_exponent(v):
     """floor(log2(v)) of a positive finite v, exactly: read off its bits, a subnormal's once scaled by 2^64."""
     if v.dtype == tl.float64:
@@ -1091,10 +1116,7 @@ def tfsn_fmod_step(r, y, ey, bits):
     takes `bits` off the exponents' gap; r where it is below y already."""
     k = tl.maximum(tfsn_exponent(r) - ey - bits, 0)
     s = tfsn_scaled(y, k)
-    if r.dtype == tl.float64:
-        q = tl.floor(r / s)
-    else:
-        q = tl.floor(tl.div_rn(r, s))
+    q = tl.floor(tfsn_div_rn(r, s))
     t = tl.fma(q * -1.0, s, r)
     t = tl.where(t < 0, t + s, t)
     t = tl.where(t >= s, t - s, t)
@@ -1129,6 +1151,29 @@ def tfsn_remainder(a, b):
     own formula, so remainder(-1e-30, 1.0) rounds to 1.0 as eager's)."""
     r = tfsn_fmod(a, b)
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def tfsn_div_trunc(a, b):
+    """torch.div(a, b, rounding_mode="trunc") of floats: the correctly rounded quotient, truncated."""
+    q = tfsn_div_rn(a, b - tl.zeros_like(a))        # b as a block like a; - 0.0 keeps a -0.0 divisor's sign
+    return tl.where(q < 0, tl.ceil(q), tl.floor(q))
+
+
+@triton.jit
+def tfsn_div_floor(a, b):
+    """torch's floor division of floats (`//`), as ATen's: (a - fmod(a, b)) / b (a whole number up to the
+    division's rounding), one less where fmod's sign differs from b's, then rounded to the nearest whole
+    number; a zero with a / b's sign, and a / b itself for a zero b."""
+    b = b - tl.zeros_like(a)
+    mod = tfsn_fmod(a, b)
+    q = tfsn_div_rn(a - mod, b)
+    q = tl.where((mod != 0) & ((b < 0) != (mod < 0)), q - 1.0, q)
+    whole = tl.floor(q)
+    whole = tl.where(q - whole > 0.5, whole + 1.0, whole)
+    quotient = tfsn_div_rn(a, b)
+    whole = tl.where(q == 0, quotient * 0.0, whole)
+    return tl.where(b == 0, quotient, whole)
 
 
 @triton.jit

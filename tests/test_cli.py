@@ -88,6 +88,8 @@ def test_health_simulate_reports_detection_as_json(tfsn):
 def test_bad_name_and_job_refs_are_one_line_errors(tfsn, tmp_path):
     spec = write_job(tmp_path / "job.yaml", steps=1)
     assert_one_line_error(tfsn("launch", str(spec), "--name", "bad name!", check=False), "--name")
+    assert_one_line_error(tfsn("launch", str(spec), "--name", "7", check=False), "--name '7'", "job id")
+    assert json.loads(tfsn("status", "--json").stdout) == []
     for ref in ("99999999999999999999999", "²"):
         assert_one_line_error(tfsn("status", ref, check=False), "no job")
 

@@ -27,7 +27,7 @@ from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text, hardware_lines, model_text
-from orchestrator.spec import JobSpec, SpecError, checkpoint_url_scheme, load_spec, spec_line
+from orchestrator.spec import JobSpec, SpecError, checkpoint_url_scheme, job_name_problem, load_spec, spec_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
@@ -182,6 +182,8 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
     """Launch a job and follow it (Ctrl-C stops it; use --detach to leave it running)."""
     spec = checked_spec(file, overrides=_env_pairs(env))
     if name:
+        if problem := job_name_problem(name):
+            raise UsageError(f"--name {problem}")
         try:
             spec = JobSpec.model_validate({**spec.model_dump(mode="json"), "name": name})
         except ValidationError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -443,3 +444,19 @@ def test_a_read_only_tfsn_home_shows_its_jobs_and_refuses_changes_in_one_line(tf
         [line] = proc.stderr.splitlines()
         assert line.startswith("tfsn: error: ") and "To fix:" in line, line
     assert Store(tfsn.home / "tfsn.db").job(job.id).state == JobState.RUNNING    # nothing lost
+
+
+def test_a_full_disk_under_tfsn_home_says_so_and_not_to_move_the_store_away(tfsn, tmp_path):
+    """A store that SQLite could not write for want of space was called unreadable: "To fix: move the file away
+    (tfsn starts an empty store)", which hides every job it holds, and the disk stays full. The disk is full here
+    as far as the command can tell: no file of it may grow (RLIMIT_FSIZE; SQLite gets EFBIG)."""
+    store = Store(tfsn.home / "tfsn.db")
+    store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "t.yaml", "t")
+    store._db.close()
+    full = subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "status"], env=tfsn.env, capture_output=True,
+                          text=True, timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr
+    [line] = full.stderr.splitlines()
+    assert line.startswith("tfsn: error: ") and "disk is full or failing" in line and "free space" in line, line
+    assert "move the file away" not in line
+    assert [job["name"] for job in json.loads(tfsn("status", "--json").stdout)] == ["j"]     # nothing lost

@@ -58,11 +58,21 @@ def _home() -> Path:
                          "folder you can write to") from None
 
 
+def _disk_failed(err: sqlite3.Error) -> bool:
+    """Did SQLite fail for want of space (SQLITE_FULL, or EFBIG as SQLITE_IOERR), or of a working disk, rather
+    than for the file's content?"""
+    return any(words in str(err) for words in ("disk is full", "disk I/O error"))
+
+
 def _store() -> Store:
     path = daemon.store_path(_home())
     try:
         return Store(path)
-    except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only disk
+    except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only or full disk
+        if _disk_failed(err):                # moving the store away would hide its jobs, and the disk stays full
+            raise UsageError(f"{path}: cannot open tfsn's store ({err}): its disk is full or failing. To fix: free "
+                             "space on it (the store and its jobs are kept as they are), or set TFSN_HOME to a "
+                             "folder on another disk") from None
         if path.is_file() and not os.access(path.parent, os.W_OK):
             try:
                 return Store(path, read_only=True)      # its jobs can still be shown; a change is refused

@@ -5,12 +5,19 @@ the field and the file, a non-zero exit and no traceback; a good one prices the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import ROOT
 
 GOOD = """\
 import torch
@@ -194,3 +201,30 @@ class _Loss(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(self.model(x), y)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_command_ended_by_sigterm_or_a_closed_terminal_leaves_no_child_behind(cli, tmp_path, sig):
+    """Killed by SIGTERM or SIGHUP while the child imported model.entry, `tfsn validate` (and plan, launch) left
+    that child searching on, for up to entry_timeout, and its temporary folder behind."""
+    pid_file = tmp_path / "child.pid"
+    spec = _job(tmp_path, f"import os, time\n\ndef build():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                          "    time.sleep(120)\n")
+    cli.env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tfsn.py"), "validate", str(spec)], env=cli.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    try:
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert proc.returncode == 128 + sig and "Traceback" not in err, (proc.returncode, err)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sqlite3
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -495,8 +497,24 @@ def catalog_refresh(providers: Optional[list[str]] = typer.Argument(None, help="
     raise typer.Exit(1 if failed else 0)
 
 
+def _exit_by_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exits_cleanly_on_hangup_and_term() -> dict[int, object]:
+    """SIGTERM and SIGHUP (a closed terminal) end the command as an exception, so that what it started is cleaned up
+    on the way out (`finally`): killed by the signal, `tfsn launch` left the child that imports model.entry searching
+    on for minutes, and its temporary folder behind. A signal ignored by whoever started tfsn (`nohup`) stays so.
+    Returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _exit_by_signal) for sig in (signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
 def main() -> None:
     """Entry point: bad input is one line on stderr and exit code 2, never a traceback."""
+    previous = _exits_cleanly_on_hangup_and_term()
     try:
         app()
     except SpecError as err:
@@ -519,3 +537,6 @@ def main() -> None:
               "set TFSN_HOME to another folder" if disk else "try again (another tfsn may hold the store)"),
               file=sys.stderr)
         sys.exit(1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -460,3 +460,30 @@ def test_a_full_disk_under_tfsn_home_says_so_and_not_to_move_the_store_away(tfsn
     assert line.startswith("tfsn: error: ") and "disk is full or failing" in line and "free space" in line, line
     assert "move the file away" not in line
     assert [job["name"] for job in json.loads(tfsn("status", "--json").stdout)] == ["j"]     # nothing lost
+
+
+def test_logs_of_a_long_jobs_log_are_copied_in_bounded_memory(tfsn):
+    """`tfsn logs` read the whole log at once, which grows to 4 GiB (MAX_JOB_LOG_BYTES): twice its size in memory
+    (1.1 GB of RSS for a 560 MB log), before printing a byte."""
+    store = Store(tfsn.home / "tfsn.db")
+    job = store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "t", "t")
+    log = tfsn.home / "jobs" / str(job.id) / "job.log"
+    log.parent.mkdir(parents=True)
+    line = b"[rank0]: step 1: loss 2.6576, 30 ms/step, 8,451 tok/s " + b"x" * 200 + b"\n"
+    with open(log, "wb") as f:
+        for _ in range(256):
+            f.write(line * 1024)             # 64 MiB in all
+        f.write(b"caf\xe9 the last line\n")
+    # `tfsn logs`, then its peak RSS in KiB on stderr (VmHWM: ru_maxrss would be pytest's, kept across exec)
+    measured = ("import re, sys, tfsn\nsys.argv[0] = 'tfsn'\ntry:\n    tfsn.main()\nfinally:\n"
+                "    print(re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read())[1], file=sys.stderr)")
+    with open(tfsn.home / "out.txt", "wb") as out:
+        proc = subprocess.run([sys.executable, "-c", measured, "logs", str(job.id)], env=tfsn.env, cwd=ROOT,
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stderr.split()[-1]) < 128 * 1024, proc.stderr               # KiB: 128 MiB for 64 MiB of log
+    shown = tfsn.home / "out.txt"
+    assert shown.stat().st_size == log.stat().st_size + 2                       # 0xe9 is U+FFFD, 3 bytes
+    with open(shown, "rb") as f:
+        f.seek(-100, os.SEEK_END)
+        assert f.read().endswith("caf\ufffd the last line\n".encode())

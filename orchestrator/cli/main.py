@@ -23,7 +23,8 @@ from rich.console import Console
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.cli.down import register as register_down_command
-from orchestrator.cli.view import aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table
+from orchestrator.cli.view import (aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table,
+                                   print_log)
 from orchestrator.control import daemon
 from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
@@ -294,8 +295,7 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
     record = store.find_job(job)
     log = job_dir(record.id) / "job.log"
     if not follow_:
-        if log.exists():
-            sys.stdout.write(log.read_text(errors="replace"))
+        print_log(log, sys.stdout)
         return
     _revive_controller(store)
     follow(store, record.id, log, Console(force_terminal=False, soft_wrap=True),

@@ -113,6 +113,16 @@ def test_a_script_that_trains_at_import_is_stopped_at_the_timeout(cli, tmp_path)
     assert "did not import, build, capture and time its step within 2 s" in line and "entry_timeout" in line, line
 
 
+def test_a_compile_cache_that_cannot_be_written_is_named_not_blamed_on_the_entry(cli, tmp_path):
+    """With TFSN_CACHE a file, every search failed and the entry was blamed: "its step could not be searched ...:
+    BackendCompilerFailed ... To fix: make model.entry's step run (its error is above)", with nothing above."""
+    cli.env["TFSN_CACHE"] = str(tmp_path / "cache-file")
+    (tmp_path / "cache-file").write_text("")
+    line = _refused(cli, _job(tmp_path, GOOD))
+    assert f"TFSN_CACHE {tmp_path / 'cache-file'} cannot be used (a file is there)" in line, line
+    assert "set TFSN_CACHE to a folder you can write to" in line and "BackendCompilerFailed" not in line, line
+
+
 def test_plan_prices_the_searched_step_and_caches_it(cli, tmp_path):
     spec = _job(tmp_path, GOOD)
     first = json.loads(cli("plan", str(spec), "--json", timeout=300).stdout)

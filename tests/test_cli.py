@@ -487,3 +487,15 @@ def test_logs_of_a_long_jobs_log_are_copied_in_bounded_memory(tfsn):
     with open(shown, "rb") as f:
         f.seek(-100, os.SEEK_END)
         assert f.read().endswith("caf\ufffd the last line\n".encode())
+
+
+def test_stop_without_waiting_says_the_stop_was_requested(in_process, tmp_path):
+    """`tfsn stop --no-wait 1` printed "job 1 RUNNING", as if the stop had been ignored."""
+    (tmp_path / "home").mkdir()
+    store = Store(tmp_path / "home" / "tfsn.db")
+    job = store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "t", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING)
+    code, out, err = in_process("stop", "--no-wait", str(job.id))
+    assert code == 0 and out.strip() == f"job {job.id}: stop requested (it was RUNNING). Follow: tfsn status {job.id}"
+    assert store.job(job.id).stop_requested

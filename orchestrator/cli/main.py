@@ -313,8 +313,11 @@ def stop(job: str = typer.Argument(..., help="job id or name"),
         return
     store.request_stop(record.id)
     daemon.ensure_controller()
-    if wait:
-        record = _wait_terminal(store, record.id, timeout=120)
+    if not wait:    # its state is still the one it ran in: "job 1 RUNNING" read as if the stop had not been taken
+        console.print(f"job {record.id}: stop requested (it was {record.state.value}). Follow: tfsn status {record.id}",
+                      highlight=False)
+        return
+    record = _wait_terminal(store, record.id, timeout=120)
     console.print(f"job {record.id} {record.state.value}")
 
 

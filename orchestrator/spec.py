@@ -900,9 +900,21 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
     return path, line, f"{_dotted(path)}: {what}" if path else what
 
 
+def job_name_problem(name: str) -> str | None:
+    """Why a new job may not take `name` though the model accepts it (a job stored with it still loads): a name of
+    digits only, which `tfsn status`, `logs` and `stop` read as a job id, so that `tfsn stop 2` stopped job 2, not
+    the job named 2; or None."""
+    if name.isascii() and name.isdigit():
+        return (f"{name!r} is digits only, which `tfsn status`, `logs` and `stop` read as a job id. "
+                f"To fix: add a letter, e.g. 'job-{name}'")
+    return None
+
+
 def _default_name(path: str) -> str:
     stem = os.path.splitext(os.path.basename(path))[0]
     name = re.sub(r"[^A-Za-z0-9._-]", "-", stem).lstrip("._-")[:63]
+    if name and job_name_problem(name):
+        name = f"job-{name}"[:63]           # 2.yaml is job-2, not job id 2's namesake
     return name or "job"
 
 
@@ -1004,12 +1016,15 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
         raise fail(sorted(by_path.values())) from None
     except Exception as e:        # a validator bug must still come out as a one-line SpecError
         raise fail([(1, f"cannot validate the spec: {type(e).__name__}: {e}")]) from None
-    taken = []
+    problems = []
     for key in (k for k in spec.envs if k in _TFSN_SETS):
         line, where = (1, f"--env {key}") if key in (overrides or {}) else (_line(root, ("envs", key)), f"envs.{key}")
-        taken.append((line, f"{where}: tfsn sets {key} for every worker itself. To fix: {_TFSN_SETS[key]}"))
-    if taken:
-        raise fail(taken)
+        problems.append((line, f"{where}: tfsn sets {key} for every worker itself. To fix: {_TFSN_SETS[key]}"))
+    named = job_name_problem(spec.name)
+    if named:
+        problems.append((_line(root, ("name",)), f"name: {named}"))
+    if problems:
+        raise fail(sorted(problems))
     problem = check(spec) if check is not None else None
     if problem is not None:
         field, what = problem

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -88,6 +89,8 @@ def test_health_simulate_reports_detection_as_json(tfsn):
 def test_bad_name_and_job_refs_are_one_line_errors(tfsn, tmp_path):
     spec = write_job(tmp_path / "job.yaml", steps=1)
     assert_one_line_error(tfsn("launch", str(spec), "--name", "bad name!", check=False), "--name")
+    assert_one_line_error(tfsn("launch", str(spec), "--name", "7", check=False), "--name '7'", "job id")
+    assert json.loads(tfsn("status", "--json").stdout) == []
     for ref in ("99999999999999999999999", "²"):
         assert_one_line_error(tfsn("status", ref, check=False), "no job")
 
@@ -441,3 +444,58 @@ def test_a_read_only_tfsn_home_shows_its_jobs_and_refuses_changes_in_one_line(tf
         [line] = proc.stderr.splitlines()
         assert line.startswith("tfsn: error: ") and "To fix:" in line, line
     assert Store(tfsn.home / "tfsn.db").job(job.id).state == JobState.RUNNING    # nothing lost
+
+
+def test_a_full_disk_under_tfsn_home_says_so_and_not_to_move_the_store_away(tfsn, tmp_path):
+    """A store that SQLite could not write for want of space was called unreadable: "To fix: move the file away
+    (tfsn starts an empty store)", which hides every job it holds, and the disk stays full. The disk is full here
+    as far as the command can tell: no file of it may grow (RLIMIT_FSIZE; SQLite gets EFBIG)."""
+    store = Store(tfsn.home / "tfsn.db")
+    store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "t.yaml", "t")
+    store._db.close()
+    full = subprocess.run([sys.executable, str(ROOT / "tfsn.py"), "status"], env=tfsn.env, capture_output=True,
+                          text=True, timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr
+    [line] = full.stderr.splitlines()
+    assert line.startswith("tfsn: error: ") and "disk is full or failing" in line and "free space" in line, line
+    assert "move the file away" not in line
+    assert [job["name"] for job in json.loads(tfsn("status", "--json").stdout)] == ["j"]     # nothing lost
+
+
+def test_logs_of_a_long_jobs_log_are_copied_in_bounded_memory(tfsn):
+    """`tfsn logs` read the whole log at once, which grows to 4 GiB (MAX_JOB_LOG_BYTES): twice its size in memory
+    (1.1 GB of RSS for a 560 MB log), before printing a byte."""
+    store = Store(tfsn.home / "tfsn.db")
+    job = store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "t", "t")
+    log = tfsn.home / "jobs" / str(job.id) / "job.log"
+    log.parent.mkdir(parents=True)
+    line = b"[rank0]: step 1: loss 2.6576, 30 ms/step, 8,451 tok/s " + b"x" * 200 + b"\n"
+    with open(log, "wb") as f:
+        for _ in range(256):
+            f.write(line * 1024)             # 64 MiB in all
+        f.write(b"caf\xe9 the last line\n")
+    # `tfsn logs`, then its peak RSS in KiB on stderr (VmHWM: ru_maxrss would be pytest's, kept across exec)
+    measured = ("import re, sys, tfsn\nsys.argv[0] = 'tfsn'\ntry:\n    tfsn.main()\nfinally:\n"
+                "    print(re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read())[1], file=sys.stderr)")
+    with open(tfsn.home / "out.txt", "wb") as out:
+        proc = subprocess.run([sys.executable, "-c", measured, "logs", str(job.id)], env=tfsn.env, cwd=ROOT,
+                              stdout=out, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stderr.split()[-1]) < 128 * 1024, proc.stderr               # KiB: 128 MiB for 64 MiB of log
+    shown = tfsn.home / "out.txt"
+    assert shown.stat().st_size == log.stat().st_size + 2                       # 0xe9 is U+FFFD, 3 bytes
+    with open(shown, "rb") as f:
+        f.seek(-100, os.SEEK_END)
+        assert f.read().endswith("caf\ufffd the last line\n".encode())
+
+
+def test_stop_without_waiting_says_the_stop_was_requested(in_process, tmp_path):
+    """`tfsn stop --no-wait 1` printed "job 1 RUNNING", as if the stop had been ignored."""
+    (tmp_path / "home").mkdir()
+    store = Store(tmp_path / "home" / "tfsn.db")
+    job = store.create_job("j", JobSpec.model_validate({"name": "j", "run": "true"}).model_dump(mode="json"), "t", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING)
+    code, out, err = in_process("stop", "--no-wait", str(job.id))
+    assert code == 0 and out.strip() == f"job {job.id}: stop requested (it was RUNNING). Follow: tfsn status {job.id}"
+    assert store.job(job.id).stop_requested

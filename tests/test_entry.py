@@ -5,12 +5,19 @@ the field and the file, a non-zero exit and no traceback; a good one prices the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import ROOT
 
 GOOD = """\
 import torch
@@ -106,6 +113,16 @@ def test_a_script_that_trains_at_import_is_stopped_at_the_timeout(cli, tmp_path)
     assert "did not import, build, capture and time its step within 2 s" in line and "entry_timeout" in line, line
 
 
+def test_a_compile_cache_that_cannot_be_written_is_named_not_blamed_on_the_entry(cli, tmp_path):
+    """With TFSN_CACHE a file, every search failed and the entry was blamed: "its step could not be searched ...:
+    BackendCompilerFailed ... To fix: make model.entry's step run (its error is above)", with nothing above."""
+    cli.env["TFSN_CACHE"] = str(tmp_path / "cache-file")
+    (tmp_path / "cache-file").write_text("")
+    line = _refused(cli, _job(tmp_path, GOOD))
+    assert f"TFSN_CACHE {tmp_path / 'cache-file'} cannot be used (a file is there)" in line, line
+    assert "set TFSN_CACHE to a folder you can write to" in line and "BackendCompilerFailed" not in line, line
+
+
 def test_plan_prices_the_searched_step_and_caches_it(cli, tmp_path):
     spec = _job(tmp_path, GOOD)
     first = json.loads(cli("plan", str(spec), "--json", timeout=300).stdout)
@@ -194,3 +211,30 @@ class _Loss(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(self.model(x), y)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_command_ended_by_sigterm_or_a_closed_terminal_leaves_no_child_behind(cli, tmp_path, sig):
+    """Killed by SIGTERM or SIGHUP while the child imported model.entry, `tfsn validate` (and plan, launch) left
+    that child searching on, for up to entry_timeout, and its temporary folder behind."""
+    pid_file = tmp_path / "child.pid"
+    spec = _job(tmp_path, f"import os, time\n\ndef build():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                          "    time.sleep(120)\n")
+    cli.env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tfsn.py"), "validate", str(spec)], env=cli.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    try:
+        with pytest.raises(ProcessLookupError):
+            os.kill(child, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert proc.returncode == 128 + sig and "Traceback" not in err, (proc.returncode, err)

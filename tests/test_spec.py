@@ -114,6 +114,13 @@ def test_stem_that_is_not_a_valid_name(tmp_path):
     assert load_spec(write(tmp_path, "run: x\n", name="_my job!.yaml")).name == "my-job-"
 
 
+def test_a_name_of_digits_only_is_refused_as_the_cli_reads_it_as_a_job_id(tmp_path):
+    """`tfsn stop 2` stops job id 2: a job named "2" could not be reached by its name, and another job was stopped."""
+    one(write(tmp_path, "run: x\nname: '2'\n"), 2, "name", "digits only", "job id", "'job-2'")
+    assert load_spec(write(tmp_path, "run: x\n", name="2.yaml")).name == "job-2"      # the stem as a default
+    assert load_spec(write(tmp_path, "run: x\nname: 2nd-try\n")).name == "2nd-try"
+
+
 def test_accelerator_list_is_ordered_preference(tmp_path):
     spec = load_spec(write(tmp_path, "run: x\nresources:\n  accelerators: [H100:8, a100]\n"))
     assert spec.resources.accelerators == ["H100:8", "a100:1"]

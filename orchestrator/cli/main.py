@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sqlite3
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,13 +23,14 @@ from rich.console import Console
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.cli.down import register as register_down_command
-from orchestrator.cli.view import aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table
+from orchestrator.cli.view import (aligned, boot_failures, cost_text, follow, job_panel, job_summary, jobs_table,
+                                   print_log)
 from orchestrator.control import daemon
 from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
 from orchestrator.planning.offers import candidate_text, hardware_lines, model_text
-from orchestrator.spec import JobSpec, SpecError, checkpoint_url_scheme, load_spec, spec_line
+from orchestrator.spec import JobSpec, SpecError, checkpoint_url_scheme, job_name_problem, load_spec, spec_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tfsn: train a PyTorch script on the cheapest capable nodes, and keep it running.")
@@ -58,11 +61,21 @@ def _home() -> Path:
                          "folder you can write to") from None
 
 
+def _disk_failed(err: sqlite3.Error) -> bool:
+    """Did SQLite fail for want of space (SQLITE_FULL, or EFBIG as SQLITE_IOERR), or of a working disk, rather
+    than for the file's content?"""
+    return any(words in str(err) for words in ("disk is full", "disk I/O error"))
+
+
 def _store() -> Store:
     path = daemon.store_path(_home())
     try:
         return Store(path)
-    except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only disk
+    except sqlite3.DatabaseError as err:     # another program's file, a damaged one, a read-only or full disk
+        if _disk_failed(err):                # moving the store away would hide its jobs, and the disk stays full
+            raise UsageError(f"{path}: cannot open tfsn's store ({err}): its disk is full or failing. To fix: free "
+                             "space on it (the store and its jobs are kept as they are), or set TFSN_HOME to a "
+                             "folder on another disk") from None
         if path.is_file() and not os.access(path.parent, os.W_OK):
             try:
                 return Store(path, read_only=True)      # its jobs can still be shown; a change is refused
@@ -182,6 +195,8 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
     """Launch a job and follow it (Ctrl-C stops it; use --detach to leave it running)."""
     spec = checked_spec(file, overrides=_env_pairs(env))
     if name:
+        if problem := job_name_problem(name):
+            raise UsageError(f"--name {problem}")
         try:
             spec = JobSpec.model_validate({**spec.model_dump(mode="json"), "name": name})
         except ValidationError:
@@ -280,8 +295,7 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
     record = store.find_job(job)
     log = job_dir(record.id) / "job.log"
     if not follow_:
-        if log.exists():
-            sys.stdout.write(log.read_text(errors="replace"))
+        print_log(log, sys.stdout)
         return
     _revive_controller(store)
     follow(store, record.id, log, Console(force_terminal=False, soft_wrap=True),
@@ -299,8 +313,11 @@ def stop(job: str = typer.Argument(..., help="job id or name"),
         return
     store.request_stop(record.id)
     daemon.ensure_controller()
-    if wait:
-        record = _wait_terminal(store, record.id, timeout=120)
+    if not wait:    # its state is still the one it ran in: "job 1 RUNNING" read as if the stop had not been taken
+        console.print(f"job {record.id}: stop requested (it was {record.state.value}). Follow: tfsn status {record.id}",
+                      highlight=False)
+        return
+    record = _wait_terminal(store, record.id, timeout=120)
     console.print(f"job {record.id} {record.state.value}")
 
 
@@ -483,8 +500,24 @@ def catalog_refresh(providers: Optional[list[str]] = typer.Argument(None, help="
     raise typer.Exit(1 if failed else 0)
 
 
+def _exit_by_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exits_cleanly_on_hangup_and_term() -> dict[int, object]:
+    """SIGTERM and SIGHUP (a closed terminal) end the command as an exception, so that what it started is cleaned up
+    on the way out (`finally`): killed by the signal, `tfsn launch` left the child that imports model.entry searching
+    on for minutes, and its temporary folder behind. A signal ignored by whoever started tfsn (`nohup`) stays so.
+    Returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _exit_by_signal) for sig in (signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
 def main() -> None:
     """Entry point: bad input is one line on stderr and exit code 2, never a traceback."""
+    previous = _exits_cleanly_on_hangup_and_term()
     try:
         app()
     except SpecError as err:
@@ -507,3 +540,6 @@ def main() -> None:
               "set TFSN_HOME to another folder" if disk else "try again (another tfsn may hold the store)"),
               file=sys.stderr)
         sys.exit(1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,10 +1,11 @@
 """What the CLI shows of a job: the live view of `tfsn launch`, and `tfsn status`."""
 from __future__ import annotations
 
+import codecs
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -155,14 +156,41 @@ def job_panel(store: Store, job: Job, log_tail: list[str]) -> Panel:
     return Panel(Group(*parts), title="tfsn", expand=True)
 
 
+LOG_CHUNK_BYTES = 1 << 20   # a job log is read this much at a time: it grows to gigabytes (MAX_JOB_LOG_BYTES)
+
+
 def _read_new(log: Path, offset: int) -> tuple[list[str], int]:
+    """The whole lines of `log` after `offset`, at most LOG_CHUNK_BYTES of them (a longer line comes in pieces),
+    and the offset after them."""
     if not log.exists():
         return [], offset
     with open(log, "rb") as f:
         f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1   # only whole lines
+        data = f.read(LOG_CHUNK_BYTES)
+    end = data.rfind(b"\n") + 1 or (len(data) if len(data) == LOG_CHUNK_BYTES else 0)   # only whole lines
     return data[:end].decode(errors="replace").splitlines(), offset + end
+
+
+def _read_all_new(log: Path, offset: int, take: Callable[[list[str]], None]) -> int:
+    """Pass the whole lines of `log` after `offset` to `take`, a chunk at a time; the offset after them. Read at
+    once, the log of a long job took twice its size in memory (gigabytes) and minutes before anything showed."""
+    while True:
+        lines, after = _read_new(log, offset)
+        if after == offset:
+            return offset
+        take(lines)
+        offset = after
+
+
+def print_log(log: Path, out: TextIO) -> None:
+    """Copy a job log to `out` a chunk at a time (undecodable bytes replaced)."""
+    if not log.exists():
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(log, "rb") as f:
+        while chunk := f.read(LOG_CHUNK_BYTES):
+            out.write(decoder.decode(chunk))
+    out.write(decoder.decode(b"", final=True))
 
 
 KEEP_ALIVE_S = 5.0   # how often `follow` checks that the job's controller still runs
@@ -187,21 +215,20 @@ def follow(store: Store, job_id: int, log: Path, console: Console, poll_s: float
     if console.is_terminal:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
             while True:
-                lines, offset = _read_new(log, offset)
-                tail.extend(line[:console.width - 6] for line in lines)
+                offset = _read_all_new(log, offset, lambda lines: tail.extend(line[:console.width - 6] for line in lines))
                 job = store.job(job_id)
                 live.update(job_panel(store, job, list(tail)))
                 if not running(job):
                     return job
                 time.sleep(poll_s)
-    while True:  # not a terminal: stream the job log as it grows
-        lines, offset = _read_new(log, offset)
+    def show(lines: list[str]) -> None:
         for line in lines:
             console.print(line, markup=False, highlight=False)
+
+    while True:  # not a terminal: stream the job log as it grows
+        offset = _read_all_new(log, offset, show)
         job = store.job(job_id)
         if not running(job):
-            lines, offset = _read_new(log, offset)
-            for line in lines:
-                console.print(line, markup=False, highlight=False)
+            _read_all_new(log, offset, show)
             return job
         time.sleep(poll_s)

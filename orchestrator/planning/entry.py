@@ -97,10 +97,30 @@ def price_entry(spec: JobSpec, hardware: Sequence[tuple[str, int | None]], data_
             return _entry_step(json.loads(path.read_text()), cached=True)
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    _check_cache()
     data = _run_child(spec, hardware, data_parallel)
     if path is not None and not any(h.get("error") for h in data["hardware"].values()):
         atomic_write(path, json.dumps(data).encode())
     return _entry_step(data)
+
+
+def _check_cache() -> None:
+    """PlanError unless the compile cache ($TFSN_CACHE) is a folder this user can write: the child searches into it,
+    and with a file there (or a read-only folder) every search failed, said as the entry's step that "could not be
+    searched: BackendCompilerFailed"."""
+    from optimizer.cache import cache_dir
+
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        why = None if os.access(folder, os.W_OK | os.X_OK) else "this user cannot write in it"
+    except FileExistsError:
+        why = "a file is there"
+    except OSError as err:
+        why = err.strerror or str(err)
+    if why:
+        raise PlanError(f"TFSN_CACHE {folder} cannot be used ({why}): model.entry's step is searched and kept there. "
+                        "To fix: set TFSN_CACHE to a folder you can write to (default ~/.cache/tfsn)", field=ENTRY_FIELD)
 
 
 def _entry_step(data: dict, cached: bool = False) -> EntryStep:

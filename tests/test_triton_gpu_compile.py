@@ -231,6 +231,20 @@ def test_fmod_and_remainder_compile_to_an_exact_long_division(dtype, tmp_path):
     assert re.search(r"\bfma\.rn\.f(32|64)\b", code) and not re.search(r"\b(mul|fma|setp)[a-z0-9.]*\.ftz", code)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_divisions_compile_to_correctly_rounded_divisions(dtype, tmp_path):
+    """Every division the graph asks for (by a tensor or a Python number, reciprocal, rsqrt's 1 / sqrt, negative
+    whole powers) is the GPU's correctly rounded div.rn, as eager's: Triton's fp32 / is div.full (2 ulp), and by
+    a constant div.approx, whose error a round after it turns into a whole step (a fake quantizer's level:
+    round(x / scale)). The interpreter divides exactly either way, so only the PTX shows it."""
+    def divisions(x, s):
+        return torch.round(x / s), x / 0.3, x.reciprocal(), x.rsqrt(), x ** -1, x ** -2, x ** -3, x ** -0.5
+    x, s = torch.rand(5, 9).to(dtype) + 0.5, torch.rand(5, 9).to(dtype) + 0.1
+    code = compiled_ptx(divisions, (x, s), tmp_path / "divisions.py")
+    found = set(re.findall(r"\bdiv\.[a-z0-9.]+", code))
+    assert found == {"div.rn.f32"}, found
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_rounded_divisions_compile_to_correctly_rounded_divisions(dtype, tmp_path):
     """torch.div with rounding_mode "trunc" and "floor" (`//`) are eager's only if the quotient they truncate or

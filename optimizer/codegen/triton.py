@@ -187,6 +187,21 @@ def _binary(fmt: str) -> Callable:
     return render
 
 
+def _quotient(a: str, b: str, dtype: str) -> str:
+    """a / b correctly rounded, as eager's division on either device: Triton's fp32 / is the GPU's div.full (2 ulp;
+    div.approx by a constant), whose error a floor, round or comparison after it can turn into a whole step
+    (a fake quantizer's level). Inductor has the same option (eager_numerics.division_rounding), off by default."""
+    return f"tl.div_rn({a}, {b})" if dtype == "float32" else f"({a} / {b})"
+
+
+def _divide(ops, out, kw):
+    return _quotient(_cast(ops[0], out), _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out), out)
+
+
+def _reciprocal(ops, out, kw):
+    return _quotient("1.0", _cast(ops[0], out), out)
+
+
 def _or_for_bools(render: Callable) -> Callable:
     """`render` of a sum, made torch's logical or where the result is bool: computed in int32 and tested
     against zero, since Triton's 1-bit integers wrap (True + True is False)."""
@@ -290,12 +305,13 @@ def _pow(ops, out, kw):
     if exponent.scalar:
         y = float(exponent.value)
         special = {2.0: f"({b} * {b})", 3.0: f"({b} * {b} * {b})", 0.5: _sqrt(b, out), 1.0: b,
-                   -1.0: f"(1.0 / {b})", -0.5: f"(1.0 / {_sqrt(b, out)})", -2.0: f"(1.0 / ({b} * {b}))",
+                   -1.0: _quotient("1.0", b, out), -0.5: _quotient("1.0", _sqrt(b, out), out),
+                   -2.0: _quotient("1.0", f"({b} * {b})", out),
                    0.0: f"(tl.zeros_like({b}) + 1.0)"}
         if y in special:
             return special[y]
         if y.is_integer() and abs(y) <= POWI_LIMIT:
-            return _powi(b, int(y)) if y > 0 else f"(1.0 / {_powi(b, int(-y))})"
+            return _powi(b, int(y)) if y > 0 else _quotient("1.0", _powi(b, int(-y)), out)
         return f"tfsn_pow({b}, {e} + tl.zeros_like({b}))"
     if base.scalar and 0 < float(base.value) < math.inf and float(base.value) != 1:
         # beta ** step (the optimizers' bias corrections): the base's log taken here (not inf's: inf ** 0 is 1)
@@ -315,7 +331,7 @@ def _sqrt(x: str, dtype: str) -> str:
 def _rsqrt(ops, out, kw):
     """1 / sqrt(x), of the correctly rounded sqrt: Triton's tl.rsqrt is an approximation in fp64 too
     (rsqrt.approx.f64) and flushes fp32 subnormals (rsqrt.approx.ftz.f32: inf for 1e-40)."""
-    return f"(1.0 / {_sqrt(_cast(ops[0], out), out)})"
+    return _quotient("1.0", _sqrt(_cast(ops[0], out), out), out)
 
 
 def _clamp(ops, out, kw):
@@ -371,14 +387,14 @@ OPS: dict[str, Callable] = {
     "aten.sub.Tensor": _alpha("-"), "aten.sub.Scalar": _alpha("-"), "aten.rsub.Scalar": _alpha("-", True),
     "aten.rsub.Tensor": _alpha("-", True),
     "aten.mul.Tensor": _binary("({a} * {b})"), "aten.mul.Scalar": _binary("({a} * {b})"),
-    "aten.div.Tensor": _binary("({a} / {b})"), "aten.div.Scalar": _binary("({a} / {b})"),
+    "aten.div.Tensor": _divide, "aten.div.Scalar": _divide,
     "aten.div.Tensor_mode": _rounded_division, "aten.div.Scalar_mode": _rounded_division,
     "aten.neg.default": _neg, "aten.abs.default": _unary("tl.abs({a})"),
     "aten.exp.default": _unary("tl.exp({a})"), "aten.exp2.default": _unary("tl.exp2({a})"),
     "aten.expm1.default": _unary("tfsn_expm1({a})"), "aten.log.default": _unary("tl.log({a})"),
     "aten.log2.default": _unary("tl.log2({a})"), "aten.log1p.default": _unary("tfsn_log1p({a})"),
     "aten.sqrt.default": lambda o, out, kw: _sqrt(_cast(o[0], out), out), "aten.rsqrt.default": _rsqrt,
-    "aten.reciprocal.default": _unary("(1.0 / {a})"), "aten.sin.default": _unary("tl.sin({a})"),
+    "aten.reciprocal.default": _reciprocal, "aten.sin.default": _unary("tl.sin({a})"),
     "aten.cos.default": _unary("tl.cos({a})"), "aten.tanh.default": _unary("tfsn_tanh({a})"),
     "aten.erf.default": _unary("tl.erf({a})"), "aten.sigmoid.default": _unary("tl.sigmoid({a})"),
     "aten.fmod.Tensor": _modulo("fmod"), "aten.fmod.Scalar": _modulo("fmod"),

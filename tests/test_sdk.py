@@ -255,6 +255,18 @@ def test_a_bad_phase_name_is_a_one_line_error(tmp_path):
         assert "run.phase(" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_init_refuses_a_checkpoint_setting_that_would_fail_or_go_astray(tmp_path, monkeypatch):
+    """keep=0 failed only at the first save, minutes into the run, and an unsupported URL ("ftp://...") was taken
+    as a path: a folder "ftp:" beside the script, whose checkpoints a restart on another node never finds."""
+    import tfsn
+    monkeypatch.chdir(tmp_path)
+    for bad, what in ((dict(keep=0), "keep must be at least 1"), (dict(checkpoint_dir="ftp://host/ckpt"), "ftp://")):
+        with pytest.raises(ValueError) as err:
+            tfsn.init(**bad)
+        assert what in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 _EXITS_WHILE_WRITING = """
 import sys, time, torch, tfsn
 from orchestrator.sdk import checkpoint

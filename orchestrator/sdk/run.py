@@ -35,7 +35,7 @@ from orchestrator.sdk import commtimer, phases
 from orchestrator.sdk.asyncsave import AsyncSaver, PendingSave
 from orchestrator.sdk.client import (SKIPPED_CHARS, SKIPPED_MAX, ControllerClient, ControllerRejected,
                                      ControllerUnavailable)
-from orchestrator.spec import checkpoint_url_scheme, parse_duration
+from orchestrator.spec import CHECKPOINT_URL_SCHEMES, checkpoint_url_scheme, parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often
 AUTO_FIRST_S = 300.0        # `auto`: first checkpoint after this long, before the save cost is known
@@ -151,6 +151,11 @@ class Run:
         self.job_id = os.environ.get("TFSN_JOB_ID")
         self.attempt = int(os.environ.get("TFSN_ATTEMPT", 1))
         url = isinstance(checkpoint_dir, str) and checkpoint_url_scheme(checkpoint_dir)
+        if isinstance(checkpoint_dir, str) and "://" in checkpoint_dir and not url:
+            # as a path, "ftp://host/x" would be a local folder "ftp:" beside the script, found missing at restore
+            raise ValueError(f"checkpoint_dir {checkpoint_dir!r}: tfsn saves checkpoints to a folder or to "
+                             f"{', '.join(f'{s}://' for s in CHECKPOINT_URL_SCHEMES)} URLs. To fix: use one of those")
+        ckpt.check_keep(keep)        # here, not at the first save minutes into the run
         self.checkpoint_dir: str | Path = checkpoint_dir if url else Path(checkpoint_dir)
         self.keep = keep
         self.total_steps = total_steps

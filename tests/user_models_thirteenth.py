@@ -1,19 +1,19 @@
 """A thirteenth set of models written the way users write them, for tests/test_optimizer_user_models_thirteenth.py.
 
-The earlier sets cover SimCLR's NT-Xent, BYOL and SimSiam, CLIP with an unclamped temperature, the library
-triplet and cosine-embedding losses, and a MoCo-style queue written by index_copy_. These are the metric-learning
-and self-supervised objectives as their reference implementations write them: margin softmax heads (ArcFace with
-and without easy_margin, CosFace, SphereFace's (-1)^k cos(m theta) - 2k) on acos of clamped cosines with the
-margin placed by scatter_ and one_hot; CLIP with its logit scale clamped at 100 and SigLIP's sigmoid loss with a
-learned bias and a +/-1 label matrix from eye; batch-hard triplet mining (cdist, masks from label equality,
-masked max and min) with a soft-margin variant; supervised contrastive (SupCon: two views, a self mask by
-scatter, row maxima subtracted, means over the positives by mask sums); MoCo v2 (a momentum encoder updated
-in place under no_grad, a queue buffer written by slicing); Barlow Twins (standardised over the batch, a cross-
-correlation, its off-diagonal by flatten()[:-1].view(n-1, n+1)[:, 1:]); VICReg (variance hinge on a std with
-eps, covariance off-diagonal); DINO (a teacher centred by a running centre buffer, sharpened, cross-entropy over
-multi-crop pairs); the center loss (index_select of the centres, an index_add_ update of a centre buffer); the
-circle loss over masked pair similarities; and proxy-anchor. Sizes are odd and tiny; every input comes from a
-seeded generator. Each model is a `tests.user_models.Case`.
+The earlier sets cover SimCLR's NT-Xent, BYOL and SimSiam, CLIP with an unclamped temperature, the library triplet
+and cosine-embedding losses, and a MoCo-style queue written by index_copy_. These are the metric-learning and
+self-supervised objectives as their reference implementations write them: margin softmax heads (ArcFace with and
+without easy_margin, CosFace, SphereFace's (-1)^k cos(m theta) - 2k) on acos of clamped cosines with the margin
+placed by scatter_ and one_hot, and insightface's margin put in by arccos_/cos_ in place under no_grad; CLIP with
+its logit scale clamped at 100 and SigLIP's sigmoid loss with a learned bias and a +/-1 label matrix from eye;
+batch-hard triplet mining (cdist, masks from label equality, masked max and min) with a soft-margin variant;
+supervised contrastive (SupCon: two views, a self mask by scatter, row maxima subtracted, means over the positives
+by mask sums); MoCo v2 (a momentum encoder updated in place under no_grad, a queue buffer written by slicing);
+Barlow Twins (standardised over the batch, a cross-correlation, its off-diagonal by flatten()[:-1].view(n-1,
+n+1)[:, 1:]); VICReg (variance hinge on a std with eps, covariance off-diagonal); DINO (a teacher centred by a
+running centre buffer, sharpened, cross-entropy over multi-crop pairs); the center loss (index_select of the
+centres, an index_add_ update of a centre buffer); the circle loss over masked pair similarities; and proxy-anchor.
+Sizes are odd and tiny; every input comes from a seeded generator. Each model is a `tests.user_models.Case`.
 """
 from __future__ import annotations
 
@@ -76,6 +76,31 @@ class MarginHeads(nn.Module):
         sphere = self.s * cos_theta.scatter(1, label[:, None], target)
         loss = sum(F.cross_entropy(logits, label) for logits in (arc, easy, cosface, sphere))
         return arc, loss
+
+
+class CombinedMargin(nn.Module):
+    """insightface's arcface_torch CombinedMarginLoss (m1=1, m2=0.5, m3=0): the target logits picked by advanced
+    indexing, then under no_grad arccos_ of them and of all logits in place, the margin added, the targets put
+    back by index assignment and cos_ in place; the gradient flows past the margin as if it were not there."""
+
+    def __init__(self, d_in: int = 6, d: int = 5, classes: int = 7, s: float = 16.0, m2: float = 0.5) -> None:
+        super().__init__()
+        self.embed = embedder(d_in, d)
+        self.weight = nn.Parameter(torch.normal(0, 0.01, (classes, d)))
+        self.s, self.m2 = s, m2
+
+    def forward(self, x: Tensor, labels: Tensor) -> tuple:
+        logits = F.linear(F.normalize(self.embed(x)), F.normalize(self.weight)).clamp(-1, 1)
+        index = torch.arange(len(labels), device=x.device)
+        target_logit = logits[index, labels[index].view(-1)]
+        with torch.no_grad():
+            target_logit.arccos_()
+            logits.arccos_()
+            final_target_logit = target_logit + self.m2
+            logits[index, labels[index].view(-1)] = final_target_logit
+            logits.cos_()
+        logits = logits * self.s
+        return logits, F.cross_entropy(logits, labels)
 
 
 # --- contrastive image-text ----------------------------------------------------------------------------------
@@ -416,6 +441,7 @@ def _crops(g: torch.Generator) -> tuple:
 
 def cases() -> list[Case]:
     margins = Case("margin_heads_arcface_sphereface", MarginHeads, _labelled(9, 6, 7), own_loss)
+    combined = Case("insightface_combined_margin", CombinedMargin, _labelled(9, 6, 7), own_loss)
     clip = Case("clip_siglip_clamped_scale", ClipSigLip, _pairs(7, 7, 6), own_loss)
     # distances, standardised and centred features do not move with the last layer's bias: its gradient is 0
     triplet = Case("batch_hard_triplet", BatchHardTriplet, _labelled(9, 6, 3), own_loss, (("embed.2.bias", ...),))
@@ -427,6 +453,6 @@ def cases() -> list[Case]:
     center = Case("center_loss_index_add", CenterLoss, _labelled(9, 6, 4), own_loss)
     circle = Case("circle_loss", CircleLoss, _labelled(9, 6, 3), own_loss)
     proxy = Case("proxy_anchor", ProxyAnchor, _labelled(9, 6, 4), own_loss)
-    return [margins, clip, triplet, supcon, moco, barlow, vicreg, dino, center, circle, proxy,
-            *(bf16(c) for c in (margins, supcon)),
+    return [margins, combined, clip, triplet, supcon, moco, barlow, vicreg, dino, center, circle, proxy,
+            *(bf16(c) for c in (margins, combined, supcon)),
             *(fp64(c) for c in (margins, clip, supcon, dino, center, circle, proxy))]

@@ -11,9 +11,11 @@ supervised contrastive (SupCon: two views, a self mask by scatter, row maxima su
 by mask sums); MoCo v2 (a momentum encoder updated in place under no_grad, a queue buffer written by slicing);
 Barlow Twins (standardised over the batch, a cross-correlation, its off-diagonal by flatten()[:-1].view(n-1,
 n+1)[:, 1:]); VICReg (variance hinge on a std with eps, covariance off-diagonal); DINO (a teacher centred by a
-running centre buffer, sharpened, cross-entropy over multi-crop pairs); the center loss (index_select of the
-centres, an index_add_ update of a centre buffer); the circle loss over masked pair similarities; and proxy-anchor.
-Sizes are odd and tiny; every input comes from a seeded generator. Each model is a `tests.user_models.Case`.
+running centre buffer, sharpened, cross-entropy over multi-crop pairs) and DINOv2's Sinkhorn-Knopp targets
+(in-place normalisation in a loop) and KoLeo (a diagonal filled through view(-1)[::n+1]); the center loss
+(index_select of the centres, an index_add_ update of a centre buffer); the circle loss over masked pair
+similarities; and proxy-anchor. Sizes are odd and tiny; every input comes from a seeded generator. Each model is a
+`tests.user_models.Case`.
 """
 from __future__ import annotations
 
@@ -329,6 +331,50 @@ class DINO(nn.Module):
         return student_output, total_loss / n_loss_terms
 
 
+class DINOv2Losses(nn.Module):
+    """DINOv2's additions to DINO as its repository writes them: the teacher's targets by Sinkhorn-Knopp under
+    no_grad (exp of the scaled logits, transposed, three rounds of in-place row and column normalisation), and
+    the KoLeo regulariser on the student's normalised features (the Gram matrix's diagonal filled with -1 through
+    a flat strided view, view(-1)[::n + 1].fill_, each nearest neighbour by max, -log of PairwiseDistance)."""
+
+    def __init__(self, d_in: int = 6, out_dim: int = 7, d: int = 5) -> None:
+        super().__init__()
+        self.backbone, self.head = embedder(d_in, d), nn.Linear(d, out_dim)
+        self.teacher = nn.Sequential(embedder(d_in, d), nn.Linear(d, out_dim))
+        self.teacher.load_state_dict({**{f"0.{k}": v for k, v in self.backbone.state_dict().items()},
+                                      **{f"1.{k}": v for k, v in self.head.state_dict().items()}})
+        self.teacher.requires_grad_(False)
+        self.pdist = nn.PairwiseDistance(2, eps=1e-8)
+
+    @torch.no_grad()
+    def sinkhorn_knopp_teacher(self, teacher_output: Tensor, teacher_temp: float, n_iterations: int = 3) -> Tensor:
+        Q = torch.exp(teacher_output.float() / teacher_temp).t()
+        B, K = Q.shape[1], Q.shape[0]
+        Q /= torch.sum(Q)
+        for _ in range(n_iterations):
+            Q /= torch.sum(Q, dim=1, keepdim=True)
+            Q /= K
+            Q /= torch.sum(Q, dim=0, keepdim=True)
+            Q /= B
+        Q *= B
+        return Q.t()
+
+    def koleo(self, x: Tensor, eps: float = 1e-8) -> Tensor:
+        x = F.normalize(x, eps=eps, p=2, dim=-1)
+        dots = torch.mm(x, x.t())
+        n = x.shape[0]
+        dots.view(-1)[:: (n + 1)].fill_(-1)
+        _, nearest = torch.max(dots, dim=1)
+        return -torch.log(self.pdist(x, x[nearest]) + eps).mean()
+
+    def forward(self, view1: Tensor, view2: Tensor) -> tuple:
+        features = self.backbone(torch.cat([view1, view2]))
+        student = self.head(features)
+        targets = self.sinkhorn_knopp_teacher(self.teacher(torch.cat([view2, view1])), 0.07)
+        dino = torch.sum(-targets * F.log_softmax(student / 0.1, dim=-1), dim=-1).mean()
+        return student, dino + 0.1 * self.koleo(features)
+
+
 # --- proxies and centres ------------------------------------------------------------------------------------
 
 class CenterLoss(nn.Module):
@@ -450,9 +496,10 @@ def cases() -> list[Case]:
     barlow = Case("barlow_twins", BarlowTwins, _pairs(7, 6, 6), own_loss, (("projector.2.bias", ...),))
     vicreg = Case("vicreg", VICReg, _pairs(7, 6, 6), own_loss, (("projector.2.bias", ...),))
     dino = Case("dino_multicrop_center", DINO, _crops, own_loss)
+    dinov2 = Case("dinov2_sinkhorn_koleo", DINOv2Losses, _pairs(5, 6, 6), own_loss)
     center = Case("center_loss_index_add", CenterLoss, _labelled(9, 6, 4), own_loss)
     circle = Case("circle_loss", CircleLoss, _labelled(9, 6, 3), own_loss)
     proxy = Case("proxy_anchor", ProxyAnchor, _labelled(9, 6, 4), own_loss)
-    return [margins, combined, clip, triplet, supcon, moco, barlow, vicreg, dino, center, circle, proxy,
+    return [margins, combined, clip, triplet, supcon, moco, barlow, vicreg, dino, dinov2, center, circle, proxy,
             *(bf16(c) for c in (margins, combined, supcon)),
             *(fp64(c) for c in (margins, clip, supcon, dino, center, circle, proxy))]

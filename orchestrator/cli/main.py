@@ -217,7 +217,7 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
     except KeyboardInterrupt:
         store.request_stop(job.id)
         console.print(f"stopping job {job.id}...")
-        _revive_controller(store)                     # the one that acts on the stop
+        _revive_controller(store, announce=False)     # the one that acts on the stop (a Ctrl-C may have cut its start)
         final = _wait_terminal(store, job.id, timeout=120)
     _finish_message(store, final)
     raise typer.Exit(0 if final.state == JobState.SUCCEEDED else 1)
@@ -243,11 +243,13 @@ def _wait_terminal(store: Store, job_id: int, timeout: float) -> Job:
     return job
 
 
-def _revive_controller(store: Store) -> None:
-    """A controller that died with jobs in flight is started again, which picks them up."""
+def _revive_controller(store: Store, announce: bool = True) -> None:
+    """A controller that died with jobs in flight is started again, which picks them up (said, unless the caller
+    knows why there is none: a Ctrl-C during `launch` may cut the first one's start short)."""
     if store.jobs(active_only=True) and daemon.read_info(_home()) is None:
-        err_console.print("tfsn: the controller had stopped; starting it again (running jobs carry on)",
-                          highlight=False, markup=False)
+        if announce:
+            err_console.print("tfsn: the controller had stopped; starting it again (running jobs carry on)",
+                              highlight=False, markup=False)
         try:
             daemon.ensure_controller()
         except daemon.ControllerStartError as err:   # what the store says can still be shown

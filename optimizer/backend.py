@@ -6,6 +6,7 @@ core-ATen graphs; each graph is lowered to the IR, fused, generated as C, compil
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -437,6 +438,25 @@ def mutated_inputs(joint: torch.fx.GraphModule) -> set[str]:
 
 PARTITION_PLANS = 8     # fusion plans per graph priced for the recompute-vs-store decision
 
+# The planning memos (ir.Graph.memo: the nests loopnest.lower lowered) of the latest graphs planned, by content. Why:
+# the recompute-vs-store decision (searched_partition) plans the forward and backward that compile_graph then
+# searches in full, each from its own ir.Graph; sharing the memo spares the second the lowerings of the first.
+_PLANNING_MEMOS: collections.OrderedDict[str, dict] = collections.OrderedDict()
+PLANNING_MEMOS_KEPT = 4     # the decision's two pairs (forward and backward each)
+
+
+def planning_graph(gm: torch.fx.GraphModule, device: str = "cpu"):
+    """ir.from_fx(gm, device, half=True), with the planning memo of the latest graph of the same content and
+    device where one of the last PLANNING_MEMOS_KEPT had it (its answers depend on nothing else)."""
+    from optimizer import ir
+    graph = ir.from_fx(gm, device, half=True)
+    key = graph_signature(graph) + "|" + device
+    graph.memo = _PLANNING_MEMOS.pop(key, graph.memo)
+    _PLANNING_MEMOS[key] = graph.memo
+    while len(_PLANNING_MEMOS) > PLANNING_MEMOS_KEPT:
+        _PLANNING_MEMOS.popitem(last=False)
+    return graph
+
 
 def searched_partition(spec=None) -> Callable:
     """A partitioner that chooses between recomputing activations in the backward (min-cut) and
@@ -470,7 +490,7 @@ def searched_partition(spec=None) -> Callable:
                 store = saving()
                 # each side by the model alone, over a few fusion plans: the decision is between two
                 # graphs, and the full search of the chosen one follows
-                cost = [sum(search.search_graph(ir.from_fx(gm, half=True), chip, gemm=gemm, timing=False,
+                cost = [sum(search.search_graph(planning_graph(gm), chip, gemm=gemm, timing=False,
                                                 threads=threads, max_plans=PARTITION_PLANS).predicted_s
                             for gm in pair)
                         for pair in (recompute, store)]
@@ -590,7 +610,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     if codegen is None:
         codegen = default_codegen(example_inputs)
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
-        graph = ir.from_fx(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu", half=True)
+        graph = planning_graph(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu")
     except ir.Unsupported as e:
         if _symbolic(gm):
             log.info("tfsn: a graph of symbolic sizes (%s) compiles once per shape it is called with", e)

@@ -92,9 +92,12 @@ class Graph:
     outputs: list                            # Ref or a literal, in the FX graph's output order
     # answers the passes keep about this graph (fusion's trial writes: a search plans it ~50 times)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
-    # members and inlined values loopnest.lower has lowered for this graph (its memo's misses): the
+    # members and inlined values of the nests loopnest.lower was asked for on this Graph (each nest once): the
     # measure of planning work that bounds a search (search.PLANNING_BUDGET)
     lowered_nodes: int = field(default=0, repr=False, compare=False)
+    # the keys of the nests loopnest.lower was asked for on this Graph: what lowered_nodes counts once each, so that
+    # a memo shared with an earlier Graph of the same content (backend.planning_graph) bounds a search alike
+    lowered_keys: set = field(default_factory=set, repr=False, compare=False)
     # the float32 precision torch allowed when the graph was captured (`float32_precision`): on a GPU an
     # fp32 product runs on TF32 tensor cores only where the model asked for it, at ~7x the fp32 rate
     allow_tf32: bool = False                 # matmuls: torch.backends.cuda.matmul.allow_tf32 / 'high' | 'medium'

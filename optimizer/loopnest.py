@@ -444,9 +444,11 @@ def lower(graph: Graph, group: Group, buffers: set[int], inplace: dict[int, int]
     members_inplace = tuple(sorted((n, i) for n, i in (inplace or {}).items() if n in group.nodes))
     kernel = kernel_key(graph, buffers, group)
     key = ("loopnest", kernel, members_inplace, tables)
-    if key not in graph.memo:
+    if key not in graph.lowered_keys:
         _, fused, _ = kernel
+        graph.lowered_keys.add(key)
         graph.lowered_nodes += len(fused)     # the search's budget (PLANNING_BUDGET): whole groups, extended or not
+    if key not in graph.memo:
         try:
             graph.memo[key] = _lowered(graph, group, buffers, dict(members_inplace), tables, kernel)
         except NotFusable as e:

@@ -360,6 +360,22 @@ def test_a_second_process_compiles_nothing_and_concurrent_ones_agree(tmp_path):
     assert again["builds"] == 0 and again["hits"] > 0 and again["loss"] == first["loss"]
 
 
+def test_kernels_of_the_same_code_are_compiled_once_and_both_compute_eagers_values():
+    """Two groups of the same loop nest (a repeated layer's) under other names: gcc compiles the function once,
+    the second name an alias of it, and each call writes its own output."""
+    def fn(a, b):
+        return torch.tanh(a) * 2 + 1, torch.tanh(b) * 2 + 1
+    a, b = torch.randn(37, 5), torch.randn(37, 5)
+    gm, graph, plan = trace(fn, a, b)
+    source, written = c.write_source(graph, plan.groups, plan.buffers, [DEFAULT] * len(plan.groups), plan.inplace)
+    first, second = [k.name for k in written if k is not None]
+    assert source.count(f"void {first}(") == 1 and f"void {second}(" not in source
+    assert f'{second} __attribute__((alias("{first}")))' in source
+    got = run(gm, [a, b])
+    for g, want in zip(got, fn(a, b)):
+        torch.testing.assert_close(g, want)
+
+
 def test_generated_code_shares_torchs_openmp_runtime():
     build = build_library(c.PRELUDE + "#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n")
     lib = load_library(build)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from optimizer import backend, costmodel, features, fusion, ir, search, space
+from optimizer import backend, costmodel, features, fusion, ir, loopnest, search, space
 from optimizer.backend import compile_graph, decompositions
 from optimizer.codegen.c import KernelWriter, write_source
 from optimizer.codegen.compiler import build_library, load_library
@@ -145,6 +145,26 @@ def test_a_recurrence_unrolled_in_python_is_searched_within_the_planning_budget(
     actual = run_plan(graph, result.plan, result.schedules, [a.detach() for a in args])
     for name, a, e in zip("kvwu", actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=f"gradient of {name}")
+
+
+def test_a_graph_planned_again_reuses_its_lowerings_and_finds_what_a_cold_search_finds(monkeypatch):
+    """The recompute-vs-store decision plans a step's forward and backward (a bounded search), then compile_graph
+    searches each in full from an ir.Graph of its own: backend.planning_graph gives the second the first's memo,
+    so it lowers fewer nests, and it finds the plan and schedules a cold search finds, its planning budget
+    counted as a cold search counts it."""
+    gm, cold = lowered(mlp_step, inputs())
+    lowerings = []
+    real = loopnest._lowered
+    monkeypatch.setattr(loopnest, "_lowered", lambda *a: lowerings.append(a) or real(*a))
+    want = search.search_graph(cold, HOST, timing=False)
+    cold_lowerings = len(lowerings)
+    search.search_graph(backend.planning_graph(gm), HOST, timing=False, max_plans=backend.PARTITION_PLANS)
+    lowerings.clear()
+    again = backend.planning_graph(gm)
+    got = search.search_graph(again, HOST, timing=False)
+    assert len(lowerings) < cold_lowerings
+    assert (got.choice, got.schedules, got.predicted_s) == (want.choice, want.schedules, want.predicted_s)
+    assert again.lowered_nodes == cold.lowered_nodes
 
 
 def test_fusion_choices_change_the_plan():

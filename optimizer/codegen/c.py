@@ -704,5 +704,19 @@ def write_source(graph: Graph, groups: Sequence[Group], buffers: set[int], sched
 
 
 def library_source(kernels: Sequence[Kernel | None]) -> str:
-    """The C file of these kernels: the prelude once, then each function."""
-    return PRELUDE + SIMD_MATH + "\n".join(k.source for k in kernels if k is not None)
+    """The C file of these kernels: the prelude once, then each function; a kernel whose code is an earlier
+    one's under another name is an alias of that function. Why: a model's repeated layers give kernels of the
+    same code (its forward and backward, each block's), and gcc compiled every copy again (~10% of a small
+    model's source, more of a deep one's), its time most of a compile's on a CPU."""
+    functions: list[str] = []
+    first: dict[str, str] = {}           # a kernel's code with its name left out -> the name it was written under
+    for k in kernels:
+        if k is None:
+            continue
+        code = re.sub(rf"\b{re.escape(k.name)}\b", "", k.source)
+        if code in first:
+            functions.append(f'__typeof__({first[code]}) {k.name} __attribute__((alias("{first[code]}")));\n')
+        else:
+            first[code] = k.name
+            functions.append(k.source)
+    return PRELUDE + SIMD_MATH + "\n".join(functions)

@@ -1,0 +1,143 @@
+"""A fourteenth set of user code (tests/user_models_fourteenth.py): hand-written and recent optimizers (Lion,
+LAMB, Muon, Sophia, schedule-free AdamW, a factored Adafactor, Kahan-compensated and stochastically rounded
+bf16 weights) and the training-step mechanics around them (gradient accumulation, an EMA by lerp_, a
+GradScaler-like unscale that skips a step by torch.where, an lr as a 0-d tensor), each optimizer's step compiled
+together with the EMA, and the model compiled, against eager PyTorch step by step: the losses, then every
+parameter, optimizer state and averaged weight. T5's relative-position buckets and ALiBi's slopes computed in
+the graph, as models: forward output, loss and gradients in fp32, fp64 and under bf16 autocast, on the C
+target and a subset through the Triton kernels (on this CPU under TRITON_INTERPRET=1), then SGD and AdamW
+steps. Every compiled step must generate kernels and leave no graph to ATen."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from optimizer.backend import make_backend  # noqa: E402
+from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse: shared compile cache, no dynamo state)
+from tests.test_optimizer_user_models import close, kernels  # noqa: E402
+from tests.test_optimizer_user_models_more import (forward_and_gradient_tests, no_graph_left_to_aten,  # noqa: E402
+                                                   training_steps_test)
+from tests.user_models_fourteenth import (LAMB, FactoredAdafactor, KahanSGD, Lion, Muon, NormedMLP,  # noqa: E402
+                                          ScheduleFreeAdamW, SophiaG, StochasticRoundingAdamW, cases, muon_groups)
+
+# small ones: Triton's interpreter runs each program in Python
+THROUGH_TRITON = ["t5_relative_buckets"]
+TRAINED = ["alibi_six_heads"]
+
+
+test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \
+    forward_and_gradient_tests(cases(), THROUGH_TRITON)
+
+test_training_steps_match_eager = training_steps_test(cases(), TRAINED)
+
+
+# name: (the optimizer of a model, the model's dtype[, the dtype whose tolerance the results get: Muon's update is
+# computed in bf16, so the parameters differ by lr times bf16's rounding of it])
+OPTIMIZERS: dict[str, tuple] = {
+    "lion": (lambda m: Lion(m.parameters(), lr=3e-3, weight_decay=0.1), torch.float32),
+    "lamb": (lambda m: LAMB(m.parameters(), lr=2e-2), torch.float32),
+    "muon": (lambda m: Muon(muon_groups(m)), torch.float32, torch.bfloat16),
+    "sophia": (lambda m: SophiaG(m.parameters()), torch.float32),
+    "schedule_free_adamw": (lambda m: ScheduleFreeAdamW(m.parameters()), torch.float32),
+    "adafactor": (lambda m: FactoredAdafactor(m.parameters()), torch.float32),
+    "adafactor_fp64": (lambda m: FactoredAdafactor(m.parameters()), torch.float64),
+    "kahan_sgd_bf16": (lambda m: KahanSGD(m.parameters()), torch.bfloat16),
+    "stochastic_rounding_adamw_bf16": (lambda m: StochasticRoundingAdamW(m.parameters()), torch.bfloat16),
+}
+THROUGH_TRITON_OPTIMIZERS = ["lion", "stochastic_rounding_adamw_bf16"]
+MICRO_BATCHES = 2
+STEPS = 3
+EMA_DECAY = 0.9
+
+
+def micro_batches(dtype: torch.dtype) -> list[tuple]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 7, generator=g).to(dtype), torch.randint(0, 5, (5,), generator=g))
+            for _ in range(MICRO_BATCHES)]
+
+
+def train_with(model: nn.Module, optimizer: torch.optim.Optimizer, compile_with=None) -> tuple[list[float], list, int]:
+    """STEPS steps, each accumulating the gradients of MICRO_BATCHES micro-batches (the loss divided by their
+    count), then the optimizer's step and the EMA's lerp_ toward the new weights, one function (compiled with
+    `compile_with` where given, as the model); Sophia's hessian refreshed every other step. The summed losses, the
+    EMA, and how many kernels the compiled steps generated."""
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    def step() -> None:
+        optimizer.step()
+        with torch.no_grad():
+            for average, p in zip(ema, model.parameters()):
+                average.lerp_(p, 1 - EMA_DECAY)
+    forward = model if compile_with is None else torch.compile(model, backend=compile_with)
+    step = step if compile_with is None else torch.compile(step, backend=compile_with)
+    refresh = getattr(optimizer, "update_hessian", None)
+    if refresh is not None and compile_with is not None:
+        refresh = torch.compile(refresh, backend=compile_with)
+    losses, step_kernels = [], 0
+    for k in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in micro_batches(next(model.parameters()).dtype):
+            loss = F.cross_entropy(forward(x), y) / MICRO_BATCHES
+            loss.backward()
+            total += loss.item()
+        before = kernels()
+        if refresh is not None and k % 2 == 0:
+            refresh()
+        step()
+        step_kernels += kernels() - before
+        losses.append(total)
+    return losses, ema, step_kernels
+
+
+@pytest.mark.parametrize("name, codegen", [(n, "c") for n in OPTIMIZERS]
+                         + [(n, "triton") for n in THROUGH_TRITON_OPTIMIZERS])
+def test_hand_written_optimizer_steps_match_eager(name: str, codegen: str):
+    """The losses of every step, then every parameter, optimizer state and EMA weight, against eager's, at the
+    tolerance of the model's dtype."""
+    if codegen == "triton":
+        pytest.importorskip("triton")
+    make_optimizer, dtype, *precision = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    eager = NormedMLP().to(dtype)
+    mine = copy.deepcopy(eager)
+    opt_e, opt_m = make_optimizer(eager), make_optimizer(mine)
+    expected, ema_e, _ = train_with(eager, opt_e)
+    actual = []
+
+    def compiled_training() -> None:
+        losses, ema_m, step_kernels = train_with(mine, opt_m, make_backend(codegen=codegen))
+        actual.extend([losses, ema_m])
+        assert step_kernels > 0, f"the {name} step generated no kernel: it ran as plain ATen"
+    no_graph_left_to_aten(compiled_training)
+    losses, ema_m = actual
+    assert expected[-1] < expected[0], f"the eager {name} run should learn"
+    precision = precision[0] if precision else dtype
+    rtol = 2.0 ** -7 if precision == torch.bfloat16 else 1e-4 if precision == torch.float32 else 1e-12
+    for k, (a, e) in enumerate(zip(losses, expected)):
+        assert abs(a - e) <= rtol * max(1.0, abs(e)), f"{name} step {k}: tfsn loss {a} vs eager {e}"
+    for (what, p), q, average_e, average_m in zip(eager.named_parameters(), mine.parameters(), ema_e, ema_m):
+        close(q, p, f"{name} {what} after {STEPS} steps", precision)
+        close(average_m, average_e, f"{name} EMA of {what}", precision)
+        for key, value in compared_state(p, opt_e.state[p]).items():
+            close(compared_state(q, opt_m.state[q])[key], value, f"{name} state {key} of {what}", precision)
+
+
+def compared_state(p: torch.Tensor, state: dict) -> dict:
+    """An optimizer's tensor state, as compared: Kahan's compensation is the part of the weight that bf16 rounds
+    away, so where a gradient's rounding moves the rounded weight by an ulp it moves by one too; the
+    compensated weight p - c is compared in its place."""
+    compared = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+    if "compensation" in compared:
+        compared["compensated weight"] = p.float() - compared.pop("compensation").float()
+    return compared

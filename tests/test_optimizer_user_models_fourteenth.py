@@ -10,7 +10,6 @@ steps. Every compiled step must generate kernels and leave no graph to ATen."""
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 if os.environ.get("TFSN_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
@@ -27,7 +26,7 @@ from tests.test_optimizer_correctness import fresh  # noqa: E402, F401  (autouse
 from tests.test_optimizer_user_models import close, kernels  # noqa: E402
 from tests.test_optimizer_user_models_more import (forward_and_gradient_tests, no_graph_left_to_aten,  # noqa: E402
                                                    training_steps_test)
-from tests.user_models_fourteenth import (LAMB, FactoredAdafactor, KahanSGD, Lion, Muon, NormedMLP,  # noqa: E402
+from tests.user_models_fourteenth import (LAMB, DynamicLossScaler, FactoredAdafactor, KahanSGD, Lion, Muon, NormedMLP,  # noqa: E402
                                           ScheduleFreeAdamW, SophiaG, StochasticRoundingAdamW, cases, muon_groups)
 
 # small ones: Triton's interpreter runs each program in Python
@@ -141,3 +140,47 @@ def compared_state(p: torch.Tensor, state: dict) -> dict:
     if "compensation" in compared:
         compared["compensated weight"] = p.float() - compared.pop("compensation").float()
     return compared
+
+
+def scaled_training(model: nn.Module, compile_with=None) -> tuple[list[float], DynamicLossScaler]:
+    """Five steps of DynamicLossScaler's training, the loss times the scale backward, an inf in the third step's
+    batch (its gradients NaN: the step is skipped), the lr tensor decayed in place after each step; the model
+    and the step compiled with `compile_with` where given. The losses and the scaler."""
+    scaler = DynamicLossScaler(model.parameters(), torch.tensor(0.05))
+    forward = model if compile_with is None else torch.compile(model, backend=compile_with)
+    step = scaler.step if compile_with is None else torch.compile(scaler.step, backend=compile_with)
+    (x, y), _ = micro_batches(torch.float32)
+    losses = []
+    for k in range(5):
+        for p in model.parameters():
+            p.grad = None
+        batch = x.clone()
+        if k == 2:
+            batch[1, 3] = float("inf")
+        loss = F.cross_entropy(forward(batch), y)
+        (loss * scaler.scale).backward()
+        step()
+        scaler.lr.mul_(0.7)
+        losses.append(loss.item())
+    return losses, scaler
+
+
+def test_a_loss_scaled_step_that_skips_an_overflow_by_where_with_a_tensor_lr_matches_eager():
+    """The losses (the overflow's NaN too), parameters, momenta, the scale (2^12 doubled after two clean steps,
+    halved by the overflow, doubled again) and the count of clean steps against eager's; kernels generated."""
+    torch.manual_seed(0)
+    eager = NormedMLP()
+    mine = copy.deepcopy(eager)
+    expected, scaler_e = scaled_training(eager)
+    actual = []
+    before = kernels()
+    no_graph_left_to_aten(lambda: actual.extend(scaled_training(mine, make_backend())))
+    assert kernels() > before, "the backend generated no kernel"
+    losses, scaler_m = actual
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0, equal_nan=True)
+    assert scaler_e.scale.item() == 2.0 ** 13 and scaler_m.scale.item() == scaler_e.scale.item()
+    assert scaler_m.clean_steps.item() == scaler_e.clean_steps.item()
+    for (what, p), q, buf_e, buf_m in zip(eager.named_parameters(), mine.parameters(), scaler_e.momenta,
+                                          scaler_m.momenta):
+        close(q, p, f"{what} after the loss-scaled steps")
+        close(buf_m, buf_e, f"momentum of {what}")

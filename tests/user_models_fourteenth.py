@@ -421,6 +421,32 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 p.copy_(stochastic_round_to_bf16(master, k))
 
 
+class DynamicLossScaler:
+    """torch.amp.GradScaler's mechanics by hand and without .item(), around SGD with momentum whose lr is a 0-d
+    tensor (changed in place between steps, so the compiled step reads it): `step` unscales every gradient by
+    1 / scale, checks that all are finite, moves the momenta and parameters only where they are (torch.where),
+    halves the scale after an overflow and doubles it after `interval` clean steps in a row."""
+
+    def __init__(self, params, lr: Tensor, momentum: float = 0.9, scale: float = 2.0 ** 12, interval: int = 2):
+        self.params, self.lr, self.momentum, self.interval = list(params), lr, momentum, interval
+        self.scale = torch.tensor(scale)
+        self.clean_steps = torch.zeros((), dtype=torch.int64)
+        self.momenta = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        inverse = self.scale.double().reciprocal().float()
+        finite = torch.stack([torch.isfinite(p.grad).all() for p in self.params]).all()
+        for p, buf in zip(self.params, self.momenta):
+            moved = buf * self.momentum + p.grad * inverse
+            buf.copy_(torch.where(finite, moved, buf))
+            p.sub_(torch.where(finite, self.lr * moved, torch.zeros_like(p)))
+        self.clean_steps.copy_(torch.where(finite, self.clean_steps + 1, 0))
+        grow = self.clean_steps >= self.interval
+        self.scale.copy_(torch.where(finite, torch.where(grow, self.scale * 2, self.scale), self.scale * 0.5))
+        self.clean_steps.copy_(torch.where(grow, 0, self.clean_steps))
+
+
 # --- the cases -----------------------------------------------------------------------------------------------
 
 def _tokens(vocab: int, n: int = 3, t: int = 11):

@@ -13,7 +13,8 @@ a factored Adafactor with RMS clipping and a relative step written without .item
 with Kahan compensation or with stochastic rounding by int32 bit manipulation (a hash of the bits as the noise,
 so that the compiled step draws what eager draws). The training-step mechanics around them: a GradScaler-like
 unscale with an isfinite check that skips the step by torch.where and backs the scale off, gradient accumulation
-over micro-batches, an lr given as a 0-d tensor changed between steps, and an EMA of the weights by lerp_.
+over micro-batches, an lr given as a 0-d tensor changed between steps, an EMA of the weights by lerp_, and SAM's
+perturbation by the gradient over its global norm between two forward and backward passes.
 
 The models: T5's relative-position buckets (log, floor by an int cast, min, where, both the bidirectional and the
 causal form) indexing a learned bias, and ALiBi with slopes for a head count that is not a power of two (the
@@ -421,6 +422,32 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 p.copy_(stochastic_round_to_bf16(master, k))
 
 
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as davda54/sam writes it: `first_step` moves every parameter by rho times its
+    gradient over the gradients' global norm (remembering the move), the caller's second forward and backward run
+    at that point, `second_step` moves back and takes the base optimizer's step with the new gradients."""
+
+    def __init__(self, params, base: type, rho: float = 0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base = base(self.param_groups, **kwargs)
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        norm = torch.stack([p.grad.norm(2) for group in self.param_groups for p in group["params"]]).norm(2)
+        for group in self.param_groups:
+            scale = group["rho"] / (norm + 1e-12)
+            for p in group["params"]:
+                self.state[p]["old_p"] = p.clone()
+                p.add_(p.grad * scale)
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(self.state[p]["old_p"])
+        self.base.step()
+
+
 class DynamicLossScaler:
     """torch.amp.GradScaler's mechanics by hand and without .item(), around SGD with momentum whose lr is a 0-d
     tensor (changed in place between steps, so the compiled step reads it): `step` unscales every gradient by
@@ -449,7 +476,7 @@ class DynamicLossScaler:
 
 # --- the cases -----------------------------------------------------------------------------------------------
 
-def _tokens(vocab: int, n: int = 3, t: int = 11):
+def _tokens(vocab: int, n: int = 2, t: int = 9):
     def batch(g: torch.Generator) -> tuple:
         return (torch.randint(0, vocab, (n, t), generator=g),), torch.randint(0, 3, (n,), generator=g)
     return batch

@@ -220,15 +220,13 @@ def kahan_step_in_bf16(p: torch.Tensor, compensation: torch.Tensor, grad: torch.
     p.copy_(t)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed yet: fused kernels hold 16-bit intermediates in fp32 unrounded "
-                   "(codegen/c_ops.py and triton.py, HALVES), so (t - p) - y is 0 and updates below half an ulp "
-                   "are lost; eager rounds after each op")
 @pytest.mark.parametrize("codegen", CODEGENS)
 def test_kahan_compensated_bf16_weights_in_bf16_arithmetic_move_as_eager(codegen):
-    """Found by tests/test_optimizer_user_models_fourteenth.py's family: 50 steps of 1e-3 times gradients in
-    [0.5, 1) on bf16 weights near 4 (ulp 2^-5) move eager's weights by -0.037 on average (the exact sum: -0.0375)
-    through the compensation; tfsn's fused step computes (t - p) - y from an unrounded t, 0, and the weights
-    never move. The movement and the compensation against eager's, at bf16's tolerance of their scale."""
+    """Regression: 50 steps of 1e-3 times gradients in [0.5, 1) on bf16 weights near 4 (ulp 2^-5) move eager's
+    weights by -0.037 on average (the exact sum: -0.0375) through the compensation; tfsn's fused step held the
+    bf16 sums in fp32 unrounded, computed (t - p) - y as 0, and the weights never moved. Now each op of the
+    user's with a 16-bit result is rounded as eager rounds it. The movement and the compensation against
+    eager's, at bf16's tolerance of their scale."""
     g = torch.Generator().manual_seed(0)
     start = (torch.randn(257, generator=g) + 4).bfloat16()
     grad = (torch.rand(257, generator=g) * 0.5 + 0.5).bfloat16()

@@ -235,6 +235,11 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                                     (Ref(mm), args[0]), {}, type_)
             continue
         params = {}
+        if (kind == Kind.POINTWISE and type_ is not None and type_.dtype in HALF_DTYPES
+                and str(fx_node.meta.get("original_aten")) == str(fx_node.target)):
+            # an op of the user's (not a piece of a decomposed op): eager rounds its 16-bit result, and
+            # error-free transformations (Kahan's compensation (t - p) - y, TwoSum) rely on that rounding
+            params = {"rounded": True}
         if kind == Kind.REDUCE:
             params = reduce_params(op, args, kwargs, nodes)
             unviewed = _reduced_through_view(op, args, params, nodes)

@@ -208,3 +208,33 @@ def test_fp64_rounded_through_fp32_keeps_the_rounding(codegen):
     out_e.backward(grad)
     out_m[0].backward(grad)
     close(xm.grad, xe.grad, "its gradient")
+
+
+def kahan_step_in_bf16(p: torch.Tensor, compensation: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+    """Kahan-compensated SGD written in the weights' own dtype (bf16 arithmetic, no fp32 master copy): what
+    rounding p + y to bf16 lost, (t - p) - y, is carried into the next step. It relies on each op's result being
+    rounded to bf16, as eager rounds it."""
+    y = grad * -lr - compensation
+    t = p + y
+    compensation.copy_((t - p) - y)
+    p.copy_(t)
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+def test_kahan_compensated_bf16_weights_in_bf16_arithmetic_move_as_eager(codegen):
+    """Regression: 50 steps of 1e-3 times gradients in [0.5, 1) on bf16 weights near 4 (ulp 2^-5) move eager's
+    weights by -0.037 on average (the exact sum: -0.0375) through the compensation; tfsn's fused step held the
+    bf16 sums in fp32 unrounded, computed (t - p) - y as 0, and the weights never moved. Now each op of the
+    user's with a 16-bit result is rounded as eager rounds it. The movement and the compensation against
+    eager's, at bf16's tolerance of their scale."""
+    g = torch.Generator().manual_seed(0)
+    start = (torch.randn(257, generator=g) + 4).bfloat16()
+    grad = (torch.rand(257, generator=g) * 0.5 + 0.5).bfloat16()
+    runs = {}
+    for name, step in (("eager", kahan_step_in_bf16), ("tfsn", compiled(kahan_step_in_bf16, codegen))):
+        p, compensation = start.clone(), torch.zeros_like(start)
+        run = lambda: [step(p, compensation, grad, 1e-3) for _ in range(50)]  # noqa: E731
+        run() if name == "eager" else generated(run)
+        runs[name] = (p.float() - start.float(), compensation.float())
+    close(runs["tfsn"][0], runs["eager"][0], "the weights' movement", torch.bfloat16)
+    close(runs["tfsn"][1], runs["eager"][1], "the compensation", torch.bfloat16)

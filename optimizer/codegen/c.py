@@ -310,7 +310,7 @@ class KernelWriter:
                     if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
                     for x in a.args]
         self.computed |= {computed_in(node.type.dtype), *(o.dtype for o in operands if not o.scalar)}
-        return expression(node.op, operands, node.type.dtype, node.kwargs)
+        return expression(node.op, operands, node.type.dtype, node.kwargs, node.params.get("rounded", False))
 
     def select(self, v: Select) -> str:
         """A concatenation's element: conditionals on the index along its dim (a select gcc vectorizes)."""

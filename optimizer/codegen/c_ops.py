@@ -18,8 +18,9 @@ CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": 
 FLOATS = ("float32", "float64")
 NARROW_INTS = ("int16", "int8", "uint8")
 # 16-bit floats (ir.HALF_DTYPES) are held and computed in fp32, as eager's opmath and Inductor do: widened
-# where loaded, rounded to nearest even where stored and where the graph converts to them (_to_copy), not
-# after every op (see codegen/triton.py's HALVES for why). In memory: their 16 bits, converted by the prelude.
+# where loaded, rounded to nearest even where stored, where the graph converts to them (_to_copy) and after
+# each op of the user's (ir.from_fx's params["rounded"]), not after the pieces of a decomposed op (see
+# codegen/triton.py's HALVES for why). In memory: their 16 bits, converted by the prelude.
 HALVES = ("bfloat16", "float16")
 BUFFER_CTYPES = {**CTYPES, "bfloat16": "uint16_t", "float16": "uint16_t"}
 CONVERSIONS = ("aten._to_copy.default",)
@@ -338,7 +339,7 @@ POINTWISE: dict[str, Render] = {
 }
 
 
-def expression(op: str, operands: list[Operand], out: str, kw: dict) -> str:
+def expression(op: str, operands: list[Operand], out: str, kw: dict, eager_rounded: bool = False) -> str:
     """The C expression of an `op` node of dtype `out`: a half computed in fp32, rounded where the op is a
     conversion to or from it or a function of it to whole numbers (floor, ceil, round, trunc). Eager's pow of
     a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16
@@ -355,5 +356,5 @@ def expression(op: str, operands: list[Operand], out: str, kw: dict) -> str:
         # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
         operands = [replace(operands[0], expr=rounded(operands[0].expr, operands[0].half)), *operands[1:]]
     value = POINTWISE[op](operands, computed_in(out), kw)
-    return rounded(value, out) if op in CONVERSIONS else value
+    return rounded(value, out) if op in CONVERSIONS or eager_rounded else value
 

@@ -50,9 +50,10 @@ TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "bfloat16": "tl.bf
             "int64": "tl.int64", "int32": "tl.int32",
             "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1"}
 FLOATS = ("float32", "float64")
-# 16-bit floats are loaded into fp32 and computed in fp32, as Inductor does: rounded where a value is stored
-# and where the graph converts to or from them (x.to(torch.bfloat16), h.float()), not after every op. Eager
-# rounds after every op, but it runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed:
+# 16-bit floats are loaded into fp32 and computed in fp32, as Inductor does: rounded where a value is stored,
+# where the graph converts to or from them (x.to(torch.bfloat16), h.float()) and after each op of the user's
+# (ir.from_fx's params["rounded"]: eager rounds there, and Kahan's compensation relies on it), not after the
+# pieces of a decomposed op. Eager runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed:
 # rounding each piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well
 # within it.
 HALVES = ("bfloat16", "float16")
@@ -651,7 +652,7 @@ class TritonWriter:
             # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
             ops = [replace(ops[0], expr=_rounded(ops[0].expr, ops[0].half)), *ops[1:]]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
-        return _rounded(value, out) if node.op in CONVERSIONS else value
+        return _rounded(value, out) if node.op in CONVERSIONS or node.params.get("rounded") else value
 
     def select(self, v: Select) -> str:
         """A concatenation's element: nested tl.where (every piece's element was loaded in range)."""

@@ -237,6 +237,12 @@ def _compare(sign: str) -> Callable:
     return render
 
 
+def _block(v: Value, dtype: str) -> str:
+    """An operand of a prelude function that takes blocks (tfsn_fmod, tfsn_div_floor, ...): a Python scalar as a
+    one-element block (_constant), either side of the division (`5.0 // x` failed on 5.0's missing .shape)."""
+    return _constant(v, dtype) if v.scalar else _cast(v, dtype)
+
+
 def _modulo(name: str) -> Callable:
     """fmod or remainder (`name`) in the operands' result type: the prelude's exact long division for floats
     (a half's operands rounded to it, as eager divides the halves), Triton's % for integers (C's, exact; the
@@ -244,11 +250,10 @@ def _modulo(name: str) -> Callable:
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
         if t in HALVES:
-            a, b = (_rounded(_constant(o, "float32") if o.scalar else _cast(o, "float32"), t) for o in ops[:2])
+            a, b = (_rounded(_block(o, "float32"), t) for o in ops[:2])
             return f"tfsn_{name}({a}, {b})"
-        if out in FLOATS:     # a scalar divisor as a block (_constant): the prelude's functions take blocks
-            b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
-            return f"tfsn_{name}({_cast(ops[0], out)}, {b})"
+        if out in FLOATS:
+            return f"tfsn_{name}({_block(ops[0], out)}, {_block(ops[1], out)})"
         a, b = _cast(ops[0], out), _cast(ops[1], out)
         if name == "fmod":
             return f"({a} % {b})"
@@ -263,9 +268,8 @@ def _rounded_division(ops, out, kw):
     positive Python int (optimizer/ops.py ROUNDED_DIVISIONS) Triton's //, C's truncation, one less for floor
     where the remainder is below 0."""
     floor = kw["rounding_mode"] == "floor"
-    if out in FLOATS:      # a scalar divisor as a block (_constant): the prelude's functions take blocks
-        b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
-        return f"tfsn_div_{'floor' if floor else 'trunc'}({_cast(ops[0], out)}, {b})"
+    if out in FLOATS:
+        return f"tfsn_div_{'floor' if floor else 'trunc'}({_block(ops[0], out)}, {_block(ops[1], out)})"
     a, b = _cast(ops[0], out), _cast(ops[1], out)
     return f"tl.where(({a} % {b}) < 0, {a} // {b} - 1, {a} // {b})" if floor else f"({a} // {b})"
 
@@ -1146,7 +1150,9 @@ def tfsn_fmod(a, b):
     where b is 0, a infinite or either NaN; a itself where b is infinite. Triton's own % is LLVM's frem,
     which NVPTX computes as a - trunc(a / b) * b: wrong once the quotient passes 2^24, or where the division
     rounds it up to a whole number (a negative remainder)."""
-    x = tl.abs(a)
+    # |a| as a block b's size: a one-element a (a 0-d tensor's, 5.0 of 5.0 // x) would make the loop's r change
+    # shape from [1] to b's, which Triton's compiler refuses (its interpreter does not)
+    x = tl.abs(a) + tl.zeros_like(b)
     y = tl.abs(b)
     ey = tfsn_exponent(y)
     r = x

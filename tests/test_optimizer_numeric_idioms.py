@@ -511,6 +511,26 @@ def test_rounded_divisions_of_a_number_by_a_tensor(dtype, codegen):
         assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), f"value {i}: a zero's sign differs"
 
 
+def fp32_ops_of_a_half_product(x: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor) -> tuple:
+    h = h1 * h2
+    return x // h, torch.div(x, h, rounding_mode="trunc"), x % h, x + h, torch.where(x > 10, h, x)
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("half", [BF16, FP16], ids=str)
+def test_a_half_promoted_by_an_fp32_op_is_the_half(half, codegen):
+    """x32 // (h1 * h2): eager's divisor is the 16-bit product, converted to fp32 by the promotion; the kernel
+    held it unrounded in fp32 (only a first operand was rounded, and only for conversions and ROUNDINGS), so
+    the quotient came out a whole step off (5 where eager has 4), x % h and x + h a 16-bit unit off. Every
+    16-bit operand of an op of another dtype is rounded to it, as an explicit h.float() is."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(999, generator=g) * 30
+    h1, h2 = ((torch.rand(999, generator=g) * 4 + 1).to(half) for _ in range(2))
+    actual = torch.compile(fp32_ops_of_a_half_product, backend=make_backend(codegen=codegen))(x, h1, h2)
+    for i, (got, want) in enumerate(zip(actual, fp32_ops_of_a_half_product(x, h1, h2))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"value {i}: {m}")
+
+
 @pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
 def test_integer_rounded_divisions_by_a_positive_int_are_generated(monkeypatch, dtype, codegen):

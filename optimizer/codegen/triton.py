@@ -651,9 +651,9 @@ class TritonWriter:
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             return _half_pow(ops[0], ops[1].value, out)
-        if half_operand_rounded(node.op, ops[0].half, out):
-            # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
-            ops = [replace(ops[0], expr=_rounded(ops[0].expr, ops[0].half)), *ops[1:]]
+        # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
+        ops = [replace(o, expr=_rounded(o.expr, o.half)) if half_operand_rounded(node.op, o.half, out) else o
+               for o in ops]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS else value
 

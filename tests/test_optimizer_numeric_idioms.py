@@ -531,6 +531,24 @@ def test_a_half_promoted_by_an_fp32_op_is_the_half(half, codegen):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"value {i}: {m}")
 
 
+WIDE_INT = 2 ** 60 + 2 ** 36 + 1     # fp32 rounds it up to 2^60 + 2^37; by way of fp64 (2^60 + 2^36, a tie), to 2^60
+
+
+def ops_by_a_wide_int(x: torch.Tensor) -> tuple:
+    return x // WIDE_INT, torch.div(x, WIDE_INT, rounding_mode="trunc"), x / WIDE_INT, x * WIDE_INT, x + WIDE_INT
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+def test_fp32_ops_by_an_int_wider_than_fp64s_mantissa(codegen):
+    """x // n with a Python int n of more than 53 bits: eager converts n to fp32 once; the Triton kernel's
+    literal went through a Python float (fp64) first, and the two roundings landed an fp32 unit off, so the
+    quotient was a whole step off (2.0 where eager has 1.0) and x * n, x / n an ulp off."""
+    x = torch.tensor([2.0 ** 60 + 2.0 ** 37 * 3, 2.0 ** 61, 1.0, 5e18, 2.0 ** 60 * 3, -2.0 ** 62, 0.0])
+    actual = torch.compile(ops_by_a_wide_int, backend=make_backend(codegen=codegen))(x)
+    for i, (got, want) in enumerate(zip(actual, ops_by_a_wide_int(x))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"value {i}: {m}")
+
+
 @pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
 def test_integer_rounded_divisions_by_a_positive_int_are_generated(monkeypatch, dtype, codegen):

@@ -142,6 +142,8 @@ def _cast(v: Value, dtype: str) -> str:
     if v.scalar:
         if dtype in NARROW_INTEGERS:
             return str(_wrapped(int(v.value), dtype))
+        if dtype == "float32" and v.dtype == "int64" and abs(v.value) > 2 ** 24:     # not all are fp32's
+            return _literal(_int_in_fp32(v.value)).expr
         return v.expr if dtype in FLOATS or v.dtype != "float64" else str(int(v.value))
     return f"({v.expr}).to({TL_TYPES[dtype]})"
 
@@ -156,7 +158,16 @@ def _constant(v: Value, dtype: str) -> str:
         return _cast(v, dtype)
     if v.value == 0 and math.copysign(1.0, v.value) < 0:
         return f"(tl.full([1], -1.0, {TL_TYPES[dtype]}) * 0.0)"        # -0.0 made at run time, as _cast does
-    return f"tl.full([1], {_literal(float(v.value)).expr}, {TL_TYPES[dtype]})"
+    value = _int_in_fp32(v.value) if dtype == "float32" and v.dtype == "int64" else float(v.value)
+    return f"tl.full([1], {_literal(value).expr}, {TL_TYPES[dtype]})"
+
+
+def _int_in_fp32(value: int) -> float:
+    """A Python int as fp32, rounded once as torch converts it: Triton reads an int beside an fp32 block as a
+    Python float first, and an int of more than 53 bits rounded to fp64 and then to fp32 can land an fp32 unit
+    off (x // (2**60 + 2**36 + 1) was a whole step off eager's)."""
+    import torch
+    return float(torch.tensor(value, dtype=torch.int64).to(torch.float32))
 
 
 def _inexact_in_fp32(value: Any) -> bool:

@@ -57,10 +57,11 @@ ROUNDINGS = frozenset({"aten.ceil.default", "aten.floor.default", "aten.round.de
 
 
 def half_operand_rounded(op: str, half: str | None, out: str) -> bool:
-    """Whether op's first operand, a value of the 16-bit dtype `half` held in fp32 (None: not a half), is
-    rounded to `half` first: where eager's value was that half and the op does not round it again to the
-    same dtype (a conversion to another dtype: fp16 x + finfo.min is -65504 whatever x) or steps (ROUNDINGS)."""
-    return half is not None and (op == "aten._to_copy.default" and half != out or op in ROUNDINGS)
+    """Whether an operand of op, a value of the 16-bit dtype `half` held in fp32 (None: not a half), is rounded
+    to `half` first: where eager's value was that half and the op does not round it again to the same dtype:
+    one of another dtype converts it (fp16 x + finfo.min is -65504 whatever x; x32 // (h1 * h2) divides by the
+    bf16 product, a whole step off by the fp32 one), and one that steps (ROUNDINGS) is a function of it."""
+    return half is not None and (half != out or op in ROUNDINGS)
 
 
 def comparison_dtype(operands: Iterable[tuple[str, bool, bool]]) -> str:

@@ -493,6 +493,62 @@ def test_rounded_divisions_are_generated_and_exact(monkeypatch, dtype, codegen):
     assert sorted(left) == (["aten.div.Tensor_mode"] * 2 if dtype in (BF16, FP16) else []), f"left to ATen: {left}"
 
 
+def numbers_divided_by_tensors(a: torch.Tensor) -> tuple:
+    return 5.0 // a, 0.1 // a, -0.0 // a, 7 // a, torch.div(torch.tensor(3.0), a, rounding_mode="trunc")
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [FP32, FP64], ids=str)
+def test_rounded_divisions_of_a_number_by_a_tensor(dtype, codegen):
+    """`steps // x` with a Python number (or a 0-d tensor) as the dividend: the Triton kernel passed the bare
+    literal to the prelude's tfsn_div_floor, which failed on its missing .shape (in the interpreter and when
+    compiled for a GPU). Bit for bit eager's, zero signs too, at the signed grid's edge values."""
+    a = _signed_grid(dtype, extremes=True)[1]
+    actual = torch.compile(numbers_divided_by_tensors, backend=make_backend(codegen=codegen))(a)
+    for i, (got, want) in enumerate(zip(actual, numbers_divided_by_tensors(a))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"value {i}: {m}")
+        zeros = want == 0
+        assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), f"value {i}: a zero's sign differs"
+
+
+def fp32_ops_of_a_half_product(x: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor) -> tuple:
+    h = h1 * h2
+    return x // h, torch.div(x, h, rounding_mode="trunc"), x % h, x + h, torch.where(x > 10, h, x)
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("half", [BF16, FP16], ids=str)
+def test_a_half_promoted_by_an_fp32_op_is_the_half(half, codegen):
+    """x32 // (h1 * h2): eager's divisor is the 16-bit product, converted to fp32 by the promotion; the kernel
+    held it unrounded in fp32 (only a first operand was rounded, and only for conversions and ROUNDINGS), so
+    the quotient came out a whole step off (5 where eager has 4), x % h and x + h a 16-bit unit off. Every
+    16-bit operand of an op of another dtype is rounded to it, as an explicit h.float() is."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(999, generator=g) * 30
+    h1, h2 = ((torch.rand(999, generator=g) * 4 + 1).to(half) for _ in range(2))
+    actual = torch.compile(fp32_ops_of_a_half_product, backend=make_backend(codegen=codegen))(x, h1, h2)
+    for i, (got, want) in enumerate(zip(actual, fp32_ops_of_a_half_product(x, h1, h2))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"value {i}: {m}")
+
+
+WIDE_INT = 2 ** 60 + 2 ** 36 + 1     # fp32 rounds it up to 2^60 + 2^37; by way of fp64 (2^60 + 2^36, a tie), to 2^60
+
+
+def ops_by_a_wide_int(x: torch.Tensor) -> tuple:
+    return x // WIDE_INT, torch.div(x, WIDE_INT, rounding_mode="trunc"), x / WIDE_INT, x * WIDE_INT, x + WIDE_INT
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+def test_fp32_ops_by_an_int_wider_than_fp64s_mantissa(codegen):
+    """x // n with a Python int n of more than 53 bits: eager converts n to fp32 once; the Triton kernel's
+    literal went through a Python float (fp64) first, and the two roundings landed an fp32 unit off, so the
+    quotient was a whole step off (2.0 where eager has 1.0) and x * n, x / n an ulp off."""
+    x = torch.tensor([2.0 ** 60 + 2.0 ** 37 * 3, 2.0 ** 61, 1.0, 5e18, 2.0 ** 60 * 3, -2.0 ** 62, 0.0])
+    actual = torch.compile(ops_by_a_wide_int, backend=make_backend(codegen=codegen))(x)
+    for i, (got, want) in enumerate(zip(actual, ops_by_a_wide_int(x))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"value {i}: {m}")
+
+
 @pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
 def test_integer_rounded_divisions_by_a_positive_int_are_generated(monkeypatch, dtype, codegen):

@@ -259,6 +259,15 @@ def test_rounded_divisions_compile_to_correctly_rounded_divisions(dtype, tmp_pat
     assert not re.search(r"\b(mul|fma|setp|add|sub)[a-z0-9.]*\.ftz", code)
 
 
+def test_divisions_of_one_element_dividends_compile(tmp_path):
+    """fmod, remainder and floor division of a 0-d tensor or a Python number by a tensor: the prelude's tfsn_fmod
+    started its long division from |a|, a one-element block, which the first step made b's shape: a loop-carried
+    value that changes shape, which Triton's compiler refuses ("k0 does not compile"; the interpreter ran it)."""
+    def divisions(a, b):
+        return torch.fmod(a, b), torch.remainder(a, b), a // b, 5.0 // b
+    assert compiled_ptx(divisions, (torch.tensor(5.0), torch.rand(5, 9) + 0.5), tmp_path / "divisions.py")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_atan2_and_hypot_compile_to_correctly_rounded_divisions_and_roots(dtype, tmp_path):
     """atan2's and hypot's ratio of the smaller magnitude to the larger, and hypot's root, are the GPU's

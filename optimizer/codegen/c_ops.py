@@ -351,10 +351,10 @@ def expression(op: str, operands: list[Operand], out: str, kw: dict, eager_round
         operands = [operands[0], literal(exponent)]
         if out == "float16" and exponent in (0.5, -0.5):
             return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
-    if half_operand_rounded(op, operands[0].half, out):
-        # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
-        # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
-        operands = [replace(operands[0], expr=rounded(operands[0].expr, operands[0].half)), *operands[1:]]
+    # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
+    # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
+    operands = [replace(o, expr=rounded(o.expr, o.half)) if half_operand_rounded(op, o.half, out) else o
+                for o in operands]
     value = POINTWISE[op](operands, computed_in(out), kw)
     return rounded(value, out) if op in CONVERSIONS or eager_rounded else value
 

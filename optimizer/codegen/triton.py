@@ -143,6 +143,8 @@ def _cast(v: Value, dtype: str) -> str:
     if v.scalar:
         if dtype in NARROW_INTEGERS:
             return str(_wrapped(int(v.value), dtype))
+        if dtype == "float32" and v.dtype == "int64" and abs(v.value) > 2 ** 24:     # not all are fp32's
+            return _literal(_int_in_fp32(v.value)).expr
         return v.expr if dtype in FLOATS or v.dtype != "float64" else str(int(v.value))
     return f"({v.expr}).to({TL_TYPES[dtype]})"
 
@@ -157,7 +159,16 @@ def _constant(v: Value, dtype: str) -> str:
         return _cast(v, dtype)
     if v.value == 0 and math.copysign(1.0, v.value) < 0:
         return f"(tl.full([1], -1.0, {TL_TYPES[dtype]}) * 0.0)"        # -0.0 made at run time, as _cast does
-    return f"tl.full([1], {_literal(float(v.value)).expr}, {TL_TYPES[dtype]})"
+    value = _int_in_fp32(v.value) if dtype == "float32" and v.dtype == "int64" else float(v.value)
+    return f"tl.full([1], {_literal(value).expr}, {TL_TYPES[dtype]})"
+
+
+def _int_in_fp32(value: int) -> float:
+    """A Python int as fp32, rounded once as torch converts it: Triton reads an int beside an fp32 block as a
+    Python float first, and an int of more than 53 bits rounded to fp64 and then to fp32 can land an fp32 unit
+    off (x // (2**60 + 2**36 + 1) was a whole step off eager's)."""
+    import torch
+    return float(torch.tensor(value, dtype=torch.int64).to(torch.float32))
 
 
 def _inexact_in_fp32(value: Any) -> bool:
@@ -238,6 +249,12 @@ def _compare(sign: str) -> Callable:
     return render
 
 
+def _block(v: Value, dtype: str) -> str:
+    """An operand of a prelude function that takes blocks (tfsn_fmod, tfsn_div_floor, ...): a Python scalar as a
+    one-element block (_constant), either side of the division (`5.0 // x` failed on 5.0's missing .shape)."""
+    return _constant(v, dtype) if v.scalar else _cast(v, dtype)
+
+
 def _modulo(name: str) -> Callable:
     """fmod or remainder (`name`) in the operands' result type: the prelude's exact long division for floats
     (a half's operands rounded to it, as eager divides the halves), Triton's % for integers (C's, exact; the
@@ -245,11 +262,10 @@ def _modulo(name: str) -> Callable:
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
         if t in HALVES:
-            a, b = (_rounded(_constant(o, "float32") if o.scalar else _cast(o, "float32"), t) for o in ops[:2])
+            a, b = (_rounded(_block(o, "float32"), t) for o in ops[:2])
             return f"tfsn_{name}({a}, {b})"
-        if out in FLOATS:     # a scalar divisor as a block (_constant): the prelude's functions take blocks
-            b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
-            return f"tfsn_{name}({_cast(ops[0], out)}, {b})"
+        if out in FLOATS:
+            return f"tfsn_{name}({_block(ops[0], out)}, {_block(ops[1], out)})"
         a, b = _cast(ops[0], out), _cast(ops[1], out)
         if name == "fmod":
             return f"({a} % {b})"
@@ -264,9 +280,8 @@ def _rounded_division(ops, out, kw):
     positive Python int (optimizer/ops.py ROUNDED_DIVISIONS) Triton's //, C's truncation, one less for floor
     where the remainder is below 0."""
     floor = kw["rounding_mode"] == "floor"
-    if out in FLOATS:      # a scalar divisor as a block (_constant): the prelude's functions take blocks
-        b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
-        return f"tfsn_div_{'floor' if floor else 'trunc'}({_cast(ops[0], out)}, {b})"
+    if out in FLOATS:
+        return f"tfsn_div_{'floor' if floor else 'trunc'}({_block(ops[0], out)}, {_block(ops[1], out)})"
     a, b = _cast(ops[0], out), _cast(ops[1], out)
     return f"tl.where(({a} % {b}) < 0, {a} // {b} - 1, {a} // {b})" if floor else f"({a} // {b})"
 
@@ -648,9 +663,9 @@ class TritonWriter:
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             return _half_pow(ops[0], ops[1].value, out)
-        if half_operand_rounded(node.op, ops[0].half, out):
-            # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
-            ops = [replace(ops[0], expr=_rounded(ops[0].expr, ops[0].half)), *ops[1:]]
+        # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
+        ops = [replace(o, expr=_rounded(o.expr, o.half)) if half_operand_rounded(node.op, o.half, out) else o
+               for o in ops]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
         return _rounded(value, out) if node.op in CONVERSIONS or node.params.get("rounded") else value
 
@@ -1147,7 +1162,9 @@ def tfsn_fmod(a, b):
     where b is 0, a infinite or either NaN; a itself where b is infinite. Triton's own % is LLVM's frem,
     which NVPTX computes as a - trunc(a / b) * b: wrong once the quotient passes 2^24, or where the division
     rounds it up to a whole number (a negative remainder)."""
-    x = tl.abs(a)
+    # |a| as a block b's size: a one-element a (a 0-d tensor's, 5.0 of 5.0 // x) would make the loop's r change
+    # shape from [1] to b's, which Triton's compiler refuses (its interpreter does not)
+    x = tl.abs(a) + tl.zeros_like(b)
     y = tl.abs(b)
     ey = tfsn_exponent(y)
     r = x

@@ -493,6 +493,32 @@ def test_rounded_divisions_are_generated_and_exact(monkeypatch, dtype, codegen):
     assert sorted(left) == (["aten.div.Tensor_mode"] * 2 if dtype in (BF16, FP16) else []), f"left to ATen: {left}"
 
 
+def divisions_of_a_number(b: torch.Tensor) -> tuple:
+    return (7.0 // b, 0.1 // b, -0.0 // b, torch.div(-7.5, b, rounding_mode="trunc"),
+            torch.div(1e-40, b, rounding_mode="floor"), (b * 3 - 1) // b)
+
+
+@pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype", [FP32, FP64], ids=str)
+def test_a_number_divided_by_a_tensor_with_rounding_is_eagers(monkeypatch, dtype, codegen):
+    """`7.0 // x` (a period count of a Python step, FSQ's levels): the dividend a Python number. Triton's
+    prelude functions take blocks, and the bare literal made tl.abs(7.0) fail in the interpreter ('float'
+    object has no attribute 'shape'); now a block of the dtype (0.1 rounded to fp32 as eager's), bit for bit
+    eager's with each zero's sign, and generated."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    edges = torch.tensor([0.0, -0.0, 1e-3, -7.0, 0.1, 3.5], dtype=FP64)
+    b = torch.cat([torch.randn(60, generator=g, dtype=FP64) * 4, edges]).to(dtype)
+    actual = torch.compile(divisions_of_a_number, backend=make_backend(codegen=codegen))(b)
+    for i, (got, want) in enumerate(zip(actual, divisions_of_a_number(b))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"value {i}: {m}")
+        zeros = want == 0
+        assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), f"value {i}: a zero's sign differs"
+    left = left_to_aten(compiled, set(ROUNDED_DIVISIONS))
+    assert not left, f"left to ATen: {left}"
+
+
 @pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8], ids=str)
 def test_integer_rounded_divisions_by_a_positive_int_are_generated(monkeypatch, dtype, codegen):

@@ -59,7 +59,8 @@ class VQVAE(nn.Module):
         quantized = encodings @ self.embedding
         if self.training:
             with torch.no_grad():
-                counts = torch.zeros(self.codes, dtype=z.dtype).index_add_(0, index, torch.ones_like(index, dtype=z.dtype))
+                ones = torch.ones_like(index, dtype=z.dtype)
+                counts = torch.zeros(self.codes, dtype=z.dtype).index_add_(0, index, ones)
                 self.cluster_size.mul_(self.decay).add_(counts, alpha=1 - self.decay)
                 self.embed_sum.mul_(self.decay).add_(encodings.t() @ z.detach(), alpha=1 - self.decay)
                 n = self.cluster_size.sum()
@@ -108,7 +109,8 @@ class FSQ(nn.Module):
     (half-levels, an offset of 0.5 for even level counts, a shift of atanh(offset / half)), round with STE,
     normalise by the half width; codes to indices by a basis (cumprod of the levels) and back by // and %;
     the indices rebuilt into codes must equal the codes. Also torch.div's rounding modes on negative values
-    (a signed bin of a centred code), by a tensor and a Python number, in floats and ints."""
+    (a signed bin of a centred code), by a tensor and a Python number, of a Python number by a tensor, in floats
+    and ints."""
 
     def __init__(self, d_in: int = 7, levels: tuple = (7, 5, 4, 6)) -> None:
         super().__init__()
@@ -133,12 +135,13 @@ class FSQ(nn.Module):
         bins = torch.cat([signed // 2, torch.div(signed, 2, rounding_mode="trunc"),
                           torch.div(signed - 0.5, -1.5, rounding_mode="floor"), (signed * 1.7) // -0.6,
                           torch.div(z, half_width, rounding_mode="floor"),
-                          torch.div(z * 3, self.levels.float() - 4.5, rounding_mode="trunc")], -1)
+                          torch.div(z * 3, self.levels.float() - 4.5, rounding_mode="trunc"),
+                          2.5 // (z.abs() + 0.5)], -1)
         int_bins = torch.cat([(rebuilt - half_width) // 2, torch.div(rebuilt - 3, 2, rounding_mode="trunc"),
                               index[:, None] // 7, torch.div(-index[:, None], 5, rounding_mode="floor")], -1)
         shifts = 0.1 * (bins.detach().sum(-1, keepdim=True) + int_bins.to(z.dtype).sum(-1, keepdim=True))
         recon = self.decoder(codes + (back - codes).detach()) + shifts
-        return recon, F.mse_loss(recon, x) + 0.01 * (bins.detach() * z.repeat(1, 6)).mean()
+        return recon, F.mse_loss(recon, x) + 0.01 * (bins.detach() * z.repeat(1, 7)).mean()
 
 
 class LookupFreeQuantizer(nn.Module):
@@ -165,7 +168,8 @@ class LookupFreeQuantizer(nn.Module):
         commitment = F.mse_loss(z, quantized.detach())
         index = ((quantized > 0).long() * 2 ** torch.arange(z.shape[-1] - 1, -1, -1)).sum(-1)
         recon = self.decoder(z_q)
-        return recon + 0 * index[:, None], F.mse_loss(recon, x) + 0.1 * (per_sample - codebook_entropy) + 0.25 * commitment
+        loss = F.mse_loss(recon, x) + 0.1 * (per_sample - codebook_entropy) + 0.25 * commitment
+        return recon + 0 * index[:, None], loss
 
 
 # --- diffusion and flow objectives -------------------------------------------------------------------------

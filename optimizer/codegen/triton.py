@@ -194,8 +194,15 @@ def _quotient(a: str, b: str, dtype: str) -> str:
     return f"tl.div_rn({a}, {b})" if dtype == "float32" else f"({a} / {b})"
 
 
+def _block(v: Value, dtype: str) -> str:
+    """An operand of the prelude's float functions (tfsn_div_floor, tfsn_fmod, ...), which take blocks: a
+    scalar one, dividend (`7.0 // x`) or divisor, as a block of the dtype (_constant); a bare Python float
+    failed in them (tl.abs(7.0): 'float' object has no attribute 'shape')."""
+    return _constant(v, dtype) if v.scalar else _cast(v, dtype)
+
+
 def _divide(ops, out, kw):
-    return _quotient(_cast(ops[0], out), _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out), out)
+    return _quotient(_cast(ops[0], out), _block(ops[1], out), out)
 
 
 def _reciprocal(ops, out, kw):
@@ -244,11 +251,10 @@ def _modulo(name: str) -> Callable:
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
         if t in HALVES:
-            a, b = (_rounded(_constant(o, "float32") if o.scalar else _cast(o, "float32"), t) for o in ops[:2])
+            a, b = (_rounded(_block(o, "float32"), t) for o in ops[:2])
             return f"tfsn_{name}({a}, {b})"
-        if out in FLOATS:     # a scalar divisor as a block (_constant): the prelude's functions take blocks
-            b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
-            return f"tfsn_{name}({_cast(ops[0], out)}, {b})"
+        if out in FLOATS:
+            return f"tfsn_{name}({_block(ops[0], out)}, {_block(ops[1], out)})"
         a, b = _cast(ops[0], out), _cast(ops[1], out)
         if name == "fmod":
             return f"({a} % {b})"
@@ -263,9 +269,8 @@ def _rounded_division(ops, out, kw):
     positive Python int (optimizer/ops.py ROUNDED_DIVISIONS) Triton's //, C's truncation, one less for floor
     where the remainder is below 0."""
     floor = kw["rounding_mode"] == "floor"
-    if out in FLOATS:      # a scalar divisor as a block (_constant): the prelude's functions take blocks
-        b = _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out)
-        return f"tfsn_div_{'floor' if floor else 'trunc'}({_cast(ops[0], out)}, {b})"
+    if out in FLOATS:
+        return f"tfsn_div_{'floor' if floor else 'trunc'}({_block(ops[0], out)}, {_block(ops[1], out)})"
     a, b = _cast(ops[0], out), _cast(ops[1], out)
     return f"tl.where(({a} % {b}) < 0, {a} // {b} - 1, {a} // {b})" if floor else f"({a} // {b})"
 

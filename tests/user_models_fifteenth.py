@@ -299,6 +299,49 @@ class ConsistencyTraining(nn.Module):
         return student, (distance / (sigma_next - sigma)[:, None]).mean()
 
 
+class ConsistencyEMAUpdate(ConsistencyTraining):
+    """Consistency training as the original loop runs it with the target's update inside the step: the EMA
+    decay from the discretisation (mu = exp(s0 log(mu0) / N)), each target parameter lerp_'d toward the online
+    one under no_grad before the target is evaluated, and a step counter buffer incremented in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x0: Tensor, noise: Tensor, index: Tensor, label: Tensor) -> tuple:
+        with torch.no_grad():
+            n = 2 + self.step // 3
+            mu = torch.exp(2 * math.log(0.9) / n.to(x0.dtype))
+            for target, online in zip(self.target.parameters(), self.net.parameters()):
+                target.lerp_(online, 1 - mu)
+            self.step.add_(1)
+        return super().forward(x0, noise, index, label)
+
+
+class GumbelVQ(nn.Module):
+    """A Gumbel-softmax quantizer (DALL-E's dVAE / taming's GumbelQuantize) from given Gumbel noise: soft one-hot
+    codes at a temperature, made hard by scatter_ of the argmax with the straight-through y_hard - sg(y_soft) +
+    y_soft; codes by an einsum with the codebook; the KL of the code distribution to the uniform prior."""
+
+    def __init__(self, d_in: int = 7, codes: int = 9, d: int = 5, tau: float = 0.7) -> None:
+        super().__init__()
+        self.encoder, self.decoder = mlp(d_in, codes), mlp(d, d_in)
+        self.codebook = nn.Embedding(codes, d)
+        self.tau, self.codes = tau, codes
+
+    def forward(self, x: Tensor, gumbel: Tensor) -> tuple:
+        logits = self.encoder(x)
+        soft = ((logits + gumbel) / self.tau).softmax(-1)
+        index = soft.max(-1, keepdim=True)[1]
+        hard = torch.zeros_like(logits).scatter_(-1, index, 1.0)
+        one_hot = hard - soft.detach() + soft
+        z_q = torch.einsum("bn,nd->bd", one_hot, self.codebook.weight)
+        recon = self.decoder(z_q)
+        q = logits.softmax(-1)
+        kl = torch.sum(q * torch.log(q * self.codes + 1e-10), -1).mean()
+        return recon, F.mse_loss(recon, x) + 5e-4 * kl
+
+
 # --- latent-variable and adversarial objectives ------------------------------------------------------------
 
 class BetaVAEFreeBits(nn.Module):
@@ -378,6 +421,11 @@ def _consistency(g: torch.Generator) -> tuple:
     return (x0 * 0.5, noise, torch.randint(0, 10, (7,), generator=g), torch.randint(0, 4, (7,), generator=g)), None
 
 
+def _gumbel(g: torch.Generator) -> tuple:
+    u = torch.rand(9, 9, generator=g) * 0.98 + 0.01
+    return (torch.randn(9, 7, generator=g), -torch.log(-torch.log(u))), None
+
+
 def _binary(g: torch.Generator) -> tuple:
     return ((torch.rand(7, 9, generator=g) < 0.4).float(), torch.randn(7, 5, generator=g)), None
 
@@ -395,8 +443,10 @@ def cases() -> list[Case]:
     edm = Case("edm_preconditioning", EDM, _edm, own_loss)
     ddpm = Case("ddpm_cosine_v_min_snr", DDPMVPrediction, _ddpm, own_loss)
     consistency = Case("consistency_ema_target", ConsistencyTraining, _consistency, own_loss)
+    consistency_ema = Case("consistency_ema_update_in_step", ConsistencyEMAUpdate, _consistency, own_loss)
+    gumbel = Case("gumbel_vq_straight_through", GumbelVQ, _gumbel, own_loss)
     beta_vae = Case("beta_vae_free_bits", BetaVAEFreeBits, _binary, own_loss)
     gan = Case("gan_hinge_non_saturating", GANLosses, _gan, own_loss)
-    return [vqvae, rvq, fsq, lfq, flow, edm, ddpm, consistency, beta_vae, gan,
-            *(bf16(c) for c in (fsq, flow, edm, ddpm, beta_vae)),
-            *(fp64(c) for c in (vqvae, rvq, fsq, lfq, edm, ddpm, consistency, gan))]
+    return [vqvae, rvq, fsq, lfq, flow, edm, ddpm, consistency, consistency_ema, gumbel, beta_vae, gan,
+            *(bf16(c) for c in (fsq, flow, edm, ddpm, gumbel, beta_vae)),
+            *(fp64(c) for c in (vqvae, rvq, fsq, lfq, edm, ddpm, consistency, consistency_ema, gumbel, gan))]

@@ -494,21 +494,28 @@ def test_rounded_divisions_are_generated_and_exact(monkeypatch, dtype, codegen):
 
 
 def numbers_divided_by_tensors(a: torch.Tensor) -> tuple:
-    return 5.0 // a, 0.1 // a, -0.0 // a, 7 // a, torch.div(torch.tensor(3.0), a, rounding_mode="trunc")
+    return (5.0 // a, 0.1 // a, -0.0 // a, 7 // a, torch.div(torch.tensor(3.0), a, rounding_mode="trunc"),
+            torch.div(-7.5, a, rounding_mode="trunc"), torch.div(1e-40, a, rounding_mode="floor"), (a * 3 - 1) // a)
 
 
 @pytest.mark.parametrize("codegen", ["c", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize("dtype", [FP32, FP64], ids=str)
-def test_rounded_divisions_of_a_number_by_a_tensor(dtype, codegen):
-    """`steps // x` with a Python number (or a 0-d tensor) as the dividend: the Triton kernel passed the bare
-    literal to the prelude's tfsn_div_floor, which failed on its missing .shape (in the interpreter and when
-    compiled for a GPU). Bit for bit eager's, zero signs too, at the signed grid's edge values."""
+def test_rounded_divisions_of_a_number_by_a_tensor(monkeypatch, dtype, codegen):
+    """`steps // x` with a Python number (or a 0-d tensor) as the dividend (a period count of a Python step,
+    FSQ's levels): the Triton kernel passed the bare literal to the prelude's tfsn_div_floor, which failed on
+    its missing .shape (in the interpreter and when compiled for a GPU). Bit for bit eager's, zero signs too, at
+    the signed grid's edge values, and generated (found by this session's review and its generative-model suite
+    each)."""
+    from tests.test_optimizer_correctness import left_to_aten, record_compiled
+    compiled = record_compiled(monkeypatch)
     a = _signed_grid(dtype, extremes=True)[1]
     actual = torch.compile(numbers_divided_by_tensors, backend=make_backend(codegen=codegen))(a)
     for i, (got, want) in enumerate(zip(actual, numbers_divided_by_tensors(a))):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"value {i}: {m}")
         zeros = want == 0
         assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), f"value {i}: a zero's sign differs"
+    left = left_to_aten(compiled, set(ROUNDED_DIVISIONS))
+    assert not left, f"left to ATen: {left}"
 
 
 def fp32_ops_of_a_half_product(x: torch.Tensor, h1: torch.Tensor, h2: torch.Tensor) -> tuple:

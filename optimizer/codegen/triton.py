@@ -207,7 +207,7 @@ def _quotient(a: str, b: str, dtype: str) -> str:
 
 
 def _divide(ops, out, kw):
-    return _quotient(_cast(ops[0], out), _constant(ops[1], out) if ops[1].scalar else _cast(ops[1], out), out)
+    return _quotient(_cast(ops[0], out), _block(ops[1], out), out)
 
 
 def _reciprocal(ops, out, kw):

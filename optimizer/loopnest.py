@@ -17,7 +17,8 @@ from math import prod
 from typing import Sequence, Union
 
 from optimizer.expr import Const, Div, Expr, Mod, add, const, divides, mul, offset, var
-from optimizer.ir import CAT, FLIP, Graph, Kind, Node, Ref
+from optimizer.ir import CAT, FLIP, HALF_DTYPES, Graph, Kind, Node, Ref
+from optimizer.ops import eager_rounded
 
 MERGE_BELOW = 1024      # an innermost loop shorter than this takes in the next axis where memory allows (merge)
 TABLE_MAX = 512         # a merged loop that reads per-lane tables is at most this long (the tables stay in L1)
@@ -347,6 +348,11 @@ class LoopNest:
             return None
         return next((run for run in self.runs.values() if self.order[-1] in run), None)
 
+    def statements(self) -> list[Stmt]:
+        """Every statement, in the order the values they define are defined."""
+        segments = [s for seg in self.segments for s in seg.body]
+        return [*self.prologue, *self.body, *segments, *(self.epilogue or [])]
+
     def tabled(self, load: Load) -> bool:
         """Whether a load is read from a table of its values along the merged loop: its offset divides
         the merged index (a BatchNorm's per-channel weight at m % C), depends on nothing else, and
@@ -381,6 +387,27 @@ class LoopNest:
             if inner in run:
                 return f"m{first}", prod(dom[d] for d in run)
         return f"i{inner}", dom[inner]
+
+
+def exact_halves(graph: Graph, nest: LoopNest) -> dict[Name, str]:
+    """The values that hold a 16-bit float's value exactly, each with its dtype: loads of a half's buffer,
+    results the renderers round to their half (ops.eager_rounded) and concatenations of those. Renderers hold
+    halves in fp32 and round a half where an op of another dtype reads it (ops.half_operand_rounded); these
+    need no second rounding."""
+    exact: dict[Name, str] = {}
+    for s in nest.statements():
+        if not isinstance(s, (Define, Assign)):
+            continue
+        v, dtype = s.value, None
+        if isinstance(v, Load):
+            dtype = graph.nodes[v.buffer].type.dtype
+        elif isinstance(v, Apply) and eager_rounded(graph.nodes[v.node].op, graph.nodes[v.node].params):
+            dtype = graph.nodes[v.node].type.dtype
+        elif isinstance(v, Select) and len({exact.get(x) for x in v.values}) == 1:
+            dtype = exact.get(v.values[0])
+        if dtype in HALF_DTYPES:
+            exact[s.name] = dtype
+    return exact
 
 
 def _names(s: Stmt) -> list[Name]:

@@ -56,6 +56,16 @@ ROUNDINGS = frozenset({"aten.ceil.default", "aten.floor.default", "aten.round.de
                        *ROUNDED_DIVISIONS})
 
 
+# Conversions (.to(dtype), .float(), .half()): their result is rounded to its dtype, as eager's is.
+CONVERSIONS = frozenset({"aten._to_copy.default"})
+
+
+def eager_rounded(op: str, params: dict) -> bool:
+    """Whether a generated op's result is rounded to its dtype where that is a 16-bit float held in fp32: a
+    conversion, or an op the user wrote (ir.from_fx's params["rounded"]), whose 16-bit result eager rounds."""
+    return op in CONVERSIONS or bool(params.get("rounded"))
+
+
 def half_operand_rounded(op: str, half: str | None, out: str) -> bool:
     """Whether an operand of op, a value of the 16-bit dtype `half` held in fp32 (None: not a half), is rounded
     to `half` first: where eager's value was that half and the op does not round it again to the same dtype:

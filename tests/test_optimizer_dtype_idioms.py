@@ -238,3 +238,47 @@ def test_kahan_compensated_bf16_weights_in_bf16_arithmetic_move_as_eager(codegen
         runs[name] = (p.float() - start.float(), compensation.float())
     close(runs["tfsn"][0], runs["eager"][0], "the weights' movement", torch.bfloat16)
     close(runs["tfsn"][1], runs["eager"][1], "the compensation", torch.bfloat16)
+
+
+def halves_read_in_fp32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> tuple:
+    """16-bit values read by ops of another dtype: a product of the user's converted to fp32, a comparison with
+    a Python number, a floor of a product, and a floor division by a 16-bit tensor."""
+    return (x * y).float() + z, x > 0.5, torch.floor(x * 3), (x.float() * z) // y
+
+
+# a value defined as a 16-bit float's exact value held in fp32 (a load or a rounding), and a value rounded to one
+WIDENED = {"c": r"const float (t\d+) = tfsn_(?:bf16|fp16)_to_float\(",
+           "triton": r"(t\d+) = (?:tfsn_bf16_widened\(|\(.*\)\.to\(tl\.float32\)$)"}
+NARROWED = {"c": r"tfsn_float_to_(?:bf16|fp16)\(\(?(t\d+)\)?\)",
+            "triton": r"tl\.cast\(\(?(t\d+)\)?, tl\.float32\)\)?\.to\(tl\.(?:bfloat16|float16)\)"
+                      r"|tfsn_bf16_of\(tl\.cast\((?:tl\.cast\()?\(?(t\d+)\)?, tl\.float32\)"}
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_half_held_exactly_is_not_rounded_again(monkeypatch, codegen, dtype):
+    """A 16-bit value that a kernel loaded, or rounded after an op of the user's, already holds its half's value:
+    where an op of another dtype or a floor reads it, rounding it again changes nothing and costs a round trip
+    through 16 bits per element. The values are eager's exactly, and no kernel rounds such a value again except
+    to store it."""
+    import re
+    sources: list[str] = []
+    real = backend._compiled
+
+    def recording(graph, groups, inplace, kernels, *more):
+        sources.extend(k.source for k in kernels if k is not None)
+        return real(graph, groups, inplace, kernels, *more)
+    monkeypatch.setattr(backend, "_compiled", recording)
+    g = torch.Generator().manual_seed(1)
+    x, y = ((torch.rand(37, generator=g) * 4 + 0.5).to(dtype) for _ in range(2))
+    z = torch.rand(37, generator=g) * 3
+    step = compiled(halves_read_in_fp32, codegen)
+    generated(lambda: same(step(x, y, z), halves_read_in_fp32(x, y, z), "outputs"))
+    for a, e in zip(step(x, y, z), halves_read_in_fp32(x, y, z)):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    lines = [line.strip() for source in sources for line in source.splitlines()]
+    exact = {m.group(1) for line in lines for m in [re.match(WIDENED[codegen], line)] if m}
+    assert exact, "\n".join(sources)
+    again = [line for line in lines if not line.startswith(("tl.store", "p"))
+             for m in re.finditer(NARROWED[codegen], line) if set(m.groups()) & exact]
+    assert not again, "rounded again:\n" + "\n".join(again)

@@ -19,8 +19,9 @@ from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, HALVES, NONE, Operan
 from optimizer.expr import Expr, render
 from optimizer.ir import Graph, Node
 from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Select, Stmt, Store,
-                                Temp, gemm_operand, lower)
+                                Temp, exact_halves, gemm_operand, lower)
 from optimizer.loopnest import Operand as LoopOperand
+from optimizer.ops import eager_rounded
 from optimizer.schedule import Schedule
 
 PRELUDE = """#include <stdint.h>
@@ -271,6 +272,7 @@ class KernelWriter:
         self.nest = lower(self.g, self.group, self.buffers, self.inplace, tables=True)
         self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
         self.tables: dict[Load, str] = {}
+        self.exact = exact_halves(self.g, self.nest)
         self.computed: set[str] = set()           # the dtypes the kernel's pointwise ops compute in
         shape = self.nest.shape
         code = self.gemm() if shape == "gemm" else self.reduction() if shape == "reduction" else self.pointwise()
@@ -306,11 +308,11 @@ class KernelWriter:
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]
         operands = [Operand(self.value(x.name), computed_in(x.dtype), zero_dim=x.zero_dim,
-                            half=x.dtype if x.dtype in HALVES else None)
+                            half=x.dtype if x.dtype in HALVES else None, exact=self.exact.get(x.name) == x.dtype)
                     if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
                     for x in a.args]
         self.computed |= {computed_in(node.type.dtype), *(o.dtype for o in operands if not o.scalar)}
-        return expression(node.op, operands, node.type.dtype, node.kwargs, node.params.get("rounded", False))
+        return expression(node.op, operands, node.type.dtype, node.kwargs, eager_rounded(node.op, node.params))
 
     def select(self, v: Select) -> str:
         """A concatenation's element: conditionals on the index along its dim (a select gcc vectorizes)."""

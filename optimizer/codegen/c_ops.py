@@ -23,7 +23,6 @@ NARROW_INTS = ("int16", "int8", "uint8")
 # codegen/triton.py's HALVES for why). In memory: their 16 bits, converted by the prelude.
 HALVES = ("bfloat16", "float16")
 BUFFER_CTYPES = {**CTYPES, "bfloat16": "uint16_t", "float16": "uint16_t"}
-CONVERSIONS = ("aten._to_copy.default",)
 
 
 def computed_in(dtype: str) -> str:
@@ -55,6 +54,7 @@ class Operand:
     value: float | int | bool | None = None    # a Python scalar's own value, for special cases (x ** 2)
     zero_dim: bool = False                     # a 0-d tensor: ranks below dimensioned ones in promotion
     half: str | None = None                    # a 16-bit float's own dtype, held as fp32 (dtype)
+    exact: bool = False                        # a half held as its exact value (loopnest.exact_halves)
 
 
 def literal(value: float | int | bool) -> Operand:
@@ -144,6 +144,11 @@ def _libm2(name: str) -> Render:
     return render
 
 
+def in_half(o: Operand, half: str) -> str:
+    """Operand `o` as a value of the 16-bit `half`, in fp32: rounded to it, unless it holds such a value exactly."""
+    return cast(o, "float32") if o.exact and o.half == half else rounded(cast(o, "float32"), half)
+
+
 def _modulo(name: str) -> Render:
     """fmod or remainder (`name`, the prelude's for int64 and floats) in the operands' result type: libm's
     exact fmod; a half's operands are rounded to it, as eager divides the halves (an fp16 x % 0.1 divides by
@@ -151,7 +156,7 @@ def _modulo(name: str) -> Render:
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
         if t in HALVES:
-            a, b = (rounded(cast(o, "float32"), t) for o in ops[:2])
+            a, b = (in_half(o, t) for o in ops[:2])
             return f"tfsn_{name}f({a}, {b})"
         if out in FLOATS:
             return f"tfsn_{name}{'f' if out == 'float32' else ''}({cast(ops[0], out)}, {cast(ops[1], out)})"
@@ -187,7 +192,7 @@ def _compare(sign: str) -> Render:
     (an fp16 tensor's 0.1 is 0.0999755859375, equal to fp16(0.1) and less than 0.1)."""
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
-        a, b = (rounded(cast(o, "float32"), t) if t in HALVES else cast(o, t) for o in ops[:2])
+        a, b = (in_half(o, t) if t in HALVES else cast(o, t) for o in ops[:2])
         return f"({a} {sign} {b})"
     return render
 
@@ -339,9 +344,10 @@ POINTWISE: dict[str, Render] = {
 }
 
 
-def expression(op: str, operands: list[Operand], out: str, kw: dict, eager_rounded: bool = False) -> str:
-    """The C expression of an `op` node of dtype `out`: a half computed in fp32, rounded where the op is a
-    conversion to or from it or a function of it to whole numbers (floor, ceil, round, trunc). Eager's pow of
+def expression(op: str, operands: list[Operand], out: str, kw: dict, result_rounded: bool = False) -> str:
+    """The C expression of an `op` node of dtype `out`: a half computed in fp32, its result rounded where
+    `result_rounded` (ops.eager_rounded), a half operand not held exactly rounded where an op of another dtype or
+    a function to whole numbers reads it (ops.half_operand_rounded). Eager's pow of
     a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16
     by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where
     sqrt(-inf) is NaN)."""
@@ -353,8 +359,8 @@ def expression(op: str, operands: list[Operand], out: str, kw: dict, eager_round
             return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
     # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
     # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
-    operands = [replace(o, expr=rounded(o.expr, o.half)) if half_operand_rounded(op, o.half, out) else o
-                for o in operands]
+    operands = [replace(o, expr=rounded(o.expr, o.half), exact=True)
+                if not o.exact and half_operand_rounded(op, o.half, out) else o for o in operands]
     value = POINTWISE[op](operands, computed_in(out), kw)
-    return rounded(value, out) if op in CONVERSIONS or eager_rounded else value
+    return rounded(value, out) if result_rounded else value
 

@@ -38,9 +38,9 @@ from optimizer.expr import Const, Expr, render
 from optimizer.ir import Graph, Kind, Ref
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name, Pass,
                                 Reduction, RowSegment, Select, Stmt, Store, Temp, accumulator_dtype, bias_epilogue,
-                                lower)
+                                exact_halves, lower)
 from optimizer.loopnest import Operand as LoopOperand
-from optimizer.ops import comparison_dtype, half_operand_rounded
+from optimizer.ops import comparison_dtype, eager_rounded, half_operand_rounded
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
 
@@ -57,7 +57,6 @@ FLOATS = ("float32", "float64")
 # rounding each piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well
 # within it.
 HALVES = ("bfloat16", "float16")
-CONVERSIONS = ("aten._to_copy.default",)
 
 
 def _interpreted_bf16(dtype: str) -> bool:
@@ -115,6 +114,7 @@ class Value:
     value: Any = None
     zero_dim: bool = False          # a 0-d tensor: ranks below dimensioned ones in promotion
     half: str | None = None         # a 16-bit float's own dtype, held as fp32 (dtype)
+    exact: bool = False             # a half held as its exact value (loopnest.exact_halves)
 
 
 NARROW_INTEGERS = {"int8": (8, True), "uint8": (8, False), "int16": (16, True), "int32": (32, True)}
@@ -239,12 +239,17 @@ def _unary(fmt: str) -> Callable:
     return render
 
 
+def _in_half(expr: str, v: Value, half: str) -> str:
+    """`expr`, operand `v` in fp32, as a value of the 16-bit `half`: rounded to it, unless `v` holds one exactly."""
+    return expr if v.exact and v.half == half else _rounded(expr, half)
+
+
 def _compare(sign: str) -> Callable:
     """A comparison in its operands' result_type (an fp32 tensor with a 0-d fp64 one in fp32); in a half,
     both sides rounded to it as eager compares (an fp16 tensor's 0.1 is 0.0999755859375)."""
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
-        a, b = (_rounded(_cast(o, "float32"), t) if t in HALVES else _cast(o, t) for o in ops[:2])
+        a, b = (_in_half(_cast(o, "float32"), o, t) if t in HALVES else _cast(o, t) for o in ops[:2])
         return f"({a} {sign} {b})"
     return render
 
@@ -262,7 +267,7 @@ def _modulo(name: str) -> Callable:
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
         if t in HALVES:
-            a, b = (_rounded(_block(o, "float32"), t) for o in ops[:2])
+            a, b = (_in_half(_block(o, "float32"), o, t) for o in ops[:2])
             return f"tfsn_{name}({a}, {b})"
         if out in FLOATS:
             return f"tfsn_{name}({_block(ops[0], out)}, {_block(ops[1], out)})"
@@ -596,6 +601,7 @@ class TritonWriter:
 
     def write(self) -> TritonKernel:
         self.nest: LoopNest = lower(self.g, self.group, self.buffers, self.inplace)
+        self.exact = exact_halves(self.g, self.nest)
         self.names = {n: f"p{k}" for k, n in enumerate(self.nest.params)}
         self.mask, self.zero = "None", "0"
         self.wide = self.widest() >= INT32_INDEX_LIMIT
@@ -658,16 +664,17 @@ class TritonWriter:
         if node.op not in OPS:
             raise Unsupported(f"no Triton rendering of {node.op}")
         ops = [Value(self.value(x.name), _computed_in(x.dtype), zero_dim=x.zero_dim,
-                     half=x.dtype if x.dtype in HALVES else None) if isinstance(x, LoopOperand) else
+                     half=x.dtype if x.dtype in HALVES else None, exact=self.exact.get(x.name) == x.dtype)
+               if isinstance(x, LoopOperand) else
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             return _half_pow(ops[0], ops[1].value, out)
         # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
-        ops = [replace(o, expr=_rounded(o.expr, o.half)) if half_operand_rounded(node.op, o.half, out) else o
-               for o in ops]
+        ops = [replace(o, expr=_rounded(o.expr, o.half), exact=True)
+               if not o.exact and half_operand_rounded(node.op, o.half, out) else o for o in ops]
         value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
-        return _rounded(value, out) if node.op in CONVERSIONS or node.params.get("rounded") else value
+        return _rounded(value, out) if eager_rounded(node.op, node.params) else value
 
     def select(self, v: Select) -> str:
         """A concatenation's element: nested tl.where (every piece's element was loaded in range)."""

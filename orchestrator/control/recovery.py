@@ -102,8 +102,9 @@ class Recovery:
                 self.nodes.fail(job, node, f"a worker was killed by signal {r.signal}")
         dead = [n for n in nodes.values() if n.state == NodeState.FAILED and n.updated_at >= job.attempt_started_at]
         infra = bool(blamed) or bool(dead) or not first_failures
-        summary = first_failures[0].summary if first_failures else "; ".join(
-            f"{n.id}: {n.failure}" for n in dead) or job.pending_reason or "a node was lost"
+        # a node's fault is the cause of its peers' errors after it ("Connection reset by peer"), whichever came first
+        summary = (blamed[0].summary if blamed else "; ".join(f"{n.id}: {n.failure}" for n in dead)
+                   or (first_failures[0].summary if first_failures else job.pending_reason or "a node was lost"))
         signature = f"{'node' if infra else failure_signature(summary)}|{job.checkpoint_step}"
         if not infra and signature == job.last_failure:
             self.nodes.give_up(job, f"failed the same way twice with no progress in between: {summary}")

@@ -1,12 +1,15 @@
 """The node agent and its workers, without a controller (its posts go nowhere and are kept for later)."""
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.agent.node import Agent, failure_summary
 from orchestrator.sdk.client import ControllerClient
+from providers.processes import pids_with_env
 from tests.awsfaults import free_port
 from tests.vmsandbox import wait_for
 
@@ -271,3 +274,51 @@ def test_a_failed_setup_is_summed_up_with_its_exit_code_and_last_lines(tmp_path,
     agent._setup(script, str(tmp_path))
     wait_for(lambda: agent.state != "setup", 30, "the setup's end")
     assert agent.state == "setup-failed" and agent.reports[0]["summary"] == summary
+
+
+def test_the_agent_heartbeats_while_its_workers_take_their_grace_to_stop(tmp_path, monkeypatch):
+    """Told to stop (another rank failed), the agent waited for its workers inside its loop: up to its whole stop
+    grace (10 s) without a heartbeat when they outlive SIGTERM (a script that saves on SIGTERM, a worker blocked in a
+    collective whose Python handler cannot run). A healthy node was failed for that silence under a heartbeat_timeout
+    that `tfsn validate` calls safe, and replaced; its agent now heartbeats every second while the workers stop."""
+    from orchestrator.agent import node
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(node, "STOP_GRACE_S", 4.0)
+    run = {"action": "run", "attempt": 1}
+    command = {"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1",
+               "master_port": free_port(), "run": "trap '' TERM; echo armed; sleep 120", "workdir": str(tmp_path),
+               "env": {"TFSN_NODE_ID": "slow-stop-0", "TFSN_ATTEMPT": "1"}}
+    told: list[dict] = [run]          # what each heartbeat answers, the last one for good
+    beats: list[float] = []
+    results: list[dict] = []
+
+    class Controller(ControllerClient):
+        def post(self, path, body, timeout=None):
+            if path.endswith("/heartbeat"):
+                beats.append(time.monotonic())
+                return told[-1]
+            if path.endswith("/attempt"):
+                return {**run, **command}
+            if path.endswith("/result"):
+                results.append(body)
+            return {}
+    agent = Agent(Controller("http://127.0.0.1:9", "token", 1), "slow-stop-0")
+    loop = threading.Thread(target=agent.run, daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: "[rank0]: armed" in agent.logs.tail, 60, "the worker to start")
+        stop_told = time.monotonic()
+        told.append({"action": "idle"})
+        wait_for(lambda: results, 30, "the stopped attempt's report")
+        stopped = time.monotonic()
+        told.append({"action": "exit"})
+        loop.join(10)
+    finally:
+        agent.stop_workers()
+    assert not loop.is_alive()
+    assert results[0]["attempt"] == 1 and results[0]["stopped"], results
+    assert stopped - stop_told >= node.STOP_GRACE_S        # the workers did outlive SIGTERM
+    during = [stop_told] + [t for t in beats if stop_told <= t <= stopped] + [stopped]
+    assert max(b - a for a, b in zip(during, during[1:])) < 2.5, "the agent went silent while its workers stopped"
+    assert not pids_with_env(TFSN_NODE_ID="slow-stop-0"), "a worker outlived the stop"

@@ -263,6 +263,7 @@ class Agent:
         self.done: set[int] = set()       # attempts that ended here (reported or queued)
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
+        self._stop_deadline = 0.0         # when stopping workers get SIGKILL
         self.gpus, notes = gpu_source(node_id)
         for note in notes:
             self.logs.add(f"[tfsn] node {node_id}: {note}")
@@ -319,18 +320,37 @@ class Agent:
                 self.logs.add(_TWO_PREFIXES.sub(r"\1", line))
 
     def stop_workers(self) -> None:
-        """Stop the running workers: torchrun forwards SIGTERM to them; SIGKILL after a grace period."""
+        """Stop the running workers and wait until they are gone (see `begin_stop`)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self._stopping = True
-        self.proc.send_signal(signal.SIGTERM)
+        self.begin_stop()
         try:
-            self.proc.wait(STOP_GRACE_S)
+            self.proc.wait(max(0.0, self._stop_deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        # torchrun starts workers in sessions of their own: any it left behind would hold on to
-        # memory and keep reporting as this attempt.
+        self._kill_leftovers()
+
+    def begin_stop(self) -> None:
+        """Ask the running workers to stop, without waiting: torchrun forwards SIGTERM to them; the loop SIGKILLs
+        them after a grace period (`_enforce_stop`) and heartbeats meanwhile, so that a node whose workers take
+        their grace is not failed for its silence."""
+        if self.proc is None or self.proc.poll() is not None or self._stopping:
+            return
+        self._stopping = True
+        self._stop_deadline = time.monotonic() + STOP_GRACE_S
+        self.proc.send_signal(signal.SIGTERM)
+
+    def _enforce_stop(self) -> None:
+        """SIGKILL workers still running past their stop's grace."""
+        if self._stopping and self.proc is not None and self.proc.poll() is None \
+                and time.monotonic() >= self._stop_deadline:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _kill_leftovers(self) -> None:
+        """torchrun starts workers in sessions of their own: any it left behind would hold on to memory and keep
+        reporting as this attempt."""
         for pid in pids_with_env(TFSN_NODE_ID=self.node_id, TFSN_ATTEMPT=str(self.attempt)):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -339,8 +359,11 @@ class Agent:
 
     def _collect(self) -> None:
         """If the workers ended, queue the attempt's report."""
+        self._enforce_stop()
         if self.proc is None or self.proc.poll() is None:
             return
+        if self._stopping:
+            self._kill_leftovers()
         rc = self.proc.returncode
         self._pump_thread.join(timeout=5)  # torchrun's root-cause block comes last: read it all
         summary, sig = failure_summary(list(self.logs.tail), rc, self.workdir) if rc != 0 else ("", None)
@@ -390,12 +413,11 @@ class Agent:
         if action == "setup" and self.state == "starting":
             self._setup(cmd.get("setup", ""), node_workdir(cmd.get("workdir", ".")))
         elif action == "idle":
-            self.stop_workers()
+            self.begin_stop()
         elif action == "run" and cmd["attempt"] not in self.done:
             if self.proc is not None and self.attempt != cmd["attempt"]:
-                self.stop_workers()
-                self._collect()
-            if self.proc is None:
+                self.begin_stop()    # the new attempt starts at a heartbeat after these workers are gone
+            elif self.proc is None:
                 # the command itself (with the job's environment) is asked for once, not sent in heartbeats
                 full = self.client.post(f"/nodes/{self.node_id}/attempt", {"attempt": cmd["attempt"]})
                 if full.get("action") != "run":

@@ -216,6 +216,48 @@ def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_
     assert len(shipper._pending) == 100                     # every line is still sent to the job's log
 
 
+
+def test_lines_a_flood_dropped_before_they_were_sent_leave_a_mark_in_the_jobs_log(monkeypatch):
+    """A worker printed 400,000 lines in a burst: the agent's buffer (20,000 lines) dropped the oldest unsent ones, and
+    the job's log went from line 1999 to 21514 to 67470 ... with nothing said, while the node's own log says the
+    job's log has every line. Each gap is now marked where it is, with its size; lines dropped while their post is in
+    flight were sent, and leave none."""
+    import threading
+
+    from orchestrator.agent import node
+    posted: list[str] = []
+    in_flight = threading.Event()
+    resume = threading.Event()
+
+    class Recorder(ControllerClient):
+        def post(self, path, body, timeout=None):
+            in_flight.set()
+            resume.wait(5)
+            posted.extend(body["lines"])
+            return {}
+    monkeypatch.setattr(node.LogShipper, "_loop", lambda self: None)
+    shipper = node.LogShipper(Recorder("http://127.0.0.1:9", "token", 1), "burst-0", max_buffer=10)
+    for i in range(25):
+        shipper.add(f"line {i}")
+    resume.set()
+    shipper.flush()
+    lost = "[tfsn] node burst-0: {} lines of output dropped here (printed faster than they could be sent)"
+    assert posted == [lost.format(15)] + [f"line {i}" for i in range(15, 25)]
+    posted.clear()
+    resume.clear()
+    flushing = threading.Thread(target=shipper.flush)
+    for i in range(25, 30):
+        shipper.add(f"line {i}")
+    flushing.start()
+    in_flight.wait(5)
+    for i in range(30, 42):        # 12 more: 5 fill the buffer, then the 5 in flight and 2 unsent go
+        shipper.add(f"line {i}")
+    resume.set()
+    flushing.join()
+    shipper.flush()
+    assert posted == [f"line {i}" for i in range(25, 30)] + [lost.format(2)] + [f"line {i}" for i in range(32, 42)]
+
+
 def test_the_nodes_log_cap_counts_bytes_not_characters(monkeypatch, capsys):
     """The cap counted characters: a worker's tqdm bars ('█', 3 bytes in UTF-8) wrote 3 x the cap to the disk."""
     from orchestrator.agent import node

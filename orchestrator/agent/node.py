@@ -85,7 +85,8 @@ class LogShipper:
         self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
         self._lock = threading.Lock()
         self._flushing = threading.Lock()
-        self._dropped = 0   # lines a full buffer dropped unsent, oldest first
+        self._in_flight = 0   # the pending lines (at its head) that the post in progress sends
+        self._lost = 0        # lines a full buffer dropped before they were sent, not yet said in the job's log
         self._printed = 0
         threading.Thread(target=self._loop, name="tfsn-logs", daemon=True).start()
 
@@ -98,7 +99,11 @@ class LogShipper:
                   "lines are no longer copied here (the job's log has them: tfsn logs)", flush=True)
         with self._lock:
             self.tail.append(line)
-            self._dropped += len(self._pending) == self._pending.maxlen   # its oldest line goes
+            if len(self._pending) == self._pending.maxlen:   # its oldest line goes: sent already, or lost
+                if self._in_flight:
+                    self._in_flight -= 1
+                else:
+                    self._lost += 1
             self._pending.append(line)
 
     def flush(self, timeout: float = 5.0) -> None:
@@ -110,7 +115,7 @@ class LogShipper:
 
     def _flush(self, timeout: float) -> None:
         with self._lock:
-            dropped = self._dropped
+            lost = self._lost
             lines, size = [], 0
             for line in itertools.islice(self._pending, LOG_BATCH_LINES):
                 line = line[:LOG_LINE_CHARS]
@@ -118,17 +123,26 @@ class LogShipper:
                 if lines and size > LOG_BATCH_BYTES:
                     break
                 lines.append(line)
+            self._in_flight = len(lines)
         if not lines:
             return
+        # the lines dropped unsent were the oldest: the gap is just before these
+        gap = [f"[tfsn] node {self.node_id}: {lost} lines of output dropped here (printed faster than they could "
+               "be sent)"] if lost else []
         try:
-            self.client.post(self.path, {"lines": lines}, timeout=timeout)
-        except ControllerUnavailable:
-            return       # kept for the next try
+            self.client.post(self.path, {"lines": gap + lines}, timeout=timeout)
+        except ControllerUnavailable:     # kept for the next try; those a full buffer dropped meanwhile are lost
+            with self._lock:
+                self._lost += len(lines) - self._in_flight
+                self._in_flight = 0
+            return
         except ControllerRejected:
             pass         # refused for good (the job ended): not sent again, or nothing after it would be
         with self._lock:     # those of them that a full buffer dropped meanwhile are gone already
-            for _ in range(min(len(lines) - (self._dropped - dropped), len(self._pending))):
+            self._lost -= lost
+            for _ in range(min(self._in_flight, len(self._pending))):
                 self._pending.popleft()
+            self._in_flight = 0
 
     def _loop(self) -> None:
         while True:

@@ -1,6 +1,7 @@
 """The node agent and its workers, without a controller (its posts go nowhere and are kept for later)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -364,3 +365,54 @@ def test_the_agent_heartbeats_while_its_workers_take_their_grace_to_stop(tmp_pat
     during = [stop_told] + [t for t in beats if stop_told <= t <= stopped] + [stopped]
     assert max(b - a for a, b in zip(during, during[1:])) < 2.5, "the agent went silent while its workers stopped"
     assert not pids_with_env(TFSN_NODE_ID="slow-stop-0"), "a worker outlived the stop"
+
+
+def test_the_lines_an_agent_still_holds_when_its_node_is_terminated_reach_the_jobs_log(tmp_path):
+    """A job's end tears its nodes down (the local provider SIGTERMs each node's processes, again every 0.1 s, and
+    SIGKILLs them after its grace): the agent exited at the first SIGTERM with the lines it had not posted yet, so
+    that every successful job's log lacked its nodes' last lines ('attempt 1 ended with code 0', and what the
+    workers printed in their last half second: a script's final results). It now sends what it holds first."""
+    import http.server
+    import json
+    import os
+
+    from providers.base import NodeRequest
+    from providers.local import LocalProvider
+    node_id, lines, received, hold = "held-0", 3000, [], threading.Event()
+    hold.set()
+
+    class FakeController(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path.endswith("/logs") and hold.is_set():
+                self.send_response(503)             # a controller busy for now: the agent keeps the lines
+                self.end_headers()
+                return
+            if self.path.endswith("/logs"):
+                received.extend(body["lines"])
+            answer = {"action": "setup", "setup": f"seq {lines}", "workdir": str(tmp_path)} \
+                if self.path.endswith("/heartbeat") and body.get("state") == "starting" else {"action": "idle"}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeController)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "PYTHONPATH": ROOT, "TFSN_CONTROLLER_URL": f"http://127.0.0.1:{server.server_port}",
+           "TFSN_TOKEN": "token", "TFSN_JOB_ID": "1", "TFSN_NODE_ID": node_id}
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
+        env.pop(name, None)
+    provider = LocalProvider()
+    handle = provider.provision(NodeRequest(job_id="1", node_id=node_id, command=[sys.executable, "-m",
+                                "orchestrator.agent"], env=env, workdir=ROOT, log_path=str(tmp_path / "node.log")))
+    try:
+        wait_for(lambda: f"[setup] {lines}" in (tmp_path / "node.log").read_text(), 60, "the setup's lines")
+        hold.clear()                                 # the controller takes lines again as the node is torn down
+        provider.terminate(handle)
+    finally:
+        server.shutdown()
+    assert [line for line in received if line.startswith("[setup]")] == [f"[setup] {i}" for i in range(1, lines + 1)]

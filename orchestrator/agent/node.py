@@ -39,6 +39,8 @@ TICK_S = 0.2
 STOP_GRACE_S = 10.0
 ORPHAN_EXIT_S = 3600.0   # give up on an unreachable controller after this long with nothing running
 TAIL_LINES = 200
+LAST_LINES_S = 3.0       # the agent's last lines are sent for this long as it goes: within a local node's
+                         # TERMINATE_GRACE_S (5 s) before SIGKILL
 LOG_BATCH_LINES = 2000   # lines per post, characters per line, and JSON bytes per post: within the API's caps
 LOG_LINE_CHARS = 16_000
 LOG_BATCH_BYTES = 4 << 20
@@ -112,6 +114,17 @@ class LogShipper:
         taking lines never sent."""
         with self._flushing:
             self._flush(timeout)
+
+    def drain(self, within_s: float) -> None:
+        """Post every pending line, batch after batch, for at most `within_s` seconds: as the agent goes (one flush
+        sent one batch, and the rest was lost)."""
+        deadline = time.monotonic() + within_s
+        while self._pending and (left := deadline - time.monotonic()) > 0:
+            with self._flushing:
+                before = len(self._pending)
+                self._flush(min(5.0, left))
+            if len(self._pending) >= before:
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))   # the controller is busy: again soon
 
     def _flush(self, timeout: float) -> None:
         with self._lock:
@@ -278,6 +291,7 @@ class Agent:
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
         self._stop_deadline = 0.0         # when stopping workers get SIGKILL
+        self.leaving = False              # out of its loop: stopping the workers and sending its last lines
         self.gpus, notes = gpu_source(node_id)
         for note in notes:
             self.logs.add(f"[tfsn] node {node_id}: {note}")
@@ -469,9 +483,10 @@ class Agent:
                     self.logs.add(f"[tfsn] node {self.node_id}: {err}; exiting")
                     break
             time.sleep(TICK_S)
+        self.leaving = True
         self.stop_workers()
         self._collect()
-        self.logs.flush()
+        self.logs.drain(LAST_LINES_S)
         return 0
 
 
@@ -482,11 +497,19 @@ def main() -> int:
         print("tfsn agent: error: TFSN_CONTROLLER_URL, TFSN_TOKEN, TFSN_JOB_ID and TFSN_NODE_ID must be set; "
               "the agent is started by a provider, not by hand", file=sys.stderr)
         return 2
-    # A SIGTERM from the provider stops the workers before the agent goes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     agent = Agent(client, node_id)
+
+    # A SIGTERM from the provider stops the workers and sends the lines held before the agent goes. The provider
+    # repeats it (the local one every 0.1 s): once the agent is going, a post it cut short would be sent twice.
+    def terminated(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not agent.leaving:
+            sys.exit(0)
+    signal.signal(signal.SIGTERM, terminated)
     try:
         return agent.run()
     finally:
         agent.stop_workers()
+        agent._collect()
+        agent.logs.drain(LAST_LINES_S)
 

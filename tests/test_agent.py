@@ -1,12 +1,16 @@
 """The node agent and its workers, without a controller (its posts go nowhere and are kept for later)."""
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from orchestrator.agent.node import Agent, failure_summary
 from orchestrator.sdk.client import ControllerClient
+from providers.processes import pids_with_env
 from tests.awsfaults import free_port
 from tests.vmsandbox import wait_for
 
@@ -213,6 +217,48 @@ def test_a_flooding_worker_stops_at_the_nodes_log_cap_and_its_lines_still_go_to_
     assert len(shipper._pending) == 100                     # every line is still sent to the job's log
 
 
+
+def test_lines_a_flood_dropped_before_they_were_sent_leave_a_mark_in_the_jobs_log(monkeypatch):
+    """A worker printed 400,000 lines in a burst: the agent's buffer (20,000 lines) dropped the oldest unsent ones, and
+    the job's log went from line 1999 to 21514 to 67470 ... with nothing said, while the node's own log says the
+    job's log has every line. Each gap is now marked where it is, with its size; lines dropped while their post is in
+    flight were sent, and leave none."""
+    import threading
+
+    from orchestrator.agent import node
+    posted: list[str] = []
+    in_flight = threading.Event()
+    resume = threading.Event()
+
+    class Recorder(ControllerClient):
+        def post(self, path, body, timeout=None):
+            in_flight.set()
+            resume.wait(5)
+            posted.extend(body["lines"])
+            return {}
+    monkeypatch.setattr(node.LogShipper, "_loop", lambda self: None)
+    shipper = node.LogShipper(Recorder("http://127.0.0.1:9", "token", 1), "burst-0", max_buffer=10)
+    for i in range(25):
+        shipper.add(f"line {i}")
+    resume.set()
+    shipper.flush()
+    lost = "[tfsn] node burst-0: {} lines of output dropped here (printed faster than they could be sent)"
+    assert posted == [lost.format(15)] + [f"line {i}" for i in range(15, 25)]
+    posted.clear()
+    resume.clear()
+    flushing = threading.Thread(target=shipper.flush)
+    for i in range(25, 30):
+        shipper.add(f"line {i}")
+    flushing.start()
+    in_flight.wait(5)
+    for i in range(30, 42):        # 12 more: 5 fill the buffer, then the 5 in flight and 2 unsent go
+        shipper.add(f"line {i}")
+    resume.set()
+    flushing.join()
+    shipper.flush()
+    assert posted == [f"line {i}" for i in range(25, 30)] + [lost.format(2)] + [f"line {i}" for i in range(32, 42)]
+
+
 def test_the_nodes_log_cap_counts_bytes_not_characters(monkeypatch, capsys):
     """The cap counted characters: a worker's tqdm bars ('█', 3 bytes in UTF-8) wrote 3 x the cap to the disk."""
     from orchestrator.agent import node
@@ -271,3 +317,102 @@ def test_a_failed_setup_is_summed_up_with_its_exit_code_and_last_lines(tmp_path,
     agent._setup(script, str(tmp_path))
     wait_for(lambda: agent.state != "setup", 30, "the setup's end")
     assert agent.state == "setup-failed" and agent.reports[0]["summary"] == summary
+
+
+def test_the_agent_heartbeats_while_its_workers_take_their_grace_to_stop(tmp_path, monkeypatch):
+    """Told to stop (another rank failed), the agent waited for its workers inside its loop: up to its whole stop
+    grace (10 s) without a heartbeat when they outlive SIGTERM (a script that saves on SIGTERM, a worker blocked in a
+    collective whose Python handler cannot run). A healthy node was failed for that silence under a heartbeat_timeout
+    that `tfsn validate` calls safe, and replaced; its agent now heartbeats every second while the workers stop."""
+    from orchestrator.agent import node
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(node, "STOP_GRACE_S", 4.0)
+    run = {"action": "run", "attempt": 1}
+    command = {"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1",
+               "master_port": free_port(), "run": "trap '' TERM; echo armed; sleep 120", "workdir": str(tmp_path),
+               "env": {"TFSN_NODE_ID": "slow-stop-0", "TFSN_ATTEMPT": "1"}}
+    told: list[dict] = [run]          # what each heartbeat answers, the last one for good
+    beats: list[float] = []
+    results: list[dict] = []
+
+    class Controller(ControllerClient):
+        def post(self, path, body, timeout=None):
+            if path.endswith("/heartbeat"):
+                beats.append(time.monotonic())
+                return told[-1]
+            if path.endswith("/attempt"):
+                return {**run, **command}
+            if path.endswith("/result"):
+                results.append(body)
+            return {}
+    agent = Agent(Controller("http://127.0.0.1:9", "token", 1), "slow-stop-0")
+    loop = threading.Thread(target=agent.run, daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: "[rank0]: armed" in agent.logs.tail, 60, "the worker to start")
+        stop_told = time.monotonic()
+        told.append({"action": "idle"})
+        wait_for(lambda: results, 30, "the stopped attempt's report")
+        stopped = time.monotonic()
+        told.append({"action": "exit"})
+        loop.join(10)
+    finally:
+        agent.stop_workers()
+    assert not loop.is_alive()
+    assert results[0]["attempt"] == 1 and results[0]["stopped"], results
+    assert stopped - stop_told >= node.STOP_GRACE_S        # the workers did outlive SIGTERM
+    during = [stop_told] + [t for t in beats if stop_told <= t <= stopped] + [stopped]
+    assert max(b - a for a, b in zip(during, during[1:])) < 2.5, "the agent went silent while its workers stopped"
+    assert not pids_with_env(TFSN_NODE_ID="slow-stop-0"), "a worker outlived the stop"
+
+
+def test_the_lines_an_agent_still_holds_when_its_node_is_terminated_reach_the_jobs_log(tmp_path):
+    """A job's end tears its nodes down (the local provider SIGTERMs each node's processes, again every 0.1 s, and
+    SIGKILLs them after its grace): the agent exited at the first SIGTERM with the lines it had not posted yet, so
+    that every successful job's log lacked its nodes' last lines ('attempt 1 ended with code 0', and what the
+    workers printed in their last half second: a script's final results). It now sends what it holds first."""
+    import http.server
+    import json
+    import os
+
+    from providers.base import NodeRequest
+    from providers.local import LocalProvider
+    node_id, lines, received, hold = "held-0", 3000, [], threading.Event()
+    hold.set()
+
+    class FakeController(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path.endswith("/logs") and hold.is_set():
+                self.send_response(503)             # a controller busy for now: the agent keeps the lines
+                self.end_headers()
+                return
+            if self.path.endswith("/logs"):
+                received.extend(body["lines"])
+            answer = {"action": "setup", "setup": f"seq {lines}", "workdir": str(tmp_path)} \
+                if self.path.endswith("/heartbeat") and body.get("state") == "starting" else {"action": "idle"}
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeController)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "PYTHONPATH": ROOT, "TFSN_CONTROLLER_URL": f"http://127.0.0.1:{server.server_port}",
+           "TFSN_TOKEN": "token", "TFSN_JOB_ID": "1", "TFSN_NODE_ID": node_id}
+    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
+        env.pop(name, None)
+    provider = LocalProvider()
+    handle = provider.provision(NodeRequest(job_id="1", node_id=node_id, command=[sys.executable, "-m",
+                                "orchestrator.agent"], env=env, workdir=ROOT, log_path=str(tmp_path / "node.log")))
+    try:
+        wait_for(lambda: f"[setup] {lines}" in (tmp_path / "node.log").read_text(), 60, "the setup's lines")
+        hold.clear()                                 # the controller takes lines again as the node is torn down
+        provider.terminate(handle)
+    finally:
+        server.shutdown()
+    assert [line for line in received if line.startswith("[setup]")] == [f"[setup] {i}" for i in range(1, lines + 1)]

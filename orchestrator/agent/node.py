@@ -39,6 +39,8 @@ TICK_S = 0.2
 STOP_GRACE_S = 10.0
 ORPHAN_EXIT_S = 3600.0   # give up on an unreachable controller after this long with nothing running
 TAIL_LINES = 200
+LAST_LINES_S = 3.0       # the agent's last lines are sent for this long as it goes: within a local node's
+                         # TERMINATE_GRACE_S (5 s) before SIGKILL
 LOG_BATCH_LINES = 2000   # lines per post, characters per line, and JSON bytes per post: within the API's caps
 LOG_LINE_CHARS = 16_000
 LOG_BATCH_BYTES = 4 << 20
@@ -85,7 +87,8 @@ class LogShipper:
         self._pending: collections.deque[str] = collections.deque(maxlen=max_buffer)
         self._lock = threading.Lock()
         self._flushing = threading.Lock()
-        self._dropped = 0   # lines a full buffer dropped unsent, oldest first
+        self._in_flight = 0   # the pending lines (at its head) that the post in progress sends
+        self._lost = 0        # lines a full buffer dropped before they were sent, not yet said in the job's log
         self._printed = 0
         threading.Thread(target=self._loop, name="tfsn-logs", daemon=True).start()
 
@@ -98,7 +101,11 @@ class LogShipper:
                   "lines are no longer copied here (the job's log has them: tfsn logs)", flush=True)
         with self._lock:
             self.tail.append(line)
-            self._dropped += len(self._pending) == self._pending.maxlen   # its oldest line goes
+            if len(self._pending) == self._pending.maxlen:   # its oldest line goes: sent already, or lost
+                if self._in_flight:
+                    self._in_flight -= 1
+                else:
+                    self._lost += 1
             self._pending.append(line)
 
     def flush(self, timeout: float = 5.0) -> None:
@@ -108,9 +115,20 @@ class LogShipper:
         with self._flushing:
             self._flush(timeout)
 
+    def drain(self, within_s: float) -> None:
+        """Post every pending line, batch after batch, for at most `within_s` seconds: as the agent goes (one flush
+        sent one batch, and the rest was lost)."""
+        deadline = time.monotonic() + within_s
+        while self._pending and (left := deadline - time.monotonic()) > 0:
+            with self._flushing:
+                before = len(self._pending)
+                self._flush(min(5.0, left))
+            if len(self._pending) >= before:
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))   # the controller is busy: again soon
+
     def _flush(self, timeout: float) -> None:
         with self._lock:
-            dropped = self._dropped
+            lost = self._lost
             lines, size = [], 0
             for line in itertools.islice(self._pending, LOG_BATCH_LINES):
                 line = line[:LOG_LINE_CHARS]
@@ -118,17 +136,26 @@ class LogShipper:
                 if lines and size > LOG_BATCH_BYTES:
                     break
                 lines.append(line)
+            self._in_flight = len(lines)
         if not lines:
             return
+        # the lines dropped unsent were the oldest: the gap is just before these
+        gap = [f"[tfsn] node {self.node_id}: {lost} lines of output dropped here (printed faster than they could "
+               "be sent)"] if lost else []
         try:
-            self.client.post(self.path, {"lines": lines}, timeout=timeout)
-        except ControllerUnavailable:
-            return       # kept for the next try
+            self.client.post(self.path, {"lines": gap + lines}, timeout=timeout)
+        except ControllerUnavailable:     # kept for the next try; those a full buffer dropped meanwhile are lost
+            with self._lock:
+                self._lost += len(lines) - self._in_flight
+                self._in_flight = 0
+            return
         except ControllerRejected:
             pass         # refused for good (the job ended): not sent again, or nothing after it would be
         with self._lock:     # those of them that a full buffer dropped meanwhile are gone already
-            for _ in range(min(len(lines) - (self._dropped - dropped), len(self._pending))):
+            self._lost -= lost
+            for _ in range(min(self._in_flight, len(self._pending))):
                 self._pending.popleft()
+            self._in_flight = 0
 
     def _loop(self) -> None:
         while True:
@@ -263,6 +290,8 @@ class Agent:
         self.done: set[int] = set()       # attempts that ended here (reported or queued)
         self.reports: list[dict[str, Any]] = []
         self._stopping = False
+        self._stop_deadline = 0.0         # when stopping workers get SIGKILL
+        self.leaving = False              # out of its loop: stopping the workers and sending its last lines
         self.gpus, notes = gpu_source(node_id)
         for note in notes:
             self.logs.add(f"[tfsn] node {node_id}: {note}")
@@ -319,18 +348,37 @@ class Agent:
                 self.logs.add(_TWO_PREFIXES.sub(r"\1", line))
 
     def stop_workers(self) -> None:
-        """Stop the running workers: torchrun forwards SIGTERM to them; SIGKILL after a grace period."""
+        """Stop the running workers and wait until they are gone (see `begin_stop`)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self._stopping = True
-        self.proc.send_signal(signal.SIGTERM)
+        self.begin_stop()
         try:
-            self.proc.wait(STOP_GRACE_S)
+            self.proc.wait(max(0.0, self._stop_deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        # torchrun starts workers in sessions of their own: any it left behind would hold on to
-        # memory and keep reporting as this attempt.
+        self._kill_leftovers()
+
+    def begin_stop(self) -> None:
+        """Ask the running workers to stop, without waiting: torchrun forwards SIGTERM to them; the loop SIGKILLs
+        them after a grace period (`_enforce_stop`) and heartbeats meanwhile, so that a node whose workers take
+        their grace is not failed for its silence."""
+        if self.proc is None or self.proc.poll() is not None or self._stopping:
+            return
+        self._stopping = True
+        self._stop_deadline = time.monotonic() + STOP_GRACE_S
+        self.proc.send_signal(signal.SIGTERM)
+
+    def _enforce_stop(self) -> None:
+        """SIGKILL workers still running past their stop's grace."""
+        if self._stopping and self.proc is not None and self.proc.poll() is None \
+                and time.monotonic() >= self._stop_deadline:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _kill_leftovers(self) -> None:
+        """torchrun starts workers in sessions of their own: any it left behind would hold on to memory and keep
+        reporting as this attempt."""
         for pid in pids_with_env(TFSN_NODE_ID=self.node_id, TFSN_ATTEMPT=str(self.attempt)):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -339,8 +387,11 @@ class Agent:
 
     def _collect(self) -> None:
         """If the workers ended, queue the attempt's report."""
+        self._enforce_stop()
         if self.proc is None or self.proc.poll() is None:
             return
+        if self._stopping:
+            self._kill_leftovers()
         rc = self.proc.returncode
         self._pump_thread.join(timeout=5)  # torchrun's root-cause block comes last: read it all
         summary, sig = failure_summary(list(self.logs.tail), rc, self.workdir) if rc != 0 else ("", None)
@@ -390,12 +441,11 @@ class Agent:
         if action == "setup" and self.state == "starting":
             self._setup(cmd.get("setup", ""), node_workdir(cmd.get("workdir", ".")))
         elif action == "idle":
-            self.stop_workers()
+            self.begin_stop()
         elif action == "run" and cmd["attempt"] not in self.done:
             if self.proc is not None and self.attempt != cmd["attempt"]:
-                self.stop_workers()
-                self._collect()
-            if self.proc is None:
+                self.begin_stop()    # the new attempt starts at a heartbeat after these workers are gone
+            elif self.proc is None:
                 # the command itself (with the job's environment) is asked for once, not sent in heartbeats
                 full = self.client.post(f"/nodes/{self.node_id}/attempt", {"attempt": cmd["attempt"]})
                 if full.get("action") != "run":
@@ -433,9 +483,10 @@ class Agent:
                     self.logs.add(f"[tfsn] node {self.node_id}: {err}; exiting")
                     break
             time.sleep(TICK_S)
+        self.leaving = True
         self.stop_workers()
         self._collect()
-        self.logs.flush()
+        self.logs.drain(LAST_LINES_S)
         return 0
 
 
@@ -446,11 +497,19 @@ def main() -> int:
         print("tfsn agent: error: TFSN_CONTROLLER_URL, TFSN_TOKEN, TFSN_JOB_ID and TFSN_NODE_ID must be set; "
               "the agent is started by a provider, not by hand", file=sys.stderr)
         return 2
-    # A SIGTERM from the provider stops the workers before the agent goes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     agent = Agent(client, node_id)
+
+    # A SIGTERM from the provider stops the workers and sends the lines held before the agent goes. The provider
+    # repeats it (the local one every 0.1 s): once the agent is going, a post it cut short would be sent twice.
+    def terminated(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not agent.leaving:
+            sys.exit(0)
+    signal.signal(signal.SIGTERM, terminated)
     try:
         return agent.run()
     finally:
         agent.stop_workers()
+        agent._collect()
+        agent.logs.drain(LAST_LINES_S)
 

@@ -102,8 +102,10 @@ class Recovery:
                 self.nodes.fail(job, node, f"a worker was killed by signal {r.signal}")
         dead = [n for n in nodes.values() if n.state == NodeState.FAILED and n.updated_at >= job.attempt_started_at]
         infra = bool(blamed) or bool(dead) or not first_failures
-        summary = first_failures[0].summary if first_failures else "; ".join(
-            f"{n.id}: {n.failure}" for n in dead) or job.pending_reason or "a node was lost"
+        # a node's fault is the cause of its peers' errors after it ("Connection reset by peer"), whichever came first
+        summary = (blamed[0].summary if blamed else "; ".join(f"{n.id}: {n.failure}" for n in dead)
+                   or (_after_early_exits(first_failures[0].summary, results, nodes) if first_failures
+                       else job.pending_reason or "a node was lost"))
         signature = f"{'node' if infra else failure_signature(summary)}|{job.checkpoint_step}"
         if not infra and signature == job.last_failure:
             self.nodes.give_up(job, f"failed the same way twice with no progress in between: {summary}")
@@ -121,6 +123,17 @@ class Recovery:
                             last_failure=signature, pending_replace="", pending_reason="")
         self.ctx.metrics.restart(str(job.id))
         self.ctx.wake.set()
+
+
+def _after_early_exits(summary: str, results: list[Any], nodes: dict[str, Node]) -> str:
+    """`summary` of a failed rank, after the nodes whose workers exited with code 0 while it ran: a script that
+    returned early on one rank makes its peers' next collective fail ('Connection reset by peer'), and that error
+    alone reads as a network fault."""
+    early = [nodes[r.node_id] for r in results if r.returncode == 0 and not r.stopped and r.node_id in nodes]
+    if not early:
+        return summary
+    which = ", ".join(f"node {n.id} (rank {n.rank})" for n in early)
+    return f"{which} exited with code 0 while the other ranks still ran; then {summary}"
 
 
 def failure_signature(summary: str) -> str:

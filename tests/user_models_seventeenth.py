@@ -8,10 +8,14 @@ hinge losses (errors sorted descending by torch.sort, the ground truth gathered 
 gradient by cumsum of intersections and unions and the difference jaccard[1:] - jaccard[:-1], a dot with the
 sorted errors; per image in a Python loop, ignored pixels masked to a zero error); Dice, Tversky and focal-Tversky
 losses with smoothing over one_hot(labels).permute(0, 3, 1, 2) and a boundary-weighted cross-entropy (the boundary
-found by max pooling of the one-hot); PSPNet's pyramid pooling (adaptive_avg_pool2d to 1, 2, 3 and 6 of an
+found by max pooling of the one-hot); segmentation_models_pytorch's Dice and Jaccard losses with ignore_index and
+absent classes masked, its focal loss with a reduced threshold written into the tracked focal term, and MMSeg's
+OHEM pixel sampler (a threshold read off the sorted ground-truth probabilities under no_grad); PSPNet's pyramid pooling (adaptive_avg_pool2d to 1, 2, 3 and 6 of an
 odd-sized map, 1x1 convs, bilinear upsampling back, concatenation) and HRNet's multi-resolution fusion (strided
 convs down, 1x1 convs and upsampling up, sums); CapsNet (squash, three iterations of dynamic routing with u_hat
-detached in the inner iterations, the margin loss, the reconstruction masked by the longest capsule); FiLM
+detached in the inner iterations, the margin loss, the reconstruction masked by the longest capsule) and gram-ai's
+CapsuleNet (primary capsules stacked from a list of convs, priors by a 5-d broadcast matmul, a softmax by
+transpose/contiguous/view, rows of torch.eye index_select'ed as the mask); FiLM
 conditioning; CondInst's dynamic convolutions (per-instance weights from a controller head, applied by a grouped
 F.conv2d with groups = instances and by bmm); CutMix in the step (a box pasted by slicing assignment from a
 permuted batch, the labels mixed by area) and Mixup; a product-key memory (topk over two sets of sub-key scores,
@@ -124,6 +128,66 @@ class OverlapLosses(nn.Module):
         pixel_ce = F.cross_entropy(logits, labels, reduction="none")
         bce = (weight * pixel_ce).sum() / weight.sum()
         return logits, dice.mean() + tversky.mean() + focal_tversky.mean() + bce
+
+
+class SMPLosses(nn.Module):
+    """segmentation_models_pytorch's multiclass losses as its code writes them, with ignore_index: DiceLoss and
+    JaccardLoss over (N, C, H*W) (one_hot((y * mask).long()).permute(0, 2, 1) * mask, classes absent from the
+    batch masked out of the mean), FocalLoss with a reduced threshold (focal_term[pt < threshold] = 1 written
+    into the tracked tensor), and MMSeg's OHEM pixel sampler (the ground-truth probabilities sorted, the
+    threshold at the min_kept-th, pixels under it weighted 1) weighting a per-pixel cross-entropy."""
+
+    def __init__(self, c: int = 5, classes: int = 4, ignore: int = 255, smooth: float = 0.5) -> None:
+        super().__init__()
+        self.classes, self.ignore, self.smooth = classes, ignore, smooth
+        self.net = nn.Sequential(conv_bn_relu(3, c), nn.Conv2d(c, classes, 3, padding=1))
+
+    def region(self, logits: Tensor, labels: Tensor, jaccard: bool) -> Tensor:
+        bs, dims = labels.size(0), (0, 2)
+        y_pred = logits.log_softmax(dim=1).exp().view(bs, self.classes, -1)
+        y_true = labels.view(bs, -1)
+        mask = y_true != self.ignore
+        y_pred = y_pred * mask.unsqueeze(1)
+        y_true = F.one_hot((y_true * mask).to(torch.long), self.classes).permute(0, 2, 1) * mask.unsqueeze(1)
+        y_true = y_true.type_as(y_pred)
+        intersection = torch.sum(y_pred * y_true, dim=dims)
+        cardinality = torch.sum(y_pred + y_true, dim=dims)
+        if jaccard:
+            scores = (intersection + self.smooth) / (cardinality - intersection + self.smooth).clamp_min(1e-7)
+        else:
+            scores = (2.0 * intersection + self.smooth) / (cardinality + self.smooth).clamp_min(1e-7)
+        loss = (1.0 - scores) * (y_true.sum(dims) > 0).to(scores.dtype)
+        return loss.mean()
+
+    def focal(self, logits: Tensor, labels: Tensor, threshold: float = 0.5, gamma: float = 2.0) -> Tensor:
+        loss = 0
+        not_ignored = labels.view(-1) != self.ignore
+        for c in range(self.classes):
+            target = (labels.view(-1) == c).long()[not_ignored].type_as(logits)
+            output = logits[:, c, ...].reshape(-1)[not_ignored]
+            logpt = F.binary_cross_entropy_with_logits(output, target, reduction="none")
+            pt = torch.exp(-logpt)
+            focal_term = ((1.0 - pt) / threshold).pow(gamma)
+            focal_term[pt < threshold] = 1
+            loss = loss + (focal_term * logpt).sum() / focal_term.sum().clamp_min(1e-6)
+        return loss
+
+    def ohem(self, logits: Tensor, labels: Tensor, thresh: float = 0.7, min_kept: int = 20) -> Tensor:
+        with torch.no_grad():
+            valid = labels != self.ignore
+            valid_label = labels * valid
+            prob = logits.softmax(dim=1).gather(1, valid_label.unsqueeze(1)).squeeze(1)
+            sort_prob, _ = prob[valid].sort()
+            threshold = torch.clamp(sort_prob[min(min_kept, sort_prob.numel() - 1)], min=thresh)
+            weight = ((prob < threshold) & valid).to(logits.dtype)
+        pixel = F.cross_entropy(logits, labels, ignore_index=self.ignore, reduction="none")
+        return (pixel * weight).sum() / weight.sum().clamp_min(1)
+
+    def forward(self, x: Tensor, labels: Tensor) -> tuple:
+        logits = self.net(x)
+        loss = (self.region(logits, labels, False) + self.region(logits, labels, True)
+                + self.focal(logits, labels) + self.ohem(logits, labels))
+        return logits, loss
 
 
 # --- multi-scale context --------------------------------------------------------------------------------
@@ -254,6 +318,67 @@ class CapsNet(nn.Module):
         recon = self.decoder((v * mask[..., None]).flatten(1))
         recon_loss = ((recon - x.view(n, -1)) ** 2).sum(1).mean()
         return lengths, margin + 0.0005 * recon_loss
+
+
+def softmax_over(x: Tensor, dim: int) -> Tensor:
+    """gram-ai's softmax along a dim: transposed to the last, made contiguous, viewed 2-D, softmaxed, back."""
+    transposed = x.transpose(dim, x.dim() - 1)
+    out = F.softmax(transposed.contiguous().view(-1, transposed.size(-1)), dim=-1)
+    return out.view(*transposed.size()).transpose(dim, x.dim() - 1)
+
+
+class CapsuleLayer(nn.Module):
+    """gram-ai's CapsuleLayer: primary capsules as a list of convs stacked on a last dim; digit capsules with
+    priors by a 5-d broadcast matmul x[None, :, :, None, :] @ W[:, None], routing logits zeros like the priors
+    updated by (priors * outputs).sum(-1, keepdim=True) (no detach), outputs squashed over the last dim."""
+
+    def __init__(self, capsules: int, routes: int, c_in: int, c_out: int, kernel: int | None = None,
+                 stride: int | None = None, iterations: int = 3) -> None:
+        super().__init__()
+        self.routes, self.iterations = routes, iterations
+        if routes != -1:
+            self.route_weights = nn.Parameter(0.2 * torch.randn(capsules, routes, c_in, c_out))
+        else:
+            self.capsules = nn.ModuleList(nn.Conv2d(c_in, c_out, kernel, stride) for _ in range(capsules))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.routes == -1:
+            outputs = torch.stack([capsule(x).view(x.size(0), -1, 1) for capsule in self.capsules], dim=-1)
+            return squash(outputs.view(x.size(0), -1, outputs.size(-1)))
+        priors = x[None, :, :, None, :] @ self.route_weights[:, None, :, :, :]
+        logits = torch.zeros(*priors.size(), dtype=x.dtype)
+        for i in range(self.iterations):
+            probs = softmax_over(logits, dim=2)
+            outputs = squash((probs * priors).sum(dim=2, keepdim=True))
+            if i != self.iterations - 1:
+                logits = logits + (priors * outputs).sum(dim=-1, keepdim=True)
+        return outputs
+
+
+class GramCapsNet(nn.Module):
+    """gram-ai's CapsuleNet: conv, primary capsules (4 convs of 3 channels), digit capsules; class lengths by a
+    softmax of the norms; the reconstruction masked by rows of torch.eye index_select'ed at the argmax; the
+    margin loss with the reconstruction's MSE summed."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.classes = classes
+        self.conv = nn.Conv2d(1, 6, 3)
+        self.primary = CapsuleLayer(4, -1, 6, 3, kernel=3, stride=2)
+        self.digits = CapsuleLayer(classes, 3 * 3 * 3, 4, 5)
+        self.decoder = nn.Sequential(nn.Linear(5 * classes, 11), nn.ReLU(), nn.Linear(11, 81), nn.Sigmoid())
+
+    def forward(self, x: Tensor, labels: Tensor) -> tuple:
+        h = F.relu(self.conv(x), inplace=True)
+        h = self.digits(self.primary(h)).squeeze().transpose(0, 1)                # (N, classes, 5)
+        classes = F.softmax((h ** 2).sum(dim=-1) ** 0.5, dim=-1)
+        _, max_length_indices = classes.max(dim=1)
+        mask = torch.eye(self.classes, dtype=x.dtype).index_select(dim=0, index=max_length_indices)
+        recon = self.decoder((h * mask[:, :, None]).reshape(x.size(0), -1))
+        target = torch.eye(self.classes, dtype=x.dtype).index_select(0, labels)
+        left, right = F.relu(0.9 - classes) ** 2, F.relu(classes - 0.1) ** 2
+        margin = (target * left + 0.5 * (1. - target) * right).sum()
+        return classes, (margin + 0.0005 * F.mse_loss(recon, x.view(x.size(0), -1), reduction="sum")) / x.size(0)
 
 
 # --- conditioning and dynamic weights ----------------------------------------------------------------------
@@ -391,6 +516,10 @@ def _capsules(g: torch.Generator) -> tuple:
     return (torch.rand(3, 1, 9, 9, generator=g), torch.randint(0, 4, (3,), generator=g)), None
 
 
+def _capsules3(g: torch.Generator) -> tuple:
+    return (torch.rand(3, 1, 9, 9, generator=g), torch.tensor([2, 0, 1])), None
+
+
 def _film(g: torch.Generator) -> tuple:
     return (torch.randn(3, 3, 7, 9, generator=g), torch.tensor([2, 0, 3]), torch.randint(0, 3, (3,), generator=g)), None
 
@@ -412,17 +541,21 @@ def _pkm(g: torch.Generator) -> tuple:
 def cases() -> list[Case]:
     lovasz = Case("lovasz_softmax_hinge", LovaszSeg, _seg(2, 5, 7, 3, ignore=255), own_loss)
     overlap = Case("dice_tversky_boundary_ce", OverlapLosses, _seg(2, 7, 9, 4), own_loss)
+    smp = Case("smp_losses_ohem", SMPLosses, _seg(2, 7, 9, 4, ignore=255), own_loss)
     psp = Case("pspnet_pyramid_pooling", PSPNet, _seg(3, 21, 17, 3, ignore=255), own_loss)
     hrnet = Case("hrnet_fusion", HRNetFusion, _seg(2, 12, 12, 3), own_loss)
     caps = Case("capsnet_dynamic_routing", CapsNet, _capsules, own_loss)
     # a conv's or Linear's bias just before a BatchNorm: normalisation subtracts the per-channel constant it adds
+    gram_caps = Case("capsnet_gram_ai", GramCapsNet, _capsules3, own_loss)
     film = Case("film_conditioning", FiLMNet, _film, own_loss,
                 zero_grad=tuple((f"convs.{i}.bias", slice(None)) for i in range(2)))
     condinst = Case("condinst_dynamic_conv", CondInstHead, _condinst, own_loss)
     cutmix = Case("cutmix_mixup_in_step", CutMixMixup, _cutmix, own_loss)
     pkm = Case("product_key_memory", ProductKeyMemory, _pkm, own_loss, zero_grad=(("query.0.bias", slice(None)),))
+    # No bf16 product-key memory: under CPU autocast the softmaxed scores stay bf16 and eager's embedding_bag
+    # refuses per_sample_weights of another dtype than its fp32 weight.
     # No bf16 PSPNet: its 1-bin stage normalises 3 values per channel, and the gradient of the conv before that
     # BatchNorm is ill-conditioned: eager's bf16 error against fp64 is 12% of its scale, tfsn's 17%.
-    return [lovasz, overlap, psp, hrnet, caps, film, condinst, cutmix, pkm,
-            *(bf16(c) for c in (overlap, film, caps)),
+    return [lovasz, overlap, smp, psp, hrnet, caps, gram_caps, film, condinst, cutmix, pkm,
+            *(bf16(c) for c in (overlap, smp, film, caps, gram_caps, condinst, lovasz)),
             *(fp64(c) for c in (lovasz, overlap, caps, condinst, pkm))]

@@ -1,6 +1,7 @@
 """A seventeenth set of user models (tests/user_models_seventeenth.py: the Lovasz-softmax and Lovasz hinge losses
 by sort, gather of the permutation and cumsum; Dice, Tversky, focal-Tversky and a boundary-weighted cross-entropy;
-PSPNet's pyramid pooling and HRNet's multi-resolution fusion; CapsNet's dynamic routing and margin loss; FiLM;
+segmentation_models_pytorch's Dice, Jaccard and focal losses with MMSeg's OHEM sampler; PSPNet's pyramid pooling
+and HRNet's multi-resolution fusion; CapsNet's dynamic routing and margin loss in two reference forms; FiLM;
 CondInst's dynamic convolutions by grouped conv and bmm; CutMix and Mixup in the step; a product-key memory by
 topk and embedding_bag), compiled with the tfsn backend against eager PyTorch as tests/test_optimizer_user_models.py
 compares its own (the same checks and tolerances): forward output, loss, input and parameter gradients, buffers,

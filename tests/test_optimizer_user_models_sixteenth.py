@@ -6,8 +6,8 @@ torch.func.grad inside the compiled step with the loss on energies and forces; a
 integrator unrolled; a physics-informed DeepONet), compiled with the tfsn backend against eager PyTorch as
 tests/test_optimizer_user_models.py compares its own (the same checks and tolerances): forward output, loss,
 input and parameter gradients, buffers, in fp32, fp64 and under bf16 autocast, on the C target and a subset
-through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then SGD and AdamW training steps for the force
-models. Every compiled step must generate kernels and leave no graph to ATen."""
+through the Triton kernels (on this CPU under TRITON_INTERPRET=1); then SGD and AdamW training steps for a force
+model, and an HNN's trained with its graphs replayed as CUDA graphs. Every compiled step must generate kernels and leave no graph to ATen."""
 from __future__ import annotations
 
 import logging
@@ -28,9 +28,9 @@ from tests.test_optimizer_user_models_more import (forward_and_gradient_tests, n
 from tests.user_models_sixteenth import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
-THROUGH_TRITON = ["schnet_forces", "egnn_self_pairs", "lennard_jones_forces"]
-# the energy and force loss's double backward trained
-TRAINED = ["schnet_forces", "egnn_forces"]
+THROUGH_TRITON = ["egnn_self_pairs", "lennard_jones_forces"]
+# the energy and force loss's double backward trained (HNN's below, its graphs replayed)
+TRAINED = ["lennard_jones_forces"]
 
 
 test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \

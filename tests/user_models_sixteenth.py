@@ -128,10 +128,10 @@ class ShiftedSoftplus(nn.Module):
 
 class SchNet(nn.Module):
     """SchNet (schnetpack's representation with an Atomwise output): an embedding of the atomic numbers, three
-    interactions added residually, an atomwise MLP, energies per molecule by index_add over the batch vector,
+    interactions added residually (one aggregating by index_add, one as PyG does), an atomwise MLP, energies per molecule by index_add over the batch vector,
     scaled by a mean and stddev and an atom reference energy added (an Embedding of the atomic numbers)."""
 
-    def __init__(self, f: int = 7, n_rbf: int = 9, cutoff: float = 2.5, interactions: int = 3) -> None:
+    def __init__(self, f: int = 7, n_rbf: int = 9, cutoff: float = 2.5, interactions: int = 2) -> None:
         super().__init__()
         self.embedding = nn.Embedding(SPECIES, f, padding_idx=0)
         self.rbf = GaussianRBF(n_rbf, cutoff)
@@ -587,6 +587,9 @@ def cases() -> list[Case]:
     lennard_jones = Case("lennard_jones_forces", LennardJones, _schnet, own_loss)
     hnn = Case("hamiltonian_nn_leapfrog", HamiltonianNN, _phase_space, own_loss)
     deeponet = Case("deeponet_physics_informed", DeepONet, _operators, own_loss)
+    # Also checked once (2026-12-07, not kept for time): every case through the Triton kernels, bf16 autocast of
+    # the force models, HNN and DeepONet, and fp64 of SchNet, EGNN and DimeNet with forces. Cast to float16 whole,
+    # SchNet's cutoff (.float()) and PaiNN's Bessel basis promote to fp32 and EGNN's eps of 1e-8 rounds to 0 (NaN
+    # in eager too).
     return [schnet, schnet_forces, egnn, egnn_forces, painn, dimenet, lennard_jones, hnn, deeponet,
-            *(bf16(c) for c in (schnet, painn)),
-            *(fp64(c) for c in (schnet_forces, egnn_forces, painn, dimenet, lennard_jones, hnn))]
+            bf16(egnn), *(fp64(c) for c in (painn, lennard_jones, hnn))]

@@ -23,7 +23,10 @@ derivative of the output in the trunk's coordinate).
 (schnetpack and PyG write forces as torch.autograd.grad(E, pos, create_graph=True); inside or around a compiled
 graph that fails in PyTorch itself, "torch.compile with aot_autograd does not currently support double
 backward", as it does with the inductor and aot_eager backends: the force steps here take the same derivative by
-torch.func.grad, which a compiled step traces.)
+torch.func.grad, which a compiled step traces. Left out as eager's own limits: forces through torch.cdist (eager has
+no derivative of _cdist_backward), torch.func.hessian through torch.norm (eager's backward writes a saved tensor in
+place), and old schnetpack's dense distances written by boolean-mask indexing inside a force step (its nonzero
+stops AOTAutograd for every backend, aot_eager too, and Dynamo runs that part eagerly).)
 
 Molecules: two of 5 and 4 atoms, atomic numbers from 1 to 9, all ordered pairs within a molecule as edges (some
 beyond the cutoff). Sizes are odd and tiny; every input comes from a seeded generator. Each model is a

@@ -46,11 +46,11 @@ class Rerun:
     def capture(self, run, inputs):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
-        before = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        before = [_distinct(x).clone() if isinstance(x, torch.Tensor) else x for x in inputs]   # stride-0 dims once
         outputs = run(list(inputs))
         for x, b in zip(inputs, before):        # a capture runs nothing: what it wrote is put back,
             if isinstance(x, torch.Tensor):     # its version unchanged (autograd checks saved tensors')
-                _distinct(x.data).copy_(_distinct(b))
+                _distinct(x.data).copy_(b)
         mine = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         for o in outputs:                       # and what it allocated holds no value yet
             if isinstance(o, torch.Tensor) and o.is_floating_point() and o.untyped_storage().data_ptr() not in mine:

@@ -38,6 +38,31 @@ def triton_interpreter_without_dead_overflow_checks():
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def triton_interpreter_patches_the_language_once_per_launch():
+    """Triton's interpreter patches triton.language (every builtin of tl, tl.tensor and tl.math wrapped again)
+    at each kernel launch, and again at each call of a @triton.jit helper from inside the kernel (the prelude's
+    tfsn_* functions: a thousand calls in one user-model test), though the launch has patched it already and
+    restores it after; those re-patches were a sixth of the interpreter's time. A helper's call now keeps the
+    language as its kernel's launch patched it: the same interpreted functions run."""
+    if importlib.util.find_spec("triton") is not None:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+        patch_lang = interpreter._patch_lang
+        assert "_patch_lang(self.fn)" in inspect.getsource(interpreter.InterpretedFunction.__call__), \
+            "the interpreter no longer patches the language at a helper's call: drop this fixture"
+
+        def patch_unless_patched(fn):
+            langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+            if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):     # patched by the launch
+                return interpreter._LangPatchScope()
+            return patch_lang(fn)
+        interpreter._patch_lang = patch_unless_patched
+    yield
+
+
 class Tfsn:
     """Runs `python tfsn.py ...` as a user would, against one TFSN_HOME."""
 

@@ -24,6 +24,34 @@ FAST_MODEL = {"N_LAYER": "1", "N_EMBD": "32", "N_HEAD": "2", "BLOCK_SIZE": "32",
               "CORPUS_CHARS": "20000", "LOG_INTERVAL": "5", **EAGER}
 
 
+# The files that take a minute or more of a CI run (their tests' durations in the run of 2026-12-07, 4 processes on 2
+# cores; the fifteenth's in its branch's run), handed out first: those that mostly wait on jobs (end to end), then the
+# longest first. `--dist loadfile` hands a process a whole file, and xdist orders the files by their number of tests,
+# so a long file of few tests came last (the two tests of test_e2e_health.py, 165 s, third from last; test_e2e.py,
+# 236 s, 20th from last) and ran while the other processes had nothing left.
+LONG_FILES = ["test_e2e_health.py", "test_e2e.py", "test_optimizer_user_models_eleventh.py",
+              "test_optimizer_triton.py", "test_optimizer_user_models.py", "test_triton_gpu_compile.py",
+              "test_optimizer_user_models_seventh.py", "test_optimizer_user_models_fourth.py",
+              "test_optimizer_user_models_fifteenth.py", "test_optimizer_correctness.py",
+              "test_optimizer_higher_order.py", "test_optimizer_user_models_more.py",
+              "test_optimizer_user_models_eighth.py", "test_cli.py", "test_optimizer_user_models_fifth.py",
+              "test_optimizer_user_models_third.py", "test_optimizer_user_models_fourteenth.py",
+              "test_optimizer_user_models_twelfth.py", "test_optimizer_user_models_ninth.py", "test_optimizer_ops.py",
+              "test_optimizer_user_models_tenth.py", "test_optimizer_numeric_idioms.py",
+              "test_optimizer_user_models_thirteenth.py", "test_optimizer_training_loops.py", "test_provider_aws.py"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):     # pytest-xdist's order by number of tests: keep ours
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LONG_FILES' tests first, in that order; each file's tests and the other files in their own order."""
+    rank = {f"tests/{name}": i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def triton_interpreter_without_dead_overflow_checks():
     """Triton's interpreter (TRITON_INTERPRET=1) computes an overflow check for each integer +, - and * of 32
@@ -35,6 +63,31 @@ def triton_interpreter_without_dead_overflow_checks():
         builder = interpreter.interpreter_builder
         assert not builder.options.debug, "the interpreter now checks device_assert: keep its overflow checks"
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def triton_interpreter_patches_the_language_once_per_launch():
+    """Triton's interpreter patches triton.language (every builtin of tl, tl.tensor and tl.math wrapped again)
+    at each kernel launch, and again at each call of a @triton.jit helper from inside the kernel (the prelude's
+    tfsn_* functions: a thousand calls in one user-model test), though the launch has patched it already and
+    restores it after; those re-patches were a sixth of the interpreter's time. A helper's call now keeps the
+    language as its kernel's launch patched it: the same interpreted functions run."""
+    if importlib.util.find_spec("triton") is not None:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+        patch_lang = interpreter._patch_lang
+        assert "_patch_lang(self.fn)" in inspect.getsource(interpreter.InterpretedFunction.__call__), \
+            "the interpreter no longer patches the language at a helper's call: drop this fixture"
+
+        def patch_unless_patched(fn):
+            langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+            if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):     # patched by the launch
+                return interpreter._LangPatchScope()
+            return patch_lang(fn)
+        interpreter._patch_lang = patch_unless_patched
     yield
 
 

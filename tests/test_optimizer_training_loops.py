@@ -31,8 +31,10 @@ from tests.test_optimizer_graphs import Rerun, close  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+def fresh(tmp_path_factory, monkeypatch):
+    """A compile cache shared by this module's tests (the same models' graphs searched and built once), and no
+    dynamo state or backend STATS carried between them."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path_factory.getbasetemp() / "tfsn-cache-training-loops"))
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(backend, "STATS", dict.fromkeys(backend.STATS, 0))    # what this test compiled

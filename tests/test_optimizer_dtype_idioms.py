@@ -282,3 +282,25 @@ def test_a_half_held_exactly_is_not_rounded_again(monkeypatch, codegen, dtype):
     again = [line for line in lines if not line.startswith(("tl.store", "p"))
              for m in re.finditer(NARROWED[codegen], line) if set(m.groups()) & exact]
     assert not again, "rounded again:\n" + "\n".join(again)
+
+
+def powers_of_halves(x: torch.Tensor, z: torch.Tensor) -> tuple:
+    """A 16-bit power of the user's (x ** 2, a root, a reciprocal) read where its rounding shows: converted to
+    fp32, added to an fp32 tensor, compared, and less the product it equals in the half (0 in eager)."""
+    return (x ** 2).float(), x ** 0.5 + z, x ** -1 > 0.3, x ** 2 - x * x
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_power_is_rounded_as_eager_rounds_it(codegen, dtype):
+    """Regression: a half's power by a Python number (Triton: every exponent; C: fp16's 0.5 and -0.5, pow
+    itself) returned its fp32 value unrounded, while loopnest.exact_halves counts an op of the user's as rounded:
+    (x ** 2).float() and x ** 0.5 + z kept the fp32 power, x ** 2 - x * x was its rounding error, not 0. Eager's
+    values bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(37, generator=g) * 4 + 0.5).to(dtype)
+    z = torch.rand(37, generator=g)
+    step = compiled(powers_of_halves, codegen)
+    generated(lambda: step(x, z))
+    for k, (a, e) in enumerate(zip(step(x, z), powers_of_halves(x, z))):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"output {k}: {m}")

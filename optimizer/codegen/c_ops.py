@@ -346,11 +346,17 @@ POINTWISE: dict[str, Render] = {
 
 def expression(op: str, operands: list[Operand], out: str, kw: dict, result_rounded: bool = False) -> str:
     """The C expression of an `op` node of dtype `out`: a half computed in fp32, its result rounded where
-    `result_rounded` (ops.eager_rounded), a half operand not held exactly rounded where an op of another dtype or
-    a function to whole numbers reads it (ops.half_operand_rounded). Eager's pow of
-    a half by a scalar rounds the exponent to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16
-    by 0.5 or -0.5 is pow itself, not sqrt or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where
-    sqrt(-inf) is NaN)."""
+    `result_rounded` (ops.eager_rounded: loopnest.exact_halves counts on it, whatever the op), a half operand
+    not held exactly rounded where an op of another dtype or a function to whole numbers reads it
+    (ops.half_operand_rounded)."""
+    value = _computed(op, operands, out, kw)
+    return rounded(value, out) if result_rounded else value
+
+
+def _computed(op: str, operands: list[Operand], out: str, kw: dict) -> str:
+    """`expression`'s value before its result is rounded. Eager's pow of a half by a scalar rounds the exponent
+    to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt
+    or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
     if out in HALVES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
         import torch
         exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))
@@ -361,6 +367,4 @@ def expression(op: str, operands: list[Operand], out: str, kw: dict, result_roun
     # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
     operands = [replace(o, expr=rounded(o.expr, o.half), exact=True)
                 if not o.exact and half_operand_rounded(op, o.half, out) else o for o in operands]
-    value = POINTWISE[op](operands, computed_in(out), kw)
-    return rounded(value, out) if result_rounded else value
-
+    return POINTWISE[op](operands, computed_in(out), kw)

@@ -669,11 +669,13 @@ class TritonWriter:
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
         if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
-            return _half_pow(ops[0], ops[1].value, out)
-        # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
-        ops = [replace(o, expr=_rounded(o.expr, o.half), exact=True)
-               if not o.exact and half_operand_rounded(node.op, o.half, out) else o for o in ops]
-        value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
+            value = _half_pow(ops[0], ops[1].value, out)
+        else:
+            # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
+            ops = [replace(o, expr=_rounded(o.expr, o.half), exact=True)
+                   if not o.exact and half_operand_rounded(node.op, o.half, out) else o for o in ops]
+            value = f"({OPS[node.op](ops, _computed_in(out), node.kwargs)})"
+        # every path: loopnest.exact_halves counts such a result as its half's exact value
         return _rounded(value, out) if eager_rounded(node.op, node.params) else value
 
     def select(self, v: Select) -> str:

@@ -1014,15 +1014,44 @@ def make_backend(**options: Any) -> Callable:
     top_k = options.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"tfsn: top_k must be a whole number >= 1, not {top_k!r}")
-    from torch._dynamo.backends.common import aot_autograd
+    return Backend(options)
 
-    compiler = functools.partial(compile_graph, **options)
-    searched = schedule is None and options.get("fuse") is not False and options.get("codegen") != "triton"
-    partition_fn = searched_partition() if searched else partition
-    # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
-    # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)
-    return traced_with_corrections(aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,
-                                                decompositions=decompositions, keep_inference_input_mutations=True))
+
+BY_IDENTITY = ("report", "on_plan")     # options that are the caller's own objects: the same only if the same one
+
+
+class Backend:
+    """The torch.compile backend make_backend returns. Two with the same options are equal, as Inductor's are:
+    Dynamo guards every compiled frame on its backend, so a new closure per call recompiled a frame shared by
+    several modules (per-block `tfsn.optimize(block)` or `block.compile(backend=...)`, as torchtitan compiles
+    FSDP2 blocks) once per module, each recompile searched and built again, and past Dynamo's recompile limit (8)
+    the later blocks ran eagerly."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.options = options
+        compiler = functools.partial(compile_graph, **options)
+        searched = (options.get("schedule") is None and options.get("fuse") is not False
+                    and options.get("codegen") != "triton")
+        partition_fn = searched_partition() if searched else partition
+        # input mutations (optimizer updates, BatchNorm's running stats) stay in the graph as copy_:
+        # the kernel that computes the new value then writes it over the input (fusion.in_place_writes)
+        self.trace = traced_with_corrections(aot_autograd(
+            fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn, decompositions=decompositions,
+            keep_inference_input_mutations=True))
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self.trace(gm, example_inputs)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Backend) or self.options.keys() != other.options.keys():
+            return False
+        return all(value is other.options[name] if name in BY_IDENTITY else value == other.options[name]
+                   for name, value in self.options.items())
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.options))
 
 
 def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from optimizer import backend
-from optimizer.backend import optimize, tfsn_backend
+from optimizer.backend import make_backend, optimize, tfsn_backend
 from optimizer.schedule import Schedule
 
 
@@ -61,6 +61,29 @@ def test_fuse_false_runs_the_captured_graphs_as_aten():
     before = backend.STATS["aten_graphs"]
     torch.testing.assert_close(optimize(copy.deepcopy(eager), fuse=False)(x), eager(x))
     assert backend.STATS["aten_graphs"] > before
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.gelu(self.fc(x))
+
+
+def test_blocks_optimized_one_by_one_share_one_compiled_frame_past_dynamos_recompile_limit():
+    """`tfsn.optimize(block)` for each block (torchtitan compiles FSDP2 blocks so): each call made a new backend,
+    which Dynamo guards on, so the blocks' shared forward recompiled per block and blocks past the 9th ran eagerly."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    eager = nn.Sequential(*(Residual() for _ in range(10)))
+    mine = nn.Sequential(*(optimize(block) for block in copy.deepcopy(eager)))
+    frames = counters["stats"]["unique_graphs"]
+    check(mine, eager, torch.randn(3, 6))
+    assert counters["stats"]["unique_graphs"] - frames <= 2      # 2: the first block's input needs no gradient
+    assert make_backend(top_k=1) == make_backend(top_k=1) != make_backend(top_k=2)
+    assert make_backend(report=[]) != make_backend(report=[])   # a caller's own list: each gets its graphs
 
 
 def registered() -> bool:

@@ -162,6 +162,22 @@ def test_a_restart_does_not_claim_the_last_reported_checkpoint_is_the_one_restor
                                                 "reported: step 2): workers exited with code 7")
 
 
+PEER_LOST = "[rank0]: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:31653: Connection reset by peer"
+
+
+def two_ranks_ending_attempt_1(tmp_path, recovery: dict) -> tuple:
+    """A 2-node job whose attempt 1 is stopping, both nodes READY: (store, controller, spec, job)."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {})
+    spec = JobSpec.model_validate({"name": "j", "run": "true", "num_nodes": 2, "recovery": recovery})
+    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
+    store.transition(job.id, JobState.PROVISIONING)
+    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="stopping")
+    for rank in (0, 1):
+        store.add_node(f"j-1-n{rank}", job.id, rank, "local")
+        store.update_node(f"j-1-n{rank}", state=NodeState.READY)
+    return store, controller, spec, job
+
 
 @pytest.mark.parametrize("max_restarts, said", [
     (3, "RECOVERING: restart 1 of 3 from the newest valid checkpoint (none reported yet): a worker was killed by "
@@ -172,45 +188,25 @@ def test_a_killed_rank_is_the_failure_said_not_its_peers_lost_connection(tmp_pat
     """Rank 1's worker was SIGKILLed; rank 0's, in an all-reduce with it, failed on 'Connection reset by peer' and
     its report came first: the restart (and a job that gave up, in its error) named rank 0's lost connection as the
     failure, while the node blamed and replaced was rank 1's."""
-    store = Store(tmp_path / "tfsn.db")
-    controller = Controller(store, tmp_path, {})
-    spec = JobSpec.model_validate({"name": "j", "run": "true", "num_nodes": 2,
-                                   "recovery": {"max_restarts": max_restarts}})
-    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
-    store.transition(job.id, JobState.PROVISIONING)
-    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="stopping")
-    for rank in (0, 1):
-        store.add_node(f"j-1-n{rank}", job.id, rank, "local")
-        store.update_node(f"j-1-n{rank}", state=NodeState.READY)
-    peer = "[rank0]: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:31653: Connection reset by peer"
-    results = [Result("j-1-n0", 1, 1, None, False, peer, time.time()),
+    store, controller, spec, job = two_ranks_ending_attempt_1(tmp_path, {"max_restarts": max_restarts})
+    results = [Result("j-1-n0", 1, 1, None, False, PEER_LOST, time.time()),
                Result("j-1-n1", 1, 1, 9, False, "a worker was killed by SIGKILL", time.time())]
     controller.recovery.recover(store.job(job.id), spec, {n.id: n for n in store.nodes(job.id)}, results)
     assert store.node("j-1-n1").state == NodeState.FAILED and store.node("j-1-n0").state != NodeState.FAILED
     assert [e.message for e in store.events(job.id) if e.message.startswith(said.split(":")[0])] == [said]
 
 
-
 def test_a_rank_that_exited_0_early_is_said_before_its_peers_lost_connection(tmp_path):
     """Rank 1's script returned (exit code 0) at step 10 of 30 while rank 0 trained on: rank 0's next all-reduce
     failed on 'Connection reset by peer', and that was all the restart said, nothing of rank 1's early exit, which
     a user then reads as a network fault; after a second time the job failed with that error alone."""
-    store = Store(tmp_path / "tfsn.db")
-    controller = Controller(store, tmp_path, {})
-    spec = JobSpec.model_validate({"name": "j", "run": "true", "num_nodes": 2})
-    job = store.create_job("j", spec.model_dump(mode="json"), "p", "t")
-    store.transition(job.id, JobState.PROVISIONING)
-    store.transition(job.id, JobState.RUNNING, attempt=1, attempt_state="stopping")
-    for rank in (0, 1):
-        store.add_node(f"j-1-n{rank}", job.id, rank, "local")
-        store.update_node(f"j-1-n{rank}", state=NodeState.READY)
-    peer = "[rank0]: RuntimeError: [pair.cc:537] Read error [127.0.0.1]:31653: Connection reset by peer"
+    store, controller, spec, job = two_ranks_ending_attempt_1(tmp_path, {})
     results = [Result("j-1-n1", 1, 0, None, False, "", time.time()),
-               Result("j-1-n0", 1, 1, None, False, peer, time.time())]
+               Result("j-1-n0", 1, 1, None, False, PEER_LOST, time.time())]
     controller.recovery.recover(store.job(job.id), spec, {n.id: n for n in store.nodes(job.id)}, results)
     assert store.events(job.id)[-1].message == (
         "RECOVERING: restart 1 of 3 from the newest valid checkpoint (none reported yet): node j-1-n1 (rank 1) "
-        f"exited with code 0 while the other ranks still ran; then {peer}")
+        f"exited with code 0 while the other ranks still ran; then {PEER_LOST}")
 
 
 # ---- issue 16: the loop never waits on a cloud ----

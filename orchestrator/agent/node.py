@@ -483,11 +483,18 @@ class Agent:
                     self.logs.add(f"[tfsn] node {self.node_id}: {err}; exiting")
                     break
             time.sleep(TICK_S)
+        self.leave()
+        return 0
+
+    def leave(self) -> None:
+        """Stop the workers, report how their attempt ended and send the lines held, once: at the loop's end, or
+        where a SIGTERM cut the loop short."""
+        if self.leaving:
+            return
         self.leaving = True
         self.stop_workers()
         self._collect()
         self.logs.drain(LAST_LINES_S)
-        return 0
 
 
 def main() -> int:
@@ -509,7 +516,5 @@ def main() -> int:
     try:
         return agent.run()
     finally:
-        agent.stop_workers()
-        agent._collect()
-        agent.logs.drain(LAST_LINES_S)
+        agent.leave()
 

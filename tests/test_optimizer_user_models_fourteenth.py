@@ -167,18 +167,24 @@ def scaled_training(model: nn.Module, compile_with=None) -> tuple[list[float], D
     return losses, scaler
 
 
-def test_a_loss_scaled_step_that_skips_an_overflow_by_where_with_a_tensor_lr_matches_eager():
-    """The losses (the overflow's NaN too), parameters, momenta, the scale (2^12 doubled after two clean steps,
-    halved by the overflow, doubled again) and the count of clean steps against eager's; kernels generated."""
+def trained_eagerly_and_by_tfsn(training) -> tuple:
+    """The same NormedMLP trained by `training(model, compile_with=None)` eagerly and with tfsn's backend (which
+    must generate kernels and leave no graph to ATen): (eager's model, tfsn's model, eager's result, tfsn's)."""
     torch.manual_seed(0)
     eager = NormedMLP()
     mine = copy.deepcopy(eager)
-    expected, scaler_e = scaled_training(eager)
+    expected = training(eager)
     actual = []
     before = kernels()
-    no_graph_left_to_aten(lambda: actual.extend(scaled_training(mine, make_backend())))
+    no_graph_left_to_aten(lambda: actual.extend(training(mine, make_backend())))
     assert kernels() > before, "the backend generated no kernel"
-    losses, scaler_m = actual
+    return eager, mine, expected, tuple(actual)
+
+
+def test_a_loss_scaled_step_that_skips_an_overflow_by_where_with_a_tensor_lr_matches_eager():
+    """The losses (the overflow's NaN too), parameters, momenta, the scale (2^12 doubled after two clean steps,
+    halved by the overflow, doubled again) and the count of clean steps against eager's; kernels generated."""
+    eager, mine, (expected, scaler_e), (losses, scaler_m) = trained_eagerly_and_by_tfsn(scaled_training)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0, equal_nan=True)
     assert scaler_e.scale.item() == 2.0 ** 13 and scaler_m.scale.item() == scaler_e.scale.item()
     assert scaler_m.clean_steps.item() == scaler_e.clean_steps.item()
@@ -210,15 +216,7 @@ def sam_training(model: nn.Module, compile_with=None) -> tuple[list[float], SAM]
 
 def test_sam_two_passes_with_both_half_steps_compiled_matches_eager():
     """The losses, parameters and the base SGD's momenta against eager's; the half-steps generated kernels."""
-    torch.manual_seed(0)
-    eager = NormedMLP()
-    mine = copy.deepcopy(eager)
-    expected, sam_e = sam_training(eager)
-    actual = []
-    before = kernels()
-    no_graph_left_to_aten(lambda: actual.extend(sam_training(mine, make_backend())))
-    assert kernels() > before, "the backend generated no kernel"
-    losses, sam_m = actual
+    eager, mine, (expected, sam_e), (losses, sam_m) = trained_eagerly_and_by_tfsn(sam_training)
     assert expected[-1] < expected[0], "the eager SAM run should learn"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-4, atol=0)
     for (what, p), q in zip(eager.named_parameters(), mine.parameters()):

@@ -163,15 +163,20 @@ class SchNet(nn.Module):
         return energy, F.mse_loss(energy, energy_target)
 
 
-class SchNetForces(SchNet):
-    """SchNet trained on energies and forces: forces = -dE/dpos by torch.func.grad inside the step, the loss on
-    both, backward through the force (second derivatives of the cutoff, the RBF, norms and the gathers)."""
+class TrainedOnForces:
+    """A potential (its `energy` of atoms, positions, pairs and molecules) trained on energies and forces: forces =
+    -dE/dpos by torch.func.grad inside the step, the loss on both, backward through the force."""
 
     def forward(self, z: Tensor, pos: Tensor, idx_i: Tensor, idx_j: Tensor, batch: Tensor,
                 energy_target: Tensor, forces_target: Tensor) -> tuple:
         energy = self.energy(z, pos, idx_i, idx_j, batch)
         forces = -grad(lambda p: self.energy(z, p, idx_i, idx_j, batch).sum())(pos)
         return torch.cat([energy, forces.flatten()]), force_matching(energy, forces, energy_target, forces_target)
+
+
+class SchNetForces(TrainedOnForces, SchNet):
+    """SchNet trained on energies and forces, backward through the force: second derivatives of the cutoff, the
+    RBF, norms and the gathers."""
 
 
 # --- EGNN --------------------------------------------------------------------------------------------------
@@ -447,7 +452,7 @@ class DimeNetLite(nn.Module):
         return torch.cat([energy, forces.flatten()]), force_matching(energy, forces, energy_target, forces_target)
 
 
-class LennardJones(nn.Module):
+class LennardJones(TrainedOnForces, nn.Module):
     """A classical pair potential with learned per-species parameters (sigma and epsilon by softplus of
     Embeddings (sigma by a sigmoid into [0.2, 0.6]), combined by the Lorentz-Berthelot rules: arithmetic mean and geometric mean by sqrt), 4 eps
     ((s/r)^12 - (s/r)^6) under the cosine cutoff, halved for the double-counted ordered pairs; forces by
@@ -467,12 +472,6 @@ class LennardJones(nn.Module):
         sr6 = (s / r) ** 6
         pair = 4 * e * (sr6 ** 2 - sr6) * cosine_cutoff(r, self.cutoff)
         return scatter_add(0.5 * pair, batch[idx_i], len(ATOMS_PER_MOLECULE))
-
-    def forward(self, z: Tensor, pos: Tensor, idx_i: Tensor, idx_j: Tensor, batch: Tensor,
-                energy_target: Tensor, forces_target: Tensor) -> tuple:
-        energy = self.energy(z, pos, idx_i, idx_j, batch)
-        forces = -grad(lambda p: self.energy(z, p, idx_i, idx_j, batch).sum())(pos)
-        return torch.cat([energy, forces.flatten()]), force_matching(energy, forces, energy_target, forces_target)
 
 
 # --- physics-informed ----------------------------------------------------------------------------------------

@@ -231,8 +231,10 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             # of a half addmm, the product is fp32: eager rounds once, after the bias
             mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
             mm = add(fx_node.name + "_mm", Kind.MATMUL, "aten.mm.default", aten.mm.default, args[1:3], {}, mm_type)
+            # the user's op: its half result rounded, as eager's addmm rounds it, before the next op reads it
             index_of[fx_node] = add(fx_node.name, Kind.POINTWISE, "aten.add.Tensor", aten.add.Tensor,
-                                    (Ref(mm), args[0]), {}, type_)
+                                    (Ref(mm), args[0]), {}, type_,
+                                    **({"rounded": True} if type_.dtype in HALF_DTYPES else {}))
             continue
         params = {}
         if (kind == Kind.POINTWISE and type_ is not None and type_.dtype in HALF_DTYPES

@@ -217,7 +217,9 @@ class Apply:
 
 @dataclass(frozen=True)
 class GemmElement:
-    """The GEMM's product at the current index, while its block is in cache."""
+    """The product of GEMM `node` at the current index, while its block is in cache: rounded to the node's dtype
+    where that is a half (eager's mm/bmm result; a half addmm's product is an fp32 node, rounded after its bias)."""
+    node: int
 
 
 @dataclass(frozen=True)
@@ -391,9 +393,9 @@ class LoopNest:
 
 def exact_halves(graph: Graph, nest: LoopNest) -> dict[Name, str]:
     """The values that hold a 16-bit float's value exactly, each with its dtype: loads of a half's buffer,
-    results the renderers round to their half (ops.eager_rounded) and concatenations of those. Renderers hold
-    halves in fp32 and round a half where an op of another dtype reads it (ops.half_operand_rounded); these
-    need no second rounding."""
+    results the renderers round to their half (ops.eager_rounded, a half GEMM's product) and concatenations of
+    those. Renderers hold halves in fp32 and round a half where an op of another dtype reads it
+    (ops.half_operand_rounded); these need no second rounding."""
     exact: dict[Name, str] = {}
     for s in nest.statements():
         if not isinstance(s, (Define, Assign)):
@@ -401,7 +403,8 @@ def exact_halves(graph: Graph, nest: LoopNest) -> dict[Name, str]:
         v, dtype = s.value, None
         if isinstance(v, Load):
             dtype = graph.nodes[v.buffer].type.dtype
-        elif isinstance(v, Apply) and eager_rounded(graph.nodes[v.node].op, graph.nodes[v.node].params):
+        elif isinstance(v, GemmElement) or (
+                isinstance(v, Apply) and eager_rounded(graph.nodes[v.node].op, graph.nodes[v.node].params)):
             dtype = graph.nodes[v.node].type.dtype
         elif isinstance(v, Select) and len({exact.get(x) for x in v.values}) == 1:
             dtype = exact.get(v.values[0])
@@ -748,7 +751,7 @@ class _Lowering:
             if n in self.row and idx == self.row_index(node):
                 return self.row[n]
             if node.kind == Kind.MATMUL and self.gemm and idx == self.idx:
-                value = self.define(GemmElement())
+                value = self.define(GemmElement(n))
             elif n in self.locals and idx == self.idx:
                 return self.locals[n]
             elif n in self.computed and idx == self.idx:     # stored by an earlier pass: computed again

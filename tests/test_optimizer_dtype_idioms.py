@@ -304,3 +304,61 @@ def test_a_16_bit_power_is_rounded_as_eager_rounds_it(codegen, dtype):
     generated(lambda: step(x, z))
     for k, (a, e) in enumerate(zip(step(x, z), powers_of_halves(x, z))):
         torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"output {k}: {m}")
+
+
+def sigmoid_after_a_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple:
+    """A Linear with bias (a half addmm: tfsn's fp32 product, then the bias) and an activation after it."""
+    y = F.linear(x, w, b)
+    return y, torch.sigmoid(y)
+
+
+def sigmoid_after_a_linear_without_bias(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple:
+    """A Linear without bias (a half mm; `b` unused), an activation after it (not SiLU: its decomposition
+    converts its operand to fp32 first, which rounds it)."""
+    y = F.linear(x, w)
+    return y, torch.sigmoid(y)
+
+
+def tanh_after_a_bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Attention-like batched products of halves, an activation after them."""
+    y = torch.bmm(x.view(2, -1, x.shape[-1]), w.t().expand(2, *w.t().shape))
+    return y, torch.tanh(y)
+
+
+def sigmoid_after_an_autocast_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple:
+    """fp32 weights, the Linear computed in the half under autocast, an activation after it (fp32 after the
+    region, as eager computes it)."""
+    with torch.autocast("cpu", dtype=w.dtype):
+        y = F.linear(x.float(), w.float(), b.float())
+    return y, torch.sigmoid(y)
+
+
+ACTIVATION_OF_PRODUCT = {sigmoid_after_a_linear: torch.sigmoid, sigmoid_after_a_linear_without_bias: torch.sigmoid,
+                         tanh_after_a_bmm: torch.tanh, sigmoid_after_an_autocast_linear: torch.sigmoid}
+
+
+@pytest.mark.parametrize("fn", list(ACTIVATION_OF_PRODUCT), ids=lambda fn: fn.__name__)
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_an_activation_reads_a_16_bit_gemm_result_rounded_as_eager(codegen, dtype, fn):
+    """Regression: a fused epilogue read a half GEMM's result (a Linear with or without bias, a bmm) as its fp32
+    sum, unrounded, where eager rounds the mm, bmm or addmm to the half first: sigmoid(x @ w.T + b) of 64x48 @
+    48x40 bf16 differed from eager's in 827 of 2560 elements. Summation order may differ from eager's, so the
+    product is eager's at the half's tolerance, and the activation is eager's applied to tfsn's own product,
+    bit for bit; gradients at the half's tolerance."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((14, 24), (11, 24), (11,)))
+    product_e, out_e = fn(x, w, b)
+    step = compiled(fn, codegen)
+    outputs = []
+    generated(lambda: outputs.append(step(x, w, b)))
+    product, out = outputs[0]
+    close(product, product_e, "the product", dtype)
+    torch.testing.assert_close(out, ACTIVATION_OF_PRODUCT[fn](product), rtol=0, atol=0,
+                               msg=lambda m: f"the activation of tfsn's product: {m}")
+    xe, we, xm, wm = (t.clone().requires_grad_() for t in (x, w, x, w))
+    grad = torch.randn(out_e.shape, generator=g).to(out_e.dtype)
+    fn(xe, we, b)[1].backward(grad)
+    step(xm, wm, b)[1].backward(grad)
+    close(xm.grad, xe.grad, "grad of x", dtype)
+    close(wm.grad, we.grad, "grad of w", dtype)

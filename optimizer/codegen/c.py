@@ -15,7 +15,7 @@ from math import prod
 from typing import Sequence
 
 from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, HALVES, NONE, Operand, computed_in, expression,
-                                     literal, narrowed, widened)
+                                     literal, narrowed, rounded, widened)
 from optimizer.expr import Expr, render
 from optimizer.ir import Graph, Node
 from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Select, Stmt, Store,
@@ -334,7 +334,7 @@ class KernelWriter:
                 return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.apply(v)};"
             if isinstance(v, Select):
                 return f"const {_value_ctype(self.g.nodes[v.node])} t{s.name.id} = {self.select(v)};"
-            return f"const float t{s.name.id} = {self.gemm_value};"
+            return f"const float t{s.name.id} = {rounded(self.gemm_value, self.g.nodes[v.node].type.dtype)};"
         if isinstance(s, Store):
             value = narrowed(self.value(s.value), self.g.nodes[s.buffer].type.dtype)
             return f"{self.names[s.buffer]}[{c_index(s.offset)}] = {value};"

@@ -698,7 +698,7 @@ class TritonWriter:
                            f"mask={self.mask}, other=0)"
                 return f"t{s.name.id} = {_widened(load, stored) if stored in HALVES else load}"
             if isinstance(v, GemmElement):
-                return f"t{s.name.id} = acc"
+                return f"t{s.name.id} = {_rounded('acc', self.g.nodes[v.node].type.dtype)}"
             if isinstance(v, Select):
                 return f"t{s.name.id} = {self.select(v)}"
             return f"t{s.name.id} = {self.apply(v)}"

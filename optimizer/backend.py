@@ -1053,16 +1053,41 @@ class Backend:
     def __hash__(self) -> int:
         return hash(frozenset(self.options))
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its options (its trace is a closure): `torch.save(tfsn.optimize(model))`, or a compiled
+        model sent to another process, failed with "Can't pickle local object" where torch.compile(backend="tfsn")
+        pickled."""
+        return Backend, (self.options,)
 
-def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """The backend registered as `tfsn` (the `torch_dynamo_backends` entry point)."""
-    return make_backend()(gm, example_inputs)
+
+# torch.compile's modes, as tfsn's options: the search already times each kernel's candidates on the chip (what
+# max-autotune turns on in Inductor), and a GPU graph is replayed as a CUDA graph (reduce-overhead's) by default.
+MODES = {"default": {}, "reduce-overhead": {}, "max-autotune": {}, "max-autotune-no-cudagraphs": {"cuda_graphs": False}}
 
 
-def optimize(model: Any, *, dynamic: bool | None = None, fullgraph: bool = False, **options: Any) -> Any:
-    """`torch.compile(model, backend="tfsn")` with options. Generated kernels are specialized to their shapes
-    and strides: each new shape compiles once, also in a graph Dynamo made dynamic (`PerShape`). Dynamo's
-    default `dynamic=None` is kept: with `dynamic=False` a float argument or attribute that changes every
-    step (an annealed temperature, a loss weight) recompiled the frame every step, until Dynamo's recompile
-    limit (8) sent the model to eager for good."""
-    return torch.compile(model, backend=make_backend(**options), dynamic=dynamic, fullgraph=fullgraph)
+def mode_options(mode: str | None) -> dict[str, Any]:
+    """The options of a torch.compile `mode` (None: the default)."""
+    if mode is None:
+        return {}
+    if mode not in MODES:
+        raise ValueError(f"tfsn: unknown mode {mode!r}; modes: {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable:
+    """The backend registered as `tfsn` (the `torch_dynamo_backends` entry point). torch.compile passes its
+    `mode` and `options` here (`torch.compile(model, backend="tfsn", mode="max-autotune")` failed with a TypeError
+    inside Dynamo); `options` are tfsn's (OPTIONS)."""
+    return make_backend(**{**mode_options(mode), **(options or {})})(gm, example_inputs)
+
+
+def optimize(model: Any, *, mode: str | None = None, dynamic: bool | None = None, fullgraph: bool = False,
+             **options: Any) -> Any:
+    """`torch.compile(model, backend="tfsn")` with options, and torch.compile's `mode` (MODES). Generated kernels
+    are specialized to their shapes and strides: each new shape compiles once, also in a graph Dynamo made dynamic
+    (`PerShape`). Dynamo's default `dynamic=None` is kept: with `dynamic=False` a float argument or attribute that
+    changes every step (an annealed temperature, a loss weight) recompiled the frame every step, until Dynamo's
+    recompile limit (8) sent the model to eager for good."""
+    return torch.compile(model, backend=make_backend(**{**mode_options(mode), **options}), dynamic=dynamic,
+                         fullgraph=fullgraph)

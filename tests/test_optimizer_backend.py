@@ -63,6 +63,35 @@ def test_fuse_false_runs_the_captured_graphs_as_aten():
     assert backend.STATS["aten_graphs"] > before
 
 
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_torch_compile_modes_reach_tfsn(mode):
+    """torch.compile passes its `mode` (and `options`) to a backend other than Inductor as keywords, which the
+    registered backend took none of: `torch.compile(model, backend="tfsn", mode="max-autotune")` failed at the
+    first call with a TypeError inside Dynamo."""
+    eager, x = model_and_input()
+    check(torch.compile(copy.deepcopy(eager), backend=tfsn_backend, mode=mode), eager, x)
+    torch._dynamo.reset()
+    eager, x = model_and_input()        # no gradients yet
+    check(optimize(copy.deepcopy(eager), mode=mode), eager, x)
+    with pytest.raises(ValueError, match="unknown mode 'fastest'; modes: default"):
+        optimize(eager, mode="fastest")
+
+
+def test_torch_compile_options_are_tfsns():
+    eager, x = model_and_input()
+    check(torch.compile(copy.deepcopy(eager), backend=tfsn_backend, options={"top_k": 1}), eager, x)
+
+
+def test_an_optimized_model_pickles_whole_and_runs_kernels_after():
+    """`torch.save(tfsn.optimize(model))` (the whole module, or one sent to another process) failed: "Can't
+    pickle local object 'traced_with_corrections.<locals>.backend'"; torch.compile(backend="tfsn") pickled."""
+    import pickle
+    eager, x = model_and_input()
+    compiled = optimize(copy.deepcopy(eager), top_k=1)
+    compiled(x)
+    check(pickle.loads(pickle.dumps(compiled)), eager, x)
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -609,6 +609,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         return make_boxed_func(gm.forward)
     if codegen is None:
         codegen = default_codegen(example_inputs)
+    if codegen == "c" and (missing := compiler.missing_compiler()) is not None:
+        _log_once(f"tfsn: {missing}, so the step runs as ATen, without generated kernels: install gcc (apt-get "
+                  "install gcc) or set CC to a C compiler")
+        STATS["aten_graphs"] += 1
+        return make_boxed_func(gm.forward)
     try:   # C kernels run on the host; Triton's on the inputs' device (the CPU under TRITON_INTERPRET=1)
         graph = planning_graph(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu")
     except ir.Unsupported as e:
@@ -1026,6 +1031,8 @@ class Backend:
     several modules (per-block `tfsn.optimize(block)` or `block.compile(backend=...)`, as torchtitan compiles
     FSDP2 blocks) once per module, each recompile searched and built again, and past Dynamo's recompile limit (8)
     the later blocks ran eagerly."""
+
+    __name__ = "tfsn"       # what Dynamo's errors name the backend by (else `<optimizer.backend.Backend object at ...>`)
 
     def __init__(self, options: dict[str, Any]) -> None:
         from torch._dynamo.backends.common import aot_autograd

@@ -92,6 +92,25 @@ def test_an_optimized_model_pickles_whole_and_runs_kernels_after():
     check(pickle.loads(pickle.dumps(compiled)), eager, x)
 
 
+def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(monkeypatch, tmp_path, caplog):
+    """On a host without gcc (a slim container) the first call of `tfsn.optimize(model)` failed the training
+    step: "BackendCompilerFailed ... FileNotFoundError: 'gcc'". It runs as ATen, said once, as without triton."""
+    from optimizer.codegen import compiler
+    eager, x = model_and_input()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    compiler.compiler_id.cache_clear()
+    try:
+        compiled = optimize(copy.deepcopy(eager))
+        with caplog.at_level("WARNING", logger="tfsn.optimizer"):
+            out = compiled(x)
+        torch.testing.assert_close(out, eager(x))
+        out.sum().backward()
+    finally:
+        compiler.compiler_id.cache_clear()
+    assert "no-such-cc' does not run" in caplog.text and "install gcc" in caplog.text
+    assert eager[0].weight.grad is None and compiled._orig_mod[0].weight.grad is not None
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -29,6 +29,16 @@ def compiler_id() -> str:
     return out.stdout.splitlines()[0]
 
 
+def missing_compiler() -> str | None:
+    """Why no C compiler can build generated kernels here (none named `$CC`, default gcc, runs), or None."""
+    cc = os.environ.get("CC", "gcc")
+    try:
+        compiler_id()
+    except (OSError, subprocess.SubprocessError, IndexError) as e:
+        return f"the C compiler {cc!r} does not run ({type(e).__name__}: {e})"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def hardware_id() -> str:
     """The CPU model and its feature flags: what -march=native compiles for."""

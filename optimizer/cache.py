@@ -7,7 +7,9 @@ concurrent processes never see a half-written artifact (at worst both compile, o
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -18,8 +20,29 @@ STATS = {"hits": 0, "builds": 0}
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """$TFSN_CACHE, else ~/.cache/tfsn (in `env`, default this process's environment)."""
-    return Path((os.environ if env is None else env).get("TFSN_CACHE") or "~/.cache/tfsn").expanduser()
+    """$TFSN_CACHE (in `env`, default this process's environment), else the `default_cache_dir`."""
+    chosen = (os.environ if env is None else env).get("TFSN_CACHE")
+    return Path(chosen).expanduser() if chosen else default_cache_dir(str(Path("~/.cache/tfsn").expanduser()))
+
+
+@functools.lru_cache(maxsize=None)
+def default_cache_dir(home_cache: str) -> Path:
+    """`home_cache` (~/.cache/tfsn), else, where it cannot be made or written, this user's folder in the temp
+    folder, said once. Why: a container run as another user (`docker run --user 1000`: HOME=/) or a read-only
+    home made the first step of `tfsn.optimize(model)` fail ("PermissionError: '/.cache'") before any kernel."""
+    path = Path(home_cache)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK | os.X_OK):
+            return path
+        why = "not writable"
+    except OSError as e:
+        why = f"{type(e).__name__}: {e}"
+    fallback = Path(tempfile.gettempdir()) / f"tfsn-cache-{os.getuid()}"
+    logging.getLogger("tfsn.optimizer").warning(
+        "tfsn: the compile cache %s cannot be used (%s); using %s, which a reboot may empty: set TFSN_CACHE to a "
+        "writable folder to keep compiled kernels", path, why, fallback)
+    return fallback
 
 
 def search_dir(env: Mapping[str, str] | None = None) -> Path:

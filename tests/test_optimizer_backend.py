@@ -111,6 +111,28 @@ def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(
     assert eager[0].weight.grad is None and compiled._orig_mod[0].weight.grad is not None
 
 
+def test_a_home_that_cannot_hold_the_cache_compiles_into_the_temp_folder(monkeypatch, tmp_path, caplog):
+    """HOME unwritable (`docker run --user 1000`: HOME=/) and no TFSN_CACHE: the first step of `tfsn.optimize(model)`
+    failed with BackendCompilerFailed (PermissionError, here NotADirectoryError, making ~/.cache/tfsn)."""
+    import tempfile
+
+    from optimizer import cache
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    monkeypatch.delenv("TFSN_CACHE")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cache.default_cache_dir.cache_clear()
+    try:
+        eager, x = model_and_input()
+        with caplog.at_level("WARNING", logger="tfsn.optimizer"):
+            check(optimize(copy.deepcopy(eager), top_k=1), eager, x)
+    finally:
+        cache.default_cache_dir.cache_clear()
+    assert "cannot be used" in caplog.text and "set TFSN_CACHE" in caplog.text
+    assert list((tmp_path / f"tfsn-cache-{os.getuid()}" / "search").glob("*.json"))
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()

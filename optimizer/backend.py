@@ -618,10 +618,15 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         graph = planning_graph(gm, ir.graph_device(example_inputs) if codegen == "triton" else "cpu")
     except ir.Unsupported as e:
         if _symbolic(gm):
+            again = functools.partial(_compile_graph, schedule=schedule, fuse=fuse, top_k=top_k, report=report,
+                                      codegen=codegen, cuda_graphs=cuda_graphs, on_plan=on_plan)
+            as_tensors = _scalars_as_tensors(gm)
+            if as_tensors is not None:
+                static, recipe, passed = as_tensors
+                inputs = [n.meta["val"] for n in static.graph.find_nodes(op="placeholder")]
+                return ScalarsAsTensors(again(static, inputs), recipe, passed)
             log.info("tfsn: a graph of symbolic sizes (%s) compiles once per shape it is called with", e)
-            return PerShape(gm, functools.partial(_compile_graph, schedule=schedule, fuse=fuse, top_k=top_k,
-                                                  report=report, codegen=codegen, cuda_graphs=cuda_graphs,
-                                                  on_plan=on_plan))
+            return PerShape(gm, again)
         log.warning("tfsn: running a graph as ATen (%s)", e)
         STATS["aten_graphs"] += 1
         return make_boxed_func(gm.forward)
@@ -653,6 +658,70 @@ def _symbolic(gm: torch.fx.GraphModule) -> bool:
             return any(not isinstance(s, int) for s in (*v.shape, *v.stride()))
         return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))
     return any(symbolic(n.meta.get("val")) for n in gm.graph.nodes)
+
+
+def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple], list[tuple]] | None:
+    """A copy of `gm` taking, in place of each symbolic int or float input that only `aten.scalar_tensor` reads
+    (an int argument Dynamo made dynamic once it changed: a step or epoch number in `x / (1 + step)`), that op's
+    0-d tensor as an input; an output that is such an input (a forward saving it for its backward) is None there.
+    With it, the recipe of its inputs from `gm`'s, (position, None, None) for one passed as it is and (position,
+    dtype, device) for a scalar made a tensor, and the (output, position) of each input passed through. None where
+    the copy would still be symbolic (a size, or an input another op reads). Why: PerShape specialized the graph to
+    each value of the int, so a step number compiled the step again at every call, then ran it as ATen."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    scalars = [p for p in placeholders if isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat))]
+    if not scalars or any(u.target is not aten.scalar_tensor.default and u.op != "output"
+                          for p in scalars for u in p.users):
+        return None
+    static = _copy(gm)
+    (output,) = static.graph.find_nodes(op="output")
+    results = output.args[0]
+    if not isinstance(results, (list, tuple)):
+        return None
+    results = list(results)
+    recipe: list[tuple] = []
+    passed: list[tuple] = []
+    for position, p in enumerate(static.graph.find_nodes(op="placeholder")):
+        if not isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat)):
+            recipe.append((position, None, None))
+            continue
+        for made in [u for u in p.users if u.op != "output"]:
+            with static.graph.inserting_before(p):
+                tensor = static.graph.placeholder(f"{made.name}_input")
+            tensor.meta = dict(made.meta)
+            made.replace_all_uses_with(tensor)
+            static.graph.erase_node(made)
+            recipe.append((position, made.meta["val"].dtype, made.meta["val"].device))
+        for k, r in enumerate(results):
+            if r is p:
+                results[k] = None
+                passed.append((k, position))
+        output.args = (type(output.args[0])(results),)
+        static.graph.erase_node(p)
+    static.recompile()
+    return None if _symbolic(static) else (static, recipe, passed)
+
+
+class ScalarsAsTensors:
+    """A graph compiled by `_scalars_as_tensors`: called with the original inputs, each scalar made its tensor,
+    and returning the scalars it passes through."""
+
+    def __init__(self, compiled: Callable, recipe: list[tuple], passed: list[tuple]) -> None:
+        self._boxed_call = True
+        self.compiled, self.recipe, self.passed = compiled, recipe, passed
+
+    def __call__(self, args: list) -> Any:
+        inputs = [args[i] if dtype is None else torch.scalar_tensor(args[i], dtype=dtype, device=device)
+                  for i, dtype, device in self.recipe]
+        scalars = [(k, args[i]) for k, i in self.passed]
+        args.clear()
+        out = self.compiled(inputs)
+        if not scalars:
+            return out
+        results = list(out)
+        for k, value in scalars:
+            results[k] = value
+        return type(out)(results)
 
 
 def _shape_key(args: Sequence[Any]) -> tuple:

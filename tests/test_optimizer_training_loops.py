@@ -251,6 +251,35 @@ def test_a_temperature_annealed_every_step_compiles_once_through_tfsn_optimize()
     assert backend.STATS["graphs"] <= 4 and backend.STATS["aten_graphs"] == 0, backend.STATS
 
 
+class WarmedUp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * (1.0 / (1 + step)) + step * 0.01
+
+
+@pytest.mark.parametrize("codegen", ["c", "triton"])
+def test_a_step_number_passed_as_an_int_every_call_compiles_once_and_matches_eager(codegen, replayed):
+    """An int argument that changes every call (a step or epoch number scaling the output): Dynamo makes it a
+    symbolic int from its second value, which PerShape specialized per value: a search and a compile at every
+    step, and from the 9th step on the step ran as ATen. Its scalar is now an input of the generated graph."""
+    eager = WarmedUp()
+    mine = copy.deepcopy(eager)
+    model = tfsn.optimize(mine, top_k=1, codegen=codegen)
+    for step in range(12):
+        x = torch.randn(4, 8)
+        outs = [m(x, step) for m in (eager, model)]
+        for out in outs:
+            out.square().sum().backward()
+        close(outs[1], outs[0], f"output at step {step}")
+        close(mine.fc.weight.grad, eager.fc.weight.grad, f"weight's gradient at step {step}")
+    assert frames() <= 2, f"{frames()} frames compiled for 12 steps"
+    assert backend.STATS["graphs"] <= 4 and backend.STATS["aten_graphs"] == 0, backend.STATS
+    assert replayed["replays"] > 0, replayed
+
+
 def warmup_cosine(step: int) -> float:
     return min(1.0, (step + 1) / 4) * 0.5 * (1 + math.cos(math.pi * step / 12))
 

@@ -666,12 +666,13 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     0-d tensor as an input; an output that is such an input (a forward saving it for its backward) is None there.
     With it, the recipe of its inputs from `gm`'s, (position, None, None) for one passed as it is and (position,
     dtype, device) for a scalar made a tensor, and the (output, position) of each input passed through. None where
-    the copy would still be symbolic (a size, or an input another op reads). Why: PerShape specialized the graph to
-    each value of the int, so a step number compiled the step again at every call, then ran it as ATen."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    scalars = [p for p in placeholders if isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat))]
-    if not scalars or any(u.target is not aten.scalar_tensor.default and u.op != "output"
-                          for p in scalars for u in p.users):
+    no input is such a scalar. Why: PerShape specialized the graph to each value of the int, so a step number
+    compiled the step again at every call, then ran it as ATen; the copy is static, or PerShape's by sizes alone."""
+    def made_tensor(p: torch.fx.Node) -> bool:
+        return isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat)) and all(
+            u.target is aten.scalar_tensor.default or u.op == "output" for u in p.users)
+
+    if not any(made_tensor(p) for p in gm.graph.find_nodes(op="placeholder")):
         return None
     static = _copy(gm)
     (output,) = static.graph.find_nodes(op="output")
@@ -682,7 +683,7 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     recipe: list[tuple] = []
     passed: list[tuple] = []
     for position, p in enumerate(static.graph.find_nodes(op="placeholder")):
-        if not isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat)):
+        if not made_tensor(p):
             recipe.append((position, None, None))
             continue
         for made in [u for u in p.users if u.op != "output"]:
@@ -699,7 +700,7 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
         output.args = (type(output.args[0])(results),)
         static.graph.erase_node(p)
     static.recompile()
-    return None if _symbolic(static) else (static, recipe, passed)
+    return static, recipe, passed
 
 
 class ScalarsAsTensors:

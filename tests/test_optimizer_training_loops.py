@@ -262,21 +262,22 @@ class WarmedUp(nn.Module):
 
 @pytest.mark.parametrize("codegen", ["c", "triton"])
 def test_a_step_number_passed_as_an_int_every_call_compiles_once_and_matches_eager(codegen, replayed):
-    """An int argument that changes every call (a step or epoch number scaling the output): Dynamo makes it a
-    symbolic int from its second value, which PerShape specialized per value: a search and a compile at every
-    step, and from the 9th step on the step ran as ATen. Its scalar is now an input of the generated graph."""
+    """An int argument that changes every call (a step or epoch number scaling the output), in epochs that end on
+    a smaller batch: Dynamo makes it a symbolic int from its second value, which PerShape specialized per value
+    (and per batch): a search and a compile at every step, and from the 9th step on the step ran as ATen. Its
+    scalar is now an input of the generated graph, which is generated once per batch size."""
     eager = WarmedUp()
     mine = copy.deepcopy(eager)
     model = tfsn.optimize(mine, top_k=1, codegen=codegen)
     for step in range(12):
-        x = torch.randn(4, 8)
+        x = torch.randn(3 if step % 4 == 3 else 4, 8)
         outs = [m(x, step) for m in (eager, model)]
         for out in outs:
             out.square().sum().backward()
         close(outs[1], outs[0], f"output at step {step}")
         close(mine.fc.weight.grad, eager.fc.weight.grad, f"weight's gradient at step {step}")
-    assert frames() <= 2, f"{frames()} frames compiled for 12 steps"
-    assert backend.STATS["graphs"] <= 4 and backend.STATS["aten_graphs"] == 0, backend.STATS
+    assert frames() <= 3, f"{frames()} frames compiled for 12 steps"
+    assert backend.STATS["graphs"] <= 8 and backend.STATS["aten_graphs"] == 0, backend.STATS
     assert replayed["replays"] > 0, replayed
 
 

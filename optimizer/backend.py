@@ -670,11 +670,15 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     compiled the step again at every call, then ran it as ATen; the copy is static, or PerShape's by sizes alone."""
     def made_tensor(p: torch.fx.Node) -> bool:
         return isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat)) and all(
-            u.target is aten.scalar_tensor.default or u.op == "output" for u in p.users)
+            u.target is aten.scalar_tensor.default or u.op == "output" or _int_operand(u, p) for u in p.users)
 
     if not any(made_tensor(p) for p in gm.graph.find_nodes(op="placeholder")):
         return None
     static = _copy(gm)
+    for p in static.graph.find_nodes(op="placeholder"):
+        if made_tensor(p):
+            for u in [u for u in p.users if _int_operand(u, p)]:
+                _operand_as_tensor(static, u)
     (output,) = static.graph.find_nodes(op="output")
     results = output.args[0]
     if not isinstance(results, (list, tuple)):
@@ -701,6 +705,29 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
         static.graph.erase_node(p)
     static.recompile()
     return static, recipe, passed
+
+
+# ops whose second operand, a Python int, may be a 0-d int64 tensor instead: the same result and dtype (a 0-d
+# tensor promotes as a scalar does within its kind, and an int's kind is the lowest but bool's)
+INT_OPERAND_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)
+
+
+def _int_operand(node: torch.fx.Node, p: torch.fx.Node) -> bool:
+    """Whether `node` reads the symbolic int `p` only as the second operand of one of INT_OPERAND_OPS."""
+    return (node.target in INT_OPERAND_OPS and len(node.args) == 2 and node.args[1] is p and node.args[0] is not p
+            and isinstance(p.meta.get("val"), torch.SymInt) and p not in node.kwargs.values()
+            and isinstance(node.meta.get("val"), torch.Tensor))
+
+
+def _operand_as_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """`node`'s int operand made a 0-d int64 tensor by aten.scalar_tensor before it (see _int_operand)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    fake_mode = next(v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), FakeTensor))
+    with gm.graph.inserting_before(node):
+        tensor = gm.graph.call_function(aten.scalar_tensor.default, (node.args[1],), {"dtype": torch.int64})
+    with fake_mode:
+        tensor.meta["val"] = torch.empty((), dtype=torch.int64, device=node.meta["val"].device)
+    node.args = (node.args[0], tensor)
 
 
 class ScalarsAsTensors:

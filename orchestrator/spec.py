@@ -180,24 +180,46 @@ def _parse_accelerator(text: Any) -> tuple[str, int]:
     raise ValueError(f"accelerator count {_show(count)} in {_show(text)} is not a whole number >= 1. {_ACC_FIX}")
 
 
+def whole_number_text(value: Any) -> Any:
+    """A count written as text (`num_nodes: "2"`, `{A100: "8"}`: SkyPilot and dstack users quote them) as the
+    int it names; any other value as it is, for the field's own check to take or refuse."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\d{1,18}\s*", value):
+        return int(value)
+    return value
+
+
+# Int fields that take "8" as 8 (the optional one so that its bounds stay in the JSON schema, the TfsnJob CRD's)
+Count = Annotated[int, BeforeValidator(whole_number_text)]
+OptionalCount = Annotated[int | None, BeforeValidator(whole_number_text)]
+
+
 def _accelerator_count(count: Any, name: Any) -> int:
+    count = whole_number_text(count)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_ACCELERATORS_PER_NODE:
         raise ValueError(f"count {_show(count)} for {_show(name)} is not a whole number from 1 to "
                          f"{MAX_ACCELERATORS_PER_NODE} (accelerators per node). {_ACC_FIX}")
     return count
 
 
+# Units of `memory`, in GiB: "32GB" (dstack's, and SkyPilot's newer form) is 32 GiB, as the catalogs' MemoryGiB count it.
+_MEMORY_UNITS = {"": 1.0, **{unit: scale for units, scale in (("m mb mib", 1 / 1024), ("g gb gib", 1.0),
+                                                               ("t tb tib", 1024.0)) for unit in units.split()}}
+_AMOUNT_RE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[A-Za-z]*)")
+
+
 def _parse_amount(value: Any, whole: bool) -> Any:
-    fix = "To fix: write a number, or 'N+' for at least N, e.g. " + ("'4+'" if whole else "'16+'")
+    """`value` ("16", "16+", 16, and for memory "32GB", "1TB+") as the stored form {count, at_least}."""
+    fix = "To fix: write a number, or 'N+' for at least N, e.g. " + ("'4+'" if whole else "'16+' or '32GB+'")
     if value is None or isinstance(value, dict):    # dict: the stored form, or an error for Amount
         return value
     at_least, count = False, None
     if isinstance(value, str):
         text = value.strip()
         at_least = text.endswith("+")
-        text = text.removesuffix("+").strip()
-        if _NUMBER_RE.fullmatch(text):
-            count = float(text)
+        match = _AMOUNT_RE.fullmatch(text.removesuffix("+").strip())
+        units = {"": 1.0} if whole else _MEMORY_UNITS
+        if match and match["unit"].lower() in units:
+            count = float(match["number"]) * units[match["unit"].lower()]
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         count = float(value) if not isinstance(value, int) or value.bit_length() < 1000 else math.inf
     if count is None or not math.isfinite(count) or count <= 0:
@@ -368,7 +390,7 @@ class CheckpointSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dir: PathText | None = None                   # s3://, gs://, az:// URL, or a path (absolute once loaded)
     interval: int | str = "auto"
-    keep: int = Field(3, ge=1, le=MAX_CHECKPOINTS_KEPT, strict=True)
+    keep: Count = Field(3, ge=1, le=MAX_CHECKPOINTS_KEPT, strict=True)
     async_save: bool = Field(True, strict=True)   # the step pays for the copy to memory only; writes go on behind
     local_ok: bool = Field(False, strict=True)    # a path is on storage every node shares (tfsn cannot tell)
 
@@ -422,8 +444,8 @@ class RecoverySpec(BaseModel):
     """How many times to restart after a fault, and how many standby nodes to keep provisioned."""
 
     model_config = ConfigDict(extra="forbid")
-    max_restarts: int = Field(3, ge=0, le=MAX_RESTARTS, strict=True)
-    spares: int = Field(0, ge=0, le=MAX_SPARES, strict=True)
+    max_restarts: Count = Field(3, ge=0, le=MAX_RESTARTS, strict=True)
+    spares: Count = Field(0, ge=0, le=MAX_SPARES, strict=True)
 
 
 class HealthSpec(BaseModel):
@@ -510,10 +532,10 @@ class ModelSpec(BaseModel):
     entry_timeout: float = ENTRY_TIMEOUT_S         # seconds for importing the entry, capturing and searching
     # Bounds far above any model trained (1e12 parameters, 200 layers, 32k wide, 1M-token contexts)
     params: float | None = Field(None, gt=0, le=1e15, allow_inf_nan=False)  # 1.3e9, or "1.3B", "350M"
-    layers: int | None = Field(None, ge=1, le=10**5, strict=True)
-    hidden: int | None = Field(None, ge=1, le=1 << 20, strict=True)
-    seq_len: int | None = Field(None, ge=1, le=1 << 30, strict=True)
-    batch_size: int | None = Field(None, ge=1, le=1 << 30, strict=True)   # sequences, all ranks
+    layers: OptionalCount = Field(None, ge=1, le=10**5, strict=True)
+    hidden: OptionalCount = Field(None, ge=1, le=1 << 20, strict=True)
+    seq_len: OptionalCount = Field(None, ge=1, le=1 << 30, strict=True)
+    batch_size: OptionalCount = Field(None, ge=1, le=1 << 30, strict=True)   # sequences, all ranks
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
     @field_validator("params", mode="before")
@@ -606,13 +628,13 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(strict=True)                # load_spec defaults it to the file's stem
-    num_nodes: int = Field(1, ge=1, le=MAX_NODES, strict=True)
+    num_nodes: Count = Field(1, ge=1, le=MAX_NODES, strict=True)
     nproc_per_node: int | Literal["auto"] = "auto"
     workdir: PathText = "."
     setup: Script | None = None
     run: Script
     envs: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=MAX_ENVS)
-    steps: int | None = Field(None, ge=1, le=MAX_STEPS, strict=True)
+    steps: OptionalCount = Field(None, ge=1, le=MAX_STEPS, strict=True)
     resources: Resources = Field(default_factory=Resources)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
@@ -643,6 +665,7 @@ class JobSpec(BaseModel):
     @field_validator("nproc_per_node", mode="before")
     @classmethod
     def _nproc(cls, value: Any) -> Any:
+        value = whole_number_text(value)
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
         if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PROCS_PER_NODE:

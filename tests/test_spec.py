@@ -149,6 +149,41 @@ def test_explicit_nproc_and_steps_interval(tmp_path):
     assert spec.checkpoint.interval_steps == 500 and spec.checkpoint.interval_seconds is None
 
 
+def test_counts_written_as_text_are_the_numbers_they_name(tmp_path):
+    """SkyPilot and dstack users quote counts: `num_nodes: "2"` was refused, and `{A100: "8"}` or `nproc_per_node: "8"`
+    with "'8' is not a whole number" / "not a process count", which reads as nonsense."""
+    spec = load_spec(write(tmp_path, """\
+        run: x
+        num_nodes: "2"
+        nproc_per_node: "8"
+        steps: " 300 "
+        resources: {accelerators: {A100: "8", H100: '4'}}
+        checkpoint: {keep: "5"}
+        recovery: {max_restarts: "4", spares: "1"}
+        model: {params: 1B, layers: "2", hidden: "64", seq_len: "32", batch_size: "8"}
+        """))
+    assert (spec.num_nodes, spec.nproc_per_node, spec.steps, spec.checkpoint.keep) == (2, 8, 300, 5)
+    assert (spec.recovery.max_restarts, spec.recovery.spares, spec.model.layers, spec.model.batch_size) == (4, 1, 2, 8)
+    assert spec.resources.accelerators == {"A100": 8, "H100": 4}
+    one(write(tmp_path, "run: x\nnum_nodes: '2.5'\n"), 2, "num_nodes", "valid integer", "'2.5'")
+    one(write(tmp_path, "run: x\nnum_nodes: '0'\n"), 2, "num_nodes", "greater than or equal to 1")
+
+
+@pytest.mark.parametrize("written, gib, at_least", [
+    ("32GB", 32, False), ("32 GiB", 32, False), ("32gb+", 32, True), ("1TB+", 1024, True), ("512MB", 0.5, False),
+    ("64G", 64, False), ("16+", 16, True),
+])
+def test_memory_with_a_unit(tmp_path, written, gib, at_least):
+    """`memory: 32GB` (dstack's form, SkyPilot's too) was refused as "not a positive amount"; it is 32 GiB."""
+    memory = load_spec(write(tmp_path, f"run: x\nresources:\n  memory: {written}\n")).resources.memory
+    assert (memory.count, memory.at_least) == (gib, at_least)
+
+
+def test_memory_with_an_unknown_unit_and_cpus_with_a_unit_are_refused(tmp_path):
+    one(write(tmp_path, "run: x\nresources:\n  memory: 32KB\n"), 3, "resources.memory", "'32KB'", "'32GB+'")
+    one(write(tmp_path, "run: x\nresources:\n  cpus: 4GB\n"), 3, "resources.cpus", "'4GB'", "'4+'")
+
+
 @pytest.mark.parametrize("text,seconds", [
     ("30s", 30), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("1h 30m", 5400), ("2d", 172800),
     ("250ms", 0.25), ("45", 45), ("1.5m", 90), (12, 12), (0.5, 0.5), ("  10M ", 600),

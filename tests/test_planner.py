@@ -95,6 +95,22 @@ def test_each_constraint_filters_offers_and_names_itself_when_it_removes_the_las
     assert f"removed the last {len(survivors)} offer(s)" in str(err.value)
 
 
+@pytest.mark.parametrize("written, expected", [
+    ("H100-80GB:8", {"h100"}), ("nvidia-h100:8", {"h100"}), ("nvidia-h100-80gb:8", {"h100"}),
+    ("nvidia-tesla-t4:8", {"t4"}), ("A100-40GB:8", {"a100"}), ("A100-SXM4-80GB:8", {"a100-80gb"}),
+    ("V100-16GB:8", {"v100"}), ("V100:8", {"v100"}), ("h100:8", {"h100"}),
+])
+def test_an_accelerator_is_found_by_any_name_of_its_chip(written, expected):
+    """`accelerators: H100-80GB:8` (an alias of the H100's hardware spec) or GCP's `nvidia-h100` was refused with "no
+    capable offer ... removed the last 214 offer(s)": offers matched only the catalog's own spelling, "H100". A name
+    the catalog does not use finds the offers of its chip, of the memory it states (a 16 GB V100 is not a 32 GB one)."""
+    offers = [offer(instance=name.lower(), accelerator=name) for name in ("H100", "A100", "A100-80GB", "T4")]
+    offers += [Offer("cloudA", "r1", "z1", name.lower(), name, 8, gib, 96.0, 1024.0, 10.0, None, None)
+               for name, gib in (("V100", 16.0), ("V100-32GB", 32.0))]
+    plan = plan_job(spec({"accelerators": written}), offers)
+    assert {c.offer.instance_type for c in plan} == expected
+
+
 GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)
 
 

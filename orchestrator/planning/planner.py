@@ -370,6 +370,26 @@ def _filter_place(f: _Filter, res: Any, c: _Columns) -> None:
                 "add regions, or remove regions to allow all")
 
 
+_STATED_MEMORY_RE = re.compile(r"(\d+)\s*gb", re.IGNORECASE)
+
+
+def _offers_of(name: str, c: _Columns) -> np.ndarray:
+    """Which offers have the accelerator `name` (case aside): those the catalog calls so; for a name the catalog
+    does not use, those whose accelerator has the hardware spec `name` is an alias of ("H100-80GB" and GCP's
+    "nvidia-h100-80gb" are the catalogs' "H100"), of the memory the name states, if it states one."""
+    names = [(a or "").casefold() for a in c.accelerator_names]
+    if name.casefold() in names:
+        return c.accelerator == names.index(name.casefold())
+    wanted = find_hardware(name)
+    codes = [code for code, catalog_name in enumerate(c.accelerator_names)
+             if wanted is not None and catalog_name and find_hardware(catalog_name) is wanted]
+    mask = np.isin(c.accelerator, codes)
+    stated = _STATED_MEMORY_RE.search(name)
+    if stated:
+        mask &= np.abs(c.accelerator_memory - float(stated[1])) <= 0.1 * float(stated[1])
+    return mask
+
+
 def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray, list[HardwareSpec | None]]:
     """Keep the offers with an accelerator the job asked for (and a hardware spec to predict it with).
     Returns each offer's preference (its choice's place in `accelerators`, 0 for any_of) and the spec of
@@ -377,11 +397,9 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     choices = res.accelerator_choices()
     preference = np.zeros(len(c.count), dtype=np.int64)
     if choices:
-        names = [(a or "").casefold() for a in c.accelerator_names]
         rank = np.full(len(c.count), -1, dtype=np.int64)
         for i, choice in enumerate(choices):
-            codes = [code for code, name in enumerate(names) if name == choice.name.casefold()]
-            rank[np.isin(c.accelerator, codes) & (c.count == choice.count) & (rank < 0)] = i
+            rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
         f.apply(rank >= 0, f"resources.accelerators {wanted}",
                 "ask for another accelerator or count (see `tfsn catalog ls`)")

@@ -20,6 +20,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from orchestrator.cli.interrupts import raise_if_interrupted
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.cli.down import register as register_down_command
@@ -202,6 +203,7 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
         except ValidationError:
             raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 63), "
                              "starting with a letter or digit") from None
+    raise_if_interrupted()        # a Ctrl-C while it planned, though Python dropped its exception: submit nothing
     store = _store()
     job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32),
                            guard=refuse_shared_checkpoints(file, spec))

@@ -376,7 +376,8 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
     try:
         result = plan_for(spec, catalog=catalog, planning_only=True)
     except (CatalogError, PlanError, ProviderError) as err:
-        raise UsageError(f"{file}: {err}" if isinstance(err, PlanError) else str(err)) from None
+        raise UsageError(f"{file}:{spec_line(file, err.field)}: {err}" if isinstance(err, PlanError)
+                         else str(err)) from None
     need = None if result.reference_workload else memory_needed(result.workload, result.entry)
     hardware = result.hardware()
     if as_json:

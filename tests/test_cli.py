@@ -370,6 +370,23 @@ def test_a_second_live_job_saving_into_the_same_checkpoint_dir_is_refused_naming
     assert [in_process("launch", "--detach", str(tmp_path / "code" / "default.yaml"))[0] for _ in "ab"] == [0, 0]
 
 
+def test_stop_by_name_stops_the_live_job_of_that_name_and_refuses_to_guess_between_several(in_process, tmp_path):
+    """`tfsn stop NAME` took the newest job of the name: with it ended, it said "job 2 already STOPPED" while job 1 of
+    that name ran on (on a cloud, billed on)."""
+    (tmp_path / "home").mkdir()
+    store = Store(daemon.store_path(tmp_path / "home"))
+    older, newer = (store.create_job("train", {"name": "train"}, "t.yaml", "t") for _ in range(2))
+    store.transition(newer.id, JobState.STOPPED, "by user")
+    code, out, err = in_process("stop", "train", "--no-wait")
+    assert (code, err) == (0, "") and f"job {older.id}: stop requested" in out
+    assert store.job(older.id).stop_requested
+    third = store.create_job("train", {"name": "train"}, "t.yaml", "t")
+    code, out, err = in_process("stop", "train")
+    assert code == 2 and err == (f"tfsn: error: 2 live jobs are named 'train' (ids {older.id}, {third.id}). To fix: "
+                                 f"stop each by its id, e.g. tfsn stop {third.id}\n")
+    assert not store.job(third.id).stop_requested
+
+
 def test_a_heartbeat_timeout_of_a_few_heartbeats_is_a_warning_naming_the_field(in_process, tmp_path):
     """heartbeat_timeout: 1s was accepted without a word, and failed both healthy nodes of a local job as it
     started: a restart and two new nodes for nothing."""

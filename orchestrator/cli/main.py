@@ -306,12 +306,26 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
            keep_alive=lambda: _revive_controller(store))
 
 
+def _job_to_stop(store: Store, ref: str) -> Job:
+    """The job `tfsn stop REF` means: by id, that job; by name, the live job of that name. Names repeat, and the newest
+    job of the name was taken: once it had ended, `tfsn stop NAME` said "already STOPPED" while an older job of that
+    name ran on. Several live ones are refused, to be named by id."""
+    record = store.find_job(ref)
+    if ref.isascii() and ref.isdigit():
+        return record
+    live = [j for j in store.jobs(active_only=True) if j.name == ref]
+    if len(live) > 1:
+        raise UsageError(f"{len(live)} live jobs are named {ref!r} (ids {', '.join(str(j.id) for j in live)}). To fix: "
+                         f"stop each by its id, e.g. tfsn stop {live[-1].id}")
+    return live[0] if live else record
+
+
 @app.command()
 def stop(job: str = typer.Argument(..., help="job id or name"),
          wait: bool = typer.Option(True, help="wait until the job has stopped")) -> None:
     """Stop a job and tear down its nodes (checkpoints are kept)."""
     store = _store()
-    record = store.find_job(job)
+    record = _job_to_stop(store, job)
     if record.state.terminal:
         console.print(f"job {record.id} already {record.state.value}")
         return

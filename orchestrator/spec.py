@@ -736,6 +736,35 @@ _EXAMPLES = {
 }
 
 
+# Fields of SkyPilot's and dstack's specs that tfsn spells otherwise or has not, by the section they are in: what to
+# write instead. Checked before the "did you mean" guess, which sent `resources.gpus` to cpus and `accelerator_args`
+# to accelerators.
+_OTHER_TOOLS_FIELDS = {
+    (): {
+        "commands": "tfsn runs one script. To fix: write it as 'run: |' with the commands under it, one a line",
+        "image": "a container image is for pods. To fix: write it under 'kubernetes:' as 'image:' (cloud VMs take "
+                 "TFSN_AWS_AMI, TFSN_GCP_IMAGE or TFSN_AZURE_IMAGE)",
+        "file_mounts": "tfsn mounts no files: each node gets workdir's. To fix: remove it, and read data "
+                       "from object storage in the script or keep it in workdir",
+        "secrets": "To fix: put them in envs, or pass them with --env NAME=VALUE",
+        "type": "tfsn runs training tasks only. To fix: remove it",
+        "spot_policy": "To fix: write 'use_spot: true' (or false) under resources",
+    },
+    ("resources",): {
+        **{name: "To fix: write it as 'accelerators', e.g. 'accelerators: H100:8'" for name in ("gpu", "gpus")},
+        "cloud": "To fix: write it as 'infra', e.g. 'infra: [aws]'",
+        "zone": "tfsn picks the zone within the regions. To fix: write 'regions: [REGION]' instead",
+        "any_of": "To fix: write the accelerators as a mapping, 'accelerators: {H100: 8, A100: 8}' (any of them: the "
+                  "cheapest run wins)",
+        "ordered": "To fix: write the accelerators as a list, 'accelerators: [H100:8, A100:8]' (in order of preference)",
+        **{name: "tfsn does not size disks: a node has its image's. To fix: remove it" for name in ("disk_size", "disk")},
+        "instance_type": "tfsn picks the instance from accelerators, cpus and memory. To fix: write those instead",
+        "image_id": "To fix: remove it, and set TFSN_AWS_AMI, TFSN_GCP_IMAGE or TFSN_AZURE_IMAGE (or kubernetes.image)",
+        "accelerator_args": "tfsn has no accelerator arguments (nor TPUs). To fix: remove it",
+    },
+}
+
+
 # Errors of the MAX_* bounds, which a near-miss example would not fix.
 _LIMIT_FIX = {"less_than_equal": "use at most {le} (tfsn's limit)",
               "string_too_long": "shorten it to at most {max_length} characters",
@@ -901,9 +930,13 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
         model = _model_at(path[:-1])
         fields = list(model.model_fields) if model else []
         close = close_match(str(leaf), fields)
+        other_tools = _OTHER_TOOLS_FIELDS.get(path[:-1], {}).get(leaf) if isinstance(leaf, str) else None
         what = f"unknown field {leaf!r}"
-        what += (f"; did you mean {close!r}? To fix: rename it" if close
-                 else f". To fix: use one of {', '.join(fields)}")
+        if other_tools:
+            what += f". {other_tools}"
+        else:
+            what += (f"; did you mean {close!r}? To fix: rename it" if close
+                     else f". To fix: use one of {', '.join(fields)}")
     else:
         line = _line(root, path)
         if kind == "value_error":

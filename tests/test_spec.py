@@ -307,6 +307,27 @@ def test_unknown_key_without_close_match_lists_fields(tmp_path):
     one(path, 3, "checkpoint.zzzzz", "unknown field 'zzzzz'", "dir, interval, keep")
 
 
+@pytest.mark.parametrize("section, written, needle", [
+    ("resources", "gpus: H100:8", "write it as 'accelerators', e.g. 'accelerators: H100:8'"),
+    ("resources", "any_of: [{accelerators: H100:8}, {accelerators: A100:8}]", "'accelerators: {H100: 8, A100: 8}'"),
+    ("resources", "ordered: [{accelerators: H100:8}]", "'accelerators: [H100:8, A100:8]'"),
+    ("resources", "accelerator_args: {tpu_vm: true}", "To fix: remove it"),
+    ("resources", "disk_size: 256", "To fix: remove it"),
+    ("resources", "cloud: aws", "'infra: [aws]'"),
+    (None, "commands: [python train.py]", "'run: |'"),
+    (None, "file_mounts: {/data: s3://bucket}", "To fix: remove it"),
+    (None, "image: pytorch/pytorch", "under 'kubernetes:'"),
+])
+def test_a_field_of_skypilot_or_dstack_says_what_tfsn_calls_it(tmp_path, section, written, needle):
+    """`resources.gpus` (dstack, Kubernetes) got "did you mean 'cpus'?", `accelerator_args` "did you mean
+    'accelerators'?", and SkyPilot's any_of, disk_size or file_mounts the list of tfsn's fields."""
+    text = f"run: x\n{section}:\n  {written}\n" if section else f"run: x\n{written}\n"
+    key = written.split(":")[0]
+    message = one(write(tmp_path, text), 3 if section else 2, f"{section}.{key}" if section else key,
+                  f"unknown field {key!r}. ", needle)
+    assert "did you mean" not in message
+
+
 def test_wrong_type(tmp_path):
     path = write(tmp_path, "run: x\nsteps: many\n")
     one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")

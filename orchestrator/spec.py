@@ -618,6 +618,20 @@ def _env_value(value: Any) -> str:
     return value
 
 
+def env_list_as_mapping(items: list) -> dict[str, str]:
+    """dstack's (and docker compose's) list form of the environment, [NAME=VALUE, ...], as the mapping it means."""
+    mapping: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+        if not sep:
+            raise ValueError(f"item {_show(item)} is not NAME=VALUE. To fix: write each item as NAME=VALUE (a value "
+                             "given at launch: --env NAME=VALUE), or envs as a mapping, e.g. 'envs: {SEED: 1}'")
+        if name in mapping:
+            raise ValueError(f"{_show(name)} is given twice. To fix: keep only one")
+        mapping[name] = value
+    return mapping
+
+
 EnvName = Annotated[str, Field(strict=True, max_length=MAX_ENV_NAME), AfterValidator(_env_name)]
 # multiline: a value may be a PEM key
 EnvValue = Annotated[bounded_text(MAX_ENV_VALUE, multiline=True), BeforeValidator(_env_value)]
@@ -676,6 +690,8 @@ class JobSpec(BaseModel):
     @field_validator("envs", mode="before")
     @classmethod
     def _envs(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return env_list_as_mapping(value)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{_show(value)} is not a mapping. To fix: write e.g. 'envs: {{SEED: 1}}'")
         return value or {}
@@ -1058,6 +1074,11 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
                 raise fail([(1, f"--env {_show(key)}: not a valid environment variable name. "
                                 "To fix: use letters, digits and '_', not starting with a digit")])
         envs = data.get("envs")
+        if isinstance(envs, list):
+            try:
+                envs = env_list_as_mapping(envs)
+            except ValueError:          # the model says what is wrong with it
+                pass
         if envs is None or isinstance(envs, dict):
             data["envs"] = {**(envs or {}), **overrides}
 

@@ -250,6 +250,17 @@ def test_env_values_reach_the_workers_as_written(tmp_path):
                          "DEBUG": "yes", "FLAG": "True", "DAY": "2024-01-01", "QUOTED": "1.10", "SEED": "1337"}
 
 
+def test_envs_as_a_list_of_name_value_pairs(tmp_path):
+    """dstack's (and docker compose's) form, `[NAME=VALUE, ...]`, was refused as "not a mapping"; it is the mapping it
+    means, `--env` still overrides it, and an item without a value or a name given twice is refused."""
+    path = write(tmp_path, "run: x\nenvs:\n  - VERSION=1.10\n  - URL=a=b\n  - EMPTY=\n")
+    assert load_spec(path).envs == {"VERSION": "1.10", "URL": "a=b", "EMPTY": ""}
+    assert load_spec(path, {"VERSION": "2"}).envs == {"VERSION": "2", "URL": "a=b", "EMPTY": ""}
+    one(write(tmp_path, "run: x\nenvs: [A=1, TOKEN]\n"), 2, "envs", "'TOKEN' is not NAME=VALUE", "--env NAME=VALUE")
+    one(write(tmp_path, "run: x\nenvs: [A=1, A=2]\n"), 2, "envs", "'A' is given twice")
+    one(write(tmp_path, "run: x\nenvs: [A=1, 1X=2]\n"), 2, "envs", "'1X' is not a valid environment variable name")
+
+
 def test_envs_that_tfsn_sets_itself_are_refused_with_the_field_to_use(tmp_path):
     """`envs: {TFSN_CHECKPOINT_DIR: /data/ckpt}` was accepted and ignored (the workers saved where tfsn said);
     TFSN_JOB_ID or TFSN_CONTROLLER_URL there replaced the agent's own and cut the workers off their controller."""

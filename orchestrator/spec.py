@@ -669,6 +669,14 @@ class JobSpec(BaseModel):
                              "digits, '.', '_' or '-', starting with a letter or digit")
         return value
 
+    @field_validator("run", "setup", mode="before")
+    @classmethod
+    def _one_script(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, list):       # dstack's `commands` form: which failure semantics is meant is not clear
+            raise ValueError(f"a list of commands; tfsn runs one script. To fix: write it as '{info.field_name}: |' "
+                             "with the commands under it, one a line (add 'set -e' first to stop at one that fails)")
+        return value
+
     @field_validator("run")
     @classmethod
     def _run(cls, value: str) -> str:

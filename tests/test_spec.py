@@ -339,6 +339,14 @@ def test_a_field_of_skypilot_or_dstack_says_what_tfsn_calls_it(tmp_path, section
     assert "did you mean" not in message
 
 
+def test_run_and_setup_as_lists_of_commands_say_how_to_write_one_script(tmp_path):
+    """`run: [a, b]` (dstack's commands) said "input should be a valid string ... write it like 'run: python train.py'",
+    as if one command were meant."""
+    path = write(tmp_path, "run: [python prep.py, python train.py]\nsetup:\n  - pip install x\n")
+    one(path, 1, "run", "a list of commands", "'run: |'", "set -e")
+    one(path, 2, "setup", "a list of commands", "'setup: |'")
+
+
 def test_wrong_type(tmp_path):
     path = write(tmp_path, "run: x\nsteps: many\n")
     one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")

@@ -397,6 +397,13 @@ class CheckpointSpec(BaseModel):
     @field_validator("dir")
     @classmethod
     def _dir(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():     # "" was the workdir itself, checkpoints among the code
+            raise ValueError("empty. To fix: name a folder or a bucket URL, or remove it for the default")
+        slash_missing = re.match(r"(s3|gs|az):/?(?!/)", value or "", re.IGNORECASE)
+        if slash_missing:                               # "gs:/bucket" was a folder "gs:" in workdir, not the bucket
+            url = f"{slash_missing[1].lower()}://{value[slash_missing.end():]}"
+            raise ValueError(f"{_show(value)} looks like a mistyped {url}. To fix: write {url} "
+                             f"(or ./{value} for a folder of that name)")
         scheme = (value or "").partition("://")[0]
         if value is not None and "://" in value and checkpoint_url_scheme(value) is None:
             raise ValueError(f"{_show(scheme)}:// is not a storage tfsn checkpoints to. To fix: use s3://BUCKET/PATH, "

@@ -347,6 +347,22 @@ def test_run_and_setup_as_lists_of_commands_say_how_to_write_one_script(tmp_path
     one(path, 2, "setup", "a list of commands", "'setup: |'")
 
 
+@pytest.mark.parametrize("written, url", [("gs:/lab/run1", "gs://lab/run1"), ("s3:lab", "s3://lab"),
+                                          ("AZ:/box/ckpt", "az://box/ckpt")])
+def test_a_bucket_url_with_a_slash_missing_is_refused_not_taken_as_a_folder(tmp_path, written, url):
+    """`checkpoint.dir: gs:/lab/run1` was a folder "gs:" in workdir: the job checkpointed to the controller's disk, not
+    the bucket (and on a local-only job said nothing)."""
+    one(write(tmp_path, f"run: x\ncheckpoint:\n  dir: {written}\n"), 3, "checkpoint.dir",
+        f"looks like a mistyped {url}. To fix: write {url}")
+    assert load_spec(write(tmp_path, f"run: x\ncheckpoint:\n  dir: ./{written}\n")).checkpoint.dir == \
+        str(tmp_path / written)
+
+
+def test_an_empty_checkpoint_dir_is_refused_not_taken_as_the_workdir(tmp_path):
+    """`checkpoint.dir: ""` was the workdir itself: checkpoints among the code (packed with it for cloud nodes)."""
+    one(write(tmp_path, "run: x\ncheckpoint:\n  dir: ''\n"), 3, "checkpoint.dir", "empty", "remove it")
+
+
 def test_wrong_type(tmp_path):
     path = write(tmp_path, "run: x\nsteps: many\n")
     one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")

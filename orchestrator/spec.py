@@ -1104,6 +1104,8 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
         by_path: dict[tuple, tuple[int, str]] = {}
         for err in e.errors():
             p, line, what = _message(err, data, root)
+            if len(p) == 2 and p[0] == "envs" and p[1] in (overrides or {}):     # the value came from the command line
+                line, what = 1, f"--env {p[1]}{what.removeprefix(_dotted(p))}"
             by_path.setdefault(p, (line, what))   # one message per field, not one per union arm
         raise fail(sorted(by_path.values())) from None
     except Exception as e:        # a validator bug must still come out as a one-line SpecError

@@ -229,6 +229,15 @@ def test_env_overrides(tmp_path):
                     "To fix: use letters, digits and '_', not starting with a digit"]
 
 
+def test_a_bad_value_given_with_env_is_blamed_on_the_command_line_not_the_file(tmp_path):
+    """`--env B=<9000 characters>` said "train.yaml:1: envs.B: ...": a field the file does not have, on its line 1."""
+    path = write(tmp_path, "run: x\nenvs:\n  A: 1\n")
+    assert errors(path, {"A": "a\x1bb", "B": "x" * 9000}) == [
+        f"{path}:1: --env A: a control character (U+001B) at character 2 is not allowed here. To fix: remove it",
+        f"{path}:1: --env B: string should have at most 8192 characters, got 'xxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxx'. "
+        "To fix: shorten it to at most 8192 characters"]
+
+
 def test_env_values_reach_the_workers_as_written(tmp_path):
     """YAML reads unquoted `1.10` as 1.1, `010` as 8, `12:30` as 750 and `yes` as true: a worker got
     CUDA_VERSION=1.1 or a job id of 8. Unquoted numbers, bools and dates keep their text, merged ones too."""
@@ -561,7 +570,7 @@ def test_control_characters_in_env_keys_and_from_the_command_line(tmp_path):
     one(path, 3, "envs['A\\x00']", "not a valid environment variable name")
     path = write(tmp_path, "run: x\n")
     [message] = errors(path, {"MODE": "fast\x1b[2J"})
-    assert message == (f"{path}:1: envs.MODE: a control character (U+001B) at character 5 is not allowed here. "
+    assert message == (f"{path}:1: --env MODE: a control character (U+001B) at character 5 is not allowed here. "
                        "To fix: remove it")
 
 

@@ -201,7 +201,7 @@ def _accelerator_count(count: Any, name: Any) -> int:
     return count
 
 
-# Units of `memory`, in GiB: "32GB" (dstack's, and SkyPilot's newer form) is 32 GiB, as the catalogs' MemoryGiB count it.
+# Units of `memory`, in GiB: "32GB" (dstack's form) is 32 GiB, as the catalogs' MemoryGiB count it.
 _MEMORY_UNITS = {"": 1.0, **{unit: scale for units, scale in (("m mb mib", 1 / 1024), ("g gb gib", 1.0),
                                                                ("t tb tib", 1024.0)) for unit in units.split()}}
 _AMOUNT_RE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[A-Za-z]*)")
@@ -787,8 +787,10 @@ _OTHER_TOOLS_FIELDS = {
         "zone": "tfsn picks the zone within the regions. To fix: write 'regions: [REGION]' instead",
         "any_of": "To fix: write the accelerators as a mapping, 'accelerators: {H100: 8, A100: 8}' (any of them: the "
                   "cheapest run wins)",
-        "ordered": "To fix: write the accelerators as a list, 'accelerators: [H100:8, A100:8]' (in order of preference)",
-        **{name: "tfsn does not size disks: a node has its image's. To fix: remove it" for name in ("disk_size", "disk")},
+        "ordered": "To fix: write the accelerators as a list, 'accelerators: [H100:8, A100:8]' (in order of "
+                   "preference)",
+        **{name: "tfsn does not size disks: a node has its image's. To fix: remove it"
+           for name in ("disk_size", "disk")},
         "instance_type": "tfsn picks the instance from accelerators, cpus and memory. To fix: write those instead",
         "image_id": "To fix: remove it, and set TFSN_AWS_AMI, TFSN_GCP_IMAGE or TFSN_AZURE_IMAGE (or kubernetes.image)",
         "accelerator_args": "tfsn has no accelerator arguments (nor TPUs). To fix: remove it",

@@ -111,6 +111,15 @@ def test_an_accelerator_is_found_by_any_name_of_its_chip(written, expected):
     assert {c.offer.instance_type for c in plan} == expected
 
 
+def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus():
+    """`cpus: 200+` with no such offer said "To fix: write cpus as 'N+' (at least N), or lower it": it was N+."""
+    for resources, what in (({"cpus": "200+"}, "resources.cpus 200+ removed"),
+                            ({"memory": "2TB+"}, "resources.memory 2048+ GiB removed")):
+        with pytest.raises(PlanError) as err:
+            plan_job(spec({"accelerators": "H100:8", **resources}), [offer(vcpus=96, memory=1024)])
+        assert what in str(err.value) and str(err.value).endswith("To fix: lower it"), str(err.value)
+
+
 GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)
 
 

@@ -443,10 +443,12 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> 
                 "choose accelerators with more memory, or a smaller model / seq_len")
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
-                f"resources.cpus {res.cpus}", "write cpus as 'N+' (at least N), or lower it")
+                f"resources.cpus {res.cpus}",
+                "lower it" if res.cpus.at_least else "write cpus as 'N+' (at least N), or lower it")
     if res.memory is not None:
         f.apply(c.memory >= res.memory.count if res.memory.at_least else c.memory == res.memory.count,
-                f"resources.memory {res.memory}", "write memory as 'N+' (at least N GiB), or lower it")
+                f"resources.memory {res.memory} GiB",
+                "lower it" if res.memory.at_least else "write memory as 'N+' (at least N GiB), or lower it")
     f.apply(~np.isnan(c.market), "resources.use_spot true (no spot price)", "set use_spot: false")
     if res.max_hourly_cost is not None:
         cheapest = float(np.nanmin(np.where(f.mask, c.market, np.nan))) if f.mask.any() else math.nan

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
-from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, plan_job,
-                                  workload_of)
+from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError,
+                                           check_accelerators, plan_job, workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
 
@@ -118,6 +118,16 @@ def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus(
         with pytest.raises(PlanError) as err:
             plan_job(spec({"accelerators": "H100:8", **resources}), [offer(vcpus=96, memory=1024)])
         assert what in str(err.value) and str(err.value).endswith("To fix: lower it"), str(err.value)
+
+
+@pytest.mark.parametrize("written, meant", [("8xH100", "H100:8"), ("H100x8", "H100:8"), ("A100-80GBx4", "A100-80GB:4"),
+                                            ("h10", "H100")])
+def test_an_unknown_accelerator_with_a_count_in_its_name_is_told_the_name_count_form(written, meant):
+    """`accelerators: 8xH100` was "unknown accelerator '8xH100'; did you mean 'H100'?": one H100 where eight were
+    meant."""
+    with pytest.raises(PlanError) as err:
+        check_accelerators(spec({"accelerators": written}))
+    assert f"unknown accelerator {written!r}; did you mean {meant!r}? To fix:" in str(err.value)
 
 
 GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)

@@ -415,13 +415,28 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     return preference, hardware
 
 
+# A count written into the name, "8xH100" or "H100x8": the closest name alone ("H100") would be one accelerator.
+_COUNT_IN_NAME_RES = (re.compile(r"(?P<count>\d{1,2})\s*[x×]\s*(?P<name>.+)", re.IGNORECASE),
+                      re.compile(r"(?P<name>.+?)\s*[x×]\s*(?P<count>\d{1,2})", re.IGNORECASE))
+
+
+def _count_in_name(name: str) -> str | None:
+    """"H100:8" for a name that is a known accelerator and a count ("8xH100", "H100x8"); else None."""
+    for pattern in _COUNT_IN_NAME_RES:
+        match = pattern.fullmatch(name)
+        if match and find_hardware(match["name"]) is not None:
+            return f"{match['name']}:{int(match['count'])}"
+    return None
+
+
 def check_accelerators(spec: JobSpec) -> None:
     """PlanError for an accelerator no hardware spec knows: no offer of it could ever be priced (see
     _filter_accelerators), so no catalog or provider needs asking to refuse it."""
     for choice in spec.resources.accelerator_choices():
         if find_hardware(choice.name) is None:
             known = [h.name for h in load_all().values() if h.kind != "cpu"]
-            close = close_match(choice.name, [alias for h in load_all().values() for alias in h.aliases])
+            close = _count_in_name(choice.name) or close_match(
+                choice.name, [alias for h in load_all().values() for alias in h.aliases])
             hint = f"; did you mean {close!r}?" if close else "."
             raise PlanError(f"resources.accelerators: unknown accelerator {choice.name!r}{hint} To fix: use one "
                             f"with a hardware spec in configs/hardware/: {', '.join(known)}",

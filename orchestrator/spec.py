@@ -676,14 +676,6 @@ class JobSpec(BaseModel):
                              "digits, '.', '_' or '-', starting with a letter or digit")
         return value
 
-    @field_validator("run", "setup", mode="before")
-    @classmethod
-    def _one_script(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, list):       # dstack's `commands` form: which failure semantics is meant is not clear
-            raise ValueError(f"a list of commands; tfsn runs one script. To fix: write it as '{info.field_name}: |' "
-                             "with the commands under it, one a line (add 'set -e' first to stop at one that fails)")
-        return value
-
     @field_validator("run")
     @classmethod
     def _run(cls, value: str) -> str:
@@ -979,6 +971,10 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
             model = _model_at(path)
             if model:
                 what += f". To fix: indent fields under it, one of {', '.join(model.model_fields)}"
+        elif kind == "string_type" and path in (("run",), ("setup",)) and isinstance(err.get("input"), list):
+            # dstack's `commands` form; not joined, as whether a failing command stops the rest is not clear
+            what = (f"a list of commands; tfsn runs one script. To fix: write it as '{leaf}: |' with the commands "
+                    "under it, one a line (add 'set -e' first to stop at one that fails)")
         else:
             msg = err["msg"]
             what = f"{msg[:1].lower()}{msg[1:]}, got {_show(err.get('input'))}"

@@ -923,6 +923,21 @@ def _envs_as_written(data: dict, root: yaml.Node) -> None:
             envs[key] = value.value
 
 
+# How to fix the YAML errors users make, by words of the parser's message; the first that matches.
+_YAML_FIXES = (
+    ("mapping values are not allowed", "indent a field's fields under it by the same spaces, put a space after "
+                                       "each key's colon (here or on the line above), and quote a value that holds "
+                                       "': '"),
+    ("flow", "close the brackets, as in [a, b] or {a: 1}"),
+    ("expected <block end>", "indent the fields of one mapping by the same spaces"),
+    ("could not find expected ':'", "write each field as 'key: value' (a space after the colon)"),
+    ("single document", "keep one document: remove the '---' and what follows it (another job: its own file)"),
+    ("undefined alias", "define the anchor (&NAME) before its use (*NAME), or quote a value that starts with '*'"),
+    ("quoted scalar", "close the quote on that line"),
+    ("constructor for the tag", "remove the tag (the '!' word): a job spec holds plain values"),
+)
+
+
 def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
     if isinstance(err, yaml.MarkedYAMLError):
         mark = err.problem_mark or err.context_mark
@@ -932,6 +947,9 @@ def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
         if "'\\t'" in what and mark is not None:        # an editor's tab: YAML indents and separates with spaces only
             what = (f"a tab at column {mark.column + 1}: YAML indents and separates with spaces only. To fix: "
                     "replace the tabs with spaces")
+        else:
+            fix = next((fix for words, fix in _YAML_FIXES if words in what), "check the YAML syntax on that line")
+            what = f"{what}. To fix: {fix}"
         return (mark.line + 1 if mark else 1), f"invalid YAML: {what}"
     if isinstance(err, yaml.reader.ReaderError):
         return text[:err.position].count("\n") + 1, (

@@ -422,6 +422,24 @@ def test_yaml_syntax_error(tmp_path):
                             "only. To fix: replace the tabs with spaces"]
 
 
+@pytest.mark.parametrize("text, line, fix", [
+    ("run: x\nresources:\n  cpus: 2\n memory: 4\n", 4, "indent the fields of one mapping by the same spaces"),
+    ("run: x\nresources:\n  cpus:2\n  memory: 4\n", 4, "put a space after each key's colon"),
+    ("run: x\n  steps: 3\n", 2, "indent a field's fields under it"),
+    ("run: x\n---\nrun: y\n", 2, "keep one document"),
+    ("run: x\nsteps: *n\n", 2, "define the anchor (&NAME) before its use"),
+    ('run: "python train.py\n', 2, "close the quote"),
+    ("run: x\nresources: {cpus: 2\n", 3, "close the brackets"),
+    ("run: !!python/object:os.system x\n", 1, "remove the tag"),
+])
+def test_yaml_syntax_errors_say_how_to_fix_them(tmp_path, text, line, fix):
+    """Only a tab said how to fix it: "mapping values are not allowed here" or "expected <block end>" left the user
+    to guess (an indentation, a missing space after a colon)."""
+    msgs = errors(write(tmp_path, text))
+    assert len(msgs) == 1 and msgs[0].startswith(f"{tmp_path / 'train.yaml'}:{line}: invalid YAML: "), msgs
+    assert ". To fix: " in msgs[0] and fix in msgs[0].partition(". To fix: ")[2], msgs
+
+
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n", "~\n"])
 def test_empty_file(tmp_path, text):
     path = write(tmp_path, text)

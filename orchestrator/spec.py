@@ -1072,6 +1072,23 @@ def spec_line(path: str | os.PathLike, field: tuple[str, ...]) -> int:
     return _line(root, field) if root is not None else 1
 
 
+def _add_env_overrides(data: dict, overrides: dict[str, str], fail: Callable[[list[tuple[int, str]]], SpecError]
+                       ) -> None:
+    """`--env KEY=VALUE` pairs over the file's envs (a mapping, or dstack's list form, which they must not drop)."""
+    for key in overrides:
+        if not isinstance(key, str) or not _ENV_RE.fullmatch(key):
+            raise fail([(1, f"--env {_show(key)}: not a valid environment variable name. "
+                            "To fix: use letters, digits and '_', not starting with a digit")])
+    envs = data.get("envs")
+    if isinstance(envs, list):
+        try:
+            envs = env_list_as_mapping(envs)
+        except ValueError:          # the model says what is wrong with it
+            pass
+    if envs is None or isinstance(envs, dict):
+        data["envs"] = {**(envs or {}), **overrides}
+
+
 # A check beyond the model that a loaded spec must pass (the CLI's: can it launch?): None, or the
 # field to blame (its line is shown; () for the file as a whole) and a message that names it.
 SpecCheck = Callable[[JobSpec], tuple[tuple[str, ...], str] | None]
@@ -1100,18 +1117,7 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
     data.setdefault("name", _default_name(shown))
     _envs_as_written(data, root)
     if overrides:
-        for key in overrides:
-            if not isinstance(key, str) or not _ENV_RE.fullmatch(key):
-                raise fail([(1, f"--env {_show(key)}: not a valid environment variable name. "
-                                "To fix: use letters, digits and '_', not starting with a digit")])
-        envs = data.get("envs")
-        if isinstance(envs, list):
-            try:
-                envs = env_list_as_mapping(envs)
-            except ValueError:          # the model says what is wrong with it
-                pass
-        if envs is None or isinstance(envs, dict):
-            data["envs"] = {**(envs or {}), **overrides}
+        _add_env_overrides(data, overrides, fail)
 
     base_dir = os.path.dirname(os.path.abspath(shown))
     try:

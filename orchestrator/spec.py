@@ -455,12 +455,23 @@ class RecoverySpec(BaseModel):
     spares: Count = Field(0, ge=0, le=MAX_SPARES, strict=True)
 
 
+def _duration_text(value: Any) -> Any:
+    """A threshold written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration of the spec is
+    written) in seconds; any other value as it is."""
+    if isinstance(value, str) and _DURATION_RE.fullmatch(value.strip().lower()):
+        return parse_duration(value)
+    return value
+
+
+Threshold = Annotated[float, BeforeValidator(_duration_text)]
+
+
 class HealthSpec(BaseModel):
     """Health knobs set per job; the rest of the policy lives in configs/."""
 
     model_config = ConfigDict(extra="forbid")
     heartbeat_timeout: float = 30.0               # seconds
-    thresholds: dict[str, float] = {}             # overrides of configs/health.yaml's thresholds
+    thresholds: dict[str, Threshold] = {}         # overrides of configs/health.yaml's thresholds
     actions: dict[str, str] = {}                  # finding kind -> ignore|warn|checkpoint|replace_node|fail
 
     @field_validator("thresholds", "actions")
@@ -1000,6 +1011,9 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
                 what += ". To fix: " + _LIMIT_FIX[kind].format(**err.get("ctx", {}))
             elif leaf in _EXAMPLES:
                 what += f". To fix: write it like '{leaf}: {_EXAMPLES[leaf]}'"
+            elif path[:2] == ("health", "thresholds"):
+                what += (". To fix: write a number, as configs/health.yaml does (the *_s ones in seconds, or a duration "
+                         "such as '2h')")
     return path, line, f"{_dotted(path)}: {what}" if path else what
 
 

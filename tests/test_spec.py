@@ -372,6 +372,15 @@ def test_an_empty_checkpoint_dir_is_refused_not_taken_as_the_workdir(tmp_path):
     one(write(tmp_path, "run: x\ncheckpoint:\n  dir: ''\n"), 3, "checkpoint.dir", "empty", "remove it")
 
 
+def test_health_thresholds_take_durations_with_a_unit_and_say_how_to_fix_a_bad_one(tmp_path):
+    """README: a slow first step "needs health.thresholds.phase_timeout_max_s raised"; `phase_timeout_max_s: 2h`, as
+    every other duration of the spec is written, was "input should be a valid number", with no fix."""
+    spec = load_spec(write(tmp_path, "run: x\nhealth:\n  thresholds: {phase_timeout_max_s: 2h, hang_min_s: 90}\n"))
+    assert spec.health.thresholds == {"phase_timeout_max_s": 7200.0, "hang_min_s": 90.0}
+    one(write(tmp_path, "run: x\nhealth:\n  thresholds: {straggler_min_slowdown: 5%}\n"), 3,
+        "health.thresholds.straggler_min_slowdown", "'5%'", "To fix: write a number")
+
+
 def test_wrong_type(tmp_path):
     path = write(tmp_path, "run: x\nsteps: many\n")
     one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")

@@ -130,6 +130,22 @@ def test_an_unknown_accelerator_with_a_count_in_its_name_is_told_the_name_count_
     assert f"unknown accelerator {written!r}; did you mean {meant!r}? To fix:" in str(err.value)
 
 
+@pytest.mark.parametrize("written, message", [
+    ("cpu", "'cpu' is not an accelerator. To fix: remove resources.accelerators for a job on CPUs only"),
+    ("none", "'none' is not an accelerator. To fix: remove"),
+    ("80GB:8", "unknown accelerator '80GB'; a GPU's memory is not its name here. To fix: name the chips, any of them "
+               "as a mapping, e.g. {A100-80GB: 8, H100: 8}"),
+    ("gpu:8", "unknown accelerator 'gpu'. To fix: use one with a hardware spec"),
+])
+def test_a_cpu_a_memory_size_or_gpu_as_the_accelerator_says_what_to_write(written, message):
+    """`accelerators: gpu:8` got "did you mean 'CPU'?", `cpu` "this machine's GPUs are not planned", and dstack's
+    `80GB:8` (any GPU of 80 GB) "did you mean 'H100-80GB'?"."""
+    with pytest.raises(PlanError) as err:
+        check_accelerators(spec({"accelerators": written}))
+    assert f"resources.accelerators: {message}" in str(err.value)
+    assert "CPU'?" not in str(err.value)
+
+
 GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)
 
 

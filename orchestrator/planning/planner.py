@@ -420,6 +420,9 @@ _COUNT_IN_NAME_RES = (re.compile(r"(?P<count>\d{1,2})\s*[x×]\s*(?P<name>.+)", r
                       re.compile(r"(?P<name>.+?)\s*[x×]\s*(?P<count>\d{1,2})", re.IGNORECASE))
 
 
+_MEMORY_SIZE_RE = re.compile(r"\d+\s*GB", re.IGNORECASE)
+
+
 def _count_in_name(name: str) -> str | None:
     """"H100:8" for a name that is a known accelerator and a count ("8xH100", "H100x8"); else None."""
     for pattern in _COUNT_IN_NAME_RES:
@@ -432,15 +435,23 @@ def _count_in_name(name: str) -> str | None:
 def check_accelerators(spec: JobSpec) -> None:
     """PlanError for an accelerator no hardware spec knows: no offer of it could ever be priced (see
     _filter_accelerators), so no catalog or provider needs asking to refuse it."""
+    chips = [h for h in load_all().values() if h.kind != "cpu"]
     for choice in spec.resources.accelerator_choices():
-        if find_hardware(choice.name) is None:
-            known = [h.name for h in load_all().values() if h.kind != "cpu"]
-            close = _count_in_name(choice.name) or close_match(
-                choice.name, [alias for h in load_all().values() for alias in h.aliases])
-            hint = f"; did you mean {close!r}?" if close else "."
-            raise PlanError(f"resources.accelerators: unknown accelerator {choice.name!r}{hint} To fix: use one "
-                            f"with a hardware spec in configs/hardware/: {', '.join(known)}",
-                            field=("resources", "accelerators"))
+        hardware = find_hardware(choice.name)
+        if hardware is not None and hardware.kind != "cpu":
+            continue
+        if hardware is not None or choice.name.casefold() == "none":      # `accelerators: cpu` for no GPU
+            raise PlanError(f"resources.accelerators: {choice.name!r} is not an accelerator. To fix: remove "
+                            "resources.accelerators for a job on CPUs only", field=("resources", "accelerators"))
+        if _MEMORY_SIZE_RE.fullmatch(choice.name):      # dstack's `gpu: 80GB:8`: any GPU of that memory
+            hint = (f"; a GPU's memory is not its name here. To fix: name the chips, any of them as a mapping, e.g. "
+                    f"{{A100-80GB: {choice.count}, H100: {choice.count}}}")
+        else:
+            close = _count_in_name(choice.name) or close_match(choice.name, [a for h in chips for a in h.aliases])
+            hint = (f"; did you mean {close!r}?" if close else ".") + " To fix: use one with a hardware spec in " \
+                f"configs/hardware/: {', '.join(h.name for h in chips)}"
+        raise PlanError(f"resources.accelerators: unknown accelerator {choice.name!r}{hint}",
+                        field=("resources", "accelerators"))
 
 
 def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float | None:

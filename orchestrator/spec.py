@@ -181,9 +181,14 @@ def _parse_accelerator(text: Any) -> tuple[str, int]:
 
 
 def whole_number_text(value: Any) -> Any:
-    """A count written as text (`num_nodes: "2"`, `{A100: "8"}`: SkyPilot and dstack users quote them) as the
-    int it names; any other value as it is, for the field's own check to take or refuse."""
+    """A count written as text (`num_nodes: "2"`, `{A100: "8"}`: SkyPilot and dstack users quote them), in
+    scientific notation (`steps: 1e6`, which YAML reads as text, and 1.0e6 as a float) or as a whole float (2.0) as
+    the int it names; any other value (2.5) as it is, for the field's own check to take or refuse."""
     if isinstance(value, str) and re.fullmatch(r"\s*\d{1,18}\s*", value):
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*\d{1,6}(?:\.\d{1,6})?[eE]\+?\d{1,2}\s*", value):
+        value = float(value)
+    if isinstance(value, float) and value.is_integer():       # inf and nan are not
         return int(value)
     return value
 

@@ -166,6 +166,10 @@ def test_counts_written_as_text_are_the_numbers_they_name(tmp_path):
     assert (spec.recovery.max_restarts, spec.recovery.spares, spec.model.layers, spec.model.batch_size) == (4, 1, 2, 8)
     assert spec.resources.accelerators == {"A100": 8, "H100": 4}
     one(write(tmp_path, "run: x\nnum_nodes: '2.5'\n"), 2, "num_nodes", "valid integer", "'2.5'")
+    spec = load_spec(write(tmp_path, "run: x\nsteps: 1e6\nnum_nodes: 2.0\nresources: {accelerators: {A100: 8.0}}\n"))
+    assert (spec.steps, spec.num_nodes, spec.resources.accelerators) == (1_000_000, 2, {"A100": 8})   # ML's 1e6
+    one(write(tmp_path, "run: x\nsteps: 2.5\n"), 2, "steps", "valid integer", "2.5")
+    one(write(tmp_path, "run: x\nsteps: 1e30\n"), 2, "steps", "at most 1000000000")
     one(write(tmp_path, "run: x\nnum_nodes: '0'\n"), 2, "num_nodes", "greater than or equal to 1")
 
 

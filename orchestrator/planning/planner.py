@@ -418,9 +418,7 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
 # A count written into the name, "8xH100" or "H100x8": the closest name alone ("H100") would be one accelerator.
 _COUNT_IN_NAME_RES = (re.compile(r"(?P<count>\d{1,2})\s*[x×]\s*(?P<name>.+)", re.IGNORECASE),
                       re.compile(r"(?P<name>.+?)\s*[x×]\s*(?P<count>\d{1,2})", re.IGNORECASE))
-
-
-_MEMORY_SIZE_RE = re.compile(r"\d+\s*GB", re.IGNORECASE)
+_MEMORY_SIZE_RE = re.compile(r"\d+\s*GB", re.IGNORECASE)        # dstack's `gpu: 80GB:8`: any GPU of that memory
 
 
 def _count_in_name(name: str) -> str | None:
@@ -443,7 +441,7 @@ def check_accelerators(spec: JobSpec) -> None:
         if hardware is not None or choice.name.casefold() == "none":      # `accelerators: cpu` for no GPU
             raise PlanError(f"resources.accelerators: {choice.name!r} is not an accelerator. To fix: remove "
                             "resources.accelerators for a job on CPUs only", field=("resources", "accelerators"))
-        if _MEMORY_SIZE_RE.fullmatch(choice.name):      # dstack's `gpu: 80GB:8`: any GPU of that memory
+        if _MEMORY_SIZE_RE.fullmatch(choice.name):
             hint = (f"; a GPU's memory is not its name here. To fix: name the chips, any of them as a mapping, e.g. "
                     f"{{A100-80GB: {choice.count}, H100: {choice.count}}}")
         else:

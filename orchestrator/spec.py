@@ -99,10 +99,11 @@ PathText = bounded_text(MAX_PATH)
 Script = bounded_text(MAX_SCRIPT, multiline=True)
 
 
-def close_match(word: str, choices: Sequence[str]) -> str | None:
-    """The choice that `word` most likely misspells (case aside), for a "did you mean" hint; or None."""
+def close_match(word: str, choices: Sequence[str], cutoff: float = 0.6) -> str | None:
+    """The choice that `word` most likely misspells (case aside), for a "did you mean" hint; or None. `cutoff`: how
+    alike they must be (difflib's ratio)."""
     folded = {choice.casefold(): choice for choice in choices}
-    close = difflib.get_close_matches(word.casefold(), list(folded), n=1)
+    close = difflib.get_close_matches(word.casefold(), list(folded), n=1, cutoff=cutoff)
     return folded[close[0]] if close else None
 
 

@@ -146,6 +146,20 @@ def test_a_cpu_a_memory_size_or_gpu_as_the_accelerator_says_what_to_write(writte
     assert "CPU'?" not in str(err.value)
 
 
+def test_regions_compare_case_aside_and_a_misspelt_one_is_named_with_the_region_meant():
+    """`regions: [US-East-1]` removed every us-east-1 offer, and `regions: [us-east1]` (GCP's spelling on AWS) said only
+    "add regions, or remove regions to allow all"."""
+    offers = [offer(region="us-east-1", instance="east"), offer(region="us-west-2", instance="west")]
+    assert {c.offer.instance_type for c in plan_job(spec({"accelerators": "H100:8", "regions": ["US-East-1"]}),
+                                                    offers)} == {"east"}
+    with pytest.raises(PlanError) as err:
+        plan_job(spec({"accelerators": "H100:8", "regions": ["us-east1"]}), offers)
+    assert "To fix: write 'us-east-1' for 'us-east1' (no offer is in the latter), add regions" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        plan_job(spec({"accelerators": "H100:8", "regions": ["euwest"]}), offers)
+    assert "To fix: add regions" in str(err.value)           # no wild guess (us-west-2)
+
+
 GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)
 
 

@@ -364,10 +364,15 @@ def _filter_place(f: _Filter, res: Any, c: _Columns) -> None:
         allowed = [i for i, p in enumerate(c.provider_names) if p in res.infra]
         f.apply(np.isin(c.provider, allowed), f"resources.infra {res.infra}",
                 f"add providers to infra (the catalog has {', '.join(sorted(c.provider_names))})")
-    if res.regions:
-        allowed = [i for i, r in enumerate(c.region_names) if r in res.regions]
+    if res.regions:     # case aside: "US-East-1" is us-east-1
+        wanted = {region.casefold() for region in res.regions}
+        allowed = [i for i, r in enumerate(c.region_names) if r.casefold() in wanted]
+        known = {r.casefold() for r in c.region_names}
+        unknown = [region for region in res.regions if region.casefold() not in known]
+        close = close_match(unknown[0], c.region_names, cutoff=0.8) if unknown else None    # a typo, not a guess
+        typo = f"write {close!r} for {unknown[0]!r} (no offer is in the latter), " if close else ""
         f.apply(np.isin(c.region, allowed), f"resources.regions {res.regions}",
-                "add regions, or remove regions to allow all")
+                f"{typo}add regions, or remove regions to allow all")
 
 
 _STATED_MEMORY_RE = re.compile(r"(\d+)\s*gb", re.IGNORECASE)

@@ -317,6 +317,27 @@ class Resources(BaseModel):
     def _memory(cls, value: Any) -> Any:
         return _parse_amount(value, whole=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _infra_with_regions(cls, data: Any) -> Any:
+        """SkyPilot's `infra: aws/us-east-1` (CLOUD/REGION) is infra [aws] and regions [us-east-1], and "gcp, aws"
+        (as TFSN_CLOUDS is written) the list of both."""
+        infra = data.get("infra") if isinstance(data, dict) else None
+        items = [item.strip() for item in infra.split(",")] if isinstance(infra, str) else infra
+        if not isinstance(items, list) or not any(isinstance(item, str) and "/" in item for item in items):
+            return data if not isinstance(infra, str) else {**data, "infra": items}
+        providers, regions = [], list(_as_list(data.get("regions")) or [])
+        for item in items:
+            cloud, _, where = item.partition("/") if isinstance(item, str) else (item, "", "")
+            region, _, zone = where.partition("/")
+            if zone:
+                raise ValueError(f"infra: {_show(item)} names a zone; tfsn picks the zone within the region. To fix: "
+                                 f"write {cloud}/{region}")
+            providers.append(cloud)
+            if region and region != "*" and region not in regions:
+                regions.append(region)
+        return {**data, "infra": providers, **({"regions": regions} if regions else {})}
+
     @field_validator("infra", mode="before")
     @classmethod
     def _infra(cls, value: Any) -> Any:
@@ -329,6 +350,7 @@ class Resources(BaseModel):
         out = []
         for item in value:
             name = item.strip().lower() if isinstance(item, str) else item
+            name = {"k8s": "kubernetes"}.get(name, name)       # SkyPilot's name of it
             if name not in PROVIDERS:
                 close = close_match(str(name), PROVIDERS)
                 hint = f"did you mean {close!r}? " if close else ""

@@ -385,6 +385,27 @@ def test_health_thresholds_take_durations_with_a_unit_and_say_how_to_fix_a_bad_o
         "health.thresholds.straggler_min_slowdown", "'5%'", "To fix: write a number")
 
 
+@pytest.mark.parametrize("written, infra, regions", [
+    ("infra: aws/us-east-1", ["aws"], ["us-east-1"]),
+    ("{infra: [aws/us-east-1, gcp/us-central1], regions: [us-west-2]}", ["aws", "gcp"],
+     ["us-west-2", "us-east-1", "us-central1"]),
+    ("infra: aws/*", ["aws"], None),
+    ("infra: k8s", ["kubernetes"], None),
+    ("infra: 'gcp, aws'", ["gcp", "aws"], None),
+])
+def test_skypilot_infra_with_a_region_and_k8s_are_taken(tmp_path, written, infra, regions):
+    """SkyPilot's `infra: aws/us-east-1` and `infra: k8s`, and "gcp, aws" as TFSN_CLOUDS is written, were "unknown
+    provider"."""
+    text = f"run: x\nresources: {written}\n" if written.startswith("{") else f"run: x\nresources:\n  {written}\n"
+    resources = load_spec(write(tmp_path, text)).resources
+    assert (resources.infra, resources.regions) == (infra, regions)
+
+
+def test_skypilot_infra_with_a_zone_is_refused_saying_tfsn_picks_it(tmp_path):
+    one(write(tmp_path, "run: x\nresources:\n  infra: aws/us-east-1/us-east-1a\n"), 2, "resources",
+        "names a zone; tfsn picks the zone within the region. To fix: write aws/us-east-1")
+
+
 def test_wrong_type(tmp_path):
     path = write(tmp_path, "run: x\nsteps: many\n")
     one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")

@@ -387,6 +387,14 @@ def test_stop_by_name_stops_the_live_job_of_that_name_and_refuses_to_guess_betwe
     assert not store.job(third.id).stop_requested
 
 
+def test_logs_of_a_job_without_a_log_says_so(in_process, tmp_path):
+    """`tfsn logs 1` of a job not started yet (or failed before any node) printed nothing, as if it had run silent."""
+    (tmp_path / "home").mkdir()
+    job = Store(daemon.store_path(tmp_path / "home")).create_job("train", {"name": "train"}, "t.yaml", "t")
+    code, out, err = in_process("logs", str(job.id))
+    assert (code, out) == (0, "") and err == f"tfsn: job {job.id} (PENDING) has no log yet. See: tfsn status {job.id}\n"
+
+
 def test_a_heartbeat_timeout_of_a_few_heartbeats_is_a_warning_naming_the_field(in_process, tmp_path):
     """heartbeat_timeout: 1s was accepted without a word, and failed both healthy nodes of a local job as it
     started: a restart and two new nodes for nothing."""

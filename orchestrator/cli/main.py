@@ -299,6 +299,9 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
     record = store.find_job(job)
     log = job_dir(record.id) / "job.log"
     if not follow_:
+        if not log.exists():      # printing nothing read as a job that ran and said nothing
+            err_console.print(f"tfsn: job {record.id} ({record.state.value}) has no log yet. See: tfsn status "
+                              f"{record.id}", highlight=False, markup=False)
         print_log(log, sys.stdout)
         return
     _revive_controller(store)

@@ -70,8 +70,12 @@ def __getattr__(name: str) -> Any:
 
 def main() -> None:
     """The `tfsn` console script."""
+    from orchestrator.cli.interrupts import raise_if_interrupted, remember_interrupts
+
+    remember_interrupts()
     try:
         from orchestrator.cli.main import main as cli_main
+        raise_if_interrupted()           # one that the import's weakref callbacks dropped
     except KeyboardInterrupt:            # Ctrl-C while the CLI loads: nothing was done yet
         raise SystemExit(130) from None
     cli_main()

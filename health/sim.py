@@ -38,6 +38,7 @@ import argparse
 import enum
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -385,6 +386,12 @@ class _Run:
         self.result.checkpoints += 1
 
 
+# Bounds of a simulation: 64k ranks is twice the largest clusters built (the process holds ~160 MB; 3M ranks held
+# 1.6 GB, and 100M ranks grew without end), and 100k steps of 512 ranks take 5 minutes here.
+MAX_RANKS = 65536
+MAX_STEPS = 100_000
+
+
 def simulate(ranks: int = 512, steps: int = 300, throttle_rank: int | None = None, slowdown: float = 0.2,
              onset: int = 100, seed: int = 0, *, mode: Mode | str = Mode.TFSN, scenario: Scenario | None = None,
              config: HealthConfig | None = None) -> SimResult:
@@ -392,12 +399,15 @@ def simulate(ranks: int = 512, steps: int = 300, throttle_rank: int | None = Non
 
     `throttle_rank` computes (1 + `slowdown`) times longer from step `onset` until its node is replaced.
     """
-    if ranks < 1 or steps < 1:
-        raise ValueError("ranks and steps must be at least 1")
+    if not (1 <= ranks <= MAX_RANKS and 1 <= steps <= MAX_STEPS):
+        raise ValueError(f"--ranks {ranks} --steps {steps}: ranks must be from 1 to {MAX_RANKS} and steps from 1 to "
+                         f"{MAX_STEPS}. To fix: simulate a job within those (memory grows with the ranks, time with both)")
     if throttle_rank is not None and not 0 <= throttle_rank < ranks:
-        raise ValueError(f"--throttle-rank {throttle_rank} is not one of the {ranks} ranks")
+        raise ValueError(f"--throttle-rank {throttle_rank} is not one of the {ranks} ranks. To fix: name one from 0 "
+                         f"to {ranks - 1}")
     if not slowdown > 0:
-        raise ValueError(f"--slowdown is a fraction greater than 0 (0.1 = 10% slower), got {slowdown}")
+        raise ValueError(f"--slowdown is a fraction greater than 0 (0.1 = 10% slower), got {slowdown}. To fix: e.g. "
+                         "--slowdown 0.1")
     run = _Run(ranks, seed, Mode(mode), scenario or Scenario(), config or HealthConfig.load())
     return run.run(steps, None if throttle_rank is None else (throttle_rank, slowdown, onset))
 
@@ -407,8 +417,8 @@ def simulate_command(ranks: int, steps: int, throttle_rank: int | None, slowdown
     """`tfsn health simulate`: a short summary; with `as_json`, a last line of one JSON object."""
     try:
         result = simulate(ranks, steps, throttle_rank, slowdown, onset, seed)
-    except ValueError as err:
-        print(f"error: {err}")
+    except ValueError as err:          # bad arguments: one line on stderr, as every tfsn command says them
+        print(f"tfsn: error: {err}", file=sys.stderr)
         return 2
     print(f"{ranks} ranks x {steps} steps (seed {seed}): ETTR {result.ettr:.1%}, {result.crashes} crash(es), "
           f"{result.replacements} node(s) replaced, {result.false_positives} false positive(s)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import platform
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,11 @@ def load_all(directory: str | None = None) -> dict[str, HardwareSpec]:
     return specs
 
 
+# The vendor's words before a chip's name, as GCP ("nvidia-tesla-t4", "nvidia-h100-80gb") and Kubernetes labels
+# write it: "nvidia-h100" is the H100.
+_VENDOR_PREFIX_RE = re.compile(r"^(?:nvidia|amd)[-_ ](?:tesla[-_ ])?")
+
+
 @functools.lru_cache(maxsize=256)
 def find_hardware(accelerator: str | None, directory: str | None = None) -> HardwareSpec | None:
     """The spec a catalog's accelerator name refers to (case-insensitive), or None if none does.
@@ -284,9 +290,10 @@ def find_hardware(accelerator: str | None, directory: str | None = None) -> Hard
     `None` (a CPU-only offer) maps to the generic CPU spec.
     """
     wanted = (accelerator or "cpu").casefold()
-    for spec in load_all(directory).values():
-        if any(alias.casefold() == wanted for alias in spec.aliases):
-            return spec
+    for name in (wanted, _VENDOR_PREFIX_RE.sub("", wanted)):
+        for spec in load_all(directory).values():
+            if any(alias.casefold() == name for alias in spec.aliases):
+                return spec
     return None
 
 

@@ -99,10 +99,11 @@ PathText = bounded_text(MAX_PATH)
 Script = bounded_text(MAX_SCRIPT, multiline=True)
 
 
-def close_match(word: str, choices: Sequence[str]) -> str | None:
-    """The choice that `word` most likely misspells (case aside), for a "did you mean" hint; or None."""
+def close_match(word: str, choices: Sequence[str], cutoff: float = 0.6) -> str | None:
+    """The choice that `word` most likely misspells (case aside), for a "did you mean" hint; or None. `cutoff`: how
+    alike they must be (difflib's ratio)."""
     folded = {choice.casefold(): choice for choice in choices}
-    close = difflib.get_close_matches(word.casefold(), list(folded), n=1)
+    close = difflib.get_close_matches(word.casefold(), list(folded), n=1, cutoff=cutoff)
     return folded[close[0]] if close else None
 
 
@@ -180,24 +181,51 @@ def _parse_accelerator(text: Any) -> tuple[str, int]:
     raise ValueError(f"accelerator count {_show(count)} in {_show(text)} is not a whole number >= 1. {_ACC_FIX}")
 
 
+def whole_number_text(value: Any) -> Any:
+    """A count written as text (`num_nodes: "2"`, `{A100: "8"}`: SkyPilot and dstack users quote them), in
+    scientific notation (`steps: 1e6`, which YAML reads as text, and 1.0e6 as a float) or as a whole float (2.0) as
+    the int it names; any other value (2.5) as it is, for the field's own check to take or refuse."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\d{1,18}\s*", value):
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*\d{1,6}(?:\.\d{1,6})?[eE]\+?\d{1,2}\s*", value):
+        value = float(value)
+    if isinstance(value, float) and value.is_integer():       # inf and nan are not
+        return int(value)
+    return value
+
+
+# Int fields that take "8" as 8 (the optional one so that its bounds stay in the JSON schema, the TfsnJob CRD's)
+Count = Annotated[int, BeforeValidator(whole_number_text)]
+OptionalCount = Annotated[int | None, BeforeValidator(whole_number_text)]
+
+
 def _accelerator_count(count: Any, name: Any) -> int:
+    count = whole_number_text(count)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_ACCELERATORS_PER_NODE:
         raise ValueError(f"count {_show(count)} for {_show(name)} is not a whole number from 1 to "
                          f"{MAX_ACCELERATORS_PER_NODE} (accelerators per node). {_ACC_FIX}")
     return count
 
 
+# Units of `memory`, in GiB: "32GB" (dstack's form) is 32 GiB, as the catalogs' MemoryGiB count it.
+_MEMORY_UNITS = {"": 1.0, **{unit: scale for units, scale in (("m mb mib", 1 / 1024), ("g gb gib", 1.0),
+                                                               ("t tb tib", 1024.0)) for unit in units.split()}}
+_AMOUNT_RE = re.compile(r"(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[A-Za-z]*)")
+
+
 def _parse_amount(value: Any, whole: bool) -> Any:
-    fix = "To fix: write a number, or 'N+' for at least N, e.g. " + ("'4+'" if whole else "'16+'")
+    """`value` ("16", "16+", 16, and for memory "32GB", "1TB+") as the stored form {count, at_least}."""
+    fix = "To fix: write a number, or 'N+' for at least N, e.g. " + ("'4+'" if whole else "'16+' or '32GB+'")
     if value is None or isinstance(value, dict):    # dict: the stored form, or an error for Amount
         return value
     at_least, count = False, None
     if isinstance(value, str):
         text = value.strip()
         at_least = text.endswith("+")
-        text = text.removesuffix("+").strip()
-        if _NUMBER_RE.fullmatch(text):
-            count = float(text)
+        match = _AMOUNT_RE.fullmatch(text.removesuffix("+").strip())
+        units = {"": 1.0} if whole else _MEMORY_UNITS
+        if match and match["unit"].lower() in units:
+            count = float(match["number"]) * units[match["unit"].lower()]
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         count = float(value) if not isinstance(value, int) or value.bit_length() < 1000 else math.inf
     if count is None or not math.isfinite(count) or count <= 0:
@@ -289,6 +317,27 @@ class Resources(BaseModel):
     def _memory(cls, value: Any) -> Any:
         return _parse_amount(value, whole=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _infra_with_regions(cls, data: Any) -> Any:
+        """SkyPilot's `infra: aws/us-east-1` (CLOUD/REGION) is infra [aws] and regions [us-east-1], and "gcp, aws"
+        (as TFSN_CLOUDS is written) the list of both."""
+        infra = data.get("infra") if isinstance(data, dict) else None
+        items = [item.strip() for item in infra.split(",")] if isinstance(infra, str) else infra
+        if not isinstance(items, list) or not any(isinstance(item, str) and "/" in item for item in items):
+            return data if not isinstance(infra, str) else {**data, "infra": items}
+        providers, regions = [], list(_as_list(data.get("regions")) or [])
+        for item in items:
+            cloud, _, where = item.partition("/") if isinstance(item, str) else (item, "", "")
+            region, _, zone = where.partition("/")
+            if zone:
+                raise ValueError(f"infra: {_show(item)} names a zone; tfsn picks the zone within the region. To fix: "
+                                 f"write {cloud}/{region}")
+            providers.append(cloud)
+            if region and region != "*" and region not in regions:
+                regions.append(region)
+        return {**data, "infra": providers, **({"regions": regions} if regions else {})}
+
     @field_validator("infra", mode="before")
     @classmethod
     def _infra(cls, value: Any) -> Any:
@@ -301,6 +350,7 @@ class Resources(BaseModel):
         out = []
         for item in value:
             name = item.strip().lower() if isinstance(item, str) else item
+            name = {"k8s": "kubernetes"}.get(name, name)       # SkyPilot's name of it
             if name not in PROVIDERS:
                 close = close_match(str(name), PROVIDERS)
                 hint = f"did you mean {close!r}? " if close else ""
@@ -368,13 +418,20 @@ class CheckpointSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dir: PathText | None = None                   # s3://, gs://, az:// URL, or a path (absolute once loaded)
     interval: int | str = "auto"
-    keep: int = Field(3, ge=1, le=MAX_CHECKPOINTS_KEPT, strict=True)
+    keep: Count = Field(3, ge=1, le=MAX_CHECKPOINTS_KEPT, strict=True)
     async_save: bool = Field(True, strict=True)   # the step pays for the copy to memory only; writes go on behind
     local_ok: bool = Field(False, strict=True)    # a path is on storage every node shares (tfsn cannot tell)
 
     @field_validator("dir")
     @classmethod
     def _dir(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():     # "" was the workdir itself, checkpoints among the code
+            raise ValueError("empty. To fix: name a folder or a bucket URL, or remove it for the default")
+        slash_missing = re.match(r"(s3|gs|az):/?(?!/)", value or "", re.IGNORECASE)
+        if slash_missing:                               # "gs:/bucket" was a folder "gs:" in workdir, not the bucket
+            url = f"{slash_missing[1].lower()}://{value[slash_missing.end():]}"
+            raise ValueError(f"{_show(value)} looks like a mistyped {url}. To fix: write {url} "
+                             f"(or ./{value} for a folder of that name)")
         scheme = (value or "").partition("://")[0]
         if value is not None and "://" in value and checkpoint_url_scheme(value) is None:
             raise ValueError(f"{_show(scheme)}:// is not a storage tfsn checkpoints to. To fix: use s3://BUCKET/PATH, "
@@ -422,8 +479,19 @@ class RecoverySpec(BaseModel):
     """How many times to restart after a fault, and how many standby nodes to keep provisioned."""
 
     model_config = ConfigDict(extra="forbid")
-    max_restarts: int = Field(3, ge=0, le=MAX_RESTARTS, strict=True)
-    spares: int = Field(0, ge=0, le=MAX_SPARES, strict=True)
+    max_restarts: Count = Field(3, ge=0, le=MAX_RESTARTS, strict=True)
+    spares: Count = Field(0, ge=0, le=MAX_SPARES, strict=True)
+
+
+def _duration_text(value: Any) -> Any:
+    """A threshold written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration of the spec is
+    written) in seconds; any other value as it is."""
+    if isinstance(value, str) and _DURATION_RE.fullmatch(value.strip().lower()):
+        return parse_duration(value)
+    return value
+
+
+Threshold = Annotated[float, BeforeValidator(_duration_text)]
 
 
 class HealthSpec(BaseModel):
@@ -431,7 +499,7 @@ class HealthSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     heartbeat_timeout: float = 30.0               # seconds
-    thresholds: dict[str, float] = {}             # overrides of configs/health.yaml's thresholds
+    thresholds: dict[str, Threshold] = {}         # overrides of configs/health.yaml's thresholds
     actions: dict[str, str] = {}                  # finding kind -> ignore|warn|checkpoint|replace_node|fail
 
     @field_validator("thresholds", "actions")
@@ -510,10 +578,10 @@ class ModelSpec(BaseModel):
     entry_timeout: float = ENTRY_TIMEOUT_S         # seconds for importing the entry, capturing and searching
     # Bounds far above any model trained (1e12 parameters, 200 layers, 32k wide, 1M-token contexts)
     params: float | None = Field(None, gt=0, le=1e15, allow_inf_nan=False)  # 1.3e9, or "1.3B", "350M"
-    layers: int | None = Field(None, ge=1, le=10**5, strict=True)
-    hidden: int | None = Field(None, ge=1, le=1 << 20, strict=True)
-    seq_len: int | None = Field(None, ge=1, le=1 << 30, strict=True)
-    batch_size: int | None = Field(None, ge=1, le=1 << 30, strict=True)   # sequences, all ranks
+    layers: OptionalCount = Field(None, ge=1, le=10**5, strict=True)
+    hidden: OptionalCount = Field(None, ge=1, le=1 << 20, strict=True)
+    seq_len: OptionalCount = Field(None, ge=1, le=1 << 30, strict=True)
+    batch_size: OptionalCount = Field(None, ge=1, le=1 << 30, strict=True)   # sequences, all ranks
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
 
     @field_validator("params", mode="before")
@@ -596,6 +664,20 @@ def _env_value(value: Any) -> str:
     return value
 
 
+def env_list_as_mapping(items: list) -> dict[str, str]:
+    """dstack's (and docker compose's) list form of the environment, [NAME=VALUE, ...], as the mapping it means."""
+    mapping: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+        if not sep:
+            raise ValueError(f"item {_show(item)} is not NAME=VALUE. To fix: write each item as NAME=VALUE (a value "
+                             "given at launch: --env NAME=VALUE), or envs as a mapping, e.g. 'envs: {SEED: 1}'")
+        if name in mapping:
+            raise ValueError(f"{_show(name)} is given twice. To fix: keep only one")
+        mapping[name] = value
+    return mapping
+
+
 EnvName = Annotated[str, Field(strict=True, max_length=MAX_ENV_NAME), AfterValidator(_env_name)]
 # multiline: a value may be a PEM key
 EnvValue = Annotated[bounded_text(MAX_ENV_VALUE, multiline=True), BeforeValidator(_env_value)]
@@ -606,13 +688,13 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(strict=True)                # load_spec defaults it to the file's stem
-    num_nodes: int = Field(1, ge=1, le=MAX_NODES, strict=True)
+    num_nodes: Count = Field(1, ge=1, le=MAX_NODES, strict=True)
     nproc_per_node: int | Literal["auto"] = "auto"
     workdir: PathText = "."
     setup: Script | None = None
     run: Script
     envs: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=MAX_ENVS)
-    steps: int | None = Field(None, ge=1, le=MAX_STEPS, strict=True)
+    steps: OptionalCount = Field(None, ge=1, le=MAX_STEPS, strict=True)
     resources: Resources = Field(default_factory=Resources)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
@@ -643,6 +725,7 @@ class JobSpec(BaseModel):
     @field_validator("nproc_per_node", mode="before")
     @classmethod
     def _nproc(cls, value: Any) -> Any:
+        value = whole_number_text(value)
         if isinstance(value, str) and value.strip().lower() == "auto":
             return "auto"
         if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PROCS_PER_NODE:
@@ -653,6 +736,8 @@ class JobSpec(BaseModel):
     @field_validator("envs", mode="before")
     @classmethod
     def _envs(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return env_list_as_mapping(value)
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{_show(value)} is not a mapping. To fix: write e.g. 'envs: {{SEED: 1}}'")
         return value or {}
@@ -710,6 +795,37 @@ _EXAMPLES = {
     "max_restarts": "3", "spares": "1", "count": "4", "at_least": "true", "local_ok": "true", "async_save": "true",
     "params": "1.3B", "layers": "24", "hidden": "2048", "seq_len": "2048", "batch_size": "256", "dtype": "bf16",
     "entry": "train.py:build", "entry_timeout": "5m",
+}
+
+
+# Fields of SkyPilot's and dstack's specs that tfsn spells otherwise or has not, by the section they are in: what to
+# write instead. Checked before the "did you mean" guess, which sent `resources.gpus` to cpus and `accelerator_args`
+# to accelerators.
+_OTHER_TOOLS_FIELDS = {
+    (): {
+        "commands": "tfsn runs one script. To fix: write it as 'run: |' with the commands under it, one a line",
+        "image": "a container image is for pods. To fix: write it under 'kubernetes:' as 'image:' (cloud VMs take "
+                 "TFSN_AWS_AMI, TFSN_GCP_IMAGE or TFSN_AZURE_IMAGE)",
+        "file_mounts": "tfsn mounts no files: each node gets workdir's. To fix: remove it, and read data "
+                       "from object storage in the script or keep it in workdir",
+        "secrets": "To fix: put them in envs, or pass them with --env NAME=VALUE",
+        "type": "tfsn runs training tasks only. To fix: remove it",
+        "spot_policy": "To fix: write 'use_spot: true' (or false) under resources",
+    },
+    ("resources",): {
+        **{name: "To fix: write it as 'accelerators', e.g. 'accelerators: H100:8'" for name in ("gpu", "gpus")},
+        "cloud": "To fix: write it as 'infra', e.g. 'infra: [aws]'",
+        "zone": "tfsn picks the zone within the regions. To fix: write 'regions: [REGION]' instead",
+        "any_of": "To fix: write the accelerators as a mapping, 'accelerators: {H100: 8, A100: 8}' (any of them: the "
+                  "cheapest run wins)",
+        "ordered": "To fix: write the accelerators as a list, 'accelerators: [H100:8, A100:8]' (in order of "
+                   "preference)",
+        **{name: "tfsn does not size disks: a node has its image's. To fix: remove it"
+           for name in ("disk_size", "disk")},
+        "instance_type": "tfsn picks the instance from accelerators, cpus and memory. To fix: write those instead",
+        "image_id": "To fix: remove it, and set TFSN_AWS_AMI, TFSN_GCP_IMAGE or TFSN_AZURE_IMAGE (or kubernetes.image)",
+        "accelerator_args": "tfsn has no accelerator arguments (nor TPUs). To fix: remove it",
+    },
 }
 
 
@@ -846,6 +962,21 @@ def _envs_as_written(data: dict, root: yaml.Node) -> None:
             envs[key] = value.value
 
 
+# How to fix the YAML errors users make, by words of the parser's message; the first that matches.
+_YAML_FIXES = (
+    ("mapping values are not allowed", "indent a field's fields under it by the same spaces, put a space after "
+                                       "each key's colon (here or on the line above), and quote a value that holds "
+                                       "': '"),
+    ("flow", "close the brackets, as in [a, b] or {a: 1}"),
+    ("expected <block end>", "indent the fields of one mapping by the same spaces"),
+    ("could not find expected ':'", "write each field as 'key: value' (a space after the colon)"),
+    ("single document", "keep one document: remove the '---' and what follows it (another job: its own file)"),
+    ("undefined alias", "define the anchor (&NAME) before its use (*NAME), or quote a value that starts with '*'"),
+    ("quoted scalar", "close the quote on that line"),
+    ("constructor for the tag", "remove the tag (the '!' word): a job spec holds plain values"),
+)
+
+
 def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
     if isinstance(err, yaml.MarkedYAMLError):
         mark = err.problem_mark or err.context_mark
@@ -855,6 +986,9 @@ def _yaml_error(err: Exception, text: str) -> tuple[int, str]:
         if "'\\t'" in what and mark is not None:        # an editor's tab: YAML indents and separates with spaces only
             what = (f"a tab at column {mark.column + 1}: YAML indents and separates with spaces only. To fix: "
                     "replace the tabs with spaces")
+        else:
+            fix = next((fix for words, fix in _YAML_FIXES if words in what), "check the YAML syntax on that line")
+            what = f"{what}. To fix: {fix}"
         return (mark.line + 1 if mark else 1), f"invalid YAML: {what}"
     if isinstance(err, yaml.reader.ReaderError):
         return text[:err.position].count("\n") + 1, (
@@ -878,9 +1012,13 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
         model = _model_at(path[:-1])
         fields = list(model.model_fields) if model else []
         close = close_match(str(leaf), fields)
+        other_tools = _OTHER_TOOLS_FIELDS.get(path[:-1], {}).get(leaf) if isinstance(leaf, str) else None
         what = f"unknown field {leaf!r}"
-        what += (f"; did you mean {close!r}? To fix: rename it" if close
-                 else f". To fix: use one of {', '.join(fields)}")
+        if other_tools:
+            what += f". {other_tools}"
+        else:
+            what += (f"; did you mean {close!r}? To fix: rename it" if close
+                     else f". To fix: use one of {', '.join(fields)}")
     else:
         line = _line(root, path)
         if kind == "value_error":
@@ -890,6 +1028,10 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
             model = _model_at(path)
             if model:
                 what += f". To fix: indent fields under it, one of {', '.join(model.model_fields)}"
+        elif kind == "string_type" and path in (("run",), ("setup",)) and isinstance(err.get("input"), list):
+            # dstack's `commands` form; not joined, as whether a failing command stops the rest is not clear
+            what = (f"a list of commands; tfsn runs one script. To fix: write it as '{leaf}: |' with the commands "
+                    "under it, one a line (add 'set -e' first to stop at one that fails)")
         else:
             msg = err["msg"]
             what = f"{msg[:1].lower()}{msg[1:]}, got {_show(err.get('input'))}"
@@ -897,6 +1039,9 @@ def _message(err: dict, data: Any, root: yaml.Node) -> tuple[tuple, int, str]:
                 what += ". To fix: " + _LIMIT_FIX[kind].format(**err.get("ctx", {}))
             elif leaf in _EXAMPLES:
                 what += f". To fix: write it like '{leaf}: {_EXAMPLES[leaf]}'"
+            elif path[:2] == ("health", "thresholds"):
+                what += (". To fix: write a number, as configs/health.yaml does (the *_s ones in seconds, or a duration "
+                         "such as '2h')")
     return path, line, f"{_dotted(path)}: {what}" if path else what
 
 
@@ -969,6 +1114,23 @@ def spec_line(path: str | os.PathLike, field: tuple[str, ...]) -> int:
     return _line(root, field) if root is not None else 1
 
 
+def _add_env_overrides(data: dict, overrides: dict[str, str], fail: Callable[[list[tuple[int, str]]], SpecError]
+                       ) -> None:
+    """`--env KEY=VALUE` pairs over the file's envs (a mapping, or dstack's list form, which they must not drop)."""
+    for key in overrides:
+        if not isinstance(key, str) or not _ENV_RE.fullmatch(key):
+            raise fail([(1, f"--env {_show(key)}: not a valid environment variable name. "
+                            "To fix: use letters, digits and '_', not starting with a digit")])
+    envs = data.get("envs")
+    if isinstance(envs, list):
+        try:
+            envs = env_list_as_mapping(envs)
+        except ValueError:          # the model says what is wrong with it
+            pass
+    if envs is None or isinstance(envs, dict):
+        data["envs"] = {**(envs or {}), **overrides}
+
+
 # A check beyond the model that a loaded spec must pass (the CLI's: can it launch?): None, or the
 # field to blame (its line is shown; () for the file as a whole) and a message that names it.
 SpecCheck = Callable[[JobSpec], tuple[tuple[str, ...], str] | None]
@@ -997,13 +1159,7 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
     data.setdefault("name", _default_name(shown))
     _envs_as_written(data, root)
     if overrides:
-        for key in overrides:
-            if not isinstance(key, str) or not _ENV_RE.fullmatch(key):
-                raise fail([(1, f"--env {_show(key)}: not a valid environment variable name. "
-                                "To fix: use letters, digits and '_', not starting with a digit")])
-        envs = data.get("envs")
-        if envs is None or isinstance(envs, dict):
-            data["envs"] = {**(envs or {}), **overrides}
+        _add_env_overrides(data, overrides, fail)
 
     base_dir = os.path.dirname(os.path.abspath(shown))
     try:
@@ -1012,6 +1168,8 @@ def load_spec(path: str | os.PathLike, overrides: dict[str, str] | None = None,
         by_path: dict[tuple, tuple[int, str]] = {}
         for err in e.errors():
             p, line, what = _message(err, data, root)
+            if len(p) == 2 and p[0] == "envs" and p[1] in (overrides or {}):     # the value came from the command line
+                line, what = 1, f"--env {p[1]}{what.removeprefix(_dotted(p))}"
             by_path.setdefault(p, (line, what))   # one message per field, not one per union arm
         raise fail(sorted(by_path.values())) from None
     except Exception as e:        # a validator bug must still come out as a one-line SpecError

@@ -58,6 +58,56 @@ def test_launch_asking_for_a_gpu_on_this_machine_says_how_to_fix(tfsn, tmp_path)
     assert json.loads(tfsn("status", "--json").stdout) == []
 
 
+# A Ctrl-C whose handler runs in a garbage collector's callback or a __del__ (as importing the CLI's modules runs weakref
+# callbacks): Python prints "Exception ignored" and drops the KeyboardInterrupt. It comes while the CLI is imported, or
+# as `tfsn launch` finishes planning.
+LOST_CTRL_C = """\
+import gc, os, signal, sys
+import tfsn
+
+signal.signal(signal.SIGINT, signal.default_int_handler)   # a terminal's Ctrl-C, even under `cmd &`
+sent = []
+
+def ctrl_c():
+    if not sent:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+if sys.argv[1] == "import":
+    gc.callbacks.append(lambda phase, info: "orchestrator.cli.main" in sys.modules and ctrl_c())
+else:
+    import orchestrator.cli.main as cli
+    planned = cli.checked_spec
+
+    class Freed:
+        def __del__(self):
+            ctrl_c()
+
+    def checked_spec(*args, **kwargs):
+        spec = planned(*args, **kwargs)
+        Freed()
+        return spec
+
+    cli.checked_spec = checked_spec
+sys.argv = ["tfsn", *sys.argv[2:]]
+tfsn.main()
+"""
+
+
+@pytest.mark.parametrize("when", ["import", "planning"])
+def test_a_ctrl_c_that_python_dropped_still_stops_a_launch_before_it_submits(tfsn, tmp_path, when):
+    """Ctrl-C at the second `tfsn launch` started printed "Exception ignored in: <function _get_module_lock.<locals>.cb>
+    ... KeyboardInterrupt", and the launch went on: the job was submitted and ran to the end."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text("run: 'true'\nsteps: 1\n")
+    proc = subprocess.run([sys.executable, "-c", LOST_CTRL_C, when, "launch", "--detach", str(spec)], env=tfsn.env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr     # Python did drop it
+    assert proc.returncode == 130 and "submitted" not in proc.stdout, proc.stdout + proc.stderr
+    assert json.loads(tfsn("status", "--json").stdout) == []
+    assert tfsn("launch", "--detach", str(spec)).returncode == 0       # and nothing keeps a relaunch from starting it
+
+
 def test_missing_file_and_bad_env_pair(tfsn, tmp_path):
     assert_one_line_error(tfsn("launch", str(tmp_path / "nope.yaml"), check=False), "nope.yaml")
     assert_one_line_error(tfsn("launch", str(EXAMPLE / "train.yaml"), "--env", "NOEQUALS", check=False),
@@ -318,6 +368,31 @@ def test_a_second_live_job_saving_into_the_same_checkpoint_dir_is_refused_naming
     assert in_process("launch", "--detach", str(other))[0] == 0
     (tmp_path / "code" / "default.yaml").write_text("run: python train.py\n")   # each its own default folder
     assert [in_process("launch", "--detach", str(tmp_path / "code" / "default.yaml"))[0] for _ in "ab"] == [0, 0]
+
+
+def test_stop_by_name_stops_the_live_job_of_that_name_and_refuses_to_guess_between_several(in_process, tmp_path):
+    """`tfsn stop NAME` took the newest job of the name: with it ended, it said "job 2 already STOPPED" while job 1 of
+    that name ran on (on a cloud, billed on)."""
+    (tmp_path / "home").mkdir()
+    store = Store(daemon.store_path(tmp_path / "home"))
+    older, newer = (store.create_job("train", {"name": "train"}, "t.yaml", "t") for _ in range(2))
+    store.transition(newer.id, JobState.STOPPED, "by user")
+    code, out, err = in_process("stop", "train", "--no-wait")
+    assert (code, err) == (0, "") and f"job {older.id}: stop requested" in out
+    assert store.job(older.id).stop_requested
+    third = store.create_job("train", {"name": "train"}, "t.yaml", "t")
+    code, out, err = in_process("stop", "train")
+    assert code == 2 and err == (f"tfsn: error: 2 live jobs are named 'train' (ids {older.id}, {third.id}). To fix: "
+                                 f"stop each by its id, e.g. tfsn stop {third.id}\n")
+    assert not store.job(third.id).stop_requested
+
+
+def test_logs_of_a_job_without_a_log_says_so(in_process, tmp_path):
+    """`tfsn logs 1` of a job not started yet (or failed before any node) printed nothing, as if it had run silent."""
+    (tmp_path / "home").mkdir()
+    job = Store(daemon.store_path(tmp_path / "home")).create_job("train", {"name": "train"}, "t.yaml", "t")
+    code, out, err = in_process("logs", str(job.id))
+    assert (code, out) == (0, "") and err == f"tfsn: job {job.id} (PENDING) has no log yet. See: tfsn status {job.id}\n"
 
 
 def test_a_heartbeat_timeout_of_a_few_heartbeats_is_a_warning_naming_the_field(in_process, tmp_path):

@@ -93,6 +93,18 @@ def test_the_command_ends_with_one_json_line(capsys):
     assert cli_main(["--ranks", "4", "--steps", "10", "--throttle-rank", "7"]) == 2
 
 
+def test_bad_arguments_of_the_command_are_one_line_on_stderr_and_huge_jobs_are_refused(capsys):
+    """`tfsn health simulate --ranks 0` printed "error: ..." on stdout, unlike every other tfsn command; `--ranks
+    100000000` grew past 1.6 GB (at 3M ranks) and on until the machine killed it."""
+    for argv, needle in ((["--ranks", "0"], "ranks must be from 1 to 65536"),
+                         (["--ranks", "100000000", "--steps", "10"], "ranks must be from 1 to 65536"),
+                         (["--steps", "1000000000"], "steps from 1 to 100000"),
+                         (["--ranks", "4", "--throttle-rank", "7"], "To fix: name one from 0 to 3")):
+        assert cli_main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("tfsn: error: --") and needle in err and len(err.splitlines()) == 1, err
+
+
 # ---- issue 18: healthy clusters that look unhealthy replace no node; slow nodes are still found -------
 
 # The issue's cost of a replacement: a 120 s restart (a cloud node), against ~50 s a transient costs.

@@ -81,6 +81,7 @@ def test_plan_without_a_capable_offer_says_which_constraint_and_how_to_relax_it(
         "accelerators: {T4: 4, H100: 8, A100-80GB: 8}", "accelerators: H100:8\n  max_hourly_cost: 10"))
     out = cli("plan", str(path), check=False)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith(f"tfsn: error: {path}:7: no capable offer: ")     # the line, as `tfsn validate` says
     assert "resources.max_hourly_cost 10 removed the last" in out.stderr
     assert "To fix: raise max_hourly_cost to at least" in out.stderr
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
-from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, plan_job,
-                                  workload_of)
+from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError,
+                                           check_accelerators, plan_job, workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
 
@@ -93,6 +93,71 @@ def test_each_constraint_filters_offers_and_names_itself_when_it_removes_the_las
         plan_job(spec(resources), survivors)
     assert message in str(err.value) and "To fix:" in str(err.value)
     assert f"removed the last {len(survivors)} offer(s)" in str(err.value)
+
+
+@pytest.mark.parametrize("written, expected", [
+    ("H100-80GB:8", {"h100"}), ("nvidia-h100:8", {"h100"}), ("nvidia-h100-80gb:8", {"h100"}),
+    ("nvidia-tesla-t4:8", {"t4"}), ("A100-40GB:8", {"a100"}), ("A100-SXM4-80GB:8", {"a100-80gb"}),
+    ("V100-16GB:8", {"v100"}), ("V100:8", {"v100"}), ("h100:8", {"h100"}),
+])
+def test_an_accelerator_is_found_by_any_name_of_its_chip(written, expected):
+    """`accelerators: H100-80GB:8` (an alias of the H100's hardware spec) or GCP's `nvidia-h100` was refused with "no
+    capable offer ... removed the last 214 offer(s)": offers matched only the catalog's own spelling, "H100". A name
+    the catalog does not use finds the offers of its chip, of the memory it states (a 16 GB V100 is not a 32 GB one)."""
+    offers = [offer(instance=name.lower(), accelerator=name) for name in ("H100", "A100", "A100-80GB", "T4")]
+    offers += [Offer("cloudA", "r1", "z1", name.lower(), name, 8, gib, 96.0, 1024.0, 10.0, None, None)
+               for name, gib in (("V100", 16.0), ("V100-32GB", 32.0))]
+    plan = plan_job(spec({"accelerators": written}), offers)
+    assert {c.offer.instance_type for c in plan} == expected
+
+
+def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus():
+    """`cpus: 200+` with no such offer said "To fix: write cpus as 'N+' (at least N), or lower it": it was N+."""
+    for resources, what in (({"cpus": "200+"}, "resources.cpus 200+ removed"),
+                            ({"memory": "2TB+"}, "resources.memory 2048+ GiB removed")):
+        with pytest.raises(PlanError) as err:
+            plan_job(spec({"accelerators": "H100:8", **resources}), [offer(vcpus=96, memory=1024)])
+        assert what in str(err.value) and str(err.value).endswith("To fix: lower it"), str(err.value)
+
+
+@pytest.mark.parametrize("written, meant", [("8xH100", "H100:8"), ("H100x8", "H100:8"), ("A100-80GBx4", "A100-80GB:4"),
+                                            ("h10", "H100")])
+def test_an_unknown_accelerator_with_a_count_in_its_name_is_told_the_name_count_form(written, meant):
+    """`accelerators: 8xH100` was "unknown accelerator '8xH100'; did you mean 'H100'?": one H100 where eight were
+    meant."""
+    with pytest.raises(PlanError) as err:
+        check_accelerators(spec({"accelerators": written}))
+    assert f"unknown accelerator {written!r}; did you mean {meant!r}? To fix:" in str(err.value)
+
+
+@pytest.mark.parametrize("written, message", [
+    ("cpu", "'cpu' is not an accelerator. To fix: remove resources.accelerators for a job on CPUs only"),
+    ("none", "'none' is not an accelerator. To fix: remove"),
+    ("80GB:8", "unknown accelerator '80GB'; a GPU's memory is not its name here. To fix: name the chips, any of them "
+               "as a mapping, e.g. {A100-80GB: 8, H100: 8}"),
+    ("gpu:8", "unknown accelerator 'gpu'. To fix: use one with a hardware spec"),
+])
+def test_a_cpu_a_memory_size_or_gpu_as_the_accelerator_says_what_to_write(written, message):
+    """`accelerators: gpu:8` got "did you mean 'CPU'?", `cpu` "this machine's GPUs are not planned", and dstack's
+    `80GB:8` (any GPU of 80 GB) "did you mean 'H100-80GB'?"."""
+    with pytest.raises(PlanError) as err:
+        check_accelerators(spec({"accelerators": written}))
+    assert f"resources.accelerators: {message}" in str(err.value)
+    assert "CPU'?" not in str(err.value)
+
+
+def test_regions_compare_case_aside_and_a_misspelt_one_is_named_with_the_region_meant():
+    """`regions: [US-East-1]` removed every us-east-1 offer, and `regions: [us-east1]` (GCP's spelling on AWS) said only
+    "add regions, or remove regions to allow all"."""
+    offers = [offer(region="us-east-1", instance="east"), offer(region="us-west-2", instance="west")]
+    assert {c.offer.instance_type for c in plan_job(spec({"accelerators": "H100:8", "regions": ["US-East-1"]}),
+                                                    offers)} == {"east"}
+    with pytest.raises(PlanError) as err:
+        plan_job(spec({"accelerators": "H100:8", "regions": ["us-east1"]}), offers)
+    assert "To fix: write 'us-east-1' for 'us-east1' (no offer is in the latter), add regions" in str(err.value)
+    with pytest.raises(PlanError) as err:
+        plan_job(spec({"accelerators": "H100:8", "regions": ["euwest"]}), offers)
+    assert "To fix: add regions" in str(err.value)           # no wild guess (us-west-2)
 
 
 GPT3_XL = dict(params="1.3B", layers=24, hidden=2048, seq_len=2048, batch_size=256)

@@ -149,6 +149,45 @@ def test_explicit_nproc_and_steps_interval(tmp_path):
     assert spec.checkpoint.interval_steps == 500 and spec.checkpoint.interval_seconds is None
 
 
+def test_counts_written_as_text_are_the_numbers_they_name(tmp_path):
+    """SkyPilot and dstack users quote counts: `num_nodes: "2"` was refused, and `{A100: "8"}` or `nproc_per_node: "8"`
+    with "'8' is not a whole number" / "not a process count", which reads as nonsense."""
+    spec = load_spec(write(tmp_path, """\
+        run: x
+        num_nodes: "2"
+        nproc_per_node: "8"
+        steps: " 300 "
+        resources: {accelerators: {A100: "8", H100: '4'}}
+        checkpoint: {keep: "5"}
+        recovery: {max_restarts: "4", spares: "1"}
+        model: {params: 1B, layers: "2", hidden: "64", seq_len: "32", batch_size: "8"}
+        """))
+    assert (spec.num_nodes, spec.nproc_per_node, spec.steps, spec.checkpoint.keep) == (2, 8, 300, 5)
+    assert (spec.recovery.max_restarts, spec.recovery.spares, spec.model.layers, spec.model.batch_size) == (4, 1, 2, 8)
+    assert spec.resources.accelerators == {"A100": 8, "H100": 4}
+    one(write(tmp_path, "run: x\nnum_nodes: '2.5'\n"), 2, "num_nodes", "valid integer", "'2.5'")
+    spec = load_spec(write(tmp_path, "run: x\nsteps: 1e6\nnum_nodes: 2.0\nresources: {accelerators: {A100: 8.0}}\n"))
+    assert (spec.steps, spec.num_nodes, spec.resources.accelerators) == (1_000_000, 2, {"A100": 8})   # ML's 1e6
+    one(write(tmp_path, "run: x\nsteps: 2.5\n"), 2, "steps", "valid integer", "2.5")
+    one(write(tmp_path, "run: x\nsteps: 1e30\n"), 2, "steps", "at most 1000000000")
+    one(write(tmp_path, "run: x\nnum_nodes: '0'\n"), 2, "num_nodes", "greater than or equal to 1")
+
+
+@pytest.mark.parametrize("written, gib, at_least", [
+    ("32GB", 32, False), ("32 GiB", 32, False), ("32gb+", 32, True), ("1TB+", 1024, True), ("512MB", 0.5, False),
+    ("64G", 64, False), ("16+", 16, True),
+])
+def test_memory_with_a_unit(tmp_path, written, gib, at_least):
+    """`memory: 32GB` (dstack's form, SkyPilot's too) was refused as "not a positive amount"; it is 32 GiB."""
+    memory = load_spec(write(tmp_path, f"run: x\nresources:\n  memory: {written}\n")).resources.memory
+    assert (memory.count, memory.at_least) == (gib, at_least)
+
+
+def test_memory_with_an_unknown_unit_and_cpus_with_a_unit_are_refused(tmp_path):
+    one(write(tmp_path, "run: x\nresources:\n  memory: 32KB\n"), 3, "resources.memory", "'32KB'", "'32GB+'")
+    one(write(tmp_path, "run: x\nresources:\n  cpus: 4GB\n"), 3, "resources.cpus", "'4GB'", "'4+'")
+
+
 @pytest.mark.parametrize("text,seconds", [
     ("30s", 30), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("1h 30m", 5400), ("2d", 172800),
     ("250ms", 0.25), ("45", 45), ("1.5m", 90), (12, 12), (0.5, 0.5), ("  10M ", 600),
@@ -194,6 +233,15 @@ def test_env_overrides(tmp_path):
                     "To fix: use letters, digits and '_', not starting with a digit"]
 
 
+def test_a_bad_value_given_with_env_is_blamed_on_the_command_line_not_the_file(tmp_path):
+    """`--env B=<9000 characters>` said "train.yaml:1: envs.B: ...": a field the file does not have, on its line 1."""
+    path = write(tmp_path, "run: x\nenvs:\n  A: 1\n")
+    assert errors(path, {"A": "a\x1bb", "B": "x" * 9000}) == [
+        f"{path}:1: --env A: a control character (U+001B) at character 2 is not allowed here. To fix: remove it",
+        f"{path}:1: --env B: string should have at most 8192 characters, got 'xxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxx'. "
+        "To fix: shorten it to at most 8192 characters"]
+
+
 def test_env_values_reach_the_workers_as_written(tmp_path):
     """YAML reads unquoted `1.10` as 1.1, `010` as 8, `12:30` as 750 and `yes` as true: a worker got
     CUDA_VERSION=1.1 or a job id of 8. Unquoted numbers, bools and dates keep their text, merged ones too."""
@@ -213,6 +261,17 @@ def test_env_values_reach_the_workers_as_written(tmp_path):
         """))
     assert spec.envs == {"BASE_LR": "3.0e-4", "VERSION": "1.10", "JOB": "010", "MASK": "0x1F", "AT": "12:30",
                          "DEBUG": "yes", "FLAG": "True", "DAY": "2024-01-01", "QUOTED": "1.10", "SEED": "1337"}
+
+
+def test_envs_as_a_list_of_name_value_pairs(tmp_path):
+    """dstack's (and docker compose's) form, `[NAME=VALUE, ...]`, was refused as "not a mapping"; it is the mapping it
+    means, `--env` still overrides it, and an item without a value or a name given twice is refused."""
+    path = write(tmp_path, "run: x\nenvs:\n  - VERSION=1.10\n  - URL=a=b\n  - EMPTY=\n")
+    assert load_spec(path).envs == {"VERSION": "1.10", "URL": "a=b", "EMPTY": ""}
+    assert load_spec(path, {"VERSION": "2"}).envs == {"VERSION": "2", "URL": "a=b", "EMPTY": ""}
+    one(write(tmp_path, "run: x\nenvs: [A=1, TOKEN]\n"), 2, "envs", "'TOKEN' is not NAME=VALUE", "--env NAME=VALUE")
+    one(write(tmp_path, "run: x\nenvs: [A=1, A=2]\n"), 2, "envs", "'A' is given twice")
+    one(write(tmp_path, "run: x\nenvs: [A=1, 1X=2]\n"), 2, "envs", "'1X' is not a valid environment variable name")
 
 
 def test_envs_that_tfsn_sets_itself_are_refused_with_the_field_to_use(tmp_path):
@@ -272,6 +331,81 @@ def test_unknown_key_without_close_match_lists_fields(tmp_path):
     one(path, 3, "checkpoint.zzzzz", "unknown field 'zzzzz'", "dir, interval, keep")
 
 
+@pytest.mark.parametrize("section, written, needle", [
+    ("resources", "gpus: H100:8", "write it as 'accelerators', e.g. 'accelerators: H100:8'"),
+    ("resources", "any_of: [{accelerators: H100:8}, {accelerators: A100:8}]", "'accelerators: {H100: 8, A100: 8}'"),
+    ("resources", "ordered: [{accelerators: H100:8}]", "'accelerators: [H100:8, A100:8]'"),
+    ("resources", "accelerator_args: {tpu_vm: true}", "To fix: remove it"),
+    ("resources", "disk_size: 256", "To fix: remove it"),
+    ("resources", "cloud: aws", "'infra: [aws]'"),
+    (None, "commands: [python train.py]", "'run: |'"),
+    (None, "file_mounts: {/data: s3://bucket}", "To fix: remove it"),
+    (None, "image: pytorch/pytorch", "under 'kubernetes:'"),
+])
+def test_a_field_of_skypilot_or_dstack_says_what_tfsn_calls_it(tmp_path, section, written, needle):
+    """`resources.gpus` (dstack, Kubernetes) got "did you mean 'cpus'?", `accelerator_args` "did you mean
+    'accelerators'?", and SkyPilot's any_of, disk_size or file_mounts the list of tfsn's fields."""
+    text = f"run: x\n{section}:\n  {written}\n" if section else f"run: x\n{written}\n"
+    key = written.split(":")[0]
+    message = one(write(tmp_path, text), 3 if section else 2, f"{section}.{key}" if section else key,
+                  f"unknown field {key!r}. ", needle)
+    assert "did you mean" not in message
+
+
+def test_run_and_setup_as_lists_of_commands_say_how_to_write_one_script(tmp_path):
+    """`run: [a, b]` (dstack's commands) said "input should be a valid string ... write it like 'run: python train.py'",
+    as if one command were meant."""
+    path = write(tmp_path, "run: [python prep.py, python train.py]\nsetup:\n  - pip install x\n")
+    one(path, 1, "run", "a list of commands", "'run: |'", "set -e")
+    one(path, 2, "setup", "a list of commands", "'setup: |'")
+
+
+@pytest.mark.parametrize("written, url", [("gs:/lab/run1", "gs://lab/run1"), ("s3:lab", "s3://lab"),
+                                          ("AZ:/box/ckpt", "az://box/ckpt")])
+def test_a_bucket_url_with_a_slash_missing_is_refused_not_taken_as_a_folder(tmp_path, written, url):
+    """`checkpoint.dir: gs:/lab/run1` was a folder "gs:" in workdir: the job checkpointed to the controller's disk, not
+    the bucket (and on a local-only job said nothing)."""
+    one(write(tmp_path, f"run: x\ncheckpoint:\n  dir: {written}\n"), 3, "checkpoint.dir",
+        f"looks like a mistyped {url}. To fix: write {url}")
+    assert load_spec(write(tmp_path, f"run: x\ncheckpoint:\n  dir: ./{written}\n")).checkpoint.dir == \
+        str(tmp_path / written)
+
+
+def test_an_empty_checkpoint_dir_is_refused_not_taken_as_the_workdir(tmp_path):
+    """`checkpoint.dir: ""` was the workdir itself: checkpoints among the code (packed with it for cloud nodes)."""
+    one(write(tmp_path, "run: x\ncheckpoint:\n  dir: ''\n"), 3, "checkpoint.dir", "empty", "remove it")
+
+
+def test_health_thresholds_take_durations_with_a_unit_and_say_how_to_fix_a_bad_one(tmp_path):
+    """README: a slow first step "needs health.thresholds.phase_timeout_max_s raised"; `phase_timeout_max_s: 2h`, as
+    every other duration of the spec is written, was "input should be a valid number", with no fix."""
+    spec = load_spec(write(tmp_path, "run: x\nhealth:\n  thresholds: {phase_timeout_max_s: 2h, hang_min_s: 90}\n"))
+    assert spec.health.thresholds == {"phase_timeout_max_s": 7200.0, "hang_min_s": 90.0}
+    one(write(tmp_path, "run: x\nhealth:\n  thresholds: {straggler_min_slowdown: 5%}\n"), 3,
+        "health.thresholds.straggler_min_slowdown", "'5%'", "To fix: write a number")
+
+
+@pytest.mark.parametrize("written, infra, regions", [
+    ("infra: aws/us-east-1", ["aws"], ["us-east-1"]),
+    ("{infra: [aws/us-east-1, gcp/us-central1], regions: [us-west-2]}", ["aws", "gcp"],
+     ["us-west-2", "us-east-1", "us-central1"]),
+    ("infra: aws/*", ["aws"], None),
+    ("infra: k8s", ["kubernetes"], None),
+    ("infra: 'gcp, aws'", ["gcp", "aws"], None),
+])
+def test_skypilot_infra_with_a_region_and_k8s_are_taken(tmp_path, written, infra, regions):
+    """SkyPilot's `infra: aws/us-east-1` and `infra: k8s`, and "gcp, aws" as TFSN_CLOUDS is written, were "unknown
+    provider"."""
+    text = f"run: x\nresources: {written}\n" if written.startswith("{") else f"run: x\nresources:\n  {written}\n"
+    resources = load_spec(write(tmp_path, text)).resources
+    assert (resources.infra, resources.regions) == (infra, regions)
+
+
+def test_skypilot_infra_with_a_zone_is_refused_saying_tfsn_picks_it(tmp_path):
+    one(write(tmp_path, "run: x\nresources:\n  infra: aws/us-east-1/us-east-1a\n"), 2, "resources",
+        "names a zone; tfsn picks the zone within the region. To fix: write aws/us-east-1")
+
+
 def test_wrong_type(tmp_path):
     path = write(tmp_path, "run: x\nsteps: many\n")
     one(path, 2, "steps", "valid integer", "'many'", "To fix: write it like 'steps: 300'")
@@ -320,6 +454,24 @@ def test_yaml_syntax_error(tmp_path):
     path = write(tmp_path, "run: x\nresources:\n  cpus: 2\n\taccelerators: H100:8\n")    # an editor's tab
     assert errors(path) == [f"{path}:4: invalid YAML: a tab at column 1: YAML indents and separates with spaces "
                             "only. To fix: replace the tabs with spaces"]
+
+
+@pytest.mark.parametrize("text, line, fix", [
+    ("run: x\nresources:\n  cpus: 2\n memory: 4\n", 4, "indent the fields of one mapping by the same spaces"),
+    ("run: x\nresources:\n  cpus:2\n  memory: 4\n", 4, "put a space after each key's colon"),
+    ("run: x\n  steps: 3\n", 2, "indent a field's fields under it"),
+    ("run: x\n---\nrun: y\n", 2, "keep one document"),
+    ("run: x\nsteps: *n\n", 2, "define the anchor (&NAME) before its use"),
+    ('run: "python train.py\n', 2, "close the quote"),
+    ("run: x\nresources: {cpus: 2\n", 3, "close the brackets"),
+    ("run: !!python/object:os.system x\n", 1, "remove the tag"),
+])
+def test_yaml_syntax_errors_say_how_to_fix_them(tmp_path, text, line, fix):
+    """Only a tab said how to fix it: "mapping values are not allowed here" or "expected <block end>" left the user
+    to guess (an indentation, a missing space after a colon)."""
+    msgs = errors(write(tmp_path, text))
+    assert len(msgs) == 1 and msgs[0].startswith(f"{tmp_path / 'train.yaml'}:{line}: invalid YAML: "), msgs
+    assert ". To fix: " in msgs[0] and fix in msgs[0].partition(". To fix: ")[2], msgs
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n", "~\n"])
@@ -470,7 +622,7 @@ def test_control_characters_in_env_keys_and_from_the_command_line(tmp_path):
     one(path, 3, "envs['A\\x00']", "not a valid environment variable name")
     path = write(tmp_path, "run: x\n")
     [message] = errors(path, {"MODE": "fast\x1b[2J"})
-    assert message == (f"{path}:1: envs.MODE: a control character (U+001B) at character 5 is not allowed here. "
+    assert message == (f"{path}:1: --env MODE: a control character (U+001B) at character 5 is not allowed here. "
                        "To fix: remove it")
 
 

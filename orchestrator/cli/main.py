@@ -20,6 +20,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from orchestrator.cli.interrupts import raise_if_interrupted
 from orchestrator.cli.operator import operator_app
 from orchestrator.cli.optimizer import register as register_optimizer_commands
 from orchestrator.cli.down import register as register_down_command
@@ -202,6 +203,7 @@ def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
         except ValidationError:
             raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 63), "
                              "starting with a letter or digit") from None
+    raise_if_interrupted()        # a Ctrl-C while it planned, though Python dropped its exception: submit nothing
     store = _store()
     job = store.create_job(spec.name, spec.model_dump(mode="json"), str(file.resolve()), secrets.token_urlsafe(32),
                            guard=refuse_shared_checkpoints(file, spec))
@@ -297,6 +299,9 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
     record = store.find_job(job)
     log = job_dir(record.id) / "job.log"
     if not follow_:
+        if not log.exists():      # printing nothing read as a job that ran and said nothing
+            err_console.print(f"tfsn: job {record.id} ({record.state.value}) has no log yet. See: tfsn status "
+                              f"{record.id}", highlight=False, markup=False)
         print_log(log, sys.stdout)
         return
     _revive_controller(store)
@@ -304,12 +309,26 @@ def logs(job: str = typer.Argument(..., help="job id or name"),
            keep_alive=lambda: _revive_controller(store))
 
 
+def _job_to_stop(store: Store, ref: str) -> Job:
+    """The job `tfsn stop REF` means: by id, that job; by name, the live job of that name. Names repeat, and the newest
+    job of the name was taken: once it had ended, `tfsn stop NAME` said "already STOPPED" while an older job of that
+    name ran on. Several live ones are refused, to be named by id."""
+    record = store.find_job(ref)
+    if ref.isascii() and ref.isdigit():
+        return record
+    live = [j for j in store.jobs(active_only=True) if j.name == ref]
+    if len(live) > 1:
+        raise UsageError(f"{len(live)} live jobs are named {ref!r} (ids {', '.join(str(j.id) for j in live)}). To fix: "
+                         f"stop each by its id, e.g. tfsn stop {live[-1].id}")
+    return live[0] if live else record
+
+
 @app.command()
 def stop(job: str = typer.Argument(..., help="job id or name"),
          wait: bool = typer.Option(True, help="wait until the job has stopped")) -> None:
     """Stop a job and tear down its nodes (checkpoints are kept)."""
     store = _store()
-    record = store.find_job(job)
+    record = _job_to_stop(store, job)
     if record.state.terminal:
         console.print(f"job {record.id} already {record.state.value}")
         return
@@ -374,7 +393,8 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
     try:
         result = plan_for(spec, catalog=catalog, planning_only=True)
     except (CatalogError, PlanError, ProviderError) as err:
-        raise UsageError(f"{file}: {err}" if isinstance(err, PlanError) else str(err)) from None
+        raise UsageError(f"{file}:{spec_line(file, err.field)}: {err}" if isinstance(err, PlanError)
+                         else str(err)) from None
     need = None if result.reference_workload else memory_needed(result.workload, result.entry)
     hardware = result.hardware()
     if as_json:

@@ -364,10 +364,35 @@ def _filter_place(f: _Filter, res: Any, c: _Columns) -> None:
         allowed = [i for i, p in enumerate(c.provider_names) if p in res.infra]
         f.apply(np.isin(c.provider, allowed), f"resources.infra {res.infra}",
                 f"add providers to infra (the catalog has {', '.join(sorted(c.provider_names))})")
-    if res.regions:
-        allowed = [i for i, r in enumerate(c.region_names) if r in res.regions]
+    if res.regions:     # case aside: "US-East-1" is us-east-1
+        wanted = {region.casefold() for region in res.regions}
+        allowed = [i for i, r in enumerate(c.region_names) if r.casefold() in wanted]
+        known = {r.casefold() for r in c.region_names}
+        unknown = [region for region in res.regions if region.casefold() not in known]
+        close = close_match(unknown[0], c.region_names, cutoff=0.8) if unknown else None    # a typo, not a guess
+        typo = f"write {close!r} for {unknown[0]!r} (no offer is in the latter), " if close else ""
         f.apply(np.isin(c.region, allowed), f"resources.regions {res.regions}",
-                "add regions, or remove regions to allow all")
+                f"{typo}add regions, or remove regions to allow all")
+
+
+_STATED_MEMORY_RE = re.compile(r"(\d+)\s*gb", re.IGNORECASE)
+
+
+def _offers_of(name: str, c: _Columns) -> np.ndarray:
+    """Which offers have the accelerator `name` (case aside): those the catalog calls so; for a name the catalog
+    does not use, those whose accelerator has the hardware spec `name` is an alias of ("H100-80GB" and GCP's
+    "nvidia-h100-80gb" are the catalogs' "H100"), of the memory the name states, if it states one."""
+    names = [(a or "").casefold() for a in c.accelerator_names]
+    if name.casefold() in names:
+        return c.accelerator == names.index(name.casefold())
+    wanted = find_hardware(name)
+    codes = [code for code, catalog_name in enumerate(c.accelerator_names)
+             if wanted is not None and catalog_name and find_hardware(catalog_name) is wanted]
+    mask = np.isin(c.accelerator, codes)
+    stated = _STATED_MEMORY_RE.search(name)
+    if stated:
+        mask &= np.abs(c.accelerator_memory - float(stated[1])) <= 0.1 * float(stated[1])
+    return mask
 
 
 def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray, list[HardwareSpec | None]]:
@@ -377,11 +402,9 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     choices = res.accelerator_choices()
     preference = np.zeros(len(c.count), dtype=np.int64)
     if choices:
-        names = [(a or "").casefold() for a in c.accelerator_names]
         rank = np.full(len(c.count), -1, dtype=np.int64)
         for i, choice in enumerate(choices):
-            codes = [code for code, name in enumerate(names) if name == choice.name.casefold()]
-            rank[np.isin(c.accelerator, codes) & (c.count == choice.count) & (rank < 0)] = i
+            rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
         f.apply(rank >= 0, f"resources.accelerators {wanted}",
                 "ask for another accelerator or count (see `tfsn catalog ls`)")
@@ -397,17 +420,41 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     return preference, hardware
 
 
+# A count written into the name, "8xH100" or "H100x8": the closest name alone ("H100") would be one accelerator.
+_COUNT_IN_NAME_RES = (re.compile(r"(?P<count>\d{1,2})\s*[x×]\s*(?P<name>.+)", re.IGNORECASE),
+                      re.compile(r"(?P<name>.+?)\s*[x×]\s*(?P<count>\d{1,2})", re.IGNORECASE))
+_MEMORY_SIZE_RE = re.compile(r"\d+\s*GB", re.IGNORECASE)        # dstack's `gpu: 80GB:8`: any GPU of that memory
+
+
+def _count_in_name(name: str) -> str | None:
+    """"H100:8" for a name that is a known accelerator and a count ("8xH100", "H100x8"); else None."""
+    for pattern in _COUNT_IN_NAME_RES:
+        match = pattern.fullmatch(name)
+        if match and find_hardware(match["name"]) is not None:
+            return f"{match['name']}:{int(match['count'])}"
+    return None
+
+
 def check_accelerators(spec: JobSpec) -> None:
     """PlanError for an accelerator no hardware spec knows: no offer of it could ever be priced (see
     _filter_accelerators), so no catalog or provider needs asking to refuse it."""
+    chips = [h for h in load_all().values() if h.kind != "cpu"]
     for choice in spec.resources.accelerator_choices():
-        if find_hardware(choice.name) is None:
-            known = [h.name for h in load_all().values() if h.kind != "cpu"]
-            close = close_match(choice.name, [alias for h in load_all().values() for alias in h.aliases])
-            hint = f"; did you mean {close!r}?" if close else "."
-            raise PlanError(f"resources.accelerators: unknown accelerator {choice.name!r}{hint} To fix: use one "
-                            f"with a hardware spec in configs/hardware/: {', '.join(known)}",
-                            field=("resources", "accelerators"))
+        hardware = find_hardware(choice.name)
+        if hardware is not None and hardware.kind != "cpu":
+            continue
+        if hardware is not None or choice.name.casefold() == "none":      # `accelerators: cpu` for no GPU
+            raise PlanError(f"resources.accelerators: {choice.name!r} is not an accelerator. To fix: remove "
+                            "resources.accelerators for a job on CPUs only", field=("resources", "accelerators"))
+        if _MEMORY_SIZE_RE.fullmatch(choice.name):
+            hint = (f"; a GPU's memory is not its name here. To fix: name the chips, any of them as a mapping, e.g. "
+                    f"{{A100-80GB: {choice.count}, H100: {choice.count}}}")
+        else:
+            close = _count_in_name(choice.name) or close_match(choice.name, [a for h in chips for a in h.aliases])
+            hint = (f"; did you mean {close!r}?" if close else ".") + " To fix: use one with a hardware spec in " \
+                f"configs/hardware/: {', '.join(h.name for h in chips)}"
+        raise PlanError(f"resources.accelerators: unknown accelerator {choice.name!r}{hint}",
+                        field=("resources", "accelerators"))
 
 
 def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float | None:
@@ -425,10 +472,12 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> 
                 "choose accelerators with more memory, or a smaller model / seq_len")
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
-                f"resources.cpus {res.cpus}", "write cpus as 'N+' (at least N), or lower it")
+                f"resources.cpus {res.cpus}",
+                "lower it" if res.cpus.at_least else "write cpus as 'N+' (at least N), or lower it")
     if res.memory is not None:
         f.apply(c.memory >= res.memory.count if res.memory.at_least else c.memory == res.memory.count,
-                f"resources.memory {res.memory}", "write memory as 'N+' (at least N GiB), or lower it")
+                f"resources.memory {res.memory} GiB",
+                "lower it" if res.memory.at_least else "write memory as 'N+' (at least N GiB), or lower it")
     f.apply(~np.isnan(c.market), "resources.use_spot true (no spot price)", "set use_spot: false")
     if res.max_hourly_cost is not None:
         cheapest = float(np.nanmin(np.where(f.mask, c.market, np.nan))) if f.mask.any() else math.nan

@@ -602,6 +602,80 @@ class HandCTC(nn.Module):
         return log_probs, ctc_forward(log_probs, targets, input_lengths, target_lengths).mean()
 
 
+class ViterbiPerceptron(nn.Module):
+    """A structured perceptron over a linear-chain model, decoded as pytorch-crf's _viterbi_decode scores it
+    (score + transitions + emission, max over the previous tag with its indices, frozen past the mask by
+    torch.where, end transitions) and the best path traced back in torch by gathers through the history in
+    reverse; the loss the best score minus the gold path's score (a sum of gathered emissions and transitions)."""
+
+    def __init__(self, d: int = 5, tags: int = 4) -> None:
+        super().__init__()
+        self.emit = nn.Linear(d, tags)
+        self.start = nn.Parameter(torch.randn(tags) * 0.1)
+        self.end = nn.Parameter(torch.randn(tags) * 0.1)
+        self.transitions = nn.Parameter(torch.randn(tags, tags) * 0.1)
+
+    def forward(self, x: Tensor, gold: Tensor, mask: Tensor) -> tuple:
+        emissions = self.emit(x).transpose(0, 1)                  # (steps, batch, tags)
+        score = self.start + emissions[0]
+        history = []
+        for i in range(1, emissions.shape[0]):
+            next_score, indices = (score.unsqueeze(2) + self.transitions + emissions[i].unsqueeze(1)).max(dim=1)
+            score = torch.where(mask[:, i].unsqueeze(1), next_score, score)
+            history.append(torch.where(mask[:, i].unsqueeze(1), indices, torch.arange(indices.shape[1])))
+        score = score + self.end
+        best_score, best = score.max(dim=1)
+        path = [best]
+        for indices in reversed(history):
+            best = indices.gather(1, best[:, None]).squeeze(1)
+            path.append(best)
+        path = torch.stack(path[::-1], dim=1)
+        gold_emit = emissions.transpose(0, 1).gather(2, gold[..., None]).squeeze(-1)
+        lengths = mask.sum(1)
+        gold_trans = self.transitions[gold[:, :-1], gold[:, 1:]] * mask[:, 1:]
+        last = gold.gather(1, (lengths - 1)[:, None]).squeeze(1)
+        gold_score = self.start[gold[:, 0]] + (gold_emit * mask).sum(1) + gold_trans.sum(1) + self.end[last]
+        return path.to(x.dtype), (best_score - gold_score).mean()
+
+
+class NeuralSort(nn.Module):
+    """NeuralSort (Grover et al.'s reference): the relaxed permutation softmax(((n + 1 - 2 i) s - |s_i - s_j| 1) /
+    tau) of scores from an MLP, made hard by an index_put of ones at the row argmaxes with a straight-through
+    estimator; the values sorted by P @ v regressed on the true descending sort."""
+
+    def __init__(self, d: int = 3, tau: float = 0.7) -> None:
+        super().__init__()
+        self.score = nn.Sequential(nn.Linear(d, 6), nn.Tanh(), nn.Linear(6, 1))
+        self.tau = tau
+
+    def sort(self, scores: Tensor, hard: bool) -> Tensor:
+        scores = scores.unsqueeze(-1)
+        bsize, dim = scores.size()[0], scores.size()[1]
+        one = torch.ones(dim, 1, dtype=scores.dtype)
+        a_scores = torch.abs(scores - scores.permute(0, 2, 1))
+        b = torch.matmul(a_scores, torch.matmul(one, torch.transpose(one, 0, 1)))
+        scaling = (dim + 1 - 2 * (torch.arange(dim) + 1)).type(scores.dtype)
+        c = torch.matmul(scores, scaling.unsqueeze(0))
+        p_hat = torch.nn.Softmax(-1)(((c - b).permute(0, 2, 1)) / self.tau)
+        if hard:
+            p = torch.zeros_like(p_hat)
+            b_idx = torch.arange(bsize).repeat([1, dim]).view(dim, bsize).transpose(dim0=1, dim1=0).flatten()
+            r_idx = torch.arange(dim).repeat([bsize, 1]).flatten()
+            c_idx = torch.argmax(p_hat, dim=-1).flatten()
+            brc_idx = torch.stack((b_idx, r_idx, c_idx))
+            p[brc_idx[0], brc_idx[1], brc_idx[2]] = 1
+            p_hat = (p - p_hat).detach() + p_hat
+        return p_hat
+
+    def forward(self, items: Tensor, values: Tensor) -> tuple:
+        scores = self.score(items).squeeze(-1)
+        soft, hard = self.sort(scores, hard=False), self.sort(scores, hard=True)
+        target = values.sort(dim=1, descending=True).values
+        sorted_soft = (soft @ values[..., None]).squeeze(-1)
+        sorted_hard = (hard @ values[..., None]).squeeze(-1)
+        return sorted_hard, F.mse_loss(sorted_soft, target) + F.mse_loss(sorted_hard, target)
+
+
 def log_sinkhorn_iterations(z: Tensor, log_mu: Tensor, log_nu: Tensor, iters: int) -> Tensor:
     u, v = torch.zeros_like(log_mu), torch.zeros_like(log_nu)
     for _ in range(iters):
@@ -716,6 +790,16 @@ def _ctc(g: torch.Generator) -> tuple:
     return (frames, targets, torch.tensor([7, 5, 4]), torch.tensor([3, 2, 1])), None
 
 
+def _viterbi(g: torch.Generator) -> tuple:
+    mask = torch.arange(6)[None] < torch.tensor([6, 4, 1])[:, None]
+    return (torch.randn(3, 6, 5, generator=g), torch.randint(0, 4, (3, 6), generator=g), mask), None
+
+
+def _neuralsort(g: torch.Generator) -> tuple:
+    items = torch.randn(3, 7, 3, generator=g)
+    return (items, items[..., 0] + 0.1 * torch.randn(3, 7, generator=g)), None
+
+
 def _superglue(g: torch.Generator) -> tuple:
     desc0, desc1 = torch.randn(2, 4, 5, generator=g), torch.randn(2, 3, 5, generator=g)
     rows = torch.tensor([[0, 1, 2, 3, 4], [0, 2, 3, 1, 4]])       # row 4 / col 3 are the dustbins
@@ -739,8 +823,12 @@ def cases() -> list[Case]:
     dtw = Case("soft_dtw_divergence", SoftDTW, _soft_dtw, own_loss)
     hmm = Case("hmm_forward_algorithm", HMMForward, _hmm, own_loss)
     ctc = Case("ctc_forward_by_hand", HandCTC, _ctc, own_loss)
+    viterbi = Case("viterbi_structured_perceptron", ViterbiPerceptron, _viterbi, own_loss)
+    # a constant added to every score shifts each row of P_max by a constant (the scaling sums to 0): softmax ignores it
+    neuralsort = Case("neuralsort_straight_through", NeuralSort, _neuralsort, own_loss,
+                      zero_grad=(("score.2.bias", slice(None)),))
     superglue = Case("superglue_log_sinkhorn", SuperGlueMatcher, _superglue, own_loss)
     distill = Case("knowledge_distillation", KnowledgeDistillation, _distill, own_loss)
-    return [kan, pykan, dtw_function, fastkan, slstm, mlstm, amlp, spline, dtw, hmm, ctc, superglue, distill,
+    return [kan, pykan, dtw_function, fastkan, slstm, mlstm, amlp, spline, dtw, hmm, ctc, viterbi, neuralsort, superglue, distill,
             *(bf16(c) for c in (kan, slstm, distill)),
             *(fp64(c) for c in (kan, mlstm, spline, hmm, ctc, superglue))]

@@ -541,6 +541,29 @@ class SoftDTW(nn.Module):
         return pred, soft_dtw((pred.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1), self.gamma).mean()
 
 
+def soft_dtw_wavefront(distances: Tensor, gamma: float) -> Tensor:
+    """Soft-DTW as the GPU ports order it: one anti-diagonal i + j = p at a time, its cells read and written by
+    advanced indexing with index tensors (R[:, i, j] = ...), the softmin by torch.logsumexp of the stacked
+    neighbours."""
+    b, n, m = distances.shape
+    r = torch.full((b, n + 1, m + 1), math.inf, dtype=distances.dtype, device=distances.device)
+    r[:, 0, 0] = 0
+    for p in range(2, n + m + 1):
+        i = torch.arange(max(1, p - m), min(n, p - 1) + 1, device=distances.device)
+        j = p - i
+        neighbours = torch.stack([r[:, i - 1, j - 1], r[:, i - 1, j], r[:, i, j - 1]], dim=-1)
+        r[:, i, j] = distances[:, i - 1, j - 1] - gamma * torch.logsumexp(-neighbours / gamma, dim=-1)
+    return r[:, n, m]
+
+
+class SoftDTWWavefront(SoftDTW):
+    """The soft-DTW alignment loss of SoftDTW, its recursion by anti-diagonals."""
+
+    def forward(self, x: Tensor, y: Tensor) -> tuple:
+        pred = self.encoder(x)
+        return pred, soft_dtw_wavefront((pred.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1), self.gamma).mean()
+
+
 class HMMForward(nn.Module):
     """A Gaussian-emission HMM trained by its marginal likelihood: log_softmax initial and transition logits,
     emission log-densities of learned means and log-scales, alpha_t = logsumexp(alpha_{t-1}[:, :, None] + log A,
@@ -636,6 +659,61 @@ class ViterbiPerceptron(nn.Module):
         last = gold.gather(1, (lengths - 1)[:, None]).squeeze(1)
         gold_score = self.start[gold[:, 0]] + (gold_emit * mask).sum(1) + gold_trans.sum(1) + self.end[last]
         return path.to(x.dtype), (best_score - gold_score).mean()
+
+
+@torch.no_grad()
+def maximum_path(value: Tensor, max_neg_val: float = -1e9) -> Tensor:
+    """Glow-TTS's monotonic alignment search (its Cython loop, batched in torch): value[:, x, y] accumulates the
+    larger of staying on text token x or advancing from x - 1, in place; the path traced back from the last
+    token with an index per sequence, written by index_put and decremented where the previous token scored more."""
+    b, t_x, t_y = value.shape
+    value = value.clone()
+    neg = value.new_full((b,), max_neg_val)
+    for y in range(t_y):
+        for x in range(max(0, t_x + y - t_y), min(t_x, y + 1)):
+            v_cur = neg if x == y else value[:, x, y - 1]
+            v_prev = (value.new_zeros(b) if y == 0 else neg) if x == 0 else value[:, x - 1, y - 1]
+            value[:, x, y] += torch.maximum(v_prev, v_cur)
+    path = torch.zeros_like(value)
+    rows = torch.arange(b)
+    index = torch.full((b,), t_x - 1, dtype=torch.long)
+    for y in range(t_y - 1, -1, -1):
+        path[rows, index, y] = 1
+        if y > 0:
+            earlier = value[rows, (index - 1).clamp_min(0), y - 1]
+            move = (index != 0) & ((index == y) | (value[rows, index, y - 1] < earlier))
+            index = index - move.long()
+    return path
+
+
+class GlowTTSAlignment(nn.Module):
+    """Glow-TTS's MLE alignment: a text encoder's per-token means and log-scales, the log-likelihood of every
+    frame under every token by the four matmuls of its reference (logp1..logp4), the monotonic path found under
+    no_grad, the means expanded to frames by path @ m, the Gaussian NLL of the frames plus a duration loss on
+    log(path.sum(frames))."""
+
+    def __init__(self, vocab: int = 9, d: int = 3, hidden: int = 7) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.proj = nn.Linear(hidden, 2 * d)
+        self.duration = nn.Linear(hidden, 1)
+
+    def forward(self, tokens: Tensor, frames: Tensor) -> tuple:
+        h = torch.tanh(self.embed(tokens))
+        m, logs = self.proj(h).chunk(2, dim=-1)                       # (b, t_x, d)
+        z = frames.transpose(1, 2)                                    # (b, d, t_y)
+        x_s_sq_r = torch.exp(-2 * logs)
+        logp1 = torch.sum(-0.5 * math.log(2 * math.pi) - logs, -1, keepdim=True)
+        logp2 = torch.matmul(x_s_sq_r, -0.5 * (z ** 2))
+        logp3 = torch.matmul(m * x_s_sq_r, z)
+        logp4 = torch.sum(-0.5 * (m ** 2) * x_s_sq_r, -1, keepdim=True)
+        path = maximum_path(logp1 + logp2 + logp3 + logp4).detach()
+        m_frames = torch.matmul(path.transpose(1, 2), m)              # (b, t_y, d)
+        logs_frames = torch.matmul(path.transpose(1, 2), logs)
+        nll = (logs_frames + 0.5 * torch.exp(-2 * logs_frames) * (frames - m_frames) ** 2).mean()
+        log_durations = torch.log(path.sum(-1) + 1e-6)
+        duration_loss = (self.duration(h).squeeze(-1) - log_durations).pow(2).mean()
+        return torch.cat([m_frames.flatten(1), path.flatten(1)], 1), nll + duration_loss
 
 
 class NeuralSort(nn.Module):
@@ -795,6 +873,10 @@ def _viterbi(g: torch.Generator) -> tuple:
     return (torch.randn(3, 6, 5, generator=g), torch.randint(0, 4, (3, 6), generator=g), mask), None
 
 
+def _glow_tts(g: torch.Generator) -> tuple:
+    return (torch.randint(0, 9, (2, 4), generator=g), torch.randn(2, 7, 3, generator=g)), None
+
+
 def _neuralsort(g: torch.Generator) -> tuple:
     items = torch.randn(3, 7, 3, generator=g)
     return (items, items[..., 0] + 0.1 * torch.randn(3, 7, generator=g)), None
@@ -820,15 +902,17 @@ def cases() -> list[Case]:
     mlstm = Case("xlstm_mlstm_parallel_and_recurrent", MLSTM, _mlstm, own_loss)
     amlp = Case("amlp_spatial_gating", AMLP, _amlp, own_loss)
     spline = Case("rq_spline_coupling", SplineCoupling, _spline, own_loss)
-    dtw = Case("soft_dtw_divergence", SoftDTW, _soft_dtw, own_loss)
+    dtw = Case("soft_dtw_cellwise", SoftDTW, _soft_dtw, own_loss)
+    wavefront = Case("soft_dtw_wavefront", SoftDTWWavefront, _soft_dtw, own_loss)
     hmm = Case("hmm_forward_algorithm", HMMForward, _hmm, own_loss)
     ctc = Case("ctc_forward_by_hand", HandCTC, _ctc, own_loss)
     viterbi = Case("viterbi_structured_perceptron", ViterbiPerceptron, _viterbi, own_loss)
     # a constant added to every score shifts each row of P_max by a constant (the scaling sums to 0): softmax ignores it
     neuralsort = Case("neuralsort_straight_through", NeuralSort, _neuralsort, own_loss,
                       zero_grad=(("score.2.bias", slice(None)),))
+    glow_tts = Case("glow_tts_monotonic_alignment", GlowTTSAlignment, _glow_tts, own_loss)
     superglue = Case("superglue_log_sinkhorn", SuperGlueMatcher, _superglue, own_loss)
     distill = Case("knowledge_distillation", KnowledgeDistillation, _distill, own_loss)
-    return [kan, pykan, dtw_function, fastkan, slstm, mlstm, amlp, spline, dtw, hmm, ctc, viterbi, neuralsort, superglue, distill,
+    return [kan, pykan, dtw_function, fastkan, slstm, mlstm, amlp, spline, dtw, wavefront, hmm, ctc, viterbi, glow_tts, neuralsort, superglue, distill,
             *(bf16(c) for c in (kan, slstm, distill)),
             *(fp64(c) for c in (kan, mlstm, spline, hmm, ctc, superglue))]

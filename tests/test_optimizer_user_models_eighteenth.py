@@ -22,8 +22,8 @@ from tests.user_models_eighteenth import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
 THROUGH_TRITON = ["efficient_kan_cox_de_boor", "knowledge_distillation", "hmm_forward_algorithm"]
-# a KAN whose grid is a frozen Parameter, a spline flow whose bin locations are written in place
-TRAINED = ["fastkan_rbf_frozen_grid", "rq_spline_coupling"]
+# a KAN whose grid is a frozen Parameter; one whose step refits its grid buffer and its spline weights (.data)
+TRAINED = ["fastkan_rbf_frozen_grid", "efficient_kan_update_grid"]
 
 
 test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \

@@ -25,11 +25,12 @@ FAST_MODEL = {"N_LAYER": "1", "N_EMBD": "32", "N_HEAD": "2", "BLOCK_SIZE": "32",
 
 
 # The files that take a minute or more of a CI run (their tests' durations in the run of 2026-12-07, 4 processes on 2
-# cores; the fifteenth's to seventeenth's in their branches' runs), handed out first: those that mostly wait on jobs
+# cores; the fifteenth's to eighteenth's in their branches' runs), handed out first: those that mostly wait on jobs
 # (end to end), then the longest first. `--dist loadfile` hands a process a whole file, and xdist orders the files by
 # their number of tests, so a long file of few tests came last (the two tests of test_e2e_health.py, 165 s, third from
 # last; test_e2e.py, 236 s, 20th from last) and ran while the other processes had nothing left.
 LONG_FILES = ["test_e2e_health.py", "test_e2e.py", "test_optimizer_user_models_sixteenth.py",
+              "test_optimizer_user_models_eighteenth.py",
               "test_optimizer_user_models_eleventh.py", "test_optimizer_user_models_seventeenth.py",
               "test_optimizer_triton.py", "test_optimizer_user_models.py", "test_triton_gpu_compile.py",
               "test_optimizer_user_models_seventh.py", "test_optimizer_user_models_fourth.py",

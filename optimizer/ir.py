@@ -236,14 +236,13 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                                     (Ref(mm), args[0]), {}, type_,
                                     **({"rounded": True} if type_.dtype in HALF_DTYPES else {}))
             continue
-        params = {}
-        if (kind == Kind.POINTWISE and type_ is not None and type_.dtype in HALF_DTYPES
-                and str(fx_node.meta.get("original_aten")) == str(fx_node.target)):
-            # an op of the user's (not a piece of a decomposed op): eager rounds its 16-bit result, and
-            # error-free transformations (Kahan's compensation (t - p) - y, TwoSum) rely on that rounding
-            params = {"rounded": True}
+        # eager rounds an op's 16-bit result before the next op reads it, and error-free transformations
+        # (Kahan's compensation (t - p) - y, TwoSum) rely on that rounding; a sum's or mean's too
+        # (x - x.sum(-1, keepdim=True))
+        rounded = type_ is not None and type_.dtype in HALF_DTYPES and _op_result(fx_node)
+        params = {"rounded": True} if kind == Kind.POINTWISE and rounded else {}
         if kind == Kind.REDUCE:
-            params = reduce_params(op, args, kwargs, nodes)
+            params = {**reduce_params(op, args, kwargs, nodes), **({"rounded": True} if rounded else {})}
             unviewed = _reduced_through_view(op, args, params, nodes)
             if unviewed is not None:       # the same result, its shape as it was (loopnest.row_index maps it)
                 base, dims = unviewed
@@ -305,6 +304,20 @@ def _reduced_through_view(op: str, args: tuple, params: dict, nodes: list[Node])
 
 def _constant(value: Any) -> Any:
     return value
+
+
+def _op_result(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node` computes the result of an op of the user's: the op itself, or the last piece of its
+    decomposition, one that another op reads (x.sum() is sum.dim_IntList(x, []), var's last piece a division;
+    a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32."""
+    op = fx_node.meta.get("original_aten")
+    if op is None:
+        return False
+    if str(op) == str(fx_node.target):
+        return True
+    call = (str(op), fx_node.meta.get("seq_nr"))
+    return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call
+               for u in fx_node.users)
 
 
 def _rng_state(fx_node: torch.fx.Node) -> bool:

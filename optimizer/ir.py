@@ -227,6 +227,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         op = str(fx_node.target) if isinstance(fx_node.target, torch._ops.OpOverload) else "getitem" \
             if fx_node.target is operator.getitem else str(fx_node.target)
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
+        args = _cpu_half_scalars(fx_node, args, type_, device)
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             # of a half addmm, the product is fp32: eager rounds once, after the bias
             mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
@@ -236,14 +237,13 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                                     (Ref(mm), args[0]), {}, type_,
                                     **({"rounded": True} if type_.dtype in HALF_DTYPES else {}))
             continue
-        params = {}
-        if (kind == Kind.POINTWISE and type_ is not None and type_.dtype in HALF_DTYPES
-                and str(fx_node.meta.get("original_aten")) == str(fx_node.target)):
-            # an op of the user's (not a piece of a decomposed op): eager rounds its 16-bit result, and
-            # error-free transformations (Kahan's compensation (t - p) - y, TwoSum) rely on that rounding
-            params = {"rounded": True}
+        # eager rounds an op's 16-bit result before the next op reads it, and error-free transformations
+        # (Kahan's compensation (t - p) - y, TwoSum) rely on that rounding; a sum's or mean's too
+        # (x - x.sum(-1, keepdim=True))
+        rounded = type_ is not None and type_.dtype in HALF_DTYPES and _op_result(fx_node)
+        params = {"rounded": True} if kind == Kind.POINTWISE and rounded else {}
         if kind == Kind.REDUCE:
-            params = reduce_params(op, args, kwargs, nodes)
+            params = {**reduce_params(op, args, kwargs, nodes), **({"rounded": True} if rounded else {})}
             unviewed = _reduced_through_view(op, args, params, nodes)
             if unviewed is not None:       # the same result, its shape as it was (loopnest.row_index maps it)
                 base, dims = unviewed
@@ -305,6 +305,37 @@ def _reduced_through_view(op: str, args: tuple, params: dict, nodes: list[Node])
 
 def _constant(value: Any) -> Any:
     return value
+
+
+# ATen's CPU add and sub convert a Python float to their 16-bit tensor's dtype before they add it, and pow its
+# float base, where its mul and div take it in fp32 (its CUDA kernels read such a scalar in fp32): bf16 x - 1.3 and
+# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875
+CPU_HALF_ROUNDED_SCALARS = frozenset({"aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar",
+                                      "aten.rsub.Scalar", "aten.pow.Scalar"})
+
+
+def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, type_: TensorType | None, device: str) -> tuple:
+    """`args` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python floats rounded to
+    the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they are."""
+    if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
+            str(fx_node.meta.get("original_aten")) not in CPU_HALF_ROUNDED_SCALARS:
+        return args
+    half = getattr(torch, type_.dtype)
+    return tuple(float(torch.tensor(a, dtype=torch.float64).to(half)) if isinstance(a, float) else a for a in args)
+
+
+def _op_result(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node` computes the result of an op of the user's: the op itself, or the last piece of its
+    decomposition, one that another op reads (x.sum() is sum.dim_IntList(x, []), var's last piece a division;
+    a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32."""
+    op = fx_node.meta.get("original_aten")
+    if op is None:
+        return False
+    if str(op) == str(fx_node.target):
+        return True
+    call = (str(op), fx_node.meta.get("seq_nr"))
+    return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call
+               for u in fx_node.users)
 
 
 def _rng_state(fx_node: torch.fx.Node) -> bool:

@@ -432,14 +432,15 @@ def bias_epilogue(graph: Graph, nest: LoopNest) -> int | None:
     """The bias of a 2-D GEMM whose whole epilogue is `product + bias` along its rows, stored in the operands'
     dtype (a Linear's addmm), the bias maybe cast to that dtype first (autocast's): the node of that 1-D bias,
     which the library's addmm adds itself (a 16-bit one sums in fp32 and rounds once, as the tile would); None
-    for any other epilogue."""
+    for any other epilogue, and for a 16-bit mm's product (b + x @ w.T), which eager rounds before the add (a
+    half addmm's product is an fp32 node: ir.from_fx)."""
     if nest.shape != "gemm" or len(nest.body) not in (4, 5) or len(nest.outputs) != 1:
         return None
     mm = graph.nodes[nest.group.nodes[0]]
     defined = {s.name: s.value for s in nest.body if isinstance(s, Define)}
     store = nest.body[-1]
-    if len(mm.type.shape) != 2 or len(defined) != len(nest.body) - 1 or not isinstance(store, Store) or \
-            not isinstance(defined.get(store.value), Apply):
+    if len(mm.type.shape) != 2 or mm.type.dtype in HALF_DTYPES or len(defined) != len(nest.body) - 1 or \
+            not isinstance(store, Store) or not isinstance(defined.get(store.value), Apply):
         return None
     add, apply = graph.nodes[store.buffer], defined[store.value]
     args = [defined.get(getattr(a, "name", None)) for a in apply.args]

@@ -456,7 +456,7 @@ class KernelWriter:
                 row += per_row([f"{acc} = {_INIT[r.op]};"])
                 red = declare(RowVar("red", r.node), ct)
                 if r.op in ("sum", "mean"):
-                    finish.append(f"{red} = {acc}{'' if r.op != 'mean' else f' / {count}'};")
+                    finish.append(f"{red} = {self.reduced(r.node, acc + (f' / {count}' if r.op == 'mean' else ''))};")
                 else:
                     nan = declare(RowVar("nan", r.node), "int32_t")
                     row += per_row([f"{nan} = 0;"])
@@ -469,6 +469,12 @@ class KernelWriter:
         if nest.epilogue is not None:
             row += over_reduced(self.lines(nest.epilogue))
         return self.rows(row, outer) if kept else row
+
+    def reduced(self, node: int, total: str) -> str:
+        """A sum's or mean's `total` as the value ops after it read: rounded to its half where eager rounds it
+        (ops.eager_rounded: a reduction of the user's), as the stored value is."""
+        n = self.g.nodes[node]
+        return rounded(total, n.type.dtype) if eager_rounded(n.op, n.params) else total
 
     def lane_reduction(self) -> list[str]:
         """A column reduction whose SIMD lanes run across whole columns (LoopNest.lane_run): per row
@@ -511,7 +517,7 @@ class KernelWriter:
                 mean = f" / {prod(dom[d] for d in nest.reduced)}" if r.op == "mean" else ""
                 finish += [f"{ct} {acc}_sum = 0;",
                            f"for (int64_t k = {m}; k < {width}; k += {columns}) {acc}_sum += {acc}[k];",
-                           f"{red}[{m}] = {acc}_sum{mean};", self.statement(r.store)]
+                           f"{red}[{m}] = {self.reduced(r.node, acc + '_sum' + mean)};", self.statement(r.store)]
                 reds.append(red)
             row += over_lanes(self.lines(segment.body), clauses) + per_column(finish) + copied(reds)
         if nest.epilogue is not None:

@@ -835,9 +835,14 @@ class TritonWriter:
 
     def combined(self, red: Reduction, values: str, nans: str, count: int | None) -> list[str]:
         """red{node}: a [XROWS, n] block of `values` combined along its rows, NaN where a max or min's `nans`
-        flag is set, a mean divided by `count` (None: a partial sum)."""
-        lines = [f"red{red.node} = {REDUCTION_TOTALS[red.op]}({values}, 1)[:, None]"
-                 + (f" / {count}" if red.op == "mean" and count is not None else "")]
+        flag is set, a mean divided by `count` (None: a partial sum), a whole half sum or mean of the user's
+        rounded to its half, as eager rounds it before the ops after it."""
+        total = f"{REDUCTION_TOTALS[red.op]}({values}, 1)[:, None]" + \
+            (f" / {count}" if red.op == "mean" and count is not None else "")
+        node = self.g.nodes[red.node]
+        if count is not None and red.op in ("sum", "mean") and eager_rounded(node.op, node.params):
+            total = _rounded(total, node.type.dtype)    # a half sum of the user's, as eager rounds it
+        lines = [f"red{red.node} = {total}"]
         if red.op in ("max", "min"):
             lines.append(f'red{red.node} = tl.where(tl.max({nans}, 1)[:, None] > 0, float("nan"), red{red.node})')
         return lines

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, HALVES, NONE, Operand, computed_in, expression,
+from optimizer.codegen.c_ops import (BUFFER_CTYPES, CTYPES, NONE, Operand, computed_in, expression,
                                      literal, narrowed, rounded, widened)
 from optimizer.expr import Expr, render
-from optimizer.ir import Graph, Node
+from optimizer.ir import HALF_DTYPES, Graph, Node
 from optimizer.loopnest import (Apply, Assign, Define, Group, Load, Name, RowSegment, RowVar, Select, Stmt, Store,
                                 Temp, exact_halves, gemm_operand, lower)
 from optimizer.loopnest import Operand as LoopOperand
@@ -308,7 +308,7 @@ class KernelWriter:
     def apply(self, a: Apply) -> str:
         node = self.g.nodes[a.node]
         operands = [Operand(self.value(x.name), computed_in(x.dtype), zero_dim=x.zero_dim,
-                            half=x.dtype if x.dtype in HALVES else None, exact=self.exact.get(x.name) == x.dtype)
+                            half=x.dtype if x.dtype in HALF_DTYPES else None, exact=self.exact.get(x.name) == x.dtype)
                     if isinstance(x, LoopOperand) else literal(x) if isinstance(x, (bool, int, float)) else NONE
                     for x in a.args]
         self.computed |= {computed_in(node.type.dtype), *(o.dtype for o in operands if not o.scalar)}
@@ -541,7 +541,7 @@ class KernelWriter:
         M, N = node.type.shape[-2:]
         K = a.type.shape[-1]
         generated = self.s.gemm == "generated"
-        half_in, half = a.type.dtype in HALVES, node.type.dtype in HALVES   # a half addmm's product is fp32
+        half_in, half = a.type.dtype in HALF_DTYPES, node.type.dtype in HALF_DTYPES   # a half addmm's product is fp32
         batch = node.type.shape[0] if batched else 1
         pa, pb = self.names[a.index], self.names[b.index]
         sa = a.type.strides[0] if batched else 0

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from optimizer.ir import HALF_DTYPES
 from optimizer.ops import comparison_dtype, half_operand_rounded
 
 CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": "int32_t",
@@ -20,14 +21,13 @@ NARROW_INTS = ("int16", "int8", "uint8")
 # 16-bit floats (ir.HALF_DTYPES) are held and computed in fp32, as eager's opmath and Inductor do: widened
 # where loaded, rounded to nearest even where stored, where the graph converts to them (_to_copy) and after
 # each op of the user's (ir.from_fx's params["rounded"]), not after the pieces of a decomposed op (see
-# codegen/triton.py's HALVES for why). In memory: their 16 bits, converted by the prelude.
-HALVES = ("bfloat16", "float16")
+# the comment on 16-bit floats in codegen/triton.py for why). In memory: their 16 bits, converted by the prelude.
 BUFFER_CTYPES = {**CTYPES, "bfloat16": "uint16_t", "float16": "uint16_t"}
 
 
 def computed_in(dtype: str) -> str:
     """The dtype a value of `dtype` is held and computed in: fp32 for the 16-bit floats."""
-    return "float32" if dtype in HALVES else dtype
+    return "float32" if dtype in HALF_DTYPES else dtype
 
 
 def widened(expr: str, dtype: str) -> str:
@@ -42,7 +42,7 @@ def narrowed(expr: str, dtype: str) -> str:
 
 def rounded(expr: str, dtype: str) -> str:
     """An fp32 value rounded to `dtype` and held in fp32 again, where `dtype` is a half."""
-    return widened(narrowed(expr, dtype), dtype) if dtype in HALVES else expr
+    return widened(narrowed(expr, dtype), dtype) if dtype in HALF_DTYPES else expr
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def _modulo(name: str) -> Render:
     0.0999755859375, and a step at each multiple makes x's own rounding matter as for floor)."""
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
-        if t in HALVES:
+        if t in HALF_DTYPES:
             a, b = (in_half(o, t) for o in ops[:2])
             return f"tfsn_{name}f({a}, {b})"
         if out in FLOATS:
@@ -192,7 +192,7 @@ def _compare(sign: str) -> Render:
     (an fp16 tensor's 0.1 is 0.0999755859375, equal to fp16(0.1) and less than 0.1)."""
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
-        a, b = (in_half(o, t) if t in HALVES else cast(o, t) for o in ops[:2])
+        a, b = (in_half(o, t) if t in HALF_DTYPES else cast(o, t) for o in ops[:2])
         return f"({a} {sign} {b})"
     return render
 
@@ -357,7 +357,7 @@ def _computed(op: str, operands: list[Operand], out: str, kw: dict) -> str:
     """`expression`'s value before its result is rounded. Eager's pow of a half by a scalar rounds the exponent
     to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt
     or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
-    if out in HALVES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
+    if out in HALF_DTYPES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
         import torch
         exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))
         operands = [operands[0], literal(exponent)]

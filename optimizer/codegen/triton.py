@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from optimizer.cache import atomic_write, cache_dir, content_key
 from optimizer.costmodel import GPU_MAX_DEPTH, GPU_REDUCTION_BLOCK
 from optimizer.expr import Const, Expr, render
-from optimizer.ir import Graph, Kind, Ref
+from optimizer.ir import HALF_DTYPES, Graph, Kind, Ref
 from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, Group, Load, LoopNest, Name, Pass,
                                 Reduction, RowSegment, Select, Stmt, Store, Temp, accumulator_dtype, bias_epilogue,
                                 exact_halves, lower)
@@ -56,7 +56,6 @@ FLOATS = ("float32", "float64")
 # pieces of a decomposed op. Eager runs log_softmax, layer_norm... as one op each, which tfsn sees decomposed:
 # rounding each piece measured 5x eager's error on a bf16 cross-entropy, keeping fp32 between them well
 # within it.
-HALVES = ("bfloat16", "float16")
 
 
 def _interpreted_bf16(dtype: str) -> bool:
@@ -80,12 +79,12 @@ def _widened(expr: str, dtype: str) -> str:
 
 def _computed_in(dtype: str) -> str:
     """The dtype a value of `dtype` is held and computed in: fp32 for the 16-bit floats (as eager's opmath)."""
-    return "float32" if dtype in HALVES else dtype
+    return "float32" if dtype in HALF_DTYPES else dtype
 
 
 def _rounded(expr: str, dtype: str) -> str:
     """`expr` (fp32) rounded to `dtype` and held in fp32 again, where `dtype` is a 16-bit float."""
-    if dtype not in HALVES:
+    if dtype not in HALF_DTYPES:
         return expr
     # made fp32 first: `expr` may be a whole literal, and Triton's interpreter turns int -> bf16 into 0
     return _widened(_narrowed(f'tl.cast({expr}, tl.float32)', dtype), dtype)
@@ -249,7 +248,7 @@ def _compare(sign: str) -> Callable:
     both sides rounded to it as eager compares (an fp16 tensor's 0.1 is 0.0999755859375)."""
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
-        a, b = (_in_half(_cast(o, "float32"), o, t) if t in HALVES else _cast(o, t) for o in ops[:2])
+        a, b = (_in_half(_cast(o, "float32"), o, t) if t in HALF_DTYPES else _cast(o, t) for o in ops[:2])
         return f"({a} {sign} {b})"
     return render
 
@@ -266,7 +265,7 @@ def _modulo(name: str) -> Callable:
     divisor is a positive Python int, optimizer/ops.py MODULOS), moved into the divisor's sign for remainder."""
     def render(ops, out, kw):
         t = comparison_dtype((o.half or o.dtype, o.scalar, o.zero_dim) for o in ops[:2])
-        if t in HALVES:
+        if t in HALF_DTYPES:
             a, b = (_in_half(_block(o, "float32"), o, t) for o in ops[:2])
             return f"tfsn_{name}({a}, {b})"
         if out in FLOATS:
@@ -664,11 +663,11 @@ class TritonWriter:
         if node.op not in OPS:
             raise Unsupported(f"no Triton rendering of {node.op}")
         ops = [Value(self.value(x.name), _computed_in(x.dtype), zero_dim=x.zero_dim,
-                     half=x.dtype if x.dtype in HALVES else None, exact=self.exact.get(x.name) == x.dtype)
+                     half=x.dtype if x.dtype in HALF_DTYPES else None, exact=self.exact.get(x.name) == x.dtype)
                if isinstance(x, LoopOperand) else
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
-        if out in HALVES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
+        if out in HALF_DTYPES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
             value = _half_pow(ops[0], ops[1].value, out)
         else:
             # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
@@ -696,7 +695,7 @@ class TritonWriter:
                 else:
                     load = f"tl.load({self.names[v.buffer]} + {triton_index(v.offset)} + {self.zero}, " \
                            f"mask={self.mask}, other=0)"
-                return f"t{s.name.id} = {_widened(load, stored) if stored in HALVES else load}"
+                return f"t{s.name.id} = {_widened(load, stored) if stored in HALF_DTYPES else load}"
             if isinstance(v, GemmElement):
                 return f"t{s.name.id} = {_rounded('acc', self.g.nodes[v.node].type.dtype)}"
             if isinstance(v, Select):

@@ -1160,8 +1160,15 @@ class Backend:
     def __reduce__(self) -> tuple:
         """Pickled as its options (its trace is a closure): `torch.save(tfsn.optimize(model))`, or a compiled
         model sent to another process, failed with "Can't pickle local object" where torch.compile(backend="tfsn")
-        pickled."""
-        return Backend, (self.options,)
+        pickled. Less the caller's own objects (BY_IDENTITY): a `report` list holds the searched graphs, which do
+        not pickle, so a model optimized with `report=` failed to pickle once it had compiled; the copy could not
+        append to the caller's list anyway."""
+        return Backend, ({name: value for name, value in self.options.items() if name not in BY_IDENTITY},)
+
+    def __deepcopy__(self, memo: dict) -> Backend:
+        """Itself: a backend holds no state but its options, and `copy.deepcopy(optimized_model)` keeps reporting
+        to the caller's `report` and `on_plan` (a copy of the list would be one nobody reads)."""
+        return self
 
 
 # torch.compile's modes, as tfsn's options: the search already times each kernel's candidates on the chip (what

@@ -744,7 +744,8 @@ def _operand_as_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 def _scalar_tensor(value: int | float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.scalar_tensor(value), an int wrapped into a narrower integer `dtype` as eager converts it beside such a
     tensor (uint8 counter + 300 adds 44); torch.scalar_tensor raises on the overflow."""
-    if isinstance(value, int) and not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
+    if isinstance(value, int) and not dtype.is_floating_point and not dtype.is_complex \
+            and dtype not in (torch.bool, torch.int64):
         info = torch.iinfo(dtype)
         value = (value - info.min) % (info.max - info.min + 1) + info.min
     return torch.scalar_tensor(value, dtype=dtype, device=device)

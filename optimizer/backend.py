@@ -760,7 +760,8 @@ class ScalarsAsTensors:
         self.compiled, self.recipe, self.passed = compiled, recipe, passed
 
     def __call__(self, args: list) -> Any:
-        inputs = [args[i] if dtype is None else _scalar_tensor(args[i], dtype, device) for i, dtype, device in self.recipe]
+        inputs = [args[i] if dtype is None else _scalar_tensor(args[i], dtype, device)
+                  for i, dtype, device in self.recipe]
         scalars = [(k, args[i]) for k, i in self.passed]
         args.clear()
         out = self.compiled(inputs)

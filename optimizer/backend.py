@@ -707,8 +707,7 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     return static, recipe, passed
 
 
-# ops whose second operand, a Python int, may be a 0-d int64 tensor instead: the same result and dtype (a 0-d
-# tensor promotes as a scalar does within its kind, and an int's kind is the lowest but bool's)
+# ops whose second operand, a Python int, may be a 0-d tensor instead: the same result and dtype (see _int_dtype)
 INT_OPERAND_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)
 
 
@@ -716,18 +715,40 @@ def _int_operand(node: torch.fx.Node, p: torch.fx.Node) -> bool:
     """Whether `node` reads the symbolic int `p` only as the second operand of one of INT_OPERAND_OPS."""
     return (node.target in INT_OPERAND_OPS and len(node.args) == 2 and node.args[1] is p and node.args[0] is not p
             and isinstance(p.meta.get("val"), torch.SymInt) and p not in node.kwargs.values()
-            and isinstance(node.meta.get("val"), torch.Tensor))
+            and isinstance(node.meta.get("val"), torch.Tensor) and isinstance(node.args[0], torch.fx.Node)
+            and isinstance(node.args[0].meta.get("val"), torch.Tensor))
+
+
+def _int_dtype(first: torch.Tensor) -> torch.dtype:
+    """The dtype of the 0-d tensor that stands for a Python int beside the tensor `first`. int64: a 0-d tensor
+    promotes as a Python scalar does within its kind, and an int's kind is the lowest but bool's. But two 0-d
+    tensors promote each other: beside a 0-d tensor of a narrower integer dtype (an int32 step counter + step,
+    int32 in eager, was int64), that dtype, to which eager converts the int too."""
+    narrower = first.dim() == 0 and not first.is_floating_point() and not first.is_complex() \
+        and first.dtype not in (torch.bool, torch.int64)
+    return first.dtype if narrower else torch.int64
 
 
 def _operand_as_tensor(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """`node`'s int operand made a 0-d int64 tensor by aten.scalar_tensor before it (see _int_operand)."""
+    """`node`'s int operand made a 0-d tensor by aten.scalar_tensor before it (see _int_operand)."""
     from torch._subclasses.fake_tensor import FakeTensor
     fake_mode = next(v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), FakeTensor))
+    dtype = _int_dtype(node.args[0].meta["val"])
     with gm.graph.inserting_before(node):
-        tensor = gm.graph.call_function(aten.scalar_tensor.default, (node.args[1],), {"dtype": torch.int64})
+        tensor = gm.graph.call_function(aten.scalar_tensor.default, (node.args[1],), {"dtype": dtype})
     with fake_mode:
-        tensor.meta["val"] = torch.empty((), dtype=torch.int64, device=node.meta["val"].device)
+        tensor.meta["val"] = torch.empty((), dtype=dtype, device=node.meta["val"].device)
     node.args = (node.args[0], tensor)
+
+
+def _scalar_tensor(value: int | float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.scalar_tensor(value), an int wrapped into a narrower integer `dtype` as eager converts it beside such a
+    tensor (uint8 counter + 300 adds 44); torch.scalar_tensor raises on the overflow."""
+    if isinstance(value, int) and not dtype.is_floating_point and not dtype.is_complex \
+            and dtype not in (torch.bool, torch.int64):
+        info = torch.iinfo(dtype)
+        value = (value - info.min) % (info.max - info.min + 1) + info.min
+    return torch.scalar_tensor(value, dtype=dtype, device=device)
 
 
 class ScalarsAsTensors:
@@ -739,7 +760,7 @@ class ScalarsAsTensors:
         self.compiled, self.recipe, self.passed = compiled, recipe, passed
 
     def __call__(self, args: list) -> Any:
-        inputs = [args[i] if dtype is None else torch.scalar_tensor(args[i], dtype=dtype, device=device)
+        inputs = [args[i] if dtype is None else _scalar_tensor(args[i], dtype, device)
                   for i, dtype, device in self.recipe]
         scalars = [(k, args[i]) for k, i in self.passed]
         args.clear()
@@ -1160,8 +1181,15 @@ class Backend:
     def __reduce__(self) -> tuple:
         """Pickled as its options (its trace is a closure): `torch.save(tfsn.optimize(model))`, or a compiled
         model sent to another process, failed with "Can't pickle local object" where torch.compile(backend="tfsn")
-        pickled."""
-        return Backend, (self.options,)
+        pickled. Less the caller's own objects (BY_IDENTITY): a `report` list holds the searched graphs, which do
+        not pickle, so a model optimized with `report=` failed to pickle once it had compiled; the copy could not
+        append to the caller's list anyway."""
+        return Backend, ({name: value for name, value in self.options.items() if name not in BY_IDENTITY},)
+
+    def __deepcopy__(self, memo: dict) -> Backend:
+        """Itself: a backend holds no state but its options, and `copy.deepcopy(optimized_model)` keeps reporting
+        to the caller's `report` and `on_plan` (a copy of the list would be one nobody reads)."""
+        return self
 
 
 # torch.compile's modes, as tfsn's options: the search already times each kernel's candidates on the chip (what

@@ -92,6 +92,21 @@ def test_an_optimized_model_pickles_whole_and_runs_kernels_after():
     check(pickle.loads(pickle.dumps(compiled)), eager, x)
 
 
+def test_a_model_optimized_with_a_report_pickles_after_it_compiled():
+    """`tfsn.optimize(model, report=searches)` pickled before its first step, and failed after it ("<pybind11 ...
+    function_record object> is not pickleable": the report holds the searched graphs). The caller's report stays
+    with the caller: the unpickled model compiles and runs its own kernels."""
+    import pickle
+    eager, x = model_and_input()
+    searches: list = []
+    compiled = optimize(copy.deepcopy(eager), top_k=1, report=searches)
+    compiled(x).sum().backward()
+    assert searches
+    restored = pickle.loads(pickle.dumps(compiled))
+    restored.zero_grad()
+    check(restored, eager, x)
+
+
 def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(monkeypatch, tmp_path, caplog):
     """On a host without gcc (a slim container) the first call of `tfsn.optimize(model)` failed the training
     step: "BackendCompilerFailed ... FileNotFoundError: 'gcc'". It runs as ATen, said once, as without triton."""

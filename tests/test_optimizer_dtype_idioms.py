@@ -306,6 +306,27 @@ def test_a_16_bit_power_is_rounded_as_eager_rounds_it(codegen, dtype):
         torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"output {k}: {m}")
 
 
+def halves_shifted_by_numbers(x: torch.Tensor, step: int) -> tuple:
+    """A half plus or minus Python numbers its dtype does not hold: a step count, 0.1, and a reversed sub."""
+    return x + step, x - 0.1, 0.3 - x, x + step * 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_sum_with_a_number_converts_the_number_as_eager_on_the_cpu(dtype):
+    """Regression: eager on the CPU converts a number added to or subtracted from a half to that half first (an
+    fp16 x + 2049 adds 2048, a bf16 x - 0.1 subtracts 0.10009765625; mul and div take it at its own value), and
+    the C kernels added it at its fp32 value: one unit in the last place off in most elements past the half's
+    whole numbers. The step is a constant in the first call's graph and a tensor input in the later ones'."""
+    g = torch.Generator().manual_seed(0)
+    step = compiled(halves_shifted_by_numbers, "c")
+    x = (torch.rand(37, generator=g) * 4 - 2).to(dtype)
+    generated(lambda: step(x, 1))
+    for n in ([2049, 2051, 4097] if dtype == torch.float16 else [257, 259, 515]):
+        x = (torch.rand(37, generator=g) * 4 - 2).to(dtype)
+        for k, (a, e) in enumerate(zip(step(x, n), halves_shifted_by_numbers(x, n))):
+            torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"output {k} at step {n}: {m}")
+
+
 def sigmoid_after_a_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple:
     """A Linear with bias (a half addmm: tfsn's fp32 product, then the bias) and an activation after it."""
     y = F.linear(x, w, b)

@@ -281,6 +281,38 @@ def test_a_step_number_passed_as_an_int_every_call_compiles_once_and_matches_eag
     assert replayed["replays"] > 0, replayed
 
 
+class CountedInInt32(nn.Module):
+    """A model counting the steps it has seen in a 0-d int32 buffer, the step added to it every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+        self.register_buffer("seen", torch.tensor(7, dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.fc(x)) - step, self.seen + step, self.seen * step
+
+
+def test_a_step_int_beside_a_0_d_int32_counter_keeps_the_counters_dtype_and_wraps_as_eager():
+    """Regression: the step, made a 0-d int64 tensor where it meets a tensor directly, promoted a 0-d int32
+    counter (two 0-d tensors promote each other; a Python int does not): `seen + step` came back int64 where eager
+    gives int32, from the second step on, in epochs that end on a smaller batch. As a tensor of the counter's
+    dtype, a step past int32 wraps as eager wraps it (torch.scalar_tensor raised on the overflow)."""
+    eager = CountedInInt32()
+    mine = copy.deepcopy(eager)
+    model = tfsn.optimize(mine, top_k=1)
+    for k, step in enumerate([0, 1, 2, 3, 2**31 + 5, 5, -3]):
+        x = torch.randn(3 if k % 4 == 3 else 4, 8)
+        outs = [m(x, step) for m in (eager, model)]
+        for out in outs:
+            out[0].square().sum().backward()
+        close(outs[1][0], outs[0][0], f"output at step {step}")
+        for a, e in zip(outs[1][1:], outs[0][1:]):
+            assert a.dtype == e.dtype and torch.equal(a, e), (step, a, e)
+        close(mine.fc.weight.grad, eager.fc.weight.grad, f"weight's gradient at step {step}")
+    assert backend.STATS["aten_graphs"] == 0, backend.STATS
+
+
 def warmup_cosine(step: int) -> float:
     return min(1.0, (step + 1) / 4) * 0.5 * (1 + math.cos(math.pi * step / 12))
 

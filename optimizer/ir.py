@@ -307,21 +307,22 @@ def _constant(value: Any) -> Any:
     return value
 
 
-# ATen's CPU add and sub convert a Python float to their 16-bit tensor's dtype before they add it, and pow its
-# float base, where its mul and div take it in fp32 (its CUDA kernels read such a scalar in fp32): bf16 x - 1.3 and
-# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875
+# ATen's CPU add and sub convert a Python number to their 16-bit tensor's dtype before they add it, and pow its
+# base, where its mul and div take it in fp32 (its CUDA kernels read such a scalar in fp32): bf16 x - 1.3 and
+# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875, fp16 x + 2049 adds 2048 (a 0-d tensor there: codegen/c_ops.py)
 CPU_HALF_ROUNDED_SCALARS = frozenset({"aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar",
                                       "aten.rsub.Scalar", "aten.pow.Scalar"})
 
 
 def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, type_: TensorType | None, device: str) -> tuple:
-    """`args` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python floats rounded to
+    """`args` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python numbers rounded to
     the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they are."""
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             str(fx_node.meta.get("original_aten")) not in CPU_HALF_ROUNDED_SCALARS:
         return args
     half = getattr(torch, type_.dtype)
-    return tuple(float(torch.tensor(a, dtype=torch.float64).to(half)) if isinstance(a, float) else a for a in args)
+    return tuple(float(torch.tensor(a, dtype=torch.float64).to(half))
+                 if isinstance(a, (int, float)) and not isinstance(a, bool) else a for a in args)
 
 
 def _op_result(fx_node: torch.fx.Node) -> bool:

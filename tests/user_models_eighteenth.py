@@ -565,31 +565,30 @@ def soft_dtw_matrix(distances: Tensor, gamma: float, r: Tensor) -> Tensor:
     return r
 
 
-class SoftDTWCustomBackward(nn.Module):
-    """The soft-DTW loss through SoftDTWFunction (a hand-written backward), plus the squared costs' mean."""
-
-    def __init__(self, d: int = 3, hidden: int = 5, gamma: float = 0.5) -> None:
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, d))
-        self.gamma = gamma
-
-    def forward(self, x: Tensor, y: Tensor) -> tuple:
-        pred = self.encoder(x)
-        costs = (pred.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1)
-        return pred, SoftDTWFunction.apply(costs, self.gamma).mean()
-
-
 class SoftDTW(nn.Module):
-    """An encoder trained to align sequences under the soft-DTW loss (squared Euclidean costs by broadcasting)."""
+    """An encoder trained to align sequences under the soft-DTW loss (squared Euclidean costs by broadcasting),
+    its recursion cell by cell."""
 
     def __init__(self, d: int = 3, hidden: int = 5, gamma: float = 0.5) -> None:
         super().__init__()
         self.encoder = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, d))
         self.gamma = gamma
 
+    @staticmethod
+    def alignment(distances: Tensor, gamma: float) -> Tensor:
+        return soft_dtw(distances, gamma)
+
     def forward(self, x: Tensor, y: Tensor) -> tuple:
         pred = self.encoder(x)
-        return pred, soft_dtw((pred.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1), self.gamma).mean()
+        return pred, self.alignment((pred.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1), self.gamma).mean()
+
+
+class SoftDTWCustomBackward(SoftDTW):
+    """The soft-DTW loss of SoftDTW through SoftDTWFunction (a hand-written backward)."""
+
+    @staticmethod
+    def alignment(distances: Tensor, gamma: float) -> Tensor:
+        return SoftDTWFunction.apply(distances, gamma)
 
 
 def soft_dtw_wavefront(distances: Tensor, gamma: float) -> Tensor:
@@ -610,9 +609,9 @@ def soft_dtw_wavefront(distances: Tensor, gamma: float) -> Tensor:
 class SoftDTWWavefront(SoftDTW):
     """The soft-DTW alignment loss of SoftDTW, its recursion by anti-diagonals."""
 
-    def forward(self, x: Tensor, y: Tensor) -> tuple:
-        pred = self.encoder(x)
-        return pred, soft_dtw_wavefront((pred.unsqueeze(2) - y.unsqueeze(1)).pow(2).sum(-1), self.gamma).mean()
+    @staticmethod
+    def alignment(distances: Tensor, gamma: float) -> Tensor:
+        return soft_dtw_wavefront(distances, gamma)
 
 
 class HMMForward(nn.Module):

@@ -90,8 +90,13 @@ def test_slowed_worker_is_found_checkpointed_and_replaced(tfsn, tmp_path):
     failed = [n for n in done["nodes"] if n["state"] == "FAILED"]
     assert [n["id"] for n in failed] == [slow_node], "only the slow node is replaced"
     assert done["restored_step"] > 70, "the restart resumed from the checkpoint taken for the replacement"
+    # The healthy rank is never acted on. It may be warned about: it waits for the slowed rank inside DDP's
+    # all-reduce, which overlaps its backward, so at the slowdown's onset its own compute time can rise past its
+    # baseline for a few steps ("rank 0 computes 1.12x", once in a CI run loaded to 5 on 2 cores).
     healthy = [n["id"] for n in done["nodes"] if n["id"] != slow_node and n["rank"] == 0]
-    assert not [m for m in events if m.startswith("straggler") and any(n in m for n in healthy)], (healthy, events)
+    acted_on = [m for m in events for n in healthy if n in m and m.startswith(
+        ("checkpointing, then replacing", "checkpoint requested", f"node {n} failed"))]
+    assert not acted_on, (healthy, events)
 
 
 def test_stopped_worker_is_found_hung_and_replaced(tfsn, tmp_path):

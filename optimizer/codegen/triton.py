@@ -840,7 +840,7 @@ class TritonWriter:
             (f" / {count}" if red.op == "mean" and count is not None else "")
         node = self.g.nodes[red.node]
         if count is not None and red.op in ("sum", "mean") and eager_rounded(node.op, node.params):
-            total = _rounded(total, node.type.dtype)    # a half sum of the user's, as eager rounds it
+            total = _rounded(total, node.type.dtype)
         lines = [f"red{red.node} = {total}"]
         if red.op in ("max", "min"):
             lines.append(f'red{red.node} = tl.where(tl.max({nans}, 1)[:, None] > 0, float("nan"), red{red.node})')

@@ -472,8 +472,8 @@ def test_a_16_bit_add_or_sub_rounds_its_alpha_as_cpu_eager(codegen, dtype, expre
     fn = ALPHA_OPERATIONS[expression]
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(14, 24, generator=g) * 3).to(dtype)
-    y = torch.where(torch.rand(14, 24, generator=g) < 0.5, -1.0, 1.0) * 2.0 ** torch.randint(-3, 4, (14, 24), generator=g)
-    y = y.to(dtype)
+    signs = torch.where(torch.rand(14, 24, generator=g) < 0.5, -1.0, 1.0)
+    y = (signs * 2.0 ** torch.randint(-3, 4, (14, 24), generator=g)).to(dtype)
     x[0] = fn(torch.zeros_like(x[0]), -y[0])          # eager's x + alpha * y is 0 there
     step = compiled(fn, codegen)
     outputs = []

@@ -320,8 +320,13 @@ def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, kwargs: dict, type_: 
     """`args` and `kwargs` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python numbers
     (alpha too) rounded to the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they
     are."""
+    original = str(fx_node.meta.get("original_aten"))
+    # a foreach op decomposed per tensor (backend.foreach_decompositions): eager's CPU foreach ops loop over the
+    # per-tensor op (torch._foreach_add_(params, grads, alpha=-lr) is params[i].add_(grads[i], alpha=-lr))
+    if original.startswith("aten._foreach_"):
+        original = str(fx_node.target)
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
-            str(fx_node.meta.get("original_aten")) not in CPU_HALF_ROUNDED_SCALARS:
+            original not in CPU_HALF_ROUNDED_SCALARS:
         return args, kwargs
     half = getattr(torch, type_.dtype)
 

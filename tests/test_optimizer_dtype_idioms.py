@@ -486,6 +486,39 @@ def test_a_16_bit_add_or_sub_rounds_its_alpha_as_cpu_eager(codegen, dtype, expre
     close(ym.grad, ye.grad, "grad of y", dtype)
 
 
+def _sgd_like_update(params: list, grads: list) -> list:
+    for p, g in zip(params, grads):
+        p.add_(g, alpha=-0.97)
+    return params
+
+
+def _foreach_update(params: list, grads: list) -> list:
+    torch._foreach_add_(params, grads, alpha=-0.97)
+    torch._foreach_sub_(params, grads, alpha=0.3)
+    return params
+
+
+@pytest.mark.parametrize("update", [_sgd_like_update, _foreach_update], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_in_place_or_foreach_update_rounds_its_alpha_as_cpu_eager(codegen, dtype, update):
+    """Regression: an optimizer-style update of 16-bit weights, p.add_(g, alpha=-lr) per tensor or
+    torch._foreach_add_ over the lists (eager's CPU foreach loops over the per-tensor add_), rounds alpha to the
+    half as eager does. The foreach form kept alpha in fp32 after the per-tensor form was fixed (its nodes carry
+    the foreach op as their original op): 0.125 off eager's at 19.5. Gradients are signed powers of two (see
+    test_a_16_bit_add_or_sub_rounds_its_alpha_as_cpu_eager); bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((16, 24), (32,))
+    params = [(torch.randn(shape, generator=g) * 3).to(dtype) for shape in shapes]
+    grads = [(torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+              * 2.0 ** torch.randint(-3, 4, shape, generator=g)).to(dtype) for shape in shapes]
+    step = compiled(update, codegen)
+    outputs = []
+    generated(lambda: outputs.append(step([p.clone() for p in params], grads)))
+    for actual, expected in zip(outputs[0], update([p.clone() for p in params], grads)):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("codegen", CODEGENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_bias_added_to_a_16_bit_product_reads_it_rounded_as_eager(codegen, dtype):

@@ -36,8 +36,8 @@ speech and recommendation models as their reference implementations write them:
   (the softmax of the labels against log_softmax of the scores over a padded list), LambdaRank (ranks by argsort of
   argsort, gains 2^rel - 1, discounts 1 / log2(rank + 2), the ideal DCG from sorted labels, |delta NDCG| of each pair
   swapped as detached weights of a pairwise logistic loss) and RankNet.
-Whole-model bf16 casts (every op of the user's rounding to bf16) of the recommendation models, the MFCC model,
-ECAPA, wav2vec 2.0 and HiFi-GAN come with the bf16 autocast and fp64 variants. The MFCC model's cast found tfsn
+Whole-model bf16 casts (every op of the user's rounding to bf16) of the recommendation models but DCN-v2, the MFCC
+model, ECAPA, wav2vec 2.0 and HiFi-GAN come with bf16 autocast (DeepFM, two-tower) and fp64 variants. The MFCC model's cast found tfsn
 pre-emphasising by x[1:] - 0.97 x[:-1] where eager's CPU sub rounds its alpha to bf16 (0.96875): over the audio's
 DC offset the input gradient was 9% off eager's (optimizer/ir.py rounds alpha now). Left out: wav2vec 2.0 in fp64, whose quantizer computes
 in fp32 by .float() as fairseq's does (both runs then hold fp32 rounding, not comparable at fp64's tolerance);
@@ -666,6 +666,6 @@ def cases() -> list[Case]:
                    zero_grad=(("scorer.2.bias", slice(None)),))
     return [whisper, mfcc, stft_loss, hifigan, wav2vec2, wav2vec2_drawn, ecapa, deepfm, dcn, din, two_tower, bpr,
             ranking,
-            *(bf16(c) for c in (hifigan, deepfm, two_tower)),
+            *(bf16(c) for c in (deepfm, two_tower)),
             *(fp64(c) for c in (whisper, mfcc, ecapa, ranking)),
-            *(cast_bf16(c) for c in (mfcc, wav2vec2, ecapa, deepfm, din, two_tower, bpr, ranking, dcn, hifigan))]
+            *(cast_bf16(c) for c in (mfcc, wav2vec2, ecapa, deepfm, din, two_tower, bpr, ranking, hifigan))]

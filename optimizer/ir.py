@@ -227,7 +227,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         op = str(fx_node.target) if isinstance(fx_node.target, torch._ops.OpOverload) else "getitem" \
             if fx_node.target is operator.getitem else str(fx_node.target)
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
-        args = _cpu_half_scalars(fx_node, args, type_, device)
+        args, kwargs = _cpu_half_scalars(fx_node, args, kwargs, type_, device)
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             # of a half addmm, the product is fp32: eager rounds once, after the bias
             mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
@@ -309,20 +309,31 @@ def _constant(value: Any) -> Any:
 
 # ATen's CPU add and sub convert a Python number to their 16-bit tensor's dtype before they add it, and pow its
 # base, where its mul and div take it in fp32 (its CUDA kernels read such a scalar in fp32): bf16 x - 1.3 and
-# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875, fp16 x + 2049 adds 2048 (a 0-d tensor there: codegen/c_ops.py)
+# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875, fp16 x + 2049 adds 2048 (a 0-d tensor there: codegen/c_ops.py);
+# add and sub convert their alpha too (alpha.to<scalar_t>()): bf16 x.add(y, alpha=0.97) adds 0.96875 * y
 CPU_HALF_ROUNDED_SCALARS = frozenset({"aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar",
-                                      "aten.rsub.Scalar", "aten.pow.Scalar"})
+                                      "aten.rsub.Scalar", "aten.rsub.Tensor", "aten.pow.Scalar"})
 
 
-def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, type_: TensorType | None, device: str) -> tuple:
-    """`args` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python numbers rounded to
-    the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they are."""
+def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, kwargs: dict, type_: TensorType | None,
+                      device: str) -> tuple[tuple, dict]:
+    """`args` and `kwargs` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python numbers
+    (alpha too) rounded to the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they
+    are."""
+    original = str(fx_node.meta.get("original_aten"))
+    # a foreach op decomposed per tensor (backend.foreach_decompositions): eager's CPU foreach ops loop over the
+    # per-tensor op (torch._foreach_add_(params, grads, alpha=-lr) is params[i].add_(grads[i], alpha=-lr))
+    if original.startswith("aten._foreach_"):
+        original = str(fx_node.target)
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
-            str(fx_node.meta.get("original_aten")) not in CPU_HALF_ROUNDED_SCALARS:
-        return args
+            original not in CPU_HALF_ROUNDED_SCALARS:
+        return args, kwargs
     half = getattr(torch, type_.dtype)
-    return tuple(float(torch.tensor(a, dtype=torch.float64).to(half))
-                 if isinstance(a, (int, float)) and not isinstance(a, bool) else a for a in args)
+
+    def rounded(a: Any) -> Any:
+        return float(torch.tensor(a, dtype=torch.float64).to(half)) \
+            if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+    return tuple(rounded(a) for a in args), {k: rounded(v) if k == "alpha" else v for k, v in kwargs.items()}
 
 
 def _op_result(fx_node: torch.fx.Node) -> bool:

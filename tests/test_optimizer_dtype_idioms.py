@@ -453,6 +453,72 @@ def test_a_16_bit_add_sub_or_pow_of_a_float_rounds_it_as_cpu_eager(codegen, dtyp
     close(xm.grad, xe.grad, "grad of x", dtype)
 
 
+ALPHA_OPERATIONS = {"x.add(y, alpha=0.97)": lambda x, y: x.add(y, alpha=0.97),
+                    "x.sub(y, alpha=0.3)": lambda x, y: x.sub(y, alpha=0.3),
+                    "torch.rsub(y, x, alpha=1.3)": lambda x, y: torch.rsub(y, x, alpha=1.3),
+                    "x.add(y, alpha=2049)": lambda x, y: x.add(y, alpha=2049)}
+
+
+@pytest.mark.parametrize("expression", list(ALPHA_OPERATIONS))
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_add_or_sub_rounds_its_alpha_as_cpu_eager(codegen, dtype, expression):
+    """Regression: ATen's CPU add and sub convert alpha to the tensor's half too (a pre-emphasis x[1:] - 0.97 x[:-1]
+    written as torch.sub(.., alpha=0.97), an EMA's add_(p, alpha=1 - decay), SGD's add_(g, alpha=-lr) on bf16
+    weights): bf16 x.add(y, alpha=0.97) adds 0.96875 * y, where tfsn added 0.97 * y (215 of 336 elements 1 ulp off
+    eager's, and x = -0.96875 y gave -0.00125 y where eager gives 0). y holds signed powers of two, so alpha * y is
+    exact in the half and eager's scalar tail loop (which rounds the product) agrees with its vector loop: forward
+    bit for bit, with one row where x + alpha * y cancels exactly; the gradients at the half's tolerance."""
+    fn = ALPHA_OPERATIONS[expression]
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(14, 24, generator=g) * 3).to(dtype)
+    signs = torch.where(torch.rand(14, 24, generator=g) < 0.5, -1.0, 1.0)
+    y = (signs * 2.0 ** torch.randint(-3, 4, (14, 24), generator=g)).to(dtype)
+    x[0] = fn(torch.zeros_like(x[0]), -y[0])          # eager's x + alpha * y is 0 there
+    step = compiled(fn, codegen)
+    outputs = []
+    generated(lambda: outputs.append(step(x, y)))
+    torch.testing.assert_close(outputs[0], fn(x, y), rtol=0, atol=0)
+    (xe, ye), (xm, ym) = ((x.clone().requires_grad_(), y.clone().requires_grad_()) for _ in range(2))
+    fn(xe, ye).sum().backward()
+    step(xm, ym).sum().backward()
+    close(xm.grad, xe.grad, "grad of x", dtype)
+    close(ym.grad, ye.grad, "grad of y", dtype)
+
+
+def _sgd_like_update(params: list, grads: list) -> list:
+    for p, g in zip(params, grads):
+        p.add_(g, alpha=-0.97)
+    return params
+
+
+def _foreach_update(params: list, grads: list) -> list:
+    torch._foreach_add_(params, grads, alpha=-0.97)
+    torch._foreach_sub_(params, grads, alpha=0.3)
+    return params
+
+
+@pytest.mark.parametrize("update", [_sgd_like_update, _foreach_update], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_in_place_or_foreach_update_rounds_its_alpha_as_cpu_eager(codegen, dtype, update):
+    """Regression: an optimizer-style update of 16-bit weights, p.add_(g, alpha=-lr) per tensor or
+    torch._foreach_add_ over the lists (eager's CPU foreach loops over the per-tensor add_), rounds alpha to the
+    half as eager does. The foreach form kept alpha in fp32 after the per-tensor form was fixed (its nodes carry
+    the foreach op as their original op): 0.125 off eager's at 19.5. Gradients are signed powers of two (see
+    test_a_16_bit_add_or_sub_rounds_its_alpha_as_cpu_eager); bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((16, 24), (32,))
+    params = [(torch.randn(shape, generator=g) * 3).to(dtype) for shape in shapes]
+    grads = [(torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+              * 2.0 ** torch.randint(-3, 4, shape, generator=g)).to(dtype) for shape in shapes]
+    step = compiled(update, codegen)
+    outputs = []
+    generated(lambda: outputs.append(step([p.clone() for p in params], grads)))
+    for actual, expected in zip(outputs[0], update([p.clone() for p in params], grads)):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("codegen", CODEGENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_bias_added_to_a_16_bit_product_reads_it_rounded_as_eager(codegen, dtype):

@@ -52,9 +52,15 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ACC_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
-_DURATION_RE = re.compile(r"(?:\s*(?:\d+(?:\.\d+)?|\.\d+)\s*(?:ms|s|m|h|d))+\s*")
-_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)")
+# each unit as people write it ("30sec", "5 min", "2 hours", "1 day"), longest spelling first for the regex
+_UNIT_NAMES = {"ms": ("milliseconds", "millisecond", "msecs", "msec", "ms"),
+               "s": ("seconds", "second", "secs", "sec", "s"), "m": ("minutes", "minute", "mins", "min", "m"),
+               "h": ("hours", "hour", "hrs", "hr", "h"), "d": ("days", "day", "d")}
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_SECONDS_OF_UNIT = {name: _UNIT_SECONDS[unit] for unit, names in _UNIT_NAMES.items() for name in names}
+_UNIT = "(?:" + "|".join(sorted(_SECONDS_OF_UNIT, key=len, reverse=True)) + ")"
+_DURATION_RE = re.compile(rf"(?:\s*(?:\d+(?:\.\d+)?|\.\d+)\s*{_UNIT}(?![a-z]))+\s*")
+_DURATION_PART_RE = re.compile(rf"(\d+(?:\.\d+)?|\.\d+)\s*({_UNIT})(?![a-z])")
 _DURATION_FIX = "To fix: use seconds (30) or a number with a unit s, m, h or d, e.g. '30s', '10m', '1h30m'"
 
 _repr = reprlib.Repr()   # short, one-line and safe on deep or self-referencing values
@@ -119,7 +125,7 @@ def parse_duration(value: str | int | float) -> float:
         if _NUMBER_RE.fullmatch(text):
             seconds = float(text)
         elif _DURATION_RE.fullmatch(text):
-            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART_RE.findall(text))
+            seconds = sum(float(n) * _SECONDS_OF_UNIT[u] for n, u in _DURATION_PART_RE.findall(text))
         else:
             raise ValueError(f"invalid duration {_show(value)}. {_DURATION_FIX}")
     else:
@@ -191,6 +197,17 @@ def whole_number_text(value: Any) -> Any:
         value = float(value)
     if isinstance(value, float) and value.is_integer():       # inf and nan are not
         return int(value)
+    return value
+
+
+def dollars_text(value: Any) -> Any:
+    """A price written as text (`max_hourly_cost: "$40"`, `"40"`, `"40 USD"`, `"$2.50/hr"`) as the number of dollars
+    it names; any other value as it is, for the field's own check to take or refuse."""
+    if isinstance(value, str):
+        price = re.fullmatch(r"\s*\$?\s*(\d{1,9}(?:\.\d{1,6})?|\.\d{1,6})\s*(?:usd)?\s*(?:/\s*(?:h|hr|hour))?\s*",
+                             value.lower())
+        if price:
+            return float(price.group(1))
     return value
 
 
@@ -275,7 +292,8 @@ class Resources(BaseModel):
     use_spot: bool = Field(False, strict=True)
     infra: list[str] | None = Field(None, max_length=MAX_ITEMS)   # allowed providers, in lower case
     regions: list[Line] | None = Field(None, max_length=MAX_ITEMS)
-    max_hourly_cost: float | None = Field(None, gt=0, allow_inf_nan=False, strict=True)
+    max_hourly_cost: Annotated[float | None, BeforeValidator(dollars_text)] = Field(None, gt=0, allow_inf_nan=False,
+                                                                                  strict=True)   # dollars
     remote_identity: RemoteIdentity | None = None   # what each cloud's VMs run as (reaches the bucket)
 
     @field_validator("accelerators", mode="before")

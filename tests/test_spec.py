@@ -173,6 +173,19 @@ def test_counts_written_as_text_are_the_numbers_they_name(tmp_path):
     one(write(tmp_path, "run: x\nnum_nodes: '0'\n"), 2, "num_nodes", "greater than or equal to 1")
 
 
+@pytest.mark.parametrize("written", ['"$40"', '"40"', '"40 USD"', '"$40/hr"', "40", "40.0"])
+def test_an_hourly_cost_written_as_a_price_is_its_dollars(tmp_path, written):
+    """`max_hourly_cost: "$40"` (and "40", "$40/hr") was refused as "input should be a valid number"."""
+    assert load_spec(write(tmp_path, f"run: x\nresources:\n  max_hourly_cost: {written}\n")).resources.max_hourly_cost == 40
+
+
+def test_an_hourly_cost_in_another_currency_or_not_a_price_is_refused(tmp_path):
+    one(write(tmp_path, "run: x\nresources:\n  max_hourly_cost: '€40'\n"), 3, "resources.max_hourly_cost", "'€40'",
+        "max_hourly_cost: 30.0")
+    one(write(tmp_path, "run: x\nresources:\n  max_hourly_cost: '$0'\n"), 3, "resources.max_hourly_cost",
+        "greater than 0")
+
+
 @pytest.mark.parametrize("written, gib, at_least", [
     ("32GB", 32, False), ("32 GiB", 32, False), ("32gb+", 32, True), ("1TB+", 1024, True), ("512MB", 0.5, False),
     ("64G", 64, False), ("16+", 16, True),
@@ -191,12 +204,15 @@ def test_memory_with_an_unknown_unit_and_cpus_with_a_unit_are_refused(tmp_path):
 @pytest.mark.parametrize("text,seconds", [
     ("30s", 30), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("1h 30m", 5400), ("2d", 172800),
     ("250ms", 0.25), ("45", 45), ("1.5m", 90), (12, 12), (0.5, 0.5), ("  10M ", 600),
+    # units spelled out, as people write them (were "invalid duration")
+    ("30sec", 30), ("5 min", 300), ("10 mins", 600), ("2hours", 7200), ("1 hour 30 minutes", 5400), ("2 hrs", 7200),
+    ("1 day", 86400), ("30msec", 0.03), ("45 seconds", 45),
 ])
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "10 parsecs", "-5s", "s", "1h-30m", True, None, -1,
+@pytest.mark.parametrize("text", ["", "abc", "10 parsecs", "-5s", "s", "1h-30m", "5mi", "3hx", "10 secondsx", True, None, -1,
                                   float("nan"), float("inf"), "9" * 400 + "s"])
 def test_parse_duration_rejects(text):
     with pytest.raises(ValueError, match="To fix"):

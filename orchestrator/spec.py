@@ -19,6 +19,7 @@ from typing import Annotated, Any, Callable, Literal, Sequence, get_args
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       ValidationError, ValidationInfo, field_validator, model_validator)
+from pydantic_core import InitErrorDetails
 
 from providers.identity import identity_problem
 
@@ -52,6 +53,7 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ACC_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 # each unit as people write it ("30sec", "5 min", "2 hours", "1 day"), longest spelling first for the regex
 _UNIT_NAMES = {"ms": ("milliseconds", "millisecond", "msecs", "msec", "ms"),
                "s": ("seconds", "second", "secs", "sec", "s"), "m": ("minutes", "minute", "mins", "min", "m"),
@@ -769,6 +771,9 @@ class JobSpec(BaseModel):
     def _resolve_paths(self, info: ValidationInfo) -> JobSpec:
         base = (info.context or {}).get("base_dir") if isinstance(info.context, dict) else None
         if base is not None:
+            self.workdir = self._expanded(("workdir",), self.workdir)
+            if self.checkpoint.dir is not None:
+                self.checkpoint.dir = self._expanded(("checkpoint", "dir"), self.checkpoint.dir)
             self.workdir = os.path.abspath(os.path.join(base, os.path.expanduser(self.workdir)))
             if self.checkpoint.dir is not None and not checkpoint_url_scheme(self.checkpoint.dir):
                 self.checkpoint.dir = os.path.abspath(
@@ -778,6 +783,20 @@ class JobSpec(BaseModel):
                 raise ValueError(f"{field}: {_show(path)} is longer than {MAX_PATH} characters once made "
                                  "absolute. To fix: use a shorter path")
         return self
+
+    def _expanded(self, field: tuple[str, ...], path: str) -> str:
+        """`path` with each $NAME or ${NAME} replaced by the job's envs' value, else the launching shell's (`workdir:
+        $HOME/code`, `dir: s3://${BUCKET}/run1`, as SkyPilot fills envs into paths); was a folder named '$HOME'."""
+        def value(match: re.Match) -> str:
+            name = match[1] or match[2]
+            found = self.envs.get(name, os.environ.get(name))
+            if found is None:
+                problem = ValueError(f"{_show(path)} names ${name}, which is neither in envs nor set in this shell. "
+                                     f"To fix: add it to envs (or pass --env {name}=...), or write the path out")
+                raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                    type="value_error", loc=field, input=path, ctx={"error": problem})])
+            return str(found)
+        return _PATH_VARIABLE_RE.sub(value, path)
 
     def nprocs(self, accelerators: int | None = None) -> int:
         """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerators`, its count;

@@ -237,6 +237,23 @@ def test_paths_resolve_against_file_and_workdir(tmp_path):
     assert spec.workdir == abs_dir and spec.checkpoint.dir == "/ck"
 
 
+def test_paths_fill_in_variables_from_envs_then_the_shell(tmp_path, monkeypatch):
+    """`workdir: $HOME/code` was a folder literally named '$HOME' beside train.yaml, and `dir: $SCRATCH/ckpt` put the
+    checkpoints there; SkyPilot users write `s3://${BUCKET}/run` with BUCKET in envs (or --env)."""
+    monkeypatch.setenv("TFSN_TEST_SCRATCH", str(tmp_path / "scratch"))
+    spec = load_spec(write(tmp_path, "run: x\nworkdir: $TFSN_TEST_SCRATCH/code\ncheckpoint:\n  dir: ${RUN}/ckpt\n"
+                                     "envs: {RUN: r1}\n"))
+    assert spec.workdir == str(tmp_path / "scratch" / "code")
+    assert spec.checkpoint.dir == str(tmp_path / "scratch" / "code" / "r1" / "ckpt")
+    path = write(tmp_path, "run: x\ncheckpoint: {dir: 's3://${BUCKET}/run1'}\nenvs: {BUCKET: lab}\n")
+    assert load_spec(path).checkpoint.dir == "s3://lab/run1"
+    assert load_spec(path, overrides={"BUCKET": "other"}).checkpoint.dir == "s3://other/run1"   # --env wins
+    monkeypatch.delenv("TFSN_TEST_UNSET", raising=False)
+    one(write(tmp_path, "run: x\ncheckpoint:\n  dir: $TFSN_TEST_UNSET/ckpt\n"), 3, "checkpoint.dir",
+        "$TFSN_TEST_UNSET", "add it to envs")
+    one(write(tmp_path, "run: x\nworkdir: '${TFSN_TEST_UNSET}'\n"), 2, "workdir", "--env TFSN_TEST_UNSET=")
+
+
 def test_env_overrides(tmp_path):
     path = write(tmp_path, "run: x\nenvs:\n  SEED: 1\n  TOKEN:\n")
     msgs = errors(path)                                 # TOKEN: null must come from --env

@@ -31,6 +31,7 @@ FAST_MODEL = {"N_LAYER": "1", "N_EMBD": "32", "N_HEAD": "2", "BLOCK_SIZE": "32",
 # last; test_e2e.py, 236 s, 20th from last) and ran while the other processes had nothing left.
 LONG_FILES = ["test_e2e_health.py", "test_e2e.py", "test_optimizer_user_models_sixteenth.py",
               "test_optimizer_user_models_eighteenth.py",
+              "test_optimizer_user_models_nineteenth.py",
               "test_optimizer_user_models_eleventh.py", "test_optimizer_user_models_seventeenth.py",
               "test_optimizer_triton.py", "test_optimizer_user_models.py", "test_triton_gpu_compile.py",
               "test_optimizer_user_models_seventh.py", "test_optimizer_user_models_fourth.py",

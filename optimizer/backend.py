@@ -672,11 +672,13 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
         return isinstance(p.meta.get("val"), (torch.SymInt, torch.SymFloat)) and all(
             u.target is aten.scalar_tensor.default or u.op == "output" or _int_operand(u, p) for u in p.users)
 
-    if not any(made_tensor(p) for p in gm.graph.find_nodes(op="placeholder")):
+    # by position: the copy's placeholders are gm's, in order (and the edits below keep each answer the same)
+    made = [made_tensor(p) for p in gm.graph.find_nodes(op="placeholder")]
+    if not any(made):
         return None
     static = _copy(gm)
-    for p in static.graph.find_nodes(op="placeholder"):
-        if made_tensor(p):
+    for p, made_here in zip(static.graph.find_nodes(op="placeholder"), made):
+        if made_here:
             for u in [u for u in p.users if _int_operand(u, p)]:
                 _operand_as_tensor(static, u)
     (output,) = static.graph.find_nodes(op="output")
@@ -686,8 +688,8 @@ def _scalars_as_tensors(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     results = list(results)
     recipe: list[tuple] = []
     passed: list[tuple] = []
-    for position, p in enumerate(static.graph.find_nodes(op="placeholder")):
-        if not made_tensor(p):
+    for position, (p, made_here) in enumerate(zip(static.graph.find_nodes(op="placeholder"), made)):
+        if not made_here:
             recipe.append((position, None, None))
             continue
         for made in [u for u in p.users if u.op != "output"]:

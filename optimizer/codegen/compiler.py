@@ -31,7 +31,13 @@ def compiler_id() -> str:
 
 def missing_compiler() -> str | None:
     """Why no C compiler can build generated kernels here (none named `$CC`, default gcc, runs), or None."""
-    cc = os.environ.get("CC", "gcc")
+    return _missing_compiler(os.environ.get("CC", "gcc"))
+
+
+@functools.lru_cache(maxsize=None)
+def _missing_compiler(cc: str) -> str | None:
+    """missing_compiler's answer for `cc`, asked once: compiler_id caches a compiler that runs, not one that fails,
+    and each graph of a step asks."""
     try:
         compiler_id()
     except (OSError, subprocess.SubprocessError, IndexError) as e:

@@ -1199,13 +1199,18 @@ class Backend:
 MODES = {"default": {}, "reduce-overhead": {}, "max-autotune": {}, "max-autotune-no-cudagraphs": {"cuda_graphs": False}}
 
 
-def mode_options(mode: str | None) -> dict[str, Any]:
-    """The options of a torch.compile `mode` (None: the default)."""
+def mode_options(mode: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """tfsn's `options` with those of a torch.compile `mode` (None: the default). An option that contradicts the
+    mode is an error: `mode="max-autotune-no-cudagraphs", cuda_graphs=True` replayed CUDA graphs, saying nothing."""
     if mode is None:
-        return {}
+        return options
     if mode not in MODES:
         raise ValueError(f"tfsn: unknown mode {mode!r}; modes: {', '.join(MODES)}")
-    return MODES[mode]
+    for name, value in MODES[mode].items():
+        if name in options and options[name] != value:
+            raise ValueError(f"tfsn: mode {mode!r} sets {name}={value!r}, and the options say {name}="
+                             f"{options[name]!r}: drop one of them")
+    return {**MODES[mode], **options}
 
 
 def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
@@ -1213,7 +1218,7 @@ def tfsn_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mod
     """The backend registered as `tfsn` (the `torch_dynamo_backends` entry point). torch.compile passes its
     `mode` and `options` here (`torch.compile(model, backend="tfsn", mode="max-autotune")` failed with a TypeError
     inside Dynamo); `options` are tfsn's (OPTIONS)."""
-    return make_backend(**{**mode_options(mode), **(options or {})})(gm, example_inputs)
+    return make_backend(**mode_options(mode, options or {}))(gm, example_inputs)
 
 
 def optimize(model: Any, *, mode: str | None = None, dynamic: bool | None = None, fullgraph: bool = False,
@@ -1223,5 +1228,5 @@ def optimize(model: Any, *, mode: str | None = None, dynamic: bool | None = None
     (`PerShape`). Dynamo's default `dynamic=None` is kept: with `dynamic=False` a float argument or attribute that
     changes every step (an annealed temperature, a loss weight) recompiled the frame every step, until Dynamo's
     recompile limit (8) sent the model to eager for good."""
-    return torch.compile(model, backend=make_backend(**{**mode_options(mode), **options}), dynamic=dynamic,
+    return torch.compile(model, backend=make_backend(**mode_options(mode, options)), dynamic=dynamic,
                          fullgraph=fullgraph)

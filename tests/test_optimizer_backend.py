@@ -77,6 +77,14 @@ def test_torch_compile_modes_reach_tfsn(mode):
         optimize(eager, mode="fastest")
 
 
+def test_an_option_that_contradicts_the_mode_is_refused():
+    """`mode="max-autotune-no-cudagraphs", cuda_graphs=True` replayed CUDA graphs: the option silently won."""
+    eager, _ = model_and_input()
+    with pytest.raises(ValueError, match="sets cuda_graphs=False, and the options say cuda_graphs=True"):
+        optimize(eager, mode="max-autotune-no-cudagraphs", cuda_graphs=True)
+    optimize(eager, mode="max-autotune-no-cudagraphs", cuda_graphs=False)       # agreeing: taken
+
+
 def test_torch_compile_options_are_tfsns():
     eager, x = model_and_input()
     check(torch.compile(copy.deepcopy(eager), backend=tfsn_backend, options={"top_k": 1}), eager, x)

@@ -167,6 +167,8 @@ NOT_LAUNCHABLE = [
     # a job that could never save (it failed at its first checkpoint, and again after a restart)
     ("checkpoint:\n  dir: ../train.yaml\n", "train.yaml is a file, not a folder"),
     ("checkpoint:\n  dir: ../train.yaml/ckpt\n", "ckpt is below "),
+    # root's permission bits say yes and the filesystem says no (was taken, as root)
+    ("checkpoint:\n  dir: /proc/tfsn-ckpt\n", "cannot write in /proc"),
 ]
 
 

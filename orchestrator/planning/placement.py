@@ -8,6 +8,7 @@ every cloud of the catalog unless the job's `infra` says otherwise.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from orchestrator.planning.planner import HOST, Plan, PlanError, check_accelerators, hardware_to_search, plan_job
@@ -145,6 +146,11 @@ def folder_problem(path: str) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return (f"{path}: this user cannot write in {probe}. To fix: choose a folder you can write to, or change "
                 "its permissions")
+    try:        # where the permission bits say yes to root and the filesystem says no (/proc, /sys)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        return f"{path}: cannot write in {probe} ({err.strerror or err}). To fix: choose a folder you can write to"
     return None
 
 

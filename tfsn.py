@@ -77,6 +77,8 @@ def main() -> None:
         from orchestrator.cli.main import main as cli_main
         raise_if_interrupted()           # one that the import's weakref callbacks dropped
     except KeyboardInterrupt:            # Ctrl-C while the CLI loads: nothing was done yet
+        import sys
+        print("tfsn: interrupted", file=sys.stderr)     # as the CLI says it later (was a silent exit)
         raise SystemExit(130) from None
     cli_main()
 

@@ -104,6 +104,7 @@ def test_a_ctrl_c_that_python_dropped_still_stops_a_launch_before_it_submits(tfs
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "Exception ignored" in proc.stderr and "KeyboardInterrupt" in proc.stderr     # Python did drop it
     assert proc.returncode == 130 and "submitted" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.rstrip().endswith("tfsn: interrupted"), proc.stderr      # said, as later Ctrl-Cs are
     assert json.loads(tfsn("status", "--json").stdout) == []
     assert tfsn("launch", "--detach", str(spec)).returncode == 0       # and nothing keeps a relaunch from starting it
 

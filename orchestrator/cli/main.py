@@ -555,6 +555,10 @@ def main() -> None:
     except KeyboardInterrupt:       # a second Ctrl-C (while a stop is waited for), or one the command had no use for
         print("tfsn: interrupted", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as done:      # Typer makes a Ctrl-C in a command exit 130, saying nothing
+        if done.code == 130:
+            print("tfsn: interrupted", file=sys.stderr)
+        raise
     except sqlite3.OperationalError as err:   # a store that opened but cannot be written: a read-only or full disk
         where = os.path.join(os.environ.get("TFSN_HOME") or "~/.tfsn", daemon.store_path(Path()).name)
         disk = any(word in str(err) for word in ("readonly", "full", "disk I/O", "unable to open"))

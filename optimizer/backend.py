@@ -1228,5 +1228,18 @@ def optimize(model: Any, *, mode: str | None = None, dynamic: bool | None = None
     (`PerShape`). Dynamo's default `dynamic=None` is kept: with `dynamic=False` a float argument or attribute that
     changes every step (an annealed temperature, a loss weight) recompiled the frame every step, until Dynamo's
     recompile limit (8) sent the model to eager for good."""
-    return torch.compile(model, backend=make_backend(**mode_options(mode, options)), dynamic=dynamic,
-                         fullgraph=fullgraph)
+    compiler = make_backend(**mode_options(mode, options))
+    if _wrapped_torch_module(model):
+        inner = model.module
+        inner.forward = torch.compile(inner.forward, backend=compiler, dynamic=dynamic, fullgraph=fullgraph)
+    return torch.compile(model, backend=compiler, dynamic=dynamic, fullgraph=fullgraph)
+
+
+def _wrapped_torch_module(model: Any) -> bool:
+    """Whether `model` is DDP around one of torch's own modules (`DDP(nn.Sequential(...))`). Dynamo breaks the graph
+    where DDP's forward enters `_inside_ddp_forward`, and traces what follows only from a frame of the user's code,
+    never torch's: a user's module class is compiled, a Sequential was not, and the model ran eagerly, saying
+    nothing (Inductor the same). Its forward is then compiled itself, in place: the names in the state dict stay."""
+    from torch.nn.parallel import DistributedDataParallel
+    return isinstance(model, DistributedDataParallel) and \
+        getattr(type(model.module).forward, "__module__", "").startswith("torch.nn.")

@@ -121,3 +121,52 @@ def test_fsdp2_gpt_trains_to_eager_values_whole_and_per_block(tmp_path: Path, mo
             # generated kernels, no graph left to ATen; the two blocks share one compiled frame
             assert results[how + " stats"]["kernels"] > 0 and results[how + " stats"]["aten_graphs"] == 0, how
             assert results[how + " frames"] == 1, how
+
+
+def sequential_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """DDP(nn.Sequential(...)) trained eagerly and through `tfsn.optimize`: losses, parameters, kernels made."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from optimizer import backend
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        results = {}
+        for how in ("eager", "tfsn"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(13, 24), nn.GELU(), nn.Linear(24, 5))
+            model = DistributedDataParallel(net)
+            step = backend.optimize(model) if how == "tfsn" else model
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            batches = torch.Generator().manual_seed(100 + rank)
+            before, losses = backend.STATS["kernels"], []
+            for _ in range(STEPS):
+                x, y = torch.randn(7, 13, generator=batches), torch.randint(0, 5, (7,), generator=batches)
+                loss = F.cross_entropy(step(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            results[how] = losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+            results[how + " kernels"] = backend.STATS["kernels"] - before
+            results[how + " keys"] = list(model.state_dict())
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_ddp_wrapped_sequential_is_compiled_and_trains_to_eager_values(tmp_path: Path, monkeypatch) -> None:
+    """`tfsn.optimize(DDP(nn.Sequential(...)))` compiled nothing and said nothing: Dynamo breaks the graph at DDP's
+    `_inside_ddp_forward` and resumes only in a frame of the user's code, and a Sequential's forward is torch's."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    mp.spawn(sequential_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert results["tfsn kernels"] > 0 and results["eager kernels"] == 0
+        torch.testing.assert_close(results["tfsn"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
+        for name, value in results["tfsn"][1].items():
+            torch.testing.assert_close(value, results["eager"][1][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert results["tfsn keys"] == results["eager keys"]       # the model's own names: its checkpoints load

@@ -325,11 +325,7 @@ def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, kwargs: dict, type_: 
     """`args` and `kwargs` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python numbers
     (alpha too) rounded to the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they
     are."""
-    original = str(fx_node.meta.get("original_aten"))
-    # a foreach op decomposed per tensor (backend.foreach_decompositions): eager's CPU foreach ops loop over the
-    # per-tensor op (torch._foreach_add_(params, grads, alpha=-lr) is params[i].add_(grads[i], alpha=-lr))
-    if original.startswith("aten._foreach_"):
-        original = str(fx_node.target)
+    original = _users_op(fx_node)
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             original not in CPU_HALF_ROUNDED_SCALARS:
         return args, kwargs
@@ -364,14 +360,24 @@ def _cpu_half_converted(op: str, position: int, operand: Any, type_: TensorType 
     return op in CPU_HALF_CONVERTED_OPERANDS
 
 
+def _users_op(fx_node: torch.fx.Node) -> str:
+    """The op of the user's that `fx_node` computes or is a piece of: its original ATen op, or its own where that is
+    a foreach op decomposed per tensor (backend.foreach_decompositions), since eager's CPU foreach ops loop over the
+    per-tensor op (torch._foreach_add_(params, grads, alpha=-lr) is params[i].add_(grads[i], alpha=-lr))."""
+    original = str(fx_node.meta.get("original_aten"))
+    return str(fx_node.target) if original.startswith("aten._foreach_") else original
+
+
 def _op_result(fx_node: torch.fx.Node) -> bool:
     """Whether `fx_node` computes the result of an op of the user's: the op itself, or the last piece of its
     decomposition, one that another op reads (x.sum() is sum.dim_IntList(x, []), var's last piece a division;
-    a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32."""
+    a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32. Each per-tensor
+    op of a foreach op is one (_users_op): SGD's foreach weight decay, grads + wd * params, is rounded before
+    params - lr * grads reads it, though both are pieces of _foreach_add.List of one seq_nr."""
     op = fx_node.meta.get("original_aten")
     if op is None:
         return False
-    if str(op) == str(fx_node.target):
+    if _users_op(fx_node) == str(fx_node.target):
         return True
     call = (str(op), fx_node.meta.get("seq_nr"))
     return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call

@@ -573,3 +573,28 @@ def test_a_16_bit_op_converts_a_tensor_of_another_dtype_as_cpu_eager(codegen, dt
     step(xm, t, i).sum().backward()
     close(xm.grad, xe.grad, "grad of x", dtype)
 
+
+def _decayed_sgd_step(params: list, grads: list) -> list:
+    """torch.optim.SGD(foreach=True, weight_decay=wd)'s update, without momentum: two calls of one foreach op."""
+    grads = torch._foreach_add(grads, params, alpha=0.01)
+    torch._foreach_add_(params, grads, alpha=-0.03)
+    return params
+
+
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_chained_16_bit_foreach_updates_round_each_result_as_eager(codegen, dtype):
+    """Regression: SGD's foreach weight decay, grads + wd * params, is rounded to the half before the update
+    params - lr * grads reads it, as eager's per-tensor adds round it. Both are pieces of _foreach_add.List of one
+    seq_nr (-1 outside autograd), so tfsn took the first for a piece inside one op and kept it in fp32: a compiled
+    torch.optim.SGD(foreach=True, weight_decay=0.01) step on bf16 weights moved 8 of 256 elements one ulp off the
+    same graph run as ATen (aot_eager) in three steps. Bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((4, 64), (64,))
+    params = [(torch.randn(shape, generator=g) * 3).to(dtype) for shape in shapes]
+    grads = [torch.randn(shape, generator=g).to(dtype) for shape in shapes]
+    step = compiled(_decayed_sgd_step, codegen)
+    outputs = []
+    generated(lambda: outputs.append(step([p.clone() for p in params], grads)))
+    for actual, expected in zip(outputs[0], _decayed_sgd_step([p.clone() for p in params], grads)):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)

@@ -229,6 +229,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             if fx_node.target is operator.getitem else str(fx_node.target)
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
         args, kwargs = _cpu_half_scalars(fx_node, args, kwargs, type_, device)
+        # a tensor operand that eager converts to the half first: an explicit conversion, rounded, for every renderer
         args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, "aten._to_copy.default",
                              aten._to_copy.default, (a,), {"dtype": getattr(torch, type_.dtype)},
                              TensorType(nodes[a.index].type.shape, nodes[a.index].type.strides, type_.dtype)))
@@ -350,7 +351,8 @@ CPU_HALF_CONVERTED_UNLESS_SCALAR = frozenset({"aten.mul.Tensor", "aten.div.Tenso
 def _cpu_half_converted(op: str, position: int, operand: Any, type_: TensorType | None, device: str,
                         nodes: list[Node]) -> bool:
     """Whether eager converts `operand`, the `position`th argument of a 16-bit `op` on the CPU, to the op's
-    dtype before computing (CPU_HALF_CONVERTED_OPERANDS): a tensor of another dtype."""
+    dtype before computing: a tensor of another dtype (CPU_HALF_CONVERTED_OPERANDS), but for mul and div not a
+    second operand of one element (CPU_HALF_CONVERTED_UNLESS_SCALAR)."""
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             not isinstance(operand, Ref) or nodes[operand.index].type is None or \
             nodes[operand.index].type.dtype == type_.dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -228,6 +229,11 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             if fx_node.target is operator.getitem else str(fx_node.target)
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
         args, kwargs = _cpu_half_scalars(fx_node, args, kwargs, type_, device)
+        # a tensor operand that eager converts to the half first: an explicit conversion, rounded, for every renderer
+        args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, "aten._to_copy.default",
+                             aten._to_copy.default, (a,), {"dtype": getattr(torch, type_.dtype)},
+                             TensorType(nodes[a.index].type.shape, nodes[a.index].type.strides, type_.dtype)))
+                     if _cpu_half_converted(op, i, a, type_, device, nodes) else a for i, a in enumerate(args))
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             # of a half addmm, the product is fp32: eager rounds once, after the bias
             mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
@@ -309,7 +315,7 @@ def _constant(value: Any) -> Any:
 
 # ATen's CPU add and sub convert a Python number to their 16-bit tensor's dtype before they add it, and pow its
 # base, where its mul and div take it in fp32 (its CUDA kernels read such a scalar in fp32): bf16 x - 1.3 and
-# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875, fp16 x + 2049 adds 2048 (a 0-d tensor there: codegen/c_ops.py);
+# 1.3 - x subtract 1.296875, 1.3 ** x raises 1.296875, fp16 x + 2049 adds 2048 (a tensor: CPU_HALF_CONVERTED_OPERANDS);
 # add and sub convert their alpha too (alpha.to<scalar_t>()): bf16 x.add(y, alpha=0.97) adds 0.96875 * y
 CPU_HALF_ROUNDED_SCALARS = frozenset({"aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar",
                                       "aten.rsub.Scalar", "aten.rsub.Tensor", "aten.pow.Scalar"})
@@ -320,11 +326,7 @@ def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, kwargs: dict, type_: 
     """`args` and `kwargs` of a user's 16-bit add, sub, rsub or pow of a scalar on the CPU with its Python numbers
     (alpha too) rounded to the half, as eager rounds them (CPU_HALF_ROUNDED_SCALARS); any other node's as they
     are."""
-    original = str(fx_node.meta.get("original_aten"))
-    # a foreach op decomposed per tensor (backend.foreach_decompositions): eager's CPU foreach ops loop over the
-    # per-tensor op (torch._foreach_add_(params, grads, alpha=-lr) is params[i].add_(grads[i], alpha=-lr))
-    if original.startswith("aten._foreach_"):
-        original = str(fx_node.target)
+    original = _users_op(fx_node)
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             original not in CPU_HALF_ROUNDED_SCALARS:
         return args, kwargs
@@ -336,14 +338,48 @@ def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, kwargs: dict, type_: 
     return tuple(rounded(a) for a in args), {k: rounded(v) if k == "alpha" else v for k, v in kwargs.items()}
 
 
+# ATen's CPU add, sub (rsub) and pow of two tensors convert a tensor operand of another dtype to their 16-bit result's
+# dtype before computing (TensorIterator's common dtype), a 0-d one included: bf16 x + torch.tensor(0.1) adds
+# 0.10009765625, fp16 x + torch.tensor(2049) adds 2048, bf16 x + an int64 tensor of 257s adds 256. Its mul and div
+# too, except for a second operand of one element, which they read at its own value (x * torch.tensor(0.1) multiplies
+# by 0.1 in fp32, torch.tensor(0.1) * x by 0.10009765625). Its CUDA kernels read a CPU scalar at its own value.
+CPU_HALF_CONVERTED_OPERANDS = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.rsub.Tensor",
+                                         "aten.pow.Tensor_Tensor"})
+CPU_HALF_CONVERTED_UNLESS_SCALAR = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})
+
+
+def _cpu_half_converted(op: str, position: int, operand: Any, type_: TensorType | None, device: str,
+                        nodes: list[Node]) -> bool:
+    """Whether eager converts `operand`, the `position`th argument of a 16-bit `op` on the CPU, to the op's
+    dtype before computing: a tensor of another dtype (CPU_HALF_CONVERTED_OPERANDS), but for mul and div not a
+    second operand of one element (CPU_HALF_CONVERTED_UNLESS_SCALAR)."""
+    if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
+            not isinstance(operand, Ref) or nodes[operand.index].type is None or \
+            nodes[operand.index].type.dtype == type_.dtype:
+        return False
+    if op in CPU_HALF_CONVERTED_UNLESS_SCALAR:
+        return position != 1 or math.prod(nodes[operand.index].type.shape) != 1
+    return op in CPU_HALF_CONVERTED_OPERANDS
+
+
+def _users_op(fx_node: torch.fx.Node) -> str:
+    """The op of the user's that `fx_node` computes or is a piece of: its original ATen op, or its own where that is
+    a foreach op decomposed per tensor (backend.foreach_decompositions), since eager's CPU foreach ops loop over the
+    per-tensor op (torch._foreach_add_(params, grads, alpha=-lr) is params[i].add_(grads[i], alpha=-lr))."""
+    original = str(fx_node.meta.get("original_aten"))
+    return str(fx_node.target) if original.startswith("aten._foreach_") else original
+
+
 def _op_result(fx_node: torch.fx.Node) -> bool:
     """Whether `fx_node` computes the result of an op of the user's: the op itself, or the last piece of its
     decomposition, one that another op reads (x.sum() is sum.dim_IntList(x, []), var's last piece a division;
-    a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32."""
+    a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32. Each per-tensor
+    op of a foreach op is one (_users_op): SGD's foreach weight decay, grads + wd * params, is rounded before
+    params - lr * grads reads it, though both are pieces of _foreach_add.List of one seq_nr."""
     op = fx_node.meta.get("original_aten")
     if op is None:
         return False
-    if str(op) == str(fx_node.target):
+    if _users_op(fx_node) == str(fx_node.target):
         return True
     call = (str(op), fx_node.meta.get("seq_nr"))
     return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call

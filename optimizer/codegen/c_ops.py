@@ -344,14 +344,6 @@ POINTWISE: dict[str, Render] = {
 }
 
 
-# ops whose 0-d tensor of another dtype eager (on the CPU) converts to a half result's dtype before computing, as
-# it converts a Python number (which ir.from_fx rounds: ir.CPU_HALF_ROUNDED_SCALARS): a bf16 x + torch.tensor(0.1)
-# adds 0.10009765625 (mul and div take it at its own value; a GEMM's fp32 sum, an operand of its bias epilogue, is
-# no 0-d tensor and stays as it is)
-HALF_CONVERTED_OPERANDS = ("aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar",
-                           "aten.rsub.Scalar", "aten.rsub.Tensor")
-
-
 def expression(op: str, operands: list[Operand], out: str, kw: dict, result_rounded: bool = False) -> str:
     """The C expression of an `op` node of dtype `out`: a half computed in fp32, its result rounded where
     `result_rounded` (ops.eager_rounded: loopnest.exact_halves counts on it, whatever the op), a half operand
@@ -371,9 +363,6 @@ def _computed(op: str, operands: list[Operand], out: str, kw: dict) -> str:
         operands = [operands[0], literal(exponent)]
         if out == "float16" and exponent in (0.5, -0.5):
             return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
-    if out in HALF_DTYPES and op in HALF_CONVERTED_OPERANDS:
-        operands = [replace(o, expr=rounded(cast(o, "float32"), out), dtype="float32", half=out, exact=True)
-                    if o.zero_dim and o.half != out and o.dtype != "none" else o for o in operands]
     # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
     # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
     operands = [replace(o, expr=rounded(o.expr, o.half), exact=True)

@@ -341,13 +341,24 @@ def _op_result(fx_node: torch.fx.Node) -> bool:
     decomposition, one that another op reads (x.sum() is sum.dim_IntList(x, []), var's last piece a division;
     a call is its op and autograd's seq_nr). Not the pieces inside: eager computes those in fp32."""
     op = fx_node.meta.get("original_aten")
-    if op is None:
+    if op is None or _fused_multiply_add_factor(fx_node):
         return False
     if str(op) == str(fx_node.target):
         return True
     call = (str(op), fx_node.meta.get("seq_nr"))
     return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call
                for u in fx_node.users)
+
+
+def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node` is a / b or a * b that Dynamo wrote as the first factor of an fma by a number, its
+    decomposition of t.addcdiv_(a, b, value=v) and t.addcmul_(a, b, value=v) (torch/_dynamo/variables/tensor.py;
+    Adam's and AdamW's updates without foreach): a piece of the user's op, which eager's 16-bit CPU kernel computes
+    in fp32, t + v * a / b rounded once. Nothing else makes such an fma (add_ with a tensor alpha multiplies by
+    the tensor)."""
+    return fx_node.target in (aten.div.Tensor, aten.mul.Tensor) and bool(fx_node.users) and all(
+        u.target is torch.ops.prims.fma.default and u.args[0] is fx_node and fx_node not in u.args[1:]
+        and isinstance(u.args[1], (int, float)) for u in fx_node.users)
 
 
 def _rng_state(fx_node: torch.fx.Node) -> bool:

@@ -540,6 +540,9 @@ ONE_KERNEL_OPERATIONS = {
     "t.addcmul_(a, b, value=-0.375)": lambda t, a, b: t.clone().addcmul_(a, b, value=-0.375),
     "t ** 3": lambda t, a, b: t ** 3,
     "b ** -2": lambda t, a, b: b ** -2,
+    "torch.xlogy(a, b)": lambda t, a, b: torch.xlogy(a, b),
+    "torch.special.xlog1py(a, b)": lambda t, a, b: torch.special.xlog1py(a, b),
+    "torch.logit(b.clamp(max=3) / 3, eps=1e-3)": lambda t, a, b: torch.logit(b.clamp(max=3) / 3, eps=1e-3),
 }
 
 
@@ -552,9 +555,12 @@ def test_a_16_bit_op_of_one_cpu_kernel_rounds_as_its_kernel(codegen, dtype, expr
     and an fma, and tfsn rounded the quotient or product to the half where eager's kernel computes t + v * a / b
     in fp32 and rounds once (bf16 addcdiv_: 59 of 336 elements off eager's; addcmul_: 95). The opposite for bf16
     x ** 3 and x ** -2: eager's kernel rounds the square x * x to bf16 before the third factor or the reciprocal,
-    and tfsn rounded once (72 and 82 of 336 off; fp16's pow rounds once). Values where v * a / b and v * a * b
-    are exact or scaled by a power of two, so the fp32 order of eager's kernel and Dynamo's pieces agree: forward
-    bit for bit; gradients at the half's tolerance."""
+    and tfsn rounded once (72 and 82 of 336 off; fp16's pow rounds once). Likewise xlogy's kernel rounds log(y)
+    to the half before the product (xlog1py its log1p), logit's rounds 1 - x, the quotient and the log, between
+    bounds eps and 1 - eps held in the half (bf16's 1 - 1e-3 is 1, so logit(1) is inf, as its gradient), where
+    their decompositions computed in fp32. Values where v * a / b and v * a * b are exact or scaled by a power of
+    two, so the fp32 order of eager's kernel and Dynamo's pieces agree: forward bit for bit; gradients at the
+    half's tolerance."""
     fn = ONE_KERNEL_OPERATIONS[expression]
     g = torch.Generator().manual_seed(0)
     t, a = ((torch.randn(14, 24, generator=g) * 3).to(dtype) for _ in range(2))

@@ -405,14 +405,18 @@ def _op_result(fx_node: torch.fx.Node) -> bool:
 
 
 def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
-    """Whether `fx_node` is a / b or a * b that Dynamo wrote as the first factor of an fma by a number, its
-    decomposition of t.addcdiv_(a, b, value=v) and t.addcmul_(a, b, value=v) (torch/_dynamo/variables/tensor.py;
-    Adam's and AdamW's updates without foreach): a piece of the user's op, which eager's 16-bit CPU kernel computes
-    in fp32, t + v * a / b rounded once. Nothing else makes such an fma (add_ with a tensor alpha multiplies by
-    the tensor)."""
-    return fx_node.target in (aten.div.Tensor, aten.mul.Tensor) and bool(fx_node.users) and all(
-        u.target is torch.ops.prims.fma.default and u.args[0] is fx_node and fx_node not in u.args[1:]
-        and isinstance(u.args[1], (int, float)) for u in fx_node.users)
+    """Whether `fx_node` is a / b or a * b that Dynamo wrote as the first factor of an fma, its decomposition of
+    t.addcdiv_(a, b, value=v) and t.addcmul_(a, b, value=v) (torch/_dynamo/variables/tensor.py; the updates of
+    Adam, AdamW, RMSprop and Adagrad without foreach): a piece of the user's op, which eager's 16-bit CPU kernel
+    computes in fp32, t + v * a / b rounded once. v is a number, or a 0-d tensor (a compiled optimizer's step size
+    from its step tensor), where Dynamo's torch.div or torch.mul made the factor: its add_ with a tensor alpha also
+    makes an fma, of whatever the user passed (an a * b of the user's, eager's op, rounded)."""
+    if fx_node.target not in (aten.div.Tensor, aten.mul.Tensor) or not fx_node.users:
+        return False
+    made_by = [fn for _, fn in fx_node.meta.get("source_fn_stack") or ()][-1:]
+    return all(u.target is torch.ops.prims.fma.default and u.args[0] is fx_node and fx_node not in u.args[1:]
+               and (isinstance(u.args[1], (int, float)) or made_by in ([torch.div], [torch.mul]))
+               for u in fx_node.users)
 
 
 def _rng_state(fx_node: torch.fx.Node) -> bool:

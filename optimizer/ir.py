@@ -212,6 +212,9 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             continue
         args = torch.fx.node.map_aggregate(fx_node.args, ref)
         kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, ref))
+        half = _half_kernel_piece(fx_node, type_, device)
+        if half is not None and fx_node.target in LOGIT_BOUNDED:
+            args = tuple(_half_kernel_bound(a, half) for a in args)
         pieces = _pieces(fx_node, args, nodes)
         if pieces is not None:               # a split: no node, each item a slice (or select) of the base
             split_pieces[fx_node] = pieces
@@ -256,6 +259,14 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                 args = (Ref(base), list(dims), *args[2:])
                 params = {**params, "dims": dims}
         index_of[fx_node] = add(fx_node.name, kind, op, fx_node.target, args, kwargs, type_, **params)
+        if half is not None and kind == Kind.POINTWISE and \
+                str(fx_node.target) in HALF_KERNEL_PIECES[str(fx_node.meta["original_aten"])]:
+            # rounded to the half as eager's kernel holds it, then fp32 again as its decomposition computes on
+            narrowed = add(fx_node.name + "_half", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                           (Ref(index_of[fx_node]),), {"dtype": getattr(torch, half)},
+                           TensorType(type_.shape, type_.strides, half))
+            index_of[fx_node] = add(fx_node.name + "_widened", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                                    (Ref(narrowed),), {"dtype": torch.float32}, type_)
     for node in nodes:
         for i in node.inputs:
             nodes[i].users.append(node.index)
@@ -370,6 +381,49 @@ def _users_op(fx_node: torch.fx.Node) -> str:
     return str(fx_node.target) if original.startswith("aten._foreach_") else original
 
 
+# Ops whose 16-bit CPU kernel computes pieces of its value in its scalar_t, the half, where their decompositions
+# compute in fp32: those pieces' results are rounded to the half. xlogy's kernel is x * std::log(y) of BFloat16 (or
+# Half) values, the log rounded before the product (xlog1py's log1p likewise); logit's rounds 1 - x, the quotient
+# and its log (Vectorized<scalar_t> ops, or MKL's log of the half quotient), between bounds eps and 1 - eps that
+# are halves too, in its backward's kernel as well (eps.to<scalar_t>(): bf16 logit(x, eps=1e-3) of 1 is inf, as
+# 1 - eps rounds to 1, and so is its gradient).
+HALF_KERNEL_PIECES = {"aten.xlogy.Tensor": {"aten.log.default"},
+                      "aten.special_xlog1py.default": {"aten.log1p.default"},
+                      "aten.logit.default": {"aten.sub.Tensor", "aten.div.Tensor", "aten.log.default"},
+                      "aten.logit_backward.default": set()}
+CONVERSION = "aten._to_copy.default"
+LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.scalar_tensor.default)
+
+
+def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device: str) -> str | None:
+    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_PIECES op whose result is
+    that half (its decomposition's last piece converts to it); None for any other node."""
+    original = fx_node.meta.get("original_aten")
+    if str(original) not in HALF_KERNEL_PIECES or type_ is None or torch.device(device).type != "cpu":
+        return None
+    call = (str(original), fx_node.meta.get("seq_nr"))
+    seen, pending = {fx_node}, [fx_node]
+    while pending:                   # on through the decomposition to its result
+        for a in pending.pop().users:
+            val = a.meta.get("val")
+            if isinstance(val, torch.Tensor) and dtype_name(val.dtype) in HALF_DTYPES:
+                return dtype_name(val.dtype)
+            if a not in seen and (str(a.meta.get("original_aten")), a.meta.get("seq_nr")) == call:
+                seen.add(a)
+                pending.append(a)
+    return None
+
+
+def _half_kernel_bound(a: Any, half: str) -> Any:
+    """A bound of logit's decomposition, eps or 1 - eps, as its 16-bit kernel holds it: eps in the half, and
+    1 - eps computed in the half; anything else as it is."""
+    if not isinstance(a, float) or not 0 < a < 1:
+        return a
+    dtype = getattr(torch, half)
+    eps = torch.tensor(min(a, 1 - a), dtype=torch.float64).to(dtype)
+    return float(eps if a < 0.5 else 1 - eps)
+
+
 def _op_result(fx_node: torch.fx.Node) -> bool:
     """Whether `fx_node` computes the result of an op of the user's: the op itself, or the last piece of its
     decomposition, one that another op reads (x.sum() is sum.dim_IntList(x, []), var's last piece a division;
@@ -377,12 +431,27 @@ def _op_result(fx_node: torch.fx.Node) -> bool:
     op of a foreach op is one (_users_op): SGD's foreach weight decay, grads + wd * params, is rounded before
     params - lr * grads reads it, though both are pieces of _foreach_add.List of one seq_nr."""
     op = fx_node.meta.get("original_aten")
-    if op is None:
+    if op is None or _fused_multiply_add_factor(fx_node):
         return False
     if _users_op(fx_node) == str(fx_node.target):
         return True
     call = (str(op), fx_node.meta.get("seq_nr"))
     return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call
+               for u in fx_node.users)
+
+
+def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node` is a / b or a * b that Dynamo wrote as the first factor of an fma, its decomposition of
+    t.addcdiv_(a, b, value=v) and t.addcmul_(a, b, value=v) (torch/_dynamo/variables/tensor.py; the updates of
+    Adam, AdamW, RMSprop and Adagrad without foreach): a piece of the user's op, which eager's 16-bit CPU kernel
+    computes in fp32, t + v * a / b rounded once. v is a number, or a 0-d tensor (a compiled optimizer's step size
+    from its step tensor), where Dynamo's torch.div or torch.mul made the factor: its add_ with a tensor alpha also
+    makes an fma, of whatever the user passed (an a * b of the user's, eager's op, rounded)."""
+    if fx_node.target not in (aten.div.Tensor, aten.mul.Tensor) or not fx_node.users:
+        return False
+    made_by = [fn for _, fn in fx_node.meta.get("source_fn_stack") or ()][-1:]
+    return all(u.target is torch.ops.prims.fma.default and u.args[0] is fx_node and fx_node not in u.args[1:]
+               and (isinstance(u.args[1], (int, float)) or made_by in ([torch.div], [torch.mul]))
                for u in fx_node.users)
 
 

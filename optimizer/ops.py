@@ -56,6 +56,10 @@ ROUNDINGS = frozenset({"aten.ceil.default", "aten.floor.default", "aten.round.de
                        *ROUNDED_DIVISIONS})
 
 
+# ATen's CPU pow of a bf16 tensor by 3 or -2 multiplies Vectorized<BFloat16> values, each product rounded to bf16
+# (base * base * base, (base * base).reciprocal()): bf16 x ** 3 is (x * x) * x; fp16's is std::pow, rounded once
+CPU_BF16_SQUARE_ROUNDED_POWERS = (3.0, -2.0)
+
 # Conversions (.to(dtype), .float(), .half()): their result is rounded to its dtype, as eager's is.
 CONVERSIONS = frozenset({"aten._to_copy.default"})
 

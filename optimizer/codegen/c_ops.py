@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from optimizer.ir import HALF_DTYPES
-from optimizer.ops import comparison_dtype, half_operand_rounded
+from optimizer.ops import CPU_BF16_SQUARE_ROUNDED_POWERS, comparison_dtype, half_operand_rounded
 
 CTYPES = {"float32": "float", "float64": "double", "int64": "int64_t", "int32": "int32_t",
           "int16": "int16_t", "int8": "int8_t", "uint8": "uint8_t",
@@ -356,13 +356,18 @@ def expression(op: str, operands: list[Operand], out: str, kw: dict, result_roun
 def _computed(op: str, operands: list[Operand], out: str, kw: dict) -> str:
     """`expression`'s value before its result is rounded. Eager's pow of a half by a scalar rounds the exponent
     to the half first (x ** 1.7 in bf16 is x ** 1.703125), and for fp16 by 0.5 or -0.5 is pow itself, not sqrt
-    or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN)."""
+    or 1 / sqrt as for the other floats (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN); bf16's x ** 3 and
+    x ** -2 round the square x * x to bf16 first (ops.CPU_BF16_SQUARE_ROUNDED_POWERS)."""
     if out in HALF_DTYPES and op == "aten.pow.Tensor_Scalar" and operands[1].scalar:
         import torch
         exponent = float(torch.tensor(float(operands[1].value), dtype=torch.float64).to(getattr(torch, out)))
         operands = [operands[0], literal(exponent)]
         if out == "float16" and exponent in (0.5, -0.5):
             return f"pow({cast(operands[0], 'float32')}, {cast(operands[1], 'float32')})"
+        if out == "bfloat16" and exponent in CPU_BF16_SQUARE_ROUNDED_POWERS:
+            base = cast(operands[0], "float32")
+            square = rounded(f"({base} * {base})", out)
+            return f"({square} * {base})" if exponent == 3.0 else f"({cast(literal(1.0), 'float32')} / {square})"
     # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
     # (fp16 x + finfo.min is -65504 whatever x, so a fully masked row's softmax is uniform, not softmax(x))
     operands = [replace(o, expr=rounded(o.expr, o.half), exact=True)

@@ -40,7 +40,7 @@ from optimizer.loopnest import (Accumulate, Apply, Assign, Define, GemmElement, 
                                 Reduction, RowSegment, Select, Stmt, Store, Temp, accumulator_dtype, bias_epilogue,
                                 exact_halves, lower)
 from optimizer.loopnest import Operand as LoopOperand
-from optimizer.ops import comparison_dtype, eager_rounded, half_operand_rounded
+from optimizer.ops import CPU_BF16_SQUARE_ROUNDED_POWERS, comparison_dtype, eager_rounded, half_operand_rounded
 from optimizer.schedule import Schedule
 from optimizer.space import GPU_ROWS
 
@@ -301,14 +301,18 @@ def _powi(b: str, n: int) -> str:
     return f"({expr})"
 
 
-def _half_pow(base: Value, exponent: float, dtype: str) -> str:
+def _half_pow(base: Value, exponent: float, dtype: str, cpu: bool) -> str:
     """A 16-bit float to a scalar power as eager computes it (and codegen/c_ops.expression): the exponent
     rounded to the half first (bf16 x ** 1.7 is x ** 1.703125), and fp16 by 0.5 or -0.5 is pow itself,
-    not sqrt or 1 / sqrt (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN; pow(-0.0, -0.5) is +inf)."""
+    not sqrt or 1 / sqrt (pow(-inf, 0.5) is inf where sqrt(-inf) is NaN; pow(-0.0, -0.5) is +inf); on the `cpu`
+    (the interpreter), bf16's x ** 3 and x ** -2 round the square to bf16 first (ops.CPU_BF16_SQUARE_ROUNDED_POWERS)."""
     import torch
     rounded = float(torch.tensor(float(exponent), dtype=torch.float64).to(getattr(torch, dtype)))
     if dtype == "float16" and rounded in (0.5, -0.5):
         return f"(tfsn_pow({base.expr}, {rounded!r} + tl.zeros_like({base.expr})))"
+    if cpu and dtype == "bfloat16" and rounded in CPU_BF16_SQUARE_ROUNDED_POWERS:
+        square = _rounded(f"({base.expr} * {base.expr})", dtype)
+        return f"({square} * {base.expr})" if rounded == 3.0 else f"({_quotient('1.0', square, 'float32')})"
     return f"({_pow([base, _literal(rounded)], 'float32', {})})"
 
 
@@ -668,7 +672,7 @@ class TritonWriter:
                _literal(x) if isinstance(x, (bool, int, float)) else NONE for x in a.args]
         out = node.type.dtype
         if out in HALF_DTYPES and node.op == "aten.pow.Tensor_Scalar" and ops[1].scalar:
-            value = _half_pow(ops[0], ops[1].value, out)
+            value = _half_pow(ops[0], ops[1].value, out, self.g.device == "cpu")
         else:
             # a half computed in fp32 and converted or rounded to a whole number: eager's value was the half
             ops = [replace(o, expr=_rounded(o.expr, o.half), exact=True)

@@ -21,8 +21,8 @@ from tests.user_models_twentieth import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
 THROUGH_TRITON = ["nafnet_psnr_loss", "prototypical_network", "maml_first_order"]
-# a buffer interpolated in the step, a custom autograd.Function, a GAN's two losses in one step
-TRAINED = ["reptile_meta_interpolation", "nafnet_psnr_loss", "esrgan_rrdb_relativistic"]
+# a buffer interpolated in the step, a GAN's two losses in one step (NAFNet's PSNR loss, a log, diverges under SGD)
+TRAINED = ["reptile_meta_interpolation", "esrgan_rrdb_relativistic"]
 
 
 test_forward_and_gradients_match_eager, test_through_triton_forward_and_gradients_match_eager = \

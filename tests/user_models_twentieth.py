@@ -42,6 +42,7 @@ from torch import Tensor
 
 from tests.user_models import Case, classify
 from tests.user_models_more import bf16, fp64, own_loss
+from tests.user_models_nineteenth import cast_bf16
 
 
 # --- image restoration ---------------------------------------------------------------------------------------
@@ -347,8 +348,9 @@ class JohnsonStyleTransfer(nn.Module):
         self.res = nn.Sequential(ConvLayer(6, 6, 3), nn.InstanceNorm2d(6, affine=True), nn.ReLU(), ConvLayer(6, 6, 3))
         self.up = nn.Sequential(ConvLayer(6, 4, 3, upsample=2), nn.InstanceNorm2d(4, affine=True), nn.ReLU(),
                                 ConvLayer(4, 3, 3))
-        self.loss_net = frozen(nn.ModuleList([nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU()),
-                                              nn.Sequential(nn.AvgPool2d(2), nn.Conv2d(5, 7, 3, padding=1), nn.ReLU())]))
+        stage1 = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU())
+        stage2 = nn.Sequential(nn.AvgPool2d(2), nn.Conv2d(5, 7, 3, padding=1), nn.ReLU())
+        self.loss_net = frozen(nn.ModuleList([stage1, stage2]))
 
     def features(self, x: Tensor) -> list:
         out = []
@@ -631,13 +633,16 @@ class Learner(nn.Module):
 
 class MAML(nn.Module):
     """MAML over a batch of tasks: inner SGD steps on each task's support set by torch.func.grad of the loss of a
-    torch.func.functional_call (differentiated through, second order, or detached, first order), the query loss of
+    torch.func.functional_call (differentiated through, second order, or detached, first order), or first order by
+    torch.autograd.grad without create_graph as learn2learn's and most FOMAML code write it; the query loss of
     the adapted weights averaged over the tasks."""
 
-    def __init__(self, first_order: bool = False, inner_steps: int = 2, inner_lr: float = 0.4) -> None:
+    def __init__(self, first_order: bool = False, by_autograd_grad: bool = False, inner_steps: int = 2,
+                 inner_lr: float = 0.4) -> None:
         super().__init__()
         self.learner = Learner()
-        self.first_order, self.inner_steps, self.inner_lr = first_order, inner_steps, inner_lr
+        self.first_order, self.inner_steps, self.inner_lr = first_order or by_autograd_grad, inner_steps, inner_lr
+        self.by_autograd_grad = by_autograd_grad
 
     def support_loss(self, params: dict, x: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(torch.func.functional_call(self.learner, params, (x,)), y)
@@ -647,7 +652,11 @@ class MAML(nn.Module):
         for task in range(xs.shape[0]):
             params = dict(self.learner.named_parameters())
             for _ in range(self.inner_steps):
-                grads = torch.func.grad(self.support_loss)(params, xs[task], ys[task])
+                if self.by_autograd_grad:
+                    loss = self.support_loss(params, xs[task], ys[task])
+                    grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+                else:
+                    grads = torch.func.grad(self.support_loss)(params, xs[task], ys[task])
                 if self.first_order:
                     grads = {name: g.detach() for name, g in grads.items()}
                 params = {name: p - self.inner_lr * grads[name] for name, p in params.items()}
@@ -731,10 +740,13 @@ def cases() -> list[Case]:
     raft = Case("raft_correlation_convex_upsampling", RAFT, _flow, own_loss)
     maml = Case("maml_second_order", MAML, _tasks, own_loss)
     fomaml = Case("maml_first_order", lambda: MAML(first_order=True), _tasks, own_loss)
+    fomaml_autograd = Case("maml_first_order_autograd_grad", lambda: MAML(by_autograd_grad=True), _tasks, own_loss)
     reptile = Case("reptile_meta_interpolation", Reptile, _tasks, own_loss)
     # The embedding's last bias shifts support and query points alike: no distance depends on it.
     protonet = Case("prototypical_network", PrototypicalNetwork, _tasks, own_loss,
                     zero_grad=(("encoder.2.bias", slice(None)),))
-    return [nafnet, restormer, esrgan, adain, johnson, timesformer, slowfast, raft, maml, fomaml, reptile, protonet,
-            *(bf16(c) for c in (nafnet, restormer, adain, timesformer)),
+    return [nafnet, restormer, esrgan, adain, johnson, timesformer, slowfast, raft, maml, fomaml, fomaml_autograd,
+            reptile, protonet,
+            *(bf16(c) for c in (nafnet, restormer, adain, timesformer, raft)),
+            *(cast_bf16(c) for c in (johnson, slowfast, protonet, reptile)),
             *(fp64(c) for c in (nafnet, restormer, adain, raft, maml, protonet))]

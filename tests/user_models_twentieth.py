@@ -29,6 +29,13 @@ them:
   ones (lerp_ under no_grad); prototypical networks (class means by index_add_ and by a one_hot matmul, squared
   Euclidean distances by broadcasting and by the expanded |a|^2 - 2 a.b + |b|^2, log_softmax of the negative
   distances).
+bf16 autocast runs NAFNet, Restormer, AdaIN, TimeSformer and RAFT; whole-model bf16 casts run Johnson's net, the
+prototypical network and Reptile; fp64 runs NAFNet, Restormer, AdaIN, RAFT, MAML and the prototypical network.
+Left out: MAML's inner loop by torch.autograd.grad(create_graph=True), which PyTorch's AOTAutograd refuses for every
+backend ("torch.compile with aot_autograd does not currently support double backward", aot_eager too; only
+backend="eager" runs it), so second order here is torch.func.grad as higher-order code traces it; and SlowFast with
+TSM cast to bf16 whole, where eager is the less accurate side (its input gradient's worst element 3.3e-4 against the
+fp64 run's 2.57e-4, tfsn's 2.57e-4).
 Sizes are odd and tiny; every input comes from a seeded generator. Each model is a `tests.user_models.Case`.
 """
 from __future__ import annotations
@@ -734,7 +741,9 @@ def cases() -> list[Case]:
     restormer = Case("restormer_mdta_gdfn", Restormer, _restoration, own_loss)
     esrgan = Case("esrgan_rrdb_relativistic", ESRGAN, _super_resolution, own_loss)
     adain = Case("adain_style_transfer", AdaIN, _style, own_loss)
-    johnson = Case("johnson_gram_tv", JohnsonStyleTransfer, _johnson, own_loss)
+    # A conv's bias right before an InstanceNorm2d is subtracted again with the instance mean.
+    johnson = Case("johnson_gram_tv", JohnsonStyleTransfer, _johnson, own_loss,
+                   zero_grad=tuple((f"{conv}.conv.bias", slice(None)) for conv in ("net.0", "net.3", "res.0", "up.0")))
     timesformer = Case("timesformer_divided_attention", TimeSformer, _video, classify)
     slowfast = Case("slowfast_lateral_tsm", SlowFastTSM, _clip, classify)
     raft = Case("raft_correlation_convex_upsampling", RAFT, _flow, own_loss)
@@ -748,5 +757,5 @@ def cases() -> list[Case]:
     return [nafnet, restormer, esrgan, adain, johnson, timesformer, slowfast, raft, maml, fomaml, fomaml_autograd,
             reptile, protonet,
             *(bf16(c) for c in (nafnet, restormer, adain, timesformer, raft)),
-            *(cast_bf16(c) for c in (johnson, slowfast, protonet, reptile)),
+            *(cast_bf16(c) for c in (johnson, protonet, reptile)),
             *(fp64(c) for c in (nafnet, restormer, adain, raft, maml, protonet))]

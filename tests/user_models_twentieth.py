@@ -638,6 +638,22 @@ class Learner(nn.Module):
         return self.net(x)
 
 
+class ConvLearner(nn.Module):
+    """MAML's Omniglot learner in miniature: conv, BatchNorm2d on the batch's statistics (no running stats, as
+    learn2learn's and the MAML reference's), ReLU, max pooling, a linear head."""
+
+    def __init__(self, ways: int = 3) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False),
+                                      nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(4, 5, 3, padding=1), nn.BatchNorm2d(5, track_running_stats=False),
+                                      nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(5, ways)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x.view(-1, 1, 5, 5)).flatten(1))
+
+
 class MAML(nn.Module):
     """MAML over a batch of tasks: inner SGD steps on each task's support set by torch.func.grad of the loss of a
     torch.func.functional_call (differentiated through, second order, or detached, first order), or first order by
@@ -645,9 +661,9 @@ class MAML(nn.Module):
     the adapted weights averaged over the tasks."""
 
     def __init__(self, first_order: bool = False, by_autograd_grad: bool = False, inner_steps: int = 2,
-                 inner_lr: float = 0.4) -> None:
+                 inner_lr: float = 0.4, learner: type = Learner) -> None:
         super().__init__()
-        self.learner = Learner()
+        self.learner = learner()
         self.first_order, self.inner_steps, self.inner_lr = first_order or by_autograd_grad, inner_steps, inner_lr
         self.by_autograd_grad = by_autograd_grad
 
@@ -736,6 +752,14 @@ def _tasks(g: torch.Generator, n: int = 2, ways: int = 3, shots: int = 3, querie
     return (xs, ys, xq, yq), None
 
 
+def _image_tasks(g: torch.Generator, n: int = 2) -> tuple:
+    """Tasks as `_tasks` draws them, of 25 features: 5x5 single-channel images."""
+    def widen(x: Tensor) -> Tensor:
+        return torch.cat([x] * 5, -1) + 0.3 * torch.randn(*x.shape[:-1], 25, generator=g)
+    (xs, ys, xq, yq), _ = _tasks(g, n)
+    return (widen(xs), ys, widen(xq), yq), None
+
+
 def cases() -> list[Case]:
     nafnet = Case("nafnet_psnr_loss", NAFNetPSNR, _restoration, own_loss)
     restormer = Case("restormer_mdta_gdfn", Restormer, _restoration, own_loss)
@@ -750,12 +774,16 @@ def cases() -> list[Case]:
     maml = Case("maml_second_order", MAML, _tasks, own_loss)
     fomaml = Case("maml_first_order", lambda: MAML(first_order=True), _tasks, own_loss)
     fomaml_autograd = Case("maml_first_order_autograd_grad", lambda: MAML(by_autograd_grad=True), _tasks, own_loss)
+    # Each conv's bias is taken out again by the BatchNorm after it, in the inner steps and in the query loss.
+    maml_conv = Case("maml_second_order_conv_batchnorm_maxpool", lambda: MAML(learner=ConvLearner), _image_tasks,
+                     own_loss, zero_grad=(("learner.features.0.bias", slice(None)),
+                                          ("learner.features.4.bias", slice(None))))
     reptile = Case("reptile_meta_interpolation", Reptile, _tasks, own_loss)
     # The embedding's last bias shifts support and query points alike: no distance depends on it.
     protonet = Case("prototypical_network", PrototypicalNetwork, _tasks, own_loss,
                     zero_grad=(("encoder.2.bias", slice(None)),))
     return [nafnet, restormer, esrgan, adain, johnson, timesformer, slowfast, raft, maml, fomaml, fomaml_autograd,
-            reptile, protonet,
+            maml_conv, reptile, protonet,
             *(bf16(c) for c in (nafnet, restormer, adain, timesformer, raft)),
             *(cast_bf16(c) for c in (johnson, protonet, reptile)),
             *(fp64(c) for c in (nafnet, restormer, adain, raft, maml, protonet))]

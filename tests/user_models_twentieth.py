@@ -624,6 +624,72 @@ def _flow(g: torch.Generator, n: int = 2) -> tuple:
             torch.rand(n, h, w, generator=g)), None
 
 
+def pwc_warp(x: Tensor, flo: Tensor) -> Tensor:
+    """PWC-Net's warp: a pixel grid by arange/repeat plus the flow, normalised by max(W - 1, 1), grid_sample with
+    align_corners, and the mask of a warped image of ones rounded to 0 or 1 by torch.where at 0.9999."""
+    b, _, h, w = x.size()
+    xx = torch.arange(0, w).view(1, -1).repeat(h, 1)
+    yy = torch.arange(0, h).view(-1, 1).repeat(1, w)
+    grid = torch.cat((xx.view(1, 1, h, w).repeat(b, 1, 1, 1), yy.view(1, 1, h, w).repeat(b, 1, 1, 1)), 1).to(x.dtype)
+    vgrid = grid + flo
+    vgrid = torch.stack([2.0 * vgrid[:, 0] / max(w - 1, 1) - 1.0, 2.0 * vgrid[:, 1] / max(h - 1, 1) - 1.0], 1)
+    vgrid = vgrid.permute(0, 2, 3, 1)
+    output = F.grid_sample(x, vgrid, align_corners=True)
+    mask = F.grid_sample(torch.ones_like(x), vgrid, align_corners=True)
+    return output * torch.where(mask < 0.9999, 0.0, 1.0)
+
+
+def local_cost_volume(f1: Tensor, f2: Tensor, d: int = 2) -> Tensor:
+    """PWC-Net's correlation over a (2d + 1)^2 neighbourhood written in Python: f2 padded, one shifted slice per
+    displacement, the channel mean of the product, leaky_relu(0.1)."""
+    f2 = F.pad(f2, [d] * 4)
+    h, w = f1.shape[-2:]
+    cost = [(f1 * f2[:, :, i:i + h, j:j + w]).mean(1, keepdim=True) for i in range(2 * d + 1) for j in range(2 * d + 1)]
+    return F.leaky_relu(torch.cat(cost, 1), 0.1)
+
+
+class PWCNet(nn.Module):
+    """A two-level PWC-Net: feature pyramids by strided convs, the coarse flow estimated from a cost volume, upsampled
+    by a ConvTranspose2d (and its features), the second image's features warped by the upsampled flow times 2, a
+    cost volume on the warped features, a refined flow; the multi-scale loss of the two levels against the ground
+    truth downsampled by avg_pool2d and scaled by 1/20 (PWC-Net's 0.05), by the robust |x|_1 + eps to the 0.4."""
+
+    def __init__(self, d: int = 1) -> None:
+        super().__init__()
+        self.d = d
+        self.level1 = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.LeakyReLU(0.1))
+        self.level2 = nn.Sequential(nn.Conv2d(4, 5, 3, stride=2, padding=1), nn.LeakyReLU(0.1))
+        cost = (2 * d + 1) ** 2
+        self.estimator2 = nn.Sequential(nn.Conv2d(cost + 5, 6, 3, padding=1), nn.LeakyReLU(0.1))
+        self.flow2 = nn.Conv2d(6, 2, 3, padding=1)
+        self.upflow = nn.ConvTranspose2d(2, 2, 4, stride=2, padding=1)
+        self.upfeat = nn.ConvTranspose2d(6, 2, 4, stride=2, padding=1)
+        self.estimator1 = nn.Sequential(nn.Conv2d(cost + 4 + 2 + 2, 6, 3, padding=1), nn.LeakyReLU(0.1),
+                                        nn.Conv2d(6, 2, 3, padding=1))
+
+    def forward(self, image1: Tensor, image2: Tensor, flow_gt: Tensor) -> tuple:
+        c11, c21 = self.level1(image1), self.level1(image2)
+        c12, c22 = self.level2(c11), self.level2(c21)
+        x = self.estimator2(torch.cat([local_cost_volume(c12, c22, self.d), c12], 1))
+        flow2 = self.flow2(x)
+        up_flow = self.upflow(flow2)[..., :c11.shape[-2], :c11.shape[-1]]
+        up_feat = self.upfeat(x)[..., :c11.shape[-2], :c11.shape[-1]]
+        warped = pwc_warp(c21, up_flow * 2.0)
+        cost = local_cost_volume(c11, warped, self.d)
+        flow1 = self.estimator1(torch.cat([cost, c11, up_flow, up_feat], 1)) + up_flow
+        target = flow_gt * 0.05
+        loss = flow_gt.new_zeros(())
+        for weight, flow in ((0.32, flow1), (0.08, flow2)):
+            scaled = F.adaptive_avg_pool2d(target, flow.shape[-2:])
+            loss = loss + weight * ((flow - scaled).abs().sum(1) + 0.01).pow(0.4).sum() / flow.shape[0]
+        return flow1, loss
+
+
+def _flow_pair(g: torch.Generator, n: int = 2) -> tuple:
+    (image1, image2, flow_gt, _), _ = _flow(g, n)
+    return (image1, image2, flow_gt), None
+
+
 # --- meta-learning -------------------------------------------------------------------------------------------
 
 class Learner(nn.Module):
@@ -771,6 +837,7 @@ def cases() -> list[Case]:
     timesformer = Case("timesformer_divided_attention", TimeSformer, _video, classify)
     slowfast = Case("slowfast_lateral_tsm", SlowFastTSM, _clip, classify)
     raft = Case("raft_correlation_convex_upsampling", RAFT, _flow, own_loss)
+    pwcnet = Case("pwcnet_cost_volume_warp", PWCNet, _flow_pair, own_loss)
     maml = Case("maml_second_order", MAML, _tasks, own_loss)
     fomaml = Case("maml_first_order", lambda: MAML(first_order=True), _tasks, own_loss)
     fomaml_autograd = Case("maml_first_order_autograd_grad", lambda: MAML(by_autograd_grad=True), _tasks, own_loss)
@@ -782,8 +849,8 @@ def cases() -> list[Case]:
     # The embedding's last bias shifts support and query points alike: no distance depends on it.
     protonet = Case("prototypical_network", PrototypicalNetwork, _tasks, own_loss,
                     zero_grad=(("encoder.2.bias", slice(None)),))
-    return [nafnet, restormer, esrgan, adain, johnson, timesformer, slowfast, raft, maml, fomaml, fomaml_autograd,
-            maml_conv, reptile, protonet,
-            *(bf16(c) for c in (nafnet, restormer, adain, timesformer, raft)),
-            *(cast_bf16(c) for c in (johnson, protonet, reptile)),
-            *(fp64(c) for c in (nafnet, restormer, adain, raft, maml, protonet))]
+    return [nafnet, restormer, esrgan, adain, johnson, timesformer, slowfast, raft, pwcnet, maml, fomaml,
+            fomaml_autograd, maml_conv, reptile, protonet,
+            *(bf16(c) for c in (nafnet, restormer, adain, timesformer, raft, esrgan, slowfast)),
+            *(cast_bf16(c) for c in (johnson, protonet, reptile, raft, esrgan, adain)),
+            *(fp64(c) for c in (nafnet, restormer, adain, raft, maml, protonet, pwcnet, timesformer, esrgan))]

@@ -18,8 +18,8 @@ them:
   loss network and a total-variation loss.
 - Video: TimeSformer's divided space-time attention (time and space rearranged by view/permute, the class token
   repeated over frames and averaged back, a temporal fc); SlowFast's lateral connection (a Conv3d strided in time,
-  fast features concatenated onto the slow path) and the temporal shift module, once writing into zeros_like by
-  slicing (TSM's reference) and once by torch.cat with zeros.
+  fast features concatenated onto the slow path) and the temporal shift module, writing into zeros_like by slicing
+  (TSM's reference), by torch.cat with zeros, and by TSM's InplaceShift autograd.Function (writes into .data).
 - Optical flow: RAFT (the all-pairs correlation volume by matmul / sqrt(dim), a pyramid by avg_pool2d, lookup by
   grid_sample with align_corners=True at coordinates built from meshgrid plus a linspace window, coordinates
   detached between iterations, convex upsampling by F.unfold and a softmax over 9 neighbours, the sequence loss with
@@ -481,10 +481,46 @@ def temporal_shift_cat(x: Tensor, n_segment: int, fold_div: int = 3) -> Tensor:
     return torch.cat((left, right, x[:, :, 2 * fold:]), 2).view(nt, c, h, w)
 
 
+class InplaceShift(torch.autograd.Function):
+    """TSM's inplace=True shift: the input's .data shifted in place through a zeroed buffer, the gradient shifted
+    back the same way in backward."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, fold: int) -> Tensor:
+        ctx.fold_ = fold
+        n, t, c, h, w = input.size()
+        buffer = input.data.new(n, t, fold, h, w).zero_()
+        buffer[:, :-1] = input.data[:, 1:, :fold]
+        input.data[:, :, :fold] = buffer
+        buffer.zero_()
+        buffer[:, 1:] = input.data[:, :-1, fold: 2 * fold]
+        input.data[:, :, fold: 2 * fold] = buffer
+        return input
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple:
+        fold = ctx.fold_
+        n, t, c, h, w = grad_output.size()
+        buffer = grad_output.data.new(n, t, fold, h, w).zero_()
+        buffer[:, 1:] = grad_output.data[:, :-1, :fold]
+        grad_output.data[:, :, :fold] = buffer
+        buffer.zero_()
+        buffer[:, :-1] = grad_output.data[:, 1:, fold: 2 * fold]
+        grad_output.data[:, :, fold: 2 * fold] = buffer
+        return grad_output, None
+
+
+def temporal_shift_function(x: Tensor, n_segment: int, fold_div: int = 3) -> Tensor:
+    """The shift by InplaceShift, on a copy: the residual here still reads the unshifted x."""
+    nt, c, h, w = x.size()
+    return InplaceShift.apply(x.clone().view(nt // n_segment, n_segment, c, h, w), c // fold_div).view(nt, c, h, w)
+
+
 class SlowFastTSM(nn.Module):
     """A SlowFast pair of Conv3d pathways (slow: every alpha-th frame, fast: all frames at beta of the channels)
     with the lateral connection, a Conv3d of kernel (5, 1, 1) strided alpha in time, concatenated onto the slow
-    path; and TSM residual blocks (a 2-D conv per frame after the shift) on the fused features."""
+    path; and TSM residual blocks (a 2-D conv per frame after the shift, in each of its three forms) on the fused
+    features."""
 
     def __init__(self, alpha: int = 4, slow: int = 8, fast: int = 2, classes: int = 5) -> None:
         super().__init__()
@@ -495,7 +531,7 @@ class SlowFastTSM(nn.Module):
                                        nn.BatchNorm3d(fast), nn.ReLU())
         self.lateral = nn.Conv3d(fast, 2 * fast, (5, 1, 1), stride=(alpha, 1, 1), padding=(2, 0, 0), bias=False)
         channels = slow + 2 * fast
-        self.shift_convs = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
+        self.shift_convs = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=1) for _ in range(3))
         self.head = nn.Linear(channels + fast, classes)
 
     def forward(self, clip: Tensor) -> Tensor:
@@ -504,7 +540,8 @@ class SlowFastTSM(nn.Module):
         slow = torch.cat([slow, self.lateral(fast)], 1)
         b, c, t, h, w = slow.shape
         x = slow.transpose(1, 2).reshape(b * t, c, h, w)
-        for shift, conv in zip((temporal_shift_in_place, temporal_shift_cat), self.shift_convs):
+        shifts = (temporal_shift_in_place, temporal_shift_cat, temporal_shift_function)
+        for shift, conv in zip(shifts, self.shift_convs):
             x = x + F.relu(conv(shift(x, t)))
         pooled = torch.cat([x.view(b, t, c, h, w).mean((1, 3, 4)), fast.mean((2, 3, 4))], 1)
         return self.head(pooled)

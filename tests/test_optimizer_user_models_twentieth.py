@@ -20,7 +20,7 @@ from tests.test_optimizer_user_models_more import forward_and_gradient_tests, tr
 from tests.user_models_twentieth import cases  # noqa: E402
 
 # small ones: Triton's interpreter runs each program in Python
-THROUGH_TRITON = ["prototypical_network", "maml_first_order"]
+THROUGH_TRITON = ["prototypical_network", "maml_first_order", "slowfast_lateral_tsm"]
 # meta weights, a buffer, interpolated in the step
 TRAINED = ["reptile_meta_interpolation"]
 

@@ -982,7 +982,8 @@ def _say_why_searching(spec) -> None:
 def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
                   on_plan: Callable[[float, bool, str], None] | None = None) -> tuple[Plan, list[Schedule]]:
     """The search's plan and schedules for this graph on this host, from the disk cache when this
-    graph was searched here before (same graph, host spec, compiler, threads and top_k): by `tfsn plan`,
+    graph was searched here before (same graph, host spec, compiler, threads and top_k, or any top_k > 1
+    where that search timed no kernel): by `tfsn plan`,
     which searches a job's step this way for the host its local nodes run on, or by an earlier run. A kernel
     whose choice the search could not call (search.Tie) has its tied candidates timed again on each
     of the next few runs, until one wins clearly or search.RETIMES is reached."""
@@ -992,8 +993,21 @@ def searched_plan(graph, gemm: bool, top_k: int, report: list | None,
 
     spec, threads = cpu_spec(), torch.get_num_threads()
     path = search_cache_path(graph, spec, threads, gemm, str(top_k), suffix=".json")
-    return _saved_or_searched(path, graph, gemm, target_for(spec), report, on_plan,
-                              lambda: search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads))
+    # A search that timed no kernel (each predicted under search.MIN_TIMED_S: a small model's) chose what a
+    # search of any other top_k > 1 chooses, and is kept for those too. Why: a training step compiled with
+    # another top_k than the step before (a test's top_k=2 after the default 8) searched its forward and
+    # backward again, to the same plan.
+    untimed = search_cache_path(graph, spec, threads, gemm, "top_k > 1, no kernel timed", suffix=".json") \
+        if top_k > 1 else None
+    if untimed is not None and report is None and not path.exists() and untimed.exists():
+        path = untimed
+
+    def search_now():
+        result = search.search_graph(graph, spec, gemm=gemm, top_k=top_k, threads=threads)
+        if untimed is not None and path != untimed and all(k.predicted_s < search.MIN_TIMED_S for k in result.kernels):
+            _write_search_entry(untimed, result)
+        return result
+    return _saved_or_searched(path, graph, gemm, target_for(spec), report, on_plan, search_now)
 
 
 def _saved_or_searched(path: Path, graph, gemm: bool, target, report: list | None,

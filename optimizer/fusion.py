@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Sequence
 
 from optimizer.ir import Graph, Kind, Node, Ref
 from optimizer.loopnest import Group, NotFusable, fused_nodes, gemm_fits, lower, row_shapes
@@ -43,7 +43,7 @@ def decision_points(graph: Graph, gemm: bool = True) -> list[tuple[str, int]]:
     """Every fusion decision of this graph the search may flip: ("store" | "recompute", node) for a
     pointwise value read by several kernels, ("split", matmul) for a GEMM with an epilogue."""
     need = needs_tensor(graph)
-    default = choose_buffers(graph, need)
+    default = choose_buffers(graph)
     points: list[tuple[str, int]] = []
     for node in graph.nodes:
         if node.kind == Kind.POINTWISE and node.index not in need and len(compute_readers(graph, node.index)) > 1:
@@ -74,9 +74,23 @@ class _Open:
         return Group(self.kind, tuple(self.nodes), self.domain, self.reduced)
 
 
-def needs_tensor(graph: Graph) -> set[int]:
+def _graph_answer(graph: Graph, name: str, answer: Callable[[Graph], object]) -> object:
+    """`answer(graph)`, once per graph: kept in graph.memo (a graph's nodes never change once built). Why: a
+    search plans a graph up to ~50 times (search.MAX_PLANS) and these answers depend on the graph alone; each
+    plan computed them again (on an AdamW step of ~1,000 nodes, a fifth of a plan's time)."""
+    key = ("fusion", name)
+    if key not in graph.memo:
+        graph.memo[key] = answer(graph)
+    return graph.memo[key]
+
+
+def needs_tensor(graph: Graph) -> frozenset[int]:
     """Values that must exist as tensors: graph outputs, extern arguments and GEMM operands
     (and, through views, the bases of those)."""
+    return _graph_answer(graph, "needs_tensor", _needs_tensor)
+
+
+def _needs_tensor(graph: Graph) -> frozenset[int]:
     need: set[int] = set()
 
     def mark(i: int) -> None:
@@ -94,11 +108,17 @@ def needs_tensor(graph: Graph) -> set[int]:
     for o in graph.outputs:
         if isinstance(o, Ref):
             mark(o.index)
-    return need
+    return frozenset(need)
 
 
-def choose_buffers(graph: Graph, need: set[int]) -> set[int]:
-    """Which computed values are written to memory (the rest are inlined into their readers)."""
+def choose_buffers(graph: Graph) -> frozenset[int]:
+    """Which computed values are written to memory (the rest are inlined into their readers): the heuristic's
+    choice, which a search's Choice departs from."""
+    return _graph_answer(graph, "choose_buffers", _choose_buffers)
+
+
+def _choose_buffers(graph: Graph) -> frozenset[int]:
+    need = needs_tensor(graph)
     buffers = {n.index for n in graph.nodes if n.kind in (Kind.REDUCE, Kind.MATMUL)}
     buffers |= {i for i in need if graph.nodes[i].kind == Kind.POINTWISE}
     cost: dict[int, int] = {}
@@ -116,7 +136,7 @@ def choose_buffers(graph: Graph, need: set[int]) -> set[int]:
         broadcast = node.type.numel > 1 and any(graph.nodes[r].type.numel > node.type.numel for r in readers if r >= 0)
         if len(readers) > 1 and (cost[node.index] > INLINE_MAX_COST or broadcast and cost[node.index] > 1):
             buffers.add(node.index)
-    return buffers
+    return frozenset(buffers)
 
 
 def compute_readers(graph: Graph, n: int) -> set[int]:
@@ -135,7 +155,7 @@ def plan(graph: Graph, gemm: bool = True, choice: Choice = DEFAULT_CHOICE) -> Pl
     """The fusion plan of a graph under `choice` (default: the heuristic's); `gemm=False` leaves
     every matmul to ATen."""
     need = needs_tensor(graph)
-    buffers = (choose_buffers(graph, need) | choice.store) - (choice.recompute - need)
+    buffers = set((choose_buffers(graph) | choice.store) - (choice.recompute - need))
 
     @lru_cache(maxsize=None)
     def reads(n: int) -> frozenset[int]:
@@ -259,27 +279,48 @@ def in_place_writes(graph: Graph, groups: list[Group], buffers: set[int]) -> dic
         return {}
     outputs = {o.index for o in graph.outputs if isinstance(o, Ref)}
     step_of = {n: k for k, g in enumerate(groups) if g.kind != "extern" for n in g.nodes}
-    reads = [_base_reads(graph, buffers, g) for g in groups]
-    done: dict[int, int] = {}
-    removed: set[int] = set()
-    for copy in copies:
-        dst, src = (a.index if isinstance(a, Ref) else None for a in copy.args[:2])
-        if dst is None or src is None or dst in done.values() or src in done or dst in outputs or src in outputs:
-            continue
-        target, value = graph.nodes[dst], graph.nodes[src]
-        k = step_of.get(src)
-        if target.kind != Kind.INPUT or value.kind != Kind.POINTWISE or value.type != target.type or k is None:
-            continue
-        group = groups[k]
-        if group.kind != "kernel" or group.reduced or group.domain != value.type.shape or src not in buffers:
-            continue
-        later = any(dst in reads[j] for j in range(k + 1, len(groups)) if groups[j].nodes != (copy.index,))
-        if later or _views_escape(graph, dst, outputs) or _aliased_by_extern(graph, dst):
-            continue
-        if not writable(graph, group, buffers, {**{v: t for v, t in done.items() if v in group.nodes}, src: dst}):
-            continue
-        done[src] = dst
-        removed.add(copy.index)
+    readers: dict[int, list[int]] = {}       # value -> the steps that read it, in order
+    for j, g in enumerate(groups):
+        for v in _base_reads(graph, buffers, g):
+            readers.setdefault(v, []).append(j)
+
+    def chosen(lowers: Callable[[Group, dict[int, int]], bool]) -> tuple[dict[int, int], dict[int, dict[int, int]],
+                                                                       set[int]]:
+        """The writes taken in the copies' order, each where `lowers` says its kernel is one loop nest with it
+        and the writes taken before it into that kernel; the same by kernel (step); the copy_ steps they replace."""
+        done: dict[int, int] = {}
+        into: dict[int, dict[int, int]] = {}
+        targets: set[int] = set()
+        removed: set[int] = set()
+        for copy in copies:
+            dst, src = (a.index if isinstance(a, Ref) else None for a in copy.args[:2])
+            if dst is None or src is None or dst in targets or src in done or dst in outputs or src in outputs:
+                continue
+            target, value = graph.nodes[dst], graph.nodes[src]
+            k = step_of.get(src)
+            if target.kind != Kind.INPUT or value.kind != Kind.POINTWISE or value.type != target.type or k is None:
+                continue
+            group = groups[k]
+            if group.kind != "kernel" or group.reduced or group.domain != value.type.shape or src not in buffers:
+                continue
+            later = any(j > k and groups[j].nodes != (copy.index,) for j in readers.get(dst, ()))
+            if later or _views_escape(graph, dst, outputs) or _aliased_by_extern(graph, dst):
+                continue
+            if not lowers(group, {**into.get(k, {}), src: dst}):
+                continue
+            done[src] = into.setdefault(k, {})[src] = dst
+            targets.add(dst)
+            removed.add(copy.index)
+        return done, into, removed
+
+    # Each kernel lowered once with every write it may take, and only where one does not lower, write by write
+    # as it takes them. Equal answers: a nest that lowers with some writes lowers with fewer (lower's checks are
+    # of the inputs written over, the same loop nest else). Why: an optimizer step's kernel of many parameters'
+    # updates was lowered again at each of its writes, in every plan of the search (an AdamW step of a
+    # 36-write kernel: most of a plan's time).
+    done, into, removed = chosen(lambda group, writes: True)
+    if not all(writable(graph, groups[k], buffers, writes) for k, writes in into.items()):
+        done, into, removed = chosen(lambda group, writes: writable(graph, group, buffers, writes))
     groups[:] = [g for g in groups if not (g.kind == "extern" and g.nodes[0] in removed)]
     return done
 
@@ -408,19 +449,23 @@ def mutates(node: Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def scalars_first(graph: Graph) -> list[Node]:
+def scalars_first(graph: Graph) -> tuple[Node, ...]:
     """The nodes in an order that runs first every single-element pointwise value computed from inputs
     alone (the optimizer's step counts and bias corrections, one set per parameter), so that they
     share one kernel instead of a call each between the parameters' updates."""
+    return _graph_answer(graph, "scalars_first", _scalars_first)
+
+
+def _scalars_first(graph: Graph) -> tuple[Node, ...]:
     scalar: set[int] = set()
     for node in graph.nodes:
         if node.kind == Kind.POINTWISE and node.type.shape == () and all(
                 graph.nodes[i].kind == Kind.INPUT or i in scalar for i in node.inputs):
             scalar.add(node.index)
-    return [graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar]
+    return tuple([graph.nodes[i] for i in sorted(scalar)] + [n for n in graph.nodes if n.index not in scalar])
 
 
-def sums_early(graph: Graph, nodes: list[Node], buffers: set[int],
+def sums_early(graph: Graph, nodes: Sequence[Node], buffers: set[int],
                reads: Callable[[int], frozenset[int]]) -> list[tuple[Node, bool]]:
     """`nodes`, each as (node, False), and each reduction of a stored pointwise value (a bias gradient's sum
     of the gradient GEMMs also read) once more as (node, True) just after the last value it reads: there it

@@ -194,6 +194,29 @@ def test_backend_searches_once_then_reads_its_cache():
         torch.testing.assert_close(a, b)
 
 
+def test_a_search_that_timed_no_kernel_serves_every_top_k_above_one(monkeypatch):
+    """A small graph's search times no kernel (each is predicted under MIN_TIMED_S), so its choice is every
+    top_k > 1's: compiled again with another (a test's top_k=2 training step after the default 8) it reads
+    that search instead of searching again. top_k=1 (the model's picks) searches for itself, and a search
+    that timed kernels is kept for its own top_k only."""
+    args = inputs(rows=6, d=8, hidden=12)
+    gm, _ = lowered(mlp_step, args)
+    before = backend.STATS["searches"]
+    outs = [compile_graph(gm, args, top_k=top_k)(list(args)) for top_k in (8, 2)]
+    assert backend.STATS["searches"] == before + 1, "another top_k searched the same untimed graph again"
+    for out in outs:
+        for got, want in zip(out, mlp_step(*args)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    compile_graph(gm, args, top_k=1)
+    assert backend.STATS["searches"] == before + 2
+
+    monkeypatch.setattr(search, "MIN_TIMED_S", 0.0)     # every kernel worth timing: the same graph, timed
+    monkeypatch.setattr(backend, "SEARCH_VERSION", backend.SEARCH_VERSION + " timed")
+    for top_k in (2, 3):
+        compile_graph(gm, args, top_k=top_k)
+    assert backend.STATS["searches"] == before + 4, "a search that timed kernels served another top_k"
+
+
 def test_hardware_not_present_is_predicted_only():
     args = inputs()
     _, graph = lowered(mlp_step, args)

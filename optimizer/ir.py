@@ -236,7 +236,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, "aten._to_copy.default",
                              aten._to_copy.default, (a,), {"dtype": getattr(torch, type_.dtype)},
                              TensorType(nodes[a.index].type.shape, nodes[a.index].type.strides, type_.dtype)))
-                     if _cpu_half_converted(op, i, a, type_, device, nodes) else a for i, a in enumerate(args))
+                     if _cpu_half_converted(fx_node, op, i, a, type_, device, nodes) else a for i, a in enumerate(args))
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             # of a half addmm, the product is fp32: eager rounds once, after the bias
             mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
@@ -359,17 +359,22 @@ CPU_HALF_CONVERTED_OPERANDS = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "
 CPU_HALF_CONVERTED_UNLESS_SCALAR = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})
 
 
-def _cpu_half_converted(op: str, position: int, operand: Any, type_: TensorType | None, device: str,
-                        nodes: list[Node]) -> bool:
-    """Whether eager converts `operand`, the `position`th argument of a 16-bit `op` on the CPU, to the op's
-    dtype before computing: a tensor of another dtype (CPU_HALF_CONVERTED_OPERANDS), but for mul and div not a
-    second operand of one element (CPU_HALF_CONVERTED_UNLESS_SCALAR)."""
+def _cpu_half_converted(fx_node: torch.fx.Node, op: str, position: int, operand: Any, type_: TensorType | None,
+                        device: str, nodes: list[Node]) -> bool:
+    """Whether eager converts `operand`, the `position`th argument of `fx_node`, a 16-bit `op` on the CPU, to the
+    op's dtype before computing: a tensor of another dtype (CPU_HALF_CONVERTED_OPERANDS), but for mul and div not a
+    second operand of one element (CPU_HALF_CONVERTED_UNLESS_SCALAR). Dynamo writes p.add_(x, alpha=t) with a
+    tensor t (SGD's step with a tensor lr) as fma(x, t, p), and eager's add converts t (t.item()) and x as any
+    add does: bf16 p.add_(x, alpha=-torch.tensor(0.1)) adds -0.10009765625 * x. Not the fma of addcdiv_ and addcmul_
+    (_fused_multiply_add_factor), whose kernel reads its value in fp32."""
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             not isinstance(operand, Ref) or nodes[operand.index].type is None or \
             nodes[operand.index].type.dtype == type_.dtype:
         return False
     if op in CPU_HALF_CONVERTED_UNLESS_SCALAR:
         return position != 1 or math.prod(nodes[operand.index].type.shape) != 1
+    if op == "prims.fma.default":
+        return not (isinstance(fx_node.args[0], torch.fx.Node) and _fused_multiply_add_factor(fx_node.args[0]))
     return op in CPU_HALF_CONVERTED_OPERANDS
 
 

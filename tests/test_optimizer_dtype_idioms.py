@@ -591,6 +591,8 @@ TENSOR_OPERAND_OPERATIONS = {
     "torch.tensor(0.1) / x": lambda x, t, i: t / x,
     "x * int64 tensor": lambda x, t, i: x * i,
     "int64 tensor - x": lambda x, t, i: i - x,
+    "torch.lerp(x, x.flip(-1), torch.tensor(0.1))": lambda x, t, i: torch.lerp(x, x.flip(-1), t),
+    "torch.lerp(x, x.flip(-1), torch.tensor(0.1) + 0.55)": lambda x, t, i: torch.lerp(x, x.flip(-1), t + 0.55),
 }
 
 
@@ -603,8 +605,9 @@ def test_a_16_bit_op_converts_a_tensor_of_another_dtype_as_cpu_eager(codegen, dt
     one; mul and div read only a one-element second operand at its own value (x * torch.tensor(0.1) multiplies by
     0.1, torch.tensor(0.1) * x by 0.10009765625 in bf16). The C renderer converted only a 0-d operand of add and
     sub, the Triton renderer (CPU tensors) none: bf16 x + torch.tensor(301.) 123 of 256 elements off eager's, by up
-    to 2; bf16 x * an int64 tensor 52 of 256, up to 256; x ** a 0-d fp32 tensor 155 of 256. Forward bit for bit;
-    the gradient at the half's tolerance."""
+    to 2; bf16 x * an int64 tensor 52 of 256, up to 256; x ** a 0-d fp32 tensor 155 of 256. Its lerp converts a
+    0-d fp32 weight too (an EMA's tensor weight), where lerp's decomposition read it in fp32: bf16 8 of 240
+    elements off eager's, fp16 22. Forward bit for bit; the gradient at the half's tolerance."""
     fn = TENSOR_OPERAND_OPERATIONS[expression]
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 64, generator=g) * 3).to(dtype)

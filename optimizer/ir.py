@@ -174,6 +174,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
     inputs: list[int] = []
     outputs: list = []
     split_pieces: dict[torch.fx.Node, list[tuple[Any, tuple]]] = {}
+    rounded_operands: dict[tuple[torch.fx.Node, str], int] = {}   # _half_kernel_operand's, rounded to a half
 
     def add(name, kind, op, target, args, kwargs, type_, **params) -> int:
         nodes.append(Node(len(nodes), name, kind, op, target, args, kwargs, type_, params))
@@ -213,8 +214,22 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         args = torch.fx.node.map_aggregate(fx_node.args, ref)
         kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, ref))
         half = _half_kernel_piece(fx_node, type_, device)
-        if half is not None and fx_node.target in LOGIT_BOUNDED:
+        if half is not None and fx_node.target in LOGIT_BOUNDED and \
+                str(fx_node.meta["original_aten"]) in HALF_KERNEL_PIECES:
             args = tuple(_half_kernel_bound(a, half) for a in args)
+        if half is not None and str(fx_node.meta["original_aten"]) in HALF_KERNEL_CONVERTED_OPERANDS:
+            # an operand of another dtype that eager's kernel converts to the half: rounded, then fp32 again as
+            # the decomposition computes on (once per operand and half)
+            for i, a in enumerate(fx_node.args):
+                if _half_kernel_operand(fx_node, a, half) and (a, half) not in rounded_operands:
+                    narrowed = add(f"{a.name}_to_{half}", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                                   (Ref(index_of[a]),), {"dtype": getattr(torch, half)},
+                                   TensorType(nodes[index_of[a]].type.shape, nodes[index_of[a]].type.strides, half))
+                    rounded_operands[a, half] = add(
+                        f"{a.name}_{half}_widened", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                        (Ref(narrowed),), {"dtype": a.meta["val"].dtype}, nodes[index_of[a]].type)
+            args = tuple(Ref(rounded_operands[f, half]) if (f, half) in rounded_operands else a
+                         for f, a in zip(fx_node.args, args))
         pieces = _pieces(fx_node, args, nodes)
         if pieces is not None:               # a split: no node, each item a slice (or select) of the base
             split_pieces[fx_node] = pieces
@@ -236,7 +251,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, "aten._to_copy.default",
                              aten._to_copy.default, (a,), {"dtype": getattr(torch, type_.dtype)},
                              TensorType(nodes[a.index].type.shape, nodes[a.index].type.strides, type_.dtype)))
-                     if _cpu_half_converted(op, i, a, type_, device, nodes) else a for i, a in enumerate(args))
+                     if _cpu_half_converted(fx_node, op, i, a, type_, device, nodes) else a for i, a in enumerate(args))
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             # of a half addmm, the product is fp32: eager rounds once, after the bias
             mm_type = TensorType(type_.shape, type_.strides, "float32" if type_.dtype in HALF_DTYPES else type_.dtype)
@@ -260,7 +275,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                 params = {**params, "dims": dims}
         index_of[fx_node] = add(fx_node.name, kind, op, fx_node.target, args, kwargs, type_, **params)
         if half is not None and kind == Kind.POINTWISE and \
-                str(fx_node.target) in HALF_KERNEL_PIECES[str(fx_node.meta["original_aten"])]:
+                str(fx_node.target) in HALF_KERNEL_PIECES.get(str(fx_node.meta["original_aten"]), ()):
             # rounded to the half as eager's kernel holds it, then fp32 again as its decomposition computes on
             narrowed = add(fx_node.name + "_half", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
                            (Ref(index_of[fx_node]),), {"dtype": getattr(torch, half)},
@@ -359,17 +374,22 @@ CPU_HALF_CONVERTED_OPERANDS = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "
 CPU_HALF_CONVERTED_UNLESS_SCALAR = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})
 
 
-def _cpu_half_converted(op: str, position: int, operand: Any, type_: TensorType | None, device: str,
-                        nodes: list[Node]) -> bool:
-    """Whether eager converts `operand`, the `position`th argument of a 16-bit `op` on the CPU, to the op's
-    dtype before computing: a tensor of another dtype (CPU_HALF_CONVERTED_OPERANDS), but for mul and div not a
-    second operand of one element (CPU_HALF_CONVERTED_UNLESS_SCALAR)."""
+def _cpu_half_converted(fx_node: torch.fx.Node, op: str, position: int, operand: Any, type_: TensorType | None,
+                        device: str, nodes: list[Node]) -> bool:
+    """Whether eager converts `operand`, the `position`th argument of `fx_node`, a 16-bit `op` on the CPU, to the
+    op's dtype before computing: a tensor of another dtype (CPU_HALF_CONVERTED_OPERANDS), but for mul and div not a
+    second operand of one element (CPU_HALF_CONVERTED_UNLESS_SCALAR). Dynamo writes p.add_(x, alpha=t) with a
+    tensor t (SGD's step with a tensor lr) as fma(x, t, p), and eager's add converts t (t.item()) and x as any
+    add does: bf16 p.add_(x, alpha=-torch.tensor(0.1)) adds -0.10009765625 * x. Not the fma of addcdiv_ and addcmul_
+    (_fused_multiply_add_factor), whose kernel reads its value in fp32."""
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             not isinstance(operand, Ref) or nodes[operand.index].type is None or \
             nodes[operand.index].type.dtype == type_.dtype:
         return False
     if op in CPU_HALF_CONVERTED_UNLESS_SCALAR:
         return position != 1 or math.prod(nodes[operand.index].type.shape) != 1
+    if op == "prims.fma.default":
+        return not (isinstance(fx_node.args[0], torch.fx.Node) and _fused_multiply_add_factor(fx_node.args[0]))
     return op in CPU_HALF_CONVERTED_OPERANDS
 
 
@@ -395,11 +415,30 @@ CONVERSION = "aten._to_copy.default"
 LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.scalar_tensor.default)
 
 
+# Ops whose 16-bit CPU kernel converts a tensor operand of another dtype to the half before computing
+# (TensorIterator's common dtype), where their decompositions read it at its own value: bf16 torch.lerp(x, y,
+# torch.tensor(0.1)) (an EMA's or a compiled optimizer's tensor weight) weighs by 0.10009765625.
+HALF_KERNEL_CONVERTED_OPERANDS = frozenset({"aten.lerp.Tensor"})
+
+
+def _half_kernel_operand(fx_node: torch.fx.Node, operand: Any, half: str) -> bool:
+    """Whether `operand` of `fx_node`, a piece of a HALF_KERNEL_CONVERTED_OPERANDS op computing in `half`, is an
+    operand of that op (not another piece of its call) of a floating dtype other than the half."""
+    if not isinstance(operand, torch.fx.Node) or not isinstance(operand.meta.get("val"), torch.Tensor):
+        return False
+    call = (str(fx_node.meta.get("original_aten")), fx_node.meta.get("seq_nr"))
+    dtype = operand.meta["val"].dtype
+    return (str(operand.meta.get("original_aten")), operand.meta.get("seq_nr")) != call and \
+        dtype.is_floating_point and dtype_name(dtype) != half
+
+
 def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device: str) -> str | None:
-    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_PIECES op whose result is
-    that half (its decomposition's last piece converts to it); None for any other node."""
+    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_PIECES or
+    HALF_KERNEL_CONVERTED_OPERANDS op whose result is that half (its decomposition's last piece converts to it);
+    None for any other node."""
     original = fx_node.meta.get("original_aten")
-    if str(original) not in HALF_KERNEL_PIECES or type_ is None or torch.device(device).type != "cpu":
+    if str(original) not in HALF_KERNEL_PIECES and str(original) not in HALF_KERNEL_CONVERTED_OPERANDS or \
+            type_ is None or torch.device(device).type != "cpu":
         return None
     call = (str(original), fx_node.meta.get("seq_nr"))
     seen, pending = {fx_node}, [fx_node]

@@ -519,6 +519,52 @@ def test_a_16_bit_in_place_or_foreach_update_rounds_its_alpha_as_cpu_eager(codeg
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
 
 
+def _tensor_alpha_update(params: list, grads: list, lr: torch.Tensor) -> list:
+    for p, g in zip(params, grads):
+        p.add_(g, alpha=-lr)
+        p.add_(g, alpha=lr * 0.3)
+    return params
+
+
+def _sgd_steps(params: list, grads: list, lr: torch.Tensor, codegen: str | None) -> list:
+    """Weights after 3 steps of SGD(foreach=False) with a tensor lr, eager's (codegen None) or compiled."""
+    params = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.SGD(params, lr=lr, foreach=False)
+    step = opt.step if codegen is None else compiled(opt.step, codegen)
+    for k in range(3):
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        step() if codegen is None or k else generated(step)
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("sgd", [False, True], ids=["add_", "SGD"])
+@pytest.mark.parametrize("codegen", CODEGENS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_update_by_a_tensor_alpha_rounds_it_as_cpu_eager(codegen, dtype, sgd):
+    """Regression: p.add_(g, alpha=-lr) with a 0-d fp32 tensor lr (torch.optim.SGD(foreach=False) with a tensor
+    lr), which Dynamo writes as fma(g, -lr, p): eager's add takes alpha as a number (lr.item()) and rounds it to
+    the half as for any alpha, bf16 -0.1 to -0.10009765625, where tfsn multiplied by -0.1 (bf16: 43 of 300 elements
+    off eager's after one update, SGD 51 after 3 steps). Gradients are signed powers of two (see
+    test_a_16_bit_add_or_sub_rounds_its_alpha_as_cpu_eager); bit for bit. (SGD(foreach=True) with a tensor lr
+    multiplies grads by -lr only when compiling, torch's own branch, so it differs from eager under any backend.)"""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((16, 24), (32,))
+    params = [(torch.randn(shape, generator=g) * 3).to(dtype) for shape in shapes]
+    grads = [(torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+              * 2.0 ** torch.randint(-3, 4, shape, generator=g)).to(dtype) for shape in shapes]
+    lr = torch.tensor(0.1)
+    if sgd:
+        outputs, expected = _sgd_steps(params, grads, lr, codegen), _sgd_steps(params, grads, lr, None)
+    else:
+        step = compiled(_tensor_alpha_update, codegen)
+        outputs = []
+        generated(lambda: outputs.extend(step([p.clone() for p in params], grads, lr)))
+        expected = _tensor_alpha_update([p.clone() for p in params], grads, lr)
+    for actual, eager in zip(outputs, expected):
+        torch.testing.assert_close(actual, eager, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("codegen", CODEGENS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_bias_added_to_a_16_bit_product_reads_it_rounded_as_eager(codegen, dtype):
@@ -545,6 +591,8 @@ TENSOR_OPERAND_OPERATIONS = {
     "torch.tensor(0.1) / x": lambda x, t, i: t / x,
     "x * int64 tensor": lambda x, t, i: x * i,
     "int64 tensor - x": lambda x, t, i: i - x,
+    "torch.lerp(x, x.flip(-1), torch.tensor(0.1))": lambda x, t, i: torch.lerp(x, x.flip(-1), t),
+    "torch.lerp(x, x.flip(-1), torch.tensor(0.1) + 0.55)": lambda x, t, i: torch.lerp(x, x.flip(-1), t + 0.55),
 }
 
 
@@ -557,8 +605,9 @@ def test_a_16_bit_op_converts_a_tensor_of_another_dtype_as_cpu_eager(codegen, dt
     one; mul and div read only a one-element second operand at its own value (x * torch.tensor(0.1) multiplies by
     0.1, torch.tensor(0.1) * x by 0.10009765625 in bf16). The C renderer converted only a 0-d operand of add and
     sub, the Triton renderer (CPU tensors) none: bf16 x + torch.tensor(301.) 123 of 256 elements off eager's, by up
-    to 2; bf16 x * an int64 tensor 52 of 256, up to 256; x ** a 0-d fp32 tensor 155 of 256. Forward bit for bit;
-    the gradient at the half's tolerance."""
+    to 2; bf16 x * an int64 tensor 52 of 256, up to 256; x ** a 0-d fp32 tensor 155 of 256. Its lerp converts a
+    0-d fp32 weight too (an EMA's tensor weight), where lerp's decomposition read it in fp32: bf16 8 of 240
+    elements off eager's, fp16 22. Forward bit for bit; the gradient at the half's tolerance."""
     fn = TENSOR_OPERAND_OPERATIONS[expression]
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 64, generator=g) * 3).to(dtype)

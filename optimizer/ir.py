@@ -248,7 +248,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
         args, kwargs = _cpu_half_scalars(fx_node, args, kwargs, type_, device)
         # a tensor operand that eager converts to the half first: an explicit conversion, rounded, for every renderer
-        args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, "aten._to_copy.default",
+        args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, CONVERSION,
                              aten._to_copy.default, (a,), {"dtype": getattr(torch, type_.dtype)},
                              TensorType(nodes[a.index].type.shape, nodes[a.index].type.strides, type_.dtype)))
                      if _cpu_half_converted(fx_node, op, i, a, type_, device, nodes) else a for i, a in enumerate(args))

@@ -274,8 +274,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                 args = (Ref(base), list(dims), *args[2:])
                 params = {**params, "dims": dims}
         index_of[fx_node] = add(fx_node.name, kind, op, fx_node.target, args, kwargs, type_, **params)
-        if half is not None and kind == Kind.POINTWISE and \
-                str(fx_node.target) in HALF_KERNEL_PIECES.get(str(fx_node.meta["original_aten"]), ()):
+        if half is not None and kind in (Kind.POINTWISE, Kind.REDUCE) and _rounded_piece(fx_node):
             # rounded to the half as eager's kernel holds it, then fp32 again as its decomposition computes on
             narrowed = add(fx_node.name + "_half", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
                            (Ref(index_of[fx_node]),), {"dtype": getattr(torch, half)},
@@ -410,7 +409,13 @@ def _users_op(fx_node: torch.fx.Node) -> str:
 HALF_KERNEL_PIECES = {"aten.xlogy.Tensor": {"aten.log.default"},
                       "aten.special_xlog1py.default": {"aten.log1p.default"},
                       "aten.logit.default": {"aten.sub.Tensor", "aten.div.Tensor", "aten.log.default"},
-                      "aten.logit_backward.default": set()}
+                      "aten.logit_backward.default": set(),
+                      "aten._log_softmax.default": {"aten.sum.dim_IntList", "aten.log.default"}}
+# Of those, the ops whose pieces are rounded only over the last dim: ATen's log_softmax over the last dim
+# (_vec_log_softmax_lastdim) holds each row's sum of exp(x - max) and its log in scalar_t arrays, the half (its
+# vectorized body and its tail alike), then computes x - max - log_sum in fp32, rounded once. Over another dim
+# (_vec_log_softmax) it keeps fp32 throughout, as the decomposition does, and so does its backward on either.
+LAST_DIM_HALF_KERNEL_PIECES = frozenset({"aten._log_softmax.default"})
 CONVERSION = "aten._to_copy.default"
 LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.scalar_tensor.default)
 
@@ -451,6 +456,23 @@ def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device:
                 seen.add(a)
                 pending.append(a)
     return None
+
+
+def _rounded_piece(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node`, a piece of a HALF_KERNEL_PIECES op, is one its 16-bit CPU kernel rounds to the half;
+    a piece of a LAST_DIM_HALF_KERNEL_PIECES op only where that op's reduction (the node, or the node it reads)
+    runs over its input's last dim."""
+    original = str(fx_node.meta["original_aten"])
+    if str(fx_node.target) not in HALF_KERNEL_PIECES.get(original, ()):
+        return False
+    if original not in LAST_DIM_HALF_KERNEL_PIECES:
+        return True
+    reduction = next((n for n in (fx_node, *fx_node.all_input_nodes) if str(n.target) in DIM_REDUCTIONS), None)
+    if reduction is None:
+        return False
+    rank = reduction.args[0].meta["val"].dim()
+    dims = {d % max(rank, 1) for d in (reduction.args[1] or range(rank))}
+    return dims == {rank - 1}
 
 
 def _half_kernel_bound(a: Any, half: str) -> Any:

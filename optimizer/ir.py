@@ -411,12 +411,15 @@ def _users_op(fx_node: torch.fx.Node) -> str:
 # Half) values, the log rounded before the product (xlog1py's log1p likewise); logit's rounds 1 - x, the quotient
 # and its log (Vectorized<scalar_t> ops, or MKL's log of the half quotient), between bounds eps and 1 - eps that
 # are halves too, in its backward's kernel as well (eps.to<scalar_t>(): bf16 logit(x, eps=1e-3) of 1 is inf, as
-# 1 - eps rounds to 1, and so is its gradient).
+# 1 - eps rounds to 1, and so is its gradient). logsumexp's is ATen's composite of ops on the half tensor (x - max,
+# exp_, sum, log_, add_), each result rounded.
 HALF_KERNEL_PIECES = {"aten.xlogy.Tensor": {"aten.log.default"},
                       "aten.special_xlog1py.default": {"aten.log1p.default"},
                       "aten.logit.default": {"aten.sub.Tensor", "aten.div.Tensor", "aten.log.default"},
                       "aten.logit_backward.default": set(),
-                      "aten._log_softmax.default": {"aten.sum.dim_IntList", "aten.log.default"}}
+                      "aten._log_softmax.default": {"aten.sum.dim_IntList", "aten.log.default"},
+                      "aten.logsumexp.default": {"aten.sub.Tensor", "aten.exp.default", "aten.sum.dim_IntList",
+                                                 "aten.log.default"}}
 # Of those, the ops whose pieces are rounded only over the last dim: ATen's log_softmax over the last dim
 # (_vec_log_softmax_lastdim) holds each row's sum of exp(x - max) and its log in scalar_t arrays, the half (its
 # vectorized body and its tail alike), then computes x - max - log_sum in fp32, rounded once. Over another dim

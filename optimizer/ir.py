@@ -174,7 +174,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
     inputs: list[int] = []
     outputs: list = []
     split_pieces: dict[torch.fx.Node, list[tuple[Any, tuple]]] = {}
-    rounded_operands: dict[tuple[torch.fx.Node, str], int] = {}   # _half_kernel_operand's, rounded to a half
+    rounded_operands: dict[tuple[torch.fx.Node, str], int] = {}   # rounded_to's: operands rounded to a half
 
     def add(name, kind, op, target, args, kwargs, type_, **params) -> int:
         nodes.append(Node(len(nodes), name, kind, op, target, args, kwargs, type_, params))
@@ -184,6 +184,17 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         if isinstance(a, torch.fx.Node):
             return Ref(index_of[a])
         return a
+
+    def rounded_to(half: str, a: torch.fx.Node) -> int:
+        """`a` rounded to `half`, then at its own dtype again (once per node and half)."""
+        if (a, half) not in rounded_operands:
+            narrowed = add(f"{a.name}_to_{half}", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                           (Ref(index_of[a]),), {"dtype": getattr(torch, half)},
+                           TensorType(nodes[index_of[a]].type.shape, nodes[index_of[a]].type.strides, half))
+            rounded_operands[a, half] = add(
+                f"{a.name}_{half}_widened", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                (Ref(narrowed),), {"dtype": a.meta["val"].dtype}, nodes[index_of[a]].type)
+        return rounded_operands[a, half]
 
     for fx_node in gm.graph.nodes:
         val = fx_node.meta.get("val")
@@ -220,16 +231,11 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         if half is not None and str(fx_node.meta["original_aten"]) in HALF_KERNEL_CONVERTED_OPERANDS:
             # an operand of another dtype that eager's kernel converts to the half: rounded, then fp32 again as
             # the decomposition computes on (once per operand and half)
-            for i, a in enumerate(fx_node.args):
-                if _half_kernel_operand(fx_node, a, half) and (a, half) not in rounded_operands:
-                    narrowed = add(f"{a.name}_to_{half}", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
-                                   (Ref(index_of[a]),), {"dtype": getattr(torch, half)},
-                                   TensorType(nodes[index_of[a]].type.shape, nodes[index_of[a]].type.strides, half))
-                    rounded_operands[a, half] = add(
-                        f"{a.name}_{half}_widened", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
-                        (Ref(narrowed),), {"dtype": a.meta["val"].dtype}, nodes[index_of[a]].type)
-            args = tuple(Ref(rounded_operands[f, half]) if (f, half) in rounded_operands else a
+            args = tuple(Ref(rounded_to(half, f)) if _half_kernel_operand(fx_node, f, half) else a
                          for f, a in zip(fx_node.args, args))
+        read_back = _other_dim_half_operand(fx_node, half)
+        if read_back is not None:
+            args = (*args[:read_back], Ref(rounded_to(half, fx_node.args[read_back])), *args[read_back + 1:])
         pieces = _pieces(fx_node, args, nodes)
         if pieces is not None:               # a split: no node, each item a slice (or select) of the base
             split_pieces[fx_node] = pieces
@@ -274,8 +280,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
                 args = (Ref(base), list(dims), *args[2:])
                 params = {**params, "dims": dims}
         index_of[fx_node] = add(fx_node.name, kind, op, fx_node.target, args, kwargs, type_, **params)
-        if half is not None and kind == Kind.POINTWISE and \
-                str(fx_node.target) in HALF_KERNEL_PIECES.get(str(fx_node.meta["original_aten"]), ()):
+        if half is not None and kind in (Kind.POINTWISE, Kind.REDUCE) and _rounded_piece(fx_node):
             # rounded to the half as eager's kernel holds it, then fp32 again as its decomposition computes on
             narrowed = add(fx_node.name + "_half", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
                            (Ref(index_of[fx_node]),), {"dtype": getattr(torch, half)},
@@ -406,11 +411,24 @@ def _users_op(fx_node: torch.fx.Node) -> str:
 # Half) values, the log rounded before the product (xlog1py's log1p likewise); logit's rounds 1 - x, the quotient
 # and its log (Vectorized<scalar_t> ops, or MKL's log of the half quotient), between bounds eps and 1 - eps that
 # are halves too, in its backward's kernel as well (eps.to<scalar_t>(): bf16 logit(x, eps=1e-3) of 1 is inf, as
-# 1 - eps rounds to 1, and so is its gradient).
+# 1 - eps rounds to 1, and so is its gradient). logsumexp's is ATen's composite of ops on the half tensor (x - max,
+# exp_, sum, log_, add_), each result rounded.
 HALF_KERNEL_PIECES = {"aten.xlogy.Tensor": {"aten.log.default"},
                       "aten.special_xlog1py.default": {"aten.log1p.default"},
                       "aten.logit.default": {"aten.sub.Tensor", "aten.div.Tensor", "aten.log.default"},
-                      "aten.logit_backward.default": set()}
+                      "aten.logit_backward.default": set(),
+                      "aten._log_softmax.default": {"aten.sum.dim_IntList", "aten.log.default"},
+                      "aten.logsumexp.default": {"aten.sub.Tensor", "aten.exp.default", "aten.sum.dim_IntList",
+                                                 "aten.log.default"}}
+# Of those, the ops whose pieces are rounded only over the last dim: ATen's log_softmax over the last dim
+# (_vec_log_softmax_lastdim) holds each row's sum of exp(x - max) and its log in scalar_t arrays, the half (its
+# vectorized body and its tail alike), then computes x - max - log_sum in fp32, rounded once. Over another dim
+# (_vec_log_softmax) it keeps fp32 throughout, as the decomposition does, and so does its backward on either.
+LAST_DIM_HALF_KERNEL_PIECES = frozenset({"aten._log_softmax.default"})
+# Ops whose 16-bit CPU kernel over a dim other than the last stores a piece in its output, the half, and reads
+# it back: (the piece that reads it, the operand's position). ATen's _vec_softmax writes exp(x - max) to the
+# output while summing it in fp32, then divides the stored halves by the sum; over the last dim it keeps fp32.
+OTHER_DIM_HALF_KERNEL_OPERANDS = {"aten._softmax.default": ("aten.div.Tensor", 0)}
 CONVERSION = "aten._to_copy.default"
 LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.scalar_tensor.default)
 
@@ -437,7 +455,8 @@ def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device:
     HALF_KERNEL_CONVERTED_OPERANDS op whose result is that half (its decomposition's last piece converts to it);
     None for any other node."""
     original = fx_node.meta.get("original_aten")
-    if str(original) not in HALF_KERNEL_PIECES and str(original) not in HALF_KERNEL_CONVERTED_OPERANDS or \
+    if str(original) not in HALF_KERNEL_PIECES and str(original) not in HALF_KERNEL_CONVERTED_OPERANDS and \
+            str(original) not in OTHER_DIM_HALF_KERNEL_OPERANDS or \
             type_ is None or torch.device(device).type != "cpu":
         return None
     call = (str(original), fx_node.meta.get("seq_nr"))
@@ -451,6 +470,36 @@ def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device:
                 seen.add(a)
                 pending.append(a)
     return None
+
+
+def _rounded_piece(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node`, a piece of a HALF_KERNEL_PIECES op, is one its 16-bit CPU kernel rounds to the half;
+    a piece of a LAST_DIM_HALF_KERNEL_PIECES op only where that op's reduction (the node, or the node it reads)
+    runs over its input's last dim."""
+    original = str(fx_node.meta["original_aten"])
+    if str(fx_node.target) not in HALF_KERNEL_PIECES.get(original, ()):
+        return False
+    return original not in LAST_DIM_HALF_KERNEL_PIECES or _over_last_dim(fx_node)
+
+
+def _over_last_dim(fx_node: torch.fx.Node) -> bool:
+    """Whether the reduction of a softmax's decomposition that `fx_node` is or reads runs over its input's last
+    dim (ATen's kernel for the last dim, rather than its kernel for another)."""
+    reduction = next((n for n in (fx_node, *fx_node.all_input_nodes) if str(n.target) in DIM_REDUCTIONS), None)
+    if reduction is None:
+        return False
+    rank = reduction.args[0].meta["val"].dim()
+    dims = {d % max(rank, 1) for d in (reduction.args[1] or range(rank))}
+    return dims == {rank - 1}
+
+
+def _other_dim_half_operand(fx_node: torch.fx.Node, half: str | None) -> int | None:
+    """The position of the operand of `fx_node`, a piece of an OTHER_DIM_HALF_KERNEL_OPERANDS op computing in
+    `half` over a dim other than the last, that eager's kernel reads back from its half output; None elsewhere."""
+    piece = OTHER_DIM_HALF_KERNEL_OPERANDS.get(str(fx_node.meta.get("original_aten")))
+    if half is None or piece is None or str(fx_node.target) != piece[0] or _over_last_dim(fx_node):
+        return None
+    return piece[1]
 
 
 def _half_kernel_bound(a: Any, half: str) -> Any:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -1244,8 +1245,9 @@ def optimize(model: Any, *, mode: str | None = None, dynamic: bool | None = None
     recompile limit (8) sent the model to eager for good."""
     compiler = make_backend(**mode_options(mode, options))
     if _wrapped_torch_module(model):
-        inner = model.module
-        inner.forward = torch.compile(inner.forward, backend=compiler, dynamic=dynamic, fullgraph=fullgraph)
+        inner = model.module     # a method bound to it: a deepcopy (an EMA model) binds its own, a pickle its class's
+        inner.forward = types.MethodType(torch.compile(type(inner).forward, backend=compiler, dynamic=dynamic,
+                                                       fullgraph=fullgraph), inner)
     return torch.compile(model, backend=compiler, dynamic=dynamic, fullgraph=fullgraph)
 
 

@@ -170,3 +170,49 @@ def test_a_ddp_wrapped_sequential_is_compiled_and_trains_to_eager_values(tmp_pat
         for name, value in results["tfsn"][1].items():
             torch.testing.assert_close(value, results["eager"][1][name], rtol=1e-5, atol=1e-6, msg=name)
         assert results["tfsn keys"] == results["eager keys"]       # the model's own names: its checkpoints load
+
+
+def sequential_copy_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """An EMA copy (`copy.deepcopy(ddp.module)`) of a DDP-wrapped Sequential after `tfsn.optimize`, its weights
+    moved off the model's; and `torch.save` of the Sequential itself."""
+    import copy
+    import io
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from optimizer import backend
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(13, 24), nn.GELU(), nn.Linear(24, 5))
+        model = DistributedDataParallel(net)
+        backend.optimize(model)(torch.randn(7, 13))
+        ema = copy.deepcopy(net)
+        with torch.no_grad():
+            for p in ema.parameters():
+                p.mul_(0.5)
+        x = torch.randn(7, 13)
+        eager_ema = nn.Sequential(nn.Linear(13, 24), nn.GELU(), nn.Linear(24, 5))
+        eager_ema.load_state_dict(ema.state_dict())
+        results = {"ema": ema(x).detach(), "eager ema": eager_ema(x).detach()}
+        try:
+            torch.save(net, io.BytesIO())
+            results["saved"] = ""
+        except Exception as err:        # noqa: BLE001 - the test says which
+            results["saved"] = f"{type(err).__name__}: {err}"
+        torch.save(results, Path(out_dir) / "copy.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_of_an_optimized_ddp_sequential_computes_with_its_own_weights(tmp_path: Path, monkeypatch) -> None:
+    """`tfsn.optimize(DDP(nn.Sequential(...)))` sets the Sequential's `forward` to a compiled bound method of that
+    Sequential: a deepcopy (an EMA model, `copy.deepcopy(model.module)`) shared it and ran the original's weights,
+    saying nothing, and `torch.save(model.module)` failed to pickle it."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    mp.spawn(sequential_copy_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    results = torch.load(tmp_path / "copy.pt")
+    torch.testing.assert_close(results["ema"], results["eager ema"], rtol=1e-6, atol=1e-6)
+    assert results["saved"] == ""

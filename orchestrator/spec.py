@@ -787,16 +787,27 @@ class JobSpec(BaseModel):
     def _expanded(self, field: tuple[str, ...], path: str) -> str:
         """`path` with each $NAME or ${NAME} replaced by the job's envs' value, else the launching shell's (`workdir:
         $HOME/code`, `dir: s3://${BUCKET}/run1`, as SkyPilot fills envs into paths); was a folder named '$HOME'."""
+        def refused(problem: ValueError) -> ValidationError:
+            return ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type="value_error", loc=field, input=path, ctx={"error": problem})])
+
         def value(match: re.Match) -> str:
             name = match[1] or match[2]
             found = self.envs.get(name, os.environ.get(name))
             if found is None:
-                problem = ValueError(f"{_show(path)} names ${name}, which is neither in envs nor set in this shell. "
-                                     f"To fix: add it to envs (or pass --env {name}=...), or write the path out")
-                raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
-                    type="value_error", loc=field, input=path, ctx={"error": problem})])
+                raise refused(ValueError(f"{_show(path)} names ${name}, which is neither in envs nor set in this "
+                                         f"shell. To fix: add it to envs (or pass --env {name}=...), or write the "
+                                         "path out"))
             return str(found)
-        return _PATH_VARIABLE_RE.sub(value, path)
+        filled = _PATH_VARIABLE_RE.sub(value, path)
+        if filled != path:      # the checks the path gets when written out (`$CKPT` empty was the workdir itself)
+            try:
+                _no_control(_CONTROL_RE)(filled)
+                if field == ("checkpoint", "dir"):
+                    CheckpointSpec._dir(filled)
+            except ValueError as problem:
+                raise refused(ValueError(f"{_show(path)} is {_show(filled)}: {problem}")) from None
+        return filled
 
     def nprocs(self, accelerators: int | None = None) -> int:
         """Workers per node. "auto" means one per accelerator of the chosen offer (`accelerators`, its count;

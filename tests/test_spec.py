@@ -254,6 +254,28 @@ def test_paths_fill_in_variables_from_envs_then_the_shell(tmp_path, monkeypatch)
     one(write(tmp_path, "run: x\nworkdir: '${TFSN_TEST_UNSET}'\n"), 2, "workdir", "--env TFSN_TEST_UNSET=")
 
 
+def test_a_filled_in_checkpoint_dir_gets_the_checks_a_written_one_does(tmp_path, monkeypatch):
+    """checkpoint.dir's own checks ran on the text before $NAME was filled in: `dir: $CKPT` with CKPT set but empty
+    put the checkpoints in the workdir among the code (refused when written out: ''), and CKPT='gs:/bucket' made a
+    folder 'gs:' there (refused when written out as a mistyped gs://bucket)."""
+    monkeypatch.setenv("TFSN_TEST_EMPTY", "")
+    one(write(tmp_path, "run: x\ncheckpoint:\n  dir: $TFSN_TEST_EMPTY\n"), 3, "checkpoint.dir", "empty")
+    monkeypatch.setenv("TFSN_TEST_URL", "gs:/bucket")
+    one(write(tmp_path, "run: x\ncheckpoint:\n  dir: $TFSN_TEST_URL\n"), 3, "checkpoint.dir", "gs://bucket")
+
+
+def test_a_filled_in_path_that_could_not_load_again_is_refused_at_load(tmp_path, monkeypatch):
+    """A path's line-break check ran before $NAME was filled in: an env value holding a line break made a workdir
+    that load_spec took and that the stored spec, validated again by the controller, refused."""
+    path = write(tmp_path, "run: x\nworkdir: $SUB\nenvs:\n  SUB: \"a\\nb\"\n")
+    try:
+        spec = load_spec(path)
+    except SpecError as err:
+        assert "workdir" in str(err) and len(err.messages) == 1, err.messages
+    else:
+        JobSpec.model_validate(spec.model_dump(mode="json"))      # what the controller does with the stored spec
+
+
 def test_env_overrides(tmp_path):
     path = write(tmp_path, "run: x\nenvs:\n  SEED: 1\n  TOKEN:\n")
     msgs = errors(path)                                 # TOKEN: null must come from --env

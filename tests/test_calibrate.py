@@ -18,13 +18,24 @@ from orchestrator.cli.optimizer import register
 # cores it failed "too noisy 3 times", so the README's test command runs these alone, after the others
 pytestmark = pytest.mark.serial
 
+# times a test calibrates where the machine was too noisy every time (NoisyProbe, whose message says to calibrate
+# again): a shared CI machine busy for the 15 s of one quick calibration is quiet again for the next one or two
+NOISY_ATTEMPTS = 3
+
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """One quick calibration for the whole module (its kernels compiled into a private cache)."""
+    from optimizer.calibrate_step import NoisyProbe
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TFSN_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return calibrate(quick=True)
+        for attempt in range(NOISY_ATTEMPTS):
+            try:
+                return calibrate(quick=True)
+            except NoisyProbe:
+                if attempt == NOISY_ATTEMPTS - 1:
+                    raise
 
 
 @pytest.fixture(autouse=True)
@@ -87,6 +98,18 @@ def test_cpu_spec_sees_a_new_calibration_and_falls_back_without_one(measured):
     assert cpu_spec().name == hardware.GENERIC_CPU
 
 
+def test_figures_a_busy_machine_measured_tiny_are_written_so_and_read_back(measured):
+    """With the other core busy, two threads reached 0.004 GFLOP/s here: to 4 decimals of a TFLOP/s that was 0,
+    which the loader refuses, so every later command called the spec it had just written corrupt."""
+    busy = dataclasses.replace(measured, peak_gflops_all=0.004, fork_join_us=2e-4,
+                               step=dataclasses.replace(measured.step, update_element_ns=3e-5))
+    write_host_spec(busy)
+    spec = cpu_spec()
+    assert spec.name == "host" and spec.peak_flops("fp32") == pytest.approx(4e6, rel=1e-2)
+    assert spec.launch_overhead_us == pytest.approx(2e-4, rel=1e-2)
+    assert spec.update_element_ns == pytest.approx(3e-5, rel=1e-2)
+
+
 def test_a_spec_measured_on_another_cpu_is_ignored(measured):
     write_host_spec(dataclasses.replace(measured, cpu_model="Some Other CPU 9000"))
     assert load_host_spec() is None
@@ -127,7 +150,11 @@ def _app() -> typer.Typer:
 
 
 def test_the_cli_measures_prints_and_writes_the_spec(cache):
-    result = CliRunner().invoke(_app(), ["calibrate", "--quick", "--json", "--threads", "1"])
+    for _ in range(NOISY_ATTEMPTS):      # as its one-line refusal of a machine too noisy says: calibrate again
+        result = CliRunner().invoke(_app(), ["calibrate", "--quick", "--json", "--threads", "1"])
+        if not (result.exit_code == 1 and "too noisy" in result.stderr):
+            break
+        assert result.stderr.count("\n") == 1 and not host_spec_path().exists()
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
     assert any(line.startswith("l1 ") for line in lines) and any(line.startswith("dram ") for line in lines)

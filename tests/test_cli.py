@@ -170,6 +170,9 @@ NOT_LAUNCHABLE = [
     ("checkpoint:\n  dir: ../train.yaml/ckpt\n", "ckpt is below "),
     # root's permission bits say yes and the filesystem says no (was taken, as root)
     ("checkpoint:\n  dir: /proc/tfsn-ckpt\n", "cannot write in /proc"),
+    # a folder name over the filesystem's 255 bytes: lexists() says "missing" (ENAMETOOLONG), so it was taken
+    ("checkpoint:\n  dir: " + "c" * 256 + "\n", "a folder name of 256 bytes"),
+    ("checkpoint:\n  dir: new/" + "\u00e9" * 128 + "/ckpt\n", "a folder name of 256 bytes"),   # 128 characters
 ]
 
 

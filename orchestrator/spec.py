@@ -503,15 +503,10 @@ class RecoverySpec(BaseModel):
     spares: Count = Field(0, ge=0, le=MAX_SPARES, strict=True)
 
 
-def _duration_text(value: Any) -> Any:
-    """A threshold written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration of the spec is
-    written) in seconds; any other value as it is."""
-    if isinstance(value, str) and _DURATION_RE.fullmatch(value.strip().lower()):
-        return parse_duration(value)
-    return value
-
-
-Threshold = Annotated[float, BeforeValidator(_duration_text)]
+def _refused(model: str, loc: tuple, value: Any, problem: ValueError) -> ValidationError:
+    """`problem` as the error of the field at `loc` (below the validator raising it), to name that field's line."""
+    return ValidationError.from_exception_data(model, [InitErrorDetails(type="value_error", loc=loc, input=value,
+                                                                        ctx={"error": problem})])
 
 
 class HealthSpec(BaseModel):
@@ -519,8 +514,28 @@ class HealthSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     heartbeat_timeout: float = 30.0               # seconds
-    thresholds: dict[str, Threshold] = {}         # overrides of configs/health.yaml's thresholds
+    thresholds: dict[str, float] = {}             # overrides of configs/health.yaml's thresholds
     actions: dict[str, str] = {}                  # finding kind -> ignore|warn|checkpoint|replace_node|fail
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _durations(cls, value: Any) -> Any:
+        """A threshold in seconds written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration
+        of the spec is written) in seconds; a duration where the threshold counts steps or samples refused."""
+        from health.config import MEASURES, SECONDS
+        if not isinstance(value, dict):
+            return value
+        out = dict(value)
+        for name, written in value.items():
+            if not (isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())):
+                continue
+            measure = MEASURES.get(name, SECONDS)        # an unknown name: refused by _policy, with a "did you mean"
+            if measure != SECONDS:
+                raise _refused(cls.__name__, (name,), written, ValueError(
+                    f"{_show(written)} is a duration, but {name} {measure}. To fix: write a number (see "
+                    "configs/health.yaml), or remove it to keep the shipped value"))
+            out[name] = parse_duration(written)
+        return out
 
     @field_validator("thresholds", "actions")
     @classmethod
@@ -788,8 +803,7 @@ class JobSpec(BaseModel):
         """`path` with each $NAME or ${NAME} replaced by the job's envs' value, else the launching shell's (`workdir:
         $HOME/code`, `dir: s3://${BUCKET}/run1`, as SkyPilot fills envs into paths); was a folder named '$HOME'."""
         def refused(problem: ValueError) -> ValidationError:
-            return ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
-                type="value_error", loc=field, input=path, ctx={"error": problem})])
+            return _refused(type(self).__name__, field, path, problem)
 
         def value(match: re.Match) -> str:
             name = match[1] or match[2]

@@ -322,6 +322,30 @@ def test_an_invalid_tfsnjob_gets_a_condition_that_says_what_to_fix_and_no_pods(o
     assert operator.store.jobs() == [] and pods(cluster) == {}
 
 
+def test_a_tfsnjob_fills_names_in_its_paths_from_its_own_envs_and_refuses_one_not_there(operator, cluster,
+                                                                                       monkeypatch):
+    """`checkpoint.dir: s3://${BUCKET}/run1` was taken as written: a bucket named '${BUCKET}'. A file fills $NAME from
+    its envs, else the launching shell; a TfsnJob has no launching shell (the operator's environment is not the
+    user's), so its own envs alone, and a name not there is refused before any pod."""
+    monkeypatch.setenv("BUCKET", "the-operators-own")
+    monkeypatch.setenv("RUN", "the-operators-run")
+    body, job_id = admitted(operator, cluster, tfsnjob(envs={"BUCKET": "team-a", "RUN": "run1", "CKPT": "/ckpt"},
+                                                       checkpoint={"dir": "s3://${BUCKET}/$RUN"}))
+    assert operator.store.job(job_id).spec["checkpoint"]["dir"] == "s3://team-a/run1"
+    body, job_id = admitted(operator, cluster, tfsnjob(name="local", uid="2b4e28ba-2fa1-11d2-883f-0016d3cca427",
+                                                       envs={"CKPT": "/ckpt"}, checkpoint={"dir": "$CKPT/local"}))
+    assert operator.store.job(job_id).spec["checkpoint"]["dir"] == "/ckpt/local"
+    assert operator.prepare(body, operator.store.job(job_id)).checkpoint_path == "/ckpt/local"   # the volume's mount
+    status = operator.admit(tfsnjob(name="unset", uid="3b4e28ba-2fa1-11d2-883f-0016d3cca427",
+                                    checkpoint={"dir": "s3://${BUCKET}/run1"}))
+    [condition] = status["conditions"]
+    assert (condition["reason"], status["phase"], status["jobId"]) == ("InvalidSpec", "Failed", None)
+    assert condition["message"] == (
+        "spec.checkpoint.dir: 's3://${BUCKET}/run1' names $BUCKET, which is not in envs (a TfsnJob has no launching "
+        "shell to take it from). To fix: add BUCKET to envs, or write the path out")
+    assert len(operator.store.jobs()) == 2 and "unset" not in json.dumps(pods(cluster))
+
+
 def test_the_status_carries_the_jobs_nodes_and_counts_as_soon_as_they_change(operator, cluster):
     """No timer runs here: the store's writes reach .status through the operator's status writer."""
     operator.start(reconcile=False)

@@ -1,7 +1,7 @@
 """Health thresholds and actions: shipped defaults (configs/health.yaml) overlaid by a job's `health:`.
 
 The defaults live in data, not code, so an operator can read every number with the reason for it
-next to it; this module only knows their names and types and refuses what it does not know.
+next to it; this module only knows their names, types and what each measures, and refuses what it does not know.
 """
 from __future__ import annotations
 
@@ -23,6 +23,23 @@ from health.findings import Action, FindingKind
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 SHIPPED = "health.yaml"
+SECONDS = "is in seconds"
+# What each threshold measures, said where a value of another kind is written: a duration ("5 min") is seconds,
+# taken by the ones in seconds only (straggler_window: 5 min was a window of 300 steps).
+MEASURES = {
+    **{name: SECONDS for name in ("gather_s", "hang_min_s", "heartbeat_timeout_s", "phase_timeout_min_s",
+                                  "phase_timeout_max_s", "replace_restart_s", "replace_save_s", "cooldown_s",
+                                  "replacement_window_s")},
+    **{name: "counts steps" for name in ("straggler_window", "straggler_baseline", "straggler_warmup_steps",
+                                         "straggler_learn_steps", "gather_steps", "cooldown_steps")},
+    **{name: "is a fraction" for name in ("straggler_min_slowdown", "straggler_noise_floor", "throttle_clock_ratio")},
+    **{name: "is a factor" for name in ("hang_step_factor", "phase_timeout_factor", "replace_break_even")},
+    **{name: "counts noise sigmas" for name in ("straggler_cusum_k", "straggler_clip")},
+    "straggler_false_alarm_steps": "counts rank-steps", "straggler_min_ranks": "counts ranks",
+    "straggler_shared_nodes": "counts nodes", "throttle_samples": "counts samples",
+    "ecc_sbe_per_hour": "counts errors per hour", "replace_after_checks": "counts checks",
+    "max_replacements": "counts replacements",
+}
 _RATIOS = {"straggler_min_slowdown", "throttle_clock_ratio"}   # must lie strictly between 0 and 1
 
 

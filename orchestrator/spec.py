@@ -14,7 +14,7 @@ import math
 import os
 import re
 import reprlib
-from typing import Annotated, Any, Callable, Literal, Sequence, get_args
+from typing import Annotated, Any, Callable, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -503,15 +503,10 @@ class RecoverySpec(BaseModel):
     spares: Count = Field(0, ge=0, le=MAX_SPARES, strict=True)
 
 
-def _duration_text(value: Any) -> Any:
-    """A threshold written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration of the spec is
-    written) in seconds; any other value as it is."""
-    if isinstance(value, str) and _DURATION_RE.fullmatch(value.strip().lower()):
-        return parse_duration(value)
-    return value
-
-
-Threshold = Annotated[float, BeforeValidator(_duration_text)]
+def _refused(model: str, loc: tuple, value: Any, problem: ValueError) -> ValidationError:
+    """`problem` as the error of the field at `loc` (below the validator raising it), to name that field's line."""
+    return ValidationError.from_exception_data(model, [InitErrorDetails(type="value_error", loc=loc, input=value,
+                                                                        ctx={"error": problem})])
 
 
 class HealthSpec(BaseModel):
@@ -519,8 +514,28 @@ class HealthSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     heartbeat_timeout: float = 30.0               # seconds
-    thresholds: dict[str, Threshold] = {}         # overrides of configs/health.yaml's thresholds
+    thresholds: dict[str, float] = {}             # overrides of configs/health.yaml's thresholds
     actions: dict[str, str] = {}                  # finding kind -> ignore|warn|checkpoint|replace_node|fail
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _durations(cls, value: Any) -> Any:
+        """A threshold in seconds written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration
+        of the spec is written) in seconds; a duration where the threshold counts steps or samples refused."""
+        from health.config import MEASURES, SECONDS
+        if not isinstance(value, dict):
+            return value
+        out = dict(value)
+        for name, written in value.items():
+            if not (isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())):
+                continue
+            measure = MEASURES.get(name, SECONDS)        # an unknown name: refused by _policy, with a "did you mean"
+            if measure != SECONDS:
+                raise _refused(cls.__name__, (name,), written, ValueError(
+                    f"{_show(written)} is a duration, but {name} {measure}. To fix: write a number (see "
+                    "configs/health.yaml), or remove it to keep the shipped value"))
+            out[name] = parse_duration(written)
+        return out
 
     @field_validator("thresholds", "actions")
     @classmethod
@@ -769,11 +784,16 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_paths(self, info: ValidationInfo) -> JobSpec:
-        base = (info.context or {}).get("base_dir") if isinstance(info.context, dict) else None
-        if base is not None:
-            self.workdir = self._expanded(("workdir",), self.workdir)
+        """A spec as its user wrote it (a context: a file's {"base_dir": its folder}, or ENVS_ONLY) gets its paths'
+        $NAMEs filled in, and a file's paths made absolute; a stored one (no context) is kept as it is."""
+        context = info.context if isinstance(info.context, dict) else None
+        if context is not None:
+            shell = os.environ if context.get("shell", True) else None
+            self.workdir = self._expanded(("workdir",), self.workdir, shell)
             if self.checkpoint.dir is not None:
-                self.checkpoint.dir = self._expanded(("checkpoint", "dir"), self.checkpoint.dir)
+                self.checkpoint.dir = self._expanded(("checkpoint", "dir"), self.checkpoint.dir, shell)
+        base = (context or {}).get("base_dir")
+        if base is not None:
             self.workdir = os.path.abspath(os.path.join(base, os.path.expanduser(self.workdir)))
             if self.checkpoint.dir is not None and not checkpoint_url_scheme(self.checkpoint.dir):
                 self.checkpoint.dir = os.path.abspath(
@@ -784,16 +804,20 @@ class JobSpec(BaseModel):
                                  "absolute. To fix: use a shorter path")
         return self
 
-    def _expanded(self, field: tuple[str, ...], path: str) -> str:
-        """`path` with each $NAME or ${NAME} replaced by the job's envs' value, else the launching shell's (`workdir:
-        $HOME/code`, `dir: s3://${BUCKET}/run1`, as SkyPilot fills envs into paths); was a folder named '$HOME'."""
+    def _expanded(self, field: tuple[str, ...], path: str, shell: Mapping[str, str] | None) -> str:
+        """`path` with each $NAME or ${NAME} replaced by the job's envs' value, else the launching `shell`'s, where
+        there is one (`workdir: $HOME/code`, `dir: s3://${BUCKET}/run1`, as SkyPilot fills envs into paths); was a
+        folder named '$HOME'."""
         def refused(problem: ValueError) -> ValidationError:
-            return ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
-                type="value_error", loc=field, input=path, ctx={"error": problem})])
+            return _refused(type(self).__name__, field, path, problem)
 
         def value(match: re.Match) -> str:
             name = match[1] or match[2]
-            found = self.envs.get(name, os.environ.get(name))
+            found = self.envs.get(name, shell.get(name) if shell is not None else None)
+            if found is None and shell is None:
+                raise refused(ValueError(f"{_show(path)} names ${name}, which is not in envs (a TfsnJob has no "
+                                         f"launching shell to take it from). To fix: add {name} to envs, or write "
+                                         "the path out"))
             if found is None:
                 raise refused(ValueError(f"{_show(path)} names ${name}, which is neither in envs nor set in this "
                                          f"shell. To fix: add it to envs (or pass --env {name}=...), or write the "
@@ -818,6 +842,10 @@ class JobSpec(BaseModel):
             choices = self.resources.accelerator_choices()
             accelerators = choices[0].count if choices else 0
         return max(1, accelerators)
+
+
+# The validation context of a spec that no shell launches (a TfsnJob): $NAME in its paths comes from its envs alone.
+ENVS_ONLY = {"shell": False}
 
 
 class SpecError(Exception):

@@ -115,6 +115,19 @@ def test_missing_file_and_bad_env_pair(tfsn, tmp_path):
                           "KEY=VALUE")
 
 
+def test_validate_takes_env_pairs_as_launch_does_which_its_message_about_an_unset_variable_suggests(in_process,
+                                                                                                    tmp_path):
+    (tmp_path / "code").mkdir()
+    spec = tmp_path / "train.yaml"
+    spec.write_text("run: python train.py\nworkdir: code\ncheckpoint:\n  dir: $TFSN_TEST_CKPT/run1\n")
+    code, out, err = in_process("validate", str(spec))
+    assert code == 2 and "--env TFSN_TEST_CKPT=" in err
+    code, out, err = in_process("validate", str(spec), "--env", f"TFSN_TEST_CKPT={tmp_path}/ckpt")
+    assert (code, err) == (0, "") and "valid job 'train'" in out
+    code, out, err = in_process("validate", str(spec), "--env", "NOEQUALS")
+    assert code == 2 and err == "tfsn: error: --env 'NOEQUALS': expected KEY=VALUE. To fix: e.g. --env SEED=1\n"
+
+
 def test_unknown_job_in_status_logs_stop(tfsn):
     for command in ("status", "logs", "stop"):
         assert_one_line_error(tfsn(command, "ghost", check=False), "ghost", "tfsn ls")
@@ -170,6 +183,9 @@ NOT_LAUNCHABLE = [
     ("checkpoint:\n  dir: ../train.yaml/ckpt\n", "ckpt is below "),
     # root's permission bits say yes and the filesystem says no (was taken, as root)
     ("checkpoint:\n  dir: /proc/tfsn-ckpt\n", "cannot write in /proc"),
+    # a folder name over the filesystem's 255 bytes: lexists() says "missing" (ENAMETOOLONG), so it was taken
+    ("checkpoint:\n  dir: " + "c" * 256 + "\n", "a folder name of 256 bytes"),
+    ("checkpoint:\n  dir: new/" + "\u00e9" * 128 + "/ckpt\n", "a folder name of 256 bytes"),   # 128 characters
 ]
 
 

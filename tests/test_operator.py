@@ -322,6 +322,30 @@ def test_an_invalid_tfsnjob_gets_a_condition_that_says_what_to_fix_and_no_pods(o
     assert operator.store.jobs() == [] and pods(cluster) == {}
 
 
+def test_a_tfsnjob_fills_names_in_its_paths_from_its_own_envs_and_refuses_one_not_there(operator, cluster,
+                                                                                       monkeypatch):
+    """`checkpoint.dir: s3://${BUCKET}/run1` was taken as written: a bucket named '${BUCKET}'. A file fills $NAME from
+    its envs, else the launching shell; a TfsnJob has no launching shell (the operator's environment is not the
+    user's), so its own envs alone, and a name not there is refused before any pod."""
+    monkeypatch.setenv("BUCKET", "the-operators-own")
+    monkeypatch.setenv("RUN", "the-operators-run")
+    body, job_id = admitted(operator, cluster, tfsnjob(envs={"BUCKET": "team-a", "RUN": "run1", "CKPT": "/ckpt"},
+                                                       checkpoint={"dir": "s3://${BUCKET}/$RUN"}))
+    assert operator.store.job(job_id).spec["checkpoint"]["dir"] == "s3://team-a/run1"
+    body, job_id = admitted(operator, cluster, tfsnjob(name="local", uid="2b4e28ba-2fa1-11d2-883f-0016d3cca427",
+                                                       envs={"CKPT": "/ckpt"}, checkpoint={"dir": "$CKPT/local"}))
+    assert operator.store.job(job_id).spec["checkpoint"]["dir"] == "/ckpt/local"
+    assert operator.prepare(body, operator.store.job(job_id)).checkpoint_path == "/ckpt/local"   # the volume's mount
+    status = operator.admit(tfsnjob(name="unset", uid="3b4e28ba-2fa1-11d2-883f-0016d3cca427",
+                                    checkpoint={"dir": "s3://${BUCKET}/run1"}))
+    [condition] = status["conditions"]
+    assert (condition["reason"], status["phase"], status["jobId"]) == ("InvalidSpec", "Failed", None)
+    assert condition["message"] == (
+        "spec.checkpoint.dir: 's3://${BUCKET}/run1' names $BUCKET, which is not in envs (a TfsnJob has no launching "
+        "shell to take it from). To fix: add BUCKET to envs, or write the path out")
+    assert len(operator.store.jobs()) == 2 and "unset" not in json.dumps(pods(cluster))
+
+
 def test_the_status_carries_the_jobs_nodes_and_counts_as_soon_as_they_change(operator, cluster):
     """No timer runs here: the store's writes reach .status through the operator's status writer."""
     operator.start(reconcile=False)
@@ -554,7 +578,7 @@ def test_the_crd_schema_is_structural_and_generated_from_the_job_spec():
     assert set(spec["properties"]) == set(JobSpec.model_fields)
     assert spec["required"] == ["run"]
     assert spec["properties"]["recovery"]["properties"]["max_restarts"] == {"minimum": 0, "maximum": 1000,
-                                                                           "type": "integer"}
+                                                                           "x-kubernetes-int-or-string": True}
     # forms only the model reads (cpus: 16+, accelerators: H100:8) are left to it, not refused by the API server
     resources = spec["properties"]["resources"]["properties"]
     assert resources["accelerators"] == resources["cpus"] == {"x-kubernetes-preserve-unknown-fields": True}
@@ -563,6 +587,52 @@ def test_the_crd_schema_is_structural_and_generated_from_the_job_spec():
     columns = {c["name"]: c["jsonPath"] for c in crd.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert columns == {"Phase": ".status.phase", "Step": ".status.step", "Restarts": ".status.restarts",
                        "Checkpoint": ".status.checkpoint.step", "Age": ".metadata.creationTimestamp"}
+
+
+def _as_json_schema(node: dict) -> dict:
+    """A structural schema node as the JSON Schema the API server checks a TfsnJob's spec with (draft 4: OpenAPI
+    v3.0's boolean exclusiveMinimum); an open node checks nothing, as `x-kubernetes-preserve-unknown-fields`."""
+    out = {k: v for k, v in node.items() if k in ("type", "minimum", "maximum", "exclusiveMinimum", "enum",
+                                                   "minLength", "maxLength", "pattern", "required")}
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    if "properties" in node:
+        out["properties"] = {k: _as_json_schema(v) for k, v in node["properties"].items()}
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _as_json_schema(node["additionalProperties"])
+    if "items" in node:
+        out["items"] = _as_json_schema(node["items"])
+    if node.get("nullable") and "type" in out:
+        out["type"] = [*([out["type"]] if isinstance(out["type"], str) else out["type"]), "null"]
+    return out
+
+
+# Every field the loader takes as text though its type is a number: `"$40"`, `"2h"`, `"8"` (SkyPilot and dstack
+# users quote counts). The CRD said `type: number` or `integer` for most, so the API server refused the TfsnJob.
+AS_TEXT = {"num_nodes": "2", "steps": "1e6", "envs": {"SEED": 1, "DEBUG": True, "LR": 0.001},
+           "resources": {"accelerators": "H100:8", "max_hourly_cost": "$2.50/hr"},
+           "checkpoint": {"dir": "/ckpt", "keep": "3", "interval": "10m"},
+           "recovery": {"max_restarts": "3", "spares": "1"},
+           "health": {"heartbeat_timeout": "90s", "thresholds": {"phase_timeout_max_s": "2h", "gather_s": "5s"}},
+           "model": {"entry": "train.py:build", "entry_timeout": "5m", "params": "1.3B", "layers": "24",
+                     "hidden": "2048", "seq_len": "2048", "batch_size": "256"}}
+AS_NUMBERS = {"num_nodes": 2, "steps": 10**6, "resources": {"max_hourly_cost": 2.5}, "checkpoint": {"keep": 3,
+              "interval": 500}, "recovery": {"max_restarts": 3, "spares": 1}, "health": {"heartbeat_timeout": 90,
+              "thresholds": {"phase_timeout_max_s": 7200}}, "model": {"entry_timeout": 300, "params": 1.3e9,
+                                                                     "layers": 24, "hidden": 2048, "seq_len": 2048,
+                                                                     "batch_size": 256}}
+
+
+@pytest.mark.parametrize("spec", [AS_TEXT, AS_NUMBERS, {"resources": {"max_hourly_cost": "$40"}}], ids=str)
+def test_the_crd_admits_every_form_the_spec_loader_admits(spec):
+    jsonschema = pytest.importorskip("jsonschema")
+    body = {"run": "python train.py", **spec}
+    JobSpec.model_validate({"name": "llm", **body})          # the loader takes it
+    schema = _as_json_schema(crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"])
+    validator = jsonschema.Draft4Validator(schema)
+    assert [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(body)] == []
+    # and the bounds the schema can say are still said
+    assert [e.message for e in validator.iter_errors({**body, "num_nodes": 0})] == ["0 is less than the minimum of 1"]
 
 
 def test_the_crd_is_accepted_by_the_client_and_served_by_the_emulator(cluster):

@@ -1,5 +1,6 @@
 """Tests for orchestrator/spec.py: good specs load, bad ones say FILE:LINE: FIELD and how to fix."""
 
+import dataclasses
 import re
 import textwrap
 
@@ -438,6 +439,24 @@ def test_health_thresholds_take_durations_with_a_unit_and_say_how_to_fix_a_bad_o
     assert spec.health.thresholds == {"phase_timeout_max_s": 7200.0, "hang_min_s": 90.0}
     one(write(tmp_path, "run: x\nhealth:\n  thresholds: {straggler_min_slowdown: 5%}\n"), 3,
         "health.thresholds.straggler_min_slowdown", "'5%'", "To fix: write a number")
+
+
+@pytest.mark.parametrize("threshold, value, what", [
+    ("straggler_window", "5 min", "counts steps"), ("cooldown_steps", "1h", "counts steps"),
+    ("throttle_samples", "30s", "counts samples"), ("hang_step_factor", "10m", "is a factor"),
+])
+def test_a_duration_where_a_threshold_is_not_seconds_is_refused_saying_what_it_counts(tmp_path, threshold, value,
+                                                                                      what):
+    """`straggler_window: 5 min` was read as a window of 300 steps: a duration is seconds, for the *_s ones only."""
+    path = write(tmp_path, f"run: x\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
+    one(path, 4, f"health.thresholds.{threshold}", f"{value!r} is a duration, but {threshold} {what}",
+        "To fix: write a number")
+
+
+def test_every_threshold_says_what_it_counts():
+    from health.config import MEASURES, HealthConfig
+
+    assert set(MEASURES) == {f.name for f in dataclasses.fields(HealthConfig)} - {"actions"}
 
 
 @pytest.mark.parametrize("written, infra, regions", [

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from pydantic import ValidationError
@@ -89,6 +89,10 @@ def _store() -> Store:
 
 
 register_down_command(app, _store)
+
+
+# `--env KEY=VALUE` of launch and validate: validate checks the file as launch takes it, $NAME in paths included
+EnvPairs = Annotated[list[str], typer.Option("--env", help="KEY=VALUE added to the job's envs (repeatable)")]
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -181,9 +185,9 @@ def checked_spec(file: Path, overrides: dict[str, str] | None = None) -> JobSpec
 
 
 @app.command()
-def validate(file: Path = typer.Argument(..., help="the job spec (train.yaml)")) -> None:
+def validate(file: Path = typer.Argument(..., help="the job spec (train.yaml)"), env: EnvPairs = []) -> None:
     """Check a job spec as `tfsn launch` would (workdir and planning included), and print what it resolves to."""
-    spec = checked_spec(file)
+    spec = checked_spec(file, overrides=_env_pairs(env))
     console.print(f"{file}: valid job '{spec.name}': {spec.num_nodes} node(s) x {spec.nprocs()} worker(s), "
                   f"workdir {spec.workdir}", highlight=False)
 
@@ -191,7 +195,7 @@ def validate(file: Path = typer.Argument(..., help="the job spec (train.yaml)"))
 @app.command()
 def launch(file: Path = typer.Argument(..., help="the job spec (train.yaml)"),
            detach: bool = typer.Option(False, "--detach", "-d", help="return once the job is submitted"),
-           env: list[str] = typer.Option([], "--env", help="KEY=VALUE added to the job's envs (repeatable)"),
+           env: EnvPairs = [],
            name: Optional[str] = typer.Option(None, "--name", help="job name (default: the spec's)")) -> None:
     """Launch a job and follow it (Ctrl-C stops it; use --detach to leave it running)."""
     spec = checked_spec(file, overrides=_env_pairs(env))

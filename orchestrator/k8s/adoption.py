@@ -148,8 +148,8 @@ class Adoption:
         spec the job ran with (the TfsnJob's own spec where the status has none this operator can read)."""
         meta, status = body["metadata"], body.get("status") or {}
         recorded = (status.get("record") or {}).get("spec") if isinstance(status.get("record"), dict) else None
-        spec, problem = self.op.checked_spec(body, dict(recorded)) if isinstance(recorded, dict) and recorded \
-            else (None, "")
+        spec, problem = self.op.checked_spec(body, dict(recorded), written=False) \
+            if isinstance(recorded, dict) and recorded else (None, "")
         if spec is None:
             spec, problem = self.op.checked_spec(body, dict(body.get("spec") or {}))
         if spec is None:    # said before any pod is deleted

@@ -4,17 +4,18 @@ The CRD's `spec` schema is generated from `JobSpec` (train.yaml) and its `status
 `TfsnJobStatus`, so neither is written twice. The API server wants a *structural* OpenAPI v3 schema
 (no `$ref`, a type on every node, no `type` inside `anyOf`), so pydantic's JSON schema is converted by
 `structural_schema`. Where the model accepts forms its JSON schema does not show (a before-validator:
-`cpus: 16+`, `accelerators: H100:8` or a list or a mapping), the node is left open
-(`x-kubernetes-preserve-unknown-fields`) and the operator's validation with the model itself says
-what is wrong, in a status condition.
+`cpus: 16+`, `accelerators: H100:8` or a list or a mapping, `max_hourly_cost: "$40"`), the node is left
+open (`x-kubernetes-preserve-unknown-fields`; a count, `num_nodes: "2"`, is `x-kubernetes-int-or-string`
+with its bounds) and the operator's validation with the model itself says what is wrong, in a status
+condition.
 """
 from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WrapValidator
 from pydantic.alias_generators import to_camel
 
 from orchestrator.spec import JobSpec
@@ -151,6 +152,26 @@ def _before_validated(model: type[BaseModel]) -> set[str]:
     return names
 
 
+def _opened(annotation: Any, metadata: Sequence[Any], node: dict[str, Any]) -> dict[str, Any]:
+    """`node`, the structural schema of a field typed `annotation` (`metadata`: its Annotated parts), opened where a
+    before-validator of that type (or of its values or items) takes more forms than the type, which pydantic's JSON
+    schema does not show (`max_hourly_cost: "$40"`, `num_nodes: "2"`): a count stays an integer with its bounds,
+    or text; anything else is left to the model."""
+    if any(isinstance(part, (BeforeValidator, WrapValidator, PlainValidator)) for part in metadata):
+        nullable = {"nullable": True} if node.get("nullable") else {}
+        if node.get("type") == "integer":
+            return {**{k: v for k, v in node.items() if k != "type"}, "x-kubernetes-int-or-string": True}
+        return {"x-kubernetes-preserve-unknown-fields": True, **nullable}
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _opened(typing.get_args(annotation)[0], annotation.__metadata__, node)
+    if typing.get_origin(annotation) is dict and isinstance(node.get("additionalProperties"), dict):
+        return {**node, "additionalProperties": _opened(typing.get_args(annotation)[1], (),
+                                                        node["additionalProperties"])}
+    if typing.get_origin(annotation) is list and "items" in node:
+        return {**node, "items": _opened(typing.get_args(annotation)[0], (), node["items"])}
+    return node
+
+
 def _node(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """One JSON-schema node as a structural OpenAPI node."""
     if "$ref" in schema:
@@ -210,7 +231,7 @@ def structural_schema(model: type[BaseModel], optional: tuple[str, ...] = ()) ->
             elif inner is not None:
                 properties[key] = {**convert(inner, _resolve(sub, defs)), "nullable": True}
             else:
-                properties[key] = _node(sub, defs)
+                properties[key] = _opened(field.annotation, field.metadata, _node(sub, defs))
         out: dict[str, Any] = {"type": "object", "properties": properties}
         if cls.__doc__:
             out["description"] = " ".join(cls.__doc__.split("\n\n")[0].split())

@@ -42,7 +42,7 @@ from orchestrator.k8s.adoption import Adoption, job_key, token_secret
 from orchestrator.k8s.crd import CA_SECRET, GROUP, KIND, VERSION, Condition, TfsnJobStatus
 from orchestrator.k8s.status import StatusWriter, status_record
 from orchestrator.k8s.taints import Taints
-from orchestrator.spec import JobSpec, _dotted, _user_path, checkpoint_url_scheme
+from orchestrator.spec import ENVS_ONLY, JobSpec, _dotted, _user_path, checkpoint_url_scheme
 from providers.base import NotFoundError, ProviderError, import_sdk
 from providers.kubernetes import EXTRA, TOKEN_KEY, KubernetesProvider, PodBinding
 from providers.naming import dns_label
@@ -214,11 +214,13 @@ class Operator:
                        "" if durable else "checkpoints are kept in each pod's emptyDir and lost with the pod. To "
                        f"fix: annotate the {KIND} with {CLAIM_ANNOTATION}: <a PersistentVolumeClaim>"))]}
 
-    def checked_spec(self, body: dict[str, Any], data: dict[str, Any]) -> tuple[JobSpec | None, str]:
-        """`data` as the spec of a job on this cluster, or None and one line saying what to fix."""
+    def checked_spec(self, body: dict[str, Any], data: dict[str, Any], written: bool = True
+                     ) -> tuple[JobSpec | None, str]:
+        """`data` as the spec of a job on this cluster, or None and one line saying what to fix. `written`: as the
+        TfsnJob says it ($NAME in its paths filled from its envs), not as a job recorded it (filled already)."""
         data.setdefault("name", body["metadata"]["name"])
         try:
-            spec = JobSpec.model_validate(data)
+            spec = JobSpec.model_validate(data, context=ENVS_ONLY if written else None)
         except ValidationError as err:
             return None, spec_error(err, data)
         problem = _cluster_problem(spec)

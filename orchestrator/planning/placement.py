@@ -133,6 +133,14 @@ SHARED_DISK_PROVIDERS = ("local",)
 _BUCKET_URL = {"aws": "s3://BUCKET/PATH", "gcp": "gs://BUCKET/PATH", "azure": "az://CONTAINER/PATH"}
 
 
+def _name_max(folder: str) -> int:
+    """The longest file name, in bytes, that `folder`'s filesystem takes (255 on Linux's, and where it cannot say)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def folder_problem(path: str) -> str | None:
     """Why this machine could not save into folder `path` (made on the first save if missing), as one line with
     the fix; or None. Said at launch: the job would otherwise train up to its first checkpoint, fail there, and
@@ -143,6 +151,11 @@ def folder_problem(path: str) -> str | None:
     if not os.path.isdir(probe):
         what = "is a file" if probe == path else f"is below {probe}, a file"
         return f"{path} {what}, not a folder. To fix: name a folder (it is made if missing)"
+    longest = max(os.path.relpath(path, probe).split(os.sep), key=lambda name: len(os.fsencode(name)))
+    most = _name_max(probe)
+    if len(os.fsencode(longest)) > most:     # lexists() said "missing" (ENAMETOOLONG): the first save would fail
+        return (f"{path}: a folder name of {len(os.fsencode(longest))} bytes ({longest[:12]}...), longer than the "
+                f"{most} bytes a name may have in {probe}. To fix: shorten it")
     if not os.access(probe, os.W_OK | os.X_OK):
         return (f"{path}: this user cannot write in {probe}. To fix: choose a folder you can write to, or change "
                 "its permissions")

@@ -440,6 +440,8 @@ LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar,
 # (TensorIterator's common dtype), where their decompositions read it at its own value: bf16 torch.lerp(x, y,
 # torch.tensor(0.1)) (an EMA's or a compiled optimizer's tensor weight) weighs by 0.10009765625.
 HALF_KERNEL_CONVERTED_OPERANDS = frozenset({"aten.lerp.Tensor"})
+# The ops of the three tables above: those whose pieces _half_kernel_piece finds the half of.
+HALF_KERNEL_OPS = frozenset({*HALF_KERNEL_PIECES, *OTHER_DIM_HALF_KERNEL_OPERANDS, *HALF_KERNEL_CONVERTED_OPERANDS})
 
 
 def _half_kernel_operand(fx_node: torch.fx.Node, operand: Any, half: str) -> bool:
@@ -454,13 +456,10 @@ def _half_kernel_operand(fx_node: torch.fx.Node, operand: Any, half: str) -> boo
 
 
 def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device: str) -> str | None:
-    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_PIECES or
-    HALF_KERNEL_CONVERTED_OPERANDS op whose result is that half (its decomposition's last piece converts to it);
-    None for any other node."""
+    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_OPS op whose result is that
+    half (its decomposition's last piece converts to it); None for any other node."""
     original = fx_node.meta.get("original_aten")
-    if str(original) not in HALF_KERNEL_PIECES and str(original) not in HALF_KERNEL_CONVERTED_OPERANDS and \
-            str(original) not in OTHER_DIM_HALF_KERNEL_OPERANDS or \
-            type_ is None or torch.device(device).type != "cpu":
+    if str(original) not in HALF_KERNEL_OPS or type_ is None or torch.device(device).type != "cpu":
         return None
     call = (str(original), fx_node.meta.get("seq_nr"))
     seen, pending = {fx_node}, [fx_node]

@@ -121,7 +121,8 @@ def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(
     from optimizer.codegen import compiler
     eager, x = model_and_input()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    compiler.compiler_id.cache_clear()
+    compiler.compiler_id.cache_clear()          # both asked once per process: this one's $CC is another
+    compiler.missing_compiler.cache_clear()
     try:
         compiled = optimize(copy.deepcopy(eager))
         with caplog.at_level("WARNING", logger="tfsn.optimizer"):
@@ -130,6 +131,7 @@ def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(
         out.sum().backward()
     finally:
         compiler.compiler_id.cache_clear()
+        compiler.missing_compiler.cache_clear()
     assert "no-such-cc' does not run" in caplog.text and "install gcc" in caplog.text
     assert eager[0].weight.grad is None and compiled._orig_mod[0].weight.grad is not None
 

@@ -1243,12 +1243,29 @@ def optimize(model: Any, *, mode: str | None = None, dynamic: bool | None = None
     (`PerShape`). Dynamo's default `dynamic=None` is kept: with `dynamic=False` a float argument or attribute that
     changes every step (an annealed temperature, a loss weight) recompiled the frame every step, until Dynamo's
     recompile limit (8) sent the model to eager for good."""
+    _refuse_compiled(model)
     compiler = make_backend(**mode_options(mode, options))
     if _wrapped_torch_module(model):
         inner = model.module     # a method bound to it: a deepcopy (an EMA model) binds its own, a pickle its class's
         inner.forward = types.MethodType(torch.compile(type(inner).forward, backend=compiler, dynamic=dynamic,
                                                        fullgraph=fullgraph), inner)
     return torch.compile(model, backend=compiler, dynamic=dynamic, fullgraph=fullgraph)
+
+
+def _refuse_compiled(model: Any) -> None:
+    """Refuses a model, or DDP's module, that torch.compile already wrapped: one compiler must own the forward.
+    torch.compile on one unwraps it to the bare `forward` (a function: no `parameters()`, the module's hooks
+    skipped, the first backend dropped, saying nothing), and tfsn's own compile of DDP's module put nn.Module's
+    unimplemented `forward` over the OptimizedModule's. Unwrapping `_orig_mod` here would drop the user's
+    torch.compile (and rename DDP's state dict) as silently."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, OptimizedModule):
+        raise ValueError("tfsn: the model is already compiled by torch.compile; pass the module it wraps "
+                         "(model._orig_mod), or the model before torch.compile")
+    if isinstance(model, DistributedDataParallel) and isinstance(model.module, OptimizedModule):
+        raise ValueError("tfsn: DDP's module is already compiled by torch.compile; put the uncompiled module "
+                         "(its ._orig_mod) in DDP: tfsn.optimize(DDP(net))")
 
 
 def _wrapped_torch_module(model: Any) -> bool:

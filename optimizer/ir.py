@@ -185,15 +185,23 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
             return Ref(index_of[a])
         return a
 
+    def narrowed(name: str, index: int, half: str) -> int:
+        """Node `index` converted to `half`, a 16-bit dtype's name."""
+        source = nodes[index].type
+        return add(name, Kind.POINTWISE, CONVERSION, aten._to_copy.default, (Ref(index),),
+                   {"dtype": getattr(torch, half)}, TensorType(source.shape, source.strides, half))
+
+    def half_rounded(names: tuple[str, str], index: int, half: str, dtype: torch.dtype) -> int:
+        """Node `index` rounded to `half`, then at `dtype` (the one computed in) again: its value as a kernel that
+        holds it in the half reads it. `names`: the narrowing's and the widening's."""
+        return add(names[1], Kind.POINTWISE, CONVERSION, aten._to_copy.default,
+                   (Ref(narrowed(names[0], index, half)),), {"dtype": dtype}, nodes[index].type)
+
     def rounded_to(half: str, a: torch.fx.Node) -> int:
         """`a` rounded to `half`, then at its own dtype again (once per node and half)."""
         if (a, half) not in rounded_operands:
-            narrowed = add(f"{a.name}_to_{half}", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
-                           (Ref(index_of[a]),), {"dtype": getattr(torch, half)},
-                           TensorType(nodes[index_of[a]].type.shape, nodes[index_of[a]].type.strides, half))
-            rounded_operands[a, half] = add(
-                f"{a.name}_{half}_widened", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
-                (Ref(narrowed),), {"dtype": a.meta["val"].dtype}, nodes[index_of[a]].type)
+            rounded_operands[a, half] = half_rounded((f"{a.name}_to_{half}", f"{a.name}_{half}_widened"),
+                                                     index_of[a], half, a.meta["val"].dtype)
         return rounded_operands[a, half]
 
     for fx_node in gm.graph.nodes:
@@ -254,9 +262,7 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         kind = classify(op, args, kwargs, type_, nodes, device, dtypes)
         args, kwargs = _cpu_half_scalars(fx_node, args, kwargs, type_, device)
         # a tensor operand that eager converts to the half first: an explicit conversion, rounded, for every renderer
-        args = tuple(Ref(add(f"{fx_node.name}_{a.index}_to_half", Kind.POINTWISE, CONVERSION,
-                             aten._to_copy.default, (a,), {"dtype": getattr(torch, type_.dtype)},
-                             TensorType(nodes[a.index].type.shape, nodes[a.index].type.strides, type_.dtype)))
+        args = tuple(Ref(narrowed(f"{fx_node.name}_{a.index}_to_half", a.index, type_.dtype))
                      if _cpu_half_converted(fx_node, op, i, a, type_, device, nodes) else a for i, a in enumerate(args))
         if op == "aten.addmm.default" and kind == Kind.MATMUL:  # mm + bias: the bias is an epilogue
             # of a half addmm, the product is fp32: eager rounds once, after the bias
@@ -282,11 +288,8 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         index_of[fx_node] = add(fx_node.name, kind, op, fx_node.target, args, kwargs, type_, **params)
         if half is not None and kind in (Kind.POINTWISE, Kind.REDUCE) and _rounded_piece(fx_node):
             # rounded to the half as eager's kernel holds it, then fp32 again as its decomposition computes on
-            narrowed = add(fx_node.name + "_half", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
-                           (Ref(index_of[fx_node]),), {"dtype": getattr(torch, half)},
-                           TensorType(type_.shape, type_.strides, half))
-            index_of[fx_node] = add(fx_node.name + "_widened", Kind.POINTWISE, CONVERSION, aten._to_copy.default,
-                                    (Ref(narrowed),), {"dtype": torch.float32}, type_)
+            index_of[fx_node] = half_rounded((fx_node.name + "_half", fx_node.name + "_widened"), index_of[fx_node],
+                                             half, torch.float32)
     for node in nodes:
         for i in node.inputs:
             nodes[i].users.append(node.index)
@@ -437,6 +440,8 @@ LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar,
 # (TensorIterator's common dtype), where their decompositions read it at its own value: bf16 torch.lerp(x, y,
 # torch.tensor(0.1)) (an EMA's or a compiled optimizer's tensor weight) weighs by 0.10009765625.
 HALF_KERNEL_CONVERTED_OPERANDS = frozenset({"aten.lerp.Tensor"})
+# The ops of the three tables above: those whose pieces _half_kernel_piece finds the half of.
+HALF_KERNEL_OPS = frozenset({*HALF_KERNEL_PIECES, *OTHER_DIM_HALF_KERNEL_OPERANDS, *HALF_KERNEL_CONVERTED_OPERANDS})
 
 
 def _half_kernel_operand(fx_node: torch.fx.Node, operand: Any, half: str) -> bool:
@@ -451,13 +456,10 @@ def _half_kernel_operand(fx_node: torch.fx.Node, operand: Any, half: str) -> boo
 
 
 def _half_kernel_piece(fx_node: torch.fx.Node, type_: TensorType | None, device: str) -> str | None:
-    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_PIECES or
-    HALF_KERNEL_CONVERTED_OPERANDS op whose result is that half (its decomposition's last piece converts to it);
-    None for any other node."""
+    """The half that eager's CPU kernel computes `fx_node` in, a piece of a HALF_KERNEL_OPS op whose result is that
+    half (its decomposition's last piece converts to it); None for any other node."""
     original = fx_node.meta.get("original_aten")
-    if str(original) not in HALF_KERNEL_PIECES and str(original) not in HALF_KERNEL_CONVERTED_OPERANDS and \
-            str(original) not in OTHER_DIM_HALF_KERNEL_OPERANDS or \
-            type_ is None or torch.device(device).type != "cpu":
+    if str(original) not in HALF_KERNEL_OPS or type_ is None or torch.device(device).type != "cpu":
         return None
     call = (str(original), fx_node.meta.get("seq_nr"))
     seen, pending = {fx_node}, [fx_node]

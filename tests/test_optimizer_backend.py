@@ -121,7 +121,8 @@ def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(
     from optimizer.codegen import compiler
     eager, x = model_and_input()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    compiler.compiler_id.cache_clear()
+    compiler.compiler_id.cache_clear()          # both asked once per process: this one's $CC is another
+    compiler.missing_compiler.cache_clear()
     try:
         compiled = optimize(copy.deepcopy(eager))
         with caplog.at_level("WARNING", logger="tfsn.optimizer"):
@@ -130,6 +131,7 @@ def test_without_a_c_compiler_the_step_runs_as_aten_and_says_how_to_get_kernels(
         out.sum().backward()
     finally:
         compiler.compiler_id.cache_clear()
+        compiler.missing_compiler.cache_clear()
     assert "no-such-cc' does not run" in caplog.text and "install gcc" in caplog.text
     assert eager[0].weight.grad is None and compiled._orig_mod[0].weight.grad is not None
 
@@ -177,6 +179,31 @@ def test_blocks_optimized_one_by_one_share_one_compiled_frame_past_dynamos_recom
     assert counters["stats"]["unique_graphs"] - frames <= 2      # 2: the first block's input needs no gradient
     assert make_backend(top_k=1) == make_backend(top_k=1) != make_backend(top_k=2)
     assert make_backend(report=[]) != make_backend(report=[])   # a caller's own list: each gets its graphs
+
+
+def test_a_model_torch_compile_already_compiled_is_refused():
+    """`tfsn.optimize(torch.compile(net))` took torch's way (innermost_fn): net's bare `forward` compiled, a
+    function, with no `parameters()`, net's hooks skipped and the user's torch.compile dropped, saying nothing."""
+    eager, _ = model_and_input()
+    with pytest.raises(ValueError, match=r"^tfsn: the model is already compiled by torch\.compile; pass the module "
+                                         r"it wraps \(model\._orig_mod\)"):
+        optimize(torch.compile(eager, backend="aot_eager"))
+
+
+def test_a_ddp_module_torch_compile_already_compiled_is_refused(tmp_path):
+    """`tfsn.optimize(DDP(torch.compile(net)))` compiled nn.Module's unimplemented `forward` over the
+    OptimizedModule's, and the first step failed: 'Module [OptimizedModule] is missing the required "forward"
+    function'."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    eager, _ = model_and_input()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"^tfsn: DDP's module is already compiled by torch\.compile; put the "
+                                             r"uncompiled module \(its \._orig_mod\) in DDP"):
+            optimize(DistributedDataParallel(torch.compile(eager, backend="aot_eager")))
+    finally:
+        dist.destroy_process_group()
 
 
 def registered() -> bool:

@@ -29,19 +29,15 @@ def compiler_id() -> str:
     return out.stdout.splitlines()[0]
 
 
-def missing_compiler() -> str | None:
-    """Why no C compiler can build generated kernels here (none named `$CC`, default gcc, runs), or None."""
-    return _missing_compiler(os.environ.get("CC", "gcc"))
-
-
 @functools.lru_cache(maxsize=None)
-def _missing_compiler(cc: str) -> str | None:
-    """missing_compiler's answer for `cc`, asked once: compiler_id caches a compiler that runs, not one that fails,
-    and each graph of a step asks."""
+def missing_compiler() -> str | None:
+    """Why no C compiler can build generated kernels here (none named `$CC`, default gcc, runs), or None. Asked
+    once per process, as compiler_id is: that caches a compiler that runs, not one that fails, and each graph of a
+    step asks."""
     try:
         compiler_id()
     except (OSError, subprocess.SubprocessError, IndexError) as e:
-        return f"the C compiler {cc!r} does not run ({type(e).__name__}: {e})"
+        return f"the C compiler {os.environ.get('CC', 'gcc')!r} does not run ({type(e).__name__}: {e})"
     return None
 
 

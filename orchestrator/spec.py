@@ -521,18 +521,21 @@ class HealthSpec(BaseModel):
     @classmethod
     def _durations(cls, value: Any) -> Any:
         """A threshold in seconds written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration
-        of the spec is written) in seconds; a duration where the threshold counts steps or samples refused."""
+        of the spec is written) in seconds; a duration where the threshold counts steps or samples refused, and a
+        yes/no anywhere (a float field takes `hang_min_s: yes` as 1, past the policy's own refusal of a bool)."""
         from health.config import MEASURES, SECONDS
         if not isinstance(value, dict):
             return value
         out = dict(value)
         for name, written in value.items():
-            if not (isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())):
+            duration = isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())
+            if not (duration or isinstance(written, bool)):
                 continue
             measure = MEASURES.get(name, SECONDS)        # an unknown name: refused by _policy, with a "did you mean"
-            if measure != SECONDS:
+            if isinstance(written, bool) or measure != SECONDS:
+                kind = "a duration" if duration else "yes/no"
                 raise _refused(cls.__name__, (name,), written, ValueError(
-                    f"{_show(written)} is a duration, but {name} {measure}. To fix: write a number (see "
+                    f"{_show(written)} is {kind}, but {name} {measure}. To fix: write a number (see "
                     "configs/health.yaml), or remove it to keep the shipped value"))
             out[name] = parse_duration(written)
         return out

@@ -453,6 +453,14 @@ def test_a_duration_where_a_threshold_is_not_seconds_is_refused_saying_what_it_c
         "To fix: write a number")
 
 
+@pytest.mark.parametrize("threshold, value, what", [("hang_min_s", "yes", "is in seconds"),
+                                                    ("straggler_window", "true", "counts steps")])
+def test_a_yes_or_no_threshold_is_refused_not_taken_as_1(tmp_path, threshold, value, what):
+    """`hang_min_s: yes` was a hang called after 1 second: the number check refuses a bool, but it saw 1.0."""
+    path = write(tmp_path, f"run: x\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
+    one(path, 4, f"health.thresholds.{threshold}", f"True is yes/no, but {threshold} {what}", "To fix: write a number")
+
+
 def test_every_threshold_says_what_it_counts():
     from health.config import MEASURES, HealthConfig
 
@@ -814,8 +822,11 @@ def test_kubernetes_section_and_its_bad_tolerations(tmp_path):
 
 
 @pytest.mark.parametrize("threshold, value", [("straggler_window", 10**12), ("straggler_baseline", 5000),
-                                              ("gather_steps", 10**9), ("hang_min_s", ".inf"), ("gather_s", ".nan")])
+                                              ("gather_steps", 10**9), ("hang_min_s", ".inf"), ("gather_s", ".nan"),
+                                              ("straggler_window", ".inf"), ("cooldown_steps", ".nan")])
 def test_health_thresholds_that_would_exhaust_memory_or_never_fire_are_refused(tmp_path, threshold, value):
+    """A whole-number threshold of .inf was an OverflowError (int(inf)): 'cannot validate the spec' at line 1, and
+    a TfsnJob's create handler failing for ever, its thresholds being open in the CRD."""
     path = tmp_path / "train.yaml"
     path.write_text(f"run: python train.py\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
     with pytest.raises(SpecError, match=f"health.thresholds: {threshold}: must be"):

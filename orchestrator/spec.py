@@ -370,8 +370,8 @@ class Resources(BaseModel):
         out = []
         for item in value:
             name = item.strip().lower() if isinstance(item, str) else item
-            name = {"k8s": "kubernetes"}.get(name, name)       # SkyPilot's name of it
-            if name not in PROVIDERS:
+            name = {"k8s": "kubernetes"}.get(name, name) if isinstance(name, str) else name  # SkyPilot's name of it
+            if not isinstance(name, str) or name not in PROVIDERS:   # a mapping or a list: unhashable
                 close = close_match(str(name), PROVIDERS)
                 hint = f"did you mean {close!r}? " if close else ""
                 raise ValueError(f"unknown provider {_show(item)}; {hint}To fix: use one of "

@@ -519,6 +519,14 @@ def test_bad_provider(tmp_path):
     one(path, 3, "resources.infra", "unknown provider 'gpc'; did you mean 'gcp'?", "kubernetes")
 
 
+@pytest.mark.parametrize("item", ["{aws: us-east-1}", "[aws]"])
+def test_a_provider_written_as_a_mapping_or_a_list_is_refused_naming_it(tmp_path, item):
+    """`infra: [{aws: us-east-1}]` was a TypeError ('unhashable type'): 'cannot validate the spec' at line 1, and a
+    TfsnJob's create handler failing for ever (infra is open in the CRD)."""
+    path = write(tmp_path, f"run: x\nresources:\n  infra: [{item}]\n")
+    one(path, 3, "resources.infra", "unknown provider", "To fix: use one of local, aws")
+
+
 def test_missing_run(tmp_path):
     path = write(tmp_path, "name: job\nnum_nodes: 2\n")
     one(path, 1, "run", "required field is missing", "run: python train.py")

@@ -53,7 +53,8 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ACC_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
-_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+# $NAME or ${NAME}; group 3: a form not filled in, refused (a shell's ${NAME:-default}, a pod command's $(NAME))
+_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)|(\{[^}]*\}?|\([^)]*\)?))")
 # each unit as people write it ("30sec", "5 min", "2 hours", "1 day"), longest spelling first for the regex
 _UNIT_NAMES = {"ms": ("milliseconds", "millisecond", "msecs", "msec", "ms"),
                "s": ("seconds", "second", "secs", "sec", "s"), "m": ("minutes", "minute", "mins", "min", "m"),
@@ -815,6 +816,10 @@ class JobSpec(BaseModel):
             return _refused(type(self).__name__, field, path, problem)
 
         def value(match: re.Match) -> str:
+            if match[3] is not None:
+                raise refused(ValueError(f"{_show(path)} has {match[0]!r}, a form tfsn does not fill in: it fills "
+                                         "$NAME and ${NAME}. To fix: write it as ${NAME}, with NAME's value (a "
+                                         "default) in envs"))
             name = match[1] or match[2]
             found = self.envs.get(name, shell.get(name) if shell is not None else None)
             if found is None and shell is None:

@@ -255,6 +255,17 @@ def test_paths_fill_in_variables_from_envs_then_the_shell(tmp_path, monkeypatch)
     one(write(tmp_path, "run: x\nworkdir: '${TFSN_TEST_UNSET}'\n"), 2, "workdir", "--env TFSN_TEST_UNSET=")
 
 
+@pytest.mark.parametrize("written, form", [("'${RUN:-r1}/ckpt'", "${RUN:-r1}"), ("/ckpt/$(RUN)", "$(RUN)"),
+                                           ("'/ckpt/${}'", "${}"), ("'/ckpt/${RUN'", "${RUN")])
+def test_a_variable_in_a_form_tfsn_does_not_fill_is_refused_not_made_a_folder(tmp_path, written, form):
+    """`dir: ${RUN:-r1}/ckpt` (a shell default) and `dir: /ckpt/$(RUN)` (a pod's command, for a TfsnJob) were taken as
+    written: folders literally named '${RUN:-r1}' and '$(RUN)', as '$HOME' was before $NAME was filled in."""
+    path = write(tmp_path, f"run: x\nenvs: {{RUN: r1}}\ncheckpoint:\n  dir: {written}\n")
+    one(path, 4, "checkpoint.dir", f"{form!r}", "fills $NAME and ${NAME}", "To fix")
+    assert JobSpec.model_validate({"name": "a", "run": "x", "envs": {"RUN": "r1"}, "checkpoint": {"dir": "/d/$$/$"}},
+                                  context={"shell": False}).checkpoint.dir == "/d/$$/$"   # a lone $ is a $
+
+
 def test_a_filled_in_checkpoint_dir_gets_the_checks_a_written_one_does(tmp_path, monkeypatch):
     """checkpoint.dir's own checks ran on the text before $NAME was filled in: `dir: $CKPT` with CKPT set but empty
     put the checkpoints in the workdir among the code (refused when written out: ''), and CKPT='gs:/bucket' made a

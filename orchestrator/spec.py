@@ -54,7 +54,8 @@ _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ACC_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
 # $NAME or ${NAME}; group 3: a form not filled in, refused (a shell's ${NAME:-default}, a pod command's $(NAME))
-_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)|(\{[^}]*\}?|\([^)]*\)?))")
+_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)"
+                               r"|(\{[^}]*\}?|\([^)]*\)?))")
 # each unit as people write it ("30sec", "5 min", "2 hours", "1 day"), longest spelling first for the regex
 _UNIT_NAMES = {"ms": ("milliseconds", "millisecond", "msecs", "msec", "ms"),
                "s": ("seconds", "second", "secs", "sec", "s"), "m": ("minutes", "minute", "mins", "min", "m"),
@@ -530,7 +531,7 @@ class HealthSpec(BaseModel):
         out = dict(value)
         for name, written in value.items():
             duration = isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())
-            if not (duration or isinstance(written, bool)):
+            if not (duration or (isinstance(written, bool) and name in MEASURES)):   # unknown: _policy says so
                 continue
             measure = MEASURES.get(name, SECONDS)        # an unknown name: refused by _policy, with a "did you mean"
             if isinstance(written, bool) or measure != SECONDS:

@@ -127,7 +127,8 @@ def _thresholds(raw: Any, where: str) -> dict[str, int | float]:
         if name not in types:
             raise ValueError(f"{where}: unknown threshold {name!r}{_did_you_mean(name, sorted(types))}")
         whole = types[name] == "int"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and value != int(value)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                whole and math.isfinite(value) and value != int(value)):    # inf and nan: refused by the bounds
             kind = "a whole number" if whole else "a number"
             raise ValueError(f"{where}.{name}: expected {kind}, got {value!r}. To fix: {_KEEP_SHIPPED}")
         most = MAX_RING if name in _RINGS else MAX_COUNT

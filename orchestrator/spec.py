@@ -53,7 +53,9 @@ _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,62}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ACC_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _NUMBER_RE = re.compile(r"\d+(?:\.\d+)?|\.\d+")
-_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+# $NAME or ${NAME}; group 3: a form not filled in, refused (a shell's ${NAME:-default}, a pod command's $(NAME))
+_PATH_VARIABLE_RE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*)"
+                               r"|(\{[^}]*\}?|\([^)]*\)?))")
 # each unit as people write it ("30sec", "5 min", "2 hours", "1 day"), longest spelling first for the regex
 _UNIT_NAMES = {"ms": ("milliseconds", "millisecond", "msecs", "msec", "ms"),
                "s": ("seconds", "second", "secs", "sec", "s"), "m": ("minutes", "minute", "mins", "min", "m"),
@@ -370,8 +372,8 @@ class Resources(BaseModel):
         out = []
         for item in value:
             name = item.strip().lower() if isinstance(item, str) else item
-            name = {"k8s": "kubernetes"}.get(name, name)       # SkyPilot's name of it
-            if name not in PROVIDERS:
+            name = {"k8s": "kubernetes"}.get(name, name) if isinstance(name, str) else name  # SkyPilot's name of it
+            if not isinstance(name, str) or name not in PROVIDERS:   # a mapping or a list: unhashable
                 close = close_match(str(name), PROVIDERS)
                 hint = f"did you mean {close!r}? " if close else ""
                 raise ValueError(f"unknown provider {_show(item)}; {hint}To fix: use one of "
@@ -521,18 +523,21 @@ class HealthSpec(BaseModel):
     @classmethod
     def _durations(cls, value: Any) -> Any:
         """A threshold in seconds written as a duration with a unit ("2h" for phase_timeout_max_s, as every duration
-        of the spec is written) in seconds; a duration where the threshold counts steps or samples refused."""
+        of the spec is written) in seconds; a duration where the threshold counts steps or samples refused, and a
+        yes/no anywhere (a float field takes `hang_min_s: yes` as 1, past the policy's own refusal of a bool)."""
         from health.config import MEASURES, SECONDS
         if not isinstance(value, dict):
             return value
         out = dict(value)
         for name, written in value.items():
-            if not (isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())):
+            duration = isinstance(written, str) and _DURATION_RE.fullmatch(written.strip().lower())
+            if not (duration or (isinstance(written, bool) and name in MEASURES)):   # unknown: _policy says so
                 continue
             measure = MEASURES.get(name, SECONDS)        # an unknown name: refused by _policy, with a "did you mean"
-            if measure != SECONDS:
+            if isinstance(written, bool) or measure != SECONDS:
+                kind = "a duration" if duration else "yes/no"
                 raise _refused(cls.__name__, (name,), written, ValueError(
-                    f"{_show(written)} is a duration, but {name} {measure}. To fix: write a number (see "
+                    f"{_show(written)} is {kind}, but {name} {measure}. To fix: write a number (see "
                     "configs/health.yaml), or remove it to keep the shipped value"))
             out[name] = parse_duration(written)
         return out
@@ -812,6 +817,10 @@ class JobSpec(BaseModel):
             return _refused(type(self).__name__, field, path, problem)
 
         def value(match: re.Match) -> str:
+            if match[3] is not None:
+                raise refused(ValueError(f"{_show(path)} has {match[0]!r}, a form tfsn does not fill in: it fills "
+                                         "$NAME and ${NAME}. To fix: write it as ${NAME}, with NAME's value (a "
+                                         "default) in envs"))
             name = match[1] or match[2]
             found = self.envs.get(name, shell.get(name) if shell is not None else None)
             if found is None and shell is None:

@@ -346,6 +346,30 @@ def test_a_tfsnjob_fills_names_in_its_paths_from_its_own_envs_and_refuses_one_no
     assert len(operator.store.jobs()) == 2 and "unset" not in json.dumps(pods(cluster))
 
 
+def test_a_refused_tfsnjob_edited_as_its_condition_says_is_checked_again_and_admitted(operator, cluster):
+    """Valid=False said "To fix: add BUCKET to envs", and the TfsnJob so edited stayed Failed, no job, the old message:
+    an edit was only reported as not applied to a job under way, and a refused TfsnJob has none."""
+    body = tfsnjob(checkpoint={"dir": "s3://${BUCKET}/run1"})
+    cluster.on_loop(lambda k: k.objects.__setitem__((TFSNJOBS, NAMESPACE, "llm"), body))
+    body = kopf_writes(cluster, body, operator.admit(body))
+    assert body["status"]["phase"] == "Failed" and operator.store.jobs() == []
+
+    def edited(spec: dict) -> dict:
+        cluster.on_loop(lambda k: k.objects[TFSNJOBS, NAMESPACE, "llm"].patch({"spec": spec}))
+        return kopf_writes(cluster, body, operator.spec_changed(on_server(cluster, body)))
+
+    body = edited({"envs": {"BUCKET": "team-a"}, "num_nodes": 0})      # another problem: said instead
+    [valid] = body["status"]["conditions"]
+    assert valid["status"] == "False" and valid["message"].startswith("spec.num_nodes: ") and \
+        body["status"]["message"] == valid["message"] and operator.store.jobs() == []
+    body = edited({"num_nodes": 1})
+    [job] = operator.store.jobs()
+    assert job.spec["checkpoint"]["dir"] == "s3://team-a/run1"
+    valid = next(c for c in body["status"]["conditions"] if c["type"] == "Valid")
+    assert valid["status"] == "True" and (body["status"]["phase"], body["status"]["message"]) == ("", "")
+    assert operator.writer.write(job.id) and on_server(cluster, body)["status"]["phase"] == "Pending"
+
+
 def test_the_status_carries_the_jobs_nodes_and_counts_as_soon_as_they_change(operator, cluster):
     """No timer runs here: the store's writes reach .status through the operator's status writer."""
     operator.start(reconcile=False)

@@ -255,6 +255,17 @@ def test_paths_fill_in_variables_from_envs_then_the_shell(tmp_path, monkeypatch)
     one(write(tmp_path, "run: x\nworkdir: '${TFSN_TEST_UNSET}'\n"), 2, "workdir", "--env TFSN_TEST_UNSET=")
 
 
+@pytest.mark.parametrize("written, form", [("'${RUN:-r1}/ckpt'", "${RUN:-r1}"), ("/ckpt/$(RUN)", "$(RUN)"),
+                                           ("'/ckpt/${}'", "${}"), ("'/ckpt/${RUN'", "${RUN")])
+def test_a_variable_in_a_form_tfsn_does_not_fill_is_refused_not_made_a_folder(tmp_path, written, form):
+    """`dir: ${RUN:-r1}/ckpt` (a shell default) and `dir: /ckpt/$(RUN)` (a pod's command, for a TfsnJob) were taken as
+    written: folders literally named '${RUN:-r1}' and '$(RUN)', as '$HOME' was before $NAME was filled in."""
+    path = write(tmp_path, f"run: x\nenvs: {{RUN: r1}}\ncheckpoint:\n  dir: {written}\n")
+    one(path, 4, "checkpoint.dir", f"{form!r}", "fills $NAME and ${NAME}", "To fix")
+    assert JobSpec.model_validate({"name": "a", "run": "x", "envs": {"RUN": "r1"}, "checkpoint": {"dir": "/d/$$/$"}},
+                                  context={"shell": False}).checkpoint.dir == "/d/$$/$"   # a lone $ is a $
+
+
 def test_a_filled_in_checkpoint_dir_gets_the_checks_a_written_one_does(tmp_path, monkeypatch):
     """checkpoint.dir's own checks ran on the text before $NAME was filled in: `dir: $CKPT` with CKPT set but empty
     put the checkpoints in the workdir among the code (refused when written out: ''), and CKPT='gs:/bucket' made a
@@ -453,6 +464,14 @@ def test_a_duration_where_a_threshold_is_not_seconds_is_refused_saying_what_it_c
         "To fix: write a number")
 
 
+@pytest.mark.parametrize("threshold, value, what", [("hang_min_s", "yes", "is in seconds"),
+                                                    ("straggler_window", "true", "counts steps")])
+def test_a_yes_or_no_threshold_is_refused_not_taken_as_1(tmp_path, threshold, value, what):
+    """`hang_min_s: yes` was a hang called after 1 second: the number check refuses a bool, but it saw 1.0."""
+    path = write(tmp_path, f"run: x\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
+    one(path, 4, f"health.thresholds.{threshold}", f"True is yes/no, but {threshold} {what}", "To fix: write a number")
+
+
 def test_every_threshold_says_what_it_counts():
     from health.config import MEASURES, HealthConfig
 
@@ -509,6 +528,14 @@ def test_bad_duration(tmp_path):
 def test_bad_provider(tmp_path):
     path = write(tmp_path, "run: x\nresources:\n  infra: [aws, gpc]\n")
     one(path, 3, "resources.infra", "unknown provider 'gpc'; did you mean 'gcp'?", "kubernetes")
+
+
+@pytest.mark.parametrize("item", ["{aws: us-east-1}", "[aws]"])
+def test_a_provider_written_as_a_mapping_or_a_list_is_refused_naming_it(tmp_path, item):
+    """`infra: [{aws: us-east-1}]` was a TypeError ('unhashable type'): 'cannot validate the spec' at line 1, and a
+    TfsnJob's create handler failing for ever (infra is open in the CRD)."""
+    path = write(tmp_path, f"run: x\nresources:\n  infra: [{item}]\n")
+    one(path, 3, "resources.infra", "unknown provider", "To fix: use one of local, aws")
 
 
 def test_missing_run(tmp_path):
@@ -814,8 +841,11 @@ def test_kubernetes_section_and_its_bad_tolerations(tmp_path):
 
 
 @pytest.mark.parametrize("threshold, value", [("straggler_window", 10**12), ("straggler_baseline", 5000),
-                                              ("gather_steps", 10**9), ("hang_min_s", ".inf"), ("gather_s", ".nan")])
+                                              ("gather_steps", 10**9), ("hang_min_s", ".inf"), ("gather_s", ".nan"),
+                                              ("straggler_window", ".inf"), ("cooldown_steps", ".nan")])
 def test_health_thresholds_that_would_exhaust_memory_or_never_fire_are_refused(tmp_path, threshold, value):
+    """A whole-number threshold of .inf was an OverflowError (int(inf)): 'cannot validate the spec' at line 1, and
+    a TfsnJob's create handler failing for ever, its thresholds being open in the CRD."""
     path = tmp_path / "train.yaml"
     path.write_text(f"run: python train.py\nhealth:\n  thresholds:\n    {threshold}: {value}\n")
     with pytest.raises(SpecError, match=f"health.thresholds: {threshold}: must be"):

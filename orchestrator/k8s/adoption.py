@@ -91,9 +91,7 @@ class Adoption:
             self.op.prepare(body, job)
             return {}
         if status.get("jobId") is None:          # never admitted (the operator stopped first), or invalid
-            conditions = status.get("conditions", [])
-            invalid = any(c.get("type") == "Valid" and c.get("status") == "False" for c in conditions)
-            if invalid or status.get("phase") in TERMINAL_PHASES:
+            if refused(status) or status.get("phase") in TERMINAL_PHASES:
                 return {}
             self._delete_strangers(body, set())  # pods of an admission whose record never reached .status
             return self.op.admit(body)
@@ -180,6 +178,12 @@ class Adoption:
         for pod in self.op.provider.pods_of(meta["namespace"], meta["uid"]):
             if pod not in known:
                 self.op.provider.delete_pod(meta["namespace"], pod)
+
+
+def refused(status: dict[str, Any]) -> bool:
+    """Was the TfsnJob's spec refused (a Valid=False condition, no job made)?"""
+    return status.get("jobId") is None and any(c.get("type") == "Valid" and c.get("status") == "False"
+                                               for c in status.get("conditions", []))
 
 
 def job_key(meta: dict[str, Any]) -> str:

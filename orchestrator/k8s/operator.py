@@ -109,7 +109,7 @@ def sync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.update(*RESOURCE, field="spec")
 def update(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    patch.status.update(memo.tfsn.spec_changed(dict(body)))
+    patch.status.update(_retried(memo.tfsn.spec_changed, body))   # a refused spec edited is admitted: Secret, Service
 
 
 @kopf.on.delete(*RESOURCE)

@@ -10,7 +10,8 @@ one controller job. `Operator` only translates between the two:
   volume), and add the controller job;
 - sync (the timer): taint what a refused taint left (orchestrator.k8s.taints), have the writer check
   `.status` (orchestrator.k8s.status), keep the conditions;
-- spec_changed: not applied to a job under way; a condition says so and how to apply it;
+- spec_changed: not applied to a job under way; a condition says so and how to apply it; a refused spec is
+  checked again;
 - release (delete): stop the job; the controller deletes the pods, owner references the Secret and Service.
 Adoption of the jobs under way when an operator starts is orchestrator.k8s.adoption.
 
@@ -38,7 +39,7 @@ from orchestrator.control.api import ApiServer
 from orchestrator.control.controller import Controller
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import tfsn_home
-from orchestrator.k8s.adoption import Adoption, job_key, token_secret
+from orchestrator.k8s.adoption import Adoption, job_key, refused, token_secret
 from orchestrator.k8s.crd import CA_SECRET, GROUP, KIND, VERSION, Condition, TfsnJobStatus
 from orchestrator.k8s.status import StatusWriter, status_record
 from orchestrator.k8s.taints import Taints
@@ -315,9 +316,13 @@ class Operator:
         return [] if job is None else self.taints.news(job.id)
 
     def spec_changed(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A changed spec is not applied to a job under way (its plan, pods and checkpoints are of the old one)."""
+        """A changed spec is not applied to a job under way (its plan, pods and checkpoints are of the old one); a
+        refused one is checked again, the edit being the fix its Valid=False condition asked for."""
         if self.job_of(body) is None:
-            return {}
+            if not refused(body.get("status") or {}):
+                return {}
+            admitted = self.admit(body)
+            return admitted if "phase" in admitted else {"phase": "", "message": "", **admitted}   # no longer Failed
         previous = (body.get("status") or {}).get("conditions", [])
         message = ("the spec changed after the job started; the job runs on with the spec it started with. To fix: "
                    f"kubectl delete the {KIND} and apply it again (it restarts from its checkpoints)")

@@ -322,6 +322,22 @@ def test_an_invalid_tfsnjob_gets_a_condition_that_says_what_to_fix_and_no_pods(o
     assert operator.store.jobs() == [] and pods(cluster) == {}
 
 
+def test_a_validator_bug_is_a_condition_not_an_error_kopf_retries_forever(operator, cluster, monkeypatch):
+    """Only a ValidationError was caught: a bug in one of the spec's validators (here a duration parser that raises)
+    left the create handler raising, which kopf retries with a traceback every time; `tfsn launch` says it in one
+    line, and so does the TfsnJob's condition."""
+    from orchestrator import spec as spec_module
+
+    def broken(text):
+        raise ZeroDivisionError("division by zero")
+    monkeypatch.setattr(spec_module, "parse_duration", broken)
+    status = operator.admit(tfsnjob(health={"thresholds": {"hang_min_s": "2 min"}}))
+    [condition] = status["conditions"]
+    assert (condition["reason"], status["phase"], status["jobId"]) == ("InvalidSpec", "Failed", None)
+    assert "cannot validate the spec: ZeroDivisionError: division by zero" in condition["message"]
+    assert "\n" not in condition["message"] and operator.store.jobs() == [] and pods(cluster) == {}
+
+
 def test_a_tfsnjob_fills_names_in_its_paths_from_its_own_envs_and_refuses_one_not_there(operator, cluster,
                                                                                        monkeypatch):
     """`checkpoint.dir: s3://${BUCKET}/run1` was taken as written: a bucket named '${BUCKET}'. A file fills $NAME from

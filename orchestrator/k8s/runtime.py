@@ -224,6 +224,9 @@ class Operator:
             spec = JobSpec.model_validate(data, context=ENVS_ONLY if written else None)
         except ValidationError as err:
             return None, spec_error(err, data)
+        except Exception as err:    # a validator's bug: a condition, as `tfsn launch` says it, not kopf retrying forever
+            return None, (f"spec: cannot validate the spec: {type(err).__name__}: {err}. To fix: report it as a tfsn "
+                          "bug, with this spec")
         problem = _cluster_problem(spec)
         if problem:
             return None, problem

@@ -593,3 +593,15 @@ def test_stop_without_waiting_says_the_stop_was_requested(in_process, tmp_path):
     code, out, err = in_process("stop", "--no-wait", str(job.id))
     assert code == 0 and out.strip() == f"job {job.id}: stop requested (it was RUNNING). Follow: tfsn status {job.id}"
     assert store.job(job.id).stop_requested
+
+
+@pytest.mark.parametrize("below", ["", "/ckpt"])
+def test_a_checkpoint_folder_behind_a_dangling_link_is_refused_as_one(tmp_path, below):
+    """A link to a folder not made yet (or unmounted) was called "a file, not a folder"."""
+    from orchestrator.planning.placement import folder_problem
+
+    link = tmp_path / "ckpt-link"
+    link.symlink_to(tmp_path / "scratch" / "run1")
+    problem = folder_problem(str(link) + below)
+    assert problem is not None and f"a link to {tmp_path / 'scratch' / 'run1'}, which does not exist" in problem
+    assert "a file" not in problem and "To fix: make that folder" in problem

@@ -148,9 +148,12 @@ def folder_problem(path: str) -> str | None:
     probe = path
     while not os.path.lexists(probe) and os.path.dirname(probe) != probe:   # the nearest part that exists
         probe = os.path.dirname(probe)
+    where = "is" if probe == path else f"is below {probe},"
+    if os.path.islink(probe) and not os.path.exists(probe):
+        return (f"{path} {where} a link to {os.readlink(probe)}, which does not exist. To fix: make that folder, or "
+                "name another")
     if not os.path.isdir(probe):
-        what = "is a file" if probe == path else f"is below {probe}, a file"
-        return f"{path} {what}, not a folder. To fix: name a folder (it is made if missing)"
+        return f"{path} {where} a file, not a folder. To fix: name a folder (it is made if missing)"
     longest = max(os.path.relpath(path, probe).split(os.sep), key=lambda name: len(os.fsencode(name)))
     most = _name_max(probe)
     if len(os.fsencode(longest)) > most:     # lexists() said "missing" (ENAMETOOLONG): the first save would fail

@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.test_sdk import controller  # noqa: F401 - a fixture: a controller taking telemetry
+
 VOCAB, WIDTH, HEADS, LENGTH, BATCH, STEPS = 29, 12, 2, 7, 3, 3
 
 
@@ -216,3 +218,39 @@ def test_a_copy_of_an_optimized_ddp_sequential_computes_with_its_own_weights(tmp
     results = torch.load(tmp_path / "copy.pt")
     torch.testing.assert_close(results["ema"], results["eager ema"], rtol=1e-6, atol=1e-6)
     assert results["saved"] == ""
+
+
+def watched_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """A run launched by tfsn (telemetry on) restoring `tfsn.optimize(DDP(net))`, then training 2 steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from optimizer import backend
+    from orchestrator.sdk import run as sdk
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        run = sdk.Run(checkpoint_dir=Path(out_dir) / "ckpt", checkpoint_interval=100, keep=1, total_steps=2)
+        torch.manual_seed(0)
+        model = backend.optimize(DistributedDataParallel(nn.Sequential(nn.Linear(13, 24), nn.GELU(), nn.Linear(24, 5))))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in run.steps(run.restore(model=model, optimizer=opt)):
+            F.cross_entropy(model(torch.randn(7, 13)), torch.randint(0, 5, (7,))).backward()
+            opt.step()
+            opt.zero_grad()
+        run.finish()
+        torch.save({"kernels": backend.STATS["kernels"]}, Path(out_dir) / "watched.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_an_optimized_ddp_model_is_watched_for_its_all_reduce_wait(tmp_path: Path, monkeypatch, controller) -> None:
+    """`run.restore(model=tfsn.optimize(DDP(net)))` installed no all-reduce timer, saying nothing: the model is
+    torch.compile's wrapper, not a DDP, so every rank's compute time was the step time it shares with the slowest
+    rank, and the health monitor could not tell the slow rank from those waiting for it."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    mp.spawn(watched_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    assert torch.load(tmp_path / "watched.pt")["kernels"] > 0
+    records = [record for body in controller for record in body["records"]]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["compute_time"] is not None for r in records), records

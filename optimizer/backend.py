@@ -1257,5 +1257,6 @@ def _wrapped_torch_module(model: Any) -> bool:
     never torch's: a user's module class is compiled, a Sequential was not, and the model ran eagerly, saying
     nothing (Inductor the same). Its forward is then compiled itself, in place: the names in the state dict stay."""
     from torch.nn.parallel import DistributedDataParallel
+    # an fx GraphModule's generated forward has `__module__` None (it was an AttributeError)
     return isinstance(model, DistributedDataParallel) and \
-        getattr(type(model.module).forward, "__module__", "").startswith("torch.nn.")
+        (getattr(type(model.module).forward, "__module__", None) or "").startswith("torch.nn.")

@@ -254,3 +254,54 @@ def test_an_optimized_ddp_model_is_watched_for_its_all_reduce_wait(tmp_path: Pat
     records = [record for body in controller for record in body["records"]]
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["compute_time"] is not None for r in records), records
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(13, 24), nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+def traced_rank_main(rank: int, init_file: str, out_dir: str) -> None:
+    """DDP(torch.fx.symbolic_trace(net)) trained eagerly and through `tfsn.optimize`: losses, parameters, kernels."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from optimizer import backend
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        results = {}
+        for how in ("eager", "tfsn"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.fx.symbolic_trace(Mlp()))
+            step = backend.optimize(model) if how == "tfsn" else model
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            before, losses = backend.STATS["kernels"], []
+            for _ in range(2):
+                loss = F.cross_entropy(step(torch.randn(7, 13)), torch.randint(0, 5, (7,)))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            results[how] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+            results[how + " kernels"] = backend.STATS["kernels"] - before
+        torch.save(results, Path(out_dir) / "traced.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_ddp_wrapped_fx_graph_module_is_compiled_and_trains_to_eager_values(tmp_path: Path, monkeypatch) -> None:
+    """`tfsn.optimize(DDP(torch.fx.symbolic_trace(net)))` failed with AttributeError: a GraphModule's generated
+    `forward` has `__module__` None, which the check for one of torch's own modules called `.startswith` on."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    mp.spawn(traced_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    results = torch.load(tmp_path / "traced.pt")
+    assert results["tfsn kernels"] > 0 and results["eager kernels"] == 0
+    torch.testing.assert_close(results["tfsn"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
+    for name, value in results["tfsn"][1].items():
+        torch.testing.assert_close(value, results["eager"][1][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -217,6 +217,23 @@ def _roll(x: torch.Tensor, shifts: list, dims: list = ()) -> torch.Tensor:
     return result if rolled else aten.clone.default(x)
 
 
+def _batch_norm_functional(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                           running_mean: torch.Tensor, running_var: torch.Tensor, training: bool, momentum: float,
+                           eps: float) -> tuple:
+    """torch's decomposition, with the saved mean and inverse std in fp32 for a 16-bit input whose parameters
+    or running stats are fp32 (BatchNorm under autocast), as ATen's mixed-type kernel saves them: torch's rounds
+    them to the input's dtype on a CPU, and the backward read them so (a bf16 BatchNorm's weight gradient was off
+    eager's by 0.012 in 5.4, its input's gradient by 1/64). The values are computed in fp32 either way."""
+    from torch._decomp.decompositions import _native_batch_norm_legit_functional as decomposed
+    mixed = x.dtype in (torch.bfloat16, torch.float16) and any(
+        t is not None and t.dtype == torch.float32 for t in (weight, bias, running_mean, running_var))
+    if not mixed:
+        return decomposed(x, weight, bias, running_mean, running_var, training, momentum, eps)
+    out, *saved = decomposed(aten._to_copy.default(x, dtype=torch.float32), weight, bias, running_mean, running_var,
+                             training, momentum, eps)
+    return (aten._to_copy.default(out, dtype=x.dtype), *saved)
+
+
 def _nll_loss_backward(grad_output: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                        reduction: int, ignore_index: int, total_weight: torch.Tensor) -> torch.Tensor:
     """nll_loss's gradient (cross-entropy's, and nll_loss2d's over pixels) as ATen's kernel computes it:
@@ -345,6 +362,7 @@ def decompositions() -> dict:
     table[aten.constant_pad_nd.default] = _constant_pad
     table[aten.repeat.default] = _repeat
     table[aten.roll.default] = _roll
+    table[aten._native_batch_norm_legit_functional.default] = _batch_norm_functional
     table[aten.nll_loss_backward.default] = _nll_loss_backward
     table[aten.nll_loss2d_backward.default] = _nll_loss_backward
     table.update(AUTOGRAD_KEY_CORRECTIONS)

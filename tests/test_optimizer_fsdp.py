@@ -246,7 +246,8 @@ def watched_rank_main(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_an_optimized_ddp_model_is_watched_for_its_all_reduce_wait(tmp_path: Path, monkeypatch, controller) -> None:
+def test_an_optimized_ddp_model_is_watched_for_its_all_reduce_wait(tmp_path: Path, monkeypatch,
+                                                                    controller) -> None:  # noqa: F811 (a fixture)
     """`run.restore(model=tfsn.optimize(DDP(net)))` installed no all-reduce timer, saying nothing: the model is
     torch.compile's wrapper, not a DDP, so every rank's compute time was the step time it shares with the slowest
     rank, and the health monitor could not tell the slow rank from those waiting for it."""

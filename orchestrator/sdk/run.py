@@ -228,11 +228,13 @@ class Run:
 
     def watch(self, model: torch.nn.Module) -> None:
         """Measure this rank's wait in `model`'s gradient all-reduce, so that a slow rank can be told
-        from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model;
-        call it yourself before the first backward pass if you do not restore. A model on a GPU is timed
-        on the device with CUDA events (with NCCL the CPU cannot see the wait)."""
-        if isinstance(model, DistributedDataParallel) and self._comm_timer is None and self.managed:
-            self._comm_timer = commtimer.install(model)
+        from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model, also one in
+        `tfsn.optimize`'s (torch.compile's) wrapper; call it yourself before the first backward pass if you
+        do not restore. A model on a GPU is timed on the device with CUDA events (with NCCL the CPU cannot
+        see the wait)."""
+        ddp = _data_parallel(model)
+        if ddp is not None and self._comm_timer is None and self.managed:
+            self._comm_timer = commtimer.install(ddp)
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """`with run.phase("eval"):` tells the controller that this rank evaluates (or loads data, or
@@ -306,8 +308,7 @@ class Run:
     def restore(self, **objects: Any) -> int:
         """Load the newest valid checkpoint into `objects`; returns the step to start from (0 if none)."""
         for value in objects.values():
-            if isinstance(value, DistributedDataParallel):
-                self.watch(value)
+            self.watch(value)
         if self._saver is not None:
             with self._phases.phase(phases.CHECKPOINT):
                 self._wait_for_write()
@@ -390,6 +391,13 @@ class Run:
             print(f"tfsn: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
+
+
+def _data_parallel(model: Any) -> DistributedDataParallel | None:
+    """The DDP module `model` is, or that torch.compile wraps (`tfsn.optimize(DDP(net))` is an OptimizedModule
+    holding it as `_orig_mod`: taken for no DDP, it went untimed, saying nothing); None for any other object."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DistributedDataParallel) else None
 
 
 def _parse_interval(value: int | str) -> tuple[int | None, float | None]:

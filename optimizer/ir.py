@@ -536,13 +536,44 @@ def _op_result(fx_node: torch.fx.Node) -> bool:
     op of a foreach op is one (_users_op): SGD's foreach weight decay, grads + wd * params, is rounded before
     params - lr * grads reads it, though both are pieces of _foreach_add.List of one seq_nr."""
     op = fx_node.meta.get("original_aten")
-    if op is None or _fused_multiply_add_factor(fx_node):
+    if op is None or _fused_multiply_add_factor(fx_node) or _addcdiv_piece(fx_node):
         return False
     if _users_op(fx_node) == str(fx_node.target):
         return True
     call = (str(op), fx_node.meta.get("seq_nr"))
     return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call
                for u in fx_node.users)
+
+
+# torch.addcdiv(t, a, b, value=v) as Dynamo writes it (torch/_dynamo/variables/torch.py, handle_addcdiv): torch.div(a,
+# b), torch.mul of that by v, torch.add(t, ...); each step (the op, the function that made it, the position the
+# previous step's result takes in it). Not t.addcdiv(a, b, value=v), which stays one op.
+ADDCDIV_STEPS = ((aten.div.Tensor, torch.div, None), (aten.mul.Tensor, torch.mul, 0), (aten.add.Tensor, torch.add, 1))
+
+
+def _addcdiv_piece(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node` is the quotient a / b, or its product by v, of a torch.addcdiv(t, a, b, value=v) that Dynamo
+    wrote as three calls (ADDCDIV_STEPS): a piece of the user's op, which eager's 16-bit CPU kernel computes in fp32,
+    t + v * a / b rounded once (as _fused_multiply_add_factor's t.addcdiv_)."""
+    targets = [target for target, _, _ in ADDCDIV_STEPS]
+    if fx_node.target not in targets[:2]:
+        return False
+    node = fx_node
+    for k in range(targets.index(fx_node.target), len(ADDCDIV_STEPS)):
+        target, made_by, position = ADDCDIV_STEPS[k]
+        if node.target is not target or _made_by(node) != [made_by]:
+            return False
+        if k + 1 < len(ADDCDIV_STEPS):
+            users = list(node.users)
+            if len(users) != 1 or len(users[0].args) < 2 or users[0].args[ADDCDIV_STEPS[k + 1][2]] is not node:
+                return False
+            node = users[0]
+    return True
+
+
+def _made_by(fx_node: torch.fx.Node) -> list:
+    """The function of the user's code (as Dynamo traced it) that made `fx_node`: a list of it, or empty."""
+    return [fn for _, fn in fx_node.meta.get("source_fn_stack") or ()][-1:]
 
 
 def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
@@ -554,7 +585,7 @@ def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
     makes an fma, of whatever the user passed (an a * b of the user's, eager's op, rounded)."""
     if fx_node.target not in (aten.div.Tensor, aten.mul.Tensor) or not fx_node.users:
         return False
-    made_by = [fn for _, fn in fx_node.meta.get("source_fn_stack") or ()][-1:]
+    made_by = _made_by(fx_node)
     return all(u.target is torch.ops.prims.fma.default and u.args[0] is fx_node and fx_node not in u.args[1:]
                and (isinstance(u.args[1], (int, float)) or made_by in ([torch.div], [torch.mul]))
                for u in fx_node.users)

@@ -662,6 +662,7 @@ def test_chained_16_bit_foreach_updates_round_each_result_as_eager(codegen, dtyp
 ONE_KERNEL_OPERATIONS = {
     "t.addcdiv_(a, b, value=-0.5)": lambda t, a, b: t.clone().addcdiv_(a, b, value=-0.5),
     "t.addcmul_(a, b, value=-0.375)": lambda t, a, b: t.clone().addcmul_(a, b, value=-0.375),
+    "torch.addcdiv(t, a, b, value=-0.5)": lambda t, a, b: torch.addcdiv(t, a, b, value=-0.5),
     "t ** 3": lambda t, a, b: t ** 3,
     "b ** -2": lambda t, a, b: b ** -2,
     "torch.xlogy(a, b)": lambda t, a, b: torch.xlogy(a, b),
@@ -678,7 +679,8 @@ def test_a_16_bit_op_of_one_cpu_kernel_rounds_as_its_kernel(codegen, dtype, expr
     """Regression: ops that eager computes in one 16-bit CPU kernel, rounding where that kernel rounds. Dynamo
     writes t.addcdiv_(a, b, value=v) and t.addcmul_ (Adam's and AdamW's updates without foreach) as a / b or a * b
     and an fma, and tfsn rounded the quotient or product to the half where eager's kernel computes t + v * a / b
-    in fp32 and rounds once (bf16 addcdiv_: 59 of 336 elements off eager's; addcmul_: 95). The opposite for bf16
+    in fp32 and rounds once (bf16 addcdiv_: 59 of 336 elements off eager's; addcmul_: 95); torch.addcdiv(t, a, b,
+    value=v) too, which Dynamo writes as torch.div, torch.mul and torch.add (59 of 336). The opposite for bf16
     x ** 3 and x ** -2: eager's kernel rounds the square x * x to bf16 before the third factor or the reciprocal,
     and tfsn rounded once (72 and 82 of 336 off; fp16's pow rounds once). Likewise xlogy's kernel rounds log(y)
     to the half before the product (xlog1py its log1p, entr's -x * log(x) its log: bf16 115 of 336 off), logit's

@@ -984,7 +984,7 @@ def gpu_searched_plan(graph, spec, report: list | None, top_k: int | None = None
                               lambda: search.search_graph(graph, target, gemm=True, top_k=top_k, timing=top_k > 1))
 
 
-SEARCH_VERSION = "45"     # bump when the search or the model changes what a cached result means
+SEARCH_VERSION = "46"     # bump when the search or the model changes what a cached result means
 
 # Set by the controller in a job's workers: the hardware `tfsn plan` searched the job's step for on this node
 # (planned_hardware), so that a worker that must search says whether its node is of another type.

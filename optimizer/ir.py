@@ -234,13 +234,16 @@ def from_fx(gm: torch.fx.GraphModule, device: str = "cpu", half: bool = False) -
         kwargs = dict(torch.fx.node.map_aggregate(fx_node.kwargs, ref))
         half = _half_kernel_piece(fx_node, type_, device)
         if half is not None and fx_node.target in LOGIT_BOUNDED and \
-                str(fx_node.meta["original_aten"]) in HALF_KERNEL_PIECES:
+                str(fx_node.meta["original_aten"]) in LOGIT_OPS:
             args = tuple(_half_kernel_bound(a, half) for a in args)
         if half is not None and str(fx_node.meta["original_aten"]) in HALF_KERNEL_CONVERTED_OPERANDS:
             # an operand of another dtype that eager's kernel converts to the half: rounded, then fp32 again as
-            # the decomposition computes on (once per operand and half)
+            # the decomposition computes on (once per operand and half); a Python number the decomposition
+            # made a tensor of, as eager wraps it and converts it
             args = tuple(Ref(rounded_to(half, f)) if _half_kernel_operand(fx_node, f, half) else a
                          for f, a in zip(fx_node.args, args))
+            if fx_node.target in SCALAR_TENSORS:
+                args = (_in_half(args[0], half), *args[1:])
         read_back = _other_dim_half_operand(fx_node, half)
         if read_back is not None:
             args = (*args[:read_back], Ref(rounded_to(half, fx_node.args[read_back])), *args[read_back + 1:])
@@ -364,21 +367,19 @@ def _cpu_half_scalars(fx_node: torch.fx.Node, args: tuple, kwargs: dict, type_: 
     if type_ is None or type_.dtype not in HALF_DTYPES or torch.device(device).type != "cpu" or \
             original not in CPU_HALF_ROUNDED_SCALARS:
         return args, kwargs
-    half = getattr(torch, type_.dtype)
-
-    def rounded(a: Any) -> Any:
-        return float(torch.tensor(a, dtype=torch.float64).to(half)) \
-            if isinstance(a, (int, float)) and not isinstance(a, bool) else a
-    return tuple(rounded(a) for a in args), {k: rounded(v) if k == "alpha" else v for k, v in kwargs.items()}
+    half = type_.dtype
+    return tuple(_in_half(a, half) for a in args), {k: _in_half(v, half) if k == "alpha" else v
+                                                    for k, v in kwargs.items()}
 
 
-# ATen's CPU add, sub (rsub) and pow of two tensors convert a tensor operand of another dtype to their 16-bit result's
-# dtype before computing (TensorIterator's common dtype), a 0-d one included: bf16 x + torch.tensor(0.1) adds
-# 0.10009765625, fp16 x + torch.tensor(2049) adds 2048, bf16 x + an int64 tensor of 257s adds 256. Its mul and div
+# ATen's CPU add, sub (rsub), pow, atan2 and hypot of two tensors convert a tensor operand of another dtype to their
+# 16-bit result's dtype before computing (TensorIterator's common dtype), a 0-d one included: bf16 x + torch.tensor(0.1)
+# adds 0.10009765625, fp16 x + torch.tensor(2049) adds 2048, bf16 x + an int64 tensor of 257s adds 256, bf16
+# torch.atan2(x, torch.tensor(0.3)) is atan2(x, 0.30078125). Its mul and div
 # too, except for a second operand of one element, which they read at its own value (x * torch.tensor(0.1) multiplies
 # by 0.1 in fp32, torch.tensor(0.1) * x by 0.10009765625). Its CUDA kernels read a CPU scalar at its own value.
 CPU_HALF_CONVERTED_OPERANDS = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.rsub.Tensor",
-                                         "aten.pow.Tensor_Tensor"})
+                                         "aten.pow.Tensor_Tensor", "aten.atan2.default", "aten.hypot.default"})
 CPU_HALF_CONVERTED_UNLESS_SCALAR = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})
 
 
@@ -411,13 +412,18 @@ def _users_op(fx_node: torch.fx.Node) -> str:
 
 # Ops whose 16-bit CPU kernel computes pieces of its value in its scalar_t, the half, where their decompositions
 # compute in fp32: those pieces' results are rounded to the half. xlogy's kernel is x * std::log(y) of BFloat16 (or
-# Half) values, the log rounded before the product (xlog1py's log1p likewise); logit's rounds 1 - x, the quotient
-# and its log (Vectorized<scalar_t> ops, or MKL's log of the half quotient), between bounds eps and 1 - eps that
-# are halves too, in its backward's kernel as well (eps.to<scalar_t>(): bf16 logit(x, eps=1e-3) of 1 is inf, as
-# 1 - eps rounds to 1, and so is its gradient). logsumexp's is ATen's composite of ops on the half tensor (x - max,
-# exp_, sum, log_, add_), each result rounded.
+# Half) values, the log rounded before the product (xlog1py's log1p and entr's -x * std::log(x) likewise); logit's
+# rounds 1 - x, the quotient and its log (Vectorized<scalar_t> ops, or MKL's log of the half quotient), between
+# bounds eps and 1 - eps that are halves too, in its backward's kernel as well (eps.to<scalar_t>(): bf16 logit(x,
+# eps=1e-3) of 1 is inf, as 1 - eps rounds to 1, and so is its gradient). logsumexp's is ATen's composite of ops on
+# the half tensor (x - max, exp_, sum, log_, add_), each result rounded.
 HALF_KERNEL_PIECES = {"aten.xlogy.Tensor": {"aten.log.default"},
+                      "aten.xlogy.Scalar_Self": {"aten.log.default"},
+                      "aten.xlogy.Scalar_Other": {"aten.log.default"},
                       "aten.special_xlog1py.default": {"aten.log1p.default"},
+                      "aten.special_xlog1py.self_scalar": {"aten.log1p.default"},
+                      "aten.special_xlog1py.other_scalar": {"aten.log1p.default"},
+                      "aten.special_entr.default": {"aten.log.default"},
                       "aten.logit.default": {"aten.sub.Tensor", "aten.div.Tensor", "aten.log.default"},
                       "aten.logit_backward.default": set(),
                       "aten._log_softmax.default": {"aten.sum.dim_IntList", "aten.log.default"},
@@ -434,14 +440,25 @@ LAST_DIM_HALF_KERNEL_PIECES = frozenset({"aten._log_softmax.default"})
 OTHER_DIM_HALF_KERNEL_OPERANDS = {"aten._softmax.default": ("aten.div.Tensor", 0)}
 CONVERSION = "aten._to_copy.default"
 LOGIT_BOUNDED = (aten.lt.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.scalar_tensor.default)
+LOGIT_OPS = ("aten.logit.default", "aten.logit_backward.default")
 
 
 # Ops whose 16-bit CPU kernel converts a tensor operand of another dtype to the half before computing
-# (TensorIterator's common dtype), where their decompositions read it at its own value: bf16 torch.lerp(x, y,
-# torch.tensor(0.1)) (an EMA's or a compiled optimizer's tensor weight) weighs by 0.10009765625.
-HALF_KERNEL_CONVERTED_OPERANDS = frozenset({"aten.lerp.Tensor"})
+# (TensorIterator's common dtype), and a Python number it wraps, where their decompositions read either at its
+# own value: bf16 torch.lerp(x, y, torch.tensor(0.1)) (an EMA's or a compiled optimizer's tensor weight) weighs by
+# 0.10009765625, bf16 torch.xlogy(x, 0.3) is x * log(0.30078125), torch.logaddexp(x, torch.tensor(0.3)) likewise.
+HALF_KERNEL_CONVERTED_OPERANDS = frozenset({
+    "aten.lerp.Tensor", "aten.xlogy.Tensor", "aten.xlogy.Scalar_Self", "aten.xlogy.Scalar_Other",
+    "aten.special_xlog1py.default", "aten.special_xlog1py.self_scalar", "aten.special_xlog1py.other_scalar",
+    "aten.logaddexp.default", "aten.logaddexp2.default"})
 # The ops of the three tables above: those whose pieces _half_kernel_piece finds the half of.
 HALF_KERNEL_OPS = frozenset({*HALF_KERNEL_PIECES, *OTHER_DIM_HALF_KERNEL_OPERANDS, *HALF_KERNEL_CONVERTED_OPERANDS})
+SCALAR_TENSORS = (aten.scalar_tensor.default, torch.ops.prims.scalar_tensor.default)
+
+
+def _in_half(a: Any, half: str) -> Any:
+    """A Python float or int `a` as the value of `half` that eager converts it to; anything else as it is."""
+    return float(torch.tensor(a, dtype=torch.float64).to(getattr(torch, half))) if _number(a) else a
 
 
 def _half_kernel_operand(fx_node: torch.fx.Node, operand: Any, half: str) -> bool:
@@ -521,13 +538,44 @@ def _op_result(fx_node: torch.fx.Node) -> bool:
     op of a foreach op is one (_users_op): SGD's foreach weight decay, grads + wd * params, is rounded before
     params - lr * grads reads it, though both are pieces of _foreach_add.List of one seq_nr."""
     op = fx_node.meta.get("original_aten")
-    if op is None or _fused_multiply_add_factor(fx_node):
+    if op is None or _fused_multiply_add_factor(fx_node) or _addcdiv_piece(fx_node):
         return False
     if _users_op(fx_node) == str(fx_node.target):
         return True
     call = (str(op), fx_node.meta.get("seq_nr"))
     return any(u.meta.get("original_aten") is not None and (str(u.meta["original_aten"]), u.meta.get("seq_nr")) != call
                for u in fx_node.users)
+
+
+# torch.addcdiv(t, a, b, value=v) as Dynamo writes it (torch/_dynamo/variables/torch.py, handle_addcdiv): torch.div(a,
+# b), torch.mul of that by v, torch.add(t, ...); each step (the op, the function that made it, the position the
+# previous step's result takes in it). Not t.addcdiv(a, b, value=v), which stays one op.
+ADDCDIV_STEPS = ((aten.div.Tensor, torch.div, None), (aten.mul.Tensor, torch.mul, 0), (aten.add.Tensor, torch.add, 1))
+
+
+def _addcdiv_piece(fx_node: torch.fx.Node) -> bool:
+    """Whether `fx_node` is the quotient a / b, or its product by v, of a torch.addcdiv(t, a, b, value=v) that Dynamo
+    wrote as three calls (ADDCDIV_STEPS): a piece of the user's op, which eager's 16-bit CPU kernel computes in fp32,
+    t + v * a / b rounded once (as _fused_multiply_add_factor's t.addcdiv_)."""
+    targets = [target for target, _, _ in ADDCDIV_STEPS]
+    if fx_node.target not in targets[:2]:
+        return False
+    node = fx_node
+    for k in range(targets.index(fx_node.target), len(ADDCDIV_STEPS)):
+        target, made_by, position = ADDCDIV_STEPS[k]
+        if node.target is not target or _made_by(node) != [made_by]:
+            return False
+        if k + 1 < len(ADDCDIV_STEPS):
+            users = list(node.users)
+            if len(users) != 1 or len(users[0].args) < 2 or users[0].args[ADDCDIV_STEPS[k + 1][2]] is not node:
+                return False
+            node = users[0]
+    return True
+
+
+def _made_by(fx_node: torch.fx.Node) -> list:
+    """The function of the user's code (as Dynamo traced it) that made `fx_node`: a list of it, or empty."""
+    return [fn for _, fn in fx_node.meta.get("source_fn_stack") or ()][-1:]
 
 
 def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
@@ -539,7 +587,7 @@ def _fused_multiply_add_factor(fx_node: torch.fx.Node) -> bool:
     makes an fma, of whatever the user passed (an a * b of the user's, eager's op, rounded)."""
     if fx_node.target not in (aten.div.Tensor, aten.mul.Tensor) or not fx_node.users:
         return False
-    made_by = [fn for _, fn in fx_node.meta.get("source_fn_stack") or ()][-1:]
+    made_by = _made_by(fx_node)
     return all(u.target is torch.ops.prims.fma.default and u.args[0] is fx_node and fx_node not in u.args[1:]
                and (isinstance(u.args[1], (int, float)) or made_by in ([torch.div], [torch.mul]))
                for u in fx_node.users)

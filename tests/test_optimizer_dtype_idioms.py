@@ -593,6 +593,13 @@ TENSOR_OPERAND_OPERATIONS = {
     "int64 tensor - x": lambda x, t, i: i - x,
     "torch.lerp(x, x.flip(-1), torch.tensor(0.1))": lambda x, t, i: torch.lerp(x, x.flip(-1), t),
     "torch.lerp(x, x.flip(-1), torch.tensor(0.1) + 0.55)": lambda x, t, i: torch.lerp(x, x.flip(-1), t + 0.55),
+    "torch.atan2(x, torch.tensor(0.1))": lambda x, t, i: torch.atan2(x, t),
+    "torch.hypot(torch.tensor(0.1), x)": lambda x, t, i: torch.hypot(t, x),
+    "torch.logaddexp(x, torch.tensor(0.1))": lambda x, t, i: torch.logaddexp(x, t),
+    "torch.logaddexp2(torch.tensor(0.1), x)": lambda x, t, i: torch.logaddexp2(t, x),
+    "torch.xlogy(torch.tensor(0.1), x.abs())": lambda x, t, i: torch.xlogy(t, x.abs()),
+    "torch.xlogy(x, 0.3)": lambda x, t, i: torch.xlogy(x, 0.3),
+    "torch.special.xlog1py(0.3, x.abs())": lambda x, t, i: torch.special.xlog1py(0.3, x.abs()),
 }
 
 
@@ -607,7 +614,10 @@ def test_a_16_bit_op_converts_a_tensor_of_another_dtype_as_cpu_eager(codegen, dt
     sub, the Triton renderer (CPU tensors) none: bf16 x + torch.tensor(301.) 123 of 256 elements off eager's, by up
     to 2; bf16 x * an int64 tensor 52 of 256, up to 256; x ** a 0-d fp32 tensor 155 of 256. Its lerp converts a
     0-d fp32 weight too (an EMA's tensor weight), where lerp's decomposition read it in fp32: bf16 8 of 240
-    elements off eager's, fp16 22. Forward bit for bit; the gradient at the half's tolerance."""
+    elements off eager's, fp16 22. So do its atan2 and hypot, and logaddexp, logaddexp2, xlogy and xlog1py, a
+    Python number of the last two as well (eager wraps it), which their decompositions read at its own value:
+    bf16 torch.xlogy(x, 0.3) 32 of 256 elements off eager's, torch.atan2(x, torch.tensor(0.1)) 3, logaddexp 16,
+    xlog1py 128. Forward bit for bit; the gradient at the half's tolerance."""
     fn = TENSOR_OPERAND_OPERATIONS[expression]
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 64, generator=g) * 3).to(dtype)
@@ -652,11 +662,13 @@ def test_chained_16_bit_foreach_updates_round_each_result_as_eager(codegen, dtyp
 ONE_KERNEL_OPERATIONS = {
     "t.addcdiv_(a, b, value=-0.5)": lambda t, a, b: t.clone().addcdiv_(a, b, value=-0.5),
     "t.addcmul_(a, b, value=-0.375)": lambda t, a, b: t.clone().addcmul_(a, b, value=-0.375),
+    "torch.addcdiv(t, a, b, value=-0.5)": lambda t, a, b: torch.addcdiv(t, a, b, value=-0.5),
     "t ** 3": lambda t, a, b: t ** 3,
     "b ** -2": lambda t, a, b: b ** -2,
     "torch.xlogy(a, b)": lambda t, a, b: torch.xlogy(a, b),
     "torch.special.xlog1py(a, b)": lambda t, a, b: torch.special.xlog1py(a, b),
     "torch.logit(b.clamp(max=3) / 3, eps=1e-3)": lambda t, a, b: torch.logit(b.clamp(max=3) / 3, eps=1e-3),
+    "torch.special.entr(b)": lambda t, a, b: torch.special.entr(b),
 }
 
 
@@ -667,14 +679,15 @@ def test_a_16_bit_op_of_one_cpu_kernel_rounds_as_its_kernel(codegen, dtype, expr
     """Regression: ops that eager computes in one 16-bit CPU kernel, rounding where that kernel rounds. Dynamo
     writes t.addcdiv_(a, b, value=v) and t.addcmul_ (Adam's and AdamW's updates without foreach) as a / b or a * b
     and an fma, and tfsn rounded the quotient or product to the half where eager's kernel computes t + v * a / b
-    in fp32 and rounds once (bf16 addcdiv_: 59 of 336 elements off eager's; addcmul_: 95). The opposite for bf16
+    in fp32 and rounds once (bf16 addcdiv_: 59 of 336 elements off eager's; addcmul_: 95); torch.addcdiv(t, a, b,
+    value=v) too, which Dynamo writes as torch.div, torch.mul and torch.add (59 of 336). The opposite for bf16
     x ** 3 and x ** -2: eager's kernel rounds the square x * x to bf16 before the third factor or the reciprocal,
     and tfsn rounded once (72 and 82 of 336 off; fp16's pow rounds once). Likewise xlogy's kernel rounds log(y)
-    to the half before the product (xlog1py its log1p), logit's rounds 1 - x, the quotient and the log, between
-    bounds eps and 1 - eps held in the half (bf16's 1 - 1e-3 is 1, so logit(1) is inf, as its gradient), where
-    their decompositions computed in fp32. Values where v * a / b and v * a * b are exact or scaled by a power of
-    two, so the fp32 order of eager's kernel and Dynamo's pieces agree: forward bit for bit; gradients at the
-    half's tolerance."""
+    to the half before the product (xlog1py its log1p, entr's -x * log(x) its log: bf16 115 of 336 off), logit's
+    rounds 1 - x, the quotient and the log, between bounds eps and 1 - eps held in the half (bf16's 1 - 1e-3 is 1,
+    so logit(1) is inf, as its gradient), where their decompositions computed in fp32. Values where v * a / b and
+    v * a * b are exact or scaled by a power of two, so the fp32 order of eager's kernel and Dynamo's pieces agree:
+    forward bit for bit; gradients at the half's tolerance."""
     fn = ONE_KERNEL_OPERATIONS[expression]
     g = torch.Generator().manual_seed(0)
     t, a = ((torch.randn(14, 24, generator=g) * 3).to(dtype) for _ in range(2))

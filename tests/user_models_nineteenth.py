@@ -41,8 +41,7 @@ model, ECAPA, wav2vec 2.0 and HiFi-GAN come with bf16 autocast (DeepFM, two-towe
 pre-emphasising by x[1:] - 0.97 x[:-1] where eager's CPU sub rounds its alpha to bf16 (0.96875): over the audio's
 DC offset the input gradient was 9% off eager's (optimizer/ir.py rounds alpha now). Left out: wav2vec 2.0 in fp64, whose quantizer computes
 in fp32 by .float() as fairseq's does (both runs then hold fp32 rounding, not comparable at fp64's tolerance);
-torch.addcdiv(.., value=v) in bf16, which Dynamo itself splits into three bf16 ops (a div, a mul and an add, each
-rounded) where eager rounds once, so any backend differs from eager there; and bf16 torch.logit, where eager's
+and bf16 torch.logit, where eager's
 kernel is the less accurate side (31 of 65 values a bf16 ulp further from the fp64 logit than tfsn's).
 Sizes are odd and tiny; every input and noise comes from a seeded generator (Gumbel noise and sampled indices are
 inputs, so eager and compiled see the same values; the two cases that draw in the step seed the global generator

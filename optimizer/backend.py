@@ -234,6 +234,20 @@ def _fp32_statistics(decomposed: Callable, otherwise: Callable) -> Callable:
     return norm
 
 
+def _fp32_parameter_gradients(decomposed: Callable) -> Callable:
+    """native_batch_norm_backward as ATen's mixed-type CPU kernel computes it for a 16-bit input with no weight but
+    fp32 statistics (a bias alone, or none): the bias's gradient in fp32, the statistics' dtype. torch's
+    decomposition takes a missing weight for the input's dtype and rounded it to bf16 (0.02 off eager's in 4.5).
+    A weight of ones (the same values: the input's gradient is multiplied by 1) gives the decomposition the dtype."""
+    def backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, *rest: Any) -> Any:
+        statistics = [t for t in rest[:4] if isinstance(t, torch.Tensor)]
+        if weight is None and x.dtype in (torch.bfloat16, torch.float16) and \
+                any(t.dtype == torch.float32 for t in statistics):
+            weight = aten.full.default([x.shape[1]], 1.0, dtype=torch.float32, device=x.device)
+        return decomposed(grad, x, weight, *rest)
+    return backward
+
+
 def _kept(*args: Any) -> Any:
     """A decomposition's answer for an op it leaves to ATen."""
     return NotImplemented
@@ -372,6 +386,8 @@ def decompositions() -> dict:
     # BatchNorm without running stats (InstanceNorm's): an ATen call, but for the mixed case
     no_stats = aten._native_batch_norm_legit.no_stats
     table[no_stats] = _fp32_statistics(get_decompositions([no_stats])[no_stats], _kept)
+    table[aten.native_batch_norm_backward.default] = _fp32_parameter_gradients(
+        table[aten.native_batch_norm_backward.default])
     table[aten.nll_loss_backward.default] = _nll_loss_backward
     table[aten.nll_loss2d_backward.default] = _nll_loss_backward
     table.update(AUTOGRAD_KEY_CORRECTIONS)

@@ -1300,7 +1300,8 @@ def _refuse_compiled(model: Any) -> None:
     torch.compile on one unwraps it to the bare `forward` (a function: no `parameters()`, the module's hooks
     skipped, the first backend dropped, saying nothing), and tfsn's own compile of DDP's module put nn.Module's
     unimplemented `forward` over the OptimizedModule's. Unwrapping `_orig_mod` here would drop the user's
-    torch.compile (and rename DDP's state dict) as silently."""
+    torch.compile (and rename DDP's state dict) as silently. A TorchScript module in DDP failed with AttributeError
+    (its class's `forward` cannot be read), and torch.compile refuses one outside DDP itself."""
     from torch._dynamo.eval_frame import OptimizedModule
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(model, OptimizedModule):
@@ -1309,6 +1310,9 @@ def _refuse_compiled(model: Any) -> None:
     if isinstance(model, DistributedDataParallel) and isinstance(model.module, OptimizedModule):
         raise ValueError("tfsn: DDP's module is already compiled by torch.compile; put the uncompiled module "
                          "(its ._orig_mod) in DDP: tfsn.optimize(DDP(net))")
+    if isinstance(model, DistributedDataParallel) and isinstance(model.module, torch.jit.ScriptModule):
+        raise ValueError("tfsn: DDP's module is TorchScript (torch.jit.script or torch.jit.trace), which torch.compile "
+                         "cannot compile; put the eager module in DDP: tfsn.optimize(DDP(net))")
 
 
 def _wrapped_torch_module(model: Any) -> bool:

@@ -219,17 +219,16 @@ def _roll(x: torch.Tensor, shifts: list, dims: list = ()) -> torch.Tensor:
 
 def _fp32_statistics(decomposed: Callable, otherwise: Callable) -> Callable:
     """A norm's forward (its output, then the statistics its backward reads) on a 16-bit input whose weights or
-    running stats are fp32 (BatchNorm, GroupNorm, InstanceNorm under autocast) as ATen's mixed-type CPU kernels
-    compute it: `decomposed` on the input in fp32, the statistics kept in fp32, the output rounded once. torch's
-    decompositions (and the ops' meta functions) round the statistics to the input's dtype on a CPU, and the
-    backward read them so: a bf16 BatchNorm's weight gradient was off eager's by 0.012 in 5.4, its input's by 1/64.
-    Any other input is `otherwise`'s."""
-    def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *rest: Any) -> Any:
-        params = (weight, bias, *(t for t in rest if isinstance(t, torch.Tensor)))
+    running stats are fp32 (BatchNorm, GroupNorm, InstanceNorm, LayerNorm under autocast) as ATen's mixed-type CPU
+    kernels compute it: `decomposed` on the input in fp32, the statistics kept in fp32, the output rounded once.
+    torch's decompositions (and the ops' meta functions) round the statistics to the input's dtype on a CPU, and
+    the backward read them so: a bf16 BatchNorm's weight gradient was off eager's by 0.012 in 5.4, its input's by
+    1/64. Any other input is `otherwise`'s."""
+    def norm(x: torch.Tensor, *args: Any) -> Any:
         if x.dtype not in (torch.bfloat16, torch.float16) or \
-                not any(t is not None and t.dtype == torch.float32 for t in params):
-            return otherwise(x, weight, bias, *rest)
-        out, *saved = decomposed(aten._to_copy.default(x, dtype=torch.float32), weight, bias, *rest)
+                not any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in args):
+            return otherwise(x, *args)
+        out, *saved = decomposed(aten._to_copy.default(x, dtype=torch.float32), *args)
         return (aten._to_copy.default(out, dtype=x.dtype), *saved)
     return norm
 
@@ -381,7 +380,8 @@ def decompositions() -> dict:
     table[aten.constant_pad_nd.default] = _constant_pad
     table[aten.repeat.default] = _repeat
     table[aten.roll.default] = _roll
-    for op in (aten._native_batch_norm_legit_functional.default, aten.native_group_norm.default):
+    for op in (aten._native_batch_norm_legit_functional.default, aten.native_group_norm.default,
+               aten.native_layer_norm.default):
         table[op] = _fp32_statistics(table[op], table[op])
     # BatchNorm without running stats (InstanceNorm's): an ATen call, but for the mixed case
     no_stats = aten._native_batch_norm_legit.no_stats

@@ -219,19 +219,32 @@ def _roll(x: torch.Tensor, shifts: list, dims: list = ()) -> torch.Tensor:
 
 def _fp32_statistics(decomposed: Callable, otherwise: Callable) -> Callable:
     """A norm's forward (its output, then the statistics its backward reads) on a 16-bit input whose weights or
-    running stats are fp32 (BatchNorm, GroupNorm, InstanceNorm under autocast) as ATen's mixed-type CPU kernels
-    compute it: `decomposed` on the input in fp32, the statistics kept in fp32, the output rounded once. torch's
-    decompositions (and the ops' meta functions) round the statistics to the input's dtype on a CPU, and the
-    backward read them so: a bf16 BatchNorm's weight gradient was off eager's by 0.012 in 5.4, its input's by 1/64.
-    Any other input is `otherwise`'s."""
-    def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *rest: Any) -> Any:
-        params = (weight, bias, *(t for t in rest if isinstance(t, torch.Tensor)))
+    running stats are fp32 (BatchNorm, GroupNorm, InstanceNorm, LayerNorm under autocast) as ATen's mixed-type CPU
+    kernels compute it: `decomposed` on the input in fp32, the statistics kept in fp32, the output rounded once.
+    torch's decompositions (and the ops' meta functions) round the statistics to the input's dtype on a CPU, and
+    the backward read them so: a bf16 BatchNorm's weight gradient was off eager's by 0.012 in 5.4, its input's by
+    1/64. Any other input is `otherwise`'s."""
+    def norm(x: torch.Tensor, *args: Any) -> Any:
         if x.dtype not in (torch.bfloat16, torch.float16) or \
-                not any(t is not None and t.dtype == torch.float32 for t in params):
-            return otherwise(x, weight, bias, *rest)
-        out, *saved = decomposed(aten._to_copy.default(x, dtype=torch.float32), weight, bias, *rest)
+                not any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in args):
+            return otherwise(x, *args)
+        out, *saved = decomposed(aten._to_copy.default(x, dtype=torch.float32), *args)
         return (aten._to_copy.default(out, dtype=x.dtype), *saved)
     return norm
+
+
+def _fp32_parameter_gradients(decomposed: Callable) -> Callable:
+    """native_batch_norm_backward as ATen's mixed-type CPU kernel computes it for a 16-bit input with no weight but
+    fp32 statistics (a bias alone, or none): the bias's gradient in fp32, the statistics' dtype. torch's
+    decomposition takes a missing weight for the input's dtype and rounded it to bf16 (0.02 off eager's in 4.5).
+    A weight of ones (the same values: the input's gradient is multiplied by 1) gives the decomposition the dtype."""
+    def backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, *rest: Any) -> Any:
+        statistics = [t for t in rest[:4] if isinstance(t, torch.Tensor)]
+        if weight is None and x.dtype in (torch.bfloat16, torch.float16) and \
+                any(t.dtype == torch.float32 for t in statistics):
+            weight = aten.full.default([x.shape[1]], 1.0, dtype=torch.float32, device=x.device)
+        return decomposed(grad, x, weight, *rest)
+    return backward
 
 
 def _kept(*args: Any) -> Any:
@@ -367,11 +380,14 @@ def decompositions() -> dict:
     table[aten.constant_pad_nd.default] = _constant_pad
     table[aten.repeat.default] = _repeat
     table[aten.roll.default] = _roll
-    for op in (aten._native_batch_norm_legit_functional.default, aten.native_group_norm.default):
+    for op in (aten._native_batch_norm_legit_functional.default, aten.native_group_norm.default,
+               aten.native_layer_norm.default):
         table[op] = _fp32_statistics(table[op], table[op])
     # BatchNorm without running stats (InstanceNorm's): an ATen call, but for the mixed case
     no_stats = aten._native_batch_norm_legit.no_stats
     table[no_stats] = _fp32_statistics(get_decompositions([no_stats])[no_stats], _kept)
+    table[aten.native_batch_norm_backward.default] = _fp32_parameter_gradients(
+        table[aten.native_batch_norm_backward.default])
     table[aten.nll_loss_backward.default] = _nll_loss_backward
     table[aten.nll_loss2d_backward.default] = _nll_loss_backward
     table.update(AUTOGRAD_KEY_CORRECTIONS)
@@ -1284,7 +1300,8 @@ def _refuse_compiled(model: Any) -> None:
     torch.compile on one unwraps it to the bare `forward` (a function: no `parameters()`, the module's hooks
     skipped, the first backend dropped, saying nothing), and tfsn's own compile of DDP's module put nn.Module's
     unimplemented `forward` over the OptimizedModule's. Unwrapping `_orig_mod` here would drop the user's
-    torch.compile (and rename DDP's state dict) as silently."""
+    torch.compile (and rename DDP's state dict) as silently. A TorchScript module in DDP failed with AttributeError
+    (its class's `forward` cannot be read), and torch.compile refuses one outside DDP itself."""
     from torch._dynamo.eval_frame import OptimizedModule
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(model, OptimizedModule):
@@ -1293,6 +1310,9 @@ def _refuse_compiled(model: Any) -> None:
     if isinstance(model, DistributedDataParallel) and isinstance(model.module, OptimizedModule):
         raise ValueError("tfsn: DDP's module is already compiled by torch.compile; put the uncompiled module "
                          "(its ._orig_mod) in DDP: tfsn.optimize(DDP(net))")
+    if isinstance(model, DistributedDataParallel) and isinstance(model.module, torch.jit.ScriptModule):
+        raise ValueError("tfsn: DDP's module is TorchScript (torch.jit.script or torch.jit.trace), which torch.compile "
+                         "cannot compile; put the eager module in DDP: tfsn.optimize(DDP(net))")
 
 
 def _wrapped_torch_module(model: Any) -> bool:

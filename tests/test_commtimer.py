@@ -102,6 +102,38 @@ def test_each_ranks_compute_time_on_the_cpu_path_and_on_a_device_timeline(tmp_pa
     assert slow["device"] == [pytest.approx(15 * DEVICE_S, abs=1e-9)] * STEPS
 
 
+def grouped_worker(rank: int, store: str, folder: str) -> None:
+    """Each rank's DDP over a process group of its own (a data-parallel group beside a model-parallel one):
+    its gradients, timed and not."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        groups = [dist.new_group([r]) for r in range(2)]
+        grads = {}
+        for timed in (False, True):
+            ddp = DistributedDataParallel(model(), process_group=groups[rank])
+            if timed:
+                commtimer.install(ddp)
+            torch.manual_seed(rank)
+            ddp(torch.randn(8, 256)).square().mean().backward()
+            grads[timed] = [p.grad for p in ddp.parameters()]
+        torch.save(grads, Path(folder) / f"grouped{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_a_ddp_over_its_own_process_group_all_reduces_in_it_when_timed(tmp_path):
+    """The timer's hook all-reduced every bucket over the default group, divided by its size, where DDP's
+    `process_group` is the data-parallel group: a rank's gradients were averaged with ranks outside it, the
+    training changed, saying nothing."""
+    mp.start_processes(grouped_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        grads = torch.load(tmp_path / f"grouped{rank}.pt")
+        for timed, untimed in zip(grads[True], grads[False]):
+            torch.testing.assert_close(timed, untimed, rtol=0, atol=0)
+
+
 def _entry(rank: int, store: str, folder: str) -> None:
     worker(rank, store, str(Path(folder) / f"rank{rank}.json"))
     # Leave as a forked rank would, without the interpreter's teardown: in the whole suite a spawned rank's

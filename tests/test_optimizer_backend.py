@@ -193,15 +193,21 @@ def test_a_model_torch_compile_already_compiled_is_refused():
 def test_a_ddp_module_torch_compile_already_compiled_is_refused(tmp_path):
     """`tfsn.optimize(DDP(torch.compile(net)))` compiled nn.Module's unimplemented `forward` over the
     OptimizedModule's, and the first step failed: 'Module [OptimizedModule] is missing the required "forward"
-    function'."""
+    function'. `tfsn.optimize(DDP(torch.jit.script(net)))` (or trace) failed with AttributeError: '_CachedForward'
+    object has no attribute '__getattr__', reading its class's `forward`."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    eager, _ = model_and_input()
+    eager, x = model_and_input()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         with pytest.raises(ValueError, match=r"^tfsn: DDP's module is already compiled by torch\.compile; put the "
                                              r"uncompiled module \(its \._orig_mod\) in DDP"):
             optimize(DistributedDataParallel(torch.compile(eager, backend="aot_eager")))
+        for script in (torch.jit.script(eager), torch.jit.trace(eager, x)):
+            with pytest.raises(ValueError, match=r"^tfsn: DDP's module is TorchScript \(torch\.jit\.script or "
+                                                 r"torch\.jit\.trace\), which torch\.compile cannot compile; put the "
+                                                 r"eager module in DDP"):
+                optimize(DistributedDataParallel(script))
     finally:
         dist.destroy_process_group()
 

@@ -163,6 +163,27 @@ def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller)
     reporter.close()
 
 
+def test_a_ddp_model_with_a_comm_hook_of_its_own_is_restored_and_trains_untimed(tmp_path, controller, capsys):
+    """`run.restore(model=ddp)` installed the all-reduce timer's comm hook over the user's (PowerSGD, fp16
+    compression, DDP's mixed_precision): DDP takes one, and restore failed with RuntimeError
+    'register_comm_hook or register_builtin_comm_hook can only be called once'."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(2, 2))
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        run = _make_run(tmp_path / "ckpt", 100)
+        for step in run.steps(run.restore(model=model), 2):
+            model(torch.randn(3, 2)).sum().backward()
+        run.finish()
+    finally:
+        dist.destroy_process_group()
+    assert capsys.readouterr().err.count("tfsn: the all-reduce is not timed: the DDP model has a comm hook") == 1
+    assert [r["step"] for body in controller for r in body["records"]] == [0, 1]
+
+
 def test_phases_reach_the_controller_with_the_heartbeat(tmp_path, controller):
     """`with run.phase("eval"):` and tfsn's own save are announced, with how long each took, so that
     the controller does not take a long evaluation or save for a hang."""

@@ -13,7 +13,7 @@ the pace and the others wait for it inside the all-reduce. Two ways to see a ran
   device clock: the slow rank's backward ends last, the waiting ranks' ends early. The events are
   read off the training thread (the telemetry thread waits on them), so a step never synchronizes.
 
-The hook does what DDP's default does (divide by the world size, then all-reduce the bucket),
+The hook does what DDP's default does (divide by the size of DDP's process group, then all-reduce the bucket in it),
 so installing it changes no result. (No `from __future__ import annotations` here: DDP checks
 the hook's annotations against the real types.)
 """
@@ -74,12 +74,13 @@ class CommTimer:
         if self.events is not None:
             self._start, self._ready = self.events.record(), None
 
-    def hook(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(self, group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's default, in DDP's own process group (its data-parallel group, not always the default one)."""
         if self.events is not None:
             self._ready = self.events.record()   # the last bucket's mark is when all gradients were ready
         self._last_ready = time.perf_counter()
-        tensor = bucket.buffer().div_(dist.get_world_size())
-        future = dist.all_reduce(tensor, async_op=True).get_future()
+        tensor = bucket.buffer().div_(dist.get_world_size(group))
+        future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             self._last_done = time.perf_counter()
@@ -111,5 +112,5 @@ def install(model: DistributedDataParallel, events: "Optional[EventClock]" = Non
     if events is None and any(p.is_cuda for p in model.parameters()):
         events = CudaEvents()
     timer = CommTimer(events)
-    model.register_comm_hook(None, timer.hook)
+    model.register_comm_hook(model.process_group, timer.hook)
     return timer

@@ -231,10 +231,16 @@ class Run:
         from the ranks waiting for it (see `commtimer`). `restore()` calls it for a DDP model, also one in
         `tfsn.optimize`'s (torch.compile's) wrapper; call it yourself before the first backward pass if you
         do not restore. A model on a GPU is timed on the device with CUDA events (with NCCL the CPU cannot
-        see the wait)."""
+        see the wait). The timer is a comm hook, and DDP takes one: a hook of your own (PowerSGD, compression,
+        DDP's mixed_precision) registered before is kept, untimed; one registered after is refused by DDP."""
         ddp = _data_parallel(model)
-        if ddp is not None and self._comm_timer is None and self.managed:
-            self._comm_timer = commtimer.install(ddp)
+        if ddp is None or self._comm_timer is not None or not self.managed:
+            return
+        if getattr(ddp, "_comm_hooks", None):     # installing ours failed: 'can only be called once'
+            print("tfsn: the all-reduce is not timed: the DDP model has a comm hook of its own (DDP takes one), "
+                  "so a slow rank cannot be told from those waiting for it", file=sys.stderr, flush=True)
+            return
+        self._comm_timer = commtimer.install(ddp)
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """`with run.phase("eval"):` tells the controller that this rank evaluates (or loads data, or

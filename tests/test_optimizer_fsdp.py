@@ -10,8 +10,8 @@ needs a non-CPU accelerator device"); it was checked the same way once and is le
 from __future__ import annotations
 
 import contextlib
-
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -127,32 +127,26 @@ def test_fsdp2_gpt_trains_to_eager_values_whole_and_per_block(tmp_path: Path, mo
             assert results[how + " frames"] == 1, how
 
 
-def sequential_rank_main(rank: int, init_file: str, out_dir: str) -> None:
-    """DDP(nn.Sequential(...)) trained eagerly and through `tfsn.optimize`: losses, parameters, kernels made."""
+def ddp_rank_main(rank: int, init_file: str, out_dir: str, world: int, build: Callable[[], nn.Module],
+                  train: Callable[..., list[float]]) -> None:
+    """DDP(build()) trained by `train(step, model, opt, batches)` (its losses) eagerly and through `tfsn.optimize`,
+    SGD with momentum, this rank's batches from one seed: losses, parameters, state-dict keys, kernels made."""
     from torch.nn.parallel import DistributedDataParallel
 
     from optimizer import backend
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {}
         for how in ("eager", "tfsn"):
             torch._dynamo.reset()
             torch.manual_seed(0)
-            net = nn.Sequential(nn.Linear(13, 24), nn.GELU(), nn.Linear(24, 5))
-            model = DistributedDataParallel(net)
+            model = DistributedDataParallel(build())
             step = backend.optimize(model) if how == "tfsn" else model
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            batches = torch.Generator().manual_seed(100 + rank)
-            before, losses = backend.STATS["kernels"], []
-            for _ in range(STEPS):
-                x, y = torch.randn(7, 13, generator=batches), torch.randint(0, 5, (7,), generator=batches)
-                loss = F.cross_entropy(step(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            results[how] = losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+            before = backend.STATS["kernels"]
+            losses = train(step, model, opt, torch.Generator().manual_seed(100 + rank))
+            results[how] = losses, {k: v.detach().clone() for k, v in model.module.state_dict().items()}
             results[how + " kernels"] = backend.STATS["kernels"] - before
             results[how + " keys"] = list(model.state_dict())
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -161,19 +155,43 @@ def sequential_rank_main(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(120)
-def test_a_ddp_wrapped_sequential_is_compiled_and_trains_to_eager_values(tmp_path: Path, monkeypatch) -> None:
-    """`tfsn.optimize(DDP(nn.Sequential(...)))` compiled nothing and said nothing: Dynamo breaks the graph at DDP's
-    `_inside_ddp_forward` and resumes only in a frame of the user's code, and a Sequential's forward is torch's."""
-    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
-    mp.spawn(sequential_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
+def assert_trained_as_eager(out_dir: Path, world: int) -> None:
+    """Every rank's tfsn run made kernels, and its losses and parameters are eager DDP's."""
+    for rank in range(world):
+        results = torch.load(out_dir / f"rank{rank}.pt")
         assert results["tfsn kernels"] > 0 and results["eager kernels"] == 0
         torch.testing.assert_close(results["tfsn"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
         for name, value in results["tfsn"][1].items():
             torch.testing.assert_close(value, results["eager"][1][name], rtol=1e-5, atol=1e-6, msg=name)
         assert results["tfsn keys"] == results["eager keys"]       # the model's own names: its checkpoints load
+
+
+def sequential() -> nn.Module:
+    return nn.Sequential(nn.Linear(13, 24), nn.GELU(), nn.Linear(24, 5))
+
+
+def plain_steps(step: Callable, model: nn.Module, opt: torch.optim.Optimizer, batches: torch.Generator,
+                steps: int = STEPS) -> list[float]:
+    """The usual loop: one batch a step."""
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(7, 13, generator=batches), torch.randint(0, 5, (7,), generator=batches)
+        loss = F.cross_entropy(step(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_a_ddp_wrapped_sequential_is_compiled_and_trains_to_eager_values(tmp_path: Path, monkeypatch) -> None:
+    """`tfsn.optimize(DDP(nn.Sequential(...)))` compiled nothing and said nothing: Dynamo breaks the graph at DDP's
+    `_inside_ddp_forward` and resumes only in a frame of the user's code, and a Sequential's forward is torch's."""
+    monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
+    mp.spawn(ddp_rank_main, args=(str(tmp_path / "init"), str(tmp_path), 2, sequential, plain_steps), nprocs=2,
+             join=True)
+    assert_trained_as_eager(tmp_path, 2)
 
 
 def sequential_copy_rank_main(rank: int, init_file: str, out_dir: str) -> None:
@@ -268,33 +286,8 @@ class Mlp(nn.Module):
         return self.out(F.gelu(self.fc(x)))
 
 
-def traced_rank_main(rank: int, init_file: str, out_dir: str) -> None:
-    """DDP(torch.fx.symbolic_trace(net)) trained eagerly and through `tfsn.optimize`: losses, parameters, kernels."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from optimizer import backend
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
-    try:
-        results = {}
-        for how in ("eager", "tfsn"):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = DistributedDataParallel(torch.fx.symbolic_trace(Mlp()))
-            step = backend.optimize(model) if how == "tfsn" else model
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            before, losses = backend.STATS["kernels"], []
-            for _ in range(2):
-                loss = F.cross_entropy(step(torch.randn(7, 13)), torch.randint(0, 5, (7,)))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-            results[how] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-            results[how + " kernels"] = backend.STATS["kernels"] - before
-        torch.save(results, Path(out_dir) / "traced.pt")
-    finally:
-        dist.destroy_process_group()
+def traced_mlp() -> nn.Module:
+    return torch.fx.symbolic_trace(Mlp())
 
 
 @pytest.mark.timeout(120)
@@ -302,12 +295,9 @@ def test_a_ddp_wrapped_fx_graph_module_is_compiled_and_trains_to_eager_values(tm
     """`tfsn.optimize(DDP(torch.fx.symbolic_trace(net)))` failed with AttributeError: a GraphModule's generated
     `forward` has `__module__` None, which the check for one of torch's own modules called `.startswith` on."""
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
-    mp.spawn(traced_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
-    results = torch.load(tmp_path / "traced.pt")
-    assert results["tfsn kernels"] > 0 and results["eager kernels"] == 0
-    torch.testing.assert_close(results["tfsn"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
-    for name, value in results["tfsn"][1].items():
-        torch.testing.assert_close(value, results["eager"][1][name], rtol=1e-5, atol=1e-6, msg=name)
+    mp.spawn(ddp_rank_main, args=(str(tmp_path / "init"), str(tmp_path), 1, traced_mlp, plain_steps), nprocs=1,
+             join=True)
+    assert_trained_as_eager(tmp_path, 1)
 
 
 class NormedMlp(Mlp):
@@ -319,41 +309,23 @@ class NormedMlp(Mlp):
         return self.out(F.gelu(self.norm(self.fc(x))))
 
 
-def accumulated_rank_main(rank: int, init_file: str, out_dir: str) -> None:
-    """DDP of a model with BatchNorm (buffers broadcast from rank 0) under bf16 autocast, eagerly and through
-    `tfsn.optimize`: 2 micro-batches a step, the first under `no_sync()`, gradients clipped over `ddp.parameters()`."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from optimizer import backend
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        results = {}
-        for how in ("eager", "tfsn"):
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            model = DistributedDataParallel(NormedMlp())
-            step = backend.optimize(model) if how == "tfsn" else model
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            batches = torch.Generator().manual_seed(100 + rank)
-            before, losses = backend.STATS["kernels"], []
-            for _ in range(2):
-                for sync in (model.no_sync, contextlib.nullcontext):
-                    x, y = torch.randn(6, 13, generator=batches), torch.randint(0, 5, (6,), generator=batches)
-                    with sync(), torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = F.cross_entropy(step(x), y) / 2
-                    with sync():
-                        loss.backward()
-                    losses.append(loss.item())
-                losses.append(nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
-                opt.step()
-                opt.zero_grad()
-            results[how] = losses, {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-            results[how + " kernels"] = backend.STATS["kernels"] - before
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def accumulated_steps(step: Callable, model: nn.Module, opt: torch.optim.Optimizer,
+                      batches: torch.Generator) -> list[float]:
+    """Under bf16 autocast, 2 micro-batches a step, the first under `no_sync()`, gradients clipped over
+    `ddp.parameters()`: the losses and the norms clipped."""
+    losses = []
+    for _ in range(2):
+        for sync in (model.no_sync, contextlib.nullcontext):
+            x, y = torch.randn(6, 13, generator=batches), torch.randint(0, 5, (6,), generator=batches)
+            with sync(), torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(step(x), y) / 2
+            with sync():
+                loss.backward()
+            losses.append(loss.item())
+        losses.append(nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
 
 
 @pytest.mark.timeout(120)
@@ -363,10 +335,6 @@ def test_ddp_accumulating_under_no_sync_with_autocast_batchnorm_trains_to_eager_
     ATen's mixed-type kernel (fp32 weights: autocast) saves fp32: the backward read them rounded, and the first
     step's gradient norm was 0.81335 where eager's is 0.81311, saying nothing."""
     monkeypatch.setenv("TFSN_CACHE", str(tmp_path / "cache"))
-    mp.spawn(accumulated_rank_main, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
-        assert results["tfsn kernels"] > 0 and results["eager kernels"] == 0
-        torch.testing.assert_close(results["tfsn"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
-        for name, value in results["tfsn"][1].items():
-            torch.testing.assert_close(value, results["eager"][1][name], rtol=1e-5, atol=1e-6, msg=name)
+    mp.spawn(ddp_rank_main, args=(str(tmp_path / "init"), str(tmp_path), 2, NormedMlp, accumulated_steps),
+             nprocs=2, join=True)
+    assert_trained_as_eager(tmp_path, 2)

@@ -236,7 +236,7 @@ class Run:
         ddp = _data_parallel(model)
         if ddp is None or self._comm_timer is not None or not self.managed:
             return
-        if getattr(ddp, "_comm_hooks", None):     # installing ours failed: 'can only be called once'
+        if getattr(ddp, "_comm_hooks", None):     # DDP takes one: ours would fail, 'can only be called once'
             print("tfsn: the all-reduce is not timed: the DDP model has a comm hook of its own (DDP takes one), "
                   "so a slow rank cannot be told from those waiting for it", file=sys.stderr, flush=True)
             return

@@ -360,7 +360,7 @@ def _fork_join_us(lib: ctypes.CDLL, threads: int, batches: int, budget_s: float)
     return 1e6 * min(medians)
 
 
-def _kept(value: float, places: int) -> float:
+def _rounded(value: float, places: int) -> float:
     """`value` to `places` decimals, or to 3 significant digits where those decimals would leave less: a figure
     that a busy machine measured tiny is written tiny, never 0, which the spec's loader refuses as corrupt."""
     if value == 0 or abs(value) >= 10 ** (2 - places):
@@ -374,20 +374,20 @@ def host_spec(cal: Calibration) -> dict:
     return {
         "name": "host", "aliases": ["host"], "kind": "cpu", "vendor": cal.vendor,
         "cpu_model": cal.cpu_model, "threads": cal.threads,
-        "peak_tflops": {"fp32": _kept(cal.peak_gflops_all / 1000, 4)},     # bf16 runs at this rate (no bf16 FMA)
-        "core_peak_tflops": _kept(cal.peak_gflops_core / 1000, 4),
-        "clock_ghz": _kept(cal.clock_ghz, 3),
+        "peak_tflops": {"fp32": _rounded(cal.peak_gflops_all / 1000, 4)},     # bf16 runs at this rate (no bf16 FMA)
+        "core_peak_tflops": _rounded(cal.peak_gflops_core / 1000, 4),
+        "clock_ghz": _rounded(cal.clock_ghz, 3),
         "compute_units": cal.threads,
         "simd_width": cal.simd_width,
         "registers_per_unit_kib": 2.0 if "avx512f" in hardware_id() else 0.5,    # 32 zmm x 64 B, or 16 ymm x 32 B
         "shared_memory_per_unit_kib": cal.per_core_l2_kib,                 # no scratchpad: the private L2
-        "launch_overhead_us": _kept(cal.fork_join_us, 3),
-        "call_overhead_us": _kept(cal.call_overhead_us, 3),
-        "library_gemm_efficiency": _kept(cal.library_gemm_efficiency, 3),
+        "launch_overhead_us": _rounded(cal.fork_join_us, 3),
+        "call_overhead_us": _rounded(cal.call_overhead_us, 3),
+        "library_gemm_efficiency": _rounded(cal.library_gemm_efficiency, 3),
         "interconnect_gbs": generic.interconnect_gbs,                      # no accelerator link: as cpu-generic
-        **{name: _kept(value, 4) for name, value in asdict(cal.step).items()},
-        "memory": [{"name": lv.name, "size_mib": _kept(lv.size_mib, 4), "bandwidth_gbs": _kept(lv.all_gbs, 1),
-                    "core_bandwidth_gbs": _kept(lv.core_gbs, 1)} for lv in cal.levels],
+        **{name: _rounded(value, 4) for name, value in asdict(cal.step).items()},
+        "memory": [{"name": lv.name, "size_mib": _rounded(lv.size_mib, 4), "bandwidth_gbs": _rounded(lv.all_gbs, 1),
+                    "core_bandwidth_gbs": _rounded(lv.core_gbs, 1)} for lv in cal.levels],
     }
 
 

@@ -5,9 +5,11 @@ drivers' own error mapping is tested against their emulators; this is the contro
 """
 from __future__ import annotations
 
+import shutil
 import time
 
 from orchestrator.control.controller import Controller
+from orchestrator.planning import entry
 from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Store
 from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError, QuotaError
@@ -342,3 +344,28 @@ def test_nproc_auto_is_one_worker_per_accelerator_of_the_offer_chosen_not_of_the
     # the health watch maps the 2 x 4 global ranks onto the nodes, torchrun's way
     first, second = sorted(store.nodes(job_id), key=lambda n: n.rank)
     assert controller.health.existing(job_id)._monitor.rank_nodes == (first.id,) * 4 + (second.id,) * 4
+
+
+class WorkdirDeleting(ScriptedProvider):
+    """Refuses a node, and the job's workdir is deleted meanwhile (by the user, a cleanup of /tmp)."""
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        shutil.rmtree(request.workdir)
+        raise QuotaError("VcpuLimitExceeded", provider=self.name)
+
+
+def test_a_workdir_deleted_under_a_job_fails_it_with_the_fix_when_it_is_planned_again(tmp_path, monkeypatch):
+    """Before: model.entry's search ran its child in the missing workdir, FileNotFoundError was taken for a bug
+    and planning began again at every pass: the job stayed PROVISIONING (RECOVERING after a fault) for ever."""
+    store = Store(tmp_path / "tfsn.db")
+    aws = WorkdirDeleting("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    code = tmp_path / "code"
+    code.mkdir()
+    search = entry.price_entry        # the first plan falls back on the declared shape (a search takes seconds)
+    monkeypatch.setattr(entry, "price_entry", lambda *args, **kw: None if code.exists() else search(*args, **kw))
+    job_id = submit(store, code, num_nodes=1, model={"entry": "train.py:build", "params": "1B", "layers": 16,
+                                                     "hidden": 2048, "seq_len": 1024, "batch_size": 8})
+    reconcile(controller, job_id)
+    job = store.job(job_id)
+    assert job.state == JobState.FAILED and f"workdir: {code} is not a directory" in job.error, job.error

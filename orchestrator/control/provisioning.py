@@ -180,7 +180,7 @@ class Provisioner:
         if fresh:
             self.ctx.store.update_job(job_id, plan=[c.to_record() for c in fresh])
         else:
-            self.nodes.give_up(job, str(NoCapacityError(blocked.history)))
+            self.nodes.give_up(job, str(call.error or NoCapacityError(blocked.history)))   # why no plan, first
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it off the loop (the order keeps crashes from leaking nodes)."""

@@ -97,9 +97,13 @@ HOST_PROVIDERS = ("local",)
 
 
 def _searched_entry(spec: JobSpec, offers: list[Offer]):
-    """model.entry's step searched for every hardware type among the offers the job could run on."""
+    """model.entry's step searched for every hardware type among the offers the job could run on. The search
+    imports the job's code from its workdir, which may be gone by a restart's planning (deleted, moved)."""
     from orchestrator.planning.entry import price_entry
 
+    if not Path(spec.workdir).is_dir():
+        raise PlanError(f"workdir: {spec.workdir} is not a directory (deleted or moved since the launch?). To fix: "
+                        "put the job's code back there, or launch again from where it is now", field=("workdir",))
     keys = hardware_to_search(spec, offers, HOST_PROVIDERS)
     threads = local_worker_threads(spec, spec.nprocs(0))
     return price_entry(spec, [(key, threads if key == HOST else None) for key in keys],

@@ -147,6 +147,21 @@ def controller(monkeypatch):
     server.server_close()
 
 
+def test_numpy_scalars_are_logged_as_numbers(tmp_path, controller):
+    """A metric computed with NumPy (a mean over an eval set's float32 array, a count) is np.float32 or np.int64, not a
+    Python float or int: run.log refused it ("expected a number or a one-element tensor, got float32")."""
+    import numpy as np
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        run.log(loss=torch.tensor(0.5), acc=np.mean(np.array([1, 0], dtype=np.float32)), tokens=np.int64(7))
+    with pytest.raises(TypeError, match=r"run.log\(note=...\): expected a number or a one-element tensor, got str"):
+        run.log(note="x")
+    run.finish()
+    (record,) = [r for body in controller for r in body["records"]]
+    assert record["metrics"] == {"loss": 0.5, "acc": 0.5, "tokens": 7.0}
+
+
 def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller):
     """On CUDA a step's compute time is a pair of events: the record holds them, the telemetry thread reads them.
     (A reporter that had not begun a step sent step -1, which the API refuses: its heartbeats were lost.)"""

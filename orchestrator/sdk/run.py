@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import os
 import sys
 import threading
@@ -201,11 +202,12 @@ class Run:
             self._record(step, time.perf_counter() - began)
 
     def log(self, **metrics: Any) -> None:
-        """Attach metrics (numbers or one-element tensors) to the current step."""
+        """Attach metrics (numbers or one-element tensors) to the current step. A number is any real one: NumPy's
+        scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), read as floats later."""
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 self._metrics[key] = value.detach()
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
                 self._metrics[key] = value
             else:
                 raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, "

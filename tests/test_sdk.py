@@ -82,6 +82,21 @@ def test_checkpoint_is_due_every_interval_and_after_the_last_step(tmp_path):
     assert saved == [4, 8, 10]
 
 
+def test_a_save_before_the_loop_holds_the_steps_done_so_far(tmp_path):
+    """A save of the initial weights (`run.checkpoint(force=True, ...)` before the loop) was step 1, so a run resumed
+    from it started at step 1, skipping step 0; after a restore, a save before the loop is the restored step."""
+    model = torch.nn.Linear(2, 2)
+    run = _make_run(tmp_path, 2)
+    assert run.checkpoint(force=True, model=model).step == 0
+    assert run.checkpoint(model=model) is None              # due only after a step
+    resumed = _make_run(tmp_path, 2)
+    start = resumed.restore(model=model)
+    assert start == 0
+    assert [step for step in resumed.steps(start, 3) if resumed.checkpoint(model=model)] == [1, 2]
+    again = _make_run(tmp_path, 2)
+    assert again.restore(model=model) == 3 and again.checkpoint(force=True, model=model).step == 3
+
+
 def test_time_based_interval_is_decided_at_sync_points(tmp_path, monkeypatch):
     run = _make_run(tmp_path, "1h", total=100)
     model = torch.nn.Linear(2, 2)

@@ -162,7 +162,7 @@ class Run:
         self.total_steps = total_steps
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
-        self.step = 0                       # the step being run (0-based)
+        self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
         self._metrics: dict[str, Any] = {}
         self._last_save = time.monotonic()
         self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
@@ -260,8 +260,9 @@ class Run:
         The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
         `checkpoint_wait_s` waited for the previous save to be written).
         """
+        # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it).
         completed = self.step + 1
-        if not (force or self._due(completed)):
+        if not (force or (completed and self._due(completed))):
             return None
         started = time.monotonic()
         with self._phases.phase(phases.CHECKPOINT):
@@ -330,7 +331,7 @@ class Run:
                 "restored": True, "skipped": [" ".join(r.split())[:SKIPPED_CHARS] for r in skipped[:SKIPPED_MAX]]})
         if info is None:
             return 0
-        self.last_checkpoint = info
+        self.last_checkpoint, self.step = info, info.step - 1
         return info.step
 
     def _due(self, completed: int) -> bool:

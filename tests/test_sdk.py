@@ -177,6 +177,19 @@ def test_numpy_scalars_are_logged_as_numbers(tmp_path, controller):
     assert record["metrics"] == {"loss": 0.5, "acc": 0.5, "tokens": 7.0}
 
 
+def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
+    """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
+    run = _make_run(tmp_path, 1000)
+    for step in run.steps(0, 1):
+        run.log(loss=1.0)
+    run.log(test_acc=0.9)
+    run.log(test_acc=0.8, test_loss=0.1)
+    run.finish()
+    assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
+    assert capsys.readouterr().err == ("tfsn: run.log(test_acc, test_loss) after the last step is not sent: metrics "
+                                       "are sent with a step; log them in run.steps()'s loop\n")
+
+
 def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller):
     """On CUDA a step's compute time is a pair of events: the record holds them, the telemetry thread reads them.
     (A reporter that had not begun a step sent step -1, which the API refuses: its heartbeats were lost.)"""

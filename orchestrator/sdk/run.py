@@ -164,6 +164,7 @@ class Run:
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
         self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
         self._metrics: dict[str, Any] = {}
+        self._logged: dict[str, None] = {}  # the names run.log attached to the step not yet recorded
         self._last_save = time.monotonic()
         self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
         self._write_s: float | None = None     # seconds the last save took to be written and committed
@@ -212,9 +213,10 @@ class Run:
             else:
                 raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, "
                                 f"got {type(value).__name__}")
+            self._logged[key] = None
 
     def _record(self, step: int, seconds: float) -> None:
-        metrics, self._metrics = self._metrics, {}
+        metrics, self._metrics, self._logged = self._metrics, {}, {}
         # Time waiting for other ranks is not this rank's work: in DDP's all-reduce and in the vote.
         # On CUDA the compute time is measured on the device and read later (see `commtimer`).
         vote, self._sync_wait = self._sync_wait, 0.0
@@ -380,7 +382,8 @@ class Run:
         return min(max(optimum, AUTO_BOUNDS_S[0]), AUTO_BOUNDS_S[1])
 
     def finish(self) -> None:
-        """Wait for the last checkpoint to be written, then flush telemetry (also called at exit)."""
+        """Wait for the last checkpoint to be written, then flush telemetry (also called at exit); metrics logged
+        after the last step are said to be unsent (they were dropped, saying nothing)."""
         saver, self._saver = self._saver, None
         try:
             if saver is not None:
@@ -388,6 +391,10 @@ class Run:
                     self._wait_for_write(saver)
         finally:
             if self._telemetry is not None:
+                if self._logged:    # metrics go with a step's record: after the last step there is none
+                    print(f"tfsn: run.log({', '.join(self._logged)}) after the last step is not "
+                          "sent: metrics are sent with a step; log them in run.steps()'s loop", file=sys.stderr,
+                          flush=True)
                 self._telemetry.close()
                 self._telemetry = None
 

@@ -82,6 +82,21 @@ def test_checkpoint_is_due_every_interval_and_after_the_last_step(tmp_path):
     assert saved == [4, 8, 10]
 
 
+def test_a_save_before_the_loop_holds_the_steps_done_so_far(tmp_path):
+    """A save of the initial weights (`run.checkpoint(force=True, ...)` before the loop) was step 1, so a run resumed
+    from it started at step 1, skipping step 0; after a restore, a save before the loop is the restored step."""
+    model = torch.nn.Linear(2, 2)
+    run = _make_run(tmp_path, 2)
+    assert run.checkpoint(force=True, model=model).step == 0
+    assert run.checkpoint(model=model) is None              # due only after a step
+    resumed = _make_run(tmp_path, 2)
+    start = resumed.restore(model=model)
+    assert start == 0
+    assert [step for step in resumed.steps(start, 3) if resumed.checkpoint(model=model)] == [1, 2]
+    again = _make_run(tmp_path, 2)
+    assert again.restore(model=model) == 3 and again.checkpoint(force=True, model=model).step == 3
+
+
 def test_time_based_interval_is_decided_at_sync_points(tmp_path, monkeypatch):
     run = _make_run(tmp_path, "1h", total=100)
     model = torch.nn.Linear(2, 2)
@@ -145,6 +160,34 @@ def controller(monkeypatch):
     yield bodies
     server.shutdown()
     server.server_close()
+
+
+def test_numpy_scalars_are_logged_as_numbers(tmp_path, controller):
+    """A metric computed with NumPy (a mean over an eval set's float32 array, a count) is np.float32 or np.int64, not a
+    Python float or int: run.log refused it ("expected a number or a one-element tensor, got float32")."""
+    import numpy as np
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        run.log(loss=torch.tensor(0.5), acc=np.mean(np.array([1, 0], dtype=np.float32)), tokens=np.int64(7))
+    with pytest.raises(TypeError, match=r"run.log\(note=...\): expected a number or a one-element tensor, got str"):
+        run.log(note="x")
+    run.finish()
+    (record,) = [r for body in controller for r in body["records"]]
+    assert record["metrics"] == {"loss": 0.5, "acc": 0.5, "tokens": 7.0}
+
+
+def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
+    """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
+    run = _make_run(tmp_path, 1000)
+    for step in run.steps(0, 1):
+        run.log(loss=1.0)
+    run.log(test_acc=0.9)
+    run.log(test_acc=0.8, test_loss=0.1)
+    run.finish()
+    assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
+    assert capsys.readouterr().err == ("tfsn: run.log(test_acc, test_loss) after the last step is not sent: metrics "
+                                       "are sent with a step; log them in run.steps()'s loop\n")
 
 
 def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller):

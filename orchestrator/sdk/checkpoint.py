@@ -370,7 +370,7 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None = None) -> dict[str, Any]:
     """State dicts keyed by object name; modules and optimizers keyed by parameter FQN (no DDP prefix), as
     DCP's get_model_state_dict and get_optimizer_state_dict key them (or `reader`, which gives the same)."""
-    model = _the_model(objects)
+    owners = _owners(objects)
     state: dict[str, Any] = {}
     for name, obj in objects.items():
         if name.startswith("_tfsn"):
@@ -378,6 +378,7 @@ def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None =
         if isinstance(obj, torch.nn.Module):
             state[name] = reader.model(obj) if reader is not None else get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
+            model = owners[name]
             try:
                 state[name] = reader.optimizer(model, obj) if reader else get_optimizer_state_dict(model, obj)
             except KeyError:   # DCP's mapping from parameters to names: checked only when it fails, off the fast path
@@ -393,35 +394,53 @@ def _state_dicts(objects: Mapping[str, object], reader: StateDictReader | None =
     return state
 
 
-def _check_owned(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+def _check_owned(name: str, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
     """Optimizer state is keyed by the model's parameter names: each of its parameters must be the model's."""
-    owned = {id(p) for p in model.parameters()} if model is not None else set()
+    owned = {id(p) for p in model.parameters()}
     if any(id(p) not in owned for group in optimizer.param_groups for p in group["params"]):
         raise CheckpointError(f"optimizer {name!r} holds parameters that are not the model's (a layer replaced "
                               "after the optimizer was made?); make the optimizer after changing the model")
 
 
 def _apply(objects: Mapping[str, object], state: dict[str, Any]) -> None:
-    model = _the_model(objects)
+    owners = _owners(objects)
     for name, obj in objects.items():
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, state[name])
         elif isinstance(obj, torch.optim.Optimizer):
             # not strict: a parameter whose state the checkpoint does not hold is restored without one
-            set_optimizer_state_dict(model, obj, state[name], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(owners[name], obj, state[name], options=StateDictOptions(strict=False))
         else:
             obj.load_state_dict(state[name])  # type: ignore[attr-defined]
 
 
-def _the_model(objects: Mapping[str, object]) -> torch.nn.Module | None:
-    """The module optimizers belong to: optimizer state is keyed by this module's parameter names."""
-    modules = [o for o in objects.values() if isinstance(o, torch.nn.Module)]
-    if any(isinstance(o, torch.optim.Optimizer) for o in objects.values()) and len(modules) != 1:
-        raise CheckpointError(
-            f"optimizers need exactly one module among the checkpointed objects, got {len(modules)}; "
-            "pass the model that owns the optimizer's parameters (wrap several in one nn.Module)"
-        )
-    return modules[0] if modules else None
+def _owners(objects: Mapping[str, object]) -> dict[str, torch.nn.Module]:
+    """Each optimizer's module (by the optimizer's name): its state is keyed by that module's parameter names.
+    With one module, that one (a parameter it does not hold is found only when DCP's mapping fails, off the fast
+    path); with several (a GAN's generator and critic, a model and its EMA), the one holding all the optimizer's
+    parameters."""
+    modules = {name: o for name, o in objects.items() if isinstance(o, torch.nn.Module)}
+    optimizers = {name: o for name, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+    if optimizers and not modules:
+        raise CheckpointError("optimizers need the model whose parameters they hold among the checkpointed objects; "
+                              "pass it too: checkpoint(model=model, optimizer=optimizer)")
+    if len(modules) == 1:
+        return dict.fromkeys(optimizers, next(iter(modules.values())))
+    held = {name: {id(p) for p in module.parameters()} for name, module in modules.items()}
+    owners = {}
+    for name, optimizer in optimizers.items():
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        holders = [module for module, ids in held.items() if wanted <= ids]
+        if not holders:
+            raise CheckpointError(
+                f"no one of the checkpointed modules ({', '.join(modules)}) holds all of optimizer {name!r}'s "
+                "parameters; pass one module holding them all (wrap several in one nn.Module), and make the "
+                "optimizer after replacing a layer")
+        if len(holders) > 1:
+            raise CheckpointError(f"optimizer {name!r}'s parameters are held by each of {', '.join(holders)}; "
+                                  "checkpoint only one of those modules")
+        owners[name] = modules[holders[0]]
+    return owners
 
 
 def _rng_state() -> tuple[Any, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import os
 import sys
 import threading
@@ -161,8 +162,9 @@ class Run:
         self.total_steps = total_steps
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
-        self.step = 0                       # the step being run (0-based)
+        self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
         self._metrics: dict[str, Any] = {}
+        self._logged: dict[str, None] = {}  # the names run.log attached to the step not yet recorded
         self._last_save = time.monotonic()
         self._save_cost: float | None = None   # seconds the last save stalled the step, for `auto`
         self._write_s: float | None = None     # seconds the last save took to be written and committed
@@ -201,18 +203,20 @@ class Run:
             self._record(step, time.perf_counter() - began)
 
     def log(self, **metrics: Any) -> None:
-        """Attach metrics (numbers or one-element tensors) to the current step."""
+        """Attach metrics (numbers or one-element tensors) to the current step. A number is any real one: NumPy's
+        scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), read as floats later."""
         for key, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 self._metrics[key] = value.detach()
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
                 self._metrics[key] = value
             else:
                 raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, "
                                 f"got {type(value).__name__}")
+            self._logged[key] = None
 
     def _record(self, step: int, seconds: float) -> None:
-        metrics, self._metrics = self._metrics, {}
+        metrics, self._metrics, self._logged = self._metrics, {}, {}
         # Time waiting for other ranks is not this rank's work: in DDP's all-reduce and in the vote.
         # On CUDA the compute time is measured on the device and read later (see `commtimer`).
         vote, self._sync_wait = self._sync_wait, 0.0
@@ -258,8 +262,9 @@ class Run:
         The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
         `checkpoint_wait_s` waited for the previous save to be written).
         """
+        # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it).
         completed = self.step + 1
-        if not (force or self._due(completed)):
+        if not (force or (completed and self._due(completed))):
             return None
         started = time.monotonic()
         with self._phases.phase(phases.CHECKPOINT):
@@ -328,7 +333,7 @@ class Run:
                 "restored": True, "skipped": [" ".join(r.split())[:SKIPPED_CHARS] for r in skipped[:SKIPPED_MAX]]})
         if info is None:
             return 0
-        self.last_checkpoint = info
+        self.last_checkpoint, self.step = info, info.step - 1
         return info.step
 
     def _due(self, completed: int) -> bool:
@@ -377,7 +382,8 @@ class Run:
         return min(max(optimum, AUTO_BOUNDS_S[0]), AUTO_BOUNDS_S[1])
 
     def finish(self) -> None:
-        """Wait for the last checkpoint to be written, then flush telemetry (also called at exit)."""
+        """Wait for the last checkpoint to be written, then flush telemetry (also called at exit); metrics logged
+        after the last step are said to be unsent (they were dropped, saying nothing)."""
         saver, self._saver = self._saver, None
         try:
             if saver is not None:
@@ -385,6 +391,10 @@ class Run:
                     self._wait_for_write(saver)
         finally:
             if self._telemetry is not None:
+                if self._logged:    # metrics go with a step's record: after the last step there is none
+                    print(f"tfsn: run.log({', '.join(self._logged)}) after the last step is not "
+                          "sent: metrics are sent with a step; log them in run.steps()'s loop", file=sys.stderr,
+                          flush=True)
                 self._telemetry.close()
                 self._telemetry = None
 

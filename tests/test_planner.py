@@ -189,7 +189,8 @@ def test_a_cpu_only_job_plans_on_cpu_offers():
 
 def expected_spot_hours_by_hand(run_hours_no_startup, nodes, interval_hours):
     rate = 0.05 * nodes                                   # SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes
-    loss = rate * (600 / 3600 + interval_hours / 2)       # restart + half an interval per preemption
+    lost = min(interval_hours, run_hours_no_startup) / 2   # a run shorter than its interval never checkpoints
+    loss = rate * (600 / 3600 + lost)                      # restart + half an interval per preemption
     return run_hours_no_startup / (1 - loss)
 
 
@@ -207,9 +208,22 @@ def test_spot_cost_includes_the_expected_preemptions_and_restarts():
     assert by_steps.hours == pytest.approx(STARTUP_SECONDS / 3600 + expected_spot_hours_by_hand(work, 2, interval))
 
 
+def test_a_spot_run_shorter_than_its_checkpoint_interval_loses_at_most_the_run_per_preemption():
+    # 100 steps of ~1.3 s on one node: the run ends before the first of its checkpoints every 100000 steps (or
+    # every day), so a preemption loses the work done so far, not half an interval of 18 h (the run would never
+    # finish) or 12 h
+    o = offer(price=98.32, spot=30.0)
+    work = plan_job(spec({"accelerators": "H100:8"}, steps=100), [o]).chosen.hours - STARTUP_SECONDS / 3600
+    for interval in (100000, "24h"):
+        spot = plan_job(spec({"accelerators": "H100:8", "use_spot": True}, steps=100,
+                             checkpoint={"interval": interval}), [o]).chosen
+        assert spot.hours == pytest.approx(STARTUP_SECONDS / 3600 + expected_spot_hours_by_hand(work, 1, work))
+
+
 def test_spot_on_too_many_nodes_never_finishes_and_is_not_planned():
     with pytest.raises(PlanError, match="expected spot preemptions on 40 node"):
-        plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=40, checkpoint={"interval": "1h"}),
+        plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=40, steps=100_000,
+                      checkpoint={"interval": "1h"}),
                  [offer(spot=30.0)])
 
 

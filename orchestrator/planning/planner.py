@@ -271,12 +271,13 @@ def expected_spot_hours(run_hours: np.ndarray, nodes: int, interval_hours: np.nd
     """Expected wall-clock hours of a spot run of `run_hours` hours without preemptions.
 
     Preemptions arrive at SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes per hour; each costs a restart
-    (STARTUP_SECONDS) plus half a checkpoint interval of lost work on average, and restarts can be
+    (STARTUP_SECONDS) plus half a checkpoint interval of lost work on average (half the run when it ends
+    before its first checkpoint: no preemption loses more than the whole run), and restarts can be
     preempted too, so the expected time is run_hours / (1 - rate x loss). Runs whose expected loss
     reaches MAX_SPOT_LOSS get infinite hours (they would never finish).
     """
     rate = SPOT_PREEMPTIONS_PER_NODE_HOUR * nodes
-    loss = rate * (STARTUP_SECONDS / 3600 + interval_hours / 2)
+    loss = rate * (STARTUP_SECONDS / 3600 + np.minimum(interval_hours, run_hours) / 2)
     with np.errstate(divide="ignore"):
         return np.where(loss < MAX_SPOT_LOSS, run_hours / np.maximum(1.0 - loss, 1e-9), np.inf)
 

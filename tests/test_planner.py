@@ -41,6 +41,18 @@ def test_cost_is_price_times_nodes_times_predicted_hours():
     assert (plan.steps, plan.nodes, plan.reference_workload) == (500, 2, True)
 
 
+def test_a_node_trains_on_as_many_accelerators_as_it_runs_workers():
+    # torchrun starts nproc_per_node workers, one GPU each: with 1 of them, 7 of the node's 8 H100s idle (and
+    # are paid for), so the 8-GPU node is no faster than the 1-GPU one and costs 8 times as much per hour
+    one, eight = offer(instance="p5.4xl", count=1, price=12.29), offer(instance="p5.48xl", count=8, price=98.32)
+    plan = plan_job(spec({"accelerators": {"H100": 8}}, nproc_per_node=1, steps=500), [eight])
+    assert plan.chosen.hours == pytest.approx(run_hours("H100", 1, steps=500))
+    alone = plan_job(spec({"accelerators": "H100:1"}, nproc_per_node=1, steps=500), [one]).chosen
+    assert plan.chosen.hours == pytest.approx(alone.hours) and plan.chosen.cost == pytest.approx(8 * alone.cost)
+    assert plan_job(spec({"accelerators": "H100:8"}, nproc_per_node=8, steps=500), [eight]).chosen.hours == \
+        pytest.approx(run_hours("H100", 8, steps=500))
+
+
 def test_the_slow_cheap_offer_loses_to_the_fast_expensive_one():
     slow = offer(instance="t4", accelerator="T4", count=4, price=3.912)
     fast = offer(instance="p5", accelerator="H100", count=8, price=98.32)

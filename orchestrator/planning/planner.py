@@ -530,8 +530,10 @@ def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, wor
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     picked = capable[first]
     specs = [hardware[int(a)] for a in c.accelerator[picked]]
+    # torchrun's workers train on one accelerator each: `nproc_per_node: 1` on an 8-GPU node leaves 7 idle
+    replicas = np.array([min(job.nprocs(int(n)), int(n)) for n in c.count[picked]], dtype=np.int64)
     step_unique = np.full(len(picked), np.nan) if workload is None else np.asarray(
-        predictor(workload, specs, c.count[picked], job.num_nodes, link_gbs[link_code[picked]]), dtype=float)
+        predictor(workload, specs, replicas, job.num_nodes, link_gbs[link_code[picked]]), dtype=float)
     source_unique = np.full(len(picked), ROOFLINE, dtype=object)
     for u, i in enumerate(picked):
         found = entry.hardware.get(keys[int(i)]) if entry is not None else None

@@ -419,6 +419,16 @@ def test_a_faster_node_network_from_the_catalog_shortens_multi_node_steps():
     assert plan.chosen.step_seconds == pytest.approx(predict_step_seconds(REFERENCE_WORKLOAD, h100, 8, 4, 400.0))
 
 
+@pytest.mark.parametrize("interconnect, gbs", [("EFA 3200 Gigabit", 400.0), ("EFA 4x 100 Gigabit", 50.0),
+                                               ("EFA 400 Gigabit", 50.0), ("Up to 10 Gigabit", 1.25)])
+def test_the_node_network_is_read_in_ec2s_own_words(interconnect, gbs):
+    # `tfsn catalog refresh aws` writes EC2's NetworkPerformance ("3200 Gigabit" for a p5, "4x 100 Gigabit" for a
+    # p4d): read as the 100 Gbps default, an 8-node p5 job's all-reduce was priced 32 times too slow
+    plan = plan_job(spec({"accelerators": "H100:8"}, num_nodes=8), [offer(interconnect=interconnect)])
+    assert plan.chosen.step_seconds == pytest.approx(
+        predict_step_seconds(REFERENCE_WORKLOAD, find_hardware("H100"), 8, 8, gbs))
+
+
 @pytest.mark.parametrize("params, expected", [("350M", 3.5e8), ("1.3B", 1.3e9), (7000000000, 7e9), ("2.5e9", 2.5e9)])
 def test_the_model_section_becomes_the_workload(params, expected):
     job = spec(model=dict(params=params, layers=2, hidden=64, seq_len=128, batch_size=4, dtype="fp16"))

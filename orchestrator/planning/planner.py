@@ -292,17 +292,15 @@ def _checkpoint_interval_hours(spec: JobSpec, step_seconds: np.ndarray, nodes: i
     return np.full_like(step_seconds, min(max(math.sqrt(2 * CHECKPOINT_SAVE_SECONDS * mtbf_s), 30), 1800) / 3600)
 
 
+# A node's network as catalogs write it: "EFA 3200 Gbps", or EC2's NetworkPerformance that `tfsn catalog refresh aws`
+# keeps ("EFA 3200 Gigabit" for a p5, "EFA 4x 100 Gigabit" for a p4d's four cards, "Up to 10 Gigabit")
+_NETWORK_RE = re.compile(r"(?:(\d+)\s*x\s*)?(\d+(?:\.\d+)?)\s*(?:gbps|gigabit)", re.IGNORECASE)
+
+
 def _inter_node_gbs(interconnect: str | None) -> float:
-    """Node network bandwidth in GB/s from a catalog's interconnect text ("EFA 3200 Gbps"), else the default."""
-    if interconnect:
-        words = interconnect.lower().replace("gbps", " gbps").split()
-        for number, unit in zip(words, words[1:]):
-            try:
-                if unit == "gbps":
-                    return float(number) / 8
-            except ValueError:
-                continue
-    return DEFAULT_INTER_NODE_GBS
+    """Node network bandwidth in GB/s from a catalog's interconnect text, else the default."""
+    match = _NETWORK_RE.search(interconnect or "")
+    return int(match[1] or 1) * float(match[2]) / 8 if match else DEFAULT_INTER_NODE_GBS
 
 
 class _Filter:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
-from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError,
+from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, PlannedOffer,
                                            check_accelerators, plan_job, workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
@@ -51,6 +51,16 @@ def test_a_node_trains_on_as_many_accelerators_as_it_runs_workers():
     assert plan.chosen.hours == pytest.approx(alone.hours) and plan.chosen.cost == pytest.approx(8 * alone.cost)
     assert plan_job(spec({"accelerators": "H100:8"}, nproc_per_node=8, steps=500), [eight]).chosen.hours == \
         pytest.approx(run_hours("H100", 8, steps=500))
+
+
+def test_the_cost_of_the_run_pays_for_the_spares_kept_beside_its_nodes():
+    # recovery.spares: standby nodes of the chosen offer, created with the job and billed for the whole run
+    job = spec({"accelerators": "H100:8"}, num_nodes=2, steps=500, recovery={"spares": 1})
+    c = plan_job(job, [offer(price=98.32)]).chosen
+    assert c.hours == pytest.approx(run_hours("H100", 8, nodes=2, steps=500))
+    assert c.cost == pytest.approx(98.32 * 3 * c.hours)
+    assert (c.nodes, c.spares) == (2, 1)
+    assert PlannedOffer.from_record(c.to_record()).spares == 1       # the controller keeps the candidates
 
 
 def test_the_slow_cheap_offer_loses_to_the_fast_expensive_one():

@@ -15,7 +15,7 @@ spec without one is priced with the reference workload, which says nothing of it
 `cpus` / `memory`, is in `infra` and `regions`, is sold on the requested market (`use_spot`) and costs at
 most `max_hourly_cost` per node-hour. Its predicted cost is
 
-    price per node-hour x num_nodes x predicted hours,
+    price per node-hour x (num_nodes + recovery.spares) x predicted hours   (spares are billed standing by),
     predicted hours = STARTUP_SECONDS + steps x predicted step seconds  (and, on spot, the expected
                       restarts: see expected_spot_hours)
 
@@ -92,9 +92,10 @@ class PlannedOffer:
     price_per_hour: float      # USD per node-hour on this market
     step_seconds: float        # predicted seconds per optimizer step
     hours: float               # predicted wall-clock hours of the run, startup and restarts included
-    cost: float                # predicted USD for the run: price_per_hour x nodes x hours
+    cost: float                # predicted USD for the run: price_per_hour x (nodes + spares) x hours
     step_source: str = ROOFLINE   # SEARCHED or ROOFLINE
     search_entries: tuple[str, ...] = ()  # the search cache entries model.entry's step left for this offer's workers
+    spares: int = 0            # standby nodes of this offer (recovery.spares), billed beside the training nodes
 
     def to_record(self) -> dict:
         """JSON-safe, with the whole offer (for the controller's store); `from_record` reads it back."""
@@ -105,13 +106,13 @@ class PlannedOffer:
         return cls(Offer(**record["offer"]), record["spot"], record["nodes"], record["price_per_hour"],
                    record["step_seconds"], record["predicted_hours"], record["predicted_cost"],
                    record.get("step_source", ROOFLINE),      # records of older versions have none
-                   tuple(record.get("search_entries", ())))
+                   tuple(record.get("search_entries", ())), record.get("spares", 0))
 
     def to_dict(self) -> dict:
         o = self.offer
         return {"provider": o.provider, "region": o.region, "zone": o.zone, "instance_type": o.instance_type,
                 "accelerator": o.accelerator, "accelerator_count": o.accelerator_count, "spot": self.spot,
-                "nodes": self.nodes, "price_per_hour": round(self.price_per_hour, 6),
+                "nodes": self.nodes, "spares": self.spares, "price_per_hour": round(self.price_per_hour, 6),
                 "step_seconds": round(self.step_seconds, 6), "step_source": self.step_source,
                 "predicted_hours": round(self.hours, 6), "predicted_cost": round(self.cost, 4)}
 
@@ -186,6 +187,7 @@ class Plan:
     order: np.ndarray          # indices into `offers`, best first
     spot: bool
     nodes: int
+    spares: int                # standby nodes billed beside the training nodes (recovery.spares)
     price: np.ndarray          # per offer index, USD per node-hour on the market
     step_seconds: np.ndarray
     hours: np.ndarray
@@ -208,7 +210,7 @@ class Plan:
             if self.entry is not None and self.hardware_keys else None
         return PlannedOffer(self.offers[index], self.spot, self.nodes, float(self.price[index]),
                             float(self.step_seconds[index]), float(self.hours[index]), float(self.cost[index]),
-                            source, found.entries if found is not None else ())
+                            source, found.entries if found is not None else (), self.spares)
 
     def hardware(self) -> list[dict]:
         """One row per hardware type among the capable offers: its key, the offers' accelerator, where
@@ -606,7 +608,7 @@ def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.nda
         run_hours = expected_spot_hours(run_hours, nodes, _checkpoint_interval_hours(spec, step, nodes))
     hours = STARTUP_SECONDS / 3600 + run_hours
     market = c.market
-    cost = market * nodes * hours
+    cost = market * (nodes + spec.recovery.spares) * hours
     finite = capable[np.isfinite(cost[capable])]
     if not finite.size:
         raise PlanError(f"no capable offer: expected spot preemptions on {nodes} node(s) would never let the run "
@@ -614,5 +616,6 @@ def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.nda
     order = finite[np.lexsort((finite, market[finite], cost[finite], preference[finite]))]
     cheapest = finite[market[finite] == market[finite].min()]
     naive = int(cheapest[np.argmin(cost[cheapest])])
-    return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, price=market, step_seconds=step,
+    return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, spares=spec.recovery.spares,
+                price=market, step_seconds=step,
                 hours=hours, cost=cost, naive_index=naive, steps=steps, **extra)

@@ -193,6 +193,7 @@ def test_the_described_model_must_fit_in_accelerator_memory():
     with pytest.raises(PlanError) as err:
         plan_job(job, [small])
     assert "memory for the model (23.6 GiB per device needed) removed the last 1 offer(s)" in str(err.value)
+    assert err.value.field == ("model",)       # `tfsn plan` names the model: section's line, not the file's first
     # without a model section the reference workload only prices offers: it says nothing of the model's size
     assert {c.offer.instance_type for c in plan_job(spec({"accelerators": {"L4": 1, "A100-80GB": 1}}),
                                                     [small, large])} == {"l4", "a100"}
@@ -243,10 +244,11 @@ def test_a_spot_run_shorter_than_its_checkpoint_interval_loses_at_most_the_run_p
 
 
 def test_spot_on_too_many_nodes_never_finishes_and_is_not_planned():
-    with pytest.raises(PlanError, match="expected spot preemptions on 40 node"):
+    with pytest.raises(PlanError, match="expected spot preemptions on 40 node") as err:
         plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=40, steps=100_000,
                       checkpoint={"interval": "1h"}),
                  [offer(spot=30.0)])
+    assert err.value.field == ("resources", "use_spot")
 
 
 def test_blocklist_scopes():

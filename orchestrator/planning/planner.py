@@ -312,13 +312,18 @@ class _Filter:
         self.mask = np.ones(n, dtype=bool)
         self.emptied_by: tuple[str, str] | None = None
         self.before: np.ndarray | None = None
+        self.field: tuple[str, ...] = ()
 
-    def apply(self, keep: np.ndarray, what: str, fix: str) -> None:
+    def apply(self, keep: np.ndarray, what: str, fix: str, field: tuple[str, ...] = ()) -> None:
+        """Keep the offers of `keep`; the spec's field to blame is the one `what` begins with ("resources.cpus"),
+        or `field` for a constraint that no single field states (the model's size: its section)."""
         if self.emptied_by is not None:
             return
         new = self.mask & keep
         if self.mask.any() and not new.any():
             self.emptied_by, self.before = (what, fix), self.mask.copy()
+            named = re.match(r"(resources|model)\.(\w+)", what)
+            self.field = field or (named.groups() if named else ())
         self.mask = new
 
 
@@ -470,7 +475,7 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> 
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
         device_mem = np.where(c.count > 0, c.accelerator_memory, c.memory)
         f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
-                "choose accelerators with more memory, or a smaller model / seq_len")
+                "choose accelerators with more memory, or a smaller model / seq_len", field=("model",))
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
                 f"resources.cpus {res.cpus}",
@@ -592,9 +597,8 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     if f.emptied_by is not None or not capable.size:
         what, fix = f.emptied_by or ("the constraints", "relax the resources")
         left = int(f.before.sum()) if f.before is not None else 0
-        named = re.match(r"(resources|model)\.(\w+)", what)      # the field to blame, for its line in the spec
         raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {len(offers)}. To fix: {fix}",
-                        field=named.groups() if named else ())
+                        field=f.field)
     return _ranked(spec, offers, c, capable, preference, step, steps, dict(
         workload=workload, reference_workload=is_reference, step_source=source, entry=entry, hardware_keys=keys))
 
@@ -612,7 +616,7 @@ def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.nda
     finite = capable[np.isfinite(cost[capable])]
     if not finite.size:
         raise PlanError(f"no capable offer: expected spot preemptions on {nodes} node(s) would never let the run "
-                        "finish. To fix: set use_spot: false, or checkpoint more often")
+                        "finish. To fix: set use_spot: false, or checkpoint more often", field=("resources", "use_spot"))
     order = finite[np.lexsort((finite, market[finite], cost[finite], preference[finite]))]
     cheapest = finite[market[finite] == market[finite].min()]
     naive = int(cheapest[np.argmin(cost[cheapest])])

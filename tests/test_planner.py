@@ -133,6 +133,16 @@ def test_an_accelerator_is_found_by_any_name_of_its_chip(written, expected):
     assert {c.offer.instance_type for c in plan} == expected
 
 
+def test_an_accelerator_or_count_no_offer_has_is_told_what_the_offers_have():
+    # as SkyPilot's "Try one of these offered accelerators": the choices that the job's infra and regions sell
+    offers = [offer(provider="aws", count=n, instance=f"h{n}") for n in (1, 2, 8)] + [
+        offer(provider="aws", accelerator="A100", count=8), offer(provider="gcp", accelerator="MI300X")]
+    for wanted in ("H100:3", "MI300X:8"):
+        with pytest.raises(PlanError) as err:
+            plan_job(spec({"accelerators": wanted, "infra": ["aws"]}), offers)
+        assert str(err.value).endswith("To fix: ask for one of those offered here: A100:8, H100:1, H100:2, H100:8")
+
+
 def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus():
     """`cpus: 200+` with no such offer said "To fix: write cpus as 'N+' (at least N), or lower it": it was N+."""
     for resources, what in (({"cpus": "200+"}, "resources.cpus 200+ removed"),

@@ -412,7 +412,11 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
         for i, choice in enumerate(choices):
             rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
+        here = f.mask & (c.count > 0)      # in the job's infra and regions
+        offered = sorted({(c.accelerator_names[a], int(n)) for a, n in zip(c.accelerator[here], c.count[here])},
+                         key=lambda pair: (pair[0].casefold(), pair[1]))
         f.apply(rank >= 0, f"resources.accelerators {wanted}",
+                f"ask for one of those offered here: {', '.join(f'{a}:{n}' for a, n in offered)}" if offered else
                 "ask for another accelerator or count (see `tfsn catalog ls`)")
         preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
     else:

@@ -202,8 +202,14 @@ def test_the_described_model_must_fit_in_accelerator_memory():
     assert [c.offer.instance_type for c in plan_job(job, [small, large])] == ["a100"]
     with pytest.raises(PlanError) as err:
         plan_job(job, [small])
-    assert "memory for the model (23.6 GiB per device needed) removed the last 1 offer(s)" in str(err.value)
+    assert "memory for the model (23.6 GiB per device needed: a whole replica per device, not sharded) removed the " \
+        "last 1 offer(s)" in str(err.value)
     assert err.value.field == ("model",)       # `tfsn plan` names the model: section's line, not the file's first
+    # a replica per device (no sharding): which accelerators of the catalog hold one, beyond those asked for
+    with pytest.raises(PlanError) as err:
+        plan_job(spec({"accelerators": "L4:1"}, model=GPT3_XL), [small, large, offer(accelerator="T4")])
+    assert str(err.value).endswith("To fix: ask for accelerators of at least 23.6 GiB (the catalog's: A100-80GB "
+                                   "80 GiB), or a smaller model / seq_len")
     # without a model section the reference workload only prices offers: it says nothing of the model's size
     assert {c.offer.instance_type for c in plan_job(spec({"accelerators": {"L4": 1, "A100-80GB": 1}}),
                                                     [small, large])} == {"l4", "a100"}

@@ -21,7 +21,7 @@ from orchestrator.control.store import Job, Node
 class JobCost:
     node_hours: float                    # node-hours billed so far
     spent_usd: float                     # their price
-    predicted_node_hours: float | None   # the plan's nodes (spares too) x predicted hours (None: no plan, or no model: in it)
+    predicted_node_hours: float | None   # the plan's nodes and spares x predicted hours (None: no plan, or no model:)
     predicted_usd: float | None          # the plan's predicted cost of the whole run
 
     def to_dict(self) -> dict[str, Any]:

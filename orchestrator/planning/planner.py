@@ -478,8 +478,14 @@ def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float |
 def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> None:
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
         device_mem = np.where(c.count > 0, c.accelerator_memory, c.memory)
-        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
-                "choose accelerators with more memory, or a smaller model / seq_len", field=("model",))
+        big: dict[str, float] = {}     # the catalog's accelerators that hold a replica, wherever, with their memory
+        holds = c.accelerator_memory >= need
+        for a, gib in zip(c.accelerator[holds], c.accelerator_memory[holds]):
+            big[c.accelerator_names[a]] = max(gib, big.get(c.accelerator_names[a], 0.0))
+        which = ", ".join(f"{name} {gib:.0f} GiB" for name, gib in sorted(big.items(), key=lambda kv: (kv[1], kv[0])))
+        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed: a whole replica per "
+                "device, not sharded)", f"ask for accelerators of at least {need:.1f} GiB (the catalog's: "
+                f"{which or 'none'}), or a smaller model / seq_len", field=("model",))
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
                 f"resources.cpus {res.cpus}",
@@ -620,7 +626,8 @@ def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.nda
     finite = capable[np.isfinite(cost[capable])]
     if not finite.size:
         raise PlanError(f"no capable offer: expected spot preemptions on {nodes} node(s) would never let the run "
-                        "finish. To fix: set use_spot: false, or checkpoint more often", field=("resources", "use_spot"))
+                        "finish. To fix: set use_spot: false, or checkpoint more often",
+                        field=("resources", "use_spot"))
     order = finite[np.lexsort((finite, market[finite], cost[finite], preference[finite]))]
     cheapest = finite[market[finite] == market[finite].min()]
     naive = int(cheapest[np.argmin(cost[cheapest])])

@@ -314,14 +314,15 @@ class _Filter:
         self.before: np.ndarray | None = None
         self.field: tuple[str, ...] = ()
 
-    def apply(self, keep: np.ndarray, what: str, fix: str, field: tuple[str, ...] = ()) -> None:
+    def apply(self, keep: np.ndarray, what: str, fix: str | Callable[[], str], field: tuple[str, ...] = ()) -> None:
         """Keep the offers of `keep`; the spec's field to blame is the one `what` begins with ("resources.cpus"),
-        or `field` for a constraint that no single field states (the model's size: its section)."""
+        or `field` for a constraint that no single field states (the model's size: its section). A `fix` that
+        reads the offers (what they have instead) is a function, called only once the offers are gone."""
         if self.emptied_by is not None:
             return
         new = self.mask & keep
         if self.mask.any() and not new.any():
-            self.emptied_by, self.before = (what, fix), self.mask.copy()
+            self.emptied_by, self.before = (what, fix if isinstance(fix, str) else fix()), self.mask.copy()
             named = re.match(r"(resources|model)\.(\w+)", what)
             self.field = field or (named.groups() if named else ())
         self.mask = new
@@ -401,6 +402,17 @@ def _offers_of(name: str, c: _Columns) -> np.ndarray:
     return mask
 
 
+def _offered_here(mask: np.ndarray, c: _Columns) -> str:
+    """The fix for an accelerator or count that the offers of `mask` (the job's infra and regions) do not sell:
+    the choices they do."""
+    here = mask & (c.count > 0)
+    pairs = np.unique(np.stack([c.accelerator[here], c.count[here]], axis=1), axis=0)
+    offered = sorted(((c.accelerator_names[a], int(n)) for a, n in pairs), key=lambda p: (p[0].casefold(), p[1]))
+    if not offered:
+        return "ask for another accelerator or count (see `tfsn catalog ls`)"
+    return "ask for one of those offered here: " + ", ".join(f"{a}:{n}" for a, n in offered)
+
+
 def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray, list[HardwareSpec | None]]:
     """Keep the offers with an accelerator the job asked for (and a hardware spec to predict it with).
     Returns each offer's preference (its choice's place in `accelerators`, 0 for any_of) and the spec of
@@ -412,12 +424,7 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
         for i, choice in enumerate(choices):
             rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
-        here = f.mask & (c.count > 0)      # in the job's infra and regions
-        offered = sorted({(c.accelerator_names[a], int(n)) for a, n in zip(c.accelerator[here], c.count[here])},
-                         key=lambda pair: (pair[0].casefold(), pair[1]))
-        f.apply(rank >= 0, f"resources.accelerators {wanted}",
-                f"ask for one of those offered here: {', '.join(f'{a}:{n}' for a, n in offered)}" if offered else
-                "ask for another accelerator or count (see `tfsn catalog ls`)")
+        f.apply(rank >= 0, f"resources.accelerators {wanted}", lambda: _offered_here(f.mask, c))
         preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
     else:
         f.apply(c.count == 0, "resources.accelerators (none: a CPU-only job)",
@@ -477,15 +484,9 @@ def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float |
 
 def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> None:
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
-        device_mem = np.where(c.count > 0, c.accelerator_memory, c.memory)
-        big: dict[str, float] = {}     # the catalog's accelerators that hold a replica, wherever, with their memory
-        holds = c.accelerator_memory >= need
-        for a, gib in zip(c.accelerator[holds], c.accelerator_memory[holds]):
-            big[c.accelerator_names[a]] = max(gib, big.get(c.accelerator_names[a], 0.0))
-        which = ", ".join(f"{name} {gib:.0f} GiB" for name, gib in sorted(big.items(), key=lambda kv: (kv[1], kv[0])))
-        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed: a whole replica per "
-                "device, not sharded)", f"ask for accelerators of at least {need:.1f} GiB (the catalog's: "
-                f"{which or 'none'}), or a smaller model / seq_len", field=("model",))
+        fits = np.where(c.count > 0, c.accelerator_memory, c.memory) >= need
+        f.apply(fits, f"memory for the model ({need:.1f} GiB per device needed: a whole replica per device, not "
+                "sharded)", lambda: _holding(c, need), field=("model",))
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
                 f"resources.cpus {res.cpus}",
@@ -499,6 +500,16 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> 
         cheapest = float(np.nanmin(np.where(f.mask, c.market, np.nan))) if f.mask.any() else math.nan
         f.apply(c.market <= res.max_hourly_cost, f"resources.max_hourly_cost {res.max_hourly_cost:g}",
                 f"raise max_hourly_cost to at least {cheapest:.2f}")
+
+
+def _holding(c: _Columns, need: float) -> str:
+    """The fix for a model no asked accelerator holds: the catalog's accelerators that do, wherever they are."""
+    holds = c.accelerator_memory >= need
+    big = {c.accelerator_names[a]: float(c.accelerator_memory[holds & (c.accelerator == a)].max())
+           for a in np.unique(c.accelerator[holds])}
+    which = ", ".join(f"{name} {gib:.0f} GiB" for name, gib in sorted(big.items(), key=lambda kv: (kv[1], kv[0])))
+    return (f"ask for accelerators of at least {need:.1f} GiB (the catalog's: {which or 'none'}), or a smaller "
+            "model / seq_len")
 
 
 def hardware_key(offer: Offer, spec: HardwareSpec | None, host_providers: Sequence[str]) -> str:

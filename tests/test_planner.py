@@ -226,6 +226,15 @@ def test_a_cpu_only_job_plans_on_cpu_offers():
     assert [c.offer.instance_type for c in plan] == ["c8"]
 
 
+def test_every_worker_of_a_cpu_node_holds_a_replica_in_its_memory():
+    # 4 workers of a 1.3B model on one 32 GiB CPU node: 4 x 23.6 GiB, not one replica's 23.6 GiB
+    cpu = offer(instance="c8", accelerator=None, vcpus=8, memory=32, price=0.4)
+    assert plan_job(spec(model=GPT3_XL, nproc_per_node=1), [cpu]).chosen.offer is cpu
+    with pytest.raises(PlanError, match=r"memory for the model \(94.2 GiB per device needed: a whole replica per "
+                                        r"worker, 4 per device.*or fewer workers per node \(nproc_per_node\)$"):
+        plan_job(spec(model=GPT3_XL, nproc_per_node=4), [cpu])
+
+
 def expected_spot_hours_by_hand(run_hours_no_startup, nodes, interval_hours):
     rate = 0.05 * nodes                                   # SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes
     lost = min(interval_hours, run_hours_no_startup) / 2   # a run shorter than its interval never checkpoints

@@ -59,6 +59,16 @@ def test_status_json_has_node_hours_dollars_spent_and_the_predicted_total(tfsn, 
     assert listed["cost"] == cost
 
 
+def test_the_predicted_node_hours_count_the_spares(tfsn):
+    """Spares (recovery.spares) stand by on the chosen offer for the whole run: the plan's cost pays for them."""
+    store = Store(tfsn.home / "tfsn.db")
+    job = store.create_job("train", {"name": "train", "num_nodes": 2, "steps": 100, "model": MODEL,
+                                     "recovery": {"spares": 1}}, "train.yaml", "token")
+    store.transition(job.id, JobState.PROVISIONING, plan=[PlannedOffer(GCP, False, 2, 3.0, 1.0, 3.0, 27.0,
+                                                                       spares=1).to_record()])
+    assert tfsn.status(job.id)["cost"]["predicted_node_hours"] == 9.0     # 3 h x (2 nodes + 1 spare)
+
+
 def test_a_job_without_model_has_no_prediction_and_says_why(tfsn):
     """Without `model:` the planner ranks offers with its 1.3B-parameter reference workload; its hours were shown
     as the job's prediction ('$0.00 spent of $0.00 predicted (22.94 node-h)' for an 8-step job of a Linear)."""

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
-from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError,
+from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, PlannedOffer,
                                            check_accelerators, plan_job, workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
@@ -39,6 +39,28 @@ def test_cost_is_price_times_nodes_times_predicted_hours():
     assert c.hours == pytest.approx(run_hours("H100", 8, nodes=2, steps=500))
     assert c.cost == pytest.approx(98.32 * 2 * c.hours)
     assert (plan.steps, plan.nodes, plan.reference_workload) == (500, 2, True)
+
+
+def test_a_node_trains_on_as_many_accelerators_as_it_runs_workers():
+    # torchrun starts nproc_per_node workers, one GPU each: with 1 of them, 7 of the node's 8 H100s idle (and
+    # are paid for), so the 8-GPU node is no faster than the 1-GPU one and costs 8 times as much per hour
+    one, eight = offer(instance="p5.4xl", count=1, price=12.29), offer(instance="p5.48xl", count=8, price=98.32)
+    plan = plan_job(spec({"accelerators": {"H100": 8}}, nproc_per_node=1, steps=500), [eight])
+    assert plan.chosen.hours == pytest.approx(run_hours("H100", 1, steps=500))
+    alone = plan_job(spec({"accelerators": "H100:1"}, nproc_per_node=1, steps=500), [one]).chosen
+    assert plan.chosen.hours == pytest.approx(alone.hours) and plan.chosen.cost == pytest.approx(8 * alone.cost)
+    assert plan_job(spec({"accelerators": "H100:8"}, nproc_per_node=8, steps=500), [eight]).chosen.hours == \
+        pytest.approx(run_hours("H100", 8, steps=500))
+
+
+def test_the_cost_of_the_run_pays_for_the_spares_kept_beside_its_nodes():
+    # recovery.spares: standby nodes of the chosen offer, created with the job and billed for the whole run
+    job = spec({"accelerators": "H100:8"}, num_nodes=2, steps=500, recovery={"spares": 1})
+    c = plan_job(job, [offer(price=98.32)]).chosen
+    assert c.hours == pytest.approx(run_hours("H100", 8, nodes=2, steps=500))
+    assert c.cost == pytest.approx(98.32 * 3 * c.hours)
+    assert (c.nodes, c.spares) == (2, 1)
+    assert PlannedOffer.from_record(c.to_record()).spares == 1       # the controller keeps the candidates
 
 
 def test_the_slow_cheap_offer_loses_to_the_fast_expensive_one():
@@ -111,6 +133,16 @@ def test_an_accelerator_is_found_by_any_name_of_its_chip(written, expected):
     assert {c.offer.instance_type for c in plan} == expected
 
 
+def test_an_accelerator_or_count_no_offer_has_is_told_what_the_offers_have():
+    # as SkyPilot's "Try one of these offered accelerators": the choices that the job's infra and regions sell
+    offers = [offer(provider="aws", count=n, instance=f"h{n}") for n in (1, 2, 8)] + [
+        offer(provider="aws", accelerator="A100", count=8), offer(provider="gcp", accelerator="MI300X")]
+    for wanted in ("H100:3", "MI300X:8"):
+        with pytest.raises(PlanError) as err:
+            plan_job(spec({"accelerators": wanted, "infra": ["aws"]}), offers)
+        assert str(err.value).endswith("To fix: ask for one of those offered here: A100:8, H100:1, H100:2, H100:8")
+
+
 def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus():
     """`cpus: 200+` with no such offer said "To fix: write cpus as 'N+' (at least N), or lower it": it was N+."""
     for resources, what in (({"cpus": "200+"}, "resources.cpus 200+ removed"),
@@ -170,7 +202,14 @@ def test_the_described_model_must_fit_in_accelerator_memory():
     assert [c.offer.instance_type for c in plan_job(job, [small, large])] == ["a100"]
     with pytest.raises(PlanError) as err:
         plan_job(job, [small])
-    assert "memory for the model (23.6 GiB per device needed) removed the last 1 offer(s)" in str(err.value)
+    assert "memory for the model (23.6 GiB per device needed: a whole replica per device, not sharded) removed the " \
+        "last 1 offer(s)" in str(err.value)
+    assert err.value.field == ("model",)       # `tfsn plan` names the model: section's line, not the file's first
+    # a replica per device (no sharding): which accelerators of the catalog hold one, beyond those asked for
+    with pytest.raises(PlanError) as err:
+        plan_job(spec({"accelerators": "L4:1"}, model=GPT3_XL), [small, large, offer(accelerator="T4")])
+    assert str(err.value).endswith("To fix: ask for accelerators of at least 23.6 GiB (the catalog's: A100-80GB "
+                                   "80 GiB), or a smaller model / seq_len")
     # without a model section the reference workload only prices offers: it says nothing of the model's size
     assert {c.offer.instance_type for c in plan_job(spec({"accelerators": {"L4": 1, "A100-80GB": 1}}),
                                                     [small, large])} == {"l4", "a100"}
@@ -187,9 +226,19 @@ def test_a_cpu_only_job_plans_on_cpu_offers():
     assert [c.offer.instance_type for c in plan] == ["c8"]
 
 
+def test_every_worker_of_a_cpu_node_holds_a_replica_in_its_memory():
+    # 4 workers of a 1.3B model on one 32 GiB CPU node: 4 x 23.6 GiB, not one replica's 23.6 GiB
+    cpu = offer(instance="c8", accelerator=None, vcpus=8, memory=32, price=0.4)
+    assert plan_job(spec(model=GPT3_XL, nproc_per_node=1), [cpu]).chosen.offer is cpu
+    with pytest.raises(PlanError, match=r"memory for the model \(94.2 GiB per device needed: a whole replica per "
+                                        r"worker, 4 per device.*or fewer workers per node \(nproc_per_node\)$"):
+        plan_job(spec(model=GPT3_XL, nproc_per_node=4), [cpu])
+
+
 def expected_spot_hours_by_hand(run_hours_no_startup, nodes, interval_hours):
     rate = 0.05 * nodes                                   # SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes
-    loss = rate * (600 / 3600 + interval_hours / 2)       # restart + half an interval per preemption
+    lost = min(interval_hours, run_hours_no_startup) / 2   # a run shorter than its interval never checkpoints
+    loss = rate * (600 / 3600 + lost)                      # restart + half an interval per preemption
     return run_hours_no_startup / (1 - loss)
 
 
@@ -207,10 +256,24 @@ def test_spot_cost_includes_the_expected_preemptions_and_restarts():
     assert by_steps.hours == pytest.approx(STARTUP_SECONDS / 3600 + expected_spot_hours_by_hand(work, 2, interval))
 
 
+def test_a_spot_run_shorter_than_its_checkpoint_interval_loses_at_most_the_run_per_preemption():
+    # 100 steps of ~1.3 s on one node: the run ends before the first of its checkpoints every 100000 steps (or
+    # every day), so a preemption loses the work done so far, not half an interval of 18 h (the run would never
+    # finish) or 12 h
+    o = offer(price=98.32, spot=30.0)
+    work = plan_job(spec({"accelerators": "H100:8"}, steps=100), [o]).chosen.hours - STARTUP_SECONDS / 3600
+    for interval in (100000, "24h"):
+        spot = plan_job(spec({"accelerators": "H100:8", "use_spot": True}, steps=100,
+                             checkpoint={"interval": interval}), [o]).chosen
+        assert spot.hours == pytest.approx(STARTUP_SECONDS / 3600 + expected_spot_hours_by_hand(work, 1, work))
+
+
 def test_spot_on_too_many_nodes_never_finishes_and_is_not_planned():
-    with pytest.raises(PlanError, match="expected spot preemptions on 40 node"):
-        plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=40, checkpoint={"interval": "1h"}),
+    with pytest.raises(PlanError, match="expected spot preemptions on 40 node") as err:
+        plan_job(spec({"accelerators": "H100:8", "use_spot": True}, num_nodes=40, steps=100_000,
+                      checkpoint={"interval": "1h"}),
                  [offer(spot=30.0)])
+    assert err.value.field == ("resources", "use_spot")
 
 
 def test_blocklist_scopes():
@@ -391,6 +454,16 @@ def test_a_faster_node_network_from_the_catalog_shortens_multi_node_steps():
     assert [c.offer.instance_type for c in plan] == ["efa", "plain"]
     h100 = find_hardware("H100")
     assert plan.chosen.step_seconds == pytest.approx(predict_step_seconds(REFERENCE_WORKLOAD, h100, 8, 4, 400.0))
+
+
+@pytest.mark.parametrize("interconnect, gbs", [("EFA 3200 Gigabit", 400.0), ("EFA 4x 100 Gigabit", 50.0),
+                                               ("EFA 400 Gigabit", 50.0), ("Up to 10 Gigabit", 1.25)])
+def test_the_node_network_is_read_in_ec2s_own_words(interconnect, gbs):
+    # `tfsn catalog refresh aws` writes EC2's NetworkPerformance ("3200 Gigabit" for a p5, "4x 100 Gigabit" for a
+    # p4d): read as the 100 Gbps default, an 8-node p5 job's all-reduce was priced 32 times too slow
+    plan = plan_job(spec({"accelerators": "H100:8"}, num_nodes=8), [offer(interconnect=interconnect)])
+    assert plan.chosen.step_seconds == pytest.approx(
+        predict_step_seconds(REFERENCE_WORKLOAD, find_hardware("H100"), 8, 8, gbs))
 
 
 @pytest.mark.parametrize("params, expected", [("350M", 3.5e8), ("1.3B", 1.3e9), (7000000000, 7e9), ("2.5e9", 2.5e9)])

@@ -30,7 +30,7 @@ from orchestrator.control import daemon
 from orchestrator.control.cost import job_cost
 from orchestrator.control.store import Job, JobState, Store, StoreError
 from orchestrator.home import job_dir, tfsn_home
-from orchestrator.planning.offers import candidate_text, hardware_lines, model_text
+from orchestrator.planning.offers import candidate_text, hardware_lines, model_text, nodes_text
 from orchestrator.spec import JobSpec, SpecError, checkpoint_url_scheme, job_name_problem, load_spec, spec_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -430,7 +430,7 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
 def _plan_table(result, limit: int):
     from rich.table import Table
 
-    table = Table(title=f"capable offers by predicted cost of the run ({result.nodes} node(s), "
+    table = Table(title=f"capable offers by predicted cost of the run ({nodes_text(result.nodes, result.spares)}, "
                         f"{'spot' if result.spot else 'on-demand'})", box=None, pad_edge=False)
     for column in ("#", "provider", "zone/region", "instance", "accel.", "$/node-h", "step s", "hours", "$ run"):
         table.add_column(column, no_wrap=True, justify="left" if column in ("provider", "zone/region", "instance",

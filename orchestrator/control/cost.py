@@ -21,7 +21,7 @@ from orchestrator.control.store import Job, Node
 class JobCost:
     node_hours: float                    # node-hours billed so far
     spent_usd: float                     # their price
-    predicted_node_hours: float | None   # the plan's nodes x predicted hours (None: no plan, or no model: in it)
+    predicted_node_hours: float | None   # the plan's nodes and spares x predicted hours (None: no plan, or no model:)
     predicted_usd: float | None          # the plan's predicted cost of the whole run
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,5 +67,6 @@ def job_cost(job: Job, nodes: list[Node], now: float | None = None) -> JobCost:
     candidate = chosen_candidate(job, nodes) if job.spec.get("model") is not None else None
     return JobCost(
         node_hours=sum(h for h, _ in hours), spent_usd=sum(h * price for h, price in hours),
-        predicted_node_hours=None if candidate is None else candidate["predicted_hours"] * candidate["nodes"],
+        predicted_node_hours=None if candidate is None else candidate["predicted_hours"] * (
+            candidate["nodes"] + candidate.get("spares", 0)),
         predicted_usd=None if candidate is None else candidate["predicted_cost"])

@@ -31,9 +31,15 @@ def offer_path(offer: Offer | Mapping[str, Any]) -> str:
                                                    o.get("instance_type")) if v))
 
 
+def nodes_text(nodes: int, spares: int) -> str:
+    """`2 node(s) + 1 spare(s)`: every node the run pays for."""
+    return f"{nodes} node(s)" + (f" + {spares} spare(s)" if spares else "")
+
+
 def candidate_text(candidate: PlannedOffer) -> str:
     """An offer with its market and what the plan predicts of it: nodes, price, hours, cost of the run."""
-    return (f"{offer_text(candidate.offer)} ({'spot' if candidate.spot else 'on-demand'}) x{candidate.nodes} node(s): "
+    return (f"{offer_text(candidate.offer)} ({'spot' if candidate.spot else 'on-demand'}) "
+            f"x{nodes_text(candidate.nodes, candidate.spares)}: "
             f"${candidate.price_per_hour:,.2f}/node-h, {candidate.hours:,.2f} h, ${candidate.cost:,.2f} for the run")
 
 

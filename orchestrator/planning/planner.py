@@ -15,7 +15,7 @@ spec without one is priced with the reference workload, which says nothing of it
 `cpus` / `memory`, is in `infra` and `regions`, is sold on the requested market (`use_spot`) and costs at
 most `max_hourly_cost` per node-hour. Its predicted cost is
 
-    price per node-hour x num_nodes x predicted hours,
+    price per node-hour x (num_nodes + recovery.spares) x predicted hours   (spares are billed standing by),
     predicted hours = STARTUP_SECONDS + steps x predicted step seconds  (and, on spot, the expected
                       restarts: see expected_spot_hours)
 
@@ -92,9 +92,10 @@ class PlannedOffer:
     price_per_hour: float      # USD per node-hour on this market
     step_seconds: float        # predicted seconds per optimizer step
     hours: float               # predicted wall-clock hours of the run, startup and restarts included
-    cost: float                # predicted USD for the run: price_per_hour x nodes x hours
+    cost: float                # predicted USD for the run: price_per_hour x (nodes + spares) x hours
     step_source: str = ROOFLINE   # SEARCHED or ROOFLINE
     search_entries: tuple[str, ...] = ()  # the search cache entries model.entry's step left for this offer's workers
+    spares: int = 0            # standby nodes of this offer (recovery.spares), billed beside the training nodes
 
     def to_record(self) -> dict:
         """JSON-safe, with the whole offer (for the controller's store); `from_record` reads it back."""
@@ -105,13 +106,13 @@ class PlannedOffer:
         return cls(Offer(**record["offer"]), record["spot"], record["nodes"], record["price_per_hour"],
                    record["step_seconds"], record["predicted_hours"], record["predicted_cost"],
                    record.get("step_source", ROOFLINE),      # records of older versions have none
-                   tuple(record.get("search_entries", ())))
+                   tuple(record.get("search_entries", ())), record.get("spares", 0))
 
     def to_dict(self) -> dict:
         o = self.offer
         return {"provider": o.provider, "region": o.region, "zone": o.zone, "instance_type": o.instance_type,
                 "accelerator": o.accelerator, "accelerator_count": o.accelerator_count, "spot": self.spot,
-                "nodes": self.nodes, "price_per_hour": round(self.price_per_hour, 6),
+                "nodes": self.nodes, "spares": self.spares, "price_per_hour": round(self.price_per_hour, 6),
                 "step_seconds": round(self.step_seconds, 6), "step_source": self.step_source,
                 "predicted_hours": round(self.hours, 6), "predicted_cost": round(self.cost, 4)}
 
@@ -186,6 +187,7 @@ class Plan:
     order: np.ndarray          # indices into `offers`, best first
     spot: bool
     nodes: int
+    spares: int                # standby nodes billed beside the training nodes (recovery.spares)
     price: np.ndarray          # per offer index, USD per node-hour on the market
     step_seconds: np.ndarray
     hours: np.ndarray
@@ -208,7 +210,7 @@ class Plan:
             if self.entry is not None and self.hardware_keys else None
         return PlannedOffer(self.offers[index], self.spot, self.nodes, float(self.price[index]),
                             float(self.step_seconds[index]), float(self.hours[index]), float(self.cost[index]),
-                            source, found.entries if found is not None else ())
+                            source, found.entries if found is not None else (), self.spares)
 
     def hardware(self) -> list[dict]:
         """One row per hardware type among the capable offers: its key, the offers' accelerator, where
@@ -271,12 +273,13 @@ def expected_spot_hours(run_hours: np.ndarray, nodes: int, interval_hours: np.nd
     """Expected wall-clock hours of a spot run of `run_hours` hours without preemptions.
 
     Preemptions arrive at SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes per hour; each costs a restart
-    (STARTUP_SECONDS) plus half a checkpoint interval of lost work on average, and restarts can be
+    (STARTUP_SECONDS) plus half a checkpoint interval of lost work on average (half the run when it ends
+    before its first checkpoint: no preemption loses more than the whole run), and restarts can be
     preempted too, so the expected time is run_hours / (1 - rate x loss). Runs whose expected loss
     reaches MAX_SPOT_LOSS get infinite hours (they would never finish).
     """
     rate = SPOT_PREEMPTIONS_PER_NODE_HOUR * nodes
-    loss = rate * (STARTUP_SECONDS / 3600 + interval_hours / 2)
+    loss = rate * (STARTUP_SECONDS / 3600 + np.minimum(interval_hours, run_hours) / 2)
     with np.errstate(divide="ignore"):
         return np.where(loss < MAX_SPOT_LOSS, run_hours / np.maximum(1.0 - loss, 1e-9), np.inf)
 
@@ -291,17 +294,15 @@ def _checkpoint_interval_hours(spec: JobSpec, step_seconds: np.ndarray, nodes: i
     return np.full_like(step_seconds, min(max(math.sqrt(2 * CHECKPOINT_SAVE_SECONDS * mtbf_s), 30), 1800) / 3600)
 
 
+# A node's network as catalogs write it: "EFA 3200 Gbps", or EC2's NetworkPerformance that `tfsn catalog refresh aws`
+# keeps ("EFA 3200 Gigabit" for a p5, "EFA 4x 100 Gigabit" for a p4d's four cards, "Up to 10 Gigabit")
+_NETWORK_RE = re.compile(r"(?:(\d+)\s*x\s*)?(\d+(?:\.\d+)?)\s*(?:gbps|gigabit)", re.IGNORECASE)
+
+
 def _inter_node_gbs(interconnect: str | None) -> float:
-    """Node network bandwidth in GB/s from a catalog's interconnect text ("EFA 3200 Gbps"), else the default."""
-    if interconnect:
-        words = interconnect.lower().replace("gbps", " gbps").split()
-        for number, unit in zip(words, words[1:]):
-            try:
-                if unit == "gbps":
-                    return float(number) / 8
-            except ValueError:
-                continue
-    return DEFAULT_INTER_NODE_GBS
+    """Node network bandwidth in GB/s from a catalog's interconnect text, else the default."""
+    match = _NETWORK_RE.search(interconnect or "")
+    return int(match[1] or 1) * float(match[2]) / 8 if match else DEFAULT_INTER_NODE_GBS
 
 
 class _Filter:
@@ -311,13 +312,19 @@ class _Filter:
         self.mask = np.ones(n, dtype=bool)
         self.emptied_by: tuple[str, str] | None = None
         self.before: np.ndarray | None = None
+        self.field: tuple[str, ...] = ()
 
-    def apply(self, keep: np.ndarray, what: str, fix: str) -> None:
+    def apply(self, keep: np.ndarray, what: str, fix: str | Callable[[], str], field: tuple[str, ...] = ()) -> None:
+        """Keep the offers of `keep`; the spec's field to blame is the one `what` begins with ("resources.cpus"),
+        or `field` for a constraint that no single field states (the model's size: its section). A `fix` that
+        reads the offers (what they have instead) is a function, called only once the offers are gone."""
         if self.emptied_by is not None:
             return
         new = self.mask & keep
         if self.mask.any() and not new.any():
-            self.emptied_by, self.before = (what, fix), self.mask.copy()
+            self.emptied_by, self.before = (what, fix if isinstance(fix, str) else fix()), self.mask.copy()
+            named = re.match(r"(resources|model)\.(\w+)", what)
+            self.field = field or (named.groups() if named else ())
         self.mask = new
 
 
@@ -395,6 +402,17 @@ def _offers_of(name: str, c: _Columns) -> np.ndarray:
     return mask
 
 
+def _offered_here(mask: np.ndarray, c: _Columns) -> str:
+    """The fix for an accelerator or count that the offers of `mask` (the job's infra and regions) do not sell:
+    the choices they do."""
+    here = mask & (c.count > 0)
+    pairs = np.unique(np.stack([c.accelerator[here], c.count[here]], axis=1), axis=0)
+    offered = sorted(((c.accelerator_names[a], int(n)) for a, n in pairs), key=lambda p: (p[0].casefold(), p[1]))
+    if not offered:
+        return "ask for another accelerator or count (see `tfsn catalog ls`)"
+    return "ask for one of those offered here: " + ", ".join(f"{a}:{n}" for a, n in offered)
+
+
 def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray, list[HardwareSpec | None]]:
     """Keep the offers with an accelerator the job asked for (and a hardware spec to predict it with).
     Returns each offer's preference (its choice's place in `accelerators`, 0 for any_of) and the spec of
@@ -406,8 +424,7 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
         for i, choice in enumerate(choices):
             rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
-        f.apply(rank >= 0, f"resources.accelerators {wanted}",
-                "ask for another accelerator or count (see `tfsn catalog ls`)")
+        f.apply(rank >= 0, f"resources.accelerators {wanted}", lambda: _offered_here(f.mask, c))
         preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
     else:
         f.apply(c.count == 0, "resources.accelerators (none: a CPU-only job)",
@@ -465,11 +482,22 @@ def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float |
     return training_state_gib(entry.params, entry.dtype) if entry is not None else None
 
 
-def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> None:
+def _workers_per_device(spec: JobSpec, counts: np.ndarray) -> np.ndarray:
+    """Replicas each device holds: one per accelerator under `nproc_per_node: auto`; on a CPU node (count 0)
+    every worker's, in the node's memory."""
+    distinct = np.unique(counts)
+    per = np.array([math.ceil(spec.nprocs(int(n)) / max(int(n), 1)) for n in distinct])
+    return per[np.searchsorted(distinct, counts)]
+
+
+def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None, workers: np.ndarray) -> None:
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
-        device_mem = np.where(c.count > 0, c.accelerator_memory, c.memory)
-        f.apply(device_mem >= need, f"memory for the model ({need:.1f} GiB per device needed)",
-                "choose accelerators with more memory, or a smaller model / seq_len")
+        fits = np.where(c.count > 0, c.accelerator_memory, c.memory) >= need * workers
+        most = int(workers[f.mask].max()) if f.mask.any() else 1
+        f.apply(fits, f"memory for the model ({need * most:.1f} GiB per device needed: a whole replica per "
+                + (f"worker, {most} per device, " if most > 1 else "device, ") + "not sharded)",
+                lambda: _holding(c, need * most) + (", or fewer workers per node (nproc_per_node)" if most > 1 else ""),
+                field=("model",))
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
                 f"resources.cpus {res.cpus}",
@@ -483,6 +511,16 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None) -> 
         cheapest = float(np.nanmin(np.where(f.mask, c.market, np.nan))) if f.mask.any() else math.nan
         f.apply(c.market <= res.max_hourly_cost, f"resources.max_hourly_cost {res.max_hourly_cost:g}",
                 f"raise max_hourly_cost to at least {cheapest:.2f}")
+
+
+def _holding(c: _Columns, need: float) -> str:
+    """The fix for a model no asked accelerator holds: the catalog's accelerators that do, wherever they are."""
+    holds = c.accelerator_memory >= need
+    big = {c.accelerator_names[a]: float(c.accelerator_memory[holds & (c.accelerator == a)].max())
+           for a in np.unique(c.accelerator[holds])}
+    which = ", ".join(f"{name} {gib:.0f} GiB" for name, gib in sorted(big.items(), key=lambda kv: (kv[1], kv[0])))
+    return (f"ask for accelerators of at least {need:.1f} GiB (the catalog's: {which or 'none'}), or a smaller "
+            "model / seq_len")
 
 
 def hardware_key(offer: Offer, spec: HardwareSpec | None, host_providers: Sequence[str]) -> str:
@@ -529,8 +567,10 @@ def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, wor
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     picked = capable[first]
     specs = [hardware[int(a)] for a in c.accelerator[picked]]
+    # torchrun's workers train on one accelerator each: `nproc_per_node: 1` on an 8-GPU node leaves 7 idle
+    replicas = np.array([min(job.nprocs(int(n)), int(n)) for n in c.count[picked]], dtype=np.int64)
     step_unique = np.full(len(picked), np.nan) if workload is None else np.asarray(
-        predictor(workload, specs, c.count[picked], job.num_nodes, link_gbs[link_code[picked]]), dtype=float)
+        predictor(workload, specs, replicas, job.num_nodes, link_gbs[link_code[picked]]), dtype=float)
     source_unique = np.full(len(picked), ROOFLINE, dtype=object)
     for u, i in enumerate(picked):
         found = entry.hardware.get(keys[int(i)]) if entry is not None else None
@@ -554,7 +594,7 @@ def _capable(spec: JobSpec, offers: Sequence[Offer], workload: Workload | None, 
     f = _Filter(len(offers))
     _filter_place(f, spec.resources, c)
     preference, hardware = _filter_accelerators(f, spec.resources, c)
-    _filter_resources(f, spec.resources, c, memory_needed(workload, entry))
+    _filter_resources(f, spec.resources, c, memory_needed(workload, entry), _workers_per_device(spec, c.count))
     keys = [hardware_key(o, hardware[int(a)], host_providers) for o, a in zip(offers, c.accelerator)]
     return c, f, preference, hardware, keys
 
@@ -589,9 +629,8 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     if f.emptied_by is not None or not capable.size:
         what, fix = f.emptied_by or ("the constraints", "relax the resources")
         left = int(f.before.sum()) if f.before is not None else 0
-        named = re.match(r"(resources|model)\.(\w+)", what)      # the field to blame, for its line in the spec
         raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {len(offers)}. To fix: {fix}",
-                        field=named.groups() if named else ())
+                        field=f.field)
     return _ranked(spec, offers, c, capable, preference, step, steps, dict(
         workload=workload, reference_workload=is_reference, step_source=source, entry=entry, hardware_keys=keys))
 
@@ -605,13 +644,15 @@ def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.nda
         run_hours = expected_spot_hours(run_hours, nodes, _checkpoint_interval_hours(spec, step, nodes))
     hours = STARTUP_SECONDS / 3600 + run_hours
     market = c.market
-    cost = market * nodes * hours
+    cost = market * (nodes + spec.recovery.spares) * hours
     finite = capable[np.isfinite(cost[capable])]
     if not finite.size:
         raise PlanError(f"no capable offer: expected spot preemptions on {nodes} node(s) would never let the run "
-                        "finish. To fix: set use_spot: false, or checkpoint more often")
+                        "finish. To fix: set use_spot: false, or checkpoint more often",
+                        field=("resources", "use_spot"))
     order = finite[np.lexsort((finite, market[finite], cost[finite], preference[finite]))]
     cheapest = finite[market[finite] == market[finite].min()]
     naive = int(cheapest[np.argmin(cost[cheapest])])
-    return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, price=market, step_seconds=step,
+    return Plan(offers=offers, order=order, spot=res.use_spot, nodes=nodes, spares=spec.recovery.spares,
+                price=market, step_seconds=step,
                 hours=hours, cost=cost, naive_index=naive, steps=steps, **extra)

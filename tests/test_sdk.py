@@ -97,6 +97,17 @@ def test_a_save_before_the_loop_holds_the_steps_done_so_far(tmp_path):
     assert again.restore(model=model) == 3 and again.checkpoint(force=True, model=model).step == 3
 
 
+def test_a_resumed_run_saves_again_only_after_a_step(tmp_path):
+    """An unforced save before the loop is never due, after a restore too: the restored step 4, at an interval of 2
+    (or the last step), was written again, every checkpoint's files, at each resume."""
+    model = torch.nn.Linear(2, 2)
+    first = _make_run(tmp_path, 2, total=4)
+    assert [step for step in first.steps(0) if first.checkpoint(model=model)] == [1, 3]
+    resumed = _make_run(tmp_path, 2, total=4)
+    assert resumed.restore(model=model) == 4
+    assert resumed.checkpoint(model=model) is None
+
+
 def test_time_based_interval_is_decided_at_sync_points(tmp_path, monkeypatch):
     run = _make_run(tmp_path, "1h", total=100)
     model = torch.nn.Linear(2, 2)

@@ -163,6 +163,7 @@ class Run:
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
         self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
+        self._stepped = False   # a step ran since the start or the restore: only then is a save due
         self._metrics: dict[str, Any] = {}
         self._logged: dict[str, None] = {}  # the names run.log attached to the step not yet recorded
         self._last_save = time.monotonic()
@@ -193,7 +194,7 @@ class Run:
             raise ValueError("run.steps() needs the total number of steps: pass it, or set `steps` in train.yaml")
         self.total_steps = total
         for step in range(start, total):
-            self.step = step
+            self.step, self._stepped = step, True
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
@@ -262,9 +263,10 @@ class Run:
         The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
         `checkpoint_wait_s` waited for the previous save to be written).
         """
-        # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it).
+        # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it),
+        # saved only when forced: the restored step is in its checkpoint already.
         completed = self.step + 1
-        if not (force or (completed and self._due(completed))):
+        if not (force or (self._stepped and self._due(completed))):
             return None
         started = time.monotonic()
         with self._phases.phase(phases.CHECKPOINT):
@@ -333,7 +335,7 @@ class Run:
                 "restored": True, "skipped": [" ".join(r.split())[:SKIPPED_CHARS] for r in skipped[:SKIPPED_MAX]]})
         if info is None:
             return 0
-        self.last_checkpoint, self.step = info, info.step - 1
+        self.last_checkpoint, self.step, self._stepped = info, info.step - 1, False
         return info.step
 
     def _due(self, completed: int) -> bool:

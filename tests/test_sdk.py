@@ -201,6 +201,20 @@ def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, cont
                                        "are sent with a step; log them in run.steps()'s loop\n")
 
 
+def test_a_loop_left_mid_step_says_nothing_of_metrics_after_the_last_step(tmp_path, controller, capsys):
+    """A step that raised (or a `break`) leaves its run.log unrecorded, inside the loop: finish said they were logged
+    "after the last step" and to log them in the loop, under the script's own traceback."""
+    run = _make_run(tmp_path, 1000)
+    with pytest.raises(RuntimeError):
+        for step in run.steps(0, 3):
+            run.log(loss=1.0)
+            if step == 1:
+                raise RuntimeError("CUDA out of memory")
+    run.finish()
+    assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
+    assert "after the last step" not in capsys.readouterr().err
+
+
 def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller):
     """On CUDA a step's compute time is a pair of events: the record holds them, the telemetry thread reads them.
     (A reporter that had not begun a step sent step -1, which the API refuses: its heartbeats were lost.)"""

@@ -164,6 +164,7 @@ class Run:
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
         self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
         self._stepped = False   # a step ran since the start or the restore: only then is a save due
+        self._in_step = False   # a step began and was not recorded: the loop raised or broke out of it
         self._metrics: dict[str, Any] = {}
         self._logged: dict[str, None] = {}  # the names run.log attached to the step not yet recorded
         self._last_save = time.monotonic()
@@ -194,7 +195,7 @@ class Run:
             raise ValueError("run.steps() needs the total number of steps: pass it, or set `steps` in train.yaml")
         self.total_steps = total
         for step in range(start, total):
-            self.step, self._stepped = step, True
+            self.step, self._stepped, self._in_step = step, True, True
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
@@ -202,6 +203,7 @@ class Run:
                 self._comm_timer.step_started()
             yield step
             self._record(step, time.perf_counter() - began)
+            self._in_step = False
 
     def log(self, **metrics: Any) -> None:
         """Attach metrics (numbers or one-element tensors) to the current step. A number is any real one: NumPy's
@@ -393,7 +395,9 @@ class Run:
                     self._wait_for_write(saver)
         finally:
             if self._telemetry is not None:
-                if self._logged:    # metrics go with a step's record: after the last step there is none
+                # metrics go with a step's record: after the last step there is none (in a step left by an
+                # exception or a `break`, they were logged in the loop: its traceback, or the break, says why)
+                if self._logged and not self._in_step:
                     print(f"tfsn: run.log({', '.join(self._logged)}) after the last step is not "
                           "sent: metrics are sent with a step; log them in run.steps()'s loop", file=sys.stderr,
                           flush=True)

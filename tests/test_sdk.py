@@ -188,6 +188,24 @@ def test_numpy_scalars_are_logged_as_numbers(tmp_path, controller):
     assert record["metrics"] == {"loss": 0.5, "acc": 0.5, "tokens": 7.0}
 
 
+@pytest.mark.parametrize("value, kind", [
+    ("np.timedelta64(3, 's')", "timedelta64"), ("10 ** 400", "int"), ("torch.tensor(1 + 2j)", "Tensor")])
+def test_a_metric_that_is_no_float_is_refused_by_run_log_not_by_the_heartbeat(tmp_path, controller, value, kind):
+    """NumPy's timedelta64 is a numbers.Real, 10**400 an int, a complex tensor has one element: run.log took them and
+    the telemetry thread's float() raised at every flush from then on, before the post, so the rank sent no
+    heartbeat again (taken for a hung node) and no metric."""
+    import numpy as np
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        with pytest.raises(TypeError, match=rf"run.log\(bad=...\): expected a number or a one-element tensor, "
+                                            rf"got {kind}"):
+            run.log(bad=eval(value, {"np": np, "torch": torch}))
+        run.log(loss=1.0)
+    run.finish()
+    assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
+
+
 def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
     """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
     run = _make_run(tmp_path, 1000)

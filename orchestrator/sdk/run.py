@@ -207,15 +207,9 @@ class Run:
 
     def log(self, **metrics: Any) -> None:
         """Attach metrics (numbers or one-element tensors) to the current step. A number is any real one: NumPy's
-        scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), read as floats later."""
+        scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), taken as a float."""
         for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                self._metrics[key] = value.detach()
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                self._metrics[key] = value
-            else:
-                raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, "
-                                f"got {type(value).__name__}")
+            self._metrics[key] = _metric(key, value)
             self._logged[key] = None
 
     def _record(self, step: int, seconds: float) -> None:
@@ -413,6 +407,18 @@ class Run:
             print(f"tfsn: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
+
+
+def _metric(key: str, value: Any) -> torch.Tensor | float:
+    """`value` as run.log keeps it: a one-element real tensor as it is (read on the telemetry thread, leaving the step
+    free), a number as a float, converted here: a float() that failed on the telemetry thread (NumPy's timedelta64 is
+    a numbers.Real, 10**400 an int) failed every flush after it, the rank's heartbeats too."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value.detach()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        with contextlib.suppress(TypeError, OverflowError):
+            return float(value)
+    raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, got {type(value).__name__}")
 
 
 def _data_parallel(model: Any) -> DistributedDataParallel | None:

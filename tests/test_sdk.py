@@ -97,6 +97,17 @@ def test_a_save_before_the_loop_holds_the_steps_done_so_far(tmp_path):
     assert again.restore(model=model) == 3 and again.checkpoint(force=True, model=model).step == 3
 
 
+def test_a_resumed_run_saves_again_only_after_a_step(tmp_path):
+    """An unforced save before the loop is never due, after a restore too: the restored step 4, at an interval of 2
+    (or the last step), was written again, every checkpoint's files, at each resume."""
+    model = torch.nn.Linear(2, 2)
+    first = _make_run(tmp_path, 2, total=4)
+    assert [step for step in first.steps(0) if first.checkpoint(model=model)] == [1, 3]
+    resumed = _make_run(tmp_path, 2, total=4)
+    assert resumed.restore(model=model) == 4
+    assert resumed.checkpoint(model=model) is None
+
+
 def test_time_based_interval_is_decided_at_sync_points(tmp_path, monkeypatch):
     run = _make_run(tmp_path, "1h", total=100)
     model = torch.nn.Linear(2, 2)
@@ -177,6 +188,24 @@ def test_numpy_scalars_are_logged_as_numbers(tmp_path, controller):
     assert record["metrics"] == {"loss": 0.5, "acc": 0.5, "tokens": 7.0}
 
 
+@pytest.mark.parametrize("value, kind", [
+    ("np.timedelta64(3, 's')", "timedelta64"), ("10 ** 400", "int"), ("torch.tensor(1 + 2j)", "Tensor")])
+def test_a_metric_that_is_no_float_is_refused_by_run_log_not_by_the_heartbeat(tmp_path, controller, value, kind):
+    """NumPy's timedelta64 is a numbers.Real, 10**400 an int, a complex tensor has one element: run.log took them and
+    the telemetry thread's float() raised at every flush from then on, before the post, so the rank sent no
+    heartbeat again (taken for a hung node) and no metric."""
+    import numpy as np
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        with pytest.raises(TypeError, match=rf"run.log\(bad=...\): expected a number or a one-element tensor, "
+                                            rf"got {kind}"):
+            run.log(bad=eval(value, {"np": np, "torch": torch}))
+        run.log(loss=1.0)
+    run.finish()
+    assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
+
+
 def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
     """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
     run = _make_run(tmp_path, 1000)
@@ -188,6 +217,20 @@ def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, cont
     assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
     assert capsys.readouterr().err == ("tfsn: run.log(test_acc, test_loss) after the last step is not sent: metrics "
                                        "are sent with a step; log them in run.steps()'s loop\n")
+
+
+def test_a_loop_left_mid_step_says_nothing_of_metrics_after_the_last_step(tmp_path, controller, capsys):
+    """A step that raised (or a `break`) leaves its run.log unrecorded, inside the loop: finish said they were logged
+    "after the last step" and to log them in the loop, under the script's own traceback."""
+    run = _make_run(tmp_path, 1000)
+    with pytest.raises(RuntimeError):
+        for step in run.steps(0, 3):
+            run.log(loss=1.0)
+            if step == 1:
+                raise RuntimeError("CUDA out of memory")
+    run.finish()
+    assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
+    assert "after the last step" not in capsys.readouterr().err
 
 
 def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller):

@@ -49,8 +49,11 @@ MAX_PRINTED_BYTES = 4 << 30   # the node's own copy of its lines (a local node's
 SAMPLES_PER_POST = 1024
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 # A worker is `bash -c RUN`: a command bash did not exec (`python train.py && ...`, a script's) that a signal N
-# killed (the OOM killer's SIGKILL) ends bash with code 128+N, where torchrun sees an exec'd one's -N.
+# killed (the OOM killer's SIGKILL) ends bash with code 128+N, where torchrun sees an exec'd one's -N. bash reports
+# the kill ("bash: line 1: 4242 Killed   python train.py"; a script's "train.sh: line 3: ..."); a script's own
+# sys.exit(137) ends with the same code and no report, and is the application's error.
 SHELL_SIGNALED = 128
+_SHELL_KILLED = re.compile(r": line \d+: +\d+ +\S")
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ERROR_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit))\b")
 _WORKER_LINE = re.compile(r"^\[rank\d+\]:\s*\S")
@@ -241,10 +244,10 @@ def failure_summary(lines: list[str], returncode: int, workdir: str | None = Non
     """The user-facing error of a failed run and the signal that killed the first worker, if any.
 
     torchrun prints a "Root Cause (first observed failure)" block naming the first rank to fail, with an `exitcode`
-    that is negative when a signal killed it (128+N when it killed a command the worker's bash ran). The error is
-    the last `SomethingError: ...` line that rank printed (not its peers' "Connection closed by peer" after it; any
-    rank's where it printed none); else (bash's "command not found", python's "can't open file", a script's own
-    message before `sys.exit(3)`) the worker's exit code and the last line the workers printed.
+    that is negative when a signal killed it (128+N when it killed a command the worker's bash ran, which bash
+    reported). The error is the last `SomethingError: ...` line that rank printed (not its peers' "Connection closed
+    by peer" after it; any rank's where it printed none); else (bash's "command not found", python's "can't open
+    file", a script's own message before `sys.exit(3)`) the worker's exit code and the last line the workers printed.
     """
     sig, code, first = None, returncode, None
     for i, line in enumerate(lines):
@@ -252,7 +255,8 @@ def failure_summary(lines: list[str], returncode: int, workdir: str | None = Non
             match = next((m for m in map(_EXITCODE.search, lines[i:]) if m), None)
             if match and int(match.group(1)) < 0:
                 sig = -int(match.group(1))
-            elif match and SHELL_SIGNALED < int(match.group(1)) <= SHELL_SIGNALED + 64:
+            elif (match and SHELL_SIGNALED < int(match.group(1)) <= SHELL_SIGNALED + 64
+                  and any(map(_SHELL_KILLED.search, lines))):
                 sig = int(match.group(1)) - SHELL_SIGNALED     # bash's code for a command a signal killed
             elif match:
                 code = int(match.group(1))

@@ -163,6 +163,8 @@ class Run:
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
         self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
+        self._stepped = False   # a step ran since the start or the restore: only then is a save due
+        self._in_step = False   # a step began and was not recorded: the loop raised or broke out of it
         self._metrics: dict[str, Any] = {}
         self._logged: dict[str, None] = {}  # the names run.log attached to the step not yet recorded
         self._last_save = time.monotonic()
@@ -193,7 +195,7 @@ class Run:
             raise ValueError("run.steps() needs the total number of steps: pass it, or set `steps` in train.yaml")
         self.total_steps = total
         for step in range(start, total):
-            self.step = step
+            self.step, self._stepped, self._in_step = step, True, True
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
@@ -201,18 +203,13 @@ class Run:
                 self._comm_timer.step_started()
             yield step
             self._record(step, time.perf_counter() - began)
+            self._in_step = False
 
     def log(self, **metrics: Any) -> None:
         """Attach metrics (numbers or one-element tensors) to the current step. A number is any real one: NumPy's
-        scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), read as floats later."""
+        scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), taken as a float."""
         for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                self._metrics[key] = value.detach()
-            elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-                self._metrics[key] = value
-            else:
-                raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, "
-                                f"got {type(value).__name__}")
+            self._metrics[key] = _metric(key, value)
             self._logged[key] = None
 
     def _record(self, step: int, seconds: float) -> None:
@@ -262,9 +259,10 @@ class Run:
         The seconds the step spent here are logged as its `checkpoint_stall_s` metric (of which
         `checkpoint_wait_s` waited for the previous save to be written).
         """
-        # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it).
+        # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it),
+        # saved only when forced: the restored step is in its checkpoint already.
         completed = self.step + 1
-        if not (force or (completed and self._due(completed))):
+        if not (force or (self._stepped and self._due(completed))):
             return None
         started = time.monotonic()
         with self._phases.phase(phases.CHECKPOINT):
@@ -333,7 +331,7 @@ class Run:
                 "restored": True, "skipped": [" ".join(r.split())[:SKIPPED_CHARS] for r in skipped[:SKIPPED_MAX]]})
         if info is None:
             return 0
-        self.last_checkpoint, self.step = info, info.step - 1
+        self.last_checkpoint, self.step, self._stepped = info, info.step - 1, False
         return info.step
 
     def _due(self, completed: int) -> bool:
@@ -391,7 +389,9 @@ class Run:
                     self._wait_for_write(saver)
         finally:
             if self._telemetry is not None:
-                if self._logged:    # metrics go with a step's record: after the last step there is none
+                # metrics go with a step's record: after the last step there is none (in a step left by an
+                # exception or a `break`, they were logged in the loop: its traceback, or the break, says why)
+                if self._logged and not self._in_step:
                     print(f"tfsn: run.log({', '.join(self._logged)}) after the last step is not "
                           "sent: metrics are sent with a step; log them in run.steps()'s loop", file=sys.stderr,
                           flush=True)
@@ -407,6 +407,18 @@ class Run:
             print(f"tfsn: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
+
+
+def _metric(key: str, value: Any) -> torch.Tensor | float:
+    """`value` as run.log keeps it: a one-element real tensor as it is (read on the telemetry thread, leaving the step
+    free), a number as a float, converted here: a float() that failed on the telemetry thread (NumPy's timedelta64 is
+    a numbers.Real, 10**400 an int) failed every flush after it, the rank's heartbeats too."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return value.detach()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        with contextlib.suppress(TypeError, OverflowError):
+            return float(value)
+    raise TypeError(f"run.log({key}=...): expected a number or a one-element tensor, got {type(value).__name__}")
 
 
 def _data_parallel(model: Any) -> DistributedDataParallel | None:

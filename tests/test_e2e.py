@@ -75,8 +75,8 @@ def test_example_runs_to_succeeded(tfsn, tmp_path):
 
 def test_killed_worker_resumes_bit_for_bit(tfsn, tmp_path):
     steps = 80  # the example's own model: slow enough to kill a worker mid-run
-    reference = write_job(tmp_path / "reference.yaml", steps=steps, interval=10, fast=False)
-    victim = write_job(tmp_path / "victim.yaml", steps=steps, interval=10, fast=False)
+    reference = write_job(tmp_path / "reference.yaml", entry=False, steps=steps, interval=10, fast=False)
+    victim = write_job(tmp_path / "victim.yaml", entry=False, steps=steps, interval=10, fast=False)
     tfsn("launch", str(reference), "--detach", "--name", "reference")
     tfsn("launch", str(victim), "--detach", "--name", "victim")
     st = tfsn.wait("victim", lambda s: (s["checkpoint"] or {}).get("step", 0) >= 20 and s["step"] > 22,
@@ -97,7 +97,8 @@ def test_killed_worker_resumes_bit_for_bit(tfsn, tmp_path):
 
 
 def test_controller_kill_and_restart_keeps_the_job(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=100, interval=25, fast=False, health={"heartbeat_timeout": "3s"})
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=100, interval=25, fast=False,
+                     health={"heartbeat_timeout": "3s"})
     tfsn("launch", str(spec), "--detach")
     tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 5, what="training to start")
     info = json.loads((tfsn.home / "controller.json").read_text())
@@ -114,7 +115,8 @@ def test_controller_kill_and_restart_keeps_the_job(tfsn, tmp_path):
 
 
 def test_application_error_fails_without_looping(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=10, run="python -c \"raise ValueError('bad learning rate')\"")
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=10,
+                     run="python -c \"raise ValueError('bad learning rate')\"")
     out = tfsn("launch", str(spec), timeout=300, check=False)
     assert out.returncode == 1
     st = tfsn.status(1)
@@ -126,7 +128,7 @@ def test_application_error_fails_without_looping(tfsn, tmp_path):
 
 def test_restarts_are_bounded(tfsn, tmp_path):
     # Every attempt's worker dies by a signal (a node fault each time): max_restarts ends it.
-    spec = write_job(tmp_path / "job.yaml", steps=10, run="kill -9 $$", recovery={"max_restarts": 1})
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=10, run="kill -9 $$", recovery={"max_restarts": 1})
     out = tfsn("launch", str(spec), timeout=300, check=False)
     assert out.returncode == 1
     st = tfsn.status(1)
@@ -142,7 +144,7 @@ def agent_pids(node_id: str) -> list[int]:
 
 
 def test_killed_agent_is_replaced_by_a_spare_and_stop_tears_down(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, recovery={"spares": 1})
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=100000, interval=20, recovery={"spares": 1})
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     spare = next(n for n in st["nodes"] if n["rank"] is None)
@@ -164,7 +166,7 @@ def test_killed_agent_is_replaced_by_a_spare_and_stop_tears_down(tfsn, tmp_path)
 
 
 def test_silent_agent_is_failed_after_heartbeat_timeout(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, health={"heartbeat_timeout": "3s"})
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=100000, interval=20, health={"heartbeat_timeout": "3s"})
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     node = next(n for n in st["nodes"] if n["rank"] == 1)
@@ -181,7 +183,7 @@ def test_a_suspended_controller_fails_no_node_when_it_resumes(tfsn, tmp_path):
     """The laptop running the controller and a local job suspends (here: SIGSTOP of the controller and the
     agents for twice the heartbeat timeout). Before: the controller's loop, running again before any agent could
     speak, failed every node for its silence, and the job restarted all of them from the last checkpoint."""
-    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20, health={"heartbeat_timeout": "5s"})
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=100000, interval=20, health={"heartbeat_timeout": "5s"})
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 3, what="training to start")
     controller = json.loads((tfsn.home / "controller.json").read_text())["pid"]
@@ -209,7 +211,7 @@ def test_a_suspended_controller_fails_no_node_when_it_resumes(tfsn, tmp_path):
 
 
 def test_ctrl_c_on_launch_stops_the_job(tfsn, tmp_path):
-    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20)
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=100000, interval=20)
     # A terminal's Ctrl-C: SIGINT at its default disposition in the child even when this test runs in a
     # background job (`cmd &` in a script), whose children inherit SIGINT ignored.
     launch = subprocess.Popen([sys.executable, str(ROOT / "tfsn.py"), "launch", str(spec)], env=tfsn.env,

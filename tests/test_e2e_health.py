@@ -58,8 +58,11 @@ def straggler_metrics(tfsn) -> str:
 def test_slowed_worker_is_found_checkpointed_and_replaced(tfsn, tmp_path):
     # Two ranks: each rank's compute time against the other's, held against its own past, shows the slow one.
     # A restart here takes seconds, not a cloud node's minutes: said, so that the policy finds the
-    # replacement worth it once the slowdown has cost that much (health/policy.py rule 4b).
-    spec = write_job(tmp_path / "job.yaml", steps=600, interval=1000, fast=False,
+    # replacement worth it once the slowdown has cost that much (health/policy.py rule 4b). 450 steps: the slowdown
+    # starts at step 150 and the replacement came at steps 248 to 272 in five runs (one beside another test file,
+    # on a machine loaded to 6 on 2 cores), well before the last steps, where the rest of the run would lose less
+    # than a replacement costs (rule 4b).
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=450, interval=1000, fast=False,
                      health={"thresholds": {"replace_restart_s": 2.0, "replace_save_s": 0.5}})
     tfsn("launch", str(spec), "--detach")
     # A long baseline first: a slowdown that starts while a rank's usual pace is still being learned
@@ -103,7 +106,7 @@ def test_stopped_worker_is_found_hung_and_replaced(tfsn, tmp_path):
     # timeouts short for a test, but not so short that a healthy rank's heartbeat, delayed on a loaded 2-core
     # machine while its checkpoint writer hashes, reads as silent (4 s did once in a whole-suite run: every
     # node was replaced)
-    spec = write_job(tmp_path / "job.yaml", steps=100000, interval=20,
+    spec = write_job(tmp_path / "job.yaml", entry=False, steps=100000, interval=20,
                      health={"heartbeat_timeout": "8s", "thresholds": {"hang_min_s": 12}})
     tfsn("launch", str(spec), "--detach")
     st = tfsn.wait(1, lambda s: s["state"] == "RUNNING" and s["step"] >= 30, what="training to start")

@@ -235,6 +235,17 @@ def test_every_worker_of_a_cpu_node_holds_a_replica_in_its_memory():
         plan_job(spec(model=GPT3_XL, nproc_per_node=4), [cpu])
 
 
+def test_the_local_nodes_share_this_machines_memory():
+    # 2 local nodes of 2 workers are 4 processes of one 64 GiB machine: 4 x 23.6 GiB, not one node's 2 x 23.6 GiB
+    here = offer(provider="local", instance="local", accelerator=None, vcpus=8, memory=64, price=0.0)
+    assert plan_job(spec(model=GPT3_XL, num_nodes=2), [here], host_providers=("local",)).chosen.offer is here
+    with pytest.raises(PlanError, match=r"\(94.2 GiB per device needed: a whole replica per worker, 4 per device.*"
+                                        r"or fewer local nodes \(num_nodes: they share this machine's memory\)$"):
+        plan_job(spec(model=GPT3_XL, num_nodes=2, nproc_per_node=2), [here], host_providers=("local",))
+    cloud = offer(instance="c8", accelerator=None, vcpus=8, memory=64, price=0.4)     # a node of its own each
+    assert plan_job(spec(model=GPT3_XL, num_nodes=2, nproc_per_node=2), [cloud]).chosen.offer is cloud
+
+
 def expected_spot_hours_by_hand(run_hours_no_startup, nodes, interval_hours):
     rate = 0.05 * nodes                                   # SPOT_PREEMPTIONS_PER_NODE_HOUR x nodes
     lost = min(interval_hours, run_hours_no_startup) / 2   # a run shorter than its interval never checkpoints

@@ -482,22 +482,29 @@ def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float |
     return training_state_gib(entry.params, entry.dtype) if entry is not None else None
 
 
-def _workers_per_device(spec: JobSpec, counts: np.ndarray) -> np.ndarray:
+def _workers_per_device(spec: JobSpec, counts: np.ndarray, host: np.ndarray) -> np.ndarray:
     """Replicas each device holds: one per accelerator under `nproc_per_node: auto`; on a CPU node (count 0)
-    every worker's, in the node's memory."""
+    every worker's, in the node's memory; on this machine's offers (`host`) every node's workers too: its local
+    nodes are processes of the one machine."""
     distinct = np.unique(counts)
     per = np.array([math.ceil(spec.nprocs(int(n)) / max(int(n), 1)) for n in distinct])
-    return per[np.searchsorted(distinct, counts)]
+    return per[np.searchsorted(distinct, counts)] * np.where(host, spec.num_nodes, 1)
 
 
-def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None, workers: np.ndarray) -> None:
+def _filter_resources(f: _Filter, spec: JobSpec, c: _Columns, need: float | None, here: np.ndarray) -> None:
+    """Keep the offers that hold the model (`need` GiB a replica) and meet resources' cpus, memory and price;
+    `here` marks this machine's offers."""
+    res = spec.resources
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
+        workers = _workers_per_device(spec, c.count, here)
         fits = np.where(c.count > 0, c.accelerator_memory, c.memory) >= need * workers
         most = int(workers[f.mask].max()) if f.mask.any() else 1
+        fewer = (", or fewer workers per node (nproc_per_node)" if spec.nprocs(0) > 1 else "") + (
+            ", or fewer local nodes (num_nodes: they share this machine's memory)"
+            if spec.num_nodes > 1 and (f.mask & here).any() else "")
         f.apply(fits, f"memory for the model ({need * most:.1f} GiB per device needed: a whole replica per "
                 + (f"worker, {most} per device, " if most > 1 else "device, ") + "not sharded)",
-                lambda: _holding(c, need * most) + (", or fewer workers per node (nproc_per_node)" if most > 1 else ""),
-                field=("model",))
+                lambda: _holding(c, need * most) + (fewer if most > 1 else ""), field=("model",))
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
                 f"resources.cpus {res.cpus}",
@@ -594,8 +601,9 @@ def _capable(spec: JobSpec, offers: Sequence[Offer], workload: Workload | None, 
     f = _Filter(len(offers))
     _filter_place(f, spec.resources, c)
     preference, hardware = _filter_accelerators(f, spec.resources, c)
-    _filter_resources(f, spec.resources, c, memory_needed(workload, entry), _workers_per_device(spec, c.count))
     keys = [hardware_key(o, hardware[int(a)], host_providers) for o, a in zip(offers, c.accelerator)]
+    here = np.array([o.provider in host_providers for o in offers])
+    _filter_resources(f, spec, c, memory_needed(workload, entry), here)
     return c, f, preference, hardware, keys
 
 

@@ -53,6 +53,25 @@ def test_a_node_trains_on_as_many_accelerators_as_it_runs_workers():
         pytest.approx(run_hours("H100", 8, steps=500))
 
 
+def test_workers_beyond_a_nodes_accelerators_take_turns_on_them_in_the_searched_step_as_in_the_roofline():
+    # 16 workers on 8 H100s: two per GPU, each GPU running both halves in turn, no faster than 8 workers (the
+    # searched step was halved again, and 32 workers quartered it, while the roofline stays at 8 devices)
+    from orchestrator.planning.entry import EntryStep, HardwareStep
+
+    entry = EntryStep(params=10**6, grad_bytes=4 * 10**6, example_batch=4, dtype="fp32",
+                      hardware={find_hardware("H100").name: HardwareStep(0.1, update_s=0.01)})
+
+    def step(workers: int, **model) -> float:
+        job = spec({"accelerators": "H100:8"}, nproc_per_node=workers, model={"batch_size": 64, **model})
+        return plan_job(job, [offer()], entry=entry if "entry" in model else None).chosen.step_seconds
+
+    shape = dict(params="1M", layers=2, hidden=64, seq_len=128)
+    for workers in (16, 32):
+        assert step(workers, entry="train.py:build") == pytest.approx(
+            step(8, entry="train.py:build") + 0.01 * (workers // 8 - 1), rel=1e-3)   # an update a worker
+        assert step(workers, **shape) == pytest.approx(step(8, **shape))
+
+
 def test_the_cost_of_the_run_pays_for_the_spares_kept_beside_its_nodes():
     # recovery.spares: standby nodes of the chosen offer, created with the job and billed for the whole run
     job = spec({"accelerators": "H100:8"}, num_nodes=2, steps=500, recovery={"spares": 1})

@@ -541,9 +541,10 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     the job's (model.batch_size over the data-parallel width; the example's own without it), plus the update
     (found.update_s) and the fixed share every step pays around its graphs (found.overhead_solo_s); as one of
     several ranks, plus what a data-parallel step pays beyond that (found.overhead_s) and its wait for the other
-    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time); and the
-    gradient all-reduce: over the offer's links, or for this machine's local nodes (`here`) as `tfsn calibrate`
-    measured it between local processes, where it did."""
+    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time), each of
+    the node's `count` accelerators running its share of the workers in turn (as the roofline and the memory
+    check count them); and the gradient all-reduce: over the offer's links, or for this machine's local nodes
+    (`here`) as `tfsn calibrate` measured it between local processes, where it did."""
     from optimizer.hardware import cpu_spec
     from optimizer.predict import local_allreduce_seconds
 
@@ -553,7 +554,8 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     allreduce = local_allreduce_seconds(entry.grad_bytes, per_node * nodes, cpu_spec()) if here else None
     if allreduce is None:
         allreduce = float(allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0])
-    own = found.seconds * scale + found.update_s + found.overhead_solo_s
+    shared = math.ceil(per_node / count) if count else 1    # workers beyond the accelerators take turns on them
+    own = (found.seconds * scale + found.update_s + found.overhead_solo_s) * shared
     if per_node * nodes > 1:
         return own + found.overhead_s + found.parallel_wait_s * math.sqrt(own * 1e3) + allreduce
     return own + allreduce

@@ -160,6 +160,10 @@ def test_an_accelerator_or_count_no_offer_has_is_told_what_the_offers_have():
         with pytest.raises(PlanError) as err:
             plan_job(spec({"accelerators": wanted, "infra": ["aws"]}), offers)
         assert str(err.value).endswith("To fix: ask for one of those offered here: A100:8, H100:1, H100:2, H100:8")
+    # not an accelerator without a hardware spec: asked for, it is refused in turn ("hardware specs (none for ...)")
+    with pytest.raises(PlanError, match=r"offered here: A100:8, H100:1, H100:2, H100:8$"):
+        plan_job(spec({"accelerators": "H100:3", "infra": ["aws"]}),
+                 offers + [offer(provider="aws", accelerator="Gaudi2", count=8)])
 
 
 def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus():

@@ -403,8 +403,8 @@ def _offers_of(name: str, c: _Columns) -> np.ndarray:
 
 
 def _offered_here(mask: np.ndarray, c: _Columns) -> str:
-    """The fix for an accelerator or count that the offers of `mask` (the job's infra and regions) do not sell:
-    the choices they do."""
+    """The fix for an accelerator or count that the offers of `mask` (the job's infra and regions, of accelerators
+    with a hardware spec: no other could be planned) do not sell: the choices they do."""
     here = mask & (c.count > 0)
     pairs = np.unique(np.stack([c.accelerator[here], c.count[here]], axis=1), axis=0)
     offered = sorted(((c.accelerator_names[a], int(n)) for a, n in pairs), key=lambda p: (p[0].casefold(), p[1]))
@@ -419,18 +419,18 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     every distinct accelerator."""
     choices = res.accelerator_choices()
     preference = np.zeros(len(c.count), dtype=np.int64)
+    hardware = [find_hardware(name or None) for name in c.accelerator_names]
+    has_spec = np.array([h is not None for h in hardware])[c.accelerator]
     if choices:
         rank = np.full(len(c.count), -1, dtype=np.int64)
         for i, choice in enumerate(choices):
             rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
-        f.apply(rank >= 0, f"resources.accelerators {wanted}", lambda: _offered_here(f.mask, c))
+        f.apply(rank >= 0, f"resources.accelerators {wanted}", lambda: _offered_here(f.mask & has_spec, c))
         preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
     else:
         f.apply(c.count == 0, "resources.accelerators (none: a CPU-only job)",
                 "name accelerators, e.g. 'accelerators: H100:8', or add CPU offers to the catalog")
-    hardware = [find_hardware(name or None) for name in c.accelerator_names]
-    has_spec = np.array([h is not None for h in hardware])[c.accelerator]
     missing = sorted({c.accelerator_names[a] for a in np.unique(c.accelerator[f.mask]) if hardware[a] is None})
     f.apply(has_spec, f"hardware specs (none for {', '.join(missing) or '-'})",
             "add a configs/hardware/*.yaml spec (or an alias) for the accelerator")

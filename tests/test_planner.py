@@ -14,7 +14,8 @@ from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacit
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
 
-ACC_MEMORY = {"H100": 80.0, "A100": 40.0, "A100-80GB": 80.0, "L4": 22.35, "T4": 16.0, "L40S": 48.0, "K80": 12.0}
+ACC_MEMORY = {"H100": 80.0, "A100": 40.0, "A100-80GB": 80.0, "L4": 22.35, "T4": 16.0, "L40S": 48.0, "K80": 12.0,
+              "Gaudi2": 96.0}   # Gaudi2: an accelerator no hardware spec describes
 
 
 def spec(resources=None, **fields) -> JobSpec:
@@ -230,7 +231,8 @@ def test_the_described_model_must_fit_in_accelerator_memory():
     assert err.value.field == ("model",)       # `tfsn plan` names the model: section's line, not the file's first
     # a replica per device (no sharding): which accelerators of the catalog hold one, beyond those asked for
     with pytest.raises(PlanError) as err:
-        plan_job(spec({"accelerators": "L4:1"}, model=GPT3_XL), [small, large, offer(accelerator="T4")])
+        plan_job(spec({"accelerators": "L4:1"}, model=GPT3_XL), [small, large, offer(accelerator="T4"),
+                                                                 offer(accelerator="Gaudi2")])   # no spec: not named
     assert str(err.value).endswith("To fix: ask for accelerators of at least 23.6 GiB (the catalog's: A100-80GB "
                                    "80 GiB), or a smaller model / seq_len")
     # without a model section the reference workload only prices offers: it says nothing of the model's size

@@ -521,10 +521,11 @@ def _filter_resources(f: _Filter, spec: JobSpec, c: _Columns, need: float | None
 
 
 def _holding(c: _Columns, need: float) -> str:
-    """The fix for a model no asked accelerator holds: the catalog's accelerators that do, wherever they are."""
+    """The fix for a model no asked accelerator holds: the catalog's accelerators that do, wherever they are (of
+    those with a hardware spec: no other could be planned)."""
     holds = c.accelerator_memory >= need
     big = {c.accelerator_names[a]: float(c.accelerator_memory[holds & (c.accelerator == a)].max())
-           for a in np.unique(c.accelerator[holds])}
+           for a in np.unique(c.accelerator[holds]) if find_hardware(c.accelerator_names[a] or None) is not None}
     which = ", ".join(f"{name} {gib:.0f} GiB" for name, gib in sorted(big.items(), key=lambda kv: (kv[1], kv[0])))
     return (f"ask for accelerators of at least {need:.1f} GiB (the catalog's: {which or 'none'}), or a smaller "
             "model / seq_len")

@@ -68,6 +68,15 @@ def test_plan_prints_the_table_the_choice_and_the_naive_plan(cli, tmp_path):
     assert "less" in out and "than the naive plan" in out
 
 
+def test_plan_states_the_memory_of_a_worker_not_of_a_device(cli, tmp_path):
+    # 16 workers on 8 H100s hold 2 replicas a GPU: "N GiB per device" was one replica's, half what each GPU holds
+    catalog = tmp_path / "mine.csv"
+    write_offers(catalog, [Offer("cloudB", "r2", None, "h100-box", "H100", 8, 80.0, 192, 2048, 98.32)])
+    out = cli("plan", str(_spec(tmp_path, SPEC + "nproc_per_node: 16\n")), "--catalog", str(catalog)).stdout
+    summary = next(line for line in out.splitlines() if "capable offer(s)" in line)
+    assert "GiB per worker (a whole replica each)" in summary and "per device" not in summary
+
+
 def test_plan_of_a_bad_file_is_one_line_naming_file_line_and_field(cli, tmp_path):
     path = _spec(tmp_path, SPEC.replace("params: 350M", "params: lots"))
     out = cli("plan", str(path), check=False)

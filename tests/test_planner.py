@@ -14,7 +14,8 @@ from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacit
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
 
-ACC_MEMORY = {"H100": 80.0, "A100": 40.0, "A100-80GB": 80.0, "L4": 22.35, "T4": 16.0, "L40S": 48.0, "K80": 12.0}
+ACC_MEMORY = {"H100": 80.0, "A100": 40.0, "A100-80GB": 80.0, "L4": 22.35, "T4": 16.0, "L40S": 48.0, "K80": 12.0,
+              "Gaudi2": 96.0}   # Gaudi2: an accelerator no hardware spec describes
 
 
 def spec(resources=None, **fields) -> JobSpec:
@@ -51,6 +52,25 @@ def test_a_node_trains_on_as_many_accelerators_as_it_runs_workers():
     assert plan.chosen.hours == pytest.approx(alone.hours) and plan.chosen.cost == pytest.approx(8 * alone.cost)
     assert plan_job(spec({"accelerators": "H100:8"}, nproc_per_node=8, steps=500), [eight]).chosen.hours == \
         pytest.approx(run_hours("H100", 8, steps=500))
+
+
+def test_workers_beyond_a_nodes_accelerators_take_turns_on_them_in_the_searched_step_as_in_the_roofline():
+    # 16 workers on 8 H100s: two per GPU, each GPU running both halves in turn, no faster than 8 workers (the
+    # searched step was halved again, and 32 workers quartered it, while the roofline stays at 8 devices)
+    from orchestrator.planning.entry import EntryStep, HardwareStep
+
+    entry = EntryStep(params=10**6, grad_bytes=4 * 10**6, example_batch=4, dtype="fp32",
+                      hardware={find_hardware("H100").name: HardwareStep(0.1, update_s=0.01)})
+
+    def step(workers: int, **model) -> float:
+        job = spec({"accelerators": "H100:8"}, nproc_per_node=workers, model={"batch_size": 64, **model})
+        return plan_job(job, [offer()], entry=entry if "entry" in model else None).chosen.step_seconds
+
+    shape = dict(params="1M", layers=2, hidden=64, seq_len=128)
+    for workers in (16, 32):
+        assert step(workers, entry="train.py:build") == pytest.approx(
+            step(8, entry="train.py:build") + 0.01 * (workers // 8 - 1), rel=1e-3)   # an update a worker
+        assert step(workers, **shape) == pytest.approx(step(8, **shape))
 
 
 def test_the_cost_of_the_run_pays_for_the_spares_kept_beside_its_nodes():
@@ -141,6 +161,10 @@ def test_an_accelerator_or_count_no_offer_has_is_told_what_the_offers_have():
         with pytest.raises(PlanError) as err:
             plan_job(spec({"accelerators": wanted, "infra": ["aws"]}), offers)
         assert str(err.value).endswith("To fix: ask for one of those offered here: A100:8, H100:1, H100:2, H100:8")
+    # not an accelerator without a hardware spec: asked for, it is refused in turn ("hardware specs (none for ...)")
+    with pytest.raises(PlanError, match=r"offered here: A100:8, H100:1, H100:2, H100:8$"):
+        plan_job(spec({"accelerators": "H100:3", "infra": ["aws"]}),
+                 offers + [offer(provider="aws", accelerator="Gaudi2", count=8)])
 
 
 def test_an_at_least_amount_no_offer_has_is_to_be_lowered_not_written_as_n_plus():
@@ -207,7 +231,8 @@ def test_the_described_model_must_fit_in_accelerator_memory():
     assert err.value.field == ("model",)       # `tfsn plan` names the model: section's line, not the file's first
     # a replica per device (no sharding): which accelerators of the catalog hold one, beyond those asked for
     with pytest.raises(PlanError) as err:
-        plan_job(spec({"accelerators": "L4:1"}, model=GPT3_XL), [small, large, offer(accelerator="T4")])
+        plan_job(spec({"accelerators": "L4:1"}, model=GPT3_XL), [small, large, offer(accelerator="T4"),
+                                                                 offer(accelerator="Gaudi2")])   # no spec: not named
     assert str(err.value).endswith("To fix: ask for accelerators of at least 23.6 GiB (the catalog's: A100-80GB "
                                    "80 GiB), or a smaller model / seq_len")
     # without a model section the reference workload only prices offers: it says nothing of the model's size
@@ -233,6 +258,17 @@ def test_every_worker_of_a_cpu_node_holds_a_replica_in_its_memory():
     with pytest.raises(PlanError, match=r"memory for the model \(94.2 GiB per device needed: a whole replica per "
                                         r"worker, 4 per device.*or fewer workers per node \(nproc_per_node\)$"):
         plan_job(spec(model=GPT3_XL, nproc_per_node=4), [cpu])
+
+
+def test_the_local_nodes_share_this_machines_memory():
+    # 2 local nodes of 2 workers are 4 processes of one 64 GiB machine: 4 x 23.6 GiB, not one node's 2 x 23.6 GiB
+    here = offer(provider="local", instance="local", accelerator=None, vcpus=8, memory=64, price=0.0)
+    assert plan_job(spec(model=GPT3_XL, num_nodes=2), [here], host_providers=("local",)).chosen.offer is here
+    with pytest.raises(PlanError, match=r"\(94.2 GiB per device needed: a whole replica per worker, 4 per device.*"
+                                        r"or fewer local nodes \(num_nodes: they share this machine's memory\)$"):
+        plan_job(spec(model=GPT3_XL, num_nodes=2, nproc_per_node=2), [here], host_providers=("local",))
+    cloud = offer(instance="c8", accelerator=None, vcpus=8, memory=64, price=0.4)     # a node of its own each
+    assert plan_job(spec(model=GPT3_XL, num_nodes=2, nproc_per_node=2), [cloud]).chosen.offer is cloud
 
 
 def expected_spot_hours_by_hand(run_hours_no_startup, nodes, interval_hours):

@@ -416,7 +416,7 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
     for line in hardware_lines(result, hardware):
         console.print(line, highlight=False)
     assumed = " (no `steps:` in the spec: assumed)" if spec.steps is None else ""
-    memory = "no memory check" if need is None else f"{need:.1f} GiB per device"
+    memory = "no memory check" if need is None else f"{need:.1f} GiB per worker (a whole replica each)"
     console.print(f"{result.steps} steps{assumed} of {model_text(result)}; {memory}; {len(result)} capable offer(s)",
                   highlight=False)
     chosen, naive = result.chosen, result.naive

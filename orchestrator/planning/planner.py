@@ -403,8 +403,8 @@ def _offers_of(name: str, c: _Columns) -> np.ndarray:
 
 
 def _offered_here(mask: np.ndarray, c: _Columns) -> str:
-    """The fix for an accelerator or count that the offers of `mask` (the job's infra and regions) do not sell:
-    the choices they do."""
+    """The fix for an accelerator or count that the offers of `mask` (the job's infra and regions, of accelerators
+    with a hardware spec: no other could be planned) do not sell: the choices they do."""
     here = mask & (c.count > 0)
     pairs = np.unique(np.stack([c.accelerator[here], c.count[here]], axis=1), axis=0)
     offered = sorted(((c.accelerator_names[a], int(n)) for a, n in pairs), key=lambda p: (p[0].casefold(), p[1]))
@@ -419,18 +419,18 @@ def _filter_accelerators(f: _Filter, res: Any, c: _Columns) -> tuple[np.ndarray,
     every distinct accelerator."""
     choices = res.accelerator_choices()
     preference = np.zeros(len(c.count), dtype=np.int64)
+    hardware = [find_hardware(name or None) for name in c.accelerator_names]
+    has_spec = np.array([h is not None for h in hardware])[c.accelerator]
     if choices:
         rank = np.full(len(c.count), -1, dtype=np.int64)
         for i, choice in enumerate(choices):
             rank[_offers_of(choice.name, c) & (c.count == choice.count) & (rank < 0)] = i
         wanted = ", ".join(f"{choice.name}:{choice.count}" for choice in choices)
-        f.apply(rank >= 0, f"resources.accelerators {wanted}", lambda: _offered_here(f.mask, c))
+        f.apply(rank >= 0, f"resources.accelerators {wanted}", lambda: _offered_here(f.mask & has_spec, c))
         preference = np.where(res.accelerators_any_of, 0, np.maximum(rank, 0))
     else:
         f.apply(c.count == 0, "resources.accelerators (none: a CPU-only job)",
                 "name accelerators, e.g. 'accelerators: H100:8', or add CPU offers to the catalog")
-    hardware = [find_hardware(name or None) for name in c.accelerator_names]
-    has_spec = np.array([h is not None for h in hardware])[c.accelerator]
     missing = sorted({c.accelerator_names[a] for a in np.unique(c.accelerator[f.mask]) if hardware[a] is None})
     f.apply(has_spec, f"hardware specs (none for {', '.join(missing) or '-'})",
             "add a configs/hardware/*.yaml spec (or an alias) for the accelerator")
@@ -482,22 +482,29 @@ def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float |
     return training_state_gib(entry.params, entry.dtype) if entry is not None else None
 
 
-def _workers_per_device(spec: JobSpec, counts: np.ndarray) -> np.ndarray:
+def _workers_per_device(spec: JobSpec, counts: np.ndarray, host: np.ndarray) -> np.ndarray:
     """Replicas each device holds: one per accelerator under `nproc_per_node: auto`; on a CPU node (count 0)
-    every worker's, in the node's memory."""
+    every worker's, in the node's memory; on this machine's offers (`host`) every node's workers too: its local
+    nodes are processes of the one machine."""
     distinct = np.unique(counts)
     per = np.array([math.ceil(spec.nprocs(int(n)) / max(int(n), 1)) for n in distinct])
-    return per[np.searchsorted(distinct, counts)]
+    return per[np.searchsorted(distinct, counts)] * np.where(host, spec.num_nodes, 1)
 
 
-def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None, workers: np.ndarray) -> None:
+def _filter_resources(f: _Filter, spec: JobSpec, c: _Columns, need: float | None, here: np.ndarray) -> None:
+    """Keep the offers that hold the model (`need` GiB a replica) and meet resources' cpus, memory and price;
+    `here` marks this machine's offers."""
+    res = spec.resources
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
+        workers = _workers_per_device(spec, c.count, here)
         fits = np.where(c.count > 0, c.accelerator_memory, c.memory) >= need * workers
         most = int(workers[f.mask].max()) if f.mask.any() else 1
+        fewer = (", or fewer workers per node (nproc_per_node)" if spec.nprocs(0) > 1 else "") + (
+            ", or fewer local nodes (num_nodes: they share this machine's memory)"
+            if spec.num_nodes > 1 and (f.mask & here).any() else "")
         f.apply(fits, f"memory for the model ({need * most:.1f} GiB per device needed: a whole replica per "
                 + (f"worker, {most} per device, " if most > 1 else "device, ") + "not sharded)",
-                lambda: _holding(c, need * most) + (", or fewer workers per node (nproc_per_node)" if most > 1 else ""),
-                field=("model",))
+                lambda: _holding(c, need * most) + (fewer if most > 1 else ""), field=("model",))
     if res.cpus is not None:
         f.apply(c.vcpus >= res.cpus.count if res.cpus.at_least else c.vcpus == res.cpus.count,
                 f"resources.cpus {res.cpus}",
@@ -514,10 +521,11 @@ def _filter_resources(f: _Filter, res: Any, c: _Columns, need: float | None, wor
 
 
 def _holding(c: _Columns, need: float) -> str:
-    """The fix for a model no asked accelerator holds: the catalog's accelerators that do, wherever they are."""
+    """The fix for a model no asked accelerator holds: the catalog's accelerators that do, wherever they are (of
+    those with a hardware spec: no other could be planned)."""
     holds = c.accelerator_memory >= need
     big = {c.accelerator_names[a]: float(c.accelerator_memory[holds & (c.accelerator == a)].max())
-           for a in np.unique(c.accelerator[holds])}
+           for a in np.unique(c.accelerator[holds]) if find_hardware(c.accelerator_names[a] or None) is not None}
     which = ", ".join(f"{name} {gib:.0f} GiB" for name, gib in sorted(big.items(), key=lambda kv: (kv[1], kv[0])))
     return (f"ask for accelerators of at least {need:.1f} GiB (the catalog's: {which or 'none'}), or a smaller "
             "model / seq_len")
@@ -534,9 +542,10 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     the job's (model.batch_size over the data-parallel width; the example's own without it), plus the update
     (found.update_s) and the fixed share every step pays around its graphs (found.overhead_solo_s); as one of
     several ranks, plus what a data-parallel step pays beyond that (found.overhead_s) and its wait for the other
-    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time); and the
-    gradient all-reduce: over the offer's links, or for this machine's local nodes (`here`) as `tfsn calibrate`
-    measured it between local processes, where it did."""
+    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time), each of
+    the node's `count` accelerators running its share of the workers in turn (as the roofline and the memory
+    check count them); and the gradient all-reduce: over the offer's links, or for this machine's local nodes
+    (`here`) as `tfsn calibrate` measured it between local processes, where it did."""
     from optimizer.hardware import cpu_spec
     from optimizer.predict import local_allreduce_seconds
 
@@ -546,7 +555,8 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     allreduce = local_allreduce_seconds(entry.grad_bytes, per_node * nodes, cpu_spec()) if here else None
     if allreduce is None:
         allreduce = float(allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0])
-    own = found.seconds * scale + found.update_s + found.overhead_solo_s
+    shared = math.ceil(per_node / count) if count else 1    # workers beyond the accelerators take turns on them
+    own = (found.seconds * scale + found.update_s + found.overhead_solo_s) * shared
     if per_node * nodes > 1:
         return own + found.overhead_s + found.parallel_wait_s * math.sqrt(own * 1e3) + allreduce
     return own + allreduce
@@ -594,8 +604,9 @@ def _capable(spec: JobSpec, offers: Sequence[Offer], workload: Workload | None, 
     f = _Filter(len(offers))
     _filter_place(f, spec.resources, c)
     preference, hardware = _filter_accelerators(f, spec.resources, c)
-    _filter_resources(f, spec.resources, c, memory_needed(workload, entry), _workers_per_device(spec, c.count))
     keys = [hardware_key(o, hardware[int(a)], host_providers) for o, a in zip(offers, c.accelerator)]
+    here = np.array([o.provider in host_providers for o in offers])
+    _filter_resources(f, spec, c, memory_needed(workload, entry), here)
     return c, f, preference, hardware, keys
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 import shutil
 import time
 
+import pytest
+
 from orchestrator.control.controller import Controller
+from orchestrator.control.provisioning import TRANSIENT_TRIES
 from orchestrator.planning import entry
 from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Store
-from providers.base import CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError, QuotaError
+from providers.base import (AuthError, CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError,
+                            QuotaError)
 
 
 URL = "http://10.0.0.5:7000"   # the controller's API as cloud nodes would reach it
@@ -79,6 +83,13 @@ def reconcile(controller: Controller, job_id: int, times: int = 4) -> None:
         if controller.store.job(job_id).state.terminal:
             return
         controller.reconcile(job_id)
+
+
+def backoff_passed(controller: Controller, job_id: int) -> None:
+    """The wait after the job's last transient error is over (the count of them in a row stays)."""
+    if job_id in controller.provisioner.backoff:
+        failures, _ = controller.provisioner.backoff[job_id]
+        controller.provisioner.backoff[job_id] = (failures, 0.0)
 
 
 def test_capacity_error_moves_the_job_to_the_next_zone_with_all_its_nodes(tmp_path):
@@ -245,8 +256,7 @@ def test_a_throttled_request_is_retried_after_a_backoff_not_blocked(tmp_path):
     controller.reconcile(job_id)                       # within the backoff: no new request
     assert aws.asked == ["us-east-1a"] and store.job(job_id).blocked == []
     del aws.refuse["us-east-1a"]                       # the throttling is over
-    failures, _ = controller.provisioner.backoff[job_id]
-    controller.provisioner.backoff[job_id] = (failures, 0.0)      # the backoff has passed
+    backoff_passed(controller, job_id)
     controller.reconcile(job_id)
     assert aws.asked == ["us-east-1a", "us-east-1a"]
     assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1a"]
@@ -369,3 +379,97 @@ def test_a_workdir_deleted_under_a_job_fails_it_with_the_fix_when_it_is_planned_
     reconcile(controller, job_id)
     job = store.job(job_id)
     assert job.state == JobState.FAILED and f"workdir: {code} is not a directory" in job.error, job.error
+
+
+class FlakyCatalog(ScriptedProvider):
+    """Its offers() fails with the errors it is given, one a call, before it answers (a catalog call's 503)."""
+
+    def __init__(self, *args, offer_errors: list[ProviderError] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.offer_errors = offer_errors or []
+        self.offer_calls = 0
+
+    def offers(self) -> list[Offer]:
+        self.offer_calls += 1
+        if self.offer_errors:
+            raise self.offer_errors.pop(0)
+        return super().offers()
+
+
+def _unavailable() -> ProviderError:
+    error = ProviderError("DescribeInstanceTypes: 503 Service Unavailable", provider="aws")
+    error.retryable = True
+    return error
+
+
+def _recovering_with_its_plan_used_up(tmp_path, aws: FlakyCatalog) -> tuple[Controller, int]:
+    """A job ran on us-east-1a (its plan's only candidate), lost its node, and the zone has no room left: the
+    replacement's create is refused, the zone blocked, and the job is planned again while RECOVERING."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    (node,) = store.nodes(job_id)
+    controller.handlers.heartbeat(job_id, node.id, {"state": "ready", "addr": "10.0.1.1"})
+    controller.reconcile(job_id)
+    assert store.job(job_id).state == JobState.RUNNING
+    controller.nodes.fail(store.job(job_id), store.node(node.id), "the agent went silent")
+    controller.reconcile(job_id)                          # the attempt stops
+    controller.reconcile(job_id)                          # RECOVERING
+    assert store.job(job_id).state == JobState.RECOVERING
+    return controller, job_id
+
+
+def test_a_transient_error_while_a_recovering_job_is_planned_again_is_retried_after_a_backoff(tmp_path):
+    """Before: a catalog call's 503 while the job was planned again failed the recovering job at once."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], room={"us-east-1a": 1})
+    controller, job_id = _recovering_with_its_plan_used_up(tmp_path, aws)
+    store = controller.store
+    aws.offer_errors.append(_unavailable())
+    controller.reconcile(job_id)                          # refused in 1a, 1a blocked, planned again: the 503
+    assert store.job(job_id).state == JobState.RECOVERING, store.job(job_id).error
+    said = [e.message for e in store.events(job_id) if "503" in e.message]
+    assert said == ["planning again failed: DescribeInstanceTypes: 503 Service Unavailable (transient, attempt 1 of "
+                    "5; trying again)"], said
+    calls = aws.offer_calls
+    controller.reconcile(job_id)                          # within the backoff: the catalog is not asked again
+    assert aws.offer_calls == calls and store.job(job_id).state == JobState.RECOVERING
+    aws._offers.append(h100("aws", "us-east-1", "us-east-1b", 95.0))   # the catalog answers again, with 1b
+    backoff_passed(controller, job_id)
+    reconcile(controller, job_id)
+    assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1b"]
+    assert store.job(job_id).state == JobState.RECOVERING and job_id not in controller.provisioner.backoff
+
+
+@pytest.mark.parametrize("errors, said", [
+    ([AuthError("UnauthorizedOperation: the credentials expired", provider="aws")],
+     "UnauthorizedOperation: the credentials expired"),
+    ([_unavailable() for _ in range(TRANSIENT_TRIES)], "DescribeInstanceTypes: 503 Service Unavailable"),
+])
+def test_a_permanent_error_or_one_transient_too_often_while_planned_again_fails_the_job_with_it(tmp_path, errors,
+                                                                                                 said):
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], room={"us-east-1a": 1})
+    controller, job_id = _recovering_with_its_plan_used_up(tmp_path, aws)
+    aws.offer_errors.extend(errors)
+    for _ in errors:
+        controller.reconcile(job_id)
+        backoff_passed(controller, job_id)
+    job = controller.store.job(job_id)
+    assert job.state == JobState.FAILED and job.error == said, job.error
+    assert aws.offer_calls == 1 + len(errors), "a permanent error is not retried; a transient one as often as allowed"
+
+
+def test_a_transient_error_while_a_pending_job_is_planned_is_retried_after_a_backoff(tmp_path):
+    """Before: a catalog call's 503 at the job's first plan failed it at once."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], offer_errors=[_unavailable()])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    assert store.job(job_id).state == JobState.PENDING, store.job(job_id).error
+    assert any("planning failed: DescribeInstanceTypes: 503" in e.message for e in store.events(job_id))
+    controller.reconcile(job_id)                          # within the backoff
+    assert aws.offer_calls == 1
+    backoff_passed(controller, job_id)
+    controller.reconcile(job_id)
+    assert store.job(job_id).state == JobState.PROVISIONING and aws.asked == ["us-east-1a"]

@@ -3,7 +3,8 @@
 A node is recorded in the store before its provider is asked for it (a crash never leaks a machine). A
 provisioning error blocks what its scope says (the offer, zone, region or provider) and the next node
 goes to the next candidate of the plan; nodes already placed elsewhere follow it, since one job's nodes
-must share a zone. A transient error (throttling, network) is retried on the same offer with backoff.
+must share a zone. A transient error (throttling, network, a 5xx) is retried with backoff, TRANSIENT_TRIES times in
+a row at most: a create on the same offer, a plan (a catalog call that failed) as a whole.
 
 Planning and creating run off the loop (calls.py): a node stays REQUESTED, its rank taken, while its create is in
 flight, and the call's end decides (STARTING, or a refusal as above). A create past its deadline is a refusal too:
@@ -40,7 +41,7 @@ from providers.base import CapacityError, NodeHandle, NodeRequest, ProviderError
 
 # What a remote node's agent is given from this machine's environment (how to install tfsn there).
 REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
-TRANSIENT_TRIES = 5           # a provisioning request that fails transiently this often in a row is blocked
+TRANSIENT_TRIES = 5           # a create (a plan) that fails transiently this often in a row is blocked (fails the job)
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
 CREATES_PER_PASS = 16         # creates of one job in flight, so at most this many a pass (others' turn comes between)
 PLANNER = "planner"           # the lane of planning calls: they read every provider's offers
@@ -57,12 +58,33 @@ class Provisioner:
         self.health = health
         self.backoff: dict[int, tuple[int, float]] = {}   # job id -> (transient failures in a row, retry at)
 
+    def _backing_off(self, job_id: int) -> bool:
+        """Whether the job's last create or plan hit a transient error and its backoff has not passed yet."""
+        return time.monotonic() < self.backoff.get(job_id, (0, 0.0))[1]
+
+    def _retry_later(self, job_id: int, kind: str, what: str, err: BaseException) -> bool:
+        """Whether `err` is transient (throttled, unreachable: the same request may well succeed) and has not failed
+        TRANSIENT_TRIES times in a row: then the job's next try waits a backoff, and its event says what failed. Else
+        the count starts again and the caller gives up on the request."""
+        failures = self.backoff.get(job_id, (0, 0.0))[0] + 1
+        if not (isinstance(err, ProviderError) and err.retryable and not isinstance(err, CapacityError)
+                and failures < TRANSIENT_TRIES):
+            self.backoff.pop(job_id, None)
+            return False
+        self.backoff[job_id] = (failures, time.monotonic() + min(60.0, 2.0 ** failures))
+        self.ctx.event(job_id, kind, f"{what}: {err} (transient, attempt {failures} of {TRANSIENT_TRIES}; "
+                                     "trying again)")
+        return True
+
     def plan(self, job: Job, spec: JobSpec) -> None:
         """Plan off the loop (the planner reads every provider's offers); at its end, PENDING -> PROVISIONING with
-        the plan's best candidates in the store, or FAILED if none is capable."""
+        the plan's best candidates in the store, or FAILED if none is capable (PENDING still after a transient
+        error: planned again after the backoff)."""
         self._start_planning(job, spec, lambda call: self._planned(job.id, spec, call))
 
     def _start_planning(self, job: Job, spec: JobSpec, on_done: Callable[[Call], None]) -> None:
+        if self._backing_off(job.id):
+            return   # the last plan (or create) hit a transient error: wait before the next
         providers = self.ctx.providers
         self.ctx.calls.start(("plan", job.id), PLANNER, f"planning of job {job.id}",
                              lambda: plan_for(spec, providers), DEADLINES_S["offers"], on_done)
@@ -71,11 +93,14 @@ class Provisioner:
         job = self.ctx.store.job(job_id)
         if job.state != JobState.PENDING:   # stopped meanwhile
             return
+        if call.error is not None and self._retry_later(job_id, "plan", "planning failed", call.error):
+            return
         if isinstance(call.error, (PlanError, ProviderError)):
             self.ctx.transition(job, JobState.FAILED, str(call.error), error=str(call.error))
             return
         if call.error is not None:   # a bug: said by the calls' collector; the next pass plans again
             raise call.error
+        self.backoff.pop(job_id, None)
         chosen, naive = call.value.chosen, call.value.naive
         self.ctx.transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_text(chosen)}" + (
             "" if chosen == naive else f" (the cheapest per hour, {_text(naive)}, would cost ${naive.cost:,.2f})"),
@@ -176,15 +201,18 @@ class Provisioner:
         blocked = Blocklist.from_records(job.blocked)
         if call.error is not None and not isinstance(call.error, (PlanError, ProviderError)):
             raise call.error   # a bug: said by the calls' collector
+        if call.error is not None and self._retry_later(job_id, "plan", "planning again failed", call.error):
+            return   # the next pass plans again after the backoff
         fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
         if fresh:
+            self.backoff.pop(job_id, None)
             self.ctx.store.update_job(job_id, plan=[c.to_record() for c in fresh])
         else:
             self.nodes.give_up(job, str(call.error or NoCapacityError(blocked.history)))   # why no plan, first
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it off the loop (the order keeps crashes from leaking nodes)."""
-        if time.monotonic() < self.backoff.get(job.id, (0, 0.0))[1]:
+        if self._backing_off(job.id):
             return   # the last request hit a transient error (throttling, network): wait before the next
         candidate = self._candidate(job, spec)
         if candidate is None:
@@ -275,19 +303,14 @@ class Provisioner:
         # The cloud may have taken the request before the error (a timeout after EC2 accepted the
         # ClientToken, an operation that failed half-way): make sure nothing is left running.
         self.nodes.terminate(self.ctx.store.node(node_id))
-        failures = self.backoff.get(job.id, (0, 0.0))[0] + 1
-        if err.retryable and not isinstance(err, CapacityError) and failures < TRANSIENT_TRIES:
-            # throttled or unreachable: the same request may well succeed; try it again, later
-            self.backoff[job.id] = (failures, time.monotonic() + min(60.0, 2.0 ** failures))
-            self.ctx.event(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}: {err} "
-                           f"(transient, attempt {failures} of {TRANSIENT_TRIES}; trying again)")
+        if self._retry_later(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}", err):
             return
-        self.backoff.pop(job.id, None)
         self.nodes.block(job, asdict(candidate.offer), candidate.spot, str(err), err.scope)
         following = self._candidate(self.ctx.store.job(job.id), spec)
         self.ctx.event(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}: {err} "
                        f"(blocked this {err.scope}; " + (f"next: {_text(following)})" if following else
                                                          "planning again)" if self.ctx.calls.busy(("plan", job.id))
+                                                         or job.id in self.backoff
                                                          else "no candidate left)"))
 
     def _excluded_hosts(self, job: Job, spec: JobSpec) -> tuple[str, ...]:

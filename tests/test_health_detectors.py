@@ -122,6 +122,19 @@ def test_a_small_job_compares_each_rank_with_its_own_past():
     assert run(Monitor(CONFIG, ["a", "b"]), both) == {}
 
 
+def test_a_broken_clock_is_missing_data_not_a_straggler():
+    # A rank whose clock breaks reports inf, NaN, 0 or a negative time: none of them is a time. Before, inf was
+    # taken as one (log(inf) = inf): ten such steps blamed n0 ("rank 5 computes infx the cluster median").
+    rng = np.random.default_rng(21)
+    times = compute_times(rng, 64, 300)
+    times[150:160, 5] = np.inf
+    times[170:175, 6] = [np.nan, 0.0, -1.0, np.inf, -np.inf]
+    times[200:, 9] *= 1.15            # and the test still finds a real slowdown afterwards
+    found = run(Monitor(CONFIG, nodes(64)), times)
+    assert {(f.node, f.ranks) for fs in found.values() for f in fs} == {("n1", (9,))}
+    assert min(found) < 215
+
+
 def test_samples_gathered_per_step_feed_the_same_detector():
     rng = np.random.default_rng(9)
     times = compute_times(rng, 16, 120)

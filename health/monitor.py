@@ -61,8 +61,8 @@ class Monitor:
         if self._step is not None and step <= self._step:
             raise ValueError(f"step {step} after step {self._step}: steps must increase "
                              "(a restarted attempt needs a new Monitor)")
-        with np.errstate(all="ignore"):
-            x = np.log(np.where(times > 0, times, np.nan))
+        with np.errstate(all="ignore"):     # a broken clock's 0, negative or infinite time is no time: missing
+            x = np.log(np.where((times > 0) & (times < math.inf), times, np.nan))
         seen = ~np.isnan(x)
         self._hang.steps_finished(seen, now)
         last, last_at = self._step, self._step_at

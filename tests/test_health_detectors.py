@@ -99,6 +99,20 @@ def test_a_rank_that_stays_10_percent_slower_stays_blamed():
     assert len([s for s in held if s >= 400]) > 0.9 * 1200, len(held)
 
 
+@pytest.mark.parametrize("onset", [0, 30])
+def test_a_rank_slow_since_the_warm_up_is_found_when_the_test_starts(onset):
+    # A slowdown that begins before the test has a baseline (in the warm-up, or a slow GPU kept over a restart).
+    # Before, the first baseline took the rank's standing whole as its usual one (up to 5%): half of a 10%
+    # slowdown was excused at once, and it went unseen for all 300 steps.
+    rng = np.random.default_rng(4)
+    times = 0.5 * np.exp(0.04 * rng.standard_normal((300, 256)))
+    times[onset:, 9] *= 1.10
+    found = run(Monitor(CONFIG, nodes(256)), times)
+    assert {f.node for fs in found.values() for f in fs} == {"n1"}
+    start = CONFIG.straggler_warmup_steps + CONFIG.straggler_window + CONFIG.straggler_baseline
+    assert min(found) < start + 40, min(found)
+
+
 def test_a_rack_slowed_together_does_not_hide_a_gpu_far_slower_elsewhere():
     rng = np.random.default_rng(3)
     times = 0.5 * np.exp(0.04 * rng.standard_normal((500, 512)))
@@ -120,6 +134,19 @@ def test_a_small_job_compares_each_rank_with_its_own_past():
     both = times.copy()
     both[120:] *= 1.3                 # the whole job slowed: no node to blame
     assert run(Monitor(CONFIG, ["a", "b"]), both) == {}
+
+
+def test_a_broken_clock_is_missing_data_not_a_straggler():
+    # A rank whose clock breaks reports inf, NaN, 0 or a negative time: none of them is a time. Before, inf was
+    # taken as one (log(inf) = inf): ten such steps blamed n0 ("rank 5 computes infx the cluster median").
+    rng = np.random.default_rng(21)
+    times = compute_times(rng, 64, 300)
+    times[150:160, 5] = np.inf
+    times[170:175, 6] = [np.nan, 0.0, -1.0, np.inf, -np.inf]
+    times[200:, 9] *= 1.15            # and the test still finds a real slowdown afterwards
+    found = run(Monitor(CONFIG, nodes(64)), times)
+    assert {(f.node, f.ranks) for fs in found.values() for f in fs} == {("n1", (9,))}
+    assert min(found) < 215
 
 
 def test_samples_gathered_per_step_feed_the_same_detector():

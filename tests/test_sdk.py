@@ -249,6 +249,43 @@ def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller)
     reporter.close()
 
 
+def test_a_field_that_cannot_be_read_is_dropped_not_the_heartbeat(controller, capsys):
+    """A metric or a device timing that raises when the telemetry thread reads it (a CUDA error; here a meta tensor,
+    and a clock that fails) raised out of every flush from then on, before the post: the record stayed at the head of
+    the queue, and the rank sent no heartbeat or metric again (a healthy rank taken for hung, its node replaced).
+    Records a controller did not answer for are still kept for the next flush."""
+    from orchestrator.sdk import commtimer
+    from orchestrator.sdk.client import ControllerClient
+    from tests.test_commtimer import FakeDeviceClock
+
+    class FailingClock(FakeDeviceClock):
+        def seconds(self, start: float, end: float) -> float:
+            raise ValueError("no such event")
+
+    client = ControllerClient.from_env()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))          # a port nothing listens on: the controller is down
+    reporter = sdk.TelemetryReporter(ControllerClient(f"http://127.0.0.1:{closed.getsockname()[1]}", "t", 1),
+                                     rank=0, attempt=1, flush_s=3600)
+    reporter.add({"step": 0, "at": time.time(), "step_time": 0.5, "metrics": {
+        "loss": torch.tensor(1.0, device="meta"), "lr": 0.1}, "compute_time": commtimer.PendingCompute(
+        FailingClock(), 1.0, 1.25)})
+    reporter.add({"step": 1, "at": time.time(), "step_time": 0.5, "metrics": {"loss": torch.tensor(0.5)}})
+    assert not reporter.flush()
+    closed.close()
+    reporter.client = client
+    assert reporter.flush()
+    assert [(r["step"], r["metrics"], r["compute_time"]) for r in controller[-1]["records"]] == [
+        (0, {"lr": 0.1}, None), (1, {"loss": 0.5}, None)]
+    assert capsys.readouterr().err == (
+        "tfsn: step 0's metric 'loss' is not sent: reading it failed (RuntimeError: Tensor.item() cannot be called "
+        "on meta tensors)\n"
+        "tfsn: step 0's compute_time is not sent: reading it failed (ValueError: no such event)\n")
+    assert reporter.flush() and controller[-1]["records"] == []      # and the heartbeats go on
+    reporter.EXIT_FLUSH_S = 0
+    reporter.close()
+
+
 def test_a_ddp_model_with_a_comm_hook_of_its_own_is_restored_and_trains_untimed(tmp_path, controller, capsys):
     """`run.restore(model=ddp)` installed the all-reduce timer's comm hook over the user's (PowerSGD, fp16
     compression, DDP's mixed_precision): DDP takes one, and restore failed with RuntimeError

@@ -93,12 +93,8 @@ class TelemetryReporter:
             with self._lock:
                 pending = list(self._records)
             batch = [record for _, record in pending]
-            for record in batch:  # tensors and device timings were kept as they are: reading them here keeps
-                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}   # the step free
-                if isinstance(record.get("compute_time"), commtimer.PendingCompute):
-                    record["compute_time"] = record["compute_time"].resolve()
-                    if record["compute_time"] is None:
-                        del record["compute_time"]
+            for record in batch:  # tensors and device timings were kept as they are: read here, the step is free
+                _read_record(record)
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
             # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
             # it is in (a long save is not a hang) and how long the phases finished since took.
@@ -407,6 +403,30 @@ class Run:
             print(f"tfsn: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
+
+
+def _read_record(record: dict[str, Any]) -> None:
+    """Read `record`'s tensors and device timing into numbers, in place. A field that fails to read (a CUDA error) is
+    dropped, saying so: left in, it raised at every flush before the post, and the rank's heartbeats stopped with it."""
+    metrics = {key: _read_field(record, f"metric {key!r}", functools.partial(float, value))
+               for key, value in record["metrics"].items()}
+    record["metrics"] = {key: value for key, value in metrics.items() if value is not None}
+    if isinstance(record.get("compute_time"), commtimer.PendingCompute):
+        seconds = _read_field(record, "compute_time", record["compute_time"].resolve)
+        if seconds is None:
+            del record["compute_time"]
+        else:
+            record["compute_time"] = seconds
+
+
+def _read_field(record: dict[str, Any], name: str, read: Callable[[], float | None]) -> float | None:
+    """`read()`, or None with one line on stderr when it raises."""
+    try:
+        return read()
+    except Exception as err:
+        print(f"tfsn: step {record['step']}'s {name} is not sent: reading it failed ({type(err).__name__}: {err})",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def _metric(key: str, value: Any) -> torch.Tensor | float:

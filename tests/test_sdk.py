@@ -206,6 +206,23 @@ def test_a_metric_that_is_no_float_is_refused_by_run_log_not_by_the_heartbeat(tm
     assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
 
 
+def test_metrics_the_api_would_refuse_are_refused_by_run_log_not_by_the_heartbeat(tmp_path, controller):
+    """A metric name over 255 characters, or a 257th metric in a step: the API refused the whole telemetry body (400),
+    heartbeat included, at every flush that held that step's record; with a step per flush, every one."""
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        with pytest.raises(ValueError, match=r"run.log\(xxx+=...\): a metric name is at most 255 characters"):
+            run.log(**{"x" * 256: 1.0})
+        run.log(**{f"m{i}": 1.0 for i in range(253)}, loss=1.0)
+        run.log(loss=0.5)                                  # a metric logged again is no new one
+        with pytest.raises(ValueError, match=r"run.log\(extra=...\): a step has at most 254 metrics"):
+            run.log(extra=1.0)
+    run.finish()
+    (record,) = [r for body in controller for r in body["records"]]
+    assert len(record["metrics"]) == 254 and record["metrics"]["loss"] == 0.5
+
+
 def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
     """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
     run = _make_run(tmp_path, 1000)

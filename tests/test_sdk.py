@@ -206,6 +206,23 @@ def test_a_metric_that_is_no_float_is_refused_by_run_log_not_by_the_heartbeat(tm
     assert [r["metrics"] for body in controller for r in body["records"]] == [{"loss": 1.0}]
 
 
+def test_metrics_the_api_would_refuse_are_refused_by_run_log_not_by_the_heartbeat(tmp_path, controller):
+    """A metric name over 255 characters, or a 257th metric in a step: the API refused the whole telemetry body (400),
+    heartbeat included, at every flush that held that step's record; with a step per flush, every one."""
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        with pytest.raises(ValueError, match=r"run.log\(xxx+=...\): a metric name is at most 255 characters"):
+            run.log(**{"x" * 256: 1.0})
+        run.log(**{f"m{i}": 1.0 for i in range(253)}, loss=1.0)
+        run.log(loss=0.5)                                  # a metric logged again is no new one
+        with pytest.raises(ValueError, match=r"run.log\(extra=...\): a step has at most 254 metrics"):
+            run.log(extra=1.0)
+    run.finish()
+    (record,) = [r for body in controller for r in body["records"]]
+    assert len(record["metrics"]) == 254 and record["metrics"]["loss"] == 0.5
+
+
 def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
     """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
     run = _make_run(tmp_path, 1000)
@@ -245,6 +262,43 @@ def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller)
     assert reporter.flush()
     (record,) = controller[-1]["records"]
     assert record["compute_time"] == 0.25
+    reporter.EXIT_FLUSH_S = 0
+    reporter.close()
+
+
+def test_a_field_that_cannot_be_read_is_dropped_not_the_heartbeat(controller, capsys):
+    """A metric or a device timing that raises when the telemetry thread reads it (a CUDA error; here a meta tensor,
+    and a clock that fails) raised out of every flush from then on, before the post: the record stayed at the head of
+    the queue, and the rank sent no heartbeat or metric again (a healthy rank taken for hung, its node replaced).
+    Records a controller did not answer for are still kept for the next flush."""
+    from orchestrator.sdk import commtimer
+    from orchestrator.sdk.client import ControllerClient
+    from tests.test_commtimer import FakeDeviceClock
+
+    class FailingClock(FakeDeviceClock):
+        def seconds(self, start: float, end: float) -> float:
+            raise ValueError("no such event")
+
+    client = ControllerClient.from_env()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))          # a port nothing listens on: the controller is down
+    reporter = sdk.TelemetryReporter(ControllerClient(f"http://127.0.0.1:{closed.getsockname()[1]}", "t", 1),
+                                     rank=0, attempt=1, flush_s=3600)
+    reporter.add({"step": 0, "at": time.time(), "step_time": 0.5, "metrics": {
+        "loss": torch.tensor(1.0, device="meta"), "lr": 0.1}, "compute_time": commtimer.PendingCompute(
+        FailingClock(), 1.0, 1.25)})
+    reporter.add({"step": 1, "at": time.time(), "step_time": 0.5, "metrics": {"loss": torch.tensor(0.5)}})
+    assert not reporter.flush()
+    closed.close()
+    reporter.client = client
+    assert reporter.flush()
+    assert [(r["step"], r["metrics"], r["compute_time"]) for r in controller[-1]["records"]] == [
+        (0, {"lr": 0.1}, None), (1, {"loss": 0.5}, None)]
+    assert capsys.readouterr().err == (
+        "tfsn: step 0's metric 'loss' is not sent: reading it failed (RuntimeError: Tensor.item() cannot be called "
+        "on meta tensors)\n"
+        "tfsn: step 0's compute_time is not sent: reading it failed (ValueError: no such event)\n")
+    assert reporter.flush() and controller[-1]["records"] == []      # and the heartbeats go on
     reporter.EXIT_FLUSH_S = 0
     reporter.close()
 

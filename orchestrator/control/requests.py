@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.sdk.client import SKIPPED_CHARS, SKIPPED_MAX
+from orchestrator.sdk.client import METRIC_NAME_CHARS, METRICS_MAX, SKIPPED_CHARS, SKIPPED_MAX
 
 Text = Annotated[str, Field(max_length=255)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
@@ -42,7 +42,8 @@ class StepRecord(BaseModel):
     at: Seconds
     step_time: Seconds
     compute_time: Seconds | None = None
-    metrics: Annotated[dict[Annotated[str, Field(max_length=255)], Any], Field(max_length=256)] = {}
+    metrics: Annotated[dict[Annotated[str, Field(max_length=METRIC_NAME_CHARS)], Any],
+                       Field(max_length=METRICS_MAX)] = {}
 
 
 PhaseName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")]

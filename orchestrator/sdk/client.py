@@ -25,6 +25,7 @@ from typing import Any
 TOKEN_HEADER = "Authorization"
 HEARTBEAT_S = 1.0                           # how often a node's agent reports to the controller
 SKIPPED_MAX, SKIPPED_CHARS = 16, 1000        # a restore's reasons for skipped checkpoints, as reported: at most
+METRICS_MAX, METRIC_NAME_CHARS = 256, 255   # a step record's metrics, as the API takes them: at most
 CA_PEM_ENV = "TFSN_CA_PEM"                  # the controller's CA certificate (public)
 CA_FINGERPRINT_ENV = "TFSN_CA_FINGERPRINT"  # SHA-256 of that certificate's DER, hex
 _FIX_TRUST = (f"To fix: give this process the {CA_PEM_ENV} and {CA_FINGERPRINT_ENV} that tfsn gives the job's "

@@ -34,13 +34,14 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.sdk import checkpoint as ckpt
 from orchestrator.sdk import commtimer, phases
 from orchestrator.sdk.asyncsave import AsyncSaver, PendingSave
-from orchestrator.sdk.client import (SKIPPED_CHARS, SKIPPED_MAX, ControllerClient, ControllerRejected,
-                                     ControllerUnavailable)
+from orchestrator.sdk.client import (METRIC_NAME_CHARS, METRICS_MAX, SKIPPED_CHARS, SKIPPED_MAX, ControllerClient,
+                                     ControllerRejected, ControllerUnavailable)
 from orchestrator.spec import CHECKPOINT_URL_SCHEMES, checkpoint_url_scheme, parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often
 AUTO_FIRST_S = 300.0        # `auto`: first checkpoint after this long, before the save cost is known
 AUTO_BOUNDS_S = (30.0, 1800.0)
+LOGGED_MAX = METRICS_MAX - 2  # a step's metrics from run.log: room left for a save's checkpoint_stall_s and _wait_s
 NODE_MTBF_H = 6000.0        # `auto`: mean time between failures of one 8-GPU node (Llama 3 report: 419
                             # interruptions in 54 days on 16,384 GPUs = ~50,700 GPU-hours per interruption)
 
@@ -93,12 +94,8 @@ class TelemetryReporter:
             with self._lock:
                 pending = list(self._records)
             batch = [record for _, record in pending]
-            for record in batch:  # tensors and device timings were kept as they are: reading them here keeps
-                record["metrics"] = {k: float(v) for k, v in record["metrics"].items()}   # the step free
-                if isinstance(record.get("compute_time"), commtimer.PendingCompute):
-                    record["compute_time"] = record["compute_time"].resolve()
-                    if record["compute_time"] is None:
-                        del record["compute_time"]
+            for record in batch:  # tensors and device timings were kept as they are: read here, the step is free
+                _read_record(record)
             # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
             # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
             # it is in (a long save is not a hang) and how long the phases finished since took.
@@ -209,6 +206,13 @@ class Run:
         """Attach metrics (numbers or one-element tensors) to the current step. A number is any real one: NumPy's
         scalars too (`np.float32`, `np.int64`: a metric from a NumPy array or scikit-learn), taken as a float."""
         for key, value in metrics.items():
+            # here, not at the API: it refused the whole post, the rank's heartbeat with it, at every flush
+            if len(key) > METRIC_NAME_CHARS:
+                raise ValueError(f"run.log({key}=...): a metric name is at most {METRIC_NAME_CHARS} characters, this "
+                                 f"one has {len(key)}. To fix: give it a shorter name")
+            if key not in self._logged and len(self._logged) >= LOGGED_MAX:
+                raise ValueError(f"run.log({key}=...): a step has at most {LOGGED_MAX} metrics, and this one has "
+                                 f"{LOGGED_MAX} already. To fix: log fewer (a mean or a histogram of several)")
             self._metrics[key] = _metric(key, value)
             self._logged[key] = None
 
@@ -407,6 +411,30 @@ class Run:
             print(f"tfsn: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
+
+
+def _read_record(record: dict[str, Any]) -> None:
+    """Read `record`'s tensors and device timing into numbers, in place. A field that fails to read (a CUDA error) is
+    dropped, saying so: left in, it raised at every flush before the post, and the rank's heartbeats stopped with it."""
+    metrics = {key: _read_field(record, f"metric {key!r}", functools.partial(float, value))
+               for key, value in record["metrics"].items()}
+    record["metrics"] = {key: value for key, value in metrics.items() if value is not None}
+    if isinstance(record.get("compute_time"), commtimer.PendingCompute):
+        seconds = _read_field(record, "compute_time", record["compute_time"].resolve)
+        if seconds is None:
+            del record["compute_time"]
+        else:
+            record["compute_time"] = seconds
+
+
+def _read_field(record: dict[str, Any], name: str, read: Callable[[], float | None]) -> float | None:
+    """`read()`, or None with one line on stderr when it raises."""
+    try:
+        return read()
+    except Exception as err:
+        print(f"tfsn: step {record['step']}'s {name} is not sent: reading it failed ({type(err).__name__}: {err})",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def _metric(key: str, value: Any) -> torch.Tensor | float:

@@ -21,14 +21,26 @@ NODE_TAG = "TFSN_LOCAL_NODE"
 TERMINATE_GRACE_S = 5.0
 
 
-def _host_memory_gib() -> float:
+# A cgroup's memory limit: v2's memory.max ("max": none), else v1's limit_in_bytes (~2^63: none, above MemTotal).
+CGROUP_MEMORY_LIMITS = ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def _host_memory_gib(root: Path = Path("/")) -> float:
+    """GiB the jobs started here may use: MemTotal, or this process's cgroup limit where lower (a CI container,
+    `docker run -m 4g`: the kernel kills a job beyond it, however big the host); 0.0 where MemTotal is unknown.
+    `root` is the filesystem the files are read under."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 0.0
+        total = next((int(line.split()[1]) * 1024 for line in (root / "proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal:")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    limits = []
+    for name in CGROUP_MEMORY_LIMITS:
+        try:
+            limits.append(int((root / name).read_text().strip()))
+        except (OSError, ValueError):       # no such cgroup version here, or v2's "max"
+            pass
+    return min([total, *limits]) / 2**30
 
 
 def tagged_pids(node_id: str) -> list[int]:

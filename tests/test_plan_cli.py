@@ -69,12 +69,24 @@ def test_plan_prints_the_table_the_choice_and_the_naive_plan(cli, tmp_path):
 
 
 def test_plan_states_the_memory_of_a_worker_not_of_a_device(cli, tmp_path):
-    # 16 workers on 8 H100s hold 2 replicas a GPU: "N GiB per device" was one replica's, half what each GPU holds
+    # 4 workers on a CPU node hold 4 replicas in its memory: "N GiB per device" was one replica's, a quarter of it
     catalog = tmp_path / "mine.csv"
-    write_offers(catalog, [Offer("cloudB", "r2", None, "h100-box", "H100", 8, 80.0, 192, 2048, 98.32)])
-    out = cli("plan", str(_spec(tmp_path, SPEC + "nproc_per_node: 16\n")), "--catalog", str(catalog)).stdout
+    write_offers(catalog, [Offer("aws", "r2", None, "c-box", None, 0, 0.0, 64, 512, 2.0)])
+    text = SPEC.replace("  accelerators: {T4: 4, H100: 8, A100-80GB: 8}\n", "  infra: [aws]\n")
+    out = cli("plan", str(_spec(tmp_path, text + "nproc_per_node: 4\n")), "--catalog", str(catalog)).stdout
     summary = next(line for line in out.splitlines() if "capable offer(s)" in line)
     assert "GiB per worker (a whole replica each)" in summary and "per device" not in summary
+
+
+def test_plan_refuses_more_workers_than_a_nodes_accelerators_naming_the_line(cli, tmp_path):
+    # 16 workers on 8 H100s cannot start (worker 8 has no GPU 8): it was planned, and the nodes paid for
+    catalog = tmp_path / "mine.csv"
+    write_offers(catalog, [Offer("cloudB", "r2", None, "h100-box", "H100", 8, 80.0, 192, 2048, 98.32)])
+    path = _spec(tmp_path, SPEC + "nproc_per_node: 16\n")
+    out = cli("plan", str(path), "--catalog", str(catalog), check=False)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"tfsn: error: {path}:12: no capable offer: nproc_per_node 16 ")
+    assert out.stderr.strip().endswith("To fix: set nproc_per_node: auto (one worker per accelerator) or at most 8")
 
 
 def test_plan_of_a_bad_file_is_one_line_naming_file_line_and_field(cli, tmp_path):

@@ -483,18 +483,22 @@ def memory_needed(workload: Workload | None, entry: EntryStep | None) -> float |
 
 
 def _workers_per_device(spec: JobSpec, counts: np.ndarray, host: np.ndarray) -> np.ndarray:
-    """Replicas each device holds: one per accelerator under `nproc_per_node: auto`; on a CPU node (count 0)
-    every worker's, in the node's memory; on this machine's offers (`host`) every node's workers too: its local
-    nodes are processes of the one machine."""
-    distinct = np.unique(counts)
-    per = np.array([math.ceil(spec.nprocs(int(n)) / max(int(n), 1)) for n in distinct])
-    return per[np.searchsorted(distinct, counts)] * np.where(host, spec.num_nodes, 1)
+    """Replicas each device holds: one per accelerator (no node runs more workers than it has: see
+    _filter_resources); on a CPU node (count 0) every worker's, in the node's memory; on this machine's offers
+    (`host`) every node's workers too: its local nodes are processes of the one machine."""
+    return np.where(counts > 0, 1, spec.nprocs(0)) * np.where(host, spec.num_nodes, 1)
 
 
 def _filter_resources(f: _Filter, spec: JobSpec, c: _Columns, need: float | None, here: np.ndarray) -> None:
     """Keep the offers that hold the model (`need` GiB a replica) and meet resources' cpus, memory and price;
     `here` marks this machine's offers."""
     res = spec.resources
+    if spec.nproc_per_node != "auto":   # torchrun's worker N trains on accelerator N: one beyond them cannot start
+        workers = spec.nproc_per_node
+        f.apply((c.count == 0) | (c.count >= workers),
+                f"nproc_per_node {workers} (more workers than the node's accelerators: each needs one of its own)",
+                lambda: "set nproc_per_node: auto (one worker per accelerator) or at most "
+                        f"{int(c.count[f.mask].max())}", field=("nproc_per_node",))
     if need is not None:   # the reference workload prices offers; it says nothing of the user's model size
         workers = _workers_per_device(spec, c.count, here)
         fits = np.where(c.count > 0, c.accelerator_memory, c.memory) >= need * workers
@@ -542,10 +546,9 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     the job's (model.batch_size over the data-parallel width; the example's own without it), plus the update
     (found.update_s) and the fixed share every step pays around its graphs (found.overhead_solo_s); as one of
     several ranks, plus what a data-parallel step pays beyond that (found.overhead_s) and its wait for the other
-    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time), each of
-    the node's `count` accelerators running its share of the workers in turn (as the roofline and the memory
-    check count them); and the gradient all-reduce: over the offer's links, or for this machine's local nodes
-    (`here`) as `tfsn calibrate` measured it between local processes, where it did."""
+    ranks (found.parallel_wait_s, a 1 ms step's: it grows as the square root of the step's own time); and the
+    gradient all-reduce: over the offer's links, or for this machine's local nodes (`here`) as `tfsn calibrate`
+    measured it between local processes, where it did."""
     from optimizer.hardware import cpu_spec
     from optimizer.predict import local_allreduce_seconds
 
@@ -555,8 +558,7 @@ def _searched_step(job: JobSpec, entry: EntryStep, found: Any, hw: HardwareSpec,
     allreduce = local_allreduce_seconds(entry.grad_bytes, per_node * nodes, cpu_spec()) if here else None
     if allreduce is None:
         allreduce = float(allreduce_seconds_many(entry.grad_bytes, [hw], [per_node], nodes, [link_gbs])[0])
-    shared = math.ceil(per_node / count) if count else 1    # workers beyond the accelerators take turns on them
-    own = (found.seconds * scale + found.update_s + found.overhead_solo_s) * shared
+    own = found.seconds * scale + found.update_s + found.overhead_solo_s
     if per_node * nodes > 1:
         return own + found.overhead_s + found.parallel_wait_s * math.sqrt(own * 1e3) + allreduce
     return own + allreduce

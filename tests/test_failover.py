@@ -86,10 +86,10 @@ def reconcile(controller: Controller, job_id: int, times: int = 4) -> None:
 
 
 def backoff_passed(controller: Controller, job_id: int) -> None:
-    """The wait after the job's last transient error is over (the count of them in a row stays)."""
-    if job_id in controller.provisioner.backoff:
-        failures, _ = controller.provisioner.backoff[job_id]
-        controller.provisioner.backoff[job_id] = (failures, 0.0)
+    """The waits after the job's last transient errors (a create's, a plan's) are over (their counts stay)."""
+    backoff = controller.provisioner.backoff
+    for key in [key for key in backoff if key[0] == job_id]:
+        backoff[key] = (backoff[key][0], 0.0)
 
 
 def test_capacity_error_moves_the_job_to_the_next_zone_with_all_its_nodes(tmp_path):
@@ -438,7 +438,7 @@ def test_a_transient_error_while_a_recovering_job_is_planned_again_is_retried_af
     backoff_passed(controller, job_id)
     reconcile(controller, job_id)
     assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1b"]
-    assert store.job(job_id).state == JobState.RECOVERING and job_id not in controller.provisioner.backoff
+    assert store.job(job_id).state == JobState.RECOVERING and (job_id, "plan") not in controller.provisioner.backoff
 
 
 @pytest.mark.parametrize("errors, said", [
@@ -473,3 +473,37 @@ def test_a_transient_error_while_a_pending_job_is_planned_is_retried_after_a_bac
     backoff_passed(controller, job_id)
     controller.reconcile(job_id)
     assert store.job(job_id).state == JobState.PROVISIONING and aws.asked == ["us-east-1a"]
+
+
+class ThrottledAfterTheFirst(FlakyCatalog):
+    """Grants its first create; throttles every one after that."""
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        if self.created:
+            self.requests.append(request)
+            error = ProviderError("RequestLimitExceeded: Request limit exceeded.", provider=self.name)
+            error.retryable = True
+            raise error
+        return super().provision(request)
+
+
+def test_a_plan_s_transient_errors_are_counted_apart_from_the_creates_before_it(tmp_path):
+    """Before: a create throttled 4 times in a row, then its offer blocked (a node never scheduled there) and the
+    job planned again: the plan's first 503 was counted as the 5th transient error, and failed the job."""
+    aws = ThrottledAfterTheFirst("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    aws.pending_zones.add("us-east-1a")                   # rank 0's node is never scheduled
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2, health={"heartbeat_timeout": "1s"})
+    for _ in range(TRANSIENT_TRIES - 1):                  # rank 1's create is throttled 4 times in a row
+        controller.reconcile(job_id)
+        backoff_passed(controller, job_id)
+    assert len(aws.requests) == TRANSIENT_TRIES and store.job(job_id).blocked == []
+    aws.offer_errors.append(_unavailable())
+    time.sleep(1.2)
+    controller.reconcile(job_id)                          # rank 0 never started: 1a blocked, planned again: 503
+    job = store.job(job_id)
+    assert job.state == JobState.PROVISIONING, job.error
+    said = [e.message for e in store.events(job_id) if "503" in e.message]
+    assert said == ["planning again failed: DescribeInstanceTypes: 503 Service Unavailable (transient, attempt 1 of "
+                    "5; trying again)"], said

@@ -507,3 +507,17 @@ def test_a_plan_s_transient_errors_are_counted_apart_from_the_creates_before_it(
     said = [e.message for e in store.events(job_id) if "503" in e.message]
     assert said == ["planning again failed: DescribeInstanceTypes: 503 Service Unavailable (transient, attempt 1 of "
                     "5; trying again)"], said
+
+
+def test_a_job_stopped_while_it_waits_out_a_plan_s_backoff_stops_at_once_and_its_backoff_is_dropped(tmp_path):
+    """Before: the stopped job's backoff stayed in the controller's memory for as long as it ran."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], offer_errors=[_unavailable()])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)                          # the 503: a backoff of 2 s
+    assert (job_id, "plan") in controller.provisioner.backoff
+    store.request_stop(job_id)
+    controller.reconcile(job_id)                          # within the backoff
+    assert store.job(job_id).state == JobState.STOPPED and aws.offer_calls == 1
+    assert controller.provisioner.backoff == {}

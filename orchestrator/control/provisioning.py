@@ -60,6 +60,11 @@ class Provisioner:
         # so that neither's errors count towards the other's TRANSIENT_TRIES, nor its outcome resets the other's
         self.backoff: dict[tuple[int, str], tuple[int, float]] = {}
 
+    def forget(self, job_id: int) -> None:
+        """The job ended: drop its backoffs (kept in memory for as long as the controller runs, else)."""
+        for kind in ("node", "plan"):
+            self.backoff.pop((job_id, kind), None)
+
     def _backing_off(self, job_id: int, kind: str) -> bool:
         """Whether the job's last create (`kind` "node") or plan ("plan") hit a transient error and its backoff has
         not passed yet."""

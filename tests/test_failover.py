@@ -6,7 +6,9 @@ drivers' own error mapping is tested against their emulators; this is the contro
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -521,3 +523,50 @@ def test_a_job_stopped_while_it_waits_out_a_plan_s_backoff_stops_at_once_and_its
     controller.reconcile(job_id)                          # within the backoff
     assert store.job(job_id).state == JobState.STOPPED and aws.offer_calls == 1
     assert controller.provisioner.backoff == {}
+
+
+class GatedCreates(FlakyCatalog):
+    """Refuses every create for no capacity; all but the first only once `gate` is set (creates in flight at once)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        self.requests.append(request)
+        if len(self.requests) > 1:
+            self.gate.wait(10)
+        raise CapacityError(f"InsufficientInstanceCapacity in {request.offer.zone}", provider=self.name)
+
+
+def _until(what: str, controller: Controller, done: Callable[[], bool]) -> None:
+    """The loop's passes fold in the calls that ended, until `done`."""
+    for _ in range(500):
+        controller.calls.collect()
+        if done():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what} did not happen")
+
+
+def test_a_create_refused_while_the_job_waits_out_a_plan_s_backoff_does_not_end_the_wait(tmp_path):
+    """Before: the refusal of a create in flight reset the plan's backoff: the job was planned again at once, and
+    with its only zone blocked, failed for no capacity instead of waiting for the catalog to answer."""
+    aws = GatedCreates("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2)
+    controller._reconcile(job_id)                         # as the loop does: planned off the loop
+    _until("the plan", controller, lambda: store.job(job_id).state == JobState.PROVISIONING)
+    aws.offer_errors.append(_unavailable())
+    controller._reconcile(job_id)                         # both ranks' creates in flight
+    _until("rank 0's refusal, then the re-plan's 503", controller,
+           lambda: any("planning again failed" in e.message for e in store.events(job_id)))
+    aws.gate.set()                                        # rank 1's create is refused now, within the plan's backoff
+    _until("rank 1's refusal", controller, lambda: all(n.state == NodeState.FAILED for n in store.nodes(job_id))
+           and len(store.nodes(job_id)) == 2)
+    controller.calls.settle(5)
+    job = store.job(job_id)
+    assert job.state == JobState.PROVISIONING and aws.offer_calls == 2, (job.error, aws.offer_calls)
+    refused = [e.message for e in store.events(job_id) if "could not be created" in e.message]
+    assert refused[-1].endswith("(blocked this zone; planning again)"), refused

@@ -570,3 +570,18 @@ def test_a_create_refused_while_the_job_waits_out_a_plan_s_backoff_does_not_end_
     assert job.state == JobState.PROVISIONING and aws.offer_calls == 2, (job.error, aws.offer_calls)
     refused = [e.message for e in store.events(job_id) if "could not be created" in e.message]
     assert refused[-1].endswith("(blocked this zone; planning again)"), refused
+
+
+def test_a_job_that_fails_when_planned_again_after_a_transient_error_leaves_no_backoff(tmp_path):
+    """Before: the catalog answered the retry with only blocked offers; the job failed for no capacity off the loop
+    (never reconciled again), and its plan's backoff stayed in the controller's memory."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], room={"us-east-1a": 1})
+    controller, job_id = _recovering_with_its_plan_used_up(tmp_path, aws)
+    aws.offer_errors.append(_unavailable())
+    controller.reconcile(job_id)                          # refused in 1a, 1a blocked, planned again: the 503
+    backoff_passed(controller, job_id)
+    controller._reconcile(job_id)                         # as the loop does: planned again off the loop
+    _until("the job's end", controller, lambda: controller.store.job(job_id).state.terminal)
+    job = controller.store.job(job_id)
+    assert job.state == JobState.FAILED and "no capable offer" in job.error, job.error
+    assert controller.provisioner.backoff == {}

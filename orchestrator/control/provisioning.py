@@ -212,9 +212,9 @@ class Provisioner:
             raise call.error   # a bug: said by the calls' collector
         if call.error is not None and self._retry_later(job_id, "plan", "planning again failed", call.error):
             return   # the next pass plans again after the backoff
+        self.backoff.pop((job_id, "plan"), None)   # planned, or the job gives up below (at a collect: never forgotten)
         fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
         if fresh:
-            self.backoff.pop((job_id, "plan"), None)
             self.ctx.store.update_job(job_id, plan=[c.to_record() for c in fresh])
         else:
             self.nodes.give_up(job, str(call.error or NoCapacityError(blocked.history)))   # why no plan, first

@@ -6,7 +6,9 @@ drivers' own error mapping is tested against their emulators; this is the contro
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -86,10 +88,10 @@ def reconcile(controller: Controller, job_id: int, times: int = 4) -> None:
 
 
 def backoff_passed(controller: Controller, job_id: int) -> None:
-    """The wait after the job's last transient error is over (the count of them in a row stays)."""
-    if job_id in controller.provisioner.backoff:
-        failures, _ = controller.provisioner.backoff[job_id]
-        controller.provisioner.backoff[job_id] = (failures, 0.0)
+    """The waits after the job's last transient errors (a create's, a plan's) are over (their counts stay)."""
+    backoff = controller.provisioner.backoff
+    for key in [key for key in backoff if key[0] == job_id]:
+        backoff[key] = (backoff[key][0], 0.0)
 
 
 def test_capacity_error_moves_the_job_to_the_next_zone_with_all_its_nodes(tmp_path):
@@ -438,7 +440,7 @@ def test_a_transient_error_while_a_recovering_job_is_planned_again_is_retried_af
     backoff_passed(controller, job_id)
     reconcile(controller, job_id)
     assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-east-1b"]
-    assert store.job(job_id).state == JobState.RECOVERING and job_id not in controller.provisioner.backoff
+    assert store.job(job_id).state == JobState.RECOVERING and (job_id, "plan") not in controller.provisioner.backoff
 
 
 @pytest.mark.parametrize("errors, said", [
@@ -473,3 +475,113 @@ def test_a_transient_error_while_a_pending_job_is_planned_is_retried_after_a_bac
     backoff_passed(controller, job_id)
     controller.reconcile(job_id)
     assert store.job(job_id).state == JobState.PROVISIONING and aws.asked == ["us-east-1a"]
+
+
+class ThrottledAfterTheFirst(FlakyCatalog):
+    """Grants its first create; throttles every one after that."""
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        if self.created:
+            self.requests.append(request)
+            error = ProviderError("RequestLimitExceeded: Request limit exceeded.", provider=self.name)
+            error.retryable = True
+            raise error
+        return super().provision(request)
+
+
+def test_a_plan_s_transient_errors_are_counted_apart_from_the_creates_before_it(tmp_path):
+    """Before: a create throttled 4 times in a row, then its offer blocked (a node never scheduled there) and the
+    job planned again: the plan's first 503 was counted as the 5th transient error, and failed the job."""
+    aws = ThrottledAfterTheFirst("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    aws.pending_zones.add("us-east-1a")                   # rank 0's node is never scheduled
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2, health={"heartbeat_timeout": "1s"})
+    for _ in range(TRANSIENT_TRIES - 1):                  # rank 1's create is throttled 4 times in a row
+        controller.reconcile(job_id)
+        backoff_passed(controller, job_id)
+    assert len(aws.requests) == TRANSIENT_TRIES and store.job(job_id).blocked == []
+    aws.offer_errors.append(_unavailable())
+    time.sleep(1.2)
+    controller.reconcile(job_id)                          # rank 0 never started: 1a blocked, planned again: 503
+    job = store.job(job_id)
+    assert job.state == JobState.PROVISIONING, job.error
+    said = [e.message for e in store.events(job_id) if "503" in e.message]
+    assert said == ["planning again failed: DescribeInstanceTypes: 503 Service Unavailable (transient, attempt 1 of "
+                    "5; trying again)"], said
+
+
+def test_a_job_stopped_while_it_waits_out_a_plan_s_backoff_stops_at_once_and_its_backoff_is_dropped(tmp_path):
+    """Before: the stopped job's backoff stayed in the controller's memory for as long as it ran."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], offer_errors=[_unavailable()])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)                          # the 503: a backoff of 2 s
+    assert (job_id, "plan") in controller.provisioner.backoff
+    store.request_stop(job_id)
+    controller.reconcile(job_id)                          # within the backoff
+    assert store.job(job_id).state == JobState.STOPPED and aws.offer_calls == 1
+    assert controller.provisioner.backoff == {}
+
+
+class GatedCreates(FlakyCatalog):
+    """Refuses every create for no capacity; all but the first only once `gate` is set (creates in flight at once)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def provision(self, request: NodeRequest) -> NodeHandle:
+        self.requests.append(request)
+        if len(self.requests) > 1:
+            self.gate.wait(10)
+        raise CapacityError(f"InsufficientInstanceCapacity in {request.offer.zone}", provider=self.name)
+
+
+def _until(what: str, controller: Controller, done: Callable[[], bool]) -> None:
+    """The loop's passes fold in the calls that ended, until `done`."""
+    for _ in range(500):
+        controller.calls.collect()
+        if done():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what} did not happen")
+
+
+def test_a_create_refused_while_the_job_waits_out_a_plan_s_backoff_does_not_end_the_wait(tmp_path):
+    """Before: the refusal of a create in flight reset the plan's backoff: the job was planned again at once, and
+    with its only zone blocked, failed for no capacity instead of waiting for the catalog to answer."""
+    aws = GatedCreates("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": ScriptedProvider("gcp", [])}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=2)
+    controller._reconcile(job_id)                         # as the loop does: planned off the loop
+    _until("the plan", controller, lambda: store.job(job_id).state == JobState.PROVISIONING)
+    aws.offer_errors.append(_unavailable())
+    controller._reconcile(job_id)                         # both ranks' creates in flight
+    _until("rank 0's refusal, then the re-plan's 503", controller,
+           lambda: any("planning again failed" in e.message for e in store.events(job_id)))
+    aws.gate.set()                                        # rank 1's create is refused now, within the plan's backoff
+    _until("rank 1's refusal", controller, lambda: all(n.state == NodeState.FAILED for n in store.nodes(job_id))
+           and len(store.nodes(job_id)) == 2)
+    controller.calls.settle(5)
+    job = store.job(job_id)
+    assert job.state == JobState.PROVISIONING and aws.offer_calls == 2, (job.error, aws.offer_calls)
+    refused = [e.message for e in store.events(job_id) if "could not be created" in e.message]
+    assert refused[-1].endswith("(blocked this zone; planning again)"), refused
+
+
+def test_a_job_that_fails_when_planned_again_after_a_transient_error_leaves_no_backoff(tmp_path):
+    """Before: the catalog answered the retry with only blocked offers; the job failed for no capacity off the loop
+    (never reconciled again), and its plan's backoff stayed in the controller's memory."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], room={"us-east-1a": 1})
+    controller, job_id = _recovering_with_its_plan_used_up(tmp_path, aws)
+    aws.offer_errors.append(_unavailable())
+    controller.reconcile(job_id)                          # refused in 1a, 1a blocked, planned again: the 503
+    backoff_passed(controller, job_id)
+    controller._reconcile(job_id)                         # as the loop does: planned again off the loop
+    _until("the job's end", controller, lambda: controller.store.job(job_id).state.terminal)
+    job = controller.store.job(job_id)
+    assert job.state == JobState.FAILED and "no capable offer" in job.error, job.error
+    assert controller.provisioner.backoff == {}

@@ -115,6 +115,7 @@ class Controller:
             if self.store.job(job_id).state.terminal:
                 self.health.forget(job_id)
                 self.nodes.forget(job_id)
+                self.provisioner.forget(job_id)
 
     def _step(self, job_id: int) -> None:
         job = self.store.job(job_id)

@@ -4,7 +4,7 @@ A node is recorded in the store before its provider is asked for it (a crash nev
 provisioning error blocks what its scope says (the offer, zone, region or provider) and the next node
 goes to the next candidate of the plan; nodes already placed elsewhere follow it, since one job's nodes
 must share a zone. A transient error (throttling, network, a 5xx) is retried with backoff, TRANSIENT_TRIES times in
-a row at most: a create on the same offer, a plan (a catalog call that failed) as a whole.
+a row at most: a create on the same offer, a plan (a catalog call that failed) as a whole, each counted apart.
 
 Planning and creating run off the loop (calls.py): a node stays REQUESTED, its rank taken, while its create is in
 flight, and the call's end decides (STARTING, or a refusal as above). A create past its deadline is a refusal too:
@@ -56,22 +56,31 @@ class Provisioner:
         self.ctx = ctx
         self.nodes = nodes
         self.health = health
-        self.backoff: dict[int, tuple[int, float]] = {}   # job id -> (transient failures in a row, retry at)
+        # (job id, "node" for its creates or "plan" for its planning) -> (transient failures in a row, retry at): apart,
+        # so that neither's errors count towards the other's TRANSIENT_TRIES, nor its outcome resets the other's
+        self.backoff: dict[tuple[int, str], tuple[int, float]] = {}
 
-    def _backing_off(self, job_id: int) -> bool:
-        """Whether the job's last create or plan hit a transient error and its backoff has not passed yet."""
-        return time.monotonic() < self.backoff.get(job_id, (0, 0.0))[1]
+    def forget(self, job_id: int) -> None:
+        """The job ended: drop its backoffs (kept in memory for as long as the controller runs, else)."""
+        for kind in ("node", "plan"):
+            self.backoff.pop((job_id, kind), None)
+
+    def _backing_off(self, job_id: int, kind: str) -> bool:
+        """Whether the job's last create (`kind` "node") or plan ("plan") hit a transient error and its backoff has
+        not passed yet."""
+        return time.monotonic() < self.backoff.get((job_id, kind), (0, 0.0))[1]
 
     def _retry_later(self, job_id: int, kind: str, what: str, err: BaseException) -> bool:
-        """Whether `err` is transient (throttled, unreachable: the same request may well succeed) and has not failed
-        TRANSIENT_TRIES times in a row: then the job's next try waits a backoff, and its event says what failed. Else
-        the count starts again and the caller gives up on the request."""
-        failures = self.backoff.get(job_id, (0, 0.0))[0] + 1
+        """Whether `err` is transient (throttled, unreachable: the same request may well succeed) and the job's
+        `kind` of request ("node", "plan") has not failed TRANSIENT_TRIES times in a row: then its next try waits a
+        backoff, and its event says what failed. Else the count starts again and the caller gives up on the request."""
+        key = (job_id, kind)
+        failures = self.backoff.get(key, (0, 0.0))[0] + 1
         if not (isinstance(err, ProviderError) and err.retryable and not isinstance(err, CapacityError)
                 and failures < TRANSIENT_TRIES):
-            self.backoff.pop(job_id, None)
+            self.backoff.pop(key, None)
             return False
-        self.backoff[job_id] = (failures, time.monotonic() + min(60.0, 2.0 ** failures))
+        self.backoff[key] = (failures, time.monotonic() + min(60.0, 2.0 ** failures))
         self.ctx.event(job_id, kind, f"{what}: {err} (transient, attempt {failures} of {TRANSIENT_TRIES}; "
                                      "trying again)")
         return True
@@ -83,8 +92,8 @@ class Provisioner:
         self._start_planning(job, spec, lambda call: self._planned(job.id, spec, call))
 
     def _start_planning(self, job: Job, spec: JobSpec, on_done: Callable[[Call], None]) -> None:
-        if self._backing_off(job.id):
-            return   # the last plan (or create) hit a transient error: wait before the next
+        if self._backing_off(job.id, "plan"):
+            return   # the last plan hit a transient error: wait before the next
         providers = self.ctx.providers
         self.ctx.calls.start(("plan", job.id), PLANNER, f"planning of job {job.id}",
                              lambda: plan_for(spec, providers), DEADLINES_S["offers"], on_done)
@@ -100,7 +109,7 @@ class Provisioner:
             return
         if call.error is not None:   # a bug: said by the calls' collector; the next pass plans again
             raise call.error
-        self.backoff.pop(job_id, None)
+        self.backoff.pop((job_id, "plan"), None)
         chosen, naive = call.value.chosen, call.value.naive
         self.ctx.transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_text(chosen)}" + (
             "" if chosen == naive else f" (the cheapest per hour, {_text(naive)}, would cost ${naive.cost:,.2f})"),
@@ -203,16 +212,16 @@ class Provisioner:
             raise call.error   # a bug: said by the calls' collector
         if call.error is not None and self._retry_later(job_id, "plan", "planning again failed", call.error):
             return   # the next pass plans again after the backoff
+        self.backoff.pop((job_id, "plan"), None)   # planned, or the job gives up below (at a collect: never forgotten)
         fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
         if fresh:
-            self.backoff.pop(job_id, None)
             self.ctx.store.update_job(job_id, plan=[c.to_record() for c in fresh])
         else:
             self.nodes.give_up(job, str(call.error or NoCapacityError(blocked.history)))   # why no plan, first
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it off the loop (the order keeps crashes from leaking nodes)."""
-        if self._backing_off(job.id):
+        if self._backing_off(job.id, "node"):
             return   # the last request hit a transient error (throttling, network): wait before the next
         candidate = self._candidate(job, spec)
         if candidate is None:
@@ -291,7 +300,7 @@ class Provisioner:
             self._refused(self.ctx.store.job(job_id), spec, node_id, candidate, err)
             return
         handle: NodeHandle = call.value
-        self.backoff.pop(job_id, None)
+        self.backoff.pop((job_id, "node"), None)
         self.ctx.store.update_node(node_id, state=NodeState.STARTING, handle=handle.__dict__,
                                    provisioned_at=time.time())
         self.ctx.event(job_id, "node", f"node {node_id} provisioned on {_text(candidate)} ({role})")
@@ -310,7 +319,7 @@ class Provisioner:
         self.ctx.event(job.id, "node", f"node {node_id} could not be created on {_text(candidate)}: {err} "
                        f"(blocked this {err.scope}; " + (f"next: {_text(following)})" if following else
                                                          "planning again)" if self.ctx.calls.busy(("plan", job.id))
-                                                         or job.id in self.backoff
+                                                         or (job.id, "plan") in self.backoff
                                                          else "no candidate left)"))
 
     def _excluded_hosts(self, job: Job, spec: JobSpec) -> tuple[str, ...]:

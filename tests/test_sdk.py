@@ -143,19 +143,28 @@ def test_telemetry_never_blocks_a_step_when_the_controller_hangs(tmp_path, monke
 
 @pytest.fixture
 def controller(monkeypatch):
-    """A controller's /telemetry route on a real HTTP server: the bodies it took, as the API's model reads them."""
+    """A controller's /telemetry route on a real HTTP server: the bodies it took, as the API's model reads them,
+    refusing as the API does a body over the route's byte cap (413) or one its model refuses (400)."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from pydantic import ValidationError
+
+    from orchestrator.control.api import ROUTES
     from orchestrator.control.requests import Telemetry
     bodies: list[dict] = []
+    max_bytes = next(route.max_bytes for route in ROUTES if route.body is Telemetry)
 
     class Controller(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if self.path.endswith("/telemetry"):
-                bodies.append(Telemetry.model_validate(body).model_dump())
-            self.send_response(200)
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            status = 413 if len(raw) > max_bytes else 200
+            if status == 200 and self.path.endswith("/telemetry"):
+                try:
+                    bodies.append(Telemetry.model_validate(json.loads(raw)).model_dump())
+                except ValidationError:
+                    status = 400
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
             self.wfile.write(b"{}")
@@ -262,6 +271,33 @@ def test_a_device_timed_compute_time_is_read_off_the_training_thread(controller)
     assert reporter.flush()
     (record,) = controller[-1]["records"]
     assert record["compute_time"] == 0.25
+    reporter.EXIT_FLUSH_S = 0
+    reporter.close()
+
+
+def test_a_backlog_over_the_routes_cap_is_sent_in_batches_it_takes(controller, capsys):
+    """After a controller outage, a full buffer of step records (10,000, several MiB) went in one post: over the
+    route's 4 MiB cap, the 413 cleared every record (the steps the health detectors and goodput need). It is sent
+    oldest first in posts the route takes, each with a heartbeat; a batch the controller refuses as malformed (400)
+    is the only one dropped, saying so."""
+    from orchestrator.sdk.client import ControllerClient
+
+    reporter = sdk.TelemetryReporter(ControllerClient.from_env(), rank=0, attempt=1, flush_s=3600)
+    names = [f"layer_{i:02d}_gradient_norm_after_clipping_and_scaling" for i in range(8)]
+    for step in range(10_000):
+        reporter.add({"step": step, "at": time.time(), "step_time": 0.01, "metrics": dict.fromkeys(names, 0.5)})
+    started = time.monotonic()
+    assert reporter.flush()
+    assert time.monotonic() - started < 60
+    assert len(controller) > 1 and all(body["heartbeat"] for body in controller)
+    assert [r["step"] for body in controller for r in body["records"]] == list(range(10_000))
+    controller.clear()
+    reporter.add({"step": 10_000, "at": time.time(), "step_time": -1.0, "metrics": {}})   # the model refuses it
+    assert reporter.flush() and controller == []
+    assert capsys.readouterr().err == "tfsn: the controller refused 1 step record(s), steps 10000 to 10000 " \
+        "(dropped; the heartbeats go on): controller refused the request (400): {}\n"
+    reporter.add({"step": 10_001, "at": time.time(), "step_time": 0.01, "metrics": {}})
+    assert reporter.flush() and [r["step"] for r in controller[-1]["records"]] == [10_001]
     reporter.EXIT_FLUSH_S = 0
     reporter.close()
 

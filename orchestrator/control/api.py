@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from orchestrator.control import requests, tls
 from orchestrator.control.credentials import AGENT, SDK, allows
 from orchestrator.control.store import Job, Store, StoreError
-from orchestrator.sdk.client import TOKEN_HEADER
+from orchestrator.sdk.client import TELEMETRY_BYTES_MAX, TOKEN_HEADER
 from providers.bootstrap import ARTIFACTS_ROUTE, BOOT_FAILURE_ROUTE
 
 READ_TIMEOUT_S = 15.0         # a client that stops sending (headers or body) is dropped after this long
@@ -90,7 +90,7 @@ ROUTES = [
           lambda h, job, m, body: h.logs(job, m["node"], body), when_over="grace"),
     Route(re.compile(_NODE + "/" + BOOT_FAILURE_ROUTE), AGENT, requests.BootFailure, 64 * 1024,
           lambda h, job, m, body: h.boot_failure(job, m["node"], body), when_over="grace"),
-    Route(re.compile(_JOB + "/telemetry"), SDK, requests.Telemetry, 4 * 1024 * 1024,
+    Route(re.compile(_JOB + "/telemetry"), SDK, requests.Telemetry, TELEMETRY_BYTES_MAX,
           lambda h, job, m, body: h.telemetry(job, body)),
     Route(re.compile(_JOB + "/checkpoint"), SDK, requests.Checkpoint, 16 * 1024,
           lambda h, job, m, body: h.checkpoint(job, body)),

@@ -6,7 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.sdk.client import METRIC_NAME_CHARS, METRICS_MAX, SKIPPED_CHARS, SKIPPED_MAX
+from orchestrator.sdk.client import (METRIC_NAME_CHARS, METRICS_MAX, SKIPPED_CHARS, SKIPPED_MAX,
+                                     TELEMETRY_RECORDS_MAX)
 
 Text = Annotated[str, Field(max_length=255)]
 Count = Annotated[int, Field(ge=0, le=10**12)]
@@ -52,7 +53,7 @@ PhaseName = Annotated[str, Field(max_length=32, pattern=r"^[a-z][a-z0-9_-]*$")]
 class Telemetry(_Body):
     attempt: Count
     rank: Annotated[int, Field(ge=0, le=1_000_000)]
-    records: Annotated[list[StepRecord], Field(max_length=20_000)]
+    records: Annotated[list[StepRecord], Field(max_length=TELEMETRY_RECORDS_MAX)]
     heartbeat: Seconds | None = None
     step: Count | None = None        # the step the rank is in (with no record yet while it runs)
     phase: PhaseName | None = None   # what it does now: train, or an announced phase (checkpoint, eval, data)

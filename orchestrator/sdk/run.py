@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import numbers
 import os
@@ -34,14 +35,15 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.sdk import checkpoint as ckpt
 from orchestrator.sdk import commtimer, phases
 from orchestrator.sdk.asyncsave import AsyncSaver, PendingSave
-from orchestrator.sdk.client import (METRIC_NAME_CHARS, METRICS_MAX, SKIPPED_CHARS, SKIPPED_MAX, ControllerClient,
-                                     ControllerRejected, ControllerUnavailable)
+from orchestrator.sdk.client import (METRIC_NAME_CHARS, METRICS_MAX, SKIPPED_CHARS, SKIPPED_MAX, TELEMETRY_BYTES_MAX,
+                                     TELEMETRY_RECORDS_MAX, ControllerClient, ControllerRejected, ControllerUnavailable)
 from orchestrator.spec import CHECKPOINT_URL_SCHEMES, checkpoint_url_scheme, parse_duration
 
 SYNC_EVERY = 10             # time-based checkpoint decisions are taken together by all ranks this often
 AUTO_FIRST_S = 300.0        # `auto`: first checkpoint after this long, before the save cost is known
 AUTO_BOUNDS_S = (30.0, 1800.0)
 LOGGED_MAX = METRICS_MAX - 2  # a step's metrics from run.log: room left for a save's checkpoint_stall_s and _wait_s
+POST_SPARE_BYTES = 64 * 1024  # a telemetry post's body besides its records (heartbeat, phase): far less
 NODE_MTBF_H = 6000.0        # `auto`: mean time between failures of one 8-GPU node (Llama 3 report: 419
                             # interruptions in 54 days on 16,384 GPUs = ~50,700 GPU-hours per interruption)
 
@@ -50,7 +52,8 @@ class TelemetryReporter:
     """Batches step records and events and posts them from a daemon thread.
 
     Bounded and never blocking the caller; what the controller did not take is kept and sent
-    again, so a controller restarting mid-run loses nothing. At exit it keeps trying for
+    again, oldest first in posts within the route's caps (a backlog of minutes is several MiB), so a
+    controller restarting mid-run loses nothing short of max_buffer records. At exit it keeps trying for
     EXIT_FLUSH_S, so the last steps of a run still reach a controller that is coming back.
     """
 
@@ -84,7 +87,7 @@ class TelemetryReporter:
         self._wake.set()
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Send what is pending; True when nothing is left."""
+        """Send what is pending, oldest first, in posts the controller's route takes; True when nothing is left."""
         try:
             while self._events:
                 path, body = self._events[0]
@@ -93,25 +96,25 @@ class TelemetryReporter:
                     self._events.popleft()
             with self._lock:
                 pending = list(self._records)
-            batch = [record for _, record in pending]
-            for record in batch:  # tensors and device timings were kept as they are: read here, the step is free
-                _read_record(record)
-            # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
-            # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
-            # it is in (a long save is not a hang) and how long the phases finished since took.
-            phase, since = self.phases.now()
-            finished = self.phases.take()
-            body = {"rank": self.rank, "attempt": self.attempt, "records": batch, "heartbeat": time.time(),
-                    "step": self.step if self.step >= 0 else None, "phase": phase, "phase_since": since, "phases": finished}
-            try:
-                answer = self.client.post("/telemetry", body, timeout=timeout)
-            except ControllerUnavailable:
-                self.phases.give_back(finished)
-                raise
-            self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
-            with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
-                while pending and self._records and self._records[0][0] <= pending[-1][0]:
-                    self._records.popleft()
+            # The phases finished since the last flush go with the first post (back to the clock if it fails).
+            finished: dict[str, float] | None = self.phases.take()
+            for batch in _batches(pending):
+                try:
+                    self._post([record for _, record in batch], finished or {}, timeout)
+                except ControllerUnavailable:
+                    if finished is not None:
+                        self.phases.give_back(finished)
+                    raise
+                except ControllerRejected as err:
+                    if err.status not in (400, 413) or not batch:   # not about these records: the job is gone
+                        raise
+                    print(f"tfsn: the controller refused {len(batch)} step record(s), steps {batch[0][1]['step']} "
+                          f"to {batch[-1][1]['step']} (dropped; the heartbeats go on): {err}",
+                          file=sys.stderr, flush=True)
+                finished = None
+                with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
+                    while batch and self._records and self._records[0][0] <= batch[-1][0]:
+                        self._records.popleft()
         except ControllerUnavailable:
             return False
         except ControllerRejected:  # the job is gone: nobody will ever take these
@@ -119,6 +122,16 @@ class TelemetryReporter:
                 self._events.clear()
                 self._records.clear()
         return True
+
+    def _post(self, records: list[dict[str, Any]], finished: dict[str, float], timeout: float) -> None:
+        # Sent every flush even with no records: the heartbeat that tells a stuck rank from a
+        # rank blocked in a collective, which keeps heartbeating from this thread; with the phase
+        # it is in (a long save is not a hang) and how long the phases finished since took.
+        phase, since = self.phases.now()
+        body = {"rank": self.rank, "attempt": self.attempt, "records": records, "heartbeat": time.time(),
+                "step": self.step if self.step >= 0 else None, "phase": phase, "phase_since": since, "phases": finished}
+        answer = self.client.post("/telemetry", body, timeout=timeout)
+        self.checkpoint_request = max(self.checkpoint_request, float(answer.get("checkpoint") or 0.0))
 
     def _loop(self) -> None:
         while not self._closed:
@@ -411,6 +424,22 @@ class Run:
             print(f"tfsn: {e}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
+
+
+def _batches(pending: list[tuple[int, dict[str, Any]]]) -> Iterator[list[tuple[int, dict[str, Any]]]]:
+    """`pending` (sequence, record) in order, read (tensors, device timings: here, the step is free), as batches within
+    what one telemetry post may hold (records, encoded bytes); one empty batch when there is none: the heartbeat."""
+    batch: list[tuple[int, dict[str, Any]]] = []
+    size = 0
+    for item in pending:
+        _read_record(item[1])
+        grown = len(json.dumps(item[1])) + 2   # and its ", "
+        if batch and (len(batch) == TELEMETRY_RECORDS_MAX or size + grown > TELEMETRY_BYTES_MAX - POST_SPARE_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += grown
+    yield batch
 
 
 def _read_record(record: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ drivers' own error mapping is tested against their emulators; this is the contro
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
@@ -585,3 +586,55 @@ def test_a_job_that_fails_when_planned_again_after_a_transient_error_leaves_no_b
     job = controller.store.job(job_id)
     assert job.state == JobState.FAILED and "no capable offer" in job.error, job.error
     assert controller.provisioner.backoff == {}
+
+
+@pytest.mark.parametrize("error", [_unavailable(), AuthError("AuthFailure: AWS was not able to validate the provided "
+                                                             "access credentials", provider="aws")])
+def test_a_pending_job_is_planned_on_the_other_clouds_when_one_cloud_s_offers_cannot_be_read(tmp_path, error):
+    """Before: aws's 503 (or refused credentials) failed the whole plan: retried 5 times, then the job failed, though
+    gcp, which the job allows too, had capable offers."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], offer_errors=[error])
+    gcp = ScriptedProvider("gcp", [h100("gcp", "us-central1", "us-central1-a", 95.0)])
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    job = store.job(job_id)
+    assert job.state == JobState.PROVISIONING and gcp.asked == ["us-central1-a"], job.error
+    said = [e.message for e in store.events(job_id) if "aws" in e.message and "gcp" not in e.message]
+    assert said == [f"aws's offers could not be read ({error}): planned without them"], said
+    assert controller.provisioner.backoff == {}
+
+
+def test_a_recovering_job_is_planned_again_on_the_other_clouds_when_one_cloud_s_offers_cannot_be_read(tmp_path):
+    """Before: aws's 503 while the recovering job was planned again kept it waiting out backoffs (then failed it),
+    though gcp had capable offers."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], room={"us-east-1a": 1})
+    controller, job_id = _recovering_with_its_plan_used_up(tmp_path, aws)
+    gcp = controller.ctx.providers["gcp"]
+    gcp._offers.append(h100("gcp", "us-central1", "us-central1-a", 95.0))
+    aws.offer_errors.append(_unavailable())
+    reconcile(controller, job_id)                         # refused in 1a, 1a blocked, planned again without aws
+    store = controller.store
+    assert [n.offer["zone"] for n in store.nodes(job_id, active_only=True)] == ["us-central1-a"], store.job(job_id).error
+    said = [e.message for e in store.events(job_id) if "503" in e.message]
+    assert said == ["aws's offers could not be read (DescribeInstanceTypes: 503 Service Unavailable): planned "
+                    "without them"], said
+    assert (job_id, "plan") not in controller.provisioner.backoff
+
+
+def test_a_cloud_whose_offers_cannot_be_read_is_waited_for_when_the_others_offers_are_all_blocked(tmp_path):
+    """The others' plan has only blocked offers: aws, left out for its 503, may have room; the job waits out a backoff
+    as when aws was the only cloud, rather than failing for no capacity."""
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], room={"us-east-1a": 1})
+    controller, job_id = _recovering_with_its_plan_used_up(tmp_path, aws)
+    offer = h100("gcp", "us-central1", "us-central1-a", 95.0)
+    controller.ctx.providers["gcp"]._offers.append(offer)
+    controller.store.update_job(job_id, blocked=[{"offer": dataclasses.asdict(offer), "scope": "provider",
+                                                  "spot": False, "error": "AuthFailure"}])
+    aws.offer_errors.append(_unavailable())
+    controller.reconcile(job_id)
+    job = controller.store.job(job_id)
+    assert job.state == JobState.RECOVERING and (job_id, "plan") in controller.provisioner.backoff, job.error
+    assert any(e.message.startswith("planning again failed: DescribeInstanceTypes: 503") for e in
+               controller.store.events(job_id))

@@ -152,3 +152,17 @@ def test_catalog_refresh_without_the_sdk_shows_the_one_line_error_and_exits_1(tm
     assert result.exit_code == 1
     assert "catalog refresh gcp: the gcp provider needs google" in result.output
     assert not (tmp_path / "cache").exists()
+
+
+def test_plan_leaves_out_a_cloud_whose_offers_cannot_be_read_with_a_warning_naming_it(cli, tmp_path):
+    """Before: a Kubernetes cluster that cannot be reached failed `tfsn plan` of a job that allows aws too; now the
+    plan is aws's, with the warning that the controller's job events give of a launch."""
+    cli.env.update(KUBECONFIG=str(tmp_path / "no-kubeconfig"))
+    path = _spec(tmp_path, SPEC.replace("accelerators: {T4: 4, H100: 8, A100-80GB: 8}",
+                                        "accelerators: H100:8\n  infra: [aws, kubernetes]"))
+    out = cli("plan", str(path), "--json")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {o["provider"] for o in result["offers"]} == {"aws"} and "kubernetes" in result["unread"]
+    (warning,) = [line for line in out.stderr.splitlines() if "kubernetes" in line]
+    assert warning.startswith("tfsn: warning: kubernetes's offers could not be read (") and warning.endswith(
+        "): planned without them") and result["unread"]["kubernetes"] in warning

@@ -388,7 +388,7 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
                  as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
                  limit: int = typer.Option(15, "--limit", min=1, help="rows of the ranked table")) -> None:
     """Rank every capable offer by the predicted cost of the whole run; show the choice and the naive one."""
-    from orchestrator.planning.placement import plan_for
+    from orchestrator.planning.placement import plan_for, unread_lines
     from orchestrator.planning.planner import PlanError, memory_needed
     from providers.base import ProviderError
     from providers.catalog import CatalogError
@@ -399,6 +399,8 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
     except (CatalogError, PlanError, ProviderError) as err:
         raise UsageError(f"{file}:{spec_line(file, err.field)}: {err}" if isinstance(err, PlanError)
                          else str(err)) from None
+    for line in unread_lines(result):   # as the controller's job events say it of a launch
+        err_console.print(f"tfsn: warning: {line}", highlight=False, markup=False)
     need = None if result.reference_workload else memory_needed(result.workload, result.entry)
     hardware = result.hardware()
     if as_json:
@@ -410,7 +412,8 @@ def plan_command(file: Path = typer.Argument(..., help="the job spec (train.yaml
                           "entry": None if entry is None else {"params": entry.params, "example_batch":
                                                                entry.example_batch, "dtype": entry.dtype,
                                                                "seconds": entry.seconds},
-                          "memory_gib_per_device": None if need is None else round(need, 3)}))
+                          "memory_gib_per_device": None if need is None else round(need, 3),
+                          "unread": {name: str(err) for name, err in result.unread.items()}}))
         return
     console.print(_plan_table(result, limit))
     for line in hardware_lines(result, hardware):

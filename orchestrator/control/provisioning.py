@@ -33,8 +33,8 @@ from orchestrator.control.nodes import Nodes, site, workers_per_node
 from orchestrator.control.store import Job, JobState, Node, NodeState
 from orchestrator.home import job_dir
 from orchestrator.planning.offers import offer_text
-from orchestrator.planning.placement import plan_for
-from orchestrator.planning.planner import Blocklist, NoCapacityError, PlanError, PlannedOffer
+from orchestrator.planning.placement import plan_for, unread_error, unread_lines
+from orchestrator.planning.planner import Blocklist, NoCapacityError, Plan, PlanError, PlannedOffer
 from orchestrator.sdk.client import CA_FINGERPRINT_ENV, CA_PEM_ENV
 from orchestrator.spec import JobSpec
 from providers.base import CapacityError, NodeHandle, NodeRequest, ProviderError
@@ -110,6 +110,7 @@ class Provisioner:
         if call.error is not None:   # a bug: said by the calls' collector; the next pass plans again
             raise call.error
         self.backoff.pop((job_id, "plan"), None)
+        self._say_unread(job_id, call.value)
         chosen, naive = call.value.chosen, call.value.naive
         self.ctx.transition(job, JobState.PROVISIONING, f"{spec.num_nodes} node(s) on {_text(chosen)}" + (
             "" if chosen == naive else f" (the cheapest per hour, {_text(naive)}, would cost ${naive.cost:,.2f})"),
@@ -210,14 +211,22 @@ class Provisioner:
         blocked = Blocklist.from_records(job.blocked)
         if call.error is not None and not isinstance(call.error, (PlanError, ProviderError)):
             raise call.error   # a bug: said by the calls' collector
-        if call.error is not None and self._retry_later(job_id, "plan", "planning again failed", call.error):
+        fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
+        # the blocks ruled out the others' offers: the clouds that could not be read may still have some
+        error = call.error or (unread_error(call.value.unread) if not fresh and call.value.unread else None)
+        if error is not None and self._retry_later(job_id, "plan", "planning again failed", error):
             return   # the next pass plans again after the backoff
         self.backoff.pop((job_id, "plan"), None)   # planned, or the job gives up below (at a collect: never forgotten)
-        fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
         if fresh:
+            self._say_unread(job_id, call.value)
             self.ctx.store.update_job(job_id, plan=[c.to_record() for c in fresh])
         else:
-            self.nodes.give_up(job, str(call.error or NoCapacityError(blocked.history)))   # why no plan, first
+            self.nodes.give_up(job, str(error or NoCapacityError(blocked.history)))   # why no plan, first
+
+    def _say_unread(self, job_id: int, plan: Plan) -> None:
+        """One event per provider left out of the job's plan because its offers could not be read."""
+        for line in unread_lines(plan):
+            self.ctx.event(job_id, "plan", line)
 
     def _create_node(self, job: Job, spec: JobSpec, rank: int | None) -> None:
         """Record the node, then ask the provider for it off the loop (the order keeps crashes from leaking nodes)."""

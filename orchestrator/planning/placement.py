@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.planning.planner import HOST, Plan, PlanError, check_accelerators, hardware_to_search, plan_job
 from orchestrator.spec import JobSpec, checkpoint_url_scheme
-from providers.base import Offer, Provider
+from providers.base import Offer, Provider, ProviderError
 from providers.identity import KINDS
 from providers.registry import load_provider
 
@@ -36,21 +38,29 @@ def allowed_providers(spec: JobSpec, planning_only: bool = False) -> list[str]:
 
 
 def offers_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalog: Path | None = None,
-               planning_only: bool = False) -> list[Offer]:
-    """Every offer of every provider the job may use. A `catalog` file stands in for the clouds' catalog:
-    all its rows count (the planner still applies `infra`)."""
+               planning_only: bool = False) -> tuple[list[Offer], dict[str, ProviderError]]:
+    """Every offer of every provider the job may use, and the providers whose offers() failed with their error: a
+    cloud that cannot be read (unreachable, throttled, refused credentials) is left out, not the whole plan. A
+    `catalog` file stands in for the clouds' catalog: all its rows count (the planner still applies `infra`)."""
     from providers.catalog import load_offers
 
     offers: list[Offer] = load_offers(path=catalog) if catalog is not None else []
+    unread: dict[str, ProviderError] = {}
     for name in allowed_providers(spec, planning_only):
         if catalog is None or name not in CATALOG_PROVIDERS:
-            offers.extend(((providers or {}).get(name) or load_provider(name)).offers())
-    return offers
+            provider = (providers or {}).get(name) or load_provider(name)
+            try:
+                offers.extend(provider.offers())
+            except ProviderError as err:
+                unread[name] = err
+    return offers, unread
 
 
 def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalog: Path | None = None,
              planning_only: bool = False) -> Plan:
-    """The job's offers ranked by predicted run cost (planner.PlanError says why none is capable)."""
+    """The job's offers ranked by predicted run cost (planner.PlanError says why none is capable). Providers whose
+    offers could not be read are in the plan's `unread`; when the others have no capable offer, the error of one
+    of them is raised instead (a retryable one first: the caller's backoff may see the cloud answer again)."""
     check_accelerators(spec)
     allowed = allowed_providers(spec, planning_only)
     if spec.resources.accelerators is not None and allowed == ["local"]:
@@ -59,7 +69,25 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
                         "and no cloud is enabled for this job. To fix: name clouds in resources.infra (e.g. "
                         "infra: [aws, gcp]) or set TFSN_CLOUDS=aws,gcp; or remove resources.accelerators to run "
                         "on this machine's CPUs", field=("resources", "accelerators"))
-    offers = offers_for(spec, providers, catalog, planning_only)
+    offers, unread = offers_for(spec, providers, catalog, planning_only)
+    return replace(_ranked(spec, offers, allowed, unread), unread=unread)
+
+
+def unread_lines(plan: Plan) -> list[str]:
+    """What a plan says of each provider it was made without (the controller's job events, `tfsn plan`'s warnings)."""
+    return [f"{name}'s offers could not be read ({err}): planned without them" for name, err in plan.unread.items()]
+
+
+def unread_error(unread: Mapping[str, ProviderError]) -> ProviderError:
+    """The error that stands for the unread providers when the others cannot place the job: a retryable one first,
+    so that the caller's backoff may see that cloud answer again."""
+    return min(unread.values(), key=lambda err: not err.retryable)
+
+
+def _ranked(spec: JobSpec, offers: list[Offer], allowed: list[str], unread: Mapping[str, ProviderError]) -> Plan:
+    """plan_job over the offers, this machine's left out when the job is too big for it; when none is capable and
+    some providers were not read, one of their errors (they may have had one). The spec's own problems (model.entry's
+    search) raise as they are."""
     too_big = _too_big_for_local(spec)
     dropped = too_big is not None and any(o.provider == "local" for o in offers)
     if too_big is not None:   # local nodes and workers are processes of this machine: a core each, or a runaway
@@ -69,9 +97,11 @@ def plan_for(spec: JobSpec, providers: dict[str, Provider] | None = None, catalo
     entry = _searched_entry(spec, offers) if spec.model is not None and spec.model.entry else None
     try:
         return plan_job(spec, offers, entry=entry, host_providers=HOST_PROVIDERS)
-    except PlanError as err:   # the local offer was the one that fit (a CPU job): its limit is the cause, not
-        if not dropped:        # the constraint that removed the clouds' offers after it
-            raise
+    except PlanError as err:
+        if unread:
+            raise unread_error(unread) from None
+        if not dropped:   # the local offer was the one that fit (a CPU job): its limit is the cause, not
+            raise         # the constraint that removed the clouds' offers after it
         raise PlanError(f"{too_big}; and of the other offers: {err}", field=too_big.field) from None
 
 

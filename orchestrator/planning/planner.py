@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -199,6 +199,7 @@ class Plan:
     step_source: np.ndarray | None = None    # per offer index: SEARCHED or ROOFLINE
     entry: EntryStep | None = None            # the searched step of model.entry, per hardware key
     hardware_keys: Sequence[str] = ()         # per offer index: its key in `entry.hardware`
+    unread: Mapping[str, ProviderError] = field(default_factory=dict)   # provider -> why its offers were not read
 
     def __len__(self) -> int:
         return len(self.order)

@@ -23,7 +23,8 @@ def _size(mib: float) -> str:
 
 
 def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the figures."),
-                      quick: bool = typer.Option(False, "--quick", help="A few seconds instead of ~20; noisier."),
+                      quick: bool = typer.Option(False, "--quick", help="Shorter measurements "
+                                                        "(20 ms instead of 100, fewer rounds); noisier."),
                       threads: Optional[int] = typer.Option(None, "--threads", help="Threads to measure with "
                                                             "(default: torch's, what generated kernels use).")) -> None:
     """Measure this machine (bandwidth per cache level and DRAM, FMA peak, call and fork/join overheads, the

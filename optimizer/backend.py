@@ -566,11 +566,15 @@ def _merged_repeats(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of the joint graph for one partitioner to cut. Outside AOTAutograd's fake mode: a tensor
     constant of the model (`torch.tensor([0, 3])` in a forward) is a real tensor attribute of the graph,
-    and copying its storage under the fake mode fails the whole compile."""
+    and copying its storage under the fake mode fails the whole compile. Copying the graph's pytree specs
+    makes torch's own LeafSpecs anew, which torch 2.13 deprecates with a FutureWarning on every compile: not
+    the user's to act on, so not shown."""
     import copy
+    import warnings
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*\bLeafSpec\b.* is deprecated", category=FutureWarning)
         return copy.deepcopy(joint)
 
 

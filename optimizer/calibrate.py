@@ -248,7 +248,8 @@ def calibrate(threads: int | None = None, quick: bool = False) -> Calibration:
     """Measure this machine with `threads` threads (default: torch's, what generated kernels run with).
 
     `quick` shortens every measurement (20 ms instead of 100, 5 repetitions instead of 7, a smaller DRAM
-    buffer): about a second instead of ~10, a little noisier.
+    buffer, fewer rounds of the step's figures), a little noisier; the step's figures, timed in processes
+    of their own, take most of the time either way (56 s for --quick on 2 loaded cores, 2026-12-07).
     """
     import torch
 

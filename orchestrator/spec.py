@@ -586,7 +586,7 @@ class KubernetesSpec(BaseModel):
     the GPU selector and toleration tfsn derives from the planned offer."""
 
     model_config = ConfigDict(extra="forbid")
-    image: ImageName | None = None                # None: TFSN_K8S_IMAGE, else python:3.11-slim
+    image: ImageName | None = None                # None: TFSN_K8S_IMAGE, else providers.kubernetes.DEFAULT_IMAGE
     node_selector: dict[Line, Line] = Field({}, max_length=MAX_ITEMS)   # extra node labels every pod requires
     tolerations: list[Toleration] = Field([], max_length=MAX_ITEMS)     # extra taints every pod tolerates
 

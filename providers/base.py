@@ -249,16 +249,27 @@ class MissingExtraError(ProviderError):
     scope = "provider"
 
 
+# How long an SDK's import is tried again while another thread imports a module it shares (`requests`).
+IMPORT_RACE_S = 5.0
+
+
 def import_sdk(module: str, *, provider: str, extra: str) -> Any:
-    """Import a cloud SDK lazily, so that tfsn without the extra still imports and runs locally."""
+    """Import a cloud SDK lazily, so that tfsn without the extra still imports and runs locally. Clouds are
+    called in parallel threads: an import that meets a module another thread is still importing ("partially
+    initialized module") is tried again once that one is done, rather than taken for a missing SDK."""
     import importlib
 
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise MissingExtraError(
-            f"the {provider} provider needs the Python module {module} ({err}). "
-            f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None
+    deadline = time.monotonic() + IMPORT_RACE_S
+    while True:
+        try:
+            return importlib.import_module(module)
+        except ImportError as err:
+            if "partially initialized module" in str(err) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            raise MissingExtraError(
+                f"the {provider} provider needs the Python module {module} ({err}). "
+                f"To fix: pip install 'tfsn[{extra}]'", provider=provider) from None
 
 
 def wait_for(done: Callable[[], bool], *, timeout_s: float, poll_s: float,

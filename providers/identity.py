@@ -49,8 +49,8 @@ KINDS: dict[str, IdentityKind] = {
         "a user-assigned managed identity's resource ID", re.compile(
             r"/subscriptions/[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/resourcegroups/[\w().-]+"
             r"/providers/microsoft\.managedidentity/userassignedidentities/[\w-]+", re.IGNORECASE),
-        "/subscriptions/SUBSCRIPTION/resourceGroups/GROUP/providers/Microsoft.ManagedIdentity/"
-        "userAssignedIdentities/tfsn-node",
+        "/subscriptions/00000000-0000-0000-0000-000000000000/resourceGroups/GROUP/providers/"
+        "Microsoft.ManagedIdentity/userAssignedIdentities/tfsn-node",
         "create the identity (az identity create --resource-group GROUP --name NAME)",
         "the Managed Identity Operator role on that identity"),
 }

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from orchestrator.cli.down import down
 from orchestrator.control.store import JobState, Store
-from providers.base import NodeRequest, Offer
+from providers.base import NodeRequest, Offer, import_sdk
 from providers.naming import node_tags
 from tests.conftest import ROOT
 
@@ -357,3 +357,21 @@ def test_the_command_sweeps_aws_and_says_which_clouds_it_skipped(aws_account, tm
     assert "deleted 1 of 1 resource(s)" in done.stdout
     assert (state(dead), state(live)) == ("terminated", "running")
     assert store.job(live).state is JobState.RUNNING   # the store is only read
+
+
+def test_a_clouds_import_racing_anothers_is_not_a_missing_sdk(monkeypatch):
+    """The clouds are listed in parallel: kubernetes imported while google-auth's thread was importing requests
+    saw `requests.utils` half-initialized, and `tfsn down` said "pip install 'tfsn[k8s]'" with it installed."""
+    import importlib
+    import json
+    real, raced = importlib.import_module, []
+
+    def import_during_a_race(name, *args):
+        if not raced:
+            raced.append(name)
+            raise ImportError("cannot import name 'parse_dict_header' from partially initialized module "
+                              "'requests.utils' (most likely due to a circular import)")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", import_during_a_race)
+    assert import_sdk("json", provider="kubernetes", extra="k8s") is json and raced == ["json"]

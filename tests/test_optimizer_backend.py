@@ -50,6 +50,17 @@ def test_backend_callable_with_torch_compile():
     check(torch.compile(mine, backend=tfsn_backend), eager, x)
 
 
+def test_compiling_a_step_warns_the_user_of_nothing_torch_deprecated_in_itself():
+    """Copying the joint graph deep-copied torch's own pytree LeafSpecs, which torch 2.13 deprecates: every
+    worker of the example printed "FutureWarning: `isinstance(treespec, LeafSpec)` is deprecated" lines."""
+    import warnings
+    eager, x = model_and_input()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        check(optimize(copy.deepcopy(eager)), eager, x)
+    assert not [w for w in seen if "LeafSpec" in str(w.message)], [str(w.message) for w in seen]
+
+
 def test_optimize_with_a_schedule():
     eager, x = model_and_input()
     mine = copy.deepcopy(eager)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from orchestrator.spec import (AcceleratorRequest, JobSpec, SpecError, load_spec,
                                parse_duration)
+from providers.identity import KINDS
 
 FULL = """\
 name: tiny-gpt
@@ -904,3 +905,11 @@ def test_a_malformed_remote_identity_names_the_field_and_the_fix(tmp_path, cloud
     one(path, 4, f"resources.remote_identity.{cloud}", needle, "To fix: write", "e.g.")
     path = write(tmp_path, "run: x\nresources:\n  remote_identity:\n    oci: x\n")
     one(path, 4, "resources.remote_identity.oci", "unknown field 'oci'", "aws, gcp, azure")
+
+
+@pytest.mark.parametrize("cloud", sorted(KINDS))
+def test_the_fix_a_malformed_remote_identity_suggests_is_itself_accepted(tmp_path, cloud):
+    """The error's "e.g." is what a user copies: Azure's said SUBSCRIPTION where a GUID is required."""
+    for example in KINDS[cloud].example.split(" or "):
+        spec = load_spec(write(tmp_path, f"run: x\nresources:\n  remote_identity:\n    {cloud}: '{example}'\n"))
+        assert spec.resources.identity(cloud) == example

@@ -23,7 +23,8 @@ def _size(mib: float) -> str:
 
 
 def calibrate_command(json_out: bool = typer.Option(False, "--json", help="End with one JSON line of the figures."),
-                      quick: bool = typer.Option(False, "--quick", help="A few seconds instead of ~20; noisier."),
+                      quick: bool = typer.Option(False, "--quick", help="Shorter measurements "
+                                                        "(20 ms instead of 100, fewer rounds); noisier."),
                       threads: Optional[int] = typer.Option(None, "--threads", help="Threads to measure with "
                                                             "(default: torch's, what generated kernels use).")) -> None:
     """Measure this machine (bandwidth per cache level and DRAM, FMA peak, call and fork/join overheads, the
@@ -183,9 +184,11 @@ def _hardware_spec(hardware: str):
     return None if spec.kind == "cpu" and spec.name == "cpu-generic" else spec
 
 
-def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN returning the model (an nn.Module), "
-                                               "or a JAX training step (a function of its inputs, as given to jax.jit)"),
-                     inputs: str = typer.Option(..., "--inputs", help="MODULE:FN returning a tuple of example inputs"),
+def optimize_command(model: str = typer.Option(..., "--model", help="MODULE:FN (or FILE.py:FN) returning the model (an "
+                                               "nn.Module), or a JAX training step (a function of its inputs, "
+                                               "as given to jax.jit)"),
+                     inputs: str = typer.Option(..., "--inputs", help="MODULE:FN (or FILE.py:FN) returning a tuple "
+                                                "of example inputs"),
                      hardware: str = typer.Option("cpu", "--hardware", help="cpu (this machine: measured), or a "
                                                   "chip of configs/hardware: h100, h200, a100-80gb, l4, a10g, mi300x, ..."),
                      top_k: int = typer.Option(8, "--top-k", help="schedules per kernel compiled and timed (cpu only)"),

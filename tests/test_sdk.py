@@ -302,6 +302,31 @@ def test_a_backlog_over_the_routes_cap_is_sent_in_batches_it_takes(controller, c
     reporter.close()
 
 
+def test_close_waits_for_the_threads_flush_rather_than_sending_its_batches_again(controller):
+    """close() waits 5 s for the telemetry thread, then flushes itself. A backlog of several batches to a slow
+    controller outlasts that wait: both flushes read the same records and the batch in flight was posted twice (the
+    controller stores every record it is sent: the step twice in the job's history). One flush at a time."""
+    from orchestrator.sdk.client import ControllerClient
+
+    client = ControllerClient.from_env()
+    post = client.post
+
+    def slow(path: str, body: dict, timeout: float | None = None) -> dict:
+        time.sleep(2.0)
+        return post(path, body, timeout)
+
+    client.post = slow
+    reporter = sdk.TelemetryReporter(client, rank=0, attempt=1, flush_s=3600)
+    names = [f"{i:03d}_" + "m" * 200 for i in range(250)]   # ~52 kB a record: about 80 in a post
+    for step in range(300):
+        reporter.add({"step": step, "at": time.time(), "step_time": 0.01, "metrics": dict.fromkeys(names, 0.5)})
+    reporter._wake.set()   # the thread's flush starts: four posts, 8 s
+    time.sleep(0.5)
+    reporter.EXIT_FLUSH_S = 10
+    reporter.close()
+    assert [r["step"] for body in controller for r in body["records"]] == list(range(300))
+
+
 def test_a_field_that_cannot_be_read_is_dropped_not_the_heartbeat(controller, capsys):
     """A metric or a device timing that raises when the telemetry thread reads it (a CUDA error; here a meta tensor,
     and a clock that fails) raised out of every flush from then on, before the post: the record stayed at the head of

@@ -321,6 +321,24 @@ def _slow_backlog(records: int) -> sdk.TelemetryReporter:
     return reporter
 
 
+def test_the_phases_in_a_refused_batch_go_with_the_next_post(controller, capsys):
+    """The phases finished since the last flush (how long a save or an evaluation took: what tells a long one from a
+    hang) ride in the first post; a batch the controller refused (400) for one of its records dropped them too."""
+    from orchestrator.sdk import phases
+    from orchestrator.sdk.client import ControllerClient
+
+    clock = phases.PhaseClock()
+    reporter = sdk.TelemetryReporter(ControllerClient.from_env(), rank=0, attempt=1, flush_s=3600, clock=clock)
+    with clock.phase("eval"):
+        time.sleep(0.02)
+    reporter.add({"step": 0, "at": time.time(), "step_time": -1.0, "metrics": {}})   # the model refuses it
+    assert reporter.flush() and controller == []
+    assert "refused 1 step record(s)" in capsys.readouterr().err
+    assert reporter.flush() and controller[-1]["phases"]["eval"] >= 0.02
+    reporter.EXIT_FLUSH_S = 0
+    reporter.close()
+
+
 def test_close_waits_for_the_threads_flush_rather_than_sending_its_batches_again(controller):
     """close() waits 5 s for the telemetry thread, then flushes itself. A backlog of several batches to a slow
     controller outlasts that wait: both flushes read the same records and the batch in flight was posted twice (the

@@ -123,6 +123,8 @@ class TelemetryReporter:
                     print(f"tfsn: the controller refused {len(batch)} step record(s), steps {batch[0][1]['step']} "
                           f"to {batch[-1][1]['step']} (dropped; the heartbeats go on): {err}",
                           file=sys.stderr, flush=True)
+                    if finished is not None:   # refused for its records (run.phase checks the names): sent next time
+                        self.phases.give_back(finished)
                 finished = None
                 with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
                     while batch and self._records and self._records[0][0] <= batch[-1][0]:

@@ -302,6 +302,65 @@ def test_a_backlog_over_the_routes_cap_is_sent_in_batches_it_takes(controller, c
     reporter.close()
 
 
+def _slow_backlog(records: int) -> sdk.TelemetryReporter:
+    """A reporter holding `records` step records of ~52 kB (about 80 in a post) for a controller taking 2 s a post."""
+    from orchestrator.sdk.client import ControllerClient
+
+    client = ControllerClient.from_env()
+    post = client.post
+
+    def slow(path: str, body: dict, timeout: float | None = None) -> dict:
+        time.sleep(2.0)
+        return post(path, body, timeout)
+
+    client.post = slow
+    reporter = sdk.TelemetryReporter(client, rank=0, attempt=1, flush_s=3600)
+    names = [f"{i:03d}_" + "m" * 200 for i in range(250)]
+    for step in range(records):
+        reporter.add({"step": step, "at": time.time(), "step_time": 0.01, "metrics": dict.fromkeys(names, 0.5)})
+    return reporter
+
+
+def test_the_phases_in_a_refused_batch_go_with_the_next_post(controller, capsys):
+    """The phases finished since the last flush (how long a save or an evaluation took: what tells a long one from a
+    hang) ride in the first post; a batch the controller refused (400) for one of its records dropped them too."""
+    from orchestrator.sdk import phases
+    from orchestrator.sdk.client import ControllerClient
+
+    clock = phases.PhaseClock()
+    reporter = sdk.TelemetryReporter(ControllerClient.from_env(), rank=0, attempt=1, flush_s=3600, clock=clock)
+    with clock.phase("eval"):
+        time.sleep(0.02)
+    reporter.add({"step": 0, "at": time.time(), "step_time": -1.0, "metrics": {}})   # the model refuses it
+    assert reporter.flush() and controller == []
+    assert "refused 1 step record(s)" in capsys.readouterr().err
+    assert reporter.flush() and controller[-1]["phases"]["eval"] >= 0.02
+    reporter.EXIT_FLUSH_S = 0
+    reporter.close()
+
+
+def test_close_waits_for_the_threads_flush_rather_than_sending_its_batches_again(controller):
+    """close() waits 5 s for the telemetry thread, then flushes itself. A backlog of several batches to a slow
+    controller outlasts that wait: both flushes read the same records and the batch in flight was posted twice (the
+    controller stores every record it is sent: the step twice in the job's history). One flush at a time."""
+    reporter = _slow_backlog(300)
+    reporter._wake.set()   # the thread's flush starts: four posts, 8 s
+    time.sleep(0.5)
+    reporter.EXIT_FLUSH_S = 10
+    reporter.close()
+    assert [r["step"] for body in controller for r in body["records"]] == list(range(300))
+
+
+def test_close_keeps_to_its_exit_flush_time_with_a_backlog_to_a_slow_controller(controller):
+    """close() gives the last records EXIT_FLUSH_S after the thread's 5 s, and a script's exit waits on it: its own
+    flush went on posting batch after batch (here 2 s each) past that, the exit with it."""
+    reporter = _slow_backlog(600)
+    reporter.EXIT_FLUSH_S = 1
+    started = time.monotonic()
+    reporter.close()
+    assert time.monotonic() - started < 5 + 1 + 2 + 1
+
+
 def test_a_field_that_cannot_be_read_is_dropped_not_the_heartbeat(controller, capsys):
     """A metric or a device timing that raises when the telemetry thread reads it (a CUDA error; here a meta tensor,
     and a clock that fails) raised out of every flush from then on, before the post: the record stayed at the head of

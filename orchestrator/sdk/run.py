@@ -67,6 +67,7 @@ class TelemetryReporter:
         self._sequence = 0
         self._events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=1000)
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()   # one flush at a time: two read the same records and both sent them
         self._wake = threading.Event()
         self._closed = False
         self.step = -1                      # the step running now, sent with every heartbeat
@@ -86,8 +87,17 @@ class TelemetryReporter:
             self._events.append((path, body))
         self._wake.set()
 
-    def flush(self, timeout: float = 5.0) -> bool:
-        """Send what is pending, oldest first, in posts the controller's route takes; True when nothing is left."""
+    def flush(self, timeout: float = 5.0, until: float | None = None) -> bool:
+        """Send what is pending, oldest first, in posts the controller's route takes; True when nothing is left.
+        With `until` (a time.monotonic()), it waits for another flush and starts a post only until then."""
+        if not self._flushing.acquire(timeout=-1 if until is None else max(0.0, until - time.monotonic())):
+            return False
+        try:
+            return self._flush(timeout, until)
+        finally:
+            self._flushing.release()
+
+    def _flush(self, timeout: float, until: float | None) -> bool:
         try:
             while self._events:
                 path, body = self._events[0]
@@ -99,6 +109,8 @@ class TelemetryReporter:
             # The phases finished since the last flush go with the first post (back to the clock if it fails).
             finished: dict[str, float] | None = self.phases.take()
             for batch in _batches(pending):
+                if finished is None and until is not None and time.monotonic() > until:
+                    return False   # at exit, out of time: a backlog to a slow controller, one post after another
                 try:
                     self._post([record for _, record in batch], finished or {}, timeout)
                 except ControllerUnavailable:
@@ -111,6 +123,8 @@ class TelemetryReporter:
                     print(f"tfsn: the controller refused {len(batch)} step record(s), steps {batch[0][1]['step']} "
                           f"to {batch[-1][1]['step']} (dropped; the heartbeats go on): {err}",
                           file=sys.stderr, flush=True)
+                    if finished is not None:   # refused for its records (run.phase checks the names): sent next time
+                        self.phases.give_back(finished)
                 finished = None
                 with self._lock:  # drop what was sent, even if the bounded buffer moved on meanwhile
                     while batch and self._records and self._records[0][0] <= batch[-1][0]:
@@ -147,7 +161,7 @@ class TelemetryReporter:
         self._wake.set()
         self._thread.join(timeout=5)
         deadline = time.monotonic() + self.EXIT_FLUSH_S
-        while not self.flush(timeout=2) and time.monotonic() < deadline:
+        while not self.flush(timeout=2, until=deadline) and time.monotonic() < deadline:
             time.sleep(1)
 
 

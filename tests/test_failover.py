@@ -20,6 +20,7 @@ from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Store
 from providers.base import (AuthError, CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError,
                             QuotaError)
+from providers.catalog import CatalogError
 
 
 URL = "http://10.0.0.5:7000"   # the controller's API as cloud nodes would reach it
@@ -663,3 +664,22 @@ def test_every_cloud_whose_offers_cannot_be_read_is_named_when_the_others_cannot
         controller.reconcile(job_id)
     job = store.job(job_id)
     assert job.state == JobState.FAILED and job.error == both, job.error
+
+
+class MalformedCatalog(ScriptedProvider):
+    """Its offers are rows of a catalog file that does not parse (a hand-edited refreshed copy, SkyPilot's)."""
+
+    def offers(self) -> list[Offer]:
+        raise CatalogError("aws.csv:3: price: 'x' is not a number. To fix: correct that row, or delete the file")
+
+
+def test_a_catalog_that_does_not_parse_fails_the_job_with_its_line_rather_than_planning_it_again_each_pass(tmp_path):
+    """Before: the CatalogError went to the calls' collector as a bug, and the job stayed PENDING, planned again (and
+    a traceback logged) at every pass of the loop, its events saying nothing."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": MalformedCatalog("aws", []), "gcp": ScriptedProvider("gcp", [])},
+                            url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    job = store.job(job_id)
+    assert job.state == JobState.FAILED and job.error.startswith("aws.csv:3: price: "), job.error

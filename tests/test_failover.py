@@ -20,6 +20,7 @@ from orchestrator.spec import JobSpec
 from orchestrator.control.store import JobState, NodeState, Store
 from providers.base import (AuthError, CapacityError, NodeHandle, NodeRequest, NodeStatus, Offer, ProviderError,
                             QuotaError)
+from providers.catalog import CatalogError
 
 
 URL = "http://10.0.0.5:7000"   # the controller's API as cloud nodes would reach it
@@ -432,7 +433,8 @@ def test_a_transient_error_while_a_recovering_job_is_planned_again_is_retried_af
     controller.reconcile(job_id)                          # refused in 1a, 1a blocked, planned again: the 503
     assert store.job(job_id).state == JobState.RECOVERING, store.job(job_id).error
     said = [e.message for e in store.events(job_id) if "503" in e.message]
-    assert said == ["planning again failed: DescribeInstanceTypes: 503 Service Unavailable (transient, attempt 1 of "
+    assert said == ["planning again failed: aws's offers could not be read (DescribeInstanceTypes: 503 Service "
+                    "Unavailable) (transient, attempt 1 of "
                     "5; trying again)"], said
     calls = aws.offer_calls
     controller.reconcile(job_id)                          # within the backoff: the catalog is not asked again
@@ -446,8 +448,9 @@ def test_a_transient_error_while_a_recovering_job_is_planned_again_is_retried_af
 
 @pytest.mark.parametrize("errors, said", [
     ([AuthError("UnauthorizedOperation: the credentials expired", provider="aws")],
-     "UnauthorizedOperation: the credentials expired"),
-    ([_unavailable() for _ in range(TRANSIENT_TRIES)], "DescribeInstanceTypes: 503 Service Unavailable"),
+     "aws's offers could not be read (UnauthorizedOperation: the credentials expired)"),
+    ([_unavailable() for _ in range(TRANSIENT_TRIES)],
+     "aws's offers could not be read (DescribeInstanceTypes: 503 Service Unavailable)"),
 ])
 def test_a_permanent_error_or_one_transient_too_often_while_planned_again_fails_the_job_with_it(tmp_path, errors,
                                                                                                  said):
@@ -470,7 +473,8 @@ def test_a_transient_error_while_a_pending_job_is_planned_is_retried_after_a_bac
     job_id = submit(store, tmp_path, num_nodes=1)
     controller.reconcile(job_id)
     assert store.job(job_id).state == JobState.PENDING, store.job(job_id).error
-    assert any("planning failed: DescribeInstanceTypes: 503" in e.message for e in store.events(job_id))
+    assert any("planning failed: aws's offers could not be read (DescribeInstanceTypes: 503" in e.message
+               for e in store.events(job_id))
     controller.reconcile(job_id)                          # within the backoff
     assert aws.offer_calls == 1
     backoff_passed(controller, job_id)
@@ -508,7 +512,8 @@ def test_a_plan_s_transient_errors_are_counted_apart_from_the_creates_before_it(
     job = store.job(job_id)
     assert job.state == JobState.PROVISIONING, job.error
     said = [e.message for e in store.events(job_id) if "503" in e.message]
-    assert said == ["planning again failed: DescribeInstanceTypes: 503 Service Unavailable (transient, attempt 1 of "
+    assert said == ["planning again failed: aws's offers could not be read (DescribeInstanceTypes: 503 Service "
+                    "Unavailable) (transient, attempt 1 of "
                     "5; trying again)"], said
 
 
@@ -636,5 +641,45 @@ def test_a_cloud_whose_offers_cannot_be_read_is_waited_for_when_the_others_offer
     controller.reconcile(job_id)
     job = controller.store.job(job_id)
     assert job.state == JobState.RECOVERING and (job_id, "plan") in controller.provisioner.backoff, job.error
-    assert any(e.message.startswith("planning again failed: DescribeInstanceTypes: 503") for e in
+    assert any(e.message.startswith("planning again failed: aws's offers could not be read (DescribeInstanceTypes: "
+                                    "503") for e in
                controller.store.events(job_id))
+
+
+def test_every_cloud_whose_offers_cannot_be_read_is_named_when_the_others_cannot_place_the_job(tmp_path):
+    """Before: aws's refused credentials and gcp's 503 made the job wait out gcp's backoffs, then fail with
+    "DescribeInstanceTypes: 503 Service Unavailable" alone: neither cloud named, aws's credentials never said."""
+    refused = AuthError("AuthFailure: AWS was not able to validate the provided access credentials", provider="aws")
+    aws = FlakyCatalog("aws", [h100("aws", "us-east-1", "us-east-1a", 90.0)], offer_errors=[refused] * TRANSIENT_TRIES)
+    gcp = FlakyCatalog("gcp", [], offer_errors=[_unavailable() for _ in range(TRANSIENT_TRIES)])
+    both = f"gcp's offers could not be read ({_unavailable()}); aws's offers could not be read ({refused})"
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": aws, "gcp": gcp}, url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    (said,) = [e.message for e in store.events(job_id) if "planning failed" in e.message]
+    assert said == f"planning failed: {both} (transient, attempt 1 of {TRANSIENT_TRIES}; trying again)", said
+    for _ in range(TRANSIENT_TRIES):
+        backoff_passed(controller, job_id)
+        controller.reconcile(job_id)
+    job = store.job(job_id)
+    assert job.state == JobState.FAILED and job.error == both, job.error
+
+
+class MalformedCatalog(ScriptedProvider):
+    """Its offers are rows of a catalog file that does not parse (a hand-edited refreshed copy, SkyPilot's)."""
+
+    def offers(self) -> list[Offer]:
+        raise CatalogError("aws.csv:3: price: 'x' is not a number. To fix: correct that row, or delete the file")
+
+
+def test_a_catalog_that_does_not_parse_fails_the_job_with_its_line_rather_than_planning_it_again_each_pass(tmp_path):
+    """Before: the CatalogError went to the calls' collector as a bug, and the job stayed PENDING, planned again (and
+    a traceback logged) at every pass of the loop, its events saying nothing."""
+    store = Store(tmp_path / "tfsn.db")
+    controller = Controller(store, tmp_path, {"aws": MalformedCatalog("aws", []), "gcp": ScriptedProvider("gcp", [])},
+                            url=URL)
+    job_id = submit(store, tmp_path, num_nodes=1)
+    controller.reconcile(job_id)
+    job = store.job(job_id)
+    assert job.state == JobState.FAILED and job.error.startswith("aws.csv:3: price: "), job.error

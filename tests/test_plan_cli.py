@@ -166,3 +166,17 @@ def test_plan_leaves_out_a_cloud_whose_offers_cannot_be_read_with_a_warning_nami
     (warning,) = [line for line in out.stderr.splitlines() if "kubernetes" in line]
     assert warning.startswith("tfsn: warning: kubernetes's offers could not be read (") and warning.endswith(
         "): planned without them") and result["unread"]["kubernetes"] in warning
+
+
+def test_validate_and_launch_warn_of_a_cloud_left_out_of_the_job_s_plan(cli, tmp_path):
+    """Before: `tfsn validate` (the check `tfsn launch` runs first) said the job valid and nothing of kubernetes, which
+    could not be read: the job would be placed on aws alone, said only in its events after the launch."""
+    cli.env.update(KUBECONFIG=str(tmp_path / "no-kubeconfig"))
+    path = _spec(tmp_path, SPEC.replace("accelerators: {T4: 4, H100: 8, A100-80GB: 8}",
+                                        "accelerators: H100:8\n  infra: [aws, kubernetes]")
+                 + f"workdir: {tmp_path}\ncheckpoint: {{dir: s3://bucket/ckpt}}\nenvs: {{AWS_ACCESS_KEY_ID: x}}\n")
+    out = cli("validate", str(path))
+    assert "valid job" in out.stdout
+    (warning,) = [line for line in out.stderr.splitlines() if "kubernetes" in line]
+    assert warning.startswith("tfsn: warning: kubernetes's offers could not be read (") and warning.endswith(
+        "): planned without them"), out.stderr

@@ -109,11 +109,12 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
     """What would stop a launch of this valid spec, as (the field to blame, a message naming it), or None:
     a workdir that is not there, no capable offer where the job may run (the planner's reason), a workdir
     over the code size cap when the chosen offer's VMs get it packed (codesync.py), or checkpoints on a
-    disk that the job's cloud nodes do not share."""
+    disk that the job's cloud nodes do not share. The clouds the plan was made without are warned of here, the one
+    plan of the check (the job would go elsewhere than the user may expect, said after a launch only in its events)."""
     if not Path(spec.workdir).is_dir():
         return ("workdir",), (f"workdir: {spec.workdir} is not a directory. To fix: point workdir at the "
                               "folder of your script")
-    from orchestrator.planning.placement import checkpoint_problem, plan_for
+    from orchestrator.planning.placement import checkpoint_problem, plan_for, unread_lines
     from orchestrator.planning.planner import PlanError
     from providers.base import ProviderError
     from providers.catalog import CatalogError
@@ -125,6 +126,8 @@ def launch_problem(spec: JobSpec) -> tuple[tuple[str, ...], str] | None:
         plan = plan_for(spec)
     except (PlanError, ProviderError, CatalogError) as err:
         return (err.field if isinstance(err, PlanError) else ()), str(err)
+    for line in unread_lines(plan):
+        print(f"tfsn: warning: {line}", file=sys.stderr)
     if runs_boot_script(plan.chosen.offer.provider):   # its VMs get the workdir packed: refuse what is too big now
         try:
             check_size(Path(spec.workdir))

@@ -38,6 +38,7 @@ from orchestrator.planning.planner import Blocklist, NoCapacityError, Plan, Plan
 from orchestrator.sdk.client import CA_FINGERPRINT_ENV, CA_PEM_ENV
 from orchestrator.spec import JobSpec
 from providers.base import CapacityError, NodeHandle, NodeRequest, ProviderError
+from providers.catalog import CatalogError
 
 # What a remote node's agent is given from this machine's environment (how to install tfsn there).
 REMOTE_SETTINGS = ("TFSN_INSTALL_SPEC",)
@@ -45,6 +46,9 @@ TRANSIENT_TRIES = 5           # a create (a plan) that fails transiently this of
 PLAN_KEEP = 50                # ranked candidates kept in the store for failover
 CREATES_PER_PASS = 16         # creates of one job in flight, so at most this many a pass (others' turn comes between)
 PLANNER = "planner"           # the lane of planning calls: they read every provider's offers
+# What a plan fails with for the job (else a bug): no capable offer, a cloud that cannot be read, a catalog file
+# that does not parse (the user fixes that file: planned again each pass, it would fail the same)
+PLAN_ERRORS = (PlanError, ProviderError, CatalogError)
 ARTIFACTS = "artifacts"       # the lane that packs jobs' code and builds tfsn's wheel for cloud nodes
 ARTIFACTS_DEADLINE_S = BUILD_TIMEOUT_S + 300.0   # the wheel's build, then a large workdir's packing
 
@@ -104,7 +108,7 @@ class Provisioner:
             return
         if call.error is not None and self._retry_later(job_id, "plan", "planning failed", call.error):
             return
-        if isinstance(call.error, (PlanError, ProviderError)):
+        if isinstance(call.error, PLAN_ERRORS):
             self.ctx.transition(job, JobState.FAILED, str(call.error), error=str(call.error))
             return
         if call.error is not None:   # a bug: said by the calls' collector; the next pass plans again
@@ -209,7 +213,7 @@ class Provisioner:
         if job.state.terminal:
             return
         blocked = Blocklist.from_records(job.blocked)
-        if call.error is not None and not isinstance(call.error, (PlanError, ProviderError)):
+        if call.error is not None and not isinstance(call.error, PLAN_ERRORS):
             raise call.error   # a bug: said by the calls' collector
         fresh = [] if call.error else [c for c in call.value.ranked() if not blocked.blocks(c.offer)][:PLAN_KEEP]
         # the blocks ruled out the others' offers: the clouds that could not be read may still have some

@@ -79,9 +79,15 @@ def unread_lines(plan: Plan) -> list[str]:
 
 
 def unread_error(unread: Mapping[str, ProviderError]) -> ProviderError:
-    """The error that stands for the unread providers when the others cannot place the job: a retryable one first,
-    so that the caller's backoff may see that cloud answer again."""
-    return min(unread.values(), key=lambda err: not err.retryable)
+    """The error that stands for the unread providers when the others cannot place the job: a retryable one's kind
+    first, so that the caller's backoff may see that cloud answer again; its message names every such provider with
+    its error (a driver's error does not name its cloud, and the others' fixes must not wait for this one's)."""
+    ordered = sorted(unread.items(), key=lambda item: not item[1].retryable)
+    name, first = ordered[0]
+    error = type(first)("; ".join(f"{n}'s offers could not be read ({e})" for n, e in ordered), provider=name,
+                        scope=first.scope)
+    error.retryable = first.retryable
+    return error
 
 
 def _ranked(spec: JobSpec, offers: list[Offer], allowed: list[str], unread: Mapping[str, ProviderError]) -> Plan:

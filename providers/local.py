@@ -21,8 +21,8 @@ NODE_TAG = "TFSN_LOCAL_NODE"
 TERMINATE_GRACE_S = 5.0
 
 
-# A cgroup's memory limit: v2's memory.max ("max": none), else v1's limit_in_bytes (~2^63: none, above MemTotal).
-CGROUP_MEMORY_LIMITS = ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes")
+# A cgroup's memory limit, by its hierarchy's type: v2's memory.max ("max": none), v1's limit_in_bytes (~2^63: none).
+CGROUP_MEMORY_LIMITS = {"cgroup2": "memory.max", "cgroup": "memory.limit_in_bytes"}
 
 
 def _host_memory_gib(root: Path = Path("/")) -> float:
@@ -35,12 +35,41 @@ def _host_memory_gib(root: Path = Path("/")) -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     limits = []
-    for name in CGROUP_MEMORY_LIMITS:
+    for directory, name in _memory_cgroups(root):
         try:
-            limits.append(int((root / name).read_text().strip()))
-        except (OSError, ValueError):       # no such cgroup version here, or v2's "max"
+            limits.append(int((directory / name).read_text().strip()))
+        except (OSError, ValueError):       # no memory controller in this hierarchy, or v2's "max"
             pass
     return min([total, *limits]) / 2**30
+
+
+def _memory_cgroups(root: Path) -> list[tuple[Path, str]]:
+    """This process's cgroup and its ancestors up to where their hierarchy is mounted, each with its limit file's
+    name: a limit is set on the process's own cgroup or one above (a systemd service's MemoryMax, its slice's, a
+    Slurm job's --mem), not on the hierarchy's root, the only one read before, which a process sees as its own
+    only in a container with its own cgroup namespace."""
+    try:
+        own = [line.split(":", 2) for line in (root / "proc/self/cgroup").read_text().splitlines()
+               if line.count(":") >= 2]
+        mounts = [line.split() for line in (root / "proc/self/mountinfo").read_text().splitlines()]
+    except OSError:
+        return []
+    found = []
+    for fields in mounts:   # id parent dev root mountpoint options [optional...] - type source super-options
+        kind, _, options = (fields[fields.index("-") + 1:] + ["", "", ""])[:3] if "-" in fields else ("", "", "")
+        if kind == "cgroup2":
+            path = next((p for hierarchy, names, p in own if hierarchy == "0" and not names), None)
+        elif kind == "cgroup" and "memory" in options.split(","):
+            path = next((p for _, names, p in own if "memory" in names.split(",")), None)
+        else:
+            continue
+        if path is None:
+            continue
+        top = root / fields[4].lstrip("/")
+        # the path as the mount shows it: within a container's cgroup mounted as the hierarchy's top, from there
+        directory = top / (Path(path).relative_to(fields[3]) if Path(path).is_relative_to(fields[3]) else "")
+        found += [(d, CGROUP_MEMORY_LIMITS[kind]) for d in [directory, *directory.parents] if d.is_relative_to(top)]
+    return found
 
 
 def tagged_pids(node_id: str) -> list[int]:

@@ -232,6 +232,20 @@ def test_metrics_the_api_would_refuse_are_refused_by_run_log_not_by_the_heartbea
     assert len(record["metrics"]) == 254 and record["metrics"]["loss"] == 0.5
 
 
+def test_a_metric_name_the_api_cannot_read_is_refused_by_run_log(tmp_path, controller):
+    """A name holding a lone surrogate (a file name decoded with surrogateescape) is sent by json.dumps, escaped, but
+    the API refuses it as no Unicode text: the whole telemetry body, heartbeat included, at every flush that held it."""
+    run = _make_run(tmp_path, 1000)
+    run._telemetry.EXIT_FLUSH_S = 5
+    for step in run.steps(0, 1):
+        with pytest.raises(ValueError, match=r"run.log\('loss/\\udcff'=...\): a metric name is Unicode text"):
+            run.log(**{b"loss/\xff".decode(errors="surrogateescape"): 1.0})
+        run.log(**{"loss/é😀": 1.0})
+    run.finish()
+    (record,) = [r for body in controller for r in body["records"]]
+    assert record["metrics"] == {"loss/é😀": 1.0}
+
+
 def test_metrics_logged_after_the_last_step_are_said_to_be_unsent(tmp_path, controller, capsys):
     """A final evaluation logged after the loop has no step to go with: it was dropped, saying nothing."""
     run = _make_run(tmp_path, 1000)

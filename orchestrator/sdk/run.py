@@ -237,6 +237,10 @@ class Run:
             if len(key) > METRIC_NAME_CHARS:
                 raise ValueError(f"run.log({key}=...): a metric name is at most {METRIC_NAME_CHARS} characters, this "
                                  f"one has {len(key)}. To fix: give it a shorter name")
+            if any("\ud800" <= char <= "\udfff" for char in key):    # JSON sends it, the API refuses it as no text
+                raise ValueError(f"run.log({ascii(key)}=...): a metric name is Unicode text, this one holds a lone "
+                                 "surrogate (bytes decoded with surrogateescape: a file name). To fix: decode it "
+                                 "with errors='replace'")
             if key not in self._logged and len(self._logged) >= LOGGED_MAX:
                 raise ValueError(f"run.log({key}=...): a step has at most {LOGGED_MAX} metrics, and this one has "
                                  f"{LOGGED_MAX} already. To fix: log fewer (a mean or a histogram of several)")

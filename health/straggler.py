@@ -214,17 +214,11 @@ class StragglerTest:
         # slowdown must be caught long before it is taken for normal. The allowance is capped: a
         # rank always slower than that is a fault, however long it has been.
         self._refreshes += 1
-        slowly = cfg.straggler_window / cfg.straggler_learn_steps
-        weight = max(1 / self._refreshes, slowly)
+        weight = max(1 / self._refreshes, cfg.straggler_window / cfg.straggler_learn_steps)
         blamed = self._blamed()
         # The center is learned as slowly as the rest: taken whole at each refresh, a slowdown
         # would become the rank's "own baseline" one window after it began, before it is caught.
         known = ~np.isnan(self._own_center)
-        cap = -math.log(1 - cfg.straggler_min_slowdown)
-        # A rank's first baseline is its usual standing (a slower chip) only if its newer half is below the cap:
-        # one already slower than that (a slowdown in the warm-up or the baseline, a slow GPU kept over a restart)
-        # is a suspect, not a slow chip.
-        chip = ~known & (_median(d[: max(1, rows.size // 2)], axis=0) <= cap)
         learned = self._own_center + weight * (center - self._own_center)
         keep = np.isnan(center) | blamed                # no data, or blamed now: nothing learned from it
         self._own_center = np.where(known, np.where(keep, self._own_center, learned), center)
@@ -237,11 +231,8 @@ class StragglerTest:
         if math.isfinite(spread):      # the cluster's spread when the ranks' sigmas were learned, learned alike
             self._base_spread = spread if self._base_spread <= 0 else (
                 self._base_spread + weight * (spread - self._base_spread))
-        usual = np.clip(np.nan_to_num(self._own_center), 0.0, cap)
-        # Then slowly: taken whole at each early refresh, a rank slow since the attempt began had 5% of it excused
-        # at once, and a 10% slowdown went unseen.
-        toward = self._allowance + slowly * (usual - self._allowance)
-        self._allowance = np.where(blamed, self._allowance, np.where(chip, usual, toward))
+        usual = np.clip(np.nan_to_num(self._own_center), 0.0, -math.log(1 - cfg.straggler_min_slowdown))
+        self._allowance = np.where(blamed, self._allowance, self._allowance + weight * (usual - self._allowance))
 
     def _blamed(self) -> np.ndarray:
         """The ranks `findings` would blame now: CUSUM past the limit and the last window slow enough."""

@@ -56,6 +56,8 @@ def _memory_cgroups(root: Path) -> list[tuple[Path, str]]:
         return []
     found = []
     for fields in mounts:   # id parent dev root mountpoint options [optional...] - type source super-options
+        if len(fields) < 5:     # not a mount line the kernel writes
+            continue
         kind, _, options = (fields[fields.index("-") + 1:] + ["", "", ""])[:3] if "-" in fields else ("", "", "")
         if kind == "cgroup2":
             path = next((p for hierarchy, names, p in own if hierarchy == "0" and not names), None)

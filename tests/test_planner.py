@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from optimizer.hardware import find_hardware
 from optimizer.predict import REFERENCE_WORKLOAD, Workload, memory_gib_needed, predict_step_seconds
-from orchestrator.planning.planner import (STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, PlannedOffer,
+from orchestrator.planning.planner import (HOST_STARTUP_SECONDS, STARTUP_SECONDS, Blocklist, NoCapacityError, PlanError, PlannedOffer,
                                            check_accelerators, plan_job, workload_of)
 from orchestrator.spec import JobSpec, SpecError, load_spec
 from providers.base import AuthError, CapacityError, Offer, ProviderError, QuotaError
@@ -40,6 +40,17 @@ def test_cost_is_price_times_nodes_times_predicted_hours():
     assert c.hours == pytest.approx(run_hours("H100", 8, nodes=2, steps=500))
     assert c.cost == pytest.approx(98.32 * 2 * c.hours)
     assert (plan.steps, plan.nodes, plan.reference_workload) == (500, 2, True)
+
+
+def test_this_machines_nodes_start_in_seconds_not_a_cloud_vms_minutes():
+    # the README example ended 42 s after its launch and its plan said 0.17 h: 10 minutes of a cloud VM's boot,
+    # image pull and setup were counted for local nodes, processes of this machine
+    job = spec(num_nodes=2, steps=500)
+    here = offer(provider="local", accelerator=None, price=0.0)
+    cloud = offer(provider="cloudB", accelerator=None, price=0.0)
+    local_hours = plan_job(job, [here], host_providers=("local",)).chosen.hours
+    cloud_hours = plan_job(job, [cloud], host_providers=("local",)).chosen.hours
+    assert cloud_hours - local_hours == pytest.approx((STARTUP_SECONDS - HOST_STARTUP_SECONDS) / 3600)
 
 
 def test_a_node_trains_on_as_many_accelerators_as_it_runs_workers():

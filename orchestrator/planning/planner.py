@@ -16,8 +16,8 @@ spec without one is priced with the reference workload, which says nothing of it
 most `max_hourly_cost` per node-hour. Its predicted cost is
 
     price per node-hour x (num_nodes + recovery.spares) x predicted hours   (spares are billed standing by),
-    predicted hours = STARTUP_SECONDS + steps x predicted step seconds  (and, on spot, the expected
-                      restarts: see expected_spot_hours)
+    predicted hours = STARTUP_SECONDS (HOST_STARTUP_SECONDS on this machine) + steps x predicted step
+                      seconds  (and, on spot, the expected restarts: see expected_spot_hours)
 
 where the step time comes from the optimizer's predictor for that accelerator, count and node count.
 A mapping of accelerators (any of them) is ranked by cost alone; an ordered list keeps the user's
@@ -46,6 +46,10 @@ DEFAULT_STEPS = 1000
 # Provisioning, boot, image pull, `setup` and first compile, per (re)start, seconds (assumption: SkyPilot
 # reports a few minutes to launch a GPU VM; we add setup and warm-up).
 STARTUP_SECONDS = 600.0
+# The same on this machine's offers (the local provider's nodes: agent processes that import torch and compile the
+# step, no VM to boot). Measured: the README example (`tfsn launch examples/tiny-gpt/train.yaml`) ended 42 s after
+# it started, of which its 300 steps of about 44 ms took 13 s (2-core VM beside a test run, 2026-12-07).
+HOST_STARTUP_SECONDS = 30.0
 # Spot preemptions per node-hour (assumption; AWS Spot Instance Advisor's lowest bucket, "<5%" of
 # instances interrupted per month, is far lower, but GPU spot capacity is reclaimed much more often).
 SPOT_PREEMPTIONS_PER_NODE_HOUR = 0.05
@@ -598,9 +602,9 @@ def _step_seconds(offers: Sequence[Offer], c: _Columns, capable: np.ndarray, wor
 
 
 def _capable(spec: JobSpec, offers: Sequence[Offer], workload: Workload | None, entry: EntryStep | None,
-             host_providers: Sequence[str]) -> tuple[_Columns, _Filter, np.ndarray, list, list[str]]:
+             host_providers: Sequence[str]) -> tuple[_Columns, _Filter, np.ndarray, list, list[str], np.ndarray]:
     """The offers' columns, the filter of every constraint but the step's, each offer's preference, the
-    hardware spec of every distinct accelerator, and each offer's hardware key."""
+    hardware spec of every distinct accelerator, each offer's hardware key, and which offers are this machine's."""
     if not offers:
         raise PlanError("the catalog has no offers. To fix: run `tfsn catalog refresh` or pass --catalog PATH")
     c = _Columns.of(offers, spec.resources.use_spot)
@@ -610,13 +614,13 @@ def _capable(spec: JobSpec, offers: Sequence[Offer], workload: Workload | None, 
     keys = [hardware_key(o, hardware[int(a)], host_providers) for o, a in zip(offers, c.accelerator)]
     here = np.array([o.provider in host_providers for o in offers])
     _filter_resources(f, spec, c, memory_needed(workload, entry), here)
-    return c, f, preference, hardware, keys
+    return c, f, preference, hardware, keys, here
 
 
 def hardware_to_search(spec: JobSpec, offers: Sequence[Offer], host_providers: Sequence[str] = ()) -> list[str]:
     """The hardware keys of the offers that meet every constraint but the step's (no memory check: the
     model's size is what the search learns), best known first: what model.entry's step is searched for."""
-    c, f, _, _, keys = _capable(spec, offers, None, None, host_providers)
+    c, f, _, _, keys, _ = _capable(spec, offers, None, None, host_providers)
     return list(dict.fromkeys(keys[int(i)] for i in np.flatnonzero(f.mask)))
 
 
@@ -627,7 +631,7 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
     workload, is_reference = workload_of(spec)
     steps = steps or spec.steps or DEFAULT_STEPS
     sized = None if is_reference else workload     # the reference workload says nothing of the model's size
-    c, f, preference, hardware, keys = _capable(spec, offers, sized, entry, host_providers)
+    c, f, preference, hardware, keys, here = _capable(spec, offers, sized, entry, host_providers)
     capable = np.flatnonzero(f.mask)
     if capable.size and f.emptied_by is None:
         step, source = _step_seconds(offers, c, capable, workload, hardware, spec, predictor, entry, keys)
@@ -645,18 +649,19 @@ def plan_job(spec: JobSpec, offers: Sequence[Offer], *, predictor: Predictor = s
         left = int(f.before.sum()) if f.before is not None else 0
         raise PlanError(f"no capable offer: {what} removed the last {left} offer(s) of {len(offers)}. To fix: {fix}",
                         field=f.field)
-    return _ranked(spec, offers, c, capable, preference, step, steps, dict(
+    return _ranked(spec, offers, c, capable, preference, step, steps, here, dict(
         workload=workload, reference_workload=is_reference, step_source=source, entry=entry, hardware_keys=keys))
 
 
 def _ranked(spec: JobSpec, offers: Sequence[Offer], c: _Columns, capable: np.ndarray, preference: np.ndarray,
-            step: np.ndarray, steps: int, extra: dict) -> Plan:
-    """The plan: run hours (spot restarts included) and cost of every capable offer, ranked."""
+            step: np.ndarray, steps: int, here: np.ndarray, extra: dict) -> Plan:
+    """The plan: run hours (spot restarts included) and cost of every capable offer, ranked; `here` marks this
+    machine's offers, whose nodes start in seconds."""
     res, nodes = spec.resources, spec.num_nodes
     run_hours = steps * step / 3600
     if res.use_spot:
         run_hours = expected_spot_hours(run_hours, nodes, _checkpoint_interval_hours(spec, step, nodes))
-    hours = STARTUP_SECONDS / 3600 + run_hours
+    hours = np.where(here, HOST_STARTUP_SECONDS, STARTUP_SECONDS) / 3600 + run_hours
     market = c.market
     cost = market * (nodes + spec.recovery.spares) * hours
     finite = capable[np.isfinite(cost[capable])]

@@ -147,42 +147,39 @@ def test_a_failed_attempt_leaves_the_workers_traceback_once_prefixed_and_none_of
     assert agent.reports[0]["summary"] == "[rank0]: RuntimeError: boom at step 3 (at train.py:3)"
 
 
-def test_a_worker_killed_under_a_shell_of_the_users_is_reported_killed_by_its_signal(tmp_path, monkeypatch):
-    """A `run` that bash does not exec (`python train.py && ...`, a script of commands) ends with bash's code 128+N
-    when the OOM killer or a kill -9 takes the Python process: it was reported as "workers exited with code 137",
-    an application error, where the same kill of `run: python train.py` fails the node and replaces it."""
+def report_of_one_worker(tmp_path, monkeypatch, run: str) -> dict:
+    """The report a real agent makes of one torchrun worker running `run` to its end."""
     for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
         monkeypatch.delenv(name, raising=False)
-    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "oom-0")
+    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "one-0")
     agent._start({"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1",
-                  "master_port": free_port(), "run": "python -c 'import os; os.kill(os.getpid(), 9)' && echo trained",
-                  "attempt": 1, "workdir": str(tmp_path), "env": {"TFSN_NODE_ID": "oom-0", "TFSN_ATTEMPT": "1"}})
+                  "master_port": free_port(), "run": run, "attempt": 1, "workdir": str(tmp_path),
+                  "env": {"TFSN_NODE_ID": "one-0", "TFSN_ATTEMPT": "1"}})
     try:
         wait_for(lambda: agent.proc.poll() is not None, 60, "the worker's end")
         agent._collect()
     finally:
         agent.stop_workers()
-    assert agent.reports[0]["signal"] == 9, agent.reports
-    assert agent.reports[0]["summary"].startswith("a worker was killed by SIGKILL"), agent.reports
+    return agent.reports[0]
+
+
+def test_a_worker_killed_under_a_shell_of_the_users_is_reported_killed_by_its_signal(tmp_path, monkeypatch):
+    """A `run` that bash does not exec (`python train.py && ...`, a script of commands) ends with bash's code 128+N
+    when the OOM killer or a kill -9 takes the Python process: it was reported as "workers exited with code 137",
+    an application error, where the same kill of `run: python train.py` fails the node and replaces it."""
+    report = report_of_one_worker(tmp_path, monkeypatch,
+                                  "python -c 'import os; os.kill(os.getpid(), 9)' && echo trained")
+    assert report["signal"] == 9, report
+    assert report["summary"].startswith("a worker was killed by SIGKILL"), report
 
 
 def test_a_script_that_exits_128_plus_n_itself_is_an_application_error_not_a_signal(tmp_path, monkeypatch):
     """bash's 128+N is a signal only where bash reported the kill ("line 1: 4242 Killed  python train.py"): a
     script's own sys.exit(137) was read as SIGKILL, its node failed and replaced at every restart, and the same
     error twice never ended the job."""
-    for name in ("TFSN_DCGM_URL", "TFSN_AGENT_METRICS_PORT", "TFSN_WORKDIR"):
-        monkeypatch.delenv(name, raising=False)
-    agent = Agent(ControllerClient("http://127.0.0.1:9", "token", 1, timeout=0.2), "exit-0")
-    agent._start({"nnodes": 1, "node_rank": 0, "nproc_per_node": 1, "master_addr": "127.0.0.1",
-                  "master_port": free_port(), "run": "python -c 'import sys; sys.exit(137)' && echo trained",
-                  "attempt": 1, "workdir": str(tmp_path), "env": {"TFSN_NODE_ID": "exit-0", "TFSN_ATTEMPT": "1"}})
-    try:
-        wait_for(lambda: agent.proc.poll() is not None, 60, "the worker's end")
-        agent._collect()
-    finally:
-        agent.stop_workers()
-    assert agent.reports[0]["signal"] is None, agent.reports
-    assert agent.reports[0]["summary"] == "workers exited with code 137", agent.reports
+    report = report_of_one_worker(tmp_path, monkeypatch, "python -c 'import sys; sys.exit(137)' && echo trained")
+    assert report["signal"] is None, report
+    assert report["summary"] == "workers exited with code 137", report
 
 
 def test_torchruns_exit_barrier_error_is_one_line(capsys):

@@ -187,7 +187,7 @@ class Run:
         self.interval_steps, self.interval_s = _parse_interval(checkpoint_interval)
         self.last_checkpoint: ckpt.CheckpointInfo | None = None
         self.step = -1      # the step being run (0-based); before the loop, the last one done (-1 none; restored-1)
-        self._stepped = False   # a step ran since the start or the restore: only then is a save due
+        self._restored = 0      # the step restored (0 none): a save is due only once a step past it ran
         self._in_step = False   # a step began and was not recorded: the loop raised or broke out of it
         self._metrics: dict[str, Any] = {}
         self._logged: dict[str, None] = {}  # the names run.log attached to the step not yet recorded
@@ -219,7 +219,7 @@ class Run:
             raise ValueError("run.steps() needs the total number of steps: pass it, or set `steps` in train.yaml")
         self.total_steps = total
         for step in range(start, total):
-            self.step, self._stepped, self._in_step = step, True, True
+            self.step, self._in_step = step, True
             if self._telemetry is not None:
                 self._telemetry.step = step
             began = time.perf_counter()
@@ -297,7 +297,7 @@ class Run:
         # Before the loop, the steps restored (none: 0, not 1, which a resume took as step 0 done, and skipped it),
         # saved only when forced: the restored step is in its checkpoint already.
         completed = self.step + 1
-        if not (force or (self._stepped and self._due(completed))):
+        if not (force or (completed > self._restored and self._due(completed))):
             return None
         started = time.monotonic()
         with self._phases.phase(phases.CHECKPOINT):
@@ -366,7 +366,7 @@ class Run:
                 "restored": True, "skipped": [" ".join(r.split())[:SKIPPED_CHARS] for r in skipped[:SKIPPED_MAX]]})
         if info is None:
             return 0
-        self.last_checkpoint, self.step, self._stepped = info, info.step - 1, False
+        self.last_checkpoint, self.step, self._restored = info, info.step - 1, info.step
         return info.step
 
     def _due(self, completed: int) -> bool:
